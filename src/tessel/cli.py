@@ -1,0 +1,53 @@
+"""The `tessel` command.
+
+Each subcommand lives in its own module under `tessel.commands` and is registered here. Those
+modules import torch only inside the command body, so `tessel plan` works without the runtime
+extra. A `TesselError` is printed without a traceback and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from tessel.errors import TesselError
+
+app = typer.Typer(
+    name="tessel",
+    help="Plan and run LLM inference on clusters of different GPUs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Plan and run LLM inference on clusters of different GPUs."""
+
+
+@app.command("version")
+def version() -> None:
+    """Print tessel's version."""
+    from tessel import __version__
+
+    typer.echo(__version__)
+
+
+# Registrations: one line per subcommand module under tessel.commands, e.g.
+#   from tessel.commands import plan as _plan  (at the top)   and   app.command("plan")(_plan.plan)
+
+
+def main() -> None:
+    """Console entry point: user errors become a message and an exit code, never a traceback."""
+    try:
+        app()  # standalone: click handles usage errors and --help itself and exits
+    except TesselError as error:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {error}", highlight=False)
+        sys.exit(error.exit_code)
+
+
+if __name__ == "__main__":
+    main()

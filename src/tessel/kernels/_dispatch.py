@@ -1,0 +1,58 @@
+"""Choose the Triton kernel or the PyTorch path for a call.
+
+`TESSEL_KERNEL_BACKEND` = `auto` (default) | `triton` | `torch`:
+- `auto`: CUDA tensors go to Triton (when Triton imports), everything else to PyTorch;
+- `triton`: always Triton. On CPU tensors this needs `TRITON_INTERPRET=1`, which is how the
+  tests run the kernels on a machine without a GPU;
+- `torch`: always the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from tessel.errors import TesselError
+
+BACKEND_ENV = "TESSEL_KERNEL_BACKEND"
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def requested_backend() -> str:
+    backend = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if backend not in _BACKENDS:
+        raise TesselError(f"{BACKEND_ENV}={backend!r} is not one of {', '.join(_BACKENDS)}")
+    return backend
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when this call should run the Triton kernel, False for the PyTorch path."""
+    backend = requested_backend()
+    if backend == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "triton":
+        if not triton_available():
+            raise TesselError(f"{BACKEND_ENV}=triton but triton is not installed (pip install triton)")
+        if not on_cuda and not interpreting():
+            raise TesselError(
+                f"{BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                "(set it before importing triton)"
+            )
+        return True
+    return on_cuda and triton_available()

@@ -1,0 +1,109 @@
+"""The numeric planning problem that every solver (MILP, DP, brute force, baselines) reads.
+
+`tessel.plan.build.build_instance` turns a model, a cluster and a workload into one of these
+through the cost model; tests build small ones by hand. Solvers never see a model or a GPU
+spec, only these numbers, so MILP, DP and brute force agree on exactly the same problem.
+
+Units are the things placed on devices: whole decoder layers (`granularity="layer"`) or the
+attention and MLP blocks of each layer (`"sublayer"`), in model order. A plan assigns each unit
+to one device; each used device holds one contiguous run of units; used devices form a
+pipeline in the order of their runs.
+
+Per pass (one micro-batch through the pipeline), device j running units U_j costs
+    compute_j  = sum_{u in U_j} unit_time[u, j]  (+ first/last extras when j is first/last)
+    comm_j     = send_s[j, k] to the next device k (0 on the last stage)
+    offload_j  = max(held_j - memory_bytes[j], 0) / host_to_device_bytes_per_s[j]
+with held_j = sum weight_bytes + sum kv_bytes + workspace_bytes[j] (+ first/last bytes).
+Stage time T_j = compute + comm + offload (additive, the seed's form) or
+max(compute, comm, offload) (`overlap=True`, as FlexGen and LLM-PQ treat I/O).
+Objective = prefill_weight * (sum_j T_j^pre + (micro_batches - 1) * max_j T_j^pre)
+          + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+UNIT_KINDS = ("layer", "attention", "mlp")
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One placeable piece of the model: a decoder layer, or its attention or MLP block."""
+
+    layer: int
+    kind: str = "layer"
+
+    def __post_init__(self) -> None:
+        if self.kind not in UNIT_KINDS:
+            raise ValueError(f"unit kind {self.kind!r} not in {UNIT_KINDS}")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSlot:
+    """One GPU (or CPU) of the cluster as the solver sees it."""
+
+    name: str  # unique, e.g. "node-a/gpu0"
+    gpu_type: str  # catalog name, e.g. "A100-80G"; same-type devices are interchangeable
+    node: str
+    memory_bytes: float  # usable device memory after reserved (CUDA context etc.)
+    host_bytes: float  # host DRAM this device may offload into (0 = no offloading)
+    host_to_device_bytes_per_s: float  # the device's own PCIe bandwidth, host -> device
+
+
+@dataclass(frozen=True, slots=True)
+class PassCosts:
+    """Times of one pass (prefill of one micro-batch, or one decode step of one micro-batch)."""
+
+    unit_time_s: np.ndarray  # [U, N]: unit u on device j
+    first_time_s: np.ndarray  # [N]: embedding lookup when j is the first stage
+    last_time_s: np.ndarray  # [N]: final norm + LM head (+ sampling) when j is the last stage
+    send_s: np.ndarray  # [N, N]: hidden states of one micro-batch from j to k (diagonal unused)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanningInstance:
+    units: tuple[Unit, ...]
+    devices: tuple[DeviceSlot, ...]
+    prefill: PassCosts
+    decode: PassCosts
+    weight_bytes: np.ndarray  # [U]
+    kv_bytes: np.ndarray  # [U]: KV of every in-flight micro-batch at full length (prompt + output)
+    workspace_bytes: np.ndarray  # [N]: activation workspace on device j
+    first_bytes: float  # embedding table, held by the first stage
+    last_bytes: float  # final norm + LM head (0 extra when tied and on one stage), held by the last
+    micro_batches: int  # m in flight; 1/alpha_f = m - 1
+    prefill_weight: float = 1.0  # relative weight of the prefill makespan (requests per unit time)
+    decode_weight: float = 1.0  # weight of one decode makespan (= generated tokens per request)
+    overlap: bool = False
+    labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
+
+    def __post_init__(self) -> None:
+        n_units, n_devices = len(self.units), len(self.devices)
+        if n_units == 0 or n_devices == 0:
+            raise ValueError("a planning instance needs at least one unit and one device")
+        for name, costs in (("prefill", self.prefill), ("decode", self.decode)):
+            _check_shape(f"{name}.unit_time_s", costs.unit_time_s, (n_units, n_devices))
+            _check_shape(f"{name}.first_time_s", costs.first_time_s, (n_devices,))
+            _check_shape(f"{name}.last_time_s", costs.last_time_s, (n_devices,))
+            _check_shape(f"{name}.send_s", costs.send_s, (n_devices, n_devices))
+        _check_shape("weight_bytes", self.weight_bytes, (n_units,))
+        _check_shape("kv_bytes", self.kv_bytes, (n_units,))
+        _check_shape("workspace_bytes", self.workspace_bytes, (n_devices,))
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+
+    @property
+    def n_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.devices)
+
+
+def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
+    if np.shape(array) != shape:
+        raise ValueError(f"{name} has shape {np.shape(array)}, expected {shape}")
