@@ -7,6 +7,8 @@ does not compile or import the others.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -34,3 +36,22 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'tessel.kernels' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+class _KernelsPackage(types.ModuleType):
+    """Keeps `tessel.kernels.<op>` bound to the function when its module has the same name.
+
+    Importing the submodule `tessel.kernels.rms_norm` makes Python set the package attribute
+    `rms_norm` to that submodule, which would shadow the function on every later access
+    (`kernels.rms_norm(...)` -> "'module' object is not callable"). The function is bound
+    instead; the module itself stays importable (`from tessel.kernels.rms_norm import ...`).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name, value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _KernelsPackage
+

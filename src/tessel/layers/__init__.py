@@ -10,6 +10,14 @@ _EXPORTS = {
     "Int8Linear": "tessel.layers.linear",
     "W8A16Linear": "tessel.layers.linear",
     "Conv2d": "tessel.layers.conv",
+    "RMSNorm": "tessel.layers.norm",
+    "RotaryEmbedding": "tessel.layers.rotary",
+    "Attention": "tessel.layers.attention",
+    "AttentionMetadata": "tessel.layers.attention",
+    "SiluAndMul": "tessel.layers.activation",
+    "Sampler": "tessel.layers.sampler",
+    "VocabEmbedding": "tessel.layers.embedding",
+    "LMHead": "tessel.layers.embedding",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,89 @@
+"""GPU specs from the bundled catalog (`gpus.yaml`, every figure with its datasheet next to it).
+
+spec = get_gpu("a100-80g")       # names are case-insensitive
+spec.peak_flops_per_s["fp16"]    # dense tensor-core FLOP/s
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import yaml
+
+from tessel.errors import TesselError
+
+DTYPES = ("fp32", "fp16", "bf16", "int8")
+GIB = 1024**3
+GB = 1e9
+TERA = 1e12
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """One device type. Bandwidths in bytes/s (per direction), FLOP/s dense (no 2:4 sparsity)."""
+
+    name: str
+    memory_bytes: int
+    peak_flops_per_s: dict[str, float]  # "fp32", "fp16", "bf16", "int8"
+    mem_bandwidth_bytes_per_s: float
+    pcie_h2d_bytes_per_s: float
+    pcie_d2h_bytes_per_s: float
+    nvlink_bytes_per_s: float | None  # per direction to NVLink peers; None when the GPU has none
+    reserved_bytes: int  # CUDA context, library workspaces: not usable for tensors
+    sources: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        missing = [dtype for dtype in DTYPES if dtype not in self.peak_flops_per_s]
+        if missing:
+            raise ValueError(f"GPU {self.name}: peak_flops_per_s lacks {missing}")
+        if self.memory_bytes <= self.reserved_bytes:
+            raise ValueError(f"GPU {self.name}: reserved_bytes must be below memory_bytes")
+        rates = [self.mem_bandwidth_bytes_per_s, self.pcie_h2d_bytes_per_s, self.pcie_d2h_bytes_per_s]
+        if min(rates + list(self.peak_flops_per_s.values())) <= 0:
+            raise ValueError(f"GPU {self.name}: bandwidths and peak FLOP/s must be positive")
+
+    @property
+    def usable_bytes(self) -> int:
+        """Memory left for weights, KV cache and activations."""
+        return self.memory_bytes - self.reserved_bytes
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops_per_s:
+            raise TesselError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        return self.peak_flops_per_s[dtype]
+
+
+@cache
+def _catalog() -> dict[str, GpuSpec]:
+    text = resources.files("tessel.catalog").joinpath("gpus.yaml").read_text()
+    return {name.lower(): _spec_from_entry(name, entry) for name, entry in yaml.safe_load(text).items()}
+
+
+def _spec_from_entry(name: str, entry: dict) -> GpuSpec:
+    nvlink = entry.get("nvlink_gbs")
+    return GpuSpec(
+        name=name,
+        memory_bytes=int(entry["memory_gib"] * GIB),
+        peak_flops_per_s={dtype: float(entry["peak_tflops"][dtype]) * TERA for dtype in DTYPES},
+        mem_bandwidth_bytes_per_s=float(entry["mem_bandwidth_gbs"]) * GB,
+        pcie_h2d_bytes_per_s=float(entry["pcie_h2d_gbs"]) * GB,
+        pcie_d2h_bytes_per_s=float(entry["pcie_d2h_gbs"]) * GB,
+        nvlink_bytes_per_s=None if nvlink is None else float(nvlink) * GB,
+        reserved_bytes=int(entry["reserved_gib"] * GIB),
+        sources=tuple(entry["sources"]),
+    )
+
+
+def known_gpus() -> list[str]:
+    """Catalog names in their canonical spelling, e.g. ["T4", "L4", ..., "cpu"]."""
+    return [spec.name for spec in _catalog().values()]
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The spec of a GPU type by name (case-insensitive); unknown names list the known ones."""
+    spec = _catalog().get(str(name).strip().lower())
+    if spec is None:
+        raise TesselError(f"unknown GPU type {name!r}; known types: {', '.join(known_gpus())}")
+    return spec

@@ -1,0 +1,283 @@
+"""Model shapes: presets copied from the real Hugging Face `config.json` files, or any local one.
+
+    model = load_model("llama-3-70b")                 # a preset (case-insensitive)
+    model = load_model("/models/Llama-3.1-8B")        # a directory holding config.json
+    model = load_model("/models/x/config.json")       # or the file itself
+
+Llama, Mistral, Qwen2 and Mixtral configs use the same field names (`hidden_size`,
+`num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, ...);
+OPT uses `ffn_dim`, LayerNorm with bias, biased projections and learned positions.
+
+Mixtral is "dense-equivalent": each layer holds all `num_experts` expert MLPs (memory) but a
+token runs through `experts_per_token` of them (compute); the cost model counts both that way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.errors import TesselError
+
+MLP_KINDS = ("gated", "plain")  # gated: gate/up/down with SiLU (Llama); plain: fc1/fc2 with ReLU (OPT)
+NORM_KINDS = ("rmsnorm", "layernorm")
+ATTENTION_BIAS = ("none", "qkv", "all")  # Qwen2 biases q/k/v only; OPT biases all four projections
+OPT_POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding holds max_position_embeddings + 2 rows (HF source)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    architecture: str  # HF `architectures[0]`, e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # FFN width of one (expert) MLP
+    vocab_size: int
+    tied_embeddings: bool
+    max_position_embeddings: int
+    mlp_kind: str = "gated"
+    norm_kind: str = "rmsnorm"
+    attention_bias: str = "none"
+    mlp_bias: bool = False
+    num_experts: int = 1  # MoE experts held per layer (1 = dense)
+    experts_per_token: int = 1  # experts each token runs through
+    learned_position_rows: int = 0  # rows of a learned position table on the first stage (OPT)
+    rope_theta: float | None = None
+    source: str = ""  # where the numbers come from (HF repo or file path)
+
+    def __post_init__(self) -> None:
+        positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
+        positive += ("intermediate_size", "vocab_size", "num_experts", "experts_per_token")
+        for field_name in positive:
+            if getattr(self, field_name) <= 0:
+                raise ValueError(f"model {self.name}: {field_name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: num_heads must be a multiple of num_kv_heads")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"model {self.name}: experts_per_token exceeds num_experts")
+        if self.mlp_kind not in MLP_KINDS or self.norm_kind not in NORM_KINDS:
+            raise ValueError(f"model {self.name}: mlp_kind in {MLP_KINDS}, norm_kind in {NORM_KINDS}")
+        if self.attention_bias not in ATTENTION_BIAS:
+            raise ValueError(f"model {self.name}: attention_bias must be one of {ATTENTION_BIAS}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+
+# Preset configs: the fields of each model's config.json on the Hugging Face Hub, verbatim.
+_LLAMA2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000}
+_LLAMA2 |= {"max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "tie_word_embeddings": False}
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256}
+_LLAMA3 |= {"rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False}
+_LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+_L8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32}
+_L8B |= {"num_hidden_layers": 32, "num_key_value_heads": 8}
+_L70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64}
+_L70B |= {"num_hidden_layers": 80, "num_key_value_heads": 8}
+_QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064}
+_QWEN25 |= {"max_position_embeddings": 131072, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+_OPT = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": 50272}
+_OPT |= {"max_position_embeddings": 2048, "do_layer_norm_before": True, "activation_function": "relu"}
+_OPT |= {"enable_bias": True, "tie_word_embeddings": True}
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    # name: (Hugging Face repo the config.json comes from, its fields)
+    "llama-2-7b": (
+        "meta-llama/Llama-2-7b-hf",
+        _LLAMA2
+        | {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}
+        | {"num_hidden_layers": 32, "num_key_value_heads": 32},
+    ),
+    "llama-2-13b": (
+        "meta-llama/Llama-2-13b-hf",
+        _LLAMA2
+        | {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40}
+        | {"num_hidden_layers": 40, "num_key_value_heads": 40},
+    ),
+    "llama-2-70b": (
+        "meta-llama/Llama-2-70b-hf",
+        _LLAMA2 | _L70B,
+    ),
+    "llama-3-8b": ("meta-llama/Meta-Llama-3-8B", _LLAMA3 | _L8B | {"max_position_embeddings": 8192}),
+    "llama-3-70b": ("meta-llama/Meta-Llama-3-70B", _LLAMA3 | _L70B | {"max_position_embeddings": 8192}),
+    "llama-3.1-8b": (
+        "meta-llama/Llama-3.1-8B",
+        _LLAMA3 | _L8B | {"max_position_embeddings": 131072, "rope_scaling": _LLAMA31_ROPE},
+    ),
+    "llama-3.1-70b": (
+        "meta-llama/Llama-3.1-70B",
+        _LLAMA3 | _L70B | {"max_position_embeddings": 131072, "rope_scaling": _LLAMA31_ROPE},
+    ),
+    "qwen2.5-7b": (
+        "Qwen/Qwen2.5-7B",
+        _QWEN25
+        | {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28}
+        | {"num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06},
+    ),
+    "qwen2.5-72b": (
+        "Qwen/Qwen2.5-72B",
+        _QWEN25
+        | {"hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64}
+        | {"num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-05},
+    ),
+    "mistral-7b": (
+        "mistralai/Mistral-7B-v0.1",
+        {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000}
+        | _L8B
+        | {"max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 10000.0}
+        | {"sliding_window": 4096, "tie_word_embeddings": False},
+    ),
+    "mixtral-8x7b": (
+        "mistralai/Mixtral-8x7B-v0.1",
+        {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000}
+        | _L8B
+        | {"max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0}
+        | {"num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
+    "opt-30b": (
+        "facebook/opt-30b",
+        _OPT
+        | {"hidden_size": 7168, "ffn_dim": 28672, "num_attention_heads": 56}
+        | {"num_hidden_layers": 48, "word_embed_proj_dim": 7168},
+    ),
+    "opt-66b": (
+        "facebook/opt-66b",
+        _OPT
+        | {"hidden_size": 9216, "ffn_dim": 36864, "num_attention_heads": 72}
+        | {"num_hidden_layers": 64, "word_embed_proj_dim": 9216},
+    ),
+}
+
+
+def known_models() -> list[str]:
+    """Preset names, e.g. ["llama-2-7b", ..., "opt-66b"]."""
+    return list(PRESETS)
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A preset by name (case-insensitive), or a local HF model directory / its config.json."""
+    key = str(name_or_path).strip().lower()
+    if key in PRESETS:
+        repo, config = PRESETS[key]
+        return model_from_config(config, name=key, source=f"{repo} config.json")
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise TesselError(
+            f"{name_or_path!r} is neither a model preset nor a config.json (looked for {path}); "
+            f"presets: {', '.join(known_models())}"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(config, dict):
+        raise TesselError(f"{path}: expected a JSON object of config fields")
+    name = path.parent.name or str(path)
+    return model_from_config(config, name=name, source=str(path))
+
+
+def model_from_config(config: dict, *, name: str, source: str) -> ModelSpec:
+    """Parse HF config.json fields (Llama/Mistral/Qwen2/Mixtral or OPT)."""
+    where = source or name
+    if config.get("model_type") == "opt":
+        return _opt_from_config(config, name=name, source=source, where=where)
+    hidden = _require(config, "hidden_size", where)
+    heads = _require(config, "num_attention_heads", where)
+    model_type = config.get("model_type", "llama")
+    return _build(
+        where,
+        name=name,
+        architecture=_architecture(config, "LlamaForCausalLM"),
+        num_layers=_require(config, "num_hidden_layers", where),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=_optional_int(config, "num_key_value_heads", heads, where),
+        head_dim=_optional_int(config, "head_dim", hidden // heads, where),
+        intermediate_size=_require(config, "intermediate_size", where),
+        vocab_size=_require(config, "vocab_size", where),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=_optional_int(config, "max_position_embeddings", 2048, where),
+        attention_bias="qkv" if model_type == "qwen2" or config.get("attention_bias") else "none",
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        num_experts=_optional_int(config, "num_local_experts", 1, where),
+        experts_per_token=_optional_int(config, "num_experts_per_tok", 1, where),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+        source=source,
+    )
+
+
+def _opt_from_config(config: dict, *, name: str, source: str, where: str) -> ModelSpec:
+    hidden = _require(config, "hidden_size", where)
+    heads = _require(config, "num_attention_heads", where)
+    if config.get("word_embed_proj_dim", hidden) != hidden:
+        raise TesselError(
+            f"{where}: OPT with word_embed_proj_dim != hidden_size (project_in/out) is not supported"
+        )
+    if not config.get("do_layer_norm_before", True):
+        raise TesselError(f"{where}: OPT with do_layer_norm_before=false (OPT-350m) is not supported")
+    bias = bool(config.get("enable_bias", True))
+    max_positions = _optional_int(config, "max_position_embeddings", 2048, where)
+    return _build(
+        where,
+        name=name,
+        architecture=_architecture(config, "OPTForCausalLM"),
+        num_layers=_require(config, "num_hidden_layers", where),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=_require(config, "ffn_dim", where),
+        vocab_size=_require(config, "vocab_size", where),
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        max_position_embeddings=max_positions,
+        mlp_kind="plain",
+        norm_kind="layernorm",
+        attention_bias="all" if bias else "none",
+        mlp_bias=bias,
+        learned_position_rows=max_positions + OPT_POSITION_OFFSET,
+        source=source,
+    )
+
+
+def _build(where: str, **fields) -> ModelSpec:
+    try:
+        return ModelSpec(**fields)
+    except ValueError as error:
+        raise TesselError(f"{where}: {error}") from None
+
+
+def _architecture(config: dict, default: str) -> str:
+    architectures = config.get("architectures") or [default]
+    return str(architectures[0])
+
+
+def _require(config: dict, key: str, where: str) -> int:
+    if key not in config or config[key] is None:
+        raise TesselError(
+            f"{where}: missing field {key!r} (an HF config.json for a Llama/Qwen2/Mistral/OPT model)"
+        )
+    return _as_int(config[key], key, where)
+
+
+def _optional_int(config: dict, key: str, default: int, where: str) -> int:
+    value = config.get(key)
+    return default if value is None else _as_int(value, key, where)
+
+
+def _as_int(value: object, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise TesselError(f"{where}: field {key!r} must be a whole number, got {value!r}")
+    return int(value)

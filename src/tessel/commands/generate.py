@@ -1,0 +1,56 @@
+"""`tessel generate`: complete prompts with a local model and print the completions.
+
+torch is imported inside the command, so the planner side of the CLI loads without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from tessel.errors import TesselError
+
+
+def generate(
+    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
+    prompt: list[str] = typer.Option(..., "--prompt", help="A prompt; repeat for a batch."),
+    max_tokens: int = typer.Option(64, help="Most tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="0 is greedy; higher samples more freely."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, help="Sample among the k most likely tokens (0 = off)."),
+    seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string; repeatable."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto (the checkpoint's)."),
+    max_model_len: int | None = typer.Option(None, help="Longest prompt + completion, in tokens."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+) -> None:
+    """Generate completions for one or more --prompt with the model in --model."""
+    if not model.is_dir():
+        raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
+    from rich.console import Console
+
+    from tessel.engine.llm_engine import LLM
+    from tessel.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+    )
+    kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
+    llm = LLM(str(model), dtype=dtype, **kwargs)
+    outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
+    console = Console(highlight=False)
+    for output in outputs:
+        if len(outputs) > 1:
+            console.print(f"[bold]>>> {output.prompt}[/bold]", markup=True)
+        console.print(output.text, markup=False)
+        console.print(
+            f"[dim]({output.num_output_tokens} tokens, finish_reason={output.finish_reason})[/dim]",
+            markup=True,
+        )

@@ -1,0 +1,228 @@
+"""Parameters, FLOPs and bytes moved of one decoder layer and its attention and MLP blocks.
+
+For a Llama-family layer (hidden h, heads a, KV heads g, head dim d, FFN width f):
+
+    attention matmuls   P_attn = h*a*d + 2*h*g*d + a*d*h          (q, k, v, o)
+    MLP matmuls         P_mlp  = 3*h*f  (gated: gate, up, down)   or 2*h*f (plain, OPT)
+    norms               h per RMSNorm, 2h per LayerNorm; the attention block owns the input norm,
+                        the MLP block the post-attention norm
+    biases              Qwen2: q/k/v (a*d + 2*g*d); OPT: q/k/v/o and fc1/fc2
+
+    prefill, c tokens at offset p:  FLOPs 2*c*P_matmul + 4*a*d*c*(p + c/2)
+                                     bytes b_w*P + 2*g*d*b_kv*(p + c) + activations
+    decode, B sequences, contexts s_i: FLOPs 2*B*P_matmul + 4*a*d*sum(s_i)
+                                     bytes b_w*P + 2*g*d*b_kv*sum(s_i) + activations
+
+The 4*a*d term (QK^T and PV) belongs to the attention block; MLP blocks carry none.
+
+Mixture of experts (Mixtral) is counted dense-equivalent: a layer *holds* all E experts, a token
+*computes* through k of them, and a pass *reads* the experts its T tokens touch, E*(1-(1-k/E)^T)
+in expectation (each token picks k of E, treated as uniform and independent).
+
+dtype "int8" means W8A8 as tessel's quantisation does it: decoder linear weights in int8; norms,
+biases, embedding and LM head stay fp16 (SmoothQuant and compressed-tensors leave them unquantised);
+activations and the KV cache are `act_dtype` / `kv_dtype`.
+"""
+
+from __future__ import annotations
+
+from tessel.catalog.models import ModelSpec
+from tessel.errors import TesselError
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+BLOCK_KINDS = ("layer", "attention", "mlp")
+UNQUANTISED_BYTES = 2  # fp16: what int8 (W8A8) keeps for norms, biases, embedding and LM head
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise TesselError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def activation_dtype(dtype: str) -> str:
+    """The dtype activations flow in when weights are `dtype` (fp16 for int8 W8A8)."""
+    return "fp16" if dtype in ("int8", "fp8") else dtype
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in BLOCK_KINDS:
+        raise TesselError(f"unknown unit kind {kind!r}; use one of {', '.join(BLOCK_KINDS)}")
+
+
+def _norm_params(model: ModelSpec) -> int:
+    return model.hidden_size * (2 if model.norm_kind == "layernorm" else 1)
+
+
+def attention_matmul_params(model: ModelSpec) -> int:
+    h, a, g, d = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    return h * a * d + 2 * h * g * d + a * d * h
+
+
+def _attention_vector_params(model: ModelSpec) -> int:
+    a, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    bias = {"none": 0, "qkv": a * d + 2 * g * d, "all": a * d + 2 * g * d + model.hidden_size}
+    return bias[model.attention_bias] + _norm_params(model)
+
+
+def expert_matmul_params(model: ModelSpec) -> int:
+    """Matmul parameters of one expert MLP (the whole MLP of a dense model)."""
+    matrices = 3 if model.mlp_kind == "gated" else 2
+    return matrices * model.hidden_size * model.intermediate_size
+
+
+def _router_params(model: ModelSpec) -> int:
+    return model.hidden_size * model.num_experts if model.is_moe else 0
+
+
+def _mlp_vector_params(model: ModelSpec) -> int:
+    bias = model.num_experts * (model.intermediate_size + model.hidden_size) if model.mlp_bias else 0
+    return bias + _norm_params(model)
+
+
+def unit_params(model: ModelSpec, kind: str) -> int:
+    """Parameters held by one unit: a layer, or its attention or MLP block (norms included)."""
+    _check_kind(kind)
+    attention = attention_matmul_params(model) + _attention_vector_params(model)
+    mlp = model.num_experts * expert_matmul_params(model) + _router_params(model) + _mlp_vector_params(model)
+    return {"layer": attention + mlp, "attention": attention, "mlp": mlp}[kind]
+
+
+def layer_params(model: ModelSpec) -> int:
+    """Parameters of one decoder layer: P = h*a*d + 2*h*g*d + a*d*h + 3*h*f + 2h (Llama)."""
+    return unit_params(model, "layer")
+
+
+def embedding_params(model: ModelSpec) -> int:
+    return (model.vocab_size + model.learned_position_rows) * model.hidden_size
+
+
+def total_params(model: ModelSpec) -> int:
+    """All parameters, each counted once (a tied LM head is the embedding)."""
+    lm_head = 0 if model.tied_embeddings else model.vocab_size * model.hidden_size
+    return model.num_layers * layer_params(model) + embedding_params(model) + _norm_params(model) + lm_head
+
+
+def weight_bytes(model: ModelSpec, kind: str, dtype: str) -> int:
+    """Bytes of one unit's weights; with int8, norms and biases stay fp16."""
+    _check_kind(kind)
+    b_w = dtype_bytes(dtype)
+    b_vec = max(b_w, UNQUANTISED_BYTES)
+    attention = attention_matmul_params(model) * b_w + _attention_vector_params(model) * b_vec
+    mlp_matmul = model.num_experts * expert_matmul_params(model) + _router_params(model)
+    mlp = mlp_matmul * b_w + _mlp_vector_params(model) * b_vec
+    return {"layer": attention + mlp, "attention": attention, "mlp": mlp}[kind]
+
+
+def embedding_bytes(model: ModelSpec, dtype: str) -> int:
+    """Token embedding (+ OPT's learned positions), held by the first stage."""
+    return embedding_params(model) * max(dtype_bytes(dtype), UNQUANTISED_BYTES)
+
+
+def lm_head_bytes(model: ModelSpec, dtype: str, *, on_first_stage: bool = False) -> int:
+    """Final norm + LM head, held by the last stage.
+
+    With tied embeddings the LM head is the embedding matrix: when the last stage is not also the
+    first it still needs its own copy (V*h), so that copy is counted here; only when one stage holds
+    both (`on_first_stage=True`) is it free.
+    """
+    b = max(dtype_bytes(dtype), UNQUANTISED_BYTES)
+    head = 0 if (model.tied_embeddings and on_first_stage) else model.vocab_size * model.hidden_size
+    return (head + _norm_params(model)) * b
+
+
+def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "fp16") -> int:
+    """KV cache of one token in one layer: 2*g*d*b_kv."""
+    return 2 * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
+
+
+def hidden_bytes(model: ModelSpec, tokens: int, act_dtype: str = "fp16") -> int:
+    """Hidden states of `tokens` tokens, as sent between pipeline stages: c*h*b_act."""
+    return int(tokens) * model.hidden_size * dtype_bytes(act_dtype)
+
+
+def profile_shape(model: ModelSpec) -> dict[str, int]:
+    """The model shape a `Profile` is keyed by (`Profile.model_shape`)."""
+    return {
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size,
+        "num_heads": model.num_heads,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+    }
+
+
+# ---- FLOPs ----------------------------------------------------------------------------------
+
+
+def _mlp_active_matmul_params(model: ModelSpec) -> int:
+    return model.experts_per_token * expert_matmul_params(model) + _router_params(model)
+
+
+def matmul_flops(model: ModelSpec, kind: str, tokens: float) -> float:
+    """2 * tokens * (active matmul parameters): the weight GEMMs of `tokens` tokens."""
+    _check_kind(kind)
+    attention = attention_matmul_params(model)
+    mlp = _mlp_active_matmul_params(model)
+    return 2.0 * tokens * {"layer": attention + mlp, "attention": attention, "mlp": mlp}[kind]
+
+
+def attention_core_flops(model: ModelSpec, kind: str, query_key_pairs: float) -> float:
+    """QK^T and PV: 4*a*d per (query, key) pair; 0 for an MLP block."""
+    _check_kind(kind)
+    return 0.0 if kind == "mlp" else 4.0 * model.num_heads * model.head_dim * query_key_pairs
+
+
+def prefill_query_key_pairs(chunk_tokens: float, offset_tokens: float) -> float:
+    """Causal pairs of a chunk of c tokens after p cached ones: c*(p + c/2)."""
+    return chunk_tokens * (offset_tokens + chunk_tokens / 2)
+
+
+# ---- bytes moved ----------------------------------------------------------------------------
+
+
+def expected_experts_touched(model: ModelSpec, tokens: float) -> float:
+    """Experts a pass of `tokens` tokens reads: E*(1 - (1 - k/E)^T); 1 for a dense model."""
+    if not model.is_moe:
+        return 1.0
+    e, k = model.num_experts, model.experts_per_token
+    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
+
+
+def weight_bytes_read(model: ModelSpec, kind: str, dtype: str, tokens: float) -> float:
+    """Weight bytes one pass over `tokens` tokens reads (all of them, except untouched experts)."""
+    held = weight_bytes(model, kind, dtype)
+    if kind == "attention" or not model.is_moe:
+        return float(held)
+    untouched = model.num_experts - expected_experts_touched(model, tokens)
+    return held - untouched * expert_matmul_params(model) * dtype_bytes(dtype)
+
+
+def activation_elems_per_token(model: ModelSpec, kind: str) -> int:
+    """Activation elements read + written per token, each op reading inputs and writing outputs once.
+
+    attention: norm (2h), qkv proj (h + (a+2g)d), attention (2ad), o proj (ad + h), residual (3h)
+    mlp gated: norm (2h), gate/up (h + 2f), act-and-mul (3f), down (f + h), residual (3h)
+    mlp plain: norm (2h), fc1 (h + f), act (2f), fc2 (f + h), residual (3h)
+    """
+    _check_kind(kind)
+    h, a, g, d, f = (
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        model.intermediate_size,
+    )
+    attention = 7 * h + (a + 2 * g) * d + 3 * a * d
+    f_active = f * model.experts_per_token
+    mlp = 7 * h + (6 if model.mlp_kind == "gated" else 4) * f_active
+    return {"layer": attention + mlp, "attention": attention, "mlp": mlp}[kind]
+
+
+def workspace_bytes(model: ModelSpec, tokens: int, act_dtype: str = "fp16") -> int:
+    """Peak activation memory of a pass over `tokens` tokens: the residual stream, its normed copy
+    and the widest intermediate (q/k/v + attention output, or gate/up + product)."""
+    h, a, g, d = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    f_active = model.intermediate_size * model.experts_per_token
+    widest = max((a + 2 * g) * d + a * d, 3 * f_active)
+    return int(tokens) * (2 * h + widest) * dtype_bytes(act_dtype)

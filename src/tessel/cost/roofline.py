@@ -1,0 +1,259 @@
+"""Roofline time of a unit (decoder layer, attention block or MLP block) on one device.
+
+    time = max(FLOPs / (eff_c * peak_flops), bytes / (eff_m * mem_bw)) + kernels * launch overhead
+
+Weight GEMM FLOPs run at the peak of the weight dtype; the attention core (QK^T, PV) at the peak
+of the activation dtype (fp16 under int8 W8A8). A measured `Profile` for the same device type,
+model shape and dtype replaces the analytic time of the whole layer (its fit is per decoder
+layer; an attention or MLP block gets the analytic share of it). A profile of the same device
+type but another model shape contributes only its measured efficiencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessel.catalog.gpus import GpuSpec
+from tessel.catalog.models import ModelSpec
+from tessel.cost import layer as L
+from tessel.cost.profile import Profile
+
+# Fraction of peak FLOP/s a whole layer reaches when compute-bound. cuBLAS fp16 GEMMs of LLM
+# shapes reach 70-80% of tensor-core peak on A100; norms, RoPE, softmax and smaller attention
+# GEMMs pull a layer lower. Megatron-LM sustains 52% of A100 peak end to end in training
+# (Narayanan et al., SC'21: 163 of 312 TFLOP/s), which includes backward and communication;
+# inference prefill sits above that. We use 0.6.
+DEFAULT_COMPUTE_EFFICIENCY = 0.6
+# Fraction of peak memory bandwidth reached when memory-bound. Streaming kernels reach 80-90% of
+# HBM peak on A100/H100 (e.g. ~1.7 of 2.0 TB/s in STREAM-like copies); decode GEMVs come close.
+DEFAULT_MEMORY_EFFICIENCY = 0.8
+# Host-side cost of one kernel launch: 3-5 us for a CUDA launch from eager PyTorch (NVIDIA
+# CUDA C++ Best Practices Guide, "kernel launch overhead"; PyTorch dispatch on top).
+KERNEL_LAUNCH_OVERHEAD_S = 5e-6
+# Kernels per block, unfused: attention = norm, qkv GEMM, RoPE, attention, o GEMM, residual add;
+# MLP = norm, gate/up GEMM, act-and-mul, down GEMM, residual add.
+KERNELS_PER_UNIT = {"attention": 6, "mlp": 5, "layer": 11}
+KERNELS_EMBED = 1  # gather
+KERNELS_LM_HEAD = 2  # final norm, LM head GEMM
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    compute: float = DEFAULT_COMPUTE_EFFICIENCY
+    memory: float = DEFAULT_MEMORY_EFFICIENCY
+
+
+def roofline_time_s(
+    *,
+    weight_flops: float,
+    attention_flops: float,
+    n_bytes: float,
+    gpu: GpuSpec,
+    dtype: str,
+    efficiency: Efficiency,
+    kernels: int,
+) -> float:
+    """max(compute time, memory time) + launch overhead."""
+    act = L.activation_dtype(dtype)
+    compute_s = weight_flops / (efficiency.compute * gpu.peak_flops(dtype))
+    compute_s += attention_flops / (efficiency.compute * gpu.peak_flops(act))
+    memory_s = n_bytes / (efficiency.memory * gpu.mem_bandwidth_bytes_per_s)
+    return max(compute_s, memory_s) + kernels * KERNEL_LAUNCH_OVERHEAD_S
+
+
+def _same_device(profile: Profile, gpu: GpuSpec) -> bool:
+    return profile.device_type.strip().lower() == gpu.name.lower()
+
+
+def exact_profile(profile: Profile | None, model: ModelSpec, gpu: GpuSpec, dtype: str) -> Profile | None:
+    """The profile if it was measured on this device type, model shape and dtype."""
+    if profile is None or not _same_device(profile, gpu) or profile.dtype != dtype:
+        return None
+    return profile if profile.matches(profile.device_type, L.profile_shape(model)) else None
+
+
+def efficiency_for(profile: Profile | None, gpu: GpuSpec) -> Efficiency:
+    """Measured efficiencies of a profile of this device type where set, else the defaults."""
+    if profile is None or not _same_device(profile, gpu):
+        return Efficiency()
+    compute = profile.compute_efficiency or DEFAULT_COMPUTE_EFFICIENCY
+    memory = profile.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
+    return Efficiency(compute=compute, memory=memory)
+
+
+def select_profile(
+    profiles: tuple[Profile, ...] | list[Profile], model: ModelSpec, gpu: GpuSpec, dtype: str
+) -> Profile | None:
+    """From many profiles, the one for this GPU: an exact match first, else one with efficiencies."""
+    for profile in profiles:
+        if exact_profile(profile, model, gpu, dtype) is not None:
+            return profile
+    for profile in profiles:
+        if _same_device(profile, gpu) and (profile.compute_efficiency or profile.memory_efficiency):
+            return profile
+    return None
+
+
+# ---- analytic unit times --------------------------------------------------------------------
+
+
+def _analytic_prefill_s(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    kind: str,
+    chunk_tokens: float,
+    offset_tokens: float,
+    batch_size: int,
+    dtype: str,
+    kv_dtype: str,
+    efficiency: Efficiency,
+) -> float:
+    tokens = batch_size * chunk_tokens
+    pairs = batch_size * L.prefill_query_key_pairs(chunk_tokens, offset_tokens)
+    n_bytes = L.weight_bytes_read(model, kind, dtype, tokens)
+    n_bytes += tokens * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
+    if kind != "mlp":  # read p cached tokens' KV, write c new ones
+        n_bytes += batch_size * L.kv_bytes_per_token(model, kv_dtype) * (offset_tokens + chunk_tokens)
+    return roofline_time_s(
+        weight_flops=L.matmul_flops(model, kind, tokens),
+        attention_flops=L.attention_core_flops(model, kind, pairs),
+        n_bytes=n_bytes,
+        gpu=gpu,
+        dtype=dtype,
+        efficiency=efficiency,
+        kernels=KERNELS_PER_UNIT[kind],
+    )
+
+
+def _analytic_decode_s(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    kind: str,
+    batch_size: int,
+    sum_context_tokens: float,
+    dtype: str,
+    kv_dtype: str,
+    efficiency: Efficiency,
+) -> float:
+    n_bytes = L.weight_bytes_read(model, kind, dtype, batch_size)
+    n_bytes += (
+        batch_size * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
+    )
+    if kind != "mlp":  # read every sequence's context (the new token's KV included)
+        n_bytes += L.kv_bytes_per_token(model, kv_dtype) * sum_context_tokens
+    return roofline_time_s(
+        weight_flops=L.matmul_flops(model, kind, batch_size),
+        attention_flops=L.attention_core_flops(model, kind, sum_context_tokens),
+        n_bytes=n_bytes,
+        gpu=gpu,
+        dtype=dtype,
+        efficiency=efficiency,
+        kernels=KERNELS_PER_UNIT[kind],
+    )
+
+
+def _share(kind: str, attention_s: float, mlp_s: float) -> float:
+    """The part of a whole-layer time that `kind` gets, by the analytic ratio."""
+    return {
+        "layer": 1.0,
+        "attention": attention_s / (attention_s + mlp_s),
+        "mlp": mlp_s / (attention_s + mlp_s),
+    }[kind]
+
+
+def unit_prefill_time_s(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    kind: str,
+    chunk_tokens: float,
+    offset_tokens: float,
+    *,
+    batch_size: int = 1,
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    profile: Profile | None = None,
+) -> float:
+    """Seconds for one unit to prefill `batch_size` sequences' chunks of c tokens at offset p."""
+    L._check_kind(kind)
+    if chunk_tokens <= 0 or batch_size <= 0:
+        return 0.0
+    args = (chunk_tokens, offset_tokens, batch_size, dtype, kv_dtype)
+    efficiency = efficiency_for(profile, gpu)
+    exact = exact_profile(profile, model, gpu, dtype)
+    if exact is None:
+        return _analytic_prefill_s(model, gpu, kind, *args, efficiency)
+    # The fit is one sequence through one layer; more sequences repeat everything but its intercept.
+    fit = exact.prefill
+    layer_s = fit.a0 + batch_size * max(fit.time_s(chunk_tokens, offset_tokens) - fit.a0, 0.0)
+    attention_s = _analytic_prefill_s(model, gpu, "attention", *args, efficiency)
+    mlp_s = _analytic_prefill_s(model, gpu, "mlp", *args, efficiency)
+    return max(layer_s, 0.0) * _share(kind, attention_s, mlp_s)
+
+
+def unit_decode_time_s(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    kind: str,
+    batch_size: int,
+    sum_context_tokens: float,
+    *,
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    profile: Profile | None = None,
+) -> float:
+    """Seconds for one unit to run one decode step of `batch_size` sequences whose contexts
+    (the new token included) add up to `sum_context_tokens`."""
+    L._check_kind(kind)
+    if batch_size <= 0:
+        return 0.0
+    args = (batch_size, sum_context_tokens, dtype, kv_dtype)
+    efficiency = efficiency_for(profile, gpu)
+    exact = exact_profile(profile, model, gpu, dtype)
+    if exact is None:
+        return _analytic_decode_s(model, gpu, kind, *args, efficiency)
+    layer_s = exact.decode.time_s(batch_size, sum_context_tokens)
+    attention_s = _analytic_decode_s(model, gpu, "attention", *args, efficiency)
+    mlp_s = _analytic_decode_s(model, gpu, "mlp", *args, efficiency)
+    return max(layer_s, 0.0) * _share(kind, attention_s, mlp_s)
+
+
+def embed_time_s(
+    model: ModelSpec, gpu: GpuSpec, tokens: int, dtype: str = "fp16", *, profile: Profile | None = None
+) -> float:
+    """Embedding lookup of `tokens` tokens on the first stage: a memory-bound gather."""
+    if tokens <= 0:
+        return 0.0
+    table_rows_bytes = L.embedding_bytes(model, dtype) // (model.vocab_size + model.learned_position_rows)
+    rows = 2 if model.learned_position_rows else 1  # token row (+ position row)
+    out_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
+    n_bytes = tokens * rows * table_rows_bytes + out_bytes
+    return roofline_time_s(
+        weight_flops=0.0,
+        attention_flops=0.0,
+        n_bytes=n_bytes,
+        gpu=gpu,
+        dtype=dtype,
+        efficiency=efficiency_for(profile, gpu),
+        kernels=KERNELS_EMBED,
+    )
+
+
+def lm_head_time_s(
+    model: ModelSpec, gpu: GpuSpec, tokens: int, dtype: str = "fp16", *, profile: Profile | None = None
+) -> float:
+    """Final norm + LM head on the last stage for `tokens` tokens (in prefill, only the last
+    token of each sequence needs logits). The LM head stays fp16 under int8."""
+    if tokens <= 0:
+        return 0.0
+    head_dtype = L.activation_dtype(dtype)
+    b_act = L.dtype_bytes(head_dtype)
+    n_bytes = L.lm_head_bytes(model, dtype) + tokens * (3 * model.hidden_size + model.vocab_size) * b_act
+    return roofline_time_s(
+        weight_flops=2.0 * tokens * model.hidden_size * model.vocab_size,
+        attention_flops=0.0,
+        n_bytes=n_bytes,
+        gpu=gpu,
+        dtype=head_dtype,
+        efficiency=efficiency_for(profile, gpu),
+        kernels=KERNELS_LM_HEAD,
+    )

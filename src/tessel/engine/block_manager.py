@@ -1,0 +1,123 @@
+"""The KV block pool: free list, block tables, reference counts and prefix caching.
+
+A full block whose k/v have been computed is registered under its key (hash of the previous
+block's key, its token ids), so a later sequence with the same prefix shares it (ref count + 1)
+instead of recomputing it. A block whose ref count drops to 0 returns to the free list but keeps
+its key: it can be revived until it is handed out again (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tessel.engine.sequence import Sequence
+
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: BlockKey | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None:  # evict it from the prefix cache
+            if self.cached.get(block.key) == block_id:
+                del self.cached[block.key]
+            block.key = None
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+
+    def num_prefix_hits(self, seq: Sequence) -> int:
+        """How many leading full blocks of `seq` are in the prefix cache.
+
+        The block holding the last token never counts: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        hits = 0
+        for i in range((len(seq) - 1) // self.block_size):
+            if seq.block_key(i) not in self.cached:
+                break
+            hits += 1
+        return hits
+
+    def can_allocate(self, seq: Sequence, hits: int) -> bool:
+        revived = sum(1 for i in range(hits) if self.blocks[self.cached[seq.block_key(i)]].ref_count == 0)
+        new = seq.num_blocks_for(len(seq)) - hits
+        return new + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, hits: int) -> None:
+        """Give a waiting `seq` blocks for all its tokens, the first `hits` from the prefix cache."""
+        assert not seq.block_table, "sequence already has blocks"
+        for i in range(hits):
+            block_id = self.cached[seq.block_key(i)]
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(seq.num_blocks_for(len(seq)) - hits):
+            seq.block_table.append(self._take_free_block())
+        seq.num_computed_tokens = hits * self.block_size
+        seq.num_registered_blocks = hits
+        seq.metrics.num_cached_tokens = hits * self.block_size
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq`'s block table cover `num_tokens` tokens; False (and no change) if the pool is short."""
+        need = seq.num_blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s blocks. Tail blocks go first into the free list, so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Put `seq`'s full blocks whose k/v are now computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, len(seq)) // self.block_size
+        for i in range(seq.num_registered_blocks, full):
+            key = seq.block_key(i)
+            block = self.blocks[seq.block_table[i]]
+            if key not in self.cached and block.key is None:
+                self.cached[key] = block.block_id
+                block.key = key
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)

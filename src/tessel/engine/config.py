@@ -1,0 +1,40 @@
+"""Engine settings (the keyword arguments of `LLM` / `LLMEngine`), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessel.errors import TesselError
+
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step; large enough for efficient CPU GEMMs
+DEFAULT_KV_CACHE_BYTES = 2 * 2**30  # cap on the default pool (max_num_seqs * max_model_len tokens)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    dtype: str | torch.dtype = "float32"
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_gib: float | None = None  # None: room for max_num_seqs full-length sequences, capped
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None  # None: 2048 (or max_model_len without chunking)
+    enable_chunked_prefill: bool = True
+    num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise TesselError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size < 1:
+            raise TesselError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise TesselError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise TesselError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise TesselError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

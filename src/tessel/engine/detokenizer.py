@@ -1,0 +1,67 @@
+"""Incremental detokenization with stop strings.
+
+Each new token decodes a short window (`prefix_offset:`) instead of the whole output, the way
+vLLM and TGI do; a window that ends in an incomplete UTF-8 character ("\ufffd") waits for the
+next token. With stop strings, the last `max(len(stop)) - 1` characters are held back until the
+request ends, so streamed text never shows the start of a stop string that is later cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces come out right
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+    ) -> None:
+        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: no Python overhead
+        self._decode_fn = backend.decode if backend is not None and hasattr(backend, "decode") else None
+        self._tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.tokens = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.full_text = ""  # everything decoded so far (before any stop-string cut)
+        self.text = ""  # what the caller may see
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._decode_fn is not None:
+            return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Decode one more token; -> the stop string it completed, if any."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        window = self._decode(self.tokens[self.prefix_offset :])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            old_len = len(self.full_text)
+            self.full_text += window[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            if self.stop:
+                start = max(0, old_len - self.hold_back)
+                found = [(i, s) for s in self.stop if (i := self.full_text.find(s, start)) >= 0]
+                if found:
+                    index, self.stopped_by = min(found)
+                    self.text = self.full_text[:index]
+                    return self.stopped_by
+        visible = len(self.full_text) - self.hold_back
+        if visible > len(self.text):
+            self.text = self.full_text[:visible]
+        return None
+
+    def finish(self) -> None:
+        """The request ended: release held-back text (unless a stop string cut it)."""
+        if self.stopped_by is not None:
+            return
+        if self.read_offset < len(self.tokens):  # an incomplete character at the very end
+            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            self.full_text += self._decode(self.tokens[self.prefix_offset :])[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.tokens)
+        self.text = self.full_text

@@ -1,0 +1,332 @@
+"""The engine loop (`LLMEngine`: add_request / step / abort_request) and the `LLM` front end.
+
+`LLMEngine.step()` schedules one batch, runs it, appends the sampled tokens, applies the stop
+rules (EOS, stop token ids, stop strings, max_tokens, max_model_len) and returns one
+`RequestOutput` per request that changed. `LLM.generate` drives it to completion; `LLM.stream`
+yields the outputs of one request as they come.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+from tessel.engine.block_manager import BlockManager
+from tessel.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from tessel.engine.detokenizer import IncrementalDetokenizer
+from tessel.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tessel.engine.outputs import RequestOutput
+from tessel.engine.sampling_params import SamplingParams
+from tessel.engine.scheduler import Scheduler, SchedulerConfig
+from tessel.engine.sequence import RequestMetrics, Sequence
+from tessel.errors import TesselError
+from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.models.loader import load_model
+
+__all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        raise TesselError(f"cannot load the tokenizer from {path}: {error}") from error
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
+        self.config = EngineConfig(**kwargs)
+        path = Path(model_path)
+        if not path.is_dir():
+            raise TesselError(
+                f"model directory {path} does not exist; pass a local Hugging Face model directory"
+            )
+        self.model_name = path.resolve().name
+        self.model_config = ModelConfig.from_dir(path)
+        self.dtype = resolve_dtype(self.config.dtype, self.model_config)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = _load_tokenizer(path)
+        self.model = load_model(path, self.dtype)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                self.config.max_num_seqs, self._max_num_batched_tokens(), self.config.enable_chunked_prefill
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.dtype)
+        eos = set(self.model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, int] = {}  # characters of text already returned per request
+        self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
+
+    # ---- sizing -------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        c = self.model_config
+        limit = c.max_position_embeddings
+        if self.config.max_model_len is None:
+            return min(limit, c.sliding_window or limit)
+        if self.config.max_model_len > limit:
+            raise TesselError(
+                f"max_model_len={self.config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        if c.sliding_window and self.config.max_model_len > c.sliding_window:
+            raise TesselError(
+                f"max_model_len={self.config.max_model_len} exceeds the sliding window ({c.sliding_window}); "
+                "tessel has no sliding-window attention, so set max_model_len <= the window"
+            )
+        return self.config.max_model_len
+
+    def _max_num_batched_tokens(self) -> int:
+        tokens = self.config.max_num_batched_tokens
+        if tokens is None:
+            tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            return tokens if self.config.enable_chunked_prefill else max(tokens, self.max_model_len)
+        if not self.config.enable_chunked_prefill and tokens < self.max_model_len:
+            raise TesselError(
+                f"max_num_batched_tokens={tokens} < max_model_len={self.max_model_len} needs chunked "
+                "prefill; enable it or raise max_num_batched_tokens"
+            )
+        return tokens
+
+    def _num_kv_blocks(self) -> int:
+        bs = self.config.block_size
+        per_block = kv_cache_bytes_per_block(self.model, bs, self.dtype)
+        blocks_per_seq = -(-self.max_model_len // bs)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.config.kv_cache_gib is not None:
+            num_blocks = int(self.config.kv_cache_gib * 2**30 // per_block)
+        else:
+            wanted = self.config.max_num_seqs * blocks_per_seq
+            num_blocks = max(blocks_per_seq, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))
+        if num_blocks < blocks_per_seq:
+            raise TesselError(
+                f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than "
+                f"max_model_len={self.max_model_len}; raise kv_cache_gib or lower max_model_len"
+            )
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------------
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_total_blocks
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise TesselError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise TesselError("the prompt is empty; give at least one token")
+        return ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise TesselError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
+            raise TesselError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} > "
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        text = prompt if isinstance(prompt, str) else None
+        seq = Sequence(request_id, ids, params, self.config.block_size, prompt=text, max_tokens=max_tokens)
+        self._requests[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, params.skip_special_tokens
+        )
+        self._emitted[request_id] = 0
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; the next `step()` reports it as "abort"."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._detokenizers[request_id].finish()
+        self._pending.append(self._output(seq, []))
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        seqs, tokens = self.runner.run(batch)
+        for seq, n in batch.scheduled():
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed_blocks(seq)
+        now = time.time()
+        for seq, token in zip(seqs, tokens, strict=True):
+            self._append(seq, token, now)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        seq.append_token(token)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        params, detok = seq.params, self._detokenizers[seq.request_id]
+        reason = None
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            reason = "stop"
+        elif detok.add_token(token) is not None:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            detok.finish()
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        rid = seq.request_id
+        text = self._detokenizers[rid].text
+        new_text = text[self._emitted[rid] :]
+        self._emitted[rid] = len(text)
+        finished = seq.is_finished
+        if finished:
+            del self._requests[rid], self._detokenizers[rid], self._emitted[rid]
+        output_ids = seq.output_token_ids
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=output_ids,
+            new_token_ids=new_token_ids,
+            text=text,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(output_ids),
+            metrics=seq.metrics,
+            prompt=seq.prompt,
+        )
+
+
+def _as_prompt_list(prompts: str | list[int] | SequenceABC[str | list[int]]) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+class LLM(LLMEngine):
+    """`LLM(path, **engine kwargs).generate(prompts, SamplingParams(...))` -> outputs in input order."""
+
+    _request_ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | SequenceABC[str | list[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_progress: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise TesselError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params")
+        ids = [f"gen-{next(self._request_ids)}" for _ in prompt_list]
+        try:
+            for rid, prompt, params in zip(ids, prompt_list, params_list, strict=True):
+                self.add_request(rid, prompt, params)
+        except TesselError:
+            for rid in ids:
+                self.abort_request(rid)
+            self._pending.clear()
+            raise
+        finals: dict[str, RequestOutput] = {}
+        with _Progress(len(ids), enabled=use_progress and len(ids) > 1) as progress:
+            while len(finals) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        progress.advance(out.num_output_tokens)
+        return [finals[rid] for rid in ids]
+
+    def stream(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it; the last has finished=True."""
+        rid = f"stream-{next(self._request_ids)}"
+        self.add_request(rid, prompt, sampling_params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort_request(rid)
+            self._pending = [o for o in self._pending if o.request_id != rid]
+
+
+class _Progress:
+    """A rich progress bar over finished requests, with output tokens per second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[rate]}"), transient=True,
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task("generate", total=self.total, rate="")
+        return self
+
+    def advance(self, num_tokens: int) -> None:
+        self.tokens += num_tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self.bar.update(self.task, advance=1, rate=f"{rate:.1f} tok/s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.bar.stop()

@@ -1,0 +1,107 @@
+"""Turn a scheduled step into tensors, run the model over the paged KV cache, and sample.
+
+The step's tokens are flattened: one per decoding sequence first, then each prefill chunk.
+`slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
+tables and context lengths for the batched paged-attention call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+from tessel.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from tessel.layers.sampler import Sampler
+from tessel.models.llama import LlamaForCausalLM
+
+
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    c = model.config
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.sampler = Sampler()
+        c = model.config
+        # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN).
+        self.kv_cache = torch.zeros(
+            2, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype
+        )
+        attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for i, attn in enumerate(attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """-> (input_ids, positions, attention metadata, flat rows whose logits get sampled)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64))
+        if batch.decodes:
+            max_blocks = max(len(seq.block_table) for seq in batch.decodes)
+            tables, lens = [], []
+            for row, seq in enumerate(batch.decodes):
+                pos = seq.num_computed_tokens
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                table = seq.block_table
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                tables.append(table + [0] * (max_blocks - len(table)))
+                lens.append(pos + 1)
+                if pos + 1 == len(seq):
+                    sample_rows.append(row)
+            meta.num_decode_tokens = len(batch.decodes)
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32)
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
+        for seq, n in batch.prefills:
+            start, end, offset = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq, start, end))
+            table = None
+            if start > 0:
+                table = torch.tensor(seq.block_table[: -(-end // self.block_size)], dtype=torch.int64)
+            meta.prefills.append(PrefillChunk(offset, n, end, table))
+            if end == len(seq):
+                sample_rows.append(offset + n - 1)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        return ids, torch.tensor(positions, dtype=torch.int64), meta, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
+        """Run one step; -> (sequences that got a new token, their tokens)."""
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        sampled_seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        if not sample_rows:
+            return [], []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return sampled_seqs, self.sample(logits, sampled_seqs).tolist()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [seq.params for seq in seqs]
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)
+        temperatures = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+        top_k = torch.tensor([p.top_k for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        generators = [seq.generator for seq in seqs]
+        return self.sampler(logits, temperatures, top_k, top_p, generators)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Logits of every token in the step, [T, V] (for tests that compare against HF)."""
+        input_ids, positions, meta, _ = self.prepare(batch)
+        return self.model.compute_logits(self.model(input_ids, positions, meta))

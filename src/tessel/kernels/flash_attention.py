@@ -1,0 +1,270 @@
+"""Flash attention forward (causal with a prefix offset, GQA), and an int8-QK variant.
+
+For each batch b and query head h (kv head g = h // (Hq / Hkv)):
+
+    S   = scale * Q[b, h] @ K[b, g]^T                   [Sq, Sk], scale = 1/sqrt(D) by default
+    S[i, j] = -inf  where causal and j > i + (Sk - Sq)  (bottom-right aligned mask)
+    O[b, h] = softmax(S) @ V[b, g]
+
+The queries are the last Sq of Sk positions (a prompt chunk after a cached prefix, or one decode
+token). The Triton kernel walks K/V in blocks with an online softmax (running max m, running sum
+l, rescaled accumulator), so the Sq x Sk matrix never exists; D is padded to a power of two with
+masks (D = 80, 96 work). The PyTorch path is `scaled_dot_product_attention`.
+
+`flash_attention_int8` quantises each row of Q and K to int8 (symmetric, scale = amax/127),
+computes Q_i8 @ K_i8^T with int32 accumulation and scales it back:
+S = scale * s_q[i] * s_k[j] * (Q_i8 @ K_i8^T)[i, j]; softmax and P @ V stay in floating point.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tessel.kernels._dispatch import interpreting, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path works without triton
+    triton = None
+
+LOG2_E = 1.4426950408889634  # the kernel uses exp2: exp(x) = exp2(x * log2(e))
+INT8_MAX = 127.0
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_operand(x, UPCAST: tl.constexpr):
+        """The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): there,
+        bf16 operands go in as their exact fp32 values, which is what a bf16 MMA multiplies."""
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _quantize_rows_int8(x):
+        """Symmetric per-row int8: returns (x_i8, scale) with x ~= x_i8 * scale[:, None]."""
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), axis=1)
+        scale = tl.where(amax > 0, amax / 127.0, 1.0)
+        y = xf / scale[:, None]
+        y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
+        return y.to(tl.int8), scale
+
+    @triton.jit
+    def _flash_attention_forward_kernel(
+        Q_ptr, q_batch_stride, q_head_stride, q_seq_stride,
+        K_ptr, k_batch_stride, k_head_stride, k_seq_stride,
+        V_ptr, v_batch_stride, v_head_stride, v_seq_stride,
+        O_ptr, o_batch_stride, o_head_stride, o_seq_stride,
+        n_q_heads, group_size, seq_q, seq_k, head_dim, qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        INT8_QK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        start_m = tl.program_id(0).to(tl.int64)
+        batch_head = tl.program_id(1).to(tl.int64)
+        b = batch_head // n_q_heads
+        h = batch_head % n_q_heads
+        g = h // group_size
+
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < head_dim
+
+        q_ptrs = Q_ptr + b * q_batch_stride + h * q_head_stride
+        q_ptrs += offs_m[:, None] * q_seq_stride + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_mask[None, :], other=0.0)
+        if INT8_QK:
+            q_i8, q_scale = _quantize_rows_int8(q)
+
+        k_base = K_ptr + b * k_batch_stride + g * k_head_stride
+        v_base = V_ptr + b * v_batch_stride + g * v_head_stride
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        prefix = seq_k - seq_q  # query i sits at absolute position i + prefix
+        hi = seq_k
+        if CAUSAL:
+            hi = tl.minimum(seq_k, (start_m + 1) * BLOCK_M + prefix)
+        for start_n in range(0, hi, BLOCK_N):
+            n = start_n + offs_n
+            kv_mask = (n[:, None] < seq_k) & d_mask[None, :]
+            k = tl.load(k_base + n[:, None] * k_seq_stride + offs_d[None, :], mask=kv_mask, other=0.0)
+            if INT8_QK:
+                k_i8, k_scale = _quantize_rows_int8(k)
+                s_int = tl.dot(q_i8, tl.trans(k_i8), out_dtype=tl.int32)
+                s = s_int.to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+            else:
+                s = tl.dot(
+                    _dot_operand(q, UPCAST_DOT), _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION
+                )
+            s = s * qk_scale_log2
+            valid = n[None, :] < seq_k
+            if CAUSAL:
+                valid = valid & (n[None, :] <= offs_m[:, None] + prefix)
+            s = tl.where(valid, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + n[:, None] * v_seq_stride + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None]
+            p = _dot_operand(p.to(v.dtype), UPCAST_DOT)
+            acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_ptrs = O_ptr + b * o_batch_stride + h * o_head_stride
+        o_ptrs += offs_m[:, None] * o_seq_stride + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=(offs_m[:, None] < seq_q) & d_mask[None, :])
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"flash_attention expects q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
+    if causal and q.shape[2] > k.shape[2]:
+        raise ValueError(f"causal attention needs Sq <= Sk (queries are the last Sq keys), got {q.shape[2]} > {k.shape[2]}")
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, int8_qk: bool
+) -> torch.Tensor:
+    batch, n_q_heads, seq_q, head_dim = q.shape
+    n_kv_heads, seq_k = k.shape[1], k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_d = max(triton.next_power_of_2(head_dim), 32 if int8_qk else 16)  # tl.dot needs K >= 16 (32 int8)
+    block_m = 64 if seq_q >= 64 else max(16, triton.next_power_of_2(seq_q))
+    block_n = 32 if (q.dtype == torch.float32 and block_d >= 128) else 64
+    if batch * n_q_heads * seq_q == 0:
+        return out
+    grid = (triton.cdiv(seq_q, block_m), batch * n_q_heads)
+    _flash_attention_forward_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2),
+        v, v.stride(0), v.stride(1), v.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, head_dim, scale * LOG2_E,
+        CAUSAL=causal,
+        INT8_QK=int8_qk,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=4 if block_d <= 64 else 8,
+        num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def _causal_mask(seq_q: int, seq_k: int, device: torch.device) -> torch.Tensor:
+    """Bottom-right aligned causal mask, True = attend: key j visible to query i iff j <= i + Sk - Sq."""
+    rows = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+    return torch.arange(seq_k, device=device)[None, :] <= rows
+
+
+def _flash_attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and not _SDPA_HAS_GQA:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = False
+    mask, is_causal = None, False
+    if causal and seq_q == seq_k:
+        is_causal = seq_q > 1
+    elif causal and seq_q > 1:  # seq_q == 1 sees every key: no mask needed
+        mask = _causal_mask(seq_q, seq_k, q.device)
+    extra = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **extra)
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(scale * Q K^T + causal bottom-right mask) V with GQA; returns [B, Hq, Sq, D] in q.dtype.
+
+    q: [B, Hq, Sq, D], k/v: [B, Hkv, Sk, D], Hq a multiple of Hkv, Sq <= Sk when causal.
+    The Triton kernel is forward-only; a call that needs a gradient takes the PyTorch path.
+    """
+    _check_shapes(q, k, v, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not needs_grad and use_triton(q, k, v):
+        return _launch(q, k, v, causal, scale, int8_qk=False)
+    return _flash_attention_torch(q, k, v, causal, scale)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 over the last dim: x ~= x_i8 * scale[..., None], scale = amax / 127.
+
+    Rounds half away from zero, as the kernel does; an all-zero row gets scale 1.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    y = xf / scale[..., None]
+    x_i8 = (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)
+    return x_i8, scale
+
+
+def _flash_attention_int8_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    q_i8, q_scale = quantize_rows_int8(q)
+    k_i8, k_scale = quantize_rows_int8(k)
+    k_i8, k_scale = k_i8.repeat_interleave(group, dim=1), k_scale.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # Integer-valued fp32 matmul: |sum| <= D * 127^2 < 2^24, so every product sum is exact,
+    # i.e. the same numbers an int32 accumulator holds.
+    s_int = q_i8.float() @ k_i8.float().transpose(-1, -2)
+    s = s_int * (q_scale[..., :, None] * k_scale[..., None, :] * scale)
+    if causal:
+        s = s.masked_fill(~_causal_mask(seq_q, seq_k, q.device), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return (p @ v.float()).to(q.dtype)
+
+
+def flash_attention_int8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """Like `flash_attention`, but Q K^T runs in int8 with int32 accumulation.
+
+    S[i, j] = scale * s_q[i] * s_k[j] * sum_d q_i8[i, d] * k_i8[j, d], with per-row symmetric
+    scales s = amax(|row|) / 127; softmax and P @ V in floating point. Forward only.
+    """
+    _check_shapes(q, k, v, causal)
+    if q.shape[-1] > 1024:
+        raise ValueError(f"head dim {q.shape[-1]} too large for exact int8 accumulation")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if use_triton(q, k, v):
+        return _launch(q, k, v, causal, scale, int8_qk=True)
+    return _flash_attention_int8_torch(q, k, v, causal, scale)

@@ -1,0 +1,141 @@
+"""LayerNorm over the last dim.
+
+    mean = sum(x) / H,  var = sum((x - mean)^2) / H
+    out  = (x - mean) * rsqrt(var + eps) * weight + bias
+
+Computed in fp32, returned in `x.dtype` (as `torch.nn.functional.layer_norm` under autocast-free
+fp16/bf16 does). `weight` and `bias` may be None. The Triton kernel is forward-only (inference);
+a call that needs a gradient takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessel.kernels._dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path works without triton
+    triton = None
+
+MAX_FUSED_BYTES = 65536  # one row per program: rows wider than this are processed in chunks
+
+
+if triton is not None:
+
+    @triton.jit
+    def _layer_norm_forward_kernel(
+        X_ptr,
+        X_row_stride,
+        W_ptr,
+        B_ptr,
+        Y_ptr,
+        Y_row_stride,
+        n_cols,
+        eps,
+        HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        SINGLE_BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X_ptr + row * X_row_stride
+        y_row = Y_ptr + row * Y_row_stride
+        cols = tl.arange(0, BLOCK_SIZE)
+
+        if SINGLE_BLOCK:
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.sum(x, axis=0) / n_cols
+            xc = tl.where(mask, x - mean, 0.0)
+            rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+            y = xc * rstd
+            if HAS_WEIGHT:
+                y = y * tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y = y + tl.load(B_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Two passes over the row: mean first, then the centred sum of squares (stable).
+            acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_SIZE):
+                offs = start + cols
+                acc += tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+            mean = tl.sum(acc, axis=0) / n_cols
+            acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_SIZE):
+                offs = start + cols
+                mask = offs < n_cols
+                x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+                xc = tl.where(mask, x - mean, 0.0)
+                acc += xc * xc
+            rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+            for start in range(0, n_cols, BLOCK_SIZE):
+                offs = start + cols
+                mask = offs < n_cols
+                x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+                y = (x - mean) * rstd
+                if HAS_WEIGHT:
+                    y = y * tl.load(W_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    y = y + tl.load(B_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+def _layer_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    n_cols = x.shape[-1]
+    x2 = x.reshape(-1, n_cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = out.view(-1, n_cols)
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    block = min(triton.next_power_of_2(n_cols), max(MAX_FUSED_BYTES // x.element_size(), 16))
+    if x2.shape[0] > 0:
+        _layer_norm_forward_kernel[(x2.shape[0],)](
+            x2,
+            x2.stride(0),
+            weight if weight is not None else x2,
+            bias if bias is not None else x2,
+            y2,
+            y2.stride(0),
+            n_cols,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_SIZE=block,
+            SINGLE_BLOCK=block >= n_cols,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return out
+
+
+def _layer_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    same = all(t is None or t.dtype == x.dtype for t in (weight, bias))
+    if same:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    w = weight.float() if weight is not None else None
+    b = bias.float() if bias is not None else None
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm over the last dim: `(x - mean) * rsqrt(var + eps) * weight + bias` (biased var).
+
+    x: [..., H]; weight, bias: [H] or None. Returned in `x.dtype`.
+    """
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not needs_grad and use_triton(*tensors):
+        return _layer_norm_triton(x, weight, bias, eps)
+    return _layer_norm_torch(x, weight, bias, eps)

@@ -1,0 +1,194 @@
+"""Paged decode attention: one new query token per sequence against a block-paged KV cache.
+
+Token t of sequence b lives in physical block `block_tables[b, t // block_size]` at slot
+`t % block_size`. For query head h (kv head g = h // (Hq / Hkv)) and L = context_lens[b]:
+
+    s_t    = scale * q[b, h] . k_cache[block(t), slot(t), g]        t < L
+    out[b, h] = sum_t softmax(s)_t * v_cache[block(t), slot(t), g]
+
+A sequence with L = 0 gets zeros. The Triton kernel runs one program per (sequence, kv head)
+and handles the whole query-head group at once, so each K/V block is read once per group;
+tokens are walked in tiles with an online softmax, for any block size. The PyTorch path gathers
+the used blocks with one index op and runs one batched SDPA with a length mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tessel.kernels._dispatch import interpreting, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path works without triton
+    triton = None
+
+LOG2_E = 1.4426950408889634
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_operand(x, UPCAST: tl.constexpr):
+        """The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): there,
+        bf16 operands go in as their exact fp32 values, which is what a bf16 MMA multiplies."""
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q_ptr, q_batch_stride, q_head_stride,
+        K_ptr, k_block_stride, k_slot_stride, k_head_stride,
+        V_ptr, v_block_stride, v_slot_stride, v_head_stride,
+        BT_ptr, bt_batch_stride,
+        Lens_ptr,
+        O_ptr, o_batch_stride, o_head_stride,
+        group_size, head_dim, block_size, qk_scale_log2,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        context_len = tl.load(Lens_ptr + b)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < head_dim
+        heads = g * group_size + offs_g
+        q_mask = (offs_g[:, None] < group_size) & d_mask[None, :]
+        q_ptrs = Q_ptr + b * q_batch_stride + heads[:, None] * q_head_stride + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for start_n in range(0, context_len, BLOCK_N):
+            tok = start_n + offs_n
+            tok_mask = tok < context_len
+            block = tl.load(BT_ptr + b * bt_batch_stride + tok // block_size, mask=tok_mask, other=0)
+            block = block.to(tl.int64)
+            slot = (tok % block_size).to(tl.int64)
+            kv_mask = tok_mask[:, None] & d_mask[None, :]
+            k_ptrs = K_ptr + block[:, None] * k_block_stride + slot[:, None] * k_slot_stride
+            k = tl.load(k_ptrs + g * k_head_stride + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(
+                _dot_operand(q, UPCAST_DOT), _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION
+            )
+            s = s * qk_scale_log2
+            s = tl.where(tok_mask[None, :], s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_ptrs = V_ptr + block[:, None] * v_block_stride + slot[:, None] * v_slot_stride
+            v = tl.load(v_ptrs + g * v_head_stride + offs_d[None, :], mask=kv_mask, other=0.0)
+            p = _dot_operand(p.to(v.dtype), UPCAST_DOT)
+            acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # context_len == 0: zeros
+        out = acc / l_safe[:, None]
+        o_ptrs = O_ptr + b * o_batch_stride + heads[:, None] * o_head_stride + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "paged_decode_attention expects q [B,Hq,D], caches [num_blocks,block_size,Hkv,D]; got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not match cache {tuple(k_cache.shape)} (head dim, GQA)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
+        raise ValueError(
+            f"block_tables must be [B, max_blocks] and context_lens [B] for B={q.shape[0]}; got "
+            f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
+        )
+
+
+def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    batch, n_q_heads, head_dim = q.shape
+    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = n_q_heads // n_kv_heads
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    _paged_decode_kernel[(batch, n_kv_heads)](
+        q, q.stride(0), q.stride(1),
+        k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables, block_tables.stride(0),
+        context_lens,
+        out, out.stride(0), out.stride(1),
+        group, head_dim, block_size, scale * LOG2_E,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    batch, n_q_heads, head_dim = q.shape
+    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = n_q_heads // n_kv_heads
+    max_len = int(context_lens.max()) if batch else 0
+    if max_len == 0:
+        return torch.zeros_like(q)
+    n_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :n_blocks].long()
+    used = torch.arange(n_blocks, device=q.device)[None, :] * block_size < context_lens[:, None]
+    tables = torch.where(used, tables, 0)  # entries past a sequence's end may hold anything
+    # [B, n_blocks, block_size, Hkv, D] -> [B, Hkv, n_blocks * block_size, D]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(n_blocks * block_size, device=q.device)
+    keep = positions[None, :] < context_lens[:, None].to(positions.dtype)  # [B, L]
+    # The query-head group of each kv head is a length-`group` query sequence: no K/V repeat.
+    qg = q.reshape(batch, n_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=keep[:, None, None, :], scale=scale)
+    out = out.reshape(batch, n_q_heads, head_dim)
+    empty = context_lens == 0
+    if bool(empty.any()):
+        out = out.masked_fill(empty[:, None, None], 0.0)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache; returns [B, Hq, D] in q.dtype.
+
+    q: [B, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D]; block_tables: int32
+    [B, max_blocks] (entries past a sequence's last block are ignored); context_lens: int32 [B].
+    scale defaults to 1/sqrt(D).
+    """
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if use_triton(q, k_cache, v_cache, block_tables, context_lens):
+        return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)

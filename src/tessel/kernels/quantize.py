@@ -1,0 +1,127 @@
+"""Per-token (per-row) symmetric dynamic int8 quantisation, fused into one pass over the row.
+
+    scale[m] = max(max_k |x[m, k]|, EPS) / 127
+    q[m, k]  = round_half_even(x[m, k] / scale[m])          in [-127, 127]
+
+so that x ~= q * scale[:, None]. The same function quantises a weight per output channel
+(a weight row is a "token" of the GEMM's other operand).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessel.errors import TesselError
+from tessel.kernels._dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path still works
+    triton = None
+
+QMAX = 127
+# A row of zeros gets scale EPS/127 instead of 0, so q = 0 and x / scale stays finite.
+EPS = 1e-8
+# Rows up to this many elements are quantised from registers after one load (one read of x);
+# longer rows take a second pass over the row in chunks of this size.
+MAX_SINGLE_PASS_K = 8192
+IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+if triton is not None:
+
+    @triton.jit
+    def _round_half_even(y):
+        # Exact for |y| < 2**22 with only exact float ops (no libdevice.rint, which the Triton
+        # interpreter lacks): floor, then y - floor(y) is exact, then break ties to even.
+        r = tl.floor(y)
+        frac = y - r
+        ri = r.to(tl.int32)
+        up = (frac > 0.5) | ((frac == 0.5) & ((ri & 1) == 1))
+        return ri + up.to(tl.int32)
+
+    @triton.jit
+    def _quantize_per_token_kernel(
+        X_ptr,
+        Q_ptr,
+        Scale_ptr,
+        K,
+        x_row_stride,
+        x_col_stride,
+        q_row_stride,
+        SINGLE_PASS: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X_ptr + row * x_row_stride
+        q_row = Q_ptr + row * q_row_stride
+        cols = tl.arange(0, BLOCK_K)
+        if SINGLE_PASS:
+            mask = cols < K
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=0)
+        else:
+            running = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                mask = start + cols < K
+                chunk = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=0.0)
+                running = tl.maximum(running, tl.abs(chunk.to(tl.float32)))
+            amax = tl.max(running, axis=0)
+        scale = tl.maximum(amax, 1e-8) / 127.0
+        tl.store(Scale_ptr + row, scale)
+        if SINGLE_PASS:
+            q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, scale)), -127), 127)
+            tl.store(q_row + cols, q.to(tl.int8), mask=mask)
+        else:
+            for start in range(0, K, BLOCK_K):
+                mask = start + cols < K
+                chunk = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=0.0)
+                q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(chunk.to(tl.float32), scale)), -127), 127)
+                tl.store(q_row + start + cols, q.to(tl.int8), mask=mask)
+
+
+def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    q = _empty((M, K), torch.int8, x.device)
+    scale = _empty((M,), torch.float32, x.device)
+    single_pass = K <= MAX_SINGLE_PASS_K
+    block_k = triton.next_power_of_2(K) if single_pass else MAX_SINGLE_PASS_K
+    num_warps = 4 if block_k <= 2048 else 8 if block_k <= 4096 else 16
+    _quantize_per_token_kernel[(M,)](
+        x, q, scale, K, x.stride(0), x.stride(1), q.stride(0),
+        SINGLE_PASS=single_pass, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return q, scale
+
+
+def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # aminmax reads x once without materialising |x|; the rest is three in-place passes over one
+    # float32 buffer (divide, round, cast). Measured in benchmarks/kernels.py against the int8 GEMM.
+    lo, hi = torch.aminmax(x, dim=1)
+    scale = torch.maximum(hi.float(), lo.float().neg()).clamp_min_(EPS).div_(QMAX)
+    y = torch.div(x, scale.view(-1, 1)) if x.dtype == torch.float32 else x.float().div_(scale.view(-1, 1))
+    # |x / scale| <= 127 up to one rounding of the division, so round() never leaves [-127, 127].
+    return y.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantisation: scale = max|x[m]| / 127, q = round(x / scale).
+
+    x: float16 / bfloat16 / float32 [M, K]. Returns (q int8 [M, K], scale float32 [M]) with
+    x ~= q * scale[:, None]; a zero row gets q = 0 and a tiny positive scale.
+    """
+    if x.dim() != 2:
+        raise TesselError(f"quantize_per_token wants x [M, K]; got shape {tuple(x.shape)}")
+    if x.dtype not in IN_DTYPES:
+        raise TesselError(f"quantize_per_token wants a float16/bfloat16/float32 x; got {x.dtype}")
+    if x.numel() == 0:
+        scale = torch.full((x.shape[0],), EPS / QMAX, dtype=torch.float32, device=x.device)
+        return torch.zeros(x.shape, dtype=torch.int8, device=x.device), scale
+    if use_triton(x):
+        return _quantize_triton(x)
+    return _quantize_torch(x)

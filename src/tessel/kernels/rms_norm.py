@@ -1,0 +1,162 @@
+"""RMSNorm, optionally with the residual add fused in (HF Llama convention).
+
+    s   = x + residual                       (rounded to x.dtype: the new residual stream)
+    out = (s * rsqrt(mean(s^2) + eps)).to(x.dtype) * weight
+
+Statistics are computed in fp32 and the normalised row is cast back to `x.dtype` before the
+weight multiply, as `LlamaRMSNorm` does; the result is returned in `x.dtype`. The Triton
+kernel is forward-only (inference); a call that needs a gradient takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessel.kernels._dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path works without triton
+    triton = None
+
+MAX_FUSED_BYTES = 65536  # one row per program: rows wider than this are processed in chunks
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_forward_kernel(
+        X_ptr,
+        X_row_stride,
+        R_ptr,
+        R_row_stride,
+        W_ptr,
+        Y_ptr,
+        Y_row_stride,
+        S_ptr,
+        S_row_stride,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        SINGLE_BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X_ptr + row * X_row_stride
+        r_row = R_ptr + row * R_row_stride
+        y_row = Y_ptr + row * Y_row_stride
+        s_row = S_ptr + row * S_row_stride
+        cols = tl.arange(0, BLOCK_SIZE)
+
+        if SINGLE_BLOCK:
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + cols, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                tl.store(s_row + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+            w = tl.load(W_ptr + cols, mask=mask, other=0.0)
+            y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+            tl.store(y_row + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_SIZE):
+                offs = start + cols
+                mask = offs < n_cols
+                x = tl.load(x_row + offs, mask=mask, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_row + offs, mask=mask, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                    tl.store(s_row + offs, x, mask=mask)
+                xf = x.to(tl.float32)
+                acc += xf * xf
+            rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+            for start in range(0, n_cols, BLOCK_SIZE):
+                offs = start + cols
+                mask = offs < n_cols
+                if HAS_RESIDUAL:
+                    x = tl.load(s_row + offs, mask=mask, other=0.0)
+                else:
+                    x = tl.load(x_row + offs, mask=mask, other=0.0)
+                w = tl.load(W_ptr + offs, mask=mask, other=0.0)
+                y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+                tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = out.view(-1, n_cols)
+    if residual is not None:
+        r2 = _rows(residual)
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        s2 = new_residual.view(-1, n_cols)
+    else:
+        r2 = s2 = x2
+        new_residual = None
+    block = min(triton.next_power_of_2(n_cols), max(MAX_FUSED_BYTES // x.element_size(), 16))
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n_rows = x2.shape[0]
+    if n_rows > 0:
+        _rms_norm_forward_kernel[(n_rows,)](
+            x2,
+            x2.stride(0),
+            r2,
+            r2.stride(0),
+            weight,
+            y2,
+            y2.stride(0),
+            s2,
+            s2.stride(0),
+            n_cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_SIZE=block,
+            SINGLE_BLOCK=block >= n_cols,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return out, new_residual
+
+
+def _rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    new_residual = None
+    if residual is not None:
+        x = x + residual
+        new_residual = x
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed * weight).to(x.dtype), new_residual
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim: `(x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight`.
+
+    With `residual`, normalises `s = x + residual` and returns `(out, s)` (s is the new residual
+    stream, in `x.dtype`); without, returns `out`. x: [..., H], weight: [H].
+    """
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, residual)
+    )
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not needs_grad and use_triton(*tensors):
+        out, new_residual = _rms_norm_triton(x, weight, eps, residual)
+    else:
+        out, new_residual = _rms_norm_torch(x, weight, eps, residual)
+    return out if residual is None else (out, new_residual)

@@ -1,0 +1,96 @@
+"""Attention over the paged KV cache: prefill (with a cached prefix) and batched decode.
+
+The model runner flattens a step's tokens: first one token per decoding sequence, then the
+chunks of the sequences being prefilled. Each layer writes its new k/v into the cache through
+`slot_mapping` (one `index_copy_`), runs `tessel.kernels.paged_decode_attention` over the decode
+rows in one call, and `tessel.kernels.flash_attention` per prefill chunk (bottom-right causal, so
+a chunk attends to its cached prefix too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tessel import kernels
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Tokens [start, start + num_tokens) of the flat batch; the sequence has `context_len` tokens
+    of k/v after this step (cached prefix + this chunk), stored in the blocks `block_table`."""
+
+    start: int
+    num_tokens: int
+    context_len: int
+    block_table: torch.Tensor | None = None  # int64 [num_blocks]; None when nothing is cached
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.context_len > self.num_tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot (block * block_size + offset) of each token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # int32 [num_decode, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # int32 [num_decode]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class Attention(nn.Module):
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. Caches: [num_blocks, block_size, Hkv, D]."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache.numel():
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:  # decode only: no copy into a preallocated output
+            return kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            if chunk.has_prefix:
+                ks, vs = self._gather(k_cache, chunk), self._gather(v_cache, chunk)
+            else:
+                ks, vs = k[rows], v[rows]
+            out[rows] = self._prefill(q[rows], ks, vs)
+        return out
+
+    def _gather(self, cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        """The chunk's whole context from the cache: [context_len, Hkv, D]."""
+        blocks = cache.index_select(0, chunk.block_table)
+        return blocks.view(-1, self.num_kv_heads, self.head_dim)[: chunk.context_len]
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # flash_attention takes [B, H, S, D]; Sq < Sk aligns the causal mask bottom-right.
+        out = kernels.flash_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            causal=True,
+            scale=self.scale,
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,142 @@
+"""Linear layers on tessel kernels: float (`Linear`), W8A8 (`Int8Linear`) and W8A16 (`W8A16Linear`).
+
+All three take inputs [..., in_features] and return [..., out_features] in the input's dtype.
+The quantised layers hold int8 weights quantised once per output channel (symmetric absmax/127,
+the same rule as `quantize_per_token` applied to the weight's rows):
+
+    Int8Linear:   y = int8_gemm(q_x, q_w, s_x, s_w, bias)  with (q_x, s_x) = quantize_per_token(x)
+    W8A16Linear:  y = w8a16_gemm(x, q_w, s_w, bias)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessel.errors import TesselError
+from tessel.kernels.int8_gemm import int8_gemm
+from tessel.kernels.quantize import quantize_per_token
+from tessel.kernels.w8a16_gemm import linear, w8a16_gemm
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    if x.shape[-1] != in_features:
+        raise TesselError(f"linear layer expects inputs [..., {in_features}]; got {tuple(x.shape)}")
+    return x.reshape(-1, in_features)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [N, K] int8, scale [N] float32), weight ~= q * scale[:, None]."""
+    with torch.no_grad():
+        return quantize_per_token(weight.detach().float())
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Forward on tessel's GEMM; backward with torch matmuls (dx = dy @ W, dW = dy.T @ x, db = sum dy)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        grad_b = grad_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward runs tessel's GEMM kernel (Triton on CUDA, torch's on CPU).
+
+    Same parameters, state_dict and constructor as nn.Linear, so it loads nn.Linear checkpoints;
+    gradients flow through a backward written with torch matmuls.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x, self.in_features)
+        out = _LinearFunction.apply(rows, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> Linear:
+        """A tessel Linear sharing `layer`'s parameters."""
+        new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        new.weight = layer.weight
+        new.bias = layer.bias
+        return new
+
+
+class _QuantizedLinear(nn.Module):
+    """Shared storage of the int8 layers: weight int8 [N, K], weight_scale float32 [N], bias or None."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise TesselError(f"linear layer sizes must be positive; got {in_features} -> {out_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer(
+            "bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None
+        )
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> _QuantizedLinear:
+        """Quantise a float nn.Linear once: per-output-channel int8 weights, float32 scales, float32 bias."""
+        weight, scale = quantize_weight(layer.weight)
+        bias = None if layer.bias is None else layer.bias.detach().float()
+        return cls.from_int8(weight, scale, bias)
+
+    @classmethod
+    def from_int8(
+        cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> _QuantizedLinear:
+        """Wrap already-quantised tensors: weight int8 [N, K], weight_scale [N], bias [N] or None."""
+        if weight.dtype != torch.int8 or weight.dim() != 2:
+            raise TesselError(f"{cls.__name__} wants an int8 weight [N, K]; got {weight.dtype} {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        if weight_scale.numel() != out_features:
+            raise TesselError(f"{cls.__name__} wants {out_features} weight scales; got {weight_scale.numel()}")
+        layer = cls(in_features, out_features, bias=bias is not None, device="meta")
+        layer.weight = weight.detach().contiguous()
+        layer.weight_scale = weight_scale.detach().reshape(out_features).float().contiguous()
+        if bias is not None:
+            layer.bias = bias.detach().reshape(out_features).float().contiguous()
+        return layer
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight these int8 values stand for: weight * weight_scale[:, None]."""
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(_QuantizedLinear):
+    """W8A8 linear: static per-channel int8 weights, dynamic per-token int8 activations.
+
+    y = (q_x @ q_w.T) * s_x[:, None] * s_w[None, :] + bias, computed as quantize_per_token then
+    int8_gemm (int32 accumulation). Output dtype = input dtype (float16, bfloat16 or float32).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x, self.in_features)
+        q, scale = quantize_per_token(rows)
+        out = int8_gemm(q, self.weight, scale, self.weight_scale, self.bias, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class W8A16Linear(_QuantizedLinear):
+    """Weight-only int8 linear: y = x @ (q_w * s_w[:, None]).T + bias, dequantised inside the GEMM."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x, self.in_features)
+        out = w8a16_gemm(rows, self.weight, self.weight_scale, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,94 @@
+"""Rotary position embedding with Llama 3 and linear scaling, on `tessel.kernels.rope`.
+
+The cos/sin tables ([max_position, rotary_dim / 2], float32) are computed once, the way HF
+`LlamaRotaryEmbedding` computes them, so the rotated q/k match HF to the bit in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessel import kernels
+from tessel.errors import TesselError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class RopeScaling:
+    """HF `rope_scaling` / `rope_parameters` (the scaling part). `rope_type` is one of ROPE_TYPES."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise TesselError(
+                f"rope scaling type {self.rope_type!r} is not supported; tessel supports "
+                f"{', '.join(ROPE_TYPES)}. Use a model whose config.json has one of those."
+            )
+        if self.factor <= 0:
+            raise TesselError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise TesselError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+
+def inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """inv_freq[i] = base^(-2i / rotary_dim), then scaled as HF's `ROPE_INIT_FUNCTIONS` do."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """`forward(positions [T], q [T, Hq, D], k [T, Hkv, D])` -> rotated (q, k)."""
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        scaling: RopeScaling | None = None,
+    ) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.base = base
+        self.scaling = scaling
+        self.cos = torch.empty(0)
+        self.sin = torch.empty(0)
+        self.build_tables()
+
+    def build_tables(self, device: torch.device | str = "cpu") -> None:
+        """(Re)compute the cos/sin tables; call after moving the module off the meta device."""
+        with torch.device(device):  # also inside a `with torch.device("meta")` model construction
+            inv_freq = inverse_frequencies(self.rotary_dim, self.base, self.scaling)
+            positions = torch.arange(self.max_position, dtype=torch.int64).float()
+            freqs = positions[:, None] * inv_freq[None, :]
+            self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.rope(q, k, positions, self.cos, self.sin)

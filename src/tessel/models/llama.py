@@ -1,0 +1,135 @@
+"""The Llama family (Llama 2/3/3.1, Qwen2, Mistral) on tessel layers, nano-vllm style.
+
+q/k/v are one `qkv_proj` and gate/up one `gate_up_proj` (fewer, larger GEMMs); `load_weights`
+slices the HF tensors into them. The forward pass takes the step's flattened tokens
+([T] ids and positions) and returns hidden states [T, H]; `compute_logits` projects only the
+rows that get sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessel.layers.activation import SiluAndMul
+from tessel.layers.attention import Attention, AttentionMetadata
+from tessel.layers.embedding import LMHead, VocabEmbedding
+from tessel.layers.norm import RMSNorm
+from tessel.layers.rotary import RotaryEmbedding
+from tessel.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.rotary = [rotary]  # shared across layers; a list keeps it out of this module's children
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = hidden.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF tensor name fragment -> (tessel parameter fragment, shard index) for merged projections.
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        c = self.config
+        if fused == "qkv_proj":
+            return [c.q_size, c.kv_size, c.kv_size]
+        return [c.intermediate_size, c.intermediate_size]

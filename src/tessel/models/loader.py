@@ -1,0 +1,123 @@
+"""Build a model from a local Hugging Face directory and load its safetensors lazily.
+
+Parameters are created on the meta device (no random init), materialised empty in the target
+dtype, then filled tensor by tensor from `safe_open` (single file or sharded with
+`model.safetensors.index.json`), so peak memory is the model plus one checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tessel.errors import TesselError
+from tessel.models.config import ModelConfig
+from tessel.models.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / name for name in weight_map.values()})
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TesselError(
+            f"{path} has no .safetensors weights; tessel loads safetensors only "
+            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+        )
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise TesselError(f"{path}: shard(s) listed in {INDEX_FILE} are missing: {', '.join(missing)}")
+    return files
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+        model.lm_head.tie(model.model.embed_tokens)
+    model.model.rotary.build_tables(device)
+    load_weights(model, path)
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {(name, None) for name in params}
+    for fused, _ in set(model.packed_modules.values()):
+        for name in [n for n in params if f".{fused}." in n]:
+            expected.discard((name, None))
+            expected |= {(name, i) for i in range(len(model.shard_sizes(fused)))}
+    if model.config.tie_word_embeddings:
+        expected.discard(("lm_head.weight", None))
+    loaded: set[tuple[str, int | None]] = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(SKIPPED_SUFFIXES) or (
+                    name == "lm_head.weight" and model.config.tie_word_embeddings
+                ):
+                    continue
+                loaded.add(_load_tensor(model, params, name, f.get_tensor(name), file))
+    missing = sorted(
+        f"{name}" if shard is None else f"{name}[shard {shard}]" for name, shard in expected - loaded
+    )
+    if missing:
+        raise TesselError(
+            f"{path}: the checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}"
+        )
+
+
+def _load_tensor(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    file: Path,
+) -> tuple[str, int | None]:
+    target, shard = name, None
+    for fragment, (fused, index) in model.packed_modules.items():
+        if f".{fragment}." in name:
+            target, shard = name.replace(f".{fragment}.", f".{fused}."), index
+            break
+    param = params.get(target)
+    if param is None:
+        raise TesselError(
+            f"{file.name}: unexpected tensor {name!r}; is this really a {model.config.architecture}?"
+        )
+    data = param.data
+    if shard is not None:
+        sizes = model.shard_sizes(target.split(".")[-2])
+        data = data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if tuple(data.shape) != tuple(tensor.shape):
+        raise TesselError(
+            f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"config.json implies {tuple(data.shape)}"
+        )
+    data.copy_(tensor)
+    return target, shard

@@ -1,0 +1,52 @@
+"""Brute force over every plan of a tiny instance: the oracle the DP and the MILP are held against.
+
+Enumerates every ordered selection of k distinct devices (k = 1..min(N, U)) and every split of the
+U units into k non-empty contiguous runs, and evaluates each with `evaluate`. There are
+sum_k N!/(N-k)! * C(U-1, k-1) plans, so keep N <= 5 and U <= 8.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import Evaluation, Solution, evaluate
+
+MAX_BRUTE_PLANS = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class BruteResult:
+    solution: Solution | None  # None when no plan is feasible
+    evaluation: Evaluation | None
+    plans_evaluated: int
+
+
+def count_plans(n_units: int, n_devices: int) -> int:
+    return sum(
+        math.perm(n_devices, k) * math.comb(n_units - 1, k - 1) for k in range(1, min(n_devices, n_units) + 1)
+    )
+
+
+def brute_force(instance: PlanningInstance) -> BruteResult:
+    """The feasible plan with the least objective (first found on ties)."""
+    n_units, n_devices = instance.n_units, instance.n_devices
+    total = count_plans(n_units, n_devices)
+    if total > MAX_BRUTE_PLANS:
+        raise ValueError(f"brute force would evaluate {total} plans (limit {MAX_BRUTE_PLANS}); use the DP or MILP")
+    best: tuple[Solution, Evaluation] | None = None
+    evaluated = 0
+    for k in range(1, min(n_devices, n_units) + 1):
+        for cuts in itertools.combinations(range(1, n_units), k - 1):
+            counts = [b - a for a, b in zip((0, *cuts), (*cuts, n_units), strict=True)]
+            for devices in itertools.permutations(range(n_devices), k):
+                solution = Solution.from_counts(devices, counts)
+                evaluation = evaluate(instance, solution)
+                evaluated += 1
+                if evaluation.feasible and (best is None or evaluation.objective < best[1].objective):
+                    best = (solution, evaluation)
+    if best is None:
+        return BruteResult(None, None, evaluated)
+    return BruteResult(best[0], best[1], evaluated)

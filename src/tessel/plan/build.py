@@ -1,0 +1,213 @@
+"""Turn a model, a cluster and a workload into the numbers every solver reads (`PlanningInstance`).
+
+With R requests in flight split into m micro-batches of b = ceil(R / m) requests (the workload
+derives all three), for every unit u (a decoder layer, or its attention / MLP block) and device j:
+
+- prefill pass: one micro-batch, b prompts of the mean prompt length, from offset 0;
+- decode pass: one step of that micro-batch, each sequence at the mean decode context
+  (prompt + half the output);
+- first stage: embedding lookup of the pass's tokens; last stage: final norm + LM head for one
+  token per sequence (prefill only needs the last token's logits), and a float32 logits buffer;
+- send_s[j, k]: the hidden states of one pass's tokens over the cluster link j -> k;
+- kv_bytes[u]: KV of every micro-batch in flight (m * b requests) at full length
+  (prompt max + output max): pipeline stages keep all of them, not one;
+- workspace_bytes[j]: peak activations of the largest prefill pass (b prompts at max length);
+- memory_bytes: the GPU's memory less what CUDA reserves; host_bytes: the node's host memory
+  split evenly over its GPUs;
+- objective weights: prefill_weight = 1 and decode_weight = mean output tokens, so the objective is
+  one request's latency: prefill makespan + output_tokens x decode makespan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tessel.catalog.gpus import GpuSpec
+from tessel.catalog.models import ModelSpec, load_model
+from tessel.cost import layer as L
+from tessel.cost.link import link_time_s
+from tessel.cost.profile import Profile
+from tessel.cost.roofline import (
+    embed_time_s,
+    lm_head_time_s,
+    select_profile,
+    unit_decode_time_s,
+    unit_prefill_time_s,
+)
+from tessel.errors import TesselError
+from tessel.plan.cluster import Cluster, load_cluster
+from tessel.plan.instance import DeviceSlot, PassCosts, PlanningInstance, Unit
+from tessel.plan.workload import Workload, load_workload
+
+GRANULARITIES = {"layer": ("layer",), "sublayer": ("attention", "mlp")}
+LOGITS_BYTES_PER_ELEMENT = 4  # logits are upcast to float32 before sampling (vLLM, HF)
+
+
+def build_instance(
+    model: ModelSpec | str | Path,
+    cluster: Cluster | str | Path,
+    workload: Workload | str | Path,
+    *,
+    granularity: str = "layer",
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    overlap: bool = False,
+    profiles: Sequence[Profile] = (),
+) -> PlanningInstance:
+    """The planning problem of serving `model` on `cluster` under `workload` (names or objects)."""
+    model = model if isinstance(model, ModelSpec) else load_model(model)
+    cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    workload = workload if isinstance(workload, Workload) else load_workload(workload)
+    if granularity not in GRANULARITIES:
+        raise TesselError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
+    for name in (dtype, kv_dtype):
+        L.dtype_bytes(name)  # an unknown dtype is a user error, raised here
+
+    kinds = GRANULARITIES[granularity]
+    units = tuple(Unit(layer, kind) for layer in range(model.num_layers) for kind in kinds)
+    shape = _PassShape.of(workload)
+    per_type = {
+        spec.name: _TypeCosts.of(model, spec, kinds, shape, dtype, kv_dtype, tuple(profiles))
+        for spec in {device.spec.name: device.spec for device in cluster.devices}.values()
+    }
+    types = [per_type[device.spec.name] for device in cluster.devices]
+    unit_kind_index = np.array([kinds.index(unit.kind) for unit in units])
+
+    def pass_costs(prefill: bool) -> PassCosts:
+        tokens = shape.prefill_tokens if prefill else shape.batch
+        send_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
+        send = np.array(
+            [
+                [0.0 if a is b else link_time_s(cluster.link(a, b), send_bytes) for b in cluster.devices]
+                for a in cluster.devices
+            ]
+        )
+        times = np.array([t.prefill_s if prefill else t.decode_s for t in types]).T  # [kinds, N]
+        return PassCosts(
+            unit_time_s=times[unit_kind_index],
+            first_time_s=np.array([t.embed_prefill_s if prefill else t.embed_decode_s for t in types]),
+            last_time_s=np.array([t.head_prefill_s if prefill else t.head_decode_s for t in types]),
+            send_s=send,
+        )
+
+    kv_tokens = workload.micro_batches * shape.batch * workload.max_kv_tokens
+    kv_per_layer = L.kv_bytes_per_token(model, kv_dtype) * kv_tokens
+    act = L.activation_dtype(dtype)
+    return PlanningInstance(
+        units=units,
+        devices=tuple(
+            DeviceSlot(
+                name=device.name,
+                gpu_type=device.gpu_type,
+                node=device.node,
+                memory_bytes=float(device.spec.usable_bytes),
+                host_bytes=float(cluster.host_bytes(device)),
+                host_to_device_bytes_per_s=device.spec.pcie_h2d_bytes_per_s,
+            )
+            for device in cluster.devices
+        ),
+        prefill=pass_costs(prefill=True),
+        decode=pass_costs(prefill=False),
+        weight_bytes=np.array([float(L.weight_bytes(model, unit.kind, dtype)) for unit in units]),
+        kv_bytes=np.array([0.0 if unit.kind == "mlp" else float(kv_per_layer) for unit in units]),
+        workspace_bytes=np.full(
+            len(cluster.devices), float(L.workspace_bytes(model, shape.max_prefill_tokens, act))
+        ),
+        first_bytes=float(L.embedding_bytes(model, dtype)),
+        last_bytes=float(
+            L.lm_head_bytes(model, dtype) + shape.batch * model.vocab_size * LOGITS_BYTES_PER_ELEMENT
+        ),
+        micro_batches=workload.micro_batches,
+        prefill_weight=1.0,
+        decode_weight=workload.output_tokens.mean_tokens,
+        overlap=overlap,
+        labels={
+            "model": model.name,
+            "cluster": cluster.name,
+            "workload": workload.name,
+            "granularity": granularity,
+            "dtype": dtype,
+            "kv_dtype": kv_dtype,
+        },
+    )
+
+
+def capacity_shortfall_bytes(instance: PlanningInstance) -> float:
+    """How far what must be held exceeds all device and host memory; > 0 means it cannot fit.
+
+    Held: every unit's weights and KV, the embedding (first stage), the LM head (last stage) and
+    the smallest device's activation workspace (at least one device runs). A lower bound: a plan
+    also needs each used device's workspace, and contiguous runs rarely pack memory perfectly.
+    """
+    held = float(np.sum(instance.weight_bytes) + np.sum(instance.kv_bytes))
+    held += instance.first_bytes + instance.last_bytes + float(np.min(instance.workspace_bytes))
+    capacity = sum(device.memory_bytes + device.host_bytes for device in instance.devices)
+    return held - capacity
+
+
+@dataclass(frozen=True, slots=True)
+class _PassShape:
+    """Token counts of the two passes, from the workload."""
+
+    batch: int  # requests per micro-batch
+    prompt_mean: float
+    prefill_tokens: int  # tokens of one prefill pass
+    max_prefill_tokens: int  # tokens of the largest prefill pass (prompts at max length)
+    decode_context: float  # mean context of a sequence during decode
+
+    @classmethod
+    def of(cls, workload: Workload) -> _PassShape:
+        batch = workload.micro_batch_size
+        prompt = workload.prompt_tokens
+        return cls(
+            batch=batch,
+            prompt_mean=prompt.mean_tokens,
+            prefill_tokens=round(batch * prompt.mean_tokens),
+            max_prefill_tokens=batch * prompt.max_tokens,
+            decode_context=workload.mean_decode_context_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _TypeCosts:
+    """Times of one device type: per unit kind (in `kinds` order), and the first / last stage extras."""
+
+    prefill_s: list[float]
+    decode_s: list[float]
+    embed_prefill_s: float
+    embed_decode_s: float
+    head_prefill_s: float
+    head_decode_s: float
+
+    @classmethod
+    def of(
+        cls,
+        model: ModelSpec,
+        spec: GpuSpec,
+        kinds: tuple[str, ...],
+        shape: _PassShape,
+        dtype: str,
+        kv_dtype: str,
+        profiles: tuple[Profile, ...],
+    ) -> _TypeCosts:
+        profile = select_profile(profiles, model, spec, dtype)
+        options = {"dtype": dtype, "kv_dtype": kv_dtype, "profile": profile}
+        b = shape.batch
+        return cls(
+            prefill_s=[
+                unit_prefill_time_s(model, spec, kind, shape.prompt_mean, 0, batch_size=b, **options)
+                for kind in kinds
+            ],
+            decode_s=[
+                unit_decode_time_s(model, spec, kind, b, b * shape.decode_context, **options)
+                for kind in kinds
+            ],
+            embed_prefill_s=embed_time_s(model, spec, shape.prefill_tokens, dtype, profile=profile),
+            embed_decode_s=embed_time_s(model, spec, b, dtype, profile=profile),
+            head_prefill_s=lm_head_time_s(model, spec, b, dtype, profile=profile),
+            head_decode_s=lm_head_time_s(model, spec, b, dtype, profile=profile),
+        )

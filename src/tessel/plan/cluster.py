@@ -1,0 +1,239 @@
+"""Cluster files: which GPUs sit on which node, and how they are linked.
+
+    name: mixed-a100-v100-t4
+    nodes:
+      - name: node-a
+        gpus: {type: A100-80G, count: 2}      # or a list of {type, count} for a mixed node
+        intra_link: nvlink                    # nvlink | pcie | {bandwidth_gbps: 300, latency_us: 5}
+        host_memory_gib: 512                  # host DRAM for offloading (default 0: none)
+    network: {bandwidth_gbps: 25, latency_us: 20}   # between nodes (required with > 1 node)
+
+Bandwidths in files are gigabits per second (as Ethernet and InfiniBand are sold: 25 Gb/s =
+3.125 GB/s); latencies in microseconds. `load_cluster` accepts a path or a bundled name
+(`list_bundled_clusters()`); devices are named "<node>/gpu<i>" in file order.
+
+Links between two devices:
+- same node, `nvlink`: the smaller per-direction NVLink bandwidth of the two GPUs (catalog);
+- same node, `pcie`: peer-to-peer over PCIe at the smaller host-to-device PCIe bandwidth of the
+  two (the catalog's slow device-to-host figure is FlexGen's KV offload to host, not P2P DMA);
+- same node, explicit `{bandwidth_gbps, latency_us}`: as given;
+- different nodes: the network, capped by either GPU's PCIe (the NIC sits behind it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from tessel.catalog.files import bundled_names, parse_yaml, resolve_file, validate_data
+from tessel.catalog.gpus import GIB, GpuSpec, get_gpu
+from tessel.cost.link import LinkSpec
+from tessel.errors import TesselError
+
+BITS_PER_BYTE = 8
+GBPS = 1e9 / BITS_PER_BYTE  # bytes/s in one Gb/s
+US_PER_S = 1e6
+# One-way latency of a GPU-to-GPU copy: NVLink ~2 us and PCIe peer-to-peer ~10 us including the
+# copy launch (NCCL/NVIDIA p2pBandwidthLatencyTest report a few us over NVLink, ~10 us over PCIe).
+NVLINK_LATENCY_S = 2e-6
+PCIE_P2P_LATENCY_S = 10e-6
+INTRA_LINK_KINDS = ("nvlink", "pcie")
+
+
+class LinkModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bandwidth_gbps: float = Field(gt=0, description="gigabits per second")
+    latency_us: float = Field(default=0.0, ge=0)
+
+    def spec(self) -> LinkSpec:
+        return LinkSpec(self.bandwidth_gbps * GBPS, self.latency_us / US_PER_S)
+
+
+class GpuGroupModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    count: int = Field(default=1, ge=1)
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        try:
+            return get_gpu(value).name
+        except TesselError as error:
+            raise ValueError(str(error)) from None
+
+
+class NodeModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    gpus: list[GpuGroupModel] = Field(min_length=1)
+    intra_link: Any = "pcie"
+    host_memory_gib: float = Field(default=0.0, ge=0)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
+
+    @field_validator("intra_link")
+    @classmethod
+    def _link(cls, value: Any, info: ValidationInfo) -> str | LinkModel:
+        if isinstance(value, str) and value.lower() in INTRA_LINK_KINDS:
+            if value.lower() == "nvlink":
+                _check_nvlink(info.data.get("gpus", []))
+            return value.lower()
+        if isinstance(value, dict):
+            try:
+                return LinkModel.model_validate(value)
+            except ValueError as error:  # pydantic.ValidationError is a ValueError
+                raise ValueError(f"{_first_error(error)}; {_LINK_HELP}") from None
+        raise ValueError(f"got {value!r}; {_LINK_HELP}")
+
+
+def _check_nvlink(groups: list[GpuGroupModel]) -> None:
+    lacking = sorted({group.type for group in groups if get_gpu(group.type).nvlink_bytes_per_s is None})
+    if lacking:
+        raise ValueError(
+            f"nvlink, but {', '.join(lacking)} has no NVLink; "
+            "use pcie or {bandwidth_gbps: ..., latency_us: ...}"
+        )
+
+
+_LINK_HELP = "intra_link must be nvlink, pcie or {bandwidth_gbps: <Gb/s>, latency_us: <us>}"
+
+
+def _first_error(error: Exception) -> str:
+    errors = getattr(error, "errors", None)
+    if errors is None:
+        return str(error)
+    item = errors(include_url=False)[0]
+    return f"{'.'.join(str(p) for p in item['loc'])}: {item['msg']}"
+
+
+class ClusterModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    nodes: list[NodeModel] = Field(min_length=1)
+    network: LinkModel | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterModel:
+        names = [node.name for node in self.nodes]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"node names must be unique; repeated: {', '.join(duplicates)}")
+        if len(self.nodes) > 1 and self.network is None:
+            raise ValueError(
+                "a cluster with several nodes needs network: {bandwidth_gbps: ..., latency_us: ...}"
+            )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str  # "<node>/gpu<i>"
+    gpu_type: str  # canonical catalog name
+    node: str
+    spec: GpuSpec
+    local_index: int  # i within its node
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    device_names: tuple[str, ...]
+    host_memory_bytes: int
+    intra_link: str | LinkSpec  # "nvlink", "pcie" or an explicit link
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    name: str
+    nodes: tuple[Node, ...]
+    devices: tuple[Device, ...]  # in file order
+    network: LinkSpec | None
+    source: str = ""
+    _by_name: dict[str, Device] = field(default_factory=dict, repr=False, compare=False)
+    _nodes_by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_name.update({device.name: device for device in self.devices})
+        self._nodes_by_name.update({node.name: node for node in self.nodes})
+
+    def device(self, device: str | Device) -> Device:
+        name = device.name if isinstance(device, Device) else device
+        if name not in self._by_name:
+            raise TesselError(
+                f"cluster {self.name} has no device {name!r}; devices: {', '.join(self._by_name)}"
+            )
+        return self._by_name[name]
+
+    def link(self, device_a: str | Device, device_b: str | Device) -> LinkSpec:
+        """The link hidden states take from device_a to device_b."""
+        a, b = self.device(device_a), self.device(device_b)
+        if a.name == b.name:
+            return LinkSpec(float("inf"), 0.0)
+        pcie = min(a.spec.pcie_h2d_bytes_per_s, b.spec.pcie_h2d_bytes_per_s)
+        if a.node != b.node:
+            assert self.network is not None  # validated: several nodes need a network
+            return LinkSpec(min(self.network.bandwidth_bytes_per_s, pcie), self.network.latency_s)
+        intra = self._nodes_by_name[a.node].intra_link
+        if isinstance(intra, LinkSpec):
+            return intra
+        if intra == "nvlink":
+            nvlink = min(a.spec.nvlink_bytes_per_s or 0.0, b.spec.nvlink_bytes_per_s or 0.0)
+            return LinkSpec(nvlink, NVLINK_LATENCY_S)
+        return LinkSpec(pcie, PCIE_P2P_LATENCY_S)
+
+    def host_bytes(self, device: str | Device) -> float:
+        """Host DRAM a device may offload into: its node's host memory split evenly over its GPUs."""
+        node = self._nodes_by_name[self.device(device).node]
+        return node.host_memory_bytes / len(node.device_names)
+
+    @property
+    def gpu_types(self) -> list[str]:
+        """Distinct GPU types in file order."""
+        return list(dict.fromkeys(device.gpu_type for device in self.devices))
+
+    @property
+    def total_memory_bytes(self) -> int:
+        return sum(device.spec.memory_bytes for device in self.devices)
+
+
+def list_bundled_clusters() -> list[str]:
+    return bundled_names("clusters")
+
+
+def load_cluster(path_or_name: str | Path) -> Cluster:
+    """A cluster from a YAML file, or a bundled cluster by name (e.g. "mixed-a100-v100-t4")."""
+    text, label = resolve_file(path_or_name, "clusters", "cluster")
+    return _build(parse_yaml(text, label, ClusterModel), label)
+
+
+def parse_cluster(data: dict, *, source: str = "<cluster>") -> Cluster:
+    """A cluster from an already-parsed mapping of the same shape as a cluster file."""
+    return _build(validate_data(data, source, ClusterModel), source)
+
+
+def _build(model: ClusterModel, source: str) -> Cluster:
+    nodes, devices = [], []
+    for node in model.nodes:
+        names = []
+        for group in node.gpus:
+            for _ in range(group.count):
+                device = Device(
+                    f"{node.name}/gpu{len(names)}", group.type, node.name, get_gpu(group.type), len(names)
+                )
+                devices.append(device)
+                names.append(device.name)
+        intra = node.intra_link.spec() if isinstance(node.intra_link, LinkModel) else node.intra_link
+        nodes.append(Node(node.name, tuple(names), int(node.host_memory_gib * GIB), intra))
+    network = model.network.spec() if model.network is not None else None
+    return Cluster(model.name, tuple(nodes), tuple(devices), network, source)

@@ -1,0 +1,247 @@
+"""A plan as the solvers produce it, and the one evaluation that every solver reports through.
+
+A `Solution` lists the used devices in pipeline order, each with a contiguous half-open range of
+units; consecutive ranges meet, the first starts at unit 0 and the last ends at `n_units`.
+Devices not listed stay idle.
+
+`evaluate(instance, solution)` computes, per stage and per pass (prefill, decode), exactly the
+quantities of `tessel.plan.instance`'s docstring:
+
+    compute_j = sum of unit times (+ first_time when j is first, + last_time when j is last)
+    comm_j    = send_s[j, next] (0 on the last stage)
+    held_j    = weights + KV of its units + workspace_bytes[j] (+ first_bytes / last_bytes)
+    offload_j = max(held_j - memory_bytes[j], 0) / host_to_device_bytes_per_s[j]
+    T_j       = compute + comm + offload        (overlap=False, the seed's additive form)
+              = max(compute, comm, offload)     (overlap=True)
+    objective = prefill_weight * (sum T^pre + (m - 1) max T^pre)
+              + decode_weight  * (sum T^dec + (m - 1) max T^dec)
+
+and feasibility:
+
+- offloaded bytes fit the device's host allowance: `held_j - memory_bytes[j] <= host_bytes[j]`;
+- the swap-in is hidden under the upstream stage (SPEC section 2): a stage's offload time must
+  not exceed the upstream stage's `compute + comm` (its `T - A` in the additive form) in either
+  pass. The first stage has no upstream stage, so it may not offload (the SPEC's linear constraint
+  has an empty right-hand side there). Offload time is the same in both passes (same bytes).
+
+MILP, DP, brute force and the baselines all call this function, so they agree on one number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessel.plan.instance import PassCosts, PlanningInstance
+
+# Relative slack on feasibility checks, so a MILP solution that sits on a constraint within the
+# solver's feasibility tolerance (1e-7 on scaled rows) is not rejected.
+FEASIBILITY_RTOL = 1e-6
+FEASIBILITY_ATOL_S = 1e-9
+FEASIBILITY_ATOL_BYTES = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    device: int  # index into instance.devices
+    unit_start: int
+    unit_end: int  # half-open
+
+    @property
+    def n_units(self) -> int:
+        return self.unit_end - self.unit_start
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    stages: tuple[Stage, ...]
+
+    @classmethod
+    def from_counts(cls, devices: list[int] | tuple[int, ...], counts: list[int]) -> Solution:
+        """Stages from a device order and unit counts per device (zero counts are skipped)."""
+        stages, start = [], 0
+        for device, count in zip(devices, counts, strict=True):
+            if count > 0:
+                stages.append(Stage(int(device), start, start + int(count)))
+                start += int(count)
+        return cls(tuple(stages))
+
+    def validate(self, instance: PlanningInstance) -> None:
+        """Raise ValueError unless the stages tile all units with distinct devices."""
+        if not self.stages:
+            raise ValueError("a solution needs at least one stage")
+        seen: set[int] = set()
+        expected_start = 0
+        for stage in self.stages:
+            if not 0 <= stage.device < instance.n_devices:
+                raise ValueError(f"device index {stage.device} out of range")
+            if stage.device in seen:
+                raise ValueError(f"device {stage.device} holds two stages")
+            seen.add(stage.device)
+            if stage.unit_start != expected_start or stage.unit_end <= stage.unit_start:
+                raise ValueError(f"stage {stage} does not continue at unit {expected_start}")
+            expected_start = stage.unit_end
+        if expected_start != instance.n_units:
+            raise ValueError(f"stages end at unit {expected_start}, expected {instance.n_units}")
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(stage.device for stage in self.stages)
+
+    def assignment(self, n_units: int) -> np.ndarray:
+        """Device index per unit."""
+        owner = np.full(n_units, -1, dtype=int)
+        for stage in self.stages:
+            owner[stage.unit_start : stage.unit_end] = stage.device
+        return owner
+
+
+@dataclass(frozen=True, slots=True)
+class StageEval:
+    stage: Stage
+    compute_prefill_s: float
+    compute_decode_s: float
+    comm_prefill_s: float
+    comm_decode_s: float
+    offload_s: float
+    time_prefill_s: float  # T_j^pre
+    time_decode_s: float  # T_j^dec
+    weight_bytes: float  # weights of its units (+ embedding / LM head when first / last)
+    kv_bytes: float
+    workspace_bytes: float
+    held_bytes: float
+    offload_bytes: float  # held beyond device memory, streamed from host
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    stages: tuple[StageEval, ...]
+    prefill_makespan_s: float  # sum T^pre + (m - 1) max T^pre
+    decode_makespan_s: float  # sum T^dec + (m - 1) max T^dec
+    objective: float
+    feasible: bool
+    reasons: tuple[str, ...]  # why infeasible (empty when feasible)
+
+    @property
+    def offload_bytes(self) -> float:
+        return sum(stage.offload_bytes for stage in self.stages)
+
+    @property
+    def max_prefill_s(self) -> float:
+        return max(stage.time_prefill_s for stage in self.stages)
+
+    @property
+    def max_decode_s(self) -> float:
+        return max(stage.time_decode_s for stage in self.stages)
+
+
+def _stage_compute(costs: PassCosts, device: int, start: int, end: int, first: bool, last: bool) -> float:
+    time = float(np.sum(costs.unit_time_s[start:end, device]))
+    if first:
+        time += float(costs.first_time_s[device])
+    if last:
+        time += float(costs.last_time_s[device])
+    return time
+
+
+def _combine(compute: float, comm: float, offload: float, overlap: bool) -> float:
+    return max(compute, comm, offload) if overlap else compute + comm + offload
+
+
+def offload_time_s(offload_bytes: float, bytes_per_s: float) -> float:
+    if offload_bytes <= 0.0:
+        return 0.0
+    return offload_bytes / bytes_per_s if bytes_per_s > 0 else float("inf")
+
+
+def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
+    """Stage times, memory, offloading, feasibility and the objective of one plan."""
+    solution.validate(instance)
+    n_stages = len(solution.stages)
+    results: list[StageEval] = []
+    reasons: list[str] = []
+    for index, stage in enumerate(solution.stages):
+        j = stage.device
+        device = instance.devices[j]
+        first, last = index == 0, index == n_stages - 1
+        nxt = None if last else solution.stages[index + 1].device
+        units = slice(stage.unit_start, stage.unit_end)
+        weights = float(np.sum(instance.weight_bytes[units]))
+        weights += (instance.first_bytes if first else 0.0) + (instance.last_bytes if last else 0.0)
+        kv = float(np.sum(instance.kv_bytes[units]))
+        workspace = float(instance.workspace_bytes[j])
+        held = weights + kv + workspace
+        offload_bytes = max(held - device.memory_bytes, 0.0)
+        offload = offload_time_s(offload_bytes, device.host_to_device_bytes_per_s)
+        times = {}
+        for name, costs in (("prefill", instance.prefill), ("decode", instance.decode)):
+            compute = _stage_compute(costs, j, stage.unit_start, stage.unit_end, first, last)
+            comm = 0.0 if nxt is None else float(costs.send_s[j, nxt])
+            times[name] = (compute, comm, _combine(compute, comm, offload, instance.overlap))
+        if offload_bytes > device.host_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES:
+            reasons.append(
+                f"{device.name}: holds {held / 2**30:.2f} GiB, {offload_bytes / 2**30:.2f} GiB over its "
+                f"{device.memory_bytes / 2**30:.2f} GiB, more than its {device.host_bytes / 2**30:.2f} GiB "
+                "of host memory"
+            )
+        results.append(
+            StageEval(
+                stage=stage,
+                compute_prefill_s=times["prefill"][0],
+                compute_decode_s=times["decode"][0],
+                comm_prefill_s=times["prefill"][1],
+                comm_decode_s=times["decode"][1],
+                offload_s=offload,
+                time_prefill_s=times["prefill"][2],
+                time_decode_s=times["decode"][2],
+                weight_bytes=weights,
+                kv_bytes=kv,
+                workspace_bytes=workspace,
+                held_bytes=held,
+                offload_bytes=offload_bytes,
+            )
+        )
+    reasons.extend(_swap_in_violations(instance, results))
+    m = instance.micro_batches
+    pre = [stage.time_prefill_s for stage in results]
+    dec = [stage.time_decode_s for stage in results]
+    prefill_makespan = sum(pre) + (m - 1) * max(pre)
+    decode_makespan = sum(dec) + (m - 1) * max(dec)
+    objective = instance.prefill_weight * prefill_makespan + instance.decode_weight * decode_makespan
+    return Evaluation(
+        stages=tuple(results),
+        prefill_makespan_s=prefill_makespan,
+        decode_makespan_s=decode_makespan,
+        objective=objective,
+        feasible=not reasons,
+        reasons=tuple(reasons),
+    )
+
+
+def swap_window_s(stage: StageEval) -> float:
+    """How long an upstream stage works (compute + send) while the next one swaps in."""
+    return min(
+        stage.compute_prefill_s + stage.comm_prefill_s, stage.compute_decode_s + stage.comm_decode_s
+    )
+
+
+def _swap_in_violations(instance: PlanningInstance, stages: list[StageEval]) -> list[str]:
+    reasons = []
+    for index, stage in enumerate(stages):
+        if stage.offload_bytes <= 0.0:
+            continue
+        name = instance.devices[stage.stage.device].name
+        if index == 0:
+            reasons.append(
+                f"{name}: first stage would offload {stage.offload_bytes / 2**30:.2f} GiB, but no upstream "
+                "stage hides its swap-in"
+            )
+            continue
+        window = swap_window_s(stages[index - 1])
+        if stage.offload_s > window * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S:
+            reasons.append(
+                f"{name}: swap-in of {stage.offload_bytes / 2**30:.2f} GiB takes {stage.offload_s * 1e3:.2f} ms, "
+                f"longer than the {window * 1e3:.2f} ms the upstream stage works"
+            )
+    return reasons

@@ -1,0 +1,269 @@
+"""The FastAPI application: OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+`create_app(engine)` wraps an `LLMEngine` in an `AsyncEngine` whose thread starts and stops with
+the app (its lifespan). A request whose client goes away is aborted, streamed or not, so its KV
+blocks return to the pool at once: streams are cancelled by Starlette when it sees the
+disconnect; a non-streamed request is raced against a task that waits for the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from tessel.server.async_engine import AsyncEngine, RequestStream
+from tessel.server.errors import ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+
+DEFAULT_MAX_PENDING = 256  # requests held at once (running + waiting) before a 429
+_CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody reads this response
+
+
+def create_app(
+    engine: Any, *, max_pending: int = DEFAULT_MAX_PENDING, model_name: str | None = None
+) -> FastAPI:
+    """An ASGI app serving `engine` (an `LLMEngine`); `app.state.async_engine` drives it."""
+    async_engine = AsyncEngine(engine, max_pending=max_pending)
+    served_name = model_name or engine.model_name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="tessel", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.model_name = served_name
+    install_error_handlers(app)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.healthy:
+            return response_for(async_engine.error or RuntimeError("the engine thread is not running"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=served_name, created=created, max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        _check_model(body.model, served_name)
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        params = _sampling_params(body, max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, body.prompt, params))
+        if isinstance(stream, Response):
+            return stream
+        if body.stream:
+            return _event_stream(stream, _completion_chunks(stream, served_name, body.include_usage()))
+        final = await _final_output(raw, stream)
+        if isinstance(final, Response):
+            return final
+        choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
+        return _json(
+            CompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        _check_model(body.model, served_name)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = await async_engine.call(lambda: _chat_prompt_ids(engine.tokenizer, messages))
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:  # OpenAI's default: whatever the context has left
+            max_tokens = max(engine.max_model_len - len(prompt_ids), 1)
+        params = _sampling_params(body, max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, prompt_ids, params))
+        if isinstance(stream, Response):
+            return stream
+        if body.stream:
+            return _event_stream(stream, _chat_chunks(stream, served_name, body.include_usage()))
+        final = await _final_output(raw, stream)
+        if isinstance(final, Response):
+            return final
+        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
+        return _json(
+            ChatCompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
+        )
+
+    return app
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _check_model(requested: str | None, served_name: str) -> None:
+    if requested is not None and requested != served_name:
+        raise ModelNotFoundError(
+            f"model {requested!r} is not served here; this server serves {served_name!r}"
+        )
+
+
+def _sampling_params(body: Any, max_tokens: int) -> Any:
+    from tessel.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        max_tokens=max_tokens,
+        stop=body.stop_list(),
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions instead")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _usage(output: Any) -> UsageInfo:
+    prompt, completion = output.num_prompt_tokens, output.num_output_tokens
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _json(model: Any) -> JSONResponse:
+    return JSONResponse(model.model_dump())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it if the client disconnects first (a cancelled request aborts)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def _final_output(request: Request, stream: RequestStream) -> Any:
+    """The request's last output, or a 499 response if the client went away first."""
+    try:
+        return await _cancel_on_disconnect(request, stream.final())
+    finally:
+        stream.abort()  # no-op once finished; covers a task cancelled before it ever ran
+
+
+def _event_stream(stream: RequestStream, chunks: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events; the request is aborted once the response ends, however it ends."""
+    return StreamingResponse(
+        _guarded(chunks), media_type="text/event-stream", background=BackgroundTask(stream.abort)
+    )
+
+
+async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass chunks on; an error after the response started becomes an OpenAI error event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as error:
+        body = json.loads(response_for(error).body)
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _delta(output: Any, sent: int) -> tuple[str, int]:
+    """The text not streamed yet, and the new count of streamed characters.
+
+    While the request runs, a trailing U+FFFD (the decoder's mark for a character whose bytes
+    have not all arrived) is held back, so the streamed pieces add up to the final text.
+    """
+    text = output.text if output.finished else output.text.rstrip("\ufffd")
+    return (text[sent:], len(text)) if len(text) > sent else ("", sent)
+
+
+def _sse(model: Any) -> str:
+    return f"data: {json.dumps(model.model_dump(exclude_none=False))}\n\n"
+
+
+async def _completion_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+    created, sent, last = int(time.time()), 0, None
+    async for output in stream:
+        last = output
+        text, sent = _delta(output, sent)
+        if text or output.finished:
+            choice = CompletionChoice(
+                text=text, finish_reason=output.finish_reason if output.finished else None
+            )
+            chunk = CompletionResponse(id=stream.request_id, created=created, model=model, choices=[choice])
+            yield _sse(chunk)
+    if include_usage and last is not None:
+        yield _sse(
+            CompletionResponse(
+                id=stream.request_id, created=created, model=model, choices=[], usage=_usage(last)
+            )
+        )
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+    created, sent, last = int(time.time()), 0, None
+
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[choice]))
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    async for output in stream:
+        last = output
+        text, sent = _delta(output, sent)
+        if text:
+            yield chunk(DeltaMessage(content=text))
+        if output.finished:
+            yield chunk(DeltaMessage(), finish_reason=output.finish_reason)
+    if include_usage and last is not None:
+        usage_chunk = ChatCompletionChunk(
+            id=stream.request_id, created=created, model=model, choices=[], usage=_usage(last)
+        )
+        yield _sse(usage_chunk)
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,223 @@
+"""Drive an `LLMEngine` from asyncio: one background thread owns the engine.
+
+The engine is not thread-safe, so only its thread touches it. The event loop hands it work as
+commands (add a request, abort one, run a callable such as a chat template) that the thread runs
+between two `step()`s; results come back through futures, and each request's outputs come back
+through its own `asyncio.Queue`, fed with `loop.call_soon_threadsafe`. The tokenizer is used only
+on the engine thread too (HF fast tokenizers may refuse concurrent use: "Already borrowed").
+
+The server holds at most `max_pending` unfinished requests (running plus waiting); one more is
+refused with `QueueFullError` (HTTP 429) instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from tessel.server.errors import EngineDeadError, QueueFullError
+
+T = TypeVar("T")
+
+_JOIN_TIMEOUT_S = 30.0  # how long stop() waits for a step in progress to end
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last one has `finished` set.
+
+    Leaving the iteration early (a client that went away, a cancelled task) aborts the request,
+    which frees its KV blocks.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, owner: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._owner = owner
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            while not self._done:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self._close(abort=False)
+                    raise item
+                if item.finished:
+                    self._close(abort=False)
+                yield item
+        finally:
+            self.abort()
+
+    async def final(self) -> Any:
+        """Wait for the request to finish and return its last output."""
+        last = None
+        async for output in self:
+            last = output
+        return last
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        self._close(abort=True)
+
+    def _close(self, abort: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._owner._release(self.request_id, abort=abort)
+
+
+class AsyncEngine:
+    """An `LLMEngine` stepped by a background thread, fed and read from asyncio."""
+
+    def __init__(self, engine: Any, max_pending: int) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.engine = engine
+        self.max_pending = max_pending
+        self.num_aborted = 0  # requests aborted before they finished (clients that went away)
+        self.error: BaseException | None = None
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}  # engine thread only
+        self._pending_lock = threading.Lock()
+        self._pending: set[str] = set()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="tessel-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=_JOIN_TIMEOUT_S)
+            self._thread = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    # ---- the API the routes use ----------------------------------------------------------------
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread (between two steps) and return its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the engine thread between two steps (callable from any thread)."""
+        future: Future = Future()
+        with self._cond:
+            if self.error is not None or self._stopping:
+                future.set_exception(EngineDeadError(f"the engine is not running: {self.error}"))
+                return future
+            self._commands.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    async def add(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+        """Queue a request; raises `QueueFullError` when full and the engine's `TesselError`s."""
+        with self._pending_lock:
+            if len(self._pending) >= self.max_pending:
+                raise QueueFullError(
+                    f"the server is full: {len(self._pending)} requests are running or waiting "
+                    f"(limit {self.max_pending}); retry later"
+                )
+            if request_id in self._pending:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._pending.add(request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, queue, self)
+        try:
+            await self.call(lambda: self._add_now(request_id, prompt, params, queue, loop))
+        except BaseException:
+            stream.abort()  # also covers a cancellation that arrives after the engine added it
+            raise
+        return stream
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        with self._pending_lock:
+            self._pending.discard(request_id)
+        if abort:
+            self.submit(lambda: self._abort_now(request_id))
+
+    def _add_now(self, request_id, prompt, params, queue, loop) -> None:
+        self.engine.add_request(request_id, prompt, params)
+        self._queues[request_id] = (queue, loop)
+
+    def _abort_now(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is None:
+            return  # finished (or never added) before the abort came
+        self.engine.abort_request(request_id)
+        self.num_aborted += 1
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as error:  # handed to the awaiting coroutine
+                        future.set_exception(error)
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as error:
+                self._die(error)
+                return
+            for output in outputs:
+                self._deliver(output.request_id, output, finished=output.finished)
+        self._fail_commands(EngineDeadError("the server is shutting down"))
+
+    def _deliver(self, request_id: str, item: Any, finished: bool) -> None:
+        entry = self._queues.pop(request_id, None) if finished else self._queues.get(request_id)
+        if entry is None:
+            return
+        queue, loop = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody will read this request
+            self._queues.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+        dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
+        for request_id in list(self._queues):
+            self._deliver(request_id, dead, finished=True)
+        self._fail_commands(dead)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)

@@ -1,0 +1,223 @@
+"""The discrete-event simulator: requests, a scheduler and a pipeline of stages on one event heap.
+
+Each stage is a resource that computes one micro-batch at a time; stages take micro-batches in the
+order they entered the pipeline (a permutation flow shop, so chunk i of a prompt always follows
+chunk i-1). After computing, stage s sends the batch's hidden states to stage s+1 over its link
+(`StageLatency.send_time_s(tokens)`); the stage is free to compute again while it sends. A link
+carries one transfer at a time (`link_contention`) or any number at once (the flow-shop model).
+The last stage's output is the batch's tokens: the scheduler learns of them when it finishes.
+
+A new micro-batch is formed when stage 0 is idle and fewer than `max_in_flight` micro-batches are
+in the pipeline (default: one per stage). All events at one instant are handled before the
+scheduler runs, so requests that arrive together can share a micro-batch.
+
+Compute time of a micro-batch on a stage: each prefill chunk costs `prefill_time_s(c, p)`; the
+decode steps together cost `decode_time_s(B, sum of contexts)`; `mix="sum"` adds them (each priced
+as its own pass over the weights: an upper bound), `mix="max"` takes the larger part (a roofline
+reading: compute-bound prefill hides memory-bound decode when they share the weight reads).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from tessel.chunk.latency import PipelineLatency, StageLatency
+from tessel.sim.requests import Request
+from tessel.sim.scheduler import MicroBatch, Scheduler, SchedulerConfig, Sequence, Work
+
+MIX_RULES = ("sum", "max")
+
+# Events at one instant are handled in this order, then the scheduler runs.
+_COMPUTE_DONE, _SEND_DONE, _ARRIVAL = 0, 1, 2
+
+
+@dataclass(slots=True)
+class SimConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_in_flight: int | None = None  # micro-batches in the pipeline at once (None = number of stages)
+    link_contention: bool = True
+    mix: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.mix not in MIX_RULES:
+            raise ValueError(f"mix rule {self.mix!r} not in {MIX_RULES}")
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """One box of the Gantt chart: stage `stage` computing ("compute") or sending ("send") a batch."""
+
+    stage: int
+    kind: str
+    start_s: float
+    end_s: float
+    batch_id: int
+    items: tuple[Work, ...]  # what the batch holds: prefill chunks and decode steps per request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    request: Request
+    first_token_s: float
+    finish_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.request.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None for one-token outputs."""
+        if self.request.output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.request.output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    n_stages: int
+    records: tuple[RequestRecord, ...]  # in request id order
+    intervals: tuple[Interval, ...]  # in start order
+    batches: int
+
+
+class _Stage:
+    __slots__ = ("arrived", "busy", "next_id")
+
+    def __init__(self) -> None:
+        self.arrived: dict[int, MicroBatch] = {}
+        self.busy = False
+        self.next_id = 0  # the batch this stage must compute next
+
+
+class Simulator:
+    def __init__(self, pipeline: PipelineLatency, config: SimConfig | None = None) -> None:
+        self.pipeline = pipeline
+        self.config = config or SimConfig()
+
+    def run(self, requests: list[Request]) -> SimResult:
+        return _Run(self.pipeline, self.config, requests).run()
+
+
+def simulate(
+    pipeline: PipelineLatency, requests: list[Request], config: SimConfig | None = None
+) -> SimResult:
+    return Simulator(pipeline, config).run(requests)
+
+
+def batch_compute_time_s(stage: StageLatency, batch: MicroBatch, mix: str = "sum") -> float:
+    prefill = sum(
+        stage.prefill_time_s(item.tokens, item.offset) for item in batch.items if item.kind == "prefill"
+    )
+    decodes = [item for item in batch.items if item.kind == "decode"]
+    decode = stage.decode_time_s(len(decodes), sum(item.offset + 1 for item in decodes)) if decodes else 0.0
+    return prefill + decode if mix == "sum" else max(prefill, decode)
+
+
+class _Run:
+    def __init__(self, pipeline: PipelineLatency, config: SimConfig, requests: list[Request]) -> None:
+        ids = [request.id for request in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        self.latency = pipeline.stages
+        self.n_stages = pipeline.n_stages
+        self.config = config
+        self.max_in_flight = config.max_in_flight or self.n_stages
+        self.requests = requests
+        self.scheduler = Scheduler(config.scheduler)
+        self.stages = [_Stage() for _ in range(self.n_stages)]
+        self.link_busy = [False] * self.n_stages
+        self.link_queue: list[deque[MicroBatch]] = [deque() for _ in range(self.n_stages)]
+        self.in_flight = 0
+        self.events: list[tuple[float, int, int, int, object]] = []
+        self.counter = 0
+        self.intervals: list[Interval] = []
+        self.sequences: dict[int, Sequence] = {}
+
+    def push(self, time_s: float, kind: int, stage: int, payload: object) -> None:
+        heapq.heappush(self.events, (time_s, kind, self.counter, stage, payload))
+        self.counter += 1
+
+    def run(self) -> SimResult:
+        for request in self.requests:
+            self.push(request.arrival_s, _ARRIVAL, 0, request)
+        while self.events:
+            now = self.events[0][0]
+            while self.events and self.events[0][0] == now:
+                _, kind, _, stage, payload = heapq.heappop(self.events)
+                if kind == _ARRIVAL:
+                    self.sequences[payload.id] = self.scheduler.add(payload)
+                elif kind == _COMPUTE_DONE:
+                    self.compute_done(now, stage, payload)
+                else:
+                    self.send_done(now, stage, payload)
+            self.dispatch(now)
+        unfinished = [s.request.id for s in self.sequences.values() if s.finish_s is None]
+        if unfinished or self.in_flight:
+            raise RuntimeError(f"simulation ended with unfinished requests {unfinished[:10]}")
+        records = tuple(
+            RequestRecord(s.request, s.first_token_s, s.finish_s)  # type: ignore[arg-type]
+            for s in sorted(self.sequences.values(), key=lambda s: s.request.id)
+        )
+        intervals = tuple(sorted(self.intervals, key=lambda i: (i.start_s, i.stage, i.kind)))
+        return SimResult(self.n_stages, records, intervals, self.scheduler._next_batch_id)
+
+    def dispatch(self, now: float) -> None:
+        """Form new micro-batches while stage 0 is idle and the pipeline has room."""
+        first = self.stages[0]
+        while not first.busy and self.in_flight < self.max_in_flight:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            self.in_flight += 1
+            first.arrived[batch.id] = batch
+            self.try_start(now, 0)
+
+    def try_start(self, now: float, index: int) -> None:
+        stage = self.stages[index]
+        if stage.busy or stage.next_id not in stage.arrived:
+            return
+        batch = stage.arrived.pop(stage.next_id)
+        stage.next_id += 1
+        stage.busy = True
+        end = now + batch_compute_time_s(self.latency[index], batch, self.config.mix)
+        self.record(index, "compute", now, end, batch)
+        self.push(end, _COMPUTE_DONE, index, batch)
+
+    def compute_done(self, now: float, index: int, batch: MicroBatch) -> None:
+        self.stages[index].busy = False
+        if index == self.n_stages - 1:
+            self.in_flight -= 1
+            self.scheduler.complete(batch, now)
+        elif self.config.link_contention:
+            self.link_queue[index].append(batch)
+            self.try_send(now, index)
+        else:
+            self.send(now, index, batch)
+        if index > 0:
+            self.try_start(now, index)
+
+    def try_send(self, now: float, index: int) -> None:
+        if not self.link_busy[index] and self.link_queue[index]:
+            self.link_busy[index] = True
+            self.send(now, index, self.link_queue[index].popleft())
+
+    def send(self, now: float, index: int, batch: MicroBatch) -> None:
+        end = now + self.latency[index].send_time_s(batch.tokens)
+        if end > now:
+            self.record(index, "send", now, end, batch)
+        self.push(end, _SEND_DONE, index, batch)
+
+    def send_done(self, now: float, index: int, batch: MicroBatch) -> None:
+        if self.config.link_contention:
+            self.link_busy[index] = False
+            self.try_send(now, index)
+        self.stages[index + 1].arrived[batch.id] = batch
+        self.try_start(now, index + 1)
+
+    def record(self, stage: int, kind: str, start: float, end: float, batch: MicroBatch) -> None:
+        self.intervals.append(Interval(stage, kind, start, end, batch.id, batch.items))

@@ -1,0 +1,215 @@
+"""Continuous batching: which prefill chunks and decode steps go into the next micro-batch.
+
+The policy follows vLLM's and SGLang's chunked-prefill schedulers: every micro-batch has a token
+budget (`max_batch_tokens`); decode steps of running sequences go first (one token each), then the
+next prefill chunk of sequences already admitted, then new requests in arrival order while fewer
+than `max_running` sequences run (and, if set, while their KV fits `kv_capacity_tokens`: a request
+reserves prompt + output tokens when admitted and frees them when it finishes; no preemption).
+
+A decode step of a sequence needs its previous token, so a sequence in flight gets no decode step.
+Prefill chunks of one sequence may follow each other into the pipeline before the previous one has
+left it (`pipelined_prefill`, CPP): chunk i only needs chunks < i, which every stage has already
+processed because stages run micro-batches in the order they entered the pipeline.
+`chunk_sizes`, when given, cuts each prompt (e.g. the CPP plan from `tessel.chunk`); otherwise a
+prompt is cut by the budget left in the micro-batch (or not at all when `chunked_prefill` is off).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tessel.errors import TesselError
+from tessel.sim.requests import Request
+
+ChunkSizer = Callable[[Request], list[int]]
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_running: int = 256  # sequences admitted at once (vLLM max_num_seqs)
+    max_batch_tokens: int = 2048  # tokens per micro-batch (vLLM max_num_batched_tokens)
+    chunked_prefill: bool = True
+    pipelined_prefill: bool = False  # CPP: several chunks of one prompt in flight at once
+    chunk_sizes: ChunkSizer | None = None  # fixed cut of each prompt into chunks (CPP plan)
+    kv_capacity_tokens: int | None = None  # KV tokens the pipeline can hold (None = unlimited)
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_batch_tokens < 1:
+            raise ValueError(
+                f"max_running and max_batch_tokens must be >= 1, "
+                f"got {self.max_running} and {self.max_batch_tokens}"
+            )
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One sequence's share of a micro-batch: a prefill chunk, or one decode step (tokens = 1).
+
+    `offset` is the number of that sequence's tokens already in the KV cache; a decode step
+    attends to offset + 1 tokens.
+    """
+
+    request_id: int
+    kind: str  # "prefill" | "decode"
+    tokens: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    id: int
+    items: tuple[Work, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(item.tokens for item in self.items)
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        return tuple(item.request_id for item in self.items)
+
+
+@dataclass(slots=True)
+class Sequence:
+    request: Request
+    chunks: deque[int] = field(default_factory=deque)  # planned prefill chunks not yet scheduled
+    scheduled_prompt: int = 0  # prompt tokens put into micro-batches
+    done_prompt: int = 0  # prompt tokens whose chunk has left the last stage
+    generated: int = 0  # tokens that have left the last stage (the first comes with the prefill)
+    in_flight: int = 0  # micro-batches in the pipeline holding this sequence
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def prefill_left(self) -> int:
+        return self.request.prompt_tokens - self.scheduled_prompt
+
+    @property
+    def can_decode(self) -> bool:
+        request = self.request
+        return (
+            self.done_prompt == request.prompt_tokens
+            and self.in_flight == 0
+            and (self.generated < request.output_tokens)
+        )
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.request.prompt_tokens + self.request.output_tokens
+
+
+class Scheduler:
+    """Holds waiting and running sequences; `schedule()` returns the next micro-batch or None."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: list[Sequence] = []
+        self.kv_used_tokens = 0
+        self._next_batch_id = 0
+
+    def add(self, request: Request) -> Sequence:
+        capacity = self.config.kv_capacity_tokens
+        sequence = Sequence(request)
+        if capacity is not None and sequence.kv_tokens > capacity:
+            raise TesselError(
+                f"request {request.id} needs {sequence.kv_tokens} KV tokens (prompt + output), "
+                f"more than the pipeline holds ({capacity}); shorten it or give the plan more memory"
+            )
+        if self.config.chunk_sizes is not None:
+            chunks = [int(size) for size in self.config.chunk_sizes(request)]
+            if sum(chunks) != request.prompt_tokens or min(chunks) < 1:
+                raise ValueError(
+                    f"chunk plan {chunks} does not cut request {request.id}'s "
+                    f"{request.prompt_tokens} prompt tokens into positive chunks"
+                )
+            sequence.chunks = deque(chunks)
+        self.waiting.append(sequence)
+        return sequence
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> MicroBatch | None:
+        config = self.config
+        budget = config.max_batch_tokens
+        items: list[Work] = []
+        for sequence in self.running:
+            if budget == 0 or len(items) == config.max_running:
+                break
+            if sequence.can_decode:
+                offset = sequence.request.prompt_tokens + sequence.generated - 1
+                items.append(Work(sequence.request.id, "decode", 1, offset))
+                budget -= 1
+        for sequence in self.running:
+            if budget == 0:
+                break
+            budget -= self._add_prefill(sequence, budget, items)
+        while self.waiting and budget > 0 and len(self.running) < config.max_running:
+            sequence = self.waiting[0]
+            if config.kv_capacity_tokens is not None and (
+                self.kv_used_tokens + sequence.kv_tokens > config.kv_capacity_tokens
+            ):
+                break
+            taken = self._add_prefill(sequence, budget, items)
+            if taken == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(sequence)
+            self.kv_used_tokens += sequence.kv_tokens
+            budget -= taken
+        if not items:
+            return None
+        batch = MicroBatch(self._next_batch_id, tuple(items))
+        self._next_batch_id += 1
+        by_id = {sequence.request.id: sequence for sequence in self.running}
+        for item in items:
+            by_id[item.request_id].in_flight += 1
+        return batch
+
+    def _add_prefill(self, sequence: Sequence, budget: int, items: list[Work]) -> int:
+        """Put the sequence's next prefill chunk into `items` if it may go; return its tokens."""
+        left = sequence.prefill_left
+        if left == 0 or (sequence.in_flight > 0 and not self.config.pipelined_prefill):
+            return 0
+        empty = not items
+        if sequence.chunks:
+            size = sequence.chunks[0]
+        elif self.config.chunked_prefill:
+            size = min(left, budget)
+        else:
+            size = left
+        if size > budget and not empty:  # an oversized chunk goes alone, never split further
+            return 0
+        if sequence.chunks:
+            sequence.chunks.popleft()
+        items.append(Work(sequence.request.id, "prefill", size, sequence.scheduled_prompt))
+        sequence.scheduled_prompt += size
+        return min(size, budget)
+
+    def complete(self, batch: MicroBatch, now_s: float) -> None:
+        """The batch left the last stage at `now_s`: its tokens exist."""
+        by_id = {sequence.request.id: sequence for sequence in self.running}
+        for item in batch.items:
+            sequence = by_id[item.request_id]
+            sequence.in_flight -= 1
+            if item.kind == "prefill":
+                sequence.done_prompt += item.tokens
+                if sequence.done_prompt == sequence.request.prompt_tokens:
+                    sequence.generated = 1
+                    sequence.first_token_s = now_s
+            else:
+                sequence.generated += 1
+            if sequence.generated == sequence.request.output_tokens and sequence.in_flight == 0:
+                sequence.finish_s = now_s
+        done = [sequence for sequence in self.running if sequence.finish_s is not None]
+        if done:
+            self.running = [sequence for sequence in self.running if sequence.finish_s is None]
+            self.finished.extend(done)
+            self.kv_used_tokens -= sum(sequence.kv_tokens for sequence in done)

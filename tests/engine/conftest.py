@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tiny_models
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """checkpoints(name) -> path of the tiny_models.VARIANTS checkpoint `name` (built once)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+
+    def get(name: str) -> Path:
+        return tiny_models.variant_checkpoint(root, name)
+
+    return get

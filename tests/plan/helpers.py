@@ -1,0 +1,83 @@
+"""Random planning instances for the solver tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tessel.plan.instance import DeviceSlot, PassCosts, PlanningInstance, Unit
+
+GIB = 2.0**30
+
+
+def random_instance(
+    rng: np.random.Generator,
+    n_units: int,
+    n_devices: int,
+    *,
+    n_types: int | None = None,
+    overlap: bool = False,
+    offload: bool = False,
+    tight_memory: bool = False,
+    micro_batches: int | None = None,
+    granularity: str = "layer",
+) -> PlanningInstance:
+    """Devices of a few types on two nodes; times, bytes and links drawn fresh.
+
+    Same-type devices on one node are exact copies (the DP's type orders rely on that)."""
+    n_types = n_types or n_devices
+    type_of = [j % n_types for j in range(n_devices)]
+    node_of = [(j // n_types) % 2 for j in range(n_devices)]
+    speed = rng.uniform(0.5, 3.0, size=n_types)
+    mem_gib = rng.uniform(2.0, 8.0, size=n_types)
+    bw = rng.uniform(5e9, 20e9, size=n_types)
+    if granularity == "sublayer":
+        units = tuple(Unit(i // 2, "attention" if i % 2 == 0 else "mlp") for i in range(n_units))
+    else:
+        units = tuple(Unit(i) for i in range(n_units))
+    weight = rng.uniform(0.2, 1.0, size=n_units) * GIB
+    kv = rng.uniform(0.05, 0.4, size=n_units) * GIB
+    total = weight.sum() + kv.sum()
+    capacity = sum(mem_gib[t] for t in type_of)
+    slack = rng.uniform(0.6, 1.1) if tight_memory else rng.uniform(1.3, 3.0)
+    if tight_memory or capacity * GIB < slack * total:
+        mem_gib = mem_gib * slack * (total / GIB) / capacity
+    work_pre = rng.uniform(0.5, 1.5, size=n_units) * 1e-2
+    work_dec = rng.uniform(0.5, 1.5, size=n_units) * 1e-3
+
+    def pass_costs(work: np.ndarray, scale: float) -> PassCosts:
+        unit_time = work[:, None] / speed[type_of][None, :]
+        link = np.where(np.equal.outer(node_of, node_of), 1.0, 6.0) * scale * rng.uniform(0.5, 1.5)
+        np.fill_diagonal(link, 0.0)
+        return PassCosts(
+            unit_time_s=unit_time,
+            first_time_s=rng.uniform(0, 2, size=n_types)[type_of] * scale,
+            last_time_s=rng.uniform(0, 4, size=n_types)[type_of] * scale,
+            send_s=link,
+        )
+
+    devices = tuple(
+        DeviceSlot(
+            name=f"node{node_of[j]}/gpu{j}",
+            gpu_type=f"T{type_of[j]}",
+            node=f"node{node_of[j]}",
+            memory_bytes=float(mem_gib[type_of[j]] * GIB),
+            host_bytes=float(rng.uniform(0.5, 4.0) * GIB) if offload else 0.0,
+            host_to_device_bytes_per_s=float(bw[type_of[j]]),
+        )
+        for j in range(n_devices)
+    )
+    return PlanningInstance(
+        units=units,
+        devices=devices,
+        prefill=pass_costs(work_pre, 2e-3),
+        decode=pass_costs(work_dec, 2e-4),
+        weight_bytes=weight,
+        kv_bytes=kv,
+        workspace_bytes=rng.uniform(0.0, 0.3, size=n_types)[type_of] * GIB,
+        first_bytes=float(rng.uniform(0, 0.5) * GIB),
+        last_bytes=float(rng.uniform(0, 0.5) * GIB),
+        micro_batches=micro_batches or int(rng.integers(1, 6)),
+        prefill_weight=float(rng.uniform(0.5, 2.0)),
+        decode_weight=float(rng.uniform(1.0, 50.0)),
+        overlap=overlap,
+    )

@@ -1,0 +1,149 @@
+"""`tessel simulate` end to end on a hand-written plan file (and on `tessel plan`'s, when present)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tessel.cli import app
+from tessel.errors import TesselError
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+def _stage(index: int, gpu: str, start: int, end: int, last: bool) -> dict:
+    return {
+        "index": index,
+        "device": f"node/gpu{index}",
+        "gpu_type": gpu,
+        "node": "node",
+        "layer_start": start,
+        "layer_end": end,
+        "unit_start": start,
+        "unit_end": end,
+        "link_to_next": None if last else {"bandwidth_gbps": 100.0, "latency_us": 5.0},
+    }
+
+
+def _plan(tmp_path: Path) -> Path:
+    split = [("A100-80G", 0, 4), ("T4", 4, 6), ("T4", 6, 8)]
+    uniform = [("A100-80G", 0, 3), ("T4", 3, 6), ("T4", 6, 8)]
+    plan = {
+        "version": 1,
+        "model": {"name": "tiny-llama", "config": TINY_LLAMA},
+        "cluster": {"name": "test", "source": "test"},
+        "dtype": "fp16",
+        "kv_dtype": "fp16",
+        "granularity": "layer",
+        "stages": [_stage(i, g, a, b, i == 2) for i, (g, a, b) in enumerate(split)],
+        "predicted": {"ttft_s": 0.01, "tpot_s": 0.002, "throughput_tok_s": 1000.0},
+        "baselines": {
+            "uniform": {
+                "feasible": True,
+                "stages": [_stage(i, g, a, b, i == 2) for i, (g, a, b) in enumerate(uniform)],
+                "predicted": {"ttft_s": 0.02},
+            },
+            "petals_greedy": {"feasible": False, "reason": "does not fit", "stages": None},
+        },
+    }
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def test_simulate_prints_metrics_and_writes_json_and_gantt(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    out, chart = tmp_path / "sim.json", tmp_path / "chart.svg"
+    args = ["simulate", "--plan", str(plan), "--workload", "default", "--requests", "30", "--seed", "3"]
+    result = CliRunner().invoke(app, [*args, "--compare", "--json", str(out), "--gantt", str(chart)])
+    assert result.exit_code == 0, result.output
+    assert "TTFT p99" in result.output and "uniform" in result.output
+    assert "petals_greedy: not simulated (does not fit)" in result.output
+    document = json.loads(out.read_text())
+    assert set(document["results"]) == {"plan", "uniform"}
+    metrics = document["results"]["plan"]["metrics"]
+    assert metrics["requests"] == 30 and metrics["throughput_tok_s"] > 0
+    assert len(metrics["stage_utilisation"]) == 3
+    assert chart.read_text().lstrip().startswith("<?xml")
+    # the same seed gives the same numbers
+    again = tmp_path / "again.json"
+    assert CliRunner().invoke(app, [*args, "--json", str(again)]).exit_code == 0
+    assert json.loads(again.read_text())["results"]["plan"] == document["results"]["plan"]
+
+
+def test_simulate_reads_a_trace_and_cpp(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,3000,4\n0.01,200,8\n0.5,50,1\n")
+    out = tmp_path / "sim.json"
+    args = ["simulate", "--plan", str(_plan(tmp_path)), "--workload", str(trace), "--cpp", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(out.read_text())["results"]["plan"]["metrics"]
+    assert metrics["requests"] == 3 and metrics["output_tokens"] == 13 and metrics["prompt_tokens"] == 3250
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda p: p.pop("stages"), "'stages' must be a non-empty list"),
+        (lambda p: p["stages"][1].pop("gpu_type"), "stages[1] lacks 'gpu_type'"),
+        (lambda p: p["stages"][1].update(unit_start=5), "not contiguous"),
+        (lambda p: p["stages"][2].update(unit_end=7, layer_end=7), "covers units 0..7"),
+        (lambda p: p["stages"][0].update(link_to_next=None), "has no link_to_next"),
+    ],
+)
+def test_bad_plan_files_are_user_errors(tmp_path: Path, mutate, message: str) -> None:  # noqa: ANN001
+    path = _plan(tmp_path)
+    plan = json.loads(path.read_text())
+    mutate(plan)
+    path.write_text(json.dumps(plan))
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(path), "--requests", "2"])
+    assert isinstance(result.exception, TesselError), result.output
+    assert message in str(result.exception)
+
+
+def test_bad_trace_is_a_user_error(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n{"arrival_s": 1}\n')
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(_plan(tmp_path)), "--workload", str(trace)])
+    assert isinstance(result.exception, TesselError)
+    assert "t.jsonl:2: field 'prompt_tokens' is missing" in str(result.exception)
+
+
+def test_simulate_a_plan_from_tessel_plan(tmp_path: Path) -> None:
+    from tessel.cli import app as cli_app
+
+    names = {command.name for command in cli_app.registered_commands}
+    if "plan" not in names:
+        pytest.skip("`tessel plan` is not registered yet")
+    plan = tmp_path / "plan.json"
+    made = CliRunner().invoke(cli_app, ["plan", "--json", str(plan)])
+    assert made.exit_code == 0, made.output
+    result = CliRunner().invoke(
+        cli_app,
+        [
+            "simulate",
+            "--plan",
+            str(plan),
+            "--requests",
+            "20",
+            "--compare",
+            "--json",
+            str(tmp_path / "s.json"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert results["plan"]["metrics"]["requests"] == 20
