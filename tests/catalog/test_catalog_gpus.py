@@ -72,3 +72,8 @@ def test_unknown_gpu_lists_known_ones() -> None:
 def test_unknown_dtype_is_a_user_error() -> None:
     with pytest.raises(TesselError, match="fp8"):
         get_gpu("H100").peak_flops("fp8")
+
+
+def test_specs_are_hashable_cache_keys() -> None:
+    specs = {get_gpu(name): name for name in REQUIRED}
+    assert specs[get_gpu("h100")] == "H100"

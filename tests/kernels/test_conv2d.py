@@ -80,7 +80,9 @@ def test_conv2d_channels_last_and_sliced_input(backend: str) -> None:
     x = torch.randn(2, 4, 12, 12).to(memory_format=torch.channels_last)[:, :, 1:10, 2:11]
     weight = torch.randn(6, 4, 3, 3) / 6
     out = conv2d(x, weight, padding=1)
-    torch.testing.assert_close(out.double(), reference(x, weight, None, dict(padding=1)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), reference(x, weight, None, dict(padding=1)), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("config", CONV_CONFIGS, ids=str)

@@ -27,7 +27,7 @@ CASES = [
     (1, 4, 4, 17, 17, 80),
     (2, 6, 2, 13, 50, 96),
     (1, 2, 1, 40, 100, 32),
-    (1, 8, 2, 70, 70, 128),
+    (1, 4, 2, 70, 70, 128),
     (1, 3, 1, 5, 130, 64),
 ]
 
@@ -142,7 +142,7 @@ def test_flash_attention_int8(request, poison, backend, case, dtype, causal):
     k_i8, k_scale = quantize_rows_int8(k)
     q_deq = q_i8.double() * q_scale.double()[..., None]
     k_deq = k_i8.double() * k_scale.double()[..., None]
-    atol, rtol = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}[dtype]
+    atol, rtol = next((a, r) for d, a, r in TOLERANCES if d == dtype)
     torch.testing.assert_close(out.double(), reference(q_deq, k_deq, v, causal), atol=atol, rtol=rtol)
     # 2) against exact float64 attention: the quantisation error bound derived above.
     err = (out.double() - reference(q, k, v, causal)).abs()

@@ -93,7 +93,9 @@ def test_int8_gemm_extreme_values_accumulate_exactly(backend: str) -> None:
 
 
 @pytest.mark.parametrize("config", INT8_GEMM_CONFIGS, ids=str)
-def test_int8_gemm_every_autotune_config(triton_backend: None, monkeypatch: pytest.MonkeyPatch, config) -> None:
+def test_int8_gemm_every_autotune_config(
+    triton_backend: None, monkeypatch: pytest.MonkeyPatch, config
+) -> None:
     """Each candidate tile (the ones CUDA autotuning picks from) gives the right answer on odd shapes."""
     monkeypatch.setattr(int8_gemm_module._TUNER, "default", config)
     a, w, a_scale, w_scale, b = make_inputs(37, 45, 70, bias=True)

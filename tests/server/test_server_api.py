@@ -62,7 +62,7 @@ def client(base_url: str, engine: Any, app: Any) -> httpx.Client:
 @pytest.fixture(scope="module")
 def oracle(tiny_model: Path) -> Any:
     """`generate(prompt, **sampling) -> output` from the offline `LLM` API (a separate engine)."""
-    from tessel.engine import LLM
+    from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
 
     llm = LLM(str(tiny_model), max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB)

@@ -72,7 +72,7 @@ def client(server_url: str) -> Any:
 
 @pytest.fixture(scope="module")
 def oracle(tiny_model: Path) -> Any:
-    from tessel.engine import LLM
+    from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
 
     llm = LLM(str(tiny_model), max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB)

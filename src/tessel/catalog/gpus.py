@@ -6,7 +6,7 @@ spec.peak_flops_per_s["fp16"]    # dense tensor-core FLOP/s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 
@@ -26,7 +26,7 @@ class GpuSpec:
 
     name: str
     memory_bytes: int
-    peak_flops_per_s: dict[str, float]  # "fp32", "fp16", "bf16", "int8"
+    peak_flops_per_s: dict[str, float] = field(hash=False)  # "fp32", "fp16", "bf16", "int8"
     mem_bandwidth_bytes_per_s: float
     pcie_h2d_bytes_per_s: float
     pcie_d2h_bytes_per_s: float

@@ -61,7 +61,9 @@ def _grid_sizes(problem: ChunkProblem) -> list[int]:
         longest = min(longest, problem.max_chunk_tokens)
     steps = max(1, longest // problem.grid_tokens)
     multiples = np.unique(np.geomspace(1, steps, min(steps, MAX_SEARCH_SIZES)).round().astype(int))
-    return [int(m) * problem.grid_tokens for m in multiples] + ([longest] if longest % problem.grid_tokens else [])
+    return [int(m) * problem.grid_tokens for m in multiples] + (
+        [longest] if longest % problem.grid_tokens else []
+    )
 
 
 def equal_flop_chunks(length: int, n_chunks: int, linear_tokens: float, align: int) -> list[int]:
@@ -117,7 +119,9 @@ def baseline_plans(problem: ChunkProblem, fixed_sizes: tuple[int, ...] = FIXED_S
         del plans["none"]  # does not fit the memory cap
     for size in fixed_sizes:
         size = _capped(size, problem)
-        plans[f"fixed-{size}"] = _plan(problem, _per_request(problem, lambda n, s=size: fixed_chunks(n, s)), "fixed")
+        plans[f"fixed-{size}"] = _plan(
+            problem, _per_request(problem, lambda n, s=size: fixed_chunks(n, s)), "fixed"
+        )
     sizes = _grid_sizes(problem)
     plans["fixed-best"] = _best(
         problem, [_per_request(problem, lambda n, s=s: fixed_chunks(n, s)) for s in sizes], "fixed-best"
@@ -139,7 +143,9 @@ def baseline_plans(problem: ChunkProblem, fixed_sizes: tuple[int, ...] = FIXED_S
     plans["sglang-dynamic"] = _best(
         problem,
         [
-            _per_request(problem, lambda n, c=c: sglang_chunks(n, c, quad, lin, sg_align, problem.max_chunk_tokens))
+            _per_request(
+                problem, lambda n, c=c: sglang_chunks(n, c, quad, lin, sg_align, problem.max_chunk_tokens)
+            )
             for c in sizes
             if c >= sg_align
         ]

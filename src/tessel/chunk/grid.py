@@ -53,7 +53,9 @@ class TokenGrid:
         return 0 <= i < j <= self.n and i >= self.first[j]
 
 
-def make_grid(seq_lens: Sequence[int], grid_tokens: int = 64, max_chunk_tokens: int | None = None) -> TokenGrid:
+def make_grid(
+    seq_lens: Sequence[int], grid_tokens: int = 64, max_chunk_tokens: int | None = None
+) -> TokenGrid:
     lens = tuple(int(n) for n in seq_lens)
     if not lens or min(lens) <= 0:
         raise TesselError(f"sequence lengths must be positive, got {list(lens)}")
@@ -128,7 +130,9 @@ def surrogate_tables(grid: TokenGrid, pipeline: PipelineLatency) -> tuple[np.nda
     for s in range(1, n_stages):
         t = stage_prefill_times(pipeline.stages[s], c, p)
         send = stage_send_times(pipeline.stages[s - 1], c)
-        uniform = uniform and np.array_equal(t, first_t) and (prev_send is None or np.array_equal(send, prev_send))
+        uniform = (
+            uniform and np.array_equal(t, first_t) and (prev_send is None or np.array_equal(send, prev_send))
+        )
         prev_send = send
         np.maximum(most, t, out=most)
         upper = t + send if upper is None else np.maximum(upper, t + send)

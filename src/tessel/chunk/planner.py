@@ -44,6 +44,7 @@ TAU_BATCH = 32  # taus per vectorised DP pass
 EXACT_MAX_GRID = 160  # largest grid (boundaries) the exact Pareto search is tried on by default
 EXACT_MAX_STATES = 300_000  # Pareto states over all boundaries before the exact search gives up
 LOCAL_SEARCH_ROUNDS = 200
+BEAM_WIDTH = 16  # finish-time states kept per grid boundary by the beam search
 REL_EPS = 1e-12  # relative slack for float comparisons of makespans
 
 
@@ -56,7 +57,9 @@ class ChunkProblem:
     grid_tokens: int = 64
     max_chunk_tokens: int | None = None
     tail_s: float = 0.0  # after the last chunk leaves the last stage (LM head of the last token)
-    flops_linear_tokens: float | None = None  # Seq1F1B: matmul FLOPs per token / attention FLOPs per (token x key)
+    flops_linear_tokens: float | None = (
+        None  # Seq1F1B: matmul FLOPs per token / attention FLOPs per (token x key)
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
@@ -132,6 +135,9 @@ def plan_chunks(
                 bounds, value = _local_search(scorer, grid, start)
                 if value < best_value * (1 - REL_EPS):
                     best_bounds, best_value, method = bounds, value, "terapipe-dp+local-search"
+        bounds, value = _beam_search(scorer, grid, pipeline, best_bounds, best_value)
+        if value < best_value * (1 - REL_EPS):
+            best_bounds, best_value, method = bounds, value, "terapipe-dp+beam-search"
         try_exact = exact if exact is not None else grid.n <= EXACT_MAX_GRID
         if try_exact:
             found = _pareto_exact(grid, pipeline, best_value, max_exact_states)
@@ -144,6 +150,20 @@ def plan_chunks(
                 notes.append("exact Pareto search proved the plan optimal")
     schedule = evaluate_chunks(pipeline, grid.chunks_from_bounds(best_bounds), grid.seq_lens, problem.tail_s)
     return ChunkPlan(schedule, method, optimal, tuple(notes))
+
+
+def _beam_search(
+    scorer: _Scorer, grid: TokenGrid, pipeline: PipelineLatency, bounds: list[int], value: float
+) -> tuple[list[int], float]:
+    """Beam search over finish-time states (chunks up to twice the incumbent's largest), polished
+    by local search; returns the incumbent when it finds nothing better."""
+    widest = int(np.diff(bounds).max())
+    found = _pareto_exact(
+        grid, pipeline, value, max_states=grid.n * BEAM_WIDTH + 1, beam=BEAM_WIDTH, max_width=2 * widest
+    )
+    if found is None or not found[0]:
+        return bounds, value
+    return _local_search(scorer, grid, found[0])
 
 
 def _best_of(scorer: _Scorer, candidates: Sequence[list[int]]) -> tuple[list[int], float]:
@@ -338,9 +358,17 @@ def _local_search(scorer: _Scorer, grid: TokenGrid, bounds: list[int]) -> tuple[
 
 
 def _pareto_exact(
-    grid: TokenGrid, pipeline: PipelineLatency, incumbent: float, max_states: int
+    grid: TokenGrid,
+    pipeline: PipelineLatency,
+    incumbent: float,
+    max_states: int,
+    beam: int | None = None,
+    max_width: int | None = None,
 ) -> tuple[list[int], float] | None:
     """The optimal chunking and its makespan, or None when the state budget runs out.
+
+    With `beam`, only the `beam` states of lowest lower bound survive at each boundary and chunks
+    span at most `max_width` grid steps: a heuristic (beam search over the same states), not exact.
 
     State at boundary i: C = (C_1..C_S), the finish times of the last chunk on every stage.
     A new chunk maps it to C'_1 = C_1 + t_1, C'_s = max(C_s, C'_{s-1} + send_{s-1}) + t_s, which is
@@ -362,7 +390,8 @@ def _pareto_exact(
     count = 1
     begin[1] = 1
     for j in range(1, n + 1):
-        lo, hi = begin[int(grid.first[j])], count
+        first_j = int(grid.first[j]) if max_width is None else max(int(grid.first[j]), j - max_width)
+        lo, hi = begin[first_j], count
         if hi > lo:
             prev, b = states[lo:hi], where[lo:hi]
             c = grid.positions[j] - grid.positions[b]
@@ -375,6 +404,8 @@ def _pareto_exact(
             lower = (cur + rest[:, j] + (drain if j < n else 0.0)).max(axis=1)
             keep = np.flatnonzero(lower <= limit)
             keep = keep[_pareto_minimal(cur[keep])]
+            if beam is not None and len(keep) > beam:
+                keep = keep[np.argsort(lower[keep], kind="stable")[:beam]]
             if count + len(keep) > max_states:
                 return None
             states[count : count + len(keep)] = cur[keep]

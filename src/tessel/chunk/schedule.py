@@ -30,13 +30,17 @@ import numpy as np
 from tessel.chunk.latency import PipelineLatency, StageLatency
 
 
-def stage_prefill_times(stage: StageLatency, chunk_tokens: np.ndarray, offset_tokens: np.ndarray) -> np.ndarray:
+def stage_prefill_times(
+    stage: StageLatency, chunk_tokens: np.ndarray, offset_tokens: np.ndarray
+) -> np.ndarray:
     """t_s(c, p) for arrays of chunks: the stage's vectorised `prefill_times_s` when it has one."""
     chunk_tokens = np.asarray(chunk_tokens, dtype=np.int64)
     offset_tokens = np.asarray(offset_tokens, dtype=np.int64)
     vectorised = getattr(stage, "prefill_times_s", None)
     if vectorised is not None:
-        return np.broadcast_to(np.asarray(vectorised(chunk_tokens, offset_tokens), dtype=np.float64), chunk_tokens.shape)
+        return np.broadcast_to(
+            np.asarray(vectorised(chunk_tokens, offset_tokens), dtype=np.float64), chunk_tokens.shape
+        )
     flat = [stage.prefill_time_s(int(c), int(p)) for c, p in zip(chunk_tokens.ravel(), offset_tokens.ravel())]
     return np.asarray(flat, dtype=np.float64).reshape(chunk_tokens.shape)
 
@@ -106,7 +110,9 @@ def flow_shop_finish(stage_times_s: np.ndarray, send_times_s: np.ndarray) -> np.
     return finish
 
 
-def chunk_offsets(chunks: Sequence[int], seq_lens: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def chunk_offsets(
+    chunks: Sequence[int], seq_lens: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Offsets p_i (inside each request) and request index of each chunk; chunks may not span requests."""
     chunks_arr = np.asarray(chunks, dtype=np.int64)
     if chunks_arr.ndim != 1 or chunks_arr.size == 0 or (chunks_arr <= 0).any():

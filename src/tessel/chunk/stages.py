@@ -32,7 +32,9 @@ class PolynomialStage:
         c = np.asarray(chunk_tokens, dtype=np.float64)
         p = np.asarray(offset_tokens, dtype=np.float64)
         fit = self.prefill
-        return self.layers * (fit.a0 + fit.a1 * c + fit.a2 * p + fit.a3 * c * (p + c / 2)) + self.chunk_extra_s
+        return (
+            self.layers * (fit.a0 + fit.a1 * c + fit.a2 * p + fit.a3 * c * (p + c / 2)) + self.chunk_extra_s
+        )
 
     def send_times_s(self, tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.float64)

@@ -46,18 +46,6 @@ def serve(
 
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     engine = LLMEngine(str(model), dtype=dtype, **{k: v for k, v in options.items() if v is not None})
-    running = _engine_max_num_seqs(engine, max_num_seqs)
-    app = create_app(engine, max_pending=running + max_queue, model_name=served_model_name)
+    app = create_app(engine, max_pending=engine.config.max_num_seqs + max_queue, model_name=served_model_name)
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-def _engine_max_num_seqs(engine, requested: int | None) -> int:
-    """How many sequences the engine runs at once (the requested value, else the engine's own)."""
-    if requested is not None:
-        return requested
-    for owner in (engine, getattr(engine, "config", None), getattr(engine, "scheduler", None)):
-        value = getattr(owner, "max_num_seqs", None)
-        if isinstance(value, int):
-            return value
-    raise TesselError("cannot tell the engine's max_num_seqs; pass --max-num-seqs")

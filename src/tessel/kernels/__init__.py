@@ -54,4 +54,3 @@ class _KernelsPackage(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _KernelsPackage
-

@@ -120,7 +120,7 @@ INTERPRETER_CONFIG = TileConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1
 
 
 def cache_dir() -> Path:
-    """Root of tessel's on-disk cache: $TESSEL_CACHE_DIR, else $XDG_CACHE_HOME/tessel, else ~/.cache/tessel."""
+    """tessel's cache root: $TESSEL_CACHE_DIR, else $XDG_CACHE_HOME/tessel, else ~/.cache/tessel."""
     override = os.environ.get(CACHE_DIR_ENV, "").strip()
     if override:
         return Path(override).expanduser()
@@ -175,8 +175,8 @@ class AutotuneCache:
     def __init__(self, device_name: str, directory: Path | None = None) -> None:
         self.device_name = device_name
         self.path = (directory or cache_dir() / "autotune") / f"{device_slug(device_name)}.json"
-        self._entries: dict[str, dict[str, dict[str, Any]]] = self._read()
         self._lock = threading.Lock()
+        self._entries: dict[str, dict[str, dict[str, Any]]] = self._read()
 
     def _read(self) -> dict[str, dict[str, dict[str, Any]]]:
         try:
@@ -192,7 +192,12 @@ class AutotuneCache:
         return kernels if isinstance(kernels, dict) else {}
 
     def get(self, kernel: str, key: str) -> TileConfig | None:
+        """The stored config, re-reading the file on a miss (another process may have tuned it since)."""
         entry = self._entries.get(kernel, {}).get(key)
+        if entry is None:
+            with self._lock:
+                self._merge_from_disk()
+            entry = self._entries.get(kernel, {}).get(key)
         if entry is None:
             return None
         try:
@@ -203,13 +208,15 @@ class AutotuneCache:
     def put(self, kernel: str, key: str, config: TileConfig, ms: float | None = None) -> None:
         """Record a tuned config and write the file (merged with entries other processes wrote)."""
         with self._lock:
-            merged = self._read()
-            merged.setdefault(kernel, {}).update(self._entries.get(kernel, {}))
-            for name, entries in self._entries.items():
-                merged.setdefault(name, {}).update(entries)
-            merged[kernel][key] = {"config": config.to_dict(), "ms": ms}
-            self._entries = merged
+            self._merge_from_disk()
+            self._entries.setdefault(kernel, {})[key] = {"config": config.to_dict(), "ms": ms}
             self._write()
+
+    def _merge_from_disk(self) -> None:
+        merged = self._read()
+        for name, entries in self._entries.items():
+            merged.setdefault(name, {}).update(entries)
+        self._entries = merged
 
     def _write(self) -> None:
         payload = {"schema": SCHEMA_VERSION, "device": self.device_name, "kernels": self._entries}

@@ -16,7 +16,14 @@ import torch
 
 from tessel.errors import TesselError
 from tessel.kernels._dispatch import interpreting, use_triton
-from tessel.kernels.autotune import CONV_CONFIGS, INTERPRETER_CONFIG, Autotuner, TileConfig, launch_tuned, shape_key
+from tessel.kernels.autotune import (
+    CONV_CONFIGS,
+    INTERPRETER_CONFIG,
+    Autotuner,
+    TileConfig,
+    launch_tuned,
+    shape_key,
+)
 
 try:
     import triton
@@ -30,6 +37,7 @@ X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
 
 if triton is not None:
 
@@ -124,7 +132,9 @@ if triton is not None:
             acc += tl.load(Bias_ptr + oc).to(tl.float32)[None, :]
         out_row = n * out_n_stride + (pix // OW) * out_h_stride + (pix % OW) * out_w_stride
         out_ptrs = Out_ptr + out_row[:, None] + oc[None, :] * out_c_stride
-        tl.store(out_ptrs, acc.to(Out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < OC_g))
+        tl.store(
+            out_ptrs, acc.to(Out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < OC_g)
+        )
 
 
 _TUNER = Autotuner("conv2d", CONV_CONFIGS, default=INTERPRETER_CONFIG)
@@ -192,9 +202,15 @@ def conv2d(
     x: [N, C, H, W] float16 / bfloat16 / float32; w: [OC, C / groups, KH, KW] in x's dtype;
     bias: [OC] or None. Returns [N, OC, OH, OW] with OH = (H + 2*ph - dh*(KH-1) - 1) // sh + 1.
     """
-    stride, padding, dilation = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
+    stride, padding, dilation = (
+        _pair(stride, "stride"),
+        _pair(padding, "padding"),
+        _pair(dilation, "dilation"),
+    )
     if x.dim() != 4 or w.dim() != 4:
-        raise TesselError(f"conv2d wants x [N, C, H, W] and w [OC, C, KH, KW]; got {tuple(x.shape)}, {tuple(w.shape)}")
+        raise TesselError(
+            f"conv2d wants x [N, C, H, W] and w [OC, C, KH, KW]; got {tuple(x.shape)}, {tuple(w.shape)}"
+        )
     if x.dtype not in X_DTYPES or w.dtype != x.dtype:
         raise TesselError(f"conv2d wants x and w of one float dtype; got {x.dtype} and {w.dtype}")
     if groups < 1 or x.shape[1] % groups or w.shape[0] % groups or w.shape[1] * groups != x.shape[1]:
@@ -203,15 +219,21 @@ def conv2d(
             "need C = w.shape[1] * groups and OC divisible by groups"
         )
     if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0:
-        raise TesselError(f"conv2d wants stride, dilation >= 1 and padding >= 0; got {stride}, {dilation}, {padding}")
+        raise TesselError(
+            f"conv2d wants stride, dilation >= 1 and padding >= 0; got {stride}, {dilation}, {padding}"
+        )
     if bias is not None and bias.shape != (w.shape[0],):
         raise TesselError(f"conv2d wants bias [{w.shape[0]}]; got {tuple(bias.shape)}")
     out_hw = tuple(
         (size + 2 * pad - dil * (kernel - 1) - 1) // st + 1
-        for size, pad, dil, kernel, st in zip(x.shape[2:], padding, dilation, w.shape[2:], stride)
+        for size, pad, dil, kernel, st in zip(
+            x.shape[2:], padding, dilation, w.shape[2:], stride, strict=True
+        )
     )
     if min(out_hw) < 1:
-        raise TesselError(f"conv2d: input {tuple(x.shape[2:])} is smaller than the dilated kernel (output {out_hw})")
+        raise TesselError(
+            f"conv2d: input {tuple(x.shape[2:])} is smaller than the dilated kernel (output {out_hw})"
+        )
     if x.numel() and use_triton(x, w):
         return _conv2d_triton(x, w, bias, stride, padding, dilation, groups, out_hw)  # type: ignore[arg-type]
     return torch.nn.functional.conv2d(x, w, bias, stride, padding, dilation, groups)

@@ -109,7 +109,9 @@ if triton is not None:
                 s = s_int.to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
             else:
                 s = tl.dot(
-                    _dot_operand(q, UPCAST_DOT), _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION
+                    _dot_operand(q, UPCAST_DOT),
+                    _dot_operand(tl.trans(k), UPCAST_DOT),
+                    input_precision=DOT_PRECISION,
                 )
             s = s * qk_scale_log2
             valid = n[None, :] < seq_k
@@ -146,7 +148,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     if causal and q.shape[2] > k.shape[2]:
-        raise ValueError(f"causal attention needs Sq <= Sk (queries are the last Sq keys), got {q.shape[2]} > {k.shape[2]}")
+        raise ValueError(
+            f"causal attention needs Sq <= Sk (queries are the last Sq keys), got {q.shape[2]} > {k.shape[2]}"
+        )
 
 
 def _launch(

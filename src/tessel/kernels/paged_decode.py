@@ -81,7 +81,9 @@ if triton is not None:
             k_ptrs = K_ptr + block[:, None] * k_block_stride + slot[:, None] * k_slot_stride
             k = tl.load(k_ptrs + g * k_head_stride + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(
-                _dot_operand(q, UPCAST_DOT), _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION
+                _dot_operand(q, UPCAST_DOT),
+                _dot_operand(tl.trans(k), UPCAST_DOT),
+                input_precision=DOT_PRECISION,
             )
             s = s * qk_scale_log2
             s = tl.where(tok_mask[None, :], s, float("-inf"))

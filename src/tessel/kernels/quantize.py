@@ -33,6 +33,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
+
 if triton is not None:
 
     @triton.jit
@@ -81,7 +82,9 @@ if triton is not None:
             for start in range(0, K, BLOCK_K):
                 mask = start + cols < K
                 chunk = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=0.0)
-                q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(chunk.to(tl.float32), scale)), -127), 127)
+                q = tl.minimum(
+                    tl.maximum(_round_half_even(tl.math.div_rn(chunk.to(tl.float32), scale)), -127), 127
+                )
                 tl.store(q_row + start + cols, q.to(tl.int8), mask=mask)
 
 

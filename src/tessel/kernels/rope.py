@@ -167,7 +167,9 @@ def rope(
     rotary dim (columns past R pass through). Returns new (q, k) in their dtypes.
     """
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"rope expects q [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(
+            f"rope expects q [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
     if cos.shape != sin.shape or 2 * cos.shape[-1] > q.shape[-1]:
         raise ValueError(f"rope expects cos/sin [max_pos, R/2] with R <= D, got {tuple(cos.shape)}")
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)

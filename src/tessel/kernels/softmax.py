@@ -77,7 +77,9 @@ if triton is not None:
             m_vec = tl.full([BLOCK_SIZE], float("-inf"), dtype=tl.float32)
             d_vec = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_SIZE):
-                z = _load_logits(X_ptr, x_row_stride, M_ptr, m_row_stride, row, start + cols, n_cols, MASK_KIND)
+                z = _load_logits(
+                    X_ptr, x_row_stride, M_ptr, m_row_stride, row, start + cols, n_cols, MASK_KIND
+                )
                 m_new = tl.maximum(m_vec, z)
                 m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 d_vec = d_vec * tl.exp(m_vec - m_new_safe) + tl.exp(z - m_new_safe)

@@ -27,6 +27,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
+
 if triton is not None:
 
     @triton.jit

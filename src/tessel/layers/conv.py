@@ -51,7 +51,9 @@ class Conv2d(nn.Conv2d):
         squeeze = x.dim() == 3  # nn.Conv2d accepts an unbatched [C, H, W] input
         if squeeze:
             x = x.unsqueeze(0)
-        out = _Conv2dFunction.apply(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
+        out = _Conv2dFunction.apply(
+            x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups
+        )
         return out.squeeze(0) if squeeze else out
 
     @classmethod

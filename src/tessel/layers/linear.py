@@ -81,7 +81,9 @@ class _QuantizedLinear(nn.Module):
             raise TesselError(f"linear layer sizes must be positive; got {in_features} -> {out_features}")
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        )
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.register_buffer(
             "bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None
@@ -100,10 +102,14 @@ class _QuantizedLinear(nn.Module):
     ) -> _QuantizedLinear:
         """Wrap already-quantised tensors: weight int8 [N, K], weight_scale [N], bias [N] or None."""
         if weight.dtype != torch.int8 or weight.dim() != 2:
-            raise TesselError(f"{cls.__name__} wants an int8 weight [N, K]; got {weight.dtype} {tuple(weight.shape)}")
+            raise TesselError(
+                f"{cls.__name__} wants an int8 weight [N, K]; got {weight.dtype} {tuple(weight.shape)}"
+            )
         out_features, in_features = weight.shape
         if weight_scale.numel() != out_features:
-            raise TesselError(f"{cls.__name__} wants {out_features} weight scales; got {weight_scale.numel()}")
+            raise TesselError(
+                f"{cls.__name__} wants {out_features} weight scales; got {weight_scale.numel()}"
+            )
         layer = cls(in_features, out_features, bias=bias is not None, device="meta")
         layer.weight = weight.detach().contiguous()
         layer.weight_scale = weight_scale.detach().reshape(out_features).float().contiguous()
@@ -116,7 +122,9 @@ class _QuantizedLinear(nn.Module):
         return self.weight.float() * self.weight_scale[:, None]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 class Int8Linear(_QuantizedLinear):

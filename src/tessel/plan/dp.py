@@ -26,10 +26,11 @@ then name inside the group), exact when same-type devices are interchangeable; o
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +48,7 @@ from tessel.plan.solution import (
 MAX_TYPE_ORDERS = 120  # 5 device types: 5! orders
 ALL_ORDERS_MAX_DEVICES = 5  # `orders="auto"` tries every device permutation up to this many devices
 MAX_DP_CALLS = 4000
+CACHE_ELEMENTS = 3_000_000  # per-order cache of bound-independent arrays (~35 bytes each)
 _INF = float("inf")
 
 
@@ -54,7 +56,8 @@ _INF = float("inf")
 class DPResult:
     solution: Solution | None
     evaluation: Evaluation | None
-    exact: bool  # optimal over the orders searched (no call cap or time limit hit)
+    exact: bool  # optimal over every plan the orders admit (complete search, rel_gap 0)
+    bound: float  # proven lower bound on the objective over the orders searched (inf: none feasible)
     orders_searched: int
     orders_total: int
     dp_calls: int
@@ -70,13 +73,17 @@ class _Path:
 
 
 class _OrderDP:
-    """Arrays of one device order, and the bounded min-sum DP over them."""
+    """Arrays of one device order, and the bounded min-sum DP over them.
+
+    Everything that does not depend on the bounds (stage times, which successor ranges the swap-in
+    rule admits) is computed once per order and kept when it fits `CACHE_ELEMENTS`."""
 
     def __init__(self, instance: PlanningInstance, order: tuple[int, ...]) -> None:
         self.instance = instance
         self.order = np.asarray(order, dtype=int)
         idx = self.order
-        zero = np.zeros((len(order), 1))
+        n, U = len(order), instance.n_units
+        zero = np.zeros((n, 1))
         self.cum_p = np.concatenate([zero, np.cumsum(instance.prefill.unit_time_s.T[idx], axis=1)], axis=1)
         self.cum_d = np.concatenate([zero, np.cumsum(instance.decode.unit_time_s.T[idx], axis=1)], axis=1)
         self.first_p, self.last_p = instance.prefill.first_time_s[idx], instance.prefill.last_time_s[idx]
@@ -89,13 +96,73 @@ class _OrderDP:
         self.host = np.array([d.host_bytes for d in devices], dtype=float)
         self.bw = np.array([d.host_to_device_bytes_per_s for d in devices], dtype=float)
         self.ws = np.asarray(instance.workspace_bytes, dtype=float)[idx]
-        n = len(order)
         self.later = np.arange(n)[None, None, :] > np.arange(n)[:, None, None]  # [p, 1, q]: q after p
+        self.size = (U + 1) * n * (U + 1)  # flat W / prefix-min arrays; index `size` is an inf sentinel
+        self.cache: dict[int, tuple] | None = {} if n * n * U * U // 2 <= CACHE_ELEMENTS else None
+        self.first_ok: np.ndarray | None = None
+
+    def _flat(self, e, q, f):
+        U1 = self.instance.n_units + 1
+        return (e * len(self.order) + q) * U1 + f
 
     def _combine(self, compute, comm, offload):
         if self.instance.overlap:
             return np.maximum(np.maximum(compute, comm), offload)
         return compute + comm + offload
+
+    def _layer(self, u: int) -> tuple:
+        """Bound-independent arrays for stages that start at unit u."""
+        if self.cache is not None and u in self.cache:
+            return self.cache[u]
+        inst = self.instance
+        U, n = inst.n_units, len(self.order)
+        cb = self.cum_bytes
+        es = np.arange(u + 1, U + 1)
+        comp_p = self.cum_p[:, es] - self.cum_p[:, u : u + 1]
+        comp_d = self.cum_d[:, es] - self.cum_d[:, u : u + 1]
+        held = (cb[es] - cb[u])[None, :] + self.ws[:, None]
+        if u == 0:
+            comp_p = comp_p + self.first_p[:, None]
+            comp_d = comp_d + self.first_d[:, None]
+            held = held + inst.first_bytes
+        comp_p[:, -1] += self.last_p
+        comp_d[:, -1] += self.last_d
+        held[:, -1] += inst.last_bytes
+        off_b = np.maximum(held - self.mem[:, None], 0.0)
+        host_ok = off_b <= self.host[:, None] * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
+        with np.errstate(divide="ignore", invalid="ignore"):
+            off_s = np.where(off_b > 0, off_b / self.bw[:, None], 0.0)
+        if u == 0:
+            self.first_ok = off_b <= 0.0
+        # last stage (e == U)
+        tp_last = self._combine(comp_p[:, -1], 0.0, off_s[:, -1])
+        td_last = self._combine(comp_d[:, -1], 0.0, off_s[:, -1])
+        last = (tp_last, td_last, host_ok[:, -1])
+        inner = None
+        if u < U - 1:
+            es = es[:-1]
+            cp, cd, off = comp_p[:, :-1, None], comp_d[:, :-1, None], off_s[:, :-1, None]
+            sp, sd = self.send_p[:, None, :], self.send_d[:, None, :]
+            tp, td = self._combine(cp, sp, off), self._combine(cd, sd, off)
+            threshold = np.minimum(cp + sp, cd + sd) * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S
+            allowance = threshold * self.bw[None, None, :]  # bytes q may stream in under stage p
+            e3 = es[None, :, None]
+            q3 = np.arange(n)[None, None, :]
+            # successor [e, f) with f < U: held - mem <= allowance  <=>  cum_bytes[f] <= limit
+            limit = cb[e3] - self.ws[None, None, :] + self.mem[None, None, :] + allowance
+            f_max = np.minimum(np.searchsorted(cb, limit, side="right") - 1, U - 1)
+            via_prefix = np.where(f_max >= e3 + 1, self._flat(e3, q3, f_max), self.size)
+            # successor [e, U): also holds last_bytes
+            held_last = (cb[U] - cb[es])[:, None] + self.ws[None, :] + inst.last_bytes
+            over_last = np.maximum(held_last - self.mem[None, :], 0.0)[None, :, :]
+            via_last = np.where(over_last <= allowance, self._flat(e3, q3, U), self.size)
+            ok = self.later & host_ok[:, :-1, None]
+            base = inst.prefill_weight * tp + inst.decode_weight * td
+            inner = (tp, td, base, via_prefix, via_last, ok)
+        result = (last, inner)
+        if self.cache is not None:
+            self.cache[u] = result
+        return result
 
     def run(self, bound_p: float, strict_p: bool, bound_d: float, strict_d: bool) -> _Path | None:
         inst = self.instance
@@ -105,119 +172,98 @@ class _OrderDP:
         def within(t, bound, strict):
             return t < bound if strict else t <= bound
 
-        W = np.full((U + 1, n, U + 1), _INF)
-        pmin = np.full((U + 1, n, U + 1), _INF)
-        parg = np.zeros((U + 1, n, U + 1), dtype=np.int64)
-        next_q = np.zeros((U + 1, n, U + 1), dtype=np.int64)
-        next_f = np.zeros((U + 1, n, U + 1), dtype=np.int64)
-        t_pre = np.zeros((U + 1, n, U + 1))
-        t_dec = np.zeros((U + 1, n, U + 1))
-        first_no_offload = None
-        cb = self.cum_bytes
-        q_idx = np.arange(n)[None, None, :]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            for u in range(U - 1, -1, -1):
-                es = np.arange(u + 1, U + 1)
-                comp_p = self.cum_p[:, es] - self.cum_p[:, u : u + 1]
-                comp_d = self.cum_d[:, es] - self.cum_d[:, u : u + 1]
-                held = (cb[es] - cb[u])[None, :] + self.ws[:, None]
-                if u == 0:
-                    comp_p = comp_p + self.first_p[:, None]
-                    comp_d = comp_d + self.first_d[:, None]
-                    held = held + inst.first_bytes
-                comp_p[:, -1] += self.last_p
-                comp_d[:, -1] += self.last_d
-                held[:, -1] += inst.last_bytes
-                off_b = np.maximum(held - self.mem[:, None], 0.0)
-                host_ok = off_b <= self.host[:, None] * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
-                off_s = np.where(off_b > 0, off_b / self.bw[:, None], 0.0)
-                if u == 0:
-                    first_no_offload = off_b <= 0.0
-                # last stage: e == U
-                tp = self._combine(comp_p[:, -1], 0.0, off_s[:, -1])
-                td = self._combine(comp_d[:, -1], 0.0, off_s[:, -1])
-                ok = host_ok[:, -1] & within(tp, bound_p, strict_p) & within(td, bound_d, strict_d)
-                W[u, :, U] = np.where(ok, pw * tp + dw * td, _INF)
-                t_pre[u, :, U], t_dec[u, :, U] = tp, td
-                if u < U - 1:
-                    self._inner(u, W, pmin, parg, next_q, next_f, t_pre, t_dec, comp_p, comp_d, off_s, host_ok,
-                                (bound_p, strict_p, bound_d, strict_d), q_idx, within)
-                    row = W[u, :, u + 1 : U]
-                    acc = np.minimum.accumulate(row, axis=1)
-                    prev = np.concatenate([np.full((n, 1), _INF), acc[:, :-1]], axis=1)
-                    cols = np.arange(u + 1, U)[None, :]
-                    pmin[u, :, u + 1 : U] = acc
-                    parg[u, :, u + 1 : U] = np.maximum.accumulate(np.where(row < prev, cols, -1), axis=1)
-        start = np.where(first_no_offload, W[0, :, 1:], _INF)
+        W = np.full(self.size + 1, _INF)
+        pmin = np.full(self.size + 1, _INF)
+        parg = np.zeros(self.size + 1, dtype=np.int64)
+        next_flat = np.zeros(self.size, dtype=np.int64)  # flat (e, q, f) of the successor stage
+        t_pre = np.zeros(self.size)
+        t_dec = np.zeros(self.size)
+        W3 = W[: self.size].reshape(U + 1, n, U + 1)
+        pmin3 = pmin[: self.size].reshape(U + 1, n, U + 1)
+        parg3 = parg[: self.size].reshape(U + 1, n, U + 1)
+        for u in range(U - 1, -1, -1):
+            (tp_last, td_last, host_last), inner = self._layer(u)
+            ok = host_last & within(tp_last, bound_p, strict_p) & within(td_last, bound_d, strict_d)
+            W3[u, :, U] = np.where(ok, pw * tp_last + dw * td_last, _INF)
+            at = self._flat(u, np.arange(n), U)
+            t_pre[at], t_dec[at] = tp_last, td_last
+            if inner is None:
+                continue
+            tp, td, base, via_prefix, via_last, static_ok = inner
+            v1, v2 = pmin[via_prefix], W[via_last]
+            succ = np.where(v1 <= v2, parg[via_prefix], via_last)
+            value = np.minimum(v1, v2)
+            ok = static_ok
+            if bound_p < _INF:
+                ok = ok & within(tp, bound_p, strict_p)
+            if bound_d < _INF:
+                ok = ok & within(td, bound_d, strict_d)
+            cand = np.where(ok, base + value, _INF)
+            best_q = np.argmin(cand, axis=2)[:, :, None]
+            pick = lambda a: np.take_along_axis(a, best_q, axis=2)[:, :, 0]
+            W3[u, :, u + 1 : U] = pick(cand)
+            rows = self._flat(u, np.arange(n)[:, None], np.arange(u + 1, U)[None, :])
+            next_flat[rows] = pick(succ)
+            t_pre[rows] = pick(np.broadcast_to(tp, cand.shape))
+            t_dec[rows] = pick(np.broadcast_to(td, cand.shape))
+            row = W3[u, :, u + 1 : U]
+            acc = np.minimum.accumulate(row, axis=1)
+            prev = np.concatenate([np.full((n, 1), _INF), acc[:, :-1]], axis=1)
+            pmin3[u, :, u + 1 : U] = acc
+            parg3[u, :, u + 1 : U] = np.maximum.accumulate(np.where(row < prev, rows, -1), axis=1)
+        start = np.where(self.first_ok, W3[0, :, 1:], _INF)
         if not np.isfinite(start).any():
             return None
         p, e_off = np.unravel_index(int(np.argmin(start)), start.shape)
-        e = int(e_off) + 1
         cost = float(start[p, e_off])
-        stages, u, p = [], 0, int(p)
+        at = int(self._flat(0, int(p), int(e_off) + 1))
+        stages = []
         max_p = max_d = 0.0
         while True:
-            stages.append(Stage(int(self.order[p]), u, e))
-            max_p, max_d = max(max_p, t_pre[u, p, e]), max(max_d, t_dec[u, p, e])
-            if e == U:
+            rest, f = divmod(at, U + 1)
+            u, q = divmod(rest, n)
+            stages.append(Stage(int(self.order[q]), u, f))
+            max_p, max_d = max(max_p, t_pre[at]), max(max_d, t_dec[at])
+            if f == U:
                 break
-            u, p, e = e, int(next_q[u, p, e]), int(next_f[u, p, e])
+            at = int(next_flat[at])
         return _Path(cost, float(max_p), float(max_d), tuple(stages))
-
-    def _inner(self, u, W, pmin, parg, next_q, next_f, t_pre, t_dec, comp_p, comp_d, off_s, host_ok, bounds,
-               q_idx, within):
-        """Stages [u, e) with e < U followed by a stage on a later order position q."""
-        inst = self.instance
-        U = inst.n_units
-        bound_p, strict_p, bound_d, strict_d = bounds
-        cb = self.cum_bytes
-        es = np.arange(u + 1, U)  # e values of non-last stages
-        cp, cd, off = comp_p[:, :-1, None], comp_d[:, :-1, None], off_s[:, :-1, None]
-        sp, sd = self.send_p[:, None, :], self.send_d[:, None, :]
-        tp = self._combine(cp, sp, off)
-        td = self._combine(cd, sd, off)
-        threshold = np.minimum(cp + sp, cd + sd) * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S
-        allowance = threshold * self.bw[None, None, :]  # offloaded bytes q may stream in under stage p
-        e3 = es[None, :, None]
-        # f < U: held(q, e, f) - mem[q] <= allowance  <=>  cum_bytes[f] <= limit
-        limit = cb[e3] - self.ws[None, None, :] + self.mem[None, None, :] + allowance
-        f_max = np.minimum(np.searchsorted(cb, limit, side="right") - 1, U - 1)
-        valid = f_max >= e3 + 1
-        f_safe = np.where(valid, f_max, 0)
-        e_b = np.broadcast_to(e3, f_safe.shape)
-        q_b = np.broadcast_to(q_idx, f_safe.shape)
-        v1 = np.where(valid, pmin[e_b, q_b, f_safe], _INF)
-        a1 = parg[e_b, q_b, f_safe]
-        # f == U: q is the last stage and also holds last_bytes
-        held_last = (cb[U] - cb[es])[:, None] + self.ws[None, :] + inst.last_bytes  # [e, q]
-        over_last = np.maximum(held_last - self.mem[None, :], 0.0)[None, :, :]
-        v2 = np.where(over_last <= allowance, W[e_b, q_b, U], _INF)
-        value = np.minimum(v1, v2)
-        f_choice = np.where(v1 <= v2, a1, U)
-        ok = (
-            self.later
-            & host_ok[:, :-1, None]
-            & within(tp, bound_p, strict_p)
-            & within(td, bound_d, strict_d)
-        )
-        cand = np.where(ok, inst.prefill_weight * tp + inst.decode_weight * td + value, _INF)
-        best_q = np.argmin(cand, axis=2)
-        take = lambda a: np.take_along_axis(a, best_q[:, :, None], axis=2)[:, :, 0]
-        W[u, :, u + 1 : U] = take(cand)
-        next_q[u, :, u + 1 : U] = best_q
-        next_f[u, :, u + 1 : U] = take(f_choice)
-        t_pre[u, :, u + 1 : U] = take(np.broadcast_to(tp, cand.shape))
-        t_dec[u, :, u + 1 : U] = take(np.broadcast_to(td, cand.shape))
 
 
 def bottleneck_lower_bounds(instance: PlanningInstance) -> tuple[float, float]:
-    """Lower bounds on max_j T_j^pre and max_j T_j^dec of any plan."""
+    """Lower bounds on max_j T_j^pre and max_j T_j^dec of any plan.
+
+    Each is the larger of the slowest unit on its fastest device and the LP bound
+    min tau s.t. every unit is split fractionally over devices and no device works longer than tau."""
     bounds = []
     for costs in (instance.prefill, instance.decode):
-        fastest = costs.unit_time_s.min(axis=1)
-        stages = min(instance.n_units, instance.n_devices)
-        bounds.append(max(float(fastest.max()), float(fastest.sum()) / stages))
+        times = np.asarray(costs.unit_time_s, dtype=float)
+        single = float(times.min(axis=1).max())
+        bounds.append(max(single, _fractional_makespan(times)))
     return bounds[0], bounds[1]
+
+
+def _fractional_makespan(times: np.ndarray) -> float:
+    from scipy.optimize import linprog
+
+    U, N = times.shape
+    n_x = U * N
+    cost = np.zeros(n_x + 1)
+    cost[-1] = 1.0
+    # sum_j x[u, j] = 1
+    a_eq = np.zeros((U, n_x + 1))
+    for u in range(U):
+        a_eq[u, u * N : (u + 1) * N] = 1.0
+    # sum_u t[u, j] x[u, j] - tau <= 0
+    a_ub = np.zeros((N, n_x + 1))
+    for j in range(N):
+        a_ub[j, j : n_x : N] = times[:, j]
+    a_ub[:, -1] = -1.0
+    result = linprog(cost, A_ub=a_ub, b_ub=np.zeros(N), A_eq=a_eq, b_eq=np.ones(U), bounds=(0, None),
+                     method="highs")
+    if not result.success:
+        return 0.0
+    return float(result.fun) * (1 - 1e-9)
 
 
 def _path_objective(instance: PlanningInstance, path: _Path) -> float:
@@ -225,70 +271,91 @@ def _path_objective(instance: PlanningInstance, path: _Path) -> float:
     return path.cost + m1 * (instance.prefill_weight * path.max_prefill_s + instance.decode_weight * path.max_decode_s)
 
 
-class _Search:
-    """The bound staircase over one or more orders, sharing one incumbent."""
+@dataclass(order=True)
+class _Box:
+    """Plans with lo_p <= max T^pre (< or <=) hi_p and lo_d <= max T^dec (< or <=) hi_d."""
 
-    def __init__(self, instance: PlanningInstance, deadline: float, max_calls: int) -> None:
+    bound: float  # lower bound on the objective of any plan in the box
+    seq: int
+    hi_p: float = field(compare=False)
+    strict_p: bool = field(compare=False)
+    hi_d: float = field(compare=False)
+    strict_d: bool = field(compare=False)
+    lo_p: float = field(compare=False)
+    lo_d: float = field(compare=False)
+
+    def empty(self) -> bool:
+        return self.hi_p < self.lo_p or self.hi_d < self.lo_d or (
+            (self.strict_p and self.hi_p <= self.lo_p) or (self.strict_d and self.hi_d <= self.lo_d)
+        )
+
+
+class _Search:
+    """Branch and bound over boxes of (max T^pre, max T^dec), one DP per box, shared incumbent.
+
+    Solving a box's DP with its upper bounds gives the least sum F over the box and a plan x with
+    bottlenecks (P, D). Every plan of the box with max T^pre >= P and max T^dec >= D costs at least
+    obj(x), so the rest splits into {max T^pre < P} and {max T^pre >= P, max T^dec < D}; both
+    children inherit F as a lower bound on their sums."""
+
+    def __init__(self, instance: PlanningInstance, deadline: float, max_calls: int, rel_gap: float) -> None:
         self.instance = instance
         self.deadline = deadline
         self.max_calls = max_calls
+        self.rel_gap = rel_gap
         self.calls = 0
         self.best: _Path | None = None
         self.best_obj = _INF
-        self.complete = True
         self.lb_p, self.lb_d = bottleneck_lower_bounds(instance)
+        self.open_bound = _INF  # least lower bound left unexplored (over all orders searched)
+        self._seq = itertools.count()
 
-    def _budget_left(self) -> bool:
-        if self.calls >= self.max_calls or time.perf_counter() > self.deadline:
-            self.complete = False
-            return False
-        return True
+    def _box_bound(self, sum_lb: float, lo_p: float, lo_d: float) -> float:
+        inst = self.instance
+        m1 = inst.micro_batches - 1
+        return sum_lb + m1 * (inst.prefill_weight * lo_p + inst.decode_weight * lo_d)
 
-    def _run(self, dp: _OrderDP, bp, sp, bd, sd) -> _Path | None:
-        self.calls += 1
-        path = dp.run(bp, sp, bd, sd)
-        if path is not None:
-            obj = _path_objective(self.instance, path)
-            if obj < self.best_obj:
-                self.best, self.best_obj = path, obj
-        return path
+    def _prunable(self, bound: float) -> bool:
+        return bound >= self.best_obj - self.rel_gap * abs(self.best_obj) - 1e-12 * abs(self.best_obj)
+
+    def out_of_budget(self) -> bool:
+        return self.calls >= self.max_calls or time.perf_counter() > self.deadline
 
     def search(self, order: tuple[int, ...]) -> None:
         inst = self.instance
         dp = _OrderDP(inst, order)
         m1 = inst.micro_batches - 1
-        pw, dw = inst.prefill_weight, inst.decode_weight
-        if not self._budget_left():
-            return
-        top = self._run(dp, _INF, False, _INF, False)
-        if top is None or m1 == 0:
-            return  # infeasible for this order, or no bottleneck term: the min-sum plan is optimal
-        floor = m1 * (pw * self.lb_p + dw * self.lb_d)
-        s_min = top.cost
-        bd, sd = _INF, False
-        if dw > 0 and math.isfinite(self.best_obj):
-            bd = (self.best_obj - s_min - m1 * pw * self.lb_p) / (m1 * dw)
-        while True:
-            if top.cost + floor >= self.best_obj:
+        queue = [_Box(self._box_bound(0.0, self.lb_p, self.lb_d), next(self._seq), _INF, False, _INF, False,
+                      self.lb_p, self.lb_d)]
+        while queue:
+            box = heapq.heappop(queue)
+            if self._prunable(box.bound):
+                continue
+            if self.out_of_budget():
+                self.open_bound = min(self.open_bound, box.bound)
                 return
-            bp, sp = _INF, False
-            if pw > 0 and math.isfinite(self.best_obj):
-                bp = (self.best_obj - s_min - m1 * dw * self.lb_d) / (m1 * pw)
-            row_first: _Path | None = None
-            row_max_d = -_INF
-            while self._budget_left():
-                path = self._run(dp, bp, sp, bd, sd)
-                if path is None:
-                    break
-                row_first = row_first or path
-                row_max_d = max(row_max_d, path.max_decode_s)
-                if path.cost + floor >= self.best_obj or pw == 0:
-                    break
-                bp, sp = path.max_prefill_s, True
-            if row_first is None or dw == 0 or not self.complete:
-                return
-            top = row_first
-            bd, sd = row_max_d, True
+            self.calls += 1
+            path = dp.run(box.hi_p, box.strict_p, box.hi_d, box.strict_d)
+            if path is None:
+                continue
+            obj = _path_objective(inst, path)
+            if obj < self.best_obj:
+                self.best, self.best_obj = path, obj
+            if m1 == 0:
+                continue  # no bottleneck term: the least-sum plan is optimal for the order
+            p, d = path.max_prefill_s, path.max_decode_s
+            children = []
+            if inst.prefill_weight > 0:
+                children.append(_Box(0.0, 0, p, True, box.hi_d, box.strict_d, box.lo_p, box.lo_d))
+            if inst.decode_weight > 0:
+                lo_p = max(box.lo_p, p) if inst.prefill_weight > 0 else box.lo_p
+                children.append(_Box(0.0, 0, box.hi_p, box.strict_p, d, True, lo_p, box.lo_d))
+            for child in children:
+                child.bound = self._box_bound(path.cost, child.lo_p, child.lo_d)
+                child.seq = next(self._seq)
+                if not child.empty() and not self._prunable(child.bound):
+                    heapq.heappush(queue, child)
+        return
 
 
 def device_orders(instance: PlanningInstance, orders: str = "auto") -> tuple[list[tuple[int, ...]], bool]:
@@ -378,21 +445,32 @@ def solve_dp(
     *,
     orders: str = "auto",
     time_limit_s: float = 60.0,
+    rel_gap: float = 0.0,
     max_dp_calls: int = MAX_DP_CALLS,
 ) -> DPResult:
-    """Best plan over the device orders of `orders` (see the module docstring for the guarantee)."""
+    """Best plan over the device orders of `orders` (see the module docstring for the guarantee).
+
+    `rel_gap` > 0 stops the bound search once no box can improve the incumbent by more than that
+    fraction; `bound` in the result is then a proven lower bound over the orders searched."""
     started = time.perf_counter()
     order_list, complete_orders = device_orders(instance, orders)
-    search = _Search(instance, started + time_limit_s, max_dp_calls)
+    search = _Search(instance, started + time_limit_s, max_dp_calls, rel_gap)
     searched = 0
     for order in order_list:
-        if not search._budget_left():
+        if search.out_of_budget():
+            search.open_bound = min(search.open_bound, search._box_bound(0.0, search.lb_p, search.lb_d))
             break
         search.search(order)
         searched += 1
     elapsed = time.perf_counter() - started
-    exact = search.complete and complete_orders and searched == len(order_list)
+    finished = searched == len(order_list) and search.open_bound == _INF
+    exact = finished and complete_orders and rel_gap == 0.0
+    bound = min(search.best_obj, search.open_bound)
+    if finished:
+        bound = search.best_obj * (1 - rel_gap) if search.best is not None else _INF
     if search.best is None:
-        return DPResult(None, None, exact, searched, len(order_list), search.calls, elapsed)
+        return DPResult(None, None, exact, bound, searched, len(order_list), search.calls, elapsed)
     solution = Solution(search.best.stages)
-    return DPResult(solution, evaluate(instance, solution), exact, searched, len(order_list), search.calls, elapsed)
+    return DPResult(
+        solution, evaluate(instance, solution), exact, bound, searched, len(order_list), search.calls, elapsed
+    )

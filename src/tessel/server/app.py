@@ -99,10 +99,8 @@ def create_app(
         _check_model(body.model, served_name)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = await async_engine.call(lambda: _chat_prompt_ids(engine.tokenizer, messages))
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:  # OpenAI's default: whatever the context has left
-            max_tokens = max(engine.max_model_len - len(prompt_ids), 1)
-        params = _sampling_params(body, max_tokens)
+        # no max_tokens: OpenAI's default, whatever the context has left (the engine's None)
+        params = _sampling_params(body, body.requested_max_tokens())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, prompt_ids, params))
         if isinstance(stream, Response):
@@ -130,13 +128,13 @@ def _check_model(requested: str | None, served_name: str) -> None:
         )
 
 
-def _sampling_params(body: Any, max_tokens: int) -> Any:
+def _sampling_params(body: Any, max_tokens: int | None) -> Any:
     from tessel.engine.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        top_k=body.top_k or 0,
         max_tokens=max_tokens,
         stop=body.stop_list(),
         seed=body.seed,
@@ -212,25 +210,15 @@ async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
 
 
-def _delta(output: Any, sent: int) -> tuple[str, int]:
-    """The text not streamed yet, and the new count of streamed characters.
-
-    While the request runs, a trailing U+FFFD (the decoder's mark for a character whose bytes
-    have not all arrived) is held back, so the streamed pieces add up to the final text.
-    """
-    text = output.text if output.finished else output.text.rstrip("\ufffd")
-    return (text[sent:], len(text)) if len(text) > sent else ("", sent)
-
-
 def _sse(model: Any) -> str:
     return f"data: {json.dumps(model.model_dump(exclude_none=False))}\n\n"
 
 
 async def _completion_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-    created, sent, last = int(time.time()), 0, None
+    created, last = int(time.time()), None
     async for output in stream:
         last = output
-        text, sent = _delta(output, sent)
+        text = output.new_text
         if text or output.finished:
             choice = CompletionChoice(
                 text=text, finish_reason=output.finish_reason if output.finished else None
@@ -247,7 +235,7 @@ async def _completion_chunks(stream: RequestStream, model: str, include_usage: b
 
 
 async def _chat_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-    created, sent, last = int(time.time()), 0, None
+    created, last = int(time.time()), None
 
     def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
@@ -256,7 +244,7 @@ async def _chat_chunks(stream: RequestStream, model: str, include_usage: bool) -
     yield chunk(DeltaMessage(role="assistant", content=""))
     async for output in stream:
         last = output
-        text, sent = _delta(output, sent)
+        text = output.new_text
         if text:
             yield chunk(DeltaMessage(content=text))
         if output.finished:

@@ -61,7 +61,7 @@ class RequestStream:
 
     def abort(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
-        self._close(abort=True)
+        self._close(abort=False)
 
     def _close(self, abort: bool) -> None:
         if self._done:

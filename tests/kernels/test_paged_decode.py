@@ -1,0 +1,143 @@
+"""paged_decode_attention against float64 SDPA over each sequence's gathered K/V, on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessel.kernels import paged_decode_attention
+
+# (dtype, atol, rtol) against float64 on the same inputs: fp32 dots exact, P rounded to dtype for
+# P @ V and O rounded once, so about two ulps of the dtype on outputs of size <= 1.
+TOLERANCES = [
+    (torch.float32, 2e-5, 1e-4),
+    (torch.float16, 2e-3, 2e-3),
+    (torch.bfloat16, 2e-2, 1.6e-2),
+]
+# (q heads, kv heads, head dim, block size, context lengths): GQA, MHA and MQA, block sizes 16
+# and odd ones, ragged lengths including 1 and exact block multiples.
+CASES = [
+    (8, 2, 64, 16, [1, 50, 96, 17]),
+    (4, 4, 80, 7, [13, 1, 64]),
+    (6, 1, 32, 12, [100, 24]),
+    (2, 2, 128, 16, [16, 130]),
+    (4, 2, 16, 1, [9, 3]),
+]
+
+
+@pytest.fixture
+def poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs the op allocates start as NaN, so an element the kernel does not write shows."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def make_paged(n_q, n_kv, head_dim, block_size, lens, dtype, spare_blocks=5, pad_value=0):
+    """Caches with the blocks of all sequences shuffled across the pool, tables padded with pad_value."""
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks)
+    max_blocks = max(blocks_per_seq) + 2
+    tables = torch.full((len(lens), max_blocks), pad_value, dtype=torch.int32)
+    start = 0
+    for b, nb in enumerate(blocks_per_seq):
+        tables[b, :nb] = perm[start : start + nb].to(torch.int32)
+        start += nb
+    k_cache = torch.randn(num_blocks, block_size, n_kv, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, n_kv, head_dim).to(dtype)
+    q = torch.randn(len(lens), n_q, head_dim).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale=None):
+    """Per sequence: walk its tokens one by one through the block table, then float64 SDPA."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    outs = []
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            outs.append(torch.zeros(q.shape[1], q.shape[2], dtype=torch.float64))
+            continue
+        idx = [(int(tables[b, t // block_size]), t % block_size) for t in range(n)]
+        k = torch.stack([k_cache[blk, slot] for blk, slot in idx]).double()  # [n, Hkv, D]
+        v = torch.stack([v_cache[blk, slot] for blk, slot in idx]).double()
+        k = k.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n, D]
+        v = v.transpose(0, 1).repeat_interleave(group, 0)
+        out = F.scaled_dot_product_attention(q[b].double()[:, None, :], k, v, scale=scale)
+        outs.append(out[:, 0, :])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}")
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+def test_paged_decode_matches_float64(request, poison, backend, case, dtype, atol, rtol):
+    request.getfixturevalue(backend)
+    q, k_cache, v_cache, tables, lens = make_paged(*case, dtype)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(
+        out.double(), reference(q, k_cache, v_cache, tables, lens), atol=atol, rtol=rtol
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_table_padding_past_the_end_is_ignored(request, poison, backend):
+    """Entries past a sequence's last block may be -1 (or anything): never read."""
+    request.getfixturevalue(backend)
+    q, k_cache, v_cache, tables, lens = make_paged(4, 2, 32, 16, [5, 40, 33], torch.float32, pad_value=-1)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=0.2)
+    ref = reference(q, k_cache, v_cache, tables, lens, scale=0.2)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_empty_context_gives_zeros(request, poison, backend):
+    request.getfixturevalue(backend)
+    q, k_cache, v_cache, tables, lens = make_paged(4, 2, 32, 8, [0, 11], torch.float32)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(
+        out.double(), reference(q, k_cache, v_cache, tables, lens), atol=2e-5, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_strided_query_from_a_fused_projection(request, poison, backend):
+    request.getfixturevalue(backend)
+    q_full, k_cache, v_cache, tables, lens = make_paged(8, 2, 64, 16, [30, 7], torch.float16)
+    q = torch.cat((q_full, torch.randn_like(q_full)), dim=1)[:, :8]  # batch stride 2 * Hq * D
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(
+        out.double(), reference(q, k_cache, v_cache, tables, lens), atol=2e-3, rtol=2e-3
+    )
+
+
+def test_decode_equals_the_last_row_of_causal_flash_attention(torch_backend):
+    """The decode token attends to the whole context, as the last query row of a causal prefill."""
+    from tessel.kernels import flash_attention
+
+    q, k_cache, v_cache, tables, lens = make_paged(4, 2, 32, 16, [37], torch.float32, spare_blocks=0)
+    blocks = tables[0, :3].long()
+    k = k_cache[blocks].flatten(0, 1)[:37].transpose(0, 1)[None]  # [1, Hkv, 37, D]
+    v = v_cache[blocks].flatten(0, 1)[:37].transpose(0, 1)[None]
+    full_q = torch.randn(1, 4, 37, 32)
+    full_q[0, :, -1] = q[0]
+    expected = flash_attention(full_q, k, v, causal=True)[0, :, -1]
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_rejected():
+    q, k_cache, v_cache, tables, lens = make_paged(3, 2, 16, 4, [3], torch.float32)
+    with pytest.raises(ValueError):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    q, k_cache, v_cache, tables, lens = make_paged(4, 2, 16, 4, [3], torch.float32)
+    with pytest.raises(ValueError):
+        paged_decode_attention(q, k_cache, v_cache, tables[:, :, None], lens)

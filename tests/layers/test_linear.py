@@ -1,0 +1,167 @@
+"""tessel.layers Linear / Int8Linear / W8A16Linear against nn.Linear.
+
+Error bounds for the quantised layers, per output y = sum_k x_k w_k (float64 maths):
+- W8A16: the weight error |w_k - q_k s_w| <= s_w / 2 (round to nearest), so
+  |y - y_q| <= sum_k |x_k| * s_w / 2.
+- W8A8: with the activation error also <= s_x / 2 per element,
+  |x w - x_q w_q| <= |x| s_w / 2 + |w| s_x / 2 + s_x s_w / 4 per term, summed over k.
+Both bounds are worst cases (every rounding error of maximal size, all of one sign); the tests
+also check the typical relative error for Gaussian data: one int8 step is about 4 sigma / 127, so
+each operand carries an RMS error of step / sqrt(12) ~ 1% of its RMS; the product ~1.3%.
+On top comes one rounding of the output to the input dtype (the TOLERANCES below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tessel.errors import TesselError
+from tessel.kernels import quantize_per_token
+from tessel.layers import Int8Linear, Linear, W8A16Linear
+
+OUTPUT_ROUNDING = {  # dtype: (atol, rtol) for one rounding of O(1) outputs to this dtype
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (3e-3, 3e-3),
+    torch.bfloat16: (2.5e-2, 2.5e-2),
+}
+DTYPES = list(OUTPUT_ROUNDING)
+IN_FEATURES, OUT_FEATURES = 70, 45
+
+
+@pytest.fixture(params=["triton_backend", "torch_backend"])
+def backend(request: pytest.FixtureRequest) -> str:
+    request.getfixturevalue(request.param)
+    return request.param
+
+
+def float_linear(bias: bool = True, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    layer = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias)
+    return layer.to(dtype)
+
+
+def inputs(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(2, 5, IN_FEATURES).to(dtype)  # [batch, tokens, features]: 10 rows
+
+
+# ---- Linear -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_nn_linear(backend: str, dtype: torch.dtype, bias: bool) -> None:
+    ref = float_linear(bias, dtype)
+    layer = Linear(IN_FEATURES, OUT_FEATURES, bias=bias, dtype=dtype)
+    layer.load_state_dict(ref.state_dict())  # same parameters and state_dict keys as nn.Linear
+    x = inputs(dtype)
+    with torch.no_grad():
+        out = layer(x)
+        expected = nn.functional.linear(
+            x.double(), ref.weight.double(), None if not bias else ref.bias.double()
+        )
+    assert out.shape == (2, 5, OUT_FEATURES) and out.dtype == dtype
+    atol, rtol = OUTPUT_ROUNDING[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+
+
+def test_linear_gradients_match_nn_linear(backend: str) -> None:
+    ref = float_linear()
+    layer = Linear.from_linear(ref)
+    assert layer.weight is ref.weight
+    x1 = inputs().requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    (ref(x1) ** 2).sum().backward()
+    grads_ref = [x1.grad, ref.weight.grad.clone(), ref.bias.grad.clone()]
+    ref.zero_grad()
+    (layer(x2) ** 2).sum().backward()
+    for got, want in zip([x2.grad, layer.weight.grad, layer.bias.grad], grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---- Int8Linear ---------------------------------------------------------------------------------
+
+
+def w8a8_bound(x: torch.Tensor, layer: Int8Linear, ref: nn.Linear) -> torch.Tensor:
+    rows = x.reshape(-1, IN_FEATURES).double()
+    _, s_x = quantize_per_token(x.reshape(-1, IN_FEATURES).float())
+    s_x = s_x.double()[:, None]  # [M, 1]
+    s_w = layer.weight_scale.double()[None, :]  # [1, N]
+    abs_x_sum = rows.abs().sum(1, keepdim=True)  # sum_k |x_k|
+    abs_w_sum = ref.weight.detach().double().abs().sum(1)[None, :]  # sum_k |w_k|
+    return (abs_x_sum * s_w / 2 + abs_w_sum * s_x / 2 + IN_FEATURES * s_x * s_w / 4).reshape(2, 5, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_within_quantisation_bound(backend: str, dtype: torch.dtype) -> None:
+    ref = float_linear()
+    layer = Int8Linear.from_linear(ref)
+    x = inputs(dtype)
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (2, 5, OUT_FEATURES)
+    expected = ref.double()(x.double())
+    err = (out.double() - expected).abs()
+    atol, rtol = OUTPUT_ROUNDING[dtype]
+    assert torch.all(err <= w8a8_bound(x, layer, ref) + atol + rtol * expected.abs())
+    rel = (out.double() - expected).norm() / expected.norm()
+    assert rel < 0.03, f"relative error {rel:.4f}; Gaussian data should give ~1.3%"
+
+
+def test_int8_linear_is_exactly_quantise_then_gemm(backend: str) -> None:
+    """The layer computes (q_x s_x) @ (q_w s_w).T + b: check against that in float64."""
+    ref = float_linear()
+    layer = Int8Linear.from_linear(ref)
+    x = inputs()
+    q_x, s_x = quantize_per_token(x.reshape(-1, IN_FEATURES))
+    deq_x = q_x.double() * s_x.double()[:, None]
+    deq_w = layer.weight.double() * layer.weight_scale.double()[:, None]
+    expected = (deq_x @ deq_w.t() + layer.bias.double()).reshape(2, 5, -1)
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.dequantized_weight().double(), deq_w)
+
+
+def test_int8_linear_weights_are_per_channel_int8(backend: str) -> None:
+    ref = float_linear(bias=False)
+    ref.weight.data[3] *= 100  # one loud channel must not coarsen the others' scales
+    layer = Int8Linear.from_linear(ref)
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (OUT_FEATURES,)
+    assert layer.bias is None
+    assert torch.all(layer.weight.abs().amax(1) == 127)
+    err = (layer.dequantized_weight() - ref.weight.detach()).abs()
+    assert torch.all(err <= layer.weight_scale[:, None] / 2 * (1 + 1e-5))
+    state = layer.state_dict()
+    assert set(state) == {"weight", "weight_scale"}
+    again = Int8Linear(IN_FEATURES, OUT_FEATURES, bias=False)
+    again.load_state_dict(state)
+    assert torch.equal(again.weight, layer.weight)
+
+
+def test_int8_linear_from_int8_validates() -> None:
+    with pytest.raises(TesselError):
+        Int8Linear.from_int8(torch.zeros(4, 3), torch.ones(4))
+    with pytest.raises(TesselError):
+        Int8Linear.from_int8(torch.zeros(4, 3, dtype=torch.int8), torch.ones(5))
+    layer = Int8Linear.from_int8(torch.ones(4, 3, dtype=torch.int8), torch.full((4,), 0.5), torch.arange(4.0))
+    out = layer(torch.ones(2, 3))
+    torch.testing.assert_close(out, torch.tensor([[1.5, 2.5, 3.5, 4.5]] * 2))
+    with pytest.raises(TesselError):
+        layer(torch.ones(2, 4))
+
+
+# ---- W8A16Linear --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a16_linear_within_quantisation_bound(backend: str, dtype: torch.dtype) -> None:
+    ref = float_linear()
+    layer = W8A16Linear.from_linear(ref)
+    x = inputs(dtype)
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (2, 5, OUT_FEATURES)
+    expected = ref.double()(x.double())
+    bound = x.double().abs().sum(-1, keepdim=True) * layer.weight_scale.double() / 2
+    atol, rtol = OUTPUT_ROUNDING[dtype]
+    assert torch.all((out.double() - expected).abs() <= bound + atol + rtol * expected.abs())
+    if dtype == torch.float32:
+        rel = (out.double() - expected).norm() / expected.norm()
+        assert rel < 0.02, f"relative error {rel:.4f}; Gaussian weights should give ~1%"
