@@ -176,8 +176,17 @@ LLAMA3_SCALING = {
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "llama": {"arch": "llama"},  # GQA 4 q heads : 2 kv heads, untied
-    "llama31_tied": {"arch": "llama", "tie_word_embeddings": True, "rope_scaling": LLAMA3_SCALING, "rope_theta": 5e5},
-    "llama_linear_mha": {"arch": "llama", "num_kv_heads": 4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "llama31_tied": {
+        "arch": "llama",
+        "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_SCALING,
+        "rope_theta": 5e5,
+    },
+    "llama_linear_mha": {
+        "arch": "llama",
+        "num_kv_heads": 4,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    },
     "qwen2": {"arch": "qwen2", "tie_word_embeddings": True, "num_kv_heads": 1},
     "mistral_head_dim": {"arch": "mistral", "head_dim": 32, "num_layers": 3},
     "llama_sharded": {"arch": "llama", "shards": 3, "seed": 1},

@@ -28,13 +28,21 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    return list(_hf_greedy(path, tuple(prompt_ids), max_new_tokens, ignore_eos))
+
+
+@functools.cache
+def _hf_greedy(
+    path: Path, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool
+) -> tuple[int, ...]:
     ids = torch.tensor([prompt_ids])
+    extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
     with torch.no_grad():
         out = hf_model(path).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **extra
         )
-    return out[0, len(prompt_ids) :].tolist()
+    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 def assert_matches_hf(path: Path, outputs, max_new_tokens: int = 24) -> None:
@@ -102,20 +110,24 @@ def test_chunked_prefill_with_a_tiny_token_budget(checkpoints) -> None:
     assert_matches_hf(path, outputs)
 
 
-def test_preemption_by_recompute_when_the_kv_pool_runs_out(checkpoints) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_by_recompute_when_the_kv_pool_runs_out(checkpoints, prefix_caching: bool) -> None:
     path = checkpoints("qwen2")
-    llm = LLM(path, max_model_len=96, block_size=4, num_kv_blocks=26, max_num_seqs=8, enable_prefix_caching=False)
+    llm = LLM(
+        path,
+        max_model_len=96,
+        block_size=4,
+        num_kv_blocks=26,
+        max_num_seqs=8,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=32,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = shared_prefix_prompts(llm, 5)
     outputs = llm.generate(prompts, params)
     assert llm.scheduler.num_preemptions > 0
     for out in outputs:
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.no_grad():
-            ref = hf_model(path).generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40, do_sample=False
-            )
-        assert out.token_ids == ref[0, ids.shape[1] :].tolist()
+        assert out.token_ids == hf_greedy(path, out.prompt_token_ids, 40, ignore_eos=True)
         assert out.finish_reason == "length"
     assert llm.num_free_blocks == llm.num_total_blocks
 

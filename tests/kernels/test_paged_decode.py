@@ -141,3 +141,23 @@ def test_bad_shapes_are_rejected():
     q, k_cache, v_cache, tables, lens = make_paged(4, 2, 16, 4, [3], torch.float32)
     with pytest.raises(ValueError):
         paged_decode_attention(q, k_cache, v_cache, tables[:, :, None], lens)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("dtype, atol, rtol", [TOLERANCES[0], TOLERANCES[2]])
+def test_split_context_flash_decoding(poison, triton_backend, splits, dtype, atol, rtol):
+    """The split-and-reduce path (used on GPUs the batch does not fill): splits past a short
+    sequence's end hold nothing, and an empty context still gives zeros."""
+    from tessel.kernels.paged_decode import _paged_decode_triton
+
+    q, k_cache, v_cache, tables, lens = make_paged(8, 2, 64, 16, [1, 150, 0, 64, 333], dtype)
+    out = _paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.125, splits=splits)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    ref = reference(q, k_cache, v_cache, tables, lens, scale=0.125)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+def test_split_heuristic_keeps_cpu_and_full_gpus_unsplit():
+    from tessel.kernels.paged_decode import num_splits
+
+    assert num_splits(1, 8, 8192, torch.device("cpu")) == 1

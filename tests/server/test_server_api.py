@@ -17,13 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import DEADLINE_S, engine_paused, serve_in_thread, wait_until
 
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 2
 MAX_PENDING = 2  # running + waiting; a third request gets 429
 KV_CACHE_GIB = 0.01
 LONG_MAX_TOKENS = MAX_MODEL_LEN - 32  # far more steps than a disconnect takes to notice
+TIMEOUT_S = 60.0  # per HTTP request; a healthy one takes milliseconds
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "Hello world! How are you"]
 
 
@@ -44,13 +44,13 @@ def app(engine: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def base_url(app: Any) -> str:
+def base_url(app: Any, serve_in_thread: Any) -> str:
     with serve_in_thread(app) as url:
         yield url
 
 
 @pytest.fixture
-def client(base_url: str, engine: Any, app: Any) -> httpx.Client:
+def client(base_url: str, engine: Any, app: Any, wait_until: Any) -> httpx.Client:
     with httpx.Client(base_url=base_url, timeout=60.0) as client:
         yield client
     # every test leaves the engine empty: all blocks back in the pool, nothing pending
@@ -240,8 +240,30 @@ def test_malformed_completion_bodies_are_400(client: httpx.Client, body: dict, p
 def test_malformed_chat_bodies_and_json_are_400(client: httpx.Client) -> None:
     _assert_openai_error(client.post("/v1/chat/completions", json={"messages": []}), 400)
     _assert_openai_error(client.post("/v1/chat/completions", json={"messages": [{"content": "x"}]}), 400)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    error = _assert_openai_error(client.post("/v1/chat/completions", json={"messages": image}), 400)
+    assert error["param"] == "messages.0.content" and "image_url" in error["message"]
     raw = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert "JSON" in _assert_openai_error(raw, 400)["message"]
+
+
+def test_chat_content_parts_equal_plain_content(client: httpx.Client) -> None:
+    plain = [{"role": "user", "content": "Hello world"}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]}
+    ]
+    texts = [
+        client.post("/v1/chat/completions", json={"messages": m, "max_tokens": 8, "temperature": 0}).json()
+        for m in (plain, parts)
+    ]
+    assert texts[0]["choices"][0]["message"] == texts[1]["choices"][0]["message"]
+    assert texts[0]["usage"] == texts[1]["usage"]
+
+
+def test_token_ids_outside_the_vocabulary_are_400(client: httpx.Client, engine: Any) -> None:
+    vocab_size = len(engine.tokenizer)
+    error = _assert_openai_error(client.post("/v1/completions", json={"prompt": [1, vocab_size]}), 400)
+    assert str(vocab_size) in error["message"]
 
 
 def test_unknown_model_and_route_are_404(client: httpx.Client) -> None:
@@ -265,23 +287,15 @@ def test_prompt_over_the_model_length_is_400_naming_the_limit(client: httpx.Clie
     assert ok.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
 
 
-def _long_stream_body(prompt: str) -> dict:
-    return {
-        "prompt": prompt,
-        "max_tokens": LONG_MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-
-
-def test_full_server_answers_429_then_recovers(client: httpx.Client, base_url: str, app: Any) -> None:
+def test_full_server_answers_429_then_recovers(
+    client: httpx.Client, base_url: str, app: Any, wait_until: Any, engine_paused: Any
+) -> None:
     async_engine = app.state.async_engine
     body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
     with ThreadPoolExecutor(MAX_PENDING) as pool:
         with engine_paused(async_engine):  # the admitted requests stay pending until it ends
             admitted = [
-                pool.submit(httpx.post, f"{base_url}/v1/completions", json=body, timeout=DEADLINE_S)
+                pool.submit(httpx.post, f"{base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
                 for _ in range(MAX_PENDING)
             ]
             wait_until(lambda: async_engine.num_pending == MAX_PENDING, "the server to fill up")
@@ -304,17 +318,19 @@ def _long_stream_body(prompt: str) -> dict:
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(
-    base_url: str, client: httpx.Client, engine: Any, app: Any
+    base_url: str, client: httpx.Client, engine: Any, app: Any, wait_until: Any, engine_paused: Any
 ) -> None:
     async_engine = app.state.async_engine
     aborted_before = async_engine.num_aborted
     with ExitStack() as paused:
-        with httpx.Client(base_url=base_url, timeout=DEADLINE_S) as other:
+        with httpx.Client(base_url=base_url, timeout=TIMEOUT_S) as other:
             with other.stream("POST", "/v1/completions", json=_long_stream_body(PROMPTS[1])) as response:
-                assert next(response.iter_lines()).startswith("data: ")
+                lines = response.iter_lines()  # kept: dropping it would close the connection here
+                assert next(lines).startswith("data: ")
                 paused.enter_context(engine_paused(async_engine))
                 assert engine.has_unfinished_requests()  # so the client leaves mid-stream
                 assert engine.num_free_blocks < engine.num_total_blocks
+                assert async_engine.num_aborted == aborted_before and async_engine.num_pending == 1
         wait_until(lambda: async_engine.num_pending == 0, "the server to notice the disconnect")
     wait_until(lambda: async_engine.num_aborted == aborted_before + 1, "the request to be aborted")
     wait_until(lambda: engine.num_free_blocks == engine.num_total_blocks, "the KV blocks to return")
@@ -322,7 +338,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(
 
 
 def test_disconnect_mid_request_aborts_and_frees_blocks(
-    base_url: str, client: httpx.Client, engine: Any, app: Any
+    base_url: str, client: httpx.Client, engine: Any, app: Any, wait_until: Any, engine_paused: Any
 ) -> None:
     async_engine = app.state.async_engine
     aborted_before = async_engine.num_aborted
@@ -331,11 +347,12 @@ def test_disconnect_mid_request_aborts_and_frees_blocks(
     head = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
     head += f"content-length: {len(body)}\r\n\r\n"
     with ExitStack() as paused:
-        with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as sock:
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
             sock.sendall(head.encode() + body)
             wait_until(lambda: engine.num_free_blocks < engine.num_total_blocks, "the request to run")
             paused.enter_context(engine_paused(async_engine))
             assert engine.has_unfinished_requests()  # so the client leaves before the response
+            assert async_engine.num_aborted == aborted_before and async_engine.num_pending == 1
         wait_until(lambda: async_engine.num_pending == 0, "the server to notice the disconnect")
     wait_until(lambda: async_engine.num_aborted == aborted_before + 1, "the request to be aborted")
     wait_until(lambda: engine.num_free_blocks == engine.num_total_blocks, "the KV blocks to return")

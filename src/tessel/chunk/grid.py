@@ -86,9 +86,9 @@ def make_grid(
     return TokenGrid(lens, grid_tokens, pos, req, first, np.asarray(fixed))
 
 
-def band_pairs(grid: TokenGrid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flat (j, k) of every valid chunk (j-k, j) and a [n+1, W] -> flat index map (-1 where invalid)."""
-    n, width = grid.n, grid.width
+def band_pairs(grid: TokenGrid, max_width: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat (j, k) of every valid chunk (j-k, j) (k <= max_width) and the [n+1, W] validity mask."""
+    n, width = grid.n, grid.width if max_width is None else min(grid.width, max_width)
     k = np.arange(1, width + 1)
     j = np.arange(n + 1)[:, None]
     ok = (j - k[None, :] >= grid.first[:, None]) & (j >= 1)
@@ -96,9 +96,11 @@ def band_pairs(grid: TokenGrid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return jj, kk + 1, ok
 
 
-def stage_tables(grid: TokenGrid, pipeline: PipelineLatency) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per stage: [n+1, W] chunk times t_s and sends to the next stage (inf where invalid)."""
-    jj, kk, ok = band_pairs(grid)
+def stage_tables(
+    grid: TokenGrid, pipeline: PipelineLatency, max_width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """[S, n+1, W] chunk times t_s and [S, n+1, W] sends to the next stage (inf where invalid)."""
+    jj, kk, ok = band_pairs(grid, max_width)
     ii = jj - kk
     c = grid.positions[jj] - grid.positions[ii]
     p = grid.positions[ii] - grid.request_start[jj]
@@ -110,7 +112,7 @@ def stage_tables(grid: TokenGrid, pipeline: PipelineLatency) -> tuple[list[np.nd
         send = np.full(ok.shape, np.inf)
         send[jj, kk - 1] = stage_send_times(stage, c) if s < pipeline.n_stages - 1 else 0.0
         sends.append(send)
-    return times, sends
+    return np.stack(times), np.stack(sends)
 
 
 def surrogate_tables(grid: TokenGrid, pipeline: PipelineLatency) -> tuple[np.ndarray, np.ndarray, bool]:

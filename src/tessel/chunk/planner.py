@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessel.chunk.grid import TokenGrid, band_pairs, make_grid, surrogate_tables
+from tessel.chunk.grid import TokenGrid, make_grid, stage_tables, surrogate_tables
 from tessel.chunk.latency import PipelineLatency
 from tessel.chunk.schedule import (
     Schedule,
@@ -41,9 +41,10 @@ from tessel.chunk.schedule import (
 )
 
 TAU_BATCH = 32  # taus per vectorised DP pass
-EXACT_MAX_GRID = 160  # largest grid (boundaries) the exact Pareto search is tried on by default
+EXACT_MAX_GRID = 64  # largest grid (steps) the exact Pareto search runs on by default
 EXACT_MAX_STATES = 300_000  # Pareto states over all boundaries before the exact search gives up
-LOCAL_SEARCH_ROUNDS = 200
+LOCAL_SEARCH_ROUNDS = 40  # steepest-descent rounds (each scores every neighbour at once)
+LOCAL_SEARCH_MULTI_START_GRID = 256  # up to this many grid steps, start from the 3 best DP plans
 BEAM_WIDTH = 16  # finish-time states kept per grid boundary by the beam search
 REL_EPS = 1e-12  # relative slack for float comparisons of makespans
 
@@ -117,8 +118,10 @@ def plan_chunks(
 ) -> ChunkPlan:
     """The best chunking found (see the module docstring for what is guaranteed).
 
-    `exact`: None tries the exact search on non-uniform pipelines with at most `EXACT_MAX_GRID`
-    grid steps; True tries it at any size (bounded by `max_exact_states`); False never.
+    `exact`: None runs the exact search on non-uniform pipelines of at most `EXACT_MAX_GRID` grid
+    steps; True runs it at any size and on uniform pipelines too (a cross-check of the DP), bounded
+    by `max_exact_states`; False never. `local_search`: the local and beam searches on
+    non-uniform pipelines.
     """
     grid = make_grid(problem.seq_lens, problem.grid_tokens, problem.max_chunk_tokens)
     pipeline = problem.pipeline
@@ -129,25 +132,23 @@ def plan_chunks(
     notes = [f"TeraPipe DP: {len(candidates)} candidate chunkings"]
     optimal = uniform
     method = "terapipe-dp"
-    if not uniform:
-        if local_search:
-            for start in _top_k(scorer, candidates, 3):
-                bounds, value = _local_search(scorer, grid, start)
-                if value < best_value * (1 - REL_EPS):
-                    best_bounds, best_value, method = bounds, value, "terapipe-dp+local-search"
+    if not uniform and local_search:
+        for start in _top_k(scorer, candidates, 3 if grid.n <= LOCAL_SEARCH_MULTI_START_GRID else 1):
+            bounds, value = _local_search(scorer, grid, start)
+            if value < best_value * (1 - REL_EPS):
+                best_bounds, best_value, method = bounds, value, "terapipe-dp+local-search"
         bounds, value = _beam_search(scorer, grid, pipeline, best_bounds, best_value)
         if value < best_value * (1 - REL_EPS):
             best_bounds, best_value, method = bounds, value, "terapipe-dp+beam-search"
-        try_exact = exact if exact is not None else grid.n <= EXACT_MAX_GRID
-        if try_exact:
-            found = _pareto_exact(grid, pipeline, best_value, max_exact_states)
-            if found is None:
-                notes.append(f"exact search gave up after {max_exact_states} states")
-            else:
-                optimal = True
-                if found[1] < best_value * (1 - REL_EPS):
-                    best_bounds, best_value, method = found[0], found[1], "exact-pareto-dp"
-                notes.append("exact Pareto search proved the plan optimal")
+    if exact or (exact is None and not uniform and grid.n <= EXACT_MAX_GRID):
+        found = _pareto_exact(grid, pipeline, best_value, max_exact_states)
+        if found is None:
+            notes.append(f"exact search gave up after {max_exact_states} states")
+        else:
+            optimal = True
+            if found[1] < best_value * (1 - REL_EPS):
+                best_bounds, best_value, method = found[0], found[1], "exact-pareto-dp"
+            notes.append("exact Pareto search proved the plan optimal")
     schedule = evaluate_chunks(pipeline, grid.chunks_from_bounds(best_bounds), grid.seq_lens, problem.tail_s)
     return ChunkPlan(schedule, method, optimal, tuple(notes))
 
@@ -178,7 +179,7 @@ def _top_k(scorer: _Scorer, candidates: Sequence[list[int]], k: int) -> list[lis
         by_len.setdefault(len(bounds), []).append(bounds)
     for group in by_len.values():
         values = scorer.makespans(np.asarray(group))
-        scored += list(zip(values.tolist(), group))
+        scored += list(zip(values.tolist(), group, strict=True))
     scored.sort(key=lambda item: item[0])
     unique, seen = [], set()
     for _, bounds in scored:
@@ -275,7 +276,7 @@ def terapipe_candidates(
         limit = np.searchsorted(values, (best - f_min) / weight, side="right")
         evaluated = sorted(solutions)
         open_intervals = []
-        for a, b in zip(evaluated, evaluated[1:]):
+        for a, b in zip(evaluated, evaluated[1:], strict=False):
             if b - a <= 1 or a + 1 >= limit:
                 continue
             lower = solutions[b][0] + weight * values[a + 1]
@@ -379,9 +380,10 @@ def _pareto_exact(
     extend (boundaries first[j]..j-1) are one contiguous slice.
     """
     n, n_stages = grid.n, pipeline.n_stages
-    stages = pipeline.stages
-    rest = np.stack([_suffix_min_sum(grid, stage) for stage in stages])  # [S, n+1]
-    drain = _drain(grid, pipeline)
+    times, sends = stage_tables(grid, pipeline, max_width)  # [S, n+1, W]
+    width = times.shape[2]
+    rest = np.stack([_suffix_min_sum(times[s]) for s in range(n_stages)])  # [S, n+1]
+    drain = _drain(times, sends, n)
     limit = incumbent * (1 + 1e-9)
     states = np.zeros((max_states + 1, n_stages))
     where = np.zeros(max_states + 1, dtype=np.int64)  # boundary of each state
@@ -390,19 +392,18 @@ def _pareto_exact(
     count = 1
     begin[1] = 1
     for j in range(1, n + 1):
-        first_j = int(grid.first[j]) if max_width is None else max(int(grid.first[j]), j - max_width)
-        lo, hi = begin[first_j], count
+        lo, hi = begin[max(int(grid.first[j]), j - width)], count
         if hi > lo:
-            prev, b = states[lo:hi], where[lo:hi]
-            c = grid.positions[j] - grid.positions[b]
-            p = grid.positions[b] - grid.request_start[j]
+            prev, col = states[lo:hi], j - 1 - where[lo:hi]
+            t, snd = times[:, j, col], sends[:, j, col]  # [S, states]
             cur = np.empty_like(prev)
-            cur[:, 0] = prev[:, 0] + stage_prefill_times(stages[0], c, p)
+            cur[:, 0] = prev[:, 0] + t[0]
             for s in range(1, n_stages):
-                arrival = cur[:, s - 1] + stage_send_times(stages[s - 1], c)
-                cur[:, s] = np.maximum(prev[:, s], arrival) + stage_prefill_times(stages[s], c, p)
+                cur[:, s] = np.maximum(prev[:, s], cur[:, s - 1] + snd[s - 1]) + t[s]
             lower = (cur + rest[:, j] + (drain if j < n else 0.0)).max(axis=1)
             keep = np.flatnonzero(lower <= limit)
+            if beam is not None and len(keep) > 4 * beam:  # beam: only the most promising are compared
+                keep = keep[np.argsort(lower[keep], kind="stable")[: 4 * beam]]
             keep = keep[_pareto_minimal(cur[keep])]
             if beam is not None and len(keep) > beam:
                 keep = keep[np.argsort(lower[keep], kind="stable")[:beam]]
@@ -425,33 +426,26 @@ def _pareto_exact(
     return bounds[::-1], value
 
 
-def _suffix_min_sum(grid: TokenGrid, stage) -> np.ndarray:
-    """R(i): least sum of one stage's chunk times over chunkings of boundaries i..n."""
-    n = grid.n
-    jj, kk, _ = band_pairs(grid)
-    ii = jj - kk
-    by_start = np.full((n + 1, grid.width), np.inf)  # row i, column k-1: chunk (i, i+k)
-    by_start[ii, kk - 1] = stage_prefill_times(
-        stage, grid.positions[jj] - grid.positions[ii], grid.positions[ii] - grid.request_start[jj]
-    )
-    rest = np.full(n + grid.width + 1, np.inf)
+def _suffix_min_sum(table: np.ndarray) -> np.ndarray:
+    """R(i): least sum of one stage's chunk times over chunkings of boundaries i..n (band table)."""
+    n, width = table.shape[0] - 1, table.shape[1]
+    jj, kk = np.nonzero(np.isfinite(table))
+    by_start = np.full((n + 1, width), np.inf)  # row i, column k: chunk (i, i+k+1)
+    by_start[jj - kk - 1, kk] = table[jj, kk]
+    rest = np.full(n + width + 1, np.inf)
     rest[n] = 0.0
     for i in range(n - 1, -1, -1):
-        rest[i] = np.min(by_start[i] + rest[i + 1 : i + 1 + grid.width])
+        rest[i] = np.min(by_start[i] + rest[i + 1 : i + 1 + width])
     return rest[: n + 1]
 
 
-def _drain(grid: TokenGrid, pipeline: PipelineLatency) -> np.ndarray:
+def _drain(times: np.ndarray, sends: np.ndarray, n: int) -> np.ndarray:
     """Least time from stage s finishing the last chunk to it leaving the last stage, per s."""
-    n, n_stages = grid.n, pipeline.n_stages
-    starts = np.arange(int(grid.first[n]), n)
-    c = grid.positions[n] - grid.positions[starts]
-    p = grid.positions[starts] - grid.request_start[n]
-    after = np.zeros((n_stages, len(starts)))
+    n_stages = times.shape[0]
+    after = np.zeros((n_stages, times.shape[2]))
     for s in range(n_stages - 2, -1, -1):
-        step = stage_send_times(pipeline.stages[s], c) + stage_prefill_times(pipeline.stages[s + 1], c, p)
-        after[s] = after[s + 1] + step
-    return after.min(axis=1)
+        after[s] = after[s + 1] + sends[s, n] + times[s + 1, n]
+    return np.where(np.isfinite(after), after, np.inf).min(axis=1)
 
 
 PARETO_PIVOTS = 64  # states checked against every candidate when there are too many for all pairs
@@ -467,10 +461,12 @@ def _pareto_minimal(states: np.ndarray) -> np.ndarray:
         return np.arange(m)
     order = np.lexsort(states.T[::-1])  # a dominating state sorts before the states it dominates
     ranked = states[order]
-    pivots = ranked[np.argsort(ranked.sum(axis=1))[:PARETO_PIVOTS]]
-    le = (pivots[:, None, :] <= ranked[None, :, :]).all(axis=2)
-    lt = (pivots[:, None, :] < ranked[None, :, :]).any(axis=2)
-    survivors = np.flatnonzero(~(le & lt).any(axis=0))
+    survivors = np.arange(m)
+    if m > PARETO_ALL_PAIRS:
+        pivots = ranked[np.argsort(ranked.sum(axis=1))[:PARETO_PIVOTS]]
+        le = (pivots[:, None, :] <= ranked[None, :, :]).all(axis=2)
+        lt = (pivots[:, None, :] < ranked[None, :, :]).any(axis=2)
+        survivors = np.flatnonzero(~(le & lt).any(axis=0))
     if len(survivors) <= PARETO_ALL_PAIRS:
         rest = ranked[survivors]
         le = (rest[:, None, :] <= rest[None, :, :]).all(axis=2)  # le[a, b]: a dominates or ties b

@@ -41,7 +41,8 @@ def stage_prefill_times(
         return np.broadcast_to(
             np.asarray(vectorised(chunk_tokens, offset_tokens), dtype=np.float64), chunk_tokens.shape
         )
-    flat = [stage.prefill_time_s(int(c), int(p)) for c, p in zip(chunk_tokens.ravel(), offset_tokens.ravel())]
+    pairs = zip(chunk_tokens.ravel(), offset_tokens.ravel(), strict=True)
+    flat = [stage.prefill_time_s(int(c), int(p)) for c, p in pairs]
     return np.asarray(flat, dtype=np.float64).reshape(chunk_tokens.shape)
 
 

@@ -47,6 +47,14 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _load_tile(ptrs, mask, USE_MASK: tl.constexpr):
+        if USE_MASK:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
+        return x
+
+    @triton.jit
     def _quantize_rows_int8(x):
         """Symmetric per-row int8: returns (x_i8, scale) with x ~= x_i8 * scale[:, None]."""
         xf = x.to(tl.float32)
@@ -57,12 +65,60 @@ if triton is not None:
         return y.to(tl.int8), scale
 
     @triton.jit
+    def _flash_attention_tiles(
+        acc, l_i, m_i, q_op, q_scale,
+        k_base, k_seq_stride, v_base, v_seq_stride,
+        offs_m, offs_n, offs_d, seq_k, prefix, qk_scale_log2, lo, hi,
+        MASKED: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        INT8_QK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Online softmax over the key tiles [lo, hi). MASKED tiles may cross the sequence end or
+        the causal diagonal; unmasked tiles are fully visible to every row and skip the masks."""
+        d_mask = offs_d < HEAD_DIM
+        NEED_MASK: tl.constexpr = MASKED or HEAD_DIM != BLOCK_D
+        for start_n in range(lo, hi, BLOCK_N):
+            n = start_n + offs_n
+            kv_mask = (n[:, None] < seq_k) & d_mask[None, :]
+            k = _load_tile(k_base + n[:, None] * k_seq_stride + offs_d[None, :], kv_mask, NEED_MASK)
+            if INT8_QK:
+                k_i8, k_scale = _quantize_rows_int8(k)
+                s_int = tl.dot(q_op, tl.trans(k_i8), out_dtype=tl.int32)
+                s = s_int.to(tl.float32) * (q_scale[:, None] * (k_scale[None, :] * qk_scale_log2))
+            else:
+                s = tl.dot(q_op, _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION)
+                s = s * qk_scale_log2
+            if MASKED:
+                valid = n[None, :] < seq_k
+                if CAUSAL:
+                    valid = valid & (n[None, :] <= offs_m[:, None] + prefix)
+                s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load_tile(v_base + n[:, None] * v_seq_stride + offs_d[None, :], kv_mask, NEED_MASK)
+            p = _dot_operand(p.to(v.dtype), UPCAST_DOT)
+            acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
     def _flash_attention_forward_kernel(
         Q_ptr, q_batch_stride, q_head_stride, q_seq_stride,
         K_ptr, k_batch_stride, k_head_stride, k_seq_stride,
         V_ptr, v_batch_stride, v_head_stride, v_seq_stride,
         O_ptr, o_batch_stride, o_head_stride, o_seq_stride,
-        n_q_heads, group_size, seq_q, seq_k, head_dim, qk_scale_log2,
+        n_q_heads, group_size, seq_q, seq_k, qk_scale_log2,
+        HEAD_DIM: tl.constexpr,
         CAUSAL: tl.constexpr,
         INT8_QK: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -80,13 +136,15 @@ if triton is not None:
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < head_dim
+        io_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
 
         q_ptrs = Q_ptr + b * q_batch_stride + h * q_head_stride
-        q_ptrs += offs_m[:, None] * q_seq_stride + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_mask[None, :], other=0.0)
+        q = tl.load(q_ptrs + offs_m[:, None] * q_seq_stride + offs_d[None, :], mask=io_mask, other=0.0)
         if INT8_QK:
-            q_i8, q_scale = _quantize_rows_int8(q)
+            q_op, q_scale = _quantize_rows_int8(q)
+        else:
+            q_op = _dot_operand(q, UPCAST_DOT)
+            q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
         k_base = K_ptr + b * k_batch_stride + g * k_head_stride
         v_base = V_ptr + b * v_batch_stride + g * v_head_stride
@@ -95,46 +153,32 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        prefix = seq_k - seq_q  # query i sits at absolute position i + prefix
-        hi = seq_k
+        # Query i sits at absolute position i + prefix. Key tiles below `full_hi` are visible to
+        # every row of this query tile (and inside the sequence); the rest up to `hi` need masks.
+        prefix = seq_k - seq_q
         if CAUSAL:
             hi = tl.minimum(seq_k, (start_m + 1) * BLOCK_M + prefix)
-        for start_n in range(0, hi, BLOCK_N):
-            n = start_n + offs_n
-            kv_mask = (n[:, None] < seq_k) & d_mask[None, :]
-            k = tl.load(k_base + n[:, None] * k_seq_stride + offs_d[None, :], mask=kv_mask, other=0.0)
-            if INT8_QK:
-                k_i8, k_scale = _quantize_rows_int8(k)
-                s_int = tl.dot(q_i8, tl.trans(k_i8), out_dtype=tl.int32)
-                s = s_int.to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
-            else:
-                s = tl.dot(
-                    _dot_operand(q, UPCAST_DOT),
-                    _dot_operand(tl.trans(k), UPCAST_DOT),
-                    input_precision=DOT_PRECISION,
-                )
-            s = s * qk_scale_log2
-            valid = n[None, :] < seq_k
-            if CAUSAL:
-                valid = valid & (n[None, :] <= offs_m[:, None] + prefix)
-            s = tl.where(valid, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * v_seq_stride + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None]
-            p = _dot_operand(p.to(v.dtype), UPCAST_DOT)
-            acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            full_hi = tl.maximum((start_m * BLOCK_M + prefix + 1) // BLOCK_N * BLOCK_N, 0)
+            full_hi = tl.minimum(full_hi, hi // BLOCK_N * BLOCK_N)
+        else:
+            hi = seq_k
+            full_hi = seq_k // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _flash_attention_tiles(
+            acc, l_i, m_i, q_op, q_scale, k_base, k_seq_stride, v_base, v_seq_stride,
+            offs_m, offs_n, offs_d, seq_k, prefix, qk_scale_log2, 0, full_hi,
+            False, CAUSAL, INT8_QK, DOT_PRECISION, UPCAST_DOT, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        acc, l_i, m_i = _flash_attention_tiles(
+            acc, l_i, m_i, q_op, q_scale, k_base, k_seq_stride, v_base, v_seq_stride,
+            offs_m, offs_n, offs_d, seq_k, prefix, qk_scale_log2, full_hi, hi,
+            True, CAUSAL, INT8_QK, DOT_PRECISION, UPCAST_DOT, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         o_ptrs = O_ptr + b * o_batch_stride + h * o_head_stride
         o_ptrs += offs_m[:, None] * o_seq_stride + offs_d[None, :]
-        tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=(offs_m[:, None] < seq_q) & d_mask[None, :])
+        tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=io_mask)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -171,7 +215,8 @@ def _launch(
         k, k.stride(0), k.stride(1), k.stride(2),
         v, v.stride(0), v.stride(1), v.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
-        n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, head_dim, scale * LOG2_E,
+        n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, scale * LOG2_E,
+        HEAD_DIM=head_dim,
         CAUSAL=causal,
         INT8_QK=int8_qk,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

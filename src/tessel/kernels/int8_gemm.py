@@ -145,11 +145,13 @@ def _int8_gemm_torch(
     else:
         # On CPU, torch._int_mm takes any shape (checked on torch 2.4-2.13) and any strides.
         acc = torch._int_mm(a, w.t())
-    # Epilogue in float32, in place: int32 * float32 -> float32 allocates the one output buffer.
+    # Epilogue in float32, two passes over [M, N]: int32 * float32 promotes into the one output
+    # buffer, then the per-channel scale (and the bias, fused by addcmul) in place.
     out = torch.mul(acc, a_scale.view(-1, 1))
-    out.mul_(w_scale.view(1, -1))
-    if bias is not None:
-        out.add_(bias.view(1, -1))
+    if bias is None:
+        out.mul_(w_scale.view(1, -1))
+    else:
+        torch.addcmul(bias.view(1, -1).to(torch.float32), out, w_scale.view(1, -1), out=out)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 

@@ -8,12 +8,16 @@ Token t of sequence b lives in physical block `block_tables[b, t // block_size]`
 
 A sequence with L = 0 gets zeros. The Triton kernel runs one program per (sequence, kv head)
 and handles the whole query-head group at once, so each K/V block is read once per group;
-tokens are walked in tiles with an online softmax, for any block size. The PyTorch path gathers
-the used blocks with one index op and runs one batched SDPA with a length mask.
+tokens are walked in tiles with an online softmax, for any block size. When those programs are
+too few to fill the GPU (small batch, long context), the context is split across programs
+(flash-decoding): split s returns its normalised partial output o_s and lse_s = log2 sum exp2,
+and a second kernel combines out = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s). The PyTorch path
+gathers the used blocks with one index op and runs one batched SDPA with a length mask.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,6 +32,8 @@ except ImportError:  # the PyTorch path works without triton
     triton = None
 
 LOG2_E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # flash-decoding: a split shorter than this costs more in the reduce than it saves
+MAX_SPLITS = 64
 
 
 if triton is not None:
@@ -48,7 +54,11 @@ if triton is not None:
         BT_ptr, bt_batch_stride,
         Lens_ptr,
         O_ptr, o_batch_stride, o_head_stride,
-        group_size, head_dim, block_size, qk_scale_log2,
+        PartO_ptr, po_batch_stride, po_head_stride, po_split_stride,
+        PartL_ptr, pl_batch_stride, pl_head_stride,
+        group_size, head_dim, tokens_per_split, qk_scale_log2,
+        PAGE_SIZE: tl.constexpr,
+        SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -58,6 +68,12 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         context_len = tl.load(Lens_ptr + b)
+        lo = 0
+        hi = context_len
+        if SPLIT:  # this program covers tokens [lo, hi) of the context
+            split = tl.program_id(2)
+            lo = split * tokens_per_split
+            hi = tl.minimum(context_len, lo + tokens_per_split)
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_n = tl.arange(0, BLOCK_N)
@@ -71,12 +87,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        for start_n in range(0, context_len, BLOCK_N):
+        for start_n in range(lo, hi, BLOCK_N):
             tok = start_n + offs_n
-            tok_mask = tok < context_len
-            block = tl.load(BT_ptr + b * bt_batch_stride + tok // block_size, mask=tok_mask, other=0)
+            tok_mask = tok < hi
+            block = tl.load(BT_ptr + b * bt_batch_stride + tok // PAGE_SIZE, mask=tok_mask, other=0)
             block = block.to(tl.int64)
-            slot = (tok % block_size).to(tl.int64)
+            slot = (tok % PAGE_SIZE).to(tl.int64)
             kv_mask = tok_mask[:, None] & d_mask[None, :]
             k_ptrs = K_ptr + block[:, None] * k_block_stride + slot[:, None] * k_slot_stride
             k = tl.load(k_ptrs + g * k_head_stride + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -88,7 +104,7 @@ if triton is not None:
             s = s * qk_scale_log2
             s = tl.where(tok_mask[None, :], s, float("-inf"))
 
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -98,10 +114,47 @@ if triton is not None:
             acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
 
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # context_len == 0: zeros
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens (context_len 0, or a split past the end)
         out = acc / l_safe[:, None]
-        o_ptrs = O_ptr + b * o_batch_stride + heads[:, None] * o_head_stride + offs_d[None, :]
-        tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=q_mask)
+        if SPLIT:
+            # partial output and its log2-sum-exp2; the reduce kernel weighs splits by exp2(lse)
+            po_ptrs = PartO_ptr + b * po_batch_stride + heads[:, None] * po_head_stride
+            tl.store(po_ptrs + split * po_split_stride + offs_d[None, :], out, mask=q_mask)
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+            pl_ptrs = PartL_ptr + b * pl_batch_stride + heads * pl_head_stride + split
+            tl.store(pl_ptrs, lse, mask=offs_g < group_size)
+        else:
+            o_ptrs = O_ptr + b * o_batch_stride + heads[:, None] * o_head_stride + offs_d[None, :]
+            tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _paged_decode_reduce_kernel(
+        PartO_ptr, po_batch_stride, po_head_stride, po_split_stride,
+        PartL_ptr, pl_batch_stride, pl_head_stride,
+        O_ptr, o_batch_stride, o_head_stride,
+        num_splits, head_dim,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """out = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse): the softmax over the
+        whole context, assembled from the per-split softmaxes."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < num_splits
+        lse = tl.load(
+            PartL_ptr + b * pl_batch_stride + h * pl_head_stride + offs_s, mask=s_mask, other=float("-inf")
+        )
+        m = tl.max(lse, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m_safe)
+        po_ptrs = PartO_ptr + b * po_batch_stride + h * po_head_stride + offs_s[:, None] * po_split_stride
+        o = tl.load(po_ptrs + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        total = tl.sum(w, axis=0)
+        out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)
+        o_ptrs = O_ptr + b * o_batch_stride + h * o_head_stride + offs_d
+        tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -119,7 +172,30 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
         )
 
 
-def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+@functools.cache
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch: int, n_kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """How many context splits (flash-decoding) a launch uses: 1 when (sequence, kv head) programs
+    already fill the GPU, else enough splits for ~2 programs per SM, each split >= MIN_SPLIT_TOKENS.
+
+    `max_tokens` is the table capacity (max_blocks * block_size), so no device sync is needed."""
+    if device.type != "cuda" or max_tokens <= MIN_SPLIT_TOKENS:
+        return 1
+    programs = batch * n_kv_heads
+    target = 2 * _multiprocessor_count(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    if programs >= target:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-target // programs), -(-max_tokens // MIN_SPLIT_TOKENS)))
+
+
+def _paged_decode_triton(
+    q, k_cache, v_cache, block_tables, context_lens, scale, splits: int | None = None
+) -> torch.Tensor:
     batch, n_q_heads, head_dim = q.shape
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
@@ -131,21 +207,48 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    _paged_decode_kernel[(batch, n_kv_heads)](
+    max_tokens = block_tables.shape[1] * block_size
+    if splits is None:
+        splits = num_splits(batch, n_kv_heads, max_tokens, q.device)
+    block_n = 64
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tokens_per_split = -(-max_tokens // (splits * block_n)) * block_n
+    if splits > 1:
+        part_o = torch.empty((batch, n_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((batch, n_q_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_l = out, out  # unused
+    po_strides = part_o.stride()[:3] if splits > 1 else (0, 0, 0)
+    pl_strides = part_l.stride()[:2] if splits > 1 else (0, 0)
+    _paged_decode_kernel[(batch, n_kv_heads, splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables, block_tables.stride(0),
         context_lens,
         out, out.stride(0), out.stride(1),
-        group, head_dim, block_size, scale * LOG2_E,
+        part_o, *po_strides,
+        part_l, *pl_strides,
+        group, head_dim, tokens_per_split, scale * LOG2_E,
+        PAGE_SIZE=block_size,
+        SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
-        BLOCK_N=64,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16 in the interpreter
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         num_warps=4,
     )  # fmt: skip
+    if splits > 1:
+        _paged_decode_reduce_kernel[(batch, n_q_heads)](
+            part_o, *po_strides,
+            part_l, *pl_strides,
+            out, out.stride(0), out.stride(1),
+            splits, head_dim,
+            BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -51,7 +51,8 @@ if triton is not None:
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         tile = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask)
         out_ptrs = Out_ptr + cols[:, None] * out_row_stride + rows[None, :]
-        tl.store(out_ptrs, tl.trans(tile), mask=tl.trans(mask))
+        out_mask = (cols[:, None] < N) & (rows[None, :] < M)
+        tl.store(out_ptrs, tl.trans(tile), mask=out_mask)
 
 
 def _transpose_triton(x: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
-from tessel.server.errors import ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     AssistantMessage,
@@ -67,7 +68,9 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.healthy:
-            return response_for(async_engine.error or RuntimeError("the engine thread is not running"))
+            cause = async_engine.error
+            reason = f"{type(cause).__name__}: {cause}" if cause is not None else "its thread is not running"
+            return response_for(EngineDeadError(f"the engine failed: {reason}"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -75,24 +78,28 @@ def create_app(
         card = ModelCard(id=served_name, created=created, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        _check_model(body.model, served_name)
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        params = _sampling_params(body, max_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, body.prompt, params))
+    async def generate(
+        raw: Request, body: Any, request_id: str, prompt: Any, params: Any, chunks: Any
+    ) -> Any:
+        """Queue the request; a streaming response, or the final output (or a 499 if the client left)."""
+        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, prompt, params))
         if isinstance(stream, Response):
             return stream
         if body.stream:
-            return _event_stream(stream, _completion_chunks(stream, served_name, body.include_usage()))
-        final = await _final_output(raw, stream)
+            return _event_stream(stream, chunks(stream, served_name, body.include_usage()))
+        return await _final_output(raw, stream)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        _check_model(body.model, served_name)
+        params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        final = await generate(raw, body, request_id, body.prompt, params, _completion_chunks)
         if isinstance(final, Response):
             return final
         choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
-        return _json(
-            CompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
-        )
+        response = CompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
+        return JSONResponse(response.model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -102,18 +109,15 @@ def create_app(
         # no max_tokens: OpenAI's default, whatever the context has left (the engine's None)
         params = _sampling_params(body, body.requested_max_tokens())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, prompt_ids, params))
-        if isinstance(stream, Response):
-            return stream
-        if body.stream:
-            return _event_stream(stream, _chat_chunks(stream, served_name, body.include_usage()))
-        final = await _final_output(raw, stream)
+        final = await generate(raw, body, request_id, prompt_ids, params, _chat_chunks)
         if isinstance(final, Response):
             return final
-        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
-        return _json(
-            ChatCompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
+        message = AssistantMessage(content=final.text)
+        choice = ChatChoice(message=message, finish_reason=final.finish_reason)
+        response = ChatCompletionResponse(
+            id=request_id, model=served_name, choices=[choice], usage=_usage(final)
         )
+        return JSONResponse(response.model_dump())
 
     return app
 
@@ -144,10 +148,13 @@ def _sampling_params(body: Any, max_tokens: int | None) -> Any:
 
 def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template; use /v1/completions instead")
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+        raise TesselError("this model's tokenizer has no chat template; use /v1/completions instead")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as error:  # the template's own checks (roles must alternate, ...) are user errors
+        raise TesselError(f"the chat template rejected the messages: {error}") from error
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
@@ -156,10 +163,6 @@ def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
 def _usage(output: Any) -> UsageInfo:
     prompt, completion = output.num_prompt_tokens, output.num_output_tokens
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _json(model: Any) -> JSONResponse:
-    return JSONResponse(model.model_dump())
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -211,7 +214,7 @@ async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def _sse(model: Any) -> str:
-    return f"data: {json.dumps(model.model_dump(exclude_none=False))}\n\n"
+    return f"data: {model.model_dump_json()}\n\n"
 
 
 async def _completion_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:

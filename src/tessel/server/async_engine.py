@@ -61,7 +61,7 @@ class RequestStream:
 
     def abort(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
-        self._close(abort=False)
+        self._close(abort=True)
 
     def _close(self, abort: bool) -> None:
         if self._done:
@@ -193,7 +193,10 @@ class AsyncEngine:
                 return
             for output in outputs:
                 self._deliver(output.request_id, output, finished=output.finished)
-        self._fail_commands(EngineDeadError("the server is shutting down"))
+        stopped = EngineDeadError("the server is shutting down")
+        for request_id in list(self._queues):
+            self._deliver(request_id, stopped, finished=True)
+        self._fail_commands(stopped)
 
     def _deliver(self, request_id: str, item: Any, finished: bool) -> None:
         entry = self._queues.pop(request_id, None) if finished else self._queues.get(request_id)

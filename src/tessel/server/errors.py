@@ -43,7 +43,7 @@ def response_for(error: Exception) -> JSONResponse:
         return error_response(503, str(error), "engine_error", code="engine_dead")
     if isinstance(error, ModelNotFoundError):
         return error_response(404, str(error), "invalid_request_error", param="model", code="model_not_found")
-    if isinstance(error, TesselError | ValueError):
+    if isinstance(error, TesselError):
         return error_response(400, str(error), "invalid_request_error")
     return error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 

@@ -106,18 +106,19 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        """The message's text; content given as parts keeps only the `text` parts."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else []:
             if part.get("type") != "text":
-                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+        return content
+
+    def text(self) -> str:
+        """The message's text; content given as parts joins their `text`."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(str(part.get("text", "")) for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

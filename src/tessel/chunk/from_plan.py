@@ -1,0 +1,345 @@
+"""Stage latencies of a plan, from the cost model: what the chunk planner runs on.
+
+Stage s holding units U_s (decoder layers, or attention/MLP blocks at sublayer granularity) of the
+model on a GPU of type g, with link L_s to the next stage:
+
+    prefill_s(c, p) = sum_{u in U_s} unit_prefill_time_s(u, g, c, p)  (+ embed_time_s(c) on the first stage)
+    decode_s(B, S)  = sum_{u in U_s} unit_decode_time_s(u, g, B, S)   (+ embedding / LM head of B tokens
+                                                                       on the first / last stage)
+    send_s(c)       = link_time_s(L_s, hidden_bytes(model, c, activation dtype))   (0 on the last stage)
+
+The final norm + LM head of prefill runs once, for the last token of the last chunk: it is the
+pipeline's `tail_s` (added to TTFT), not part of every chunk. A measured `Profile` of a stage's
+device type replaces the roofline as `tessel.cost` decides (same device type, shape and dtype:
+the fit; same device type only: its efficiencies).
+
+The planner evaluates millions of (c, p) pairs for a 128K prompt, so `CostModelStage` also
+answers whole arrays: parts that depend on c only are computed by the scalar cost model once per
+distinct c; the (c, p) roofline is a numpy twin of `tessel.cost.roofline`, checked against the
+scalar functions on sample points when the stage is built (a mismatch, e.g. a cost-model change
+the twin does not know, falls back to scalar calls: slower, same numbers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tessel.catalog.gpus import GpuSpec, get_gpu
+from tessel.catalog.models import ModelSpec, load_model, model_from_config
+from tessel.chunk.latency import PipelineLatency
+from tessel.cost import layer as L
+from tessel.cost import roofline as R
+from tessel.cost.link import LinkSpec, link_time_s
+from tessel.cost.profile import Profile
+from tessel.errors import TesselError
+
+PLAN_VERSION = 1
+GBPS = 1e9 / 8  # bytes/s in one Gb/s: plan and cluster files give bandwidth_gbps in gigabits per second
+US = 1e-6
+TWIN_CHECK_POINTS = 24  # (c, p) samples the numpy twin is checked on
+TWIN_RTOL = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelStage:
+    """A `StageLatency` for a run of units on one device, priced by `tessel.cost`."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    unit_counts: tuple[tuple[str, int], ...]  # (kind, how many)
+    first: bool
+    last: bool
+    dtype: str = "fp16"
+    kv_dtype: str = "fp16"
+    link: LinkSpec | None = None  # to the next stage; None on the last
+    profile: Profile | None = None
+    twin_ok: bool = field(default=True, compare=False)
+
+    @classmethod
+    def build(cls, **kwargs) -> CostModelStage:
+        stage = cls(**kwargs)
+        return stage if _twin_agrees(stage) else cls(**kwargs, twin_ok=False)
+
+    # ---- the StageLatency protocol (scalar: the reference) ----------------------------------
+
+    def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
+        if chunk_tokens <= 0:
+            return 0.0
+        time = sum(
+            count
+            * R.unit_prefill_time_s(
+                self.model,
+                self.gpu,
+                kind,
+                chunk_tokens,
+                offset_tokens,
+                dtype=self.dtype,
+                kv_dtype=self.kv_dtype,
+                profile=self.profile,
+            )
+            for kind, count in self.unit_counts
+        )
+        if self.first:
+            time += R.embed_time_s(self.model, self.gpu, chunk_tokens, self.dtype, profile=self.profile)
+        return time
+
+    def decode_time_s(self, batch_size: int, sum_context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        time = sum(
+            count
+            * R.unit_decode_time_s(
+                self.model,
+                self.gpu,
+                kind,
+                batch_size,
+                sum_context_tokens,
+                dtype=self.dtype,
+                kv_dtype=self.kv_dtype,
+                profile=self.profile,
+            )
+            for kind, count in self.unit_counts
+        )
+        if self.first:
+            time += R.embed_time_s(self.model, self.gpu, batch_size, self.dtype, profile=self.profile)
+        if self.last:
+            time += R.lm_head_time_s(self.model, self.gpu, batch_size, self.dtype, profile=self.profile)
+        return time
+
+    def send_time_s(self, tokens: int) -> float:
+        if self.link is None or tokens <= 0:
+            return 0.0
+        return link_time_s(self.link, L.hidden_bytes(self.model, tokens, L.activation_dtype(self.dtype)))
+
+    # ---- vectorised --------------------------------------------------------------------------
+
+    def send_times_s(self, tokens: np.ndarray) -> np.ndarray:
+        return _per_distinct(self.send_time_s, tokens)
+
+    def prefill_times_s(self, chunk_tokens: np.ndarray, offset_tokens: np.ndarray) -> np.ndarray:
+        c = np.asarray(chunk_tokens, dtype=np.float64)
+        p = np.asarray(offset_tokens, dtype=np.float64)
+        if not self.twin_ok:
+            return np.vectorize(self.prefill_time_s, otypes=[float])(chunk_tokens, offset_tokens)
+        total = np.zeros(np.broadcast_shapes(c.shape, p.shape))
+        for kind, count in self.unit_counts:
+            total = total + count * self._unit_prefill(kind, c, p)
+        if self.first:
+            total = total + _per_distinct(
+                lambda n: R.embed_time_s(self.model, self.gpu, n, self.dtype, profile=self.profile), c
+            )
+        return np.where(c > 0, total, 0.0)
+
+    def tail_s(self) -> float:
+        """Final norm + LM head for one token (the last prompt token's logits), on this stage."""
+        return R.lm_head_time_s(self.model, self.gpu, 1, self.dtype, profile=self.profile)
+
+    def _unit_prefill(self, kind: str, c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        efficiency = R.efficiency_for(self.profile, self.gpu)
+        exact = R.exact_profile(self.profile, self.model, self.gpu, self.dtype)
+        if exact is None:
+            return self._analytic(kind, c, p, efficiency)
+        fit = exact.prefill
+        layer_s = np.maximum(fit.a0 + np.maximum(fit.time_s(c, p) - fit.a0, 0.0), 0.0)
+        if kind == "layer":
+            return layer_s
+        attention = self._analytic("attention", c, p, efficiency)
+        mlp = self._analytic("mlp", c, p, efficiency)
+        return layer_s * (attention if kind == "attention" else mlp) / (attention + mlp)
+
+    def _analytic(self, kind: str, c: np.ndarray, p: np.ndarray, efficiency: R.Efficiency) -> np.ndarray:
+        """numpy twin of `roofline._analytic_prefill_s` for one sequence."""
+        model, gpu, act = self.model, self.gpu, L.activation_dtype(self.dtype)
+        n_bytes = _per_distinct(lambda n: L.weight_bytes_read(model, kind, self.dtype, n), c)
+        n_bytes = n_bytes + c * L.activation_elems_per_token(model, kind) * L.dtype_bytes(act)
+        if kind != "mlp":
+            n_bytes = n_bytes + L.kv_bytes_per_token(model, self.kv_dtype) * (p + c)
+        compute = L.matmul_flops(model, kind, 1.0) * c / (efficiency.compute * gpu.peak_flops(self.dtype))
+        pairs = c * (p + c / 2)
+        compute = compute + L.attention_core_flops(model, kind, 1.0) * pairs / (
+            efficiency.compute * gpu.peak_flops(act)
+        )
+        memory = n_bytes / (efficiency.memory * gpu.mem_bandwidth_bytes_per_s)
+        return np.maximum(compute, memory) + R.KERNELS_PER_UNIT[kind] * R.KERNEL_LAUNCH_OVERHEAD_S
+
+
+def _per_distinct(fn, values: np.ndarray) -> np.ndarray:
+    """fn (scalar) over an array, called once per distinct value."""
+    values = np.asarray(values)
+    distinct, inverse = np.unique(values, return_inverse=True)
+    results = np.array([fn(int(v)) if float(v).is_integer() else fn(float(v)) for v in distinct], dtype=float)
+    return results[inverse].reshape(values.shape)
+
+
+def _twin_agrees(stage: CostModelStage) -> bool:
+    rng = np.random.default_rng(0)
+    c = np.concatenate([[1, 16, 64, 512, 4096, 32768], rng.integers(1, 65536, TWIN_CHECK_POINTS - 6)])
+    p = np.concatenate([[0, 0, 4096, 100, 0, 65536], rng.integers(0, 131072, TWIN_CHECK_POINTS - 6)])
+    twin = stage.prefill_times_s(c, p)
+    scalar = np.array([stage.prefill_time_s(int(a), int(b)) for a, b in zip(c, p, strict=True)])
+    return bool(np.allclose(twin, scalar, rtol=TWIN_RTOL, atol=0.0))
+
+
+# ---- plan files --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """What the chunk planner needs of one plan stage."""
+
+    device: str
+    gpu_type: str
+    unit_start: int
+    unit_end: int  # half-open
+    link: LinkSpec | None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanPipeline:
+    """A plan's pipeline, priced: the stages' latencies plus what TTFT adds after the last chunk."""
+
+    pipeline: PipelineLatency
+    tail_s: float
+    model: ModelSpec
+    stages: tuple[StageSpec, ...]
+    labels: dict[str, str]
+
+    @property
+    def flops_linear_tokens(self) -> float:
+        """Matmul FLOPs per token / attention FLOPs per (query, key) pair: Seq1F1B's equal-FLOP rule."""
+        return L.matmul_flops(self.model, "layer", 1.0) / L.attention_core_flops(self.model, "layer", 1.0)
+
+
+def build_pipeline(
+    model: ModelSpec,
+    stages: Sequence[StageSpec],
+    *,
+    granularity: str = "layer",
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    profiles: Sequence[Profile] = (),
+    labels: dict[str, str] | None = None,
+) -> PlanPipeline:
+    if granularity not in ("layer", "sublayer"):
+        raise TesselError(f"granularity {granularity!r}: expected 'layer' or 'sublayer'")
+    n_units = model.num_layers * (2 if granularity == "sublayer" else 1)
+    if not stages:
+        raise TesselError("a plan needs at least one stage")
+    expected = 0
+    for stage in stages:
+        if stage.unit_start != expected or stage.unit_end <= stage.unit_start:
+            raise TesselError(
+                f"stage on {stage.device} covers units {stage.unit_start}..{stage.unit_end}; stages must "
+                f"cover 0..{n_units} in order without gaps"
+            )
+        expected = stage.unit_end
+    if expected != n_units:
+        raise TesselError(f"the stages cover {expected} units, the model has {n_units} ({granularity})")
+    built = []
+    for position, stage in enumerate(stages):
+        gpu = get_gpu(stage.gpu_type)
+        last = position == len(stages) - 1
+        if not last and stage.link is None:
+            raise TesselError(f"stage {position} ({stage.device}) has no link to the next stage")
+        built.append(
+            CostModelStage.build(
+                model=model,
+                gpu=gpu,
+                unit_counts=_unit_counts(stage, granularity),
+                first=position == 0,
+                last=last,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                link=None if last else stage.link,
+                profile=R.select_profile(list(profiles), model, gpu, dtype),
+            )
+        )
+    return PlanPipeline(PipelineLatency(tuple(built)), built[-1].tail_s(), model, tuple(stages), labels or {})
+
+
+def _unit_counts(stage: StageSpec, granularity: str) -> tuple[tuple[str, int], ...]:
+    units = range(stage.unit_start, stage.unit_end)
+    if granularity == "layer":
+        return (("layer", len(units)),)
+    return tuple(sorted(Counter("attention" if u % 2 == 0 else "mlp" for u in units).items()))
+
+
+def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> PlanPipeline:
+    """The priced pipeline of a `tessel plan --json` file (version 1)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TesselError(f"plan file {path} does not exist (write one with `tessel plan --json`)") from None
+    except json.JSONDecodeError as error:
+        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(data, dict) or data.get("version", PLAN_VERSION) != PLAN_VERSION:
+        raise TesselError(f"{path}: not a version {PLAN_VERSION} plan file")
+    try:
+        model_data = data["model"]
+        config = model_data.get("config")
+        if isinstance(config, dict) and config:
+            model = model_from_config(config, name=str(model_data["name"]), source=f"{path} model.config")
+        else:
+            model = load_model(str(model_data["name"]))
+        stages = [_stage_spec(raw) for raw in data["stages"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise TesselError(f"{path}: malformed plan ({type(error).__name__}: {error})") from None
+    labels = {"model": model.name, "cluster": str(data.get("cluster", {}).get("name", "?")), "source": str(path)}
+    return build_pipeline(
+        model,
+        stages,
+        granularity=str(data.get("granularity", "layer")),
+        dtype=str(data.get("dtype", "fp16")),
+        kv_dtype=str(data.get("kv_dtype", "fp16")),
+        profiles=profiles,
+        labels=labels,
+    )
+
+
+def _stage_spec(raw: dict) -> StageSpec:
+    link_raw = raw.get("link_to_next")
+    link = None
+    if link_raw is not None:
+        link = LinkSpec(float(link_raw["bandwidth_gbps"]) * GBPS, float(link_raw.get("latency_us", 0.0)) * US)
+    return StageSpec(
+        device=str(raw.get("device", f"stage{raw.get('index', '?')}")),
+        gpu_type=str(raw["gpu_type"]),
+        unit_start=int(raw["unit_start"]),
+        unit_end=int(raw["unit_end"]),
+        link=link,
+    )
+
+
+def even_split_pipeline(
+    model: ModelSpec,
+    cluster,
+    n_stages: int | None = None,
+    *,
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    profiles: Sequence[Profile] = (),
+) -> PlanPipeline:
+    """The first `n_stages` devices of a `tessel.plan.cluster.Cluster` in file order, layers split
+    evenly (the earlier stages take one more when they don't divide), links from the cluster."""
+    devices = list(cluster.devices)
+    n = len(devices) if n_stages is None else n_stages
+    if not 1 <= n <= len(devices):
+        raise TesselError(f"--stages must be between 1 and {len(devices)} (devices in {cluster.name}), got {n}")
+    n = min(n, model.num_layers)
+    devices = devices[:n]
+    base, extra = divmod(model.num_layers, n)
+    stages, start = [], 0
+    for i, device in enumerate(devices):
+        end = start + base + (1 if i < extra else 0)
+        link = cluster.link(device, devices[i + 1]) if i < n - 1 else None
+        stages.append(StageSpec(device.name, device.gpu_type, start, end, link))
+        start = end
+    labels = {"model": model.name, "cluster": cluster.name, "source": "even layer split"}
+    return build_pipeline(model, stages, dtype=dtype, kv_dtype=kv_dtype, profiles=profiles, labels=labels)

@@ -1,0 +1,131 @@
+"""Fitting measured layer times to the profile's forms, on relative error.
+
+    prefill:  t(c, p) = a0 + a1*c + a2*p + a3*c*(p + c/2)
+    decode:   t(B, S) = b0 + b1*B + b2*S
+
+Coefficients are non-negative (each is a time per something) and the fit minimises the sum of
+squared *relative* residuals, sum ((pred - t) / t)^2, so that a 2 ms point counts as much as a
+2 s one: non-negative least squares (scipy.optimize.nnls) on the rows of the design matrix divided
+by t. Columns are rescaled to unit norm first (nnls is invariant to positive column scaling, and
+the c*(p + c/2) column is ~1e6 times the constant one). Held-out points, chosen by
+`heldout_split` before fitting and never seen by it, give the reported error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from tessel.cost.profile import DecodeFit, PrefillFit
+
+HELDOUT_FRACTION = 0.25
+
+
+def prefill_design(chunk_tokens: np.ndarray, offset_tokens: np.ndarray) -> np.ndarray:
+    c = np.asarray(chunk_tokens, dtype=np.float64)
+    p = np.asarray(offset_tokens, dtype=np.float64)
+    return np.stack([np.ones_like(c), c, p, c * (p + c / 2)], axis=1)
+
+
+def decode_design(batch_size: np.ndarray, sum_context_tokens: np.ndarray) -> np.ndarray:
+    b = np.asarray(batch_size, dtype=np.float64)
+    s = np.asarray(sum_context_tokens, dtype=np.float64)
+    return np.stack([np.ones_like(b), b, s], axis=1)
+
+
+def nnls_relative(design: np.ndarray, times_s: np.ndarray) -> np.ndarray:
+    """argmin_{x >= 0} sum_i ((design_i . x - t_i) / t_i)^2."""
+    times_s = np.asarray(times_s, dtype=np.float64)
+    if design.shape[0] != times_s.shape[0] or design.shape[0] == 0:
+        raise ValueError("need one time per design row, and at least one row")
+    if (times_s <= 0).any() or not np.isfinite(times_s).all():
+        raise ValueError("measured times must be positive and finite")
+    rows = design / times_s[:, None]
+    scale = np.linalg.norm(rows, axis=0)
+    scale[scale == 0] = 1.0
+    solution, _ = nnls(rows / scale, np.ones(len(times_s)))
+    return solution / scale
+
+
+def fit_prefill(chunk_tokens: np.ndarray, offset_tokens: np.ndarray, times_s: np.ndarray) -> PrefillFit:
+    a0, a1, a2, a3 = nnls_relative(prefill_design(chunk_tokens, offset_tokens), times_s)
+    return PrefillFit(float(a0), float(a1), float(a2), float(a3))
+
+
+def fit_decode(batch_size: np.ndarray, sum_context_tokens: np.ndarray, times_s: np.ndarray) -> DecodeFit:
+    b0, b1, b2 = nnls_relative(decode_design(batch_size, sum_context_tokens), times_s)
+    return DecodeFit(float(b0), float(b1), float(b2))
+
+
+def mean_relative_error(predicted_s: np.ndarray, measured_s: np.ndarray) -> float:
+    predicted_s, measured_s = np.asarray(predicted_s, float), np.asarray(measured_s, float)
+    return float(np.mean(np.abs(predicted_s - measured_s) / measured_s))
+
+
+def heldout_split(
+    n_points: int, fraction: float = HELDOUT_FRACTION, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint (fit, held-out) index sets; the fit keeps at least 4 points, held-out at least 1."""
+    if n_points < 5:
+        raise ValueError(f"need at least 5 points to fit 4 coefficients and hold one out, got {n_points}")
+    order = np.random.default_rng(seed).permutation(n_points)
+    n_held = min(max(1, round(fraction * n_points)), n_points - 4)
+    return np.sort(order[n_held:]), np.sort(order[:n_held])
+
+
+@dataclass(frozen=True, slots=True)
+class FitReport:
+    prefill: PrefillFit
+    decode: DecodeFit
+    prefill_heldout_error: float
+    decode_heldout_error: float
+    prefill_fit_error: float  # on the points the fit saw
+    heldout_error: float  # mean relative error over all held-out points, prefill and decode
+    n_prefill_points: int
+    n_decode_points: int
+
+
+def fit_measurements(
+    prefill_points: np.ndarray,
+    prefill_times_s: np.ndarray,
+    decode_points: np.ndarray,
+    decode_times_s: np.ndarray,
+) -> FitReport:
+    """Fit both forms on the non-held-out points; errors on the held-out ones.
+
+    prefill_points: [n, 2] (chunk tokens, offset tokens); decode_points: [m, 2] (batch, sum context).
+    """
+    pre = np.asarray(prefill_points, dtype=np.float64)
+    dec = np.asarray(decode_points, dtype=np.float64)
+    pre_t, dec_t = np.asarray(prefill_times_s, float), np.asarray(decode_times_s, float)
+    fit_i, held_i = heldout_split(len(pre))
+    prefill = fit_prefill(pre[fit_i, 0], pre[fit_i, 1], pre_t[fit_i])
+    dfit_i, dheld_i = heldout_split(len(dec), seed=1)
+    decode = fit_decode(dec[dfit_i, 0], dec[dfit_i, 1], dec_t[dfit_i])
+
+    def prefill_pred(idx: np.ndarray) -> np.ndarray:
+        return prefill_design(pre[idx, 0], pre[idx, 1]) @ np.array(
+            [prefill.a0, prefill.a1, prefill.a2, prefill.a3]
+        )
+
+    decode_pred = decode_design(dec[dheld_i, 0], dec[dheld_i, 1]) @ np.array(
+        [decode.b0, decode.b1, decode.b2]
+    )
+    held_errors = np.concatenate(
+        [
+            np.abs(prefill_pred(held_i) - pre_t[held_i]) / pre_t[held_i],
+            np.abs(decode_pred - dec_t[dheld_i]) / dec_t[dheld_i],
+        ]
+    )
+    return FitReport(
+        prefill=prefill,
+        decode=decode,
+        prefill_heldout_error=mean_relative_error(prefill_pred(held_i), pre_t[held_i]),
+        decode_heldout_error=mean_relative_error(decode_pred, dec_t[dheld_i]),
+        prefill_fit_error=mean_relative_error(prefill_pred(fit_i), pre_t[fit_i]),
+        heldout_error=float(held_errors.mean()),
+        n_prefill_points=len(pre),
+        n_decode_points=len(dec),
+    )

@@ -1,0 +1,400 @@
+"""Time one real decoder layer on this machine's CPU or GPU, and fit the profile forms to it.
+
+The layer is a Llama-family decoder layer built here from plain PyTorch ops with random weights
+in the requested shape: RMSNorm, q/k/v/o projections, RoPE, grouped-query attention through
+`scaled_dot_product_attention` over a preallocated KV cache, RMSNorm, SwiGLU MLP, residuals.
+A prefill point (c, p) writes c new keys/values after p cached ones and attends causally
+(query i sees keys 0..p+i); a decode point (B, S) runs B sequences of S/B context each.
+
+Each point: `warmup` untimed runs, then the median of `repeats` timed runs, under
+`torch.inference_mode()` with a fixed thread count; on CUDA, CUDA events around the run after a
+synchronize. Points are chosen from a grid to fit the time budget (cost estimated from FLOPs and
+one calibration run). The fits and held-out errors come from `tessel.cost.fit`.
+
+torch is imported inside functions only: `tessel.cost` must import without it.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+
+import numpy as np
+
+from tessel.cost.fit import FitReport, fit_measurements
+from tessel.cost.profile import Profile
+from tessel.errors import TesselError
+
+DTYPE_NAMES = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+ROPE_THETA = 10000.0
+PREFILL_BUDGET_SHARE = 0.7  # of the timing budget; decode gets the rest
+MIN_PREFILL_POINTS = 8
+MIN_DECODE_POINTS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise TesselError(f"layer shape must be positive, got {self}")
+        if self.num_heads % self.num_kv_heads:
+            raise TesselError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+
+    def scaled(self, factor: int) -> LayerShape:
+        """Width / factor, same head dim: fewer heads (KV heads kept >= 1 and dividing the heads)."""
+        if factor == 1:
+            return self
+        heads = max(1, self.num_heads // factor)
+        kv = max(1, self.num_kv_heads // factor)
+        while heads % kv:
+            kv -= 1
+        return LayerShape(heads * self.head_dim, max(1, self.intermediate_size // factor), heads, kv, self.head_dim)
+
+    @property
+    def matmul_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        return h * self.num_heads * d * 2 + 2 * h * self.num_kv_heads * d + 3 * h * self.intermediate_size
+
+    def prefill_flops(self, c: float, p: float) -> float:
+        return 2 * c * self.matmul_params + 4 * self.num_heads * self.head_dim * c * (p + c / 2)
+
+    def decode_flops(self, batch: float, sum_context: float) -> float:
+        return 2 * batch * self.matmul_params + 4 * self.num_heads * self.head_dim * sum_context
+
+
+def parse_tiny_shape(text: str, head_dim: int | None = None) -> LayerShape:
+    """"h,f,heads,kv_heads" -> LayerShape (head dim h/heads)."""
+    try:
+        h, f, heads, kv = (int(x) for x in text.split(","))
+    except ValueError:
+        raise TesselError(f"--tiny-shape wants four integers h,f,heads,kv_heads, got {text!r}") from None
+    if heads <= 0 or h % heads:
+        raise TesselError(f"--tiny-shape: hidden size {h} must be a multiple of the head count {heads}")
+    return LayerShape(h, f, heads, kv, head_dim or h // heads)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSettings:
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "fp32"
+    budget_s: float = 60.0
+    threads: int | None = None  # CPU threads (None: torch's default)
+    warmup: int = 1
+    repeats: int = 5
+    max_chunk_tokens: int = 1024
+    max_offset_tokens: int = 4096
+    max_decode_batch: int = 32
+    max_decode_context: int = 4096
+    seed: int = 0
+
+
+def prefill_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
+    """(c, p) candidates: c on a geometric ladder of powers of two (and their 1.5x), p likewise from 0."""
+    chunks = _ladder(16, settings.max_chunk_tokens)
+    offsets = [0] + _ladder(128, settings.max_offset_tokens)
+    return [(c, p) for c in chunks for p in offsets]
+
+
+def decode_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
+    """(B, S) candidates: batch sizes 1.. and per-sequence contexts 128.. (S = B * context)."""
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= settings.max_decode_batch]
+    contexts = _ladder(128, settings.max_decode_context)
+    return [(b, b * s) for b in batches for s in contexts]
+
+
+def _ladder(low: int, high: int) -> list[int]:
+    values, x = [], low
+    while x <= high:
+        values.append(x)
+        if x * 3 // 2 <= high and x >= 32:
+            values.append(x * 3 // 2)
+        x *= 2
+    return sorted(set(values)) or [high]
+
+
+def choose_points(
+    points: list[tuple[int, int]], cost_s: Callable[[int, int], float], budget_s: float, minimum: int
+) -> list[tuple[int, int]]:
+    """Keep the cheapest points whose estimated total fits the budget (at least `minimum`), in a
+    spread-out order: thinning the grid evenly rather than dropping its expensive corner first."""
+    costs = np.array([cost_s(c, p) for c, p in points])
+    order = np.argsort(costs, kind="stable")
+    total = np.cumsum(costs[order])
+    n_fit = max(minimum, int(np.searchsorted(total, budget_s, side="right")))
+    if n_fit >= len(points):
+        return points
+    # thin evenly over the grid: every k-th point of the cost order keeps the range covered
+    step = len(points) / n_fit
+    chosen = {int(order[min(len(points) - 1, int(i * step))]) for i in range(n_fit)}
+    # and always the cheapest few so that the small-chunk end is well covered
+    chosen |= {int(i) for i in order[: max(2, n_fit // 4)]}
+    while sum(costs[i] for i in chosen) > budget_s and len(chosen) > minimum:
+        chosen.remove(max(chosen, key=lambda i: costs[i]))
+    return [points[i] for i in sorted(chosen)]
+
+
+class _Layer:
+    """The decoder layer and its KV cache, as plain tensors (no nn.Module needed to time it)."""
+
+    def __init__(self, shape: LayerShape, settings: ProfileSettings, max_tokens: int, max_batch: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.shape = shape
+        self.device = torch.device(settings.device)
+        self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[settings.dtype]
+        gen = torch.Generator(device="cpu").manual_seed(settings.seed)
+        h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+        a, g = shape.num_heads, shape.num_kv_heads
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            w = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+            return w.to(self.device, self.dtype)
+
+        self.wqkv = weight((a + 2 * g) * d, h)
+        self.wo = weight(h, a * d)
+        self.w_gate_up = weight(2 * f, h)
+        self.w_down = weight(h, f)
+        self.norm1 = torch.ones(h, device=self.device, dtype=self.dtype)
+        self.norm2 = torch.ones(h, device=self.device, dtype=self.dtype)
+        inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        angles = torch.outer(torch.arange(max_tokens, dtype=torch.float32), inv)
+        self.cos = angles.cos().to(self.device, self.dtype)
+        self.sin = angles.sin().to(self.device, self.dtype)
+        self.k_cache = torch.randn(max_batch, g, max_tokens, d, generator=gen).to(self.device, self.dtype)
+        self.v_cache = torch.randn(max_batch, g, max_tokens, d, generator=gen).to(self.device, self.dtype)
+
+    def _rms(self, x, weight):
+        torch = self.torch
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + 1e-5)).to(x.dtype) * weight
+
+    def _rope(self, x, positions):
+        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return self.torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+    def forward(self, x, offset: int, mask):
+        """x: [B, c, h] at positions offset..offset+c-1 of every sequence; returns [B, c, h]."""
+        torch = self.torch
+        F = torch.nn.functional
+        shape = self.shape
+        batch, c, _ = x.shape
+        a, g, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        qkv = F.linear(self._rms(x, self.norm1), self.wqkv).view(batch, c, a + 2 * g, d).transpose(1, 2)
+        positions = torch.arange(offset, offset + c, device=self.device)
+        q = self._rope(qkv[:, :a], positions)
+        self.k_cache[:batch, :, offset : offset + c] = self._rope(qkv[:, a : a + g], positions)
+        self.v_cache[:batch, :, offset : offset + c] = qkv[:, a + g :]
+        k = self.k_cache[:batch, :, : offset + c]
+        v = self.v_cache[:batch, :, : offset + c]
+        if a != g:
+            k = k.repeat_interleave(a // g, dim=1)
+            v = v.repeat_interleave(a // g, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + F.linear(attn.transpose(1, 2).reshape(batch, c, a * d), self.wo)
+        gate, up = F.linear(self._rms(x, self.norm2), self.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down)
+
+    def prefill_inputs(self, c: int, p: int):
+        torch = self.torch
+        x = torch.randn(1, c, self.shape.hidden_size, device=self.device, dtype=self.dtype)
+        rows = torch.arange(c, device=self.device)[:, None] + p
+        mask = torch.arange(p + c, device=self.device)[None, :] <= rows  # causal, lower-right aligned
+        return x, p, mask
+
+    def decode_inputs(self, batch: int, context: int):
+        x = self.torch.randn(batch, 1, self.shape.hidden_size, device=self.device, dtype=self.dtype)
+        return x, context, None  # the new token sees all context + itself
+
+
+def _timer(settings: ProfileSettings) -> Callable[[Callable[[], object]], float]:
+    import torch
+
+    if settings.device == "cuda":
+
+        def run_cuda(fn: Callable[[], object]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return run_cuda
+
+    def run_cpu(fn: Callable[[], object]) -> float:
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+
+    return run_cpu
+
+
+def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock) -> float:
+    x, offset, mask = inputs
+    for _ in range(settings.warmup):
+        layer.forward(x, offset, mask)
+    return statistics.median(clock(lambda: layer.forward(x, offset, mask)) for _ in range(settings.repeats))
+
+
+def check_device(settings: ProfileSettings) -> None:
+    import torch
+
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise TesselError("--device cuda: no CUDA device visible to PyTorch here; use --device cpu")
+    if settings.device not in ("cpu", "cuda"):
+        raise TesselError(f"--device must be cpu or cuda, got {settings.device!r}")
+    if settings.device == "cpu" and settings.dtype == "fp16":
+        raise TesselError("--dtype float16 is not profiled on CPU (PyTorch's CPU fp16 matmuls are emulated)")
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    prefill_points: np.ndarray  # [n, 2]: chunk tokens, offset tokens
+    prefill_times_s: np.ndarray
+    decode_points: np.ndarray  # [m, 2]: batch size, sum of contexts
+    decode_times_s: np.ndarray
+
+
+def measure_layer(
+    shape: LayerShape, settings: ProfileSettings, progress: Callable[[int, int], None] | None = None
+) -> Measurements:
+    """Time the layer over grids chosen to fit `settings.budget_s`; `progress(done, total)` per point."""
+    import torch
+
+    check_device(settings)
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    pre_grid, dec_grid = prefill_grid(settings), decode_grid(settings)
+    max_tokens = max(max(c + p for c, p in pre_grid), max(s // b + 1 for b, s in dec_grid))
+    max_batch = max(b for b, _ in dec_grid)
+    runs = settings.warmup + settings.repeats
+    with torch.inference_mode():
+        layer = _Layer(shape, settings, max_tokens, max_batch)
+        clock = _timer(settings)
+        calibrate = (64, 0)
+        seconds = _measure(layer, layer.prefill_inputs(*calibrate), settings, clock)
+        flops_per_s = shape.prefill_flops(*calibrate) / seconds
+        overhead_s = seconds / 4  # fixed per-run cost guess: keeps tiny points from looking free
+
+        def pre_cost(c: int, p: int) -> float:
+            return runs * (overhead_s + shape.prefill_flops(c, p) / flops_per_s)
+
+        def dec_cost(b: int, s: int) -> float:
+            bytes_read = (shape.matmul_params + 2 * shape.num_kv_heads * shape.head_dim * s) * layer.dtype.itemsize
+            return runs * (overhead_s + shape.decode_flops(b, s) / flops_per_s + bytes_read / 10e9)
+
+        pre = choose_points(pre_grid, pre_cost, PREFILL_BUDGET_SHARE * settings.budget_s, MIN_PREFILL_POINTS)
+        dec = choose_points(dec_grid, dec_cost, (1 - PREFILL_BUDGET_SHARE) * settings.budget_s, MIN_DECODE_POINTS)
+        total = len(pre) + len(dec)
+        pre_t, dec_t = [], []
+        for c, p in pre:
+            pre_t.append(_measure(layer, layer.prefill_inputs(c, p), settings, clock))
+            if progress:
+                progress(len(pre_t), total)
+        for b, s in dec:
+            dec_t.append(_measure(layer, layer.decode_inputs(b, s // b), settings, clock))
+            if progress:
+                progress(len(pre_t) + len(dec_t), total)
+    return Measurements(np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t))
+
+
+def implied_efficiencies(
+    shape: LayerShape, report: FitReport, device_type: str, dtype: str
+) -> tuple[float | None, float | None]:
+    """(compute, memory) efficiency vs the catalog peak: 2*P_matmul / a1 FLOP/s per token, and
+    weight bytes / b0 for a decode step (memory-bound at batch 1)."""
+    from tessel.catalog.gpus import get_gpu
+
+    try:
+        gpu = get_gpu(device_type)
+    except TesselError:
+        return None, None
+    compute = None
+    if report.prefill.a1 > 0:
+        compute = 2 * shape.matmul_params / report.prefill.a1 / gpu.peak_flops(dtype)
+    memory = None
+    step_s = report.decode.b0 + report.decode.b1
+    if step_s > 0:
+        itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+        memory = shape.matmul_params * itemsize / step_s / gpu.mem_bandwidth_bytes_per_s
+    return compute, memory
+
+
+def device_type_name(device: str) -> str:
+    """Catalog name of this machine's device: "cpu", or the catalog GPU whose name the CUDA one contains."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    from tessel.catalog.gpus import known_gpus
+
+    cuda_name = torch.cuda.get_device_name(0).upper().replace(" ", "").replace("-", "")
+    matches = [name for name in known_gpus() if name.upper().replace("-", "").split("G")[0] in cuda_name]
+    return max(matches, key=len) if matches else torch.cuda.get_device_name(0)
+
+
+def profile_layer(
+    shape: LayerShape,
+    settings: ProfileSettings,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    meta: dict[str, str] | None = None,
+) -> tuple[Profile, FitReport, Measurements]:
+    """Measure, fit and package a `Profile` (device type named as in the catalog)."""
+    import torch
+
+    settings = replace(settings, dtype=DTYPE_NAMES.get(settings.dtype, settings.dtype))
+    if settings.dtype not in ("fp32", "fp16", "bf16"):
+        raise TesselError(f"--dtype must be float32, bfloat16 or float16, got {settings.dtype!r}")
+    data = measure_layer(shape, settings, progress)
+    report = fit_measurements(data.prefill_points, data.prefill_times_s, data.decode_points, data.decode_times_s)
+    device_type = device_type_name(settings.device)
+    compute, memory = implied_efficiencies(shape, report, device_type, settings.dtype)
+    info = {
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "prefill_points": str(len(data.prefill_times_s)),
+        "decode_points": str(len(data.decode_times_s)),
+        "prefill_heldout_rel_error": f"{report.prefill_heldout_error:.4f}",
+        "decode_heldout_rel_error": f"{report.decode_heldout_error:.4f}",
+        "repeats": str(settings.repeats),
+        "warmup": str(settings.warmup),
+    }
+    profile = Profile(
+        device_type=device_type,
+        model_shape=shape.as_dict(),
+        dtype=settings.dtype,
+        prefill=report.prefill,
+        decode=report.decode,
+        heldout_rel_error=report.heldout_error,
+        compute_efficiency=compute,
+        memory_efficiency=memory,
+        meta=info | (meta or {}),
+    )
+    return profile, report, data
