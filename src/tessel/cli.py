@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from tessel.commands import generate as _generate
+from tessel.commands import plan as _plan
 from tessel.commands import serve as _serve
 from tessel.commands import simulate as _simulate
 from tessel.errors import TesselError
@@ -41,6 +42,7 @@ def version() -> None:
 
 # Registrations: one line per subcommand module under tessel.commands, e.g.
 #   from tessel.commands import plan as _plan  (at the top)   and   app.command("plan")(_plan.plan)
+app.command("plan")(_plan.plan)
 app.command("serve")(_serve.serve)
 app.command("generate")(_generate.generate)
 app.command("simulate")(_simulate.simulate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,80 @@ def test_launch_tuned_on_cpu_uses_the_default_without_benchmarking(tmp_cache: Pa
     chosen = launch_tuned(tuner, "k", torch.zeros(1), launched.append)
     assert chosen == CONFIGS[1] and launched == [CONFIGS[1]]
     assert not (tmp_cache / "autotune").exists()
+
+
+# ---- the kernels compile for real GPUs (Triton's CUDA backend runs on this CPU-only machine) ----
+
+_COMPILE_SCRIPT = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+arch = int(sys.argv[1])
+I32 = "i32"
+TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+
+
+def compile_kernel(module, name, pointers, constexprs):
+    fn = getattr(importlib.import_module(module), name)
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, I32) for a in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2})
+
+
+cases = {
+    "int8_gemm": ("tessel.kernels.int8_gemm", "_int8_gemm_kernel",
+                  dict(A_ptr="*i8", W_ptr="*i8", C_ptr="*fp16", A_scale_ptr="*fp32", W_scale_ptr="*fp32",
+                       Bias_ptr="*fp32"),
+                  dict(HAS_BIAS=True, INT8_DOT=arch >= 80, **TILE)),
+    "w8a16_gemm bf16": ("tessel.kernels.w8a16_gemm", "_mixed_gemm_kernel",
+                        dict(X_ptr="*bf16", W_ptr="*i8", Out_ptr="*bf16", W_scale_ptr="*fp32",
+                             Bias_ptr="*fp32"),
+                        dict(HAS_SCALE=True, HAS_BIAS=True, IEEE_FP32=False, DOT_IN_FP32=False, **TILE)),
+    "quantize_per_token": ("tessel.kernels.quantize", "_quantize_per_token_kernel",
+                           dict(X_ptr="*fp16", Q_ptr="*i8", Scale_ptr="*fp32"),
+                           dict(SINGLE_PASS=True, BLOCK_K=1024)),
+    "transpose": ("tessel.kernels.transpose", "_transpose_kernel",
+                  dict(X_ptr="*fp16", Out_ptr="*fp16"), dict(BLOCK_M=64, BLOCK_N=64)),
+    "conv2d": ("tessel.kernels.conv2d", "_conv2d_kernel",
+               dict(X_ptr="*fp16", W_ptr="*fp16", Out_ptr="*fp16", Bias_ptr="*fp16"),
+               dict(KH=3, KW=3, HAS_BIAS=True, IEEE_FP32=False, DOT_IN_FP32=False, **TILE)),
+}
+results = {}
+for name in sys.argv[2].split(","):
+    module, kernel, pointers, constexprs = cases[name]
+    try:
+        compile_kernel(module, kernel, pointers, constexprs)
+        results[name] = "ok"
+    except Exception as err:
+        results[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+print(json.dumps(results))
+"""
+
+ALL_KERNELS = "int8_gemm,w8a16_gemm bf16,quantize_per_token,transpose,conv2d"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch,kernels",
+    [(90, ALL_KERNELS), (80, ALL_KERNELS), (75, "int8_gemm")],  # sm_75 (T4): the fp16 fallback of int8_gemm
+    ids=["sm_90", "sm_80", "sm_75"],
+)
+def test_kernels_compile_to_cubin_for_cuda(arch: int, kernels: str) -> None:
+    """Compile every kernel (Triton -> PTX -> cubin with the bundled ptxas) for a GPU target.
+
+    No GPU is needed to compile, so type errors that the interpreter forgives (say, an op that
+    does not broadcast) fail here. Running the cubins still needs a GPU: see benchmarks/kernels.py.
+    """
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, str(arch), kernels], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results == {name: "ok" for name in kernels.split(",")}

@@ -158,3 +158,107 @@ def test_int8_rows_roundtrip_within_half_a_step():
     assert torch.all((x_i8.float() * scale[..., None] - x).abs() <= scale[..., None] / 2 * (1 + 1e-6))
     assert torch.all(x_i8[0, 0] == 0)
     assert math.isclose(float(scale[1, 1]), float(x[1, 1].abs().max()) / 127, rel_tol=1e-6)
+
+
+def test_int8_qk_through_fp16_mma_is_exact(poison, triton_backend):
+    """Turing has no int8 MMA: there the codes go through an fp16 dot, which must give the same
+    (exact integer) logits, hence the same output as the int8 dot."""
+    from tessel.kernels.flash_attention import _launch
+
+    q, k, v = make_qkv((1, 4, 2, 21, 40, 64), torch.float16)
+    via_int8 = _launch(q, k, v, True, 0.125, int8_qk=True, int8_via_fp16=False)
+    via_fp16 = _launch(q, k, v, True, 0.125, int8_qk=True, int8_via_fp16=True)
+    torch.testing.assert_close(via_fp16, via_int8, atol=0, rtol=0)
+
+
+# Compiles the attention kernels for a real CUDA target without a GPU: Triton ships ptxas, so
+# `triton.compile(ASTSource(...), target=GPUTarget("cuda", 80, 32))` runs the whole NVIDIA
+# pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin). The interpreter cannot catch what only the
+# compiler rejects (dot shapes and dtypes, layouts, shared memory). A subprocess, because kernels
+# decorated under TRITON_INTERPRET=1 are interpreter objects.
+_CUDA_COMPILE_SCRIPT = r"""
+import importlib, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+ARCH = int(sys.argv[1])
+
+class Compile:
+    def __init__(self, fn):
+        self.fn = fn
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            names = self.fn.arg_names
+            values = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
+            options = {k: v for k, v in kwargs.items() if k not in names}
+            sig, consts = {}, {}
+            for p in self.fn.params:
+                v = values[p.name]
+                if p.is_constexpr:
+                    sig[p.name], consts[p.name] = "constexpr", v
+                elif isinstance(v, torch.Tensor):
+                    sig[p.name] = "*" + DTYPES[v.dtype]
+                else:
+                    sig[p.name] = "fp32" if isinstance(v, float) else "i32"
+            source = ASTSource(self.fn, sig, consts)
+            kernel = triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options=options)
+            assert kernel.asm["cubin"], self.fn.__name__
+            print(self.fn.__name__, consts.get("HEAD_DIM"), kernel.metadata.shared)
+        return launch
+
+fa = importlib.import_module("tessel.kernels.flash_attention")
+pd = importlib.import_module("tessel.kernels.paged_decode")
+fa._flash_attention_forward_kernel = Compile(fa._flash_attention_forward_kernel)
+pd._paged_decode_kernel = Compile(pd._paged_decode_kernel)
+pd._paged_decode_reduce_kernel = Compile(pd._paged_decode_reduce_kernel)
+q, k = torch.randn(1, 4, 100, 80, dtype=torch.float16), torch.randn(1, 2, 100, 80, dtype=torch.float16)
+fa._launch(q, k, k, True, 0.1, int8_qk=False)
+fa._launch(q, k, k, True, 0.1, int8_qk=True, int8_via_fp16=False)
+qd, cache = torch.randn(2, 8, 64, dtype=torch.bfloat16), torch.randn(10, 16, 2, 64, dtype=torch.bfloat16)
+tables, lens = torch.zeros(2, 40, dtype=torch.int32), torch.tensor([5, 600], dtype=torch.int32)
+pd._paged_decode_triton(qd, cache, cache, tables, lens, 0.1, splits=4)
+"""
+
+
+@pytest.mark.slow
+def test_attention_kernels_compile_for_sm80():
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton build ships no ptxas")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _CUDA_COMPILE_SCRIPT, "80"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("_flash_attention_forward_kernel") == 2
+    assert "_paged_decode_reduce_kernel" in result.stdout
+
+
+def _attention_module():
+    import importlib
+
+    return importlib.import_module("tessel.kernels.flash_attention")
+
+
+@pytest.mark.parametrize(
+    "tile", _attention_module().ATTENTION_CONFIGS, ids=lambda t: f"m{t.block_m}n{t.block_n}"
+)
+def test_every_autotune_candidate_is_correct(monkeypatch, poison, triton_backend, tile):
+    """The tuner may pick any candidate on a GPU: each must give the right answer (here with a
+    prefix, a ragged key tail and D = 80 padded to 128)."""
+    monkeypatch.setattr(_attention_module(), "_heuristic_tile", lambda *args: tile)
+    q, k, v = make_qkv((1, 2, 1, 45, 150, 80), torch.float16)
+    out = flash_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v, True), atol=2e-3, rtol=2e-3)

@@ -134,3 +134,12 @@ def test_int8_gemm_rejects_bad_inputs(change: dict) -> None:
     args.update(change)
     with pytest.raises(TesselError):
         int8_gemm(**args)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES[1:3])
+def test_int8_gemm_fp16_dot_fallback(triton_backend: None, monkeypatch: pytest.MonkeyPatch, m, n, k) -> None:
+    """The pre-sm_80 path (int8 tiles multiplied as fp16, fp32 accumulation) gives the same result."""
+    monkeypatch.setattr(int8_gemm_module, "int8_tensor_cores", lambda device: False)
+    a, w, a_scale, w_scale, b = make_inputs(m, n, k, bias=True)
+    out = int8_gemm(a, w, a_scale, w_scale, b, out_dtype=torch.float32)
+    torch.testing.assert_close(out.double(), reference(a, w, a_scale, w_scale, b), atol=1e-5, rtol=1e-5)

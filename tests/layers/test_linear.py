@@ -165,3 +165,16 @@ def test_w8a16_linear_within_quantisation_bound(backend: str, dtype: torch.dtype
     if dtype == torch.float32:
         rel = (out.double() - expected).norm() / expected.norm()
         assert rel < 0.02, f"relative error {rel:.4f}; Gaussian weights should give ~1%"
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, W8A16Linear])
+def test_quantized_layers_keep_float32_scales_through_dtype_casts(backend: str, cls) -> None:
+    ref = float_linear()
+    layer = cls.from_linear(ref)
+    scale = layer.weight_scale.clone()
+    layer = layer.to(torch.bfloat16).half()  # what model.to(dtype) does to every submodule
+    assert layer.weight.dtype == torch.int8
+    assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)
+    assert layer.bias.dtype == torch.float32
+    x = inputs(torch.float16)
+    assert layer(x).dtype == torch.float16

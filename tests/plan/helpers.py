@@ -29,7 +29,8 @@ def random_instance(
     node_of = [(j // n_types) % 2 for j in range(n_devices)]
     speed = rng.uniform(0.5, 3.0, size=n_types)
     mem_gib = rng.uniform(2.0, 8.0, size=n_types)
-    bw = rng.uniform(5e9, 20e9, size=n_types)
+    # host links fast enough that a swap-in can hide under a decode step, so offloading is exercised
+    bw = rng.uniform(5e9, 20e9, size=n_types) * (100.0 if offload else 1.0)
     if granularity == "sublayer":
         units = tuple(Unit(i // 2, "attention" if i % 2 == 0 else "mlp") for i in range(n_units))
     else:

@@ -150,15 +150,20 @@ def test_chat_uses_the_chat_template(client: httpx.Client, engine: Any, oracle: 
     assert result["usage"]["completion_tokens"] == len(expected.token_ids)
 
 
-def test_stop_string_equals_llm_generate(client: httpx.Client, oracle: Any) -> None:
+def test_stop_string_equals_llm_generate_streamed_or_not(client: httpx.Client, oracle: Any) -> None:
     free = oracle(PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True).text
-    stop = free[len(free) // 2 : len(free) // 2 + 2]  # a piece from the middle of the greedy text
-    assert stop.strip(), f"greedy text too short to pick a stop string from: {free!r}"
+    middle = range(len(free) // 3, len(free) - 2)
+    stop = next(free[i : i + 2] for i in middle if free[i : i + 2].isprintable() and free[i : i + 2].strip())
     expected = oracle(PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
-    body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": stop}
+    assert len(expected.text) < len(free) and stop not in expected.text  # it did cut the text
+    body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": [stop]}
     result = client.post("/v1/completions", json=body).json()
     assert result["choices"][0]["text"] == expected.text
     assert result["choices"][0]["finish_reason"] == "stop" == expected.finish_reason
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = _sse_events(list(response.iter_lines()))[:-1]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == expected.text  # stop never shown
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_seeded_sampling_is_reproducible_and_equals_llm_generate(client: httpx.Client, oracle: Any) -> None:

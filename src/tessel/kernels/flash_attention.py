@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tessel.kernels._dispatch import interpreting, use_triton
+from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
 
 try:
     import triton
@@ -72,6 +73,7 @@ if triton is not None:
         MASKED: tl.constexpr,
         CAUSAL: tl.constexpr,
         INT8_QK: tl.constexpr,
+        INT8_VIA_FP16: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -88,7 +90,11 @@ if triton is not None:
             k = _load_tile(k_base + n[:, None] * k_seq_stride + offs_d[None, :], kv_mask, NEED_MASK)
             if INT8_QK:
                 k_i8, k_scale = _quantize_rows_int8(k)
-                s_int = tl.dot(q_op, tl.trans(k_i8), out_dtype=tl.int32)
+                if INT8_VIA_FP16:  # no int8 MMA (Turing): int8 codes are exact in fp16, and so
+                    # are their products and sums in the fp32 accumulator (|sum| < 2^24)
+                    s_int = tl.dot(q_op.to(tl.float16), tl.trans(k_i8).to(tl.float16))
+                else:
+                    s_int = tl.dot(q_op, tl.trans(k_i8), out_dtype=tl.int32)
                 s = s_int.to(tl.float32) * (q_scale[:, None] * (k_scale[None, :] * qk_scale_log2))
             else:
                 s = tl.dot(q_op, _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION)
@@ -121,6 +127,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         CAUSAL: tl.constexpr,
         INT8_QK: tl.constexpr,
+        INT8_VIA_FP16: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -166,12 +173,12 @@ if triton is not None:
         acc, l_i, m_i = _flash_attention_tiles(
             acc, l_i, m_i, q_op, q_scale, k_base, k_seq_stride, v_base, v_seq_stride,
             offs_m, offs_n, offs_d, seq_k, prefix, qk_scale_log2, 0, full_hi,
-            False, CAUSAL, INT8_QK, DOT_PRECISION, UPCAST_DOT, HEAD_DIM, BLOCK_N, BLOCK_D,
+            False, CAUSAL, INT8_QK, INT8_VIA_FP16, DOT_PRECISION, UPCAST_DOT, HEAD_DIM, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         acc, l_i, m_i = _flash_attention_tiles(
             acc, l_i, m_i, q_op, q_scale, k_base, k_seq_stride, v_base, v_seq_stride,
             offs_m, offs_n, offs_d, seq_k, prefix, qk_scale_log2, full_hi, hi,
-            True, CAUSAL, INT8_QK, DOT_PRECISION, UPCAST_DOT, HEAD_DIM, BLOCK_N, BLOCK_D,
+            True, CAUSAL, INT8_QK, INT8_VIA_FP16, DOT_PRECISION, UPCAST_DOT, HEAD_DIM, BLOCK_N, BLOCK_D,
         )  # fmt: skip
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -197,36 +204,87 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         )
 
 
+def _has_int8_mma(device: torch.device) -> bool:
+    """Triton's int8 tl.dot needs sm_80+ (it fails to compile on Turing: triton-lang/triton#9349)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _attention_tile(block_m: int, block_n: int, num_warps: int, num_stages: int) -> TileConfig:
+    # block_k is not used: the K of Q K^T is the head dim, fixed by the shape (BLOCK_D)
+    return TileConfig(block_m, block_n, 16, group_m=1, num_warps=num_warps, num_stages=num_stages)
+
+
+# CUDA candidates, (BLOCK_M, BLOCK_N, warps, stages): the tiles of Triton's fused-attention
+# tutorial (64/128 query rows x 32/64/128 keys, 4/8 warps, 2-4 stages) plus 16/32-row tiles
+# for short prompt chunks. Ones that exceed a GPU's shared memory are skipped by the tuner.
+ATTENTION_CONFIGS: tuple[TileConfig, ...] = tuple(
+    _attention_tile(*c)
+    for c in (
+        (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+        (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 4),
+        (32, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3),
+    )
+)  # fmt: skip
+_HEURISTIC = _attention_tile(64, 64, 4, 2)  # stands for "no tuned entry": use _heuristic_tile
+_TUNER = Autotuner("flash_attention", ATTENTION_CONFIGS, default=_HEURISTIC)
+
+
+def _heuristic_tile(seq_q: int, block_d: int, dtype: torch.dtype) -> TileConfig:
+    """The untuned tile (interpreter, CPU tensors, TESSEL_AUTOTUNE=0): 64 x 64, fewer query rows
+    for short chunks (tl.dot needs >= 16), 32 keys for fp32 at D = 128 (shared memory)."""
+    block_m = 64 if seq_q >= 64 else max(16, triton.next_power_of_2(seq_q))
+    block_n = 32 if (dtype == torch.float32 and block_d >= 128) else 64
+    return _attention_tile(block_m, block_n, 4 if block_d <= 64 else 8, 2)
+
+
 def _launch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, int8_qk: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    int8_qk: bool,
+    int8_via_fp16: bool | None = None,
 ) -> torch.Tensor:
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_k = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_d = max(triton.next_power_of_2(head_dim), 32 if int8_qk else 16)  # tl.dot needs K >= 16 (32 int8)
-    block_m = 64 if seq_q >= 64 else max(16, triton.next_power_of_2(seq_q))
-    block_n = 32 if (q.dtype == torch.float32 and block_d >= 128) else 64
     if batch * n_q_heads * seq_q == 0:
         return out
-    grid = (triton.cdiv(seq_q, block_m), batch * n_q_heads)
-    _flash_attention_forward_kernel[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        k, k.stride(0), k.stride(1), k.stride(2),
-        v, v.stride(0), v.stride(1), v.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, scale * LOG2_E,
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
-        INT8_QK=int8_qk,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=4 if block_d <= 64 else 8,
-        num_stages=2,
-    )  # fmt: skip
+    block_d = max(triton.next_power_of_2(head_dim), 32 if int8_qk else 16)  # tl.dot: K >= 16 (32 int8)
+    via_fp16 = (not _has_int8_mma(q.device)) if int8_via_fp16 is None else int8_via_fp16
+
+    def launch(tile: TileConfig) -> None:
+        grid = (triton.cdiv(seq_q, tile.block_m), batch * n_q_heads)
+        _flash_attention_forward_kernel[grid](
+            q, q.stride(0), q.stride(1), q.stride(2),
+            k, k.stride(0), k.stride(1), k.stride(2),
+            v, v.stride(0), v.stride(1), v.stride(2),
+            out, out.stride(0), out.stride(1), out.stride(2),
+            n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, scale * LOG2_E,
+            HEAD_DIM=head_dim,
+            CAUSAL=causal,
+            INT8_QK=int8_qk,
+            INT8_VIA_FP16=via_fp16,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_D=block_d,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        )  # fmt: skip
+
+    tile = _heuristic_tile(seq_q, block_d, q.dtype)
+    if q.is_cuda and not interpreting():
+        key = shape_key(
+            d=head_dim, dtype=str(q.dtype).removeprefix("torch."), causal=causal, int8=int8_qk,
+            sq=bucket_m(seq_q), sk=bucket_m(seq_k), bh=bucket_m(batch * n_q_heads),
+        )  # fmt: skip
+        tuned = _TUNER.pick(key, cuda_bench(launch), device_name(q.device))
+        tile = tile if tuned is _TUNER.default else tuned
+    launch(tile)
     return out
 
 

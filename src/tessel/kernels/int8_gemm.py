@@ -57,6 +57,7 @@ if triton is not None:
         c_row_stride,
         c_col_stride,
         HAS_BIAS: tl.constexpr,
+        INT8_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -81,12 +82,18 @@ if triton is not None:
         a_ptrs = A_ptr + rows_in[:, None] * a_row_stride + ks[None, :] * a_col_stride
         w_ptrs = W_ptr + cols_in[None, :] * w_row_stride + ks[:, None] * w_col_stride
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        if INT8_DOT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0)
             w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0)
-            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+            if INT8_DOT:
+                acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+            else:  # before sm_80: int8 -> fp16 is exact, products accumulate in fp32
+                acc = tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
             a_ptrs += BLOCK_K * a_col_stride
             w_ptrs += BLOCK_K * w_col_stride
 
@@ -97,6 +104,14 @@ if triton is not None:
             out += tl.load(Bias_ptr + cols_in).to(tl.float32)[None, :]
         c_ptrs = C_ptr + rows[:, None] * c_row_stride + cols[None, :] * c_col_stride
         tl.store(c_ptrs, out.to(C_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def int8_tensor_cores(device: torch.device) -> bool:
+    """Whether Triton's int8 tl.dot compiles here: sm_80+ (A100, L4, H100) yes; sm_70/sm_75 (V100,
+    T4) no (Triton 3.9 fails in TritonGPUAccelerateMatmul), so there the kernel multiplies the int8
+    tiles as fp16 (exact values) with fp32 accumulation: exact while |sum| < 2**24, else ~1e-7 relative.
+    The interpreter (CPU tensors) runs the int8 dot."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 8
 
 
 _TUNER = Autotuner("int8_gemm", INT8_GEMM_CONFIGS, default=INTERPRETER_CONFIG)
@@ -116,6 +131,7 @@ def _int8_gemm_triton(
     a_scale = a_scale.contiguous()
     w_scale = w_scale.contiguous()
     bias_arg = bias.contiguous() if bias is not None else w_scale  # never read when HAS_BIAS=False
+    int8_dot = int8_tensor_cores(a.device)
 
     def launch(config: TileConfig) -> None:
         grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
@@ -123,6 +139,7 @@ def _int8_gemm_triton(
             a, w, out, a_scale, w_scale, bias_arg, M, N, K,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None,
+            INT8_DOT=int8_dot,
             **config.meta(),
         )  # fmt: skip
 

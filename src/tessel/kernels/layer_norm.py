@@ -85,6 +85,11 @@ if triton is not None:
                 tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
+def _num_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel of `block` lanes (Liger-Kernel's calculate_settings)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _layer_norm_triton(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
@@ -111,7 +116,7 @@ def _layer_norm_triton(
             HAS_BIAS=bias is not None,
             BLOCK_SIZE=block,
             SINGLE_BLOCK=block >= n_cols,
-            num_warps=4 if block <= 2048 else 8,
+            num_warps=_num_warps(block),
         )
     return out
 

@@ -86,6 +86,11 @@ if triton is not None:
                 tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
+def _num_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel of `block` lanes (Liger-Kernel's calculate_settings)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -124,7 +129,7 @@ def _rms_norm_triton(
             HAS_RESIDUAL=residual is not None,
             BLOCK_SIZE=block,
             SINGLE_BLOCK=block >= n_cols,
-            num_warps=4 if block <= 2048 else 8,
+            num_warps=_num_warps(block),
         )
     return out, new_residual
 

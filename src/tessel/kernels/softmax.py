@@ -154,6 +154,11 @@ if triton is not None:
                 tl.store(dx_row + offs, dx.to(DX_ptr.dtype.element_ty), mask=mask)
 
 
+def _num_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel of `block` lanes (Liger-Kernel's calculate_settings)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _block_size(n_cols: int, element_size: int) -> int:
     return min(triton.next_power_of_2(max(n_cols, 1)), max(MAX_FUSED_BYTES // element_size, 16))
 
@@ -193,7 +198,7 @@ def _forward_triton(x: torch.Tensor, mask: torch.Tensor | None, log: bool) -> to
             LOG=log,
             BLOCK_SIZE=block,
             SINGLE_BLOCK=block >= n_cols,
-            num_warps=4 if block <= 2048 else 8,
+            num_warps=_num_warps(block),
         )
     return y
 
@@ -216,7 +221,7 @@ def _backward_triton(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tens
             LOG=log,
             BLOCK_SIZE=block,
             SINGLE_BLOCK=block >= n_cols,
-            num_warps=4 if block <= 2048 else 8,
+            num_warps=_num_warps(block),
         )
     return dx
 

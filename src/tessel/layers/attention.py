@@ -2,8 +2,8 @@
 
 The model runner flattens a step's tokens: first one token per decoding sequence, then the
 chunks of the sequences being prefilled. Each layer writes its new k/v into the cache through
-`slot_mapping` (one `index_copy_`), runs `tessel.kernels.paged_decode_attention` over the decode
-rows in one call, and `tessel.kernels.flash_attention` per prefill chunk (bottom-right causal, so
+`slot_mapping` (one `index_copy_`), runs `tessel.paged_decode_attention` over the decode
+rows in one call, and `tessel.flash_attention` per prefill chunk (bottom-right causal, so
 a chunk attends to its cached prefix too).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tessel import kernels
+from tessel.kernels import flash_attention, paged_decode_attention
 
 
 @dataclass(slots=True)
@@ -62,12 +62,12 @@ class Attention(nn.Module):
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # decode only: no copy into a preallocated output
-            return kernels.paged_decode_attention(
+            return paged_decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
             )
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = kernels.paged_decode_attention(
+            out[:nd] = paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
             )
         for chunk in meta.prefills:
@@ -86,7 +86,7 @@ class Attention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # flash_attention takes [B, H, S, D]; Sq < Sk aligns the causal mask bottom-right.
-        out = kernels.flash_attention(
+        out = flash_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),

@@ -117,6 +117,24 @@ class _QuantizedLinear(nn.Module):
             layer.bias = bias.detach().reshape(out_features).float().contiguous()
         return layer
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """Follow .to(device) / .cuda() but keep scales and bias float32 through .half() / .to(bf16).
+
+        Rounding the per-channel scales to 16 bits would add a systematic error to every output
+        of the channel; the kernels take float32 scales and return the input's dtype anyway.
+        """
+        kept = {
+            name: self._buffers[name]
+            for name in ("weight_scale", "bias")
+            if self._buffers.get(name) is not None
+        }
+        for name in kept:
+            self._buffers[name] = None
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():  # the int8 weight has moved to the new device by now
+            self._buffers[name] = tensor.to(device=self.weight.device, dtype=torch.float32)
+        return self
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight these int8 values stand for: weight * weight_scale[:, None]."""
         return self.weight.float() * self.weight_scale[:, None]

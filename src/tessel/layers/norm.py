@@ -1,11 +1,11 @@
-"""RMSNorm on `tessel.kernels.rms_norm`, with the residual add fused in (HF Llama convention)."""
+"""RMSNorm on `tessel.rms_norm`, with the residual add fused in (HF Llama convention)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tessel import kernels
+from tessel.kernels import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,4 +19,4 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual)

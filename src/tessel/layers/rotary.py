@@ -1,4 +1,4 @@
-"""Rotary position embedding with Llama 3 and linear scaling, on `tessel.kernels.rope`.
+"""Rotary position embedding with Llama 3 and linear scaling, on `tessel.rope`.
 
 The cos/sin tables ([max_position, rotary_dim / 2], float32) are computed once, the way HF
 `LlamaRotaryEmbedding` computes them, so the rotated q/k match HF to the bit in float32.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessel import kernels
 from tessel.errors import TesselError
+from tessel.kernels import rope
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -91,4 +91,4 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rope(q, k, positions, self.cos, self.sin)
+        return rope(q, k, positions, self.cos, self.sin)

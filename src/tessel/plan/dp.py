@@ -48,6 +48,8 @@ from tessel.plan.solution import (
 MAX_TYPE_ORDERS = 120  # 5 device types: 5! orders
 ALL_ORDERS_MAX_DEVICES = 5  # `orders="auto"` tries every device permutation up to this many devices
 MAX_DP_CALLS = 4000
+DIVE_SLACKS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # first feasible one gives a balanced incumbent
+DIVE_ORDERS = 4  # orders dived into before the exact search (the heuristic type orders come first)
 CACHE_ELEMENTS = 3_000_000  # per-order cache of bound-independent arrays (~35 bytes each)
 _INF = float("inf")
 
@@ -199,13 +201,13 @@ class _OrderDP:
             if bound_d < _INF:
                 ok = ok & within(td, bound_d, strict_d)
             cand = np.where(ok, base + value, _INF)
-            best_q = np.argmin(cand, axis=2)[:, :, None]
-            pick = lambda a: np.take_along_axis(a, best_q, axis=2)[:, :, 0]
-            W3[u, :, u + 1 : U] = pick(cand)
+            n_e = U - 1 - u
+            chosen = (np.arange(n * n_e) * n + np.argmin(cand, axis=2).reshape(-1)).reshape(n, n_e)
+            W3[u, :, u + 1 : U] = cand.reshape(-1)[chosen]
             rows = self._flat(u, np.arange(n)[:, None], np.arange(u + 1, U)[None, :])
-            next_flat[rows] = pick(succ)
-            t_pre[rows] = pick(np.broadcast_to(tp, cand.shape))
-            t_dec[rows] = pick(np.broadcast_to(td, cand.shape))
+            next_flat[rows] = succ.reshape(-1)[chosen]
+            t_pre[rows] = tp.reshape(-1)[chosen]
+            t_dec[rows] = td.reshape(-1)[chosen]
             row = W3[u, :, u + 1 : U]
             acc = np.minimum.accumulate(row, axis=1)
             prev = np.concatenate([np.full((n, 1), _INF), acc[:, :-1]], axis=1)
@@ -244,26 +246,21 @@ def bottleneck_lower_bounds(instance: PlanningInstance) -> tuple[float, float]:
 
 
 def _fractional_makespan(times: np.ndarray) -> float:
-    from scipy.optimize import linprog
+    """min tau s.t. sum_j x[u, j] = 1, sum_u times[u, j] x[u, j] <= tau, x >= 0 (HiGHS LP)."""
+    from tessel.plan.milp import solve_lp
 
     U, N = times.shape
     n_x = U * N
     cost = np.zeros(n_x + 1)
     cost[-1] = 1.0
-    # sum_j x[u, j] = 1
-    a_eq = np.zeros((U, n_x + 1))
-    for u in range(U):
-        a_eq[u, u * N : (u + 1) * N] = 1.0
-    # sum_u t[u, j] x[u, j] - tau <= 0
-    a_ub = np.zeros((N, n_x + 1))
-    for j in range(N):
-        a_ub[j, j : n_x : N] = times[:, j]
-    a_ub[:, -1] = -1.0
-    result = linprog(cost, A_ub=a_ub, b_ub=np.zeros(N), A_eq=a_eq, b_eq=np.ones(U), bounds=(0, None),
-                     method="highs")
-    if not result.success:
-        return 0.0
-    return float(result.fun) * (1 - 1e-9)
+    u_idx, j_idx = np.divmod(np.arange(n_x), N)
+    rows = np.concatenate([u_idx, U + j_idx, U + np.arange(N)])
+    cols = np.concatenate([np.arange(n_x), np.arange(n_x), np.full(N, n_x)])
+    vals = np.concatenate([np.ones(n_x), times.reshape(-1), -np.ones(N)])
+    lower = np.concatenate([np.ones(U), np.full(N, -np.inf)])
+    upper = np.concatenate([np.ones(U), np.zeros(N)])
+    value = solve_lp(cost, np.zeros(n_x + 1), np.full(n_x + 1, np.inf), rows, cols, vals, lower, upper)
+    return 0.0 if value is None else value * (1 - 1e-9)
 
 
 def _path_objective(instance: PlanningInstance, path: _Path) -> float:
@@ -320,6 +317,20 @@ class _Search:
 
     def out_of_budget(self) -> bool:
         return self.calls >= self.max_calls or time.perf_counter() > self.deadline
+
+    def dive(self, order: tuple[int, ...]) -> None:
+        """Quick incumbents: both bottlenecks bounded a little above their lower bounds."""
+        dp = _OrderDP(self.instance, order)
+        for slack in DIVE_SLACKS:
+            if self.out_of_budget():
+                return
+            self.calls += 1
+            path = dp.run(self.lb_p * (1 + slack), False, self.lb_d * (1 + slack), False)
+            if path is not None:
+                obj = _path_objective(self.instance, path)
+                if obj < self.best_obj:
+                    self.best, self.best_obj = path, obj
+                return
 
     def search(self, order: tuple[int, ...]) -> None:
         inst = self.instance
@@ -455,6 +466,9 @@ def solve_dp(
     started = time.perf_counter()
     order_list, complete_orders = device_orders(instance, orders)
     search = _Search(instance, started + time_limit_s, max_dp_calls, rel_gap)
+    if instance.micro_batches > 1:
+        for order in order_list[:DIVE_ORDERS]:
+            search.dive(order)
     searched = 0
     for order in order_list:
         if search.out_of_budget():

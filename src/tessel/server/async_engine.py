@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from tessel.errors import TesselError
 from tessel.server.errors import EngineDeadError, QueueFullError
 
 T = TypeVar("T")
@@ -75,7 +76,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, max_pending: int) -> None:
         if max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+            raise TesselError(f"max_pending must be at least 1, got {max_pending}")
         self.engine = engine
         self.max_pending = max_pending
         self.num_aborted = 0  # requests aborted before they finished (clients that went away)

@@ -15,6 +15,9 @@ Compute time of a micro-batch on a stage: each prefill chunk costs `prefill_time
 decode steps together cost `decode_time_s(B, sum of contexts)`; `mix="sum"` adds them (each priced
 as its own pass over the weights: an upper bound), `mix="max"` takes the larger part (a roofline
 reading: compute-bound prefill hides memory-bound decode when they share the weight reads).
+A stage that also has `prefill_logits_time_s(n)` (the cost-model stages of a plan's last stage)
+adds the LM head for the n prompts whose last chunk is in the batch: only those need logits, so
+`prefill_time_s` of such a stage leaves the LM head out (its `decode_time_s` includes it).
 """
 
 from __future__ import annotations
@@ -115,7 +118,12 @@ def batch_compute_time_s(stage: StageLatency, batch: MicroBatch, mix: str = "sum
     )
     decodes = [item for item in batch.items if item.kind == "decode"]
     decode = stage.decode_time_s(len(decodes), sum(item.offset + 1 for item in decodes)) if decodes else 0.0
-    return prefill + decode if mix == "sum" else max(prefill, decode)
+    time = prefill + decode if mix == "sum" else max(prefill, decode)
+    logits = getattr(stage, "prefill_logits_time_s", None)
+    if logits is not None:  # last-stage LM head for the prompts this batch finishes
+        finished = sum(1 for item in batch.items if item.kind == "prefill" and item.samples)
+        time += logits(finished) if finished else 0.0
+    return time
 
 
 class _Run:

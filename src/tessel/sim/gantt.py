@@ -3,8 +3,9 @@
 A compute box is split into horizontal stripes, one per request in the micro-batch, with heights
 proportional to that request's tokens and its colour; a transfer is a thin hatched box under the
 sending stage's row. The time axis is in ms when the chart spans under 2 s. The format follows the
-file extension (.png, .svg, .pdf); matplotlib draws on its Agg canvas
-(no pyplot, no display, no global backend change).
+file extension (.png, .svg, .pdf); matplotlib draws on its Agg canvas (no pyplot, no display, no
+global backend change). Boxes go into a few PolyCollections (one artist per kind, not per box), so
+charts of 10^5 intervals stay quick.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def plot_gantt(
         raise ValueError(f"{len(stage_labels)} stage labels for {result.n_stages} stages")
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -53,32 +55,28 @@ def plot_gantt(
     fig = Figure(figsize=(12, 1.0 + 0.7 * n))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
+    stripes, stripe_colours, boxes, sends = [], [], [], []  # one collection each: fast for 10^5 boxes
+    lift = (0.5 - COMPUTE_HEIGHT / 2 - 0.1) / 2  # compute boxes sit a little high, transfers below
     for interval in intervals:
         row = n - 1 - interval.stage  # stage 0 on top
         left = (interval.start_s - origin) * scale
-        width = ((min(interval.end_s, until_s) if until_s else interval.end_s) - interval.start_s) * scale
+        right = ((min(interval.end_s, until_s) if until_s else interval.end_s) - origin) * scale
         if interval.kind == "send":
-            ax.broken_barh(
-                [(left, width)],
-                (row - 0.5 + 0.04, SEND_HEIGHT),
-                facecolors="0.75",
-                edgecolors="0.35",
-                hatch="///",
-                linewidth=0.4,
-            )
+            sends.append(_rectangle(left, right, row - 0.5 + 0.04, SEND_HEIGHT))
             continue
         total = sum(item.tokens for item in interval.items)
-        bottom = row - COMPUTE_HEIGHT / 2 + (0.5 - COMPUTE_HEIGHT / 2 - 0.1) / 2
+        bottom = row - COMPUTE_HEIGHT / 2 + lift
+        boxes.append(_rectangle(left, right, bottom, COMPUTE_HEIGHT))
         for item in interval.items:
             height = COMPUTE_HEIGHT * item.tokens / total
-            ax.broken_barh([(left, width)], (bottom, height), facecolors=colour(item.request_id), linewidth=0)
+            stripes.append(_rectangle(left, right, bottom, height))
+            stripe_colours.append(colour(item.request_id))
             bottom += height
-        ax.broken_barh(
-            [(left, width)],
-            (bottom - COMPUTE_HEIGHT, COMPUTE_HEIGHT),
-            facecolors="none",
-            edgecolors="black",
-            linewidth=0.3,
+    ax.add_collection(PolyCollection(stripes, facecolors=stripe_colours, linewidths=0))
+    ax.add_collection(PolyCollection(boxes, facecolors="none", edgecolors="black", linewidths=0.3))
+    if sends:
+        ax.add_collection(
+            PolyCollection(sends, facecolors="0.75", edgecolors="0.35", hatch="///", linewidths=0.4)
         )
     labels = stage_labels or [f"stage {s}" for s in range(n)]
     ax.set_yticks(range(n), labels[::-1])
@@ -98,3 +96,8 @@ def plot_gantt(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     return path
+
+
+def _rectangle(left: float, right: float, bottom: float, height: float) -> list[tuple[float, float]]:
+    top = bottom + height
+    return [(left, bottom), (left, top), (right, top), (right, bottom)]

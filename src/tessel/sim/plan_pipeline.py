@@ -3,15 +3,17 @@
 Stage j holding units U_j of the plan's model on a GPU of type `gpu_type`:
 
     prefill(c, p) = sum_{u in U_j} unit_prefill_time_s(u, c, p) (+ embedding of c tokens on the
-                    first stage, + final norm and LM head of the last token on the last stage)
+                    first stage)
+    prefill_logits(n) = final norm + LM head of n tokens on the last stage: the simulator adds it
+                    for the prompts whose last chunk a batch holds (earlier chunks need no logits)
     decode(B, S)  = sum_{u in U_j} unit_decode_time_s(u, B, S) (+ embedding / LM head of B tokens)
     send(n)       = link latency + hidden_bytes(n) / link bandwidth   (0 on the last stage)
 
 with the plan's dtype and kv_dtype; the analytic roofline (no profile: a plan file does not say
 which profile its planner used). The link is the plan's `link_to_next`, whose `bandwidth_gbps` is
-gigabits per second (as in cluster files, `tessel.plan.cluster`) and `latency_us` microseconds. Units are whole
-layers (`granularity: layer`) or attention/MLP blocks (`sublayer`: unit 2i is layer i's
-attention, 2i+1 its MLP).
+gigabits per second (as in cluster files, `tessel.plan.cluster`) and `latency_us` microseconds.
+Units are whole layers (`granularity: layer`) or attention/MLP blocks (`sublayer`: unit 2i is
+layer i's attention, 2i+1 its MLP).
 """
 
 from __future__ import annotations
@@ -55,27 +57,25 @@ class CostModelStage:
     def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
         if chunk_tokens <= 0:
             return 0.0
+        model, gpu, dtypes = self.model, self.gpu, {"dtype": self.dtype, "kv_dtype": self.kv_dtype}
         time = sum(
-            count
-            * unit_prefill_time_s(
-                self.model, self.gpu, kind, chunk_tokens, offset_tokens, dtype=self.dtype, kv_dtype=self.kv_dtype
-            )
+            count * unit_prefill_time_s(model, gpu, kind, chunk_tokens, offset_tokens, **dtypes)
             for kind, count in self.unit_counts
         )
         if self.first:
             time += embed_time_s(self.model, self.gpu, chunk_tokens, self.dtype)
-        if self.last:  # logits of the chunk's last token only
-            time += lm_head_time_s(self.model, self.gpu, 1, self.dtype)
         return time
+
+    def prefill_logits_time_s(self, prompts: int) -> float:
+        """LM head of the last token of `prompts` finished prompts (last stage only)."""
+        return lm_head_time_s(self.model, self.gpu, prompts, self.dtype) if self.last and prompts > 0 else 0.0
 
     def decode_time_s(self, batch_size: int, sum_context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
+        model, gpu, dtypes = self.model, self.gpu, {"dtype": self.dtype, "kv_dtype": self.kv_dtype}
         time = sum(
-            count
-            * unit_decode_time_s(
-                self.model, self.gpu, kind, batch_size, sum_context_tokens, dtype=self.dtype, kv_dtype=self.kv_dtype
-            )
+            count * unit_decode_time_s(model, gpu, kind, batch_size, sum_context_tokens, **dtypes)
             for kind, count in self.unit_counts
         )
         if self.first:

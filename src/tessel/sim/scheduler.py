@@ -50,13 +50,15 @@ class Work:
     """One sequence's share of a micro-batch: a prefill chunk, or one decode step (tokens = 1).
 
     `offset` is the number of that sequence's tokens already in the KV cache; a decode step
-    attends to offset + 1 tokens.
+    attends to offset + 1 tokens. `samples` is true when the work ends with a token to sample
+    (every decode step, and the last chunk of a prompt): the last stage computes its logits.
     """
 
     request_id: int
     kind: str  # "prefill" | "decode"
     tokens: int
     offset: int
+    samples: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +191,8 @@ class Scheduler:
             return 0
         if sequence.chunks:
             sequence.chunks.popleft()
-        items.append(Work(sequence.request.id, "prefill", size, sequence.scheduled_prompt))
+        last = size == left
+        items.append(Work(sequence.request.id, "prefill", size, sequence.scheduled_prompt, last))
         sequence.scheduled_prompt += size
         return min(size, budget)
 

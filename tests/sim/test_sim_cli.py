@@ -8,63 +8,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from sim.sim_plans import write_plan
 from tessel.cli import app
 from tessel.errors import TesselError
 
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 8,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-}
-
-
-def _stage(index: int, gpu: str, start: int, end: int, last: bool) -> dict:
-    return {
-        "index": index,
-        "device": f"node/gpu{index}",
-        "gpu_type": gpu,
-        "node": "node",
-        "layer_start": start,
-        "layer_end": end,
-        "unit_start": start,
-        "unit_end": end,
-        "link_to_next": None if last else {"bandwidth_gbps": 100.0, "latency_us": 5.0},
-    }
-
-
-def _plan(tmp_path: Path) -> Path:
-    split = [("A100-80G", 0, 4), ("T4", 4, 6), ("T4", 6, 8)]
-    uniform = [("A100-80G", 0, 3), ("T4", 3, 6), ("T4", 6, 8)]
-    plan = {
-        "version": 1,
-        "model": {"name": "tiny-llama", "config": TINY_LLAMA},
-        "cluster": {"name": "test", "source": "test"},
-        "dtype": "fp16",
-        "kv_dtype": "fp16",
-        "granularity": "layer",
-        "stages": [_stage(i, g, a, b, i == 2) for i, (g, a, b) in enumerate(split)],
-        "predicted": {"ttft_s": 0.01, "tpot_s": 0.002, "throughput_tok_s": 1000.0},
-        "baselines": {
-            "uniform": {
-                "feasible": True,
-                "stages": [_stage(i, g, a, b, i == 2) for i, (g, a, b) in enumerate(uniform)],
-                "predicted": {"ttft_s": 0.02},
-            },
-            "petals_greedy": {"feasible": False, "reason": "does not fit", "stages": None},
-        },
-    }
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
-    return path
-
 
 def test_simulate_prints_metrics_and_writes_json_and_gantt(tmp_path: Path) -> None:
-    plan = _plan(tmp_path)
+    plan = write_plan(tmp_path)
     out, chart = tmp_path / "sim.json", tmp_path / "chart.svg"
     args = ["simulate", "--plan", str(plan), "--workload", "default", "--requests", "30", "--seed", "3"]
     result = CliRunner().invoke(app, [*args, "--compare", "--json", str(out), "--gantt", str(chart)])
@@ -87,7 +37,8 @@ def test_simulate_reads_a_trace_and_cpp(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,3000,4\n0.01,200,8\n0.5,50,1\n")
     out = tmp_path / "sim.json"
-    args = ["simulate", "--plan", str(_plan(tmp_path)), "--workload", str(trace), "--cpp", "--json", str(out)]
+    plan = write_plan(tmp_path)
+    args = ["simulate", "--plan", str(plan), "--workload", str(trace), "--cpp", "--json", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     metrics = json.loads(out.read_text())["results"]["plan"]["metrics"]
@@ -105,7 +56,7 @@ def test_simulate_reads_a_trace_and_cpp(tmp_path: Path) -> None:
     ],
 )
 def test_bad_plan_files_are_user_errors(tmp_path: Path, mutate, message: str) -> None:  # noqa: ANN001
-    path = _plan(tmp_path)
+    path = write_plan(tmp_path)
     plan = json.loads(path.read_text())
     mutate(plan)
     path.write_text(json.dumps(plan))
@@ -117,7 +68,8 @@ def test_bad_plan_files_are_user_errors(tmp_path: Path, mutate, message: str) ->
 def test_bad_trace_is_a_user_error(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n{"arrival_s": 1}\n')
-    result = CliRunner().invoke(app, ["simulate", "--plan", str(_plan(tmp_path)), "--workload", str(trace)])
+    plan = write_plan(tmp_path)
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(plan), "--workload", str(trace)])
     assert isinstance(result.exception, TesselError)
     assert "t.jsonl:2: field 'prompt_tokens' is missing" in str(result.exception)
 

@@ -1,0 +1,124 @@
+"""`tessel plan`: which layers go on which GPU, in which order, what spills to host memory.
+
+Builds the planning instance from a model, a cluster and a workload (bundled names or files),
+solves it (MILP warm-started by the DP by default), prints the stages, the predicted TTFT / TPOT /
+throughput and the speedup over the baselines, and optionally writes the plan JSON and a vLLM
+launch command. No torch needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+
+from tessel.errors import TesselError
+
+
+def plan(
+    model: str = typer.Option("llama-3-70b", help="Model preset name or a local HF config.json / directory."),
+    cluster: str = typer.Option("mixed-a100-v100-t4", help="Bundled cluster name or a cluster YAML file."),
+    workload: str = typer.Option("default", help="Bundled workload name or a workload YAML file."),
+    solver: str = typer.Option("milp", help="milp (DP warm start + HiGHS), dp, or brute (tiny problems)."),
+    granularity: str = typer.Option("layer", help="layer, or sublayer (attention and MLP blocks apart)."),
+    overlap: bool = typer.Option(False, "--overlap", help="Stage time = max(compute, comm, offload), not the sum."),
+    time_limit: float = typer.Option(30.0, "--time-limit", help="Solver time limit in seconds."),
+    mip_gap: float = typer.Option(0.01, "--mip-gap", help="Relative gap at which the solver stops."),
+    dtype: str = typer.Option("fp16", help="Weight dtype: fp16, bf16, int8, fp8, fp32."),
+    kv_dtype: str = typer.Option("fp16", "--kv-dtype", help="KV cache dtype."),
+    profile: list[Path] = typer.Option([], "--profile", help="Profile JSON from `tessel profile` (repeatable)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the plan (contract version 1) here."),
+    export: str | None = typer.Option(None, "--export", help="'vllm': print a vLLM launch command."),
+) -> None:
+    """Plan MODEL on CLUSTER under WORKLOAD and compare with the baselines."""
+    from rich.console import Console
+
+    from tessel.catalog.models import load_model
+    from tessel.cost.profile import load_profile
+    from tessel.plan.baselines import run_baselines
+    from tessel.plan.build import build_instance
+    from tessel.plan.cluster import load_cluster
+    from tessel.plan.report import comparison_table, plan_json, predict, stage_table
+    from tessel.plan.solve import solve
+    from tessel.plan.workload import load_workload
+
+    if export not in (None, "vllm"):
+        raise TesselError(f"--export {export!r}: only 'vllm' is supported")
+    if time_limit <= 0:
+        raise TesselError(f"--time-limit must be positive, got {time_limit}")
+    if not 0 <= mip_gap < 1:
+        raise TesselError(f"--mip-gap must be in [0, 1), got {mip_gap}")
+    model_spec = load_model(model)
+    cluster_spec = load_cluster(cluster)
+    workload_spec = load_workload(workload)
+    profiles = [load_profile(path) for path in profile]
+    instance = build_instance(model_spec, cluster_spec, workload_spec, granularity=granularity, dtype=dtype,
+                              kv_dtype=kv_dtype, overlap=overlap, profiles=profiles)
+    _check_capacity(instance)
+    result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
+    baselines = run_baselines(instance)
+
+    console = Console()
+    b = workload_spec.micro_batch_size
+    title = (f"{model_spec.name} on {cluster_spec.name} ({instance.n_devices} GPUs), workload "
+             f"{workload_spec.name}: m={instance.micro_batches} micro-batches of {b}, {granularity} granularity")
+    console.print(stage_table(instance, result.evaluation, title))
+    predicted = predict(instance, result.evaluation, b)
+    gap = "n/a" if result.gap is None else f"{result.gap * 100:.2f}%"
+    console.print(
+        f"predicted: TTFT {predicted.ttft_s:.3f} s, TPOT {predicted.tpot_s * 1e3:.2f} ms, "
+        f"throughput {predicted.throughput_tok_s:.1f} tok/s; objective {result.evaluation.objective:.3f} s"
+    )
+    console.print(f"solver: {result.solver}, status {result.status}, gap {gap}, {result.time_s:.2f} s")
+    console.print(comparison_table(instance, result.evaluation, baselines, b))
+
+    if json_path is not None:
+        solver_info = {"name": result.solver, "status": result.status, "gap": result.gap, "time_s": result.time_s}
+        data = plan_json(
+            instance, result.evaluation, model=model_spec, cluster=cluster_spec,
+            cluster_source=cluster if Path(cluster).exists() else cluster_spec.name, workload=workload_spec,
+            solver=solver_info, baselines=baselines, dtype=dtype, kv_dtype=kv_dtype, granularity=granularity,
+        )
+        try:
+            json_path.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+        except OSError as error:
+            raise TesselError(f"cannot write {json_path}: {error.strerror}") from None
+        console.print(f"wrote {json_path}")
+    if export == "vllm":
+        from tessel.plan.export_vllm import export_vllm
+
+        needed = instance.micro_batches * b * workload_spec.max_kv_tokens
+        exported = export_vllm(instance, result.evaluation, model=model_spec, dtype=dtype, kv_dtype=kv_dtype,
+                               max_model_len=workload_spec.max_kv_tokens, tokens_needed=needed)
+        console.print("vLLM launch command:")
+        typer.echo(exported.command)
+        console.print(
+            f"vLLM KV capacity: {exported.kv_capacity_tokens} tokens (set by stage {exported.kv_limiting_stage}); "
+            f"the workload keeps {needed} in flight"
+        )
+        for warning in exported.warnings:
+            console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+
+
+def _check_capacity(instance) -> None:
+    from tessel.plan.build import capacity_shortfall_bytes
+
+    shortfall = capacity_shortfall_bytes(instance)
+    if shortfall > 0:
+        raise TesselError(
+            f"the model does not fit: it needs {shortfall / 2**30:.1f} GiB more than all GPU and host memory "
+            "of the cluster; add GPUs or host memory, use a smaller dtype, or shorten the workload"
+        )
+
+
+def _jsonable(value):
+    """Replace inf / nan (not valid JSON) by null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _jsonable(v) for key, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value

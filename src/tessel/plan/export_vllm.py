@@ -1,0 +1,133 @@
+"""A launch command for unmodified vLLM that follows a tessel plan as far as vLLM can.
+
+vLLM pipeline parallelism takes per-stage layer counts from `VLLM_PP_LAYER_PARTITION` (read by
+`vllm.distributed.utils.get_pp_indices`) and `--pipeline-parallel-size`. What it cannot follow is
+reported as a warning, never silently dropped:
+
+- sublayer stages: vLLM splits whole layers, so a layer split across two stages goes to the stage
+  that holds its attention block;
+- offloading: vLLM's `--cpu-offload-gb` is one number for every GPU, not a per-stage amount;
+- idle devices and pipeline order: vLLM runs exactly one stage per GPU it is given and orders
+  ranks by its own placement (node by node), so unused GPUs must be hidden (CUDA_VISIBLE_DEVICES)
+  and an order that hops between nodes may not be reproduced;
+- KV capacity: vLLM gives every stage the same number of KV blocks, so the token capacity is set by
+  the stage with the least free memory per layer it holds:
+      tokens_j = (memory_j * GPU_MEMORY_UTILIZATION - weights_j - workspace_j) / (kv_per_token_layer * layers_j)
+  and capacity = min_j tokens_j (reported, with the stage that sets it).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import Evaluation
+
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
+VLLM_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclass(frozen=True, slots=True)
+class VllmExport:
+    command: str
+    layer_counts: list[int]
+    kv_capacity_tokens: int
+    kv_limiting_stage: int
+    tokens_needed: int | None
+    warnings: list[str]
+
+
+def _model_id(model) -> str:
+    source = getattr(model, "source", "") or ""
+    if source.endswith(" config.json"):
+        return source.removesuffix(" config.json")  # preset: the HF repo
+    if source.endswith("config.json"):
+        return source.removesuffix("config.json").rstrip("/") or "."
+    return source or model.name
+
+
+def export_vllm(
+    instance: PlanningInstance,
+    evaluation: Evaluation,
+    *,
+    model,
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    max_model_len: int | None = None,
+    tokens_needed: int | None = None,
+) -> VllmExport:
+    from tessel.cost.layer import kv_bytes_per_token
+
+    warnings: list[str] = []
+    stages = [se.stage for se in evaluation.stages]
+    # whole layers per stage: a layer belongs to the stage holding its first unit
+    owner_of_layer: dict[int, int] = {}
+    for index, stage in enumerate(stages):
+        for unit in instance.units[stage.unit_start : stage.unit_end]:
+            owner_of_layer.setdefault(unit.layer, index)
+    counts = [0] * len(stages)
+    for index in owner_of_layer.values():
+        counts[index] += 1
+    split = [s.unit_start for s in stages if instance.units[s.unit_start].kind == "mlp"]
+    if split:
+        warnings.append(
+            f"{len(split)} layer(s) are split between stages (sublayer plan); vLLM places whole layers, so "
+            "each goes to the stage holding its attention block"
+        )
+    empty = [i for i, c in enumerate(counts) if c == 0]
+    if empty:
+        warnings.append(f"stage(s) {empty} hold no whole layer and would be empty in vLLM")
+    offload = [se for se in evaluation.stages if se.offload_bytes > 0]
+    cpu_offload_gb = 0.0
+    if offload:
+        cpu_offload_gb = max(se.offload_bytes for se in offload) / 1e9
+        warnings.append(
+            f"{len(offload)} stage(s) offload to host memory; vLLM's --cpu-offload-gb applies one amount to "
+            f"every GPU, so it is set to the largest ({cpu_offload_gb:.1f} GB)"
+        )
+    used = {s.device for s in stages}
+    idle = [d.name for j, d in enumerate(instance.devices) if j not in used]
+    if idle:
+        warnings.append(f"{len(idle)} GPU(s) stay idle ({', '.join(idle)}); hide them with CUDA_VISIBLE_DEVICES")
+    nodes = [instance.devices[s.device].node for s in stages]
+    hops = sum(1 for a, b in zip(nodes, nodes[1:], strict=False) if a != b)
+    if hops > len(set(nodes)) - 1:
+        warnings.append(
+            f"the pipeline crosses between nodes {hops} times; vLLM orders ranks node by node, so it may not "
+            "reproduce this order"
+        )
+    # KV capacity as vLLM sizes it
+    per_token_layer = kv_bytes_per_token(model, kv_dtype)
+    capacities = []
+    for index, se in enumerate(evaluation.stages):
+        device = instance.devices[se.stage.device]
+        free = device.memory_bytes * GPU_MEMORY_UTILIZATION - se.weight_bytes - se.workspace_bytes
+        layers = max(counts[index], 1)
+        capacities.append(max(free, 0.0) / (per_token_layer * layers))
+    limiting = min(range(len(capacities)), key=capacities.__getitem__)
+    capacity = int(capacities[limiting])
+    if tokens_needed is not None and capacity < tokens_needed:
+        warnings.append(
+            f"vLLM's KV capacity is {capacity} tokens (set by stage {limiting}, "
+            f"{instance.devices[stages[limiting].device].name}), less than the {tokens_needed} tokens the workload "
+            "keeps in flight; vLLM will queue or preempt requests"
+        )
+    env = f"VLLM_PP_LAYER_PARTITION={','.join(str(c) for c in counts)}"
+    args = ["vllm", "serve", _model_id(model), "--pipeline-parallel-size", str(len(stages)),
+            "--tensor-parallel-size", "1"]
+    if dtype in VLLM_DTYPES:
+        args += ["--dtype", VLLM_DTYPES[dtype]]
+    else:
+        warnings.append(f"dtype {dtype} has no vLLM --dtype; quantised checkpoints set it themselves")
+    if kv_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
+    args += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)]
+    if cpu_offload_gb > 0:
+        args += ["--cpu-offload-gb", f"{cpu_offload_gb:.1f}"]
+    if len(set(nodes)) > 1:
+        args += ["--distributed-executor-backend", "ray"]
+    command = env + " " + " ".join(shlex.quote(a) for a in args)
+    return VllmExport(command, counts, capacity, limiting, tokens_needed, warnings)

@@ -1,0 +1,325 @@
+"""The planning MILP on HiGHS (`highspy`): free pipeline order, offloading, both passes.
+
+Variables (u a unit, j, k devices; times in ms, bytes in GiB to keep coefficients near 1):
+
+    x[u, j] in {0, 1}   unit u on device j                    sum_j x[u, j] = 1
+    b[u, j] in [0, 1]   device j's run starts at u            b[u, j] >= x[u, j] - x[u-1, j], sum_u b[u, j] <= 1
+    y[j, k] in [0, 1]   k follows j in the pipeline           y[j, k] >= x[u, j] + x[u+1, k] - 1
+    o[j] >= 0           GiB offloaded to host                 o[j] >= held_j - G_j, o[j] <= host_j (1 - x[0, j])
+    A[j] >= 0           offload time                          A[j] >= o[j] / B_j
+    T^p[j], T^d[j]      stage times                           T >= compute + comm + A  (or >= each, overlap)
+    M^p, M^d            bottlenecks                           M >= T[j]
+
+with used_j = sum_u b[u, j] (1 on a used device, so the workspace is counted once), the first stage
+(x[0, j] = 1) paying first_time / first_bytes, the last (x[U-1, j] = 1) last_time / last_bytes,
+comm_j = sum_k send[j, k] y[j, k], and the swap-in rule `A[k] <= compute_j + comm_j + M (1 - y[j, k])`
+in both passes (big-M: the most A[k] can be). The first stage may not offload (`evaluate`'s rule).
+b's sum-to-one makes runs contiguous without b being integral, and y needs no integrality either:
+x forces it to 1 where k follows j and the objective pushes it to 0 elsewhere.
+
+Objective: pw (sum T^p + (m-1) M^p) + dw (sum T^d + (m-1) M^d), exactly `evaluate`'s.
+
+Symmetry: devices that are exact copies (same numbers, same links to everything else) are ordered:
+the later copy holds unit u only if the earlier one holds a unit before u.
+Warm start: a plan (the DP's) is handed to HiGHS with `setSolution`; on the time limit the best
+plan found so far is returned with HiGHS's dual bound and gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
+
+GIB = 2.0**30
+MS = 1e3  # seconds -> ms
+
+
+@dataclass(frozen=True, slots=True)
+class MILPResult:
+    solution: Solution | None
+    evaluation: Evaluation | None
+    status: str  # HiGHS model status, e.g. "Optimal", "Time limit reached", "Infeasible"
+    objective: float  # HiGHS's objective of the solution (s), inf when none
+    bound: float  # HiGHS's dual bound (s)
+    gap: float  # relative gap (objective - bound) / objective, inf when none
+    time_s: float
+    warm_started: bool
+    n_cols: int
+    n_rows: int
+
+
+class _Builder:
+    """Columns and COO rows of the MILP."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[bool] = []
+        self.rows_lo: list[float] = []
+        self.rows_hi: list[float] = []
+        self.r: list[np.ndarray] = []
+        self.c: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        self.n_rows = 0
+
+    def cols(self, shape, lo=0.0, hi=np.inf, integer=False) -> np.ndarray:
+        count = int(np.prod(shape))
+        start = len(self.lower)
+        self.lower += [lo] * count
+        self.upper += [hi] * count
+        self.cost += [0.0] * count
+        self.integer += [integer] * count
+        return np.arange(start, start + count).reshape(shape)
+
+    def rows(self, cols: np.ndarray, vals: np.ndarray, lo, hi) -> None:
+        """Rows given as [n_rows, k] column / value arrays (dense per row; zero values dropped)."""
+        cols = np.atleast_2d(np.asarray(cols))
+        vals = np.broadcast_to(np.asarray(vals, dtype=float), cols.shape)
+        n = cols.shape[0]
+        rows = np.broadcast_to(np.arange(self.n_rows, self.n_rows + n)[:, None], cols.shape)
+        keep = vals != 0.0
+        self.r.append(rows[keep])
+        self.c.append(cols[keep])
+        self.v.append(vals[keep])
+        self.rows_lo += list(np.broadcast_to(np.asarray(lo, dtype=float), (n,)))
+        self.rows_hi += list(np.broadcast_to(np.asarray(hi, dtype=float), (n,)))
+        self.n_rows += n
+
+
+def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
+    inst = instance
+    U, N = inst.n_units, inst.n_devices
+    mb = _Builder()
+    x = mb.cols((U, N), hi=1.0, integer=True)
+    b = mb.cols((U, N), hi=1.0)
+    y = mb.cols((N, N), hi=1.0)
+    o = mb.cols((N,))
+    A = mb.cols((N,))
+    Tp, Td = mb.cols((N,)), mb.cols((N,))
+    Mp, Md = mb.cols(()), mb.cols(())
+    for j in range(N):
+        mb.upper[y[j, j]] = 0.0
+    pw, dw, m1 = inst.prefill_weight, inst.decode_weight, inst.micro_batches - 1
+    for j in range(N):
+        mb.cost[Tp[j]] = pw
+        mb.cost[Td[j]] = dw
+    mb.cost[int(Mp)] = pw * m1
+    mb.cost[int(Md)] = dw * m1
+
+    # assignment and contiguity
+    mb.rows(x, 1.0, 1.0, 1.0)
+    mb.rows(np.stack([b[0], x[0]], axis=1), [1.0, -1.0], 0.0, np.inf)
+    if U > 1:
+        cols = np.stack([b[1:], x[1:], x[:-1]], axis=-1).reshape(-1, 3)
+        mb.rows(cols, [1.0, -1.0, 1.0], 0.0, np.inf)
+    mb.rows(b.T, 1.0, -np.inf, 1.0)
+    # successor: y[j, k] >= x[u, j] + x[u+1, k] - 1
+    if U > 1 and N > 1:
+        jj, kk = np.nonzero(~np.eye(N, dtype=bool))
+        uu = np.repeat(np.arange(U - 1), len(jj))
+        jr, kr = np.tile(jj, U - 1), np.tile(kk, U - 1)
+        cols = np.stack([y[jr, kr], x[uu, jr], x[uu + 1, kr]], axis=1)
+        mb.rows(cols, [1.0, -1.0, -1.0], -1.0, np.inf)
+        mb.rows(y, 1.0, -np.inf, 1.0)  # one successor
+        mb.rows(y.T, 1.0, -np.inf, 1.0)  # one predecessor
+
+    # memory and offloading: held_j - o_j <= G_j
+    unit_gib = (inst.weight_bytes + inst.kv_bytes) / GIB
+    for j, device in enumerate(inst.devices):
+        cols = np.concatenate([x[:, j], b[:, j], [o[j]]])
+        vals = np.concatenate([unit_gib, np.full(U, inst.workspace_bytes[j] / GIB), [-1.0]])
+        vals[0] += inst.first_bytes / GIB
+        vals[U - 1] += inst.last_bytes / GIB
+        mb.rows(cols[None, :], vals[None, :], -np.inf, device.memory_bytes / GIB)
+        host = device.host_bytes / GIB if device.host_to_device_bytes_per_s > 0 else 0.0
+        # first stage may not offload: o_j <= host (1 - x[0, j])
+        mb.rows(np.array([[o[j], x[0, j]]]), [[1.0, host]], -np.inf, host)
+        if host > 0:
+            ms_per_gib = GIB / device.host_to_device_bytes_per_s * MS
+            mb.rows(np.array([[A[j], o[j]]]), [[1.0, -ms_per_gib]], 0.0, np.inf)
+            mb.upper[A[j]] = host * ms_per_gib
+        else:
+            mb.upper[A[j]] = 0.0
+
+    # stage times
+    compute = {}
+    for name, costs, T, M in (("p", inst.prefill, Tp, Mp), ("d", inst.decode, Td, Md)):
+        t = costs.unit_time_s * MS
+        send = costs.send_s * MS
+        for j in range(N):
+            c_cols = x[:, j]
+            c_vals = t[:, j].copy()
+            c_vals[0] += costs.first_time_s[j] * MS
+            c_vals[U - 1] += costs.last_time_s[j] * MS
+            s_cols, s_vals = y[j], send[j].copy()
+            s_vals[j] = 0.0
+            compute[name, j] = (c_cols, c_vals, s_cols, s_vals)
+            if inst.overlap:
+                mb.rows(np.concatenate([[T[j]], c_cols])[None], np.concatenate([[1.0], -c_vals])[None], 0.0, np.inf)
+                mb.rows(np.concatenate([[T[j]], s_cols])[None], np.concatenate([[1.0], -s_vals])[None], 0.0, np.inf)
+                mb.rows(np.array([[T[j], A[j]]]), [[1.0, -1.0]], 0.0, np.inf)
+            else:
+                cols = np.concatenate([[T[j]], c_cols, s_cols, [A[j]]])
+                vals = np.concatenate([[1.0], -c_vals, -s_vals, [-1.0]])
+                mb.rows(cols[None], vals[None], 0.0, np.inf)
+            mb.rows(np.array([[M, T[j]]]), [[1.0, -1.0]], 0.0, np.inf)
+
+    # swap-in hidden under the upstream stage j of k: A[k] <= compute_j + comm_j + bigM (1 - y[j, k])
+    for k, device in enumerate(inst.devices):
+        big_m = mb.upper[A[k]]
+        if big_m <= 0:
+            continue
+        for j in range(N):
+            if j == k:
+                continue
+            for name in ("p", "d"):
+                c_cols, c_vals, s_cols, s_vals = compute[name, j]
+                cols = np.concatenate([[A[k], y[j, k]], c_cols, s_cols])
+                vals = np.concatenate([[1.0, big_m], -c_vals, -s_vals])
+                mb.rows(cols[None], vals[None], -np.inf, big_m)
+
+    _symmetry_rows(mb, inst, x)
+    return mb, {"x": x, "b": b, "y": y, "o": o, "A": A, "Tp": Tp, "Td": Td, "Mp": Mp, "Md": Md}
+
+
+def _symmetry_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray) -> None:
+    """For exact copies j1 < j2: x[u, j2] <= sum_{u' < u} x[u', j1]."""
+    from tessel.plan.dp import _interchangeable
+
+    U, N = instance.n_units, instance.n_devices
+    seen: set[int] = set()
+    for j in range(N):
+        if j in seen:
+            continue
+        copies = [j] + [k for k in range(j + 1, N) if k not in seen and _interchangeable(instance, j, k)]
+        seen.update(copies)
+        for a, b in zip(copies, copies[1:], strict=False):
+            mb.rows(np.array([[x[0, b]]]), [[1.0]], -np.inf, 0.0)
+            for u in range(1, U):
+                cols = np.concatenate([[x[u, b]], x[:u, a]])
+                vals = np.concatenate([[1.0], -np.ones(u)])
+                mb.rows(cols[None], vals[None], -np.inf, 0.0)
+
+
+def _start_values(instance: PlanningInstance, cols: dict, n_cols: int, solution: Solution) -> np.ndarray:
+    """Column values of a plan (all columns, consistent with the rows)."""
+    inst = instance
+    values = np.zeros(n_cols)
+    ev = evaluate(instance, solution)
+    for index, stage in enumerate(solution.stages):
+        j = stage.device
+        values[cols["x"][stage.unit_start : stage.unit_end, j]] = 1.0
+        values[cols["b"][stage.unit_start, j]] = 1.0
+        if index + 1 < len(solution.stages):
+            values[cols["y"][j, solution.stages[index + 1].device]] = 1.0
+        se = ev.stages[index]
+        values[cols["o"][j]] = se.offload_bytes / GIB
+        values[cols["A"][j]] = se.offload_s * MS
+        values[cols["Tp"][j]] = se.time_prefill_s * MS
+        values[cols["Td"][j]] = se.time_decode_s * MS
+    values[cols["Mp"]] = ev.max_prefill_s * MS
+    values[cols["Md"]] = ev.max_decode_s * MS
+    del inst
+    return values
+
+
+def _extract(instance: PlanningInstance, cols: dict, values: np.ndarray) -> Solution:
+    owner = np.argmax(values[cols["x"]], axis=1)
+    stages, start = [], 0
+    for u in range(1, instance.n_units + 1):
+        if u == instance.n_units or owner[u] != owner[start]:
+            stages.append(Stage(int(owner[start]), start, u))
+            start = u
+    return Solution(tuple(stages))
+
+
+def _highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper, integer=None):
+    """A HighsLp from COO entries (column-wise CSC built with numpy; no scipy import)."""
+    import highspy
+
+    n_cols, n_rows = len(cost), len(row_lower)
+    order = np.lexsort((rows, cols))
+    counts = np.bincount(cols, minlength=n_cols)
+    lp = highspy.HighsLp()
+    lp.num_col_ = n_cols
+    lp.num_row_ = n_rows
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.asarray(col_lower, dtype=float)
+    lp.col_upper_ = np.asarray(col_upper, dtype=float)
+    lp.row_lower_ = np.asarray(row_lower, dtype=float)
+    lp.row_upper_ = np.asarray(row_upper, dtype=float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    lp.a_matrix_.index_ = np.asarray(rows, dtype=np.int32)[order]
+    lp.a_matrix_.value_ = np.asarray(vals, dtype=float)[order]
+    if integer is not None:
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous for flag in integer
+        ]
+    return lp
+
+
+def solve_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper) -> float | None:
+    """Optimal value of a small LP, or None when HiGHS finds none."""
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.passModel(_highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return float(h.getInfo().objective_function_value)
+
+
+def solve_milp(
+    instance: PlanningInstance,
+    *,
+    time_limit_s: float = 60.0,
+    mip_gap: float = 0.01,
+    warm_start: Solution | None = None,
+    threads: int | None = None,
+    verbose: bool = False,
+) -> MILPResult:
+    import highspy
+
+    started = time.perf_counter()
+    mb, cols = build_model(instance)
+    n_cols = len(mb.lower)
+    lp = _highs_lp(np.asarray(mb.cost) / MS, np.asarray(mb.lower), np.asarray(mb.upper),
+                   np.concatenate(mb.r), np.concatenate(mb.c), np.concatenate(mb.v),
+                   np.asarray(mb.rows_lo), np.asarray(mb.rows_hi), np.asarray(mb.integer))
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", bool(verbose))
+    h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    if threads is not None:
+        h.setOptionValue("threads", int(threads))
+    h.passModel(lp)
+    warm = False
+    if warm_start is not None:
+        start = highspy.HighsSolution()
+        start.col_value = _start_values(instance, cols, n_cols, warm_start)
+        start.value_valid = True
+        warm = h.setSolution(start) == highspy.HighsStatus.kOk
+    h.run()
+    status = h.modelStatusToString(h.getModelStatus())
+    info = h.getInfo()
+    elapsed = time.perf_counter() - started
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    if not has_solution:
+        return MILPResult(None, None, status, np.inf, float(info.mip_dual_bound), np.inf, elapsed, warm, n_cols,
+                          mb.n_rows)
+    values = np.asarray(h.getSolution().col_value)
+    solution = _extract(instance, cols, values)
+    objective = float(info.objective_function_value)
+    bound = float(info.mip_dual_bound)
+    gap = max(objective - bound, 0.0) / abs(objective) if objective else 0.0
+    return MILPResult(solution, evaluate(instance, solution), status, objective, bound, gap, elapsed, warm, n_cols,
+                      mb.n_rows)

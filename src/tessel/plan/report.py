@@ -1,0 +1,205 @@
+"""What a plan predicts, the plan JSON (version 1) and the rich tables `tessel plan` prints.
+
+Predicted metrics, from the pipeline of m micro-batches of b requests each (b from the workload):
+
+    TTFT       = prefill makespan  = sum_j T_j^pre + (m - 1) max_j T_j^pre
+                 (the last of m micro-batches admitted together gets its first token then)
+    TPOT       = decode makespan   = sum_j T_j^dec + (m - 1) max_j T_j^dec
+                 (one decode step of every micro-batch; each request gets one token per step)
+    throughput = m * b * n_out / (TTFT + n_out * TPOT)   generated tokens per second
+                 (n_out = mean output tokens; a batch of m * b requests from prompt to last token)
+
+With the planner's weights (prefill 1, decode n_out) the objective equals TTFT + n_out * TPOT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from tessel.plan.baselines import BaselineResult
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import Evaluation
+
+PLAN_VERSION = 1
+GIB = 2.0**30
+GBPS = 1e9 / 8  # bytes/s in one Gb/s, as cluster files give bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    ttft_s: float
+    tpot_s: float
+    throughput_tok_s: float
+
+    def to_json(self) -> dict:
+        return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "throughput_tok_s": self.throughput_tok_s}
+
+
+def predict(instance: PlanningInstance, evaluation: Evaluation, micro_batch_size: int = 1,
+            output_tokens: float | None = None) -> Predicted:
+    n_out = instance.decode_weight / instance.prefill_weight if output_tokens is None else output_tokens
+    ttft, tpot = evaluation.prefill_makespan_s, evaluation.decode_makespan_s
+    requests = instance.micro_batches * micro_batch_size
+    total = ttft + n_out * tpot
+    return Predicted(ttft, tpot, requests * n_out / total if total > 0 else 0.0)
+
+
+def layer_range(instance: PlanningInstance, unit_start: int, unit_end: int) -> tuple[int, int]:
+    """Half-open layers a unit range touches (a layer split at sublayer granularity is in both)."""
+    return instance.units[unit_start].layer, instance.units[unit_end - 1].layer + 1
+
+
+def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=None) -> list[dict]:
+    """The plan contract's `stages` list."""
+    records = []
+    for index, se in enumerate(evaluation.stages):
+        device = instance.devices[se.stage.device]
+        layer_start, layer_end = layer_range(instance, se.stage.unit_start, se.stage.unit_end)
+        link = None
+        if index + 1 < len(evaluation.stages):
+            link = _link_json(instance, se.stage.device, evaluation.stages[index + 1].stage.device, cluster)
+        records.append(
+            {
+                "index": index,
+                "device": device.name,
+                "gpu_type": device.gpu_type,
+                "node": device.node,
+                "layer_start": layer_start,
+                "layer_end": layer_end,
+                "unit_start": se.stage.unit_start,
+                "unit_end": se.stage.unit_end,
+                "weights_gib": se.weight_bytes / GIB,
+                "kv_gib": se.kv_bytes / GIB,
+                "offload_gib": se.offload_bytes / GIB,
+                "prefill_ms": se.time_prefill_s * 1e3,
+                "decode_ms": se.time_decode_s * 1e3,
+                "link_to_next": link,
+            }
+        )
+    return records
+
+
+def _link_json(instance: PlanningInstance, a: int, b: int, cluster) -> dict:
+    if cluster is not None:
+        spec = cluster.link(instance.devices[a].name, instance.devices[b].name)
+        return {"bandwidth_gbps": spec.bandwidth_bytes_per_s / GBPS, "latency_us": spec.latency_s * 1e6}
+    return {"bandwidth_gbps": None, "latency_us": None}  # no cluster given: link unknown
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def workload_json(workload) -> dict:
+    data = workload.model_dump(mode="json")
+    data.update(
+        {
+            "m": workload.micro_batches,
+            "micro_batch_size": workload.micro_batch_size,
+            "requests_in_flight": workload.requests_in_flight,
+            "alpha_f": _finite(workload.alpha_f),
+            "alpha_r": workload.alpha_r,
+        }
+    )
+    return data
+
+
+def baseline_json(instance: PlanningInstance, result: BaselineResult, micro_batch_size: int, cluster=None) -> dict:
+    if result.evaluation is None:
+        return {"feasible": False, "reason": result.reason, "objective": None, "predicted": None, "stages": None}
+    return {
+        "feasible": result.feasible,
+        "reason": result.reason,
+        "objective": result.evaluation.objective,
+        "predicted": predict(instance, result.evaluation, micro_batch_size).to_json(),
+        "stages": stage_records(instance, result.evaluation, cluster),
+    }
+
+
+def plan_json(
+    instance: PlanningInstance,
+    evaluation: Evaluation,
+    *,
+    model,
+    cluster,
+    cluster_source: str,
+    workload,
+    solver: dict,
+    baselines: dict[str, BaselineResult],
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+    granularity: str = "layer",
+) -> dict:
+    """The plan contract (version 1) that the simulator, chunk planner and runtime read."""
+    b = workload.micro_batch_size
+    return {
+        "version": PLAN_VERSION,
+        "model": {"name": model.name, "config": dataclasses.asdict(model)},
+        "cluster": {"name": cluster.name, "source": cluster_source},
+        "workload": workload_json(workload),
+        "dtype": dtype,
+        "kv_dtype": kv_dtype,
+        "granularity": granularity,
+        "overlap": bool(instance.overlap),
+        "stages": stage_records(instance, evaluation, cluster),
+        "predicted": predict(instance, evaluation, b).to_json(),
+        "objective": evaluation.objective,
+        "solver": {key: _finite(v) if isinstance(v, float) else v for key, v in solver.items()},
+        "baselines": {name: baseline_json(instance, r, b, cluster) for name, r in baselines.items()},
+    }
+
+
+def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("#", "device", "type", "layers", "weights GiB", "KV GiB", "offload GiB", "prefill ms",
+                   "decode ms"):
+        table.add_column(column, justify="left" if column in ("device", "type") else "right")
+    per = instance.n_units // len({unit.layer for unit in instance.units})
+    for index, se in enumerate(evaluation.stages):
+        device = instance.devices[se.stage.device]
+        start, end = layer_range(instance, se.stage.unit_start, se.stage.unit_end)
+        layers = f"{start}-{end - 1}" if per == 1 else _unit_label(instance, se.stage.unit_start, se.stage.unit_end)
+        table.add_row(
+            str(index), device.name, device.gpu_type, layers, f"{se.weight_bytes / GIB:.1f}",
+            f"{se.kv_bytes / GIB:.1f}", f"{se.offload_bytes / GIB:.1f}", f"{se.time_prefill_s * 1e3:.2f}",
+            f"{se.time_decode_s * 1e3:.3f}",
+        )
+    return table
+
+
+def _unit_label(instance: PlanningInstance, start: int, end: int) -> str:
+    first, last = instance.units[start], instance.units[end - 1]
+    return f"{first.layer}{'' if first.kind == 'attention' else '.mlp'}-{last.layer}{'' if last.kind == 'mlp' else '.attn'}"
+
+
+def comparison_table(instance: PlanningInstance, evaluation: Evaluation, baselines: dict[str, BaselineResult],
+                     micro_batch_size: int):
+    from rich.table import Table
+
+    ours = predict(instance, evaluation, micro_batch_size)
+    table = Table(title="tessel vs baselines (same cost model)", title_justify="left")
+    for column in ("plan", "objective s", "TTFT s", "TPOT ms", "tok/s", "tessel speedup", "note"):
+        table.add_column(column, justify="left" if column in ("plan", "note") else "right")
+    table.add_row("tessel", f"{evaluation.objective:.3f}", f"{ours.ttft_s:.3f}", f"{ours.tpot_s * 1e3:.2f}",
+                  f"{ours.throughput_tok_s:.1f}", "1.00x", "")
+    for name, result in baselines.items():
+        if result.evaluation is None or not result.feasible:
+            table.add_row(name, "-", "-", "-", "-", "-", f"infeasible: {_short(result.reason)}")
+            continue
+        theirs = predict(instance, result.evaluation, micro_batch_size)
+        speedup = ours.throughput_tok_s / theirs.throughput_tok_s if theirs.throughput_tok_s else math.inf
+        table.add_row(name, f"{result.evaluation.objective:.3f}", f"{theirs.ttft_s:.3f}",
+                      f"{theirs.tpot_s * 1e3:.2f}", f"{theirs.throughput_tok_s:.1f}", f"{speedup:.2f}x", "")
+    return table
+
+
+def _short(reason: str | None, limit: int = 90) -> str:
+    reason = reason or ""
+    first = reason.split("; ")[0]
+    more = reason.count("; ")
+    text = first if len(first) <= limit else first[: limit - 3] + "..."
+    return text + (f" (+{more} more)" if more else "")

@@ -1,0 +1,126 @@
+"""One entry point over the solvers: `solve(instance, solver=...)` -> `PlanResult`.
+
+- `milp` (default): the DP runs first for a share of the time limit (`DP_SHARE`, with a 1% gap
+  target) and its plan warm-starts HiGHS, which gets the rest; the better of the two is kept.
+  Status, gap and bound are HiGHS's.
+- `dp`: the DP alone (exact over the searched orders when it finishes with gap 0).
+- `brute`: every plan (tiny instances only).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from tessel.errors import TesselError
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import Evaluation, Solution
+
+SOLVERS = ("milp", "dp", "brute")
+DP_SHARE = 0.25  # fraction of the time limit the DP gets before the MILP
+DP_WARM_START_GAP = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    solution: Solution
+    evaluation: Evaluation
+    solver: str
+    status: str
+    gap: float | None  # proven relative gap to the solver's lower bound (None: no bound)
+    bound: float | None
+    time_s: float
+    detail: dict  # solver-specific numbers (DP calls, MILP size, which solver's plan won)
+
+
+def solve(
+    instance: PlanningInstance,
+    *,
+    solver: str = "milp",
+    time_limit_s: float = 30.0,
+    mip_gap: float = 0.01,
+) -> PlanResult:
+    """Plan `instance`; raises TesselError when no feasible plan exists (or none was found)."""
+    if solver not in SOLVERS:
+        raise TesselError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
+    started = time.perf_counter()
+    if solver == "brute":
+        return _brute(instance, started)
+    if solver == "dp":
+        return _dp(instance, started, time_limit_s, mip_gap)
+    return _milp(instance, started, time_limit_s, mip_gap)
+
+
+def _brute(instance: PlanningInstance, started: float) -> PlanResult:
+    from tessel.plan.brute import brute_force
+
+    try:
+        result = brute_force(instance)
+    except ValueError as error:
+        raise TesselError(f"{error}") from None
+    if result.solution is None:
+        raise _infeasible(instance, "brute force found no feasible plan")
+    return PlanResult(result.solution, result.evaluation, "brute", "optimal", 0.0, result.evaluation.objective,
+                      time.perf_counter() - started, {"plans_evaluated": result.plans_evaluated})
+
+
+def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
+    from tessel.plan.dp import solve_dp
+
+    result = solve_dp(instance, time_limit_s=time_limit_s, rel_gap=0.0 if gap <= 0 else gap)
+    if result.solution is None:
+        raise _infeasible(instance, "the DP found no feasible plan")
+    objective = result.evaluation.objective
+    proven = (objective - result.bound) / objective if math.isfinite(result.bound) and objective else None
+    status = "optimal" if result.exact else ("gap reached" if proven is not None and proven <= gap else "time limit")
+    detail = {"dp_calls": result.dp_calls, "orders_searched": result.orders_searched,
+              "orders_total": result.orders_total, "exact": result.exact}
+    return PlanResult(result.solution, result.evaluation, "dp", status, proven, result.bound,
+                      time.perf_counter() - started, detail)
+
+
+def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
+    from tessel.plan.dp import solve_dp
+    from tessel.plan.milp import solve_milp
+
+    dp = solve_dp(instance, time_limit_s=time_limit_s * DP_SHARE, rel_gap=DP_WARM_START_GAP)
+    remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
+    milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=dp.solution)
+    detail = {"dp_objective": dp.evaluation.objective if dp.evaluation else None, "dp_calls": dp.dp_calls,
+              "milp_cols": milp.n_cols, "milp_rows": milp.n_rows, "warm_started": milp.warm_started,
+              "highs_objective": milp.objective}
+    candidates = [(r.evaluation, r.solution, name) for r, name in ((milp, "milp"), (dp, "dp"))
+                  if r.evaluation is not None and r.evaluation.feasible]
+    if not candidates:
+        if milp.status == "Infeasible":
+            raise _infeasible(instance, "the MILP proved that no plan fits")
+        raise _infeasible(instance, f"no feasible plan found ({milp.status})")
+    evaluation, solution, source = min(candidates, key=lambda c: c[0].objective)
+    detail["plan_from"] = source
+    bound = milp.bound if math.isfinite(milp.bound) else None
+    proven = max(evaluation.objective - bound, 0.0) / evaluation.objective if bound is not None else None
+    return PlanResult(solution, evaluation, "milp", milp.status, proven, bound, time.perf_counter() - started,
+                      detail)
+
+
+def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
+    from tessel.plan.build import capacity_shortfall_bytes
+
+    shortfall = capacity_shortfall_bytes(instance)
+    gib = 2.0**30
+    if shortfall > 0:
+        return TesselError(
+            f"the model does not fit: it needs {shortfall / gib:.1f} GiB more than the cluster's GPU and host "
+            "memory together; add GPUs or host memory, or use a smaller dtype / shorter workload"
+        )
+    need = float(instance.weight_bytes.sum() + instance.kv_bytes.sum()) + instance.first_bytes + instance.last_bytes
+    gpu = sum(d.memory_bytes for d in instance.devices)
+    extra = max(need + float(instance.workspace_bytes.min()) - gpu, 0.0)
+    hint = f" (it needs {extra / gib:.1f} GiB more GPU memory to avoid offloading)" if extra > 0 else ""
+    return TesselError(
+        f"{what}: the model's {need / gib:.1f} GiB of weights and KV cannot be placed on "
+        f"{instance.n_devices} devices with {gpu / gib:.1f} GiB of GPU memory under the memory, offloading "
+        f"and swap-in rules{hint}; add GPUs, lower max_micro_batch or lengths in the workload, or allow "
+        "host memory"
+    )
