@@ -286,9 +286,17 @@ def main() -> None:
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 is steadier on a shared CPU",
+    )
     parser.add_argument("--only", choices=("gemm", "other"), default=None, help="run one group of ops")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     bench = Bench(args.device, args.quick)
     load_before = os.getloadavg()

@@ -201,11 +201,19 @@ def main() -> None:
         "--tokens", type=int, nargs="+", default=[256, 16], help="prefill chunk, decode batch"
     )
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 is steadier on a shared CPU",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     model = args.model or ("llama-7b" if args.device == "cuda" and not args.quick else "tinyllama")
     repeats = args.repeats or (3 if args.quick else 10)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
     with torch.inference_mode():

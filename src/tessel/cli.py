@@ -12,8 +12,10 @@ import sys
 import typer
 from rich.console import Console
 
+from tessel.commands import chunk as _chunk
 from tessel.commands import generate as _generate
 from tessel.commands import plan as _plan
+from tessel.commands import profile as _profile
 from tessel.commands import serve as _serve
 from tessel.commands import simulate as _simulate
 from tessel.errors import TesselError
@@ -46,6 +48,8 @@ app.command("plan")(_plan.plan)
 app.command("serve")(_serve.serve)
 app.command("generate")(_generate.generate)
 app.command("simulate")(_simulate.simulate)
+app.command("profile")(_profile.profile)
+app.command("chunk")(_chunk.chunk)
 
 
 def main() -> None:

@@ -70,7 +70,10 @@ def mixed_pipeline(rng: np.random.Generator, n_stages: int, scalar_only: bool = 
         else:
             stages.append(
                 PolynomialStage(
-                    random_fit(rng), float(rng.integers(1, 6)), send_latency_s=send[0], send_s_per_token=send[1]
+                    random_fit(rng),
+                    float(rng.integers(1, 6)),
+                    send_latency_s=send[0],
+                    send_s_per_token=send[1],
                 )
             )
     return PipelineLatency(tuple(stages))
@@ -99,7 +102,7 @@ def all_chunkings(seq_lens: list[int], grid: int, max_chunk: int | None = None):
         cuts = list(range(grid, length, grid))
         options = []
         for mask in itertools.product((False, True), repeat=len(cuts)):
-            chosen = [0] + [cut for cut, keep in zip(cuts, mask) if keep] + [length]
+            chosen = [0] + [cut for cut, keep in zip(cuts, mask, strict=True) if keep] + [length]
             chunks = list(np.diff(chosen).astype(int))
             if max_chunk is None or max(chunks) <= max_chunk:
                 options.append(chunks)

@@ -18,7 +18,9 @@ def _random_length(rng: np.random.Generator, max_steps: int) -> int:
 
 
 def _check_against_brute_force(problem: ChunkProblem, plan, rel: float = 1e-9) -> float:
-    best, _ = brute_force(problem.pipeline, list(problem.seq_lens), problem.grid_tokens, problem.max_chunk_tokens)
+    best, _ = brute_force(
+        problem.pipeline, list(problem.seq_lens), problem.grid_tokens, problem.max_chunk_tokens
+    )
     value = naive_makespan(problem.pipeline, list(plan.chunks), list(problem.seq_lens))
     assert value == pytest.approx(plan.schedule.makespan_s, rel=1e-12)
     assert value >= best * (1 - 1e-12)  # nothing beats the brute force
@@ -106,7 +108,7 @@ def test_tau_bisection_finds_the_bound_minimum() -> None:
         m_table, u_table, _ = surrogate_tables(grid, pipeline)
         best = terapipe_candidates(grid, m_table, u_table, n_stages)[0]
 
-        def bound(b: list[int]) -> float:
+        def bound(b: list[int], m_table=m_table, u_table=u_table, n_stages=n_stages) -> float:
             rows, cols = np.asarray(b[1:]), np.diff(b) - 1
             return m_table[rows, cols].sum() + (n_stages - 1) * u_table[rows, cols].max()
 

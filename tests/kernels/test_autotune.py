@@ -131,6 +131,16 @@ def test_corrupt_or_foreign_file_is_ignored_and_rewritten(tmp_cache: Path) -> No
     assert AutotuneCache(T4).get("conv2d", "k") is None
 
 
+def test_unwritable_cache_warns_but_still_picks(monkeypatch: pytest.MonkeyPatch, tmp_cache: Path) -> None:
+    blocker = tmp_cache / "not-a-dir"
+    blocker.write_text("a file where the cache directory should go")
+    monkeypatch.setenv("TESSEL_CACHE_DIR", str(blocker))
+    tuner = Autotuner("int8_gemm", CONFIGS, default=CONFIGS[0])
+    with pytest.warns(UserWarning, match="could not write autotune cache"):
+        assert tuner.pick("k", FakeBench(CONFIGS[2]), device=H100) == CONFIGS[2]
+    assert tuner.pick("k", FakeBench(CONFIGS[1]), device=H100) == CONFIGS[2]  # still remembered in memory
+
+
 def test_configs_that_do_not_fit_are_skipped() -> None:
     class OutOfResources(Exception):  # the name Triton's compiler raises
         pass

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tessel.kernels import flash_attention, flash_attention_int8
 from tessel.kernels.flash_attention import quantize_rows_int8
@@ -109,6 +111,8 @@ def test_bad_shapes_are_rejected():
     q, k, v = make_qkv((1, 2, 1, 8, 4, 16), torch.float32)
     with pytest.raises(ValueError, match="Sq <= Sk"):
         flash_attention(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="dtype"):
+        flash_attention(q.half(), k, v, causal=False)
 
 
 # int8 QK^T. The logits S = scale * q.k are computed from per-row int8 codes; rounding to the
@@ -262,3 +266,36 @@ def test_every_autotune_candidate_is_correct(monkeypatch, poison, triton_backend
     q, k, v = make_qkv((1, 2, 1, 45, 150, 80), torch.float16)
     out = flash_attention(q, k, v, causal=True)
     torch.testing.assert_close(out.double(), reference(q, k, v, True), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_no_queries(request, backend):
+    request.getfixturevalue(backend)
+    q, k, v = make_qkv((1, 2, 1, 0, 4, 16), torch.float32)
+    assert flash_attention(q, k, v).shape == (1, 2, 0, 16)
+    assert flash_attention_int8(q, k, v).shape == (1, 2, 0, 16)
+
+
+@pytest.mark.parametrize("backend", ["TESSEL_triton", "TESSEL_torch"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batch=st.integers(1, 2),
+    n_kv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    seq_q=st.integers(1, 40),
+    prefix=st.integers(0, 70),
+    head_dim=st.sampled_from([16, 24, 40, 64, 72, 96, 112, 128]),
+    causal=st.booleans(),
+    dtype_index=st.integers(0, 2),
+)
+def test_random_shapes(
+    monkeypatch, backend, batch, n_kv, group, seq_q, prefix, head_dim, causal, dtype_index
+):
+    """Random GQA groups, chunk lengths, prefixes and head dims (odd multiples of 8 included)."""
+    if backend == "TESSEL_triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TESSEL_KERNEL_BACKEND", backend.removeprefix("TESSEL_"))
+    dtype, atol, rtol = TOLERANCES[dtype_index]
+    q, k, v = make_qkv((batch, n_kv * group, n_kv, seq_q, seq_q + prefix, head_dim), dtype)
+    out = flash_attention(q, k, v, causal=causal)
+    torch.testing.assert_close(out.double(), reference(q, k, v, causal), atol=atol, rtol=rtol)

@@ -69,3 +69,9 @@ def test_gradient_request_takes_the_differentiable_path(triton_backend):
     weight, bias = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
     layer_norm(x, weight, bias, 1e-5).pow(2).sum().backward()
     assert x.grad is not None and weight.grad is not None and bias.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_no_tokens(request, backend):
+    request.getfixturevalue(backend)
+    assert layer_norm(torch.randn(0, 8), torch.ones(8), None, 1e-5).shape == (0, 8)

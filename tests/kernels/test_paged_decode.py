@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tessel.kernels import paged_decode_attention
 
@@ -141,6 +143,8 @@ def test_bad_shapes_are_rejected():
     q, k_cache, v_cache, tables, lens = make_paged(4, 2, 16, 4, [3], torch.float32)
     with pytest.raises(ValueError):
         paged_decode_attention(q, k_cache, v_cache, tables[:, :, None], lens)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_attention(q.half(), k_cache, v_cache, tables, lens)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
@@ -157,7 +161,63 @@ def test_split_context_flash_decoding(poison, triton_backend, splits, dtype, ato
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
 
 
-def test_split_heuristic_keeps_cpu_and_full_gpus_unsplit():
-    from tessel.kernels.paged_decode import num_splits
+def test_split_heuristic(monkeypatch):
+    import importlib
 
-    assert num_splits(1, 8, 8192, torch.device("cpu")) == 1
+    module = importlib.import_module("tessel.kernels.paged_decode")
+    monkeypatch.setattr(module, "_multiprocessor_count", lambda index: 132)  # an H100
+    cuda = torch.device("cuda", 0)
+    assert module.num_splits(1, 8, 8192, torch.device("cpu")) == 1
+    assert module.num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
+    assert module.num_splits(1, 8, 200, cuda) == 1  # too short to split
+    assert module.num_splits(1, 8, 8192, cuda) == 32  # 264 / 8 = 33 wanted, 8192 / 256 = 32 allowed
+    assert module.num_splits(1, 1, 1 << 20, cuda) == module.MAX_SPLITS
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_no_sequences(request, backend):
+    request.getfixturevalue(backend)
+    cache = torch.randn(3, 4, 1, 16)
+    tables, lens = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    assert paged_decode_attention(torch.randn(0, 2, 16), cache, cache, tables, lens).shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("backend", ["TESSEL_triton", "TESSEL_torch"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_kv=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([16, 40, 64, 80, 128]),
+    block_size=st.sampled_from([1, 3, 8, 16, 32]),
+    lens=st.lists(st.integers(0, 150), min_size=1, max_size=4),
+    dtype_index=st.integers(0, 2),
+)
+def test_random_batches(monkeypatch, backend, n_kv, group, head_dim, block_size, lens, dtype_index):
+    if backend == "TESSEL_triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TESSEL_KERNEL_BACKEND", backend.removeprefix("TESSEL_"))
+    dtype, atol, rtol = TOLERANCES[dtype_index]
+    q, k_cache, v_cache, tables, lens_t = make_paged(n_kv * group, n_kv, head_dim, block_size, lens, dtype)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens_t)
+    ref = reference(q, k_cache, v_cache, tables, lens_t)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+def _decode_module():
+    import importlib
+
+    return importlib.import_module("tessel.kernels.paged_decode")
+
+
+@pytest.mark.parametrize(
+    "tile", _decode_module().PAGED_DECODE_CONFIGS, ids=lambda t: f"n{t.block_n}w{t.num_warps}s{t.num_stages}"
+)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_every_autotune_candidate_is_correct(monkeypatch, poison, triton_backend, tile, splits):
+    """The tuner may pick any candidate on a GPU: each must give the right answer."""
+    module = _decode_module()
+    monkeypatch.setattr(module, "_DEFAULT_TILE", tile)
+    q, k_cache, v_cache, tables, lens = make_paged(6, 2, 80, 12, [1, 150, 37], torch.float16)
+    out = module._paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.1, splits=splits)
+    ref = reference(q, k_cache, v_cache, tables, lens, scale=0.1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)

@@ -97,3 +97,10 @@ def test_gradient_request_takes_the_differentiable_path(triton_backend):
 def test_residual_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="residual shape"):
         rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_no_tokens(request, backend):
+    request.getfixturevalue(backend)
+    out, new_residual = rms_norm(torch.randn(0, 8), torch.ones(8), 1e-6, torch.randn(0, 8))
+    assert out.shape == new_residual.shape == (0, 8)

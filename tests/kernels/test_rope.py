@@ -108,3 +108,13 @@ def test_bad_shapes_are_rejected():
         rope(torch.randn(2, 3, 16), torch.randn(3, 1, 16), torch.zeros(2, dtype=torch.long), cos, sin)
     with pytest.raises(ValueError):
         rope(torch.randn(2, 3, 8), torch.randn(2, 1, 8), torch.zeros(2, dtype=torch.long), cos, sin)
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_no_tokens(request, backend):
+    request.getfixturevalue(backend)
+    cos, sin = cos_sin_table(8, 16)
+    q_out, k_out = rope(
+        torch.randn(0, 2, 16), torch.randn(0, 1, 16), torch.zeros(0, dtype=torch.long), cos, sin
+    )
+    assert q_out.shape == (0, 2, 16) and k_out.shape == (0, 1, 16)

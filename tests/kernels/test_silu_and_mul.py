@@ -62,3 +62,9 @@ def test_gradient_request_takes_the_differentiable_path(triton_backend):
     x = torch.randn(4, 16, requires_grad=True)
     silu_and_mul(x).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_no_tokens(request, backend):
+    request.getfixturevalue(backend)
+    assert silu_and_mul(torch.randn(0, 8)).shape == (0, 4)

@@ -135,8 +135,9 @@ def test_additive_mask_gets_a_gradient_summed_to_its_shape(request, backend):
 def test_torch_path_gradcheck(torch_backend, mask_kind):
     x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
     mask = make_mask(mask_kind, (4, 7), torch.float64)
-    assert torch.autograd.gradcheck(lambda t: softmax(t, mask), (x,))
-    assert torch.autograd.gradcheck(log_softmax, (x,))
+    # fast_mode: checks the Jacobian along random directions (full mode is ~20x slower here)
+    assert torch.autograd.gradcheck(lambda t: softmax(t, mask), (x,), fast_mode=True)
+    assert torch.autograd.gradcheck(log_softmax, (x,), fast_mode=True)
 
 
 @pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
@@ -155,3 +156,10 @@ def test_fully_masked_rows_are_zero_with_zero_gradient(request, backend):
 def test_integer_mask_is_rejected():
     with pytest.raises(ValueError, match="mask"):
         softmax(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
+def test_empty_inputs(request, backend):
+    request.getfixturevalue(backend)
+    assert softmax(torch.randn(0, 5)).shape == (0, 5)
+    assert log_softmax(torch.randn(3, 0)).shape == (3, 0)

@@ -122,3 +122,16 @@ def test_w8a16_rejects_bad_inputs(change: dict) -> None:
 def test_linear_rejects_mixed_dtypes() -> None:
     with pytest.raises(TesselError):
         linear(torch.zeros(2, 3), torch.zeros(4, 3, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_w8a16_torch_path_dequantises_in_row_blocks(
+    torch_backend: None, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """With a tiny block budget the 45 weight rows go through in 16-row blocks (16, 16, 13)."""
+    monkeypatch.setattr(w8a16_module, "DEQUANT_CHUNK_ELEMENTS", 64)
+    x, w, w_scale, b = make_inputs(37, 45, 70, dtype, bias=True)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(
+        w8a16_gemm(x, w, w_scale, b).double(), reference(x, w, w_scale, b), atol=atol, rtol=rtol
+    )

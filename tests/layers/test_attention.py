@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessel.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -20,9 +20,12 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return out.transpose(0, 1).float()
 
 
+@pytest.mark.parametrize("split_decodes", [False, True])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (3, 3, 8), (8, 1, 32)])
-def test_mixed_decode_and_prefill_step_matches_sdpa(block_size, heads, kv_heads, head_dim) -> None:
+def test_mixed_decode_and_prefill_step_matches_sdpa(
+    block_size, heads, kv_heads, head_dim, split_decodes
+) -> None:
     g = torch.Generator().manual_seed(block_size * 100 + heads)
     # (tokens already cached, tokens computed this step): decodes first, then prefill chunks
     seqs = [(6, 1), (0, 1), (30, 1), (0, 13), (9, 5), (17, 2)]
@@ -52,12 +55,19 @@ def test_mixed_decode_and_prefill_step_matches_sdpa(block_size, heads, kv_heads,
             table = torch.tensor(tables[i]) if cached else None
             prefills.append(PrefillChunk(offset, n, cached + n, table))
         offset += n
-    width = max(len(tables[i]) for i in decodes)
+    groups = []
+    for rows in ([0, 1, 2], [0], [1, 2]) if split_decodes else ([0, 1, 2],):  # rows of `decodes`
+        width = max(len(tables[decodes[r]]) for r in rows)
+        padded = [tables[decodes[r]] + [7] * (width - len(tables[decodes[r]])) for r in rows]  # pad: ignored
+        lens = [sum(seqs[decodes[r]]) for r in rows]
+        groups.append(
+            DecodeGroup(rows[0], rows[-1] + 1, torch.tensor(padded).int(), torch.tensor(lens).int())
+        )
+    groups = groups[1:] if split_decodes else groups
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=len(decodes),
-        decode_block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in decodes]).int(),
-        decode_context_lens=torch.tensor([sum(seqs[i]) for i in decodes]).int(),
+        decode_groups=groups,
         prefills=prefills,
     )
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])

@@ -119,8 +119,16 @@ class CostModelStage:
 
     # ---- vectorised --------------------------------------------------------------------------
 
+    def prefill_signature(self) -> tuple:
+        """Stages with equal signatures have equal prefill times (the planner computes them once)."""
+        profile = None if self.profile is None else id(self.profile)
+        return (self.model, self.gpu.name, self.unit_counts, self.first, self.dtype, self.kv_dtype, profile)
+
+    def send_signature(self) -> tuple:
+        return (self.model.hidden_size, self.dtype, self.link)
+
     def send_times_s(self, tokens: np.ndarray) -> np.ndarray:
-        return _per_distinct(self.send_time_s, tokens)
+        return _c_only(self.send_time_s, tokens)
 
     def prefill_times_s(self, chunk_tokens: np.ndarray, offset_tokens: np.ndarray) -> np.ndarray:
         c = np.asarray(chunk_tokens, dtype=np.float64)
@@ -131,10 +139,11 @@ class CostModelStage:
         for kind, count in self.unit_counts:
             total = total + count * self._unit_prefill(kind, c, p)
         if self.first:
-            total = total + _per_distinct(
-                lambda n: R.embed_time_s(self.model, self.gpu, n, self.dtype, profile=self.profile), c
-            )
+            total = total + _c_only(self._embed_time_s, c)
         return np.where(c > 0, total, 0.0)
+
+    def _embed_time_s(self, tokens: int) -> float:
+        return R.embed_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
 
     def tail_s(self) -> float:
         """Final norm + LM head for one token (the last prompt token's logits), on this stage."""
@@ -156,7 +165,10 @@ class CostModelStage:
     def _analytic(self, kind: str, c: np.ndarray, p: np.ndarray, efficiency: R.Efficiency) -> np.ndarray:
         """numpy twin of `roofline._analytic_prefill_s` for one sequence."""
         model, gpu, act = self.model, self.gpu, L.activation_dtype(self.dtype)
-        n_bytes = _per_distinct(lambda n: L.weight_bytes_read(model, kind, self.dtype, n), c)
+        if model.is_moe and kind != "attention":  # experts touched depend on the token count
+            n_bytes = _per_distinct(lambda n: L.weight_bytes_read(model, kind, self.dtype, n), c)
+        else:
+            n_bytes = float(L.weight_bytes_read(model, kind, self.dtype, 1))
         n_bytes = n_bytes + c * L.activation_elems_per_token(model, kind) * L.dtype_bytes(act)
         if kind != "mlp":
             n_bytes = n_bytes + L.kv_bytes_per_token(model, self.kv_dtype) * (p + c)
@@ -167,6 +179,22 @@ class CostModelStage:
         )
         memory = n_bytes / (efficiency.memory * gpu.mem_bandwidth_bytes_per_s)
         return np.maximum(compute, memory) + R.KERNELS_PER_UNIT[kind] * R.KERNEL_LAUNCH_OVERHEAD_S
+
+
+AFFINE_PROBES = (1, 2, 17, 1000, 65536)
+
+
+def _c_only(fn, values: np.ndarray) -> np.ndarray:
+    """fn(c) (scalar, 0 at c <= 0) over an array. Transfers and the embedding gather are affine in
+    c for c >= 1 (latency + bytes/bandwidth); that is checked on probe points, then used in closed
+    form; otherwise fn runs once per distinct c."""
+    values = np.asarray(values)
+    probes = np.array([fn(c) for c in AFFINE_PROBES])
+    slope = probes[1] - probes[0]
+    intercept = probes[0] - slope
+    if np.allclose(intercept + slope * np.array(AFFINE_PROBES), probes, rtol=1e-12, atol=0.0):
+        return np.where(values > 0, intercept + slope * values, 0.0)
+    return _per_distinct(fn, values)
 
 
 def _per_distinct(fn, values: np.ndarray) -> np.ndarray:
@@ -291,7 +319,11 @@ def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> Pl
         stages = [_stage_spec(raw) for raw in data["stages"]]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise TesselError(f"{path}: malformed plan ({type(error).__name__}: {error})") from None
-    labels = {"model": model.name, "cluster": str(data.get("cluster", {}).get("name", "?")), "source": str(path)}
+    labels = {
+        "model": model.name,
+        "cluster": str(data.get("cluster", {}).get("name", "?")),
+        "source": str(path),
+    }
     return build_pipeline(
         model,
         stages,
@@ -331,7 +363,9 @@ def even_split_pipeline(
     devices = list(cluster.devices)
     n = len(devices) if n_stages is None else n_stages
     if not 1 <= n <= len(devices):
-        raise TesselError(f"--stages must be between 1 and {len(devices)} (devices in {cluster.name}), got {n}")
+        raise TesselError(
+            f"--stages must be between 1 and {len(devices)} (devices in {cluster.name}), got {n}"
+        )
     n = min(n, model.num_layers)
     devices = devices[:n]
     base, extra = divmod(model.num_layers, n)

@@ -126,12 +126,14 @@ def surrogate_tables(grid: TokenGrid, pipeline: PipelineLatency) -> tuple[np.nda
     c = grid.positions[jj] - grid.positions[ii]
     p = grid.positions[ii] - grid.request_start[jj]
     n_stages = pipeline.n_stages
-    first_t = stage_prefill_times(pipeline.stages[0], c, p)
+    prefill = _Memo(lambda stage: stage_prefill_times(stage, c, p), "prefill_signature")
+    sending = _Memo(lambda stage: stage_send_times(stage, c), "send_signature")
+    first_t = prefill(pipeline.stages[0])
     most, upper, uniform = first_t.copy(), None, True
     prev_send = None
     for s in range(1, n_stages):
-        t = stage_prefill_times(pipeline.stages[s], c, p)
-        send = stage_send_times(pipeline.stages[s - 1], c)
+        t = prefill(pipeline.stages[s])
+        send = sending(pipeline.stages[s - 1])
         uniform = (
             uniform and np.array_equal(t, first_t) and (prev_send is None or np.array_equal(send, prev_send))
         )
@@ -145,3 +147,24 @@ def surrogate_tables(grid: TokenGrid, pipeline: PipelineLatency) -> tuple[np.nda
     m_table[jj, kk - 1] = most
     u_table[jj, kk - 1] = upper
     return m_table, u_table, uniform
+
+
+class _Memo:
+    """Per-stage arrays, computed once for stages that declare the same signature (the optional
+    `prefill_signature()` / `send_signature()` methods: equal signatures, equal times)."""
+
+    def __init__(self, compute, method: str) -> None:
+        self.compute, self.method = compute, method
+        self.seen: list[tuple[object, np.ndarray]] = []
+
+    def __call__(self, stage) -> np.ndarray:
+        signature = getattr(stage, self.method, None)
+        if signature is None:
+            return self.compute(stage)
+        key = signature()
+        for known, values in self.seen:
+            if known == key:
+                return values
+        values = self.compute(stage)
+        self.seen.append((key, values))
+        return values

@@ -44,6 +44,7 @@ TAU_BATCH = 32  # taus per vectorised DP pass
 EXACT_MAX_GRID = 64  # largest grid (steps) the exact Pareto search runs on by default
 EXACT_MAX_STATES = 300_000  # Pareto states over all boundaries before the exact search gives up
 LOCAL_SEARCH_ROUNDS = 40  # steepest-descent rounds (each scores every neighbour at once)
+LOCAL_SEARCH_CELLS = 3e7  # scored (candidate x chunk x stage) cells per local search
 LOCAL_SEARCH_MULTI_START_GRID = 256  # up to this many grid steps, start from the 3 best DP plans
 BEAM_WIDTH = 16  # finish-time states kept per grid boundary by the beam search
 REL_EPS = 1e-12  # relative slack for float comparisons of makespans
@@ -309,7 +310,8 @@ def _max_u(u_table: np.ndarray, bounds: Sequence[int]) -> float:
 # Local search with exact scoring
 
 
-def _neighbours(grid: TokenGrid, bounds: list[int]) -> list[list[int]]:
+def _neighbours(grid: TokenGrid, bounds: list[int], wide: bool = True) -> list[list[int]]:
+    """Boundary shifts (by 1, 2, 4, ... grid steps; only 1 when not `wide`), merges and splits."""
     out = []
     n_bounds = len(bounds)
     for at in range(1, n_bounds - 1):
@@ -317,7 +319,7 @@ def _neighbours(grid: TokenGrid, bounds: list[int]) -> list[list[int]]:
             continue
         lo, hi = bounds[at - 1], bounds[at + 1]
         step = 1
-        while step < hi - lo:
+        while step < hi - lo and (wide or step == 1):
             for moved in (bounds[at] - step, bounds[at] + step):
                 if lo < moved < hi:
                     out.append(bounds[:at] + [moved] + bounds[at + 1 :])
@@ -325,17 +327,35 @@ def _neighbours(grid: TokenGrid, bounds: list[int]) -> list[list[int]]:
         out.append(bounds[:at] + bounds[at + 1 :])  # merge the two chunks around it
     for at in range(n_bounds - 1):  # split a chunk
         lo, hi = bounds[at], bounds[at + 1]
-        for cut in {lo + (hi - lo) // 2, lo + (hi - lo) // 4, hi - (hi - lo) // 4, lo + 1, hi - 1}:
+        cuts = (
+            {lo + (hi - lo) // 2, lo + (hi - lo) // 4, hi - (hi - lo) // 4, lo + 1, hi - 1}
+            if wide
+            else {lo + (hi - lo) // 2}
+        )
+        for cut in cuts:
             if lo < cut < hi:
                 out.append(bounds[: at + 1] + [cut] + bounds[at + 1 :])
     return out
 
 
-def _local_search(scorer: _Scorer, grid: TokenGrid, bounds: list[int]) -> tuple[list[int], float]:
+def _local_search(
+    scorer: _Scorer, grid: TokenGrid, bounds: list[int], budget_cells: float = LOCAL_SEARCH_CELLS
+) -> tuple[list[int], float]:
+    """Steepest descent; stops at a local optimum, after LOCAL_SEARCH_ROUNDS rounds, or when the
+    (candidates x chunks x stages) cells it has scored reach `budget_cells` (a narrower
+    neighbourhood is tried first when the full one does not fit)."""
     value = float(scorer.makespans(np.asarray([bounds]))[0])
+    n_stages = scorer.pipeline.n_stages
+    used = 0.0
     for _ in range(LOCAL_SEARCH_ROUNDS):
+        candidates = _neighbours(grid, bounds)
+        if used + len(candidates) * len(bounds) * n_stages > budget_cells:
+            candidates = _neighbours(grid, bounds, wide=False)
+            if used + len(candidates) * len(bounds) * n_stages > budget_cells:
+                break
+        used += len(candidates) * len(bounds) * n_stages
         by_len: dict[int, list[list[int]]] = {}
-        for candidate in _neighbours(grid, bounds):
+        for candidate in candidates:
             by_len.setdefault(len(candidate), []).append(candidate)
         best_here, best_bounds = value, None
         for group in by_len.values():

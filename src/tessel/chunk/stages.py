@@ -42,6 +42,12 @@ class PolynomialStage:
             return np.zeros_like(tokens)
         return self.send_latency_s + self.send_s_per_token * tokens
 
+    def prefill_signature(self) -> tuple:
+        return (self.prefill, self.layers, self.chunk_extra_s)
+
+    def send_signature(self) -> tuple:
+        return (self.send_latency_s, self.send_s_per_token)
+
     def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
         return float(self.prefill_times_s(np.asarray(chunk_tokens), np.asarray(offset_tokens)))
 

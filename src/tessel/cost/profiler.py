@@ -30,11 +30,19 @@ from tessel.cost.fit import FitReport, fit_measurements
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
 
-DTYPE_NAMES = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+DTYPE_NAMES = {
+    "float32": "fp32",
+    "fp32": "fp32",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+}
 ROPE_THETA = 10000.0
 PREFILL_BUDGET_SHARE = 0.7  # of the timing budget; decode gets the rest
 MIN_PREFILL_POINTS = 8
 MIN_DECODE_POINTS = 6
+MAX_RUNS = 200  # timed runs of one point at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +54,15 @@ class LayerShape:
     head_dim: int
 
     def __post_init__(self) -> None:
-        if min(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+        if (
+            min(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
+            <= 0
+        ):
             raise TesselError(f"layer shape must be positive, got {self}")
         if self.num_heads % self.num_kv_heads:
-            raise TesselError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise TesselError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -68,7 +81,9 @@ class LayerShape:
         kv = max(1, self.num_kv_heads // factor)
         while heads % kv:
             kv -= 1
-        return LayerShape(heads * self.head_dim, max(1, self.intermediate_size // factor), heads, kv, self.head_dim)
+        return LayerShape(
+            heads * self.head_dim, max(1, self.intermediate_size // factor), heads, kv, self.head_dim
+        )
 
     @property
     def matmul_params(self) -> int:
@@ -83,7 +98,7 @@ class LayerShape:
 
 
 def parse_tiny_shape(text: str, head_dim: int | None = None) -> LayerShape:
-    """"h,f,heads,kv_heads" -> LayerShape (head dim h/heads)."""
+    """ "h,f,heads,kv_heads" -> LayerShape (head dim h/heads)."""
     try:
         h, f, heads, kv = (int(x) for x in text.split(","))
     except ValueError:
@@ -98,13 +113,15 @@ class ProfileSettings:
     device: str = "cpu"  # "cpu" or "cuda"
     dtype: str = "fp32"
     budget_s: float = 60.0
-    threads: int | None = None  # CPU threads (None: torch's default)
+    threads: int | None = 1  # CPU threads (None: torch's default)
+    clock: str = "auto"  # "wall", "cpu" (process CPU time), "auto": cpu for 1 CPU thread, else wall
     warmup: int = 1
     repeats: int = 5
     max_chunk_tokens: int = 1024
     max_offset_tokens: int = 4096
     max_decode_batch: int = 32
     max_decode_context: int = 4096
+    min_point_s: float = 0.05  # keep timing a point until its runs add up to this
     seed: int = 0
 
 
@@ -208,10 +225,7 @@ class _Layer:
         self.v_cache[:batch, :, offset : offset + c] = qkv[:, a + g :]
         k = self.k_cache[:batch, :, : offset + c]
         v = self.v_cache[:batch, :, : offset + c]
-        if a != g:
-            k = k.repeat_interleave(a // g, dim=1)
-            v = v.repeat_interleave(a // g, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a != g)  # GQA, no KV copy
         x = x + F.linear(attn.transpose(1, 2).reshape(batch, c, a * d), self.wo)
         gate, up = F.linear(self._rms(x, self.norm2), self.w_gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.w_down)
@@ -244,19 +258,38 @@ def _timer(settings: ProfileSettings) -> Callable[[Callable[[], object]], float]
 
         return run_cuda
 
+    read = time.process_time if settings.clock == "cpu" else time.perf_counter
+
     def run_cpu(fn: Callable[[], object]) -> float:
-        begin = time.perf_counter()
+        begin = read()
         fn()
-        return time.perf_counter() - begin
+        return read() - begin
 
     return run_cpu
 
 
 def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock) -> float:
+    """Median of at least `repeats` timed runs, and of more while they add up to less than
+    `min_point_s` (cheap points get enough runs for a median that shrugs off preemption)."""
     x, offset, mask = inputs
     for _ in range(settings.warmup):
         layer.forward(x, offset, mask)
-    return statistics.median(clock(lambda: layer.forward(x, offset, mask)) for _ in range(settings.repeats))
+    times: list[float] = []
+    while len(times) < settings.repeats or (sum(times) < settings.min_point_s and len(times) < MAX_RUNS):
+        times.append(clock(lambda: layer.forward(x, offset, mask)))
+    return statistics.median(times)
+
+
+def resolve_clock(settings: ProfileSettings) -> ProfileSettings:
+    """`auto`: process CPU time for a one-thread CPU run (immune to other processes taking the core
+    mid-run, which inflates wall time on a shared machine), wall time otherwise; CUDA uses events."""
+    if settings.clock not in ("auto", "wall", "cpu"):
+        raise TesselError(f"--clock must be auto, wall or cpu, got {settings.clock!r}")
+    if settings.device == "cuda":
+        return replace(settings, clock="cuda")
+    if settings.clock == "auto":
+        return replace(settings, clock="cpu" if settings.threads == 1 else "wall")
+    return settings
 
 
 def check_device(settings: ProfileSettings) -> None:
@@ -285,29 +318,36 @@ def measure_layer(
     import torch
 
     check_device(settings)
+    settings = resolve_clock(settings)
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     pre_grid, dec_grid = prefill_grid(settings), decode_grid(settings)
     max_tokens = max(max(c + p for c, p in pre_grid), max(s // b + 1 for b, s in dec_grid))
     max_batch = max(b for b, _ in dec_grid)
-    runs = settings.warmup + settings.repeats
     with torch.inference_mode():
         layer = _Layer(shape, settings, max_tokens, max_batch)
         clock = _timer(settings)
-        calibrate = (64, 0)
-        seconds = _measure(layer, layer.prefill_inputs(*calibrate), settings, clock)
-        flops_per_s = shape.prefill_flops(*calibrate) / seconds
-        overhead_s = seconds / 4  # fixed per-run cost guess: keeps tiny points from looking free
+        # cost estimates: seconds per FLOP from one prefill and one decode calibration point
+        pre_cal, dec_cal = pre_grid[len(pre_grid) // 2], dec_grid[len(dec_grid) // 2]
+        pre_rate = _measure(layer, layer.prefill_inputs(*pre_cal), settings, clock) / shape.prefill_flops(
+            *pre_cal
+        )
+        dec_s = _measure(layer, layer.decode_inputs(dec_cal[0], dec_cal[1] // dec_cal[0]), settings, clock)
+        dec_rate = dec_s / shape.decode_flops(*dec_cal)
+
+        def point_cost(seconds: float) -> float:
+            return settings.warmup * seconds + max(settings.repeats * seconds, settings.min_point_s)
 
         def pre_cost(c: int, p: int) -> float:
-            return runs * (overhead_s + shape.prefill_flops(c, p) / flops_per_s)
+            return point_cost(pre_rate * shape.prefill_flops(c, p))
 
         def dec_cost(b: int, s: int) -> float:
-            bytes_read = (shape.matmul_params + 2 * shape.num_kv_heads * shape.head_dim * s) * layer.dtype.itemsize
-            return runs * (overhead_s + shape.decode_flops(b, s) / flops_per_s + bytes_read / 10e9)
+            return point_cost(dec_rate * shape.decode_flops(b, s))
 
         pre = choose_points(pre_grid, pre_cost, PREFILL_BUDGET_SHARE * settings.budget_s, MIN_PREFILL_POINTS)
-        dec = choose_points(dec_grid, dec_cost, (1 - PREFILL_BUDGET_SHARE) * settings.budget_s, MIN_DECODE_POINTS)
+        dec = choose_points(
+            dec_grid, dec_cost, (1 - PREFILL_BUDGET_SHARE) * settings.budget_s, MIN_DECODE_POINTS
+        )
         total = len(pre) + len(dec)
         pre_t, dec_t = [], []
         for c, p in pre:
@@ -370,7 +410,9 @@ def profile_layer(
     if settings.dtype not in ("fp32", "fp16", "bf16"):
         raise TesselError(f"--dtype must be float32, bfloat16 or float16, got {settings.dtype!r}")
     data = measure_layer(shape, settings, progress)
-    report = fit_measurements(data.prefill_points, data.prefill_times_s, data.decode_points, data.decode_times_s)
+    report = fit_measurements(
+        data.prefill_points, data.prefill_times_s, data.decode_points, data.decode_times_s
+    )
     device_type = device_type_name(settings.device)
     compute, memory = implied_efficiencies(shape, report, device_type, settings.dtype)
     info = {
@@ -384,6 +426,7 @@ def profile_layer(
         "prefill_heldout_rel_error": f"{report.prefill_heldout_error:.4f}",
         "decode_heldout_rel_error": f"{report.decode_heldout_error:.4f}",
         "repeats": str(settings.repeats),
+        "clock": resolve_clock(settings).clock,
         "warmup": str(settings.warmup),
     }
     profile = Profile(

@@ -8,6 +8,7 @@ yields the outputs of one request as they come.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -233,7 +234,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(output_ids),
-            metrics=seq.metrics,
+            metrics=dataclasses.replace(seq.metrics),  # a snapshot: later steps do not change it
             prompt=seq.prompt,
         )
 

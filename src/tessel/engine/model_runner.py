@@ -11,9 +11,24 @@ import torch
 
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
-from tessel.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 from tessel.layers.sampler import Sampler
 from tessel.models.llama import LlamaForCausalLM
+
+# On CPU the paged-decode path gathers every row's blocks up to the longest context of its call,
+# so decode rows are sorted by context length and split into up to this many calls (measured on
+# 32 rows with contexts of 64-768 tokens: 8 calls take ~35% less time than one).
+CPU_DECODE_GROUPS = 8
+MIN_DECODE_GROUP_ROWS = 4
+
+
+def decode_groups(context_lens: list[int], on_cpu: bool) -> list[tuple[int, int]]:
+    """[start, end) row ranges for the paged-decode calls; `context_lens` are sorted ascending."""
+    n = len(context_lens)
+    if not on_cpu or n <= MIN_DECODE_GROUP_ROWS:
+        return [(0, n)] if n else []
+    size = max(MIN_DECODE_GROUP_ROWS, -(-n // CPU_DECODE_GROUPS))
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -48,22 +63,30 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64))
-        if batch.decodes:
-            max_blocks = max(len(seq.block_table) for seq in batch.decodes)
-            tables, lens = [], []
-            for row, seq in enumerate(batch.decodes):
-                pos = seq.num_computed_tokens
-                input_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                table = seq.block_table
-                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-                tables.append(table + [0] * (max_blocks - len(table)))
-                lens.append(pos + 1)
-                if pos + 1 == len(seq):
-                    sample_rows.append(row)
-            meta.num_decode_tokens = len(batch.decodes)
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32)
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
+        batch.decodes.sort(key=lambda seq: seq.num_computed_tokens)  # sampled rows follow this order
+        for row, seq in enumerate(batch.decodes):
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            if pos + 1 == len(seq):
+                sample_rows.append(row)
+        meta.num_decode_tokens = len(batch.decodes)
+        lens = [pos + 1 for pos in positions]
+        for start, end in decode_groups(lens, on_cpu=not self.kv_cache.is_cuda):
+            width = -(-lens[end - 1] // self.block_size)
+            tables = [
+                seq.block_table[:width] + [0] * (width - len(seq.block_table[:width]))
+                for seq in batch.decodes[start:end]
+            ]
+            meta.decode_groups.append(
+                DecodeGroup(
+                    start,
+                    end,
+                    torch.tensor(tables, dtype=torch.int32),
+                    torch.tensor(lens[start:end], dtype=torch.int32),
+                )
+            )
         for seq, n in batch.prefills:
             start, end, offset = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
             input_ids.extend(seq.token_ids[start:end])

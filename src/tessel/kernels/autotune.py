@@ -181,7 +181,7 @@ class AutotuneCache:
     def _read(self) -> dict[str, dict[str, dict[str, Any]]]:
         try:
             data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return {}
         except (OSError, ValueError) as err:
             warnings.warn(f"ignoring unreadable autotune cache {self.path}: {err}", stacklevel=3)

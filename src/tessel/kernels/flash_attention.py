@@ -134,8 +134,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        start_m = tl.program_id(0).to(tl.int64)
-        batch_head = tl.program_id(1).to(tl.int64)
+        batch_head = tl.program_id(0).to(tl.int64)  # axis 0: B * Hq may exceed the 65535 of axis 1
+        start_m = tl.program_id(1).to(tl.int64)
         b = batch_head // n_q_heads
         h = batch_head % n_q_heads
         g = h // group_size
@@ -196,6 +196,8 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     if causal and q.shape[2] > k.shape[2]:
@@ -256,7 +258,7 @@ def _launch(
     via_fp16 = (not _has_int8_mma(q.device)) if int8_via_fp16 is None else int8_via_fp16
 
     def launch(tile: TileConfig) -> None:
-        grid = (triton.cdiv(seq_q, tile.block_m), batch * n_q_heads)
+        grid = (batch * n_q_heads, triton.cdiv(seq_q, tile.block_m))
         _flash_attention_forward_kernel[grid](
             q, q.stride(0), q.stride(1), q.stride(2),
             k, k.stride(0), k.stride(1), k.stride(2),

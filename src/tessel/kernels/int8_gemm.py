@@ -160,7 +160,7 @@ def _int8_gemm_torch(
         # CUDA's _int_mm wants M > 16 and K, N multiples of 8; exact int32 via float64 otherwise.
         acc = (a.double() @ w.double().t()).to(torch.int32)
     else:
-        # On CPU, torch._int_mm takes any shape (checked on torch 2.4-2.13) and any strides.
+        # On CPU, torch._int_mm takes any shape and strides (checked on torch 2.13, incl. M = 1, K = 7).
         acc = torch._int_mm(a, w.t())
     # Epilogue in float32, two passes over [M, N]: int32 * float32 promotes into the one output
     # buffer, then the per-channel scale (and the bias, fused by addcmul) in place.

@@ -141,6 +141,6 @@ def layer_norm(
     """
     tensors = [t for t in (x, weight, bias) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if not needs_grad and use_triton(*tensors):
+    if not needs_grad and x.numel() > 0 and use_triton(*tensors):
         return _layer_norm_triton(x, weight, bias, eps)
     return _layer_norm_torch(x, weight, bias, eps)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tessel.kernels._dispatch import interpreting, use_triton
+from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
 
 try:
     import triton
@@ -163,6 +164,10 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
             "paged_decode_attention expects q [B,Hq,D], caches [num_blocks,block_size,Hkv,D]; got "
             f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not match cache {tuple(k_cache.shape)} (head dim, GQA)")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
@@ -193,6 +198,30 @@ def num_splits(batch: int, n_kv_heads: int, max_tokens: int, device: torch.devic
     return max(1, min(MAX_SPLITS, -(-target // programs), -(-max_tokens // MIN_SPLIT_TOKENS)))
 
 
+def _decode_tile(block_n: int, num_warps: int, num_stages: int) -> TileConfig:
+    # only block_n (tokens per tile), warps and stages are tuned; the query-head tile is the group
+    return TileConfig(16, block_n, 16, group_m=1, num_warps=num_warps, num_stages=num_stages)
+
+
+# CUDA candidates, (BLOCK_N tokens, warps, stages): the kernel streams K/V, so the choice is
+# about bytes in flight per SM. Untuned: 64 tokens, 4 warps, 3 stages.
+PAGED_DECODE_CONFIGS: tuple[TileConfig, ...] = tuple(
+    _decode_tile(*c)
+    for c in (
+        (32, 2, 2),
+        (32, 4, 3),
+        (64, 4, 2),
+        (64, 4, 3),
+        (64, 8, 3),
+        (128, 4, 3),
+        (128, 8, 3),
+        (128, 8, 4),
+    )
+)
+_DEFAULT_TILE = _decode_tile(64, 4, 3)
+_TUNER = Autotuner("paged_decode", PAGED_DECODE_CONFIGS, default=_DEFAULT_TILE)
+
+
 def _paged_decode_triton(
     q, k_cache, v_cache, block_tables, context_lens, scale, splits: int | None = None
 ) -> torch.Tensor:
@@ -210,45 +239,56 @@ def _paged_decode_triton(
     max_tokens = block_tables.shape[1] * block_size
     if splits is None:
         splits = num_splits(batch, n_kv_heads, max_tokens, q.device)
-    block_n = 64
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tokens_per_split = -(-max_tokens // (splits * block_n)) * block_n
     if splits > 1:
         part_o = torch.empty((batch, n_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_l = torch.empty((batch, n_q_heads, splits), dtype=torch.float32, device=q.device)
+        po_strides, pl_strides = part_o.stride()[:3], part_l.stride()[:2]
     else:
-        part_o, part_l = out, out  # unused
-    po_strides = part_o.stride()[:3] if splits > 1 else (0, 0, 0)
-    pl_strides = part_l.stride()[:2] if splits > 1 else (0, 0)
-    _paged_decode_kernel[(batch, n_kv_heads, splits)](
-        q, q.stride(0), q.stride(1),
-        k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables, block_tables.stride(0),
-        context_lens,
-        out, out.stride(0), out.stride(1),
-        part_o, *po_strides,
-        part_l, *pl_strides,
-        group, head_dim, tokens_per_split, scale * LOG2_E,
-        PAGE_SIZE=block_size,
-        SPLIT=splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16 in the interpreter
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=4,
-    )  # fmt: skip
-    if splits > 1:
-        _paged_decode_reduce_kernel[(batch, n_q_heads)](
+        part_o, part_l = out, out  # never touched when SPLIT=False
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+
+    def launch(tile: TileConfig) -> None:
+        tokens_per_split = -(-max_tokens // (splits * tile.block_n)) * tile.block_n
+        _paged_decode_kernel[(batch, n_kv_heads, splits)](
+            q, q.stride(0), q.stride(1),
+            k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables, block_tables.stride(0),
+            context_lens,
+            out, out.stride(0), out.stride(1),
             part_o, *po_strides,
             part_l, *pl_strides,
-            out, out.stride(0), out.stride(1),
-            splits, head_dim,
-            BLOCK_S=triton.next_power_of_2(splits),
+            group, head_dim, tokens_per_split, scale * LOG2_E,
+            PAGE_SIZE=block_size,
+            SPLIT=splits > 1,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
+            BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16 in the interpreter
+            BLOCK_N=tile.block_n,
             BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
         )  # fmt: skip
+        if splits > 1:
+            _paged_decode_reduce_kernel[(batch, n_q_heads)](
+                part_o, *po_strides,
+                part_l, *pl_strides,
+                out, out.stride(0), out.stride(1),
+                splits, head_dim,
+                BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_D=block_d,
+                num_warps=4,
+            )  # fmt: skip
+
+    tile = _DEFAULT_TILE
+    if q.is_cuda and not interpreting():
+        key = shape_key(
+            d=head_dim, dtype=str(q.dtype).removeprefix("torch."), group=group, page=block_size,
+            b=bucket_m(batch), hkv=n_kv_heads, cap=bucket_m(max_tokens), splits=splits,
+        )  # fmt: skip
+        tile = _TUNER.pick(key, cuda_bench(launch), device_name(q.device))
+    launch(tile)
     return out
 
 

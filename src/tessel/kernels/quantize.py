@@ -73,7 +73,7 @@ if triton is not None:
                 chunk = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=0.0)
                 running = tl.maximum(running, tl.abs(chunk.to(tl.float32)))
             amax = tl.max(running, axis=0)
-        scale = tl.maximum(amax, 1e-8) / 127.0
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-8), 127.0)
         tl.store(Scale_ptr + row, scale)
         # div_rn (IEEE round-to-nearest, like torch's division; plain `/` may lower to an approximate
         # division on CUDA) does not broadcast a scalar operand, so the scale is widened to a block.

@@ -160,7 +160,7 @@ def rms_norm(
         t is not None and t.requires_grad for t in (x, weight, residual)
     )
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if not needs_grad and use_triton(*tensors):
+    if not needs_grad and x.numel() > 0 and use_triton(*tensors):
         out, new_residual = _rms_norm_triton(x, weight, eps, residual)
     else:
         out, new_residual = _rms_norm_torch(x, weight, eps, residual)

@@ -173,6 +173,6 @@ def rope(
     if cos.shape != sin.shape or 2 * cos.shape[-1] > q.shape[-1]:
         raise ValueError(f"rope expects cos/sin [max_pos, R/2] with R <= D, got {tuple(cos.shape)}")
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if not needs_grad and use_triton(q, k, positions, cos, sin):
+    if not needs_grad and q.shape[0] > 0 and use_triton(q, k, positions, cos, sin):
         return _rope_triton(q, k, positions, cos, sin)
     return _rope_torch(q, k, positions, cos, sin)

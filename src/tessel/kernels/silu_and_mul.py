@@ -69,6 +69,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
     needs_grad = torch.is_grad_enabled() and x.requires_grad
-    if not needs_grad and use_triton(x):
+    if not needs_grad and x.numel() > 0 and use_triton(x):
         return _silu_and_mul_triton(x)
     return _silu_and_mul_torch(x)

@@ -275,13 +275,13 @@ def softmax(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise ValueError(f"softmax mask must be bool (True = keep) or float (additive), got {mask.dtype}")
     tensors = (x,) if mask is None else (x, mask)
-    if use_triton(*tensors):
+    if x.numel() > 0 and use_triton(*tensors):
         return _SoftmaxFunction.apply(x, mask)
     return _softmax_torch(x, mask)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim: `x - max(x) - log(sum(exp(x - max(x))))`. Differentiable."""
-    if use_triton(x):
+    if x.numel() > 0 and use_triton(x):
         return _LogSoftmaxFunction.apply(x)
     return torch.log_softmax(x, dim=-1, dtype=_compute_dtype(x.dtype)).to(x.dtype)

@@ -33,11 +33,20 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the flat batch: one `paged_decode_attention` call."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # int32 [end - start, max_blocks of the group]
+    context_lens: torch.Tensor  # int32 [end - start]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]: cache slot (block * block_size + offset) of each token
-    num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # int32 [num_decode, max_blocks]
-    decode_context_lens: torch.Tensor | None = None  # int32 [num_decode]
+    num_decode_tokens: int = 0  # the first rows are decodes, one per sequence
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # cover rows [0, num_decode_tokens)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -60,15 +69,15 @@ class Attention(nn.Module):
         if k_cache.numel():
             k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        nd = meta.num_decode_tokens
-        if nd == q.shape[0]:  # decode only: no copy into a preallocated output
+        groups = meta.decode_groups
+        if len(groups) == 1 and groups[0].end == q.shape[0]:  # one decode group only: no extra copy
             return paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q, k_cache, v_cache, groups[0].block_tables, groups[0].context_lens, self.scale
             )
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        for g in groups:
+            out[g.start : g.end] = paged_decode_attention(
+                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale
             )
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)

@@ -308,8 +308,19 @@ def solve_milp(
         start.col_value = _start_values(instance, cols, n_cols, warm_start)
         start.value_valid = True
         warm = h.setSolution(start) == highspy.HighsStatus.kOk
+    deadline = started + time_limit_s
+
+    def stop_at_deadline(event) -> None:
+        # HiGHS checks its own time limit only between phases; long root LPs and cut loops overrun it
+        if time.perf_counter() > deadline:
+            event.interrupt()
+
+    h.cbMipInterrupt += stop_at_deadline
+    h.cbSimplexInterrupt += stop_at_deadline
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
+    if h.getModelStatus() == highspy.HighsModelStatus.kInterrupt:
+        status = "Time limit reached"
     info = h.getInfo()
     elapsed = time.perf_counter() - started
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
