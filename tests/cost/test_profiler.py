@@ -14,6 +14,7 @@ from tessel.cost.profiler import (  # noqa: E402
     LayerShape,
     ProfileSettings,
     _Layer,
+    catalog_name_for,
     choose_points,
     parse_tiny_shape,
     prefill_grid,
@@ -102,3 +103,25 @@ def test_cuda_without_a_gpu_is_a_user_error() -> None:
         pytest.skip("a CUDA device is present")
     with pytest.raises(TesselError, match="CUDA"):
         profile_layer(LayerShape(64, 128, 4, 2, 16), ProfileSettings(device="cuda"))
+
+
+@pytest.mark.parametrize(
+    "cuda_name,expected",
+    [
+        ("NVIDIA A100-SXM4-80GB", "A100-80G"),
+        ("NVIDIA A100-PCIE-40GB", "A100-40G"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200", "H200"),
+        ("Tesla V100-SXM2-32GB", "V100-32G"),
+        ("Tesla V100-PCIE-16GB", "V100-16G"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+        ("NVIDIA B200", None),
+    ],
+)
+def test_cuda_names_map_to_the_catalog(cuda_name: str, expected: str | None) -> None:
+    from tessel.catalog.gpus import known_gpus
+
+    assert catalog_name_for(cuda_name, known_gpus()) == expected

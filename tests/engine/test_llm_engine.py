@@ -182,3 +182,13 @@ def test_engine_attributes_for_the_server(llm: LLM, checkpoints) -> None:
     assert llm.max_model_len == 128
     assert llm.tokenizer.eos_token_id in llm.eos_token_ids
     assert llm.num_total_blocks >= 128 // 4
+
+
+def test_decode_groups_cover_the_rows_in_order() -> None:
+    from tessel.engine.model_runner import CPU_DECODE_GROUPS, decode_groups
+
+    for n in range(0, 70):
+        groups = decode_groups(list(range(n)), on_cpu=True)
+        assert [r for start, end in groups for r in range(start, end)] == list(range(n))
+        assert len(groups) <= max(1, CPU_DECODE_GROUPS)
+        assert decode_groups(list(range(n)), on_cpu=False) == ([(0, n)] if n else [])

@@ -51,7 +51,7 @@ def test_simulate_reads_a_trace_and_cpp(tmp_path: Path) -> None:
         (lambda p: p.pop("stages"), "'stages' must be a non-empty list"),
         (lambda p: p["stages"][1].pop("gpu_type"), "stages[1] lacks 'gpu_type'"),
         (lambda p: p["stages"][1].update(unit_start=5), "not contiguous"),
-        (lambda p: p["stages"][2].update(unit_end=7, layer_end=7), "covers units 0..7"),
+        (lambda p: p["stages"][2].update(unit_end=7, layer_end=7), "the stages cover 7 units, the model has 8"),
         (lambda p: p["stages"][0].update(link_to_next=None), "has no link_to_next"),
     ],
 )

@@ -23,13 +23,12 @@ MODEL = model_from_config(TINY_LLAMA, name="tiny-llama", source="test")
 
 
 def test_stage_times_are_sums_of_unit_times(tmp_path: Path) -> None:
-    plan = load_plan(write_plan(tmp_path))
-    pipeline = pipeline_for(plan)
+    priced = pipeline_for(load_plan(write_plan(tmp_path)))
     rng = np.random.default_rng()
     c, p, b, s = (int(rng.integers(1, 4000)) for _ in range(4))
     layers = [4, 2, 2]
     gpus = ["A100-80G", "T4", "T4"]
-    for j, stage in enumerate(pipeline.stages):
+    for j, stage in enumerate(priced.pipeline.stages):
         gpu = get_gpu(gpus[j])
         expected = layers[j] * unit_prefill_time_s(MODEL, gpu, "layer", c, p)
         expected += embed_time_s(MODEL, gpu, c) if j == 0 else 0.0
@@ -38,25 +37,35 @@ def test_stage_times_are_sums_of_unit_times(tmp_path: Path) -> None:
         expected += embed_time_s(MODEL, gpu, b) if j == 0 else 0.0
         expected += lm_head_time_s(MODEL, gpu, b) if j == 2 else 0.0
         assert stage.decode_time_s(b, s + b) == pytest.approx(expected, rel=1e-12)
-        assert stage.prefill_logits_time_s(3) == (lm_head_time_s(MODEL, gpu, 3) if j == 2 else 0.0)
+    assert priced.logits_time_s(3) == lm_head_time_s(MODEL, get_gpu("T4"), 3)
     # 100 Gb/s and 5 us: fp16 hidden states of c tokens
-    assert pipeline.stages[0].send_time_s(c) == pytest.approx(5e-6 + c * 1024 * 2 / (100e9 / 8), rel=1e-12)
-    assert pipeline.stages[2].send_time_s(c) == 0.0
+    stages = priced.pipeline.stages
+    assert stages[0].send_time_s(c) == pytest.approx(5e-6 + c * 1024 * 2 / (100e9 / 8), rel=1e-12)
+    assert stages[2].send_time_s(c) == 0.0
 
 
 def test_ttft_of_one_prompt_includes_the_lm_head_once(tmp_path: Path) -> None:
-    pipeline = pipeline_for(load_plan(write_plan(tmp_path)))
+    priced = pipeline_for(load_plan(write_plan(tmp_path)))
     prompt, chunk = 1000, 256
-    config = SimConfig(SchedulerConfig(max_batch_tokens=chunk))  # chunks of one prompt in series
-    record = simulate(pipeline, [Request(0, 0.0, prompt, 1)], config).records[0]
+    config = SimConfig(SchedulerConfig(max_batch_tokens=chunk), logits_time_s=priced.logits_time_s)
+    record = simulate(priced.pipeline, [Request(0, 0.0, prompt, 1)], config).records[0]
     expected, offset = 0.0, 0
-    while offset < prompt:
+    while offset < prompt:  # one sequence, chunks in series: each crosses every stage and link
         size = min(chunk, prompt - offset)
-        for stage in pipeline.stages:
+        for stage in priced.pipeline.stages:
             expected += stage.prefill_time_s(size, offset) + stage.send_time_s(size)
         offset += size
-    expected += pipeline.stages[-1].prefill_logits_time_s(1)
+    expected += priced.logits_time_s(1)
     assert record.ttft_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_baselines_get_their_own_split(tmp_path: Path) -> None:
+    plan = load_plan(write_plan(tmp_path))
+    (uniform,) = plan.baselines
+    assert uniform.name == "uniform" and plan.infeasible == {"petals_greedy": "does not fit"}
+    main = pipeline_for(plan).pipeline.stages[0]
+    base = pipeline_for(plan, uniform).pipeline.stages[0]
+    assert main.prefill_time_s(512, 0) > base.prefill_time_s(512, 0)  # 4 layers against 3
 
 
 def test_sublayer_plans_count_attention_and_mlp_blocks(tmp_path: Path) -> None:
@@ -67,11 +76,11 @@ def test_sublayer_plans_count_attention_and_mlp_blocks(tmp_path: Path) -> None:
     for stage, (start, end) in zip(data["stages"], bounds, strict=True):
         stage.update(unit_start=start, unit_end=end, layer_start=start // 2, layer_end=(end + 1) // 2)
     path.write_text(json.dumps(data))
-    pipeline = pipeline_for(load_plan(path))
+    priced = pipeline_for(load_plan(path))
     gpu = get_gpu("A100-80G")
     expected = 4 * unit_prefill_time_s(MODEL, gpu, "attention", 300, 10)
     expected += 3 * unit_prefill_time_s(MODEL, gpu, "mlp", 300, 10) + embed_time_s(MODEL, gpu, 300)
-    assert pipeline.stages[0].prefill_time_s(300, 10) == pytest.approx(expected, rel=1e-12)
+    assert priced.pipeline.stages[0].prefill_time_s(300, 10) == pytest.approx(expected, rel=1e-12)
 
 
 def test_unknown_gpu_is_a_user_error(tmp_path: Path) -> None:

@@ -67,9 +67,12 @@ def _grid_sizes(problem: ChunkProblem) -> list[int]:
 
 
 def equal_flop_chunks(length: int, n_chunks: int, linear_tokens: float, align: int) -> list[int]:
-    total = linear_tokens * length + length**2 / 2
     k = np.arange(1, n_chunks)
-    bounds = -linear_tokens + np.sqrt(linear_tokens**2 + 2 * k / n_chunks * total)
+    if not np.isfinite(linear_tokens) or linear_tokens > 1e6 * length:  # no attention term: equal tokens
+        bounds = k / n_chunks * length
+    else:
+        total = linear_tokens * length + length**2 / 2
+        bounds = -linear_tokens + np.sqrt(linear_tokens**2 + 2 * k / n_chunks * total)
     bounds = np.round(bounds / align).astype(int) * align
     cuts = sorted({int(b) for b in bounds if 0 < b < length})
     return list(np.diff([0, *cuts, length]).astype(int))
@@ -99,7 +102,7 @@ def linear_tokens_estimate(problem: ChunkProblem) -> float:
     if problem.flops_linear_tokens is not None:
         return problem.flops_linear_tokens
     quad, lin = _quadratic_fit(problem, 0)
-    return lin / max(2 * quad, 1e-300)
+    return lin / (2 * quad) if quad > 0 else float("inf")
 
 
 def _quadratic_fit(problem: ChunkProblem, stage_index: int | None) -> tuple[float, float]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -311,11 +311,7 @@ def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> Pl
         raise TesselError(f"{path}: not a version {PLAN_VERSION} plan file")
     try:
         model_data = data["model"]
-        config = model_data.get("config")
-        if isinstance(config, dict) and config:
-            model = model_from_config(config, name=str(model_data["name"]), source=f"{path} model.config")
-        else:
-            model = load_model(str(model_data["name"]))
+        model = _plan_model(model_data, path)
         stages = [_stage_spec(raw) for raw in data["stages"]]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise TesselError(f"{path}: malformed plan ({type(error).__name__}: {error})") from None
@@ -333,6 +329,19 @@ def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> Pl
         profiles=profiles,
         labels=labels,
     )
+
+
+def _plan_model(model_data: dict, path: Path) -> ModelSpec:
+    """`model.config` holds ModelSpec fields (plan contract v1); an HF config.json's fields are
+    accepted too; with neither, the model is looked up by name."""
+    config = model_data.get("config")
+    name = str(model_data["name"])
+    if isinstance(config, dict) and "num_layers" in config:
+        known = {f.name for f in fields(ModelSpec)}
+        return ModelSpec(**{key: value for key, value in config.items() if key in known})
+    if isinstance(config, dict) and config:
+        return model_from_config(config, name=name, source=f"{path} model.config")
+    return load_model(name)
 
 
 def _stage_spec(raw: dict) -> StageSpec:

@@ -12,13 +12,18 @@ Three steps, on the token grid of `tessel.chunk.grid`:
    F_b(N) + (S-1) * (next value after a): intervals are refined (bisection over the sorted
    distinct values, many per pass) until every interval is evaluated or pruned. The result is
    the exact minimiser of the bound over all grid chunkings: optimal for uniform pipelines.
-2. **Local search** (non-uniform pipelines): from the best DP candidates by true makespan,
-   steepest descent over boundary shifts (1, 2, 4, ... grid steps), merges and splits, every
-   candidate scored with the exact flow-shop recurrence.
-3. **Exact search** (non-uniform, small grids): a DP over grid boundaries whose state is the
-   vector of stage finish times of the last chunk, keeping only Pareto-minimal states and
-   pruning by a lower bound against the incumbent. The recurrence is monotone in that vector,
-   so this is exact; it gives up (and says so) past `max_exact_states` states.
+2. **Local and beam search** (non-uniform pipelines, `local_search=True`): from the best DP
+   candidates (and any `seeds`, e.g. the baselines) by true makespan, steepest descent over
+   boundary shifts (1, 2, 4, ... grid steps), merges and splits, every candidate scored with the
+   exact flow-shop recurrence (bounded by a work budget); then a beam search over the states of
+   step 3 (16 to 64 per boundary, more on shorter grids), polished by the same local search.
+   Unequal stages want chunks that grow while the pipeline fills and shrink while it drains,
+   which the bound of step 1 cannot express and the beam finds.
+3. **Exact search** (non-uniform, small grids: `exact=None` runs it up to 64 grid steps): a DP
+   over grid boundaries whose state is the vector of stage finish times of the last chunk,
+   keeping only Pareto-minimal states and pruning by a lower bound against the incumbent. The
+   recurrence is monotone in that vector, so this is exact; it gives up (and says so) past
+   `max_exact_states` states.
 
 A plan carries `optimal=True` only when one of the exact arguments applies.
 """
@@ -46,7 +51,8 @@ EXACT_MAX_STATES = 300_000  # Pareto states over all boundaries before the exact
 LOCAL_SEARCH_ROUNDS = 40  # steepest-descent rounds (each scores every neighbour at once)
 LOCAL_SEARCH_CELLS = 3e7  # scored (candidate x chunk x stage) cells per local search
 LOCAL_SEARCH_MULTI_START_GRID = 256  # up to this many grid steps, start from the 3 best DP plans
-BEAM_WIDTH = 16  # finish-time states kept per grid boundary by the beam search
+BEAM_STATES = 40_000  # finish-time states the beam search keeps over all grid boundaries ...
+BEAM_WIDTH_RANGE = (16, 64)  # ... as a per-boundary beam width within this range
 REL_EPS = 1e-12  # relative slack for float comparisons of makespans
 
 
@@ -116,25 +122,31 @@ def plan_chunks(
     exact: bool | None = None,
     max_exact_states: int = EXACT_MAX_STATES,
     local_search: bool = True,
+    seeds: Sequence[Sequence[int]] = (),
 ) -> ChunkPlan:
     """The best chunking found (see the module docstring for what is guaranteed).
 
     `exact`: None runs the exact search on non-uniform pipelines of at most `EXACT_MAX_GRID` grid
     steps; True runs it at any size and on uniform pipelines too (a cross-check of the DP), bounded
     by `max_exact_states`; False never. `local_search`: the local and beam searches on
-    non-uniform pipelines.
+    non-uniform pipelines. `seeds`: more chunkings (token counts, e.g. the baselines') to start
+    from; those on the grid compete with the DP's candidates, so the plan is never worse than them.
     """
     grid = make_grid(problem.seq_lens, problem.grid_tokens, problem.max_chunk_tokens)
     pipeline = problem.pipeline
     m_table, u_table, uniform = surrogate_tables(grid, pipeline)
     candidates = terapipe_candidates(grid, m_table, u_table, pipeline.n_stages)
     scorer = _Scorer(grid, pipeline)
-    best_bounds, best_value = _best_of(scorer, candidates)
     notes = [f"TeraPipe DP: {len(candidates)} candidate chunkings"]
+    dp_bounds, dp_value = _best_of(scorer, candidates)
+    seeded = _on_grid(grid, seeds)
+    best_bounds, best_value = _best_of(scorer, candidates + seeded)
+    if best_value < dp_value * (1 - REL_EPS):
+        notes.append("a seed chunking beat the DP's")
     optimal = uniform
     method = "terapipe-dp"
     if not uniform and local_search:
-        for start in _top_k(scorer, candidates, 3 if grid.n <= LOCAL_SEARCH_MULTI_START_GRID else 1):
+        for start in _top_k(scorer, candidates + seeded, 3 if grid.n <= LOCAL_SEARCH_MULTI_START_GRID else 1):
             bounds, value = _local_search(scorer, grid, start)
             if value < best_value * (1 - REL_EPS):
                 best_bounds, best_value, method = bounds, value, "terapipe-dp+local-search"
@@ -154,14 +166,28 @@ def plan_chunks(
     return ChunkPlan(schedule, method, optimal, tuple(notes))
 
 
+def _on_grid(grid: TokenGrid, seeds: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Seed chunkings as boundary indices, keeping those on the grid that respect its caps."""
+    out = []
+    for chunks in seeds:
+        try:
+            bounds = grid.bounds_from_chunks(chunks)
+        except ValueError:
+            continue
+        if bounds[-1] == grid.n and all(grid.valid(i, j) for i, j in zip(bounds, bounds[1:], strict=False)):
+            out.append(bounds)
+    return out
+
+
 def _beam_search(
     scorer: _Scorer, grid: TokenGrid, pipeline: PipelineLatency, bounds: list[int], value: float
 ) -> tuple[list[int], float]:
     """Beam search over finish-time states (chunks up to twice the incumbent's largest), polished
     by local search; returns the incumbent when it finds nothing better."""
     widest = int(np.diff(bounds).max())
+    beam = int(np.clip(BEAM_STATES // grid.n, *BEAM_WIDTH_RANGE))
     found = _pareto_exact(
-        grid, pipeline, value, max_states=grid.n * BEAM_WIDTH + 1, beam=BEAM_WIDTH, max_width=2 * widest
+        grid, pipeline, value, max_states=grid.n * beam + 1, beam=beam, max_width=2 * widest
     )
     if found is None or not found[0]:
         return bounds, value

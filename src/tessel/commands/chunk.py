@@ -81,10 +81,10 @@ def chunk(
         tail_s=priced.tail_s,
         flops_linear_tokens=priced.flops_linear_tokens,
     )
-    started = time.perf_counter()
-    result = plan_chunks(problem, exact=exact)
-    planner_s = time.perf_counter() - started
     baselines = baseline_plans(problem)
+    started = time.perf_counter()
+    result = plan_chunks(problem, exact=exact, seeds=[base.chunks for base in baselines.values()])
+    planner_s = time.perf_counter() - started
 
     console = Console()
     stage_text = " -> ".join(f"{s.gpu_type}[{s.unit_start}:{s.unit_end}]" for s in priced.stages)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import typer
@@ -60,7 +61,7 @@ def plan(
     result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
     baselines = run_baselines(instance)
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)
     b = workload_spec.micro_batch_size
     title = (f"{model_spec.name} on {cluster_spec.name} ({instance.n_devices} GPUs), workload "
              f"{workload_spec.name}: m={instance.micro_batches} micro-batches of {b}, {granularity} granularity")

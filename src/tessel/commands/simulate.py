@@ -120,12 +120,16 @@ def _run_variant(
     max_in_flight: int | None,
     mix: str,
 ) -> Run:
-    pipeline = pipeline_for(plan_file, variant)
+    priced = pipeline_for(plan_file, variant)
+    pipeline = priced.pipeline
     chunk_sizes = None
     if scheduler["pipelined_prefill"]:  # --cpp
         chunk_sizes = cpp_chunk_sizer(pipeline, max_chunk_tokens=scheduler["max_batch_tokens"])
     config = SimConfig(
-        SchedulerConfig(**scheduler, chunk_sizes=chunk_sizes), max_in_flight=max_in_flight, mix=mix
+        SchedulerConfig(**scheduler, chunk_sizes=chunk_sizes),
+        max_in_flight=max_in_flight,
+        mix=mix,
+        logits_time_s=priced.logits_time_s,
     )
     result = run_simulation(pipeline, requests, config)
     return variant, result, compute_metrics(result)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -383,17 +384,31 @@ def implied_efficiencies(
     return compute, memory
 
 
+def catalog_name_for(device_name: str, known: list[str]) -> str | None:
+    """The catalog GPU a CUDA device name denotes: every part of the catalog name ("A100", "80G")
+    must be a word of the device name ("NVIDIA A100-SXM4-80GB"; memory parts match "80GB");
+    the most specific match wins. None when nothing matches."""
+    words = set(re.split(r"[^A-Z0-9]+", device_name.upper()))
+    best, best_parts = None, 0
+    for name in known:
+        parts = name.upper().split("-")
+        ok = all((part + "B" in words) if re.fullmatch(r"\d+G", part) else part in words for part in parts)
+        if ok and len(parts) > best_parts:
+            best, best_parts = name, len(parts)
+    return best
+
+
 def device_type_name(device: str) -> str:
-    """Catalog name of this machine's device: "cpu", or the catalog GPU whose name the CUDA one contains."""
+    """Catalog name of this machine's device: "cpu", or the catalog GPU the CUDA device is (its
+    own name when the catalog has no such GPU: the profile then only matches that name)."""
     if device == "cpu":
         return "cpu"
     import torch
 
     from tessel.catalog.gpus import known_gpus
 
-    cuda_name = torch.cuda.get_device_name(0).upper().replace(" ", "").replace("-", "")
-    matches = [name for name in known_gpus() if name.upper().replace("-", "").split("G")[0] in cuda_name]
-    return max(matches, key=len) if matches else torch.cuda.get_device_name(0)
+    cuda_name = torch.cuda.get_device_name(0)
+    return catalog_name_for(cuda_name, known_gpus()) or cuda_name
 
 
 def profile_layer(

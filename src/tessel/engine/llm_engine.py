@@ -225,7 +225,7 @@ class LLMEngine:
         output_ids = seq.output_token_ids
         return RequestOutput(
             request_id=rid,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids,
             new_token_ids=new_token_ids,
             text=text,

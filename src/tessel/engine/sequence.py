@@ -50,6 +50,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # kept apart: outputs share it, never copy it
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.max_tokens = max_tokens if max_tokens is not None else (params.max_tokens or 1 << 62)

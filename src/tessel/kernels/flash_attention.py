@@ -269,7 +269,7 @@ def _launch(
             CAUSAL=causal,
             INT8_QK=int8_qk,
             INT8_VIA_FP16=via_fp16,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the target default
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
             BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,

@@ -262,7 +262,7 @@ def _paged_decode_triton(
             group, head_dim, tokens_per_split, scale * LOG2_E,
             PAGE_SIZE=block_size,
             SPLIT=splits > 1,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the target default
             UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
             BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16 in the interpreter
             BLOCK_N=tile.block_n,

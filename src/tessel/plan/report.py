@@ -197,7 +197,7 @@ def comparison_table(instance: PlanningInstance, evaluation: Evaluation, baselin
     return table
 
 
-def _short(reason: str | None, limit: int = 90) -> str:
+def _short(reason: str | None, limit: int = 70) -> str:
     reason = reason or ""
     first = reason.split("; ")[0]
     more = reason.count("; ")

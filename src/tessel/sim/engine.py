@@ -15,15 +15,16 @@ Compute time of a micro-batch on a stage: each prefill chunk costs `prefill_time
 decode steps together cost `decode_time_s(B, sum of contexts)`; `mix="sum"` adds them (each priced
 as its own pass over the weights: an upper bound), `mix="max"` takes the larger part (a roofline
 reading: compute-bound prefill hides memory-bound decode when they share the weight reads).
-A stage that also has `prefill_logits_time_s(n)` (the cost-model stages of a plan's last stage)
-adds the LM head for the n prompts whose last chunk is in the batch: only those need logits, so
-`prefill_time_s` of such a stage leaves the LM head out (its `decode_time_s` includes it).
+`SimConfig.logits_time_s(n)`, when set, is added on the last stage to a batch holding the last
+chunk of n prompts: the LM head that only a prompt's last token needs (cost-model stages leave it
+out of `prefill_time_s`; their `decode_time_s` includes it).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tessel.chunk.latency import PipelineLatency, StageLatency
@@ -42,6 +43,7 @@ class SimConfig:
     max_in_flight: int | None = None  # micro-batches in the pipeline at once (None = number of stages)
     link_contention: bool = True
     mix: str = "sum"
+    logits_time_s: Callable[[int], float] | None = None  # last stage: LM head of n finished prompts
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None and self.max_in_flight < 1:
@@ -112,17 +114,21 @@ def simulate(
     return Simulator(pipeline, config).run(requests)
 
 
-def batch_compute_time_s(stage: StageLatency, batch: MicroBatch, mix: str = "sum") -> float:
+def batch_compute_time_s(
+    stage: StageLatency,
+    batch: MicroBatch,
+    mix: str = "sum",
+    logits_time_s: Callable[[int], float] | None = None,
+) -> float:
     prefill = sum(
         stage.prefill_time_s(item.tokens, item.offset) for item in batch.items if item.kind == "prefill"
     )
     decodes = [item for item in batch.items if item.kind == "decode"]
     decode = stage.decode_time_s(len(decodes), sum(item.offset + 1 for item in decodes)) if decodes else 0.0
     time = prefill + decode if mix == "sum" else max(prefill, decode)
-    logits = getattr(stage, "prefill_logits_time_s", None)
-    if logits is not None:  # last-stage LM head for the prompts this batch finishes
+    if logits_time_s is not None:  # last stage: LM head for the prompts this batch finishes
         finished = sum(1 for item in batch.items if item.kind == "prefill" and item.samples)
-        time += logits(finished) if finished else 0.0
+        time += logits_time_s(finished) if finished else 0.0
     return time
 
 
@@ -192,7 +198,8 @@ class _Run:
         batch = stage.arrived.pop(stage.next_id)
         stage.next_id += 1
         stage.busy = True
-        end = now + batch_compute_time_s(self.latency[index], batch, self.config.mix)
+        logits = self.config.logits_time_s if index == self.n_stages - 1 else None
+        end = now + batch_compute_time_s(self.latency[index], batch, self.config.mix, logits)
         self.record(index, "compute", now, end, batch)
         self.push(end, _COMPUTE_DONE, index, batch)
 
