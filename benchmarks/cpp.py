@@ -23,6 +23,7 @@ from rich.table import Table
 
 from tessel.catalog.models import load_model
 from tessel.chunk.baselines import baseline_plans
+from tessel.chunk.bounds import lower_bound_s
 from tessel.chunk.from_plan import even_split_pipeline
 from tessel.chunk.planner import ChunkProblem, plan_chunks
 from tessel.plan.cluster import load_cluster
@@ -79,6 +80,7 @@ def run(model_name: str, config: dict, grid: int) -> list[dict]:
                         "cpp_bubble_fraction": plan.bubble_fraction,
                         "method": plan.method,
                         "optimal": plan.optimal,
+                        "lower_bound_s": lower_bound_s(problem),
                         "dp_ttft_s": dp.ttft_s,
                         "dp_s": dp_cpu,
                         "dp_wall_s": dp_wall,
@@ -99,7 +101,7 @@ def run(model_name: str, config: dict, grid: int) -> list[dict]:
 def show(rows: list[dict], console: Console) -> None:
     table = Table(title="CPP chunk planner: predicted TTFT (s) and planner time")
     columns = ["cluster", "S", "tokens", "CPP", "chunks", "none", "fixed-512", "fixed-2048", "fixed-best"]
-    columns += ["seq1f1b", "sglang", "vs best", "DP cpu s", "planner cpu s", "proof"]
+    columns += ["seq1f1b", "sglang", "vs best", "DP cpu s", "planner cpu s", "vs bound", "proof"]
     for column in columns:
         table.add_column(column, justify="left" if column == "cluster" else "right")
     for row in rows:
@@ -116,6 +118,7 @@ def show(rows: list[dict], console: Console) -> None:
             f"{row['speedup_vs_best_baseline']:.3f}x",
             f"{row['dp_s']:.2f}",
             f"{row['planner_s']:.2f}",
+            f"{row['cpp_ttft_s'] / row['lower_bound_s'] - 1:.2%}",
             "optimal" if row["optimal"] else "-",
         )
     console.print(table)

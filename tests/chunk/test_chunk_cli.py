@@ -51,6 +51,7 @@ def test_chunk_from_plan_writes_json(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert sum(data["chunks"]) == 8192 and data["ttft_s"] > 0 and 0 <= data["bubble_fraction"] < 1
+    assert 0 < data["lower_bound_s"] <= data["ttft_s"]
     for name, base in data["baselines"].items():
         assert sum(base["chunks"]) == 8192
         assert data["ttft_s"] <= base["ttft_s"] * (1 + 1e-12), name

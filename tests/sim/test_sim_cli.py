@@ -16,10 +16,15 @@ from tessel.errors import TesselError
 def test_simulate_prints_metrics_and_writes_json_and_gantt(tmp_path: Path) -> None:
     plan = write_plan(tmp_path)
     out, chart = tmp_path / "sim.json", tmp_path / "chart.svg"
-    args = ["simulate", "--plan", str(plan), "--workload", "default", "--requests", "30", "--seed", "3"]
+    workload = tmp_path / "w.yaml"
+    workload.write_text(
+        "name: short\nprompt_tokens: {mean: 300, max: 2000}\noutput_tokens: {mean: 12, max: 40}\n"
+        "arrival_rate_per_s: 20\n"
+    )
+    args = ["simulate", "--plan", str(plan), "--workload", str(workload), "--requests", "30", "--seed", "3"]
     result = CliRunner().invoke(app, [*args, "--compare", "--json", str(out), "--gantt", str(chart)])
     assert result.exit_code == 0, result.output
-    assert "TTFT p99" in result.output and "uniform" in result.output
+    assert "TTFT p99" in result.output and "uniform" in result.output and "short: 30 Poisson" in result.output
     assert "petals_greedy: not simulated (does not fit)" in result.output
     document = json.loads(out.read_text())
     assert set(document["results"]) == {"plan", "uniform"}
@@ -51,7 +56,7 @@ def test_simulate_reads_a_trace_and_cpp(tmp_path: Path) -> None:
         (lambda p: p.pop("stages"), "'stages' must be a non-empty list"),
         (lambda p: p["stages"][1].pop("gpu_type"), "stages[1] lacks 'gpu_type'"),
         (lambda p: p["stages"][1].update(unit_start=5), "not contiguous"),
-        (lambda p: p["stages"][2].update(unit_end=7, layer_end=7), "the stages cover 7 units, the model has 8"),
+        (lambda p: p["stages"][2].update(unit_end=7, layer_end=7), "cover 7 units, the model has 8"),
         (lambda p: p["stages"][0].update(link_to_next=None), "has no link_to_next"),
     ],
 )
@@ -81,7 +86,8 @@ def test_simulate_a_plan_from_tessel_plan(tmp_path: Path) -> None:
     if "plan" not in names:
         pytest.skip("`tessel plan` is not registered yet")
     plan = tmp_path / "plan.json"
-    made = CliRunner().invoke(cli_app, ["plan", "--json", str(plan)])
+    args = ["--model", "llama-2-7b", "--cluster", "llmpq-t4-v100", "--solver", "dp", "--time-limit", "2"]
+    made = CliRunner().invoke(cli_app, ["plan", *args, "--json", str(plan)])
     assert made.exit_code == 0, made.output
     result = CliRunner().invoke(
         cli_app,

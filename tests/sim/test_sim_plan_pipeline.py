@@ -90,3 +90,24 @@ def test_unknown_gpu_is_a_user_error(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(TesselError):
         pipeline_for(load_plan(path))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_offloaded_weights_are_streamed_in_every_batch(tmp_path: Path, overlap: bool) -> None:
+    path = write_plan(tmp_path)
+    data = json.loads(path.read_text())
+    data["stages"][1]["offload_gib"] = 1.5
+    data["overlap"] = overlap
+    path.write_text(json.dumps(data))
+    priced = pipeline_for(load_plan(path))
+    offload = 1.5 * 1024**3 / get_gpu("T4").pcie_h2d_bytes_per_s
+    assert priced.offload_s == (0.0, pytest.approx(offload, rel=1e-12), 0.0)
+    assert priced.offload_overlap is overlap
+    request = Request(0, 0.0, 700, 1)
+    config = SimConfig(SchedulerConfig(max_batch_tokens=4096), logits_time_s=priced.logits_time_s)
+    plain = simulate(priced.pipeline, [request], config).records[0].ttft_s
+    config.offload_s, config.offload_overlap = priced.offload_s, priced.offload_overlap
+    streamed = simulate(priced.pipeline, [request], config).records[0].ttft_s
+    compute = priced.pipeline.stages[1].prefill_time_s(700, 0)
+    extra = max(compute, offload) - compute if overlap else offload
+    assert streamed - plain == pytest.approx(extra, rel=1e-9)

@@ -138,15 +138,14 @@ def plan_chunks(
     candidates = terapipe_candidates(grid, m_table, u_table, pipeline.n_stages)
     scorer = _Scorer(grid, pipeline)
     notes = [f"TeraPipe DP: {len(candidates)} candidate chunkings"]
-    dp_bounds, dp_value = _best_of(scorer, candidates)
-    seeded = _on_grid(grid, seeds)
-    best_bounds, best_value = _best_of(scorer, candidates + seeded)
-    if best_value < dp_value * (1 - REL_EPS):
+    ranked = _rank(scorer, candidates + _on_grid(grid, seeds))
+    best_value, best_bounds = ranked[0]
+    if best_bounds not in candidates:
         notes.append("a seed chunking beat the DP's")
     optimal = uniform
     method = "terapipe-dp"
     if not uniform and local_search:
-        for start in _top_k(scorer, candidates + seeded, 3 if grid.n <= LOCAL_SEARCH_MULTI_START_GRID else 1):
+        for _, start in ranked[: 3 if grid.n <= LOCAL_SEARCH_MULTI_START_GRID else 1]:
             bounds, value = _local_search(scorer, grid, start)
             if value < best_value * (1 - REL_EPS):
                 best_bounds, best_value, method = bounds, value, "terapipe-dp+local-search"
@@ -194,28 +193,19 @@ def _beam_search(
     return _local_search(scorer, grid, found[0])
 
 
-def _best_of(scorer: _Scorer, candidates: Sequence[list[int]]) -> tuple[list[int], float]:
-    top = _top_k(scorer, candidates, 1)[0]
-    return top, float(scorer.makespans(np.asarray([top]))[0])
-
-
-def _top_k(scorer: _Scorer, candidates: Sequence[list[int]], k: int) -> list[list[int]]:
-    scored = []
+def _rank(scorer: _Scorer, candidates: Sequence[list[int]]) -> list[tuple[float, list[int]]]:
+    """Distinct chunkings with their exact makespans, best first (scored in batches of equal length)."""
     by_len: dict[int, list[list[int]]] = {}
+    seen: set[tuple[int, ...]] = set()
     for bounds in candidates:
-        by_len.setdefault(len(bounds), []).append(bounds)
-    for group in by_len.values():
-        values = scorer.makespans(np.asarray(group))
-        scored += list(zip(values.tolist(), group, strict=True))
-    scored.sort(key=lambda item: item[0])
-    unique, seen = [], set()
-    for _, bounds in scored:
         if tuple(bounds) not in seen:
             seen.add(tuple(bounds))
-            unique.append(bounds)
-        if len(unique) == k:
-            break
-    return unique
+            by_len.setdefault(len(bounds), []).append(bounds)
+    scored = []
+    for group in by_len.values():
+        scored += list(zip(scorer.makespans(np.asarray(group)).tolist(), group, strict=True))
+    scored.sort(key=lambda item: item[0])
+    return scored
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ def chunk(
 ) -> None:
     """Plan CPP chunks for a prompt (or a batch) on a plan's pipeline; compare with the baselines."""
     from tessel.chunk.baselines import baseline_plans
+    from tessel.chunk.bounds import lower_bound_s
     from tessel.chunk.from_plan import even_split_pipeline, load_plan_pipeline
     from tessel.chunk.planner import ChunkProblem, plan_chunks
     from tessel.cost.profile import load_profile
@@ -85,6 +86,7 @@ def chunk(
     started = time.perf_counter()
     result = plan_chunks(problem, exact=exact, seeds=[base.chunks for base in baselines.values()])
     planner_s = time.perf_counter() - started
+    bound_s = lower_bound_s(problem)
 
     console = Console()
     stage_text = " -> ".join(f"{s.gpu_type}[{s.unit_start}:{s.unit_end}]" for s in priced.stages)
@@ -94,6 +96,10 @@ def chunk(
     console.print(
         f"predicted TTFT {result.ttft_s:.4f} s, bubble fraction {result.bubble_fraction:.1%} "
         f"({result.method}, {status}; planned in {planner_s:.2f} s)"
+    )
+    console.print(
+        f"lower bound on any chunking's TTFT: {bound_s:.4f} s (this plan is within "
+        f"{result.ttft_s / bound_s - 1:.2%} of it)"
     )
     table = Table(title="CPP vs baselines (same latency model)")
     for column in ("chunking", "chunks", "TTFT (s)", "bubbles", "CPP speedup"):
@@ -131,6 +137,7 @@ def chunk(
             "bubble_fraction": result.bubble_fraction,
             "method": result.method,
             "optimal": result.optimal,
+            "lower_bound_s": bound_s,
             "planner_s": planner_s,
             "baselines": {
                 name: {

@@ -30,7 +30,10 @@ def profile(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (cuda)."),
     out: Path = typer.Option(Path("profile.json"), "--out", help="Where to write the profile JSON."),
     budget_s: float = typer.Option(60.0, "--budget-s", help="Time budget for the timing runs (seconds)."),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: PyTorch's)."),
+    threads: int = typer.Option(1, "--threads", help="CPU threads; 0: PyTorch's default."),
+    clock: str = typer.Option(
+        "auto", "--clock", help="auto (CPU time for 1 thread, else wall), wall or cpu."
+    ),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per point (the median is kept)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed runs per point."),
     max_chunk: int = typer.Option(1024, "--max-chunk", help="Largest prefill chunk timed (tokens)."),
@@ -39,8 +42,8 @@ def profile(
     """Time a decoder layer over (chunk, offset) and decode grids, fit the profile forms, write JSON."""
     from tessel.cost.profiler import LayerShape, ProfileSettings, parse_tiny_shape, profile_layer
 
-    if budget_s <= 0 or repeats < 1 or warmup < 0:
-        raise TesselError("--budget-s must be > 0, --repeats >= 1 and --warmup >= 0")
+    if budget_s <= 0 or repeats < 1 or warmup < 0 or threads < 0:
+        raise TesselError("--budget-s must be > 0, --repeats >= 1, --warmup >= 0 and --threads >= 0")
     if max_chunk < 16 or max_offset < 0:
         raise TesselError("--max-chunk must be >= 16 and --max-offset >= 0")
     meta: dict[str, str] = {}
@@ -63,7 +66,8 @@ def profile(
         device=device,
         dtype=dtype,
         budget_s=budget_s,
-        threads=threads,
+        threads=threads or None,
+        clock=clock,
         warmup=warmup,
         repeats=repeats,
         max_chunk_tokens=max_chunk,

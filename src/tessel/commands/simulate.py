@@ -130,6 +130,8 @@ def _run_variant(
         max_in_flight=max_in_flight,
         mix=mix,
         logits_time_s=priced.logits_time_s,
+        offload_s=priced.offload_s,
+        offload_overlap=priced.offload_overlap,
     )
     result = run_simulation(pipeline, requests, config)
     return variant, result, compute_metrics(result)

@@ -148,11 +148,11 @@ def _mixed_gemm_triton(
     return out
 
 
-# Weight rows dequantised per step of the PyTorch path: 2**20 float32 elements (4 MiB) stay in
-# cache for the GEMM that consumes them and under glibc's mmap threshold, so the scratch memory is
-# reused instead of page-faulted in on every call (dequantising a whole 4096 x 4096 weight at once
-# measured ~2.5x slower at 16 tokens on one core; at 256 tokens both match fp32 F.linear).
-DEQUANT_CHUNK_ELEMENTS = 1 << 20
+# Weight rows dequantised per step of the PyTorch path: 2**24 float32 elements (64 MiB) bound the
+# transient float copy (a 28672 x 8192 weight would otherwise need 940 MiB per call) while keeping
+# the number of separate ops small (on this loaded 2-core machine every extra parallel op risked a
+# scheduler stall: 4 MiB blocks measured 2-10x slower than one block at 2 threads).
+DEQUANT_CHUNK_ELEMENTS = 1 << 24
 
 
 def _w8a16_gemm_torch(

@@ -17,7 +17,9 @@ as its own pass over the weights: an upper bound), `mix="max"` takes the larger 
 reading: compute-bound prefill hides memory-bound decode when they share the weight reads).
 `SimConfig.logits_time_s(n)`, when set, is added on the last stage to a batch holding the last
 chunk of n prompts: the LM head that only a prompt's last token needs (cost-model stages leave it
-out of `prefill_time_s`; their `decode_time_s` includes it).
+out of `prefill_time_s`; their `decode_time_s` includes it). A stage whose weights partly live in
+host memory streams them in for every batch: `SimConfig.offload_s[s]` is added to each batch's
+time on stage s (or overlapped with it: max, under `offload_overlap`), as the planner counts it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ class SimConfig:
     link_contention: bool = True
     mix: str = "sum"
     logits_time_s: Callable[[int], float] | None = None  # last stage: LM head of n finished prompts
+    offload_s: tuple[float, ...] = ()  # per stage: streaming its host-offloaded bytes, every batch
+    offload_overlap: bool = False  # batch time = max(compute, offload) instead of the sum
 
     def __post_init__(self) -> None:
+        if any(t < 0 for t in self.offload_s):
+            raise ValueError(f"offload times must be >= 0, got {self.offload_s}")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.mix not in MIX_RULES:
@@ -141,6 +147,8 @@ class _Run:
         self.n_stages = pipeline.n_stages
         self.config = config
         self.max_in_flight = config.max_in_flight or self.n_stages
+        if config.offload_s and len(config.offload_s) != self.n_stages:
+            raise ValueError(f"{len(config.offload_s)} offload times for {self.n_stages} stages")
         self.requests = requests
         self.scheduler = Scheduler(config.scheduler)
         self.stages = [_Stage() for _ in range(self.n_stages)]
@@ -198,8 +206,11 @@ class _Run:
         batch = stage.arrived.pop(stage.next_id)
         stage.next_id += 1
         stage.busy = True
-        logits = self.config.logits_time_s if index == self.n_stages - 1 else None
-        end = now + batch_compute_time_s(self.latency[index], batch, self.config.mix, logits)
+        config = self.config
+        logits = config.logits_time_s if index == self.n_stages - 1 else None
+        time = batch_compute_time_s(self.latency[index], batch, config.mix, logits)
+        offload = config.offload_s[index] if config.offload_s else 0.0
+        end = now + (max(time, offload) if config.offload_overlap else time + offload)
         self.record(index, "compute", now, end, batch)
         self.push(end, _COMPUTE_DONE, index, batch)
 

@@ -29,6 +29,7 @@ class PlanStage:
     unit_end: int
     link_bandwidth_gbps: float | None  # link to the next stage; None on the last
     link_latency_us: float | None
+    offload_gib: float = 0.0  # weights/KV held in host memory, streamed in every pass
 
     @property
     def label(self) -> str:
@@ -117,6 +118,7 @@ def _stages(path: Path, where: str, raw: object) -> tuple[PlanStage, ...]:
                 unit_end=int(entry.get("unit_end", layer_end)),
                 link_bandwidth_gbps=None if link is None else float(link["bandwidth_gbps"]),
                 link_latency_us=None if link is None else float(link.get("latency_us", 0.0)),
+                offload_gib=float(entry.get("offload_gib") or 0.0),
             )
         except KeyError as error:
             raise TesselError(f"{path}: {key} lacks {error.args[0]!r}") from None

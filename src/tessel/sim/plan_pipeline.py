@@ -10,13 +10,17 @@ roofline, or a measured `Profile` of the stage's device type): per stage
 Prefill leaves out the final norm + LM head: only the last chunk of a prompt needs logits. The
 simulator adds `logits_time_s(n)` (LM head of n tokens on the last stage's GPU) to a batch that
 finishes n prompts. Links: `link_to_next.bandwidth_gbps` in gigabits per second, `latency_us`.
+A stage with `offload_gib` > 0 streams that much from host memory over its GPU's host-to-device
+PCIe in every batch (`SimConfig.offload_s`), added to the batch's compute time, or overlapped
+with it (max) when the plan says `overlap: true`: the planner's own stage-time rule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from tessel.catalog.gpus import GIB, get_gpu
 from tessel.catalog.models import ModelSpec, load_model, model_from_config
 from tessel.chunk.from_plan import StageSpec, build_pipeline
 from tessel.chunk.latency import PipelineLatency
@@ -34,6 +38,8 @@ US = 1e-6
 class SimPipeline:
     pipeline: PipelineLatency
     logits_time_s: Callable[[int], float]  # LM head of n prompts' last tokens, on the last stage
+    offload_s: tuple[float, ...]  # per stage, per batch: offload_gib over the GPU's host-to-device PCIe
+    offload_overlap: bool  # the plan's `overlap`: offload hidden under compute (max) or added
 
 
 def pipeline_for(
@@ -70,14 +76,25 @@ def pipeline_for(
     def logits_time_s(prompts: int) -> float:
         return lm_head_time_s(last.model, last.gpu, prompts, last.dtype, profile=last.profile)
 
-    return SimPipeline(priced.pipeline, logits_time_s)
+    offload_s = tuple(
+        stage.offload_gib * GIB / get_gpu(stage.gpu_type).pcie_h2d_bytes_per_s for stage in variant.stages
+    )
+    return SimPipeline(priced.pipeline, logits_time_s, offload_s, bool(data.get("overlap", False)))
 
 
 def plan_model(plan: PlanFile) -> ModelSpec:
+    """The plan's model: `model.config` as ModelSpec fields (what `tessel plan` writes) or as an HF
+    config.json, else the preset `model.name`."""
     model = plan.data.get("model")
     if not isinstance(model, dict) or "name" not in model:
         raise TesselError(f"{plan.path}: 'model' must be an object with a 'name'")
     config = model.get("config")
+    if isinstance(config, dict) and "num_layers" in config:
+        names = {f.name for f in fields(ModelSpec)}
+        try:
+            return ModelSpec(**{key: value for key, value in config.items() if key in names})
+        except (TypeError, ValueError) as error:
+            raise TesselError(f"{plan.path}: model.config is not a valid model spec ({error})") from None
     if isinstance(config, dict) and config:
         return model_from_config(config, name=str(model["name"]), source=f"{plan.path} model.config")
     return load_model(str(model["name"]))
