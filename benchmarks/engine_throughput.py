@@ -10,6 +10,10 @@ batches of 32, each left-padded and generated until its longest request ends
 (min_new_tokens = max_new_tokens = the batch's longest output). Throughput counts only the
 requested output tokens. The single-request case is one 128-token prompt with 128 new tokens.
 
+Threads default to 1: on a machine shared with other jobs, every multi-threaded op waits for its
+second thread to get a core (measured: a 12k-element gather takes 7 us on one thread and ~16 ms
+on two under load), which swamps both engines; pass --threads N on a quiet machine.
+
 Each phase runs in its own subprocess (same torch thread count), after a short warm-up, so the
 reported peak RSS (getrusage maxrss) is that phase's own. Ratios are tessel / HF in tokens per
 wall-clock second, and HF / tessel in CPU seconds (process time), which a busy shared machine

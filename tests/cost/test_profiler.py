@@ -125,3 +125,17 @@ def test_cuda_names_map_to_the_catalog(cuda_name: str, expected: str | None) -> 
     from tessel.catalog.gpus import known_gpus
 
     assert catalog_name_for(cuda_name, known_gpus()) == expected
+
+
+def test_prefill_inputs_mask_is_lower_right_causal() -> None:
+    """The mask the timed prefill uses gives the same attention as the explicit boolean mask."""
+    shape = LayerShape(64, 96, 4, 2, 16)
+    with torch.inference_mode():
+        layer = _Layer(shape, ProfileSettings(), max_tokens=64, max_batch=1)
+        x = torch.randn(1, 40, 64)
+        layer.forward(x[:, :29], 0, torch.ones(29, 29).tril().bool())
+        _, offset, mask = layer.prefill_inputs(11, 29)
+        timed = layer.forward(x[:, 29:], offset, mask)
+        rows = torch.arange(11)[:, None] + 29
+        explicit = layer.forward(x[:, 29:], 29, torch.arange(40)[None, :] <= rows)
+        torch.testing.assert_close(timed, explicit)

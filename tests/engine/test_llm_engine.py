@@ -192,3 +192,12 @@ def test_decode_groups_cover_the_rows_in_order() -> None:
         assert [r for start, end in groups for r in range(start, end)] == list(range(n))
         assert len(groups) <= max(1, CPU_DECODE_GROUPS)
         assert decode_groups(list(range(n)), on_cpu=False) == ([(0, n)] if n else [])
+
+
+def test_closing_a_stream_early_aborts_its_request(llm: LLM) -> None:
+    stream = llm.stream(PROMPT, greedy(30))
+    first = next(stream)
+    assert not first.finished and len(first.token_ids) == 1
+    stream.close()
+    assert not llm.has_unfinished_requests()
+    assert llm.num_free_blocks == llm.num_total_blocks

@@ -65,9 +65,8 @@ class ChunkProblem:
     grid_tokens: int = 64
     max_chunk_tokens: int | None = None
     tail_s: float = 0.0  # after the last chunk leaves the last stage (LM head of the last token)
-    flops_linear_tokens: float | None = (
-        None  # Seq1F1B: matmul FLOPs per token / attention FLOPs per (token x key)
-    )
+    # Seq1F1B's equal-FLOP baseline: matmul FLOPs per token / attention FLOPs per (query, key) pair
+    flops_linear_tokens: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
@@ -138,6 +137,9 @@ def plan_chunks(
     candidates = terapipe_candidates(grid, m_table, u_table, pipeline.n_stages)
     scorer = _Scorer(grid, pipeline)
     notes = [f"TeraPipe DP: {len(candidates)} candidate chunkings"]
+    scalar = [i for i, stage in enumerate(pipeline.stages) if not hasattr(stage, "prefill_times_s")]
+    if scalar:
+        notes.append(f"stages {scalar} have no vectorised prefill_times_s: one Python call per (c, p) pair")
     ranked = _rank(scorer, candidates + _on_grid(grid, seeds))
     best_value, best_bounds = ranked[0]
     if best_bounds not in candidates:

@@ -234,9 +234,13 @@ class _Layer:
     def prefill_inputs(self, c: int, p: int):
         torch = self.torch
         x = torch.randn(1, c, self.shape.hidden_size, device=self.device, dtype=self.dtype)
-        rows = torch.arange(c, device=self.device)[:, None] + p
-        mask = torch.arange(p + c, device=self.device)[None, :] <= rows  # causal, lower-right aligned
-        return x, p, mask
+        try:  # causal, aligned to the lower right (query i sees keys 0..p+i); flash-capable on CUDA
+            from torch.nn.attention.bias import causal_lower_right
+
+            return x, p, causal_lower_right(c, p + c)
+        except ImportError:  # older PyTorch: the same mask, materialised
+            rows = torch.arange(c, device=self.device)[:, None] + p
+            return x, p, torch.arange(p + c, device=self.device)[None, :] <= rows
 
     def decode_inputs(self, batch: int, context: int):
         x = self.torch.randn(batch, 1, self.shape.hidden_size, device=self.device, dtype=self.dtype)
