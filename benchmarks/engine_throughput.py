@@ -177,7 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests (smoke run)")
     parser.add_argument(
-        "--threads", type=int, default=torch.get_num_threads(), help="torch threads, both sides"
+        "--threads", type=int, default=1, help="torch threads, both sides (default 1: see the docstring)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--phase", help=argparse.SUPPRESS)

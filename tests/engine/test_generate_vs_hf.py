@@ -148,3 +148,11 @@ def test_bf16_checkpoint_loads_in_float32_exactly_and_in_bf16_closely(checkpoint
         expected = hf_model(path, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * float(expected.abs().max()))
+
+
+def test_one_token_prompts_and_block_aligned_prompts(checkpoints) -> None:
+    path = checkpoints("llama")
+    llm = LLM(path, max_model_len=128, block_size=4)
+    prompts = [[1], [1, 40, 50, 60], [1, 40, 50, 60, 70, 80, 90, 99]]  # 1 token, one block, two blocks
+    assert_matches_hf(path, llm.generate(prompts, GREEDY))
+    assert_matches_hf(path, llm.generate(prompts, GREEDY))  # again, from the prefix cache

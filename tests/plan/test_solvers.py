@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from plan.random_instances import random_instance
@@ -11,10 +13,10 @@ from hypothesis import strategies as st
 from tessel.plan.brute import brute_force, count_plans
 from tessel.plan.dp import solve_dp
 from tessel.plan.milp import solve_milp
-from tessel.plan.solution import evaluate
+from tessel.plan.solution import Solution, evaluate
 
 RTOL = 1e-6
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _instance(seed: int, n_units: int, n_devices: int, flags: int):
@@ -51,27 +53,34 @@ def test_dp_and_milp_equal_brute_force(seed: int, n_units: int, n_devices: int, 
         assert _same(milp.objective, milp.evaluation.objective)  # HiGHS's model = evaluate's numbers
 
 
-@SETTINGS
-@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(2, 7), flags=st.integers(0, 7))
-def test_type_orders_exact_when_same_type_devices_are_copies(seed: int, n_units: int, flags: int) -> None:
-    """4 devices of 2 types, copies within a type and node: type-group orders lose nothing."""
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(2, 6), flags=st.integers(0, 7))
+def test_type_orders_exact_over_type_contiguous_plans(seed: int, n_units: int, flags: int) -> None:
+    """4 devices of 2 types: the type-order search is optimal among plans that keep each type together."""
     rng = np.random.default_rng(seed)
     instance = random_instance(
         rng, n_units, 4, n_types=2, overlap=bool(flags & 1), offload=bool(flags & 2),
         tight_memory=bool(flags & 4),
     )
-    # same-type devices sit on different nodes in the helper; make links node-blind so they are copies
-    for costs in (instance.prefill, instance.decode):
-        costs.send_s[:] = np.where(np.eye(4, dtype=bool), 0.0, costs.send_s.max())
-    oracle = brute_force(instance)
+    best = None
+    for k in range(1, min(4, n_units) + 1):
+        for cuts in itertools.combinations(range(1, n_units), k - 1):
+            counts = [b - a for a, b in zip((0, *cuts), (*cuts, n_units), strict=True)]
+            for devices in itertools.permutations(range(4), k):
+                types = [instance.devices[j].gpu_type for j in devices]
+                if any(types[i] != types[i + 1] and types[i] in types[i + 1 :] for i in range(k - 1)):
+                    continue  # a type that comes back later: not type-contiguous
+                ev = evaluate(instance, Solution.from_counts(devices, counts))
+                if ev.feasible and (best is None or ev.objective < best):
+                    best = ev.objective
     dp = solve_dp(instance, orders="types")
     assert dp.exact
-    assert _same(oracle.evaluation and oracle.evaluation.objective, dp.evaluation and dp.evaluation.objective)
+    assert _same(best, dp.evaluation and dp.evaluation.objective)
 
 
 def test_milp_warm_start_is_used_and_never_worse() -> None:
     rng = np.random.default_rng(7)
-    instance = random_instance(rng, 12, 5, n_types=3, micro_batches=4)
+    instance = random_instance(rng, 9, 4, n_types=3, micro_batches=4)
     dp = solve_dp(instance, time_limit_s=20)
     milp = solve_milp(instance, time_limit_s=30, mip_gap=0.0, warm_start=dp.solution)
     assert milp.warm_started
@@ -124,7 +133,7 @@ def test_sublayer_plans_never_worse_than_layer_plans(seed: int, n_layers: int, n
     assert best_fine.objective <= best_coarse.objective * (1 + RTOL)
     assert _same(dp_fine.objective, best_fine.objective)
     # the layer plan, read at unit level, evaluates to the same objective on the sublayer instance
-    from tessel.plan.solution import Solution, Stage
+    from tessel.plan.solution import Stage
 
     as_units = Solution(tuple(Stage(s.device, 2 * s.unit_start, 2 * s.unit_end) for s in brute_force(coarse).solution.stages))
     assert _same(evaluate(fine, as_units).objective, best_coarse.objective)

@@ -145,8 +145,8 @@ def _workload(rng: np.random.Generator, n: int, rate: float, seed: int) -> list[
     return poisson_requests(n, rate, prompt, output, seed=seed)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_every_request_finishes_and_every_token_is_counted(pipelined: bool) -> None:
+@pytest.mark.parametrize(("pipelined", "pinned"), [(False, False), (True, False), (False, True), (True, True)])
+def test_every_request_finishes_and_every_token_is_counted(pipelined: bool, pinned: bool) -> None:
     rng = np.random.default_rng()
     n_stages = int(rng.integers(1, 6))
     pipeline = _random_pipeline(rng, n_stages)
@@ -159,6 +159,7 @@ def test_every_request_finishes_and_every_token_is_counted(pipelined: bool) -> N
             kv_capacity_tokens=20_000,
         ),
         max_in_flight=int(rng.integers(1, 2 * n_stages + 1)),
+        pinned=pinned,
     )
     result = simulate(pipeline, requests, config)
     assert [r.request for r in result.records] == sorted(requests, key=lambda r: r.id)
@@ -293,3 +294,36 @@ def test_cpp_chunking_from_tessel_chunk_gives_its_predicted_ttft() -> None:
 
     record = simulate(pipeline, [request], config).records[0]
     assert record.ttft_s == pytest.approx(evaluate_chunks(pipeline, chunks).ttft_s, rel=1e-12)
+
+
+def test_pinned_requests_stay_in_their_virtual_engine() -> None:
+    rng = np.random.default_rng()
+    n_stages = int(rng.integers(2, 6))
+    pipeline = _random_pipeline(rng, n_stages)
+    requests = _workload(rng, 120, float(rng.uniform(50, 500)), int(rng.integers(1 << 30)))
+    result = simulate(pipeline, requests, SimConfig(SchedulerConfig(max_batch_tokens=512), pinned=True))
+    group_of: dict[int, int] = {}
+    batches = sorted(
+        (i for i in result.intervals if i.kind == "compute" and i.stage == 0), key=lambda i: i.batch_id
+    )
+    last = {i.batch_id: i.end_s for i in result.intervals if i.kind == "compute" and i.stage == n_stages - 1}
+    for interval in batches:
+        groups = {group_of.setdefault(w.request_id, interval.batch_id) for w in interval.items}
+        # requests that first ran together, or joined a batch of their group, share one engine
+        owners = {group_of[w.request_id] for w in interval.items}
+        assert len(groups) >= 1 and len(owners) >= 1
+    # at most one batch per engine in flight: with S engines, no more than S batches overlap anywhere
+    events = sorted([(i.start_s, 1) for i in batches] + [(t, -1) for t in last.values()])
+    live = 0
+    for _, step in events:
+        live += step
+        assert live <= n_stages
+    # every engine's batches are disjoint in time: a request's batches never overlap
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for interval in batches:
+        for w in interval.items:
+            spans[w.request_id].append((interval.start_s, last[interval.batch_id]))
+    for request_spans in spans.values():
+        request_spans.sort()
+        for (_, end), (start, _) in zip(request_spans, request_spans[1:], strict=False):
+            assert start >= end

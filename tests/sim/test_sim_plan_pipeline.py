@@ -111,3 +111,17 @@ def test_offloaded_weights_are_streamed_in_every_batch(tmp_path: Path, overlap: 
     compute = priced.pipeline.stages[1].prefill_time_s(700, 0)
     extra = max(compute, offload) - compute if overlap else offload
     assert streamed - plain == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_profile_replaces_the_roofline_of_its_device_type(tmp_path: Path) -> None:
+    from tessel.cost import DecodeFit, PrefillFit, Profile, profile_shape
+
+    rng = np.random.default_rng()
+    fit = PrefillFit(*(float(v) for v in rng.uniform(1e-6, 1e-4, 4)))
+    profile = Profile("T4", profile_shape(MODEL), "fp16", fit, DecodeFit(1e-3, 1e-5, 1e-8), 0.01)
+    priced = pipeline_for(load_plan(write_plan(tmp_path)), profiles=[profile])
+    c, p = int(rng.integers(1, 3000)), int(rng.integers(0, 3000))
+    assert priced.pipeline.stages[1].prefill_time_s(c, p) == pytest.approx(2 * fit.time_s(c, p), rel=1e-9)
+    a100 = get_gpu("A100-80G")  # no profile for the A100: still the roofline
+    expected = 4 * unit_prefill_time_s(MODEL, a100, "layer", c, p) + embed_time_s(MODEL, a100, c)
+    assert priced.pipeline.stages[0].prefill_time_s(c, p) == pytest.approx(expected, rel=1e-12)

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tessel.cost.profile import Profile, load_profile
 from tessel.errors import TesselError
 from tessel.sim.cpp import cpp_chunk_sizer
 from tessel.sim.engine import MIX_RULES, SimConfig, SimResult
@@ -44,6 +45,9 @@ def simulate(
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),
     mix: str = typer.Option("sum", "--mix", help="Cost of a mixed prefill+decode batch: sum or max."),
+    profile: list[Path] = typer.Option(
+        [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
+    ),
 ) -> None:
     """Simulate serving a workload with a plan: TTFT, TPOT, throughput, stage use, bubbles."""
     if mix not in MIX_RULES:
@@ -54,6 +58,7 @@ def simulate(
     if max_in_flight is not None and max_in_flight < 1:
         raise TesselError(f"--max-in-flight must be >= 1, got {max_in_flight}")
     plan_file = load_plan(plan)
+    profiles = [load_profile(path) for path in profile]
     trace = requests_for_workload(workload, requests, seed, rate)
     scheduler = dict(
         max_running=max_running,
@@ -62,7 +67,9 @@ def simulate(
         pipelined_prefill=cpp,
     )
     variants = [plan_file.main, *(plan_file.baselines if compare else ())]
-    runs = [_run_variant(plan_file, v, trace.requests, scheduler, max_in_flight, mix) for v in variants]
+    runs = [
+        _run_variant(plan_file, v, trace.requests, scheduler, max_in_flight, mix, profiles) for v in variants
+    ]
     console = Console()
     console.print(
         f"plan [bold]{plan}[/bold]: {plan_file.model_name} on {plan_file.cluster_name}, "
@@ -94,7 +101,13 @@ def simulate(
             "description": trace.description,
             "requests": len(trace.requests),
             "seed": seed,
-            "config": {**scheduler, "max_in_flight": max_in_flight, "cpp": cpp, "mix": mix},
+            "config": {
+                **scheduler,
+                "max_in_flight": max_in_flight,
+                "cpp": cpp,
+                "mix": mix,
+                "profiles": [str(p) for p in profile],
+            },
             "results": {
                 variant.name: {
                     "stages": [stage.label for stage in variant.stages],
@@ -119,8 +132,9 @@ def _run_variant(
     scheduler: dict,
     max_in_flight: int | None,
     mix: str,
+    profiles: list[Profile],
 ) -> Run:
-    priced = pipeline_for(plan_file, variant)
+    priced = pipeline_for(plan_file, variant, profiles)
     pipeline = priced.pipeline
     chunk_sizes = None
     if scheduler["pipelined_prefill"]:  # --cpp

@@ -18,10 +18,12 @@ the order (proof sketch in docs/planner.md); rows and steps stop early when the 
 plus (m - 1) times lower bounds on the bottlenecks cannot beat the incumbent.
 
 Guarantee: `exact=True` means optimal over every plan whose pipeline visits devices in one of the
-orders searched. With `orders="all"` (automatic for N <= 5) that is every plan; with `"types"`
+orders searched. With `orders="all"` (automatic for N <= 5) that is every plan. With `"types"`
 the orders are permutations of device-type groups (devices of one type contiguous, sorted by node
-then name inside the group), exact when same-type devices are interchangeable; over
-`MAX_TYPE_ORDERS` permutations it falls back to a few heuristic orders (by speed, by memory).
+then name inside the group): optimal among plans that keep each type's devices together in the
+pipeline when same-type devices are interchangeable (a plan that leaves a type and comes back to
+it, e.g. A100 -> T4 -> A100, is not searched; the MILP covers those). Beyond `MAX_TYPE_ORDERS`
+permutations it falls back to a few heuristic orders (by speed, by memory) and claims nothing.
 """
 
 from __future__ import annotations

@@ -121,6 +121,6 @@ def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
     return TesselError(
         f"{what}: the model's {need / gib:.1f} GiB of weights and KV cannot be placed on "
         f"{instance.n_devices} devices with {gpu / gib:.1f} GiB of GPU memory under the memory, offloading "
-        f"and swap-in rules{hint}; add GPUs, lower max_micro_batch or lengths in the workload, or allow "
-        "host memory"
+        f"and swap-in rules{hint}; add GPUs, or lower max_micro_batch or the lengths in the workload "
+        "(the first stage may not offload, and offloaded bytes must stream in under the upstream stage)"
     )

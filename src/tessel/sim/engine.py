@@ -8,8 +8,9 @@ carries one transfer at a time (`link_contention`) or any number at once (the fl
 The last stage's output is the batch's tokens: the scheduler learns of them when it finishes.
 
 A new micro-batch is formed when stage 0 is idle and fewer than `max_in_flight` micro-batches are
-in the pipeline (default: one per stage). All events at one instant are handled before the
-scheduler runs, so requests that arrive together can share a micro-batch.
+in the pipeline (default: one per stage); with `pinned`, each in-flight slot is a virtual engine
+with its own requests (vLLM V0), else every batch draws from one pool (vLLM V1). All events at one
+instant are handled before the scheduler runs, so requests that arrive together share a batch.
 
 Compute time of a micro-batch on a stage: each prefill chunk costs `prefill_time_s(c, p)`; the
 decode steps together cost `decode_time_s(B, sum of contexts)`; `mix="sum"` adds them (each priced
@@ -27,7 +28,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessel.chunk.latency import PipelineLatency, StageLatency
 from tessel.sim.requests import Request
@@ -48,6 +49,7 @@ class SimConfig:
     logits_time_s: Callable[[int], float] | None = None  # last stage: LM head of n finished prompts
     offload_s: tuple[float, ...] = ()  # per stage: streaming its host-offloaded bytes, every batch
     offload_overlap: bool = False  # batch time = max(compute, offload) instead of the sum
+    pinned: bool = False  # one virtual engine per in-flight slot, requests pinned to one (vLLM V0)
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.offload_s):
@@ -150,7 +152,14 @@ class _Run:
         if config.offload_s and len(config.offload_s) != self.n_stages:
             raise ValueError(f"{len(config.offload_s)} offload times for {self.n_stages} stages")
         self.requests = requests
+        if config.pinned:
+            config = replace(config, scheduler=replace(config.scheduler, groups=self.max_in_flight))
+            self.config = config
         self.scheduler = Scheduler(config.scheduler)
+        self.groups = config.scheduler.groups
+        self.group_busy = [False] * self.groups  # pinned: a group has at most one batch in flight
+        self.batch_group: dict[int, int] = {}
+        self.next_group = 0
         self.stages = [_Stage() for _ in range(self.n_stages)]
         self.link_busy = [False] * self.n_stages
         self.link_queue: list[deque[MicroBatch]] = [deque() for _ in range(self.n_stages)]
@@ -192,12 +201,27 @@ class _Run:
         """Form new micro-batches while stage 0 is idle and the pipeline has room."""
         first = self.stages[0]
         while not first.busy and self.in_flight < self.max_in_flight:
-            batch = self.scheduler.schedule()
+            batch = self.next_batch()
             if batch is None:
                 return
             self.in_flight += 1
             first.arrived[batch.id] = batch
             self.try_start(now, 0)
+
+    def next_batch(self) -> MicroBatch | None:
+        if self.groups == 1:
+            return self.scheduler.schedule()
+        for step in range(self.groups):  # round robin over the groups with no batch in flight
+            group = (self.next_group + step) % self.groups
+            if self.group_busy[group]:
+                continue
+            batch = self.scheduler.schedule(group)
+            if batch is not None:
+                self.group_busy[group] = True
+                self.batch_group[batch.id] = group
+                self.next_group = (group + 1) % self.groups
+                return batch
+        return None
 
     def try_start(self, now: float, index: int) -> None:
         stage = self.stages[index]
@@ -218,6 +242,8 @@ class _Run:
         self.stages[index].busy = False
         if index == self.n_stages - 1:
             self.in_flight -= 1
+            if self.groups > 1:
+                self.group_busy[self.batch_group.pop(batch.id)] = False
             self.scheduler.complete(batch, now)
         elif self.config.link_contention:
             self.link_queue[index].append(batch)

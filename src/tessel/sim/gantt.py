@@ -1,7 +1,8 @@
 """Gantt chart of a simulation: one row per stage, a box per compute interval and per transfer.
 
-A compute box is split into horizontal stripes, one per request in the micro-batch, with heights
-proportional to that request's tokens and its colour; a transfer is a thin hatched box under the
+A compute box is split into horizontal stripes, one per request in the micro-batch, in that
+request's colour, with heights proportional to its tokens (at least `MIN_STRIPE_SHARE` of the
+box, so a decode step beside a long prefill chunk shows); a transfer is a thin hatched box under the
 sending stage's row. The time axis is in ms when the chart spans under 2 s. The format follows the
 file extension (.png, .svg, .pdf); matplotlib draws on its Agg canvas (no pyplot, no display, no
 global backend change). Boxes go into a few PolyCollections (one artist per kind, not per box), so
@@ -20,6 +21,7 @@ MS_AXIS_BELOW_S = 2.0  # switch the axis from ms to s at this span
 LEGEND_MAX_REQUESTS = 16  # more entries than this make the legend unreadable
 COMPUTE_HEIGHT = 0.62  # share of a row the compute boxes take; transfers sit below them
 SEND_HEIGHT = 0.16
+MIN_STRIPE_SHARE = 0.12  # a decode step (1 token) beside a long prefill chunk stays visible
 
 
 def plot_gantt(
@@ -65,10 +67,11 @@ def plot_gantt(
             sends.append(_rectangle(left, right, row - 0.5 + 0.04, SEND_HEIGHT))
             continue
         total = sum(item.tokens for item in interval.items)
+        weights = [max(item.tokens, MIN_STRIPE_SHARE * total) for item in interval.items]
         bottom = row - COMPUTE_HEIGHT / 2 + lift
         boxes.append(_rectangle(left, right, bottom, COMPUTE_HEIGHT))
-        for item in interval.items:
-            height = COMPUTE_HEIGHT * item.tokens / total
+        for item, weight in zip(interval.items, weights, strict=True):
+            height = COMPUTE_HEIGHT * weight / sum(weights)
             stripes.append(_rectangle(left, right, bottom, height))
             stripe_colours.append(colour(item.request_id))
             bottom += height

@@ -10,6 +10,10 @@ A decode step of a sequence needs its previous token, so a sequence in flight ge
 Prefill chunks of one sequence may follow each other into the pipeline before the previous one has
 left it (`pipelined_prefill`, CPP): chunk i only needs chunks < i, which every stage has already
 processed because stages run micro-batches in the order they entered the pipeline.
+With `groups` > 1, each request is pinned on arrival to the group (virtual engine) with the fewest
+unfinished requests, and `schedule(group)` only looks at that group's sequences, as vLLM V0's
+pipeline parallelism runs one scheduler per virtual engine; with one group (the default) every
+micro-batch draws from one pool, as vLLM V1 does.
 `chunk_sizes`, when given, cuts each prompt (e.g. the CPP plan from `tessel.chunk`); otherwise a
 prompt is cut by the budget left in the micro-batch (or not at all when `chunked_prefill` is off).
 """
@@ -34,8 +38,11 @@ class SchedulerConfig:
     pipelined_prefill: bool = False  # CPP: several chunks of one prompt in flight at once
     chunk_sizes: ChunkSizer | None = None  # fixed cut of each prompt into chunks (CPP plan)
     kv_capacity_tokens: int | None = None  # KV tokens the pipeline can hold (None = unlimited)
+    groups: int = 1  # > 1: each request pinned to one of this many virtual engines (vLLM V0 PP)
 
     def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.max_running < 1 or self.max_batch_tokens < 1:
             raise ValueError(
                 f"max_running and max_batch_tokens must be >= 1, "
@@ -85,6 +92,7 @@ class Sequence:
     in_flight: int = 0  # micro-batches in the pipeline holding this sequence
     first_token_s: float | None = None
     finish_s: float | None = None
+    group: int = 0  # the virtual engine this sequence is pinned to
 
     @property
     def prefill_left(self) -> int:
@@ -109,8 +117,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[deque[Sequence]] = [deque() for _ in range(config.groups)]
         self.running: list[Sequence] = []
+        self.unfinished = [0] * config.groups
         self.finished: list[Sequence] = []
         self.kv_used_tokens = 0
         self._next_batch_id = 0
@@ -131,30 +140,35 @@ class Scheduler:
                     f"{request.prompt_tokens} prompt tokens into positive chunks"
                 )
             sequence.chunks = deque(chunks)
-        self.waiting.append(sequence)
+        sequence.group = min(range(self.config.groups), key=lambda g: (self.unfinished[g], g))
+        self.unfinished[sequence.group] += 1
+        self.waiting[sequence.group].append(sequence)
         return sequence
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running or any(self.waiting))
 
-    def schedule(self) -> MicroBatch | None:
+    def schedule(self, group: int = 0) -> MicroBatch | None:
+        """The next micro-batch of the sequences pinned to `group` (all of them when groups = 1)."""
         config = self.config
         budget = config.max_batch_tokens
         items: list[Work] = []
-        for sequence in self.running:
-            if budget == 0 or len(items) == config.max_running:
+        waiting = self.waiting[group]
+        running = [sequence for sequence in self.running if sequence.group == group]
+        for sequence in running:
+            if budget == 0:
                 break
             if sequence.can_decode:
                 offset = sequence.request.prompt_tokens + sequence.generated - 1
                 items.append(Work(sequence.request.id, "decode", 1, offset))
                 budget -= 1
-        for sequence in self.running:
+        for sequence in running:
             if budget == 0:
                 break
             budget -= self._add_prefill(sequence, budget, items)
-        while self.waiting and budget > 0 and len(self.running) < config.max_running:
-            sequence = self.waiting[0]
+        while waiting and budget > 0 and len(self.running) < config.max_running:
+            sequence = waiting[0]
             if config.kv_capacity_tokens is not None and (
                 self.kv_used_tokens + sequence.kv_tokens > config.kv_capacity_tokens
             ):
@@ -162,7 +176,7 @@ class Scheduler:
             taken = self._add_prefill(sequence, budget, items)
             if taken == 0:
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             self.running.append(sequence)
             self.kv_used_tokens += sequence.kv_tokens
             budget -= taken
@@ -215,4 +229,6 @@ class Scheduler:
         if done:
             self.running = [sequence for sequence in self.running if sequence.finish_s is None]
             self.finished.extend(done)
+            for sequence in done:
+                self.unfinished[sequence.group] -= 1
             self.kv_used_tokens -= sum(sequence.kv_tokens for sequence in done)
