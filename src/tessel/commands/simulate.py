@@ -44,6 +44,9 @@ def simulate(
     ),
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),
+    pinned: bool = typer.Option(
+        False, "--pinned", help="Pin each request to one in-flight slot (vLLM V0 virtual engines)."
+    ),
     mix: str = typer.Option("sum", "--mix", help="Cost of a mixed prefill+decode batch: sum or max."),
     profile: list[Path] = typer.Option(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
@@ -67,9 +70,8 @@ def simulate(
         pipelined_prefill=cpp,
     )
     variants = [plan_file.main, *(plan_file.baselines if compare else ())]
-    runs = [
-        _run_variant(plan_file, v, trace.requests, scheduler, max_in_flight, mix, profiles) for v in variants
-    ]
+    options = {"max_in_flight": max_in_flight, "mix": mix, "pinned": pinned}
+    runs = [_run_variant(plan_file, v, trace.requests, scheduler, options, profiles) for v in variants]
     console = Console()
     console.print(
         f"plan [bold]{plan}[/bold]: {plan_file.model_name} on {plan_file.cluster_name}, "
@@ -103,9 +105,7 @@ def simulate(
             "seed": seed,
             "config": {
                 **scheduler,
-                "max_in_flight": max_in_flight,
-                "cpp": cpp,
-                "mix": mix,
+                **options,
                 "profiles": [str(p) for p in profile],
             },
             "results": {
@@ -130,8 +130,7 @@ def _run_variant(
     variant: PlanVariant,
     requests: list[Request],
     scheduler: dict,
-    max_in_flight: int | None,
-    mix: str,
+    options: dict,
     profiles: list[Profile],
 ) -> Run:
     priced = pipeline_for(plan_file, variant, profiles)
@@ -141,8 +140,7 @@ def _run_variant(
         chunk_sizes = cpp_chunk_sizer(pipeline, max_chunk_tokens=scheduler["max_batch_tokens"])
     config = SimConfig(
         SchedulerConfig(**scheduler, chunk_sizes=chunk_sizes),
-        max_in_flight=max_in_flight,
-        mix=mix,
+        **options,
         logits_time_s=priced.logits_time_s,
         offload_s=priced.offload_s,
         offload_overlap=priced.offload_overlap,

@@ -70,6 +70,7 @@ class Interval:
     end_s: float
     batch_id: int
     items: tuple[Work, ...]  # what the batch holds: prefill chunks and decode steps per request
+    group: int = 0  # the batch's virtual engine (pinned mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,6 @@ class _Run:
         self.scheduler = Scheduler(config.scheduler)
         self.groups = config.scheduler.groups
         self.group_busy = [False] * self.groups  # pinned: a group has at most one batch in flight
-        self.batch_group: dict[int, int] = {}
         self.next_group = 0
         self.stages = [_Stage() for _ in range(self.n_stages)]
         self.link_busy = [False] * self.n_stages
@@ -218,7 +218,6 @@ class _Run:
             batch = self.scheduler.schedule(group)
             if batch is not None:
                 self.group_busy[group] = True
-                self.batch_group[batch.id] = group
                 self.next_group = (group + 1) % self.groups
                 return batch
         return None
@@ -243,7 +242,7 @@ class _Run:
         if index == self.n_stages - 1:
             self.in_flight -= 1
             if self.groups > 1:
-                self.group_busy[self.batch_group.pop(batch.id)] = False
+                self.group_busy[batch.group] = False
             self.scheduler.complete(batch, now)
         elif self.config.link_contention:
             self.link_queue[index].append(batch)
@@ -272,4 +271,4 @@ class _Run:
         self.try_start(now, index + 1)
 
     def record(self, stage: int, kind: str, start: float, end: float, batch: MicroBatch) -> None:
-        self.intervals.append(Interval(stage, kind, start, end, batch.id, batch.items))
+        self.intervals.append(Interval(stage, kind, start, end, batch.id, batch.items, batch.group))

@@ -72,6 +72,7 @@ class Work:
 class MicroBatch:
     id: int
     items: tuple[Work, ...]
+    group: int = 0  # the virtual engine it belongs to (0 when all share one pool)
 
     @property
     def tokens(self) -> int:
@@ -182,7 +183,7 @@ class Scheduler:
             budget -= taken
         if not items:
             return None
-        batch = MicroBatch(self._next_batch_id, tuple(items))
+        batch = MicroBatch(self._next_batch_id, tuple(items), group)
         self._next_batch_id += 1
         by_id = {sequence.request.id: sequence for sequence in self.running}
         for item in items:
