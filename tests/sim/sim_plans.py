@@ -28,6 +28,7 @@ def plan_stage(index: int, gpu: str, start: int, end: int, last: bool) -> dict:
         "unit_start": start,
         "unit_end": end,
         "link_to_next": None if last else {"bandwidth_gbps": 100.0, "latency_us": 5.0},
+        "kv_gib": 0.5 * (end - start),
     }
 
 

@@ -43,10 +43,22 @@ def test_simulate_reads_a_trace_and_cpp(tmp_path: Path) -> None:
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,3000,4\n0.01,200,8\n0.5,50,1\n")
     out = tmp_path / "sim.json"
     plan = write_plan(tmp_path)
-    args = ["simulate", "--plan", str(plan), "--workload", str(trace), "--cpp", "--json", str(out)]
+    args = [
+        "simulate",
+        "--plan",
+        str(plan),
+        "--workload",
+        str(trace),
+        "--cpp",
+        "--kv-limit",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    metrics = json.loads(out.read_text())["results"]["plan"]["metrics"]
+    document = json.loads(out.read_text())
+    assert document["config"]["kv_limit"] is True and document["config"]["pipelined_prefill"] is True
+    metrics = document["results"]["plan"]["metrics"]
     assert metrics["requests"] == 3 and metrics["output_tokens"] == 13 and metrics["prompt_tokens"] == 3250
 
 
@@ -105,3 +117,21 @@ def test_simulate_a_plan_from_tessel_plan(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert results["plan"]["metrics"]["requests"] == 20
+
+
+def test_kv_limit_needs_kv_in_the_plan(tmp_path: Path) -> None:
+    path = write_plan(tmp_path)
+    plan = json.loads(path.read_text())
+    for stage in plan["stages"]:
+        stage.pop("kv_gib")
+    path.write_text(json.dumps(plan))
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(path), "--requests", "2", "--kv-limit"])
+    assert isinstance(result.exception, TesselError)
+    assert "gives no kv_gib" in str(result.exception)
+
+
+def test_unknown_gantt_format_fails_before_simulating(tmp_path: Path) -> None:
+    plan = write_plan(tmp_path)
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(plan), "--gantt", str(tmp_path / "g.bmp")])
+    assert isinstance(result.exception, TesselError) and "unknown format '.bmp'" in str(result.exception)
+    assert "TTFT" not in result.output

@@ -15,7 +15,7 @@ from tessel.cost import embed_time_s, lm_head_time_s, unit_decode_time_s, unit_p
 from tessel.errors import TesselError
 from tessel.sim.engine import SimConfig, simulate
 from tessel.sim.plan_file import load_plan
-from tessel.sim.plan_pipeline import pipeline_for
+from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import SchedulerConfig
 
@@ -125,3 +125,18 @@ def test_a_profile_replaces_the_roofline_of_its_device_type(tmp_path: Path) -> N
     a100 = get_gpu("A100-80G")  # no profile for the A100: still the roofline
     expected = 4 * unit_prefill_time_s(MODEL, a100, "layer", c, p) + embed_time_s(MODEL, a100, c)
     assert priced.pipeline.stages[0].prefill_time_s(c, p) == pytest.approx(expected, rel=1e-12)
+
+
+def test_kv_capacity_is_what_the_plan_reserved(tmp_path: Path) -> None:
+    path = write_plan(tmp_path)
+    plan = load_plan(path)
+    per_token_layer = 2 * 4 * 64 * 2  # K and V, 4 KV heads of 64, fp16
+    # every stage reserved 0.5 GiB per layer: the same token count on each
+    assert kv_capacity_tokens(plan) == int(0.5 * 1024**3 // per_token_layer)
+    data = json.loads(path.read_text())
+    data["stages"][1]["kv_gib"] = 0.25  # 2 layers: 0.125 GiB per layer, the tightest
+    path.write_text(json.dumps(data))
+    assert kv_capacity_tokens(load_plan(path)) == int(0.125 * 1024**3 // per_token_layer)
+    data["stages"][1]["kv_gib"] = 0.0
+    path.write_text(json.dumps(data))
+    assert kv_capacity_tokens(load_plan(path)) is None

@@ -15,9 +15,11 @@ from tessel.errors import TesselError
 from tessel.sim.cpp import cpp_chunk_sizer
 from tessel.sim.engine import MIX_RULES, SimConfig, SimResult
 from tessel.sim.engine import simulate as run_simulation
+from tessel.sim.gantt import FORMATS as GANTT_FORMATS
+from tessel.sim.gantt import plot_gantt
 from tessel.sim.metrics import Metrics, compute_metrics
 from tessel.sim.plan_file import PlanFile, PlanVariant, load_plan
-from tessel.sim.plan_pipeline import pipeline_for
+from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import SchedulerConfig
 from tessel.sim.workload import requests_for_workload
@@ -44,6 +46,9 @@ def simulate(
     ),
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),
+    kv_limit: bool = typer.Option(
+        False, "--kv-limit", help="Admit requests only while their KV fits what the plan reserved (kv_gib)."
+    ),
     pinned: bool = typer.Option(
         False, "--pinned", help="Pin each request to one in-flight slot (vLLM V0 virtual engines)."
     ),
@@ -60,6 +65,9 @@ def simulate(
             raise TesselError(f"{name} must be >= 1, got {value}")
     if max_in_flight is not None and max_in_flight < 1:
         raise TesselError(f"--max-in-flight must be >= 1, got {max_in_flight}")
+    if gantt is not None and gantt.suffix.lower() not in GANTT_FORMATS:
+        formats = ", ".join(GANTT_FORMATS)
+        raise TesselError(f"--gantt {gantt}: unknown format {gantt.suffix!r} (use {formats})")
     plan_file = load_plan(plan)
     profiles = [load_profile(path) for path in profile]
     trace = requests_for_workload(workload, requests, seed, rate)
@@ -70,7 +78,7 @@ def simulate(
         pipelined_prefill=cpp,
     )
     variants = [plan_file.main, *(plan_file.baselines if compare else ())]
-    options = {"max_in_flight": max_in_flight, "mix": mix, "pinned": pinned}
+    options = {"max_in_flight": max_in_flight, "mix": mix, "pinned": pinned, "kv_limit": kv_limit}
     runs = [_run_variant(plan_file, v, trace.requests, scheduler, options, profiles) for v in variants]
     console = Console()
     console.print(
@@ -84,8 +92,6 @@ def simulate(
         for name, reason in plan_file.infeasible.items():
             console.print(f"baseline {name}: not simulated ({reason})", highlight=False)
     if gantt is not None:
-        from tessel.sim.gantt import plot_gantt
-
         variant, result = runs[0][0], runs[0][1]
         plot_gantt(
             result,
@@ -133,13 +139,21 @@ def _run_variant(
     options: dict,
     profiles: list[Profile],
 ) -> Run:
+    options = dict(options)
+    capacity = None
+    if options.pop("kv_limit"):
+        capacity = kv_capacity_tokens(plan_file, variant)
+        if capacity is None:
+            raise TesselError(
+                f"--kv-limit: {variant.name} in {plan_file.path} gives no kv_gib for its stages"
+            )
     priced = pipeline_for(plan_file, variant, profiles)
     pipeline = priced.pipeline
     chunk_sizes = None
     if scheduler["pipelined_prefill"]:  # --cpp
         chunk_sizes = cpp_chunk_sizer(pipeline, max_chunk_tokens=scheduler["max_batch_tokens"])
     config = SimConfig(
-        SchedulerConfig(**scheduler, chunk_sizes=chunk_sizes),
+        SchedulerConfig(**scheduler, chunk_sizes=chunk_sizes, kv_capacity_tokens=capacity),
         **options,
         logits_time_s=priced.logits_time_s,
         offload_s=priced.offload_s,

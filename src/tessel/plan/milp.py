@@ -286,6 +286,61 @@ def solve_milp(
     warm_start: Solution | None = None,
     threads: int | None = None,
     verbose: bool = False,
+    isolate: bool = True,
+) -> MILPResult:
+    """Solve the MILP; with `isolate` HiGHS runs in a spawned child process.
+
+    HiGHS 1.15 segfaults or hangs past its time limit on some infeasible instances of this model
+    (seen: llama-3-70b on the bundled llmpq-t4-v100 cluster). In a child, a crash or a hang costs
+    the MILP's answer (status "solver crashed" / "solver hung"), not the caller's process."""
+    kwargs = dict(time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads,
+                  verbose=verbose)
+    if not isolate:
+        return _solve_milp(instance, **kwargs)
+    import multiprocessing
+
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(sender, instance, kwargs), daemon=True)
+    child.start()
+    sender.close()
+    grace_s = max(10.0, 0.5 * time_limit_s)  # building the model and the last node can overrun a little
+    status = "solver hung"
+    result = None
+    if receiver.poll(time_limit_s + grace_s):
+        try:
+            result = receiver.recv()
+        except EOFError:
+            status = "solver crashed"
+    child.join(timeout=1.0)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    receiver.close()
+    if isinstance(result, MILPResult):
+        return result
+    if child.exitcode not in (None, 0):
+        status = "solver crashed"
+    return MILPResult(None, None, status, np.inf, -np.inf, np.inf, time.perf_counter() - started,
+                      warm_start is not None, 0, 0)
+
+
+def _child(sender, instance: PlanningInstance, kwargs: dict) -> None:
+    try:
+        sender.send(_solve_milp(instance, **kwargs))
+    finally:
+        sender.close()
+
+
+def _solve_milp(
+    instance: PlanningInstance,
+    *,
+    time_limit_s: float,
+    mip_gap: float,
+    warm_start: Solution | None,
+    threads: int | None,
+    verbose: bool,
 ) -> MILPResult:
     import highspy
 
@@ -299,9 +354,6 @@ def solve_milp(
     h.setOptionValue("output_flag", bool(verbose))
     h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
-    # HiGHS 1.15 segfaults after presolve on some infeasible instances of this model (seen with
-    # llama-3-70b on llmpq-t4-v100); presolve removes little here (~2% of rows), so it stays off.
-    h.setOptionValue("presolve", "off")
     if threads is not None:
         h.setOptionValue("threads", int(threads))
     h.passModel(lp)

@@ -195,7 +195,7 @@ class _Run:
             for s in sorted(self.sequences.values(), key=lambda s: s.request.id)
         )
         intervals = tuple(sorted(self.intervals, key=lambda i: (i.start_s, i.stage, i.kind)))
-        return SimResult(self.n_stages, records, intervals, self.scheduler._next_batch_id)
+        return SimResult(self.n_stages, records, intervals, self.scheduler.batches_formed)
 
     def dispatch(self, now: float) -> None:
         """Form new micro-batches while stage 0 is idle and the pipeline has room."""

@@ -30,6 +30,7 @@ class PlanStage:
     link_bandwidth_gbps: float | None  # link to the next stage; None on the last
     link_latency_us: float | None
     offload_gib: float = 0.0  # weights/KV held in host memory, streamed in every pass
+    kv_gib: float = 0.0  # KV cache the planner reserved on this stage (0 = not given)
 
     @property
     def label(self) -> str:
@@ -119,6 +120,7 @@ def _stages(path: Path, where: str, raw: object) -> tuple[PlanStage, ...]:
                 link_bandwidth_gbps=None if link is None else float(link["bandwidth_gbps"]),
                 link_latency_us=None if link is None else float(link.get("latency_us", 0.0)),
                 offload_gib=float(entry.get("offload_gib") or 0.0),
+                kv_gib=float(entry.get("kv_gib") or 0.0),
             )
         except KeyError as error:
             raise TesselError(f"{path}: {key} lacks {error.args[0]!r}") from None

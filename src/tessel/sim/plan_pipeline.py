@@ -24,6 +24,7 @@ from tessel.catalog.gpus import GIB, get_gpu
 from tessel.catalog.models import ModelSpec, load_model, model_from_config
 from tessel.chunk.from_plan import StageSpec, build_pipeline
 from tessel.chunk.latency import PipelineLatency
+from tessel.cost.layer import kv_bytes_per_token
 from tessel.cost.link import LinkSpec
 from tessel.cost.profile import Profile
 from tessel.cost.roofline import lm_head_time_s
@@ -80,6 +81,26 @@ def pipeline_for(
         stage.offload_gib * GIB / get_gpu(stage.gpu_type).pcie_h2d_bytes_per_s for stage in variant.stages
     )
     return SimPipeline(priced.pipeline, logits_time_s, offload_s, bool(data.get("overlap", False)))
+
+
+def kv_capacity_tokens(plan: PlanFile, variant: PlanVariant | None = None) -> int | None:
+    """Tokens of KV the plan reserved: min over stages of kv_gib / (KV bytes per token x its
+    attention layers); None when a stage gives no kv_gib."""
+    variant = variant or plan.main
+    model = plan_model(plan)
+    per_token_layer = kv_bytes_per_token(model, str(plan.data.get("kv_dtype", "fp16")))
+    sublayer = plan.data.get("granularity", "layer") == "sublayer"
+    capacity = None
+    for stage in variant.stages:
+        units = range(stage.unit_start, stage.unit_end)
+        layers = sum(1 for u in units if u % 2 == 0) if sublayer else len(units)
+        if layers == 0:
+            continue  # MLP blocks only: no KV here
+        if stage.kv_gib <= 0:
+            return None
+        tokens = int(stage.kv_gib * GIB // (per_token_layer * layers))
+        capacity = tokens if capacity is None else min(capacity, tokens)
+    return capacity
 
 
 def plan_model(plan: PlanFile) -> ModelSpec:

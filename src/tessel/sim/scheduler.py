@@ -147,6 +147,10 @@ class Scheduler:
         return sequence
 
     @property
+    def batches_formed(self) -> int:
+        return self._next_batch_id
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.running or any(self.waiting))
 
