@@ -44,8 +44,18 @@ def _cluster_16() -> dict:
     return {
         "name": "mixed-16",
         "nodes": [
-            {"name": "a", "gpus": {"type": "A100-80G", "count": 2}, "intra_link": "nvlink", "host_memory_gib": 512},
-            {"name": "b", "gpus": {"type": "V100-32G", "count": 4}, "intra_link": "nvlink", "host_memory_gib": 384},
+            {
+                "name": "a",
+                "gpus": {"type": "A100-80G", "count": 2},
+                "intra_link": "nvlink",
+                "host_memory_gib": 512,
+            },
+            {
+                "name": "b",
+                "gpus": {"type": "V100-32G", "count": 4},
+                "intra_link": "nvlink",
+                "host_memory_gib": 384,
+            },
             {"name": "c", "gpus": {"type": "A10", "count": 4}, "intra_link": "pcie", "host_memory_gib": 256},
             {"name": "d", "gpus": {"type": "T4", "count": 6}, "intra_link": "pcie", "host_memory_gib": 256},
         ],
@@ -58,8 +68,18 @@ def _cluster_8() -> dict:
     return {
         "name": "mixed-8",
         "nodes": [
-            {"name": "a", "gpus": {"type": "A100-80G", "count": 1}, "intra_link": "nvlink", "host_memory_gib": 256},
-            {"name": "b", "gpus": {"type": "V100-32G", "count": 3}, "intra_link": "nvlink", "host_memory_gib": 256},
+            {
+                "name": "a",
+                "gpus": {"type": "A100-80G", "count": 1},
+                "intra_link": "nvlink",
+                "host_memory_gib": 256,
+            },
+            {
+                "name": "b",
+                "gpus": {"type": "V100-32G", "count": 3},
+                "intra_link": "nvlink",
+                "host_memory_gib": 256,
+            },
             {"name": "c", "gpus": {"type": "T4", "count": 4}, "intra_link": "pcie", "host_memory_gib": 256},
         ],
         "network": {"bandwidth_gbps": 25, "latency_us": 20},
@@ -67,29 +87,56 @@ def _cluster_8() -> dict:
 
 
 def solve_rows(quick: bool) -> list[dict]:
-    cases = [("8", parse_cluster(_cluster_8()), 3 if quick else 10), ("16", parse_cluster(_cluster_16()), 3 if quick else 10)]
+    cases = [
+        ("8", parse_cluster(_cluster_8()), 3 if quick else 10),
+        ("16", parse_cluster(_cluster_16()), 3 if quick else 10),
+    ]
     if not quick:
         cases.append(("42", load_cluster("helix-like-42"), 120))
     rows = []
     for label, cluster, limit in cases:
         instance = build_instance(MODEL, cluster, "default")
-        row = {"devices": instance.n_devices, "cluster": cluster.name, "layers": 80, "time_limit_s": limit,
-               "types": len(cluster.gpu_types)}
+        row = {
+            "devices": instance.n_devices,
+            "cluster": cluster.name,
+            "layers": 80,
+            "time_limit_s": limit,
+            "types": len(cluster.gpu_types),
+        }
         started = time.perf_counter()
         dp = solve_dp(instance, time_limit_s=limit, rel_gap=0.01)
-        row["dp"] = {"time_s": time.perf_counter() - started, "objective": _obj(dp.evaluation),
-                     "bound": _finite(dp.bound), "exact": dp.exact, "calls": dp.dp_calls,
-                     "orders": f"{dp.orders_searched}/{dp.orders_total}"}
+        row["dp"] = {
+            "time_s": time.perf_counter() - started,
+            "objective": _obj(dp.evaluation),
+            "bound": _finite(dp.bound),
+            "exact": dp.exact,
+            "calls": dp.dp_calls,
+            "orders": f"{dp.orders_searched}/{dp.orders_total}",
+        }
         started = time.perf_counter()
         warm = solve_dp(instance, time_limit_s=limit * 0.25, rel_gap=0.01)
-        milp = solve_milp(instance, time_limit_s=max(limit - (time.perf_counter() - started), 1.0), mip_gap=0.01,
-                          warm_start=warm.solution)
-        best = min((e for e in (milp.evaluation, warm.evaluation) if e is not None and e.feasible),
-                   key=lambda e: e.objective, default=None)
+        milp = solve_milp(
+            instance,
+            time_limit_s=max(limit - (time.perf_counter() - started), 1.0),
+            mip_gap=0.01,
+            warm_start=warm.solution,
+        )
+        best = min(
+            (e for e in (milp.evaluation, warm.evaluation) if e is not None and e.feasible),
+            key=lambda e: e.objective,
+            default=None,
+        )
         objective = _obj(best)
         gap = (objective - milp.bound) / objective if objective and math.isfinite(milp.bound) else None
-        row["milp"] = {"time_s": time.perf_counter() - started, "objective": objective, "bound": _finite(milp.bound),
-                       "gap": gap, "status": milp.status, "cols": milp.n_cols, "rows": milp.n_rows}
+        row["milp"] = {
+            "time_s": time.perf_counter() - started,
+            "objective": objective,
+            "bound": _finite(milp.bound),
+            "gap": gap,
+            "status": milp.status,
+            "cols": milp.n_cols,
+            "rows": milp.n_rows,
+        }
         rows.append(row)
         del label
     return rows
@@ -105,7 +152,9 @@ def quality_rows(quick: bool) -> list[dict]:
         instance = build_instance(MODEL, name, workload)
         row = {"cluster": name, "devices": instance.n_devices}
         if capacity_shortfall_bytes(instance) > 0:
-            row["skipped"] = f"{MODEL} does not fit ({capacity_shortfall_bytes(instance) / 2**30:.0f} GiB short)"
+            row["skipped"] = (
+                f"{MODEL} does not fit ({capacity_shortfall_bytes(instance) / 2**30:.0f} GiB short)"
+            )
             rows.append(row)
             continue
         limit = 3.0 if quick else (60.0 if instance.n_devices > 16 else 20.0)
@@ -116,8 +165,14 @@ def quality_rows(quick: bool) -> list[dict]:
             rows.append(row)
             continue
         ours = predict(instance, result.evaluation, workload.micro_batch_size)
-        row.update({"throughput_tok_s": ours.throughput_tok_s, "objective": result.evaluation.objective,
-                    "gap": result.gap, "baselines": {}})
+        row.update(
+            {
+                "throughput_tok_s": ours.throughput_tok_s,
+                "objective": result.evaluation.objective,
+                "gap": result.gap,
+                "baselines": {},
+            }
+        )
         for base_name, base in run_baselines(instance).items():
             if base.feasible:
                 theirs = predict(instance, base.evaluation, workload.micro_batch_size)
@@ -141,7 +196,9 @@ def _fmt(value, spec: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: short limits, fewer clusters")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -149,39 +206,81 @@ def main() -> None:
 
     solve_data = solve_rows(args.quick)
     table = Table(title=f"{MODEL}: 80 layers, solve time and gap")
-    for column in ("devices", "types", "limit s", "DP s", "DP obj", "DP exact", "MILP s", "MILP obj", "bound",
-                   "gap %", "status"):
+    for column in (
+        "devices",
+        "types",
+        "limit s",
+        "DP s",
+        "DP obj",
+        "DP exact",
+        "MILP s",
+        "MILP obj",
+        "bound",
+        "gap %",
+        "status",
+    ):
         table.add_column(column, justify="right")
     for row in solve_data:
         dp, milp = row["dp"], row["milp"]
-        table.add_row(str(row["devices"]), str(row["types"]), f"{row['time_limit_s']:.0f}", f"{dp['time_s']:.1f}",
-                      _fmt(dp["objective"], ".3f"), str(dp["exact"]), f"{milp['time_s']:.1f}",
-                      _fmt(milp["objective"], ".3f"), _fmt(milp["bound"], ".3f"),
-                      _fmt(None if milp["gap"] is None else 100 * milp["gap"], ".2f"), milp["status"])
+        table.add_row(
+            str(row["devices"]),
+            str(row["types"]),
+            f"{row['time_limit_s']:.0f}",
+            f"{dp['time_s']:.1f}",
+            _fmt(dp["objective"], ".3f"),
+            str(dp["exact"]),
+            f"{milp['time_s']:.1f}",
+            _fmt(milp["objective"], ".3f"),
+            _fmt(milp["bound"], ".3f"),
+            _fmt(None if milp["gap"] is None else 100 * milp["gap"], ".2f"),
+            milp["status"],
+        )
     console.print(table)
 
     quality = quality_rows(args.quick)
     table = Table(title="predicted throughput: tessel / baseline (same cost model)")
-    for column in ("cluster", "GPUs", "tessel tok/s", "uniform", "memory_prop", "compute_prop", "petals_greedy"):
+    for column in (
+        "cluster",
+        "GPUs",
+        "tessel tok/s",
+        "uniform",
+        "memory_prop",
+        "compute_prop",
+        "petals_greedy",
+    ):
         table.add_column(column, justify="right")
     for row in quality:
         if "skipped" in row:
-            table.add_row(row["cluster"], str(row["devices"]), f"skipped: {row['skipped'][:40]}", "", "", "", "")
+            table.add_row(
+                row["cluster"], str(row["devices"]), f"skipped: {row['skipped'][:40]}", "", "", "", ""
+            )
             continue
         cells = [
             "infeasible" if b["speedup"] is None else f"{b['speedup']:.2f}x"
-            for b in (row["baselines"][n] for n in ("uniform", "memory_proportional", "compute_proportional",
-                                                     "petals_greedy"))
+            for b in (
+                row["baselines"][n]
+                for n in ("uniform", "memory_proportional", "compute_proportional", "petals_greedy")
+            )
         ]
         table.add_row(row["cluster"], str(row["devices"]), f"{row['throughput_tok_s']:.1f}", *cells)
     console.print(table)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "plan_solve", "model": MODEL, "quick": args.quick, "host": platform.node(),
-        "note": "wall-clock on a shared 2-core machine; other jobs were running",
-        "solve": solve_data, "quality": quality,
-    }, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "plan_solve",
+                "model": MODEL,
+                "quick": args.quick,
+                "host": platform.node(),
+                "note": "wall-clock on a shared 2-core machine; other jobs were running",
+                "solve": solve_data,
+                "quality": quality,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     console.print(f"wrote {args.out}")
 
 

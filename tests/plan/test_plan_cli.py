@@ -12,12 +12,35 @@ from typer.testing import CliRunner
 from tessel.cli import app
 
 STAGE_KEYS = {
-    "index", "device", "gpu_type", "node", "layer_start", "layer_end", "unit_start", "unit_end", "weights_gib",
-    "kv_gib", "offload_gib", "prefill_ms", "decode_ms", "link_to_next",
+    "index",
+    "device",
+    "gpu_type",
+    "node",
+    "layer_start",
+    "layer_end",
+    "unit_start",
+    "unit_end",
+    "weights_gib",
+    "kv_gib",
+    "offload_gib",
+    "prefill_ms",
+    "decode_ms",
+    "link_to_next",
 }
 TOP_KEYS = {
-    "version", "model", "cluster", "workload", "dtype", "kv_dtype", "granularity", "overlap", "stages",
-    "predicted", "objective", "solver", "baselines",
+    "version",
+    "model",
+    "cluster",
+    "workload",
+    "dtype",
+    "kv_dtype",
+    "granularity",
+    "overlap",
+    "stages",
+    "predicted",
+    "objective",
+    "solver",
+    "baselines",
 }
 
 
@@ -35,7 +58,8 @@ def _check_stages(stages: list[dict], n_layers: int, units_per_layer: int) -> No
 def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(
-        app, ["plan", "--time-limit", "4", "--granularity", granularity, "--json", str(out), "--export", "vllm"]
+        app,
+        ["plan", "--time-limit", "4", "--granularity", granularity, "--json", str(out), "--export", "vllm"],
     )
     assert result.exit_code == 0, result.output
     assert "VLLM_PP_LAYER_PARTITION=" in result.output and "vllm serve" in result.output
@@ -48,7 +72,12 @@ def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
     _check_stages(data["stages"], 80, 2 if granularity == "sublayer" else 1)
     assert set(data["predicted"]) == {"ttft_s", "tpot_s", "throughput_tok_s"}
     assert set(data["solver"]) == {"name", "status", "gap", "time_s"}
-    assert set(data["baselines"]) == {"uniform", "memory_proportional", "compute_proportional", "petals_greedy"}
+    assert set(data["baselines"]) == {
+        "uniform",
+        "memory_proportional",
+        "compute_proportional",
+        "petals_greedy",
+    }
     for baseline in data["baselines"].values():
         assert set(baseline) == {"feasible", "reason", "objective", "predicted", "stages"}
         if baseline["feasible"]:
@@ -63,7 +92,9 @@ def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tessel.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tessel.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_model_too_big_for_gpus_and_host_exits_2(tmp_path) -> None:
@@ -81,7 +112,9 @@ def test_fits_only_by_offloading_the_first_stage_exits_2(tmp_path) -> None:
     cluster.write_text(
         "name: one-t4-host\nnodes:\n  - name: n0\n    gpus: {type: T4, count: 1}\n    host_memory_gib: 1024\n"
     )
-    result = CliRunner().invoke(app, ["plan", "--model", "llama-2-7b", "--cluster", str(cluster), "--time-limit", "5"])
+    result = CliRunner().invoke(
+        app, ["plan", "--model", "llama-2-7b", "--cluster", str(cluster), "--time-limit", "5"]
+    )
     assert result.exit_code != 0
     message = str(result.exception)
     assert type(result.exception).__name__ == "TesselError"
@@ -90,7 +123,12 @@ def test_fits_only_by_offloading_the_first_stage_exits_2(tmp_path) -> None:
 
 def test_bad_options_are_user_errors() -> None:
     runner = CliRunner()
-    for args in (["--solver", "gurobi"], ["--export", "trt"], ["--granularity", "token"], ["--cluster", "nope"]):
+    for args in (
+        ["--solver", "gurobi"],
+        ["--export", "trt"],
+        ["--granularity", "token"],
+        ["--cluster", "nope"],
+    ):
         result = runner.invoke(app, ["plan", "--time-limit", "2", *args])
         assert result.exit_code != 0
         assert type(result.exception).__name__ == "TesselError", (args, result.exception)

@@ -6,10 +6,10 @@ import itertools
 
 import numpy as np
 import pytest
-from plan.random_instances import random_instance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from plan.random_instances import random_instance
 from tessel.plan.brute import brute_force, count_plans
 from tessel.plan.dp import solve_dp
 from tessel.plan.milp import solve_milp
@@ -22,7 +22,12 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 def _instance(seed: int, n_units: int, n_devices: int, flags: int):
     rng = np.random.default_rng(seed)
     return random_instance(
-        rng, n_units, n_devices, overlap=bool(flags & 1), offload=bool(flags & 2), tight_memory=bool(flags & 4)
+        rng,
+        n_units,
+        n_devices,
+        overlap=bool(flags & 1),
+        offload=bool(flags & 2),
+        tight_memory=bool(flags & 4),
     )
 
 
@@ -59,7 +64,12 @@ def test_type_orders_exact_over_type_contiguous_plans(seed: int, n_units: int, f
     """4 devices of 2 types: the type-order search is optimal among plans that keep each type together."""
     rng = np.random.default_rng(seed)
     instance = random_instance(
-        rng, n_units, 4, n_types=2, overlap=bool(flags & 1), offload=bool(flags & 2),
+        rng,
+        n_units,
+        4,
+        n_types=2,
+        overlap=bool(flags & 1),
+        offload=bool(flags & 2),
         tight_memory=bool(flags & 4),
     )
     best = None
@@ -116,13 +126,26 @@ def test_brute_force_counts_every_plan(n_units: int, n_devices: int) -> None:
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**32 - 1), n_layers=st.integers(1, 4), n_devices=st.integers(1, 3),
-       flags=st.integers(0, 7))
-def test_sublayer_plans_never_worse_than_layer_plans(seed: int, n_layers: int, n_devices: int, flags: int) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_layers=st.integers(1, 4),
+    n_devices=st.integers(1, 3),
+    flags=st.integers(0, 7),
+)
+def test_sublayer_plans_never_worse_than_layer_plans(
+    seed: int, n_layers: int, n_devices: int, flags: int
+) -> None:
     """The same model at both granularities: a layer plan is a sublayer plan, so the optimum can only drop."""
     rng = np.random.default_rng(seed)
-    fine = random_instance(rng, 2 * n_layers, n_devices, overlap=bool(flags & 1), offload=bool(flags & 2),
-                           tight_memory=bool(flags & 4), granularity="sublayer")
+    fine = random_instance(
+        rng,
+        2 * n_layers,
+        n_devices,
+        overlap=bool(flags & 1),
+        offload=bool(flags & 2),
+        tight_memory=bool(flags & 4),
+        granularity="sublayer",
+    )
     coarse = _merge_layers(fine)
     best_fine = brute_force(fine).evaluation
     best_coarse = brute_force(coarse).evaluation
@@ -135,7 +158,9 @@ def test_sublayer_plans_never_worse_than_layer_plans(seed: int, n_layers: int, n
     # the layer plan, read at unit level, evaluates to the same objective on the sublayer instance
     from tessel.plan.solution import Stage
 
-    as_units = Solution(tuple(Stage(s.device, 2 * s.unit_start, 2 * s.unit_end) for s in brute_force(coarse).solution.stages))
+    as_units = Solution(
+        tuple(Stage(s.device, 2 * s.unit_start, 2 * s.unit_end) for s in brute_force(coarse).solution.stages)
+    )
     assert _same(evaluate(fine, as_units).objective, best_coarse.objective)
 
 

@@ -24,12 +24,16 @@ def plan(
     workload: str = typer.Option("default", help="Bundled workload name or a workload YAML file."),
     solver: str = typer.Option("milp", help="milp (DP warm start + HiGHS), dp, or brute (tiny problems)."),
     granularity: str = typer.Option("layer", help="layer, or sublayer (attention and MLP blocks apart)."),
-    overlap: bool = typer.Option(False, "--overlap", help="Stage time = max(compute, comm, offload), not the sum."),
+    overlap: bool = typer.Option(
+        False, "--overlap", help="Stage time = max(compute, comm, offload), not the sum."
+    ),
     time_limit: float = typer.Option(30.0, "--time-limit", help="Solver time limit in seconds."),
     mip_gap: float = typer.Option(0.01, "--mip-gap", help="Relative gap at which the solver stops."),
     dtype: str = typer.Option("fp16", help="Weight dtype: fp16, bf16, int8, fp8, fp32."),
     kv_dtype: str = typer.Option("fp16", "--kv-dtype", help="KV cache dtype."),
-    profile: list[Path] = typer.Option([], "--profile", help="Profile JSON from `tessel profile` (repeatable)."),
+    profile: list[Path] = typer.Option(
+        [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the plan (contract version 1) here."),
     export: str | None = typer.Option(None, "--export", help="'vllm': print a vLLM launch command."),
 ) -> None:
@@ -55,16 +59,26 @@ def plan(
     cluster_spec = load_cluster(cluster)
     workload_spec = load_workload(workload)
     profiles = [load_profile(path) for path in profile]
-    instance = build_instance(model_spec, cluster_spec, workload_spec, granularity=granularity, dtype=dtype,
-                              kv_dtype=kv_dtype, overlap=overlap, profiles=profiles)
+    instance = build_instance(
+        model_spec,
+        cluster_spec,
+        workload_spec,
+        granularity=granularity,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        overlap=overlap,
+        profiles=profiles,
+    )
     _check_capacity(instance)
     result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
     baselines = run_baselines(instance)
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     b = workload_spec.micro_batch_size
-    title = (f"{model_spec.name} on {cluster_spec.name} ({instance.n_devices} GPUs), workload "
-             f"{workload_spec.name}: m={instance.micro_batches} micro-batches of {b}, {granularity} granularity")
+    title = (
+        f"{model_spec.name} on {cluster_spec.name} ({instance.n_devices} GPUs), workload "
+        f"{workload_spec.name}: m={instance.micro_batches} micro-batches of {b}, {granularity} granularity"
+    )
     console.print(stage_table(instance, result.evaluation, title))
     predicted = predict(instance, result.evaluation, b)
     gap = "n/a" if result.gap is None else f"{result.gap * 100:.2f}%"
@@ -76,11 +90,24 @@ def plan(
     console.print(comparison_table(instance, result.evaluation, baselines, b))
 
     if json_path is not None:
-        solver_info = {"name": result.solver, "status": result.status, "gap": result.gap, "time_s": result.time_s}
+        solver_info = {
+            "name": result.solver,
+            "status": result.status,
+            "gap": result.gap,
+            "time_s": result.time_s,
+        }
         data = plan_json(
-            instance, result.evaluation, model=model_spec, cluster=cluster_spec,
-            cluster_source=cluster if Path(cluster).exists() else cluster_spec.name, workload=workload_spec,
-            solver=solver_info, baselines=baselines, dtype=dtype, kv_dtype=kv_dtype, granularity=granularity,
+            instance,
+            result.evaluation,
+            model=model_spec,
+            cluster=cluster_spec,
+            cluster_source=cluster if Path(cluster).exists() else cluster_spec.name,
+            workload=workload_spec,
+            solver=solver_info,
+            baselines=baselines,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            granularity=granularity,
         )
         try:
             json_path.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
@@ -91,12 +118,20 @@ def plan(
         from tessel.plan.export_vllm import export_vllm
 
         needed = instance.micro_batches * b * workload_spec.max_kv_tokens
-        exported = export_vllm(instance, result.evaluation, model=model_spec, dtype=dtype, kv_dtype=kv_dtype,
-                               max_model_len=workload_spec.max_kv_tokens, tokens_needed=needed)
+        exported = export_vllm(
+            instance,
+            result.evaluation,
+            model=model_spec,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            max_model_len=workload_spec.max_kv_tokens,
+            tokens_needed=needed,
+        )
         console.print("vLLM launch command:")
         typer.echo(exported.command)
         console.print(
-            f"vLLM KV capacity: {exported.kv_capacity_tokens} tokens (set by stage {exported.kv_limiting_stage}); "
+            f"vLLM KV capacity: {exported.kv_capacity_tokens} tokens "
+            f"(set by stage {exported.kv_limiting_stage}); "
             f"the workload keeps {needed} in flight"
         )
         for warning in exported.warnings:

@@ -63,7 +63,9 @@ def _from_layer_counts(instance: PlanningInstance, devices: list[int], counts: l
     return Solution.from_counts(devices, [c * per for c in counts])
 
 
-def _result(instance: PlanningInstance, name: str, solution: Solution | None, why: str | None) -> BaselineResult:
+def _result(
+    instance: PlanningInstance, name: str, solution: Solution | None, why: str | None
+) -> BaselineResult:
     if solution is None:
         return BaselineResult(name, None, None, False, why)
     evaluation = evaluate(instance, solution)
@@ -80,23 +82,35 @@ def uniform(instance: PlanningInstance) -> BaselineResult:
     n_layers = instance.n_units // units_per_layer(instance)
     n_stages = min(instance.n_devices, n_layers)
     devices = list(range(n_stages))
-    return _result(instance, "uniform", _from_layer_counts(instance, devices, vllm_uniform_counts(n_layers, n_stages)),
-                   None)
+    return _result(
+        instance,
+        "uniform",
+        _from_layer_counts(instance, devices, vllm_uniform_counts(n_layers, n_stages)),
+        None,
+    )
 
 
 def memory_proportional(instance: PlanningInstance) -> BaselineResult:
     n_layers = instance.n_units // units_per_layer(instance)
     memory = np.array([d.memory_bytes for d in instance.devices])
     counts = proportional_counts(n_layers, memory)
-    return _result(instance, "memory_proportional",
-                   _from_layer_counts(instance, list(range(instance.n_devices)), counts), None)
+    return _result(
+        instance,
+        "memory_proportional",
+        _from_layer_counts(instance, list(range(instance.n_devices)), counts),
+        None,
+    )
 
 
 def compute_proportional(instance: PlanningInstance) -> BaselineResult:
     n_layers = instance.n_units // units_per_layer(instance)
     counts = proportional_counts(n_layers, device_speed(instance))
-    return _result(instance, "compute_proportional",
-                   _from_layer_counts(instance, list(range(instance.n_devices)), counts), None)
+    return _result(
+        instance,
+        "compute_proportional",
+        _from_layer_counts(instance, list(range(instance.n_devices)), counts),
+        None,
+    )
 
 
 def petals_greedy(instance: PlanningInstance) -> BaselineResult:
@@ -124,7 +138,9 @@ def petals_greedy(instance: PlanningInstance) -> BaselineResult:
             placed += take
     if placed < n_layers:
         return _result(
-            instance, "petals_greedy", None,
+            instance,
+            "petals_greedy",
+            None,
             f"devices filled greedily hold {placed} of {n_layers} layers; the rest do not fit in GPU memory",
         )
     return _result(instance, "petals_greedy", _from_layer_counts(instance, devices, counts), None)

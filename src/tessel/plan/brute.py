@@ -35,7 +35,9 @@ def brute_force(instance: PlanningInstance) -> BruteResult:
     n_units, n_devices = instance.n_units, instance.n_devices
     total = count_plans(n_units, n_devices)
     if total > MAX_BRUTE_PLANS:
-        raise ValueError(f"brute force would evaluate {total} plans (limit {MAX_BRUTE_PLANS}); use the DP or MILP")
+        raise ValueError(
+            f"brute force would evaluate {total} plans (limit {MAX_BRUTE_PLANS}); use the DP or MILP"
+        )
     best: tuple[Solution, Evaluation] | None = None
     evaluated = 0
     for k in range(1, min(n_devices, n_units) + 1):

@@ -267,7 +267,9 @@ def _fractional_makespan(times: np.ndarray) -> float:
 
 def _path_objective(instance: PlanningInstance, path: _Path) -> float:
     m1 = instance.micro_batches - 1
-    return path.cost + m1 * (instance.prefill_weight * path.max_prefill_s + instance.decode_weight * path.max_decode_s)
+    return path.cost + m1 * (
+        instance.prefill_weight * path.max_prefill_s + instance.decode_weight * path.max_decode_s
+    )
 
 
 @dataclass(order=True)
@@ -284,8 +286,10 @@ class _Box:
     lo_d: float = field(compare=False)
 
     def empty(self) -> bool:
-        return self.hi_p < self.lo_p or self.hi_d < self.lo_d or (
-            (self.strict_p and self.hi_p <= self.lo_p) or (self.strict_d and self.hi_d <= self.lo_d)
+        return (
+            self.hi_p < self.lo_p
+            or self.hi_d < self.lo_d
+            or ((self.strict_p and self.hi_p <= self.lo_p) or (self.strict_d and self.hi_d <= self.lo_d))
         )
 
 
@@ -338,8 +342,18 @@ class _Search:
         inst = self.instance
         dp = _OrderDP(inst, order)
         m1 = inst.micro_batches - 1
-        queue = [_Box(self._box_bound(0.0, self.lb_p, self.lb_d), next(self._seq), _INF, False, _INF, False,
-                      self.lb_p, self.lb_d)]
+        queue = [
+            _Box(
+                self._box_bound(0.0, self.lb_p, self.lb_d),
+                next(self._seq),
+                _INF,
+                False,
+                _INF,
+                False,
+                self.lb_p,
+                self.lb_d,
+            )
+        ]
         while queue:
             box = heapq.heappop(queue)
             if self._prunable(box.bound):

@@ -12,7 +12,8 @@ reported as a warning, never silently dropped:
   and an order that hops between nodes may not be reproduced;
 - KV capacity: vLLM gives every stage the same number of KV blocks, so the token capacity is set by
   the stage with the least free memory per layer it holds:
-      tokens_j = (memory_j * GPU_MEMORY_UTILIZATION - weights_j - workspace_j) / (kv_per_token_layer * layers_j)
+      tokens_j = (memory_j * GPU_MEMORY_UTILIZATION - weights_j - workspace_j)
+                 / (kv_per_token_layer * layers_j)
   and capacity = min_j tokens_j (reported, with the stage that sets it).
 """
 
@@ -89,7 +90,9 @@ def export_vllm(
     used = {s.device for s in stages}
     idle = [d.name for j, d in enumerate(instance.devices) if j not in used]
     if idle:
-        warnings.append(f"{len(idle)} GPU(s) stay idle ({', '.join(idle)}); hide them with CUDA_VISIBLE_DEVICES")
+        warnings.append(
+            f"{len(idle)} GPU(s) stay idle ({', '.join(idle)}); hide them with CUDA_VISIBLE_DEVICES"
+        )
     nodes = [instance.devices[s.device].node for s in stages]
     hops = sum(1 for a, b in zip(nodes, nodes[1:], strict=False) if a != b)
     if hops > len(set(nodes)) - 1:
@@ -110,12 +113,20 @@ def export_vllm(
     if tokens_needed is not None and capacity < tokens_needed:
         warnings.append(
             f"vLLM's KV capacity is {capacity} tokens (set by stage {limiting}, "
-            f"{instance.devices[stages[limiting].device].name}), less than the {tokens_needed} tokens the workload "
+            f"{instance.devices[stages[limiting].device].name}), less than the {tokens_needed} tokens "
+            "the workload "
             "keeps in flight; vLLM will queue or preempt requests"
         )
     env = f"VLLM_PP_LAYER_PARTITION={','.join(str(c) for c in counts)}"
-    args = ["vllm", "serve", _model_id(model), "--pipeline-parallel-size", str(len(stages)),
-            "--tensor-parallel-size", "1"]
+    args = [
+        "vllm",
+        "serve",
+        _model_id(model),
+        "--pipeline-parallel-size",
+        str(len(stages)),
+        "--tensor-parallel-size",
+        "1",
+    ]
     if dtype in VLLM_DTYPES:
         args += ["--dtype", VLLM_DTYPES[dtype]]
     else:

@@ -3,9 +3,9 @@
 Variables (u a unit, j, k devices; times in ms, bytes in GiB to keep coefficients near 1):
 
     x[u, j] in {0, 1}   unit u on device j                    sum_j x[u, j] = 1
-    b[u, j] in [0, 1]   device j's run starts at u            b[u, j] >= x[u, j] - x[u-1, j], sum_u b[u, j] <= 1
+    b[u, j] in [0, 1]   j's run starts at u       b[u, j] >= x[u, j] - x[u-1, j], sum_u b[u, j] <= 1
     y[j, k] in [0, 1]   k follows j in the pipeline           y[j, k] >= x[u, j] + x[u+1, k] - 1
-    o[j] >= 0           GiB offloaded to host                 o[j] >= held_j - G_j, o[j] <= host_j (1 - x[0, j])
+    o[j] >= 0           GiB offloaded to host     o[j] >= held_j - G_j, o[j] <= host_j (1 - x[0, j])
     A[j] >= 0           offload time                          A[j] >= o[j] / B_j
     T^p[j], T^d[j]      stage times                           T >= compute + comm + A  (or >= each, overlap)
     M^p, M^d            bottlenecks                           M >= T[j]
@@ -161,8 +161,18 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
             s_vals[j] = 0.0
             compute[name, j] = (c_cols, c_vals, s_cols, s_vals)
             if inst.overlap:
-                mb.rows(np.concatenate([[T[j]], c_cols])[None], np.concatenate([[1.0], -c_vals])[None], 0.0, np.inf)
-                mb.rows(np.concatenate([[T[j]], s_cols])[None], np.concatenate([[1.0], -s_vals])[None], 0.0, np.inf)
+                mb.rows(
+                    np.concatenate([[T[j]], c_cols])[None],
+                    np.concatenate([[1.0], -c_vals])[None],
+                    0.0,
+                    np.inf,
+                )
+                mb.rows(
+                    np.concatenate([[T[j]], s_cols])[None],
+                    np.concatenate([[1.0], -s_vals])[None],
+                    0.0,
+                    np.inf,
+                )
                 mb.rows(np.array([[T[j], A[j]]]), [[1.0, -1.0]], 0.0, np.inf)
             else:
                 cols = np.concatenate([[T[j]], c_cols, s_cols, [A[j]]])
@@ -171,7 +181,7 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
             mb.rows(np.array([[M, T[j]]]), [[1.0, -1.0]], 0.0, np.inf)
 
     # swap-in hidden under the upstream stage j of k: A[k] <= compute_j + comm_j + bigM (1 - y[j, k])
-    for k, device in enumerate(inst.devices):
+    for k in range(N):
         big_m = mb.upper[A[k]]
         if big_m <= 0:
             continue
@@ -286,21 +296,24 @@ def solve_milp(
     warm_start: Solution | None = None,
     threads: int | None = None,
     verbose: bool = False,
-    isolate: bool = True,
+    isolate: bool = False,
 ) -> MILPResult:
-    """Solve the MILP; with `isolate` HiGHS runs in a spawned child process.
+    """Solve the MILP; with `isolate` HiGHS runs in a forked child process.
 
-    HiGHS 1.15 segfaults or hangs past its time limit on some infeasible instances of this model
+    HiGHS 1.15 segfaults (or hangs past its time limit) on some infeasible instances of this model
     (seen: llama-3-70b on the bundled llmpq-t4-v100 cluster). In a child, a crash or a hang costs
-    the MILP's answer (status "solver crashed" / "solver hung"), not the caller's process."""
-    kwargs = dict(time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads,
-                  verbose=verbose)
+    the MILP's answer (status "solver crashed" / "solver hung"), not the caller's process. HiGHS
+    also crashed in a forked child on feasible instances here, so `solve` isolates only when the DP
+    found no plan (the case where the crash shows up)."""
+    kwargs = dict(
+        time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads, verbose=verbose
+    )
     if not isolate:
         return _solve_milp(instance, **kwargs)
     import multiprocessing
 
     started = time.perf_counter()
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(sender, instance, kwargs), daemon=True)
     child.start()
@@ -322,8 +335,18 @@ def solve_milp(
         return result
     if child.exitcode not in (None, 0):
         status = "solver crashed"
-    return MILPResult(None, None, status, np.inf, -np.inf, np.inf, time.perf_counter() - started,
-                      warm_start is not None, 0, 0)
+    return MILPResult(
+        None,
+        None,
+        status,
+        np.inf,
+        -np.inf,
+        np.inf,
+        time.perf_counter() - started,
+        warm_start is not None,
+        0,
+        0,
+    )
 
 
 def _child(sender, instance: PlanningInstance, kwargs: dict) -> None:
@@ -347,9 +370,17 @@ def _solve_milp(
     started = time.perf_counter()
     mb, cols = build_model(instance)
     n_cols = len(mb.lower)
-    lp = _highs_lp(np.asarray(mb.cost) / MS, np.asarray(mb.lower), np.asarray(mb.upper),
-                   np.concatenate(mb.r), np.concatenate(mb.c), np.concatenate(mb.v),
-                   np.asarray(mb.rows_lo), np.asarray(mb.rows_hi), np.asarray(mb.integer))
+    lp = _highs_lp(
+        np.asarray(mb.cost) / MS,
+        np.asarray(mb.lower),
+        np.asarray(mb.upper),
+        np.concatenate(mb.r),
+        np.concatenate(mb.c),
+        np.concatenate(mb.v),
+        np.asarray(mb.rows_lo),
+        np.asarray(mb.rows_hi),
+        np.asarray(mb.integer),
+    )
     h = highspy.Highs()
     h.setOptionValue("output_flag", bool(verbose))
     h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
@@ -379,12 +410,23 @@ def _solve_milp(
     elapsed = time.perf_counter() - started
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
     if not has_solution:
-        return MILPResult(None, None, status, np.inf, float(info.mip_dual_bound), np.inf, elapsed, warm, n_cols,
-                          mb.n_rows)
+        return MILPResult(
+            None, None, status, np.inf, float(info.mip_dual_bound), np.inf, elapsed, warm, n_cols, mb.n_rows
+        )
     values = np.asarray(h.getSolution().col_value)
     solution = _extract(instance, cols, values)
     objective = float(info.objective_function_value)
     bound = float(info.mip_dual_bound)
     gap = max(objective - bound, 0.0) / abs(objective) if objective else 0.0
-    return MILPResult(solution, evaluate(instance, solution), status, objective, bound, gap, elapsed, warm, n_cols,
-                      mb.n_rows)
+    return MILPResult(
+        solution,
+        evaluate(instance, solution),
+        status,
+        objective,
+        bound,
+        gap,
+        elapsed,
+        warm,
+        n_cols,
+        mb.n_rows,
+    )

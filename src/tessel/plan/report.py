@@ -37,8 +37,12 @@ class Predicted:
         return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "throughput_tok_s": self.throughput_tok_s}
 
 
-def predict(instance: PlanningInstance, evaluation: Evaluation, micro_batch_size: int = 1,
-            output_tokens: float | None = None) -> Predicted:
+def predict(
+    instance: PlanningInstance,
+    evaluation: Evaluation,
+    micro_batch_size: int = 1,
+    output_tokens: float | None = None,
+) -> Predicted:
     n_out = instance.decode_weight / instance.prefill_weight if output_tokens is None else output_tokens
     ttft, tpot = evaluation.prefill_makespan_s, evaluation.decode_makespan_s
     requests = instance.micro_batches * micro_batch_size
@@ -106,9 +110,17 @@ def workload_json(workload) -> dict:
     return data
 
 
-def baseline_json(instance: PlanningInstance, result: BaselineResult, micro_batch_size: int, cluster=None) -> dict:
+def baseline_json(
+    instance: PlanningInstance, result: BaselineResult, micro_batch_size: int, cluster=None
+) -> dict:
     if result.evaluation is None:
-        return {"feasible": False, "reason": result.reason, "objective": None, "predicted": None, "stages": None}
+        return {
+            "feasible": False,
+            "reason": result.reason,
+            "objective": None,
+            "predicted": None,
+            "stages": None,
+        }
     return {
         "feasible": result.feasible,
         "reason": result.reason,
@@ -155,17 +167,36 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for column in ("#", "device", "type", "layers", "weights GiB", "KV GiB", "offload GiB", "prefill ms",
-                   "decode ms"):
+    for column in (
+        "#",
+        "device",
+        "type",
+        "layers",
+        "weights GiB",
+        "KV GiB",
+        "offload GiB",
+        "prefill ms",
+        "decode ms",
+    ):
         table.add_column(column, justify="left" if column in ("device", "type") else "right")
     per = instance.n_units // len({unit.layer for unit in instance.units})
     for index, se in enumerate(evaluation.stages):
         device = instance.devices[se.stage.device]
         start, end = layer_range(instance, se.stage.unit_start, se.stage.unit_end)
-        layers = f"{start}-{end - 1}" if per == 1 else _unit_label(instance, se.stage.unit_start, se.stage.unit_end)
+        layers = (
+            f"{start}-{end - 1}"
+            if per == 1
+            else _unit_label(instance, se.stage.unit_start, se.stage.unit_end)
+        )
         table.add_row(
-            str(index), device.name, device.gpu_type, layers, f"{se.weight_bytes / GIB:.1f}",
-            f"{se.kv_bytes / GIB:.1f}", f"{se.offload_bytes / GIB:.1f}", f"{se.time_prefill_s * 1e3:.2f}",
+            str(index),
+            device.name,
+            device.gpu_type,
+            layers,
+            f"{se.weight_bytes / GIB:.1f}",
+            f"{se.kv_bytes / GIB:.1f}",
+            f"{se.offload_bytes / GIB:.1f}",
+            f"{se.time_prefill_s * 1e3:.2f}",
             f"{se.time_decode_s * 1e3:.3f}",
         )
     return table
@@ -173,27 +204,46 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
 
 def _unit_label(instance: PlanningInstance, start: int, end: int) -> str:
     first, last = instance.units[start], instance.units[end - 1]
-    return f"{first.layer}{'' if first.kind == 'attention' else '.mlp'}-{last.layer}{'' if last.kind == 'mlp' else '.attn'}"
+    start = f"{first.layer}{'' if first.kind == 'attention' else '.mlp'}"
+    return f"{start}-{last.layer}{'' if last.kind == 'mlp' else '.attn'}"
 
 
-def comparison_table(instance: PlanningInstance, evaluation: Evaluation, baselines: dict[str, BaselineResult],
-                     micro_batch_size: int):
+def comparison_table(
+    instance: PlanningInstance,
+    evaluation: Evaluation,
+    baselines: dict[str, BaselineResult],
+    micro_batch_size: int,
+):
     from rich.table import Table
 
     ours = predict(instance, evaluation, micro_batch_size)
     table = Table(title="tessel vs baselines (same cost model)", title_justify="left")
     for column in ("plan", "objective s", "TTFT s", "TPOT ms", "tok/s", "tessel speedup", "note"):
         table.add_column(column, justify="left" if column in ("plan", "note") else "right")
-    table.add_row("tessel", f"{evaluation.objective:.3f}", f"{ours.ttft_s:.3f}", f"{ours.tpot_s * 1e3:.2f}",
-                  f"{ours.throughput_tok_s:.1f}", "1.00x", "")
+    table.add_row(
+        "tessel",
+        f"{evaluation.objective:.3f}",
+        f"{ours.ttft_s:.3f}",
+        f"{ours.tpot_s * 1e3:.2f}",
+        f"{ours.throughput_tok_s:.1f}",
+        "1.00x",
+        "",
+    )
     for name, result in baselines.items():
         if result.evaluation is None or not result.feasible:
             table.add_row(name, "-", "-", "-", "-", "-", f"infeasible: {_short(result.reason)}")
             continue
         theirs = predict(instance, result.evaluation, micro_batch_size)
         speedup = ours.throughput_tok_s / theirs.throughput_tok_s if theirs.throughput_tok_s else math.inf
-        table.add_row(name, f"{result.evaluation.objective:.3f}", f"{theirs.ttft_s:.3f}",
-                      f"{theirs.tpot_s * 1e3:.2f}", f"{theirs.throughput_tok_s:.1f}", f"{speedup:.2f}x", "")
+        table.add_row(
+            name,
+            f"{result.evaluation.objective:.3f}",
+            f"{theirs.ttft_s:.3f}",
+            f"{theirs.tpot_s * 1e3:.2f}",
+            f"{theirs.throughput_tok_s:.1f}",
+            f"{speedup:.2f}x",
+            "",
+        )
     return table
 
 

@@ -221,9 +221,7 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
 
 def swap_window_s(stage: StageEval) -> float:
     """How long an upstream stage works (compute + send) while the next one swaps in."""
-    return min(
-        stage.compute_prefill_s + stage.comm_prefill_s, stage.compute_decode_s + stage.comm_decode_s
-    )
+    return min(stage.compute_prefill_s + stage.comm_prefill_s, stage.compute_decode_s + stage.comm_decode_s)
 
 
 def _swap_in_violations(instance: PlanningInstance, stages: list[StageEval]) -> list[str]:
@@ -241,7 +239,8 @@ def _swap_in_violations(instance: PlanningInstance, stages: list[StageEval]) -> 
         window = swap_window_s(stages[index - 1])
         if stage.offload_s > window * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S:
             reasons.append(
-                f"{name}: swap-in of {stage.offload_bytes / 2**30:.2f} GiB takes {stage.offload_s * 1e3:.2f} ms, "
+                f"{name}: swap-in of {stage.offload_bytes / 2**30:.2f} GiB takes "
+                f"{stage.offload_s * 1e3:.2f} ms, "
                 f"longer than the {window * 1e3:.2f} ms the upstream stage works"
             )
     return reasons

@@ -61,8 +61,16 @@ def _brute(instance: PlanningInstance, started: float) -> PlanResult:
         raise TesselError(f"{error}") from None
     if result.solution is None:
         raise _infeasible(instance, "brute force found no feasible plan")
-    return PlanResult(result.solution, result.evaluation, "brute", "optimal", 0.0, result.evaluation.objective,
-                      time.perf_counter() - started, {"plans_evaluated": result.plans_evaluated})
+    return PlanResult(
+        result.solution,
+        result.evaluation,
+        "brute",
+        "optimal",
+        0.0,
+        result.evaluation.objective,
+        time.perf_counter() - started,
+        {"plans_evaluated": result.plans_evaluated},
+    )
 
 
 def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
@@ -73,11 +81,27 @@ def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: fl
         raise _infeasible(instance, "the DP found no feasible plan")
     objective = result.evaluation.objective
     proven = (objective - result.bound) / objective if math.isfinite(result.bound) and objective else None
-    status = "optimal" if result.exact else ("gap reached" if proven is not None and proven <= gap else "time limit")
-    detail = {"dp_calls": result.dp_calls, "orders_searched": result.orders_searched,
-              "orders_total": result.orders_total, "exact": result.exact}
-    return PlanResult(result.solution, result.evaluation, "dp", status, proven, result.bound,
-                      time.perf_counter() - started, detail)
+    status = (
+        "optimal"
+        if result.exact
+        else ("gap reached" if proven is not None and proven <= gap else "time limit")
+    )
+    detail = {
+        "dp_calls": result.dp_calls,
+        "orders_searched": result.orders_searched,
+        "orders_total": result.orders_total,
+        "exact": result.exact,
+    }
+    return PlanResult(
+        result.solution,
+        result.evaluation,
+        "dp",
+        status,
+        proven,
+        result.bound,
+        time.perf_counter() - started,
+        detail,
+    )
 
 
 def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
@@ -86,22 +110,33 @@ def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: 
 
     dp = solve_dp(instance, time_limit_s=time_limit_s * DP_SHARE, rel_gap=DP_WARM_START_GAP)
     remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-    milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=dp.solution)
-    detail = {"dp_objective": dp.evaluation.objective if dp.evaluation else None, "dp_calls": dp.dp_calls,
-              "milp_cols": milp.n_cols, "milp_rows": milp.n_rows, "warm_started": milp.warm_started,
-              "highs_objective": milp.objective}
-    candidates = [(r.evaluation, r.solution, name) for r, name in ((milp, "milp"), (dp, "dp"))
-                  if r.evaluation is not None and r.evaluation.feasible]
+    milp = solve_milp(
+        instance, time_limit_s=remaining, mip_gap=gap, warm_start=dp.solution, isolate=dp.solution is None
+    )
+    detail = {
+        "dp_objective": dp.evaluation.objective if dp.evaluation else None,
+        "dp_calls": dp.dp_calls,
+        "milp_cols": milp.n_cols,
+        "milp_rows": milp.n_rows,
+        "warm_started": milp.warm_started,
+        "highs_objective": milp.objective,
+    }
+    candidates = [
+        (r.evaluation, r.solution, name)
+        for r, name in ((milp, "milp"), (dp, "dp"))
+        if r.evaluation is not None and r.evaluation.feasible
+    ]
     if not candidates:
         if milp.status == "Infeasible":
             raise _infeasible(instance, "the MILP proved that no plan fits")
-        raise _infeasible(instance, f"no feasible plan found ({milp.status})")
+        raise _infeasible(instance, f"no feasible plan found (DP: none; HiGHS: {milp.status})")
     evaluation, solution, source = min(candidates, key=lambda c: c[0].objective)
     detail["plan_from"] = source
     bound = milp.bound if math.isfinite(milp.bound) else None
     proven = max(evaluation.objective - bound, 0.0) / evaluation.objective if bound is not None else None
-    return PlanResult(solution, evaluation, "milp", milp.status, proven, bound, time.perf_counter() - started,
-                      detail)
+    return PlanResult(
+        solution, evaluation, "milp", milp.status, proven, bound, time.perf_counter() - started, detail
+    )
 
 
 def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
@@ -111,10 +146,15 @@ def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
     gib = 2.0**30
     if shortfall > 0:
         return TesselError(
-            f"the model does not fit: it needs {shortfall / gib:.1f} GiB more than the cluster's GPU and host "
+            f"the model does not fit: it needs {shortfall / gib:.1f} GiB more than the cluster's GPU "
+            "and host "
             "memory together; add GPUs or host memory, or use a smaller dtype / shorter workload"
         )
-    need = float(instance.weight_bytes.sum() + instance.kv_bytes.sum()) + instance.first_bytes + instance.last_bytes
+    need = (
+        float(instance.weight_bytes.sum() + instance.kv_bytes.sum())
+        + instance.first_bytes
+        + instance.last_bytes
+    )
     gpu = sum(d.memory_bytes for d in instance.devices)
     extra = max(need + float(instance.workspace_bytes.min()) - gpu, 0.0)
     hint = f" (it needs {extra / gib:.1f} GiB more GPU memory to avoid offloading)" if extra > 0 else ""
