@@ -27,7 +27,7 @@ def plan(
     overlap: bool = typer.Option(
         False, "--overlap", help="Stage time = max(compute, comm, offload), not the sum."
     ),
-    time_limit: float = typer.Option(30.0, "--time-limit", help="Solver time limit in seconds."),
+    time_limit: float = typer.Option(10.0, "--time-limit", help="Solver time limit in seconds."),
     mip_gap: float = typer.Option(0.01, "--mip-gap", help="Relative gap at which the solver stops."),
     dtype: str = typer.Option("fp16", help="Weight dtype: fp16, bf16, int8, fp8, fp32."),
     kv_dtype: str = typer.Option("fp16", "--kv-dtype", help="KV cache dtype."),

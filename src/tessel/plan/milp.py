@@ -254,7 +254,14 @@ def _highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper
     import highspy
 
     n_cols, n_rows = len(cost), len(row_lower)
-    order = np.lexsort((rows, cols))
+    # sum duplicate (row, col) entries (a row may name a column twice); HiGHS needs them merged
+    keys, inverse = np.unique(
+        np.asarray(cols, dtype=np.int64) * n_rows + np.asarray(rows), return_inverse=True
+    )
+    merged = np.zeros(len(keys))
+    np.add.at(merged, inverse, np.asarray(vals, dtype=float))
+    cols, rows, vals = keys // n_rows, keys % n_rows, merged
+    order = np.arange(len(keys))  # np.unique sorted the keys: by column, then row
     counts = np.bincount(cols, minlength=n_cols)
     lp = highspy.HighsLp()
     lp.num_col_ = n_cols
@@ -300,11 +307,10 @@ def solve_milp(
 ) -> MILPResult:
     """Solve the MILP; with `isolate` HiGHS runs in a forked child process.
 
-    HiGHS 1.15 segfaults (or hangs past its time limit) on some infeasible instances of this model
-    (seen: llama-3-70b on the bundled llmpq-t4-v100 cluster). In a child, a crash or a hang costs
-    the MILP's answer (status "solver crashed" / "solver hung"), not the caller's process. HiGHS
-    also crashed in a forked child on feasible instances here, so `solve` isolates only when the DP
-    found no plan (the case where the crash shows up)."""
+    HiGHS 1.15 can segfault, or run far past its time limit (seen in a phase where no interrupt
+    callback fires), on some instances of this model. In a child, a crash or a hang costs only the
+    MILP's answer (status "solver crashed" / "solver hung"): the child is killed at the time limit
+    plus a short grace, and `solve` keeps the DP's plan. `solve` always isolates for that reason."""
     kwargs = dict(
         time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads, verbose=verbose
     )
@@ -318,7 +324,7 @@ def solve_milp(
     child = context.Process(target=_child, args=(sender, instance, kwargs), daemon=True)
     child.start()
     sender.close()
-    grace_s = max(10.0, 0.5 * time_limit_s)  # building the model and the last node can overrun a little
+    grace_s = max(2.0, 0.1 * time_limit_s)  # building the model and the last node can overrun a little
     status = "solver hung"
     result = None
     if receiver.poll(time_limit_s + grace_s):
@@ -402,6 +408,8 @@ def _solve_milp(
             event.interrupt()
 
     h.cbMipInterrupt += stop_at_deadline
+    h.cbSimplexInterrupt += stop_at_deadline
+    h.cbIpmInterrupt += stop_at_deadline
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
     if h.getModelStatus() == highspy.HighsModelStatus.kInterrupt:

@@ -110,9 +110,7 @@ def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: 
 
     dp = solve_dp(instance, time_limit_s=time_limit_s * DP_SHARE, rel_gap=DP_WARM_START_GAP)
     remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-    milp = solve_milp(
-        instance, time_limit_s=remaining, mip_gap=gap, warm_start=dp.solution, isolate=dp.solution is None
-    )
+    milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=dp.solution, isolate=True)
     detail = {
         "dp_objective": dp.evaluation.objective if dp.evaluation else None,
         "dp_calls": dp.dp_calls,
