@@ -20,6 +20,7 @@ def random_instance(
     tight_memory: bool = False,
     micro_batches: int | None = None,
     granularity: str = "layer",
+    swap_in: str = "charged",
 ) -> PlanningInstance:
     """Devices of a few types on two nodes; times, bytes and links drawn fresh.
 
@@ -81,4 +82,5 @@ def random_instance(
         prefill_weight=float(rng.uniform(0.5, 2.0)),
         decode_weight=float(rng.uniform(1.0, 50.0)),
         overlap=overlap,
+        swap_in=swap_in,
     )

@@ -11,7 +11,9 @@ from tessel.plan.instance import DeviceSlot, PassCosts, PlanningInstance, Unit
 from tessel.plan.solution import Solution, Stage, evaluate
 
 
-def _two_device_instance(overlap: bool, memory_gib: float = 10.0, host_gib: float = 0.0) -> PlanningInstance:
+def _two_device_instance(
+    overlap: bool, memory_gib: float = 10.0, host_gib: float = 0.0, swap_in: str = "charged"
+) -> PlanningInstance:
     def costs(scale: float) -> PassCosts:
         return PassCosts(
             unit_time_s=np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]) * scale,
@@ -37,6 +39,7 @@ def _two_device_instance(overlap: bool, memory_gib: float = 10.0, host_gib: floa
         prefill_weight=1.0,
         decode_weight=10.0,
         overlap=overlap,
+        swap_in=swap_in,
     )
 
 
@@ -63,16 +66,21 @@ def test_offloading_limits_and_swap_in_rule() -> None:
     plan = Solution((Stage(1, 0, 1), Stage(0, 1, 3)))
     ev = evaluate(instance, plan)
     assert not ev.feasible and "host memory" in ev.reasons[0]
-    instance = _two_device_instance(False, memory_gib=7.0, host_gib=4.0)
-    ev = evaluate(instance, plan)
-    assert ev.stages[1].offload_bytes == pytest.approx(1.25 * GIB)
-    assert ev.stages[1].offload_s == pytest.approx(0.625)
-    assert ev.stages[1].time_prefill_s == pytest.approx(8.125 + 0.625)
-    # the upstream stage works 2.95 s in prefill but only 0.0295 s in a decode step: swap-in not hidden
-    assert not ev.feasible and "swap-in" in ev.reasons[0]
-    # the first stage may never offload
-    ev = evaluate(instance, Solution((Stage(0, 0, 3),)))
-    assert not ev.feasible and "first stage" in ev.reasons[0]
+    for swap_in in ("charged", "hidden"):
+        instance = _two_device_instance(False, memory_gib=7.0, host_gib=4.0, swap_in=swap_in)
+        ev = evaluate(instance, plan)
+        assert ev.stages[1].offload_bytes == pytest.approx(1.25 * GIB)
+        assert ev.stages[1].offload_s == pytest.approx(0.625)
+        assert ev.stages[1].time_prefill_s == pytest.approx(8.125 + 0.625)
+        assert ev.stages[1].time_decode_s == pytest.approx(0.08125 + 0.625)  # streamed on every step
+        single = evaluate(instance, Solution((Stage(0, 0, 3),)))
+        if swap_in == "charged":
+            assert ev.feasible and single.feasible
+            continue
+        # the upstream stage works 2.95 s in prefill but only 0.0295 s in a decode step: swap-in not hidden
+        assert not ev.feasible and "swap-in" in ev.reasons[0]
+        # the first stage may never offload
+        assert not single.feasible and "first stage" in single.reasons[0]
 
 
 def test_solution_validation() -> None:

@@ -36,6 +36,7 @@ TOP_KEYS = {
     "kv_dtype",
     "granularity",
     "overlap",
+    "swap_in",
     "stages",
     "predicted",
     "objective",
@@ -106,19 +107,25 @@ def test_model_too_big_for_gpus_and_host_exits_2(tmp_path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_fits_only_by_offloading_the_first_stage_exits_2(tmp_path) -> None:
-    """Host memory covers the shortfall, but a single GPU is the first stage and may not offload."""
+def test_offloading_the_first_stage_is_charged_or_refused(tmp_path) -> None:
+    """Host memory covers the shortfall on a single GPU: charged by default, refused under --swap-in hidden
+    (the only stage is the first one, and nothing upstream hides its swap-in)."""
     cluster = tmp_path / "one-t4-host.yaml"
     cluster.write_text(
         "name: one-t4-host\nnodes:\n  - name: n0\n    gpus: {type: T4, count: 1}\n    host_memory_gib: 1024\n"
     )
-    result = CliRunner().invoke(
-        app, ["plan", "--model", "llama-2-7b", "--cluster", str(cluster), "--time-limit", "5"]
-    )
+    args = ["plan", "--model", "llama-2-7b", "--cluster", str(cluster), "--time-limit", "5"]
+    plan_path = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, [*args, "--json", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(plan_path.read_text())
+    assert data["swap_in"] == "charged"
+    assert data["stages"][0]["offload_gib"] > 0
+    result = CliRunner().invoke(app, [*args, "--swap-in", "hidden"])
     assert result.exit_code != 0
     message = str(result.exception)
     assert type(result.exception).__name__ == "TesselError"
-    assert "no plan fits" in message and "GiB more" in message
+    assert "no plan fits" in message and "GiB more" in message and "--swap-in charged" in message
 
 
 def test_bad_options_are_user_errors() -> None:
@@ -128,6 +135,7 @@ def test_bad_options_are_user_errors() -> None:
         ["--export", "trt"],
         ["--granularity", "token"],
         ["--cluster", "nope"],
+        ["--swap-in", "never"],
     ):
         result = runner.invoke(app, ["plan", "--time-limit", "2", *args])
         assert result.exit_code != 0

@@ -28,7 +28,12 @@ def _instance(seed: int, n_units: int, n_devices: int, flags: int):
         overlap=bool(flags & 1),
         offload=bool(flags & 2),
         tight_memory=bool(flags & 4),
+        swap_in=_swap_in(flags),
     )
+
+
+def _swap_in(flags: int) -> str:
+    return "hidden" if flags & 8 else "charged"
 
 
 def _same(a, b) -> bool:
@@ -42,7 +47,7 @@ def _same(a, b) -> bool:
     seed=st.integers(0, 2**32 - 1),
     n_units=st.integers(1, 6),
     n_devices=st.integers(1, 4),
-    flags=st.integers(0, 7),
+    flags=st.integers(0, 15),
 )
 def test_dp_and_milp_equal_brute_force(seed: int, n_units: int, n_devices: int, flags: int) -> None:
     instance = _instance(seed, n_units, n_devices, flags)
@@ -59,7 +64,7 @@ def test_dp_and_milp_equal_brute_force(seed: int, n_units: int, n_devices: int, 
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(2, 6), flags=st.integers(0, 7))
+@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(2, 6), flags=st.integers(0, 15))
 def test_type_orders_exact_over_type_contiguous_plans(seed: int, n_units: int, flags: int) -> None:
     """4 devices of 2 types (copies within a type): type orders are optimal among type-contiguous plans."""
     rng = np.random.default_rng(seed)
@@ -71,6 +76,7 @@ def test_type_orders_exact_over_type_contiguous_plans(seed: int, n_units: int, f
         overlap=bool(flags & 1),
         offload=bool(flags & 2),
         tight_memory=bool(flags & 4),
+        swap_in=_swap_in(flags),
     )
     # same-type devices sit on different nodes in the helper; node-blind links make them exact copies
     for costs in (instance.prefill, instance.decode):
@@ -133,7 +139,7 @@ def test_brute_force_counts_every_plan(n_units: int, n_devices: int) -> None:
     seed=st.integers(0, 2**32 - 1),
     n_layers=st.integers(1, 4),
     n_devices=st.integers(1, 3),
-    flags=st.integers(0, 7),
+    flags=st.integers(0, 15),
 )
 def test_sublayer_plans_never_worse_than_layer_plans(
     seed: int, n_layers: int, n_devices: int, flags: int
@@ -148,6 +154,7 @@ def test_sublayer_plans_never_worse_than_layer_plans(
         offload=bool(flags & 2),
         tight_memory=bool(flags & 4),
         granularity="sublayer",
+        swap_in=_swap_in(flags),
     )
     coarse = _merge_layers(fine)
     best_fine = brute_force(fine).evaluation
@@ -191,4 +198,5 @@ def _merge_layers(instance):
         prefill_weight=instance.prefill_weight,
         decode_weight=instance.decode_weight,
         overlap=instance.overlap,
+        swap_in=instance.swap_in,
     )

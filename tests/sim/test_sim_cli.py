@@ -135,3 +135,46 @@ def test_unknown_gantt_format_fails_before_simulating(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["simulate", "--plan", str(plan), "--gantt", str(tmp_path / "g.bmp")])
     assert isinstance(result.exception, TesselError) and "unknown format '.bmp'" in str(result.exception)
     assert "TTFT" not in result.output
+
+
+@pytest.mark.slow
+def test_simulator_ranks_the_plan_as_the_planner_does(tmp_path: Path) -> None:
+    """In the regime the planner priced (m pinned micro-batches of b, KV limited), the default plan
+    simulates faster than every feasible baseline, and each baseline's simulated throughput is within
+    25% of the planner's prediction for it."""
+    plan = tmp_path / "plan.json"
+    made = CliRunner().invoke(app, ["plan", "--solver", "dp", "--time-limit", "5", "--json", str(plan)])
+    assert made.exit_code == 0, made.output
+    out = tmp_path / "sim.json"
+    args = ["simulate", "--plan", str(plan), "--requests", "120", "--seed", "1", "--compare"]
+    args += ["--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert document["config"]["regime"] == "plan" and document["config"]["pinned"]
+    results = document["results"]
+    simulated = {name: r["metrics"]["throughput_tok_s"] for name, r in results.items()}
+    assert len(simulated) >= 3
+    assert all(simulated["plan"] > simulated[name] for name in simulated if name != "plan"), simulated
+    for name, r in results.items():
+        predicted = r["predicted"]["throughput_tok_s"]
+        assert abs(simulated[name] - predicted) <= 0.25 * predicted, (name, simulated[name], predicted)
+
+
+def test_regime_defaults_come_from_the_plan_workload(tmp_path: Path) -> None:
+    from tessel.sim.plan_file import load_plan
+    from tessel.sim.regime import regime_defaults
+
+    path = write_plan(tmp_path)
+    data = json.loads(path.read_text())
+    data["workload"] = {"m": 4, "micro_batch_size": 3}
+    path.write_text(json.dumps(data))
+    plan = load_plan(path)
+    assert regime_defaults(plan, "plan") == regime_defaults(plan, "plan").__class__(12, 4, True, True)
+    continuous = regime_defaults(plan, "continuous")
+    assert (continuous.max_running, continuous.max_in_flight, continuous.pinned) == (256, None, False)
+    data["workload"] = {"name": "no m"}
+    path.write_text(json.dumps(data))
+    assert regime_defaults(load_plan(path), "plan") == continuous
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(path), "--regime", "vllm"])
+    assert isinstance(result.exception, TesselError) and "--regime must be one of" in str(result.exception)

@@ -27,6 +27,12 @@ def plan(
     overlap: bool = typer.Option(
         False, "--overlap", help="Stage time = max(compute, comm, offload), not the sum."
     ),
+    swap_in: str = typer.Option(
+        "charged",
+        "--swap-in",
+        help="charged: offloaded bytes cost their transfer in the stage time; hidden: also require the "
+        "swap-in to fit under the upstream stage's work (the seed's rule; no offloading on the first stage).",
+    ),
     time_limit: float = typer.Option(10.0, "--time-limit", help="Solver time limit in seconds."),
     mip_gap: float = typer.Option(0.01, "--mip-gap", help="Relative gap at which the solver stops."),
     dtype: str = typer.Option("fp16", help="Weight dtype: fp16, bf16, int8, fp8, fp32."),
@@ -67,6 +73,7 @@ def plan(
         dtype=dtype,
         kv_dtype=kv_dtype,
         overlap=overlap,
+        swap_in=swap_in,
         profiles=profiles,
     )
     _check_capacity(instance)

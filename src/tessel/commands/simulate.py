@@ -20,6 +20,7 @@ from tessel.sim.gantt import plot_gantt
 from tessel.sim.metrics import Metrics, compute_metrics
 from tessel.sim.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
+from tessel.sim.regime import REGIMES, regime_defaults
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import SchedulerConfig
 from tessel.sim.workload import requests_for_workload
@@ -39,18 +40,27 @@ def simulate(
     gantt_until_s: float | None = typer.Option(None, "--gantt-until-s", help="Cut the chart at this time."),
     json_out: Path | None = typer.Option(None, "--json", help="Write all metrics as JSON."),
     compare: bool = typer.Option(False, "--compare", help="Also simulate the plan's feasible baselines."),
-    max_running: int = typer.Option(256, "--max-running", help="Sequences admitted at once."),
+    regime: str = typer.Option(
+        "plan",
+        "--regime",
+        help="plan: the regime the planner priced (m pinned micro-batch slots, m x b sequences, KV "
+        "limited to the plan's kv_gib); continuous: one shared pool, 256 sequences, one micro-batch per "
+        "stage in flight (vLLM V1). The flags below override either.",
+    ),
+    max_running: int | None = typer.Option(None, "--max-running", help="Sequences admitted at once."),
     max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", help="Token budget per micro-batch."),
     max_in_flight: int | None = typer.Option(
-        None, "--max-in-flight", help="Micro-batches in the pipeline at once (default: one per stage)."
+        None, "--max-in-flight", help="Micro-batches in the pipeline at once."
     ),
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),
-    kv_limit: bool = typer.Option(
-        False, "--kv-limit", help="Admit requests only while their KV fits what the plan reserved (kv_gib)."
+    kv_limit: bool | None = typer.Option(
+        None,
+        "--kv-limit/--no-kv-limit",
+        help="Admit requests only while their KV fits what the plan reserved (kv_gib).",
     ),
-    pinned: bool = typer.Option(
-        False, "--pinned", help="Pin each request to one in-flight slot (vLLM V0 virtual engines)."
+    pinned: bool | None = typer.Option(
+        None, "--pinned/--no-pinned", help="Pin each request to one in-flight slot (vLLM V0 virtual engines)."
     ),
     mix: str = typer.Option("sum", "--mix", help="Cost of a mixed prefill+decode batch: sum or max."),
     profile: list[Path] = typer.Option(
@@ -60,8 +70,10 @@ def simulate(
     """Simulate serving a workload with a plan: TTFT, TPOT, throughput, stage use, bubbles."""
     if mix not in MIX_RULES:
         raise TesselError(f"--mix must be one of {', '.join(MIX_RULES)}, got {mix!r}")
+    if regime not in REGIMES:
+        raise TesselError(f"--regime must be one of {', '.join(REGIMES)}, got {regime!r}")
     for name, value in (("--max-running", max_running), ("--max-batch-tokens", max_batch_tokens)):
-        if value < 1:
+        if value is not None and value < 1:
             raise TesselError(f"{name} must be >= 1, got {value}")
     if max_in_flight is not None and max_in_flight < 1:
         raise TesselError(f"--max-in-flight must be >= 1, got {max_in_flight}")
@@ -71,19 +83,28 @@ def simulate(
     plan_file = load_plan(plan)
     profiles = [load_profile(path) for path in profile]
     trace = requests_for_workload(workload, requests, seed, rate)
+    defaults = regime_defaults(plan_file, regime)
     scheduler = dict(
-        max_running=max_running,
+        max_running=defaults.max_running if max_running is None else max_running,
         max_batch_tokens=max_batch_tokens,
         chunked_prefill=chunked_prefill,
         pipelined_prefill=cpp,
     )
     variants = [plan_file.main, *(plan_file.baselines if compare else ())]
-    options = {"max_in_flight": max_in_flight, "mix": mix, "pinned": pinned, "kv_limit": kv_limit}
+    options = {
+        "max_in_flight": defaults.max_in_flight if max_in_flight is None else max_in_flight,
+        "mix": mix,
+        "pinned": defaults.pinned if pinned is None else pinned,
+        "kv_limit": "if-known" if kv_limit is None and defaults.kv_limit else bool(kv_limit),
+    }
     runs = [_run_variant(plan_file, v, trace.requests, scheduler, options, profiles) for v in variants]
     console = Console()
     console.print(
         f"plan [bold]{plan}[/bold]: {plan_file.model_name} on {plan_file.cluster_name}, "
-        f"{len(plan_file.main.stages)} stages; workload {trace.description}",
+        f"{len(plan_file.main.stages)} stages; workload {trace.description}; regime {regime}: "
+        f"{scheduler['max_running']} sequences, "
+        f"{options['max_in_flight'] or 'one per stage'} micro-batches in flight"
+        f"{', pinned' if options['pinned'] else ''}{', KV limited' if options['kv_limit'] else ''}",
         highlight=False,
     )
     console.print(_metrics_table(runs))
@@ -112,6 +133,7 @@ def simulate(
             "config": {
                 **scheduler,
                 **options,
+                "regime": regime,
                 "profiles": [str(p) for p in profile],
             },
             "results": {
@@ -141,9 +163,10 @@ def _run_variant(
 ) -> Run:
     options = dict(options)
     capacity = None
-    if options.pop("kv_limit"):
+    kv_limit = options.pop("kv_limit")
+    if kv_limit:
         capacity = kv_capacity_tokens(plan_file, variant)
-        if capacity is None:
+        if capacity is None and kv_limit != "if-known":
             raise TesselError(
                 f"--kv-limit: {variant.name} in {plan_file.path} gives no kv_gib for its stages"
             )

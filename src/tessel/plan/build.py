@@ -40,7 +40,7 @@ from tessel.cost.roofline import (
 )
 from tessel.errors import TesselError
 from tessel.plan.cluster import Cluster, load_cluster
-from tessel.plan.instance import DeviceSlot, PassCosts, PlanningInstance, Unit
+from tessel.plan.instance import SWAP_IN_POLICIES, DeviceSlot, PassCosts, PlanningInstance, Unit
 from tessel.plan.workload import Workload, load_workload
 
 GRANULARITIES = {"layer": ("layer",), "sublayer": ("attention", "mlp")}
@@ -56,6 +56,7 @@ def build_instance(
     dtype: str = "fp16",
     kv_dtype: str = "fp16",
     overlap: bool = False,
+    swap_in: str = "charged",
     profiles: Sequence[Profile] = (),
 ) -> PlanningInstance:
     """The planning problem of serving `model` on `cluster` under `workload` (names or objects)."""
@@ -64,6 +65,8 @@ def build_instance(
     workload = workload if isinstance(workload, Workload) else load_workload(workload)
     if granularity not in GRANULARITIES:
         raise TesselError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
+    if swap_in not in SWAP_IN_POLICIES:
+        raise TesselError(f"unknown swap-in policy {swap_in!r}; use one of {', '.join(SWAP_IN_POLICIES)}")
     for name in (dtype, kv_dtype):
         L.dtype_bytes(name)  # an unknown dtype is a user error, raised here
 
@@ -125,6 +128,7 @@ def build_instance(
         prefill_weight=1.0,
         decode_weight=workload.output_tokens.mean_tokens,
         overlap=overlap,
+        swap_in=swap_in,
         labels={
             "model": model.name,
             "cluster": cluster.name,

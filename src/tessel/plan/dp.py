@@ -9,7 +9,8 @@ stage's prefill time and `tau_d` on its decode time, a backward DP minimises the
                = stage(p, u, e, next q) + min_f { W[e, q, f] : swap-in of q's stage [e, f) fits
                                                              under stage (p, u, e)'s work }
 
-(the swap-in rule, host limits and both bounds are masks; `evaluate`'s rules, same tolerances).
+(host limits, both bounds and, with `swap_in="hidden"`, the swap-in rule are masks; `evaluate`'s
+rules, same tolerances).
 The objective has two bottlenecks, max T^pre and max T^dec, so the bounds are searched as a
 staircase: a row fixes tau_d, steps tighten tau_p strictly below the bottleneck of the last
 optimum, the next row tightens tau_d strictly below the largest decode bottleneck of the row. Every
@@ -137,7 +138,7 @@ class _OrderDP:
         with np.errstate(divide="ignore", invalid="ignore"):
             off_s = np.where(off_b > 0, off_b / self.bw[:, None], 0.0)
         if u == 0:
-            self.first_ok = off_b <= 0.0
+            self.first_ok = off_b <= 0.0 if inst.swap_in == "hidden" else np.ones_like(host_ok)
         # last stage (e == U)
         tp_last = self._combine(comp_p[:, -1], 0.0, off_s[:, -1])
         td_last = self._combine(comp_d[:, -1], 0.0, off_s[:, -1])
@@ -148,8 +149,11 @@ class _OrderDP:
             cp, cd, off = comp_p[:, :-1, None], comp_d[:, :-1, None], off_s[:, :-1, None]
             sp, sd = self.send_p[:, None, :], self.send_d[:, None, :]
             tp, td = self._combine(cp, sp, off), self._combine(cd, sd, off)
-            threshold = np.minimum(cp + sp, cd + sd) * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S
-            allowance = threshold * self.bw[None, None, :]  # bytes q may stream in under stage p
+            if inst.swap_in == "hidden":
+                threshold = np.minimum(cp + sp, cd + sd) * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S
+                allowance = threshold * self.bw[None, None, :]  # bytes q may stream in under stage p
+            else:
+                allowance = np.full((n, 1, n), _INF)  # only q's own host limit (its mask) applies
             e3 = es[None, :, None]
             q3 = np.arange(n)[None, None, :]
             # successor [e, f) with f < U: held - mem <= allowance  <=>  cum_bytes[f] <= limit

@@ -16,6 +16,12 @@ Per pass (one micro-batch through the pipeline), device j running units U_j cost
 with held_j = sum weight_bytes + sum kv_bytes + workspace_bytes[j] (+ first/last bytes).
 Stage time T_j = compute + comm + offload (additive, the seed's form) or
 max(compute, comm, offload) (`overlap=True`, as FlexGen and LLM-PQ treat I/O).
+
+Offloaded bytes stream in from host memory on every pass, and their time is part of T_j in both
+swap-in policies. `swap_in="charged"` (the default) stops there: a stage may offload whatever its
+host allowance holds and pays the full transfer, as FlexGen does. `swap_in="hidden"` adds the
+seed's rule on top: a stage's swap-in must also fit under the upstream stage's work
+(compute + comm) in both passes, and the first stage, which has no upstream stage, may not offload.
 Objective = prefill_weight * (sum_j T_j^pre + (micro_batches - 1) * max_j T_j^pre)
           + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec).
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 UNIT_KINDS = ("layer", "attention", "mlp")
+SWAP_IN_POLICIES = ("charged", "hidden")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,7 @@ class PlanningInstance:
     prefill_weight: float = 1.0  # relative weight of the prefill makespan (requests per unit time)
     decode_weight: float = 1.0  # weight of one decode makespan (= generated tokens per request)
     overlap: bool = False
+    swap_in: str = "charged"  # "charged" or "hidden" (see the module docstring)
     labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
 
     def __post_init__(self) -> None:
@@ -92,6 +100,8 @@ class PlanningInstance:
         _check_shape("weight_bytes", self.weight_bytes, (n_units,))
         _check_shape("kv_bytes", self.kv_bytes, (n_units,))
         _check_shape("workspace_bytes", self.workspace_bytes, (n_devices,))
+        if self.swap_in not in SWAP_IN_POLICIES:
+            raise ValueError(f"swap_in must be one of {SWAP_IN_POLICIES}, got {self.swap_in!r}")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
 

@@ -5,15 +5,16 @@ Variables (u a unit, j, k devices; times in ms, bytes in GiB to keep coefficient
     x[u, j] in {0, 1}   unit u on device j                    sum_j x[u, j] = 1
     b[u, j] in [0, 1]   j's run starts at u       b[u, j] >= x[u, j] - x[u-1, j], sum_u b[u, j] <= 1
     y[j, k] in [0, 1]   k follows j in the pipeline           y[j, k] >= x[u, j] + x[u+1, k] - 1
-    o[j] >= 0           GiB offloaded to host     o[j] >= held_j - G_j, o[j] <= host_j (1 - x[0, j])
+    o[j] >= 0           GiB offloaded to host     o[j] >= held_j - G_j, o[j] <= host_j
     A[j] >= 0           offload time                          A[j] >= o[j] / B_j
     T^p[j], T^d[j]      stage times                           T >= compute + comm + A  (or >= each, overlap)
     M^p, M^d            bottlenecks                           M >= T[j]
 
 with used_j = sum_u b[u, j] (1 on a used device, so the workspace is counted once), the first stage
 (x[0, j] = 1) paying first_time / first_bytes, the last (x[U-1, j] = 1) last_time / last_bytes,
-comm_j = sum_k send[j, k] y[j, k], and the swap-in rule `A[k] <= compute_j + comm_j + M (1 - y[j, k])`
-in both passes (big-M: the most A[k] can be). The first stage may not offload (`evaluate`'s rule).
+comm_j = sum_k send[j, k] y[j, k]. With `swap_in="hidden"` also the swap-in rule
+`A[k] <= compute_j + comm_j + M (1 - y[j, k])` in both passes (big-M: the most A[k] can be), and
+the first stage may not offload (`o[j] <= host_j (1 - x[0, j])`); both are `evaluate`'s rules.
 b's sum-to-one makes runs contiguous without b being integral, and y needs no integrality either:
 x forces it to 1 where k follows j and the objective pushes it to 0 elsewhere.
 
@@ -106,6 +107,7 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
     for j in range(N):
         mb.upper[y[j, j]] = 0.0
     pw, dw, m1 = inst.prefill_weight, inst.decode_weight, inst.micro_batches - 1
+    hidden = inst.swap_in == "hidden"
     for j in range(N):
         mb.cost[Tp[j]] = pw
         mb.cost[Td[j]] = dw
@@ -138,8 +140,9 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
         vals[U - 1] += inst.last_bytes / GIB
         mb.rows(cols[None, :], vals[None, :], -np.inf, device.memory_bytes / GIB)
         host = device.host_bytes / GIB if device.host_to_device_bytes_per_s > 0 else 0.0
-        # first stage may not offload: o_j <= host (1 - x[0, j])
-        mb.rows(np.array([[o[j], x[0, j]]]), [[1.0, host]], -np.inf, host)
+        mb.upper[o[j]] = host
+        if hidden:  # the first stage may not offload: o_j <= host (1 - x[0, j])
+            mb.rows(np.array([[o[j], x[0, j]]]), [[1.0, host]], -np.inf, host)
         if host > 0:
             ms_per_gib = GIB / device.host_to_device_bytes_per_s * MS
             mb.rows(np.array([[A[j], o[j]]]), [[1.0, -ms_per_gib]], 0.0, np.inf)
@@ -181,7 +184,7 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
             mb.rows(np.array([[M, T[j]]]), [[1.0, -1.0]], 0.0, np.inf)
 
     # swap-in hidden under the upstream stage j of k: A[k] <= compute_j + comm_j + bigM (1 - y[j, k])
-    for k in range(N):
+    for k in range(N if hidden else 0):
         big_m = mb.upper[A[k]]
         if big_m <= 0:
             continue

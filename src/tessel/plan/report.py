@@ -155,6 +155,7 @@ def plan_json(
         "kv_dtype": kv_dtype,
         "granularity": granularity,
         "overlap": bool(instance.overlap),
+        "swap_in": instance.swap_in,
         "stages": stage_records(instance, evaluation, cluster),
         "predicted": predict(instance, evaluation, b).to_json(),
         "objective": evaluation.objective,

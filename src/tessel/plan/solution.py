@@ -19,10 +19,11 @@ quantities of `tessel.plan.instance`'s docstring:
 and feasibility:
 
 - offloaded bytes fit the device's host allowance: `held_j - memory_bytes[j] <= host_bytes[j]`;
-- the swap-in is hidden under the upstream stage (SPEC section 2): a stage's offload time must
-  not exceed the upstream stage's `compute + comm` (its `T - A` in the additive form) in either
-  pass. The first stage has no upstream stage, so it may not offload (the SPEC's linear constraint
-  has an empty right-hand side there). Offload time is the same in both passes (same bytes).
+- with `swap_in="hidden"` only, the swap-in is hidden under the upstream stage (SPEC section 2): a
+  stage's offload time must not exceed the upstream stage's `compute + comm` (its `T - A` in the
+  additive form) in either pass. The first stage has no upstream stage, so it may not offload (the
+  SPEC's linear constraint has an empty right-hand side there). Offload time is the same in both
+  passes (same bytes). With the default `swap_in="charged"` the transfer is only paid in T_j.
 
 MILP, DP, brute force and the baselines all call this function, so they agree on one number.
 """
@@ -202,7 +203,8 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
                 offload_bytes=offload_bytes,
             )
         )
-    reasons.extend(_swap_in_violations(instance, results))
+    if instance.swap_in == "hidden":
+        reasons.extend(_swap_in_violations(instance, results))
     m = instance.micro_batches
     pre = [stage.time_prefill_s for stage in results]
     dec = [stage.time_decode_s for stage in results]

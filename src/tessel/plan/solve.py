@@ -1,8 +1,9 @@
 """One entry point over the solvers: `solve(instance, solver=...)` -> `PlanResult`.
 
 - `milp` (default): the DP runs first for a share of the time limit (`DP_SHARE`, with a 1% gap
-  target) and its plan warm-starts HiGHS, which gets the rest; the better of the two is kept.
-  Status, gap and bound are HiGHS's.
+  target); the better of its plan and the feasible baselines warm-starts HiGHS, which gets the rest;
+  the best plan of all is kept (so a DP that runs out of time on a large cluster still leaves a
+  plan). Status, gap and bound are HiGHS's.
 - `dp`: the DP alone (exact over the searched orders when it finishes with gap 0).
 - `brute`: every plan (tiny instances only).
 """
@@ -105,12 +106,18 @@ def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: fl
 
 
 def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
+    from tessel.plan.baselines import run_baselines
     from tessel.plan.dp import solve_dp
     from tessel.plan.milp import solve_milp
 
     dp = solve_dp(instance, time_limit_s=time_limit_s * DP_SHARE, rel_gap=DP_WARM_START_GAP)
+    heuristics = [(dp.evaluation, dp.solution, "dp")] + [
+        (b.evaluation, b.solution, name) for name, b in run_baselines(instance).items()
+    ]
+    heuristics = [h for h in heuristics if h[0] is not None and h[0].feasible]
+    warm = min(heuristics, key=lambda h: h[0].objective)[1] if heuristics else None
     remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-    milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=dp.solution, isolate=True)
+    milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=warm, isolate=True)
     detail = {
         "dp_objective": dp.evaluation.objective if dp.evaluation else None,
         "dp_calls": dp.dp_calls,
@@ -119,11 +126,9 @@ def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: 
         "warm_started": milp.warm_started,
         "highs_objective": milp.objective,
     }
-    candidates = [
-        (r.evaluation, r.solution, name)
-        for r, name in ((milp, "milp"), (dp, "dp"))
-        if r.evaluation is not None and r.evaluation.feasible
-    ]
+    candidates = heuristics
+    if milp.evaluation is not None and milp.evaluation.feasible:
+        candidates = [(milp.evaluation, milp.solution, "milp"), *heuristics]
     if not candidates:
         if milp.status == "Infeasible":
             raise _infeasible(instance, "the MILP proved that no plan fits")
@@ -155,10 +160,17 @@ def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
     )
     gpu = sum(d.memory_bytes for d in instance.devices)
     extra = max(need + float(instance.workspace_bytes.min()) - gpu, 0.0)
+    hidden = instance.swap_in == "hidden"
+    rules = ", offloading and swap-in rules" if hidden else " and offloading rules"
+    why = (
+        " (with --swap-in hidden the first stage may not offload, and offloaded bytes must stream in "
+        "under the upstream stage; --swap-in charged lifts that)"
+        if hidden
+        else ""
+    )
     hint = f" (it needs {extra / gib:.1f} GiB more GPU memory to avoid offloading)" if extra > 0 else ""
     return TesselError(
         f"{what}: the model's {need / gib:.1f} GiB of weights and KV cannot be placed on "
-        f"{instance.n_devices} devices with {gpu / gib:.1f} GiB of GPU memory under the memory, offloading "
-        f"and swap-in rules{hint}; add GPUs, or lower max_micro_batch or the lengths in the workload "
-        "(the first stage may not offload, and offloaded bytes must stream in under the upstream stage)"
+        f"{instance.n_devices} devices with {gpu / gib:.1f} GiB of GPU memory under the memory"
+        f"{rules}{hint}; add GPUs, or lower max_micro_batch or the lengths in the workload{why}"
     )
