@@ -21,10 +21,12 @@ def random_instance(
     micro_batches: int | None = None,
     granularity: str = "layer",
     swap_in: str = "charged",
+    alike: bool = False,
 ) -> PlanningInstance:
     """Devices of a few types on two nodes; times, bytes and links drawn fresh.
 
-    Same-type devices on one node are exact copies (the DP's type orders rely on that)."""
+    Same-type devices on one node are exact copies (the DP's type orders rely on that). With
+    `alike` every unit has the same bytes and times (whole layers of one model)."""
     n_types = n_types or n_devices
     type_of = [j % n_types for j in range(n_devices)]
     node_of = [(j // n_types) % 2 for j in range(n_devices)]
@@ -38,6 +40,8 @@ def random_instance(
         units = tuple(Unit(i) for i in range(n_units))
     weight = rng.uniform(0.2, 1.0, size=n_units) * GIB
     kv = rng.uniform(0.05, 0.4, size=n_units) * GIB
+    if alike:
+        weight, kv = np.full(n_units, weight[0]), np.full(n_units, kv[0])
     total = weight.sum() + kv.sum()
     capacity = sum(mem_gib[t] for t in type_of)
     slack = rng.uniform(0.6, 1.1) if tight_memory else rng.uniform(1.3, 3.0)
@@ -45,6 +49,8 @@ def random_instance(
         mem_gib = mem_gib * slack * (total / GIB) / capacity
     work_pre = rng.uniform(0.5, 1.5, size=n_units) * 1e-2
     work_dec = rng.uniform(0.5, 1.5, size=n_units) * 1e-3
+    if alike:
+        work_pre, work_dec = np.full(n_units, work_pre[0]), np.full(n_units, work_dec[0])
 
     def pass_costs(work: np.ndarray, scale: float) -> PassCosts:
         unit_time = work[:, None] / speed[type_of][None, :]

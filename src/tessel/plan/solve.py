@@ -1,9 +1,12 @@
 """One entry point over the solvers: `solve(instance, solver=...)` -> `PlanResult`.
 
-- `milp` (default): the DP runs first for a share of the time limit (`DP_SHARE`, with a 1% gap
-  target); the better of its plan and the feasible baselines warm-starts HiGHS, which gets the rest;
-  the best plan of all is kept (so a DP that runs out of time on a large cluster still leaves a
-  plan). Status, gap and bound are HiGHS's.
+- `milp` (default): first the counts relaxation (`tessel.plan.bound`, when all units are alike:
+  whole layers) gives a lower bound on every plan and the plans it meets; when its bound proves
+  the requested gap for the best of those plans and the baselines, that plan is returned
+  (status "gap reached", HiGHS not run). Otherwise the DP runs for a share of the time left
+  (`DP_SHARE`, with a 1% gap target), the best plan so far warm-starts HiGHS, which gets the
+  rest, and the best plan of all is kept. The gap is proven against the larger of HiGHS's dual
+  bound and the counts bound.
 - `dp`: the DP alone (exact over the searched orders when it finishes with gap 0).
 - `brute`: every plan (tiny instances only).
 """
@@ -19,7 +22,9 @@ from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import Evaluation, Solution
 
 SOLVERS = ("milp", "dp", "brute")
-DP_SHARE = 0.25  # fraction of the time limit the DP gets before the MILP
+COUNTS_SHARE = 0.4  # fraction of the time limit the counts relaxation search gets first
+COUNTS_GAP_SHARE = 0.5  # it aims at half the requested gap, so rounding and ties leave room
+DP_SHARE = 0.25  # fraction of the time left that the DP gets before the MILP
 DP_WARM_START_GAP = 0.01
 
 
@@ -107,25 +112,37 @@ def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: fl
 
 def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
     from tessel.plan.baselines import run_baselines
+    from tessel.plan.bound import counts_search
     from tessel.plan.dp import solve_dp
     from tessel.plan.milp import solve_milp
 
-    dp = solve_dp(instance, time_limit_s=time_limit_s * DP_SHARE, rel_gap=DP_WARM_START_GAP)
-    heuristics = [(dp.evaluation, dp.solution, "dp")] + [
-        (b.evaluation, b.solution, name) for name, b in run_baselines(instance).items()
-    ]
+    counts = counts_search(instance, rel_gap=gap * COUNTS_GAP_SHARE, time_limit_s=time_limit_s * COUNTS_SHARE)
+    detail = {"counts_bound": _finite(counts.bound), "counts_knapsacks": counts.knapsacks}
+    heuristics = [(counts.evaluation, counts.solution, "counts")]
+    heuristics += [(b.evaluation, b.solution, name) for name, b in run_baselines(instance).items()]
     heuristics = [h for h in heuristics if h[0] is not None and h[0].feasible]
+    best = min(heuristics, key=lambda h: h[0].objective, default=None)
+    if best is not None and _gap(best[0].objective, counts.bound) <= gap:
+        detail.update(plan_from=best[2], highs="not run: the counts bound proves the gap")
+        proven = _gap(best[0].objective, counts.bound)
+        elapsed = time.perf_counter() - started
+        return PlanResult(best[1], best[0], "milp", "gap reached", proven, counts.bound, elapsed, detail)
+    left = time_limit_s - (time.perf_counter() - started)
+    dp = solve_dp(instance, time_limit_s=max(left, 0.0) * DP_SHARE, rel_gap=DP_WARM_START_GAP)
+    if dp.evaluation is not None and dp.evaluation.feasible:
+        heuristics.append((dp.evaluation, dp.solution, "dp"))
     warm = min(heuristics, key=lambda h: h[0].objective)[1] if heuristics else None
     remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
     milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=warm, isolate=True)
-    detail = {
-        "dp_objective": dp.evaluation.objective if dp.evaluation else None,
-        "dp_calls": dp.dp_calls,
-        "milp_cols": milp.n_cols,
-        "milp_rows": milp.n_rows,
-        "warm_started": milp.warm_started,
-        "highs_objective": milp.objective,
-    }
+    detail.update(
+        dp_objective=dp.evaluation.objective if dp.evaluation else None,
+        dp_calls=dp.dp_calls,
+        milp_cols=milp.n_cols,
+        milp_rows=milp.n_rows,
+        warm_started=milp.warm_started,
+        highs_objective=milp.objective,
+        highs_bound=_finite(milp.bound),
+    )
     candidates = heuristics
     if milp.evaluation is not None and milp.evaluation.feasible:
         candidates = [(milp.evaluation, milp.solution, "milp"), *heuristics]
@@ -135,11 +152,25 @@ def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: 
         raise _infeasible(instance, f"no feasible plan found (DP: none; HiGHS: {milp.status})")
     evaluation, solution, source = min(candidates, key=lambda c: c[0].objective)
     detail["plan_from"] = source
-    bound = milp.bound if math.isfinite(milp.bound) else None
-    proven = max(evaluation.objective - bound, 0.0) / evaluation.objective if bound is not None else None
+    bounds = [b for b in (milp.bound, counts.bound) if math.isfinite(b)]
+    bound = max(bounds) if bounds else None
+    proven = _gap(evaluation.objective, bound) if bound is not None else None
+    status = milp.status
+    if proven is not None and proven <= gap and status != "Optimal":
+        status = "gap reached"
     return PlanResult(
-        solution, evaluation, "milp", milp.status, proven, bound, time.perf_counter() - started, detail
+        solution, evaluation, "milp", status, proven, bound, time.perf_counter() - started, detail
     )
+
+
+def _gap(objective: float, bound: float) -> float:
+    if not math.isfinite(bound):
+        return math.inf
+    return max(objective - bound, 0.0) / objective if objective else 0.0
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
