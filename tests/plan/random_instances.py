@@ -22,11 +22,13 @@ def random_instance(
     granularity: str = "layer",
     swap_in: str = "charged",
     alike: bool = False,
+    move: bool = False,
 ) -> PlanningInstance:
     """Devices of a few types on two nodes; times, bytes and links drawn fresh.
 
     Same-type devices on one node are exact copies (the DP's type orders rely on that). With
-    `alike` every unit has the same bytes and times (whole layers of one model)."""
+    `alike` every unit has the same bytes and times (whole layers of one model); with `move`, a
+    re-planning cost: each unit already sits on one device and costs time to move to the others."""
     n_types = n_types or n_devices
     type_of = [j % n_types for j in range(n_devices)]
     node_of = [(j // n_types) % 2 for j in range(n_devices)]
@@ -74,6 +76,12 @@ def random_instance(
         )
         for j in range(n_devices)
     )
+    move_s, move_weight = None, 0.0
+    if move:
+        home = rng.integers(0, n_devices, size=n_units)
+        move_s = rng.uniform(0.01, 0.2, size=(n_units, n_devices))
+        move_s[np.arange(n_units), home] = 0.0
+        move_weight = float(rng.uniform(0.5, 20.0))
     return PlanningInstance(
         units=units,
         devices=devices,
@@ -89,4 +97,6 @@ def random_instance(
         decode_weight=float(rng.uniform(1.0, 50.0)),
         overlap=overlap,
         swap_in=swap_in,
+        move_s=move_s,
+        move_weight=move_weight,
     )

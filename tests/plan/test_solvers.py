@@ -29,6 +29,7 @@ def _instance(seed: int, n_units: int, n_devices: int, flags: int):
         offload=bool(flags & 2),
         tight_memory=bool(flags & 4),
         swap_in=_swap_in(flags),
+        move=bool(flags & 16),
     )
 
 
@@ -47,7 +48,7 @@ def _same(a, b) -> bool:
     seed=st.integers(0, 2**32 - 1),
     n_units=st.integers(1, 6),
     n_devices=st.integers(1, 4),
-    flags=st.integers(0, 15),
+    flags=st.integers(0, 31),
 )
 def test_dp_and_milp_equal_brute_force(seed: int, n_units: int, n_devices: int, flags: int) -> None:
     instance = _instance(seed, n_units, n_devices, flags)

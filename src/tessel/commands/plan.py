@@ -42,6 +42,19 @@ def plan(
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the plan (contract version 1) here."),
     export: str | None = typer.Option(None, "--export", help="'vllm': print a vLLM launch command."),
+    replan_from: Path | None = typer.Option(
+        None,
+        "--replan-from",
+        help="A plan JSON now serving: re-plan for this workload, counting the weights a new plan moves.",
+    ),
+    replan_threshold: float = typer.Option(
+        0.05, "--replan-threshold", help="Take a new plan only when it gains at least this fraction."
+    ),
+    replan_horizon_s: float = typer.Option(
+        3600.0,
+        "--replan-horizon-s",
+        help="Seconds the new plan will serve: its move cost is amortised over them.",
+    ),
 ) -> None:
     """Plan MODEL on CLUSTER under WORKLOAD and compare with the baselines."""
     from rich.console import Console
@@ -77,10 +90,23 @@ def plan(
         profiles=profiles,
     )
     _check_capacity(instance)
-    result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    if replan_from is None:
+        result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
+    else:
+        result = _replan(
+            console,
+            instance,
+            cluster_spec,
+            replan_from,
+            replan_threshold,
+            replan_horizon_s,
+            solver,
+            time_limit,
+            mip_gap,
+        )
     baselines = run_baselines(instance)
 
-    console = Console(width=None if sys.stdout.isatty() else 150)
     b = workload_spec.micro_batch_size
     title = (
         f"{model_spec.name} on {cluster_spec.name} ({instance.n_devices} GPUs), workload "
@@ -143,6 +169,41 @@ def plan(
         )
         for warning in exported.warnings:
             console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+
+
+def _replan(console, instance, cluster, path: Path, threshold, horizon_s, solver, time_limit, mip_gap):
+    from tessel.plan.replan import previous_solution, replan
+
+    try:
+        previous = json.loads(path.read_text())
+    except OSError as error:
+        raise TesselError(f"--replan-from {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise TesselError(f"--replan-from {path}: not JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(previous, dict):
+        raise TesselError(f"--replan-from {path}: expected a plan object")
+    decision = replan(
+        instance,
+        cluster,
+        previous_solution(instance, previous, str(path)),
+        threshold=threshold,
+        horizon_s=horizon_s,
+        solver=solver,
+        time_limit_s=time_limit,
+        mip_gap=mip_gap,
+    )
+    old = decision.previous_evaluation
+    old_text = f"{old.objective:.3f} s" if old.feasible else "does not fit"
+    new_objective = decision.new.evaluation.objective
+    console.print(
+        f"re-planning from {path}: previous plan {old_text}; new plan {new_objective:.3f} s "
+        f"with its move ({decision.move_bytes / 2**30:.1f} GiB of weights, {decision.move_s:.2f} s, "
+        f"amortised over {horizon_s:.0f} s)",
+        highlight=False,
+    )
+    verdict = "taking the new plan" if decision.take_new else "keeping the previous plan"
+    console.print(f"{verdict}: {decision.reason}", highlight=False)
+    return decision.chosen
 
 
 def _check_capacity(instance) -> None:

@@ -68,7 +68,9 @@ class CountsBound:
 
 
 def units_alike(instance: PlanningInstance) -> bool:
-    """Every unit has the same bytes and, on every device, the same times."""
+    """Every unit has the same bytes and, on every device, the same times (and no move costs)."""
+    if instance.move_s is not None and instance.move_weight > 0 and np.any(instance.move_s > 0):
+        return False
     arrays = (
         instance.weight_bytes,
         instance.kv_bytes,

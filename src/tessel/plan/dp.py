@@ -71,7 +71,7 @@ class DPResult:
 
 @dataclass(frozen=True, slots=True)
 class _Path:
-    cost: float  # pw * sum T^pre + dw * sum T^dec
+    cost: float  # pw * sum T^pre + dw * sum T^dec (+ weighted move cost when re-planning)
     max_prefill_s: float
     max_decode_s: float
     stages: tuple[Stage, ...]
@@ -96,6 +96,8 @@ class _OrderDP:
         self.send_p = instance.prefill.send_s[np.ix_(idx, idx)]
         self.send_d = instance.decode.send_s[np.ix_(idx, idx)]
         self.cum_bytes = np.concatenate([[0.0], np.cumsum(instance.weight_bytes + instance.kv_bytes)])
+        move = np.zeros((U, n)) if instance.move_s is None else instance.move_s[:, idx] * instance.move_weight
+        self.cum_move = np.concatenate([zero, np.cumsum(move.T, axis=1)], axis=1)  # weighted, per order slot
         devices = [instance.devices[j] for j in order]
         self.mem = np.array([d.memory_bytes for d in devices], dtype=float)
         self.host = np.array([d.host_bytes for d in devices], dtype=float)
@@ -139,10 +141,11 @@ class _OrderDP:
             off_s = np.where(off_b > 0, off_b / self.bw[:, None], 0.0)
         if u == 0:
             self.first_ok = off_b <= 0.0 if inst.swap_in == "hidden" else np.ones_like(host_ok)
+        move = self.cum_move[:, es] - self.cum_move[:, u : u + 1]
         # last stage (e == U)
         tp_last = self._combine(comp_p[:, -1], 0.0, off_s[:, -1])
         td_last = self._combine(comp_d[:, -1], 0.0, off_s[:, -1])
-        last = (tp_last, td_last, host_ok[:, -1])
+        last = (tp_last, td_last, host_ok[:, -1], move[:, -1])
         inner = None
         if u < U - 1:
             es = es[:-1]
@@ -165,7 +168,7 @@ class _OrderDP:
             over_last = np.maximum(held_last - self.mem[None, :], 0.0)[None, :, :]
             via_last = np.where(over_last <= allowance, self._flat(e3, q3, U), self.size)
             ok = self.later & host_ok[:, :-1, None]
-            base = inst.prefill_weight * tp + inst.decode_weight * td
+            base = inst.prefill_weight * tp + inst.decode_weight * td + move[:, :-1, None]
             inner = (tp, td, base, via_prefix, via_last, ok)
         result = (last, inner)
         if self.cache is not None:
@@ -190,9 +193,9 @@ class _OrderDP:
         pmin3 = pmin[: self.size].reshape(U + 1, n, U + 1)
         parg3 = parg[: self.size].reshape(U + 1, n, U + 1)
         for u in range(U - 1, -1, -1):
-            (tp_last, td_last, host_last), inner = self._layer(u)
+            (tp_last, td_last, host_last, move_last), inner = self._layer(u)
             ok = host_last & within(tp_last, bound_p, strict_p) & within(td_last, bound_d, strict_d)
-            W3[u, :, U] = np.where(ok, pw * tp_last + dw * td_last, _INF)
+            W3[u, :, U] = np.where(ok, pw * tp_last + dw * td_last + move_last, _INF)
             at = self._flat(u, np.arange(n), U)
             t_pre[at], t_dec[at] = tp_last, td_last
             if inner is None:

@@ -23,7 +23,8 @@ host allowance holds and pays the full transfer, as FlexGen does. `swap_in="hidd
 seed's rule on top: a stage's swap-in must also fit under the upstream stage's work
 (compute + comm) in both passes, and the first stage, which has no upstream stage, may not offload.
 Objective = prefill_weight * (sum_j T_j^pre + (micro_batches - 1) * max_j T_j^pre)
-          + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec).
+          + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec)
+          + move_weight * sum_u move_s[u, device of u]      (re-planning only; 0 otherwise).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class PlanningInstance:
     decode_weight: float = 1.0  # weight of one decode makespan (= generated tokens per request)
     overlap: bool = False
     swap_in: str = "charged"  # "charged" or "hidden" (see the module docstring)
+    # re-planning: seconds to bring unit u's weights onto device j (0 where they already are), and
+    # the weight of that one-time cost against the objective (see tessel.plan.replan)
+    move_s: np.ndarray | None = None  # [U, N]
+    move_weight: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
 
     def __post_init__(self) -> None:
@@ -102,6 +107,8 @@ class PlanningInstance:
         _check_shape("workspace_bytes", self.workspace_bytes, (n_devices,))
         if self.swap_in not in SWAP_IN_POLICIES:
             raise ValueError(f"swap_in must be one of {SWAP_IN_POLICIES}, got {self.swap_in!r}")
+        if self.move_s is not None:
+            _check_shape("move_s", self.move_s, (n_units, n_devices))
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
 

@@ -18,7 +18,8 @@ the first stage may not offload (`o[j] <= host_j (1 - x[0, j])`); both are `eval
 b's sum-to-one makes runs contiguous without b being integral, and y needs no integrality either:
 x forces it to 1 where k follows j and the objective pushes it to 0 elsewhere.
 
-Objective: pw (sum T^p + (m-1) M^p) + dw (sum T^d + (m-1) M^d), exactly `evaluate`'s.
+Objective: pw (sum T^p + (m-1) M^p) + dw (sum T^d + (m-1) M^d) (+ move_weight sum move_s[u, j]
+x[u, j] when re-planning), exactly `evaluate`'s.
 
 Symmetry: devices that are exact copies (same numbers, same links to everything else) are ordered:
 the later copy holds unit u only if the earlier one holds a unit before u.
@@ -113,6 +114,9 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
         mb.cost[Td[j]] = dw
     mb.cost[int(Mp)] = pw * m1
     mb.cost[int(Md)] = dw * m1
+    if inst.move_s is not None and inst.move_weight > 0:
+        for (u, j), seconds in np.ndenumerate(inst.move_s):
+            mb.cost[x[u, j]] = inst.move_weight * seconds * MS
 
     # assignment and contiguity
     mb.rows(x, 1.0, 1.0, 1.0)

@@ -15,6 +15,7 @@ quantities of `tessel.plan.instance`'s docstring:
               = max(compute, comm, offload)     (overlap=True)
     objective = prefill_weight * (sum T^pre + (m - 1) max T^pre)
               + decode_weight  * (sum T^dec + (m - 1) max T^dec)
+              + move_weight * move_s        (re-planning: seconds of weight movement the plan needs)
 
 and feasibility:
 
@@ -123,6 +124,7 @@ class Evaluation:
     objective: float
     feasible: bool
     reasons: tuple[str, ...]  # why infeasible (empty when feasible)
+    move_s: float = 0.0  # seconds of weight movement from the previous plan (re-planning only)
 
     @property
     def offload_bytes(self) -> float:
@@ -211,6 +213,8 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
     prefill_makespan = sum(pre) + (m - 1) * max(pre)
     decode_makespan = sum(dec) + (m - 1) * max(dec)
     objective = instance.prefill_weight * prefill_makespan + instance.decode_weight * decode_makespan
+    move = move_time_s(instance, solution)
+    objective += instance.move_weight * move
     return Evaluation(
         stages=tuple(results),
         prefill_makespan_s=prefill_makespan,
@@ -218,7 +222,15 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
         objective=objective,
         feasible=not reasons,
         reasons=tuple(reasons),
+        move_s=move,
     )
+
+
+def move_time_s(instance: PlanningInstance, solution: Solution) -> float:
+    """Seconds of weight movement a plan needs (0 without re-planning costs)."""
+    if instance.move_s is None:
+        return 0.0
+    return float(sum(np.sum(instance.move_s[s.unit_start : s.unit_end, s.device]) for s in solution.stages))
 
 
 def swap_window_s(stage: StageEval) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tessel.errors import TesselError
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.solution import Evaluation, Solution
+from tessel.plan.solution import Evaluation, Solution, evaluate
 
 SOLVERS = ("milp", "dp", "brute")
 COUNTS_SHARE = 0.4  # fraction of the time limit the counts relaxation search gets first
@@ -46,16 +46,30 @@ def solve(
     solver: str = "milp",
     time_limit_s: float = 30.0,
     mip_gap: float = 0.01,
+    incumbent: Solution | None = None,
 ) -> PlanResult:
-    """Plan `instance`; raises TesselError when no feasible plan exists (or none was found)."""
+    """Plan `instance`; raises TesselError when no feasible plan exists (or none was found).
+
+    `incumbent` (e.g. the plan serving now, when re-planning) is a candidate too: the result is never
+    worse than it when it is feasible."""
     if solver not in SOLVERS:
         raise TesselError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     started = time.perf_counter()
     if solver == "brute":
-        return _brute(instance, started)
-    if solver == "dp":
-        return _dp(instance, started, time_limit_s, mip_gap)
-    return _milp(instance, started, time_limit_s, mip_gap)
+        result = _brute(instance, started)
+    elif solver == "dp":
+        result = _dp(instance, started, time_limit_s, mip_gap)
+    else:
+        result = _milp(instance, started, time_limit_s, mip_gap, incumbent)
+    if incumbent is not None:
+        given = evaluate(instance, incumbent)
+        if given.feasible and given.objective < result.evaluation.objective:
+            gap = None if result.bound is None else _gap(given.objective, result.bound)
+            detail = {**result.detail, "plan_from": "incumbent"}
+            return PlanResult(
+                incumbent, given, result.solver, result.status, gap, result.bound, result.time_s, detail
+            )
+    return result
 
 
 def _brute(instance: PlanningInstance, started: float) -> PlanResult:
@@ -110,15 +124,24 @@ def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: fl
     )
 
 
-def _milp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
+def _milp(
+    instance: PlanningInstance, started: float, time_limit_s: float, gap: float, incumbent: Solution | None
+) -> PlanResult:
     from tessel.plan.baselines import run_baselines
     from tessel.plan.bound import counts_search
     from tessel.plan.dp import solve_dp
     from tessel.plan.milp import solve_milp
 
-    counts = counts_search(instance, rel_gap=gap * COUNTS_GAP_SHARE, time_limit_s=time_limit_s * COUNTS_SHARE)
+    counts = counts_search(
+        instance,
+        incumbent=incumbent,
+        rel_gap=gap * COUNTS_GAP_SHARE,
+        time_limit_s=time_limit_s * COUNTS_SHARE,
+    )
     detail = {"counts_bound": _finite(counts.bound), "counts_knapsacks": counts.knapsacks}
     heuristics = [(counts.evaluation, counts.solution, "counts")]
+    if incumbent is not None:
+        heuristics.append((evaluate(instance, incumbent), incumbent, "incumbent"))
     heuristics += [(b.evaluation, b.solution, name) for name, b in run_baselines(instance).items()]
     heuristics = [h for h in heuristics if h[0] is not None and h[0].feasible]
     best = min(heuristics, key=lambda h: h[0].objective, default=None)
