@@ -82,3 +82,23 @@ def test_plan_from_picks_orders_first_and_last() -> None:
     solution = plan_from_picks(instance, [(0, 0, 2), (1, 4, 2), (2, 3, 2)])
     assert solution.stages[0].device == 2 and solution.stages[-1].device == 1
     assert [stage.n_units for stage in solution.stages] == [2, 2, 2]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(2, 7), n_devices=st.integers(2, 4))
+def test_solve_keeps_its_proven_gap(seed: int, n_units: int, n_devices: int) -> None:
+    """`solve` may stop on the counts bound alone: its plan is then within the gap of the optimum."""
+    from tessel.errors import TesselError
+    from tessel.plan.solve import solve
+
+    instance = _instance(seed, n_units, n_devices, seed % 8)
+    oracle = brute_force(instance).evaluation
+    try:
+        result = solve(instance, time_limit_s=20, mip_gap=0.01)
+    except TesselError:
+        assert oracle is None
+        return
+    assert oracle is not None and result.evaluation.feasible
+    assert result.bound <= oracle.objective * (1 + RTOL)
+    assert result.evaluation.objective <= oracle.objective * (1 + result.gap) * (1 + RTOL)
+    assert result.gap <= 0.01 or result.status != "gap reached"
