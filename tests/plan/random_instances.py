@@ -100,3 +100,19 @@ def random_instance(
         move_s=move_s,
         move_weight=move_weight,
     )
+
+
+def flagged_instance(seed: int, n_units: int, n_devices: int, flags: int, **options) -> PlanningInstance:
+    """`random_instance` with its switches packed in bits, as hypothesis draws them: 1 overlap,
+    2 offload, 4 tight memory, 8 the hidden swap-in rule, 16 re-planning move costs."""
+    return random_instance(
+        np.random.default_rng(seed),
+        n_units,
+        n_devices,
+        overlap=bool(flags & 1),
+        offload=bool(flags & 2),
+        tight_memory=bool(flags & 4),
+        swap_in="hidden" if flags & 8 else "charged",
+        move=bool(flags & 16),
+        **options,
+    )

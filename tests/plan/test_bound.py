@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plan.random_instances import random_instance
+from plan.random_instances import flagged_instance, random_instance
 from tessel.plan.bound import counts_search, plan_from_picks, units_alike
 from tessel.plan.brute import brute_force
 from tessel.plan.solution import evaluate
@@ -15,17 +15,7 @@ RTOL = 1e-9
 
 
 def _instance(seed: int, n_units: int, n_devices: int, flags: int, alike: bool = True):
-    rng = np.random.default_rng(seed)
-    return random_instance(
-        rng,
-        n_units,
-        n_devices,
-        overlap=bool(flags & 1),
-        offload=bool(flags & 2),
-        tight_memory=bool(flags & 4),
-        swap_in="hidden" if flags & 8 else "charged",
-        alike=alike,
-    )
+    return flagged_instance(seed, n_units, n_devices, flags & 15, alike=alike)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

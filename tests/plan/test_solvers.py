@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plan.random_instances import random_instance
+from plan.random_instances import flagged_instance, random_instance
 from tessel.plan.brute import brute_force, count_plans
 from tessel.plan.dp import solve_dp
 from tessel.plan.milp import solve_milp
@@ -20,17 +20,7 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 
 
 def _instance(seed: int, n_units: int, n_devices: int, flags: int):
-    rng = np.random.default_rng(seed)
-    return random_instance(
-        rng,
-        n_units,
-        n_devices,
-        overlap=bool(flags & 1),
-        offload=bool(flags & 2),
-        tight_memory=bool(flags & 4),
-        swap_in=_swap_in(flags),
-        move=bool(flags & 16),
-    )
+    return flagged_instance(seed, n_units, n_devices, flags)
 
 
 def _swap_in(flags: int) -> str:
