@@ -184,14 +184,23 @@ def test_engine_attributes_for_the_server(llm: LLM, checkpoints) -> None:
     assert llm.num_total_blocks >= 128 // 4
 
 
-def test_decode_groups_cover_the_rows_in_order() -> None:
-    from tessel.engine.model_runner import CPU_DECODE_GROUPS, decode_groups
+def test_decode_rows_go_to_one_paged_attention_call_in_order(llm: LLM) -> None:
+    from tessel.engine.scheduler import SchedulerOutput
+    from tessel.engine.sequence import Sequence
 
-    for n in range(0, 70):
-        groups = decode_groups(list(range(n)), on_cpu=True)
-        assert [r for start, end in groups for r in range(start, end)] == list(range(n))
-        assert len(groups) <= max(1, CPU_DECODE_GROUPS)
-        assert decode_groups(list(range(n)), on_cpu=False) == ([(0, n)] if n else [])
+    seqs = []
+    for length, blocks in ((5, [3, 9]), (9, [7, 1, 4]), (4, [2])):  # block_size 4
+        seq = Sequence(f"decode-{length}", list(range(4, 4 + length)), greedy(), block_size=4)
+        seq.block_table, seq.num_computed_tokens = blocks, length - 1
+        seqs.append(seq)
+    ids, positions, meta, sample_rows = llm.runner.prepare(SchedulerOutput(decodes=seqs))
+    assert positions.tolist() == [4, 8, 3] and ids.tolist() == [8, 12, 7]
+    assert meta.slot_mapping.tolist() == [9 * 4 + 0, 4 * 4 + 0, 2 * 4 + 3]
+    (group,) = meta.decode_groups
+    assert (group.start, group.end, meta.num_decode_tokens) == (0, 3, 3)
+    assert group.context_lens.tolist() == [5, 9, 4]
+    assert group.block_tables.tolist() == [[3, 9, 0], [7, 1, 4], [2, 0, 0]]
+    assert sample_rows == [0, 1, 2]
 
 
 def test_closing_a_stream_early_aborts_its_request(llm: LLM) -> None:

@@ -2,7 +2,8 @@
 
 The step's tokens are flattened: one per decoding sequence first, then each prefill chunk.
 `slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
-tables and context lengths for the batched paged-attention call.
+tables and context lengths for one batched paged-attention call. On CPU the model's float32
+linear layers are packed for oneDNN first (`tessel.layers.packed_linear`).
 """
 
 from __future__ import annotations
@@ -12,23 +13,9 @@ import torch
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
+from tessel.layers.packed_linear import pack_linears
 from tessel.layers.sampler import Sampler
 from tessel.models.llama import LlamaForCausalLM
-
-# On CPU the paged-decode path gathers every row's blocks up to the longest context of its call,
-# so decode rows are sorted by context length and split into up to this many calls (measured on
-# 32 rows with contexts of 64-768 tokens: 8 calls take ~35% less time than one).
-CPU_DECODE_GROUPS = 8
-MIN_DECODE_GROUP_ROWS = 4
-
-
-def decode_groups(context_lens: list[int], on_cpu: bool) -> list[tuple[int, int]]:
-    """[start, end) row ranges for the paged-decode calls; `context_lens` are sorted ascending."""
-    n = len(context_lens)
-    if not on_cpu or n <= MIN_DECODE_GROUP_ROWS:
-        return [(0, n)] if n else []
-    size = max(MIN_DECODE_GROUP_ROWS, -(-n // CPU_DECODE_GROUPS))
-    return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -46,6 +33,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             2, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype
         )
+        if not self.kv_cache.is_cuda:
+            pack_linears(model)
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -53,6 +42,17 @@ class ModelRunner:
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _decode_group(self, seqs: list[Sequence], context_lens: list[int]) -> DecodeGroup:
+        """All decode rows in one paged-attention call: block tables padded with block 0."""
+        width = max(-(-n // self.block_size) for n in context_lens)
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        return DecodeGroup(
+            0,
+            len(seqs),
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(context_lens, dtype=torch.int32),
+        )
 
     def prepare(
         self, batch: SchedulerOutput
@@ -63,7 +63,6 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64))
-        batch.decodes.sort(key=lambda seq: seq.num_computed_tokens)  # sampled rows follow this order
         for row, seq in enumerate(batch.decodes):
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
@@ -72,21 +71,8 @@ class ModelRunner:
             if pos + 1 == len(seq):
                 sample_rows.append(row)
         meta.num_decode_tokens = len(batch.decodes)
-        lens = [pos + 1 for pos in positions]
-        for start, end in decode_groups(lens, on_cpu=not self.kv_cache.is_cuda):
-            width = -(-lens[end - 1] // self.block_size)
-            tables = [
-                seq.block_table[:width] + [0] * (width - len(seq.block_table[:width]))
-                for seq in batch.decodes[start:end]
-            ]
-            meta.decode_groups.append(
-                DecodeGroup(
-                    start,
-                    end,
-                    torch.tensor(tables, dtype=torch.int32),
-                    torch.tensor(lens[start:end], dtype=torch.int32),
-                )
-            )
+        if batch.decodes:
+            meta.decode_groups.append(self._decode_group(batch.decodes, [pos + 1 for pos in positions]))
         for seq, n in batch.prefills:
             start, end, offset = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
             input_ids.extend(seq.token_ids[start:end])

@@ -21,7 +21,13 @@ _BACKENDS = ("auto", "triton", "torch")
 
 
 def requested_backend() -> str:
-    backend = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    # read on every call (tests flip it per test); parsed once per distinct raw value
+    return _parse_backend(os.environ.get(BACKEND_ENV, "auto"))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_backend(raw: str) -> str:
+    backend = raw.strip().lower() or "auto"
     if backend not in _BACKENDS:
         raise TesselError(f"{BACKEND_ENV}={backend!r} is not one of {', '.join(_BACKENDS)}")
     return backend

@@ -12,7 +12,7 @@ tokens are walked in tiles with an online softmax, for any block size. When thos
 too few to fill the GPU (small batch, long context), the context is split across programs
 (flash-decoding): split s returns its normalised partial output o_s and lse_s = log2 sum exp2,
 and a second kernel combines out = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s). The PyTorch path
-gathers the used blocks with one index op and runs one batched SDPA with a length mask.
+(the engine's CPU decode) goes sequence by sequence: gather its used blocks, two matmuls.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from tessel.kernels._dispatch import interpreting, use_triton
 from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
@@ -295,27 +294,26 @@ def _paged_decode_triton(
 def _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
     batch, n_q_heads, head_dim = q.shape
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = n_q_heads // n_kv_heads
-    max_len = int(context_lens.max()) if batch else 0
-    if max_len == 0:
-        return torch.zeros_like(q)
-    n_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :n_blocks].long()
-    used = torch.arange(n_blocks, device=q.device)[None, :] * block_size < context_lens[:, None]
-    tables = torch.where(used, tables, 0)  # entries past a sequence's end may hold anything
-    # [B, n_blocks, block_size, Hkv, D] -> [B, Hkv, n_blocks * block_size, D]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    positions = torch.arange(n_blocks * block_size, device=q.device)
-    keep = positions[None, :] < context_lens[:, None].to(positions.dtype)  # [B, L]
     # The query-head group of each kv head is a length-`group` query sequence: no K/V repeat.
-    qg = q.reshape(batch, n_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=keep[:, None, None, :], scale=scale)
-    out = out.reshape(batch, n_q_heads, head_dim)
-    empty = context_lens == 0
-    if bool(empty.any()):
-        out = out.masked_fill(empty[:, None, None], 0.0)
-    return out
+    shape = (batch, n_kv_heads, n_q_heads // n_kv_heads, head_dim)
+    queries = (q.float() * scale).view(shape).unbind(0)
+    out = torch.zeros(shape, dtype=torch.float32, device=q.device)  # L = 0 rows stay zero
+    upcast = k_cache.dtype != torch.float32
+    # One sequence at a time, gathering only its own blocks: a padded batched gather copies
+    # every row up to the longest context, and a sequence's K/V (<= a few hundred KiB) stays in
+    # cache between its gather and its two matmuls.
+    rows = zip(context_lens.tolist(), block_tables.unbind(0), queries, out.unbind(0), strict=True)
+    for length, table, query, row_out in rows:
+        if length == 0:
+            continue
+        blocks = table[: -(-length // block_size)]
+        k = k_cache.index_select(0, blocks).view(-1, n_kv_heads, head_dim)[:length]  # [L, Hkv, D]
+        v = v_cache.index_select(0, blocks).view(-1, n_kv_heads, head_dim)[:length]
+        if upcast:
+            k, v = k.float(), v.float()
+        scores = torch.matmul(query, k.permute(1, 2, 0))  # [Hkv, group, L]
+        torch.matmul(scores.softmax(dim=-1), v.transpose(0, 1), out=row_out)
+    return out.view(q.shape).to(q.dtype)
 
 
 def paged_decode_attention(
