@@ -11,6 +11,8 @@ batches of 32, each left-padded and generated until its longest request ends
 requested output tokens. The single-request case is one 128-token prompt with 128 new tokens,
 best of 3 runs.
 
+`--no-pack` runs tessel without its oneDNN-packed fp32 linears, to attribute the gain.
+
 Threads default to 1: on a machine shared with other jobs, every multi-threaded op waits for its
 second thread to get a core (measured: a 12k-element gather takes 7 us on one thread and ~16 ms
 on two under load), which swamps both engines; pass --threads N on a quiet machine.
@@ -90,11 +92,13 @@ def timed(run: Callable[[], None], repeats: int) -> dict:
     return {"seconds": min(walls), "cpu_seconds": min(cpus), "repeats": repeats}
 
 
-def run_tessel(model_dir: str, requests: list[tuple[list[int], int]], max_running: int, repeats: int) -> dict:
+def run_tessel(
+    model_dir: str, requests: list[tuple[list[int], int]], max_running: int, repeats: int, pack: bool = True
+) -> dict:
     from tessel import LLM, SamplingParams
 
     max_len = max(len(p) + n for p, n in requests)
-    llm = LLM(model_dir, max_num_seqs=max_running, max_model_len=max(max_len, 64))
+    llm = LLM(model_dir, max_num_seqs=max_running, max_model_len=max(max_len, 64), pack_cpu_linears=pack)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate([requests[0][0][:16]], SamplingParams(temperature=0.0, max_tokens=4), use_progress=False)
 
@@ -151,7 +155,7 @@ def phase_main(args: argparse.Namespace) -> None:
     requests = single_request(shape) if single else workload(shape)
     repeats = SINGLE_REPEATS if single else 1
     if args.phase.startswith("tessel"):
-        result = run_tessel(args.model, requests, shape["max_running"], repeats)
+        result = run_tessel(args.model, requests, shape["max_running"], repeats, pack=not args.no_pack)
     else:
         result = run_hf(args.model, requests, shape["max_running"], repeats)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -179,6 +183,8 @@ def run_phase(phase: str, model: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--phase", phase, "--model", str(model), "--threads", str(args.threads)]
     if args.quick:
         cmd.append("--quick")
+    if args.no_pack:
+        cmd.append("--no-pack")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -198,6 +204,11 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads, both sides (default 1: see the docstring)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="tessel without its oneDNN-packed fp32 linears (LLM(pack_cpu_linears=False))",
+    )
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,6 +267,7 @@ def main() -> None:
         "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in shape.items()},
         "model": {**MODEL_SHAPE, "num_key_value_heads": NUM_KV_HEADS, "dtype": "float32"},
         "threads": args.threads,
+        "pack_cpu_linears": not args.no_pack,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
         "load_average": os.getloadavg(),
         "results": results,

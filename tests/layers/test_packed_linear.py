@@ -73,3 +73,15 @@ def test_pack_linears_swaps_float32_layers_and_keeps_outputs() -> None:
         out = model(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_can_leave_linears_unpacked(tmp_path) -> None:
+    from tessel import LLM
+    from tessel.layers.packed_linear import PackedLinear as Packed
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")
+    packed = LLM(str(path), max_model_len=64)
+    plain = LLM(str(path), max_model_len=64, pack_cpu_linears=False)
+    count = [sum(isinstance(m, Packed) for m in llm.model.modules()) for llm in (packed, plain)]
+    assert count[0] > 0 and count[1] == 0

@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 (or max_model_len without chunking)
     enable_chunked_prefill: bool = True
     num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
+    pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.packed_linear)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -24,7 +24,14 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: to
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        pack_cpu_linears: bool = True,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler()
@@ -33,7 +40,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             2, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype
         )
-        if not self.kv_cache.is_cuda:
+        if pack_cpu_linears and not self.kv_cache.is_cuda:
             pack_linears(model)
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(attention_layers):

@@ -1,0 +1,115 @@
+"""fp32 CPU GEMMs: PyTorch's `nn.Linear` against tessel's oneDNN-packed `PackedLinear`.
+
+    python benchmarks/packed_linear.py [--threads 1] [--repeats 15] [--out PATH.json]
+
+Shapes are the engine benchmark model's (hidden 512, fused gate/up 3072, LM head 32000) at a
+decode batch (32 rows), one prefill tile (256) and a long prefill (2048). Both providers get the
+same float32 weight and input; they are timed interleaved and the median per call is reported,
+with speedup = nn.Linear / PackedLinear and the largest error of each against float64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from tessel.layers.packed_linear import PackedLinear, packing_available
+
+RESULTS = Path(__file__).parent / "results" / "packed_linear.json"
+SHAPES = [(rows, 512, out) for out in (512, 3072, 32000) for rows in (32, 256, 2048)]
+
+
+def _time_ms(fn, x: torch.Tensor, repeats: int) -> list[float]:
+    fn(x)  # warm-up: oneDNN builds its primitive on the first call of a shape
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn(x)
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def measure(rows: int, in_features: int, out_features: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    packed = PackedLinear(linear.weight, None)
+    x = torch.randn(rows, in_features)
+    reference = x.double() @ linear.weight.double().T
+    with torch.inference_mode():
+        errors = {
+            name: float((fn(x).double() - reference).abs().max())
+            for name, fn in (("torch", linear), ("packed", packed))
+        }
+        torch_ms, packed_ms = [], []
+        for _ in range(3):  # interleaved rounds
+            torch_ms += _time_ms(linear, x, repeats)
+            packed_ms += _time_ms(packed, x, repeats)
+    t, p = statistics.median(torch_ms), statistics.median(packed_ms)
+    return {
+        "shape": [rows, in_features, out_features],
+        "torch_ms": t,
+        "packed_ms": p,
+        "speedup": t / p,
+        "max_abs_error": errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not packing_available():
+        raise SystemExit("this PyTorch build has no oneDNN linear packing")
+    torch.set_num_threads(args.threads)
+    rows = [measure(*shape, args.repeats) for shape in SHAPES]
+    table = Table(title=f"fp32 linear on CPU, {args.threads} thread(s): nn.Linear vs PackedLinear (median)")
+    for column in (
+        "rows x in x out",
+        "nn.Linear ms",
+        "PackedLinear ms",
+        "speedup",
+        "max err torch",
+        "max err packed",
+    ):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            " x ".join(map(str, row["shape"])),
+            f"{row['torch_ms']:.3f}",
+            f"{row['packed_ms']:.3f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['max_abs_error']['torch']:.1e}",
+            f"{row['max_abs_error']['packed']:.1e}",
+        )
+    Console(width=140).print(table)
+    document = {
+        "benchmark": "packed_linear",
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+        },
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
