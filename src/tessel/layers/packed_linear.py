@@ -21,11 +21,10 @@ from tessel.layers.embedding import LMHead
 
 PACKED_DTYPES = (torch.float32,)
 BATCH_HINT = 32  # rows oneDNN tunes the weight layout for (a decode step's batch); any count works
-# oneDNN builds and caches one primitive per input shape, ~0.6-1.3 MiB each (measured: 200 row
-# counts on a 3072 x 512 weight grew RSS by 252 MiB). Calls therefore see only a few row counts:
-# inputs are cut into tiles of TILE_ROWS and a short tile is zero-padded to a bucket, so a
-# weight gets at most 13 primitives (engine benchmark peak RSS 1394 -> 1209 MiB). Tiles of 256
-# rows run as fast as one big call (measured at 2048 rows).
+# oneDNN builds and caches one primitive per input shape, each holding memory, so a run with many
+# distinct row counts grows. Calls therefore see only a few row counts: inputs are cut into tiles
+# of TILE_ROWS and a short tile is zero-padded to a bucket, so a weight gets at most 13 primitives
+# (the engine benchmark's peak RSS stays below HF's: benchmarks/results/engine_throughput.json).
 TILE_ROWS = 256
 BUCKET_STEP = 32  # above this many rows, buckets are multiples of it; below, powers of two
 
