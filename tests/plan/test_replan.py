@@ -61,9 +61,10 @@ def test_threshold_decides_on_a_new_workload(setting) -> None:
     instance = build_instance(MODEL, cluster, "long-prompt")
     free = replan(instance, cluster, plan, threshold=0.0, time_limit_s=5)
     assert free.new.evaluation.objective <= evaluate(instance, plan).objective * (1 + 1e-9)
-    if free.gain > 0:
-        assert free.take_new and free.chosen.solution == free.new.solution
-    strict = replan(instance, cluster, plan, threshold=max(free.gain, 0.0) + 0.5, time_limit_s=5)
+    # long prompts on this memory-starved cluster want another split (measured gain ~15%)
+    assert free.gain > 0.05 and free.take_new and free.chosen.solution == free.new.solution
+    assert free.move_bytes > 0 and free.move_s > 0
+    strict = replan(instance, cluster, plan, threshold=free.gain + 0.5, time_limit_s=5)
     assert not strict.take_new and strict.chosen.solution == plan
     # a longer horizon makes moving cheaper: never a worse objective without the move term
     long = replan(instance, cluster, plan, threshold=0.0, horizon_s=1e9, time_limit_s=5)
