@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tessel.errors import TesselError
-from tessel.kernels import conv2d
+from tessel.kernels import _output, conv2d
 from tessel.kernels.autotune import CONV_CONFIGS
 
 conv2d_module = importlib.import_module("tessel.kernels.conv2d")
@@ -42,7 +42,7 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(conv2d_module, "_empty", poisoned)
+    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def make_case(case, dtype: torch.dtype, bias: bool = True):

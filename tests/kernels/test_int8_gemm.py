@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import int8_gemm
+from tessel.kernels import _output, int8_gemm
 from tessel.kernels.autotune import INT8_GEMM_CONFIGS
 
 # `import tessel.kernels.int8_gemm as m` would give the function (the package keeps op names bound
@@ -38,7 +38,7 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(int8_gemm_module, "_empty", poisoned)
+    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def make_inputs(m: int, n: int, k: int, bias: bool):

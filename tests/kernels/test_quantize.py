@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessel.errors import TesselError
-from tessel.kernels import quantize_per_token
+from tessel.kernels import _output, quantize_per_token
 
 quantize_module = importlib.import_module("tessel.kernels.quantize")
 
@@ -32,7 +32,7 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
         fill = POISON_Q if dtype == torch.int8 else float("nan")
         return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(quantize_module, "_empty", poisoned)
+    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def check_against_float64(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:

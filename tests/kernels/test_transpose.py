@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import transpose
+from tessel.kernels import _output, transpose
 
 transpose_module = importlib.import_module("tessel.kernels.transpose")
 
@@ -30,7 +30,7 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
         fill = float("nan") if dtype.is_floating_point else 99
         return torch.full(shape, fill, device=device).to(dtype)
 
-    monkeypatch.setattr(transpose_module, "_empty", poisoned)
+    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def random_tensor(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import w8a16_gemm
+from tessel.kernels import _output, w8a16_gemm
 from tessel.kernels.autotune import FLOAT_GEMM_CONFIGS
 
 w8a16_module = importlib.import_module("tessel.kernels.w8a16_gemm")
@@ -36,7 +36,7 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(w8a16_module, "_empty", poisoned)
+    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
+from tessel.kernels import _output
 from tessel.kernels._dispatch import interpreting, use_triton
 from tessel.kernels.autotune import (
     CONV_CONFIGS,
@@ -32,11 +33,6 @@ except ImportError:  # the PyTorch path still works
     triton = None
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 if triton is not None:
@@ -160,7 +156,7 @@ def _conv2d_triton(
     batch, channels, height, width = x.shape
     out_channels, c_g, kh, kw = w.shape
     oh, ow = out_hw
-    out = _empty((batch, out_channels, oh, ow), x.dtype, x.device)
+    out = _output.empty_output((batch, out_channels, oh, ow), x.dtype, x.device)
     m = batch * oh * ow
     oc_g = out_channels // groups
     k = c_g * kh * kw

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
+from tessel.kernels import _output
 from tessel.kernels._dispatch import use_triton
 from tessel.kernels.autotune import (
     INT8_GEMM_CONFIGS,
@@ -30,11 +31,6 @@ except ImportError:  # the PyTorch path still works
     triton = None
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 if triton is not None:
@@ -127,7 +123,7 @@ def _int8_gemm_triton(
 ) -> torch.Tensor:
     M, K = a.shape
     N = w.shape[0]
-    out = _empty((M, N), out_dtype, a.device)
+    out = _output.empty_output((M, N), out_dtype, a.device)
     a_scale = a_scale.contiguous()
     w_scale = w_scale.contiguous()
     bias_arg = bias.contiguous() if bias is not None else w_scale  # never read when HAS_BIAS=False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
+from tessel.kernels import _output
 from tessel.kernels._dispatch import use_triton
 
 try:
@@ -27,11 +28,6 @@ EPS = 1e-8
 # longer rows take a second pass over the row in chunks of this size.
 MAX_SINGLE_PASS_K = 8192
 IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 if triton is not None:
@@ -93,8 +89,8 @@ if triton is not None:
 
 def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
-    q = _empty((M, K), torch.int8, x.device)
-    scale = _empty((M,), torch.float32, x.device)
+    q = _output.empty_output((M, K), torch.int8, x.device)
+    scale = _output.empty_output((M,), torch.float32, x.device)
     single_pass = K <= MAX_SINGLE_PASS_K
     block_k = triton.next_power_of_2(K) if single_pass else MAX_SINGLE_PASS_K
     num_warps = 4 if block_k <= 2048 else 8 if block_k <= 4096 else 16

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
+from tessel.kernels import _output
 from tessel.kernels._dispatch import use_triton
 
 try:
@@ -21,11 +22,6 @@ except ImportError:  # the PyTorch path still works
     triton = None
 
 BLOCK = 64  # 64 x 64 tiles: 16 KiB of fp32 per tile, a common choice for transposes
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 if triton is not None:
@@ -57,7 +53,7 @@ if triton is not None:
 
 def _transpose_triton(x: torch.Tensor) -> torch.Tensor:
     M, N = x.shape
-    out = _empty((N, M), x.dtype, x.device)
+    out = _output.empty_output((N, M), x.dtype, x.device)
     grid = (triton.cdiv(M, BLOCK) * triton.cdiv(N, BLOCK),)
     _transpose_kernel[grid](
         x, out, M, N, x.stride(0), x.stride(1), out.stride(0), BLOCK_M=BLOCK, BLOCK_N=BLOCK, num_warps=4

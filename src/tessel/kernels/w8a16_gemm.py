@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
+from tessel.kernels import _output
 from tessel.kernels._dispatch import interpreting, use_triton
 from tessel.kernels.autotune import (
     FLOAT_GEMM_CONFIGS,
@@ -39,11 +40,6 @@ except ImportError:  # the PyTorch path still works
     triton = None
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The kernel's output buffer (a seam where tests poison outputs to catch unwritten elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 if triton is not None:
@@ -123,7 +119,7 @@ def _mixed_gemm_triton(
 ) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
-    out = _empty((M, N), x.dtype, x.device)
+    out = _output.empty_output((M, N), x.dtype, x.device)
     w_scale = w_scale.contiguous() if w_scale is not None else None
     bias = bias.contiguous() if bias is not None else None
     # Unused pointers (flag False) still need a tensor argument; they are never dereferenced.
