@@ -39,3 +39,14 @@ def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSEL_KERNEL_BACKEND", "torch")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an fp32 HF checkpoint, built once and cached outside the repo."""
+    import real_model
+
+    try:
+        return real_model.smollm2_dir()
+    except real_model.RealModelUnavailable as error:
+        pytest.skip(f"SmolLM2 checkpoint unavailable: {error}")
