@@ -22,10 +22,11 @@ from tessel.engine.detokenizer import IncrementalDetokenizer
 from tessel.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.sampling_params import SamplingParams
-from tessel.engine.scheduler import Scheduler, SchedulerConfig
+from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
@@ -53,7 +54,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.model_config)
         self.max_model_len = self._max_model_len()
         self.tokenizer = _load_tokenizer(path)
-        self.model = load_model(path, self.dtype)
+        self.model = self._load_model(path)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
@@ -75,6 +76,10 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text already returned per request
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
+
+    def _load_model(self, path: Path) -> LlamaForCausalLM:
+        """The whole model; a pipeline stage (`tessel.dist`) loads only its layers."""
+        return load_model(path, self.dtype)
 
     # ---- sizing -------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -191,6 +196,11 @@ class LLMEngine:
         if batch.is_empty:
             return outputs
         seqs, tokens = self.runner.run(batch)
+        return outputs + self._finish_step(batch, seqs, tokens)
+
+    def _finish_step(self, batch: SchedulerOutput, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
+        outputs = []
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
             self.block_manager.register_computed_blocks(seq)
