@@ -1,0 +1,82 @@
+"""`tessel launch`: run a plan as one process per stage on this machine and print the completions.
+
+torch is imported only by the workers and inside the command, so the planner side of the CLI
+loads without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from tessel.errors import TesselError
+
+
+def launch(
+    plan: Path = typer.Option(..., "--plan", help="Plan file from `tessel plan --json`."),
+    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
+    prompt: list[str] = typer.Option([], "--prompt", help="A prompt; repeat for a batch."),
+    prompts_file: Path | None = typer.Option(
+        None, "--prompts-file", help="JSONL: one request per line (a string, or {prompt, sampling fields})."
+    ),
+    max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy; higher samples more freely."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
+    seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write per request token_ids and text."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto."),
+    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
+    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
+    kv_cache_gib: float | None = typer.Option(None, min=0.0, help="KV pool size (all stages' share), GiB."),
+    micro_batches: int | None = typer.Option(None, min=1, help="Micro-batches in flight (default: the plan's m)."),
+    cpp: bool = typer.Option(True, help="Cut long prompts into the CPP planner's chunks."),
+    cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
+    profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
+    threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
+) -> None:
+    """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
+    from tessel.dist.run import RunOptions, run_pipeline
+
+    if not prompt and prompts_file is None:
+        raise TesselError("give at least one --prompt or a --prompts-file")
+    options = RunOptions(
+        plan, model, list(prompt), prompts_file, max_tokens, temperature, top_p, top_k, seed, ignore_eos,
+        dtype, max_num_seqs, max_model_len, kv_cache_gib, None, micro_batches, cpp, cpp_min_tokens,
+        list(profile), threads,
+    )  # fmt: skip
+    run = run_pipeline(options)
+    _render(run)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}, indent=1))
+
+
+def _render(run) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    for request in run.requests:
+        if len(run.requests) > 1:
+            console.print(f"[bold]>>> {request['prompt']}[/bold]", markup=True)
+        console.print(request["text"], markup=False)
+        console.print(
+            f"[dim]({request['num_output_tokens']} tokens, finish_reason={request['finish_reason']})[/dim]"
+        )
+    table = Table(title=f"pipeline stages ({run.wall_s:.2f} s)")
+    for column in ("stage", "layers", "weights MiB", "RSS MiB", "micro-batches", "compute s", "emulated sleep s"):
+        table.add_column(column, justify="right")
+    for s in run.stages:
+        table.add_row(
+            str(s.get("stage")),
+            f"{s.get('layer_start')}-{s.get('layer_end', 0) - 1}",
+            f"{s.get('weight_bytes', 0) / 2**20:.1f}",
+            f"{s.get('rss_bytes', 0) / 2**20:.0f}",
+            str(s.get("batches", "")),
+            f"{s.get('compute_s', 0.0):.3f}",
+            f"{s.get('emulation_sleep_s', 0.0):.3f}",
+        )
+    Console(stderr=True).print(table)
