@@ -40,6 +40,15 @@ class BatchMessage:
     released: list[int] = field(default_factory=list)  # finished sequence ids: drop their generators
 
 
+def share_kv_layout(layout: list) -> list:
+    """Stage 0's KV pool layout (blocks, block size, packing) to every stage (a collective, at start)."""
+    try:
+        dist.broadcast_object_list(layout, src=0)
+    except RuntimeError as error:
+        raise PeerLostError(f"stage {dist.get_rank()}: the start-up handshake failed: {error}") from error
+    return layout
+
+
 class StageComm:
     """One stage's links: receive from the previous stage, send to the next, tokens to stage 0."""
 

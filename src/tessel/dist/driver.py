@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from tessel.dist.comm import BatchMessage, StageComm
+from tessel.dist.comm import BatchMessage, StageComm, share_kv_layout
 from tessel.dist.cpp import ChunkCutter
 from tessel.dist.plan import RunPlan
 from tessel.dist.schedulers import PinnedSchedulers
@@ -75,7 +73,7 @@ class PipelineEngine(LLM):
         self.stage.weight_bytes = self._weight_bytes
         if comm is not None:  # every stage sizes its KV pool as stage 0 did
             layout = [self.block_manager.num_total_blocks, self.config.block_size, self.config.pack_cpu_linears]
-            dist.broadcast_object_list(layout, src=0)
+            share_kv_layout(layout)
         self._in_flight: deque[_InFlight] = deque()
         self._busy = [0] * num_slots  # micro-batches in flight per slot
         self._seqs_in_flight: Counter[int] = Counter()

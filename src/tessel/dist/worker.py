@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.dist.comm import PeerLostError, StageComm
+from tessel.dist.comm import PeerLostError, StageComm, share_kv_layout
 from tessel.dist.cpp import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
 from tessel.dist.driver import PipelineEngine, layer_filter
 from tessel.dist.plan import RunPlan, load_run_plan, priced_pipeline
@@ -187,9 +187,7 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     dtype = resolve_dtype(args.dtype, config)
     part = layer_filter(plan, rank, config.tie_word_embeddings)
     executor = StageExecutor.load(args.model, part, dtype, comm.device, plan.stages[rank].emulate_speed)
-    layout = [None, None, None]
-    dist.broadcast_object_list(layout, src=0)
-    num_blocks, block_size, pack = layout
+    num_blocks, block_size, pack = share_kv_layout([None, None, None])
     executor.attach_kv(num_blocks, block_size, dtype, pack)
     report_loaded(rank, plan, executor.weight_bytes)
     serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
