@@ -28,7 +28,7 @@ from tessel.dist.comm import BatchMessage, StageComm, share_kv_layout
 from tessel.dist.cpp import ChunkCutter
 from tessel.dist.plan import RunPlan
 from tessel.dist.schedulers import PinnedSchedulers
-from tessel.dist.stage import StageExecutor, tensor_bytes
+from tessel.dist.stage import StageExecutor, rss_bytes, tensor_bytes
 from tessel.engine.llm_engine import LLM
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.scheduler import SchedulerOutput
@@ -84,6 +84,7 @@ class PipelineEngine(LLM):
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)
+        self.rss_before_load_bytes = rss_bytes()
         model = load_model(path, self.dtype, layers=self._part)
         self._weight_bytes = tensor_bytes(model)
         return model

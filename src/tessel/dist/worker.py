@@ -146,7 +146,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     engine = PipelineEngine(
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
-    report_loaded(0, plan, engine.stage.weight_bytes)
+    report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
     started = time.time()
     try:
         outputs = engine.generate([r.prompt for r in requests], [r.params for r in requests], use_progress=False)
@@ -186,10 +186,11 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     config = ModelConfig.from_dir(args.model)
     dtype = resolve_dtype(args.dtype, config)
     part = layer_filter(plan, rank, config.tie_word_embeddings)
+    rss_before = rss_bytes()
     executor = StageExecutor.load(args.model, part, dtype, comm.device, plan.stages[rank].emulate_speed)
     num_blocks, block_size, pack = share_kv_layout([None, None, None])
     executor.attach_kv(num_blocks, block_size, dtype, pack)
-    report_loaded(rank, plan, executor.weight_bytes)
+    report_loaded(rank, plan, executor.weight_bytes, rss_before)
     serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
     write_status(rank, **asdict(executor.stats))
 
@@ -210,8 +211,11 @@ def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     comm.flush()
 
 
-def report_loaded(rank: int, plan: RunPlan, weight_bytes: int) -> None:
+def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: int) -> None:
+    """Status once loaded: `rss_bytes` is the whole process, `load_rss_bytes` what loading the
+    stage's weights and KV blocks added to it."""
     stage = plan.stages[rank]
+    rss = rss_bytes()
     write_status(
         rank,
         state="ready",
@@ -219,7 +223,8 @@ def report_loaded(rank: int, plan: RunPlan, weight_bytes: int) -> None:
         layer_start=stage.layer_start,
         layer_end=stage.layer_end,
         weight_bytes=weight_bytes,
-        rss_bytes=rss_bytes(),
+        rss_bytes=rss,
+        load_rss_bytes=rss - rss_before_load,
     )
 
 
