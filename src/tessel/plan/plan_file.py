@@ -34,6 +34,7 @@ SUPPORTED_VERSIONS = frozenset({1})
 MAIN_VARIANT = "plan"
 MAX_INDEX = 2**31 - 1  # unit, layer and stage indices: far above any model, far below overflow
 MAX_PLAN_BYTES = 64 * 2**20  # a plan of 10,000 stages is a few MB
+MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels down
 
 
 def units_per_layer(granularity: str) -> int:
@@ -315,6 +316,7 @@ def _predicted(predicted: Predicted | None) -> dict[str, float]:
 
 def _upgrade(data: dict) -> dict:
     """The one place older plan versions become the current one (none yet: version 1 is current)."""
+    _check_nesting(data)
     version = data.get("version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
@@ -327,6 +329,20 @@ def _upgrade(data: dict) -> dict:
     if not isinstance(stages, list) or not stages:
         raise ValueError("'stages' must be a non-empty list of stages")
     return data
+
+
+def _check_nesting(data: Any) -> None:
+    """Refuse JSON nested deeper than MAX_NESTING (free-form parts such as `workload` could hold
+    anything; serialising them again must not recurse without bound). Iterative: no recursion."""
+    pending = [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_NESTING:
+            raise ValueError(f"nested deeper than {MAX_NESTING} levels; not a plan file")
+        if isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
 
 
 def _check_stages(stages: list[PlanStage], where: str, granularity: str) -> None:
