@@ -36,8 +36,8 @@ import numpy as np
 
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
+from tessel.units import GIB
 
-GIB = 2.0**30
 MS = 1e3  # seconds -> ms
 
 
