@@ -85,6 +85,13 @@ def test_exception_in_a_stage_is_named(tiny_dirs, tmp_path):
     assert "model.layers.4.mlp.down_proj.weight" in caught.value.cause
 
 
+def _sublayer_split(plan: dict) -> None:
+    """Layer 1's attention on stage 0, its MLP on stage 1."""
+    plan["granularity"] = "sublayer"
+    plan["stages"][0].update(unit_start=0, unit_end=3, layer_start=0, layer_end=2)
+    plan["stages"][1].update(unit_start=3, unit_end=10, layer_start=1, layer_end=5)
+
+
 def _no_spawn(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker was spawned for a bad plan")
@@ -102,12 +109,13 @@ def _edit(path, edit) -> None:
     ("edit", "message"),
     [
         (lambda p: p["model"]["config"].update(num_hidden_layers=30), "the plan is for 30 layers"),
-        (lambda p: p["model"].update(name="llama-3-8b"), "the plan is for model 'llama-3-8b'"),
-        (lambda p: p.update(version=7), "version 7"),
-        (lambda p: p["stages"][1].update(layer_end=4, unit_end=4), "the stages cover layers 0..4"),
-        (lambda p: p["stages"][0].update(layer_end=0), "holds no layers"),
-        (lambda p: p["stages"][1].update(emulate_speed=2.0), "emulate_speed must be in (0, 1]"),
-        (lambda p: p["stages"].pop(), "the stages cover layers 0..2"),
+        (lambda p: p["model"].update(name="llama-3-8b"), "the plan is for 'llama-3-8b'"),
+        (lambda p: p.update(version=7), "plan version 7 is not supported"),
+        (_sublayer_split, "splits a decoder layer"),
+        (lambda p: p["stages"][1].update(layer_end=4, unit_end=4), "5 layers, the plan covers 4"),
+        (lambda p: p["stages"][0].update(layer_end=0, unit_end=0), "holds no units"),
+        (lambda p: p["stages"][1].update(emulate_speed=2.0), "emulate_speed"),
+        (lambda p: p["stages"].pop(), "5 layers, the plan covers 2"),
     ],
 )
 def test_bad_plans_are_refused_before_any_process(tiny_dirs, tmp_path, monkeypatch, edit, message):

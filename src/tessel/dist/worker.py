@@ -142,7 +142,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     requests = run_requests(args)
     cutter = None
     if not args.no_cpp and len(plan.stages) > 1:
-        cutter = ChunkCutter(priced_pipeline(args.plan, args.profile), args.cpp_min_tokens)
+        cutter = ChunkCutter(priced_pipeline(plan, args.profile), args.cpp_min_tokens)
     engine = PipelineEngine(
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
