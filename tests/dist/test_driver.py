@@ -79,3 +79,13 @@ def test_abort_frees_blocks(tiny_dirs, tmp_path):
                 reasons[out.request_id] = out.finish_reason
     assert reasons == {"r0": "length", "r1": "abort", "r2": "length", "r3": "abort", "r4": "length"}
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_emulated_speed_sleeps_in_proportion(tiny_dirs, tmp_path):
+    """A stage at speed 0.25 sleeps 3x its measured compute after every micro-batch (emulation)."""
+    plan_path = write_plan(tmp_path / "slow.json", tiny_dirs["tied"], [(0, 5)], speeds=[0.25])
+    engine = PipelineEngine(tiny_dirs["tied"], load_run_plan(plan_path), None, micro_batches=1)
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4), use_progress=False)
+    stats = engine.stage.stats
+    assert stats.batches > 0
+    assert stats.emulation_sleep_s == pytest.approx(3.0 * stats.compute_s, rel=1e-9)

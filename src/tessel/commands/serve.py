@@ -30,6 +30,9 @@ def serve(
         None, help="Model id for clients (default: the directory name)."
     ),
     log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    plan: Path | None = typer.Option(
+        None, "--plan", help="Serve through this plan's pipeline (one process per stage, `tessel launch`)."
+    ),
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     if not model.is_dir():
@@ -45,7 +48,15 @@ def serve(
     from tessel.server.app import create_app
 
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
-    engine = LLMEngine(str(model), dtype=dtype, **{k: v for k, v in options.items() if v is not None})
+    kwargs = {k: v for k, v in options.items() if v is not None}
+    if plan is None:
+        engine = LLMEngine(str(model), dtype=dtype, **kwargs)
+    else:
+        from tessel.dist.serving import pipeline_server_engine
+
+        engine = pipeline_server_engine(model, plan, dtype=dtype, **kwargs)
     app = create_app(engine, max_pending=engine.config.max_num_seqs + max_queue, model_name=served_model_name)
+    if plan is not None:
+        engine.watch_stages(app.state.async_engine)
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

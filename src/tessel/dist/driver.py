@@ -20,11 +20,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessel.dist.comm import BatchMessage, StageComm, share_kv_layout
+from tessel.dist.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
 from tessel.dist.cpp import ChunkCutter
 from tessel.dist.plan import RunPlan
 from tessel.dist.schedulers import PinnedSchedulers
@@ -81,6 +82,8 @@ class PipelineEngine(LLM):
         self._released: list[int] = []
         self._batch_ids = itertools.count()
         self._next_slot = 0
+        self.failure: BaseException | None = None  # set by a watcher when a stage died
+        self.explain_peer_lost: Callable[[PeerLostError], BaseException] | None = None
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)
@@ -91,7 +94,8 @@ class PipelineEngine(LLM):
 
     # ---- the engine interface ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self._in_flight)
+        # a known failure counts as work: the next step() raises it (a server then answers 503)
+        return super().has_unfinished_requests() or bool(self._in_flight) or self.failure is not None
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
@@ -103,11 +107,17 @@ class PipelineEngine(LLM):
             self._released.append(seq.seq_id)
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
-        self._launch()
-        if self._in_flight:
-            outputs.extend(self._complete(self._in_flight.popleft()))
-        return outputs
+        if self.failure is not None:
+            raise self.failure
+        try:
+            outputs, self._pending = self._pending, []
+            self._launch()
+            if self._in_flight:
+                outputs.extend(self._complete(self._in_flight.popleft()))
+            return outputs
+        except PeerLostError as error:
+            self.failure = error if self.explain_peer_lost is None else self.explain_peer_lost(error)
+            raise self.failure from error
 
     def shutdown(self) -> None:
         """Finish what is in flight and tell the other stages to stop."""

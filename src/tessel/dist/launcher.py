@@ -168,6 +168,38 @@ def _fail(procs: list[subprocess.Popen], run_dir: Path, first_rank: int) -> None
     raise StageFailedError(stage, cause)
 
 
+class LocalStages:
+    """Stages 1..S-1 as child processes of a process that is itself stage 0 (`tessel serve --plan`)."""
+
+    def __init__(self, argv: list[str], num_stages: int, run_dir: Path, port: int) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, num_stages):
+                self.procs.append(spawn_worker(rank, num_stages, port, run_dir, argv))
+        except BaseException:
+            terminate(self.procs)
+            raise
+
+    def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
+        """The failure of a stage that exited (waiting up to `settle_s` for one to), or None."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            dead = [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        if not dead:
+            return None
+        causes = [(*failure_cause(self.run_dir, rank, code), rank) for rank, code in dead]
+        _, cause, stage = min(causes, key=lambda c: (c[0], c[2]))
+        return StageFailedError(stage, cause if causes else "exited")
+
+    def stop(self) -> None:
+        terminate(self.procs)
+
+
 def launch(argv: list[str], num_stages: int, run_dir: Path) -> LaunchResult:
     """Run `python -m tessel.dist.worker ARGV` as `num_stages` stages; -> their statuses."""
     run_dir.mkdir(parents=True, exist_ok=True)
