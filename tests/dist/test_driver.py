@@ -33,7 +33,9 @@ def pipeline(model_dir, tmp_path, *, slots, cutter_min=None, **kwargs):
     if cutter_min is not None:  # two stages whose time is all per token: the planner cuts finely
         stage = LinearStage(prefill_base_s=1e-4, prefill_per_token_s=1e-4)
         cutter = ChunkCutter(PipelineLatency((stage, stage)), min_tokens=cutter_min, grid_tokens=16)
-    return PipelineEngine(model_dir, load_run_plan(plan_path), None, micro_batches=slots, cutter=cutter, **kwargs)
+    return PipelineEngine(
+        model_dir, load_run_plan(plan_path), None, micro_batches=slots, cutter=cutter, **kwargs
+    )
 
 
 @pytest.mark.parametrize(("slots", "cutter_min"), [(1, None), (3, None), (2, 16)])
@@ -48,7 +50,9 @@ def test_greedy_equals_engine(tiny_dirs, tmp_path, slots, cutter_min):
 
 
 def test_seeded_sampling_equals_engine(tiny_dirs, tmp_path):
-    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7 + i, max_tokens=10) for i in range(3)]
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7 + i, max_tokens=10) for i in range(3)
+    ]
     engine = pipeline(tiny_dirs["tied"], tmp_path, slots=2)
     got = [out.token_ids for out in engine.generate(PROMPTS[:3], params, use_progress=False)]
     assert got == reference(tiny_dirs["tied"], PROMPTS[:3], params)

@@ -46,7 +46,9 @@ def test_killed_middle_stage_ends_the_run(tiny_dirs, tmp_path):
     model = tiny_dirs["untied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 4), (4, 6)])
     run_dir = tmp_path / "run"
-    options = RunOptions(plan, model, prompts=["Hello world"] * 4, max_tokens=1000, ignore_eos=True, run_dir=run_dir)
+    options = RunOptions(
+        plan, model, prompts=["Hello world"] * 4, max_tokens=1000, ignore_eos=True, run_dir=run_dir
+    )
     outcome: dict = {}
 
     def run() -> None:

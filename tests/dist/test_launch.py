@@ -32,7 +32,9 @@ def test_two_uneven_stages_tied_embeddings(tiny_dirs, tmp_path):
     prompts_file = tmp_path / "requests.jsonl"
     prompts_file.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     run = run_pipeline(RunOptions(plan, model, prompts_file=prompts_file, ignore_eos=True))
-    params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     params.append(SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=9, ignore_eos=True))
     expected = reference(model, [line["prompt"] for line in lines], params)
     assert [r["token_ids"] for r in run.requests] == expected

@@ -46,7 +46,9 @@ def test_stage_loads_only_its_tensors(tiny_dirs, name, part):
     assert ("model.embed_tokens.weight" in params) == part.needs_embedding
     assert ("model.norm.weight" in params) == part.head
     assert any(p.is_meta for p in params.values()) is False
-    assert sum(p.numel() * p.element_size() for p in params.values()) == checkpoint_bytes(tiny_dirs[name], part)
+    assert sum(p.numel() * p.element_size() for p in params.values()) == checkpoint_bytes(
+        tiny_dirs[name], part
+    )
     if part.head and part.tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -58,7 +60,9 @@ def test_stage_layers_equal_the_whole_model(tiny_dirs):
     part = load_model(path, torch.float32, layers=LayerFilter(2, 4, embed=False, head=False))
     for index in (2, 3):
         for (n1, p1), (n2, p2) in zip(
-            whole.model.layers[index].named_parameters(), part.model.layers[index].named_parameters(), strict=True
+            whole.model.layers[index].named_parameters(),
+            part.model.layers[index].named_parameters(),
+            strict=True,
         ):
             assert n1 == n2 and torch.equal(p1, p2)
     assert isinstance(part.model.layers[0], torch.nn.Identity)

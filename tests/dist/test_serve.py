@@ -39,7 +39,9 @@ def test_serve_through_a_pipeline(tiny_dirs, tmp_path):
         app = create_app(engine, max_pending=16)
         engine.watch_stages(app.state.async_engine)
         prompt = "Once upon a time"
-        expected = LLM(model).generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        expected = LLM(model).generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
         with TestClient(app) as client:
             body = {"model": app.state.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
             body["ignore_eos"] = True

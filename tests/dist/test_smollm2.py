@@ -22,7 +22,9 @@ def test_smollm2_three_stages(smollm2_dir, tmp_path):
         RunOptions(plan, smollm2_dir, prompts=prompts, max_tokens=12, kv_cache_gib=KV_GIB, max_model_len=512)
     )
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    expected = LLM(smollm2_dir, kv_cache_gib=KV_GIB, max_model_len=512).generate(prompts, params, use_progress=False)
+    expected = LLM(smollm2_dir, kv_cache_gib=KV_GIB, max_model_len=512).generate(
+        prompts, params, use_progress=False
+    )
     assert [r["token_ids"] for r in run.requests] == [out.token_ids for out in expected]
 
     weights = [s["weight_bytes"] for s in run.stages]

@@ -32,7 +32,9 @@ def launch(
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
     kv_cache_gib: float | None = typer.Option(None, min=0.0, help="KV pool size (all stages' share), GiB."),
-    micro_batches: int | None = typer.Option(None, min=1, help="Micro-batches in flight (default: the plan's m)."),
+    micro_batches: int | None = typer.Option(
+        None, min=1, help="Micro-batches in flight (default: the plan's m)."
+    ),
     cpp: bool = typer.Option(True, help="Cut long prompts into the CPP planner's chunks."),
     cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
     profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
@@ -51,7 +53,9 @@ def launch(
     run = run_pipeline(options)
     _render(run)
     if json_out is not None:
-        json_out.write_text(json.dumps({"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}, indent=1))
+        json_out.write_text(
+            json.dumps({"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}, indent=1)
+        )
 
 
 def _render(run) -> None:
@@ -67,7 +71,15 @@ def _render(run) -> None:
             f"[dim]({request['num_output_tokens']} tokens, finish_reason={request['finish_reason']})[/dim]"
         )
     table = Table(title=f"pipeline stages ({run.wall_s:.2f} s)")
-    for column in ("stage", "layers", "weights MiB", "RSS MiB", "micro-batches", "compute s", "emulated sleep s"):
+    for column in (
+        "stage",
+        "layers",
+        "weights MiB",
+        "RSS MiB",
+        "micro-batches",
+        "compute s",
+        "emulated sleep s",
+    ):
         table.add_column(column, justify="right")
     for s in run.stages:
         table.add_row(

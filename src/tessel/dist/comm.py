@@ -124,7 +124,9 @@ class StageComm:
             dist.recv(hidden, self.prev)
             self._post_header()  # the next header arrives while this batch computes
         except RuntimeError as error:
-            raise PeerLostError(f"stage {self.rank}: receiving from stage {self.prev} failed: {error}") from error
+            raise PeerLostError(
+                f"stage {self.rank}: receiving from stage {self.prev} failed: {error}"
+            ) from error
         return pickle.loads(payload.cpu().numpy().tobytes()), hidden
 
     def recv_tokens(self, batch_id: int, count: int) -> list[int]:

@@ -73,7 +73,11 @@ class PipelineEngine(LLM):
         self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
         self.stage.weight_bytes = self._weight_bytes
         if comm is not None:  # every stage sizes its KV pool as stage 0 did
-            layout = [self.block_manager.num_total_blocks, self.config.block_size, self.config.pack_cpu_linears]
+            layout = [
+                self.block_manager.num_total_blocks,
+                self.config.block_size,
+                self.config.pack_cpu_linears,
+            ]
             share_kv_layout(layout)
         self._in_flight: deque[_InFlight] = deque()
         self._busy = [0] * num_slots  # micro-batches in flight per slot
@@ -177,7 +181,9 @@ class PipelineEngine(LLM):
         self._released = []
         started = time.perf_counter()
         hidden = self.stage.forward(positions, meta, input_ids=input_ids)
-        record = _InFlight(message.batch_id, slot, apply, sampled, seq_ids=[s.seq_id for s, _ in batch.scheduled()])
+        record = _InFlight(
+            message.batch_id, slot, apply, sampled, seq_ids=[s.seq_id for s, _ in batch.scheduled()]
+        )
         if self.comm is None:
             record.tokens = self.stage.sample(hidden, message)
         self.stage.account(started, batch.num_tokens)

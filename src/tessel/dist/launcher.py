@@ -98,7 +98,11 @@ def failure_cause(run_dir: Path, rank: int, returncode: int) -> tuple[int, str]:
     """(priority, cause) of a stage that exited with `returncode`; lower priority = root cause."""
     status = read_status(run_dir, rank)
     if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else -returncode
+        name = (
+            signal.Signals(-returncode).name
+            if -returncode in signal.Signals._value2member_map_
+            else -returncode
+        )
         cause = f"killed by signal {name}"
         if returncode == -signal.SIGKILL:
             cause += " (SIGKILL: killed by hand or by the kernel's out-of-memory killer)"

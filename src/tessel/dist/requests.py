@@ -52,7 +52,9 @@ def _parse_line(where: str, line: str, defaults: SamplingParams) -> RunRequest:
     if not isinstance(entry, dict) or "prompt" not in entry:
         raise TesselError(f"{where}: expected a JSON string or an object with a 'prompt'")
     prompt = entry["prompt"]
-    token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    token_ids = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
     if not (isinstance(prompt, str) or token_ids) or not prompt:
         raise TesselError(f"{where}: 'prompt' must be a non-empty string or a list of token ids")
     unknown = sorted(set(entry) - PARAM_FIELDS - {"prompt"})

@@ -67,7 +67,12 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
         if options.cpp and len(plan.stages) > 1:
             cutter = ChunkCutter(priced_pipeline(plan, options.profiles), options.cpp_min_tokens)
         engine = ServedPipelineEngine(
-            options.model, plan, comm, micro_batches=options.micro_batches, cutter=cutter, **engine_kwargs(args)
+            options.model,
+            plan,
+            comm,
+            micro_batches=options.micro_batches,
+            cutter=cutter,
+            **engine_kwargs(args),
         )
     except BaseException:
         stages.stop()

@@ -85,7 +85,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunPlan, ModelConfig]:
     """Everything checkable before a process starts: the plan against the model and the world."""
     if not args.model.is_dir():
-        raise TesselError(f"--model {args.model} is not a directory; give a local Hugging Face model directory")
+        raise TesselError(
+            f"--model {args.model} is not a directory; give a local Hugging Face model directory"
+        )
     plan = load_run_plan(args.plan)
     config = ModelConfig.from_dir(args.model)
     plan.check_model(args.model.resolve().name, config.num_hidden_layers)
@@ -121,7 +123,9 @@ def device_for(plan: RunPlan, rank: int) -> torch.device:
     if not plan.stages[rank].is_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise TesselError(f"stage {rank} runs on {plan.stages[rank].gpu_type} but this machine has no CUDA GPU")
+        raise TesselError(
+            f"stage {rank} runs on {plan.stages[rank].gpu_type} but this machine has no CUDA GPU"
+        )
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -149,7 +153,9 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
     started = time.time()
     try:
-        outputs = engine.generate([r.prompt for r in requests], [r.params for r in requests], use_progress=False)
+        outputs = engine.generate(
+            [r.prompt for r in requests], [r.params for r in requests], use_progress=False
+        )
     finally:
         engine.shutdown()
     wall_s = time.time() - started
@@ -261,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return error.exit_code
     except BaseException as error:  # noqa: BLE001 - reported to the launcher, then re-raised as exit code
         cause = f"{type(error).__name__}: {error}"
-        write_status(rank, state="failed", kind="exception", error=cause, traceback=traceback.format_exc()[-4000:])
+        write_status(
+            rank, state="failed", kind="exception", error=cause, traceback=traceback.format_exc()[-4000:]
+        )
         print(f"tessel stage {rank} failed: {cause}", file=sys.stderr)
         traceback.print_exc()
         return EXIT_FAILED

@@ -198,7 +198,9 @@ class LLMEngine:
         seqs, tokens = self.runner.run(batch)
         return outputs + self._finish_step(batch, seqs, tokens)
 
-    def _finish_step(self, batch: SchedulerOutput, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _finish_step(
+        self, batch: SchedulerOutput, seqs: list[Sequence], tokens: list[int]
+    ) -> list[RequestOutput]:
         """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
         outputs = []
         for seq, n in batch.scheduled():
