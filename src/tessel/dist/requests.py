@@ -18,6 +18,9 @@ from tessel.errors import TesselError
 
 MAX_REQUESTS = 100_000
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_INT_FIELDS = ("max_tokens", "top_k", "seed")
+_NUMBER_FIELDS = ("temperature", "top_p")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ def _parse_line(where: str, line: str, defaults: SamplingParams) -> RunRequest:
     if unknown:
         raise TesselError(f"{where}: unknown field(s) {unknown}; sampling fields are {sorted(PARAM_FIELDS)}")
     overrides = {key: value for key, value in entry.items() if key != "prompt"}
+    for key, value in overrides.items():
+        if not _well_typed(key, value):
+            raise TesselError(f"{where}: {key!r} has the wrong type ({type(value).__name__})")
     try:
         params = dataclasses.replace(defaults, **overrides)
     except TesselError as error:
@@ -68,3 +74,21 @@ def _parse_line(where: str, line: str, defaults: SamplingParams) -> RunRequest:
     except (TypeError, ValueError) as error:
         raise TesselError(f"{where}: bad sampling field ({error})") from None
     return RunRequest(prompt, params)
+
+
+def _well_typed(key: str, value: object) -> bool:
+    if key in _INT_FIELDS:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool))
+    if key in _NUMBER_FIELDS:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if key in _BOOL_FIELDS:
+        return isinstance(value, bool)
+    if key == "stop":
+        return (
+            value is None
+            or isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        )
+    if key == "stop_token_ids":
+        return value is None or (isinstance(value, list) and all(type(v) is int for v in value))
+    return True
