@@ -108,6 +108,7 @@ def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> 
         max_model_len=cfg["max_model_len"],
         kv_cache_gib=0.25,
         micro_batches=cfg["slots"],
+        warmup=True,
         **overrides,
     )
     run = run_pipeline(options)

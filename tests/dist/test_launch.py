@@ -31,7 +31,7 @@ def test_two_uneven_stages_tied_embeddings(tiny_dirs, tmp_path):
     lines.append({"prompt": PROMPTS[1], "temperature": 0.8, "top_k": 30, "seed": 5, "max_tokens": 9})
     prompts_file = tmp_path / "requests.jsonl"
     prompts_file.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    run = run_pipeline(RunOptions(plan, model, prompts_file=prompts_file, ignore_eos=True))
+    run = run_pipeline(RunOptions(plan, model, prompts_file=prompts_file, ignore_eos=True, warmup=True))
     params = [
         SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(PROMPTS))
     ]

@@ -39,6 +39,7 @@ class RunOptions:
     profiles: list[Path] = field(default_factory=list)
     threads: int = 1
     run_dir: Path | None = None
+    warmup: bool = False  # one untimed request per prompt length first
 
     def worker_argv(self, outputs: Path) -> list[str]:
         argv = ["--plan", str(self.plan), "--model", str(self.model), "--json", str(outputs), "--quiet"]
@@ -60,6 +61,7 @@ class RunOptions:
         argv += ["--top-p", str(self.top_p), "--top-k", str(self.top_k), "--dtype", self.dtype]
         argv += ["--cpp-min-tokens", str(self.cpp_min_tokens), "--threads", str(self.threads)]
         argv += ["--ignore-eos"] if self.ignore_eos else []
+        argv += ["--warmup"] if self.warmup else []
         argv += [] if self.cpp else ["--no-cpp"]
         for profile in self.profiles:
             argv += ["--profile", str(profile)]

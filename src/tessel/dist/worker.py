@@ -68,6 +68,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, action="append", default=[], help="tessel profile JSON")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     p.add_argument("--quiet", action="store_true", help="do not print the completions")
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="first run one untimed request per prompt length (random tokens)",
+    )
     return p
 
 
@@ -151,6 +156,8 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
+    if args.warmup:
+        warm_up(engine, requests)
     started = time.time()
     try:
         outputs = engine.generate(
@@ -167,6 +174,17 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
         for result in results:
             print(result["text"])
             print(f"({result['num_output_tokens']} tokens, finish_reason={result['finish_reason']})")
+
+
+def warm_up(engine: PipelineEngine, requests: list[RunRequest]) -> None:
+    """One short request per distinct prompt length, of random token ids (so the prefix cache
+    cannot serve the real prompts): every stage builds its kernels for these shapes untimed."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = sorted({len(engine.tokenize(r.prompt)) for r in requests})
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.generate(prompts, params, use_progress=False)
 
 
 def _result(out) -> dict:
