@@ -138,12 +138,26 @@ def parse_hf_config(data: dict, *, source: str) -> HFConfig:
         raise TesselError(f"{source}: expected a JSON object of config fields, got {_json_type(data)}")
     fields = _Fields(data, source)
     architecture, family = _architecture(fields)
-    if family == "opt":
-        return _opt(fields, architecture)
-    hidden = fields.count("hidden_size")
-    heads = fields.count("num_attention_heads")
+    common = {
+        "source": source,
+        "family": family,
+        "architecture": architecture,
+        "vocab_size": fields.count("vocab_size"),
+        "hidden_size": fields.count("hidden_size"),
+        "num_hidden_layers": fields.count("num_hidden_layers"),
+        "num_attention_heads": fields.count("num_attention_heads"),
+        "max_position_embeddings": fields.count("max_position_embeddings", default=DEFAULT_MAX_POSITIONS),
+        "bos_token_id": fields.token_id("bos_token_id"),
+        "eos_token_ids": fields.token_ids("eos_token_id"),
+        "torch_dtype": _dtype(fields),
+    }
+    return HFConfig(**common, **(_opt(fields, common) if family == "opt" else _llama(fields, common)))
+
+
+def _llama(fields: _Fields, common: dict) -> dict:
+    """The Llama family's own fields (Qwen2, Mistral and Mixtral spell them alike)."""
+    hidden, heads, source = common["hidden_size"], common["num_attention_heads"], fields.source
     kv_heads = fields.count("num_key_value_heads", default=heads)
-    head_dim = fields.count("head_dim", default=0) or _derived_head_dim(fields, hidden, heads)
     if heads % kv_heads:
         raise TesselError(
             f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
@@ -155,39 +169,28 @@ def parse_hf_config(data: dict, *, source: str) -> HFConfig:
             f"{source}: num_experts_per_tok ({per_token}) exceeds num_local_experts ({experts})"
         )
     theta, scaling = _rope(fields)
-    use_window = family != "qwen2" or fields.flag("use_sliding_window", False)
+    use_window = common["family"] != "qwen2" or fields.flag("use_sliding_window", False)
     window = fields.count("sliding_window", default=0)
-    return HFConfig(
-        source=source,
-        family=family,
-        architecture=architecture,
-        vocab_size=fields.count("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=fields.count("intermediate_size"),
-        num_hidden_layers=fields.count("num_hidden_layers"),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=fields.count("max_position_embeddings", default=DEFAULT_MAX_POSITIONS),
-        hidden_act=fields.text("hidden_act", "silu"),
-        rms_norm_eps=fields.positive_float("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=fields.flag("tie_word_embeddings", False),
-        attention_bias=fields.flag("attention_bias", False),
-        mlp_bias=fields.flag("mlp_bias", False),
-        sliding_window=(window or None) if use_window else None,
-        num_local_experts=experts,
-        num_experts_per_tok=per_token,
-        bos_token_id=fields.token_id("bos_token_id"),
-        eos_token_ids=fields.token_ids("eos_token_id"),
-        torch_dtype=_dtype(fields),
-    )
+    return {
+        "intermediate_size": fields.count("intermediate_size"),
+        "num_key_value_heads": kv_heads,
+        "head_dim": fields.count("head_dim", default=0) or _derived_head_dim(fields, hidden, heads),
+        "hidden_act": fields.text("hidden_act", "silu"),
+        "rms_norm_eps": fields.positive_float("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": fields.flag("tie_word_embeddings", False),
+        "attention_bias": fields.flag("attention_bias", False),
+        "mlp_bias": fields.flag("mlp_bias", False),
+        "sliding_window": (window or None) if use_window else None,
+        "num_local_experts": experts,
+        "num_experts_per_tok": per_token,
+    }
 
 
-def _opt(fields: _Fields, architecture: str) -> HFConfig:
-    hidden = fields.count("hidden_size")
-    heads = fields.count("num_attention_heads")
+def _opt(fields: _Fields, common: dict) -> dict:
+    """OPT: LayerNorm, ReLU MLP of `ffn_dim`, biases (`enable_bias`), learned positions, no GQA."""
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
     if fields.count("word_embed_proj_dim", default=hidden) != hidden:
         raise TesselError(
             f"{fields.source}: OPT with word_embed_proj_dim != hidden_size (project_in/out) is not supported"
@@ -195,30 +198,19 @@ def _opt(fields: _Fields, architecture: str) -> HFConfig:
     if not fields.flag("do_layer_norm_before", True):
         raise TesselError(f"{fields.source}: OPT with do_layer_norm_before=false (OPT-350m) is not supported")
     bias = fields.flag("enable_bias", True)
-    return HFConfig(
-        source=fields.source,
-        family="opt",
-        architecture=architecture,
-        vocab_size=fields.count("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=fields.count("ffn_dim"),
-        num_hidden_layers=fields.count("num_hidden_layers"),
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=_derived_head_dim(fields, hidden, heads),
-        max_position_embeddings=fields.count("max_position_embeddings", default=DEFAULT_MAX_POSITIONS),
-        hidden_act=fields.text("activation_function", "relu"),
-        rms_norm_eps=DEFAULT_RMS_NORM_EPS,
-        rope_theta=None,
-        rope_scaling=None,
-        tie_word_embeddings=fields.flag("tie_word_embeddings", True),
-        attention_bias=bias,
-        mlp_bias=bias,
-        sliding_window=None,
-        bos_token_id=fields.token_id("bos_token_id"),
-        eos_token_ids=fields.token_ids("eos_token_id"),
-        torch_dtype=_dtype(fields),
-    )
+    return {
+        "intermediate_size": fields.count("ffn_dim"),
+        "num_key_value_heads": heads,
+        "head_dim": _derived_head_dim(fields, hidden, heads),
+        "hidden_act": fields.text("activation_function", "relu"),
+        "rms_norm_eps": DEFAULT_RMS_NORM_EPS,
+        "rope_theta": None,
+        "rope_scaling": None,
+        "tie_word_embeddings": fields.flag("tie_word_embeddings", True),
+        "attention_bias": bias,
+        "mlp_bias": bias,
+        "sliding_window": None,
+    }
 
 
 class _Fields:
