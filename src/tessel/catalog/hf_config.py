@@ -170,7 +170,7 @@ def _llama(fields: _Fields, common: dict) -> dict:
         )
     theta, scaling = _rope(fields)
     use_window = common["family"] != "qwen2" or fields.flag("use_sliding_window", False)
-    window = fields.count("sliding_window", default=0)
+    window = fields.count("sliding_window", default=0, low=0)  # 0: no window
     return {
         "intermediate_size": fields.count("intermediate_size"),
         "num_key_value_heads": kv_heads,
@@ -279,7 +279,9 @@ class _Fields:
             raise self.fail(key, "an object of rope settings", value)
         if any(isinstance(item, dict | list) for item in value.values()):
             raise self.fail(
-                key, "one flat set of rope settings (per-layer-type rope is not supported)", value
+                key,
+                "one flat object of rope settings (per-layer-type and longrope lists are not supported)",
+                value,
             )
         return value
 
