@@ -127,16 +127,16 @@ def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> 
 def predict(plan: Path, profile: Path, cfg: dict, prompt: int, output: int, n: int, cpp: bool) -> dict:
     from tessel.cost.profile import load_profile
     from tessel.plan.plan_file import load_plan
-    from tessel.sim import SchedulerConfig, SimConfig, compute_metrics, simulate
+    from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
     from tessel.sim.cpp import cpp_chunk_sizer
     from tessel.sim.plan_pipeline import pipeline_for
     from tessel.sim.requests import Request
 
     priced = pipeline_for(load_plan(plan), profiles=[load_profile(profile)])
     chunk_sizes = cpp_chunk_sizer(priced.pipeline) if cpp else None
-    scheduler = SchedulerConfig(
-        max_running=256,
-        max_batch_tokens=max(2048, prompt) if not cpp else 2048,
+    scheduler = SimSchedulerConfig(
+        max_num_seqs=256,
+        max_num_batched_tokens=max(2048, prompt) if not cpp else 2048,
         pipelined_prefill=cpp,
         chunk_sizes=chunk_sizes,
     )
