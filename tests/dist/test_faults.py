@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -139,3 +141,23 @@ def test_cli_refuses_a_bad_plan_with_exit_code_2(tiny_dirs, tmp_path, monkeypatc
     assert result.exit_code != 0
     assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2
     assert "12 layers" in str(result.exception)
+
+
+def test_ctrl_c_stops_every_stage(tiny_dirs, tmp_path):
+    """SIGINT to the launcher's process group (what Ctrl-C sends): all stages stop, exit code 130."""
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "tessel.cli", "launch", "--plan", str(plan), "--model", str(model)]
+    command += ["--prompt", "Hello", "--max-tokens", "1000", "--ignore-eos", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = _wait_ready(run_dir, 2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=FAULT_DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert not any(_alive(pid) for pid in pids)

@@ -39,6 +39,9 @@ def launch(
     cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
     profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
     threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
+    ),
 ) -> None:
     """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
     from tessel.dist.run import RunOptions, run_pipeline
@@ -48,7 +51,7 @@ def launch(
     options = RunOptions(
         plan, model, list(prompt), prompts_file, max_tokens, temperature, top_p, top_k, seed, ignore_eos,
         dtype, max_num_seqs, max_model_len, kv_cache_gib, None, micro_batches, cpp, cpp_min_tokens,
-        list(profile), threads,
+        list(profile), threads, run_dir,
     )  # fmt: skip
     run = run_pipeline(options)
     _render(run)

@@ -153,6 +153,9 @@ def supervise(procs: list[subprocess.Popen], run_dir: Path, first_rank: int = 0)
                 terminate(procs)
                 raise StageFailedError(late[0], f"did not exit {DONE_GRACE_S:.0f} s after stage 0 finished")
             time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        terminate(procs)
+        raise TesselError(f"interrupted: stopped all {len(procs)} stage processes", exit_code=130) from None
     except BaseException:
         terminate(procs)
         raise
