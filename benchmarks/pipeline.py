@@ -65,6 +65,24 @@ def write_cluster(path: Path, name: str, nodes: list) -> Path:
     return path
 
 
+def emulated_profiles(profile: Path, work: Path) -> list[Path]:
+    """The host's profile, and for each emulated speed s a copy for device type `cpu@{s}x` (the name
+    `GpuSpec.emulated` gives) with every fitted time divided by s: the emulated device is the host at
+    s times its speed, and the cost model matches profiles to devices by that name."""
+    speeds = sorted({speed for nodes in CLUSTERS.values() for _, _, speed in nodes if speed is not None})
+    data = json.loads(profile.read_text())
+    paths = [profile]
+    for speed in speeds:
+        scaled = json.loads(json.dumps(data))
+        scaled["device_type"] = f"{data['device_type']}@{speed:g}x"
+        for fit in ("prefill", "decode"):
+            scaled[fit] = {key: value / speed for key, value in data[fit].items()}
+        path = work / f"profile-{speed:g}x.json"
+        path.write_text(json.dumps(scaled))
+        paths.append(path)
+    return paths
+
+
 def write_workload(path: Path, cfg: dict) -> Path:
     path.write_text(
         "name: bench\n"
@@ -124,7 +142,7 @@ def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> 
     }
 
 
-def predict(plan: Path, profile: Path, cfg: dict, prompt: int, output: int, n: int, cpp: bool) -> dict:
+def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: int, n: int, cpp: bool) -> dict:
     from tessel.cost.profile import load_profile
     from tessel.plan.plan_file import load_plan
     from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
@@ -132,7 +150,7 @@ def predict(plan: Path, profile: Path, cfg: dict, prompt: int, output: int, n: i
     from tessel.sim.plan_pipeline import pipeline_for
     from tessel.sim.requests import Request
 
-    priced = pipeline_for(load_plan(plan), profiles=[load_profile(profile)])
+    priced = pipeline_for(load_plan(plan), profiles=[load_profile(p) for p in profiles])
     chunk_sizes = cpp_chunk_sizer(priced.pipeline) if cpp else None
     scheduler = SimSchedulerConfig(
         max_num_seqs=256,
@@ -174,6 +192,8 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
         "--budget-s", str(cfg["profile_budget_s"]), "--max-offset", str(cfg["cpp_prompt"]),
         "--out", str(profile),
     )  # fmt: skip
+    profiles = emulated_profiles(profile, work)
+    profile_args = [arg for p in profiles for arg in ("--profile", str(p))]
     workload = write_workload(work / "workload.yaml", cfg)
     requests = prompts_file(work / "requests.jsonl", cfg["requests"], cfg["prompt"], config.vocab_size, 0)
     rows = []
@@ -183,8 +203,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
         console.print(f"planning {name} ...")
         tessel(
             "plan", "--model", str(model), "--cluster", str(cluster), "--workload", str(workload),
-            "--solver", "dp", "--dtype", "fp32", "--kv-dtype", "fp32", "--profile", str(profile),
-            "--json", str(plan),
+            "--solver", "dp", "--dtype", "fp32", "--kv-dtype", "fp32", *profile_args, "--json", str(plan),
         )  # fmt: skip
         for variant in ("plan", "uniform"):
             path = variant_plan(plan, variant, work / f"{name}-{variant}.json")
@@ -193,14 +212,14 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
             stages = [(s["layer_start"], s["layer_end"]) for s in json.loads(path.read_text())["stages"]]
             console.print(f"running {name} {variant} {stages} ...")
             measured = measure(path, model, requests, cfg)
-            predicted = predict(path, profile, cfg, cfg["prompt"], cfg["output"], cfg["requests"], cpp=False)
+            predicted = predict(path, profiles, cfg, cfg["prompt"], cfg["output"], cfg["requests"], cpp=False)
             rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
                          "predicted": predicted})  # fmt: skip
-    cpp = cpp_rows(model, cfg, work, profile, config.vocab_size, console)
+    cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console)
     return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
 
 
-def cpp_rows(model: Path, cfg: dict, work: Path, profile: Path, vocab: int, console: Console) -> dict:
+def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: int, console: Console) -> dict:
     from tessel.chunk.schedule import evaluate_chunks
     from tessel.cost.profile import load_profile
     from tessel.dist.cpp import ChunkCutter
@@ -210,19 +229,25 @@ def cpp_rows(model: Path, cfg: dict, work: Path, profile: Path, vocab: int, cons
     plan = work / "2-stage-plan.json"
     n = cfg["cpp_prompt"]
     one = prompts_file(work / "long.jsonl", 1, n, vocab, 1)
-    priced = pipeline_for(load_plan(plan), profiles=[load_profile(profile)])
+    priced = pipeline_for(load_plan(plan), profiles=[load_profile(p) for p in profiles])
     chunks = ChunkCutter(priced.pipeline).chunks(n)
     tail = priced.logits_time_s(1)
     predicted_on = evaluate_chunks(priced.pipeline, chunks, [n], tail).ttft_s
     predicted_off = evaluate_chunks(priced.pipeline, [n], [n], tail).ttft_s
     console.print(f"CPP: {n}-token prompt, chunks {chunks} ...")
-    on = measure(plan, model, one, cfg, max_tokens=1, cpp=True, max_num_batched_tokens=n)
-    off = measure(plan, model, one, cfg, max_tokens=1, cpp=False, max_num_batched_tokens=n)
+    common = {
+        "max_tokens": 1,
+        "max_num_batched_tokens": n,
+        "profiles": profiles,
+    }  # the runtime cuts as predicted
+    on = measure(plan, model, one, cfg, cpp=True, **common)
+    off = measure(plan, model, one, cfg, cpp=False, **common)
     return {
         "prompt_tokens": n,
         "chunks": chunks,
         "measured_ttft_s": {"on": on["ttft_s"], "off": off["ttft_s"]},
         "predicted_ttft_s": {"on": predicted_on, "off": predicted_off},
+        "measured_chunks": on["stages"][0].get("cpp_chunks"),
         "measured_gain": off["ttft_s"] / on["ttft_s"],
         "predicted_gain": predicted_off / predicted_on,
     }
