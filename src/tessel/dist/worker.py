@@ -31,7 +31,7 @@ from tessel.dist.cpp import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
 from tessel.dist.driver import PipelineEngine, layer_filter
 from tessel.dist.plan import RunPlan, load_run_plan, priced_pipeline
 from tessel.dist.requests import RunRequest, read_requests
-from tessel.dist.stage import StageExecutor, rss_bytes
+from tessel.dist.stage import StageExecutor, StageStats, rss_bytes
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
@@ -158,6 +158,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
     if args.warmup:
         warm_up(engine, requests)
+        engine.stage.stats = StageStats()  # stage 0 counts the timed requests only
     started = time.time()
     try:
         outputs = engine.generate(
