@@ -102,6 +102,8 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[R
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for rank in range(len(plan.stages)):
+        device_for(plan, rank)
     if args.cpp_min_tokens < 1:
         raise TesselError(f"--cpp-min-tokens must be >= 1, got {args.cpp_min_tokens}")
     return plan, config
@@ -125,13 +127,16 @@ def run_requests(args: argparse.Namespace) -> list[RunRequest]:
 
 
 def device_for(plan: RunPlan, rank: int) -> torch.device:
-    if not plan.stages[rank].is_cuda:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
+    """The stage's torch device. CUDA stages are refused for now: the engine's `ModelRunner` keeps
+    its KV cache and step inputs on the CPU, so only the transport (NCCL, tensors on the stage's
+    device) would be ready for them."""
+    stage = plan.stages[rank]
+    if stage.is_cuda:
         raise TesselError(
-            f"stage {rank} runs on {plan.stages[rank].gpu_type} but this machine has no CUDA GPU"
+            f"stage {rank} is a {stage.gpu_type}: the pipeline runtime runs CPU stages only for now "
+            "(the engine keeps its KV cache on the CPU); plan for `cpu` devices (e.g. --cluster local-cpu)"
         )
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def write_status(rank: int, **fields) -> None:
