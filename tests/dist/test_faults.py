@@ -12,6 +12,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -19,7 +21,7 @@ from dist_plans import write_plan
 from tessel.cli import app
 from tessel.dist import launcher
 from tessel.dist.launcher import StageFailedError
-from tessel.dist.run import RunOptions, run_pipeline
+from tessel.dist.run import RunOptions, check_options, run_pipeline
 from tessel.errors import TesselError
 
 READY_TIMEOUT_S = 240  # three stage processes importing torch on a loaded machine
@@ -162,3 +164,34 @@ def test_ctrl_c_stops_every_stage(tiny_dirs, tmp_path):
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert not any(_alive(pid) for pid in pids)
+
+
+plan_edits = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["layer_start", "layer_end", "unit_start", "unit_end", "emulate_speed", "gpu_type", "device"]
+        ),
+        st.integers(0, 1),
+        st.one_of(
+            st.integers(-3, 9), st.floats(allow_nan=True), st.text(max_size=6), st.none(), st.booleans()
+        ),
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=plan_edits, version=st.sampled_from([1, 1, 1, 0, 2, "1", None]))
+def test_fuzz_plans_only_tessel_errors(tiny_dirs, tmp_path, edits, version):
+    """Random edits of a valid plan: the runtime's checks accept it or raise TesselError, never more."""
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "fuzz.json", model, [(0, 2), (2, 5)])
+    data = json.loads(plan.read_text())
+    data["version"] = version
+    for field, stage, value in edits:
+        data["stages"][stage][field] = value
+    plan.write_text(json.dumps(data))
+    try:
+        check_options(RunOptions(plan, model, prompts=["Hello"]))
+    except TesselError:
+        pass
