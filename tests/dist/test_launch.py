@@ -56,3 +56,35 @@ def test_three_stages_with_cpp(tiny_dirs, tmp_path):
     assert first["cpp_prompts"] >= 1 and first["cpp_chunks"] > first["cpp_prompts"]
     # every stage ran every micro-batch
     assert len({s["batches"] for s in run.stages}) == 1
+
+
+def test_cli_launch_prints_and_writes_json(tiny_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)])
+    out = tmp_path / "out.json"
+    args = [
+        "launch",
+        "--plan",
+        str(plan),
+        "--model",
+        str(model),
+        "--prompt",
+        "Hello world",
+        "--prompt",
+        "Once",
+    ]
+    result = CliRunner().invoke(app, [*args, "--max-tokens", "6", "--ignore-eos", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    expected = LLM(model).generate(
+        ["Hello world", "Once"],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        use_progress=False,
+    )
+    written = json.loads(out.read_text())
+    assert [r["token_ids"] for r in written["requests"]] == [o.token_ids for o in expected]
+    assert [r["text"] for r in written["requests"]] == [o.text for o in expected]
+    assert result.output.count("finish_reason=length") == 2

@@ -49,9 +49,11 @@ def launch(
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
     options = RunOptions(
-        plan, model, list(prompt), prompts_file, max_tokens, temperature, top_p, top_k, seed, ignore_eos,
-        dtype, max_num_seqs, max_model_len, kv_cache_gib, None, micro_batches, cpp, cpp_min_tokens,
-        list(profile), threads, run_dir,
+        plan, model, prompts=list(prompt), prompts_file=prompts_file, max_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+        micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
+        threads=threads, run_dir=run_dir,
     )  # fmt: skip
     run = run_pipeline(options)
     _render(run)
