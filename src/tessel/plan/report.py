@@ -180,6 +180,8 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
         "decode ms",
     ):
         table.add_column(column, justify="left" if column in ("device", "type") else "right")
+    if evaluation.precisions is not None:
+        table.add_column("precisions", justify="left")
     per = instance.n_units // len({unit.layer for unit in instance.units})
     for index, se in enumerate(evaluation.stages):
         device = instance.devices[se.stage.device]
@@ -199,8 +201,18 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
             f"{se.offload_bytes / GIB:.1f}",
             f"{se.time_prefill_s * 1e3:.2f}",
             f"{se.time_decode_s * 1e3:.3f}",
+            *precision_cells(evaluation, se.stage),
         )
     return table
+
+
+def precision_cells(evaluation: Evaluation, stage) -> list[str]:
+    """The stage's precisions ('fp16 x6, int8 x4') as a table cell, when the plan chose them."""
+    from tessel.plan.precision import stage_precision_text
+
+    if evaluation.precisions is None:
+        return []
+    return [stage_precision_text(evaluation.precisions, stage.unit_start, stage.unit_end)]
 
 
 def _unit_label(instance: PlanningInstance, start: int, end: int) -> str:
