@@ -23,6 +23,7 @@ PLANNER_MODULES = (
     "tessel.plan",
     "tessel.chunk",
     "tessel.sim",
+    "tessel.units",
     "tessel.cli",
 )
 

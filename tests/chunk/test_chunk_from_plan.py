@@ -176,6 +176,8 @@ def test_sublayer_plan_counts_attention_and_mlp_blocks(tmp_path) -> None:
     """Units 2i (attention) and 2i+1 (MLP): a stage may start or end mid-layer."""
     document = _plan_document("llama-3-8b", ["A100-80G", "A100-80G"], [23, 64])
     document["granularity"] = "sublayer"
+    for stage in document["stages"]:  # units 0..23 hold layers 0..11, units 23..64 layers 11..31
+        stage.update(layer_start=stage["unit_start"] // 2, layer_end=(stage["unit_end"] + 1) // 2)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(document))
     priced = load_plan_pipeline(path)

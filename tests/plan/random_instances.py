@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from tessel.plan.instance import DeviceSlot, PassCosts, PlanningInstance, Unit
-
-GIB = 2.0**30
+from tessel.units import GIB
 
 
 def random_instance(

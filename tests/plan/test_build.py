@@ -27,8 +27,7 @@ from tessel.errors import TesselError
 from tessel.plan.build import build_instance, capacity_shortfall_bytes
 from tessel.plan.cluster import load_cluster
 from tessel.plan.workload import load_workload, parse_workload
-
-GIB = 1024**3
+from tessel.units import GIB
 
 
 @pytest.fixture(scope="module")

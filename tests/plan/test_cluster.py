@@ -16,8 +16,7 @@ from tessel.plan.cluster import (
     load_cluster,
     parse_cluster,
 )
-
-GIB = 1024**3
+from tessel.units import GIB
 
 
 def test_bundled_clusters_load() -> None:

@@ -26,6 +26,7 @@ STAGE_KEYS = {
     "prefill_ms",
     "decode_ms",
     "link_to_next",
+    "emulate_speed",
 }
 TOP_KEYS = {
     "version",

@@ -14,6 +14,7 @@ from tessel.cost.link import link_time_s
 from tessel.errors import TesselError
 from tessel.plan.build import build_instance
 from tessel.plan.cluster import load_cluster
+from tessel.plan.plan_file import PlanStage
 from tessel.plan.replan import move_costs, previous_solution, replan
 from tessel.plan.solution import Solution, evaluate
 from tessel.plan.solve import solve
@@ -85,22 +86,29 @@ def test_a_plan_that_no_longer_fits_is_replaced(setting) -> None:
     del plan
 
 
+def _stage(position: int, device: str, start: int, end: int) -> PlanStage:
+    return PlanStage(
+        index=position,
+        device=device,
+        gpu_type="T4",
+        layer_start=start,
+        layer_end=end,
+        unit_start=start,
+        unit_end=end,
+    )
+
+
 def test_previous_plan_must_match(setting) -> None:
     _, instance, plan = setting
-    good = {
-        "stages": [
-            {"device": instance.devices[s.device].name, "unit_start": s.unit_start, "unit_end": s.unit_end}
-            for s in plan.stages
-        ]
-    }
+    good = [
+        _stage(i, instance.devices[s.device].name, s.unit_start, s.unit_end)
+        for i, s in enumerate(plan.stages)
+    ]
     assert previous_solution(instance, good, "p.json") == plan
     with pytest.raises(TesselError, match="not in this cluster"):
-        previous_solution(
-            instance, {"stages": [{"device": "x/gpu9", "unit_start": 0, "unit_end": 1}]}, "p.json"
-        )
-    short = {"stages": good["stages"][:-1]}
+        previous_solution(instance, [_stage(0, "x/gpu9", 0, 1)], "p.json")
     with pytest.raises(TesselError, match="same model and granularity"):
-        previous_solution(instance, short, "p.json")
+        previous_solution(instance, good[:-1], "p.json")
 
 
 def test_cli_replan(tmp_path: Path) -> None:
@@ -118,5 +126,5 @@ def test_cli_replan(tmp_path: Path) -> None:
     assert data["workload"]["name"] == "long-prompt" and data["stages"]
     (tmp_path / "bad.json").write_text("{not json")
     result = CliRunner().invoke(app, [*args, "--replan-from", str(tmp_path / "bad.json")])
-    assert isinstance(result.exception, TesselError) and "not JSON" in str(result.exception)
+    assert isinstance(result.exception, TesselError) and "not valid JSON" in str(result.exception)
     assert np.isfinite(data["objective"])

@@ -13,8 +13,8 @@ from tessel.catalog.gpus import get_gpu
 from tessel.catalog.models import model_from_config
 from tessel.cost import embed_time_s, lm_head_time_s, unit_decode_time_s, unit_prefill_time_s
 from tessel.errors import TesselError
+from tessel.plan.plan_file import load_plan
 from tessel.sim.engine import SimConfig, simulate
-from tessel.sim.plan_file import load_plan
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import SchedulerConfig
@@ -61,7 +61,7 @@ def test_ttft_of_one_prompt_includes_the_lm_head_once(tmp_path: Path) -> None:
 
 def test_baselines_get_their_own_split(tmp_path: Path) -> None:
     plan = load_plan(write_plan(tmp_path))
-    (uniform,) = plan.baselines
+    (uniform,) = plan.baseline_variants
     assert uniform.name == "uniform" and plan.infeasible == {"petals_greedy": "does not fit"}
     main = pipeline_for(plan).pipeline.stages[0]
     base = pipeline_for(plan, uniform).pipeline.stages[0]
@@ -72,6 +72,7 @@ def test_sublayer_plans_count_attention_and_mlp_blocks(tmp_path: Path) -> None:
     path = write_plan(tmp_path)
     data = json.loads(path.read_text())
     data["granularity"] = "sublayer"
+    data.pop("baselines")  # their stages are layer units
     bounds = [(0, 7), (7, 12), (12, 16)]  # stage 0 ends inside layer 3, after its attention block
     for stage, (start, end) in zip(data["stages"], bounds, strict=True):
         stage.update(unit_start=start, unit_end=end, layer_start=start // 2, layer_end=(end + 1) // 2)

@@ -6,16 +6,16 @@ spec.peak_flops_per_s["fp16"]    # dense tensor-core FLOP/s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 
 import yaml
 
 from tessel.errors import TesselError
+from tessel.units import GIB
 
 DTYPES = ("fp32", "fp16", "bf16", "int8")
-GIB = 1024**3
 GB = 1e9
 TERA = 1e12
 
@@ -48,6 +48,20 @@ class GpuSpec:
     def usable_bytes(self) -> int:
         """Memory left for weights, KV cache and activations."""
         return self.memory_bytes - self.reserved_bytes
+
+    def emulated(self, speed: float) -> GpuSpec:
+        """This device run at `speed` (0 < speed <= 1) of its speed: peak FLOP/s and memory bandwidth
+        scaled (a cluster's `emulate: {speed}`, for running uneven plans on one host)."""
+        if speed == 1.0:
+            return self
+        if not 0.0 < speed <= 1.0:
+            raise TesselError(f"emulate speed must be in (0, 1], got {speed}")
+        return replace(
+            self,
+            name=f"{self.name}@{speed:g}x",
+            peak_flops_per_s={dtype: flops * speed for dtype, flops in self.peak_flops_per_s.items()},
+            mem_bandwidth_bytes_per_s=self.mem_bandwidth_bytes_per_s * speed,
+        )
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops_per_s:

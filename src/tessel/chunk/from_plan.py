@@ -22,26 +22,23 @@ the twin does not know, falls back to scalar calls: slower, same numbers).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tessel.catalog.gpus import GpuSpec, get_gpu
-from tessel.catalog.models import ModelSpec, load_model, model_from_config
+from tessel.catalog.models import ModelSpec
 from tessel.chunk.latency import PipelineLatency
 from tessel.cost import layer as L
 from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec, link_time_s
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
+from tessel.plan.plan_file import PlanFile, PlanStage, load_plan, unit_kind, units_per_layer
 
-PLAN_VERSION = 1
-GBPS = 1e9 / 8  # bytes/s in one Gb/s: plan and cluster files give bandwidth_gbps in gigabits per second
-US = 1e-6
 TWIN_CHECK_POINTS = 24  # (c, p) samples the numpy twin is checked on
 TWIN_RTOL = 1e-9
 
@@ -226,6 +223,7 @@ class StageSpec:
     unit_start: int
     unit_end: int  # half-open
     link: LinkSpec | None
+    emulate_speed: float = 1.0  # the device runs at this fraction of its type's speed (cluster `emulate`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +254,7 @@ def build_pipeline(
 ) -> PlanPipeline:
     if granularity not in ("layer", "sublayer"):
         raise TesselError(f"granularity {granularity!r}: expected 'layer' or 'sublayer'")
-    n_units = model.num_layers * (2 if granularity == "sublayer" else 1)
+    n_units = model.num_layers * units_per_layer(granularity)
     if not stages:
         raise TesselError("a plan needs at least one stage")
     expected = 0
@@ -271,7 +269,7 @@ def build_pipeline(
         raise TesselError(f"the stages cover {expected} units, the model has {n_units} ({granularity})")
     built = []
     for position, stage in enumerate(stages):
-        gpu = get_gpu(stage.gpu_type)
+        gpu = get_gpu(stage.gpu_type).emulated(stage.emulate_speed)
         last = position == len(stages) - 1
         if not last and stage.link is None:
             raise TesselError(f"stage {position} ({stage.device}) has no link to the next stage")
@@ -293,68 +291,42 @@ def build_pipeline(
 
 def _unit_counts(stage: StageSpec, granularity: str) -> tuple[tuple[str, int], ...]:
     units = range(stage.unit_start, stage.unit_end)
-    if granularity == "layer":
-        return (("layer", len(units)),)
-    return tuple(sorted(Counter("attention" if u % 2 == 0 else "mlp" for u in units).items()))
+    return tuple(sorted(Counter(unit_kind(u, granularity) for u in units).items()))
 
 
 def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> PlanPipeline:
-    """The priced pipeline of a `tessel plan --json` file (version 1)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TesselError(f"plan file {path} does not exist (write one with `tessel plan --json`)") from None
-    except json.JSONDecodeError as error:
-        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
-    if not isinstance(data, dict) or data.get("version", PLAN_VERSION) != PLAN_VERSION:
-        raise TesselError(f"{path}: not a version {PLAN_VERSION} plan file")
-    try:
-        model_data = data["model"]
-        model = _plan_model(model_data, path)
-        stages = [_stage_spec(raw) for raw in data["stages"]]
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise TesselError(f"{path}: malformed plan ({type(error).__name__}: {error})") from None
-    labels = {
-        "model": model.name,
-        "cluster": str(data.get("cluster", {}).get("name", "?")),
-        "source": str(path),
-    }
+    """The priced pipeline of a `tessel plan --json` file, checked against its named cluster."""
+    plan = load_plan(path)
+    plan.check_named_cluster()
+    labels = {"model": plan.model_spec.name, "cluster": plan.cluster_name, "source": str(path)}
+    return plan_pipeline(plan, plan.stages, profiles=profiles, labels=labels)
+
+
+def plan_pipeline(
+    plan: PlanFile,
+    stages: Sequence[PlanStage],
+    *,
+    profiles: Sequence[Profile] = (),
+    labels: dict[str, str] | None = None,
+) -> PlanPipeline:
+    """The priced pipeline of a plan's stages (its own or one baseline's)."""
     return build_pipeline(
-        model,
-        stages,
-        granularity=str(data.get("granularity", "layer")),
-        dtype=str(data.get("dtype", "fp16")),
-        kv_dtype=str(data.get("kv_dtype", "fp16")),
+        plan.model_spec,
+        [stage_spec(stage) for stage in stages],
+        granularity=plan.granularity,
+        dtype=plan.dtype,
+        kv_dtype=plan.kv_dtype,
         profiles=profiles,
         labels=labels,
     )
 
 
-def _plan_model(model_data: dict, path: Path) -> ModelSpec:
-    """`model.config` holds ModelSpec fields (plan contract v1); an HF config.json's fields are
-    accepted too; with neither, the model is looked up by name."""
-    config = model_data.get("config")
-    name = str(model_data["name"])
-    if isinstance(config, dict) and "num_layers" in config:
-        known = {f.name for f in fields(ModelSpec)}
-        return ModelSpec(**{key: value for key, value in config.items() if key in known})
-    if isinstance(config, dict) and config:
-        return model_from_config(config, name=name, source=f"{path} model.config")
-    return load_model(name)
-
-
-def _stage_spec(raw: dict) -> StageSpec:
-    link_raw = raw.get("link_to_next")
+def stage_spec(stage: PlanStage) -> StageSpec:
     link = None
-    if link_raw is not None:
-        link = LinkSpec(float(link_raw["bandwidth_gbps"]) * GBPS, float(link_raw.get("latency_us", 0.0)) * US)
+    if stage.link_bytes_per_s is not None:
+        link = LinkSpec(stage.link_bytes_per_s, stage.link_latency_s)
     return StageSpec(
-        device=str(raw.get("device", f"stage{raw.get('index', '?')}")),
-        gpu_type=str(raw["gpu_type"]),
-        unit_start=int(raw["unit_start"]),
-        unit_end=int(raw["unit_end"]),
-        link=link,
+        stage.device, stage.gpu_type, stage.unit_start, stage.unit_end, link, stage.emulate_speed
     )
 
 

@@ -8,8 +8,6 @@ launch command. No torch needed.
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 from pathlib import Path
 
@@ -145,7 +143,7 @@ def plan(
             "gap": result.gap,
             "time_s": result.time_s,
         }
-        data = plan_json(
+        plan_file = plan_json(
             instance,
             result.evaluation,
             model=model_spec,
@@ -158,10 +156,7 @@ def plan(
             kv_dtype=kv_dtype,
             granularity=granularity,
         )
-        try:
-            json_path.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
-        except OSError as error:
-            raise TesselError(f"cannot write {json_path}: {error.strerror}") from None
+        plan_file.write(json_path)
         console.print(f"wrote {json_path}")
     if export == "vllm":
         from tessel.plan.export_vllm import export_vllm
@@ -188,20 +183,15 @@ def plan(
 
 
 def _replan(console, instance, cluster, path: Path, threshold, horizon_s, solver, time_limit, mip_gap):
+    from tessel.plan.plan_file import load_plan
     from tessel.plan.replan import previous_solution, replan
 
-    try:
-        previous = json.loads(path.read_text())
-    except OSError as error:
-        raise TesselError(f"--replan-from {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise TesselError(f"--replan-from {path}: not JSON ({error.msg} at line {error.lineno})") from None
-    if not isinstance(previous, dict):
-        raise TesselError(f"--replan-from {path}: expected a plan object")
+    previous = load_plan(path)
+    previous.check_cluster(cluster)
     decision = replan(
         instance,
         cluster,
-        previous_solution(instance, previous, str(path)),
+        previous_solution(instance, previous.stages, str(path)),
         threshold=threshold,
         horizon_s=horizon_s,
         solver=solver,
@@ -248,14 +238,3 @@ def _check_capacity(instance) -> None:
             f"the model does not fit: it needs {shortfall / 2**30:.1f} GiB more than all GPU and host memory "
             "of the cluster; add GPUs or host memory, use a smaller dtype, or shorten the workload"
         )
-
-
-def _jsonable(value):
-    """Replace inf / nan (not valid JSON) by null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _jsonable(v) for key, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value

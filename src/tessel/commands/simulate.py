@@ -12,13 +12,13 @@ from rich.table import Table
 
 from tessel.cost.profile import Profile, load_profile
 from tessel.errors import TesselError
+from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.sim.cpp import cpp_chunk_sizer
 from tessel.sim.engine import MIX_RULES, SimConfig, SimResult
 from tessel.sim.engine import simulate as run_simulation
 from tessel.sim.gantt import FORMATS as GANTT_FORMATS
 from tessel.sim.gantt import plot_gantt
 from tessel.sim.metrics import Metrics, compute_metrics
-from tessel.sim.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.regime import REGIMES, regime_defaults
 from tessel.sim.requests import Request
@@ -81,6 +81,7 @@ def simulate(
         formats = ", ".join(GANTT_FORMATS)
         raise TesselError(f"--gantt {gantt}: unknown format {gantt.suffix!r} (use {formats})")
     plan_file = load_plan(plan)
+    plan_file.check_named_cluster()
     profiles = [load_profile(path) for path in profile]
     trace = requests_for_workload(workload, requests, seed, rate)
     defaults = regime_defaults(plan_file, regime)
@@ -90,7 +91,7 @@ def simulate(
         chunked_prefill=chunked_prefill,
         pipelined_prefill=cpp,
     )
-    variants = [plan_file.main, *(plan_file.baselines if compare else ())]
+    variants = [plan_file.main, *(plan_file.baseline_variants if compare else ())]
     options = {
         "max_in_flight": defaults.max_in_flight if max_in_flight is None else max_in_flight,
         "mix": mix,

@@ -6,6 +6,7 @@
         gpus: {type: A100-80G, count: 2}      # or a list of {type, count} for a mixed node
         intra_link: nvlink                    # nvlink | pcie | {bandwidth_gbps: 300, latency_us: 5}
         host_memory_gib: 512                  # host DRAM for offloading (default 0: none)
+        emulate: {speed: 0.5}                 # optional: these devices run at half their type's speed
     network: {bandwidth_gbps: 25, latency_us: 20}   # between nodes (required with > 1 node)
 
 Bandwidths in files are gigabits per second (as Ethernet and InfiniBand are sold: 25 Gb/s =
@@ -18,6 +19,10 @@ Links between two devices:
   two (the catalog's slow device-to-host figure is FlexGen's KV offload to host, not P2P DMA);
 - same node, explicit `{bandwidth_gbps, latency_us}`: as given;
 - different nodes: the network, capped by either GPU's PCIe (the NIC sits behind it).
+
+`emulate: {speed: s}` (0 < s <= 1) on a node makes its devices plan as s times their type's peak
+FLOP/s and memory bandwidth: a way to run an uneven plan on one host (several CPU devices, one
+of them "slower"). The plan records each stage's `emulate_speed`.
 """
 
 from __future__ import annotations
@@ -29,13 +34,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tessel.catalog.files import bundled_names, parse_yaml, resolve_file, validate_data
-from tessel.catalog.gpus import GIB, GpuSpec, get_gpu
+from tessel.catalog.gpus import GpuSpec, get_gpu
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
+from tessel.units import GBPS, GIB, US_PER_S
 
-BITS_PER_BYTE = 8
-GBPS = 1e9 / BITS_PER_BYTE  # bytes/s in one Gb/s
-US_PER_S = 1e6
 # One-way latency of a GPU-to-GPU copy: NVLink ~2 us and PCIe peer-to-peer ~10 us including the
 # copy launch (NCCL/NVIDIA p2pBandwidthLatencyTest report a few us over NVLink, ~10 us over PCIe).
 NVLINK_LATENCY_S = 2e-6
@@ -51,6 +54,12 @@ class LinkModel(BaseModel):
 
     def spec(self) -> LinkSpec:
         return LinkSpec(self.bandwidth_gbps * GBPS, self.latency_us / US_PER_S)
+
+
+class EmulateModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    speed: float = Field(gt=0, le=1, allow_inf_nan=False, description="fraction of the device type's speed")
 
 
 class GpuGroupModel(BaseModel):
@@ -75,6 +84,7 @@ class NodeModel(BaseModel):
     gpus: list[GpuGroupModel] = Field(min_length=1)
     intra_link: Any = "pcie"
     host_memory_gib: float = Field(default=0.0, ge=0)
+    emulate: EmulateModel | None = None
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -141,8 +151,9 @@ class Device:
     name: str  # "<node>/gpu<i>"
     gpu_type: str  # canonical catalog name
     node: str
-    spec: GpuSpec
+    spec: GpuSpec  # the catalog's, scaled by emulate_speed
     local_index: int  # i within its node
+    emulate_speed: float = 1.0  # the node's `emulate: {speed}`
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,10 +237,12 @@ def _build(model: ClusterModel, source: str) -> Cluster:
     nodes, devices = [], []
     for node in model.nodes:
         names = []
+        speed = 1.0 if node.emulate is None else node.emulate.speed
         for group in node.gpus:
             for _ in range(group.count):
+                spec = get_gpu(group.type).emulated(speed)
                 device = Device(
-                    f"{node.name}/gpu{len(names)}", group.type, node.name, get_gpu(group.type), len(names)
+                    f"{node.name}/gpu{len(names)}", group.type, node.name, spec, len(names), speed
                 )
                 devices.append(device)
                 names.append(device.name)

@@ -42,8 +42,8 @@ import numpy as np
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
+from tessel.units import GIB
 
-GIB = 2.0**30
 MS = 1e3  # seconds -> ms
 SPAWN_GRACE_S = 5.0  # a spawned child imports numpy and highspy before it solves
 

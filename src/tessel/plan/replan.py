@@ -19,6 +19,7 @@ reaches `threshold`; otherwise the previous plan stays.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,10 +28,9 @@ from tessel.cost.link import link_time_s
 from tessel.errors import TesselError
 from tessel.plan.cluster import Cluster
 from tessel.plan.instance import PlanningInstance
+from tessel.plan.plan_file import PlanStage
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
 from tessel.plan.solve import PlanResult, solve
-
-GIB = 2.0**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +60,15 @@ class ReplanDecision:
         )
 
 
-def previous_solution(instance: PlanningInstance, plan: dict, source: str) -> Solution:
-    """The stages of a `tessel plan --json` file as a solution of `instance` (devices by name)."""
-    stages = plan.get("stages")
-    if not isinstance(stages, list) or not stages:
-        raise TesselError(f"{source}: 'stages' must be a non-empty list")
+def previous_solution(instance: PlanningInstance, stages: Sequence[PlanStage], source: str) -> Solution:
+    """The stages of a plan file (`tessel.plan.plan_file.load_plan`) as a solution of `instance`
+    (devices by name)."""
     index = {device.name: j for j, device in enumerate(instance.devices)}
     result = []
     for position, stage in enumerate(stages):
-        try:
-            name, start, end = stage["device"], int(stage["unit_start"]), int(stage["unit_end"])
-        except (KeyError, TypeError, ValueError):
-            raise TesselError(
-                f"{source}: stage {position} needs 'device', 'unit_start' and 'unit_end'"
-            ) from None
-        if name not in index:
-            raise TesselError(f"{source}: stage {position}: device {name!r} is not in this cluster")
-        result.append(Stage(index[name], start, end))
+        if stage.device not in index:
+            raise TesselError(f"{source}: stage {position}: device {stage.device!r} is not in this cluster")
+        result.append(Stage(index[stage.device], stage.unit_start, stage.unit_end))
     solution = Solution(tuple(result))
     try:
         solution.validate(instance)

@@ -1,4 +1,5 @@
-"""What a plan predicts, the plan JSON (version 1) and the rich tables `tessel plan` prints.
+"""What a plan predicts, the plan file it writes (`tessel.plan.plan_file`) and the rich tables
+`tessel plan` prints.
 
 Predicted metrics, from the pipeline of m micro-batches of b requests each (b from the workload):
 
@@ -20,11 +21,9 @@ from dataclasses import dataclass
 
 from tessel.plan.baselines import BaselineResult
 from tessel.plan.instance import PlanningInstance
+from tessel.plan.plan_file import PLAN_VERSION, PlanFile, parse_plan
 from tessel.plan.solution import Evaluation
-
-PLAN_VERSION = 1
-GIB = 2.0**30
-GBPS = 1e9 / 8  # bytes/s in one Gb/s, as cluster files give bandwidth
+from tessel.units import GBPS, GIB, US_PER_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,20 +79,36 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
                 "prefill_ms": se.time_prefill_s * 1e3,
                 "decode_ms": se.time_decode_s * 1e3,
                 "link_to_next": link,
+                "emulate_speed": _emulate_speed(cluster, device.name),
             }
         )
     return records
 
 
+def _emulate_speed(cluster, device: str) -> float:
+    return 1.0 if cluster is None else cluster.device(device).emulate_speed
+
+
 def _link_json(instance: PlanningInstance, a: int, b: int, cluster) -> dict:
     if cluster is not None:
         spec = cluster.link(instance.devices[a].name, instance.devices[b].name)
-        return {"bandwidth_gbps": spec.bandwidth_bytes_per_s / GBPS, "latency_us": spec.latency_s * 1e6}
+        return {"bandwidth_gbps": spec.bandwidth_bytes_per_s / GBPS, "latency_us": spec.latency_s * US_PER_S}
     return {"bandwidth_gbps": None, "latency_us": None}  # no cluster given: link unknown
 
 
 def _finite(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _finite_tree(value):
+    """inf / nan (not valid JSON) become null, at any depth."""
+    if isinstance(value, float):
+        return _finite(value)
+    if isinstance(value, dict):
+        return {key: _finite_tree(v) for key, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_tree(v) for v in value]
+    return value
 
 
 def workload_json(workload) -> dict:
@@ -143,10 +158,10 @@ def plan_json(
     dtype: str = "fp16",
     kv_dtype: str = "fp16",
     granularity: str = "layer",
-) -> dict:
-    """The plan contract (version 1) that the simulator, chunk planner and runtime read."""
+) -> PlanFile:
+    """The plan file that the simulator, chunk planner and runtime read."""
     b = workload.micro_batch_size
-    return {
+    data = {
         "version": PLAN_VERSION,
         "model": {"name": model.name, "config": dataclasses.asdict(model)},
         "cluster": {"name": cluster.name, "source": cluster_source},
@@ -162,6 +177,7 @@ def plan_json(
         "solver": {key: _finite(v) if isinstance(v, float) else v for key, v in solver.items()},
         "baselines": {name: baseline_json(instance, r, b, cluster) for name, r in baselines.items()},
     }
+    return parse_plan(_finite_tree(data), source="tessel plan")
 
 
 def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tessel.errors import TesselError
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import Evaluation, Solution, evaluate
+from tessel.units import GIB
 
 SOLVERS = ("milp", "dp", "brute")
 COUNTS_SHARE = 0.4  # fraction of the time limit the counts relaxation search gets first
@@ -298,10 +299,9 @@ def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
     from tessel.plan.build import capacity_shortfall_bytes
 
     shortfall = capacity_shortfall_bytes(instance)
-    gib = 2.0**30
     if shortfall > 0:
         return TesselError(
-            f"the model does not fit: it needs {shortfall / gib:.1f} GiB more than the cluster's GPU "
+            f"the model does not fit: it needs {shortfall / GIB:.1f} GiB more than the cluster's GPU "
             "and host "
             "memory together; add GPUs or host memory, or use a smaller dtype / shorter workload"
         )
@@ -320,9 +320,9 @@ def _infeasible(instance: PlanningInstance, what: str) -> TesselError:
         if hidden
         else ""
     )
-    hint = f" (it needs {extra / gib:.1f} GiB more GPU memory to avoid offloading)" if extra > 0 else ""
+    hint = f" (it needs {extra / GIB:.1f} GiB more GPU memory to avoid offloading)" if extra > 0 else ""
     return TesselError(
-        f"{what}: the model's {need / gib:.1f} GiB of weights and KV cannot be placed on "
-        f"{instance.n_devices} devices with {gpu / gib:.1f} GiB of GPU memory under the memory"
+        f"{what}: the model's {need / GIB:.1f} GiB of weights and KV cannot be placed on "
+        f"{instance.n_devices} devices with {gpu / GIB:.1f} GiB of GPU memory under the memory"
         f"{rules}{hint}; add GPUs, or lower max_micro_batch or the lengths in the workload{why}"
     )

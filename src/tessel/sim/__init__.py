@@ -2,8 +2,8 @@
 
 One concern per module: `requests` (Poisson, batch, traces), `scheduler` (continuous batching with
 chunked prefill), `engine` (event heap, stages, links), `metrics`, `gantt`, `linear` (a stage given
-by coefficients), `cpp` (prompt cuts from `tessel.chunk`), `plan_file` + `plan_pipeline` (a plan
-JSON's stages priced by the cost model), `workload` (requests for `--workload`).
+by coefficients), `cpp` (prompt cuts from `tessel.chunk`), `plan_pipeline` (a plan file's stages,
+read by `tessel.plan.plan_file`, priced by the cost model), `workload` (requests for `--workload`).
 Pure Python and numpy: never imports torch. `gantt` imports matplotlib only when called.
 """
 

@@ -18,21 +18,17 @@ with it (max) when the plan says `overlap: true`: the planner's own stage-time r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from tessel.catalog.gpus import GIB, get_gpu
-from tessel.catalog.models import ModelSpec, load_model, model_from_config
-from tessel.chunk.from_plan import StageSpec, build_pipeline
+from tessel.catalog.gpus import get_gpu
+from tessel.chunk.from_plan import plan_pipeline
 from tessel.chunk.latency import PipelineLatency
 from tessel.cost.layer import kv_bytes_per_token
-from tessel.cost.link import LinkSpec
 from tessel.cost.profile import Profile
 from tessel.cost.roofline import lm_head_time_s
 from tessel.errors import TesselError
-from tessel.sim.plan_file import PlanFile, PlanVariant
-
-GBPS = 1e9 / 8  # bytes/s in one Gb/s: plan files give bandwidth_gbps in gigabits per second
-US = 1e-6
+from tessel.plan.plan_file import PlanFile, PlanVariant
+from tessel.units import GIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,28 +44,14 @@ def pipeline_for(
 ) -> SimPipeline:
     """The priced pipeline of the plan's stages, or of one of its baselines."""
     variant = variant or plan.main
-    data = plan.data
-    model = plan_model(plan)
-    specs = []
-    for position, stage in enumerate(variant.stages):
-        link = None
-        if position < len(variant.stages) - 1:
-            if stage.link_bandwidth_gbps is None or stage.link_bandwidth_gbps <= 0:
-                raise TesselError(
-                    f"{plan.path}: {variant.name} stage {stage.index} ({stage.device}) has no link_to_next "
-                    f"with a positive bandwidth_gbps"
-                )
-            link = LinkSpec(stage.link_bandwidth_gbps * GBPS, (stage.link_latency_us or 0.0) * US)
-        specs.append(StageSpec(stage.device, stage.gpu_type, stage.unit_start, stage.unit_end, link))
+    for stage in variant.stages[:-1]:
+        if stage.link_bytes_per_s is None:
+            raise TesselError(
+                f"{plan.path}: {variant.name} stage {stage.index} ({stage.device}) has no link_to_next "
+                f"with a positive bandwidth_gbps"
+            )
     try:
-        priced = build_pipeline(
-            model,
-            specs,
-            granularity=str(data.get("granularity", "layer")),
-            dtype=str(data.get("dtype", "fp16")),
-            kv_dtype=str(data.get("kv_dtype", "fp16")),
-            profiles=profiles,
-        )
+        priced = plan_pipeline(plan, variant.stages, profiles=profiles)
     except TesselError as error:
         raise TesselError(f"{plan.path}: {variant.name}: {error}") from None
     last = priced.pipeline.stages[-1]
@@ -80,42 +62,22 @@ def pipeline_for(
     offload_s = tuple(
         stage.offload_gib * GIB / get_gpu(stage.gpu_type).pcie_h2d_bytes_per_s for stage in variant.stages
     )
-    return SimPipeline(priced.pipeline, logits_time_s, offload_s, bool(data.get("overlap", False)))
+    return SimPipeline(priced.pipeline, logits_time_s, offload_s, plan.overlap)
 
 
 def kv_capacity_tokens(plan: PlanFile, variant: PlanVariant | None = None) -> int | None:
     """Tokens of KV the plan reserved: min over stages of kv_gib / (KV bytes per token x its
     attention layers); None when a stage gives no kv_gib."""
     variant = variant or plan.main
-    model = plan_model(plan)
-    per_token_layer = kv_bytes_per_token(model, str(plan.data.get("kv_dtype", "fp16")))
-    sublayer = plan.data.get("granularity", "layer") == "sublayer"
+    per_token_layer = kv_bytes_per_token(plan.model_spec, plan.kv_dtype)
     capacity = None
     for stage in variant.stages:
-        units = range(stage.unit_start, stage.unit_end)
-        layers = sum(1 for u in units if u % 2 == 0) if sublayer else len(units)
+        kinds = [plan.unit_kind(u) for u in range(stage.unit_start, stage.unit_end)]
+        layers = sum(1 for kind in kinds if kind != "mlp")
         if layers == 0:
             continue  # MLP blocks only: no KV here
-        if stage.kv_gib <= 0:
+        if not stage.kv_gib:
             return None
         tokens = int(stage.kv_gib * GIB // (per_token_layer * layers))
         capacity = tokens if capacity is None else min(capacity, tokens)
     return capacity
-
-
-def plan_model(plan: PlanFile) -> ModelSpec:
-    """The plan's model: `model.config` as ModelSpec fields (what `tessel plan` writes) or as an HF
-    config.json, else the preset `model.name`."""
-    model = plan.data.get("model")
-    if not isinstance(model, dict) or "name" not in model:
-        raise TesselError(f"{plan.path}: 'model' must be an object with a 'name'")
-    config = model.get("config")
-    if isinstance(config, dict) and "num_layers" in config:
-        names = {f.name for f in fields(ModelSpec)}
-        try:
-            return ModelSpec(**{key: value for key, value in config.items() if key in names})
-        except (TypeError, ValueError) as error:
-            raise TesselError(f"{plan.path}: model.config is not a valid model spec ({error})") from None
-    if isinstance(config, dict) and config:
-        return model_from_config(config, name=str(model["name"]), source=f"{plan.path} model.config")
-    return load_model(str(model["name"]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessel.sim.plan_file import PlanFile
+from tessel.plan.plan_file import PlanFile
 
 REGIMES = ("plan", "continuous")
 CONTINUOUS_MAX_RUNNING = 256  # vLLM's default max_num_seqs
@@ -33,7 +33,7 @@ def regime_defaults(plan: PlanFile, regime: str) -> RegimeDefaults:
     continuous = RegimeDefaults(CONTINUOUS_MAX_RUNNING, None, False, False)
     if regime == "continuous":
         return continuous
-    workload = plan.data.get("workload")
+    workload = plan.workload
     if not isinstance(workload, dict):
         return continuous
     m, b = workload.get("m"), workload.get("micro_batch_size")

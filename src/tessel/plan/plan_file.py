@@ -1,0 +1,464 @@
+"""The plan file (`tessel plan --json`): one model that writes it and reads it.
+
+`tessel plan` writes it; `tessel chunk`, `tessel simulate`, `tessel plan --replan-from` and the
+pipeline runtime read it, all through `load_plan`. A plan holds the chosen pipeline's stages (in
+order, each a half-open run of units on one device) and, under `baselines`, the stages of each
+baseline split when it was feasible.
+
+Units: at `layer` granularity unit u is decoder layer u; at `sublayer` granularity unit 2i is layer
+i's attention block and 2i + 1 its MLP block (a layer split mid-way belongs to two stages).
+
+Versions: `PLAN_VERSION` is what this code writes; `SUPPORTED_VERSIONS` what it reads. An older
+version is upgraded to the current one in `_upgrade`, the one place that knows old layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from tessel.errors import TesselError
+from tessel.units import GBPS, US_PER_S
+
+if TYPE_CHECKING:
+    from tessel.catalog.models import ModelSpec
+    from tessel.plan.cluster import Cluster
+
+PLAN_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+MAIN_VARIANT = "plan"
+MAX_INDEX = 2**31 - 1  # unit, layer and stage indices: far above any model, far below overflow
+MAX_PLAN_BYTES = 64 * 2**20  # a plan of 10,000 stages is a few MB
+MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels down
+
+
+def units_per_layer(granularity: str) -> int:
+    """Units in one decoder layer: 1 at layer granularity, 2 (attention, MLP) at sublayer."""
+    return 2 if granularity == "sublayer" else 1
+
+
+def unit_kind(unit: int, granularity: str) -> str:
+    """'layer', or at sublayer granularity 'attention' (even units) or 'mlp' (odd units)."""
+    if granularity != "sublayer":
+        return "layer"
+    return "attention" if unit % 2 == 0 else "mlp"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class Link(_Strict):
+    """The link from a stage to the next one (None fields: the plan was made without a cluster)."""
+
+    bandwidth_gbps: float | None = Field(default=None, gt=0)  # gigabits per second
+    latency_us: float | None = Field(default=None, ge=0)
+
+
+class PlanStage(_Strict):
+    index: int = Field(ge=0, le=MAX_INDEX)
+    device: str = Field(min_length=1)
+    gpu_type: str = Field(min_length=1)
+    node: str = ""
+    layer_start: int = Field(ge=0, le=MAX_INDEX)  # half-open [layer_start, layer_end)
+    layer_end: int = Field(ge=0, le=MAX_INDEX)
+    unit_start: int = Field(ge=0, le=MAX_INDEX)  # half-open [unit_start, unit_end)
+    unit_end: int = Field(ge=0, le=MAX_INDEX)
+    weights_gib: float | None = Field(default=None, ge=0)
+    kv_gib: float | None = Field(default=None, ge=0)  # KV the planner reserved (None: not given)
+    offload_gib: float = Field(default=0.0, ge=0)  # held in host memory, streamed in every pass
+    prefill_ms: float | None = Field(default=None, ge=0)
+    decode_ms: float | None = Field(default=None, ge=0)
+    link_to_next: Link | None = None
+    emulate_speed: float = Field(default=1.0, gt=0, le=1)  # fraction of the host's speed (cluster `emulate`)
+
+    @property
+    def label(self) -> str:
+        return f"{self.device} ({self.gpu_type}) L{self.layer_start}-{self.layer_end - 1}"
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """Bandwidth of the link to the next stage in bytes/s; None on the last stage or when unknown."""
+        if self.link_to_next is None or self.link_to_next.bandwidth_gbps is None:
+            return None
+        return self.link_to_next.bandwidth_gbps * GBPS
+
+    @property
+    def link_latency_s(self) -> float:
+        if self.link_to_next is None or self.link_to_next.latency_us is None:
+            return 0.0
+        return self.link_to_next.latency_us / US_PER_S
+
+
+class Predicted(_Strict):
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    throughput_tok_s: float | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        return {key: value for key, value in self.model_dump().items() if value is not None}
+
+
+class Baseline(_Strict):
+    feasible: bool = False
+    reason: str | None = None
+    objective: float | None = None
+    predicted: Predicted | None = None
+    stages: list[PlanStage] | None = None
+
+
+class ModelRef(_Strict):
+    name: str = Field(min_length=1)
+    config: dict[str, Any] | None = None  # ModelSpec fields (what `tessel plan` writes) or an HF config
+
+
+class ClusterRef(_Strict):
+    name: str = "?"
+    source: str = ""  # the cluster file or bundled name the plan was made for
+
+
+class PlanVariant(BaseModel):
+    """The main plan or one feasible baseline: a name and its stages in pipeline order."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    stages: tuple[PlanStage, ...]
+    predicted: dict[str, float] = {}  # ttft_s, tpot_s, throughput_tok_s where given
+
+
+class PlanFile(_Strict):
+    version: int
+    model: ModelRef
+    cluster: ClusterRef = ClusterRef()
+    workload: dict[str, Any] = {}
+    dtype: str = "fp16"
+    kv_dtype: str = "fp16"
+    granularity: Literal["layer", "sublayer"] = "layer"
+    overlap: bool = False
+    swap_in: str = "charged"
+    stages: list[PlanStage] = Field(min_length=1)
+    predicted: Predicted | None = None
+    objective: float | None = None
+    solver: dict[str, Any] = {}
+    baselines: dict[str, Baseline] = {}
+    _source: str = PrivateAttr(default="<plan>")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgraded(cls, data: Any) -> Any:
+        return _upgrade(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanFile:
+        _check_stages(self.stages, "stages", self.granularity)
+        for name, baseline in self.baselines.items():
+            if baseline.feasible and baseline.stages:
+                _check_stages(baseline.stages, f"baselines.{name}.stages", self.granularity)
+        return self
+
+    # ---- writing -------------------------------------------------------------------------------
+
+    def dump(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+    def write(self, path: str | Path) -> None:
+        try:
+            Path(path).write_text(self.dump())
+        except OSError as error:
+            raise TesselError(f"cannot write {path}: {error.strerror}") from None
+
+    # ---- derived facts -------------------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def path(self) -> str:
+        return self.source
+
+    @property
+    def units_per_layer(self) -> int:
+        return units_per_layer(self.granularity)
+
+    def unit_kind(self, unit: int) -> str:
+        return unit_kind(unit, self.granularity)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layer_end
+
+    @property
+    def num_units(self) -> int:
+        return self.stages[-1].unit_end
+
+    def stage_of_layer(self, layer: int) -> PlanStage:
+        """The stage holding the layer's first unit (its attention block at sublayer granularity)."""
+        unit = layer * self.units_per_layer
+        for stage in self.stages:
+            if stage.unit_start <= unit < stage.unit_end:
+                return stage
+        raise TesselError(
+            f"{self.source}: layer {layer} is not in the plan (it has {self.num_layers} layers)"
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name
+
+    @property
+    def cluster_name(self) -> str:
+        return self.cluster.name
+
+    @cached_property
+    def model_spec(self) -> ModelSpec:
+        """The plan's model: `model.config` as ModelSpec fields or as an HF config.json, else the
+        catalog preset `model.name`. Parsed once."""
+        from dataclasses import fields
+
+        from tessel.catalog.models import ModelSpec, load_model, model_from_config
+
+        config = self.model.config
+        if config and "num_layers" in config:
+            names = {f.name for f in fields(ModelSpec)}
+            try:
+                return ModelSpec(**{key: value for key, value in config.items() if key in names})
+            except (TypeError, ValueError) as error:
+                raise TesselError(
+                    f"{self.source}: model.config is not a valid model spec ({error})"
+                ) from None
+        if config:
+            return model_from_config(config, name=self.model.name, source=f"{self.source} model.config")
+        return load_model(self.model.name)
+
+    @property
+    def main(self) -> PlanVariant:
+        return PlanVariant(name=MAIN_VARIANT, stages=tuple(self.stages), predicted=_predicted(self.predicted))
+
+    @property
+    def baseline_variants(self) -> tuple[PlanVariant, ...]:
+        """Feasible baselines with stages, in file order."""
+        return tuple(
+            PlanVariant(name=name, stages=tuple(b.stages), predicted=_predicted(b.predicted))
+            for name, b in self.baselines.items()
+            if b.feasible and b.stages
+        )
+
+    @property
+    def variants(self) -> tuple[PlanVariant, ...]:
+        return (self.main, *self.baseline_variants)
+
+    @property
+    def infeasible(self) -> dict[str, str]:
+        """Baseline name -> why it has no plan."""
+        return {
+            name: b.reason or "no feasible split"
+            for name, b in self.baselines.items()
+            if not (b.feasible and b.stages)
+        }
+
+    def check_cluster(self, cluster: Cluster) -> None:
+        """Every stage's device exists in `cluster` with the plan's GPU type (no device twice is
+        checked on load)."""
+        for variant in self.variants:
+            for position, stage in enumerate(variant.stages):
+                where = f"{self.source}: {_where(variant)}[{position}]"
+                names = [device.name for device in cluster.devices]
+                if stage.device not in names:
+                    raise TesselError(
+                        f"{where}: device {stage.device!r} is not in cluster {cluster.name} "
+                        f"(devices: {', '.join(names)}); plan again for this cluster"
+                    )
+                actual = cluster.device(stage.device).gpu_type
+                if actual.lower() != stage.gpu_type.lower():
+                    raise TesselError(
+                        f"{where}: device {stage.device!r} is a {stage.gpu_type} in the plan but a "
+                        f"{actual} in cluster {cluster.name}; plan again for this cluster"
+                    )
+
+    def check_named_cluster(self) -> None:
+        """`check_cluster` against the cluster the plan names, when that can be found (a bundled
+        name or a cluster file); a hand-written plan naming no known cluster is not checked."""
+        from tessel.plan.cluster import list_bundled_clusters, load_cluster
+
+        source = self.cluster.source or self.cluster.name
+        try:
+            found = source in list_bundled_clusters() or Path(source).is_file()
+        except (OSError, ValueError):  # a name no file system accepts (NUL bytes, too long)
+            found = False
+        if found:
+            self.check_cluster(load_cluster(source))
+
+    def check_model(self, name: str, num_layers: int) -> None:
+        """The model a runtime is about to load is the plan's (same name and layer count)."""
+        differences = []
+        if name != self.model.name:
+            differences.append(f"model {name!r}, the plan is for {self.model.name!r}")
+        if num_layers != self.num_layers:
+            differences.append(f"{num_layers} layers, the plan covers {self.num_layers}")
+        if differences:
+            raise TesselError(f"{self.source}: " + "; ".join(differences) + "; plan again for this model")
+
+
+def _where(variant: PlanVariant) -> str:
+    return "stages" if variant.name == MAIN_VARIANT else f"baselines.{variant.name}.stages"
+
+
+def _predicted(predicted: Predicted | None) -> dict[str, float]:
+    return {} if predicted is None else predicted.as_dict()
+
+
+def _upgrade(data: dict) -> dict:
+    """The one place older plan versions become the current one (none yet: version 1 is current)."""
+    _check_nesting(data)
+    version = data.get("version")
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        shown = "missing" if version is None else _short_repr(version)
+        raise ValueError(
+            f"plan version {shown} is not supported; this tessel reads version {supported} "
+            "(re-run `tessel plan --json` with this tessel)"
+        )
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise ValueError("'stages' must be a non-empty list of stages")
+    return data
+
+
+def _check_nesting(data: Any) -> None:
+    """Refuse JSON nested deeper than MAX_NESTING (free-form parts such as `workload` could hold
+    anything; serialising them again must not recurse without bound). Iterative: no recursion."""
+    pending = [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_NESTING:
+            raise ValueError(f"nested deeper than {MAX_NESTING} levels; not a plan file")
+        if isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
+
+
+def _check_stages(stages: list[PlanStage], where: str, granularity: str) -> None:
+    """Stages cover units 0..n in order without gaps or overlaps; layers agree with units; no
+    device holds two stages."""
+    per = units_per_layer(granularity)
+    seen: dict[str, int] = {}
+    expected_unit = 0
+    for position, stage in enumerate(stages):
+        key = f"{where}[{position}]"
+        if stage.unit_end <= stage.unit_start:
+            raise ValueError(f"{key} holds no units ({stage.unit_start}..{stage.unit_end})")
+        if stage.layer_end <= stage.layer_start:
+            raise ValueError(f"{key} holds no layers ({stage.layer_start}..{stage.layer_end})")
+        if stage.unit_start != expected_unit:
+            relation = "overlaps" if stage.unit_start < expected_unit else "leaves a gap after"
+            raise ValueError(
+                f"'{where}' is not contiguous: {key} starts at unit {stage.unit_start}, which "
+                f"{relation} the previous stage (ending at unit {expected_unit})"
+            )
+        layers = (stage.unit_start // per, math.ceil(stage.unit_end / per))
+        if (stage.layer_start, stage.layer_end) != layers:
+            raise ValueError(
+                f"{key}: layers [{stage.layer_start}, {stage.layer_end}) do not match units "
+                f"[{stage.unit_start}, {stage.unit_end}) at {granularity} granularity "
+                f"(expected layers [{layers[0]}, {layers[1]}))"
+            )
+        if stage.device in seen:
+            raise ValueError(
+                f"device {stage.device!r} holds two stages ({where}[{seen[stage.device]}] and {key}); "
+                "a device runs one stage"
+            )
+        seen[stage.device] = position
+        expected_unit = stage.unit_end
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def load_plan(path: str | Path) -> PlanFile:
+    """The one reader of plan files: a `TesselError` naming the file and the field for anything
+    that is not a plan this version of tessel understands."""
+    path = Path(path)
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    except RecursionError:
+        raise TesselError(f"{path}: not a plan file (JSON nested too deeply)") from None
+    return parse_plan(data, source=str(path))
+
+
+def parse_plan(data: Any, *, source: str = "<plan>") -> PlanFile:
+    """A plan from an already-parsed JSON document."""
+    if not isinstance(data, dict):
+        raise TesselError(f"{source}: a plan file holds a JSON object, not {type(data).__name__}")
+    try:
+        plan = PlanFile.model_validate(data)
+    except ValidationError as error:
+        raise TesselError(_clean(f"{source}: malformed plan: {_describe(error)}")) from None
+    except RecursionError:
+        raise TesselError(f"{source}: not a plan file (JSON nested too deeply)") from None
+    plan._source = source
+    return plan
+
+
+def _read_text(path: Path) -> str:
+    try:
+        if path.is_dir():
+            raise TesselError(
+                f"{path} is a directory, not a plan file (pass the JSON from `tessel plan --json`)"
+            )
+        if not path.exists():
+            raise TesselError(f"plan file {path} does not exist (write one with `tessel plan --json`)")
+        if path.is_file() and path.stat().st_size > MAX_PLAN_BYTES:
+            raise TesselError(f"{path}: {path.stat().st_size} bytes is too large for a plan file")
+        raw = path.read_bytes()
+    except OSError as error:
+        raise TesselError(f"cannot read plan file {path}: {error.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TesselError(
+            f"{path}: not a plan file (not UTF-8 text at byte {error.start}); "
+            "pass the JSON from `tessel plan --json`"
+        ) from None
+
+
+def _describe(error: ValidationError) -> str:
+    item = error.errors(include_url=False)[0]
+    loc = _loc(item["loc"])
+    if item["type"] == "missing":
+        parent, _, field = loc.rpartition(".")
+        return f"{parent} lacks {field!r}" if parent else f"lacks {field!r}"
+    if item["type"] == "value_error":
+        message = str(item.get("ctx", {}).get("error", item["msg"]))
+        return f"{loc}: {message}" if loc else message
+    return f"{loc}: {item['msg']}" if loc else item["msg"]
+
+
+def _loc(parts: tuple) -> str:
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _short_repr(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _clean(message: str) -> str:
+    """Lone surrogates (from JSON escapes) cannot be printed: escape them."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
