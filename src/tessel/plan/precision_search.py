@@ -10,8 +10,8 @@ that the DP and the counts relaxation solve; the quality term theta * cost is th
   bytes and time, `PlanningInstance.relaxed`), then two starts on it: every unit at its fewest bytes
   raised back toward the reference until the budget holds (cheapest objective increase per unit of
   quality first), and every unit at the reference lowered while that improves the objective. Each
-  start is then improved one unit at a time (the best move of each stage and precision) and
-  re-placed by the fixed-instance solver, and improved again. The relaxed instance's lower bound
+  start is then improved one move at a time (one unit's precision, or one unit across a stage
+  boundary; best first), re-placed by the fixed-instance solver, and improved again. The relaxed instance's lower bound
   (+ theta times the least quality cost) bounds every plan, so the gap it reports is proven; it
   is loose when the budget binds, since the relaxation may quantise every unit.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.solution import FEASIBILITY_RTOL, Evaluation, Solution, evaluate
+from tessel.plan.solution import FEASIBILITY_RTOL, Evaluation, Solution, Stage, evaluate
 
 MAX_ENUMERATED = 729  # 3 precisions x 6 units
 MAX_LOCAL_STEPS = 400
@@ -101,7 +101,7 @@ def local_search(
         if vector is None:
             continue
         for round_index in range(2):
-            vector = _improve(instance, placement, vector, deadline)
+            placement, vector = _improve(instance, placement, vector, deadline)
             candidate = placement.with_precisions(vector)
             evaluation = evaluate(instance, candidate)
             count += 1
@@ -165,24 +165,43 @@ def _raise_to_budget(instance: PlanningInstance, placement: Solution, vector: np
     return None
 
 
+def _shifts(placement: Solution):
+    """Plans with one unit moved across one boundary between neighbouring stages."""
+    stages = list(placement.stages)
+    for i in range(len(stages) - 1):
+        left, right = stages[i], stages[i + 1]
+        for step in (-1, 1):  # -1: left gives its last unit, +1: right gives its first
+            cut = left.unit_end + step
+            if left.unit_start < cut < right.unit_end:
+                moved = stages.copy()
+                moved[i] = Stage(left.device, left.unit_start, cut)
+                moved[i + 1] = Stage(right.device, cut, right.unit_end)
+                yield Solution(tuple(moved))
+
+
 def _improve(instance: PlanningInstance, placement: Solution, vector: np.ndarray, deadline: float):
-    """Single-unit precision changes that lower the objective within the budget, best first."""
+    """Best-first local search: one unit's precision changed, or one unit moved across a stage
+    boundary, while that lowers the objective within the budget. Returns (placement, vector)."""
     vector = vector.copy()
     current = evaluate(instance, placement.with_precisions(vector))
     for _ in range(MAX_LOCAL_STEPS):
         if time.perf_counter() > deadline:
             break
         best = None
+        trials = []
         for u, q, _delta in _candidates(instance, placement, vector):
             trial = vector.copy()
             trial[u] = q
-            evaluation = evaluate(instance, placement.with_precisions(trial))
+            trials.append((placement, trial))
+        trials += [(moved, vector) for moved in _shifts(placement)]
+        for plan, trial in trials:
+            evaluation = evaluate(instance, plan.with_precisions(trial))
             if evaluation.feasible and evaluation.objective < (best or current).objective * (1 - 1e-9):
-                best, best_vector = evaluation, trial
+                best, best_move = evaluation, (plan, trial)
         if best is None:
             break
-        current, vector = best, best_vector
-    return vector
+        current, (placement, vector) = best, best_move
+    return placement, vector
 
 
 def solve_dp_precisions(instance: PlanningInstance, *, orders: str, time_limit_s: float, rel_gap: float):
