@@ -4,7 +4,6 @@ budget, the default budget, the quality indicators and their bad input."""
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import replace
 
 import numpy as np

@@ -11,9 +11,9 @@ that the DP and the counts relaxation solve; the quality term theta * cost is th
   raised back toward the reference until the budget holds (cheapest objective increase per unit of
   quality first), and every unit at the reference lowered while that improves the objective. Each
   start is then improved one move at a time (one unit's precision, or one unit across a stage
-  boundary; best first), re-placed by the fixed-instance solver, and improved again. The relaxed instance's lower bound
-  (+ theta times the least quality cost) bounds every plan, so the gap it reports is proven; it
-  is loose when the budget binds, since the relaxation may quantise every unit.
+  boundary; best first), re-placed by the fixed-instance solver, and improved again. The relaxed
+  instance's lower bound (+ theta times the least quality cost) bounds every plan, so the gap it
+  reports is proven; it is loose when the budget binds, since the relaxation may quantise every unit.
 """
 
 from __future__ import annotations
