@@ -63,6 +63,12 @@ def plan(
     sensitivity: Path | None = typer.Option(
         None, "--sensitivity", help="Measured per-layer quality costs (JSON) instead of the indicator."
     ),
+    replicas: str | None = typer.Option(
+        None,
+        "--replicas",
+        help="auto or N: split the GPUs into several pipelines and route requests among them "
+        "(docs/planner.md).",
+    ),
     replan_horizon_s: float = typer.Option(
         3600.0,
         "--replan-horizon-s",
@@ -105,6 +111,21 @@ def plan(
     )
     _check_capacity(instance)
     console = Console(width=None if sys.stdout.isatty() else 150)
+    if replicas is not None:
+        from tessel.commands.plan_replicas import parse_replicas, plan_replicas
+
+        options = dict(locals())  # the validated options, by name
+        plan_replicas(
+            console,
+            instance,
+            count=parse_replicas(replicas),
+            model_spec=model_spec,
+            cluster_spec=cluster_spec,
+            cluster_source=cluster if Path(cluster).exists() else cluster_spec.name,
+            workload_spec=workload_spec,
+            options=options,
+        )
+        return
     if replan_from is None:
         result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
     else:

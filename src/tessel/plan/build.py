@@ -116,9 +116,9 @@ def build_instance(
             send_s=send,
         )
 
-    choice = None
+    choice, quality_source = None, None
     if len(precisions) > 1:
-        choice = _precision_choice(
+        choice, quality_source = _precision_choice(
             model,
             cluster,
             kinds,
@@ -174,7 +174,7 @@ def build_instance(
             "granularity": granularity,
             "dtype": dtype,
             "kv_dtype": kv_dtype,
-            **({"precisions": ",".join(precisions)} if choice is not None else {}),
+            **({"precisions": ",".join(precisions), "quality_source": quality_source} if choice else {}),
         },
     )
 
@@ -193,8 +193,9 @@ def _precision_choice(
     theta: float | None,
     checkpoint: Path | None,
     sensitivity: Path | None,
-) -> PrecisionChoice:
-    """Bytes, times and quality cost of every unit at every precision (see the module docstring)."""
+) -> tuple[PrecisionChoice, str]:
+    """Bytes, times and quality cost of every unit at every precision (see the module docstring),
+    and where the quality costs came from."""
     from tessel.plan.precision import default_budget
     from tessel.plan.quality import quality_costs
 
@@ -211,7 +212,7 @@ def _precision_choice(
     weight = np.array(
         [[float(L.weight_bytes(model, unit.kind, name)) for name in precisions] for unit in units]
     )
-    quality, _source = quality_costs(model, precisions, kinds, checkpoint=checkpoint, sensitivity=sensitivity)
+    quality, source = quality_costs(model, precisions, kinds, checkpoint=checkpoint, sensitivity=sensitivity)
     if quality_budget is not None and (not np.isfinite(quality_budget) or quality_budget < 0):
         raise TesselError(f"--quality-budget must be a finite number >= 0, got {quality_budget}")
     if theta is not None and (not np.isfinite(theta) or theta < 0):
@@ -223,7 +224,7 @@ def _precision_choice(
             raise TesselError("the default quality budget needs int8 costs; give --quality-budget or --theta")
         int8, _ = quality_costs(model, reference_int8, kinds, checkpoint=checkpoint, sensitivity=sensitivity)
         budget = default_budget(int8[:, 1])
-    return PrecisionChoice(
+    choice = PrecisionChoice(
         names=precisions,
         weight_bytes=weight,
         prefill_time_s=np.stack(prefill, axis=2),
@@ -232,6 +233,7 @@ def _precision_choice(
         quality_budget=float("inf") if budget is None else float(budget),
         theta=float(theta or 0.0),
     )
+    return choice, source
 
 
 def capacity_shortfall_bytes(instance: PlanningInstance) -> float:
