@@ -174,16 +174,28 @@ class PlanningInstance:
         )
 
     def relaxed(self) -> PlanningInstance:
-        """Each unit at its least bytes and least time over the precisions, no quality cost: no plan of
-        this instance costs less there (stage times and memory only grow with unit times and bytes)."""
+        """Each unit at its least bytes and least time over the precisions it may take, no quality
+        cost: no plan of this instance costs less there (stage times and memory only grow with unit
+        times and bytes). A unit may not take a precision whose cost alone, with every other unit at
+        its cheapest, exceeds the budget."""
         choice = self.precision
         if choice is None:
             return self
+        cheapest = choice.quality.min(axis=1)
+        alone = choice.quality + (cheapest.sum() - cheapest)[:, None]
+        allowed = alone <= choice.quality_budget * (1 + 1e-9) + 1e-12
+        allowed[np.arange(self.n_units), choice.quality.argmin(axis=1)] = True
+        inf = np.inf
         return replace(
             self,
-            prefill=replace(self.prefill, unit_time_s=choice.prefill_time_s.min(axis=2)),
-            decode=replace(self.decode, unit_time_s=choice.decode_time_s.min(axis=2)),
-            weight_bytes=choice.weight_bytes.min(axis=1),
+            prefill=replace(
+                self.prefill,
+                unit_time_s=np.where(allowed[:, None, :], choice.prefill_time_s, inf).min(axis=2),
+            ),
+            decode=replace(
+                self.decode, unit_time_s=np.where(allowed[:, None, :], choice.decode_time_s, inf).min(axis=2)
+            ),
+            weight_bytes=np.where(allowed, choice.weight_bytes, inf).min(axis=1),
             precision=None,
         )
 

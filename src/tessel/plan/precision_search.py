@@ -7,9 +7,9 @@ that the DP and the counts relaxation solve; the quality term theta * cost is th
   fixed instance solved by the DP; exact when every DP is. This is what `solve_dp` runs on small
   instances, and what the tests hold against brute force.
 - `local_search` (larger instances): a placement from the relaxed instance (every unit at its least
-  bytes and time, `PlanningInstance.relaxed`), then two starts on it: every unit at its fewest bytes
-  raised back toward the reference until the budget holds (cheapest objective increase per unit of
-  quality first), and every unit at the reference lowered while that improves the objective. Each
+  bytes and time, `PlanningInstance.relaxed`), then two starts: on it, units put at their fewest
+  bytes slowest stage first while the budget allows (`_fill_budget`); and every unit at the
+  reference on the reference instance's own plan. Each
   start is then improved one move at a time (one unit's precision, or one unit across a stage
   boundary; best first), re-placed by the fixed-instance solver, and improved again. The relaxed
   instance's lower bound (+ theta times the least quality cost) bounds every plan, so the gap it
@@ -31,6 +31,8 @@ from tessel.plan.solution import FEASIBILITY_RTOL, Evaluation, Solution, Stage, 
 
 MAX_ENUMERATED = 729  # 3 precisions x 6 units
 MAX_LOCAL_STEPS = 400
+FOCUS_STAGES = 4  # precision moves are tried on the slowest stages of each pass and on offloading ones
+REPLACE_MAX_CELLS = 16 * 80  # re-place a mixed vector (DP on unlike units) only up to units x devices
 _INF = float("inf")
 
 # (fixed instance, seconds) -> (plan or None, proven lower bound on the fixed instance's objective)
@@ -92,14 +94,12 @@ def local_search(
     if relaxed_plan is None:
         return PrecisionSearch(None, None, _INF if relaxed_bound == _INF else bound, False, 0)
     reference = solve_fixed(instance.fixed(None), 0.2 * time_limit_s)[0]
-    starts = [(relaxed_plan, _raise_to_budget(instance, relaxed_plan, _fewest_bytes(instance)))]
+    starts = [(relaxed_plan, _fill_budget(instance, relaxed_plan))]
     if reference is not None:
         starts.append((reference, np.zeros(instance.n_units, dtype=int)))
     best: tuple[Solution, Evaluation] | None = None
     count = 0
     for placement, vector in starts:
-        if vector is None:
-            continue
         for round_index in range(2):
             placement, vector = _improve(instance, placement, vector, deadline)
             candidate = placement.with_precisions(vector)
@@ -108,7 +108,8 @@ def local_search(
             if evaluation.feasible and (best is None or evaluation.objective < best[1].objective):
                 best = (candidate, evaluation)
             left = deadline - time.perf_counter()
-            if round_index == 1 or left <= 0:
+            too_big = instance.n_units * instance.n_devices > REPLACE_MAX_CELLS
+            if round_index == 1 or left <= 0 or too_big:
                 break
             placed, _ = solve_fixed(instance.fixed(vector), left / 2)
             if placed is None:
@@ -119,15 +120,44 @@ def local_search(
     return PrecisionSearch(best[0], best[1], min(bound, best[1].objective), False, count)
 
 
-def _fewest_bytes(instance: PlanningInstance) -> np.ndarray:
-    return np.argmin(instance.precision.weight_bytes, axis=1)
+def _fill_budget(instance: PlanningInstance, placement: Solution) -> np.ndarray:
+    """Units at their fewest bytes, slowest stages (decode, then prefill) first and inside a stage
+    the units that cost least quality first, while the budget allows; the rest at the reference."""
+    choice = instance.precision
+    vector = np.zeros(instance.n_units, dtype=int)
+    evaluation = evaluate(instance.fixed(vector), placement)
+    order = sorted(
+        range(len(placement.stages)),
+        key=lambda i: (-evaluation.stages[i].time_decode_s, -evaluation.stages[i].time_prefill_s),
+    )
+    fewest = np.argmin(choice.weight_bytes, axis=1)
+    spent = instance.quality_cost(vector)
+    for i in order:
+        stage = placement.stages[i]
+        units = np.arange(stage.unit_start, stage.unit_end)
+        extra = choice.quality[units, fewest[units]] - choice.quality[units, 0]
+        for u, cost in sorted(zip(units, extra, strict=True), key=lambda pair: pair[1]):
+            if within_budget(instance, spent + cost):
+                vector[u] = fewest[u]
+                spent += cost
+    return vector
 
 
-def _candidates(instance: PlanningInstance, placement: Solution, vector: np.ndarray):
+def _focus(instance: PlanningInstance, placement: Solution, vector: np.ndarray) -> list:
+    """The stages worth changing: the `FOCUS_STAGES` slowest of each pass and every offloading one."""
+    evaluation = evaluate(instance.fixed(vector), placement)
+    stages = evaluation.stages
+    chosen = {i for i, se in enumerate(stages) if se.offload_bytes > 0}
+    for key in (lambda i: -stages[i].time_decode_s, lambda i: -stages[i].time_prefill_s):
+        chosen.update(sorted(range(len(stages)), key=key)[:FOCUS_STAGES])
+    return [placement.stages[i] for i in sorted(chosen)]
+
+
+def _candidates(instance: PlanningInstance, placement: Solution, vector: np.ndarray, stages=None):
     """One move per (stage, precision): the unit of the stage whose quality cost that change
     raises least (or lowers most)."""
     quality = instance.precision.quality
-    for stage in placement.stages:
+    for stage in placement.stages if stages is None else stages:
         units = np.arange(stage.unit_start, stage.unit_end)
         for q in range(instance.n_precisions):
             movable = units[vector[units] != q]
@@ -136,33 +166,6 @@ def _candidates(instance: PlanningInstance, placement: Solution, vector: np.ndar
             delta = quality[movable, q] - quality[movable, vector[movable]]
             u = int(movable[np.argmin(delta)])
             yield u, q, float(delta.min())
-
-
-def _raise_to_budget(instance: PlanningInstance, placement: Solution, vector: np.ndarray):
-    """Move units toward more bytes until the budget holds: least objective increase per unit of
-    quality saved first. None when it cannot."""
-    vector = vector.copy()
-    for _ in range(MAX_LOCAL_STEPS):
-        quality = instance.quality_cost(vector)
-        if within_budget(instance, quality):
-            return vector
-        current = evaluate(instance, placement.with_precisions(vector)).objective
-        best, best_rate = None, _INF
-        for u, q, delta in _candidates(instance, placement, vector):
-            if delta >= 0:
-                continue
-            trial = vector.copy()
-            trial[u] = q
-            evaluation = evaluate(instance.fixed(trial), placement)
-            if not evaluation.feasible:
-                continue
-            rate = (evaluation.objective - current) / -delta
-            if rate < best_rate:
-                best, best_rate = (u, q), rate
-        if best is None:
-            return None
-        vector[best[0]] = best[1]
-    return None
 
 
 def _shifts(placement: Solution):
@@ -189,7 +192,7 @@ def _improve(instance: PlanningInstance, placement: Solution, vector: np.ndarray
             break
         best = None
         trials = []
-        for u, q, _delta in _candidates(instance, placement, vector):
+        for u, q, _delta in _candidates(instance, placement, vector, _focus(instance, placement, vector)):
             trial = vector.copy()
             trial[u] = q
             trials.append((placement, trial))

@@ -21,7 +21,8 @@ Which split (`choose_replicas`):
   groups that hold the model; mixed splits where each of k = 2..`MAX_SPREAD_REPLICAS` replicas gets
   a contiguous 1/k of every type's devices (by node); plus the whole cluster as one pipeline.
   Groups are planned once per signature (device types and how they share nodes) with an equal share
-  of 80% of the time limit each; a later group of the same signature re-uses the plan.
+  of `SCREEN_TIME_SHARE` of the time limit each to rank the splits (a later group of the same
+  signature re-uses the plan); the best split's groups are then planned again with the time left.
   No optimality claim across splits: the reported gap is each replica's own, and the upper bound is
   the sum of each replica's throughput at its proven lower bound.
 """
@@ -44,6 +45,7 @@ from tessel.plan.solve import PlanResult, solve
 
 EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
 MIN_REPLICA_TIME_S = 0.5
+SCREEN_TIME_SHARE = 0.4  # of the time limit, split over the kinds of group, to rank the splits
 MAX_SPREAD_REPLICAS = 8  # mixed splits tried: 2..8 replicas, each with a share of every type
 
 
@@ -169,6 +171,28 @@ class _Planner:
         return result, throughput, _upper(throughput, result.evaluation.objective, result.bound)
 
 
+def _refine(planner: _Planner, best: tuple, deadline: float, screen_s: float) -> tuple:
+    """The chosen split's kinds of group planned again with the time left; better plans replace."""
+    kinds: dict[tuple, list[int]] = {}
+    for position, (group, _) in enumerate(best[1]):
+        kinds.setdefault(planner.signature(group), []).append(position)
+    left = deadline - time.perf_counter()
+    seconds = left / max(1, len(kinds))
+    if seconds <= 1.5 * screen_s:
+        return best
+    planner.seconds = seconds
+    planned = list(best[1])
+    for key, positions in kinds.items():
+        group = planned[positions[0]][0]
+        del planner.cache[key]
+        again = planner.plan(group)
+        for position in positions:
+            old = planned[position][1]
+            if again is not None and again[1] > old[1]:
+                planned[position] = (planned[position][0], planner.plan(planned[position][0]))
+    return sum(p[1] for _, p in planned), planned
+
+
 def _upper(throughput: float, objective: float, bound: float | None) -> float:
     """Throughput at the proven lower bound on the objective (throughput is m b n_out / objective)."""
     if bound is None or bound <= 0:
@@ -205,7 +229,8 @@ def choose_replicas(
             raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
     planner = _Planner(instance, micro_batch_size, solver, 0.0, mip_gap)
     kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
-    planner.seconds = max(MIN_REPLICA_TIME_S, 0.8 * time_limit_s / max(1, len(kinds)))
+    screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
+    planner.seconds = screen_s
     best, evaluated, largest = None, 0, 0
     for split in splits:
         if time.perf_counter() - started > time_limit_s and best is not None:
@@ -221,6 +246,8 @@ def choose_replicas(
         total = sum(p[1] for _, p in planned)
         if planned and (best is None or total > best[0] * (1 + 1e-9)):
             best = (total, planned)
+    if best is not None and not exhaustive:
+        best = _refine(planner, best, started + time_limit_s, screen_s)
     if best is None and replicas is not None and largest > 0:
         raise TesselError(
             f"{replicas} replicas cannot each hold the model on these {n} devices; the largest feasible "
@@ -264,7 +291,7 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
     for members in by_type.values():
         members.sort(key=lambda j: (instance.devices[j].node, instance.devices[j].name))
     smallest = {t: _smallest_group(instance, members) for t, members in by_type.items()}
-    splits = [[list(range(instance.n_devices))]]
+    splits = []
     for gpu_only in (True, False):
         for factor in (1, 2, 4):
             groups, left = [], []
@@ -288,7 +315,7 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
         groups = [g for g in groups if g]
         if all(holds_model(instance, tuple(g)) for g in groups) and groups not in splits:
             splits.append(groups)
-    return splits
+    return [*splits, [list(range(instance.n_devices))]]  # the whole cluster last: the slowest to plan
 
 
 def _smallest_group(instance: PlanningInstance, members: list[int]) -> dict[bool, int | None]:

@@ -34,6 +34,7 @@ DP_SHARE = 0.25  # fraction of the time left that the DP gets before the MILP
 DP_WARM_START_GAP = 0.01
 MAX_PRECISION_MILP_BINARIES = 4000  # HiGHS gets the precision MILP only below this many z[u, j, q]
 PRECISION_SEARCH_SHARE = 0.7  # of the time limit, when HiGHS runs after the precision search
+HIGHS_MIN_S = 3.0  # HiGHS runs in a fresh interpreter (about 1-2 s to start): not worth less than this
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,16 +211,15 @@ def _milp_precisions(
     budget_s = time_limit_s * (PRECISION_SEARCH_SHARE if run_highs else 1.0)
 
     def solve_fixed(fixed: PlanningInstance, seconds: float):
-        """Counts relaxation + its plans when the units are alike, else the DP with a gap."""
-        from tessel.plan.bound import units_alike
+        """The counts relaxation and its plans when the units are alike, else the DP with a gap."""
+        from tessel.plan.bound import counts_search, units_alike
+        from tessel.plan.dp import solve_dp
 
-        try:
-            solver = "milp" if units_alike(fixed) else "dp"
-            result = solve(fixed, solver=solver, time_limit_s=max(seconds, 0.5), mip_gap=gap)
-        except TesselError:
-            return None, -math.inf, False
-        bound = -math.inf if result.bound is None else result.bound
-        return result.solution, bound, result.status == "Optimal"
+        if units_alike(fixed):
+            counts = counts_search(fixed, rel_gap=gap * COUNTS_GAP_SHARE, time_limit_s=seconds)
+            return counts.solution, counts.bound, False
+        result = solve_dp(fixed, time_limit_s=seconds, rel_gap=max(gap, DP_WARM_START_GAP))
+        return result.solution, result.bound, result.exact
 
     if instance.n_precisions**instance.n_units <= MAX_ENUMERATED:
         from tessel.plan.dp import solve_dp
@@ -244,7 +244,7 @@ def _milp_precisions(
     if search.exact:
         status = "Optimal"
     left = time_limit_s - (time.perf_counter() - started)
-    if run_highs and left > 0.5:
+    if run_highs and left > HIGHS_MIN_S:
         warm = min(candidates, key=lambda c: c[0].objective)[1] if candidates else None
         milp = solve_milp(instance, time_limit_s=left, mip_gap=gap, warm_start=warm, isolate=True)
         detail.update(highs_objective=milp.objective, highs_bound=_finite(milp.bound), milp_cols=milp.n_cols)
