@@ -18,11 +18,13 @@ Which split (`choose_replicas`):
 - larger clusters: candidates built from device types. For each type, the smallest group of that
   type that holds the model (weights, KV and extras within its GPU memory, else GPU + host) and
   twice that size; same-type groups first, the devices left over pooled by memory into mixed
-  groups that hold the model; mixed splits where each of k = 2..`MAX_SPREAD_REPLICAS` replicas gets
+  groups that hold the model; mixed splits where each of k in `SPREAD_REPLICAS` replicas gets
   a contiguous 1/k of every type's devices (by node); plus the whole cluster as one pipeline.
   Groups are planned once per signature (device types and how they share nodes) with an equal share
   of `SCREEN_TIME_SHARE` of the time limit each to rank the splits (a later group of the same
   signature re-uses the plan); the best split's groups are then planned again with the time left.
+  With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
+  precisions averaged over the units, fast) and the refinement plans the real choice.
   No optimality claim across splits: the reported gap is each replica's own, and the upper bound is
   the sum of each replica's throughput at its proven lower bound.
 """
@@ -46,7 +48,8 @@ from tessel.plan.solve import PlanResult, solve
 EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
 MIN_REPLICA_TIME_S = 0.5
 SCREEN_TIME_SHARE = 0.4  # of the time limit, split over the kinds of group, to rank the splits
-MAX_SPREAD_REPLICAS = 8  # mixed splits tried: 2..8 replicas, each with a share of every type
+SCREEN_STOP = 0.5  # a screening stops there, leaving the rest to plan the chosen split for real
+SPREAD_REPLICAS = (2, 4, 8)  # mixed splits tried: k replicas, each with a share of every type
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,7 @@ class _Planner:
             gap,
         )
         self.cache: dict[tuple, tuple[PlanResult, float, float] | None] = {}
+        self.proxy = False  # screening: plan `averaged_precisions` (a fast estimate)
 
     def signature(self, devices: tuple[int, ...]) -> tuple:
         """Device types and which of them share a node: groups alike in both plan alike."""
@@ -151,7 +155,7 @@ class _Planner:
         if cached is None:
             return None
         result, _, _ = cached
-        sub = subset(self.instance, devices)
+        sub = self._instance(devices)
         evaluation = evaluate(sub, result.solution)
         if not evaluation.feasible:
             return self._solve(devices)
@@ -159,10 +163,14 @@ class _Planner:
         upper = _upper(throughput, evaluation.objective, result.bound)
         return replace(result, evaluation=evaluation), throughput, upper
 
+    def _instance(self, devices: tuple[int, ...]) -> PlanningInstance:
+        sub = subset(self.instance, devices)
+        return averaged_precisions(sub) if self.proxy else sub
+
     def _solve(self, devices: tuple[int, ...]):
         if not holds_model(self.instance, devices):
             return None
-        sub = subset(self.instance, devices)
+        sub = self._instance(devices)
         try:
             result = solve(sub, solver=self.solver, time_limit_s=self.seconds, mip_gap=self.gap)
         except TesselError:
@@ -172,24 +180,25 @@ class _Planner:
 
 
 def _refine(planner: _Planner, best: tuple, deadline: float, screen_s: float) -> tuple:
-    """The chosen split's kinds of group planned again with the time left; better plans replace."""
+    """The chosen split's kinds of group planned again with the time left (and with the real
+    precision choice when screening used the relaxed one); better plans, or every plan after a
+    relaxed screening, replace the screened ones."""
+    proxy = planner.proxy
     kinds: dict[tuple, list[int]] = {}
     for position, (group, _) in enumerate(best[1]):
         kinds.setdefault(planner.signature(group), []).append(position)
-    left = deadline - time.perf_counter()
-    seconds = left / max(1, len(kinds))
-    if seconds <= 1.5 * screen_s:
+    seconds = (deadline - time.perf_counter()) / max(1, len(kinds))
+    if not proxy and seconds <= 1.5 * screen_s:
         return best
-    planner.seconds = seconds
+    planner.seconds, planner.proxy = max(seconds, MIN_REPLICA_TIME_S), False
     planned = list(best[1])
     for key, positions in kinds.items():
-        group = planned[positions[0]][0]
         del planner.cache[key]
-        again = planner.plan(group)
         for position in positions:
-            old = planned[position][1]
-            if again is not None and again[1] > old[1]:
-                planned[position] = (planned[position][0], planner.plan(planned[position][0]))
+            again = planner.plan(planned[position][0])
+            if again is not None and (proxy or again[1] > planned[position][1][1]):
+                planned[position] = (planned[position][0], again)
+    planned = [(g, p) for g, p in planned if p is not None]
     return sum(p[1] for _, p in planned), planned
 
 
@@ -198,6 +207,32 @@ def _upper(throughput: float, objective: float, bound: float | None) -> float:
     if bound is None or bound <= 0:
         return math.inf
     return throughput * objective / bound
+
+
+def averaged_precisions(instance: PlanningInstance) -> PlanningInstance:
+    """A fast stand-in for ranking splits: the budget filled on one stage (`_fill_budget`), then every
+    unit given the mean bytes and times of that precision vector, so the units are alike and the
+    counts relaxation plans it. Not a plan of the instance and not a bound; the chosen split is
+    planned for real afterwards."""
+    from tessel.plan.precision_search import _fill_budget
+    from tessel.plan.solution import Solution, Stage
+
+    if instance.precision is None:
+        return instance
+    vector = _fill_budget(instance, Solution((Stage(0, 0, instance.n_units),)))
+    fixed = instance.fixed(vector)
+
+    def mean(costs: PassCosts) -> PassCosts:
+        return replace(
+            costs, unit_time_s=np.broadcast_to(costs.unit_time_s.mean(axis=0), costs.unit_time_s.shape).copy()
+        )
+
+    return replace(
+        fixed,
+        prefill=mean(fixed.prefill),
+        decode=mean(fixed.decode),
+        weight_bytes=np.full(instance.n_units, float(fixed.weight_bytes.mean())),
+    )
 
 
 def canonical_group(instance: PlanningInstance, devices) -> tuple[int, ...]:
@@ -231,9 +266,13 @@ def choose_replicas(
     kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
     screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
     planner.seconds = screen_s
+    planner.proxy = not exhaustive and instance.precision is not None
     best, evaluated, largest = None, 0, 0
     for split in splits:
-        if time.perf_counter() - started > time_limit_s and best is not None:
+        spent = time.perf_counter() - started
+        if best is not None and (
+            spent > time_limit_s or (planner.proxy and spent > SCREEN_STOP * time_limit_s)
+        ):
             exhaustive = False
             break
         split = [canonical_group(instance, g) for g in split]
@@ -307,7 +346,7 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
             groups += _pool(instance, left, gpu_only)
             if groups and groups not in splits:
                 splits.append(groups)
-    for k in range(2, MAX_SPREAD_REPLICAS + 1):  # mixed: every replica gets 1/k of each type
+    for k in SPREAD_REPLICAS:  # mixed: every replica gets 1/k of each type
         groups = [[] for _ in range(k)]
         for members in by_type.values():
             for i, j in enumerate(members):
