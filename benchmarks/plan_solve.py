@@ -204,9 +204,7 @@ def precision_rows(quick: bool) -> dict:
     int8_cost = mixed_instance.quality_cost(int8_vector)
     from dataclasses import replace
 
-    equal = replace(
-        mixed_instance, precision=replace(mixed_instance.precision, quality_budget=int8_cost)
-    )
+    equal = replace(mixed_instance, precision=replace(mixed_instance.precision, quality_budget=int8_cost))
     started = time.perf_counter()
     equal_plan = solve(equal, time_limit_s=limit, incumbent=all_int8.solution.with_precisions(int8_vector))
     equal_s = time.perf_counter() - started
@@ -263,8 +261,12 @@ def replica_rows(quick: bool) -> dict:
         "replicas_tok_s": chosen.throughput_tok_s,
         "over_single": chosen.throughput_tok_s / single_tok,
         "replicas": [
-            {"gpus": len(r.devices), "types": sorted({d.gpu_type for d in r.instance.devices}),
-             "tok_s": r.throughput_tok_s, "weight": r.weight}
+            {
+                "gpus": len(r.devices),
+                "types": sorted({d.gpu_type for d in r.instance.devices}),
+                "tok_s": r.throughput_tok_s,
+                "weight": r.weight,
+            }
             for r in chosen.replicas
         ],  # fmt: skip
         "gap": replica_gap(chosen),
@@ -292,7 +294,9 @@ def scale_rows(quick: bool) -> dict:
     limit = 20.0 if quick else 60.0
     workload = load_workload("default")
     started = time.perf_counter()
-    instance = build_instance(MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4"))
+    instance = build_instance(
+        MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4")
+    )
     chosen = choose_replicas(instance, workload.micro_batch_size, time_limit_s=limit)
     return {
         "devices": instance.n_devices,
@@ -338,8 +342,9 @@ def main() -> None:
         if name in parts:
             extra[name] = run(args.quick)
             console.print_json(json.dumps(extra[name], default=str))
-    if not parts & {"solve", "quality"}:
-        _write(args.out, {"benchmark": "plan_solve", "quick": args.quick, "host": platform.node(), **extra})
+    if not parts & {"solve", "quality"}:  # a partial run updates those parts of the results file
+        previous = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "plan_solve"}
+        _write(args.out, {**previous, **extra, "quick_" + "_".join(sorted(extra)): args.quick})
         console.print(f"wrote {args.out}")
         return
 

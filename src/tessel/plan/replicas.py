@@ -49,6 +49,7 @@ EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
 MIN_REPLICA_TIME_S = 0.5
 SCREEN_TIME_SHARE = 0.4  # of the time limit, split over the kinds of group, to rank the splits
 SCREEN_STOP = 0.5  # a screening stops there, leaving the rest to plan the chosen split for real
+REFINE_END = 0.9  # the refinement aims to end there: a group's solve may overrun its share a little
 SPREAD_REPLICAS = (2, 4, 8)  # mixed splits tried: k replicas, each with a share of every type
 
 
@@ -286,7 +287,7 @@ def choose_replicas(
         if planned and (best is None or total > best[0] * (1 + 1e-9)):
             best = (total, planned)
     if best is not None and not exhaustive:
-        best = _refine(planner, best, started + time_limit_s, screen_s)
+        best = _refine(planner, best, started + REFINE_END * time_limit_s, screen_s)
     if best is None and replicas is not None and largest > 0:
         raise TesselError(
             f"{replicas} replicas cannot each hold the model on these {n} devices; the largest feasible "
