@@ -340,11 +340,11 @@ def main() -> None:
     extra = {}
     for name, run in (("precision", precision_rows), ("replicas", replica_rows), ("scale", scale_rows)):
         if name in parts:
-            extra[name] = run(args.quick)
+            extra[name] = {**run(args.quick), "quick": args.quick}
             console.print_json(json.dumps(extra[name], default=str))
     if not parts & {"solve", "quality"}:  # a partial run updates those parts of the results file
         previous = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "plan_solve"}
-        _write(args.out, {**previous, **extra, "quick_" + "_".join(sorted(extra)): args.quick})
+        _write(args.out, {**previous, **extra})
         console.print(f"wrote {args.out}")
         return
 
