@@ -10,8 +10,8 @@ it with `--quality-budget B` (total cost at most B) or `--theta` (LLM-PQ's trade
 gains theta seconds per unit of cost). With neither, `default_budget`: the cost of W8A8 on half of
 the layers. On a model whose layers all have the same shape (every preset) the default indicator
 gives every layer the same cost, so this allows int8 on at most half of the layers; an int4 layer
-costs about (2^8 - 1)^2 / (2^4 - 1)^2 = 289 times an int8 one at the same row length, more than
-the whole budget for any model under 578 layers, so it allows no int4 at all.
+(groups of 128) costs as much as 160-174 int8 layers on the presets (159.6 on Llama-3-70B), more
+than the whole budget of any of them, so it allows no int4 at all.
 """
 
 from __future__ import annotations
