@@ -200,14 +200,19 @@ def compile_kernel(module, name, pointers, constexprs):
 
 
 cases = {
-    "int8_gemm": ("tessel.kernels.int8_gemm", "_int8_gemm_kernel",
-                  dict(A_ptr="*i8", W_ptr="*i8", C_ptr="*fp16", A_scale_ptr="*fp32", W_scale_ptr="*fp32",
+    "int8_gemm": ("tessel.kernels.gemm", "_gemm_kernel",
+                  dict(A_ptr="*i8", W_ptr="*i8", Out_ptr="*fp16", A_scale_ptr="*fp32", W_scale_ptr="*fp32",
                        Bias_ptr="*fp32"),
-                  dict(HAS_BIAS=True, INT8_DOT=arch >= 80, **TILE)),
-    "w8a16_gemm bf16": ("tessel.kernels.w8a16_gemm", "_mixed_gemm_kernel",
-                        dict(X_ptr="*bf16", W_ptr="*i8", Out_ptr="*bf16", W_scale_ptr="*fp32",
-                             Bias_ptr="*fp32"),
-                        dict(HAS_SCALE=True, HAS_BIAS=True, IEEE_FP32=False, DOT_IN_FP32=False, **TILE)),
+                  dict(HAS_A_SCALE=True, HAS_W_SCALE=True, HAS_BIAS=True,
+                       DOT="int8" if arch >= 80 else "int8_as_fp16", **TILE)),
+    "w8a16_gemm bf16": ("tessel.kernels.gemm", "_gemm_kernel",
+                        dict(A_ptr="*bf16", W_ptr="*i8", Out_ptr="*bf16", A_scale_ptr="*fp32",
+                             W_scale_ptr="*fp32", Bias_ptr="*fp32"),
+                        dict(HAS_A_SCALE=False, HAS_W_SCALE=True, HAS_BIAS=True, DOT="native", **TILE)),
+    "linear fp32": ("tessel.kernels.gemm", "_gemm_kernel",
+                    dict(A_ptr="*fp32", W_ptr="*fp32", Out_ptr="*fp32", A_scale_ptr="*fp32",
+                         W_scale_ptr="*fp32", Bias_ptr="*fp32"),
+                    dict(HAS_A_SCALE=False, HAS_W_SCALE=False, HAS_BIAS=True, DOT="fp32", **TILE)),
     "quantize_per_token": ("tessel.kernels.quantize", "_quantize_per_token_kernel",
                            dict(X_ptr="*fp16", Q_ptr="*i8", Scale_ptr="*fp32"),
                            dict(SINGLE_PASS=True, BLOCK_K=1024)),
@@ -215,7 +220,7 @@ cases = {
                   dict(X_ptr="*fp16", Out_ptr="*fp16"), dict(BLOCK_M=64, BLOCK_N=64)),
     "conv2d": ("tessel.kernels.conv2d", "_conv2d_kernel",
                dict(X_ptr="*fp16", W_ptr="*fp16", Out_ptr="*fp16", Bias_ptr="*fp16"),
-               dict(KH=3, KW=3, HAS_BIAS=True, IEEE_FP32=False, DOT_IN_FP32=False, **TILE)),
+               dict(KH=3, KW=3, HAS_BIAS=True, DOT="native", **TILE)),
 }
 results = {}
 for name in sys.argv[2].split(","):
@@ -228,7 +233,7 @@ for name in sys.argv[2].split(","):
 print(json.dumps(results))
 """
 
-ALL_KERNELS = "int8_gemm,w8a16_gemm bf16,quantize_per_token,transpose,conv2d"
+ALL_KERNELS = "int8_gemm,w8a16_gemm bf16,linear fp32,quantize_per_token,transpose,conv2d"
 
 
 @pytest.mark.slow

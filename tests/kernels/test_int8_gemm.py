@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import _output, int8_gemm
+from tessel.kernels import int8_gemm
 from tessel.kernels.autotune import INT8_GEMM_CONFIGS
 
 # `import tessel.kernels.int8_gemm as m` would give the function (the package keeps op names bound
@@ -23,22 +23,6 @@ TOLERANCES = {  # out_dtype: (atol, rtol); outputs are O(1) by construction of t
     torch.bfloat16: (8e-3, 8e-3),
 }
 SHAPES = [(1, 1, 1), (5, 123, 123), (37, 45, 70), (64, 32, 96), (17, 130, 33)]  # (M, N, K)
-
-
-@pytest.fixture(params=["triton_backend", "torch_backend"])
-def backend(request: pytest.FixtureRequest) -> str:
-    request.getfixturevalue(request.param)
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Output buffers start as NaN, so an element the kernel never writes fails the comparison."""
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def make_inputs(m: int, n: int, k: int, bias: bool):

@@ -28,18 +28,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def poison(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outputs the op allocates start as NaN, so an element the kernel does not write shows."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def make_paged(n_q, n_kv, head_dim, block_size, lens, dtype, spare_blocks=5, pad_value=0):
     """Caches with the blocks of all sequences shuffled across the pool, tables padded with pad_value."""
     blocks_per_seq = [-(-n // block_size) for n in lens]
@@ -76,11 +64,9 @@ def reference(q, k_cache, v_cache, tables, lens, scale=None):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}")
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
-def test_paged_decode_matches_float64(request, poison, backend, case, dtype, atol, rtol):
-    request.getfixturevalue(backend)
+def test_paged_decode_matches_float64(backend, case, dtype, atol, rtol):
     q, k_cache, v_cache, tables, lens = make_paged(*case, dtype)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
     assert out.dtype == dtype and out.shape == q.shape
@@ -89,19 +75,15 @@ def test_paged_decode_matches_float64(request, poison, backend, case, dtype, ato
     )
 
 
-@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
-def test_table_padding_past_the_end_is_ignored(request, poison, backend):
+def test_table_padding_past_the_end_is_ignored(backend):
     """Entries past a sequence's last block may be -1 (or anything): never read."""
-    request.getfixturevalue(backend)
     q, k_cache, v_cache, tables, lens = make_paged(4, 2, 32, 16, [5, 40, 33], torch.float32, pad_value=-1)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=0.2)
     ref = reference(q, k_cache, v_cache, tables, lens, scale=0.2)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
-def test_empty_context_gives_zeros(request, poison, backend):
-    request.getfixturevalue(backend)
+def test_empty_context_gives_zeros(backend):
     q, k_cache, v_cache, tables, lens = make_paged(4, 2, 32, 8, [0, 11], torch.float32)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -110,9 +92,7 @@ def test_empty_context_gives_zeros(request, poison, backend):
     )
 
 
-@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
-def test_strided_query_from_a_fused_projection(request, poison, backend):
-    request.getfixturevalue(backend)
+def test_strided_query_from_a_fused_projection(backend):
     q_full, k_cache, v_cache, tables, lens = make_paged(8, 2, 64, 16, [30, 7], torch.float16)
     q = torch.cat((q_full, torch.randn_like(q_full)), dim=1)[:, :8]  # batch stride 2 * Hq * D
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
@@ -149,7 +129,7 @@ def test_bad_shapes_are_rejected():
 
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize("dtype, atol, rtol", [TOLERANCES[0], TOLERANCES[2]])
-def test_split_context_flash_decoding(poison, triton_backend, splits, dtype, atol, rtol):
+def test_split_context_flash_decoding(triton_backend, splits, dtype, atol, rtol):
     """The split-and-reduce path (used on GPUs the batch does not fill): splits past a short
     sequence's end hold nothing, and an empty context still gives zeros."""
     from tessel.kernels.paged_decode import _paged_decode_triton
@@ -174,15 +154,12 @@ def test_split_heuristic(monkeypatch):
     assert module.num_splits(1, 1, 1 << 20, cuda) == module.MAX_SPLITS
 
 
-@pytest.mark.parametrize("backend", ["triton_backend", "torch_backend"])
-def test_no_sequences(request, backend):
-    request.getfixturevalue(backend)
+def test_no_sequences(backend):
     cache = torch.randn(3, 4, 1, 16)
     tables, lens = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     assert paged_decode_attention(torch.randn(0, 2, 16), cache, cache, tables, lens).shape == (0, 2, 16)
 
 
-@pytest.mark.parametrize("backend", ["TESSEL_triton", "TESSEL_torch"])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n_kv=st.integers(1, 3),
@@ -192,10 +169,7 @@ def test_no_sequences(request, backend):
     lens=st.lists(st.integers(0, 150), min_size=1, max_size=4),
     dtype_index=st.integers(0, 2),
 )
-def test_random_batches(monkeypatch, backend, n_kv, group, head_dim, block_size, lens, dtype_index):
-    if backend == "TESSEL_triton":
-        pytest.importorskip("triton")
-    monkeypatch.setenv("TESSEL_KERNEL_BACKEND", backend.removeprefix("TESSEL_"))
+def test_random_batches(backend, n_kv, group, head_dim, block_size, lens, dtype_index):
     dtype, atol, rtol = TOLERANCES[dtype_index]
     q, k_cache, v_cache, tables, lens_t = make_paged(n_kv * group, n_kv, head_dim, block_size, lens, dtype)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens_t)
@@ -213,7 +187,7 @@ def _decode_module():
     "tile", _decode_module().PAGED_DECODE_CONFIGS, ids=lambda t: f"n{t.block_n}w{t.num_warps}s{t.num_stages}"
 )
 @pytest.mark.parametrize("splits", [1, 3])
-def test_every_autotune_candidate_is_correct(monkeypatch, poison, triton_backend, tile, splits):
+def test_every_autotune_candidate_is_correct(monkeypatch, triton_backend, tile, splits):
     """The tuner may pick any candidate on a GPU: each must give the right answer."""
     module = _decode_module()
     monkeypatch.setattr(module, "_DEFAULT_TILE", tile)

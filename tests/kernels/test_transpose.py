@@ -8,29 +8,12 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import _output, transpose
+from tessel.kernels import transpose
 
 transpose_module = importlib.import_module("tessel.kernels.transpose")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int32, torch.int64, torch.bool]
 SHAPES = [(1, 1), (1, 70), (37, 70), (130, 65)]  # 130 x 65: three row tiles, two column tiles
-
-
-@pytest.fixture(params=["triton_backend", "torch_backend"])
-def backend(request: pytest.FixtureRequest) -> str:
-    request.getfixturevalue(request.param)
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start from values the inputs never hold (NaN / 99 / True), so unwritten elements show."""
-
-    def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else 99
-        return torch.full(shape, fill, device=device).to(dtype)
-
-    monkeypatch.setattr(_output, "empty_output", poisoned)
 
 
 def random_tensor(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

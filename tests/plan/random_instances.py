@@ -35,6 +35,7 @@ def random_instance(
     mem_gib = rng.uniform(2.0, 8.0, size=n_types)
     # host links fast enough that a swap-in can hide under a decode step, so offloading is exercised
     bw = rng.uniform(5e9, 20e9, size=n_types) * (100.0 if offload else 1.0)
+    host_gib = rng.uniform(0.5, 4.0, size=n_types) if offload else np.zeros(n_types)  # per type: copies
     if granularity == "sublayer":
         units = tuple(Unit(i // 2, "attention" if i % 2 == 0 else "mlp") for i in range(n_units))
     else:
@@ -70,7 +71,7 @@ def random_instance(
             gpu_type=f"T{type_of[j]}",
             node=f"node{node_of[j]}",
             memory_bytes=float(mem_gib[type_of[j]] * GIB),
-            host_bytes=float(rng.uniform(0.5, 4.0) * GIB) if offload else 0.0,
+            host_bytes=float(host_gib[type_of[j]] * GIB),
             host_to_device_bytes_per_s=float(bw[type_of[j]]),
         )
         for j in range(n_devices)

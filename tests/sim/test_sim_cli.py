@@ -172,9 +172,32 @@ def test_regime_defaults_come_from_the_plan_workload(tmp_path: Path) -> None:
     plan = load_plan(path)
     assert regime_defaults(plan, "plan") == regime_defaults(plan, "plan").__class__(12, 4, True, True)
     continuous = regime_defaults(plan, "continuous")
-    assert (continuous.max_running, continuous.max_in_flight, continuous.pinned) == (256, None, False)
+    assert (continuous.max_num_seqs, continuous.max_in_flight, continuous.pinned) == (256, None, False)
     data["workload"] = {"name": "no m"}
     path.write_text(json.dumps(data))
     assert regime_defaults(load_plan(path), "plan") == continuous
     result = CliRunner().invoke(app, ["simulate", "--plan", str(path), "--regime", "vllm"])
     assert isinstance(result.exception, TesselError) and "--regime must be one of" in str(result.exception)
+
+
+def test_scheduler_flags_take_the_engines_names_and_keep_the_old_ones_hidden(tmp_path: Path) -> None:
+    """--max-num-seqs / --max-num-batched-tokens (vLLM's names); --max-running / --max-batch-tokens
+    still work, unlisted in --help, and give the same simulation."""
+    plan = write_plan(tmp_path)
+    base = ["simulate", "--plan", str(plan), "--requests", "20", "--seed", "2", "--regime", "continuous"]
+    documents = []
+    for flags in (["--max-num-seqs", "3", "--max-num-batched-tokens", "256"],
+                  ["--max-running", "3", "--max-batch-tokens", "256"]):  # fmt: skip
+        out = tmp_path / f"{len(documents)}.json"
+        result = CliRunner().invoke(app, [*base, *flags, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        documents.append(json.loads(out.read_text()))
+    config = documents[0]["config"]
+    assert (config["max_num_seqs"], config["max_num_batched_tokens"]) == (3, 256)
+    assert documents[0]["config"] == documents[1]["config"]
+    assert documents[0]["results"] == documents[1]["results"]
+    help_text = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"}).output
+    assert "--max-num-seqs" in help_text and "--max-num-batched-tokens" in help_text
+    assert "--max-running" not in help_text and "--max-batch-tokens" not in help_text
+    bad = CliRunner().invoke(app, [*base, "--max-running", "0"])
+    assert isinstance(bad.exception, TesselError) and "--max-num-seqs must be >= 1" in str(bad.exception)

@@ -9,12 +9,12 @@ import pytest
 
 from tessel.chunk.latency import PipelineLatency
 from tessel.errors import TesselError
-from tessel.sim.engine import SimConfig, simulate
 from tessel.sim.gantt import plot_gantt
 from tessel.sim.linear import LinearStage
 from tessel.sim.metrics import Summary, compute_metrics
 from tessel.sim.requests import LengthDistribution, poisson_requests
-from tessel.sim.scheduler import SchedulerConfig
+from tessel.sim.scheduler import SimSchedulerConfig
+from tessel.sim.simulator import SimConfig, simulate
 
 
 def _run(n: int = 40, n_stages: int = 3):
@@ -36,7 +36,9 @@ def _run(n: int = 40, n_stages: int = 3):
         LengthDistribution("uniform", low=1, high=20),
         seed=int(rng.integers(1 << 30)),
     )
-    return simulate(PipelineLatency(stages), requests, SimConfig(SchedulerConfig(max_batch_tokens=256)))
+    return simulate(
+        PipelineLatency(stages), requests, SimConfig(SimSchedulerConfig(max_num_batched_tokens=256))
+    )
 
 
 def test_metrics_match_the_records() -> None:

@@ -14,10 +14,10 @@ from tessel.catalog.models import model_from_config
 from tessel.cost import embed_time_s, lm_head_time_s, unit_decode_time_s, unit_prefill_time_s
 from tessel.errors import TesselError
 from tessel.plan.plan_file import load_plan
-from tessel.sim.engine import SimConfig, simulate
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.requests import Request
-from tessel.sim.scheduler import SchedulerConfig
+from tessel.sim.scheduler import SimSchedulerConfig
+from tessel.sim.simulator import SimConfig, simulate
 
 MODEL = model_from_config(TINY_LLAMA, name="tiny-llama", source="test")
 
@@ -47,7 +47,7 @@ def test_stage_times_are_sums_of_unit_times(tmp_path: Path) -> None:
 def test_ttft_of_one_prompt_includes_the_lm_head_once(tmp_path: Path) -> None:
     priced = pipeline_for(load_plan(write_plan(tmp_path)))
     prompt, chunk = 1000, 256
-    config = SimConfig(SchedulerConfig(max_batch_tokens=chunk), logits_time_s=priced.logits_time_s)
+    config = SimConfig(SimSchedulerConfig(max_num_batched_tokens=chunk), logits_time_s=priced.logits_time_s)
     record = simulate(priced.pipeline, [Request(0, 0.0, prompt, 1)], config).records[0]
     expected, offset = 0.0, 0
     while offset < prompt:  # one sequence, chunks in series: each crosses every stage and link
@@ -105,7 +105,7 @@ def test_offloaded_weights_are_streamed_in_every_batch(tmp_path: Path, overlap: 
     assert priced.offload_s == (0.0, pytest.approx(offload, rel=1e-12), 0.0)
     assert priced.offload_overlap is overlap
     request = Request(0, 0.0, 700, 1)
-    config = SimConfig(SchedulerConfig(max_batch_tokens=4096), logits_time_s=priced.logits_time_s)
+    config = SimConfig(SimSchedulerConfig(max_num_batched_tokens=4096), logits_time_s=priced.logits_time_s)
     plain = simulate(priced.pipeline, [request], config).records[0].ttft_s
     config.offload_s, config.offload_overlap = priced.offload_s, priced.offload_overlap
     streamed = simulate(priced.pipeline, [request], config).records[0].ttft_s

@@ -14,10 +14,10 @@ token runs through `experts_per_token` of them (compute); the cost model counts 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessel.catalog.hf_config import HFConfig, parse_hf_config, read_hf_config
 from tessel.errors import TesselError
 
 MLP_KINDS = ("gated", "plain")  # gated: gate/up/down with SiLU (Llama); plain: fc1/fc2 with ReLU (OPT)
@@ -172,112 +172,48 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
         repo, config = PRESETS[key]
         return model_from_config(config, name=key, source=f"{repo} config.json")
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise TesselError(
             f"{name_or_path!r} is neither a model preset nor a config.json (looked for {path}); "
             f"presets: {', '.join(known_models())}"
         )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
-    if not isinstance(config, dict):
-        raise TesselError(f"{path}: expected a JSON object of config fields")
-    name = path.parent.name or str(path)
-    return model_from_config(config, name=name, source=str(path))
+    config = read_hf_config(path)
+    return spec_from_hf(config, name=Path(config.source).parent.name or config.source)
 
 
 def model_from_config(config: dict, *, name: str, source: str) -> ModelSpec:
-    """Parse HF config.json fields (Llama/Mistral/Qwen2/Mixtral or OPT)."""
-    where = source or name
-    if config.get("model_type") == "opt":
-        return _opt_from_config(config, name=name, source=source, where=where)
-    hidden = _require(config, "hidden_size", where)
-    heads = _require(config, "num_attention_heads", where)
-    model_type = config.get("model_type", "llama")
-    return _build(
-        where,
-        name=name,
-        architecture=_architecture(config, "LlamaForCausalLM"),
-        num_layers=_require(config, "num_hidden_layers", where),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=_optional_int(config, "num_key_value_heads", heads, where),
-        head_dim=_optional_int(config, "head_dim", hidden // heads, where),
-        intermediate_size=_require(config, "intermediate_size", where),
-        vocab_size=_require(config, "vocab_size", where),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=_optional_int(config, "max_position_embeddings", 2048, where),
-        attention_bias="qkv" if model_type == "qwen2" or config.get("attention_bias") else "none",
-        mlp_bias=bool(config.get("mlp_bias", False)),
-        num_experts=_optional_int(config, "num_local_experts", 1, where),
-        experts_per_token=_optional_int(config, "num_experts_per_tok", 1, where),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
-        source=source,
-    )
+    """A ModelSpec from HF config.json fields (Llama/Mistral/Qwen2/Mixtral or OPT)."""
+    return spec_from_hf(parse_hf_config(config, source=source or name), name=name)
 
 
-def _opt_from_config(config: dict, *, name: str, source: str, where: str) -> ModelSpec:
-    hidden = _require(config, "hidden_size", where)
-    heads = _require(config, "num_attention_heads", where)
-    if config.get("word_embed_proj_dim", hidden) != hidden:
-        raise TesselError(
-            f"{where}: OPT with word_embed_proj_dim != hidden_size (project_in/out) is not supported"
-        )
-    if not config.get("do_layer_norm_before", True):
-        raise TesselError(f"{where}: OPT with do_layer_norm_before=false (OPT-350m) is not supported")
-    bias = bool(config.get("enable_bias", True))
-    max_positions = _optional_int(config, "max_position_embeddings", 2048, where)
-    return _build(
-        where,
-        name=name,
-        architecture=_architecture(config, "OPTForCausalLM"),
-        num_layers=_require(config, "num_hidden_layers", where),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        intermediate_size=_require(config, "ffn_dim", where),
-        vocab_size=_require(config, "vocab_size", where),
-        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-        max_position_embeddings=max_positions,
-        mlp_kind="plain",
-        norm_kind="layernorm",
-        attention_bias="all" if bias else "none",
-        mlp_bias=bias,
-        learned_position_rows=max_positions + OPT_POSITION_OFFSET,
-        source=source,
-    )
-
-
-def _build(where: str, **fields) -> ModelSpec:
+def spec_from_hf(config: HFConfig, *, name: str) -> ModelSpec:
+    """The cost model's view of a validated config."""
+    if config.family == "opt":
+        family = {"mlp_kind": "plain", "norm_kind": "layernorm"}
+        family |= {"learned_position_rows": config.max_position_embeddings + OPT_POSITION_OFFSET}
+        attention_bias = "all" if config.attention_bias else "none"
+    else:
+        family = {"rope_theta": config.rope_theta}
+        attention_bias = "qkv" if config.family == "qwen2" else ("all" if config.attention_bias else "none")
     try:
-        return ModelSpec(**fields)
-    except ValueError as error:
-        raise TesselError(f"{where}: {error}") from None
-
-
-def _architecture(config: dict, default: str) -> str:
-    architectures = config.get("architectures") or [default]
-    return str(architectures[0])
-
-
-def _require(config: dict, key: str, where: str) -> int:
-    if key not in config or config[key] is None:
-        raise TesselError(
-            f"{where}: missing field {key!r} (an HF config.json for a Llama/Qwen2/Mistral/OPT model)"
+        return ModelSpec(
+            name=name,
+            architecture=config.architecture,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            tied_embeddings=config.tie_word_embeddings,
+            max_position_embeddings=config.max_position_embeddings,
+            attention_bias=attention_bias,
+            mlp_bias=config.mlp_bias,
+            num_experts=config.num_local_experts,
+            experts_per_token=config.num_experts_per_tok,
+            source=config.source,
+            **family,
         )
-    return _as_int(config[key], key, where)
-
-
-def _optional_int(config: dict, key: str, default: int, where: str) -> int:
-    value = config.get(key)
-    return default if value is None else _as_int(value, key, where)
-
-
-def _as_int(value: object, key: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
-        raise TesselError(f"{where}: field {key!r} must be a whole number, got {value!r}")
-    return int(value)
+    except ValueError as error:
+        raise TesselError(f"{config.source}: {error}") from None

@@ -65,23 +65,27 @@ class CostModelStage:
 
     # ---- the StageLatency protocol (scalar: the reference) ----------------------------------
 
-    def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
-        if chunk_tokens <= 0:
-            return 0.0
-        time = sum(
+    def _units_time_s(self, unit_time_s, size: int, context_tokens: int) -> float:
+        """Sum of `unit_time_s` (prefill: chunk, offset; decode: batch, sum of contexts) over units."""
+        return sum(
             count
-            * R.unit_prefill_time_s(
+            * unit_time_s(
                 self.model,
                 self.gpu,
                 kind,
-                chunk_tokens,
-                offset_tokens,
+                size,
+                context_tokens,
                 dtype=self.dtype,
                 kv_dtype=self.kv_dtype,
                 profile=self.profile,
             )
             for kind, count in self.unit_counts
         )
+
+    def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
+        if chunk_tokens <= 0:
+            return 0.0
+        time = self._units_time_s(R.unit_prefill_time_s, chunk_tokens, offset_tokens)
         if self.first:
             time += R.embed_time_s(self.model, self.gpu, chunk_tokens, self.dtype, profile=self.profile)
         return time
@@ -89,20 +93,7 @@ class CostModelStage:
     def decode_time_s(self, batch_size: int, sum_context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
-        time = sum(
-            count
-            * R.unit_decode_time_s(
-                self.model,
-                self.gpu,
-                kind,
-                batch_size,
-                sum_context_tokens,
-                dtype=self.dtype,
-                kv_dtype=self.kv_dtype,
-                profile=self.profile,
-            )
-            for kind, count in self.unit_counts
-        )
+        time = self._units_time_s(R.unit_decode_time_s, batch_size, sum_context_tokens)
         if self.first:
             time += R.embed_time_s(self.model, self.gpu, batch_size, self.dtype, profile=self.profile)
         if self.last:

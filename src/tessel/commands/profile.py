@@ -1,4 +1,4 @@
-"""`tessel profile`: time one real decoder layer here and write a profile the cost model reads."""
+"""`tessel profile`: time the engine's decoder layer here and write a profile the cost model reads."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def profile(
     max_offset: int = typer.Option(4096, "--max-offset", help="Largest prefill offset timed (tokens)."),
 ) -> None:
     """Time a decoder layer over (chunk, offset) and decode grids, fit the profile forms, write JSON."""
-    from tessel.cost.profiler import LayerShape, ProfileSettings, parse_tiny_shape, profile_layer
+    from tessel.models.profiler import LayerShape, ProfileSettings, parse_tiny_shape, profile_layer
 
     if budget_s <= 0 or repeats < 1 or warmup < 0 or threads < 0:
         raise TesselError("--budget-s must be > 0, --repeats >= 1, --warmup >= 0 and --threads >= 0")

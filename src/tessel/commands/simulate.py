@@ -14,15 +14,15 @@ from tessel.cost.profile import Profile, load_profile
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.sim.cpp import cpp_chunk_sizer
-from tessel.sim.engine import MIX_RULES, SimConfig, SimResult
-from tessel.sim.engine import simulate as run_simulation
 from tessel.sim.gantt import FORMATS as GANTT_FORMATS
 from tessel.sim.gantt import plot_gantt
 from tessel.sim.metrics import Metrics, compute_metrics
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.regime import REGIMES, regime_defaults
 from tessel.sim.requests import Request
-from tessel.sim.scheduler import SchedulerConfig
+from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimSchedulerConfig
+from tessel.sim.simulator import MIX_RULES, SimConfig, SimResult
+from tessel.sim.simulator import simulate as run_simulation
 from tessel.sim.workload import requests_for_workload
 
 
@@ -47,12 +47,16 @@ def simulate(
         "limited to the plan's kv_gib); continuous: one shared pool, 256 sequences, one micro-batch per "
         "stage in flight (vLLM V1). The flags below override either.",
     ),
-    max_running: int | None = typer.Option(None, "--max-running", help="Sequences admitted at once."),
-    max_batch_tokens: int = typer.Option(2048, "--max-batch-tokens", help="Token budget per micro-batch."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Sequences admitted at once."),
+    max_num_batched_tokens: int | None = typer.Option(
+        None, "--max-num-batched-tokens", help="Token budget per micro-batch (default 2048)."
+    ),
+    max_running: int | None = typer.Option(None, "--max-running", hidden=True),  # old --max-num-seqs
+    max_batch_tokens: int | None = typer.Option(None, "--max-batch-tokens", hidden=True),  # old spelling
     max_in_flight: int | None = typer.Option(
         None, "--max-in-flight", help="Micro-batches in the pipeline at once."
     ),
-    chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
+    enable_chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),
     kv_limit: bool | None = typer.Option(
         None,
@@ -72,7 +76,12 @@ def simulate(
         raise TesselError(f"--mix must be one of {', '.join(MIX_RULES)}, got {mix!r}")
     if regime not in REGIMES:
         raise TesselError(f"--regime must be one of {', '.join(REGIMES)}, got {regime!r}")
-    for name, value in (("--max-running", max_running), ("--max-batch-tokens", max_batch_tokens)):
+    max_num_seqs = max_num_seqs if max_num_seqs is not None else max_running
+    max_num_batched_tokens = max_num_batched_tokens or max_batch_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    for name, value in (
+        ("--max-num-seqs", max_num_seqs),
+        ("--max-num-batched-tokens", max_num_batched_tokens),
+    ):
         if value is not None and value < 1:
             raise TesselError(f"{name} must be >= 1, got {value}")
     if max_in_flight is not None and max_in_flight < 1:
@@ -86,9 +95,9 @@ def simulate(
     trace = requests_for_workload(workload, requests, seed, rate)
     defaults = regime_defaults(plan_file, regime)
     scheduler = dict(
-        max_running=defaults.max_running if max_running is None else max_running,
-        max_batch_tokens=max_batch_tokens,
-        chunked_prefill=chunked_prefill,
+        max_num_seqs=defaults.max_num_seqs if max_num_seqs is None else max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
         pipelined_prefill=cpp,
     )
     variants = [plan_file.main, *(plan_file.baseline_variants if compare else ())]
@@ -105,7 +114,7 @@ def simulate(
     console.print(
         f"plan [bold]{plan}[/bold]: {plan_file.model_name} on {plan_file.cluster_name}, "
         f"{len(plan_file.main.stages)} stages; workload {trace.description}; regime {regime}: "
-        f"{scheduler['max_running']} sequences, "
+        f"{scheduler['max_num_seqs']} sequences, "
         f"{options['max_in_flight'] or 'one per stage'} micro-batches in flight"
         f"{', pinned' if options['pinned'] else ''}{', KV limited' if options['kv_limit'] else ''}",
         highlight=False,
@@ -177,9 +186,9 @@ def _run_variant(
     pipeline = priced.pipeline
     chunk_sizes = None
     if scheduler["pipelined_prefill"]:  # --cpp
-        chunk_sizes = cpp_chunk_sizer(pipeline, max_chunk_tokens=scheduler["max_batch_tokens"])
+        chunk_sizes = cpp_chunk_sizer(pipeline, max_chunk_tokens=scheduler["max_num_batched_tokens"])
     config = SimConfig(
-        SchedulerConfig(**scheduler, chunk_sizes=chunk_sizes, kv_capacity_tokens=capacity),
+        SimSchedulerConfig(**scheduler, chunk_sizes=chunk_sizes, kv_capacity_tokens=capacity),
         **options,
         logits_time_s=priced.logits_time_s,
         offload_s=priced.offload_s,

@@ -15,6 +15,7 @@ import os
 import torch
 
 from tessel.errors import TesselError
+from tessel.kernels._utils import interpreting, triton
 
 BACKEND_ENV = "TESSEL_KERNEL_BACKEND"
 _BACKENDS = ("auto", "triton", "torch")
@@ -33,19 +34,6 @@ def _parse_backend(raw: str) -> str:
     return backend
 
 
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when this call should run the Triton kernel, False for the PyTorch path."""
     backend = requested_backend()
@@ -53,7 +41,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return False
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "triton":
-        if not triton_available():
+        if triton is None:
             raise TesselError(f"{BACKEND_ENV}=triton but triton is not installed (pip install triton)")
         if not on_cuda and not interpreting():
             raise TesselError(
@@ -61,4 +49,4 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                 "(set it before importing triton)"
             )
         return True
-    return on_cuda and triton_available()
+    return on_cuda and triton is not None

@@ -304,7 +304,7 @@ def launch_tuned(
     tuner: Autotuner, key: str, tensor: Any, launch: Callable[[TileConfig], object]
 ) -> TileConfig:
     """Launch a kernel with the config `tuner` picks for `key` (benchmarking on CUDA when unknown)."""
-    from tessel.kernels._dispatch import interpreting
+    from tessel.kernels._utils import interpreting
 
     if interpreting() or not tensor.is_cuda:
         config = tuner.pick(key, None)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import _output
-from tessel.kernels._dispatch import interpreting, use_triton
+from tessel.kernels import _utils
+from tessel.kernels._dispatch import use_triton
+from tessel.kernels._utils import dot_acc, float_dot, grouped_tile, tl, triton
 from tessel.kernels.autotune import (
     CONV_CONFIGS,
     INTERPRETER_CONFIG,
@@ -25,12 +26,6 @@ from tessel.kernels.autotune import (
     launch_tuned,
     shape_key,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path still works
-    triton = None
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -72,26 +67,15 @@ if triton is not None:
         KH: tl.constexpr,
         KW: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        IEEE_FP32: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr,
+        DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
     ):
-        pid = tl.program_id(0).to(tl.int64)
-        group = tl.program_id(1).to(tl.int64)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(OC_g, BLOCK_N)
-        pids_per_group = GROUP_M * num_pid_n
-        first_pid_m = (pid // pids_per_group) * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-        pid_n = (pid % pids_per_group) // group_rows
-
         # Rows: output pixels (n, p, q). Columns: output channels of this group.
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols = grouped_tile(tl.program_id(0).to(tl.int64), M, OC_g, BLOCK_M, BLOCK_N, GROUP_M)
+        group = tl.program_id(1).to(tl.int64)
         rows_in = rows % M
         cols_in = cols % OC_g
         n = rows_in // (OH * OW)
@@ -117,12 +101,7 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)
             w_off = c * w_c_stride + kh * w_h_stride + kw * w_w_stride
             w = tl.load(w_base[None, :] + w_off[:, None], mask=k_ok[:, None], other=0.0)
-            if DOT_IN_FP32:
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            elif IEEE_FP32:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
+            acc = dot_acc(x, w, acc, DOT)
 
         if HAS_BIAS:
             acc += tl.load(Bias_ptr + oc).to(tl.float32)[None, :]
@@ -156,7 +135,7 @@ def _conv2d_triton(
     batch, channels, height, width = x.shape
     out_channels, c_g, kh, kw = w.shape
     oh, ow = out_hw
-    out = _output.empty_output((batch, out_channels, oh, ow), x.dtype, x.device)
+    out = _utils.empty_output((batch, out_channels, oh, ow), x.dtype, x.device)
     m = batch * oh * ow
     oc_g = out_channels // groups
     k = c_g * kh * kw
@@ -171,8 +150,7 @@ def _conv2d_triton(
             *stride, *padding, *dilation,
             KH=kh, KW=kw,
             HAS_BIAS=bias is not None,
-            IEEE_FP32=x.dtype == torch.float32,
-            DOT_IN_FP32=x.dtype == torch.bfloat16 and interpreting(),
+            DOT=float_dot(x.dtype),
             **config.meta(),
         )  # fmt: skip
 

@@ -23,14 +23,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tessel.kernels._dispatch import interpreting, use_triton
+from tessel.kernels import _utils
+from tessel.kernels._dispatch import use_triton
+from tessel.kernels._utils import dot_operand, interpreting, last_dim_contiguous, tl, triton
 from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
 
 LOG2_E = 1.4426950408889634  # the kernel uses exp2: exp(x) = exp2(x * log2(e))
 INT8_MAX = 127.0
@@ -38,14 +34,6 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 
 
 if triton is not None:
-
-    @triton.jit
-    def _dot_operand(x, UPCAST: tl.constexpr):
-        """The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): there,
-        bf16 operands go in as their exact fp32 values, which is what a bf16 MMA multiplies."""
-        if UPCAST:
-            x = x.to(tl.float32)
-        return x
 
     @triton.jit
     def _load_tile(ptrs, mask, USE_MASK: tl.constexpr):
@@ -97,7 +85,7 @@ if triton is not None:
                     s_int = tl.dot(q_op, tl.trans(k_i8), out_dtype=tl.int32)
                 s = s_int.to(tl.float32) * (q_scale[:, None] * (k_scale[None, :] * qk_scale_log2))
             else:
-                s = tl.dot(q_op, _dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION)
+                s = tl.dot(q_op, dot_operand(tl.trans(k), UPCAST_DOT), input_precision=DOT_PRECISION)
                 s = s * qk_scale_log2
             if MASKED:
                 valid = n[None, :] < seq_k
@@ -112,8 +100,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _load_tile(v_base + n[:, None] * v_seq_stride + offs_d[None, :], kv_mask, NEED_MASK)
-            p = _dot_operand(p.to(v.dtype), UPCAST_DOT)
-            acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
+            p = dot_operand(p.to(v.dtype), UPCAST_DOT)
+            acc = tl.dot(p, dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
         return acc, l_i, m_i
 
@@ -150,7 +138,7 @@ if triton is not None:
         if INT8_QK:
             q_op, q_scale = _quantize_rows_int8(q)
         else:
-            q_op = _dot_operand(q, UPCAST_DOT)
+            q_op = dot_operand(q, UPCAST_DOT)
             q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
         k_base = K_ptr + b * k_batch_stride + g * k_head_stride
@@ -250,8 +238,8 @@ def _launch(
 ) -> torch.Tensor:
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_k = k.shape[1], k.shape[2]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    out = _utils.empty_output(q.shape, q.dtype, q.device)
     if batch * n_q_heads * seq_q == 0:
         return out
     block_d = max(triton.next_power_of_2(head_dim), 32 if int8_qk else 16)  # tl.dot: K >= 16 (32 int8)

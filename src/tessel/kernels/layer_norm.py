@@ -13,16 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
-
-MAX_FUSED_BYTES = 65536  # one row per program: rows wider than this are processed in chunks
-
+from tessel.kernels._utils import as_rows, row_meta, tl, triton
 
 if triton is not None:
 
@@ -85,23 +78,15 @@ if triton is not None:
                 tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_warps(block: int) -> int:
-    """Warps for a one-row-per-program kernel of `block` lanes (Liger-Kernel's calculate_settings)."""
-    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
-
-
 def _layer_norm_triton(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = as_rows(x)
+    out = _utils.empty_output(x.shape, x.dtype, x.device)
     y2 = out.view(-1, n_cols)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    block = min(triton.next_power_of_2(n_cols), max(MAX_FUSED_BYTES // x.element_size(), 16))
     if x2.shape[0] > 0:
         _layer_norm_forward_kernel[(x2.shape[0],)](
             x2,
@@ -114,9 +99,7 @@ def _layer_norm_triton(
             eps,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
-            BLOCK_SIZE=block,
-            SINGLE_BLOCK=block >= n_cols,
-            num_warps=_num_warps(block),
+            **row_meta(n_cols, x.element_size()),
         )
     return out
 

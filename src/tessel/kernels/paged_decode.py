@@ -22,14 +22,10 @@ import math
 
 import torch
 
-from tessel.kernels._dispatch import interpreting, use_triton
+from tessel.kernels import _utils
+from tessel.kernels._dispatch import use_triton
+from tessel.kernels._utils import dot_operand, interpreting, last_dim_contiguous, tl, triton
 from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
 
 LOG2_E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # flash-decoding: a split shorter than this costs more in the reduce than it saves
@@ -37,14 +33,6 @@ MAX_SPLITS = 64
 
 
 if triton is not None:
-
-    @triton.jit
-    def _dot_operand(x, UPCAST: tl.constexpr):
-        """The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): there,
-        bf16 operands go in as their exact fp32 values, which is what a bf16 MMA multiplies."""
-        if UPCAST:
-            x = x.to(tl.float32)
-        return x
 
     @triton.jit
     def _paged_decode_kernel(
@@ -97,8 +85,8 @@ if triton is not None:
             k_ptrs = K_ptr + block[:, None] * k_block_stride + slot[:, None] * k_slot_stride
             k = tl.load(k_ptrs + g * k_head_stride + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(
-                _dot_operand(q, UPCAST_DOT),
-                _dot_operand(tl.trans(k), UPCAST_DOT),
+                dot_operand(q, UPCAST_DOT),
+                dot_operand(tl.trans(k), UPCAST_DOT),
                 input_precision=DOT_PRECISION,
             )
             s = s * qk_scale_log2
@@ -110,8 +98,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v_ptrs = V_ptr + block[:, None] * v_block_stride + slot[:, None] * v_slot_stride
             v = tl.load(v_ptrs + g * v_head_stride + offs_d[None, :], mask=kv_mask, other=0.0)
-            p = _dot_operand(p.to(v.dtype), UPCAST_DOT)
-            acc = tl.dot(p, _dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
+            p = dot_operand(p.to(v.dtype), UPCAST_DOT)
+            acc = tl.dot(p, dot_operand(v, UPCAST_DOT), acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens (context_len 0, or a split past the end)
@@ -227,12 +215,9 @@ def _paged_decode_triton(
     batch, n_q_heads, head_dim = q.shape
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
-    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    q, k_cache, v_cache, block_tables = (last_dim_contiguous(t) for t in (q, k_cache, v_cache, block_tables))
     context_lens = context_lens.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _utils.empty_output(q.shape, q.dtype, q.device)
     if batch == 0:
         return out
     max_tokens = block_tables.shape[1] * block_size
@@ -240,8 +225,8 @@ def _paged_decode_triton(
         splits = num_splits(batch, n_kv_heads, max_tokens, q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
-        part_o = torch.empty((batch, n_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((batch, n_q_heads, splits), dtype=torch.float32, device=q.device)
+        part_o = _utils.empty_output((batch, n_q_heads, splits, head_dim), torch.float32, q.device)
+        part_l = _utils.empty_output((batch, n_q_heads, splits), torch.float32, q.device)
         po_strides, pl_strides = part_o.stride()[:3], part_l.stride()[:2]
     else:
         part_o, part_l = out, out  # never touched when SPLIT=False

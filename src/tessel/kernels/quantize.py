@@ -12,14 +12,9 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import _output
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path still works
-    triton = None
+from tessel.kernels._utils import tl, triton
 
 QMAX = 127
 # A row of zeros gets scale EPS/127 instead of 0, so q = 0 and x / scale stays finite.
@@ -89,8 +84,8 @@ if triton is not None:
 
 def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
-    q = _output.empty_output((M, K), torch.int8, x.device)
-    scale = _output.empty_output((M,), torch.float32, x.device)
+    q = _utils.empty_output((M, K), torch.int8, x.device)
+    scale = _utils.empty_output((M,), torch.float32, x.device)
     single_pass = K <= MAX_SINGLE_PASS_K
     block_k = triton.next_power_of_2(K) if single_pass else MAX_SINGLE_PASS_K
     num_warps = 4 if block_k <= 2048 else 8 if block_k <= 4096 else 16

@@ -12,16 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
-
-MAX_FUSED_BYTES = 65536  # one row per program: rows wider than this are processed in chunks
-
+from tessel.kernels._utils import as_rows, last_dim_contiguous, row_meta, tl, triton
 
 if triton is not None:
 
@@ -86,32 +79,21 @@ if triton is not None:
                 tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_warps(block: int) -> int:
-    """Warps for a one-row-per-program kernel of `block` lanes (Liger-Kernel's calculate_settings)."""
-    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_cols = x.shape[-1]
-    x2 = _rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = as_rows(x)
+    out = _utils.empty_output(x.shape, x.dtype, x.device)
     y2 = out.view(-1, n_cols)
     if residual is not None:
-        r2 = _rows(residual)
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        r2 = as_rows(residual)
+        new_residual = _utils.empty_output(x.shape, x.dtype, x.device)
         s2 = new_residual.view(-1, n_cols)
     else:
         r2 = s2 = x2
         new_residual = None
-    block = min(triton.next_power_of_2(n_cols), max(MAX_FUSED_BYTES // x.element_size(), 16))
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    weight = last_dim_contiguous(weight)
     n_rows = x2.shape[0]
     if n_rows > 0:
         _rms_norm_forward_kernel[(n_rows,)](
@@ -127,9 +109,7 @@ def _rms_norm_triton(
             n_cols,
             eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK_SIZE=block,
-            SINGLE_BLOCK=block >= n_cols,
-            num_warps=_num_warps(block),
+            **row_meta(n_cols, x.element_size()),
         )
     return out, new_residual
 

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
-
+from tessel.kernels._utils import last_dim_contiguous, tl, triton
 
 if triton is not None:
 
@@ -108,21 +103,16 @@ if triton is not None:
         )  # fmt: skip
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _rope_triton(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_tokens, n_q_heads, head_dim = q.shape
     n_k_heads = k.shape[1]
     half = cos.shape[-1]
-    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
-    cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    q, k, cos, sin = (last_dim_contiguous(t) for t in (q, k, cos, sin))
     positions = positions.contiguous()
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = _utils.empty_output(q.shape, q.dtype, q.device)
+    k_out = _utils.empty_output(k.shape, k.dtype, k.device)
     n_pass = head_dim - 2 * half
     if n_tokens > 0:
         _rope_kernel[(n_tokens,)](

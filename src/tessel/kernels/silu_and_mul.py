@@ -12,13 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
+from tessel.kernels._utils import as_rows, tl, triton
 
 BLOCK_COLS = 1024  # columns of the output row per program
 
@@ -47,10 +43,8 @@ if triton is not None:
 
 def _silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     n_cols = x.shape[-1] // 2
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty((*x.shape[:-1], n_cols), dtype=x.dtype, device=x.device)
+    x2 = as_rows(x)
+    out = _utils.empty_output((*x.shape[:-1], n_cols), x.dtype, x.device)
     y2 = out.view(-1, n_cols)
     block = min(BLOCK_COLS, triton.next_power_of_2(max(n_cols, 1)))
     if x2.shape[0] > 0 and n_cols > 0:

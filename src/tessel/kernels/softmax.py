@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path works without triton
-    triton = None
+from tessel.kernels._utils import as_rows, row_meta, tl, triton
 
 MAX_FUSED_BYTES = 32768  # rows up to this many bytes stay in registers in one tile
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
@@ -154,37 +150,22 @@ if triton is not None:
                 tl.store(dx_row + offs, dx.to(DX_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_warps(block: int) -> int:
-    """Warps for a one-row-per-program kernel of `block` lanes (Liger-Kernel's calculate_settings)."""
-    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
-
-
-def _block_size(n_cols: int, element_size: int) -> int:
-    return min(triton.next_power_of_2(max(n_cols, 1)), max(MAX_FUSED_BYTES // element_size, 16))
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1]) if t.dim() > 0 else t.reshape(1, 1)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _mask_rows(mask: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     mask = mask.expand_as(x)
     if mask.dtype == torch.bool:
-        return _as_rows(mask.to(torch.uint8)), MASK_BOOL
-    return _as_rows(mask), MASK_ADD
+        return as_rows(mask.to(torch.uint8)), MASK_BOOL
+    return as_rows(mask), MASK_ADD
 
 
 def _forward_triton(x: torch.Tensor, mask: torch.Tensor | None, log: bool) -> torch.Tensor:
     n_cols = x.shape[-1]
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     if mask is None:
         m2, kind = x2, MASK_NONE
     else:
         m2, kind = _mask_rows(mask, x)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _utils.empty_output(x.shape, x.dtype, x.device)
     y2 = y.view(-1, n_cols)
-    block = _block_size(n_cols, 4)
     if x2.shape[0] > 0 and n_cols > 0:
         _softmax_forward_kernel[(x2.shape[0],)](
             x2,
@@ -196,19 +177,16 @@ def _forward_triton(x: torch.Tensor, mask: torch.Tensor | None, log: bool) -> to
             n_cols,
             MASK_KIND=kind,
             LOG=log,
-            BLOCK_SIZE=block,
-            SINGLE_BLOCK=block >= n_cols,
-            num_warps=_num_warps(block),
+            **row_meta(n_cols, 4, MAX_FUSED_BYTES),
         )
     return y
 
 
 def _backward_triton(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
     n_cols = y.shape[-1]
-    y2, dy2 = _as_rows(y), _as_rows(dy)
-    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    y2, dy2 = as_rows(y), as_rows(dy)
+    dx = _utils.empty_output(y.shape, y.dtype, y.device)
     dx2 = dx.view(-1, n_cols)
-    block = _block_size(n_cols, 4)
     if y2.shape[0] > 0 and n_cols > 0:
         _softmax_backward_kernel[(y2.shape[0],)](
             y2,
@@ -219,9 +197,7 @@ def _backward_triton(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tens
             dx2.stride(0),
             n_cols,
             LOG=log,
-            BLOCK_SIZE=block,
-            SINGLE_BLOCK=block >= n_cols,
-            num_warps=_num_warps(block),
+            **row_meta(n_cols, 4, MAX_FUSED_BYTES),
         )
     return dx
 

@@ -12,14 +12,9 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import _output
+from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path still works
-    triton = None
+from tessel.kernels._utils import tl, triton
 
 BLOCK = 64  # 64 x 64 tiles: 16 KiB of fp32 per tile, a common choice for transposes
 
@@ -53,7 +48,7 @@ if triton is not None:
 
 def _transpose_triton(x: torch.Tensor) -> torch.Tensor:
     M, N = x.shape
-    out = _output.empty_output((N, M), x.dtype, x.device)
+    out = _utils.empty_output((N, M), x.dtype, x.device)
     grid = (triton.cdiv(M, BLOCK) * triton.cdiv(N, BLOCK),)
     _transpose_kernel[grid](
         x, out, M, N, x.stride(0), x.stride(1), out.stride(0), BLOCK_M=BLOCK, BLOCK_N=BLOCK, num_warps=4

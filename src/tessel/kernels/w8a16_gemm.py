@@ -9,10 +9,10 @@ per-channel scale is applied once per output in the epilogue. Weights cross memo
 half the bytes of an fp16 GEMM, which is what decode (small M, memory-bound) pays for.
 
 Triton 3.9's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns (np.matmul on
-uint16), so under TRITON_INTERPRET=1 a bfloat16 dot runs in float32 instead (`DOT_IN_FP32`);
+uint16), so under TRITON_INTERPRET=1 a bfloat16 dot runs in float32 instead (`_utils.float_dot`);
 compiled kernels use the native bfloat16 dot.
 
-The same kernel with float weights and no scale (`HAS_SCALE=False`) is `linear`, the GEMM
+The kernel is `tessel.kernels.gemm`'s; with float weights and no scale it is `linear`, the GEMM
 behind `tessel.layers.Linear`.
 """
 
@@ -21,91 +21,12 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import _output
-from tessel.kernels._dispatch import interpreting, use_triton
-from tessel.kernels.autotune import (
-    FLOAT_GEMM_CONFIGS,
-    INTERPRETER_CONFIG,
-    Autotuner,
-    TileConfig,
-    bucket_m,
-    launch_tuned,
-    shape_key,
-)
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path still works
-    triton = None
+from tessel.kernels._dispatch import use_triton
+from tessel.kernels._utils import float_dot
+from tessel.kernels.autotune import FLOAT_GEMM_CONFIGS, INTERPRETER_CONFIG, Autotuner, bucket_m, shape_key
+from tessel.kernels.gemm import gemm_triton
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _mixed_gemm_kernel(
-        X_ptr,
-        W_ptr,
-        Out_ptr,
-        W_scale_ptr,
-        Bias_ptr,
-        M,
-        N,
-        K,
-        x_row_stride,
-        x_col_stride,
-        w_row_stride,
-        w_col_stride,
-        out_row_stride,
-        out_col_stride,
-        HAS_SCALE: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        IEEE_FP32: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pids_per_group = GROUP_M * num_pid_n
-        first_pid_m = (pid // pids_per_group) * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-        pid_n = (pid % pids_per_group) // group_rows
-
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_in = rows % M
-        cols_in = cols % N
-        ks = tl.arange(0, BLOCK_K)
-        x_ptrs = X_ptr + rows_in[:, None] * x_row_stride + ks[None, :] * x_col_stride
-        w_ptrs = W_ptr + cols_in[None, :] * w_row_stride + ks[:, None] * w_col_stride
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=ks[None, :] < k_left, other=0.0)
-            w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0)
-            if DOT_IN_FP32:
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            elif IEEE_FP32:
-                acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)  # int8 -> fp16/bf16 is exact for |w| <= 127
-            x_ptrs += BLOCK_K * x_col_stride
-            w_ptrs += BLOCK_K * w_col_stride
-
-        if HAS_SCALE:
-            acc = acc * tl.load(W_scale_ptr + cols_in).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(Bias_ptr + cols_in).to(tl.float32)[None, :]
-        out_ptrs = Out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride
-        tl.store(out_ptrs, acc.to(Out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 _TUNERS = {
@@ -117,31 +38,10 @@ _TUNERS = {
 def _mixed_gemm_triton(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    M, K = x.shape
-    N = w.shape[0]
-    out = _output.empty_output((M, N), x.dtype, x.device)
-    w_scale = w_scale.contiguous() if w_scale is not None else None
-    bias = bias.contiguous() if bias is not None else None
-    # Unused pointers (flag False) still need a tensor argument; they are never dereferenced.
-    scale_arg = w_scale if w_scale is not None else out
-    bias_arg = bias if bias is not None else out
-
-    def launch(config: TileConfig) -> None:
-        grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
-        _mixed_gemm_kernel[grid](
-            x, w, out, scale_arg, bias_arg, M, N, K,
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            HAS_SCALE=w_scale is not None,
-            HAS_BIAS=bias is not None,
-            IEEE_FP32=x.dtype == torch.float32,
-            DOT_IN_FP32=x.dtype == torch.bfloat16 and interpreting(),
-            **config.meta(),
-        )  # fmt: skip
-
+    (M, K), N = x.shape, w.shape[0]
     name = "w8a16_gemm" if w_scale is not None else "linear"
     key = shape_key(m=bucket_m(M), n=N, k=K, x=str(x.dtype).removeprefix("torch."), bias=bias is not None)
-    launch_tuned(_TUNERS[name], key, x, launch)
-    return out
+    return gemm_triton(x, w, None, w_scale, bias, x.dtype, float_dot(x.dtype), _TUNERS[name], key)
 
 
 # Weight rows dequantised per step of the PyTorch path: 2**24 float32 elements (64 MiB) bound the

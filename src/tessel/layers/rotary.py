@@ -7,37 +7,14 @@ The cos/sin tables ([max_position, rotary_dim / 2], float32) are computed once, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tessel.errors import TesselError
+from tessel.catalog.hf_config import ROPE_TYPES, RopeScaling
 from tessel.kernels import rope
 
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(slots=True)
-class RopeScaling:
-    """HF `rope_scaling` / `rope_parameters` (the scaling part). `rope_type` is one of ROPE_TYPES."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise TesselError(
-                f"rope scaling type {self.rope_type!r} is not supported; tessel supports "
-                f"{', '.join(ROPE_TYPES)}. Use a model whose config.json has one of those."
-            )
-        if self.factor <= 0:
-            raise TesselError(f"rope scaling factor must be > 0, got {self.factor}")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise TesselError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+__all__ = ["ROPE_TYPES", "RopeScaling", "RotaryEmbedding", "inverse_frequencies"]
 
 
 def inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:

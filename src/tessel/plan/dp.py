@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tessel.plan.highs import solve_lp
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import (
     FEASIBILITY_ATOL_BYTES,
@@ -47,6 +48,7 @@ from tessel.plan.solution import (
     Stage,
     evaluate,
 )
+from tessel.plan.symmetry import interchangeable
 
 MAX_TYPE_ORDERS = 120  # 5 device types: 5! orders
 ALL_ORDERS_MAX_DEVICES = 5  # `orders="auto"` tries every device permutation up to this many devices
@@ -256,8 +258,6 @@ def bottleneck_lower_bounds(instance: PlanningInstance) -> tuple[float, float]:
 
 def _fractional_makespan(times: np.ndarray) -> float:
     """min tau s.t. sum_j x[u, j] = 1, sum_u times[u, j] x[u, j] <= tau, x >= 0 (HiGHS LP)."""
-    from tessel.plan.milp import solve_lp
-
     U, N = times.shape
     n_x = U * N
     cost = np.zeros(n_x + 1)
@@ -444,34 +444,9 @@ def _device_signature(instance: PlanningInstance, j: int) -> tuple:
         if k == j:
             continue
         other = instance.devices[k]
-        if _interchangeable(instance, j, k) and (other.name < d.name):
+        if interchangeable(instance, j, k) and (other.name < d.name):
             return _device_signature(instance, k)
     return (d.name,)
-
-
-def _interchangeable(instance: PlanningInstance, a: int, b: int) -> bool:
-    da, db = instance.devices[a], instance.devices[b]
-    if (da.memory_bytes, da.host_bytes, da.host_to_device_bytes_per_s) != (
-        db.memory_bytes,
-        db.host_bytes,
-        db.host_to_device_bytes_per_s,
-    ):
-        return False
-    if instance.workspace_bytes[a] != instance.workspace_bytes[b]:
-        return False
-    others = [k for k in range(instance.n_devices) if k not in (a, b)]
-    for costs in (instance.prefill, instance.decode):
-        if not np.array_equal(costs.unit_time_s[:, a], costs.unit_time_s[:, b]):
-            return False
-        if costs.first_time_s[a] != costs.first_time_s[b] or costs.last_time_s[a] != costs.last_time_s[b]:
-            return False
-        if not np.array_equal(costs.send_s[a, others], costs.send_s[b, others]):
-            return False
-        if not np.array_equal(costs.send_s[others, a], costs.send_s[others, b]):
-            return False
-        if costs.send_s[a, b] != costs.send_s[b, a]:
-            return False
-    return True
 
 
 def solve_dp(

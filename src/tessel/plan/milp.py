@@ -39,9 +39,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessel.plan.highs import highs_lp
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
+from tessel.plan.symmetry import interchangeable
 from tessel.units import GIB
 
 MS = 1e3  # seconds -> ms
@@ -240,8 +242,6 @@ def _precision_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray, z: 
 
 def _copy_groups(instance: PlanningInstance) -> list[list[int]]:
     """Devices that are exact copies of each other, in index order."""
-    from tessel.plan.dp import _interchangeable
-
     seen: set[int] = set()
     groups = []
     for j in range(instance.n_devices):
@@ -250,7 +250,7 @@ def _copy_groups(instance: PlanningInstance) -> list[list[int]]:
         copies = [j] + [
             k
             for k in range(j + 1, instance.n_devices)
-            if k not in seen and _interchangeable(instance, j, k) and same_precision_costs(instance, j, k)
+            if k not in seen and interchangeable(instance, j, k) and same_precision_costs(instance, j, k)
         ]
         seen.update(copies)
         groups.append(copies)
@@ -318,52 +318,6 @@ def _extract(instance: PlanningInstance, cols: dict, values: np.ndarray) -> Solu
     units = np.arange(instance.n_units)
     precisions = np.argmax(values[cols["z"]][units, owner], axis=1)
     return Solution(tuple(stages), tuple(int(q) for q in precisions))
-
-
-def _highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper, integer=None):
-    """A HighsLp from COO entries (column-wise CSC built with numpy; no scipy import)."""
-    import highspy
-
-    n_cols, n_rows = len(cost), len(row_lower)
-    # sum duplicate (row, col) entries (a row may name a column twice); HiGHS needs them merged
-    keys, inverse = np.unique(
-        np.asarray(cols, dtype=np.int64) * n_rows + np.asarray(rows), return_inverse=True
-    )
-    merged = np.zeros(len(keys))
-    np.add.at(merged, inverse, np.asarray(vals, dtype=float))
-    cols, rows, vals = keys // n_rows, keys % n_rows, merged
-    order = np.arange(len(keys))  # np.unique sorted the keys: by column, then row
-    counts = np.bincount(cols, minlength=n_cols)
-    lp = highspy.HighsLp()
-    lp.num_col_ = n_cols
-    lp.num_row_ = n_rows
-    lp.col_cost_ = np.asarray(cost, dtype=float)
-    lp.col_lower_ = np.asarray(col_lower, dtype=float)
-    lp.col_upper_ = np.asarray(col_upper, dtype=float)
-    lp.row_lower_ = np.asarray(row_lower, dtype=float)
-    lp.row_upper_ = np.asarray(row_upper, dtype=float)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    lp.a_matrix_.index_ = np.asarray(rows, dtype=np.int32)[order]
-    lp.a_matrix_.value_ = np.asarray(vals, dtype=float)[order]
-    if integer is not None:
-        lp.integrality_ = [
-            highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous for flag in integer
-        ]
-    return lp
-
-
-def solve_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper) -> float | None:
-    """Optimal value of a small LP, or None when HiGHS finds none."""
-    import highspy
-
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.passModel(_highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper))
-    h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
-    return float(h.getInfo().objective_function_value)
 
 
 def solve_milp(
@@ -459,7 +413,7 @@ def _solve_milp(
     started = time.perf_counter()
     mb, cols = build_model(instance)
     n_cols = len(mb.lower)
-    lp = _highs_lp(
+    lp = highs_lp(
         np.asarray(mb.cost) / MS,
         np.asarray(mb.lower),
         np.asarray(mb.upper),

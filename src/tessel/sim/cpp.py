@@ -2,7 +2,7 @@
 
 The cut of a prompt of n tokens is the TeraPipe DP of `tessel.chunk.planner` on the plan's
 pipeline (no local search, no exact search: one DP pass per distinct prompt length, cached), so
-simulating thousands of requests stays fast. Use it with `SchedulerConfig(pipelined_prefill=True)`
+simulating thousands of requests stays fast. Use it with `SimSchedulerConfig(pipelined_prefill=True)`
 so that the chunks of one prompt follow each other through the stages.
 """
 
@@ -19,7 +19,7 @@ DEFAULT_GRID_TOKENS = 64  # chunk boundaries on multiples of 64 tokens (SPEC sec
 def cpp_chunk_sizer(
     pipeline: PipelineLatency, grid_tokens: int = DEFAULT_GRID_TOKENS, max_chunk_tokens: int | None = None
 ) -> ChunkSizer:
-    """A `ChunkSizer` for `SchedulerConfig.chunk_sizes`: request -> its prompt's chunk sizes."""
+    """A `ChunkSizer` for `SimSchedulerConfig.chunk_sizes`: request -> its prompt's chunk sizes."""
     cache: dict[int, list[int]] = {}
 
     def sizes(request: Request) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.sim.engine import SimResult
+from tessel.sim.simulator import SimResult
 
 FORMATS = (".png", ".svg", ".pdf")
 MS_AXIS_BELOW_S = 2.0  # switch the axis from ms to s at this span

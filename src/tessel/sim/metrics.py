@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tessel.sim.engine import SimResult
+from tessel.sim.simulator import SimResult
 
 PERCENTILES = (50, 90, 99)
 

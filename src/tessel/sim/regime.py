@@ -16,21 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessel.plan.plan_file import PlanFile
+from tessel.sim.scheduler import DEFAULT_MAX_NUM_SEQS
 
 REGIMES = ("plan", "continuous")
-CONTINUOUS_MAX_RUNNING = 256  # vLLM's default max_num_seqs
 
 
 @dataclass(frozen=True, slots=True)
 class RegimeDefaults:
-    max_running: int
+    max_num_seqs: int
     max_in_flight: int | None  # None: one micro-batch per stage
     pinned: bool
     kv_limit: bool  # limit admission to the plan's kv_gib where its stages give one
 
 
 def regime_defaults(plan: PlanFile, regime: str) -> RegimeDefaults:
-    continuous = RegimeDefaults(CONTINUOUS_MAX_RUNNING, None, False, False)
+    continuous = RegimeDefaults(DEFAULT_MAX_NUM_SEQS, None, False, False)
     if regime == "continuous":
         return continuous
     workload = plan.workload
@@ -39,4 +39,4 @@ def regime_defaults(plan: PlanFile, regime: str) -> RegimeDefaults:
     m, b = workload.get("m"), workload.get("micro_batch_size")
     if not (isinstance(m, int) and isinstance(b, int) and m >= 1 and b >= 1):
         return continuous
-    return RegimeDefaults(max_running=m * b, max_in_flight=m, pinned=m > 1, kv_limit=True)
+    return RegimeDefaults(max_num_seqs=m * b, max_in_flight=m, pinned=m > 1, kv_limit=True)

@@ -1,9 +1,9 @@
 """Continuous batching: which prefill chunks and decode steps go into the next micro-batch.
 
 The policy follows vLLM's and SGLang's chunked-prefill schedulers: every micro-batch has a token
-budget (`max_batch_tokens`); decode steps of running sequences go first (one token each), then the
+budget (`max_num_batched_tokens`); decode steps of running sequences go first (one token each), then the
 next prefill chunk of sequences already admitted, then new requests in arrival order while fewer
-than `max_running` sequences run (and, if set, while their KV fits `kv_capacity_tokens`: a request
+than `max_num_seqs` sequences run (and, if set, while their KV fits `kv_capacity_tokens`: a request
 reserves prompt + output tokens when admitted and frees them when it finishes; no preemption).
 
 A decode step of a sequence needs its previous token, so a sequence in flight gets no decode step.
@@ -15,7 +15,7 @@ unfinished requests, and `schedule(group)` only looks at that group's sequences,
 pipeline parallelism runs one scheduler per virtual engine; with one group (the default) every
 micro-batch draws from one pool, as vLLM V1 does.
 `chunk_sizes`, when given, cuts each prompt (e.g. the CPP plan from `tessel.chunk`); otherwise a
-prompt is cut by the budget left in the micro-batch (or not at all when `chunked_prefill` is off).
+prompt is cut by the budget left in the micro-batch (or not at all when `enable_chunked_prefill` is off).
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ from tessel.errors import TesselError
 from tessel.sim.requests import Request
 
 ChunkSizer = Callable[[Request], list[int]]
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's default max_num_batched_tokens with chunked prefill
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    max_running: int = 256  # sequences admitted at once (vLLM max_num_seqs)
-    max_batch_tokens: int = 2048  # tokens per micro-batch (vLLM max_num_batched_tokens)
-    chunked_prefill: bool = True
+class SimSchedulerConfig:
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences admitted at once
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per micro-batch
+    enable_chunked_prefill: bool = True
     pipelined_prefill: bool = False  # CPP: several chunks of one prompt in flight at once
     chunk_sizes: ChunkSizer | None = None  # fixed cut of each prompt into chunks (CPP plan)
     kv_capacity_tokens: int | None = None  # KV tokens the pipeline can hold (None = unlimited)
@@ -43,10 +45,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.groups < 1:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
-        if self.max_running < 1 or self.max_batch_tokens < 1:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(
-                f"max_running and max_batch_tokens must be >= 1, "
-                f"got {self.max_running} and {self.max_batch_tokens}"
+                f"max_num_seqs and max_num_batched_tokens must be >= 1, "
+                f"got {self.max_num_seqs} and {self.max_num_batched_tokens}"
             )
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
@@ -84,7 +86,7 @@ class MicroBatch:
 
 
 @dataclass(slots=True)
-class Sequence:
+class SimSequence:
     request: Request
     chunks: deque[int] = field(default_factory=deque)  # planned prefill chunks not yet scheduled
     scheduled_prompt: int = 0  # prompt tokens put into micro-batches
@@ -113,21 +115,21 @@ class Sequence:
         return self.request.prompt_tokens + self.request.output_tokens
 
 
-class Scheduler:
+class SimScheduler:
     """Holds waiting and running sequences; `schedule()` returns the next micro-batch or None."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SimSchedulerConfig) -> None:
         self.config = config
-        self.waiting: list[deque[Sequence]] = [deque() for _ in range(config.groups)]
-        self.running: list[Sequence] = []
+        self.waiting: list[deque[SimSequence]] = [deque() for _ in range(config.groups)]
+        self.running: list[SimSequence] = []
         self.unfinished = [0] * config.groups
-        self.finished: list[Sequence] = []
+        self.finished: list[SimSequence] = []
         self.kv_used_tokens = 0
         self._next_batch_id = 0
 
-    def add(self, request: Request) -> Sequence:
+    def add(self, request: Request) -> SimSequence:
         capacity = self.config.kv_capacity_tokens
-        sequence = Sequence(request)
+        sequence = SimSequence(request)
         if capacity is not None and sequence.kv_tokens > capacity:
             raise TesselError(
                 f"request {request.id} needs {sequence.kv_tokens} KV tokens (prompt + output), "
@@ -157,7 +159,7 @@ class Scheduler:
     def schedule(self, group: int = 0) -> MicroBatch | None:
         """The next micro-batch of the sequences pinned to `group` (all of them when groups = 1)."""
         config = self.config
-        budget = config.max_batch_tokens
+        budget = config.max_num_batched_tokens
         items: list[Work] = []
         waiting = self.waiting[group]
         running = [sequence for sequence in self.running if sequence.group == group]
@@ -172,7 +174,7 @@ class Scheduler:
             if budget == 0:
                 break
             budget -= self._add_prefill(sequence, budget, items)
-        while waiting and budget > 0 and len(self.running) < config.max_running:
+        while waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             sequence = waiting[0]
             if config.kv_capacity_tokens is not None and (
                 self.kv_used_tokens + sequence.kv_tokens > config.kv_capacity_tokens
@@ -194,7 +196,7 @@ class Scheduler:
             by_id[item.request_id].in_flight += 1
         return batch
 
-    def _add_prefill(self, sequence: Sequence, budget: int, items: list[Work]) -> int:
+    def _add_prefill(self, sequence: SimSequence, budget: int, items: list[Work]) -> int:
         """Put the sequence's next prefill chunk into `items` if it may go; return its tokens."""
         left = sequence.prefill_left
         if left == 0 or (sequence.in_flight > 0 and not self.config.pipelined_prefill):
@@ -202,7 +204,7 @@ class Scheduler:
         empty = not items
         if sequence.chunks:
             size = sequence.chunks[0]
-        elif self.config.chunked_prefill:
+        elif self.config.enable_chunked_prefill:
             size = min(left, budget)
         else:
             size = left

@@ -9,11 +9,11 @@ import pytest
 
 from tessel.chunk.latency import PipelineLatency
 from tessel.errors import TesselError
-from tessel.sim.engine import SimConfig, batch_compute_time_s, simulate
 from tessel.sim.linear import LinearStage
 from tessel.sim.metrics import compute_metrics
 from tessel.sim.requests import LengthDistribution, Request, poisson_requests
-from tessel.sim.scheduler import MicroBatch, SchedulerConfig
+from tessel.sim.scheduler import MicroBatch, SimSchedulerConfig
+from tessel.sim.simulator import SimConfig, batch_compute_time_s, simulate
 
 
 def _random_stage(rng: np.random.Generator, last: bool = False) -> LinearStage:
@@ -54,7 +54,9 @@ def _random_chunks(rng: np.random.Generator, prompt: int, m: int) -> list[int]:
 
 def _one_request_cpp(chunks: list[int], link_contention: bool) -> SimConfig:
     return SimConfig(
-        SchedulerConfig(max_batch_tokens=1 << 30, chunk_sizes=lambda r: chunks, pipelined_prefill=True),
+        SimSchedulerConfig(
+            max_num_batched_tokens=1 << 30, chunk_sizes=lambda r: chunks, pipelined_prefill=True
+        ),
         max_in_flight=len(chunks),
         link_contention=link_contention,
     )
@@ -122,7 +124,7 @@ def test_equal_chunks_on_equal_stages_give_the_textbook_bubble(n_stages: int | N
     default = simulate(
         pipeline,
         [Request(0, 0.0, size * m, 1)],
-        SimConfig(SchedulerConfig(max_batch_tokens=size, pipelined_prefill=True)),
+        SimConfig(SimSchedulerConfig(max_num_batched_tokens=size, pipelined_prefill=True)),
     )
     assert compute_metrics(default).bubble_fraction == metrics.bubble_fraction
 
@@ -131,7 +133,7 @@ def test_single_stage_single_request_closed_form() -> None:
     rng = np.random.default_rng()
     stage = _random_stage(rng, last=True)
     prompt, output = int(rng.integers(1, 3000)), int(rng.integers(2, 60))
-    config = SimConfig(SchedulerConfig(max_batch_tokens=1 << 20, chunked_prefill=False))
+    config = SimConfig(SimSchedulerConfig(max_num_batched_tokens=1 << 20, enable_chunked_prefill=False))
     record = simulate(PipelineLatency((stage,)), [Request(0, 1.5, prompt, output)], config).records[0]
     assert record.ttft_s == pytest.approx(stage.prefill_time_s(prompt, 0), rel=1e-12)
     decode = sum(stage.decode_time_s(1, prompt + k) for k in range(1, output))
@@ -153,9 +155,9 @@ def test_every_request_finishes_and_every_token_is_counted(pipelined: bool, pinn
     pipeline = _random_pipeline(rng, n_stages)
     requests = _workload(rng, 150, float(rng.uniform(5, 200)), int(rng.integers(1 << 30)))
     config = SimConfig(
-        SchedulerConfig(
-            max_running=int(rng.integers(1, 64)),
-            max_batch_tokens=int(rng.integers(64, 2048)),
+        SimSchedulerConfig(
+            max_num_seqs=int(rng.integers(1, 64)),
+            max_num_batched_tokens=int(rng.integers(64, 2048)),
             pipelined_prefill=pipelined,
             kv_capacity_tokens=20_000,
         ),
@@ -203,7 +205,7 @@ def test_decode_step_waits_for_the_previous_token() -> None:
     n_stages = 4
     pipeline = _random_pipeline(rng, n_stages)
     request = Request(0, 0.0, 200, 30)
-    result = simulate(pipeline, [request], SimConfig(SchedulerConfig(max_batch_tokens=64)))
+    result = simulate(pipeline, [request], SimConfig(SimSchedulerConfig(max_num_batched_tokens=64)))
     batches = defaultdict(list)
     for interval in result.intervals:
         if interval.kind == "compute":
@@ -224,7 +226,9 @@ def test_higher_load_does_not_lower_p99_ttft() -> None:
         requests = poisson_requests(
             200, rate, LengthDistribution("fixed", 512), LengthDistribution("fixed", 16), seed=seed
         )
-        metrics = compute_metrics(simulate(pipeline, requests, SimConfig(SchedulerConfig(max_running=32))))
+        metrics = compute_metrics(
+            simulate(pipeline, requests, SimConfig(SimSchedulerConfig(max_num_seqs=32)))
+        )
         p99.append(metrics.ttft_s.p99)
     assert p99 == sorted(p99)
     assert p99[-1] > p99[0]
@@ -235,7 +239,7 @@ def test_in_flight_limit_and_kv_capacity_are_respected() -> None:
     pipeline = _random_pipeline(rng, 3)
     requests = _workload(rng, 60, 500.0, 3)
     capacity = max(r.prompt_tokens + r.output_tokens for r in requests) + 100
-    config = SimConfig(SchedulerConfig(kv_capacity_tokens=capacity), max_in_flight=2)
+    config = SimConfig(SimSchedulerConfig(kv_capacity_tokens=capacity), max_in_flight=2)
     result = simulate(pipeline, requests, config)
     events = []
     for interval in result.intervals:
@@ -260,7 +264,7 @@ def test_in_flight_limit_and_kv_capacity_are_respected() -> None:
 
 def test_request_larger_than_kv_capacity_is_a_user_error() -> None:
     pipeline = PipelineLatency((LinearStage(prefill_base_s=1.0, decode_base_s=1.0),))
-    config = SimConfig(SchedulerConfig(kv_capacity_tokens=100))
+    config = SimConfig(SimSchedulerConfig(kv_capacity_tokens=100))
     with pytest.raises(TesselError, match="KV tokens"):
         simulate(pipeline, [Request(0, 0.0, 90, 20)], config)
 
@@ -291,7 +295,7 @@ def test_cpp_chunking_from_tessel_chunk_gives_its_predicted_ttft() -> None:
     chunks = sizer(request)
     assert sum(chunks) == prompt
     config = SimConfig(
-        SchedulerConfig(max_batch_tokens=1 << 20, chunk_sizes=sizer, pipelined_prefill=True),
+        SimSchedulerConfig(max_num_batched_tokens=1 << 20, chunk_sizes=sizer, pipelined_prefill=True),
         max_in_flight=len(chunks),
         link_contention=False,
     )
@@ -306,7 +310,9 @@ def test_pinned_requests_stay_in_their_virtual_engine() -> None:
     n_stages = int(rng.integers(2, 6))
     pipeline = _random_pipeline(rng, n_stages)
     requests = _workload(rng, 120, float(rng.uniform(50, 500)), int(rng.integers(1 << 30)))
-    result = simulate(pipeline, requests, SimConfig(SchedulerConfig(max_batch_tokens=512), pinned=True))
+    result = simulate(
+        pipeline, requests, SimConfig(SimSchedulerConfig(max_num_batched_tokens=512), pinned=True)
+    )
     computes = [i for i in result.intervals if i.kind == "compute"]
     group_of: dict[int, int] = {}
     for interval in computes:

@@ -1,4 +1,5 @@
-"""The profiler's decoder layer (against full causal attention), its point choice, and a real run."""
+"""The profiler times the engine's own layer (against an SDPA float64 reference), its point
+choice, and a real run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tessel.cost.profile import load_profile  # noqa: E402
-from tessel.cost.profiler import (  # noqa: E402
+from tessel.errors import TesselError  # noqa: E402
+from tessel.layers.packed_linear import PackedLinear  # noqa: E402
+from tessel.models.llama import LlamaDecoderLayer  # noqa: E402
+from tessel.models.profiler import (  # noqa: E402
     LayerShape,
     ProfileSettings,
     _Layer,
@@ -20,38 +24,80 @@ from tessel.cost.profiler import (  # noqa: E402
     prefill_grid,
     profile_layer,
 )
-from tessel.errors import TesselError  # noqa: E402
+
+F = torch.nn.functional
+
+
+def reference(layer: _Layer, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The decoder layer over a whole sequence [T, h] (positions 0..T-1), in float64 with SDPA:
+    fused add + RMSNorm, q/k/v, rotate-half RoPE, causal GQA, o_proj, add + RMSNorm, SwiGLU."""
+    m, shape = layer.module, layer.shape
+    a, g, d, T = shape.num_heads, shape.num_kv_heads, shape.head_dim, x.shape[0]
+    w = {name: p.double() for name, p in m.named_parameters()}
+    eps = m.input_layernorm.eps
+
+    def rms(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        cos, sin = layer.rotary.cos[:T, None].double(), layer.rotary.sin[:T, None].double()
+        t1, t2 = t[..., : d // 2], t[..., d // 2 :]
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1)
+
+    r1 = x.double() + residual.double()
+    q, k, v = F.linear(rms(r1, w["input_layernorm.weight"]), w["self_attn.qkv_proj.weight"]).split(
+        [a * d, g * d, g * d], dim=-1
+    )
+    q, k, v = rope(q.view(T, a, d)), rope(k.view(T, g, d)), v.view(T, g, d)
+    k, v = k.repeat_interleave(a // g, dim=1), v.repeat_interleave(a // g, dim=1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )
+    r2 = F.linear(o.transpose(0, 1).reshape(T, a * d), w["self_attn.o_proj.weight"]) + r1
+    gate, up = F.linear(rms(r2, w["post_attention_layernorm.weight"]), w["mlp.gate_up_proj.weight"]).chunk(
+        2, -1
+    )
+    return F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"]) + r2
+
+
+def test_the_timed_layer_is_the_engines() -> None:
+    layer = _Layer(LayerShape(64, 96, 4, 2, 16), ProfileSettings(), max_tokens=64, max_batch=2)
+    assert isinstance(layer.module, LlamaDecoderLayer)
+    if torch.backends.mkldnn.is_available():  # float32 on CPU: packed as ModelRunner packs it
+        assert isinstance(layer.module.mlp.gate_up_proj, PackedLinear)
 
 
 @pytest.mark.parametrize(
     "shape", [LayerShape(64, 96, 4, 2, 16), LayerShape(48, 80, 3, 3, 16), LayerShape(32, 40, 4, 1, 8)]
 )
-def test_chunked_layer_equals_whole_sequence(shape: LayerShape) -> None:
-    """Prefill in chunks (KV cache at an offset, lower-right causal mask) = one causal pass."""
-    settings = ProfileSettings(seed=3)
+def test_chunked_prefill_through_the_paged_cache_equals_the_reference(shape: LayerShape) -> None:
+    """Prefill in chunks (k/v into random blocks of the pool, then read back as a prefix) = one
+    causal pass of the float64 reference."""
     total = 37
     with torch.inference_mode():
-        layer = _Layer(shape, settings, max_tokens=64, max_batch=1)
-        x = torch.randn(1, total, shape.hidden_size)
-        whole = layer.forward(x, 0, torch.ones(total, total).tril().bool())
+        layer = _Layer(shape, ProfileSettings(seed=3), max_tokens=64, max_batch=2, pack_cpu_linears=False)
+        x, residual = torch.randn(total, shape.hidden_size), torch.randn(total, shape.hidden_size)
         pieces, start = [], 0
         for size in (5, 13, 1, 18):
-            rows = torch.arange(size)[:, None] + start
-            mask = torch.arange(start + size)[None, :] <= rows
-            pieces.append(layer.forward(x[:, start : start + size], start, mask))
+            rows = slice(start, start + size)
+            inputs = layer.prefill_inputs(size, start, seq=1, x=x[rows], residual=residual[rows])
+            pieces.append(layer.forward(*inputs))
             start += size
-        torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-5)
+        expected = reference(layer, x, residual)
+        torch.testing.assert_close(torch.cat(pieces).double(), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_step_equals_last_row_of_prefill() -> None:
+def test_decode_step_equals_last_row_of_the_reference() -> None:
     shape = LayerShape(64, 96, 4, 2, 16)
     with torch.inference_mode():
-        layer = _Layer(shape, ProfileSettings(), max_tokens=32, max_batch=2)
-        x = torch.randn(2, 20, 64)
-        full = layer.forward(x, 0, torch.ones(20, 20).tril().bool())
-        layer.forward(x[:, :19], 0, torch.ones(19, 19).tril().bool())
-        step = layer.forward(x[:, 19:], 19, None)
-        torch.testing.assert_close(step, full[:, 19:], rtol=1e-5, atol=1e-5)
+        layer = _Layer(shape, ProfileSettings(), max_tokens=32, max_batch=2, pack_cpu_linears=False)
+        x, residual = torch.randn(2, 20, 64), torch.randn(2, 20, 64)
+        for seq in range(2):
+            layer.forward(*layer.prefill_inputs(19, 0, seq=seq, x=x[seq, :19], residual=residual[seq, :19]))
+        step = layer.forward(*layer.decode_inputs(2, 19, x=x[:, 19], residual=residual[:, 19]))
+        for seq in range(2):
+            expected = reference(layer, x[seq], residual[seq])[19]
+            torch.testing.assert_close(step[seq].double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_choose_points_fits_the_budget_and_spreads() -> None:
@@ -125,17 +171,3 @@ def test_cuda_names_map_to_the_catalog(cuda_name: str, expected: str | None) -> 
     from tessel.catalog.gpus import known_gpus
 
     assert catalog_name_for(cuda_name, known_gpus()) == expected
-
-
-def test_prefill_inputs_mask_is_lower_right_causal() -> None:
-    """The mask the timed prefill uses gives the same attention as the explicit boolean mask."""
-    shape = LayerShape(64, 96, 4, 2, 16)
-    with torch.inference_mode():
-        layer = _Layer(shape, ProfileSettings(), max_tokens=64, max_batch=1)
-        x = torch.randn(1, 40, 64)
-        layer.forward(x[:, :29], 0, torch.ones(29, 29).tril().bool())
-        _, offset, mask = layer.prefill_inputs(11, 29)
-        timed = layer.forward(x[:, 29:], offset, mask)
-        rows = torch.arange(11)[:, None] + 29
-        explicit = layer.forward(x[:, 29:], 29, torch.arange(40)[None, :] <= rows)
-        torch.testing.assert_close(timed, explicit)

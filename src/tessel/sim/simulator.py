@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from tessel.chunk.latency import PipelineLatency, StageLatency
 from tessel.sim.requests import Request
-from tessel.sim.scheduler import MicroBatch, Scheduler, SchedulerConfig, Sequence, Work
+from tessel.sim.scheduler import MicroBatch, SimScheduler, SimSchedulerConfig, SimSequence, Work
 
 MIX_RULES = ("sum", "max")
 
@@ -42,7 +42,7 @@ _COMPUTE_DONE, _SEND_DONE, _ARRIVAL = 0, 1, 2
 
 @dataclass(slots=True)
 class SimConfig:
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SimSchedulerConfig = field(default_factory=SimSchedulerConfig)
     max_in_flight: int | None = None  # micro-batches in the pipeline at once (None = number of stages)
     link_contention: bool = True
     mix: str = "sum"
@@ -156,7 +156,7 @@ class _Run:
         if config.pinned:
             config = replace(config, scheduler=replace(config.scheduler, groups=self.max_in_flight))
             self.config = config
-        self.scheduler = Scheduler(config.scheduler)
+        self.scheduler = SimScheduler(config.scheduler)
         self.groups = config.scheduler.groups
         self.group_busy = [False] * self.groups  # pinned: a group has at most one batch in flight
         self.next_group = 0
@@ -167,7 +167,7 @@ class _Run:
         self.events: list[tuple[float, int, int, int, object]] = []
         self.counter = 0
         self.intervals: list[Interval] = []
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, SimSequence] = {}
 
     def push(self, time_s: float, kind: int, stage: int, payload: object) -> None:
         heapq.heappush(self.events, (time_s, kind, self.counter, stage, payload))

@@ -1,17 +1,18 @@
-"""Time one real decoder layer on this machine's CPU or GPU, and fit the profile forms to it.
+"""Time the engine's own decoder layer on this machine's CPU or GPU, and fit the profile forms to it.
 
-The layer is a Llama-family decoder layer built here from plain PyTorch ops with random weights
-in the requested shape: RMSNorm, q/k/v/o projections, RoPE, grouped-query attention through
-`scaled_dot_product_attention` over a preallocated KV cache, RMSNorm, SwiGLU MLP, residuals.
-A prefill point (c, p) writes c new keys/values after p cached ones and attends causally
-(query i sees keys 0..p+i); a decode point (B, S) runs B sequences of S/B context each.
+The layer is `tessel.models.llama.LlamaDecoderLayer` with random weights in the requested shape,
+run as the engine runs it: float32 linears packed for oneDNN on CPU (as `ModelRunner` does),
+k/v written into a paged KV cache through a slot mapping, prefill chunks through
+`flash_attention` over their cached prefix, decode rows through one `paged_decode_attention`
+call over block tables. A prefill point (c, p) runs one sequence's chunk of c tokens after p
+cached ones; a decode point (B, S) runs B sequences of S/B cached tokens each, one new token each.
+So the cost model's fits and the engine time the same code.
 
 Each point: `warmup` untimed runs, then the median of `repeats` timed runs, under
 `torch.inference_mode()` with a fixed thread count; on CUDA, CUDA events around the run after a
 synchronize. Points are chosen from a grid to fit the time budget (cost estimated from FLOPs and
-one calibration run). The fits and held-out errors come from `tessel.cost.fit`.
-
-torch is imported inside functions only: `tessel.cost` must import without it.
+one calibration run). The fits and held-out errors come from `tessel.cost.fit`, the profile
+format from `tessel.cost.profile` (both torch-free); torch is imported inside functions here.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ DTYPE_NAMES = {
     "bf16": "bf16",
 }
 ROPE_THETA = 10000.0
+RMS_NORM_EPS = 1e-5
+BLOCK_SIZE = 16  # the engine's default KV block size (EngineConfig.block_size)
 PREFILL_BUDGET_SHARE = 0.7  # of the timing budget; decode gets the rest
 MIN_PREFILL_POINTS = 8
 MIN_DECODE_POINTS = 6
@@ -172,79 +175,101 @@ def choose_points(
 
 
 class _Layer:
-    """The decoder layer and its KV cache, as plain tensors (no nn.Module needed to time it)."""
+    """The engine's decoder layer over a paged KV cache with room for `max_batch` sequences of
+    `max_tokens` tokens each (block tables drawn at random from the pool, as a busy engine has)."""
 
-    def __init__(self, shape: LayerShape, settings: ProfileSettings, max_tokens: int, max_batch: int) -> None:
+    def __init__(
+        self,
+        shape: LayerShape,
+        settings: ProfileSettings,
+        max_tokens: int,
+        max_batch: int,
+        pack_cpu_linears: bool = True,
+    ) -> None:
         import torch
+
+        from tessel.layers.packed_linear import pack_linears
+        from tessel.layers.rotary import RotaryEmbedding
+        from tessel.models.config import ModelConfig
+        from tessel.models.llama import LlamaDecoderLayer
 
         self.torch = torch
         self.shape = shape
         self.device = torch.device(settings.device)
         self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[settings.dtype]
+        config = ModelConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=1,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_position_embeddings=max_tokens,
+            rms_norm_eps=RMS_NORM_EPS,
+            rope_theta=ROPE_THETA,
+        )
         gen = torch.Generator(device="cpu").manual_seed(settings.seed)
-        h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
-        a, g = shape.num_heads, shape.num_kv_heads
+        rotary = RotaryEmbedding(shape.head_dim, max_tokens, ROPE_THETA)
+        self.module = LlamaDecoderLayer(config, rotary)
+        self.rotary = rotary
+        with torch.no_grad():
+            for param in self.module.parameters():
+                if param.dim() == 2:  # linears; the norms keep their ones
+                    param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+        self.module.to(self.device, self.dtype).eval().requires_grad_(False)
+        rotary.build_tables(self.device)
+        if pack_cpu_linears and self.device.type == "cpu":
+            pack_linears(self.module)
+        self.blocks_per_seq = -(-max_tokens // BLOCK_SIZE)
+        num_blocks = max_batch * self.blocks_per_seq
+        g, d = shape.num_kv_heads, shape.head_dim
+        cache = torch.randn(2, num_blocks, BLOCK_SIZE, g, d, generator=gen).to(self.device, self.dtype)
+        self.module.self_attn.attn.k_cache, self.module.self_attn.attn.v_cache = cache[0], cache[1]
+        order = torch.randperm(num_blocks, generator=gen).view(max_batch, self.blocks_per_seq)
+        self.block_tables = order.to(self.device)
 
-        def weight(rows: int, cols: int) -> torch.Tensor:
-            w = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
-            return w.to(self.device, self.dtype)
+    def forward(self, positions, hidden, residual, meta):
+        """One step of the layer as the engine runs it; -> the layer's output (its residual stream)."""
+        out, residual = self.module(positions, hidden, residual, meta)
+        return out + residual
 
-        self.wqkv = weight((a + 2 * g) * d, h)
-        self.wo = weight(h, a * d)
-        self.w_gate_up = weight(2 * f, h)
-        self.w_down = weight(h, f)
-        self.norm1 = torch.ones(h, device=self.device, dtype=self.dtype)
-        self.norm2 = torch.ones(h, device=self.device, dtype=self.dtype)
-        inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        angles = torch.outer(torch.arange(max_tokens, dtype=torch.float32), inv)
-        self.cos = angles.cos().to(self.device, self.dtype)
-        self.sin = angles.sin().to(self.device, self.dtype)
-        self.k_cache = torch.randn(max_batch, g, max_tokens, d, generator=gen).to(self.device, self.dtype)
-        self.v_cache = torch.randn(max_batch, g, max_tokens, d, generator=gen).to(self.device, self.dtype)
-
-    def _rms(self, x, weight):
+    def _slots(self, seq: int, start: int, end: int):
         torch = self.torch
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + 1e-5)).to(x.dtype) * weight
+        pos = torch.arange(start, end, device=self.device)
+        return self.block_tables[seq, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
-    def _rope(self, x, positions):
-        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
-        x1, x2 = x[..., ::2], x[..., 1::2]
-        return self.torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-    def forward(self, x, offset: int, mask):
-        """x: [B, c, h] at positions offset..offset+c-1 of every sequence; returns [B, c, h]."""
+    def _hidden(self, rows: int):
         torch = self.torch
-        F = torch.nn.functional
-        shape = self.shape
-        batch, c, _ = x.shape
-        a, g, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        qkv = F.linear(self._rms(x, self.norm1), self.wqkv).view(batch, c, a + 2 * g, d).transpose(1, 2)
-        positions = torch.arange(offset, offset + c, device=self.device)
-        q = self._rope(qkv[:, :a], positions)
-        self.k_cache[:batch, :, offset : offset + c] = self._rope(qkv[:, a : a + g], positions)
-        self.v_cache[:batch, :, offset : offset + c] = qkv[:, a + g :]
-        k = self.k_cache[:batch, :, : offset + c]
-        v = self.v_cache[:batch, :, : offset + c]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a != g)  # GQA, no KV copy
-        x = x + F.linear(attn.transpose(1, 2).reshape(batch, c, a * d), self.wo)
-        gate, up = F.linear(self._rms(x, self.norm2), self.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down)
+        return torch.randn(rows, self.shape.hidden_size, device=self.device, dtype=self.dtype)
 
-    def prefill_inputs(self, c: int, p: int):
+    def prefill_inputs(self, c: int, p: int, seq: int = 0, x=None, residual=None):
+        """Sequence `seq`'s chunk of c tokens after p cached ones: (positions, hidden, residual, meta)."""
+        from tessel.layers.attention import AttentionMetadata, PrefillChunk
+
         torch = self.torch
-        x = torch.randn(1, c, self.shape.hidden_size, device=self.device, dtype=self.dtype)
-        try:  # causal, aligned to the lower right (query i sees keys 0..p+i); flash-capable on CUDA
-            from torch.nn.attention.bias import causal_lower_right
+        table = self.block_tables[seq, : -(-(p + c) // BLOCK_SIZE)] if p > 0 else None
+        meta = AttentionMetadata(slot_mapping=self._slots(seq, p, p + c))
+        meta.prefills.append(PrefillChunk(0, c, p + c, table))
+        x = self._hidden(c) if x is None else x
+        residual = self.torch.zeros_like(x) if residual is None else residual
+        return torch.arange(p, p + c, device=self.device), x, residual, meta
 
-            return x, p, causal_lower_right(c, p + c)
-        except ImportError:  # older PyTorch: the same mask, materialised
-            rows = torch.arange(c, device=self.device)[:, None] + p
-            return x, p, torch.arange(p + c, device=self.device)[None, :] <= rows
+    def decode_inputs(self, batch: int, context: int, x=None, residual=None):
+        """One new token for each of sequences 0..batch-1 after `context` cached tokens."""
+        from tessel.layers.attention import AttentionMetadata, DecodeGroup
 
-    def decode_inputs(self, batch: int, context: int):
-        x = self.torch.randn(batch, 1, self.shape.hidden_size, device=self.device, dtype=self.dtype)
-        return x, context, None  # the new token sees all context + itself
+        torch = self.torch
+        slots = torch.cat([self._slots(seq, context, context + 1) for seq in range(batch)])
+        width = -(-(context + 1) // BLOCK_SIZE)
+        tables = self.block_tables[:batch, :width].to(torch.int32)
+        lens = torch.full((batch,), context + 1, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch)
+        meta.decode_groups.append(DecodeGroup(0, batch, tables, lens))
+        x = self._hidden(batch) if x is None else x
+        residual = torch.zeros_like(x) if residual is None else residual
+        return torch.full((batch,), context, device=self.device), x, residual, meta
 
 
 def _timer(settings: ProfileSettings) -> Callable[[Callable[[], object]], float]:
@@ -276,12 +301,11 @@ def _timer(settings: ProfileSettings) -> Callable[[Callable[[], object]], float]
 def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock) -> float:
     """Median of at least `repeats` timed runs, and of more while they add up to less than
     `min_point_s` (cheap points get enough runs for a median that shrugs off preemption)."""
-    x, offset, mask = inputs
     for _ in range(settings.warmup):
-        layer.forward(x, offset, mask)
+        layer.forward(*inputs)
     times: list[float] = []
     while len(times) < settings.repeats or (sum(times) < settings.min_point_s and len(times) < MAX_RUNS):
-        times.append(clock(lambda: layer.forward(x, offset, mask)))
+        times.append(clock(lambda: layer.forward(*inputs)))
     return statistics.median(times)
 
 
