@@ -316,7 +316,7 @@ class PlanFile(_Strict):
     def check_cluster(self, cluster: Cluster) -> None:
         """Every stage's device exists in `cluster` with the plan's GPU type (no device twice is
         checked on load)."""
-        for variant in self.variants:
+        for variant in (*self.variants, *self.replica_variants):
             for position, stage in enumerate(variant.stages):
                 where = f"{self.source}: {_where(variant)}[{position}]"
                 names = [device.name for device in cluster.devices]
@@ -380,6 +380,8 @@ def _check_replicas(plan: PlanFile) -> None:
 
 
 def _where(variant: PlanVariant) -> str:
+    if variant.name.startswith("replica") and variant.name[len("replica") :].isdigit():
+        return f"replicas[{variant.name[len('replica') :]}].stages"
     return "stages" if variant.name == MAIN_VARIANT else f"baselines.{variant.name}.stages"
 
 

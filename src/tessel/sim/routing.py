@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tessel.sim.engine import SimResult
 from tessel.sim.requests import Request
+from tessel.sim.simulator import SimResult
 
 
 def route(requests: list[Request], weights: list[float]) -> list[list[Request]]:
