@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PLAN_VERSION, load_plan, parse_plan
@@ -84,3 +86,52 @@ def test_too_many_replicas_exit_2() -> None:
     assert "Traceback" not in result.stderr
     result = _run_cli("plan", "--cluster", "llmpq-t4-v100", "--replicas", "two")
     assert result.returncode == 2 and "'auto' or a count" in " ".join(result.stderr.split())
+
+
+def _v2_document() -> dict:
+    """The version-1 fixture as a version-2 plan: precisions on every stage, one replica."""
+    from plan.test_plan_file import V1_LAYER
+
+    document = json.loads(V1_LAYER.read_text())
+    document["version"] = 2
+    document["baselines"] = {}
+    for stage in document["stages"]:
+        stage["precisions"] = ["int8"] * (stage["unit_end"] - stage["unit_start"])
+    document["precisions"] = ["fp16", "int8"]
+    document["quality"] = {"cost": 0.5, "budget": 1.0, "theta": 0.0, "source": "shape"}
+    document["replicas"] = [{"index": 0, "weight": 1.0, "stages": document["stages"]}]
+    return document
+
+
+V2 = _v2_document()
+
+
+def test_a_valid_v2_document_loads() -> None:
+    plan = parse_plan(V2)
+    assert plan.replicas[0].stages[0].precisions[0] == "int8" and plan.quality.budget == 1.0
+
+
+@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), delete=st.booleans())
+def test_fuzz_one_v2_field(tmp_path, data, delete: bool) -> None:
+    import copy
+
+    from plan.test_plan_file import HOSTILE, _load_or_refuse, _paths
+
+    paths = [p for p in _paths(V2) if p[0] in ("replicas", "precisions", "quality") or "precisions" in p]
+    path = data.draw(st.sampled_from(paths))
+    document = copy.deepcopy(V2)
+    target = document
+    for key in path[:-1]:
+        target = target[key]
+    if delete:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = data.draw(HOSTILE)
+    try:
+        text = json.dumps(document)
+    except (ValueError, RecursionError):
+        return
+    out = tmp_path / "fuzz.json"
+    out.write_text(text)
+    _load_or_refuse(out)
