@@ -240,10 +240,14 @@ def capacity_shortfall_bytes(instance: PlanningInstance) -> float:
     """How far what must be held exceeds all device and host memory; > 0 means it cannot fit.
 
     Held: every unit's weights and KV, the embedding (first stage), the LM head (last stage) and
-    the smallest device's activation workspace (at least one device runs). A lower bound: a plan
+    the smallest device's activation workspace (at least one device runs); with a precision choice,
+    every unit at its fewest bytes. A lower bound: a plan
     also needs each used device's workspace, and contiguous runs rarely pack memory perfectly.
     """
-    held = float(np.sum(instance.weight_bytes) + np.sum(instance.kv_bytes))
+    weights = instance.weight_bytes
+    if instance.precision is not None:  # at the precision with the fewest bytes, whatever the budget
+        weights = instance.precision.weight_bytes.min(axis=1)
+    held = float(np.sum(weights) + np.sum(instance.kv_bytes))
     held += instance.first_bytes + instance.last_bytes + float(np.min(instance.workspace_bytes))
     capacity = sum(device.memory_bytes + device.host_bytes for device in instance.devices)
     return held - capacity
