@@ -7,9 +7,17 @@ DP + HiGHS only when the gap is not yet proven), with time, objective, proven ga
 larger of the counts bound and HiGHS's dual bound), status and which step gave the plan.
 Part 2 (quality): on every bundled cluster the model fits, tessel's plan against the baselines,
 as predicted throughput ratios (same cost model for all).
+Part 3 (precision, issue 13): on `llmpq-t4-v100`, uniform fp16 against a precision per layer
+(fp16,int8,int4) under the default budget (int8 on at most half the layers, no int4); all-int8
+against fp16,int8,int4 at the quality cost of all-int8 (the all-int8 plan is offered as an
+incumbent, so the mixed plan is never worse).
+Part 4 (replicas): on `helix-like-42` (LLaMA-2-70B, Helix's model), the best single pipeline
+against `--replicas auto`.
+Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
 
     python benchmarks/plan_solve.py            # full: time limits 10 s (8, 16) and 120 s (42)
     python benchmarks/plan_solve.py --quick    # smoke run: 3 s limits, fewer clusters
+    python benchmarks/plan_solve.py --parts precision,replicas,scale   # only some parts
 
 Writes benchmarks/results/plan_solve.json. The machine is shared: times are wall-clock under
 whatever load there is; the JSON records the time limits used.
@@ -175,6 +183,136 @@ def quality_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def precision_rows(quick: bool) -> dict:
+    """Uniform fp16 vs a precision per layer on llmpq-t4-v100; mixed vs all-int8 at equal cost."""
+    from tessel.plan.precision import parse_precisions
+
+    limit = 5.0 if quick else 30.0
+    workload = load_workload("default")
+    b = workload.micro_batch_size
+    reference = build_instance(MODEL, "llmpq-t4-v100", workload)
+    uniform = predict(reference, run_baselines(reference)["uniform"].evaluation, b).throughput_tok_s
+    best_fp16 = predict(reference, solve(reference, time_limit_s=limit).evaluation, b).throughput_tok_s
+    names = parse_precisions("fp16,int8,int4")
+    mixed_instance = build_instance(MODEL, "llmpq-t4-v100", workload, precisions=names)
+    started = time.perf_counter()
+    mixed = solve(mixed_instance, time_limit_s=limit)
+    mixed_s = time.perf_counter() - started
+    int8_instance = build_instance(MODEL, "llmpq-t4-v100", workload, dtype="int8")
+    all_int8 = solve(int8_instance, time_limit_s=limit)
+    int8_vector = (names.index("int8"),) * mixed_instance.n_units
+    int8_cost = mixed_instance.quality_cost(int8_vector)
+    from dataclasses import replace
+
+    equal = replace(mixed_instance, precision=replace(mixed_instance.precision, quality_budget=int8_cost))
+    started = time.perf_counter()
+    equal_plan = solve(equal, time_limit_s=limit, incumbent=all_int8.solution.with_precisions(int8_vector))
+    equal_s = time.perf_counter() - started
+
+    def tok(instance, result) -> float:
+        return predict(instance, result.evaluation, b).throughput_tok_s
+
+    counts = {name: (mixed.evaluation.precisions or ()).count(name) for name in names}
+    return {
+        "cluster": "llmpq-t4-v100",
+        "model": MODEL,
+        "time_limit_s": limit,
+        "uniform_fp16_tok_s": uniform,
+        "tessel_fp16_tok_s": best_fp16,
+        "default_budget": {
+            "budget": mixed_instance.precision.quality_budget,
+            "quality_cost": mixed.evaluation.quality,
+            "layers": counts,
+            "tok_s": tok(mixed_instance, mixed),
+            "over_uniform_fp16": tok(mixed_instance, mixed) / uniform,
+            "gap": mixed.gap,
+            "status": mixed.status,
+            "time_s": mixed_s,
+        },
+        "all_int8": {"tok_s": tok(int8_instance, all_int8), "quality_cost": int8_cost},
+        "mixed_at_all_int8_cost": {
+            "tok_s": tok(equal, equal_plan),
+            "quality_cost": equal_plan.evaluation.quality,
+            "layers": {name: (equal_plan.evaluation.precisions or ()).count(name) for name in names},
+            "plan_from": equal_plan.detail.get("plan_from"),
+            "time_s": equal_s,
+        },
+    }
+
+
+def replica_rows(quick: bool) -> dict:
+    """Best single pipeline vs replicas on helix-like-42 (LLaMA-2-70B)."""
+    from tessel.plan.replicas import choose_replicas, replica_gap
+
+    limit = 10.0 if quick else 60.0
+    workload = load_workload("default")
+    b = workload.micro_batch_size
+    instance = build_instance("llama-2-70b", "helix-like-42", workload)
+    single = solve(instance, time_limit_s=limit)
+    single_tok = predict(instance, single.evaluation, b).throughput_tok_s
+    uniform = predict(instance, run_baselines(instance)["uniform"].evaluation, b).throughput_tok_s
+    chosen = choose_replicas(instance, b, time_limit_s=limit)
+    return {
+        "cluster": "helix-like-42",
+        "model": "llama-2-70b",
+        "time_limit_s": limit,
+        "single_pipeline_tok_s": single_tok,
+        "uniform_single_tok_s": uniform,
+        "replicas_tok_s": chosen.throughput_tok_s,
+        "over_single": chosen.throughput_tok_s / single_tok,
+        "replicas": [
+            {
+                "gpus": len(r.devices),
+                "types": sorted({d.gpu_type for d in r.instance.devices}),
+                "tok_s": r.throughput_tok_s,
+                "weight": r.weight,
+            }
+            for r in chosen.replicas
+        ],  # fmt: skip
+        "gap": replica_gap(chosen),
+        "splits": chosen.splits_evaluated,
+        "time_s": chosen.time_s,
+    }
+
+
+def _cluster_64() -> dict:
+    """64 GPUs of 4 types on 16 nodes (8 A100-80G, 16 V100-32G, 16 L4, 24 T4)."""
+    nodes = []
+    for kind, count, link, host in (("A100-80G", 2, "nvlink", 512), ("V100-32G", 4, "nvlink", 384),
+                                    ("L4", 4, "pcie", 256), ("T4", 6, "pcie", 256)):  # fmt: skip
+        for i in range(count):
+            nodes.append({"name": f"{kind.lower()}-{i}", "gpus": {"type": kind, "count": 4},
+                          "intra_link": link, "host_memory_gib": host})  # fmt: skip
+    return {"name": "mixed-64", "nodes": nodes, "network": {"bandwidth_gbps": 25, "latency_us": 20}}
+
+
+def scale_rows(quick: bool) -> dict:
+    """80 layers x 64 GPUs, three precisions, replicas: time and gap to the split's bound."""
+    from tessel.plan.precision import parse_precisions
+    from tessel.plan.replicas import choose_replicas, replica_gap
+
+    limit = 20.0 if quick else 60.0
+    workload = load_workload("default")
+    started = time.perf_counter()
+    instance = build_instance(
+        MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4")
+    )
+    chosen = choose_replicas(instance, workload.micro_batch_size, time_limit_s=limit)
+    return {
+        "devices": instance.n_devices,
+        "layers": instance.n_units,
+        "precisions": list(instance.precision.names),
+        "time_limit_s": limit,
+        "time_s": time.perf_counter() - started,
+        "replicas": len(chosen.replicas),
+        "tok_s": chosen.throughput_tok_s,
+        "upper_bound_tok_s": chosen.upper_bound_tok_s,
+        "gap": replica_gap(chosen),
+        "replica_gaps": [r.result.gap for r in chosen.replicas],
+        "splits": chosen.splits_evaluated,
+    }
+
+
 def _obj(evaluation) -> float | None:
     return None if evaluation is None else evaluation.objective
 
@@ -193,10 +331,24 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: short limits, fewer clusters")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--parts", default="solve,quality,precision,replicas,scale", help="comma-separated parts to run"
+    )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     console = Console(width=160)
+    extra = {}
+    for name, run in (("precision", precision_rows), ("replicas", replica_rows), ("scale", scale_rows)):
+        if name in parts:
+            extra[name] = {**run(args.quick), "quick": args.quick}
+            console.print_json(json.dumps(extra[name], default=str))
+    if not parts & {"solve", "quality"}:  # a partial run updates those parts of the results file
+        previous = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "plan_solve"}
+        _write(args.out, {**previous, **extra})
+        console.print(f"wrote {args.out}")
+        return
 
-    solve_data = solve_rows(args.quick)
+    solve_data = solve_rows(args.quick) if "solve" in parts else []
     table = Table(title=f"{MODEL}: 80 layers, solve time and gap")
     for column in (
         "devices",
@@ -233,7 +385,7 @@ def main() -> None:
         )
     console.print(table)
 
-    quality = quality_rows(args.quick)
+    quality = quality_rows(args.quick) if "quality" in parts else []
     table = Table(title="predicted throughput: tessel / baseline (same cost model)")
     for column in (
         "cluster",
@@ -261,23 +413,25 @@ def main() -> None:
         table.add_row(row["cluster"], str(row["devices"]), f"{row['throughput_tok_s']:.1f}", *cells)
     console.print(table)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "plan_solve",
-                "model": MODEL,
-                "quick": args.quick,
-                "host": platform.node(),
-                "note": "wall-clock on a shared 2-core machine; other jobs were running",
-                "solve": solve_data,
-                "quality": quality,
-            },
-            indent=2,
-        )
-        + "\n"
+    _write(
+        args.out,
+        {
+            "benchmark": "plan_solve",
+            "model": MODEL,
+            "quick": args.quick,
+            "host": platform.node(),
+            "note": "wall-clock on a shared 2-core machine; other jobs were running",
+            "solve": solve_data,
+            "quality": quality,
+            **extra,
+        },
     )
     console.print(f"wrote {args.out}")
+
+
+def _write(path: Path, document: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,39 @@ def flagged_instance(seed: int, n_units: int, n_devices: int, flags: int, **opti
         move=bool(flags & 16),
         **options,
     )
+
+
+def with_precision_choice(
+    instance: PlanningInstance, rng: np.random.Generator, n_precisions: int, *, budget: bool, theta: bool
+) -> PlanningInstance:
+    """`instance` with a weight precision per unit to choose: precision 0 is the instance's own numbers;
+    lower ones hold fewer bytes, run at a drawn speed factor per device type, and cost quality.
+    Same-type devices keep equal costs (exact copies stay copies)."""
+    from dataclasses import replace
+
+    from tessel.plan.instance import PrecisionChoice
+
+    types = sorted({d.gpu_type for d in instance.devices})
+    type_index = np.array([types.index(d.gpu_type) for d in instance.devices])
+    byte_factor = np.concatenate([[1.0], np.sort(rng.uniform(0.2, 0.7, n_precisions - 1))[::-1]])
+    quality = np.zeros((instance.n_units, n_precisions))
+    if n_precisions > 1:
+        steps = rng.uniform(0.1, 1.0, size=(instance.n_units, n_precisions - 1))
+        quality[:, 1:] = np.cumsum(steps, axis=1)
+
+    def times(base: np.ndarray) -> np.ndarray:
+        factor = np.ones((len(types), n_precisions))
+        factor[:, 1:] = rng.uniform(0.4, 1.2, size=(len(types), n_precisions - 1))
+        return base[:, :, None] * factor[type_index][None, :, :]
+
+    prefill, decode = times(instance.prefill.unit_time_s), times(instance.decode.unit_time_s)
+    choice = PrecisionChoice(
+        names=("fp16", "int8", "int4")[:n_precisions],
+        weight_bytes=instance.weight_bytes[:, None] * byte_factor[None, :],
+        prefill_time_s=prefill,
+        decode_time_s=decode,
+        quality=quality,
+        quality_budget=float(rng.uniform(0.0, quality.max(axis=1).sum())) if budget else float("inf"),
+        theta=float(rng.uniform(0.0, 0.05)) if theta else 0.0,
+    )
+    return replace(instance, precision=choice)

@@ -48,6 +48,27 @@ def plan(
     replan_threshold: float = typer.Option(
         0.05, "--replan-threshold", help="Take a new plan only when it gains at least this fraction."
     ),
+    precisions: str | None = typer.Option(
+        None,
+        "--precisions",
+        help="Weight precisions a layer may take, e.g. fp16,int8,int4 (int8 = W8A8, int4 = W4A16); "
+        "the planner picks one per layer. Default: --dtype for every layer.",
+    ),
+    quality_budget: float | None = typer.Option(
+        None, "--quality-budget", help="Most total quality cost the precisions may have (docs/planner.md)."
+    ),
+    theta: float | None = typer.Option(
+        None, "--theta", help="Seconds of objective per unit of quality cost (LLM-PQ's trade-off weight)."
+    ),
+    sensitivity: Path | None = typer.Option(
+        None, "--sensitivity", help="Measured per-layer quality costs (JSON) instead of the indicator."
+    ),
+    replicas: str | None = typer.Option(
+        None,
+        "--replicas",
+        help="auto or N: split the GPUs into several pipelines and route requests among them "
+        "(docs/planner.md).",
+    ),
     replan_horizon_s: float = typer.Option(
         3600.0,
         "--replan-horizon-s",
@@ -86,9 +107,25 @@ def plan(
         overlap=overlap,
         swap_in=swap_in,
         profiles=profiles,
+        **_precision_options(model, precisions, quality_budget, theta, sensitivity),
     )
     _check_capacity(instance)
     console = Console(width=None if sys.stdout.isatty() else 150)
+    if replicas is not None:
+        from tessel.commands.plan_replicas import parse_replicas, plan_replicas
+
+        options = dict(locals())  # the validated options, by name
+        plan_replicas(
+            console,
+            instance,
+            count=parse_replicas(replicas),
+            model_spec=model_spec,
+            cluster_spec=cluster_spec,
+            cluster_source=cluster if Path(cluster).exists() else cluster_spec.name,
+            workload_spec=workload_spec,
+            options=options,
+        )
+        return
     if replan_from is None:
         result = solve(instance, solver=solver, time_limit_s=time_limit, mip_gap=mip_gap)
     else:
@@ -194,6 +231,23 @@ def _replan(console, instance, cluster, path: Path, threshold, horizon_s, solver
     verdict = "taking the new plan" if decision.take_new else "keeping the previous plan"
     console.print(f"{verdict}: {decision.reason}", highlight=False)
     return decision.chosen
+
+
+def _precision_options(model: str, precisions, quality_budget, theta, sensitivity) -> dict:
+    from tessel.plan.precision import parse_precisions
+
+    if precisions is None:
+        if quality_budget is not None or theta is not None or sensitivity is not None:
+            raise TesselError("--quality-budget, --theta and --sensitivity need --precisions")
+        return {}
+    checkpoint = Path(model) if Path(model).is_dir() else None
+    return {
+        "precisions": parse_precisions(precisions),
+        "quality_budget": quality_budget,
+        "theta": theta,
+        "checkpoint": checkpoint,
+        "sensitivity": sensitivity,
+    }
 
 
 def _check_capacity(instance) -> None:

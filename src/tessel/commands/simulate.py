@@ -108,6 +108,8 @@ def simulate(
         "kv_limit": "if-known" if kv_limit is None and defaults.kv_limit else bool(kv_limit),
     }
     runs = [_run_variant(plan_file, v, trace.requests, scheduler, options, profiles) for v in variants]
+    if plan_file.replicas:  # the plan is several pipelines: route the trace across them
+        runs[0] = _run_replicas(plan_file, trace.requests, scheduler, options, profiles)
     console = Console()
     console.print(
         f"plan [bold]{plan}[/bold]: {plan_file.model_name} on {plan_file.cluster_name}, "
@@ -194,6 +196,23 @@ def _run_variant(
     )
     result = run_simulation(pipeline, requests, config)
     return variant, result, compute_metrics(result)
+
+
+def _run_replicas(plan_file: PlanFile, requests, scheduler: dict, options: dict, profiles) -> Run:
+    """Each replica simulated with the requests routed to it (`tessel.sim.routing`), merged."""
+    from tessel.sim.routing import merge_results, route
+
+    replicas = plan_file.replica_variants
+    routed = route(requests, [r.weight for r in plan_file.replicas])
+    results = [
+        _run_variant(plan_file, variant, share, scheduler, options, profiles)[1]
+        for variant, share in zip(replicas, routed, strict=True)
+        if share
+    ]
+    merged = merge_results(results)
+    stages = tuple(stage for variant in replicas for stage in variant.stages)
+    variant = PlanVariant(name="replicas", stages=stages, predicted={})
+    return variant, merged, compute_metrics(merged)
 
 
 def _ms(value: float) -> str:

@@ -22,6 +22,14 @@ in expectation (each token picks k of E, treated as uniform and independent).
 dtype "int8" means W8A8 as tessel's quantisation does it: decoder linear weights in int8; norms,
 biases, embedding and LM head stay fp16 (SmoothQuant and compressed-tensors leave them unquantised);
 activations and the KV cache are `act_dtype` / `kv_dtype`.
+
+Weight precisions (`WEIGHT_SCHEMES`), what each means for bytes and compute:
+
+    fp32 / fp16 / bf16   weights and activations in that dtype; GEMMs at its peak
+    int8                 W8A8: int8 per-channel weights, int8 per-token activations; GEMMs at the int8 peak
+    int4                 W4A16 (AWQ / GPTQ layout): int4 weights in groups of `INT4_GROUP_SIZE` with one
+                         fp16 scale each, dequantised to fp16 inside the GEMM: GEMMs at the fp16 peak,
+                         only the bytes moved shrink
 """
 
 from __future__ import annotations
@@ -32,6 +40,14 @@ from tessel.errors import TesselError
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 BLOCK_KINDS = ("layer", "attention", "mlp")
 UNQUANTISED_BYTES = 2  # fp16: what int8 (W8A8) keeps for norms, biases, embedding and LM head
+INT4_GROUP_SIZE = 128  # AWQ's and GPTQ's default group size (one fp16 scale per 128 weights)
+WEIGHT_SCHEMES = {
+    "fp32": "W32A32",
+    "fp16": "W16A16",
+    "bf16": "W16A16 (bf16)",
+    "int8": "W8A8",
+    "int4": f"W4A16, groups of {INT4_GROUP_SIZE}",
+}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -41,8 +57,20 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def activation_dtype(dtype: str) -> str:
-    """The dtype activations flow in when weights are `dtype` (fp16 for int8 W8A8)."""
-    return "fp16" if dtype in ("int8", "fp8") else dtype
+    """The dtype activations flow in when weights are `dtype` (fp16 for int8 W8A8 and int4 W4A16)."""
+    return "fp16" if dtype in ("int8", "fp8", "int4") else dtype
+
+
+def weight_param_bytes(dtype: str) -> float:
+    """Bytes per matmul weight: the dtype's, and for int4 half a byte plus its group's fp16 scale."""
+    if dtype == "int4":
+        return 0.5 + UNQUANTISED_BYTES / INT4_GROUP_SIZE
+    return float(dtype_bytes(dtype))
+
+
+def compute_dtype(dtype: str) -> str:
+    """The dtype whose peak the weight GEMMs run at: int8 (W8A8) at int8, int4 (W4A16) at fp16."""
+    return "fp16" if dtype == "int4" else dtype
 
 
 def _check_kind(kind: str) -> None:
@@ -103,10 +131,10 @@ def total_params(model: ModelSpec) -> int:
     return model.num_layers * layer_params(model) + embedding_params(model) + _norm_params(model) + lm_head
 
 
-def weight_bytes(model: ModelSpec, kind: str, dtype: str) -> int:
-    """Bytes of one unit's weights; with int8, norms and biases stay fp16."""
+def weight_bytes(model: ModelSpec, kind: str, dtype: str) -> float:
+    """Bytes of one unit's weights; with int8 / int4, norms and biases stay fp16."""
     _check_kind(kind)
-    b_w = dtype_bytes(dtype)
+    b_w = weight_param_bytes(dtype)
     b_vec = max(b_w, UNQUANTISED_BYTES)
     attention = attention_matmul_params(model) * b_w + _attention_vector_params(model) * b_vec
     mlp_matmul = model.num_experts * expert_matmul_params(model) + _router_params(model)
@@ -116,7 +144,7 @@ def weight_bytes(model: ModelSpec, kind: str, dtype: str) -> int:
 
 def embedding_bytes(model: ModelSpec, dtype: str) -> int:
     """Token embedding (+ OPT's learned positions), held by the first stage."""
-    return embedding_params(model) * max(dtype_bytes(dtype), UNQUANTISED_BYTES)
+    return embedding_params(model) * max(weight_param_bytes(dtype), UNQUANTISED_BYTES)
 
 
 def lm_head_bytes(model: ModelSpec, dtype: str, *, on_first_stage: bool = False) -> int:
@@ -126,7 +154,7 @@ def lm_head_bytes(model: ModelSpec, dtype: str, *, on_first_stage: bool = False)
     first it still needs its own copy (V*h), so that copy is counted here; only when one stage holds
     both (`on_first_stage=True`) is it free.
     """
-    b = max(dtype_bytes(dtype), UNQUANTISED_BYTES)
+    b = max(weight_param_bytes(dtype), UNQUANTISED_BYTES)
     head = 0 if (model.tied_embeddings and on_first_stage) else model.vocab_size * model.hidden_size
     return (head + _norm_params(model)) * b
 
@@ -195,7 +223,7 @@ def weight_bytes_read(model: ModelSpec, kind: str, dtype: str, tokens: float) ->
     if kind == "attention" or not model.is_moe:
         return float(held)
     untouched = model.num_experts - expected_experts_touched(model, tokens)
-    return held - untouched * expert_matmul_params(model) * dtype_bytes(dtype)
+    return held - untouched * expert_matmul_params(model) * weight_param_bytes(dtype)
 
 
 def activation_elems_per_token(model: ModelSpec, kind: str) -> int:

@@ -55,7 +55,7 @@ def roofline_time_s(
 ) -> float:
     """max(compute time, memory time) + launch overhead."""
     act = L.activation_dtype(dtype)
-    compute_s = weight_flops / (efficiency.compute * gpu.peak_flops(dtype))
+    compute_s = weight_flops / (efficiency.compute * gpu.peak_flops(L.compute_dtype(dtype)))
     compute_s += attention_flops / (efficiency.compute * gpu.peak_flops(act))
     memory_s = n_bytes / (efficiency.memory * gpu.mem_bandwidth_bytes_per_s)
     return max(compute_s, memory_s) + kernels * KERNEL_LAUNCH_OVERHEAD_S

@@ -68,7 +68,10 @@ class CountsBound:
 
 
 def units_alike(instance: PlanningInstance) -> bool:
-    """Every unit has the same bytes and, on every device, the same times (and no move costs)."""
+    """Every unit has the same bytes and, on every device, the same times (and no move costs or
+    precision choice: fix the precisions first, `PlanningInstance.fixed`)."""
+    if instance.precision is not None:
+        return False
     if instance.move_s is not None and instance.move_weight > 0 and np.any(instance.move_s > 0):
         return False
     arrays = (

@@ -2,7 +2,8 @@
 
 Enumerates every ordered selection of k distinct devices (k = 1..min(N, U)) and every split of the
 U units into k non-empty contiguous runs, and evaluates each with `evaluate`. There are
-sum_k N!/(N-k)! * C(U-1, k-1) plans, so keep N <= 5 and U <= 8.
+sum_k N!/(N-k)! * C(U-1, k-1) plans, so keep N <= 5 and U <= 8. With a precision choice, every
+plan is tried with every precision per unit too (P^U times as many).
 """
 
 from __future__ import annotations
@@ -24,31 +25,36 @@ class BruteResult:
     plans_evaluated: int
 
 
-def count_plans(n_units: int, n_devices: int) -> int:
-    return sum(
+def count_plans(n_units: int, n_devices: int, n_precisions: int = 1) -> int:
+    placements = sum(
         math.perm(n_devices, k) * math.comb(n_units - 1, k - 1) for k in range(1, min(n_devices, n_units) + 1)
     )
+    return placements * n_precisions**n_units
 
 
 def brute_force(instance: PlanningInstance) -> BruteResult:
     """The feasible plan with the least objective (first found on ties)."""
     n_units, n_devices = instance.n_units, instance.n_devices
-    total = count_plans(n_units, n_devices)
+    total = count_plans(n_units, n_devices, instance.n_precisions)
     if total > MAX_BRUTE_PLANS:
         raise ValueError(
             f"brute force would evaluate {total} plans (limit {MAX_BRUTE_PLANS}); use the DP or MILP"
         )
     best: tuple[Solution, Evaluation] | None = None
     evaluated = 0
-    for k in range(1, min(n_devices, n_units) + 1):
-        for cuts in itertools.combinations(range(1, n_units), k - 1):
-            counts = [b - a for a, b in zip((0, *cuts), (*cuts, n_units), strict=True)]
-            for devices in itertools.permutations(range(n_devices), k):
-                solution = Solution.from_counts(devices, counts)
-                evaluation = evaluate(instance, solution)
-                evaluated += 1
-                if evaluation.feasible and (best is None or evaluation.objective < best[1].objective):
-                    best = (solution, evaluation)
+    vectors = (
+        [None] if instance.precision is None else itertools.product(*[range(instance.n_precisions)] * n_units)
+    )
+    for precisions in vectors:
+        for k in range(1, min(n_devices, n_units) + 1):
+            for cuts in itertools.combinations(range(1, n_units), k - 1):
+                counts = [b - a for a, b in zip((0, *cuts), (*cuts, n_units), strict=True)]
+                for devices in itertools.permutations(range(n_devices), k):
+                    solution = Solution.from_counts(devices, counts).with_precisions(precisions)
+                    evaluation = evaluate(instance, solution)
+                    evaluated += 1
+                    if evaluation.feasible and (best is None or evaluation.objective < best[1].objective):
+                        best = (solution, evaluation)
     if best is None:
         return BruteResult(None, None, evaluated)
     return BruteResult(best[0], best[1], evaluated)

@@ -16,6 +16,10 @@ derives all three), for every unit u (a decoder layer, or its attention / MLP bl
   split evenly over its GPUs;
 - objective weights: prefill_weight = 1 and decode_weight = mean output tokens, so the objective is
   one request's latency: prefill makespan + output_tokens x decode makespan.
+- with `precisions` (more than one weight precision), every unit's bytes and times at each of them
+  (the cost model at that dtype: `tessel.cost.layer.WEIGHT_SCHEMES`) and its quality cost
+  (`tessel.plan.quality`); the budget is `quality_budget`, else `theta` alone, else the default
+  (`tessel.plan.precision.default_budget`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ from tessel.cost.roofline import (
 )
 from tessel.errors import TesselError
 from tessel.plan.cluster import Cluster, load_cluster
-from tessel.plan.instance import SWAP_IN_POLICIES, DeviceSlot, PassCosts, PlanningInstance, Unit
+from tessel.plan.instance import (
+    SWAP_IN_POLICIES,
+    DeviceSlot,
+    PassCosts,
+    PlanningInstance,
+    PrecisionChoice,
+    Unit,
+)
 from tessel.plan.workload import Workload, load_workload
 
 GRANULARITIES = {"layer": ("layer",), "sublayer": ("attention", "mlp")}
@@ -58,6 +69,11 @@ def build_instance(
     overlap: bool = False,
     swap_in: str = "charged",
     profiles: Sequence[Profile] = (),
+    precisions: Sequence[str] = (),
+    quality_budget: float | None = None,
+    theta: float | None = None,
+    checkpoint: Path | None = None,
+    sensitivity: Path | None = None,
 ) -> PlanningInstance:
     """The planning problem of serving `model` on `cluster` under `workload` (names or objects)."""
     model = model if isinstance(model, ModelSpec) else load_model(model)
@@ -70,6 +86,9 @@ def build_instance(
     for name in (dtype, kv_dtype):
         L.dtype_bytes(name)  # an unknown dtype is a user error, raised here
 
+    precisions = tuple(precisions)
+    if precisions:
+        dtype = precisions[0]
     kinds = GRANULARITIES[granularity]
     units = tuple(Unit(layer, kind) for layer in range(model.num_layers) for kind in kinds)
     shape = _PassShape.of(workload)
@@ -97,6 +116,24 @@ def build_instance(
             send_s=send,
         )
 
+    choice, quality_source = None, None
+    if len(precisions) > 1:
+        choice, quality_source = _precision_choice(
+            model,
+            cluster,
+            kinds,
+            units,
+            shape,
+            precisions,
+            kv_dtype,
+            tuple(profiles),
+            quality_budget=quality_budget,
+            theta=theta,
+            checkpoint=checkpoint,
+            sensitivity=sensitivity,
+        )
+    elif quality_budget is not None or theta is not None or sensitivity is not None:
+        raise TesselError("--quality-budget, --theta and --sensitivity need --precisions with two or more")
     kv_tokens = workload.micro_batches * shape.batch * workload.max_kv_tokens
     kv_per_layer = L.kv_bytes_per_token(model, kv_dtype) * kv_tokens
     act = L.activation_dtype(dtype)
@@ -129,6 +166,7 @@ def build_instance(
         decode_weight=workload.output_tokens.mean_tokens,
         overlap=overlap,
         swap_in=swap_in,
+        precision=choice,
         labels={
             "model": model.name,
             "cluster": cluster.name,
@@ -136,18 +174,80 @@ def build_instance(
             "granularity": granularity,
             "dtype": dtype,
             "kv_dtype": kv_dtype,
+            **({"precisions": ",".join(precisions), "quality_source": quality_source} if choice else {}),
         },
     )
+
+
+def _precision_choice(
+    model: ModelSpec,
+    cluster: Cluster,
+    kinds: tuple[str, ...],
+    units: tuple[Unit, ...],
+    shape: _PassShape,
+    precisions: tuple[str, ...],
+    kv_dtype: str,
+    profiles: tuple[Profile, ...],
+    *,
+    quality_budget: float | None,
+    theta: float | None,
+    checkpoint: Path | None,
+    sensitivity: Path | None,
+) -> tuple[PrecisionChoice, str]:
+    """Bytes, times and quality cost of every unit at every precision (see the module docstring),
+    and where the quality costs came from."""
+    from tessel.plan.precision import default_budget
+    from tessel.plan.quality import quality_costs
+
+    specs = {device.spec.name: device.spec for device in cluster.devices}
+    kind_index = np.array([kinds.index(unit.kind) for unit in units])
+    prefill, decode = [], []
+    for name in precisions:
+        per_type = {
+            t: _TypeCosts.of(model, spec, kinds, shape, name, kv_dtype, profiles) for t, spec in specs.items()
+        }
+        types = [per_type[device.spec.name] for device in cluster.devices]
+        prefill.append(np.array([t.prefill_s for t in types]).T[kind_index])  # [U, N]
+        decode.append(np.array([t.decode_s for t in types]).T[kind_index])
+    weight = np.array(
+        [[float(L.weight_bytes(model, unit.kind, name)) for name in precisions] for unit in units]
+    )
+    quality, source = quality_costs(model, precisions, kinds, checkpoint=checkpoint, sensitivity=sensitivity)
+    if quality_budget is not None and (not np.isfinite(quality_budget) or quality_budget < 0):
+        raise TesselError(f"--quality-budget must be a finite number >= 0, got {quality_budget}")
+    if theta is not None and (not np.isfinite(theta) or theta < 0):
+        raise TesselError(f"--theta must be a finite number >= 0, got {theta}")
+    budget = quality_budget
+    if budget is None and theta is None:
+        reference_int8 = (precisions[0], "int8")
+        if sensitivity is not None and "int8" not in precisions:
+            raise TesselError("the default quality budget needs int8 costs; give --quality-budget or --theta")
+        int8, _ = quality_costs(model, reference_int8, kinds, checkpoint=checkpoint, sensitivity=sensitivity)
+        budget = default_budget(int8[:, 1])
+    choice = PrecisionChoice(
+        names=precisions,
+        weight_bytes=weight,
+        prefill_time_s=np.stack(prefill, axis=2),
+        decode_time_s=np.stack(decode, axis=2),
+        quality=quality,
+        quality_budget=float("inf") if budget is None else float(budget),
+        theta=float(theta or 0.0),
+    )
+    return choice, source
 
 
 def capacity_shortfall_bytes(instance: PlanningInstance) -> float:
     """How far what must be held exceeds all device and host memory; > 0 means it cannot fit.
 
     Held: every unit's weights and KV, the embedding (first stage), the LM head (last stage) and
-    the smallest device's activation workspace (at least one device runs). A lower bound: a plan
+    the smallest device's activation workspace (at least one device runs); with a precision choice,
+    every unit at its fewest bytes. A lower bound: a plan
     also needs each used device's workspace, and contiguous runs rarely pack memory perfectly.
     """
-    held = float(np.sum(instance.weight_bytes) + np.sum(instance.kv_bytes))
+    weights = instance.weight_bytes
+    if instance.precision is not None:  # at the precision with the fewest bytes, whatever the budget
+        weights = instance.precision.weight_bytes.min(axis=1)
+    held = float(np.sum(weights) + np.sum(instance.kv_bytes))
     held += instance.first_bytes + instance.last_bytes + float(np.min(instance.workspace_bytes))
     capacity = sum(device.memory_bytes + device.host_bytes for device in instance.devices)
     return held - capacity

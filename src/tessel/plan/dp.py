@@ -461,6 +461,10 @@ def solve_dp(
 
     `rel_gap` > 0 stops the bound search once no box can improve the incumbent by more than that
     fraction; `bound` in the result is then a proven lower bound over the orders searched."""
+    if instance.precision is not None:
+        from tessel.plan.precision_search import solve_dp_precisions
+
+        return solve_dp_precisions(instance, orders=orders, time_limit_s=time_limit_s, rel_gap=rel_gap)
     started = time.perf_counter()
     order_list, complete_orders = device_orders(instance, orders)
     search = _Search(instance, started + time_limit_s, max_dp_calls, rel_gap)

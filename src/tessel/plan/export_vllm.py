@@ -10,6 +10,8 @@ reported as a warning, never silently dropped:
 - idle devices and pipeline order: vLLM runs exactly one stage per GPU it is given and orders
   ranks by its own placement (node by node), so unused GPUs must be hidden (CUDA_VISIBLE_DEVICES)
   and an order that hops between nodes may not be reproduced;
+- precision per layer: vLLM loads one quantisation scheme for the whole checkpoint, so a plan that
+  mixes precisions is reported with the precisions it uses; the checkpoint given to vLLM decides;
 - KV capacity: vLLM gives every stage the same number of KV blocks, so the token capacity is set by
   the stage with the least free memory per layer it holds:
       tokens_j = (memory_j * GPU_MEMORY_UTILIZATION - weights_j - workspace_j)
@@ -86,6 +88,16 @@ def export_vllm(
         warnings.append(
             f"{len(offload)} stage(s) offload to host memory; vLLM's --cpu-offload-gb applies one amount to "
             f"every GPU, so it is set to the largest ({cpu_offload_gb:.1f} GB)"
+        )
+    if evaluation.precisions is not None and len(set(evaluation.precisions)) > 1:
+        mix = ", ".join(
+            f"{name} on {evaluation.precisions.count(name)} units"
+            for name in sorted(set(evaluation.precisions))
+        )
+        warnings.append(
+            f"the plan mixes weight precisions ({mix}); vLLM applies one quantisation to the whole "
+            "checkpoint, so it cannot follow a mixed plan: serve a checkpoint quantised per layer as planned "
+            "with tessel's runtime, or the predicted speed will not hold"
         )
     used = {s.device for s in stages}
     idle = [d.name for j, d in enumerate(instance.devices) if j not in used]

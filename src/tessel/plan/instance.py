@@ -24,12 +24,18 @@ seed's rule on top: a stage's swap-in must also fit under the upstream stage's w
 (compute + comm) in both passes, and the first stage, which has no upstream stage, may not offload.
 Objective = prefill_weight * (sum_j T_j^pre + (micro_batches - 1) * max_j T_j^pre)
           + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec)
-          + move_weight * sum_u move_s[u, device of u]      (re-planning only; 0 otherwise).
+          + move_weight * sum_u move_s[u, device of u]      (re-planning only; 0 otherwise)
+          + theta * sum_u quality[u, precision of u]        (precision choice only; 0 otherwise).
+
+Precision per unit (`precision`, optional): each unit takes one weight precision q of a few
+(`PrecisionChoice.names`); its weight bytes and its times on every device are those of q, and it
+costs `quality[u, q]` (0 for the reference precision). A plan is feasible only when its total quality
+cost is within `quality_budget`. Without a precision choice the base arrays above are the plan's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -72,6 +78,30 @@ class PassCosts:
 
 
 @dataclass(frozen=True, slots=True)
+class PrecisionChoice:
+    """Weight precisions a unit may take, and what each costs (see the module docstring)."""
+
+    names: tuple[str, ...]  # P precisions, the reference (highest) first, e.g. ("fp16", "int8", "int4")
+    weight_bytes: np.ndarray  # [U, P]
+    prefill_time_s: np.ndarray  # [U, N, P]: unit u on device j at precision q, one prefill pass
+    decode_time_s: np.ndarray  # [U, N, P]
+    quality: np.ndarray  # [U, P] >= 0: quality cost of unit u at precision q
+    quality_budget: float = float("inf")  # most total quality cost a plan may have
+    theta: float = 0.0  # seconds of objective per unit of quality cost (LLM-PQ's trade-off weight)
+
+    def check(self, n_units: int, n_devices: int) -> None:
+        n = len(self.names)
+        if n == 0:
+            raise ValueError("a precision choice needs at least one precision")
+        _check_shape("precision.weight_bytes", self.weight_bytes, (n_units, n))
+        _check_shape("precision.prefill_time_s", self.prefill_time_s, (n_units, n_devices, n))
+        _check_shape("precision.decode_time_s", self.decode_time_s, (n_units, n_devices, n))
+        _check_shape("precision.quality", self.quality, (n_units, n))
+        if np.any(self.quality < 0) or self.theta < 0:
+            raise ValueError("quality costs and theta must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class PlanningInstance:
     units: tuple[Unit, ...]
     devices: tuple[DeviceSlot, ...]
@@ -91,6 +121,7 @@ class PlanningInstance:
     # the weight of that one-time cost against the objective (see tessel.plan.replan)
     move_s: np.ndarray | None = None  # [U, N]
     move_weight: float = 0.0
+    precision: PrecisionChoice | None = None  # a weight precision per unit, chosen by the solver
     labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
 
     def __post_init__(self) -> None:
@@ -111,6 +142,8 @@ class PlanningInstance:
             _check_shape("move_s", self.move_s, (n_units, n_devices))
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.precision is not None:
+            self.precision.check(n_units, n_devices)
 
     @property
     def n_units(self) -> int:
@@ -119,6 +152,59 @@ class PlanningInstance:
     @property
     def n_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def n_precisions(self) -> int:
+        return 1 if self.precision is None else len(self.precision.names)
+
+    def fixed(self, precisions: tuple[int, ...] | np.ndarray | None) -> PlanningInstance:
+        """This instance with each unit's precision fixed (index per unit; None: the reference),
+        and no precision left to choose. Its objective lacks the quality term (see `quality_cost`)."""
+        choice = self.precision
+        if choice is None:
+            return self
+        q = np.zeros(self.n_units, dtype=int) if precisions is None else np.asarray(precisions, dtype=int)
+        units = np.arange(self.n_units)
+        return replace(
+            self,
+            prefill=replace(self.prefill, unit_time_s=choice.prefill_time_s[units, :, q]),
+            decode=replace(self.decode, unit_time_s=choice.decode_time_s[units, :, q]),
+            weight_bytes=choice.weight_bytes[units, q],
+            precision=None,
+        )
+
+    def relaxed(self) -> PlanningInstance:
+        """Each unit at its least bytes and least time over the precisions it may take, no quality
+        cost: no plan of this instance costs less there (stage times and memory only grow with unit
+        times and bytes). A unit may not take a precision whose cost alone, with every other unit at
+        its cheapest, exceeds the budget."""
+        choice = self.precision
+        if choice is None:
+            return self
+        cheapest = choice.quality.min(axis=1)
+        alone = choice.quality + (cheapest.sum() - cheapest)[:, None]
+        allowed = alone <= choice.quality_budget * (1 + 1e-9) + 1e-12
+        allowed[np.arange(self.n_units), choice.quality.argmin(axis=1)] = True
+        inf = np.inf
+        return replace(
+            self,
+            prefill=replace(
+                self.prefill,
+                unit_time_s=np.where(allowed[:, None, :], choice.prefill_time_s, inf).min(axis=2),
+            ),
+            decode=replace(
+                self.decode, unit_time_s=np.where(allowed[:, None, :], choice.decode_time_s, inf).min(axis=2)
+            ),
+            weight_bytes=np.where(allowed, choice.weight_bytes, inf).min(axis=1),
+            precision=None,
+        )
+
+    def quality_cost(self, precisions: tuple[int, ...] | np.ndarray | None) -> float:
+        """Total quality cost of a precision per unit (None: the reference, index 0)."""
+        if self.precision is None:
+            return 0.0
+        q = np.zeros(self.n_units, dtype=int) if precisions is None else np.asarray(precisions, dtype=int)
+        return float(self.precision.quality[np.arange(self.n_units), q].sum())
 
 
 def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:

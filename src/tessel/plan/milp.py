@@ -21,6 +21,11 @@ x forces it to 1 where k follows j and the objective pushes it to 0 elsewhere.
 Objective: pw (sum T^p + (m-1) M^p) + dw (sum T^d + (m-1) M^d) (+ move_weight sum move_s[u, j]
 x[u, j] when re-planning), exactly `evaluate`'s.
 
+Precision per unit (when the instance has a choice): binary z[u, j, q] with x[u, j] = sum_q z[u, j, q];
+a unit's weight bytes and times enter the memory and stage-time rows through z (its KV and the
+first / last extras stay on x), the quality cost sum quality[u, q] z[u, j, q] is bounded by the
+budget and weighted by theta in the objective.
+
 Symmetry: devices that are exact copies (same numbers, same links to everything else) are ordered:
 the later copy holds unit u only if the earlier one holds a unit before u.
 Warm start: a plan (the DP's) is handed to HiGHS with `setSolution`; on the time limit the best
@@ -36,11 +41,13 @@ import numpy as np
 
 from tessel.plan.highs import highs_lp
 from tessel.plan.instance import PlanningInstance
+from tessel.plan.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
 from tessel.plan.symmetry import interchangeable
 from tessel.units import GIB
 
 MS = 1e3  # seconds -> ms
+SPAWN_GRACE_S = 5.0  # a spawned child imports numpy and highspy before it solves
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +114,8 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
     A = mb.cols((N,))
     Tp, Td = mb.cols((N,)), mb.cols((N,))
     Mp, Md = mb.cols(()), mb.cols(())
+    choice = inst.precision
+    z = None if choice is None else mb.cols((U, N, len(choice.names)), hi=1.0, integer=True)
     for j in range(N):
         mb.upper[y[j, j]] = 0.0
     pw, dw, m1 = inst.prefill_weight, inst.decode_weight, inst.micro_batches - 1
@@ -137,13 +146,19 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
         mb.rows(y, 1.0, -np.inf, 1.0)  # one successor
         mb.rows(y.T, 1.0, -np.inf, 1.0)  # one predecessor
 
+    if z is not None:
+        _precision_rows(mb, inst, x, z)
+
     # memory and offloading: held_j - o_j <= G_j
-    unit_gib = (inst.weight_bytes + inst.kv_bytes) / GIB
+    unit_gib = (inst.kv_bytes if z is not None else inst.weight_bytes + inst.kv_bytes) / GIB
     for j, device in enumerate(inst.devices):
         cols = np.concatenate([x[:, j], b[:, j], [o[j]]])
         vals = np.concatenate([unit_gib, np.full(U, inst.workspace_bytes[j] / GIB), [-1.0]])
         vals[0] += inst.first_bytes / GIB
         vals[U - 1] += inst.last_bytes / GIB
+        if z is not None:
+            cols = np.concatenate([cols, z[:, j, :].reshape(-1)])
+            vals = np.concatenate([vals, (choice.weight_bytes / GIB).reshape(-1)])
         mb.rows(cols[None, :], vals[None, :], -np.inf, device.memory_bytes / GIB)
         host = device.host_bytes / GIB if device.host_to_device_bytes_per_s > 0 else 0.0
         mb.upper[o[j]] = host
@@ -163,9 +178,13 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
         send = costs.send_s * MS
         for j in range(N):
             c_cols = x[:, j]
-            c_vals = t[:, j].copy()
+            c_vals = t[:, j].copy() if z is None else np.zeros(U)
             c_vals[0] += costs.first_time_s[j] * MS
             c_vals[U - 1] += costs.last_time_s[j] * MS
+            if z is not None:
+                per_q = choice.prefill_time_s if name == "p" else choice.decode_time_s
+                c_cols = np.concatenate([c_cols, z[:, j, :].reshape(-1)])
+                c_vals = np.concatenate([c_vals, (per_q[:, j, :] * MS).reshape(-1)])
             s_cols, s_vals = y[j], send[j].copy()
             s_vals[j] = 0.0
             compute[name, j] = (c_cols, c_vals, s_cols, s_vals)
@@ -204,18 +223,55 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
                 mb.rows(cols[None], vals[None], -np.inf, big_m)
 
     _symmetry_rows(mb, inst, x)
-    return mb, {"x": x, "b": b, "y": y, "o": o, "A": A, "Tp": Tp, "Td": Td, "Mp": Mp, "Md": Md}
+    return mb, {"x": x, "b": b, "y": y, "o": o, "A": A, "Tp": Tp, "Td": Td, "Mp": Mp, "Md": Md, "z": z}
+
+
+def _precision_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray, z: np.ndarray) -> None:
+    """x[u, j] = sum_q z[u, j, q]; quality within the budget; theta * quality in the objective."""
+    choice = instance.precision
+    U, N, P = z.shape
+    mb.rows(np.concatenate([x[..., None], z], axis=2).reshape(U * N, P + 1), [1.0] + [-1.0] * P, 0.0, 0.0)
+    quality = np.broadcast_to(choice.quality[:, None, :], z.shape)
+    scale = float(quality.max()) or 1.0  # keeps the budget row's coefficients near 1
+    if np.isfinite(choice.quality_budget):
+        mb.rows(z.reshape(1, -1), (quality / scale).reshape(1, -1), -np.inf, choice.quality_budget / scale)
+    if choice.theta > 0:
+        for index, value in np.ndenumerate(quality):
+            mb.cost[z[index]] += choice.theta * value * MS
+
+
+def _copy_groups(instance: PlanningInstance) -> list[list[int]]:
+    """Devices that are exact copies of each other, in index order."""
+    seen: set[int] = set()
+    groups = []
+    for j in range(instance.n_devices):
+        if j in seen:
+            continue
+        copies = [j] + [
+            k
+            for k in range(j + 1, instance.n_devices)
+            if k not in seen and interchangeable(instance, j, k) and same_precision_costs(instance, j, k)
+        ]
+        seen.update(copies)
+        groups.append(copies)
+    return groups
+
+
+def canonical(instance: PlanningInstance, solution: Solution) -> Solution:
+    """The same plan with exact copies used in index order along the pipeline (what the symmetry
+    rows admit); it evaluates the same."""
+    rename = {}
+    for copies in _copy_groups(instance):
+        used = [s.device for s in solution.stages if s.device in copies]
+        rename.update(zip(used, sorted(used), strict=True))
+    stages = tuple(Stage(rename.get(s.device, s.device), s.unit_start, s.unit_end) for s in solution.stages)
+    return Solution(stages, solution.precisions)
 
 
 def _symmetry_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray) -> None:
     """For exact copies j1 < j2: x[u, j2] <= sum_{u' < u} x[u', j1]."""
-    U, N = instance.n_units, instance.n_devices
-    seen: set[int] = set()
-    for j in range(N):
-        if j in seen:
-            continue
-        copies = [j] + [k for k in range(j + 1, N) if k not in seen and interchangeable(instance, j, k)]
-        seen.update(copies)
+    U = instance.n_units
+    for copies in _copy_groups(instance):
         for a, b in zip(copies, copies[1:], strict=False):
             mb.rows(np.array([[x[0, b]]]), [[1.0]], -np.inf, 0.0)
             for u in range(1, U):
@@ -242,6 +298,10 @@ def _start_values(instance: PlanningInstance, cols: dict, n_cols: int, solution:
         values[cols["Td"][j]] = se.time_decode_s * MS
     values[cols["Mp"]] = ev.max_prefill_s * MS
     values[cols["Md"]] = ev.max_decode_s * MS
+    if cols["z"] is not None:
+        q = solution.precisions or (0,) * inst.n_units
+        owner = solution.assignment(inst.n_units)
+        values[cols["z"][np.arange(inst.n_units), owner, list(q)]] = 1.0
     del inst
     return values
 
@@ -253,7 +313,11 @@ def _extract(instance: PlanningInstance, cols: dict, values: np.ndarray) -> Solu
         if u == instance.n_units or owner[u] != owner[start]:
             stages.append(Stage(int(owner[start]), start, u))
             start = u
-    return Solution(tuple(stages))
+    if cols["z"] is None:
+        return Solution(tuple(stages))
+    units = np.arange(instance.n_units)
+    precisions = np.argmax(values[cols["z"]][units, owner], axis=1)
+    return Solution(tuple(stages), tuple(int(q) for q in precisions))
 
 
 def solve_milp(
@@ -266,42 +330,45 @@ def solve_milp(
     verbose: bool = False,
     isolate: bool = False,
 ) -> MILPResult:
-    """Solve the MILP; with `isolate` HiGHS runs in a forked child process.
+    """Solve the MILP; with `isolate` HiGHS runs in a child process.
 
     HiGHS 1.15 can segfault, or run far past its time limit (seen in a phase where no interrupt
     callback fires), on some instances of this model. In a child, a crash or a hang costs only the
     MILP's answer (status "solver crashed" / "solver hung"): the child is killed at the time limit
-    plus a short grace, and `solve` keeps the DP's plan. `solve` always isolates for that reason."""
+    plus a short grace, and `solve` keeps the DP's plan. `solve` always isolates for that reason.
+    The child is a fresh interpreter (`python -m tessel.plan.milp`), sharing no HiGHS state."""
     kwargs = dict(
         time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads, verbose=verbose
     )
     if not isolate:
         return _solve_milp(instance, **kwargs)
-    import multiprocessing
+    import pickle
+    import subprocess
+    import sys
 
     started = time.perf_counter()
-    context = multiprocessing.get_context("fork")
-    receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(sender, instance, kwargs), daemon=True)
-    child.start()
-    sender.close()
-    grace_s = max(2.0, 0.1 * time_limit_s)  # building the model and the last node can overrun a little
-    status = "solver hung"
-    result = None
-    if receiver.poll(time_limit_s + grace_s):
-        try:
-            result = receiver.recv()
-        except EOFError:
+    # a fresh interpreter, not a fork: a child forked after HiGHS ran in this process (the DP's LP
+    # bound does) can deadlock on HiGHS's inherited threads; `python -m` imports no user script
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tessel.plan.milp"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    # starting the interpreter, building the model and the last node can overrun a little
+    grace_s = SPAWN_GRACE_S + max(2.0, 0.1 * time_limit_s)
+    status, result = "solver hung", None
+    try:
+        out, _ = child.communicate(pickle.dumps((instance, kwargs)), timeout=time_limit_s + grace_s)
+        if child.returncode == 0:
+            result = pickle.loads(out)
+        else:
             status = "solver crashed"
-    child.join(timeout=1.0)
-    if child.is_alive():
+    except subprocess.TimeoutExpired:
         child.kill()
-        child.join()
-    receiver.close()
+        child.communicate()
     if isinstance(result, MILPResult):
         return result
-    if child.exitcode not in (None, 0):
-        status = "solver crashed"
     return MILPResult(
         None,
         None,
@@ -316,11 +383,20 @@ def solve_milp(
     )
 
 
-def _child(sender, instance: PlanningInstance, kwargs: dict) -> None:
-    try:
-        sender.send(_solve_milp(instance, **kwargs))
-    finally:
-        sender.close()
+def _child_main() -> None:
+    """`python -m tessel.plan.milp`: (instance, options) pickled on stdin, the MILPResult on stdout.
+    HiGHS's own prints (C level, fd 1) go to stderr so they cannot mix with the result."""
+    import os
+    import pickle
+    import sys
+
+    from tessel.plan import milp  # the module by its own name: results pickle as tessel.plan.milp.*
+
+    result_fd = os.dup(1)
+    os.dup2(2, 1)
+    instance, kwargs = pickle.loads(sys.stdin.buffer.read())
+    with os.fdopen(result_fd, "wb") as out:
+        out.write(pickle.dumps(milp._solve_milp(instance, **kwargs)))
 
 
 def _solve_milp(
@@ -358,7 +434,7 @@ def _solve_milp(
     warm = False
     if warm_start is not None:
         start = highspy.HighsSolution()
-        start.col_value = _start_values(instance, cols, n_cols, warm_start)
+        start.col_value = _start_values(instance, cols, n_cols, canonical(instance, warm_start))
         start.value_valid = True
         warm = h.setSolution(start) == highspy.HighsStatus.kOk
     deadline = started + time_limit_s
@@ -399,3 +475,7 @@ def _solve_milp(
         n_cols,
         mb.n_rows,
     )
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -10,6 +10,14 @@ i's attention block and 2i + 1 its MLP block (a layer split mid-way belongs to t
 
 Versions: `PLAN_VERSION` is what this code writes; `SUPPORTED_VERSIONS` what it reads. An older
 version is upgraded to the current one in `_upgrade`, the one place that knows old layouts.
+
+Version 2 adds, all optional (a version 1 file reads as a version 2 file without them):
+- `precisions` (the weight precisions the planner could choose from) and `quality` (the plan's total
+  quality cost, the budget, theta and where the per-layer costs came from);
+- per stage, `precisions`: the weight precision of each of its units, in unit order;
+- `replicas`: several pipelines on disjoint devices, each with its stages, its routing `weight`
+  (the share of requests a load balancer sends it; the weights sum to 1) and its prediction. The
+  top-level `stages` are then the first replica's, so a reader of one pipeline still finds one.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
     from tessel.plan.cluster import Cluster
 
-PLAN_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+PLAN_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
+WEIGHT_RTOL = 1e-6  # replica weights must sum to 1 within this
 MAIN_VARIANT = "plan"
 MAX_INDEX = 2**31 - 1  # unit, layer and stage indices: far above any model, far below overflow
 MAX_PLAN_BYTES = 64 * 2**20  # a plan of 10,000 stages is a few MB
@@ -76,6 +85,16 @@ class PlanStage(_Strict):
     decode_ms: float | None = Field(default=None, ge=0)
     link_to_next: Link | None = None
     emulate_speed: float = Field(default=1.0, gt=0, le=1)  # fraction of the host's speed (cluster `emulate`)
+    precisions: list[str] | None = None  # weight precision of each unit, unit_start..unit_end (v2)
+
+    @model_validator(mode="after")
+    def _precision_count(self) -> PlanStage:
+        if self.precisions is not None and len(self.precisions) != self.unit_end - self.unit_start:
+            raise ValueError(
+                f"stage {self.index}: {len(self.precisions)} precisions for "
+                f"{self.unit_end - self.unit_start} units"
+            )
+        return self
 
     @property
     def label(self) -> str:
@@ -110,6 +129,25 @@ class Baseline(_Strict):
     objective: float | None = None
     predicted: Predicted | None = None
     stages: list[PlanStage] | None = None
+
+
+class Replica(_Strict):
+    """One of several pipelines (v2): its stages and the share of requests routed to it."""
+
+    index: int = Field(ge=0, le=MAX_INDEX)
+    weight: float = Field(gt=0, le=1)
+    stages: list[PlanStage] = Field(min_length=1)
+    predicted: Predicted | None = None
+    objective: float | None = None
+
+
+class Quality(_Strict):
+    """The plan's quality cost (v2): its total, the budget and theta it was held to, the source."""
+
+    cost: float = Field(ge=0)
+    budget: float | None = Field(default=None, ge=0)  # None: unbounded
+    theta: float = Field(default=0.0, ge=0)
+    source: str = ""  # "shape", "weights" or "sensitivity"
 
 
 class ModelRef(_Strict):
@@ -147,6 +185,9 @@ class PlanFile(_Strict):
     objective: float | None = None
     solver: dict[str, Any] = {}
     baselines: dict[str, Baseline] = {}
+    precisions: list[str] = []  # v2: precisions the planner chose from (empty: `dtype` throughout)
+    quality: Quality | None = None  # v2
+    replicas: list[Replica] = []  # v2: several pipelines (empty: the one in `stages`)
     _source: str = PrivateAttr(default="<plan>")
 
     @model_validator(mode="before")
@@ -160,6 +201,7 @@ class PlanFile(_Strict):
         for name, baseline in self.baselines.items():
             if baseline.feasible and baseline.stages:
                 _check_stages(baseline.stages, f"baselines.{name}.stages", self.granularity)
+        _check_replicas(self)
         return self
 
     # ---- writing -------------------------------------------------------------------------------
@@ -251,6 +293,14 @@ class PlanFile(_Strict):
         )
 
     @property
+    def replica_variants(self) -> tuple[PlanVariant, ...]:
+        """The replicas (v2) as pipelines named replica0, replica1, ... (empty: one pipeline)."""
+        return tuple(
+            PlanVariant(name=f"replica{r.index}", stages=tuple(r.stages), predicted=_predicted(r.predicted))
+            for r in self.replicas
+        )
+
+    @property
     def variants(self) -> tuple[PlanVariant, ...]:
         return (self.main, *self.baseline_variants)
 
@@ -266,7 +316,7 @@ class PlanFile(_Strict):
     def check_cluster(self, cluster: Cluster) -> None:
         """Every stage's device exists in `cluster` with the plan's GPU type (no device twice is
         checked on load)."""
-        for variant in self.variants:
+        for variant in (*self.variants, *self.replica_variants):
             for position, stage in enumerate(variant.stages):
                 where = f"{self.source}: {_where(variant)}[{position}]"
                 names = [device.name for device in cluster.devices]
@@ -306,7 +356,32 @@ class PlanFile(_Strict):
             raise TesselError(f"{self.source}: " + "; ".join(differences) + "; plan again for this model")
 
 
+def _check_replicas(plan: PlanFile) -> None:
+    """Each replica's stages are a pipeline over all units, no device serves two replicas, the
+    weights sum to 1, and the top-level stages are the first replica's."""
+    if not plan.replicas:
+        return
+    owner: dict[str, int] = {}
+    for position, replica in enumerate(plan.replicas):
+        _check_stages(replica.stages, f"replicas[{position}].stages", plan.granularity)
+        if replica.stages[-1].unit_end != plan.stages[-1].unit_end:
+            raise ValueError(f"replicas[{position}] covers {replica.stages[-1].unit_end} units, not all")
+        for stage in replica.stages:
+            if stage.device in owner:
+                raise ValueError(
+                    f"device {stage.device!r} serves replicas {owner[stage.device]} and {position}"
+                )
+            owner[stage.device] = position
+    total = sum(replica.weight for replica in plan.replicas)
+    if abs(total - 1.0) > WEIGHT_RTOL:
+        raise ValueError(f"replica weights sum to {total:.6g}, not 1")
+    if [s.device for s in plan.replicas[0].stages] != [s.device for s in plan.stages]:
+        raise ValueError("'stages' must be the first replica's stages")
+
+
 def _where(variant: PlanVariant) -> str:
+    if variant.name.startswith("replica") and variant.name[len("replica") :].isdigit():
+        return f"replicas[{variant.name[len('replica') :]}].stages"
     return "stages" if variant.name == MAIN_VARIANT else f"baselines.{variant.name}.stages"
 
 
@@ -315,7 +390,8 @@ def _predicted(predicted: Predicted | None) -> dict[str, float]:
 
 
 def _upgrade(data: dict) -> dict:
-    """The one place older plan versions become the current one (none yet: version 1 is current)."""
+    """The one place older plan versions become the current one: version 1 lacks only optional
+    version 2 fields (precisions, quality, replicas), so it reads as version 2 without them."""
     _check_nesting(data)
     version = data.get("version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
@@ -328,6 +404,9 @@ def _upgrade(data: dict) -> dict:
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ValueError("'stages' must be a non-empty list of stages")
+    if version == 1:
+        data = {key: value for key, value in data.items() if key not in ("precisions", "quality", "replicas")}
+        data["version"] = PLAN_VERSION
     return data
 
 

@@ -80,9 +80,35 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
                 "decode_ms": se.time_decode_s * 1e3,
                 "link_to_next": link,
                 "emulate_speed": _emulate_speed(cluster, device.name),
+                "precisions": None
+                if evaluation.precisions is None
+                else list(evaluation.precisions[se.stage.unit_start : se.stage.unit_end]),
             }
         )
     return records
+
+
+def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
+    """The plan file's `replicas` (version 2) from a `tessel.plan.replicas.ReplicaPlan`."""
+    return [
+        {
+            "index": index,
+            "weight": replica.weight,
+            "stages": stage_records(replica.instance, replica.result.evaluation, cluster),
+            "predicted": predict(replica.instance, replica.result.evaluation, micro_batch_size).to_json(),
+            "objective": replica.result.evaluation.objective,
+        }
+        for index, replica in enumerate(replica_plan.replicas)
+    ]
+
+
+def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str) -> dict | None:
+    """The plan file's `quality` (version 2), None without a precision choice."""
+    choice = instance.precision
+    if choice is None:
+        return None
+    budget = choice.quality_budget if math.isfinite(choice.quality_budget) else None
+    return {"cost": evaluation.quality, "budget": budget, "theta": choice.theta, "source": source}
 
 
 def _emulate_speed(cluster, device: str) -> float:
@@ -158,8 +184,13 @@ def plan_json(
     dtype: str = "fp16",
     kv_dtype: str = "fp16",
     granularity: str = "layer",
+    replicas: list[dict] | None = None,
+    quality_source: str = "shape",
+    baseline_instance: PlanningInstance | None = None,
 ) -> PlanFile:
-    """The plan file that the simulator, chunk planner and runtime read."""
+    """The plan file that the simulator, chunk planner and runtime read. With `replicas`
+    (`replicas_json`), `evaluation` is the first replica's and `instance` its group's, and the
+    baselines (single pipelines over the whole cluster) belong to `baseline_instance`."""
     b = workload.micro_batch_size
     data = {
         "version": PLAN_VERSION,
@@ -175,7 +206,12 @@ def plan_json(
         "predicted": predict(instance, evaluation, b).to_json(),
         "objective": evaluation.objective,
         "solver": {key: _finite(v) if isinstance(v, float) else v for key, v in solver.items()},
-        "baselines": {name: baseline_json(instance, r, b, cluster) for name, r in baselines.items()},
+        "baselines": {
+            name: baseline_json(baseline_instance or instance, r, b, cluster) for name, r in baselines.items()
+        },
+        "precisions": list(instance.precision.names) if instance.precision is not None else [],
+        "quality": quality_json(instance, evaluation, quality_source),
+        "replicas": replicas or [],
     }
     return parse_plan(_finite_tree(data), source="tessel plan")
 
@@ -196,6 +232,8 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
         "decode ms",
     ):
         table.add_column(column, justify="left" if column in ("device", "type") else "right")
+    if evaluation.precisions is not None:
+        table.add_column("precisions", justify="left")
     per = instance.n_units // len({unit.layer for unit in instance.units})
     for index, se in enumerate(evaluation.stages):
         device = instance.devices[se.stage.device]
@@ -215,8 +253,18 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
             f"{se.offload_bytes / GIB:.1f}",
             f"{se.time_prefill_s * 1e3:.2f}",
             f"{se.time_decode_s * 1e3:.3f}",
+            *precision_cells(evaluation, se.stage),
         )
     return table
+
+
+def precision_cells(evaluation: Evaluation, stage) -> list[str]:
+    """The stage's precisions ('fp16 x6, int8 x4') as a table cell, when the plan chose them."""
+    from tessel.plan.precision import stage_precision_text
+
+    if evaluation.precisions is None:
+        return []
+    return [stage_precision_text(evaluation.precisions, stage.unit_start, stage.unit_end)]
 
 
 def _unit_label(instance: PlanningInstance, start: int, end: int) -> str:

@@ -16,6 +16,7 @@ quantities of `tessel.plan.instance`'s docstring:
     objective = prefill_weight * (sum T^pre + (m - 1) max T^pre)
               + decode_weight  * (sum T^dec + (m - 1) max T^dec)
               + move_weight * move_s        (re-planning: seconds of weight movement the plan needs)
+              + theta * quality             (precision choice: the plan's total quality cost)
 
 and feasibility:
 
@@ -25,13 +26,17 @@ and feasibility:
   additive form) in either pass. The first stage has no upstream stage, so it may not offload (the
   SPEC's linear constraint has an empty right-hand side there). Offload time is the same in both
   passes (same bytes). With the default `swap_in="charged"` the transfer is only paid in T_j.
+- with a precision choice, the plan's total quality cost is within the instance's budget.
+
+With a precision choice, unit u's bytes and times are those of its precision (`Solution.precisions`,
+an index per unit; None means every unit at the reference precision, index 0).
 
 MILP, DP, brute force and the baselines all call this function, so they agree on one number.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,6 +63,10 @@ class Stage:
 @dataclass(frozen=True, slots=True)
 class Solution:
     stages: tuple[Stage, ...]
+    precisions: tuple[int, ...] | None = None  # precision index per unit (None: the reference, 0)
+
+    def with_precisions(self, precisions) -> Solution:
+        return Solution(self.stages, None if precisions is None else tuple(int(q) for q in precisions))
 
     @classmethod
     def from_counts(cls, devices: list[int] | tuple[int, ...], counts: list[int]) -> Solution:
@@ -86,6 +95,11 @@ class Solution:
             expected_start = stage.unit_end
         if expected_start != instance.n_units:
             raise ValueError(f"stages end at unit {expected_start}, expected {instance.n_units}")
+        if self.precisions is not None:
+            if len(self.precisions) != instance.n_units:
+                raise ValueError(f"{len(self.precisions)} precisions for {instance.n_units} units")
+            if any(not 0 <= q < instance.n_precisions for q in self.precisions):
+                raise ValueError(f"precision index out of range 0..{instance.n_precisions - 1}")
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -125,6 +139,8 @@ class Evaluation:
     feasible: bool
     reasons: tuple[str, ...]  # why infeasible (empty when feasible)
     move_s: float = 0.0  # seconds of weight movement from the previous plan (re-planning only)
+    quality: float = 0.0  # total quality cost of the plan's precisions (0 without a precision choice)
+    precisions: tuple[str, ...] | None = None  # precision name per unit (None: no precision choice)
 
     @property
     def offload_bytes(self) -> float:
@@ -161,6 +177,8 @@ def offload_time_s(offload_bytes: float, bytes_per_s: float) -> float:
 def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
     """Stage times, memory, offloading, feasibility and the objective of one plan."""
     solution.validate(instance)
+    if instance.precision is not None:
+        return _evaluate_precisions(instance, solution)
     n_stages = len(solution.stages)
     results: list[StageEval] = []
     reasons: list[str] = []
@@ -223,6 +241,26 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
         feasible=not reasons,
         reasons=tuple(reasons),
         move_s=move,
+    )
+
+
+def _evaluate_precisions(instance: PlanningInstance, solution: Solution) -> Evaluation:
+    """The plan on the instance with its precisions fixed, plus the quality term and budget."""
+    choice = instance.precision
+    q = solution.precisions
+    base = evaluate(instance.fixed(q), Solution(solution.stages))
+    quality = instance.quality_cost(q)
+    reasons = list(base.reasons)
+    if quality > choice.quality_budget * (1 + FEASIBILITY_RTOL) + 1e-12:
+        reasons.append(f"quality cost {quality:.4g} exceeds the budget {choice.quality_budget:.4g}")
+    names = tuple(choice.names[i] for i in (q or (0,) * instance.n_units))
+    return replace(
+        base,
+        objective=base.objective + choice.theta * quality,
+        feasible=not reasons,
+        reasons=tuple(reasons),
+        quality=quality,
+        precisions=names,
     )
 
 

@@ -9,6 +9,11 @@
   bound and the counts bound.
 - `dp`: the DP alone (exact over the searched orders when it finishes with gap 0).
 - `brute`: every plan (tiny instances only).
+
+With a precision choice (`instance.precision`), `milp` first picks the precisions
+(`tessel.plan.precision_search`: every precision vector on small instances, a local search over
+plans of the fixed-precision instances, each solved as above, at scale), then hands the best plan to
+HiGHS's precision MILP as a warm start when that model is small enough (`MAX_PRECISION_MILP_COLS`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ COUNTS_SHARE = 0.4  # fraction of the time limit the counts relaxation search ge
 COUNTS_GAP_SHARE = 0.5  # it aims at half the requested gap, so rounding and ties leave room
 DP_SHARE = 0.25  # fraction of the time left that the DP gets before the MILP
 DP_WARM_START_GAP = 0.01
+MAX_PRECISION_MILP_BINARIES = 4000  # HiGHS gets the precision MILP only below this many z[u, j, q]
+PRECISION_SEARCH_SHARE = 0.7  # of the time limit, when HiGHS runs after the precision search
+HIGHS_MIN_S = 3.0  # HiGHS runs in a fresh interpreter (about 1-2 s to start): not worth less than this
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +64,15 @@ def solve(
     if solver not in SOLVERS:
         raise TesselError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     started = time.perf_counter()
-    if solver == "brute":
-        result = _brute(instance, started)
-    elif solver == "dp":
-        result = _dp(instance, started, time_limit_s, mip_gap)
-    else:
-        result = _milp(instance, started, time_limit_s, mip_gap, incumbent)
+    try:
+        if solver == "brute":
+            result = _brute(instance, started)
+        elif solver == "dp":
+            result = _dp(instance, started, time_limit_s, mip_gap)
+        else:
+            result = _milp(instance, started, time_limit_s, mip_gap, incumbent)
+    except TesselError as error:
+        raise _budget_error(instance) or error from None
     if incumbent is not None:
         given = evaluate(instance, incumbent)
         if given.feasible and given.objective < result.evaluation.objective:
@@ -133,6 +144,8 @@ def _milp(
     from tessel.plan.dp import solve_dp
     from tessel.plan.milp import solve_milp
 
+    if instance.precision is not None:
+        return _milp_precisions(instance, started, time_limit_s, gap, incumbent)
     counts = counts_search(
         instance,
         incumbent=incumbent,
@@ -184,6 +197,91 @@ def _milp(
         status = "gap reached"
     return PlanResult(
         solution, evaluation, "milp", status, proven, bound, time.perf_counter() - started, detail
+    )
+
+
+def _milp_precisions(
+    instance: PlanningInstance, started: float, time_limit_s: float, gap: float, incumbent: Solution | None
+) -> PlanResult:
+    from tessel.plan.milp import solve_milp
+    from tessel.plan.precision_search import MAX_ENUMERATED, enumerate_dp, local_search
+
+    binaries = instance.n_units * instance.n_devices * instance.n_precisions
+    run_highs = binaries <= MAX_PRECISION_MILP_BINARIES
+    budget_s = time_limit_s * (PRECISION_SEARCH_SHARE if run_highs else 1.0)
+
+    def solve_fixed(fixed: PlanningInstance, seconds: float):
+        """The counts relaxation and its plans when the units are alike, else the DP with a gap."""
+        from tessel.plan.bound import counts_search, units_alike
+        from tessel.plan.dp import solve_dp
+
+        if units_alike(fixed):
+            counts = counts_search(fixed, rel_gap=gap * COUNTS_GAP_SHARE, time_limit_s=seconds)
+            return counts.solution, counts.bound, False
+        result = solve_dp(fixed, time_limit_s=seconds, rel_gap=max(gap, DP_WARM_START_GAP))
+        return result.solution, result.bound, result.exact
+
+    if instance.n_precisions**instance.n_units <= MAX_ENUMERATED:
+        from tessel.plan.dp import solve_dp
+
+        def solve_small(fixed: PlanningInstance, seconds: float):
+            result = solve_dp(fixed, time_limit_s=seconds)
+            return result.solution, result.bound, result.exact
+
+        search = enumerate_dp(instance, solve_small, budget_s)
+    else:
+        search = local_search(instance, lambda fixed, s: solve_fixed(fixed, s)[:2], budget_s)
+    detail = {"precision_vectors": search.vectors, "precision_bound": _finite(search.bound)}
+    candidates = []
+    if search.evaluation is not None:
+        candidates.append((search.evaluation, search.solution, "precision search"))
+    if incumbent is not None:
+        given = evaluate(instance, incumbent)
+        if given.feasible:
+            candidates.append((given, incumbent, "incumbent"))
+    bounds = [search.bound] if math.isfinite(search.bound) else []
+    status = "heuristic"
+    if search.exact:
+        status = "Optimal"
+    left = time_limit_s - (time.perf_counter() - started)
+    if run_highs and left > HIGHS_MIN_S:
+        warm = min(candidates, key=lambda c: c[0].objective)[1] if candidates else None
+        milp = solve_milp(instance, time_limit_s=left, mip_gap=gap, warm_start=warm, isolate=True)
+        detail.update(highs_objective=milp.objective, highs_bound=_finite(milp.bound), milp_cols=milp.n_cols)
+        if milp.evaluation is not None and milp.evaluation.feasible:
+            candidates.append((milp.evaluation, milp.solution, "milp"))
+        if math.isfinite(milp.bound):
+            bounds.append(milp.bound)
+        if milp.status == "Infeasible" and not candidates:
+            raise _infeasible(instance, "the MILP proved that no plan fits")
+        if milp.status == "Optimal":
+            status = "Optimal"
+    if not candidates:
+        raise _infeasible(instance, "no feasible plan with a precision per layer was found")
+    evaluation, solution, source = min(candidates, key=lambda c: c[0].objective)
+    detail["plan_from"] = source
+    bound = max(bounds) if bounds else None
+    proven = _gap(evaluation.objective, bound) if bound is not None else None
+    if status != "Optimal" and proven is not None and proven <= gap:
+        status = "gap reached"
+    return PlanResult(
+        solution, evaluation, "milp", status, proven, bound, time.perf_counter() - started, detail
+    )
+
+
+def _budget_error(instance: PlanningInstance) -> TesselError | None:
+    """When a quality budget is why no plan was found: the error naming the smallest feasible one."""
+    choice = instance.precision
+    if choice is None or not math.isfinite(choice.quality_budget):
+        return None
+    from tessel.plan.precision_search import smallest_feasible_budget
+
+    least, proven = smallest_feasible_budget(instance)
+    if not math.isfinite(least) or least <= choice.quality_budget * (1 + 1e-6):
+        return None
+    return TesselError(
+        f"no plan meets the quality budget {choice.quality_budget:.4g}: the smallest budget with a plan is "
+        f"{least:.4g} (proven >= {proven:.4g}); raise --quality-budget to at least that, or add GPUs"
     )
 
 

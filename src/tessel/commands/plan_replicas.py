@@ -1,0 +1,113 @@
+"""`tessel plan --replicas auto|N`: several pipelines, the routing weights, their plan file and
+one vLLM command per replica. The planning is `tessel.plan.replicas.choose_replicas`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from tessel.errors import TesselError
+
+
+def parse_replicas(text: str) -> int | None:
+    """'auto' -> None (choose the count), else a positive count."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        raise TesselError(f"--replicas {text!r}: use 'auto' or a count >= 1") from None
+    if count < 1:
+        raise TesselError(f"--replicas {text!r}: use 'auto' or a count >= 1")
+    return count
+
+
+def plan_replicas(
+    console, instance, *, count, model_spec, cluster_spec, cluster_source, workload_spec, options
+):
+    """Choose, print, write (`--json`) and export (`--export vllm`) a replica plan."""
+    from rich.table import Table
+
+    from tessel.plan.baselines import run_baselines
+    from tessel.plan.replicas import choose_replicas, replica_gap
+    from tessel.plan.report import plan_json, predict, replicas_json, stage_table
+
+    b = workload_spec.micro_batch_size
+    chosen = choose_replicas(
+        instance,
+        b,
+        replicas=count,
+        solver=options["solver"],
+        time_limit_s=options["time_limit"],
+        mip_gap=options["mip_gap"],
+    )
+    for index, replica in enumerate(chosen.replicas):
+        title = f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs"
+        console.print(stage_table(replica.instance, replica.result.evaluation, title))
+    table = Table(title=f"{len(chosen.replicas)} replicas on {cluster_spec.name}", title_justify="left")
+    for column in ("replica", "GPUs", "types", "tok/s", "routing weight", "status", "gap"):
+        table.add_column(column, justify="right")
+    for index, replica in enumerate(chosen.replicas):
+        types = sorted({replica.instance.devices[j].gpu_type for j in range(len(replica.devices))})
+        gap = "n/a" if replica.result.gap is None else f"{replica.result.gap * 100:.2f}%"
+        table.add_row(
+            str(index),
+            str(len(replica.devices)),
+            ",".join(types),
+            f"{replica.throughput_tok_s:.1f}",
+            f"{replica.weight:.3f}",
+            replica.result.status,
+            gap,
+        )
+    console.print(table)
+    gap = replica_gap(chosen)
+    console.print(
+        f"replicas: {chosen.throughput_tok_s:.1f} tok/s in all (max flow over the replicas), "
+        f"{chosen.splits_evaluated} splits tried{' (every partition)' if chosen.exhaustive else ''}, "
+        f"gap {'n/a' if gap is None else f'{gap * 100:.2f}%'} to this split's bound, {chosen.time_s:.1f} s"
+    )
+    first = chosen.replicas[0]
+    if options.get("json_path") is not None:
+        plan_file = plan_json(
+            first.instance,
+            first.result.evaluation,
+            model=model_spec,
+            cluster=cluster_spec,
+            cluster_source=cluster_source,
+            workload=workload_spec,
+            solver={
+                "name": first.result.solver,
+                "status": first.result.status,
+                "replicas": len(chosen.replicas),
+            },
+            baselines=run_baselines(instance),
+            dtype=options["dtype"],
+            kv_dtype=options["kv_dtype"],
+            granularity=options["granularity"],
+            replicas=replicas_json(chosen, cluster_spec, b),
+            quality_source=instance.labels.get("quality_source", "shape"),
+            baseline_instance=instance,
+        )
+        plan_file.write(Path(options["json_path"]))
+        console.print(f"wrote {options['json_path']}")
+    if options.get("export") == "vllm":
+        from tessel.plan.export_vllm import export_vllm
+
+        for index, replica in enumerate(chosen.replicas):
+            exported = export_vllm(
+                replica.instance,
+                replica.result.evaluation,
+                model=model_spec,
+                dtype=options["dtype"],
+                kv_dtype=options["kv_dtype"],
+                max_model_len=workload_spec.max_kv_tokens,
+            )
+            console.print(f"vLLM replica {index} (load-balancer weight {replica.weight:.3f}):")
+            typer.echo(exported.command)
+            for warning in exported.warnings:
+                console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+        weights = ",".join(f"{replica.weight:.4f}" for replica in chosen.replicas)
+        typer.echo(f"load-balancer weights (replica 0..{len(chosen.replicas) - 1}): {weights}")
+    del predict
+    return chosen

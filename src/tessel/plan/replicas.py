@@ -1,0 +1,393 @@
+"""Several pipelines (replicas) on one cluster, and how requests are routed among them (Helix's idea).
+
+`--replicas auto|N` splits the devices into disjoint groups; each group is planned as one pipeline
+exactly as `tessel plan` plans a cluster (`solve` on the group's sub-instance, same workload: m
+micro-batches of b requests in flight per replica), and idle devices are allowed.
+
+Routing: the requests are a flow from one source through the replicas to one sink, replica r
+carrying at most its capacity c_r (requests/s it completes: its predicted throughput / mean output
+tokens). On this star network the max flow is sum_r c_r and every flow that saturates it sends c_r
+through replica r, so the routing weights are w_r = c_r / sum c (they sum to 1); below saturation
+the same weights keep every replica at the same utilisation. The objective of a split is the max
+flow, i.e. the summed throughput.
+
+Which split (`choose_replicas`):
+- N <= `EXHAUSTIVE_DEVICES` devices: every partition of the devices into groups (Bell(N) of them),
+  each group planned once; with exact group plans this is the optimum over splits (the tests hold it
+  against brute force over partitions with brute-force pipelines).
+- larger clusters: candidates built from device types. For each type, the smallest group of that
+  type that holds the model (weights, KV and extras within its GPU memory, else GPU + host) and
+  twice that size; same-type groups first, the devices left over pooled by memory into mixed
+  groups that hold the model; mixed splits where each of k in `SPREAD_REPLICAS` replicas gets
+  a contiguous 1/k of every type's devices (by node); plus the whole cluster as one pipeline.
+  Groups are planned once per signature (device types and how they share nodes) with an equal share
+  of `SCREEN_TIME_SHARE` of the time limit each to rank the splits (a later group of the same
+  signature re-uses the plan); the best split's groups are then planned again with the time left.
+  With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
+  precisions averaged over the units, fast) and the refinement plans the real choice.
+  No optimality claim across splits: the reported gap is each replica's own, and the upper bound is
+  the sum of each replica's throughput at its proven lower bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tessel.errors import TesselError
+from tessel.plan.build import capacity_shortfall_bytes
+from tessel.plan.instance import PassCosts, PlanningInstance
+from tessel.plan.report import predict
+from tessel.plan.solution import evaluate
+from tessel.plan.solve import PlanResult, solve
+
+EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
+MIN_REPLICA_TIME_S = 0.5
+SCREEN_TIME_SHARE = 0.4  # of the time limit, split over the kinds of group, to rank the splits
+SCREEN_STOP = 0.5  # a screening stops there, leaving the rest to plan the chosen split for real
+REFINE_END = 0.9  # the refinement aims to end there: a group's solve may overrun its share a little
+SPREAD_REPLICAS = (2, 4, 8)  # mixed splits tried: k replicas, each with a share of every type
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    devices: tuple[int, ...]  # indices into the cluster's devices
+    instance: PlanningInstance  # the group's planning problem (device indices local to the group)
+    result: PlanResult  # the group's pipeline
+    throughput_tok_s: float
+    upper_bound_tok_s: float  # throughput at the group's proven lower bound on the objective
+    weight: float  # routing share (sums to 1 over the replicas)
+
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(self.instance.devices[s.device].name for s in self.result.solution.stages)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPlan:
+    replicas: tuple[Replica, ...]
+    throughput_tok_s: float  # max flow: the replicas' summed throughput
+    upper_bound_tok_s: float  # for this split: the replicas' throughput at their lower bounds
+    splits_evaluated: int
+    exhaustive: bool  # every partition of the devices was tried
+    time_s: float
+
+
+def routing_weights(capacities: list[float]) -> list[float]:
+    """Max flow source -> replica r (capacity c_r) -> sink: each replica's share c_r / sum c."""
+    total = float(sum(capacities))
+    if total <= 0:
+        raise ValueError("no replica has capacity")
+    return [c / total for c in capacities]
+
+
+def subset(instance: PlanningInstance, devices: tuple[int, ...]) -> PlanningInstance:
+    """The planning problem restricted to some devices (indices re-numbered 0..k-1)."""
+    idx = np.asarray(devices, dtype=int)
+
+    def costs(c: PassCosts) -> PassCosts:
+        return PassCosts(
+            c.unit_time_s[:, idx], c.first_time_s[idx], c.last_time_s[idx], c.send_s[np.ix_(idx, idx)]
+        )
+
+    choice = instance.precision
+    if choice is not None:
+        choice = replace(
+            choice, prefill_time_s=choice.prefill_time_s[:, idx], decode_time_s=choice.decode_time_s[:, idx]
+        )
+    return replace(
+        instance,
+        devices=tuple(instance.devices[j] for j in devices),
+        prefill=costs(instance.prefill),
+        decode=costs(instance.decode),
+        workspace_bytes=np.asarray(instance.workspace_bytes)[idx],
+        move_s=None if instance.move_s is None else instance.move_s[:, idx],
+        precision=choice,
+    )
+
+
+def holds_model(instance: PlanningInstance, devices: tuple[int, ...], gpu_only: bool = False) -> bool:
+    """Whether a group has the memory for the model at its fewest bytes (weights + KV + extras)."""
+    sub = subset(instance, devices)
+    sub = sub.relaxed()
+    if not gpu_only:
+        return capacity_shortfall_bytes(sub) <= 0
+    held = float(np.sum(sub.weight_bytes) + np.sum(sub.kv_bytes)) + sub.first_bytes + sub.last_bytes
+    held += float(np.sum(sub.workspace_bytes))
+    return held <= sum(d.memory_bytes for d in sub.devices)
+
+
+class _Planner:
+    """Plans groups once per signature and keeps the results."""
+
+    def __init__(
+        self, instance: PlanningInstance, micro_batch_size: int, solver: str, seconds: float, gap: float
+    ):
+        self.instance, self.b, self.solver, self.seconds, self.gap = (
+            instance,
+            micro_batch_size,
+            solver,
+            seconds,
+            gap,
+        )
+        self.cache: dict[tuple, tuple[PlanResult, float, float] | None] = {}
+        self.proxy = False  # screening: plan `averaged_precisions` (a fast estimate)
+
+    def signature(self, devices: tuple[int, ...]) -> tuple:
+        """Device types and which of them share a node: groups alike in both plan alike."""
+        nodes = Counter(self.instance.devices[j].node for j in devices)
+        return tuple(
+            sorted((self.instance.devices[j].gpu_type, nodes[self.instance.devices[j].node]) for j in devices)
+        )
+
+    def plan(self, devices: tuple[int, ...]) -> tuple[PlanResult, float, float] | None:
+        """(the group's plan, its throughput, the throughput at its lower bound) or None.
+
+        A group alike to one planned before reuses that plan (its devices in the same canonical
+        order: by type, node, name), re-evaluated on this group's own links."""
+        key = self.signature(devices)
+        if key not in self.cache:
+            self.cache[key] = self._solve(devices)
+            return self.cache[key]
+        cached = self.cache[key]
+        if cached is None:
+            return None
+        result, _, _ = cached
+        sub = self._instance(devices)
+        evaluation = evaluate(sub, result.solution)
+        if not evaluation.feasible:
+            return self._solve(devices)
+        throughput = predict(sub, evaluation, self.b).throughput_tok_s
+        upper = _upper(throughput, evaluation.objective, result.bound)
+        return replace(result, evaluation=evaluation), throughput, upper
+
+    def _instance(self, devices: tuple[int, ...]) -> PlanningInstance:
+        sub = subset(self.instance, devices)
+        return averaged_precisions(sub) if self.proxy else sub
+
+    def _solve(self, devices: tuple[int, ...]):
+        if not holds_model(self.instance, devices):
+            return None
+        sub = self._instance(devices)
+        try:
+            result = solve(sub, solver=self.solver, time_limit_s=self.seconds, mip_gap=self.gap)
+        except TesselError:
+            return None
+        throughput = predict(sub, result.evaluation, self.b).throughput_tok_s
+        return result, throughput, _upper(throughput, result.evaluation.objective, result.bound)
+
+
+def _refine(planner: _Planner, best: tuple, deadline: float, screen_s: float) -> tuple:
+    """The chosen split's kinds of group planned again with the time left (and with the real
+    precision choice when screening used the relaxed one); better plans, or every plan after a
+    relaxed screening, replace the screened ones."""
+    proxy = planner.proxy
+    kinds: dict[tuple, list[int]] = {}
+    for position, (group, _) in enumerate(best[1]):
+        kinds.setdefault(planner.signature(group), []).append(position)
+    seconds = (deadline - time.perf_counter()) / max(1, len(kinds))
+    if not proxy and seconds <= 1.5 * screen_s:
+        return best
+    planner.seconds, planner.proxy = max(seconds, MIN_REPLICA_TIME_S), False
+    planned = list(best[1])
+    for key, positions in kinds.items():
+        del planner.cache[key]
+        for position in positions:
+            again = planner.plan(planned[position][0])
+            if again is not None and (proxy or again[1] > planned[position][1][1]):
+                planned[position] = (planned[position][0], again)
+    planned = [(g, p) for g, p in planned if p is not None]
+    return sum(p[1] for _, p in planned), planned
+
+
+def _upper(throughput: float, objective: float, bound: float | None) -> float:
+    """Throughput at the proven lower bound on the objective (throughput is m b n_out / objective)."""
+    if bound is None or bound <= 0:
+        return math.inf
+    return throughput * objective / bound
+
+
+def averaged_precisions(instance: PlanningInstance) -> PlanningInstance:
+    """A fast stand-in for ranking splits: the budget filled on one stage (`_fill_budget`), then every
+    unit given the mean bytes and times of that precision vector, so the units are alike and the
+    counts relaxation plans it. Not a plan of the instance and not a bound; the chosen split is
+    planned for real afterwards."""
+    from tessel.plan.precision_search import _fill_budget
+    from tessel.plan.solution import Solution, Stage
+
+    if instance.precision is None:
+        return instance
+    vector = _fill_budget(instance, Solution((Stage(0, 0, instance.n_units),)))
+    fixed = instance.fixed(vector)
+
+    def mean(costs: PassCosts) -> PassCosts:
+        return replace(
+            costs, unit_time_s=np.broadcast_to(costs.unit_time_s.mean(axis=0), costs.unit_time_s.shape).copy()
+        )
+
+    return replace(
+        fixed,
+        prefill=mean(fixed.prefill),
+        decode=mean(fixed.decode),
+        weight_bytes=np.full(instance.n_units, float(fixed.weight_bytes.mean())),
+    )
+
+
+def canonical_group(instance: PlanningInstance, devices) -> tuple[int, ...]:
+    return tuple(
+        sorted(
+            devices,
+            key=lambda j: (instance.devices[j].gpu_type, instance.devices[j].node, instance.devices[j].name),
+        )
+    )
+
+
+def choose_replicas(
+    instance: PlanningInstance,
+    micro_batch_size: int,
+    *,
+    replicas: int | None = None,
+    solver: str = "milp",
+    time_limit_s: float = 30.0,
+    mip_gap: float = 0.01,
+) -> ReplicaPlan:
+    """The split of the devices into `replicas` pipelines (None: the best count) with the most
+    summed throughput, each planned as a pipeline, and the routing weights."""
+    started = time.perf_counter()
+    n = instance.n_devices
+    exhaustive = n <= EXHAUSTIVE_DEVICES
+    splits = list(_partitions(list(range(n)))) if exhaustive else _candidate_splits(instance)
+    if replicas is not None:
+        if replicas < 1:
+            raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
+    planner = _Planner(instance, micro_batch_size, solver, 0.0, mip_gap)
+    kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
+    screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
+    planner.seconds = screen_s
+    planner.proxy = not exhaustive and instance.precision is not None
+    best, evaluated, largest = None, 0, 0
+    for split in splits:
+        spent = time.perf_counter() - started
+        if best is not None and (
+            spent > time_limit_s or (planner.proxy and spent > SCREEN_STOP * time_limit_s)
+        ):
+            exhaustive = False
+            break
+        split = [canonical_group(instance, g) for g in split]
+        planned = [(g, planner.plan(g)) for g in split]
+        planned = [(g, p) for g, p in planned if p is not None]
+        largest = max(largest, len(planned))
+        if replicas is not None and len(planned) != replicas:
+            continue
+        evaluated += 1
+        total = sum(p[1] for _, p in planned)
+        if planned and (best is None or total > best[0] * (1 + 1e-9)):
+            best = (total, planned)
+    if best is not None and not exhaustive:
+        best = _refine(planner, best, started + REFINE_END * time_limit_s, screen_s)
+    if best is None and replicas is not None and largest > 0:
+        raise TesselError(
+            f"{replicas} replicas cannot each hold the model on these {n} devices; the largest feasible "
+            f"count tessel found is {largest}"
+        )
+    if best is None:
+        raise TesselError("no group of these devices can hold the model; add GPUs or host memory")
+    weights = routing_weights([p[1] for _, p in best[1]])
+    chosen = tuple(
+        Replica(g, subset(instance, g), p[0], p[1], p[2], w)
+        for (g, p), w in zip(best[1], weights, strict=True)
+    )
+    return ReplicaPlan(
+        chosen,
+        best[0],
+        sum(r.upper_bound_tok_s for r in chosen),
+        evaluated,
+        exhaustive,
+        time.perf_counter() - started,
+    )
+
+
+def _partitions(items: list[int]):
+    """Every set partition of `items` (as lists of groups)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in _partitions(rest):
+        yield [[first], *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
+    """Same-type groups first (smallest that holds the model, and twice that), leftovers pooled
+    into mixed groups by memory; and the whole cluster as one pipeline."""
+    by_type: dict[str, list[int]] = {}
+    for j, device in enumerate(instance.devices):
+        by_type.setdefault(device.gpu_type, []).append(j)
+    for members in by_type.values():
+        members.sort(key=lambda j: (instance.devices[j].node, instance.devices[j].name))
+    smallest = {t: _smallest_group(instance, members) for t, members in by_type.items()}
+    splits = []
+    for gpu_only in (True, False):
+        for factor in (1, 2, 4):
+            groups, left = [], []
+            for t, members in by_type.items():
+                size = smallest[t][gpu_only]
+                if size is None:
+                    left += members
+                    continue
+                size = min(size * factor, len(members))
+                count = len(members) // size
+                groups += [members[i * size : (i + 1) * size] for i in range(count)]
+                left += members[count * size :]
+            groups += _pool(instance, left, gpu_only)
+            if groups and groups not in splits:
+                splits.append(groups)
+    for k in SPREAD_REPLICAS:  # mixed: every replica gets 1/k of each type
+        groups = [[] for _ in range(k)]
+        for members in by_type.values():
+            for i, j in enumerate(members):
+                groups[i * k // len(members)].append(j)
+        groups = [g for g in groups if g]
+        if all(holds_model(instance, tuple(g)) for g in groups) and groups not in splits:
+            splits.append(groups)
+    return [*splits, [list(range(instance.n_devices))]]  # the whole cluster last: the slowest to plan
+
+
+def _smallest_group(instance: PlanningInstance, members: list[int]) -> dict[bool, int | None]:
+    out = {}
+    for gpu_only in (True, False):
+        out[gpu_only] = next(
+            (k for k in range(1, len(members) + 1) if holds_model(instance, tuple(members[:k]), gpu_only)),
+            None,
+        )
+    return out
+
+
+def _pool(instance: PlanningInstance, left: list[int], gpu_only: bool) -> list[list[int]]:
+    """Mixed groups from leftover devices: most memory first, each closed once it holds the model;
+    a last group that cannot is merged into the one before it."""
+    order = sorted(left, key=lambda j: -instance.devices[j].memory_bytes)
+    groups, current = [], []
+    for j in order:
+        current.append(j)
+        if holds_model(instance, tuple(current), gpu_only):
+            groups.append(current)
+            current = []
+    if current:
+        if groups:
+            groups[-1] += current
+        elif holds_model(instance, tuple(current)):
+            groups.append(current)
+    return groups
+
+
+def replica_gap(plan: ReplicaPlan) -> float | None:
+    """Relative gap of the split's throughput to its upper bound (None: no bound)."""
+    if not math.isfinite(plan.upper_bound_tok_s) or plan.upper_bound_tok_s <= 0:
+        return None
+    return max(plan.upper_bound_tok_s - plan.throughput_tok_s, 0.0) / plan.upper_bound_tok_s

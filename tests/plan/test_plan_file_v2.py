@@ -1,0 +1,137 @@
+"""Plan file version 2: per-stage precisions, replicas with routing weights; version 1 still reads;
+`tessel plan --replicas` writes it and `tessel simulate` routes a workload across the replicas."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tessel.errors import TesselError
+from tessel.plan.plan_file import PLAN_VERSION, load_plan, parse_plan
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tessel.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def replica_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v2") / "replicas.json"
+    result = _run_cli(
+        "plan", "--model", "llama-2-7b", "--cluster", "llmpq-t4-v100", "--replicas", "auto",
+        "--precisions", "fp16,int8", "--time-limit", "6", "--json", str(path), "--export", "vllm",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return path, result.stdout
+
+
+def test_replica_plan_file_round_trips(replica_plan) -> None:
+    path, stdout = replica_plan
+    plan = load_plan(path)
+    assert plan.version == PLAN_VERSION == 2 and plan.precisions == ["fp16", "int8"]
+    assert len(plan.replicas) >= 1 and sum(r.weight for r in plan.replicas) == pytest.approx(1.0)
+    assert [s.device for s in plan.stages] == [s.device for s in plan.replicas[0].stages]
+    for replica in plan.replicas:
+        for stage in replica.stages:
+            assert len(stage.precisions) == stage.unit_end - stage.unit_start
+    assert parse_plan(json.loads(plan.dump())).model_dump() == plan.model_dump()
+    assert stdout.count("vllm serve") == len(plan.replicas)
+    assert "load-balancer weights" in stdout
+    assert plan.quality is not None and plan.quality.source == "shape"
+
+
+def test_simulate_routes_across_replicas(replica_plan, tmp_path) -> None:
+    path, _ = replica_plan
+    out = tmp_path / "sim.json"
+    result = _run_cli("simulate", "--plan", str(path), "--requests", "40", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(out.read_text())["results"]["replicas"]["metrics"]
+    assert metrics["requests"] == 40
+    plan = load_plan(path)
+    assert len(metrics["stage_busy_s"]) == sum(len(r.stages) for r in plan.replicas)
+
+
+def _with(document: dict, **changes) -> dict:
+    return {**document, **changes}
+
+
+def test_bad_replicas_are_refused(replica_plan) -> None:
+    path, _ = replica_plan
+    document = json.loads(path.read_text())
+    replicas = document["replicas"]
+    bad_weight = [dict(r, weight=r["weight"] / 2) for r in replicas]
+    with pytest.raises(TesselError, match="weights sum to"):
+        parse_plan(_with(document, replicas=bad_weight))
+    doubled = [replicas[0], dict(replicas[0], index=1)]
+    doubled = [dict(r, weight=0.5) for r in doubled]
+    with pytest.raises(TesselError, match="serves replicas"):
+        parse_plan(_with(document, replicas=doubled))
+    stage = dict(replicas[0]["stages"][0], precisions=["fp16"] * 1000)
+    broken = [dict(replicas[0], stages=[stage, *replicas[0]["stages"][1:]]), *replicas[1:]]
+    with pytest.raises(TesselError, match="precisions for"):
+        parse_plan(_with(document, replicas=broken))
+
+
+def test_too_many_replicas_exit_2() -> None:
+    result = _run_cli("plan", "--model", "llama-2-7b", "--cluster", "llmpq-t4-v100", "--replicas", "50",
+                      "--time-limit", "3")  # fmt: skip
+    assert result.returncode == 2 and "largest feasible count" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+    result = _run_cli("plan", "--cluster", "llmpq-t4-v100", "--replicas", "two")
+    assert result.returncode == 2 and "'auto' or a count" in " ".join(result.stderr.split())
+
+
+def _v2_document() -> dict:
+    """The version-1 fixture as a version-2 plan: precisions on every stage, one replica."""
+    from plan.test_plan_file import V1_LAYER
+
+    document = json.loads(V1_LAYER.read_text())
+    document["version"] = 2
+    document["baselines"] = {}
+    for stage in document["stages"]:
+        stage["precisions"] = ["int8"] * (stage["unit_end"] - stage["unit_start"])
+    document["precisions"] = ["fp16", "int8"]
+    document["quality"] = {"cost": 0.5, "budget": 1.0, "theta": 0.0, "source": "shape"}
+    document["replicas"] = [{"index": 0, "weight": 1.0, "stages": document["stages"]}]
+    return document
+
+
+V2 = _v2_document()
+
+
+def test_a_valid_v2_document_loads() -> None:
+    plan = parse_plan(V2)
+    assert plan.replicas[0].stages[0].precisions[0] == "int8" and plan.quality.budget == 1.0
+
+
+@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), delete=st.booleans())
+def test_fuzz_one_v2_field(tmp_path, data, delete: bool) -> None:
+    import copy
+
+    from plan.test_plan_file import HOSTILE, _load_or_refuse, _paths
+
+    paths = [p for p in _paths(V2) if p[0] in ("replicas", "precisions", "quality") or "precisions" in p]
+    path = data.draw(st.sampled_from(paths))
+    document = copy.deepcopy(V2)
+    target = document
+    for key in path[:-1]:
+        target = target[key]
+    if delete:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = data.draw(HOSTILE)
+    try:
+        text = json.dumps(document)
+    except (ValueError, RecursionError):
+        return
+    out = tmp_path / "fuzz.json"
+    out.write_text(text)
+    _load_or_refuse(out)

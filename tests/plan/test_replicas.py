@@ -1,0 +1,106 @@
+"""Replicas: the chosen split against brute force over device partitions (brute-force pipelines per
+group), routing weights, and too many replicas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from plan.random_instances import random_instance
+from tessel.errors import TesselError
+from tessel.plan.brute import brute_force
+from tessel.plan.replicas import choose_replicas, routing_weights, subset
+from tessel.plan.report import predict
+
+RTOL = 1e-6
+
+
+def _labelings(n: int):
+    """Every partition of range(n), as restricted-growth label lists (independent of the planner's)."""
+
+    def grow(prefix: list[int]):
+        if len(prefix) == n:
+            yield prefix
+            return
+        for label in range(max(prefix, default=-1) + 2):
+            yield from grow([*prefix, label])
+
+    yield from grow([])
+
+
+def _oracle(instance) -> float:
+    best = 0.0
+    for labels in _labelings(instance.n_devices):
+        total = 0.0
+        for label in set(labels):
+            group = tuple(j for j, x in enumerate(labels) if x == label)
+            sub = subset(instance, group)
+            found = brute_force(sub).evaluation
+            if found is not None:
+                total += predict(sub, found, 1).throughput_tok_s
+        best = max(best, total)
+    return best
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_units=st.integers(1, 4),
+    n_devices=st.integers(1, 4),
+    flags=st.integers(0, 7),
+)
+def test_chosen_split_equals_brute_force_over_partitions(seed, n_units, n_devices, flags) -> None:
+    rng = np.random.default_rng(seed)
+    instance = random_instance(
+        rng,
+        n_units,
+        n_devices,
+        overlap=bool(flags & 1),
+        offload=bool(flags & 2),
+        tight_memory=bool(flags & 4),
+    )
+    expected = _oracle(instance)
+    if expected == 0.0:
+        with pytest.raises(TesselError):
+            choose_replicas(instance, 1, solver="brute")
+        return
+    chosen = choose_replicas(instance, 1, solver="brute")
+    assert chosen.exhaustive
+    assert chosen.throughput_tok_s == pytest.approx(expected, rel=RTOL)
+    weights = [r.weight for r in chosen.replicas]
+    assert sum(weights) == pytest.approx(1.0)
+    for replica in chosen.replicas:
+        assert replica.weight == pytest.approx(replica.throughput_tok_s / chosen.throughput_tok_s)
+        used = {replica.devices[s.device] for s in replica.result.solution.stages}
+        assert used <= set(replica.devices)
+    devices = [j for r in chosen.replicas for j in r.devices]
+    assert len(devices) == len(set(devices))  # disjoint
+
+
+def test_routing_weights_are_proportional_to_capacity() -> None:
+    weights = routing_weights([3.0, 1.0, 0.5, 0.5])
+    assert weights == pytest.approx([0.6, 0.2, 0.1, 0.1])
+    with pytest.raises(ValueError):
+        routing_weights([0.0])
+
+
+def test_too_many_replicas_names_the_largest_feasible_count() -> None:
+    rng = np.random.default_rng(4)
+    instance = random_instance(rng, 3, 4)
+    largest = max(
+        sum(
+            brute_force(subset(instance, tuple(j for j, x in enumerate(labels) if x == label))).solution
+            is not None
+            for label in set(labels)
+        )
+        for labels in _labelings(4)
+    )
+    with pytest.raises(TesselError, match="largest feasible count tessel found is"):
+        choose_replicas(instance, 1, replicas=5, solver="brute")
+    assert largest < 5
+    with pytest.raises(TesselError, match=f"largest feasible count tessel found is {largest}"):
+        choose_replicas(instance, 1, replicas=largest + 1, solver="brute")
+    fixed = choose_replicas(instance, 1, replicas=largest, solver="brute")
+    assert len(fixed.replicas) == largest
