@@ -15,6 +15,7 @@ from tessel.chunk.latency import PipelineLatency
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, load_plan
 
+FLOAT_PRECISIONS = frozenset({"fp32", "fp16", "bf16"})  # what the runtime runs: --dtype, unquantised
 PIPELINE_MIN_MICRO_BATCHES = 2  # without a plan workload: enough to keep two stages busy
 
 
@@ -72,6 +73,18 @@ def load_run_plan(path: str | Path) -> RunPlan:
                 f"{source}: stage {split[0].index} splits a decoder layer (sublayer units "
                 f"{split[0].unit_start}..{split[0].unit_end}); the runtime runs whole layers: "
                 "re-plan with --granularity layer"
+            )
+    if len(plan.replicas) > 1:
+        raise TesselError(
+            f"{source}: the plan has {len(plan.replicas)} replica pipelines; the runtime runs one "
+            "pipeline: re-plan without replicas, or launch each replica from its own plan file"
+        )
+    for stage in plan.stages:
+        quantised = sorted({p for p in stage.precisions or [] if p not in FLOAT_PRECISIONS})
+        if quantised:
+            raise TesselError(
+                f"{source}: stage {stage.index} holds units in {', '.join(quantised)}; the runtime loads "
+                "the checkpoint's weights in --dtype only: re-plan without weight precisions"
             )
     stages = tuple(
         RunStage(position, s.device, s.gpu_type, s.layer_start, s.layer_end, s.emulate_speed)
