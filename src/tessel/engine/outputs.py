@@ -12,7 +12,8 @@ class RequestOutput:
     """`token_ids` / `text`: all output so far; `new_token_ids` / `new_text`: this step's delta.
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
-    max_model_len) or "abort"; None while running. `prompt` is the text given to
+    max_model_len), "abort", or "error" (running this request failed; `error` says why; the
+    other requests carried on); None while running. `prompt` is the text given to
     `add_request` (None when it was token ids).
     """
 
@@ -28,3 +29,4 @@ class RequestOutput:
     num_output_tokens: int
     metrics: RequestMetrics
     prompt: str | None = None
+    error: BaseException | None = None

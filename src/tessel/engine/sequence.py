@@ -61,6 +61,7 @@ class Sequence:
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []  # prefix-cache keys of full blocks
         self.num_registered_blocks = 0  # leading blocks whose key is in the prefix cache
         self.finish_reason: str | None = None
+        self.error: BaseException | None = None  # why it finished with finish_reason "error"
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
 
