@@ -209,3 +209,55 @@ def test_fuzzed_sampling_params_either_refuse_or_run(llm: LLM, fields: dict) -> 
     except TesselError:
         return
     assert out.finished and out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_a_damaged_checkpoint_is_a_user_error_naming_the_file(checkpoints, tmp_path, damage: str) -> None:
+    import shutil
+
+    path = tmp_path / "damaged"
+    shutil.copytree(checkpoints("llama"), path)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(
+        {"truncate": data[: len(data) // 2], "garbage": b"\x89PNG" * 64, "empty": b""}[damage]
+    )
+    with pytest.raises(TesselError, match="model.safetensors"):
+        LLM(path, max_model_len=64)
+
+
+def test_a_corrupt_shard_index_is_a_user_error(checkpoints, tmp_path) -> None:
+    import shutil
+
+    path = tmp_path / "index"
+    shutil.copytree(checkpoints("llama"), path)
+    (path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{not json")
+    with pytest.raises(TesselError, match="index"):
+        LLM(path, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--top-k", "18446744073709551616", "vocabulary"),
+        ("--temperature", "nan", "temperature"),
+        ("--seed", "18446744073709551616", "seed"),
+        ("--top-p", "0", "top_p"),
+    ],
+)
+def test_cli_generate_refuses_bad_sampling_options_before_loading(
+    checkpoints, monkeypatch: pytest.MonkeyPatch, option: str, value: str, message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+    from tessel.engine import llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(llm_engine.LLM, "__init__", no_load)
+    args = ["generate", "--model", str(checkpoints("llama")), "--prompt", "hi", option, value]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, TesselError), result.output
+    assert message in str(result.exception)

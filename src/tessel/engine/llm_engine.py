@@ -150,10 +150,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text prompt, or token ids checked against the vocabulary."""
+    def tokenize(self, prompt: str | list[int], tokenizer: Any = None) -> list[int]:
+        """Token ids of a text prompt, or token ids checked against the vocabulary.
+
+        `tokenizer`: a copy of `self.tokenizer` to use instead (the server tokenizes on other threads).
+        """
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(check_text(prompt, "the prompt"))["input_ids"])
+            tokenizer = tokenizer or self.tokenizer
+            ids = list(tokenizer(check_text(prompt, "the prompt"))["input_ids"])
         else:
             ids = self.check_token_ids(prompt)
         if not ids:

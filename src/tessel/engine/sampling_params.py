@@ -20,6 +20,7 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound
 MAX_STOP_STRING_CHARS = 1000  # the detokenizer holds back this many characters while streaming
 MAX_STOP_TOKEN_IDS = 1024
+MAX_COUNT = 2**63 - 1  # counts (max_tokens, n) fit a signed 64-bit int, as in every other engine
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 
 
@@ -41,6 +42,11 @@ def _real(name: str, value: Any) -> float:
     if not math.isfinite(number):
         raise InvalidSamplingParams(f"{name} must be finite, got {value}")
     return number
+
+
+def check_int(value: Any, name: str) -> int:
+    """A real int (not a bool, not 2.0, not "2")."""
+    return _int(name, value)
 
 
 def _int(name: str, value: Any) -> int:
@@ -84,8 +90,8 @@ def check_max_tokens(value: Any) -> int | None:
     if value is None:
         return None
     max_tokens = _int("max_tokens", value)
-    if max_tokens < 1:
-        raise InvalidSamplingParams(f"max_tokens must be >= 1, got {_short(max_tokens)}")
+    if not 1 <= max_tokens <= MAX_COUNT:
+        raise InvalidSamplingParams(f"max_tokens must be in [1, 2**63 - 1], got {_short(max_tokens)}")
     return max_tokens
 
 

@@ -1,9 +1,12 @@
 """The FastAPI application: OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 `create_app(engine)` wraps an `LLMEngine` in an `AsyncEngine` whose thread starts and stops with
-the app (its lifespan). A request whose client goes away is aborted, streamed or not, so its KV
-blocks return to the pool at once: streams are cancelled by Starlette when it sees the
-disconnect; a non-streamed request is raced against a task that waits for the disconnect.
+the app (its lifespan). Bodies over `limits.max_body_bytes` get 413; prompts over
+`max_prompt_chars` (before tokenizing) or `max_prompt_tokens` (after) get 400 naming the limit;
+tokenizing runs on the `AsyncEngine`'s tokenizer threads, never on the engine thread. A request
+whose client goes away is aborted, streamed or not, so its KV blocks return to the pool at once:
+streams are cancelled by Starlette when it sees the disconnect; a non-streamed request is raced
+against a task that waits for the disconnect.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from starlette.background import BackgroundTask
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.limits import BodySizeLimit, ServerLimits
 from tessel.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     AssistantMessage,
@@ -45,10 +49,20 @@ _CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody read
 
 
 def create_app(
-    engine: Any, *, max_pending: int = DEFAULT_MAX_PENDING, model_name: str | None = None
+    engine: Any,
+    *,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    model_name: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """An ASGI app serving `engine` (an `LLMEngine`); `app.state.async_engine` drives it."""
-    async_engine = AsyncEngine(engine, max_pending=max_pending)
+    limits = limits or ServerLimits()
+    async_engine = AsyncEngine(
+        engine,
+        max_pending=max_pending,
+        tokenizer_threads=limits.tokenizer_threads,
+        max_restarts=limits.max_engine_restarts,
+    )
     served_name = model_name or engine.model_name
 
     @asynccontextmanager
@@ -60,8 +74,10 @@ def create_app(
             async_engine.stop()
 
     app = FastAPI(title="tessel", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)
     app.state.async_engine = async_engine
     app.state.model_name = served_name
+    app.state.limits = limits
     install_error_handlers(app)
     created = int(time.time())
 
@@ -79,10 +95,12 @@ def create_app(
         return ModelList(data=[card])
 
     async def generate(
-        raw: Request, body: Any, request_id: str, prompt: Any, params: Any, chunks: Any
+        raw: Request, body: Any, request_id: str, prompt: Any, prompt_ids: list[int], params: Any, chunks: Any
     ) -> Any:
         """Queue the request; a streaming response, or the final output (or a 499 if the client left)."""
-        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, prompt, params))
+        limits.check_prompt_tokens(len(prompt_ids))
+        added = async_engine.add(request_id, prompt, params, prompt_token_ids=prompt_ids)
+        stream = await _cancel_on_disconnect(raw, added)
         if isinstance(stream, Response):
             return stream
         if body.stream:
@@ -93,8 +111,15 @@ def create_app(
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, served_name)
         params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            limits.check_prompt_chars(len(prompt))
+            prompt_ids = await async_engine.tokenize(lambda tokenizer: engine.tokenize(prompt, tokenizer))
+        else:
+            limits.check_prompt_tokens(len(prompt))
+            prompt_ids = prompt
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        final = await generate(raw, body, request_id, body.prompt, params, _completion_chunks)
+        final = await generate(raw, body, request_id, prompt, prompt_ids, params, _completion_chunks)
         if isinstance(final, Response):
             return final
         choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
@@ -104,12 +129,13 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, served_name)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = await async_engine.call(lambda: _chat_prompt_ids(engine.tokenizer, messages))
         # no max_tokens: OpenAI's default, whatever the context has left (the engine's None)
         params = _sampling_params(body, body.requested_max_tokens())
+        limits.check_prompt_chars(sum(len(m.content) for m in body.messages))
+        messages = [m.template_dict() for m in body.messages]
+        prompt_ids = await async_engine.tokenize(lambda tokenizer: _chat_prompt_ids(tokenizer, messages))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        final = await generate(raw, body, request_id, prompt_ids, params, _chat_chunks)
+        final = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, _chat_chunks)
         if isinstance(final, Response):
             return final
         message = AssistantMessage(content=final.text)
@@ -138,7 +164,7 @@ def _sampling_params(body: Any, max_tokens: int | None) -> Any:
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=body.top_k or 0,
+        top_k=body.top_k,
         max_tokens=max_tokens,
         stop=body.stop_list(),
         seed=body.seed,
