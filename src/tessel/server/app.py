@@ -21,12 +21,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodySizeLimit, ServerLimits
+from tessel.server.metrics import ServerMetrics
 from tessel.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     AssistantMessage,
@@ -78,6 +80,9 @@ def create_app(
     app.state.async_engine = async_engine
     app.state.model_name = served_name
     app.state.limits = limits
+    metrics = ServerMetrics(engine)
+    async_engine.on_outputs = metrics.observe
+    app.state.metrics = metrics
     install_error_handlers(app)
     created = int(time.time())
 
@@ -88,6 +93,11 @@ def create_app(
             reason = f"{type(cause).__name__}: {cause}" if cause is not None else "its thread is not running"
             return response_for(EngineDeadError(f"the engine failed: {reason}"))
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format (`tessel.server.metrics`)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

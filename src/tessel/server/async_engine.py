@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,6 +110,7 @@ class AsyncEngine:
         self.max_restarts = max_restarts
         self.num_restarts = 0
         self.on_dead: Callable[[], None] | None = None  # called once the engine cannot restart
+        self.on_outputs: Callable[[list[Any], float], None] | None = None  # each step's outputs (metrics)
         self.num_aborted = 0  # requests aborted before they finished (clients that went away)
         self.error: BaseException | None = None
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tessel-tokenizer")
@@ -247,6 +249,7 @@ class AsyncEngine:
             except BaseException as error:
                 self._die(error)
                 return
+            self._observe(outputs)
             for output in outputs:
                 self._deliver(output.request_id, output, finished=output.finished)
         stopped = EngineDeadError("the server is shutting down")
@@ -274,8 +277,12 @@ class AsyncEngine:
         )
         for request_id in list(self._queues):
             self._deliver(request_id, failed, finished=True)
-        self.engine.reset(error)
+        self._observe(self.engine.reset(error))
         return []
+
+    def _observe(self, outputs: list[Any]) -> None:
+        if self.on_outputs is not None and outputs:
+            self.on_outputs(outputs, time.time())
 
     def _die(self, error: BaseException) -> None:
         with self._cond:
