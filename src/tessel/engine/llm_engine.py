@@ -27,7 +27,7 @@ from tessel.engine.block_manager import BlockManager
 from tessel.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.detokenizer import IncrementalDetokenizer
 from tessel.engine.memory import check_kv_cache_fits
-from tessel.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.sampling_params import SamplingParams, check_text
 from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -230,8 +230,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
-        sampled, failed = self._run_isolated(batch.scheduled())
-        if failed and not sampled and len(failed) > 1:
+        result, failed = self._run_isolated(batch.scheduled())
+        if failed and not result.seqs and len(failed) > 1:
             raise failed[0][1]  # every request failed on its own: the engine, not a request
         failed_seqs = {id(seq) for seq, _ in failed}
         for seq, error in failed:
@@ -240,8 +240,12 @@ class LLMEngine:
             if id(seq) not in failed_seqs:
                 seq.num_computed_tokens += n
                 self.block_manager.register_computed_blocks(seq)
+        for seq, first, logprobs in result.prompt_logprobs:
+            seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()
-        for seq, token in sampled:
+        for seq, token, logprobs in zip(result.seqs, result.tokens, result.logprobs, strict=True):
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
             try:
                 self._append(seq, token, now)
             except Exception as error:  # e.g. a token the tokenizer cannot decode
@@ -252,21 +256,21 @@ class LLMEngine:
 
     def _run_isolated(
         self, parts: list[tuple[Sequence, int]]
-    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, Exception]]]:
-        """Run `parts`; if that raises, bisect -> ((seq, sampled token)..., (seq, its error)...).
+    ) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
+        """Run `parts`; if that raises, bisect -> (what ran, (seq, its error) for each failing seq).
 
         Re-running a part is safe: its k/v land in the same slots with the same values.
         """
         try:
-            seqs, tokens = self.runner.run(_batch_of(parts))
-            return list(zip(seqs, tokens, strict=True)), []
+            return self.runner.run(_batch_of(parts)), []
         except Exception as error:
             if len(parts) == 1:
-                return [], [(parts[0][0], error)]
+                return StepResult(), [(parts[0][0], error)]
         half = len(parts) // 2
-        left_ok, left_failed = self._run_isolated(parts[:half])
-        right_ok, right_failed = self._run_isolated(parts[half:])
-        return left_ok + right_ok, left_failed + right_failed
+        result, failed = self._run_isolated(parts[:half])
+        right, right_failed = self._run_isolated(parts[half:])
+        result.extend(right)
+        return result, failed + right_failed
 
     def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
         seq.error = error
@@ -313,6 +317,8 @@ class LLMEngine:
             metrics=dataclasses.replace(seq.metrics),  # a snapshot: later steps do not change it
             prompt=seq.prompt,
             error=seq.error,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )
 
 

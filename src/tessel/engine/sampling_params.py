@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound
 MAX_STOP_STRING_CHARS = 1000  # the detokenizer holds back this many characters while streaming
 MAX_STOP_TOKEN_IDS = 1024
 MAX_COUNT = 2**63 - 1  # counts (max_tokens, n) fit a signed 64-bit int, as in every other engine
+MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs; OpenAI's chat limit)
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 
 
@@ -150,6 +151,16 @@ def check_stop_token_ids(value: Any) -> list[int]:
     return ids
 
 
+def check_logprobs(value: Any, name: str = "logprobs") -> int | None:
+    """None: none; k in [0, MAX_LOGPROBS]: the chosen token's logprob and the k most likely."""
+    if value is None:
+        return None
+    k = _int(name, value)
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidSamplingParams(f"{name} must be in [0, {MAX_LOGPROBS}], got {_short(k)}")
+    return k
+
+
 def check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidSamplingParams(f"{name} must be true or false, got {type(value).__name__} {value!r:.40}")
@@ -163,6 +174,9 @@ class SamplingParams:
     `max_tokens=None` generates until EOS/stop or `max_model_len`. `stop` strings end the request
     and are cut from the text; `stop_token_ids` (and EOS, unless `ignore_eos`) end it and stay in
     `token_ids`. `seed` gives the request its own generator: same seed, same tokens.
+    `logprobs=k` returns each generated token's log-probability and the k most likely tokens';
+    `prompt_logprobs=k` the same for the prompt's tokens (the first has none). Log-probabilities
+    are log-softmax of the model's logits before temperature, top-k and top-p (as vLLM's default).
     """
 
     temperature: float = 1.0
@@ -174,6 +188,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.temperature = check_temperature(self.temperature)
@@ -185,6 +201,8 @@ class SamplingParams:
         self.stop_token_ids = check_stop_token_ids(self.stop_token_ids)
         self.ignore_eos = check_bool(self.ignore_eos, "ignore_eos")
         self.skip_special_tokens = check_bool(self.skip_special_tokens, "skip_special_tokens")
+        self.logprobs = check_logprobs(self.logprobs, "logprobs")
+        self.prompt_logprobs = check_logprobs(self.prompt_logprobs, "prompt_logprobs")
 
     def verify(self, vocab_size: int) -> None:
         """Checks that need the model: top_k is refused (not clamped) above the vocabulary size."""
