@@ -233,7 +233,7 @@ def test_concurrent_requests_equal_their_sequential_results(
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "stream": "sometimes"}, "stream"),
     ],
 )

@@ -12,6 +12,7 @@ against a task that waits for the disconnect.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -28,6 +29,7 @@ from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodySizeLimit, ServerLimits
+from tessel.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tessel.server.metrics import ServerMetrics
 from tessel.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -80,6 +82,7 @@ def create_app(
     app.state.async_engine = async_engine
     app.state.model_name = served_name
     app.state.limits = limits
+    token_text = TokenText(engine.tokenizer)  # event loop only
     metrics = ServerMetrics(engine)
     async_engine.on_outputs = metrics.observe
     app.state.metrics = metrics
@@ -128,11 +131,25 @@ def create_app(
         else:
             limits.check_prompt_tokens(len(prompt))
             prompt_ids = prompt
+        echo = ""
+        if body.echo:
+            echo = (
+                prompt if isinstance(prompt, str) else await async_engine.tokenize(lambda t: t.decode(prompt))
+            )
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        final = await generate(raw, body, request_id, prompt, prompt_ids, params, _completion_chunks)
+        chunks = functools.partial(_completion_chunks, echo=echo, body=body, text=token_text)
+        final = await generate(raw, body, request_id, prompt, prompt_ids, params, chunks)
         if isinstance(final, Response):
             return final
-        choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
+        logprobs = None
+        if body.logprobs is not None:
+            entries, ids = final.logprobs, final.token_ids
+            if body.echo:
+                entries, ids = final.prompt_logprobs + entries, final.prompt_token_ids + ids
+            logprobs = completion_logprobs(entries, token_text, ids)
+        choice = CompletionChoice(
+            text=echo + final.text, logprobs=logprobs, finish_reason=final.finish_reason
+        )
         response = CompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
         return JSONResponse(response.model_dump())
 
@@ -145,11 +162,13 @@ def create_app(
         messages = [m.template_dict() for m in body.messages]
         prompt_ids = await async_engine.tokenize(lambda tokenizer: _chat_prompt_ids(tokenizer, messages))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        final = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, _chat_chunks)
+        chunks = functools.partial(_chat_chunks, body=body, text=token_text)
+        final = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, chunks)
         if isinstance(final, Response):
             return final
         message = AssistantMessage(content=final.text)
-        choice = ChatChoice(message=message, finish_reason=final.finish_reason)
+        logprobs = chat_logprobs(final.logprobs, token_text) if body.logprobs else None
+        choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=final.finish_reason)
         response = ChatCompletionResponse(
             id=request_id, model=served_name, choices=[choice], usage=_usage(final)
         )
@@ -171,7 +190,14 @@ def _check_model(requested: str | None, served_name: str) -> None:
 def _sampling_params(body: Any, max_tokens: int | None) -> Any:
     from tessel.engine.sampling_params import SamplingParams
 
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, prompt_logprobs = ((body.top_logprobs or 0) if body.logprobs else None), None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
     return SamplingParams(
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -253,17 +279,33 @@ def _sse(model: Any) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-async def _completion_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _completion_chunks(
+    stream: RequestStream, model: str, include_usage: bool, *, echo: str, body: Any, text: TokenText
+) -> AsyncIterator[str]:
     created, last = int(time.time()), None
+
+    def chunk(text_delta: str, logprobs: Any = None, finish_reason: str | None = None) -> str:
+        choice = CompletionChoice(text=text_delta, logprobs=logprobs, finish_reason=finish_reason)
+        return _sse(CompletionResponse(id=stream.request_id, created=created, model=model, choices=[choice]))
+
+    offset, first = 0, True  # text_offset counts the token texts, as the non-streamed answer does
     async for output in stream:
         last = output
-        text = output.new_text
-        if text or output.finished:
-            choice = CompletionChoice(
-                text=text, finish_reason=output.finish_reason if output.finished else None
-            )
-            chunk = CompletionResponse(id=stream.request_id, created=created, model=model, choices=[choice])
-            yield _sse(chunk)
+        logprobs = None
+        if first and echo:
+            prompt_logprobs = None
+            if body.logprobs is not None:
+                ids = output.prompt_token_ids
+                prompt_logprobs = completion_logprobs(output.prompt_logprobs, text, ids)
+                offset = sum(len(token) for token in prompt_logprobs.tokens)
+            yield chunk(echo, prompt_logprobs)
+        first = False
+        new_ids = output.new_token_ids
+        if body.logprobs is not None and new_ids:
+            logprobs = completion_logprobs(output.logprobs[-len(new_ids) :], text, new_ids, offset)
+            offset += sum(len(token) for token in logprobs.tokens)
+        if output.new_text or output.finished or logprobs is not None:
+            yield chunk(output.new_text, logprobs, output.finish_reason if output.finished else None)
     if include_usage and last is not None:
         yield _sse(
             CompletionResponse(
@@ -273,19 +315,24 @@ async def _completion_chunks(stream: RequestStream, model: str, include_usage: b
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_chunks(
+    stream: RequestStream, model: str, include_usage: bool, *, body: Any, text: TokenText
+) -> AsyncIterator[str]:
     created, last = int(time.time()), None
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs: Any = None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[choice]))
 
     yield chunk(DeltaMessage(role="assistant", content=""))
     async for output in stream:
         last = output
-        text = output.new_text
-        if text:
-            yield chunk(DeltaMessage(content=text))
+        new_ids = output.new_token_ids
+        logprobs = None
+        if body.logprobs and new_ids:
+            logprobs = chat_logprobs(output.logprobs[-len(new_ids) :], text)
+        if output.new_text or logprobs is not None:
+            yield chunk(DeltaMessage(content=output.new_text), logprobs=logprobs)
         if output.finished:
             yield chunk(DeltaMessage(), finish_reason=output.finish_reason)
     if include_usage and last is not None:

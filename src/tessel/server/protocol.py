@@ -6,7 +6,8 @@ validation (`tessel.engine.sampling_params.check_*`), so the HTTP API refuses ex
 valid Unicode (no lone surrogates). Fields tessel does not implement (`tools`, `functions`,
 `response_format`, `logit_bias`, penalties, ...) and unknown fields are refused with a 400 naming
 them, unless sent at their no-op value (null, `presence_penalty: 0`, `tools: []`, ...), which
-clients often do. `n > 1`, `logprobs`, `echo` and `suffix` are refused too. `top_k` and
+clients often do. `n > 1` and `suffix` are refused too. Completions take `logprobs: k` and `echo`;
+chat takes `logprobs: true` with `top_logprobs: k` (k up to `MAX_LOGPROBS`). `top_k` and
 `ignore_eos` are extensions that vLLM also accepts.
 """
 
@@ -28,6 +29,7 @@ from pydantic import (
 from tessel.engine.sampling_params import (
     InvalidSamplingParams,
     check_int,
+    check_logprobs,
     check_max_tokens,
     check_seed,
     check_stop,
@@ -47,7 +49,6 @@ NO_OP_VALUES: dict[str, list[Any]] = {
     "repetition_penalty": [1],
     "logit_bias": [{}],
     "best_of": [1],
-    "top_logprobs": [0],
     "tools": [[]],
     "tool_choice": ["none"],
     "parallel_tool_calls": [True, False],
@@ -168,24 +169,8 @@ def _prompt(prompt: Any) -> str | list[int]:
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str | list[int], BeforeValidator(_prompt)]
     echo: StrictBool = False
-    logprobs: Annotated[
-        int | None, BeforeValidator(lambda v: None if v is None else check_int(v, "logprobs"))
-    ] = None
+    logprobs: Annotated[int | None, BeforeValidator(check_logprobs)] = None
     suffix: Annotated[str | None, BeforeValidator(_optional_text("suffix"))] = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        return logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -255,13 +240,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens = None
     logprobs: StrictBool = False
+    top_logprobs: Annotated[int | None, BeforeValidator(lambda v: check_logprobs(v, "top_logprobs"))] = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool) -> bool:
-        if logprobs:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -276,10 +261,19 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists over tokens; `None` for the first prompt token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -297,10 +291,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -321,7 +329,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
