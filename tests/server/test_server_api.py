@@ -226,7 +226,7 @@ def test_concurrent_requests_equal_their_sequential_results(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 17}, "n"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),

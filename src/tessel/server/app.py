@@ -12,6 +12,7 @@ against a task that waits for the disconnect.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
+from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
@@ -110,15 +112,35 @@ def create_app(
     async def generate(
         raw: Request, body: Any, request_id: str, prompt: Any, prompt_ids: list[int], params: Any, chunks: Any
     ) -> Any:
-        """Queue the request; a streaming response, or the final output (or a 499 if the client left)."""
+        """Queue the request's `n` choices; a streaming response, or their final outputs (or a 499).
+
+        With n > 1 the first choice runs its prefill alone; the others are added once its prompt
+        blocks are computed, so they take the prompt's full KV blocks from the prefix cache.
+        """
         limits.check_prompt_tokens(len(prompt_ids))
-        added = async_engine.add(request_id, prompt, params, prompt_token_ids=prompt_ids)
-        stream = await _cancel_on_disconnect(raw, added)
-        if isinstance(stream, Response):
-            return stream
+        streams: list[RequestStream] = []
+        try:
+            for index in range(body.n):
+                rid = request_id if body.n == 1 else f"{request_id}-{index}"
+                added = async_engine.add(
+                    rid, prompt, _choice_params(params, index), prompt_token_ids=prompt_ids
+                )
+                stream = await _cancel_on_disconnect(raw, added)
+                if isinstance(stream, Response):
+                    return stream
+                streams.append(stream)
+                if index == 0 and body.n > 1:
+                    waited = await _cancel_on_disconnect(raw, stream.started())
+                    if isinstance(waited, Response):
+                        return waited
+        except BaseException:
+            _abort_all(streams)
+            raise
+        if len(streams) < body.n:  # the client left
+            _abort_all(streams)
         if body.stream:
-            return _event_stream(stream, chunks(stream, served_name, body.include_usage()))
-        return await _final_output(raw, stream)
+            return _event_stream(streams, chunks(streams, served_name, body.include_usage()))
+        return await _final_outputs(raw, streams)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -138,19 +160,21 @@ def create_app(
             )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         chunks = functools.partial(_completion_chunks, echo=echo, body=body, text=token_text)
-        final = await generate(raw, body, request_id, prompt, prompt_ids, params, chunks)
-        if isinstance(final, Response):
-            return final
-        logprobs = None
-        if body.logprobs is not None:
-            entries, ids = final.logprobs, final.token_ids
-            if body.echo:
-                entries, ids = final.prompt_logprobs + entries, final.prompt_token_ids + ids
-            logprobs = completion_logprobs(entries, token_text, ids)
-        choice = CompletionChoice(
-            text=echo + final.text, logprobs=logprobs, finish_reason=final.finish_reason
-        )
-        response = CompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
+        finals = await generate(raw, body, request_id, prompt, prompt_ids, params, chunks)
+        if isinstance(finals, Response):
+            return finals
+        choices = []
+        for index, final in enumerate(finals):
+            logprobs = None
+            if body.logprobs is not None:
+                entries, ids = final.logprobs, final.token_ids
+                if body.echo:
+                    entries, ids = final.prompt_logprobs + entries, final.prompt_token_ids + ids
+                logprobs = completion_logprobs(entries, token_text, ids)
+            text, reason = echo + final.text, final.finish_reason
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason))
+        usage = _usage(finals)
+        response = CompletionResponse(id=request_id, model=served_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
     @app.post("/v1/chat/completions")
@@ -163,14 +187,17 @@ def create_app(
         prompt_ids = await async_engine.tokenize(lambda tokenizer: _chat_prompt_ids(tokenizer, messages))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         chunks = functools.partial(_chat_chunks, body=body, text=token_text)
-        final = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, chunks)
-        if isinstance(final, Response):
-            return final
-        message = AssistantMessage(content=final.text)
-        logprobs = chat_logprobs(final.logprobs, token_text) if body.logprobs else None
-        choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=final.finish_reason)
+        finals = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, chunks)
+        if isinstance(finals, Response):
+            return finals
+        choices = []
+        for index, final in enumerate(finals):
+            message = AssistantMessage(content=final.text)
+            logprobs = chat_logprobs(final.logprobs, token_text) if body.logprobs else None
+            reason = final.finish_reason
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
         response = ChatCompletionResponse(
-            id=request_id, model=served_name, choices=[choice], usage=_usage(final)
+            id=request_id, model=served_name, choices=choices, usage=_usage(finals)
         )
         return JSONResponse(response.model_dump())
 
@@ -222,9 +249,23 @@ def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
     return list(ids)
 
 
-def _usage(output: Any) -> UsageInfo:
-    prompt, completion = output.num_prompt_tokens, output.num_output_tokens
+def _usage(outputs: list[Any]) -> UsageInfo:
+    """The prompt counted once, the completions of every choice summed (OpenAI's usage for n > 1)."""
+    prompt = outputs[0].num_prompt_tokens
+    completion = sum(output.num_output_tokens for output in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _choice_params(params: Any, index: int) -> Any:
+    """Choice i samples with seed + i (mod 2**64): its own stream; choice 0 is the n = 1 answer."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -249,19 +290,55 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def _final_output(request: Request, stream: RequestStream) -> Any:
-    """The request's last output, or a 499 response if the client went away first."""
+async def _final_outputs(request: Request, streams: list[RequestStream]) -> Any:
+    """Each choice's last output, or a 499 response if the client went away first."""
+    tasks = [asyncio.ensure_future(stream.final()) for stream in streams]
     try:
-        return await _cancel_on_disconnect(request, stream.final())
+        return await _cancel_on_disconnect(request, asyncio.gather(*tasks))
     finally:
-        stream.abort()  # no-op once finished; covers a task cancelled before it ever ran
+        for task in tasks:
+            task.cancel()  # one choice failed: stop waiting for the others
+        _abort_all(streams)  # no-op once finished; covers a task cancelled before it ever ran
 
 
-def _event_stream(stream: RequestStream, chunks: AsyncIterator[str]) -> StreamingResponse:
-    """Server-sent events; the request is aborted once the response ends, however it ends."""
+def _event_stream(streams: list[RequestStream], chunks: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events; the requests are aborted once the response ends, however it ends."""
     return StreamingResponse(
-        _guarded(chunks), media_type="text/event-stream", background=BackgroundTask(stream.abort)
+        _guarded(chunks), media_type="text/event-stream", background=BackgroundTask(_abort_all, streams)
     )
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from all streams as they come; leaving early aborts them all."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+        except Exception as error:
+            queue.put_nowait((index, None, error))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -280,64 +357,68 @@ def _sse(model: Any) -> str:
 
 
 async def _completion_chunks(
-    stream: RequestStream, model: str, include_usage: bool, *, echo: str, body: Any, text: TokenText
+    streams: list[RequestStream], model: str, include_usage: bool, *, echo: str, body: Any, text: TokenText
 ) -> AsyncIterator[str]:
-    created, last = int(time.time()), None
+    created, request_id = int(time.time()), _request_id(streams)
+    last: dict[int, Any] = {}
+    offsets: dict[int, int] = {}  # text_offset counts the token texts, as the non-streamed answer does
 
-    def chunk(text_delta: str, logprobs: Any = None, finish_reason: str | None = None) -> str:
-        choice = CompletionChoice(text=text_delta, logprobs=logprobs, finish_reason=finish_reason)
-        return _sse(CompletionResponse(id=stream.request_id, created=created, model=model, choices=[choice]))
+    def chunk(index: int, text_delta: str, logprobs: Any = None, finish_reason: str | None = None) -> str:
+        choice = CompletionChoice(
+            index=index, text=text_delta, logprobs=logprobs, finish_reason=finish_reason
+        )
+        return _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
 
-    offset, first = 0, True  # text_offset counts the token texts, as the non-streamed answer does
-    async for output in stream:
-        last = output
-        logprobs = None
-        if first and echo:
+    async for index, output in _merged(streams):
+        if index not in last and echo:
             prompt_logprobs = None
             if body.logprobs is not None:
-                ids = output.prompt_token_ids
-                prompt_logprobs = completion_logprobs(output.prompt_logprobs, text, ids)
-                offset = sum(len(token) for token in prompt_logprobs.tokens)
-            yield chunk(echo, prompt_logprobs)
-        first = False
-        new_ids = output.new_token_ids
+                prompt_logprobs = completion_logprobs(output.prompt_logprobs, text, output.prompt_token_ids)
+                offsets[index] = sum(len(token) for token in prompt_logprobs.tokens)
+            yield chunk(index, echo, prompt_logprobs)
+        last[index] = output
+        new_ids, logprobs = output.new_token_ids, None
         if body.logprobs is not None and new_ids:
+            offset = offsets.get(index, 0)
             logprobs = completion_logprobs(output.logprobs[-len(new_ids) :], text, new_ids, offset)
-            offset += sum(len(token) for token in logprobs.tokens)
+            offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
         if output.new_text or output.finished or logprobs is not None:
-            yield chunk(output.new_text, logprobs, output.finish_reason if output.finished else None)
-    if include_usage and last is not None:
-        yield _sse(
-            CompletionResponse(
-                id=stream.request_id, created=created, model=model, choices=[], usage=_usage(last)
-            )
-        )
+            reason = output.finish_reason if output.finished else None
+            yield chunk(index, output.new_text, logprobs, reason)
+    if include_usage and last:
+        usage = _usage(list(last.values()))
+        yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield "data: [DONE]\n\n"
 
 
 async def _chat_chunks(
-    stream: RequestStream, model: str, include_usage: bool, *, body: Any, text: TokenText
+    streams: list[RequestStream], model: str, include_usage: bool, *, body: Any, text: TokenText
 ) -> AsyncIterator[str]:
-    created, last = int(time.time()), None
+    created, request_id = int(time.time()), _request_id(streams)
+    last: dict[int, Any] = {}
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs: Any = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[choice]))
+    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs: Any = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        return _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    async for output in stream:
-        last = output
-        new_ids = output.new_token_ids
-        logprobs = None
+    for index in range(len(streams)):
+        yield chunk(index, DeltaMessage(role="assistant", content=""))
+    async for index, output in _merged(streams):
+        last[index] = output
+        new_ids, logprobs = output.new_token_ids, None
         if body.logprobs and new_ids:
             logprobs = chat_logprobs(output.logprobs[-len(new_ids) :], text)
         if output.new_text or logprobs is not None:
-            yield chunk(DeltaMessage(content=output.new_text), logprobs=logprobs)
+            yield chunk(index, DeltaMessage(content=output.new_text), logprobs=logprobs)
         if output.finished:
-            yield chunk(DeltaMessage(), finish_reason=output.finish_reason)
-    if include_usage and last is not None:
-        usage_chunk = ChatCompletionChunk(
-            id=stream.request_id, created=created, model=model, choices=[], usage=_usage(last)
-        )
-        yield _sse(usage_chunk)
+            yield chunk(index, DeltaMessage(), finish_reason=output.finish_reason)
+    if include_usage and last:
+        usage = _usage(list(last.values()))
+        yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield "data: [DONE]\n\n"
+
+
+def _request_id(streams: list[RequestStream]) -> str:
+    """The response id: the engine request id, without a choice's "-i" suffix when n > 1."""
+    rid = streams[0].request_id
+    return rid if len(streams) == 1 else rid.rsplit("-", 1)[0]

@@ -52,11 +52,17 @@ class RequestStream:
         self._queue = queue
         self._owner = owner
         self._done = False
+        self._peeked: deque[Any] = deque()
+
+    async def started(self) -> None:
+        """Wait for the first output (its prompt is computed); the iteration still yields it."""
+        if not self._peeked:
+            self._peeked.append(await self._queue.get())
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
             while not self._done:
-                item = await self._queue.get()
+                item = self._peeked.popleft() if self._peeked else await self._queue.get()
                 if isinstance(item, BaseException):
                     self._close(abort=False)
                     raise item

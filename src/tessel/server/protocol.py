@@ -6,9 +6,9 @@ validation (`tessel.engine.sampling_params.check_*`), so the HTTP API refuses ex
 valid Unicode (no lone surrogates). Fields tessel does not implement (`tools`, `functions`,
 `response_format`, `logit_bias`, penalties, ...) and unknown fields are refused with a 400 naming
 them, unless sent at their no-op value (null, `presence_penalty: 0`, `tools: []`, ...), which
-clients often do. `n > 1` and `suffix` are refused too. Completions take `logprobs: k` and `echo`;
-chat takes `logprobs: true` with `top_logprobs: k` (k up to `MAX_LOGPROBS`). `top_k` and
-`ignore_eos` are extensions that vLLM also accepts.
+clients often do. `suffix` is refused too; `n` is 1 to `MAX_CHOICES`. Completions take
+`logprobs: k` and `echo`; chat takes `logprobs: true` with `top_logprobs: k` (k up to
+`MAX_LOGPROBS`). `top_k` and `ignore_eos` are extensions that vLLM also accepts.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from tessel.engine.sampling_params import (
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant")
+MAX_CHOICES = 16  # n: choices per request (each one is a sequence in the engine)
 # Fields OpenAI's API has and tessel does not implement: accepted only at these no-op values (or null).
 NO_OP_VALUES: dict[str, list[Any]] = {
     "presence_penalty": [0],
@@ -66,12 +67,10 @@ def _optional_text(name: str):
     return lambda value: None if value is None else check_text(value, name)
 
 
-def _one_choice(value: Any) -> int:
+def _choices(value: Any) -> int:
     n = check_int(value, "n")
-    if n != 1:
-        raise InvalidSamplingParams(
-            f"n={n if abs(n) < 10**6 else '...'} is not supported: one choice per request"
-        )
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidSamplingParams(f"n must be in [1, {MAX_CHOICES}], got {n if abs(n) < 10**6 else '...'}")
     return n
 
 
@@ -132,7 +131,7 @@ class _SamplingFields(_Request):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = 0
-    n: Annotated[int, BeforeValidator(_one_choice)] = 1
+    n: Annotated[int, BeforeValidator(_choices)] = 1
     stop: Stop = Field(default_factory=list)
     seed: Seed = None
     stream: StrictBool = False
