@@ -57,14 +57,28 @@ def _plausible(field: str) -> st.SearchStrategy:
         "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
         "stream": st.booleans(),
         "ignore_eos": st.booleans(),
-        "n": st.just(1),
+        "n": st.integers(1, 3),
+        "logprobs": st.one_of(st.integers(0, 5), st.booleans()),
+        "top_logprobs": st.integers(0, 5),
+        "echo": st.booleans(),
     }.get(field, _json)
 
 
-_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "ignore_eos", "n"]
-_OTHER = [
-    "echo",
+_FIELDS = [
     "logprobs",
+    "top_logprobs",
+    "echo",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "ignore_eos",
+    "n",
+]
+_OTHER = [
     "suffix",
     "model",
     "user",
