@@ -57,3 +57,5 @@ def generate(
             f"[dim]({output.num_output_tokens} tokens, finish_reason={output.finish_reason})[/dim]",
             markup=True,
         )
+        if output.error is not None:  # this prompt failed in the engine; the others are unaffected
+            console.print(f"error: {type(output.error).__name__}: {output.error}", markup=False)
