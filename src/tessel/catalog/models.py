@@ -14,15 +14,17 @@ token runs through `experts_per_token` of them (compute); the cost model counts 
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.errors import TesselError
+from tessel.files import read_json_file
 
 MLP_KINDS = ("gated", "plain")  # gated: gate/up/down with SiLU (Llama); plain: fc1/fc2 with ReLU (OPT)
 NORM_KINDS = ("rmsnorm", "layernorm")
 ATTENTION_BIAS = ("none", "qkv", "all")  # Qwen2 biases q/k/v only; OPT biases all four projections
+MAX_CONFIG_INT = 2**40  # bound on any count in a config.json (sizes, layers, vocabulary), far above real ones
 OPT_POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding holds max_position_embeddings + 2 rows (HF source)
 
 
@@ -179,10 +181,7 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
             f"{name_or_path!r} is neither a model preset nor a config.json (looked for {path}); "
             f"presets: {', '.join(known_models())}"
         )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    config = read_json_file(path, "model config")
     if not isinstance(config, dict):
         raise TesselError(f"{path}: expected a JSON object of config fields")
     name = path.parent.name or str(path)
@@ -205,7 +204,7 @@ def model_from_config(config: dict, *, name: str, source: str) -> ModelSpec:
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=_optional_int(config, "num_key_value_heads", heads, where),
-        head_dim=_optional_int(config, "head_dim", hidden // heads, where),
+        head_dim=_optional_int(config, "head_dim", hidden // heads if heads > 0 else 0, where),
         intermediate_size=_require(config, "intermediate_size", where),
         vocab_size=_require(config, "vocab_size", where),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -214,7 +213,7 @@ def model_from_config(config: dict, *, name: str, source: str) -> ModelSpec:
         mlp_bias=bool(config.get("mlp_bias", False)),
         num_experts=_optional_int(config, "num_local_experts", 1, where),
         experts_per_token=_optional_int(config, "num_experts_per_tok", 1, where),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(config, where),
         source=source,
     )
 
@@ -238,7 +237,7 @@ def _opt_from_config(config: dict, *, name: str, source: str, where: str) -> Mod
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=hidden // heads,
+        head_dim=hidden // heads if heads > 0 else 0,
         intermediate_size=_require(config, "ffn_dim", where),
         vocab_size=_require(config, "vocab_size", where),
         tied_embeddings=bool(config.get("tie_word_embeddings", True)),
@@ -261,7 +260,14 @@ def _build(where: str, **fields) -> ModelSpec:
 
 def _architecture(config: dict, default: str) -> str:
     architectures = config.get("architectures") or [default]
-    return str(architectures[0])
+    return str(architectures[0]) if isinstance(architectures, list) else default
+
+
+def _rope_theta(config: dict, where: str) -> float:
+    value = config.get("rope_theta", 10000.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise TesselError(f"{where}: field 'rope_theta' must be a positive number, got {value!r:.60}")
+    return float(value)
 
 
 def _require(config: dict, key: str, where: str) -> int:
@@ -278,6 +284,7 @@ def _optional_int(config: dict, key: str, default: int, where: str) -> int:
 
 
 def _as_int(value: object, key: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
-        raise TesselError(f"{where}: field {key!r} must be a whole number, got {value!r}")
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or abs(value) > MAX_CONFIG_INT:
+        raise TesselError(f"{where}: field {key!r} must be a whole number, got {value!r:.60}")
     return int(value)

@@ -22,7 +22,6 @@ the twin does not know, falls back to scalar calls: slower, same numbers).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -38,6 +37,7 @@ from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec, link_time_s
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
+from tessel.files import read_json_file
 
 PLAN_VERSION = 1
 GBPS = 1e9 / 8  # bytes/s in one Gb/s: plan and cluster files give bandwidth_gbps in gigabits per second
@@ -301,12 +301,9 @@ def _unit_counts(stage: StageSpec, granularity: str) -> tuple[tuple[str, int], .
 def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> PlanPipeline:
     """The priced pipeline of a `tessel plan --json` file (version 1)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TesselError(f"plan file {path} does not exist (write one with `tessel plan --json`)") from None
-    except json.JSONDecodeError as error:
-        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not path.exists():
+        raise TesselError(f"plan file {path} does not exist (write one with `tessel plan --json`)")
+    data = read_json_file(path, "plan file")
     if not isinstance(data, dict) or data.get("version", PLAN_VERSION) != PLAN_VERSION:
         raise TesselError(f"{path}: not a version {PLAN_VERSION} plan file")
     try:

@@ -8,11 +8,11 @@ becomes a `PlanVariant`: a name and its stages in pipeline order. A malformed fi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessel.errors import TesselError
+from tessel.files import read_json_file
 
 PLAN_VERSION = 1
 MAIN_VARIANT = "plan"
@@ -63,12 +63,9 @@ class PlanFile:
 
 def load_plan(path: str | Path) -> PlanFile:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TesselError(f"plan file {path} does not exist (make one with `tessel plan --json`)") from None
-    except json.JSONDecodeError as error:
-        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not path.exists():
+        raise TesselError(f"plan file {path} does not exist (make one with `tessel plan --json`)")
+    data = read_json_file(path, "plan file")
     if not isinstance(data, dict):
         raise TesselError(f"{path}: a plan file holds a JSON object")
     if data.get("version", PLAN_VERSION) != PLAN_VERSION:
