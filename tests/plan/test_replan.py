@@ -118,5 +118,5 @@ def test_cli_replan(tmp_path: Path) -> None:
     assert data["workload"]["name"] == "long-prompt" and data["stages"]
     (tmp_path / "bad.json").write_text("{not json")
     result = CliRunner().invoke(app, [*args, "--replan-from", str(tmp_path / "bad.json")])
-    assert isinstance(result.exception, TesselError) and "not JSON" in str(result.exception)
+    assert isinstance(result.exception, TesselError) and "not valid JSON" in str(result.exception)
     assert np.isfinite(data["objective"])
