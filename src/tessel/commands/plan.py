@@ -43,9 +43,13 @@ def plan(
     mip_gap: float = typer.Option(0.01, "--mip-gap", min=0, max=0.999, help="Relative gap to stop at."),
     dtype: Dtype = typer.Option("fp16", help="Weight dtype."),
     kv_dtype: Dtype = typer.Option("fp16", "--kv-dtype", help="KV cache dtype."),
-    profile: list[Path] = input_file([], "--profile", help="Profile JSON from `tessel profile` (repeatable)."),
+    profile: list[Path] = input_file(
+        [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
+    ),
     json_path: Path | None = output_file(None, "--json", help="Write the plan (contract version 1) here."),
-    export: Literal["vllm"] | None = typer.Option(None, "--export", help="'vllm': print a vLLM launch command."),
+    export: Literal["vllm"] | None = typer.Option(
+        None, "--export", help="'vllm': print a vLLM launch command."
+    ),
     replan_from: Path | None = input_file(
         None,
         "--replan-from",

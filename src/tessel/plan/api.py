@@ -85,7 +85,12 @@ class PlanOutcome:
             cluster=self.cluster,
             cluster_source=self.cluster_source,
             workload=self.workload,
-            solver={"name": result.solver, "status": result.status, "gap": result.gap, "time_s": result.time_s},
+            solver={
+                "name": result.solver,
+                "status": result.status,
+                "gap": result.gap,
+                "time_s": result.time_s,
+            },
             baselines=self.baselines,
             dtype=self.settings.dtype,
             kv_dtype=self.settings.kv_dtype,
@@ -163,7 +168,9 @@ def make_plan(
         )
         result = decision.chosen
     baselines = run_baselines(instance)
-    source = str(cluster) if not isinstance(cluster, Cluster) and Path(cluster).exists() else cluster_spec.name
+    source = (
+        str(cluster) if not isinstance(cluster, Cluster) and Path(cluster).exists() else cluster_spec.name
+    )
     return PlanOutcome(
         model_spec,
         cluster_spec,
