@@ -49,3 +49,21 @@ def user_error(args: list[str], *, guard_s: float = 120.0) -> str:
         result.output[-2000:],
     )
     return " ".join(result.output.split())
+
+
+def succeeds_or_user_error(args: list, *, guard_s: float = 60.0) -> int:
+    """Run `tessel ARGS`: success, or a user error (exit 2 with a message); never another exception."""
+    with time_guard(guard_s):
+        result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exit_code == 0:
+        return 0
+    if isinstance(result.exception, TesselError):
+        assert result.exception.exit_code == 2 and str(result.exception).strip()
+        return 2
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (
+        args,
+        result.exit_code,
+        repr(result.exception),
+        result.output[-2000:],
+    )
+    return 2
