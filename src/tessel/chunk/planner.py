@@ -83,12 +83,16 @@ def check_problem_size(seq_lens: Sequence[int], grid_tokens: int, max_chunk_toke
     """Refuse problems the planner cannot hold in memory or finish in reasonable time."""
     if not seq_lens or min(seq_lens) < 1 or max(seq_lens) > MAX_PROMPT_TOKENS:
         raise TesselError(
-            f"prompt lengths must be from 1 to {MAX_PROMPT_TOKENS} tokens, got {_brief(seq_lens)}"
+            f"prompt lengths must be positive and at most {MAX_PROMPT_TOKENS} tokens, got {_brief(seq_lens)}"
         )
     if not 1 <= grid_tokens <= MAX_PROMPT_TOKENS:
-        raise TesselError(f"the grid must be from 1 to {MAX_PROMPT_TOKENS} tokens, got {grid_tokens}")
+        raise TesselError(
+            f"the grid must be positive and at most {MAX_PROMPT_TOKENS} tokens, got {grid_tokens}"
+        )
     if max_chunk_tokens is not None and not 1 <= max_chunk_tokens <= MAX_PROMPT_TOKENS:
-        raise TesselError(f"max chunk tokens must be from 1 to {MAX_PROMPT_TOKENS}, got {max_chunk_tokens}")
+        raise TesselError(
+            f"max chunk tokens must be positive and at most {MAX_PROMPT_TOKENS}, got {max_chunk_tokens}"
+        )
     steps = sum(-(-length // grid_tokens) for length in seq_lens)
     if steps > MAX_GRID_STEPS:
         coarser = -(-sum(seq_lens) // MAX_GRID_STEPS)
