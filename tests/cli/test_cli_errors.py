@@ -220,3 +220,26 @@ def test_guard_itself_fires() -> None:
 
     with pytest.raises(Exception, match="more than"), time_guard(0.05):
         time.sleep(1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"num_attention_heads": 0},
+        {"num_attention_heads": 1e400},
+        {"hidden_size": float("nan")},
+        {"rope_theta": "fast"},
+        {"architectures": 7},
+    ],
+)
+def test_model_config_values_that_crashed_the_reader(tmp_path: Path, fields: dict) -> None:
+    import json
+
+    from tessel.catalog.models import load_model
+
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    config |= {"intermediate_size": 128, "vocab_size": 100, "rope_theta": 10000.0} | fields
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(TesselError):
+        load_model(path)

@@ -199,7 +199,7 @@ def model_from_config(config: dict, *, name: str, source: str) -> ModelSpec:
     return _build(
         where,
         name=name,
-        architecture=_architecture(config, "LlamaForCausalLM"),
+        architecture=_architecture(config, "LlamaForCausalLM", where),
         num_layers=_require(config, "num_hidden_layers", where),
         hidden_size=hidden,
         num_heads=heads,
@@ -232,7 +232,7 @@ def _opt_from_config(config: dict, *, name: str, source: str, where: str) -> Mod
     return _build(
         where,
         name=name,
-        architecture=_architecture(config, "OPTForCausalLM"),
+        architecture=_architecture(config, "OPTForCausalLM", where),
         num_layers=_require(config, "num_hidden_layers", where),
         hidden_size=hidden,
         num_heads=heads,
@@ -258,9 +258,13 @@ def _build(where: str, **fields) -> ModelSpec:
         raise TesselError(f"{where}: {error}") from None
 
 
-def _architecture(config: dict, default: str) -> str:
+def _architecture(config: dict, default: str, where: str) -> str:
     architectures = config.get("architectures") or [default]
-    return str(architectures[0]) if isinstance(architectures, list) else default
+    if not isinstance(architectures, list):
+        raise TesselError(
+            f"{where}: field 'architectures' must be a list of class names, got {architectures!r:.60}"
+        )
+    return str(architectures[0])
 
 
 def _rope_theta(config: dict, where: str) -> float:
