@@ -83,9 +83,13 @@ def test_chunk_with_model_and_cluster_and_a_batch(tmp_path) -> None:
     ],
 )
 def test_user_errors(args: list[str], message: str) -> None:
+    """A TesselError from the work, or a usage error (exit 2) from typer's own checks of the options."""
     result = runner.invoke(app, args)
     assert result.exit_code != 0
-    assert message in str(result.exception)
+    if isinstance(result.exception, SystemExit):
+        assert result.exit_code == 2 and message in result.output
+    else:
+        assert message in str(result.exception)
 
 
 def test_profile_command_writes_a_profile(tmp_path) -> None:

@@ -226,14 +226,14 @@ def test_concurrent_requests_equal_their_sequential_results(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 17}, "n"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "stream": "sometimes"}, "stream"),
     ],
 )

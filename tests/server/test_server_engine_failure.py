@@ -1,7 +1,9 @@
 """An engine that fails mid-generation: the server answers 503 in OpenAI's shape, never hangs.
 
-The engine is the real `LLMEngine` with one switch: `step()` raises once `broken` is set, the way
-an out-of-memory or a kernel error would surface.
+The engine is the real `LLMEngine` with one switch: `step()` raises while `broken` is set (or
+once, with `break_once`), the way an out-of-memory or a kernel error would surface. Such a failure
+is not pinned on one request: the requests in flight get 503, the loop restarts and serves the
+next request, up to `max_engine_restarts`; after that the engine is dead and `on_dead` fires.
 """
 
 from __future__ import annotations
@@ -22,28 +24,51 @@ def broken_engine(tiny_model: Path) -> Any:
 
     class BreakableEngine(LLMEngine):
         broken = False
+        break_once = False
 
         def step(self) -> list:
-            if self.broken:
+            if self.broken or self.break_once:
+                self.break_once = False
                 raise RuntimeError("simulated device failure")
             return super().step()
 
     return BreakableEngine(str(tiny_model), max_num_seqs=2, max_model_len=256, kv_cache_gib=0.01)
 
 
-def test_engine_failure_is_503_and_health_reports_it(broken_engine: Any, serve_in_thread: Any) -> None:
+def test_engine_failure_is_503_then_the_loop_restarts(broken_engine: Any, serve_in_thread: Any) -> None:
     from tessel.server.app import create_app
 
     app = create_app(broken_engine, max_pending=4)
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
-        ok = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
-        assert ok.status_code == 200, ok.text
-        broken_engine.broken = True
-
+        broken_engine.break_once = True
         failed = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         assert failed.status_code == 503
         error = failed.json()["error"]
         assert error["code"] == "engine_dead" and "simulated device failure" in error["message"]
+        assert "restarted" in error["message"]
+        assert client.get("/health").json() == {"status": "ok"}
+        ok = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+    assert broken_engine.num_free_blocks == broken_engine.num_total_blocks
+
+
+def test_engine_failing_past_its_restarts_is_dead(broken_engine: Any, serve_in_thread: Any) -> None:
+    from tessel.server.app import create_app
+    from tessel.server.limits import ServerLimits
+
+    app = create_app(broken_engine, max_pending=4, limits=ServerLimits(max_engine_restarts=1))
+    dead_calls = []
+    app.state.async_engine.on_dead = lambda: dead_calls.append(True)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+        ok = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+        broken_engine.broken = True
+        for _ in range(2):  # the first failure restarts, the second is past the limit
+            failed = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+            assert failed.status_code == 503
+            error = failed.json()["error"]
+            assert error["code"] == "engine_dead" and "simulated device failure" in error["message"]
+        assert dead_calls == [True]
 
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"

@@ -177,7 +177,7 @@ def test_regime_defaults_come_from_the_plan_workload(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     assert regime_defaults(load_plan(path), "plan") == continuous
     result = CliRunner().invoke(app, ["simulate", "--plan", str(path), "--regime", "vllm"])
-    assert isinstance(result.exception, TesselError) and "--regime must be one of" in str(result.exception)
+    assert result.exit_code == 2 and "Invalid value for '--regime'" in result.output  # typer's own check
 
 
 def test_scheduler_flags_take_the_engines_names_and_keep_the_old_ones_hidden(tmp_path: Path) -> None:
@@ -200,4 +200,4 @@ def test_scheduler_flags_take_the_engines_names_and_keep_the_old_ones_hidden(tmp
     assert "--max-num-seqs" in help_text and "--max-num-batched-tokens" in help_text
     assert "--max-running" not in help_text and "--max-batch-tokens" not in help_text
     bad = CliRunner().invoke(app, [*base, "--max-running", "0"])
-    assert isinstance(bad.exception, TesselError) and "--max-num-seqs must be >= 1" in str(bad.exception)
+    assert bad.exit_code == 2 and "--max-running" in bad.output  # typer's own range check

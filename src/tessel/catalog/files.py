@@ -15,6 +15,11 @@ import pydantic
 import yaml
 
 from tessel.errors import TesselError
+from tessel.files import check_nesting, read_text_file
+
+# Most values a YAML file may expand to once its aliases are followed (a cluster or workload file
+# holds a few hundred): refuses "billion laughs" alias bombs before anything walks the values.
+MAX_YAML_VALUES = 100_000
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 
@@ -28,8 +33,8 @@ def bundled_names(folder: str) -> list[str]:
 def resolve_file(path_or_name: str | Path, folder: str, kind: str) -> tuple[str, str]:
     """(text, label) of a path that exists, else of a bundled file of that name."""
     path = Path(path_or_name).expanduser()
-    if path.is_file():
-        return path.read_text(), str(path)
+    if path.exists():
+        return read_text_file(path, f"{kind} file"), str(path)
     name = str(path_or_name).strip()
     name = name[: -len(".yaml")] if name.endswith(".yaml") else name
     if name in bundled_names(folder):
@@ -43,19 +48,48 @@ def resolve_file(path_or_name: str | Path, folder: str, kind: str) -> tuple[str,
 
 def parse_yaml(text: str, label: str, model_cls: type[ModelT]) -> ModelT:
     """Validate YAML text as `model_cls`; errors say file:line: field: what is wrong."""
+    check_nesting(text, label)
     try:
         tree = yaml.compose(text)
+        _check_expanded_size(tree, label)
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line = f":{mark.line + 1}" if mark is not None else ""
         raise TesselError(f"{label}{line}: not valid YAML ({error.problem})") from None
+    except yaml.YAMLError as error:  # ReaderError: control characters, invalid code points
+        raise TesselError(f"{label}: not valid YAML ({error})") from None
+    except (RecursionError, ValueError, OverflowError) as error:  # e.g. a float too large for a timestamp
+        raise TesselError(f"{label}: not valid YAML ({str(error)[:200]})") from None
     if not isinstance(data, dict):
         raise TesselError(f"{label}: expected a YAML mapping of fields at the top level")
     try:
         return model_cls.model_validate(data)
     except pydantic.ValidationError as error:
         raise TesselError(_format_errors(error, tree, label, model_cls)) from None
+
+
+def _check_expanded_size(tree: yaml.Node | None, label: str) -> None:
+    """Refuse YAML whose aliases expand to more than MAX_YAML_VALUES values."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a recursive alias counts once
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(key) + size(value) for key, value in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(item) for item in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = min(total, MAX_YAML_VALUES + 1)
+        return sizes[id(node)]
+
+    if tree is not None and size(tree) > MAX_YAML_VALUES:
+        raise TesselError(
+            f"{label}: expands to more than {MAX_YAML_VALUES} values (YAML aliases); write the values out"
+        )
 
 
 def validate_data(data: dict, label: str, model_cls: type[ModelT]) -> ModelT:

@@ -23,6 +23,7 @@ from tessel.errors import TesselError
 MLP_KINDS = ("gated", "plain")  # gated: gate/up/down with SiLU (Llama); plain: fc1/fc2 with ReLU (OPT)
 NORM_KINDS = ("rmsnorm", "layernorm")
 ATTENTION_BIAS = ("none", "qkv", "all")  # Qwen2 biases q/k/v only; OPT biases all four projections
+MAX_CONFIG_INT = 2**40  # bound on any count in a config.json (sizes, layers, vocabulary), far above real ones
 OPT_POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding holds max_position_embeddings + 2 rows (HF source)
 
 

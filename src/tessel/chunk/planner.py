@@ -44,6 +44,7 @@ from tessel.chunk.schedule import (
     stage_prefill_times,
     stage_send_times,
 )
+from tessel.errors import TesselError
 
 TAU_BATCH = 32  # taus per vectorised DP pass
 EXACT_MAX_GRID = 64  # largest grid (steps) the exact Pareto search runs on by default
@@ -54,6 +55,11 @@ LOCAL_SEARCH_MULTI_START_GRID = 256  # up to this many grid steps, start from th
 BEAM_STATES = 40_000  # finish-time states the beam search keeps over all grid boundaries ...
 BEAM_WIDTH_RANGE = (16, 64)  # ... as a per-boundary beam width within this range
 REL_EPS = 1e-12  # relative slack for float comparisons of makespans
+# Size limits of one problem. The DP tables hold (grid steps) x (steps per chunk) cells per stage:
+# 4096 steps (a 256K-token prompt on the 64-token grid) peaked at 1.4 GB and 40 s on the 2-core
+# dev machine, 8192 steps at 5.2 GB. Longer prompts want a coarser grid or a chunk-size cap.
+MAX_GRID_STEPS = 4096
+MAX_PROMPT_TOKENS = 2**24  # 16.8M tokens: above any model's context window
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,36 @@ class ChunkProblem:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
+        check_problem_size(self.seq_lens, self.grid_tokens, self.max_chunk_tokens)
+
+
+def check_problem_size(seq_lens: Sequence[int], grid_tokens: int, max_chunk_tokens: int | None) -> None:
+    """Refuse problems the planner cannot hold in memory or finish in reasonable time."""
+    if not seq_lens or min(seq_lens) < 1 or max(seq_lens) > MAX_PROMPT_TOKENS:
+        raise TesselError(
+            f"prompt lengths must be positive and at most {MAX_PROMPT_TOKENS} tokens, got {_brief(seq_lens)}"
+        )
+    if not 1 <= grid_tokens <= MAX_PROMPT_TOKENS:
+        raise TesselError(
+            f"the grid must be positive and at most {MAX_PROMPT_TOKENS} tokens, got {grid_tokens}"
+        )
+    if max_chunk_tokens is not None and not 1 <= max_chunk_tokens <= MAX_PROMPT_TOKENS:
+        raise TesselError(
+            f"max chunk tokens must be positive and at most {MAX_PROMPT_TOKENS}, got {max_chunk_tokens}"
+        )
+    steps = sum(-(-length // grid_tokens) for length in seq_lens)
+    if steps > MAX_GRID_STEPS:
+        coarser = -(-sum(seq_lens) // MAX_GRID_STEPS)
+        raise TesselError(
+            f"{sum(seq_lens)} prompt tokens on a {grid_tokens}-token grid are {steps} grid steps; the chunk "
+            f"planner takes at most {MAX_GRID_STEPS} (memory grows with their square): use a grid of "
+            f"at least {coarser} tokens, or fewer tokens"
+        )
+
+
+def _brief(values: Sequence[int], limit: int = 8) -> str:
+    text = ", ".join(str(v) for v in list(values)[:limit])
+    return f"[{text}{', ...' if len(values) > limit else ''}]"
 
 
 @dataclass(frozen=True, slots=True)

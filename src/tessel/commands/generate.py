@@ -1,6 +1,7 @@
 """`tessel generate`: complete prompts with a local model and print the completions.
 
-torch is imported inside the command, so the planner side of the CLI loads without it.
+torch is imported inside the command, so the planner side of the CLI loads without it. Sampling
+options go through `SamplingParams` (the validation the HTTP API uses) before the model loads.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def generate(
 
     from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
+    from tessel.models.config import ModelConfig
 
     params = SamplingParams(
         temperature=temperature,
@@ -41,7 +43,8 @@ def generate(
         seed=seed,
         stop=list(stop),
         ignore_eos=ignore_eos,
-    )
+    )  # the same validation as the HTTP API: a bad value stops here, before the model loads
+    params.verify(ModelConfig.from_dir(model).vocab_size)
     kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
     llm = LLM(str(model), dtype=dtype, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
@@ -54,3 +57,5 @@ def generate(
             f"[dim]({output.num_output_tokens} tokens, finish_reason={output.finish_reason})[/dim]",
             markup=True,
         )
+        if output.error is not None:  # this prompt failed in the engine; the others are unaffected
+            console.print(f"error: {type(output.error).__name__}: {output.error}", markup=False)

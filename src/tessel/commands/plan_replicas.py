@@ -23,24 +23,25 @@ def parse_replicas(text: str) -> int | None:
     return count
 
 
-def plan_replicas(
-    console, instance, *, count, model_spec, cluster_spec, cluster_source, workload_spec, options
-):
-    """Choose, print, write (`--json`) and export (`--export vllm`) a replica plan."""
+def plan_replicas(console, problem, count: int | None, settings, json_path: Path | None, export: str | None):
+    """Choose, print, write (`--json`) and export (`--export vllm`) a replica plan.
+
+    `problem` is `tessel.plan.api.prepare_plan`'s result, `settings` its `PlanSettings`."""
     from rich.table import Table
 
     from tessel.plan.baselines import run_baselines
     from tessel.plan.replicas import choose_replicas, replica_gap
     from tessel.plan.report import plan_json, predict, replicas_json, stage_table
 
+    instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
     b = workload_spec.micro_batch_size
     chosen = choose_replicas(
         instance,
         b,
         replicas=count,
-        solver=options["solver"],
-        time_limit_s=options["time_limit"],
-        mip_gap=options["mip_gap"],
+        solver=settings.solver,
+        time_limit_s=problem.solver_time_s(settings),
+        mip_gap=settings.mip_gap,
     )
     for index, replica in enumerate(chosen.replicas):
         title = f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs"
@@ -68,13 +69,13 @@ def plan_replicas(
         f"gap {'n/a' if gap is None else f'{gap * 100:.2f}%'} to this split's bound, {chosen.time_s:.1f} s"
     )
     first = chosen.replicas[0]
-    if options.get("json_path") is not None:
+    if json_path is not None:
         plan_file = plan_json(
             first.instance,
             first.result.evaluation,
-            model=model_spec,
+            model=problem.model,
             cluster=cluster_spec,
-            cluster_source=cluster_source,
+            cluster_source=problem.cluster_source,
             workload=workload_spec,
             solver={
                 "name": first.result.solver,
@@ -82,25 +83,25 @@ def plan_replicas(
                 "replicas": len(chosen.replicas),
             },
             baselines=run_baselines(instance),
-            dtype=options["dtype"],
-            kv_dtype=options["kv_dtype"],
-            granularity=options["granularity"],
+            dtype=settings.dtype,
+            kv_dtype=settings.kv_dtype,
+            granularity=settings.granularity,
             replicas=replicas_json(chosen, cluster_spec, b),
             quality_source=instance.labels.get("quality_source", "shape"),
             baseline_instance=instance,
         )
-        plan_file.write(Path(options["json_path"]))
-        console.print(f"wrote {options['json_path']}")
-    if options.get("export") == "vllm":
+        plan_file.write(json_path)
+        console.print(f"wrote {json_path}")
+    if export == "vllm":
         from tessel.plan.export_vllm import export_vllm
 
         for index, replica in enumerate(chosen.replicas):
             exported = export_vllm(
                 replica.instance,
                 replica.result.evaluation,
-                model=model_spec,
-                dtype=options["dtype"],
-                kv_dtype=options["kv_dtype"],
+                model=problem.model,
+                dtype=settings.dtype,
+                kv_dtype=settings.kv_dtype,
                 max_model_len=workload_spec.max_kv_tokens,
             )
             console.print(f"vLLM replica {index} (load-balancer weight {replica.weight:.3f}):")

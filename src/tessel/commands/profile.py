@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from tessel.errors import TesselError
 
 CPU_DEFAULT_SCALE = 4  # a full-width 8B layer takes seconds per point on a few CPU cores
+MAX_TINY_WIDTH = 2**16  # --tiny-shape sizes: above any real layer (Llama-3-405B: h=16384, f=53248)
 
 
 def profile(
-    device: str = typer.Option("cpu", "--device", help="cpu, or cuda (needs a CUDA device)."),
+    device: Literal["cpu", "cuda"] = typer.Option(
+        "cpu", "--device", help="cpu, or cuda (needs a CUDA device)."
+    ),
     model: str = typer.Option(
         "llama-3-8b", "--model", help="Model preset or path whose layer shape to time."
     ),
@@ -25,43 +26,42 @@ def profile(
     scale: int | None = typer.Option(
         None,
         "--scale",
+        min=1,
+        max=1024,
         help=f"Divide the model's width by this (default {CPU_DEFAULT_SCALE} on cpu, 1 on cuda).",
     ),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (cuda)."),
-    out: Path = typer.Option(Path("profile.json"), "--out", help="Where to write the profile JSON."),
-    budget_s: float = typer.Option(60.0, "--budget-s", help="Time budget for the timing runs (seconds)."),
-    threads: int = typer.Option(1, "--threads", help="CPU threads; 0: PyTorch's default."),
-    clock: str = typer.Option(
+    dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = typer.Option(
+        "float32", "--dtype", help="float32, bfloat16 or float16 (cuda)."
+    ),
+    out: Path = typer.Option(
+        Path("profile.json"), "--out", dir_okay=False, writable=True, help="Where to write the profile JSON."
+    ),
+    budget_s: float = typer.Option(
+        60.0, "--budget-s", min=0.01, max=86400, help="Seconds for the timing runs."
+    ),
+    threads: int = typer.Option(1, "--threads", min=0, max=4096, help="CPU threads; 0: PyTorch's default."),
+    clock: Literal["auto", "wall", "cpu"] = typer.Option(
         "auto", "--clock", help="auto (CPU time for 1 thread, else wall), wall or cpu."
     ),
-    repeats: int = typer.Option(5, "--repeats", help="Timed runs per point (the median is kept)."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed runs per point."),
-    max_chunk: int = typer.Option(1024, "--max-chunk", help="Largest prefill chunk timed (tokens)."),
-    max_offset: int = typer.Option(4096, "--max-offset", help="Largest prefill offset timed (tokens)."),
+    repeats: int = typer.Option(5, "--repeats", min=1, max=1000, help="Timed runs per point (median kept)."),
+    warmup: int = typer.Option(1, "--warmup", min=0, max=1000, help="Untimed runs per point."),
+    max_chunk: int = typer.Option(
+        1024, "--max-chunk", min=16, max=2**20, help="Largest prefill chunk (tokens)."
+    ),
+    max_offset: int = typer.Option(
+        4096, "--max-offset", min=0, max=2**20, help="Largest prefill offset (tokens)."
+    ),
 ) -> None:
     """Time a decoder layer over (chunk, offset) and decode grids, fit the profile forms, write JSON."""
-    from tessel.models.profiler import LayerShape, ProfileSettings, parse_tiny_shape, profile_layer
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if budget_s <= 0 or repeats < 1 or warmup < 0 or threads < 0:
-        raise TesselError("--budget-s must be > 0, --repeats >= 1, --warmup >= 0 and --threads >= 0")
-    if max_chunk < 16 or max_offset < 0:
-        raise TesselError("--max-chunk must be >= 16 and --max-offset >= 0")
-    meta: dict[str, str] = {}
-    if tiny_shape is not None:
-        shape = parse_tiny_shape(tiny_shape)
-        meta["source"] = f"--tiny-shape {tiny_shape}"
-    else:
-        from tessel.catalog.models import load_model
+    from tessel.commands.render.profile import print_profile
+    from tessel.files import check_output_path, write_json_file
+    from tessel.models.profiler import ProfileSettings, profile_layer
 
-        spec = load_model(model)
-        factor = scale if scale is not None else (CPU_DEFAULT_SCALE if device == "cpu" else 1)
-        if factor < 1:
-            raise TesselError(f"--scale must be >= 1, got {factor}")
-        full = LayerShape(
-            spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        )
-        shape = full.scaled(factor)
-        meta |= {"source": f"{spec.name} layer / {factor}", "model": spec.name, "scale": str(factor)}
+    check_output_path(out, "--out")  # before the timing runs, not after
+    shape, meta = _layer_shape(model, tiny_shape, scale, device)
     settings = ProfileSettings(
         device=device,
         dtype=dtype,
@@ -79,36 +79,31 @@ def profile(
     columns = (TextColumn("timing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("timing", total=None)
+        result, report, data = profile_layer(
+            shape,
+            settings,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            meta=meta,
+        )
+    write_json_file(out, result.to_json(), "--out")
+    print_profile(console, result, report, data, out)
 
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
 
-        result, report, data = profile_layer(shape, settings, progress=progress, meta=meta)
-    result.save(out)
-    table = Table(title=f"profile of one decoder layer on {result.device_type}")
-    table.add_column("fit")
-    table.add_column("coefficients")
-    table.add_column("points", justify="right")
-    table.add_column("held-out error", justify="right")
-    pre, dec = result.prefill, result.decode
-    table.add_row(
-        "prefill t(c,p)",
-        f"a0={pre.a0:.3e} a1={pre.a1:.3e} a2={pre.a2:.3e} a3={pre.a3:.3e}",
-        str(len(data.prefill_times_s)),
-        f"{report.prefill_heldout_error:.1%}",
+def _layer_shape(model: str, tiny_shape: str | None, scale: int | None, device: str):  # noqa: ANN202
+    """(LayerShape, meta) of `--tiny-shape`, or of the model's layer divided by `--scale`."""
+    from tessel.models.profiler import LayerShape, parse_tiny_shape
+
+    if tiny_shape is not None:
+        shape = parse_tiny_shape(tiny_shape)
+        if not all(0 < size <= MAX_TINY_WIDTH for size in shape.as_dict().values()):
+            raise TesselError(f"--tiny-shape sizes must be from 1 to {MAX_TINY_WIDTH}, got {tiny_shape!r}")
+        return shape, {"source": f"--tiny-shape {tiny_shape}"}
+    from tessel.catalog.models import load_model
+
+    spec = load_model(model)
+    factor = scale if scale is not None else (CPU_DEFAULT_SCALE if device == "cpu" else 1)
+    full = LayerShape(
+        spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     )
-    table.add_row(
-        "decode t(B,S)",
-        f"b0={dec.b0:.3e} b1={dec.b1:.3e} b2={dec.b2:.3e}",
-        str(len(data.decode_times_s)),
-        f"{report.decode_heldout_error:.1%}",
-    )
-    console.print(table)
-    efficiencies = []
-    if result.compute_efficiency is not None:
-        efficiencies.append(f"compute {result.compute_efficiency:.1%} of catalog peak")
-    if result.memory_efficiency is not None:
-        efficiencies.append(f"memory {result.memory_efficiency:.1%} of catalog bandwidth")
-    if efficiencies:
-        console.print("implied efficiency: " + ", ".join(efficiencies))
-    console.print(f"held-out mean relative error {result.heldout_rel_error:.1%}; wrote {out}")
+    meta = {"source": f"{spec.name} layer / {factor}", "model": spec.name, "scale": str(factor)}
+    return full.scaled(factor), meta

@@ -1,35 +1,64 @@
 """`tessel serve`: an OpenAI-compatible HTTP server for one local model.
 
 torch, fastapi and uvicorn are imported inside the command, so the planner side of the CLI loads
-without the runtime extra.
+without the runtime extra. Every option is checked before the model loads. When the engine fails
+more often than `--max-engine-restarts` allows, the server shuts down and exits with status 3, so
+a supervisor (systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
 
+import math
+from enum import Enum
 from pathlib import Path
 
 import typer
 
 from tessel.errors import TesselError
+from tessel.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_PROMPT_CHARS
 
 DEFAULT_MAX_QUEUE = 128  # requests that may wait for a free sequence slot before the server answers 429
+ENGINE_DEAD_EXIT_CODE = 3
+
+
+class LogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
 
 
 def serve(
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
-    port: int = typer.Option(8000, help="TCP port to listen on."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
     dtype: str = typer.Option("float32", help="Weight and activation dtype: float32, bfloat16, float16."),
-    max_num_seqs: int | None = typer.Option(None, help="Most sequences batched in one step."),
-    max_model_len: int | None = typer.Option(None, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = typer.Option(None, help="Memory for the paged KV cache, in GiB."),
+    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences batched in one step."),
+    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
+    kv_cache_gib: float | None = typer.Option(
+        None, help="Memory for the paged KV cache, in GiB (> 0, at most what the machine has free)."
+    ),
     max_queue: int = typer.Option(
-        DEFAULT_MAX_QUEUE, help="Requests that may wait beyond the running ones; more get HTTP 429."
+        DEFAULT_MAX_QUEUE, min=0, help="Requests that may wait beyond the running ones; more get HTTP 429."
+    ),
+    max_body_bytes: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, min=1, help="Largest request body; a larger one gets HTTP 413."
+    ),
+    max_prompt_chars: int = typer.Option(
+        DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt (all chat messages together); 400 above."
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None, min=1, help="Most prompt tokens (default: max-model-len minus one); 400 above."
+    ),
+    max_engine_restarts: int = typer.Option(
+        DEFAULT_MAX_ENGINE_RESTARTS, min=0, help="Engine failures survived before the server exits."
     ),
     served_model_name: str | None = typer.Option(
         None, help="Model id for clients (default: the directory name)."
     ),
-    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    log_level: LogLevel = typer.Option(LogLevel.info, case_sensitive=False, help="uvicorn log level."),
     plan: Path | None = typer.Option(
         None, "--plan", help="Serve through this plan's pipeline (one process per stage, `tessel launch`)."
     ),
@@ -37,16 +66,21 @@ def serve(
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     if not model.is_dir():
         raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
-    if max_queue < 0:
-        raise TesselError(f"--max-queue must be 0 or more, got {max_queue}")
-    if not 0 <= port <= 65535:
-        raise TesselError(f"--port must be between 0 and 65535, got {port}")
+    if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
+        raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
 
     import uvicorn
 
     from tessel.engine.llm_engine import LLMEngine
+    from tessel.engine.memory import check_kv_cache_fits
     from tessel.server.app import create_app
+    from tessel.server.limits import ServerLimits
 
+    if kv_cache_gib is not None:
+        check_kv_cache_fits(kv_cache_gib)
+    limits = ServerLimits(
+        max_body_bytes, max_prompt_chars, max_prompt_tokens, max_engine_restarts=max_engine_restarts
+    )
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is None:
@@ -55,8 +89,22 @@ def serve(
         from tessel.dist.serving import pipeline_server_engine
 
         engine = pipeline_server_engine(model, plan, dtype=dtype, **kwargs)
-    app = create_app(engine, max_pending=engine.config.max_num_seqs + max_queue, model_name=served_model_name)
+    app = create_app(
+        engine,
+        max_pending=engine.config.max_num_seqs + max_queue,
+        model_name=served_model_name,
+        limits=limits,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.value))
+    async_engine = app.state.async_engine
+    async_engine.on_dead = lambda: setattr(server, "should_exit", True)
     if plan is not None:
-        engine.watch_stages(app.state.async_engine)
+        engine.watch_stages(async_engine)
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    server.run()
+    if async_engine.error is not None:
+        raise TesselError(
+            f"the engine failed {async_engine.num_restarts + 1} times ({async_engine.error}); exiting so a "
+            "supervisor can restart the server",
+            exit_code=ENGINE_DEAD_EXIT_CODE,
+        )

@@ -16,7 +16,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from tessel.catalog.files import validate_data
 from tessel.errors import TesselError
+from tessel.files import read_json_file
 
 PROFILE_VERSION = 1
 
@@ -67,27 +71,59 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+class _PrefillFitModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    a0: float
+    a1: float
+    a2: float
+    a3: float
+
+
+class _DecodeFitModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    b0: float
+    b1: float
+    b2: float
+
+
+class _ProfileModel(BaseModel):
+    """The profile file as written by `Profile.to_json`, checked field by field."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    version: int
+    device_type: str = Field(min_length=1)
+    model_shape: dict[str, int]
+    dtype: str
+    prefill: _PrefillFitModel
+    decode: _DecodeFitModel
+    heldout_rel_error: float = Field(ge=0)
+    compute_efficiency: float | None = Field(default=None, gt=0)
+    memory_efficiency: float | None = Field(default=None, gt=0)
+    meta: dict[str, str | int | float | bool | None] = {}
+
+
 def load_profile(path: str | Path) -> Profile:
+    """A profile written by `tessel profile`; a broken file raises `TesselError` naming the field."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TesselError(f"profile file {path} does not exist (make one with `tessel profile`)") from None
-    except json.JSONDecodeError as error:
-        raise TesselError(f"{path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not path.exists():
+        raise TesselError(f"profile file {path} does not exist (make one with `tessel profile`)")
+    data = read_json_file(path, "profile file")
+    if not isinstance(data, dict):
+        raise TesselError(f"{path}: a profile file holds a JSON object")
     if data.get("version") != PROFILE_VERSION:
-        raise TesselError(f"{path}: profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
-    try:
-        return Profile(
-            device_type=str(data["device_type"]),
-            model_shape={key: int(value) for key, value in data["model_shape"].items()},
-            dtype=str(data["dtype"]),
-            prefill=PrefillFit(**data["prefill"]),
-            decode=DecodeFit(**data["decode"]),
-            heldout_rel_error=float(data["heldout_rel_error"]),
-            compute_efficiency=data.get("compute_efficiency"),
-            memory_efficiency=data.get("memory_efficiency"),
-            meta={key: str(value) for key, value in data.get("meta", {}).items()},
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise TesselError(f"{path}: malformed profile ({error})") from None
+        raise TesselError(f"{path}: profile version {data.get('version')!r:.40}, expected {PROFILE_VERSION}")
+    model = validate_data(data, str(path), _ProfileModel)
+    return Profile(
+        device_type=model.device_type,
+        model_shape=dict(model.model_shape),
+        dtype=model.dtype,
+        prefill=PrefillFit(**model.prefill.model_dump()),
+        decode=DecodeFit(**model.decode.model_dump()),
+        heldout_rel_error=model.heldout_rel_error,
+        compute_efficiency=model.compute_efficiency,
+        memory_efficiency=model.memory_efficiency,
+        meta={key: str(value) for key, value in model.meta.items()},
+    )

@@ -31,6 +31,7 @@ from tessel.dist.plan import RunPlan
 from tessel.dist.schedulers import PinnedSchedulers
 from tessel.dist.stage import StageExecutor, rss_bytes, tensor_bytes
 from tessel.engine.llm_engine import LLM
+from tessel.engine.model_runner import StepResult
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -200,7 +201,10 @@ class PipelineEngine(LLM):
             tokens = self.comm.recv_tokens(record.batch_id, len(record.sampled))
         self._busy[record.slot] -= 1
         self._seqs_in_flight.subtract(record.seq_ids)
-        outputs = [] if record.apply is None else self._finish_step(record.apply, record.sampled, tokens)
+        outputs = []
+        if record.apply is not None:  # logprobs are not computed in a pipeline (None)
+            result = StepResult(record.sampled, tokens, [None] * len(tokens))
+            outputs = self._finish_step(record.apply, result, [])
         if record.apply is not None:
             self._released.extend(seq.seq_id for seq, _ in record.apply.scheduled() if seq.is_finished)
         for request_id in list(self._deferred_aborts):

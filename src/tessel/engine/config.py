@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,9 @@ class EngineConfig:
             raise TesselError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise TesselError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise TesselError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        gib = self.kv_cache_gib
+        if gib is not None and not (isinstance(gib, int | float) and math.isfinite(gib) and gib > 0):
+            raise TesselError(f"kv_cache_gib must be a finite number > 0, got {self.kv_cache_gib}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise TesselError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -4,6 +4,12 @@
 rules (EOS, stop token ids, stop strings, max_tokens, max_model_len) and returns one
 `RequestOutput` per request that changed. `LLM.generate` drives it to completion; `LLM.stream`
 yields the outputs of one request as they come.
+
+One bad request never takes the others down: requests are validated when added, and when a
+batched step raises, the batch is bisected (`_run_isolated`) until the failing request is found;
+it finishes with `finish_reason="error"` (its `RequestOutput.error` holds the exception) and the
+others get their tokens. Only a failure that every request of a multi-request batch hits alone
+(the model, not a request) escapes `step()`; `reset()` then fails everything in flight.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
@@ -19,9 +26,10 @@ from typing import Any
 from tessel.engine.block_manager import BlockManager
 from tessel.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.detokenizer import IncrementalDetokenizer
-from tessel.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tessel.engine.memory import check_kv_cache_fits
+from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
-from tessel.engine.sampling_params import SamplingParams
+from tessel.engine.sampling_params import SamplingParams, check_text
 from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence
 from tessel.errors import TesselError
@@ -44,6 +52,8 @@ def _load_tokenizer(path: Path) -> Any:
 class LLMEngine:
     def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
         self.config = EngineConfig(**kwargs)
+        if self.config.kv_cache_gib is not None:
+            check_kv_cache_fits(self.config.kv_cache_gib)
         path = Path(model_path)
         if not path.is_dir():
             raise TesselError(
@@ -145,26 +155,48 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], tokenizer: Any = None) -> list[int]:
+        """Token ids of a text prompt, or token ids checked against the vocabulary.
+
+        `tokenizer`: a copy of `self.tokenizer` to use instead (the server tokenizes on other threads).
+        """
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            tokenizer = tokenizer or self.tokenizer
+            ids = list(tokenizer(check_text(prompt, "the prompt"))["input_ids"])
         else:
-            ids = [int(t) for t in prompt]
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise TesselError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            ids = self.check_token_ids(prompt)
         if not ids:
             raise TesselError("the prompt is empty; give at least one token")
         return ids
 
+    def check_token_ids(self, prompt: SequenceABC[int]) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if isinstance(prompt, str | bytes) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TesselError("a prompt given as token ids must be a list of integers")
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            shown = [t if abs(t) < 10**12 else "..." for t in bad[:5]]
+            raise TesselError(f"prompt token ids {shown} are outside the vocabulary [0, {vocab})")
+        return ids
+
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
+        """Queue a request; `prompt_token_ids` (already tokenized elsewhere) skips tokenizing `prompt`."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TesselError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.verify(self.model_config.vocab_size)
         if request_id in self._requests:
             raise TesselError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt) if prompt_token_ids is None else self.tokenize(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
             raise TesselError(
@@ -189,28 +221,74 @@ class LLMEngine:
         self._detokenizers[request_id].finish()
         self._pending.append(self._output(seq, []))
 
+    def reset(self, error: BaseException) -> list[RequestOutput]:
+        """Finish every unfinished request with `error` (after a step failed for all of them)."""
+        outputs, self._pending = self._pending, []
+        for seq in list(self._requests.values()):
+            if not seq.is_finished:
+                outputs.append(self._fail(seq, error))
+        return outputs
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
-        seqs, tokens = self.runner.run(batch)
-        return outputs + self._finish_step(batch, seqs, tokens)
+        result, failed = self._run_isolated(batch.scheduled())
+        if failed and not result.seqs and len(failed) > 1:
+            raise failed[0][1]  # every request failed on its own: the engine, not a request
+        return outputs + self._finish_step(batch, result, failed)
 
     def _finish_step(
-        self, batch: SchedulerOutput, seqs: list[Sequence], tokens: list[int]
+        self, batch: SchedulerOutput, result: StepResult, failed: list[tuple[Sequence, BaseException]]
     ) -> list[RequestOutput]:
         """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
         outputs = []
+        failed_seqs = {id(seq) for seq, _ in failed}
+        for seq, error in failed:
+            outputs.append(self._fail(seq, error))
         for seq, n in batch.scheduled():
-            seq.num_computed_tokens += n
-            self.block_manager.register_computed_blocks(seq)
+            if id(seq) not in failed_seqs:
+                seq.num_computed_tokens += n
+                self.block_manager.register_computed_blocks(seq)
+        for seq, first, logprobs in result.prompt_logprobs:
+            seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, token, now)
+        for seq, token, logprobs in zip(result.seqs, result.tokens, result.logprobs, strict=True):
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            try:
+                self._append(seq, token, now)
+            except Exception as error:  # e.g. a token the tokenizer cannot decode
+                outputs.append(self._fail(seq, error))
+                continue
             outputs.append(self._output(seq, [token]))
         return outputs
+
+    def _run_isolated(
+        self, parts: list[tuple[Sequence, int]]
+    ) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
+        """Run `parts`; if that raises, bisect -> (what ran, (seq, its error) for each failing seq).
+
+        Re-running a part is safe: its k/v land in the same slots with the same values.
+        """
+        try:
+            return self.runner.run(_batch_of(parts)), []
+        except Exception as error:
+            if len(parts) == 1:
+                return StepResult(), [(parts[0][0], error)]
+        half = len(parts) // 2
+        result, failed = self._run_isolated(parts[:half])
+        right, right_failed = self._run_isolated(parts[half:])
+        result.extend(right)
+        return result, failed + right_failed
+
+    def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
+        seq.error = error
+        self.scheduler.finish(seq, "error")
+        self._detokenizers[seq.request_id].finish()
+        return self._output(seq, [])
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         seq.append_token(token)
@@ -250,7 +328,17 @@ class LLMEngine:
             num_output_tokens=len(output_ids),
             metrics=dataclasses.replace(seq.metrics),  # a snapshot: later steps do not change it
             prompt=seq.prompt,
+            error=seq.error,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )
+
+
+def _batch_of(parts: list[tuple[Sequence, int]]) -> SchedulerOutput:
+    """The scheduler output that runs exactly `parts` (in `SchedulerOutput.scheduled()` order)."""
+    return SchedulerOutput(
+        decodes=[seq for seq, n in parts if n == 1], prefills=[(seq, n) for seq, n in parts if n != 1]
+    )
 
 
 def _as_prompt_list(prompts: str | list[int] | SequenceABC[str | list[int]]) -> list[str | list[int]]:
@@ -263,9 +351,18 @@ def _as_prompt_list(prompts: str | list[int] | SequenceABC[str | list[int]]) -> 
 
 
 class LLM(LLMEngine):
-    """`LLM(path, **engine kwargs).generate(prompts, SamplingParams(...))` -> outputs in input order."""
+    """`LLM(path, **engine kwargs).generate(prompts, SamplingParams(...))` -> outputs in input order.
+
+    Every step's outputs are routed to the request that owns them (`_inbox`), so `generate` only
+    collects its own requests and `generate` and `stream` can interleave: a `generate` called while
+    a stream is open steps the stream's request too, and the stream later reads what it missed.
+    """
 
     _request_ids = itertools.count()
+
+    def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
+        super().__init__(model_path, **kwargs)
+        self._inbox: dict[str, deque[RequestOutput]] = {}  # outputs not yet read, per own request
 
     def generate(
         self,
@@ -273,6 +370,10 @@ class LLM(LLMEngine):
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_progress: bool = True,
     ) -> list[RequestOutput]:
+        """Outputs in input order. A request that failed has finish_reason "error" and `error` set.
+
+        An interrupted call (KeyboardInterrupt, an error) aborts the requests it added.
+        """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -281,21 +382,22 @@ class LLM(LLMEngine):
             if len(params_list) != len(prompt_list):
                 raise TesselError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params")
         ids = [f"gen-{next(self._request_ids)}" for _ in prompt_list]
+        finals: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, params in zip(ids, prompt_list, params_list, strict=True):
-                self.add_request(rid, prompt, params)
-        except TesselError:
+                self._add_own(rid, prompt, params)
+            with _Progress(len(ids), enabled=use_progress and len(ids) > 1) as progress:
+                while len(finals) < len(ids):
+                    self._step_and_route()
+                    for rid in [rid for rid in ids if rid not in finals]:
+                        final = self._take_final(rid)
+                        if final is not None:
+                            finals[rid] = final
+                            progress.advance(final.num_output_tokens)
+        finally:
             for rid in ids:
-                self.abort_request(rid)
-            self._pending.clear()
-            raise
-        finals: dict[str, RequestOutput] = {}
-        with _Progress(len(ids), enabled=use_progress and len(ids) > 1) as progress:
-            while len(finals) < len(ids):
-                for out in self.step():
-                    if out.finished:
-                        finals[out.request_id] = out
-                        progress.advance(out.num_output_tokens)
+                if rid not in finals:
+                    self._drop_own(rid)
         return [finals[rid] for rid in ids]
 
     def stream(
@@ -303,17 +405,45 @@ class LLM(LLMEngine):
     ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last has finished=True."""
         rid = f"stream-{next(self._request_ids)}"
-        self.add_request(rid, prompt, sampling_params)
+        self._add_own(rid, prompt, sampling_params)
         try:
             while True:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                inbox = self._inbox[rid]
+                if not inbox:
+                    if rid not in self._requests and not self._pending:
+                        raise TesselError(f"request {rid} is no longer in the engine")  # never spin
+                    self._step_and_route()
+                    continue
+                out = inbox.popleft()
+                yield out
+                if out.finished:
+                    return
         finally:
-            self.abort_request(rid)
-            self._pending = [o for o in self._pending if o.request_id != rid]
+            self._drop_own(rid)
+
+    def _add_own(self, rid: str, prompt: str | list[int], params: SamplingParams | None) -> None:
+        self.add_request(rid, prompt, params)
+        self._inbox[rid] = deque()
+
+    def _drop_own(self, rid: str) -> None:
+        """Abort `rid` (no-op once finished) and forget its outputs, the abort's included."""
+        self.abort_request(rid)
+        self._pending = [o for o in self._pending if o.request_id != rid]
+        self._inbox.pop(rid, None)
+
+    def _step_and_route(self) -> None:
+        for out in self.step():
+            inbox = self._inbox.get(out.request_id)
+            if inbox is not None:  # outputs of requests nobody reads (aborted, added directly) drop
+                inbox.append(out)
+
+    def _take_final(self, rid: str) -> RequestOutput | None:
+        inbox = self._inbox[rid]
+        if inbox and inbox[-1].finished:
+            del self._inbox[rid]
+            return inbox[-1]
+        inbox.clear()  # generate reads only the final output
+        return None
 
 
 class _Progress:

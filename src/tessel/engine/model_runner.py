@@ -8,8 +8,11 @@ linear layers are packed for oneDNN first (`tessel.layers.packed_linear`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
@@ -21,6 +24,35 @@ from tessel.models.llama import LlamaForCausalLM
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
     return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize
+
+
+@dataclass(slots=True)
+class StepResult:
+    """`seqs` got `tokens` (and `logprobs`, None where not asked); `prompt_logprobs` holds
+    (seq, first prompt position, TokenLogprobs per position) for chunks that asked for them."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprobs]]] = field(default_factory=list)
+
+    def extend(self, other: StepResult) -> None:
+        self.seqs += other.seqs
+        self.tokens += other.tokens
+        self.logprobs += other.logprobs
+        self.prompt_logprobs += other.prompt_logprobs
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """logprobs [N, V] (log-softmax rows), the token at each row, k alternatives -> one per row."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
+    if k == 0:
+        return [TokenLogprobs(t, lp, []) for t, lp in zip(token_ids, chosen, strict=True)]
+    values, indices = logprobs.topk(k, dim=-1)
+    return [
+        TokenLogprobs(t, lp, list(zip(ids, vals, strict=True)))
+        for t, lp, ids, vals in zip(token_ids, chosen, indices.tolist(), values.tolist(), strict=True)
+    ]
 
 
 class ModelRunner:
@@ -97,15 +129,38 @@ class ModelRunner:
         return ids, torch.tensor(positions, dtype=torch.int64), meta, sample_rows
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
-        """Run one step; -> (sequences that got a new token, their tokens)."""
+    def run(self, batch: SchedulerOutput) -> StepResult:
+        """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta)
-        sampled_seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        result = StepResult(prompt_logprobs=self._prompt_logprobs(batch, hidden))
+        result.seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
         if not sample_rows:
-            return [], []
+            return result
         logits = self.model.compute_logits(hidden[sample_rows])
-        return sampled_seqs, self.sample(logits, sampled_seqs).tolist()
+        result.tokens = self.sample(logits, result.seqs).tolist()
+        result.logprobs = [None] * len(result.seqs)
+        for i, seq in enumerate(result.seqs):
+            if seq.params.logprobs is not None:  # before temperature: the raw logits
+                rows = logits[i : i + 1].float().log_softmax(dim=-1)
+                result.logprobs[i] = token_logprobs(rows, [result.tokens[i]], seq.params.logprobs)[0]
+        return result
+
+    def _prompt_logprobs(
+        self, batch: SchedulerOutput, hidden: torch.Tensor
+    ) -> list[tuple[Sequence, int, list[TokenLogprobs]]]:
+        """For each chunk that asked: the logprob of prompt token p + 1 from the logits at row p."""
+        found = []
+        row = 0
+        for seq, n in batch.scheduled():
+            start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
+            last = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
+            if k is not None and start < last:
+                logits = self.model.compute_logits(hidden[row : row + last - start]).float()
+                targets = seq.token_ids[start + 1 : last + 1]
+                found.append((seq, start + 1, token_logprobs(logits.log_softmax(dim=-1), targets, k)))
+            row += n
+        return found
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]

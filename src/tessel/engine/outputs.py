@@ -8,12 +8,22 @@ from tessel.engine.sequence import RequestMetrics
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """One position: the token there, its log-probability, and the `k` most likely (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """`token_ids` / `text`: all output so far; `new_token_ids` / `new_text`: this step's delta.
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
-    max_model_len) or "abort"; None while running. `prompt` is the text given to
-    `add_request` (None when it was token ids).
+    max_model_len), "abort", or "error" (running this request failed; `error` says why; the
+    other requests carried on); None while running. `prompt` is the text given to
+    `add_request` (None when it was token ids). `logprobs` / `prompt_logprobs`: see `SamplingParams`.
     """
 
     request_id: str
@@ -28,3 +38,6 @@ class RequestOutput:
     num_output_tokens: int
     metrics: RequestMetrics
     prompt: str | None = None
+    error: BaseException | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (first None), when asked

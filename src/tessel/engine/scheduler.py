@@ -101,7 +101,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.num_prefix_hits(seq)
+            # cached blocks are not computed, and prompt logprobs need every prompt position's logits
+            hits = bm.num_prefix_hits(seq) if seq.params.prompt_logprobs is None else 0
             n = len(seq) - hits * bm.block_size
             if n > budget and not self.config.enable_chunked_prefill:
                 break

@@ -61,6 +61,10 @@ class Sequence:
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []  # prefix-cache keys of full blocks
         self.num_registered_blocks = 0  # leading blocks whose key is in the prefix cache
         self.finish_reason: str | None = None
+        self.error: BaseException | None = None  # why it finished with finish_reason "error"
+        self.logprobs: list = []  # TokenLogprobs per output token (when params.logprobs is set)
+        # TokenLogprobs per prompt position (position 0 has none), when params.prompt_logprobs is set
+        self.prompt_logprobs: list = [None] * len(prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
 

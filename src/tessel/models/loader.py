@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
@@ -37,8 +37,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / name for name in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({path / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise TesselError(
+                f"{index}: not a readable safetensors index ({error}); re-save the checkpoint"
+            ) from None
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
@@ -86,15 +91,20 @@ def load_weights(model: LlamaForCausalLM, path: Path, layers: LayerFilter | None
         expected.discard(("lm_head.weight", None))
     loaded: set[tuple[str, int | None]] = set()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(SKIPPED_SUFFIXES) or (
-                    name == "lm_head.weight" and model.config.tie_word_embeddings
-                ):
-                    continue
-                if layers is not None and not layers.holds(name):
-                    continue  # another pipeline stage's tensor: never read
-                loaded.add(_load_tensor(model, params, name, f.get_tensor(name), file))
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(SKIPPED_SUFFIXES) or (
+                        name == "lm_head.weight" and model.config.tie_word_embeddings
+                    ):
+                        continue
+                    if layers is not None and not layers.holds(name):
+                        continue  # another pipeline stage's tensor: never read
+                    loaded.add(_load_tensor(model, params, name, f.get_tensor(name), file))
+        except (SafetensorError, OSError) as error:  # truncated, corrupt or unreadable
+            raise TesselError(
+                f"{file}: not a readable safetensors file ({error}); it may be truncated, re-download it"
+            ) from None
     missing = sorted(
         f"{name}" if shard is None else f"{name}[shard {shard}]" for name, shard in expected - loaded
     )

@@ -44,13 +44,21 @@ from tessel.units import GBPS, GIB, US_PER_S
 NVLINK_LATENCY_S = 2e-6
 PCIE_P2P_LATENCY_S = 10e-6
 INTRA_LINK_KINDS = ("nvlink", "pcie")
+# Most GPUs in one cluster file. The planner's set-up prices every ordered device pair (quadratic:
+# 3000 GPUs took 82 s before the solver started) and a pipeline of Llama-3-70B has 80 layers, so
+# a plan uses far fewer; larger fleets are planned as several clusters (or replicas).
+MAX_CLUSTER_DEVICES = 256
+MAX_HOST_MEMORY_GIB = 2**20  # 1 PiB of host DRAM per node: beyond any machine
+MAX_LINK_GBPS = 1e6  # 1 Pb/s: far above any link (NVLink 4 is 7.2 Tb/s)
+MAX_LINK_LATENCY_US = 1e9  # 1000 s
+_FILE_MODEL = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LinkModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FILE_MODEL
 
-    bandwidth_gbps: float = Field(gt=0, description="gigabits per second")
-    latency_us: float = Field(default=0.0, ge=0)
+    bandwidth_gbps: float = Field(gt=0, le=MAX_LINK_GBPS, description="gigabits per second")
+    latency_us: float = Field(default=0.0, ge=0, le=MAX_LINK_LATENCY_US)
 
     def spec(self) -> LinkSpec:
         return LinkSpec(self.bandwidth_gbps * GBPS, self.latency_us / US_PER_S)
@@ -63,10 +71,10 @@ class EmulateModel(BaseModel):
 
 
 class GpuGroupModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FILE_MODEL
 
     type: str
-    count: int = Field(default=1, ge=1)
+    count: int = Field(default=1, ge=1, le=MAX_CLUSTER_DEVICES)
 
     @field_validator("type")
     @classmethod
@@ -78,12 +86,12 @@ class GpuGroupModel(BaseModel):
 
 
 class NodeModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FILE_MODEL
 
     name: str = Field(min_length=1)
-    gpus: list[GpuGroupModel] = Field(min_length=1)
+    gpus: list[GpuGroupModel] = Field(min_length=1, max_length=MAX_CLUSTER_DEVICES)
     intra_link: Any = "pcie"
-    host_memory_gib: float = Field(default=0.0, ge=0)
+    host_memory_gib: float = Field(default=0.0, ge=0, le=MAX_HOST_MEMORY_GIB)
     emulate: EmulateModel | None = None
 
     @field_validator("gpus", mode="before")
@@ -103,7 +111,7 @@ class NodeModel(BaseModel):
                 return LinkModel.model_validate(value)
             except ValueError as error:  # pydantic.ValidationError is a ValueError
                 raise ValueError(f"{_first_error(error)}; {_LINK_HELP}") from None
-        raise ValueError(f"got {value!r}; {_LINK_HELP}")
+        raise ValueError(f"got {_short_repr(value)}; {_LINK_HELP}")
 
 
 def _check_nvlink(groups: list[GpuGroupModel]) -> None:
@@ -113,6 +121,11 @@ def _check_nvlink(groups: list[GpuGroupModel]) -> None:
             f"nvlink, but {', '.join(lacking)} has no NVLink; "
             "use pcie or {bandwidth_gbps: ..., latency_us: ...}"
         )
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value) if isinstance(value, str | int | float | bool | None) else type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 _LINK_HELP = "intra_link must be nvlink, pcie or {bandwidth_gbps: <Gb/s>, latency_us: <us>}"
@@ -127,10 +140,10 @@ def _first_error(error: Exception) -> str:
 
 
 class ClusterModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FILE_MODEL
 
     name: str = Field(min_length=1)
-    nodes: list[NodeModel] = Field(min_length=1)
+    nodes: list[NodeModel] = Field(min_length=1, max_length=MAX_CLUSTER_DEVICES)
     network: LinkModel | None = None
 
     @model_validator(mode="after")
@@ -139,6 +152,12 @@ class ClusterModel(BaseModel):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"node names must be unique; repeated: {', '.join(duplicates)}")
+        devices = sum(group.count for node in self.nodes for group in node.gpus)
+        if devices > MAX_CLUSTER_DEVICES:
+            raise ValueError(
+                f"{devices} GPUs; tessel plans clusters of at most {MAX_CLUSTER_DEVICES} GPUs "
+                "(split the fleet into several clusters)"
+            )
         if len(self.nodes) > 1 and self.network is None:
             raise ValueError(
                 "a cluster with several nodes needs network: {bandwidth_gbps: ..., latency_us: ...}"

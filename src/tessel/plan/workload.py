@@ -30,6 +30,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tessel.catalog.files import bundled_names, parse_yaml, resolve_file, validate_data
 
+# Bounds on workload values: beyond them no planner or simulator input makes sense, and numbers
+# stay far from int64 / float overflow. 2**24 tokens (16.8M) is above any model's context window.
+MAX_TOKENS = 2**24
+MAX_BATCH_SIZE = 1_000_000
+MAX_ARRIVAL_RATE_PER_S = 1e6
+MAX_MICRO_BATCHES = 1024
+MAX_LATENCY_S = 1e7
+MAX_SAMPLES = 1_000_000
+_FILE_MODEL = ConfigDict(extra="forbid", allow_inf_nan=False)
+
 # Time per output token assumed when estimating a request's latency for Little's law: 50 ms
 # (20 tokens/s, faster than people read, a common interactive serving target).
 NOMINAL_TPOT_S = 0.05
@@ -38,18 +48,18 @@ NOMINAL_TPOT_S = 0.05
 class TokenDistribution(BaseModel):
     """A length distribution: a mean with optional p99/max, or samples (mean and max from them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FILE_MODEL
 
-    mean: float | None = Field(default=None, gt=0)
-    p99: int | None = Field(default=None, ge=1)
-    max: int | None = Field(default=None, ge=1)
-    samples: list[int] | None = Field(default=None, min_length=1)
+    mean: float | None = Field(default=None, gt=0, le=MAX_TOKENS)
+    p99: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    samples: list[int] | None = Field(default=None, min_length=1, max_length=MAX_SAMPLES)
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenDistribution:
         if self.samples is not None:
-            if any(sample < 1 for sample in self.samples):
-                raise ValueError("samples must be token counts >= 1")
+            if any(not 1 <= sample <= MAX_TOKENS for sample in self.samples):
+                raise ValueError(f"samples must be token counts from 1 to {MAX_TOKENS}")
             if self.mean is not None or self.p99 is not None or self.max is not None:
                 raise ValueError("give either samples or mean/p99/max, not both")
             return self
@@ -76,16 +86,16 @@ class TokenDistribution(BaseModel):
 
 
 class Workload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _FILE_MODEL
 
     name: str = Field(min_length=1)
     description: str = ""
     prompt_tokens: TokenDistribution
     output_tokens: TokenDistribution
-    arrival_rate_per_s: float | None = Field(default=None, gt=0)
-    batch_size: int | None = Field(default=None, ge=1)
-    latency_estimate_s: float | None = Field(default=None, gt=0)
-    max_micro_batch: int = Field(default=8, ge=1)
+    arrival_rate_per_s: float | None = Field(default=None, gt=0, le=MAX_ARRIVAL_RATE_PER_S)
+    batch_size: int | None = Field(default=None, ge=1, le=MAX_BATCH_SIZE)
+    latency_estimate_s: float | None = Field(default=None, gt=0, le=MAX_LATENCY_S)
+    max_micro_batch: int = Field(default=8, ge=1, le=MAX_MICRO_BATCHES)
 
     @field_validator("prompt_tokens", "output_tokens", mode="before")
     @classmethod

@@ -1,14 +1,19 @@
 """The FastAPI application: OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 `create_app(engine)` wraps an `LLMEngine` in an `AsyncEngine` whose thread starts and stops with
-the app (its lifespan). A request whose client goes away is aborted, streamed or not, so its KV
-blocks return to the pool at once: streams are cancelled by Starlette when it sees the
-disconnect; a non-streamed request is raced against a task that waits for the disconnect.
+the app (its lifespan). Bodies over `limits.max_body_bytes` get 413; prompts over
+`max_prompt_chars` (before tokenizing) or `max_prompt_tokens` (after) get 400 naming the limit;
+tokenizing runs on the `AsyncEngine`'s tokenizer threads, never on the engine thread. A request
+whose client goes away is aborted, streamed or not, so its KV blocks return to the pool at once:
+streams are cancelled by Starlette when it sees the disconnect; a non-streamed request is raced
+against a task that waits for the disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -18,11 +23,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
+from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.limits import BodySizeLimit, ServerLimits
+from tessel.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from tessel.server.metrics import ServerMetrics
 from tessel.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     AssistantMessage,
@@ -45,10 +55,20 @@ _CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody read
 
 
 def create_app(
-    engine: Any, *, max_pending: int = DEFAULT_MAX_PENDING, model_name: str | None = None
+    engine: Any,
+    *,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    model_name: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """An ASGI app serving `engine` (an `LLMEngine`); `app.state.async_engine` drives it."""
-    async_engine = AsyncEngine(engine, max_pending=max_pending)
+    limits = limits or ServerLimits()
+    async_engine = AsyncEngine(
+        engine,
+        max_pending=max_pending,
+        tokenizer_threads=limits.tokenizer_threads,
+        max_restarts=limits.max_engine_restarts,
+    )
     served_name = model_name or engine.model_name
 
     @asynccontextmanager
@@ -60,8 +80,14 @@ def create_app(
             async_engine.stop()
 
     app = FastAPI(title="tessel", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)
     app.state.async_engine = async_engine
     app.state.model_name = served_name
+    app.state.limits = limits
+    token_text = TokenText(engine.tokenizer)  # event loop only
+    metrics = ServerMetrics(engine)
+    async_engine.on_outputs = metrics.observe
+    app.state.metrics = metrics
     install_error_handlers(app)
     created = int(time.time())
 
@@ -73,49 +99,105 @@ def create_app(
             return response_for(EngineDeadError(f"the engine failed: {reason}"))
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format (`tessel.server.metrics`)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=served_name, created=created, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
     async def generate(
-        raw: Request, body: Any, request_id: str, prompt: Any, params: Any, chunks: Any
+        raw: Request, body: Any, request_id: str, prompt: Any, prompt_ids: list[int], params: Any, chunks: Any
     ) -> Any:
-        """Queue the request; a streaming response, or the final output (or a 499 if the client left)."""
-        stream = await _cancel_on_disconnect(raw, async_engine.add(request_id, prompt, params))
-        if isinstance(stream, Response):
-            return stream
+        """Queue the request's `n` choices; a streaming response, or their final outputs (or a 499).
+
+        With n > 1 the first choice runs its prefill alone; the others are added once its prompt
+        blocks are computed, so they take the prompt's full KV blocks from the prefix cache.
+        """
+        limits.check_prompt_tokens(len(prompt_ids))
+        streams: list[RequestStream] = []
+        try:
+            for index in range(body.n):
+                rid = request_id if body.n == 1 else f"{request_id}-{index}"
+                added = async_engine.add(
+                    rid, prompt, _choice_params(params, index), prompt_token_ids=prompt_ids
+                )
+                stream = await _cancel_on_disconnect(raw, added)
+                if isinstance(stream, Response):
+                    return stream
+                streams.append(stream)
+                if index == 0 and body.n > 1:
+                    waited = await _cancel_on_disconnect(raw, stream.started())
+                    if isinstance(waited, Response):
+                        return waited
+        except BaseException:
+            _abort_all(streams)
+            raise
+        if len(streams) < body.n:  # the client left
+            _abort_all(streams)
         if body.stream:
-            return _event_stream(stream, chunks(stream, served_name, body.include_usage()))
-        return await _final_output(raw, stream)
+            return _event_stream(streams, chunks(streams, served_name, body.include_usage()))
+        return await _final_outputs(raw, streams)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, served_name)
         params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            limits.check_prompt_chars(len(prompt))
+            prompt_ids = await async_engine.tokenize(lambda tokenizer: engine.tokenize(prompt, tokenizer))
+        else:
+            limits.check_prompt_tokens(len(prompt))
+            prompt_ids = prompt
+        echo = ""
+        if body.echo:
+            echo = (
+                prompt if isinstance(prompt, str) else await async_engine.tokenize(lambda t: t.decode(prompt))
+            )
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        final = await generate(raw, body, request_id, body.prompt, params, _completion_chunks)
-        if isinstance(final, Response):
-            return final
-        choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
-        response = CompletionResponse(id=request_id, model=served_name, choices=[choice], usage=_usage(final))
+        chunks = functools.partial(_completion_chunks, echo=echo, body=body, text=token_text)
+        finals = await generate(raw, body, request_id, prompt, prompt_ids, params, chunks)
+        if isinstance(finals, Response):
+            return finals
+        choices = []
+        for index, final in enumerate(finals):
+            logprobs = None
+            if body.logprobs is not None:
+                entries, ids = final.logprobs, final.token_ids
+                if body.echo:
+                    entries, ids = final.prompt_logprobs + entries, final.prompt_token_ids + ids
+                logprobs = completion_logprobs(entries, token_text, ids)
+            text, reason = echo + final.text, final.finish_reason
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason))
+        usage = _usage(finals)
+        response = CompletionResponse(id=request_id, model=served_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, served_name)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = await async_engine.call(lambda: _chat_prompt_ids(engine.tokenizer, messages))
         # no max_tokens: OpenAI's default, whatever the context has left (the engine's None)
         params = _sampling_params(body, body.requested_max_tokens())
+        limits.check_prompt_chars(sum(len(m.content) for m in body.messages))
+        messages = [m.template_dict() for m in body.messages]
+        prompt_ids = await async_engine.tokenize(lambda tokenizer: _chat_prompt_ids(tokenizer, messages))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        final = await generate(raw, body, request_id, prompt_ids, params, _chat_chunks)
-        if isinstance(final, Response):
-            return final
-        message = AssistantMessage(content=final.text)
-        choice = ChatChoice(message=message, finish_reason=final.finish_reason)
+        chunks = functools.partial(_chat_chunks, body=body, text=token_text)
+        finals = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, chunks)
+        if isinstance(finals, Response):
+            return finals
+        choices = []
+        for index, final in enumerate(finals):
+            message = AssistantMessage(content=final.text)
+            logprobs = chat_logprobs(final.logprobs, token_text) if body.logprobs else None
+            reason = final.finish_reason
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
         response = ChatCompletionResponse(
-            id=request_id, model=served_name, choices=[choice], usage=_usage(final)
+            id=request_id, model=served_name, choices=choices, usage=_usage(finals)
         )
         return JSONResponse(response.model_dump())
 
@@ -135,10 +217,17 @@ def _check_model(requested: str | None, served_name: str) -> None:
 def _sampling_params(body: Any, max_tokens: int | None) -> Any:
     from tessel.engine.sampling_params import SamplingParams
 
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, prompt_logprobs = ((body.top_logprobs or 0) if body.logprobs else None), None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
     return SamplingParams(
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=body.top_k or 0,
+        top_k=body.top_k,
         max_tokens=max_tokens,
         stop=body.stop_list(),
         seed=body.seed,
@@ -160,9 +249,23 @@ def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
     return list(ids)
 
 
-def _usage(output: Any) -> UsageInfo:
-    prompt, completion = output.num_prompt_tokens, output.num_output_tokens
+def _usage(outputs: list[Any]) -> UsageInfo:
+    """The prompt counted once, the completions of every choice summed (OpenAI's usage for n > 1)."""
+    prompt = outputs[0].num_prompt_tokens
+    completion = sum(output.num_output_tokens for output in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _choice_params(params: Any, index: int) -> Any:
+    """Choice i samples with seed + i (mod 2**64): its own stream; choice 0 is the n = 1 answer."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -187,19 +290,55 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def _final_output(request: Request, stream: RequestStream) -> Any:
-    """The request's last output, or a 499 response if the client went away first."""
+async def _final_outputs(request: Request, streams: list[RequestStream]) -> Any:
+    """Each choice's last output, or a 499 response if the client went away first."""
+    tasks = [asyncio.ensure_future(stream.final()) for stream in streams]
     try:
-        return await _cancel_on_disconnect(request, stream.final())
+        return await _cancel_on_disconnect(request, asyncio.gather(*tasks))
     finally:
-        stream.abort()  # no-op once finished; covers a task cancelled before it ever ran
+        for task in tasks:
+            task.cancel()  # one choice failed: stop waiting for the others
+        _abort_all(streams)  # no-op once finished; covers a task cancelled before it ever ran
 
 
-def _event_stream(stream: RequestStream, chunks: AsyncIterator[str]) -> StreamingResponse:
-    """Server-sent events; the request is aborted once the response ends, however it ends."""
+def _event_stream(streams: list[RequestStream], chunks: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events; the requests are aborted once the response ends, however it ends."""
     return StreamingResponse(
-        _guarded(chunks), media_type="text/event-stream", background=BackgroundTask(stream.abort)
+        _guarded(chunks), media_type="text/event-stream", background=BackgroundTask(_abort_all, streams)
     )
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from all streams as they come; leaving early aborts them all."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+        except Exception as error:
+            queue.put_nowait((index, None, error))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -217,44 +356,69 @@ def _sse(model: Any) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-async def _completion_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-    created, last = int(time.time()), None
-    async for output in stream:
-        last = output
-        text = output.new_text
-        if text or output.finished:
-            choice = CompletionChoice(
-                text=text, finish_reason=output.finish_reason if output.finished else None
-            )
-            chunk = CompletionResponse(id=stream.request_id, created=created, model=model, choices=[choice])
-            yield _sse(chunk)
-    if include_usage and last is not None:
-        yield _sse(
-            CompletionResponse(
-                id=stream.request_id, created=created, model=model, choices=[], usage=_usage(last)
-            )
+async def _completion_chunks(
+    streams: list[RequestStream], model: str, include_usage: bool, *, echo: str, body: Any, text: TokenText
+) -> AsyncIterator[str]:
+    created, request_id = int(time.time()), _request_id(streams)
+    last: dict[int, Any] = {}
+    offsets: dict[int, int] = {}  # text_offset counts the token texts, as the non-streamed answer does
+
+    def chunk(index: int, text_delta: str, logprobs: Any = None, finish_reason: str | None = None) -> str:
+        choice = CompletionChoice(
+            index=index, text=text_delta, logprobs=logprobs, finish_reason=finish_reason
         )
+        return _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
+
+    async for index, output in _merged(streams):
+        if index not in last and echo:
+            prompt_logprobs = None
+            if body.logprobs is not None:
+                prompt_logprobs = completion_logprobs(output.prompt_logprobs, text, output.prompt_token_ids)
+                offsets[index] = sum(len(token) for token in prompt_logprobs.tokens)
+            yield chunk(index, echo, prompt_logprobs)
+        last[index] = output
+        new_ids, logprobs = output.new_token_ids, None
+        if body.logprobs is not None and new_ids:
+            offset = offsets.get(index, 0)
+            logprobs = completion_logprobs(output.logprobs[-len(new_ids) :], text, new_ids, offset)
+            offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
+        if output.new_text or output.finished or logprobs is not None:
+            reason = output.finish_reason if output.finished else None
+            yield chunk(index, output.new_text, logprobs, reason)
+    if include_usage and last:
+        usage = _usage(list(last.values()))
+        yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-    created, last = int(time.time()), None
+async def _chat_chunks(
+    streams: list[RequestStream], model: str, include_usage: bool, *, body: Any, text: TokenText
+) -> AsyncIterator[str]:
+    created, request_id = int(time.time()), _request_id(streams)
+    last: dict[int, Any] = {}
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[choice]))
+    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs: Any = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        return _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    async for output in stream:
-        last = output
-        text = output.new_text
-        if text:
-            yield chunk(DeltaMessage(content=text))
+    for index in range(len(streams)):
+        yield chunk(index, DeltaMessage(role="assistant", content=""))
+    async for index, output in _merged(streams):
+        last[index] = output
+        new_ids, logprobs = output.new_token_ids, None
+        if body.logprobs and new_ids:
+            logprobs = chat_logprobs(output.logprobs[-len(new_ids) :], text)
+        if output.new_text or logprobs is not None:
+            yield chunk(index, DeltaMessage(content=output.new_text), logprobs=logprobs)
         if output.finished:
-            yield chunk(DeltaMessage(), finish_reason=output.finish_reason)
-    if include_usage and last is not None:
-        usage_chunk = ChatCompletionChunk(
-            id=stream.request_id, created=created, model=model, choices=[], usage=_usage(last)
-        )
-        yield _sse(usage_chunk)
+            yield chunk(index, DeltaMessage(), finish_reason=output.finish_reason)
+    if include_usage and last:
+        usage = _usage(list(last.values()))
+        yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield "data: [DONE]\n\n"
+
+
+def _request_id(streams: list[RequestStream]) -> str:
+    """The response id: the engine request id, without a choice's "-i" suffix when n > 1."""
+    rid = streams[0].request_id
+    return rid if len(streams) == 1 else rid.rsplit("-", 1)[0]

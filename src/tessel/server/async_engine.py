@@ -3,8 +3,18 @@
 The engine is not thread-safe, so only its thread touches it. The event loop hands it work as
 commands (add a request, abort one, run a callable such as a chat template) that the thread runs
 between two `step()`s; results come back through futures, and each request's outputs come back
-through its own `asyncio.Queue`, fed with `loop.call_soon_threadsafe`. The tokenizer is used only
-on the engine thread too (HF fast tokenizers may refuse concurrent use: "Already borrowed").
+through its own `asyncio.Queue`, fed with `loop.call_soon_threadsafe`.
+
+Tokenizing (and chat templates) runs off the engine thread, on a small pool of tokenizer threads
+each with its own copy of the tokenizer (HF fast tokenizers may refuse concurrent use of one
+object: "Already borrowed"; they release the GIL while encoding), so a huge prompt never delays
+the steps of the requests already running nor the tokenizing of a short one on another thread.
+
+A request that fails alone comes back as an output with finish_reason "error" and raises from its
+stream (400 for a `TesselError`, else 500). A step that fails for every request (the engine, not
+a request) fails the requests in flight with `EngineDeadError` (503) and restarts the loop, at most
+`max_restarts` times; then the engine is dead for good, `/health` says so and `on_dead` is called
+(`tessel serve` exits, so a supervisor can restart it).
 
 The server holds at most `max_pending` unfinished requests (running plus waiting); one more is
 refused with `QueueFullError` (HTTP 429) instead of queueing without bound.
@@ -13,14 +23,17 @@ refused with `QueueFullError` (HTTP 429) instead of queueing without bound.
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tessel.errors import TesselError
-from tessel.server.errors import EngineDeadError, QueueFullError
+from tessel.server.errors import EngineDeadError, QueueFullError, RequestFailedError
+from tessel.server.limits import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_TOKENIZER_THREADS
 
 T = TypeVar("T")
 
@@ -39,14 +52,23 @@ class RequestStream:
         self._queue = queue
         self._owner = owner
         self._done = False
+        self._peeked: deque[Any] = deque()
+
+    async def started(self) -> None:
+        """Wait for the first output (its prompt is computed); the iteration still yields it."""
+        if not self._peeked:
+            self._peeked.append(await self._queue.get())
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
             while not self._done:
-                item = await self._queue.get()
+                item = self._peeked.popleft() if self._peeked else await self._queue.get()
                 if isinstance(item, BaseException):
                     self._close(abort=False)
                     raise item
+                if item.finish_reason == "error":
+                    self._close(abort=False)
+                    raise _request_error(item.error)
                 if item.finished:
                     self._close(abort=False)
                 yield item
@@ -71,16 +93,34 @@ class RequestStream:
         self._owner._release(self.request_id, abort=abort)
 
 
+def _request_error(error: BaseException | None) -> Exception:
+    if isinstance(error, TesselError):
+        return error
+    return RequestFailedError(f"this request failed: {type(error).__name__}: {error}")
+
+
 class AsyncEngine:
     """An `LLMEngine` stepped by a background thread, fed and read from asyncio."""
 
-    def __init__(self, engine: Any, max_pending: int) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_pending: int,
+        tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
+        max_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS,
+    ) -> None:
         if max_pending < 1:
             raise TesselError(f"max_pending must be at least 1, got {max_pending}")
         self.engine = engine
         self.max_pending = max_pending
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        self.on_dead: Callable[[], None] | None = None  # called once the engine cannot restart
+        self.on_outputs: Callable[[list[Any], float], None] | None = None  # each step's outputs (metrics)
         self.num_aborted = 0  # requests aborted before they finished (clients that went away)
         self.error: BaseException | None = None
+        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tessel-tokenizer")
+        self._local = threading.local()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -104,6 +144,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=_JOIN_TIMEOUT_S)
             self._thread = None
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -131,7 +172,21 @@ class AsyncEngine:
             self._cond.notify_all()
         return future
 
-    async def add(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+    async def tokenize(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(tokenizer)` on a tokenizer thread (its own copy of the engine's tokenizer)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, self._with_tokenizer, fn
+        )
+
+    def _with_tokenizer(self, fn: Callable[[Any], T]) -> T:
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return fn(tokenizer)
+
+    async def add(
+        self, request_id: str, prompt: str | list[int], params: Any, prompt_token_ids: list[int] | None = None
+    ) -> RequestStream:
         """Queue a request; raises `QueueFullError` when full and the engine's `TesselError`s."""
         with self._pending_lock:
             if len(self._pending) >= self.max_pending:
@@ -146,7 +201,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, queue, self)
         try:
-            await self.call(lambda: self._add_now(request_id, prompt, params, queue, loop))
+            await self.call(lambda: self._add_now(request_id, prompt, params, prompt_token_ids, queue, loop))
         except BaseException:
             stream.abort()  # also covers a cancellation that arrives after the engine added it
             raise
@@ -160,8 +215,11 @@ class AsyncEngine:
         if abort:
             self.submit(lambda: self._abort_now(request_id))
 
-    def _add_now(self, request_id, prompt, params, queue, loop) -> None:
-        self.engine.add_request(request_id, prompt, params)
+    def _add_now(self, request_id, prompt, params, prompt_token_ids, queue, loop) -> None:
+        if prompt_token_ids is None:
+            self.engine.add_request(request_id, prompt, params)
+        else:
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
         self._queues[request_id] = (queue, loop)
 
     def _abort_now(self, request_id: str) -> None:
@@ -189,9 +247,15 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except Exception as error:
+                if self.num_restarts >= self.max_restarts:
+                    self._die(error)
+                    return
+                outputs = self._restart(error)
             except BaseException as error:
                 self._die(error)
                 return
+            self._observe(outputs)
             for output in outputs:
                 self._deliver(output.request_id, output, finished=output.finished)
         stopped = EngineDeadError("the server is shutting down")
@@ -210,6 +274,22 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self.engine.abort_request(request_id)
 
+    def _restart(self, error: BaseException) -> list[Any]:
+        """Fail what is in flight with 503, clear the engine and go on; -> no outputs to deliver."""
+        self.num_restarts += 1
+        failed = EngineDeadError(
+            f"the engine failed ({type(error).__name__}: {error}) and restarted "
+            f"({self.num_restarts} of at most {self.max_restarts} restarts); retry the request"
+        )
+        for request_id in list(self._queues):
+            self._deliver(request_id, failed, finished=True)
+        self._observe(self.engine.reset(error))
+        return []
+
+    def _observe(self, outputs: list[Any]) -> None:
+        if self.on_outputs is not None and outputs:
+            self.on_outputs(outputs, time.time())
+
     def _die(self, error: BaseException) -> None:
         with self._cond:
             self.error = error
@@ -217,6 +297,8 @@ class AsyncEngine:
         for request_id in list(self._queues):
             self._deliver(request_id, dead, finished=True)
         self._fail_commands(dead)
+        if self.on_dead is not None:
+            self.on_dead()
 
     def _fail_commands(self, error: BaseException) -> None:
         with self._cond:

@@ -28,10 +28,20 @@ class ModelNotFoundError(TesselError):
     """The request names a model this server does not serve."""
 
 
+class RequestFailedError(Exception):
+    """Running this one request failed unexpectedly (HTTP 500); the engine serves the others on."""
+
+
+def _printable(text: str) -> str:
+    """Text that JSON can carry as UTF-8: a lone surrogate echoed from the input becomes '\\ud800'."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(
     status_code: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    param = None if param is None else _printable(param)
+    body = ErrorResponse(error=ErrorInfo(message=_printable(message), type=type_, param=param, code=code))
     return JSONResponse(status_code=status_code, content=body.model_dump())
 
 
@@ -45,6 +55,11 @@ def response_for(error: Exception) -> JSONResponse:
         return error_response(404, str(error), "invalid_request_error", param="model", code="model_not_found")
     if isinstance(error, TesselError):
         return error_response(400, str(error), "invalid_request_error")
+    if isinstance(error, StarletteHTTPException):
+        type_ = "invalid_request_error" if error.status_code < 500 else "internal_error"
+        return error_response(error.status_code, str(error.detail), type_)
+    if isinstance(error, RequestFailedError):
+        return error_response(500, str(error), "internal_error", code="request_failed")
     return error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
 
@@ -66,8 +81,7 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    type_ = "invalid_request_error" if error.status_code < 500 else "internal_error"
-    return error_response(error.status_code, str(error.detail), type_)
+    return response_for(error)
 
 
 async def _tessel_error(request: Request, error: TesselError) -> JSONResponse:

@@ -1,98 +1,175 @@
 """Request and response bodies of the OpenAI-compatible API (the shapes OpenAI documents).
 
-Requests are pydantic models that validate what a client sent; unknown fields are ignored, as
-OpenAI's own server does for fields a model does not use. Fields tessel cannot honour (`n > 1`,
-`logprobs`, `echo`, `suffix`) are refused with a 400 rather than silently dropped. `top_k` and
-`ignore_eos` are extensions that vLLM also accepts.
+Requests are strict pydantic models: every sampling field goes through the engine's one
+validation (`tessel.engine.sampling_params.check_*`), so the HTTP API refuses exactly what
+`SamplingParams` refuses; flags are strict booleans (`"stream": "yes"` is a 400); text must be
+valid Unicode (no lone surrogates). Fields tessel does not implement (`tools`, `functions`,
+`response_format`, `logit_bias`, penalties, ...) and unknown fields are refused with a 400 naming
+them, unless sent at their no-op value (null, `presence_penalty: 0`, `tools: []`, ...), which
+clients often do. `suffix` is refused too; `n` is 1 to `MAX_CHOICES`. Completions take
+`logprobs: k` and `echo`; chat takes `logprobs: true` with `top_logprobs: k` (k up to
+`MAX_LOGPROBS`). `top_k` and `ignore_eos` are extensions that vLLM also accepts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+from tessel.engine.sampling_params import (
+    InvalidSamplingParams,
+    check_int,
+    check_logprobs,
+    check_max_tokens,
+    check_seed,
+    check_stop,
+    check_temperature,
+    check_text,
+    check_top_k,
+    check_top_p,
+)
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_CHOICES = 16  # n: choices per request (each one is a sequence in the engine)
+# Fields OpenAI's API has and tessel does not implement: accepted only at these no-op values (or null).
+NO_OP_VALUES: dict[str, list[Any]] = {
+    "presence_penalty": [0],
+    "frequency_penalty": [0],
+    "repetition_penalty": [1],
+    "logit_bias": [{}],
+    "best_of": [1],
+    "tools": [[]],
+    "tool_choice": ["none"],
+    "parallel_tool_calls": [True, False],
+    "functions": [[]],
+    "function_call": ["none"],
+    "tool_calls": [[]],
+    "response_format": [{"type": "text"}],
+    "store": [False],
+}
+_TOOL_FIELDS = {"tools", "tool_choice", "functions", "function_call", "tool_calls", "tool_call_id"}
+_SHOWN_NAME_CHARS = 40
+
+
+def _optional_text(name: str):
+    return lambda value: None if value is None else check_text(value, name)
+
+
+def _choices(value: Any) -> int:
+    n = check_int(value, "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidSamplingParams(f"n must be in [1, {MAX_CHOICES}], got {n if abs(n) < 10**6 else '...'}")
+    return n
+
+
+Temperature = Annotated[float, BeforeValidator(check_temperature)]
+TopP = Annotated[float, BeforeValidator(check_top_p)]
+TopK = Annotated[int, BeforeValidator(check_top_k)]
+MaxTokens = Annotated[int | None, BeforeValidator(check_max_tokens)]
+Seed = Annotated[int | None, BeforeValidator(check_seed)]
+Stop = Annotated[list[str], BeforeValidator(check_stop)]
+ModelName = Annotated[str | None, BeforeValidator(_optional_text("model"))]
+
+
+def _shown(name: str) -> str:
+    return repr(name[:_SHOWN_NAME_CHARS])
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Known fields only: the others are refused by name (`_refuse_unsupported`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    what: ClassVar[str] = "the request"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic reports the wrong type
+        data = {key: value for key, value in data.items() if value is not None}  # null: the default
+        unsupported = [
+            key
+            for key, value in data.items()
+            if key not in cls.model_fields
+            and not (key in NO_OP_VALUES and _is_no_op(value, NO_OP_VALUES[key]))
+        ]
+        if unsupported:
+            names = ", ".join(_shown(str(key)) for key in unsupported[:10])
+            why = "tool calling is not supported; " if _TOOL_FIELDS & set(unsupported) else ""
+            raise ValueError(
+                f"{cls.what} has unsupported field(s) {names}: {why}tessel does not implement them"
+            )
+        return {key: value for key, value in data.items() if key in cls.model_fields}
+
+
+def _is_no_op(value: Any, no_ops: list[Any]) -> bool:
+    return any(type(value) is type(no_op) and value == no_op for no_op in no_ops) or (
+        isinstance(value, int | float) and not isinstance(value, bool) and value in no_ops
+    )
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    what: ClassVar[str] = "stream_options"
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Request):
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    model: ModelName = None
+    max_tokens: MaxTokens = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    n: Annotated[int, BeforeValidator(_choices)] = 1
+    stop: Stop = Field(default_factory=list)
+    seed: Seed = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: tessel returns one choice per request (n=1)")
-        return n
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, top_k: int | None) -> int | None:
-        if top_k is not None and top_k < -1:
-            raise ValueError("top_k must be -1 or 0 (off) or a positive count")
-        return top_k
+    ignore_eos: StrictBool = False
+    user: Annotated[str | None, BeforeValidator(_optional_text("user"))] = None  # OpenAI's end-user id
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return list(self.stop)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f"got {len(prompt)} prompts: tessel takes one prompt per request")
-            prompt = prompt[0]
-        if len(prompt) == 0:
+def _prompt(prompt: Any) -> str | list[int]:
+    """One prompt: a string, token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ValueError(f"got {len(prompt)} prompts: tessel takes one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and min(prompt) < 0:
-            raise ValueError("token ids must be non-negative")
-        return prompt
+        return check_text(prompt, "prompt")
+    if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+        raise ValueError("the prompt must be a string or a list of token ids (integers)")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if min(prompt) < 0:
+        raise ValueError("token ids must be non-negative")
+    return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+class CompletionRequest(_SamplingFields):
+    prompt: Annotated[str | list[int], BeforeValidator(_prompt)]
+    echo: StrictBool = False
+    logprobs: Annotated[int | None, BeforeValidator(check_logprobs)] = None
+    suffix: Annotated[str | None, BeforeValidator(_optional_text("suffix"))] = None
 
     @field_validator("suffix")
     @classmethod
@@ -102,36 +179,73 @@ class CompletionRequest(_SamplingFields):
         return suffix
 
 
-class ChatMessage(_Request):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+def _role(role: Any) -> str:
+    if role not in CHAT_ROLES:
+        shown = _shown(role) if isinstance(role, str) else type(role).__name__
+        why = " (tool calling is not supported)" if role in ("tool", "function") else ""
+        raise ValueError(f"role {shown} is not supported{why}; use one of {', '.join(CHAT_ROLES)}")
+    return role
 
-    @field_validator("content")
+
+def _content(content: Any) -> str:
+    """A message's text: a string, or a list of `{"type": "text", "text": ...}` parts joined."""
+    if content is None:
+        raise ValueError("content is required (tool calls are not supported)")
+    if isinstance(content, str):
+        return check_text(content, "content")
+    if not isinstance(content, list):
+        raise ValueError("content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            shown = _shown(kind) if isinstance(kind, str) else repr(type(kind).__name__)
+            raise ValueError(f"content parts of type {shown} are not supported (text only)")
+        extra = set(part) - {"type", "text"}
+        if extra:
+            raise ValueError(
+                f"text parts take only type and text, not {', '.join(_shown(str(k)) for k in extra)}"
+            )
+        texts.append(check_text(part.get("text"), "content"))
+    return "".join(texts)
+
+
+class ChatMessage(_Request):
+    what: ClassVar[str] = "a message"
+
+    @model_validator(mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        for part in content if isinstance(content, list) else []:
-            if part.get("type") != "text":
-                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
-        return content
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") is not None:
+            _role(data["role"])  # a `tool` message is refused for its role, before its tool_call_id
+        return super()._refuse_unsupported(data)
+
+    role: Annotated[str, BeforeValidator(_role)]
+    content: Annotated[str, BeforeValidator(_content)]
+    name: Annotated[str | None, BeforeValidator(_optional_text("name"))] = None
 
     def text(self) -> str:
-        """The message's text; content given as parts joins their `text`."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(str(part.get("text", "")) for part in self.content)
+        return self.content
+
+    def template_dict(self) -> dict[str, str]:
+        """What the chat template sees."""
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    max_completion_tokens: MaxTokens = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[int | None, BeforeValidator(lambda v: check_logprobs(v, "top_logprobs"))] = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool) -> bool:
-        if logprobs:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -146,10 +260,19 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists over tokens; `None` for the first prompt token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -167,10 +290,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -191,7 +328,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -24,6 +24,14 @@ SEND_HEIGHT = 0.16
 MIN_STRIPE_SHARE = 0.12  # a decode step (1 token) beside a long prefill chunk stays visible
 
 
+def check_gantt_path(path: str | Path) -> Path:
+    """The path, if its extension names a format the chart can be written in."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise TesselError(f"Gantt chart {path}: unknown format {path.suffix!r} (use {', '.join(FORMATS)})")
+    return path
+
+
 def plot_gantt(
     result: SimResult,
     path: str | Path,
@@ -33,9 +41,7 @@ def plot_gantt(
     until_s: float | None = None,
 ) -> Path:
     """Draw `result` into `path`; `until_s` cuts the chart at that time (seconds)."""
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise TesselError(f"Gantt chart {path}: unknown format {path.suffix!r} (use {', '.join(FORMATS)})")
+    path = check_gantt_path(path)
     if stage_labels is not None and len(stage_labels) != result.n_stages:
         raise ValueError(f"{len(stage_labels)} stage labels for {result.n_stages} stages")
     from matplotlib import colormaps

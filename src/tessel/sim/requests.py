@@ -9,7 +9,7 @@ first comes out of the prefill, the others out of decode steps).
 from __future__ import annotations
 
 import csv
-import json
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from tessel.errors import TesselError
+from tessel.files import parse_json_text, read_text_file
+from tessel.plan.workload import MAX_TOKENS
 
 TRACE_FIELDS = ("arrival_s", "prompt_tokens", "output_tokens")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal", "samples")
@@ -110,15 +112,11 @@ def batch_requests(
 def load_trace(path: str | Path) -> list[Request]:
     """Requests from a CSV or JSONL trace (by extension: .csv, .jsonl/.json), sorted by arrival."""
     path = Path(path)
-    if not path.is_file():
-        raise TesselError(f"trace file {path} does not exist")
     suffix = path.suffix.lower()
-    if suffix == ".csv":
-        rows = _csv_rows(path)
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        rows = _jsonl_rows(path)
-    else:
+    if suffix not in (".csv", ".jsonl", ".json", ".ndjson"):
         raise TesselError(f"trace file {path}: unknown extension {suffix!r} (use .csv or .jsonl)")
+    text = read_text_file(path, "trace file")
+    rows = _csv_rows(path, text) if suffix == ".csv" else _jsonl_rows(path, text)
     requests = [_request(path, line, row, index) for index, (line, row) in enumerate(rows)]
     if not requests:
         raise TesselError(f"trace file {path} holds no requests")
@@ -126,38 +124,38 @@ def load_trace(path: str | Path) -> list[Request]:
     return requests
 
 
-def _csv_rows(path: Path) -> list[tuple[int, dict]]:
-    with path.open(newline="") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None:
-            raise TesselError(f"{path}: empty file, expected the header {','.join(TRACE_FIELDS)}")
-        header = [name.strip() for name in header]
-        missing = [name for name in TRACE_FIELDS if name not in header]
-        if missing:
-            raise TesselError(
-                f"{path}:1: header lacks {', '.join(missing)} (expected {','.join(TRACE_FIELDS)})"
-            )
-        rows = []
-        for values in reader:
-            if not any(value.strip() for value in values):
-                continue
-            line = reader.line_num
-            if len(values) != len(header):
-                raise TesselError(f"{path}:{line}: {len(values)} fields, the header has {len(header)}")
-            rows.append((line, dict(zip(header, values, strict=True))))
+def _csv_rows(path: Path, text: str) -> list[tuple[int, dict]]:
+    try:
+        return _csv_records(path, csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as error:  # a NUL byte, an over-long field, a broken quote
+        raise TesselError(f"{path}: not a valid CSV trace ({error})") from None
+
+
+def _csv_records(path: Path, reader) -> list[tuple[int, dict]]:  # noqa: ANN001 (a csv.reader)
+    header = next(reader, None)
+    if header is None:
+        raise TesselError(f"{path}: empty file, expected the header {','.join(TRACE_FIELDS)}")
+    header = [name.strip() for name in header]
+    missing = [name for name in TRACE_FIELDS if name not in header]
+    if missing:
+        raise TesselError(f"{path}:1: header lacks {', '.join(missing)} (expected {','.join(TRACE_FIELDS)})")
+    rows = []
+    for values in reader:
+        if not any(value.strip() for value in values):
+            continue
+        line = reader.line_num
+        if len(values) != len(header):
+            raise TesselError(f"{path}:{line}: {len(values)} fields, the header has {len(header)}")
+        rows.append((line, dict(zip(header, values, strict=True))))
     return rows
 
 
-def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
+def _jsonl_rows(path: Path, text: str) -> list[tuple[int, dict]]:
     rows = []
-    for line, text in enumerate(path.read_text().splitlines(), start=1):
-        if not text.strip():
+    for line, row_text in enumerate(text.splitlines(), start=1):
+        if not row_text.strip():
             continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise TesselError(f"{path}:{line}: not valid JSON ({error.msg})") from None
+        row = parse_json_text(row_text, f"{path}:{line}")
         if not isinstance(row, dict):
             raise TesselError(f"{path}:{line}: expected an object with keys {', '.join(TRACE_FIELDS)}")
         rows.append((line, row))
@@ -176,6 +174,8 @@ def _request(path: Path, line: int, row: dict, index: int) -> Request:
         value = _number(path, line, name, row[name], integer=True)
         if value < 1:
             raise TesselError(f"{path}:{line}: field {name!r} must be an integer >= 1, got {value}")
+        if value > MAX_TOKENS:
+            raise TesselError(f"{path}:{line}: field {name!r} is {value:.0f}; at most {MAX_TOKENS} tokens")
         lengths.append(int(value))
     return Request(index, arrival, lengths[0], lengths[1])
 
@@ -187,7 +187,12 @@ def _number(path: Path, line: int, name: str, raw: object, *, integer: bool) -> 
     try:
         value = float(raw.strip()) if isinstance(raw, str) else float(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {raw!r}") from None
+        raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {_short(raw)}") from None
     if integer and not (math.isfinite(value) and value == int(value)):
-        raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {raw!r}")
+        raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {_short(raw)}")
     return value
+
+
+def _short(raw: object, limit: int = 60) -> str:
+    text = repr(raw)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,22 @@
+"""Path options the commands share, checked by typer before the command body runs.
+
+A bad value is a usage error: exit code 2 and a message naming the option. Ranges are typer's own
+`min=` / `max=` (a float option always gets a `max`, which also refuses nan and inf), choices are
+`Literal` types.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def input_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
+    """An existing, readable file (not a directory); its content is checked by the reader."""
+    return typer.Option(default, *names, help=help, exists=True, dir_okay=False, readable=True)
+
+
+def output_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201
+    """A file to write: refused when it is a directory, before the command runs."""
+    return typer.Option(default, *names, help=help, dir_okay=False, writable=True)

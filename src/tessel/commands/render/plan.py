@@ -1,0 +1,56 @@
+"""What `tessel plan` prints: the re-planning verdict, the stages, the prediction, the baselines."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from tessel.plan.api import PlanOutcome
+from tessel.plan.report import comparison_table, stage_table
+
+
+def print_plan(console: Console, outcome: PlanOutcome) -> None:
+    if outcome.replan is not None:
+        print_replan(console, outcome)
+    instance, result, b = outcome.instance, outcome.result, outcome.workload.micro_batch_size
+    title = (
+        f"{outcome.model.name} on {outcome.cluster.name} ({instance.n_devices} GPUs), workload "
+        f"{outcome.workload.name}: m={instance.micro_batches} micro-batches of {b}, "
+        f"{outcome.settings.granularity} granularity"
+    )
+    console.print(stage_table(instance, result.evaluation, title))
+    predicted = outcome.predicted
+    gap = "n/a" if result.gap is None else f"{result.gap * 100:.2f}%"
+    console.print(
+        f"predicted: TTFT {predicted.ttft_s:.3f} s, TPOT {predicted.tpot_s * 1e3:.2f} ms, "
+        f"throughput {predicted.throughput_tok_s:.1f} tok/s; objective {result.evaluation.objective:.3f} s"
+    )
+    console.print(f"solver: {result.solver}, status {result.status}, gap {gap}, {result.time_s:.2f} s")
+    console.print(comparison_table(instance, result.evaluation, outcome.baselines, b))
+
+
+def print_replan(console: Console, outcome: PlanOutcome) -> None:
+    decision = outcome.replan
+    old = decision.previous_evaluation
+    old_text = f"{old.objective:.3f} s" if old.feasible else "does not fit"
+    console.print(
+        f"re-planning from {outcome.replan_from}: previous plan {old_text}; new plan "
+        f"{decision.new.evaluation.objective:.3f} s with its move ({decision.move_bytes / 2**30:.1f} GiB of "
+        f"weights, {decision.move_s:.2f} s, amortised over {outcome.replan_horizon_s:.0f} s)",
+        highlight=False,
+    )
+    verdict = "taking the new plan" if decision.take_new else "keeping the previous plan"
+    console.print(f"{verdict}: {decision.reason}", highlight=False)
+
+
+def print_vllm_export(console: Console, outcome: PlanOutcome) -> None:
+    exported = outcome.vllm_export()
+    console.print("vLLM launch command:")
+    typer.echo(exported.command)
+    console.print(
+        f"vLLM KV capacity: {exported.kv_capacity_tokens} tokens "
+        f"(set by stage {exported.kv_limiting_stage}); "
+        f"the workload keeps {outcome.kv_tokens_needed} in flight"
+    )
+    for warning in exported.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)

@@ -1,0 +1,37 @@
+"""What `tessel profile` prints: the fitted forms, their held-out error, the implied efficiencies."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_profile(console: Console, result, report, data, out) -> None:  # noqa: ANN001 (profiler types)
+    """`result` a Profile, `report` its FitReport, `data` the Measurements, `out` where it was written."""
+    table = Table(title=f"profile of one decoder layer on {result.device_type}")
+    table.add_column("fit")
+    table.add_column("coefficients")
+    table.add_column("points", justify="right")
+    table.add_column("held-out error", justify="right")
+    pre, dec = result.prefill, result.decode
+    table.add_row(
+        "prefill t(c,p)",
+        f"a0={pre.a0:.3e} a1={pre.a1:.3e} a2={pre.a2:.3e} a3={pre.a3:.3e}",
+        str(len(data.prefill_times_s)),
+        f"{report.prefill_heldout_error:.1%}",
+    )
+    table.add_row(
+        "decode t(B,S)",
+        f"b0={dec.b0:.3e} b1={dec.b1:.3e} b2={dec.b2:.3e}",
+        str(len(data.decode_times_s)),
+        f"{report.decode_heldout_error:.1%}",
+    )
+    console.print(table)
+    efficiencies = []
+    if result.compute_efficiency is not None:
+        efficiencies.append(f"compute {result.compute_efficiency:.1%} of catalog peak")
+    if result.memory_efficiency is not None:
+        efficiencies.append(f"memory {result.memory_efficiency:.1%} of catalog bandwidth")
+    if efficiencies:
+        console.print("implied efficiency: " + ", ".join(efficiencies))
+    console.print(f"held-out mean relative error {result.heldout_rel_error:.1%}; wrote {out}")

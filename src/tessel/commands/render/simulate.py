@@ -1,0 +1,100 @@
+"""What `tessel simulate` prints (metrics per plan variant, stage use) and its Gantt chart."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tessel.sim.api import SimulationReport, VariantRun
+from tessel.sim.gantt import plot_gantt
+
+
+def print_simulation(console: Console, report: SimulationReport) -> None:
+    plan_file, scheduler, options = report.plan_file, report.scheduler, report.options
+    console.print(
+        f"plan [bold]{plan_file.path}[/bold]: {plan_file.model_name} on {plan_file.cluster_name}, "
+        f"{len(plan_file.main.stages)} stages; workload {report.trace.description}; "
+        f"regime {report.settings.regime}: {scheduler['max_num_seqs']} sequences, "
+        f"{options['max_in_flight'] or 'one per stage'} micro-batches in flight"
+        f"{', pinned' if options['pinned'] else ''}{', KV limited' if options['kv_limit'] else ''}",
+        highlight=False,
+    )
+    console.print(metrics_table(report.runs))
+    console.print(stage_table(report.runs[0]))
+    if report.settings.compare:
+        for name, reason in plan_file.infeasible.items():
+            console.print(f"baseline {name}: not simulated ({reason})", highlight=False)
+
+
+def write_gantt(report: SimulationReport, path: Path, until_s: float | None = None) -> None:
+    """The Gantt chart of the plan's run (the first variant)."""
+    run = report.runs[0]
+    plot_gantt(
+        run.result,
+        path,
+        title=f"{report.plan_file.model_name} on {report.plan_file.cluster_name}: {report.trace.description}",
+        stage_labels=[stage.label for stage in run.variant.stages],
+        until_s=until_s,
+    )
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1e3:,.1f}"
+
+
+def metrics_table(runs: tuple[VariantRun, ...]) -> Table:
+    table = Table(title="Simulated serving metrics")
+    table.add_column("metric")
+    for run in runs:
+        table.add_column(run.variant.name, justify="right")
+    metrics = [run.metrics for run in runs]
+    rows: list[tuple[str, list[str]]] = []
+    for label, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s")):
+        for stat in ("p50", "p90", "p99", "mean"):
+            rows.append((f"{label} {stat} (ms)", [_ms(getattr(getattr(m, key), stat)) for m in metrics]))
+    rows += [
+        ("throughput (tok/s)", [f"{m.throughput_tok_s:,.1f}" for m in metrics]),
+        ("throughput (req/s)", [f"{m.throughput_req_s:,.3f}" for m in metrics]),
+        ("makespan (s)", [f"{m.makespan_s:,.3f}" for m in metrics]),
+        ("bubble fraction", [f"{m.bubble_fraction:.1%}" for m in metrics]),
+        ("stage utilisation min-max", [_util_range(m.stage_utilisation) for m in metrics]),
+        ("micro-batches", [str(m.batches) for m in metrics]),
+    ]
+    predicted = [
+        ("planner TTFT (ms)", "ttft_s", _ms),
+        ("planner TPOT (ms)", "tpot_s", _ms),
+        ("planner throughput (tok/s)", "throughput_tok_s", lambda v: f"{v:,.1f}"),
+    ]
+    variants = [run.variant for run in runs]
+    for label, key, fmt in predicted:
+        if any(key in v.predicted for v in variants):
+            rows.append((label, [fmt(v.predicted[key]) if key in v.predicted else "-" for v in variants]))
+    for label, values in rows:
+        table.add_row(label, *values)
+    return table
+
+
+def _util_range(utilisation: tuple[float, ...]) -> str:
+    return f"{min(utilisation):.0%}-{max(utilisation):.0%}"
+
+
+def stage_table(run: VariantRun) -> Table:
+    table = Table(title=f"Stages of {run.variant.name}")
+    for name in ("stage", "device", "GPU", "layers", "busy (s)", "utilisation"):
+        table.add_column(name, justify="right" if name in ("busy (s)", "utilisation") else "left")
+    metrics = run.metrics
+    for stage, busy, use in zip(
+        run.variant.stages, metrics.stage_busy_s, metrics.stage_utilisation, strict=True
+    ):
+        table.add_row(
+            str(stage.index),
+            stage.device,
+            stage.gpu_type,
+            f"{stage.layer_start}-{stage.layer_end - 1}",
+            f"{busy:,.3f}",
+            f"{use:.1%}",
+        )
+    return table

@@ -1,0 +1,253 @@
+"""The planner's Python API: `make_plan(model, cluster, workload, ...)`, what `tessel plan` runs.
+
+    from tessel.plan.api import make_plan
+    outcome = make_plan("llama-3-70b", "mixed-a100-v100-t4", "default", time_limit_s=10)
+    outcome.predicted.throughput_tok_s, outcome.to_json()
+
+`time_limit_s` bounds the whole call, not only the solver: the set-up (pricing every device pair
+and unit) is timed and the solver gets what is left (at least `MIN_SOLVER_S`; the set-up of the
+largest cluster a file may describe, `MAX_CLUSTER_DEVICES` GPUs, stays within seconds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.catalog.models import ModelSpec, load_model
+from tessel.cost.profile import Profile, load_profile
+from tessel.errors import TesselError
+from tessel.plan.baselines import BaselineResult, run_baselines
+from tessel.plan.build import build_instance, capacity_shortfall_bytes
+from tessel.plan.cluster import Cluster, load_cluster
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.plan_file import PlanFile, load_plan
+from tessel.plan.replan import ReplanDecision, previous_solution, replan
+from tessel.plan.report import Predicted, plan_json, predict
+from tessel.plan.solve import PlanResult, solve
+from tessel.plan.workload import Workload, load_workload
+
+MAX_TIME_LIMIT_S = 24 * 3600.0  # a day: longer solver runs are a typo
+MIN_SOLVER_S = 0.5  # the solver always gets this much, so a slow set-up still yields a plan
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    """How to plan: the options of `tessel plan`, validated once here."""
+
+    solver: str = "milp"
+    granularity: str = "layer"
+    overlap: bool = False
+    swap_in: str = "charged"
+    time_limit_s: float = 10.0
+    mip_gap: float = 0.01
+    dtype: str = "fp16"
+    kv_dtype: str = "fp16"
+    precisions: str | None = None  # e.g. "fp16,int8,int4": a weight precision per layer
+    quality_budget: float | None = None
+    theta: float | None = None
+    sensitivity: Path | None = None  # measured per-layer quality costs (JSON)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.time_limit_s) and 0 < self.time_limit_s <= MAX_TIME_LIMIT_S):
+            raise TesselError(f"time limit must be in (0, {MAX_TIME_LIMIT_S:g}] s, got {self.time_limit_s}")
+        if not (math.isfinite(self.mip_gap) and 0 <= self.mip_gap < 1):
+            raise TesselError(f"MIP gap must be in [0, 1), got {self.mip_gap}")
+        if self.precisions is None and (
+            self.quality_budget is not None or self.theta is not None or self.sensitivity is not None
+        ):
+            raise TesselError("--quality-budget, --theta and --sensitivity need --precisions")
+
+    def precision_options(self, model: str | Path | ModelSpec) -> dict:
+        """build_instance's precision arguments (none: --dtype for every layer)."""
+        from tessel.plan.precision import parse_precisions
+
+        if self.precisions is None:
+            return {}
+        checkpoint = Path(model) if not isinstance(model, ModelSpec) and Path(model).is_dir() else None
+        return {
+            "precisions": parse_precisions(self.precisions),
+            "quality_budget": self.quality_budget,
+            "theta": self.theta,
+            "checkpoint": checkpoint,
+            "sensitivity": self.sensitivity,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PlanProblem:
+    """The priced planning instance and what it was built from, before any solver runs."""
+
+    model: ModelSpec
+    cluster: Cluster
+    workload: Workload
+    instance: PlanningInstance
+    cluster_source: str  # the cluster file's path, or the bundled name
+    started: float  # perf_counter at the start of the call
+    setup_s: float  # reading files and pricing units
+
+    def solver_time_s(self, settings: PlanSettings) -> float:
+        """What is left of the command's time limit for the solver (at least MIN_SOLVER_S)."""
+        return max(settings.time_limit_s - (time.perf_counter() - self.started), MIN_SOLVER_S)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOutcome:
+    """A solved plan with everything the report and the plan file need."""
+
+    model: ModelSpec
+    cluster: Cluster
+    workload: Workload
+    settings: PlanSettings
+    instance: PlanningInstance
+    result: PlanResult
+    baselines: dict[str, BaselineResult]
+    replan: ReplanDecision | None = None
+    replan_from: str | None = None  # the plan file re-planned from
+    replan_horizon_s: float = 0.0
+    cluster_source: str = ""  # the cluster file's path, or the bundled name
+    setup_s: float = 0.0  # reading files and pricing units before the solver
+    total_s: float = 0.0  # the whole call
+
+    @property
+    def predicted(self) -> Predicted:
+        return predict(self.instance, self.result.evaluation, self.workload.micro_batch_size)
+
+    def plan_file(self) -> PlanFile:
+        """The plan file that `chunk`, `simulate` and the runtime read (`tessel.plan.plan_file`)."""
+        result = self.result
+        return plan_json(
+            self.instance,
+            result.evaluation,
+            model=self.model,
+            cluster=self.cluster,
+            cluster_source=self.cluster_source,
+            workload=self.workload,
+            solver={
+                "name": result.solver,
+                "status": result.status,
+                "gap": result.gap,
+                "time_s": result.time_s,
+            },
+            baselines=self.baselines,
+            dtype=self.settings.dtype,
+            kv_dtype=self.settings.kv_dtype,
+            granularity=self.settings.granularity,
+            quality_source=self.instance.labels.get("quality_source", "shape"),
+        )
+
+    def vllm_export(self):  # -> tessel.plan.export_vllm.VllmExport
+        """The launch command of unmodified vLLM for this plan, with its KV capacity check."""
+        from tessel.plan.export_vllm import export_vllm
+
+        return export_vllm(
+            self.instance,
+            self.result.evaluation,
+            model=self.model,
+            dtype=self.settings.dtype,
+            kv_dtype=self.settings.kv_dtype,
+            max_model_len=self.workload.max_kv_tokens,
+            tokens_needed=self.kv_tokens_needed,
+        )
+
+    @property
+    def kv_tokens_needed(self) -> int:
+        """KV tokens the workload keeps in flight: m micro-batches of b requests at full length."""
+        return self.instance.micro_batches * self.workload.micro_batch_size * self.workload.max_kv_tokens
+
+
+def prepare_plan(
+    model: str | Path | ModelSpec = "llama-3-70b",
+    cluster: str | Path | Cluster = "mixed-a100-v100-t4",
+    workload: str | Path | Workload = "default",
+    settings: PlanSettings | None = None,
+    *,
+    profiles: list[str | Path | Profile] | tuple = (),
+) -> PlanProblem:
+    """Read the inputs and price every unit on every device; refuse a model that cannot fit."""
+    started = time.perf_counter()
+    settings = settings or PlanSettings()
+    model_spec = model if isinstance(model, ModelSpec) else load_model(model)
+    cluster_spec = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    workload_spec = workload if isinstance(workload, Workload) else load_workload(workload)
+    loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
+    instance = build_instance(
+        model_spec,
+        cluster_spec,
+        workload_spec,
+        granularity=settings.granularity,
+        dtype=settings.dtype,
+        kv_dtype=settings.kv_dtype,
+        overlap=settings.overlap,
+        swap_in=settings.swap_in,
+        profiles=loaded,
+        **settings.precision_options(model),
+    )
+    _check_capacity(instance)
+    source = (
+        str(cluster) if not isinstance(cluster, Cluster) and Path(cluster).exists() else cluster_spec.name
+    )
+    return PlanProblem(
+        model_spec, cluster_spec, workload_spec, instance, source, started, time.perf_counter() - started
+    )
+
+
+def make_plan(
+    model: str | Path | ModelSpec = "llama-3-70b",
+    cluster: str | Path | Cluster = "mixed-a100-v100-t4",
+    workload: str | Path | Workload = "default",
+    settings: PlanSettings | None = None,
+    *,
+    profiles: list[str | Path | Profile] | tuple = (),
+    replan_from: str | Path | None = None,
+    replan_threshold: float = 0.05,
+    replan_horizon_s: float = 3600.0,
+) -> PlanOutcome:
+    """Plan a model on a cluster under a workload; names, paths or loaded specs are all accepted."""
+    settings = settings or PlanSettings()
+    problem = prepare_plan(model, cluster, workload, settings, profiles=profiles)
+    instance = problem.instance
+    solver_s = problem.solver_time_s(settings)
+    decision = None
+    if replan_from is None:
+        result = solve(instance, solver=settings.solver, time_limit_s=solver_s, mip_gap=settings.mip_gap)
+    else:
+        previous = load_plan(replan_from)
+        previous.check_cluster(problem.cluster)
+        decision = replan(
+            instance,
+            problem.cluster,
+            previous_solution(instance, previous.stages, str(replan_from)),
+            threshold=replan_threshold,
+            horizon_s=replan_horizon_s,
+            solver=settings.solver,
+            time_limit_s=solver_s,
+            mip_gap=settings.mip_gap,
+        )
+        result = decision.chosen
+    return PlanOutcome(
+        problem.model,
+        problem.cluster,
+        problem.workload,
+        settings,
+        instance,
+        result,
+        run_baselines(instance),
+        decision,
+        None if replan_from is None else str(replan_from),
+        replan_horizon_s,
+        problem.cluster_source,
+        problem.setup_s,
+        time.perf_counter() - problem.started,
+    )
+
+
+def _check_capacity(instance: PlanningInstance) -> None:
+    shortfall = capacity_shortfall_bytes(instance)
+    if shortfall > 0:
+        raise TesselError(
+            f"the model does not fit: it needs {shortfall / 2**30:.1f} GiB more than all GPU and host memory "
+            "of the cluster; add GPUs or host memory, use a smaller dtype, or shorten the workload"
+        )

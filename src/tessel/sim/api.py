@@ -1,0 +1,189 @@
+"""The simulator's Python API: `simulate_plan(plan, workload, ...)`, what `tessel simulate` runs.
+
+    from tessel.sim.api import SimulationSettings, simulate_plan
+    report = simulate_plan("plan.json", "default", SimulationSettings(requests=200, compare=True))
+    report.runs[0].metrics.ttft_s.p50, report.to_json()
+
+Settings left at None take the serving regime's defaults (`tessel.sim.regime`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.cost.profile import Profile, load_profile
+from tessel.errors import TesselError
+from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
+from tessel.sim.cpp import cpp_chunk_sizer
+from tessel.sim.metrics import Metrics, compute_metrics
+from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
+from tessel.sim.regime import REGIMES, regime_defaults
+from tessel.sim.requests import Request
+from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimSchedulerConfig
+from tessel.sim.simulator import MIX_RULES, SimConfig, SimResult, simulate
+from tessel.sim.workload import RequestSet, requests_for_workload
+
+MAX_BATCH_TOKENS = 2**24  # token budget per micro-batch: beyond any prompt (tessel.chunk.planner)
+MAX_SEQUENCES = 1_000_000  # --max-num-seqs / --max-in-flight upper bound
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationSettings:
+    """The options of `tessel simulate`; None takes the regime's default."""
+
+    requests: int | None = None  # default 200; a trace: its first N rows
+    seed: int = 0
+    rate_per_s: float | None = None
+    compare: bool = False  # also the plan's feasible baselines
+    regime: str = "plan"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_in_flight: int | None = None
+    enable_chunked_prefill: bool = True
+    cpp: bool = False
+    kv_limit: bool | None = None
+    pinned: bool | None = None
+    mix: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.mix not in MIX_RULES:
+            raise TesselError(f"mix must be one of {', '.join(MIX_RULES)}, got {self.mix!r}")
+        if self.regime not in REGIMES:
+            raise TesselError(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_in_flight"):
+            value = getattr(self, name)
+            limit = MAX_BATCH_TOKENS if name == "max_num_batched_tokens" else MAX_SEQUENCES
+            if value is not None and not 1 <= value <= limit:
+                raise TesselError(f"{name} must be from 1 to {limit}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class VariantRun:
+    variant: PlanVariant
+    result: SimResult
+    metrics: Metrics
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationReport:
+    plan_file: PlanFile
+    workload: str
+    trace: RequestSet
+    settings: SimulationSettings
+    scheduler: dict  # the SimSchedulerConfig fields the runs used, regime defaults applied
+    options: dict  # the SimConfig fields the runs used
+    runs: tuple[VariantRun, ...]  # the plan first, then the baselines
+    profiles: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "version": 1,
+            "plan": str(self.plan_file.path),
+            "workload": self.workload,
+            "description": self.trace.description,
+            "requests": len(self.trace.requests),
+            "seed": self.settings.seed,
+            "config": {
+                **self.scheduler,
+                **self.options,
+                "regime": self.settings.regime,
+                "profiles": list(self.profiles),
+            },
+            "results": {
+                run.variant.name: {
+                    "stages": [stage.label for stage in run.variant.stages],
+                    "predicted": run.variant.predicted,
+                    "metrics": run.metrics.to_json(),
+                }
+                for run in self.runs
+            },
+        }
+
+
+def simulate_plan(
+    plan: str | Path | PlanFile,
+    workload: str = "default",
+    settings: SimulationSettings | None = None,
+    *,
+    profiles: tuple[str | Path, ...] | list = (),
+) -> SimulationReport:
+    """Serve a workload (bundled name, workload YAML or trace file) with a plan and its baselines."""
+    settings = settings or SimulationSettings()
+    plan_file = plan if isinstance(plan, PlanFile) else load_plan(plan)
+    plan_file.check_named_cluster()
+    loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
+    trace = requests_for_workload(workload, settings.requests, settings.seed, settings.rate_per_s)
+    defaults = regime_defaults(plan_file, settings.regime)
+    scheduler = {
+        "max_num_seqs": defaults.max_num_seqs if settings.max_num_seqs is None else settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
+        "pipelined_prefill": settings.cpp,
+    }
+    kv_limit = settings.kv_limit
+    options = {
+        "max_in_flight": defaults.max_in_flight if settings.max_in_flight is None else settings.max_in_flight,
+        "mix": settings.mix,
+        "pinned": defaults.pinned if settings.pinned is None else settings.pinned,
+        "kv_limit": "if-known" if kv_limit is None and defaults.kv_limit else bool(kv_limit),
+    }
+    variants = [plan_file.main, *(plan_file.baseline_variants if settings.compare else ())]
+    runs = [_run_variant(plan_file, v, trace.requests, scheduler, options, loaded) for v in variants]
+    if plan_file.replicas:  # the plan is several pipelines: route the trace across them
+        runs[0] = _run_replicas(plan_file, trace.requests, scheduler, options, loaded)
+    runs = tuple(runs)
+    names = tuple(str(p) for p in profiles if not isinstance(p, Profile))
+    return SimulationReport(plan_file, str(workload), trace, settings, scheduler, options, runs, names)
+
+
+def _run_variant(
+    plan_file: PlanFile,
+    variant: PlanVariant,
+    requests: list[Request],
+    scheduler: dict,
+    options: dict,
+    profiles: list[Profile],
+) -> VariantRun:
+    options = dict(options)
+    capacity = None
+    kv_limit = options.pop("kv_limit")
+    if kv_limit:
+        capacity = kv_capacity_tokens(plan_file, variant)
+        if capacity is None and kv_limit != "if-known":
+            raise TesselError(
+                f"--kv-limit: {variant.name} in {plan_file.path} gives no kv_gib for its stages"
+            )
+    priced = pipeline_for(plan_file, variant, profiles)
+    chunk_sizes = None
+    if scheduler["pipelined_prefill"]:  # --cpp
+        chunk_sizes = cpp_chunk_sizer(priced.pipeline, max_chunk_tokens=scheduler["max_num_batched_tokens"])
+    config = SimConfig(
+        SimSchedulerConfig(**scheduler, chunk_sizes=chunk_sizes, kv_capacity_tokens=capacity),
+        **options,
+        logits_time_s=priced.logits_time_s,
+        offload_s=priced.offload_s,
+        offload_overlap=priced.offload_overlap,
+    )
+    result = simulate(priced.pipeline, requests, config)
+    return VariantRun(variant, result, compute_metrics(result))
+
+
+def _run_replicas(
+    plan_file: PlanFile, requests: list[Request], scheduler: dict, options: dict, profiles: list[Profile]
+) -> VariantRun:
+    """Each replica simulated with the requests routed to it (`tessel.sim.routing`), merged."""
+    from tessel.sim.routing import merge_results, route
+
+    replicas = plan_file.replica_variants
+    routed = route(requests, [r.weight for r in plan_file.replicas])
+    results = [
+        _run_variant(plan_file, variant, share, scheduler, options, profiles).result
+        for variant, share in zip(replicas, routed, strict=True)
+        if share
+    ]
+    merged = merge_results(results)
+    stages = tuple(stage for variant in replicas for stage in variant.stages)
+    return VariantRun(
+        PlanVariant(name="replicas", stages=stages, predicted={}), merged, compute_metrics(merged)
+    )

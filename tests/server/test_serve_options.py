@@ -1,0 +1,98 @@
+"""`tessel serve` refuses bad options before it loads the model, and exits when its engine is dead."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tessel.cli import app
+from tessel.errors import TesselError
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessel.engine import llm_engine
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", refuse)
+
+
+@pytest.mark.parametrize("value", ["nan", "0", "-1", "inf"])
+def test_kv_cache_gib_must_be_finite_and_positive(tiny_model: Path, no_model_load: None, value: str) -> None:
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), "--kv-cache-gib", value])
+    assert isinstance(result.exception, TesselError), result.output
+    assert "kv-cache-gib" in str(result.exception)
+
+
+def test_kv_cache_gib_above_the_available_memory_names_both(tiny_model: Path, no_model_load: None) -> None:
+    from tessel.engine.memory import available_memory_bytes
+
+    available = available_memory_bytes("cpu")
+    if available is None:
+        pytest.skip("this system does not report its available memory")
+    asked_gib = 2 * available / 2**30 + 1
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), "--kv-cache-gib", str(asked_gib)])
+    assert isinstance(result.exception, TesselError), result.output
+    message = str(result.exception)
+    assert f"{asked_gib:g}" in message and "GiB" in message and "available" in message
+
+
+def test_unknown_log_level_is_a_usage_error_before_loading(tiny_model: Path, no_model_load: None) -> None:
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), "--log-level", "loud"])
+    assert result.exit_code == 2
+    assert "loud" in result.output
+
+
+@pytest.mark.parametrize("option", ["--max-body-bytes", "--max-prompt-chars", "--max-prompt-tokens"])
+def test_limits_must_be_positive(tiny_model: Path, no_model_load: None, option: str) -> None:
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), option, "0"])
+    assert result.exit_code == 2 and option in result.output
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_exits_when_the_engine_cannot_restart(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, wait_until: Any
+) -> None:
+    """An engine whose every step fails: with --max-engine-restarts 0 the server stops, status 3."""
+    from tessel.engine import llm_engine
+
+    def broken_step(self: Any) -> list:
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "step", broken_step)
+    port = _free_port()
+    args = ["serve", "--model", str(tiny_model), "--port", str(port), "--max-model-len", "64"]
+    args += ["--kv-cache-gib", "0.01", "--max-engine-restarts", "0", "--log-level", "warning"]
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(CliRunner().invoke(app, args)), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return not thread.is_alive()
+
+    wait_until(up, "`tessel serve` to answer /health")
+    failed = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT_S)
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_dead"
+    thread.join(TIMEOUT_S)
+    assert not thread.is_alive(), "the server did not exit after its engine died"
+    assert isinstance(results[0].exception, TesselError) and results[0].exception.exit_code == 3
+    assert "supervisor" in str(results[0].exception)

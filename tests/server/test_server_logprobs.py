@@ -1,0 +1,133 @@
+"""logprobs and echo through the official `openai` client, against HF transformers (issue 15).
+
+The server runs under uvicorn in a thread; prompt (echo) and completion logprobs must equal HF's
+log-softmax of its logits over the same tokens to 1e-4, in the shapes the client parses; streamed
+logprobs must equal the non-streamed ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+TOL = 1e-4
+PROMPT = "Once upon a time there was a small model"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Any:
+    from tessel.engine.llm_engine import LLMEngine
+
+    return LLMEngine(str(tiny_model), max_num_seqs=4, max_model_len=256, kv_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def client(engine: Any, serve_in_thread: Any) -> Any:
+    from tessel.server.app import create_app
+
+    with serve_in_thread(create_app(engine, max_pending=8)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].double().log_softmax(dim=-1)
+
+    return logprobs
+
+
+def test_completion_echo_logprobs_equal_hf(client: Any, engine: Any, hf: Any, tiny_model: Path) -> None:
+    prompt_ids = list(engine.tokenizer(PROMPT).input_ids)
+    result = client.completions.create(
+        model=tiny_model.name, prompt=PROMPT, max_tokens=5, temperature=0.9, seed=3, echo=True, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = result.choices[0]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    n = len(prompt_ids) + result.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    # the sampled tokens: the same seed through `LLM.generate` gives the same ones (the server's oracle)
+    from tessel import LLM, SamplingParams
+
+    oracle = LLM(str(tiny_model), max_model_len=256, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True)
+    ids = prompt_ids + oracle.generate(PROMPT, params)[0].token_ids
+    assert choice.text == PROMPT + oracle.generate(PROMPT, params)[0].text
+    expected = hf(ids)
+    for pos in range(1, n):
+        assert lp.token_logprobs[pos] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=TOL)
+        # keyed by token text, so ids with the same text (bytes of one character) share a key
+        allowed = expected[pos - 1].topk(3).values.tolist() + [expected[pos - 1, ids[pos]].item()]
+        assert 1 <= len(lp.top_logprobs[pos]) <= 4
+        for value in lp.top_logprobs[pos].values():
+            assert min(abs(value - a) for a in allowed) < TOL
+
+
+def test_prompt_logprobs_of_token_ids_equal_hf(client: Any, engine: Any, hf: Any, tiny_model: Path) -> None:
+    """Token-id prompts: no re-tokenizing, so every prompt position is checked."""
+    prompt_ids = list(engine.tokenizer(PROMPT + " and another one").input_ids)
+    result = client.completions.create(
+        model=tiny_model.name, prompt=prompt_ids, max_tokens=1, echo=True, logprobs=0, temperature=0
+    )
+    lp = result.choices[0].logprobs
+    expected = hf(prompt_ids)
+    got = lp.token_logprobs[1 : len(prompt_ids)]
+    want = [expected[pos - 1, prompt_ids[pos]].item() for pos in range(1, len(prompt_ids))]
+    assert got == pytest.approx(want, abs=TOL)
+
+
+def test_chat_logprobs_streamed_equal_non_streamed(client: Any, tiny_model: Path) -> None:
+    kw = dict(
+        model=tiny_model.name, messages=[{"role": "user", "content": "Say hello"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=4,
+    )  # fmt: skip
+    full = client.chat.completions.create(**kw).choices[0]
+    content = full.logprobs.content
+    assert len(content) == 6 or full.finish_reason == "stop"
+    for item in content:
+        assert len(item.top_logprobs) == 4
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=TOL)  # greedy: the top one
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+    streamed = [
+        item for chunk in client.chat.completions.create(**kw, stream=True)
+        for choice in chunk.choices if choice.logprobs is not None for item in choice.logprobs.content
+    ]  # fmt: skip
+    assert [(i.token, round(i.logprob, 5)) for i in streamed] == [
+        (i.token, round(i.logprob, 5)) for i in content
+    ]
+
+
+def test_streamed_completion_logprobs_equal_non_streamed(client: Any, tiny_model: Path) -> None:
+    kw = dict(model=tiny_model.name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    full = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(**kw, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [
+        o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert text == full.text
+    assert tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
+
+
+def test_logprobs_bounds_are_400(client: Any, tiny_model: Path) -> None:
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=tiny_model.name, prompt="hi", logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(
+            model=tiny_model.name, messages=[{"role": "user", "content": "hi"}], top_logprobs=3
+        )
