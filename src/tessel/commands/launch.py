@@ -11,27 +11,32 @@ from pathlib import Path
 
 import typer
 
+from tessel.commands.options import input_file, output_file
 from tessel.errors import TesselError
 
 
 def launch(
-    plan: Path = typer.Option(..., "--plan", help="Plan file from `tessel plan --json`."),
+    plan: Path = input_file(..., "--plan", help="Plan file from `tessel plan --json`."),
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
     prompt: list[str] = typer.Option([], "--prompt", help="A prompt; repeat for a batch."),
-    prompts_file: Path | None = typer.Option(
+    prompts_file: Path | None = input_file(
         None, "--prompts-file", help="JSONL: one request per line (a string, or {prompt, sampling fields})."
     ),
     max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per prompt."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy; higher samples more freely."),
+    temperature: float = typer.Option(
+        0.0, min=0.0, max=100.0, help="0 is greedy; higher samples more freely."
+    ),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass (1 = off)."),
     top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
     seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write per request token_ids and text."),
+    json_out: Path | None = output_file(None, "--json", help="Write per request token_ids and text."),
     dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto."),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = typer.Option(None, min=0.0, help="KV pool size (all stages' share), GiB."),
+    kv_cache_gib: float | None = typer.Option(
+        None, min=0.0, max=1024.0, help="KV pool size (all stages' share), GiB."
+    ),
     micro_batches: int | None = typer.Option(
         None, min=1, help="Micro-batches in flight (default: the plan's m)."
     ),
@@ -44,6 +49,7 @@ def launch(
     ),
 ) -> None:
     """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
+    from tessel.commands.render.launch import print_run
     from tessel.dist.run import RunOptions, run_pipeline
 
     if not prompt and prompts_file is None:
@@ -56,46 +62,10 @@ def launch(
         threads=threads, run_dir=run_dir,
     )  # fmt: skip
     run = run_pipeline(options)
-    _render(run)
+    print_run(run)
     if json_out is not None:
-        json_out.write_text(
-            json.dumps({"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}, indent=1)
-        )
-
-
-def _render(run) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(highlight=False)
-    for request in run.requests:
-        if len(run.requests) > 1:
-            console.print(f"[bold]>>> {request['prompt']}[/bold]", markup=True)
-        console.print(request["text"], markup=False)
-        console.print(
-            f"[dim]({request['num_output_tokens']} tokens, finish_reason={request['finish_reason']})[/dim]"
-        )
-    table = Table(title=f"pipeline stages ({run.wall_s:.2f} s)")
-    for column in (
-        "stage",
-        "layers",
-        "weights MiB",
-        "RSS MiB",
-        "load RSS MiB",
-        "micro-batches",
-        "compute s",
-        "emulated sleep s",
-    ):
-        table.add_column(column, justify="right")
-    for s in run.stages:
-        table.add_row(
-            str(s.get("stage")),
-            f"{s.get('layer_start')}-{s.get('layer_end', 0) - 1}",
-            f"{s.get('weight_bytes', 0) / 2**20:.1f}",
-            f"{s.get('rss_bytes', 0) / 2**20:.0f}",
-            f"{s.get('load_rss_bytes', 0) / 2**20:.0f}",
-            str(s.get("batches", "")),
-            f"{s.get('compute_s', 0.0):.3f}",
-            f"{s.get('emulation_sleep_s', 0.0):.3f}",
-        )
-    Console(stderr=True).print(table)
+        document = {"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}
+        try:
+            json_out.write_text(json.dumps(document, indent=1))
+        except OSError as error:
+            raise TesselError(f"cannot write {json_out}: {error.strerror}") from None
