@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tessel.commands import chunk as _chunk
 from tessel.commands import generate as _generate
+from tessel.commands import launch as _launch
 from tessel.commands import plan as _plan
 from tessel.commands import profile as _profile
 from tessel.commands import serve as _serve
@@ -50,6 +51,7 @@ app.command("generate")(_generate.generate)
 app.command("simulate")(_simulate.simulate)
 app.command("profile")(_profile.profile)
 app.command("chunk")(_chunk.chunk)
+app.command("launch")(_launch.launch)
 
 
 def main() -> None:

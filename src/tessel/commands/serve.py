@@ -59,6 +59,9 @@ def serve(
         None, help="Model id for clients (default: the directory name)."
     ),
     log_level: LogLevel = typer.Option(LogLevel.info, case_sensitive=False, help="uvicorn log level."),
+    plan: Path | None = typer.Option(
+        None, "--plan", help="Serve through this plan's pipeline (one process per stage, `tessel launch`)."
+    ),
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     if not model.is_dir():
@@ -79,7 +82,13 @@ def serve(
         max_body_bytes, max_prompt_chars, max_prompt_tokens, max_engine_restarts=max_engine_restarts
     )
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
-    engine = LLMEngine(str(model), dtype=dtype, **{k: v for k, v in options.items() if v is not None})
+    kwargs = {k: v for k, v in options.items() if v is not None}
+    if plan is None:
+        engine = LLMEngine(str(model), dtype=dtype, **kwargs)
+    else:
+        from tessel.dist.serving import pipeline_server_engine
+
+        engine = pipeline_server_engine(model, plan, dtype=dtype, **kwargs)
     app = create_app(
         engine,
         max_pending=engine.config.max_num_seqs + max_queue,
@@ -89,6 +98,8 @@ def serve(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.value))
     async_engine = app.state.async_engine
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)
+    if plan is not None:
+        engine.watch_stages(async_engine)
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     server.run()
     if async_engine.error is not None:

@@ -34,6 +34,7 @@ from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
@@ -63,7 +64,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.model_config)
         self.max_model_len = self._max_model_len()
         self.tokenizer = _load_tokenizer(path)
-        self.model = load_model(path, self.dtype)
+        self.model = self._load_model(path)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
@@ -85,6 +86,10 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text already returned per request
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
+
+    def _load_model(self, path: Path) -> LlamaForCausalLM:
+        """The whole model; a pipeline stage (`tessel.dist`) loads only its layers."""
+        return load_model(path, self.dtype)
 
     # ---- sizing -------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -233,6 +238,13 @@ class LLMEngine:
         result, failed = self._run_isolated(batch.scheduled())
         if failed and not result.seqs and len(failed) > 1:
             raise failed[0][1]  # every request failed on its own: the engine, not a request
+        return outputs + self._finish_step(batch, result, failed)
+
+    def _finish_step(
+        self, batch: SchedulerOutput, result: StepResult, failed: list[tuple[Sequence, BaseException]]
+    ) -> list[RequestOutput]:
+        """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
+        outputs = []
         failed_seqs = {id(seq) for seq, _ in failed}
         for seq, error in failed:
             outputs.append(self._fail(seq, error))

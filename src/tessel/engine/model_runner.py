@@ -68,13 +68,14 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler()
         c = model.config
+        # One cache per attention layer the model holds (a pipeline stage holds some of them).
+        attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN).
         self.kv_cache = torch.zeros(
-            2, c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype
+            2, len(attention_layers), num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype
         )
         if pack_cpu_linears and not self.kv_cache.is_cuda:
             pack_linears(model)
-        attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
+from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,20 +59,28 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    layers: LayerFilter | None = None,
+) -> LlamaForCausalLM:
+    """The model in `path`; with `layers`, only that pipeline stage's part (the rest is nn.Identity)."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
     with torch.device("meta"), _default_dtype(dtype):
         model = LlamaForCausalLM(config)
+        if layers is not None:
+            layers.prune(model)
     model = model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
-        model.lm_head.tie(model.model.embed_tokens)
+    if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Identity):
+        model.lm_head.tie(model.model.embed_tokens)  # to_empty gives each module its own tensor: tie again
     model.model.rotary.build_tables(device)
-    load_weights(model, path)
+    load_weights(model, path, layers)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, layers: LayerFilter | None = None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {(name, None) for name in params}
     for fused, _ in set(model.packed_modules.values()):
@@ -89,6 +98,8 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                         name == "lm_head.weight" and model.config.tie_word_embeddings
                     ):
                         continue
+                    if layers is not None and not layers.holds(name):
+                        continue  # another pipeline stage's tensor: never read
                     loaded.add(_load_tensor(model, params, name, f.get_tensor(name), file))
         except (SafetensorError, OSError) as error:  # truncated, corrupt or unreadable
             raise TesselError(

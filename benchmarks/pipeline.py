@@ -1,0 +1,342 @@
+"""Pipeline runtime against the simulator: predicted vs measured TTFT, TPOT and throughput.
+
+    python benchmarks/pipeline.py [--quick] [--model DIR] [--out benchmarks/results/pipeline.json]
+
+1. Profiles this CPU (`tessel profile --device cpu` on the model's layer shape, fp32, 1 thread).
+2. Plans the model (`tessel plan --solver dp --dtype fp32 --profile ...`) on four local-CPU clusters:
+   2 and 3 stages, each with and without an emulated half-speed device (`emulate: {speed: 0.5}`).
+3. Runs the plan and its uniform baseline on the same closed batch of requests (token-id prompts of
+   a fixed length, `ignore_eos`), one process per stage (`tessel.dist.run.run_pipeline`), and
+   simulates the same batch with the same scheduler settings (pinned slots = micro-batches in flight,
+   token budget) on the plan's priced pipeline (`tessel.sim`, with the profile).
+4. CPP on vs off for one long prompt on the 2-stage plan: measured TTFT (whole prompt as one
+   micro-batch vs the chunk planner's cut) next to the chunk planner's predicted TTFTs.
+
+Prints a table and writes JSON. Every stage runs 1 torch thread: on a machine with fewer free cores
+than stages, the stages time-share the cores and the measured numbers say more about the machine's
+load than about the plan (the JSON records the load average before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
+sys.path.insert(0, str(ROOT / "tests"))  # real_model: the SmolLM2 checkpoint builder
+
+FULL = {"requests": 8, "prompt": 256, "output": 64, "cpp_prompt": 4096, "profile_budget_s": 120, "slots": 4}
+QUICK = {"requests": 2, "prompt": 32, "output": 4, "cpp_prompt": 1024, "profile_budget_s": 15, "slots": 2}
+LINK = {"bandwidth_gbps": 80, "latency_us": 50}  # local-cpu.yaml's assumption for gloo over loopback
+CLUSTERS = {
+    "2-stage": [("localhost", 2, None)],
+    "2-stage-slow": [("localhost", 1, None), ("localhost-slow", 1, 0.5)],
+    "3-stage": [("localhost", 3, None)],
+    "3-stage-slow": [("localhost", 2, None), ("localhost-slow", 1, 0.5)],
+}
+
+
+def tessel(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "tessel.cli", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def write_cluster(path: Path, name: str, nodes: list) -> Path:
+    lines = [f"name: {name}", "nodes:"]
+    for node, count, speed in nodes:
+        lines += [f"  - name: {node}", f"    gpus: {{type: cpu, count: {count}}}"]
+        lines += [
+            f"    intra_link: {{bandwidth_gbps: {LINK['bandwidth_gbps']}, latency_us: {LINK['latency_us']}}}"
+        ]
+        if speed is not None:
+            lines.append(f"    emulate: {{speed: {speed}}}")
+    lines.append(f"network: {{bandwidth_gbps: {LINK['bandwidth_gbps']}, latency_us: {LINK['latency_us']}}}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def emulated_profiles(profile: Path, work: Path) -> list[Path]:
+    """The host's profile, and for each emulated speed s a copy for device type `cpu@{s}x` (the name
+    `GpuSpec.emulated` gives) with every fitted time divided by s: the emulated device is the host at
+    s times its speed, and the cost model matches profiles to devices by that name."""
+    speeds = sorted({speed for nodes in CLUSTERS.values() for _, _, speed in nodes if speed is not None})
+    data = json.loads(profile.read_text())
+    paths = [profile]
+    for speed in speeds:
+        scaled = json.loads(json.dumps(data))
+        scaled["device_type"] = f"{data['device_type']}@{speed:g}x"
+        for fit in ("prefill", "decode"):
+            scaled[fit] = {key: value / speed for key, value in data[fit].items()}
+        path = work / f"profile-{speed:g}x.json"
+        path.write_text(json.dumps(scaled))
+        paths.append(path)
+    return paths
+
+
+def write_workload(path: Path, cfg: dict) -> Path:
+    path.write_text(
+        "name: bench\n"
+        f"prompt_tokens: {{mean: {cfg['prompt']}, max: {cfg['prompt']}}}\n"
+        f"output_tokens: {{mean: {cfg['output']}, max: {cfg['output']}}}\n"
+        f"batch_size: {cfg['requests']}\n"
+        f"max_micro_batch: {cfg['slots']}\n"
+    )
+    return path
+
+
+def variant_plan(plan_path: Path, variant: str, out: Path) -> Path | None:
+    """A plan file whose main stages are `variant`'s (the plan itself or a feasible baseline)."""
+    data = json.loads(plan_path.read_text())
+    if variant != "plan":
+        baseline = data.get("baselines", {}).get(variant) or {}
+        if not baseline.get("feasible") or not baseline.get("stages"):
+            return None
+        data["stages"], data["predicted"] = baseline["stages"], baseline.get("predicted")
+    out.write_text(json.dumps(data))
+    return out
+
+
+def prompts_file(path: Path, n: int, tokens: int, vocab: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    lines = [json.dumps({"prompt": [rng.randrange(100, vocab) for _ in range(tokens)]}) for _ in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> dict:
+    from tessel.dist.run import RunOptions, run_pipeline
+
+    options = RunOptions(
+        plan,
+        model,
+        prompts_file=requests,
+        max_tokens=overrides.pop("max_tokens", cfg["output"]),
+        ignore_eos=True,
+        max_num_seqs=256,
+        max_model_len=cfg["max_model_len"],
+        kv_cache_gib=0.25,
+        micro_batches=cfg["slots"],
+        warmup=True,
+        **overrides,
+    )
+    run = run_pipeline(options)
+    ttft = [r["ttft_s"] for r in run.requests]
+    tpot = [r["tpot_s"] for r in run.requests if r["tpot_s"] is not None]
+    tokens = sum(r["num_output_tokens"] for r in run.requests)
+    return {
+        "ttft_s": sum(ttft) / len(ttft),
+        "tpot_s": sum(tpot) / len(tpot) if tpot else None,
+        "throughput_tok_s": tokens / run.wall_s,
+        "wall_s": run.wall_s,
+        "stages": run.stages,
+    }
+
+
+def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: int, n: int, cpp: bool) -> dict:
+    from tessel.cost.profile import load_profile
+    from tessel.plan.plan_file import load_plan
+    from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
+    from tessel.sim.cpp import cpp_chunk_sizer
+    from tessel.sim.plan_pipeline import pipeline_for
+    from tessel.sim.requests import Request
+
+    priced = pipeline_for(load_plan(plan), profiles=[load_profile(p) for p in profiles])
+    chunk_sizes = cpp_chunk_sizer(priced.pipeline) if cpp else None
+    scheduler = SimSchedulerConfig(
+        max_num_seqs=256,
+        max_num_batched_tokens=max(2048, prompt) if not cpp else 2048,
+        pipelined_prefill=cpp,
+        chunk_sizes=chunk_sizes,
+    )
+    config = SimConfig(
+        scheduler,
+        max_in_flight=cfg["slots"],
+        pinned=cfg["slots"] > 1,
+        logits_time_s=priced.logits_time_s,
+    )
+    result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
+    metrics = compute_metrics(result)
+    tpot = metrics.tpot_s.mean
+    return {
+        "ttft_s": metrics.ttft_s.mean,
+        "tpot_s": None if tpot != tpot else tpot,
+        "throughput_tok_s": metrics.throughput_tok_s,
+    }
+
+
+def rel_error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
+    from tessel.models.config import ModelConfig
+
+    config = ModelConfig.from_dir(model)
+    cfg = {**cfg, "max_model_len": max(cfg["cpp_prompt"], cfg["prompt"] + cfg["output"]) + 8}
+    profile = work / "profile.json"
+    console.print(f"profiling the CPU on {model.name}'s layer ({cfg['profile_budget_s']} s budget) ...")
+    tessel(
+        "profile", "--device", "cpu", "--model", str(model), "--scale", "1", "--dtype", "float32",
+        "--budget-s", str(cfg["profile_budget_s"]), "--max-offset", str(cfg["cpp_prompt"]),
+        "--out", str(profile),
+    )  # fmt: skip
+    profiles = emulated_profiles(profile, work)
+    profile_args = [arg for p in profiles for arg in ("--profile", str(p))]
+    workload = write_workload(work / "workload.yaml", cfg)
+    requests = prompts_file(work / "requests.jsonl", cfg["requests"], cfg["prompt"], config.vocab_size, 0)
+    rows = []
+    for name, nodes in CLUSTERS.items():
+        cluster = write_cluster(work / f"{name}.yaml", f"local-cpu-{name}", nodes)
+        plan = work / f"{name}.json"
+        console.print(f"planning {name} ...")
+        tessel(
+            "plan", "--model", str(model), "--cluster", str(cluster), "--workload", str(workload),
+            "--solver", "dp", "--dtype", "fp32", "--kv-dtype", "fp32", *profile_args, "--json", str(plan),
+        )  # fmt: skip
+        for variant in ("plan", "uniform"):
+            path = variant_plan(plan, variant, work / f"{name}-{variant}.json")
+            if path is None:
+                continue
+            stages = [(s["layer_start"], s["layer_end"]) for s in json.loads(path.read_text())["stages"]]
+            console.print(f"running {name} {variant} {stages} ...")
+            measured = measure(path, model, requests, cfg)
+            predicted = predict(path, profiles, cfg, cfg["prompt"], cfg["output"], cfg["requests"], cpp=False)
+            rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
+                         "predicted": predicted})  # fmt: skip
+    cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console)
+    return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
+
+
+def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: int, console: Console) -> dict:
+    from tessel.chunk.schedule import evaluate_chunks
+    from tessel.cost.profile import load_profile
+    from tessel.dist.cpp import ChunkCutter
+    from tessel.plan.plan_file import load_plan
+    from tessel.sim.plan_pipeline import pipeline_for
+
+    plan = work / "2-stage-plan.json"
+    n = cfg["cpp_prompt"]
+    one = prompts_file(work / "long.jsonl", 1, n, vocab, 1)
+    priced = pipeline_for(load_plan(plan), profiles=[load_profile(p) for p in profiles])
+    chunks = ChunkCutter(priced.pipeline).chunks(n)
+    tail = priced.logits_time_s(1)
+    predicted_on = evaluate_chunks(priced.pipeline, chunks, [n], tail).ttft_s
+    predicted_off = evaluate_chunks(priced.pipeline, [n], [n], tail).ttft_s
+    console.print(f"CPP: {n}-token prompt, chunks {chunks} ...")
+    common = {
+        "max_tokens": 1,
+        "max_num_batched_tokens": n,
+        "profiles": profiles,
+    }  # the runtime cuts as predicted
+    on = measure(plan, model, one, cfg, cpp=True, **common)
+    off = measure(plan, model, one, cfg, cpp=False, **common)
+    return {
+        "prompt_tokens": n,
+        "chunks": chunks,
+        "measured_ttft_s": {"on": on["ttft_s"], "off": off["ttft_s"]},
+        "predicted_ttft_s": {"on": predicted_on, "off": predicted_off},
+        "measured_chunks": on["stages"][0].get("cpp_chunks"),
+        "measured_gain": off["ttft_s"] / on["ttft_s"],
+        "predicted_gain": predicted_off / predicted_on,
+    }
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    out = []
+    for cluster in CLUSTERS:
+        by = {r["variant"]: r for r in rows if r["cluster"] == cluster}
+        if "plan" in by and "uniform" in by:
+            m = by["plan"]["measured"]["throughput_tok_s"] / by["uniform"]["measured"]["throughput_tok_s"]
+            p = by["plan"]["predicted"]["throughput_tok_s"] / by["uniform"]["predicted"]["throughput_tok_s"]
+            out.append({"cluster": cluster, "measured": m, "predicted": p, "rel_error": rel_error(p, m)})
+    return out
+
+
+def render(result: dict, console: Console) -> None:
+    table = Table(title="pipeline runtime: simulator prediction vs measured (means over requests)")
+    for column in ("cluster", "split", "layers", "TTFT ms pred/meas", "TPOT ms pred/meas", "tok/s pred/meas",
+                   "err TTFT", "err TPOT", "err tok/s"):  # fmt: skip
+        table.add_column(column, justify="right")
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    def pct(v):
+        return "-" if v is None else f"{v * 100:+.0f}%"
+
+    for r in result["rows"]:
+        p, m = r["predicted"], r["measured"]
+        table.add_row(
+            r["cluster"], r["variant"], " ".join(f"{a}-{b - 1}" for a, b in r["layers"]),
+            f"{ms(p['ttft_s'])} / {ms(m['ttft_s'])}", f"{ms(p['tpot_s'])} / {ms(m['tpot_s'])}",
+            f"{p['throughput_tok_s']:.1f} / {m['throughput_tok_s']:.1f}",
+            pct(rel_error(p["ttft_s"], m["ttft_s"])), pct(rel_error(p["tpot_s"], m["tpot_s"])),
+            pct(rel_error(p["throughput_tok_s"], m["throughput_tok_s"])),
+        )  # fmt: skip
+    console.print(table)
+    speed = Table(title="planned split over uniform split (throughput)")
+    for column in ("cluster", "predicted", "measured", "rel. error"):
+        speed.add_column(column, justify="right")
+    for s in result["speedups"]:
+        speed.add_row(s["cluster"], f"{s['predicted']:.2f}x", f"{s['measured']:.2f}x", pct(s["rel_error"]))
+    console.print(speed)
+    c = result["cpp"]
+    console.print(
+        f"CPP, {c['prompt_tokens']}-token prompt on 2 stages, chunks {c['chunks']}: TTFT off/on measured "
+        f"{ms(c['measured_ttft_s']['off'])}/{ms(c['measured_ttft_s']['on'])} ms "
+        f"(gain {c['measured_gain']:.2f}x), "
+        f"predicted {ms(c['predicted_ttft_s']['off'])}/{ms(c['predicted_ttft_s']['on'])} ms "
+        f"(gain {c['predicted_gain']:.2f}x)",
+        highlight=False,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
+    parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    for key in FULL:
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override (full: {FULL[key]})")
+    args = parser.parse_args()
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in FULL:
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if args.model is None:
+        import real_model
+
+        args.model = real_model.smollm2_dir()
+    console = Console(highlight=False)
+    load_before = os.getloadavg()
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:
+        result = run(args.model, cfg, Path(tmp), console)
+    result.update(
+        model=str(args.model),
+        quick=args.quick,
+        wall_s=time.time() - started,
+        loadavg_before=load_before,
+        loadavg_after=os.getloadavg(),
+        cpu_count=os.cpu_count(),
+    )
+    render(result, console)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

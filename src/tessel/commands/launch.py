@@ -1,0 +1,71 @@
+"""`tessel launch`: run a plan as one process per stage on this machine and print the completions.
+
+torch is imported only by the workers and inside the command, so the planner side of the CLI
+loads without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from tessel.commands.options import input_file, output_file
+from tessel.errors import TesselError
+
+
+def launch(
+    plan: Path = input_file(..., "--plan", help="Plan file from `tessel plan --json`."),
+    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
+    prompt: list[str] = typer.Option([], "--prompt", help="A prompt; repeat for a batch."),
+    prompts_file: Path | None = input_file(
+        None, "--prompts-file", help="JSONL: one request per line (a string, or {prompt, sampling fields})."
+    ),
+    max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per prompt."),
+    temperature: float = typer.Option(
+        0.0, min=0.0, max=100.0, help="0 is greedy; higher samples more freely."
+    ),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
+    seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    json_out: Path | None = output_file(None, "--json", help="Write per request token_ids and text."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto."),
+    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
+    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
+    kv_cache_gib: float | None = typer.Option(
+        None, min=0.0, max=1024.0, help="KV pool size (all stages' share), GiB."
+    ),
+    micro_batches: int | None = typer.Option(
+        None, min=1, help="Micro-batches in flight (default: the plan's m)."
+    ),
+    cpp: bool = typer.Option(True, help="Cut long prompts into the CPP planner's chunks."),
+    cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
+    profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
+    threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
+    ),
+) -> None:
+    """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
+    from tessel.commands.render.launch import print_run
+    from tessel.dist.run import RunOptions, run_pipeline
+
+    if not prompt and prompts_file is None:
+        raise TesselError("give at least one --prompt or a --prompts-file")
+    options = RunOptions(
+        plan, model, prompts=list(prompt), prompts_file=prompts_file, max_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+        micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
+        threads=threads, run_dir=run_dir,
+    )  # fmt: skip
+    run = run_pipeline(options)
+    print_run(run)
+    if json_out is not None:
+        document = {"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}
+        try:
+            json_out.write_text(json.dumps(document, indent=1))
+        except OSError as error:
+            raise TesselError(f"cannot write {json_out}: {error.strerror}") from None

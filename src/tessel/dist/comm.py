@@ -1,0 +1,144 @@
+"""Point-to-point messages between pipeline stages over torch.distributed (gloo or NCCL).
+
+A micro-batch travels from stage k to k+1 as three tensors: a fixed-size header
+`[kind, payload bytes, rows, cols]`, the pickled `BatchMessage` (positions, attention metadata
+with the block tables stage 0 decided, what to sample) and the hidden states [rows, cols]. The
+last stage sends the sampled tokens back to stage 0 as `[micro-batch id, tokens...]`. Sends are
+non-blocking (`isend`); the next header is received with a pre-posted `irecv` so a stage's
+receive overlaps its compute. Any failure of the process group becomes `PeerLostError`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tessel.engine.sampling_params import SamplingParams
+from tessel.layers.attention import AttentionMetadata
+
+BATCH, STOP = 1, 2
+HEADER_LEN = 4
+
+
+class PeerLostError(RuntimeError):
+    """A send or receive failed: another stage is gone (its own report names the cause)."""
+
+
+@dataclass(slots=True)
+class BatchMessage:
+    """What every stage after the first needs to run a micro-batch over its layers."""
+
+    batch_id: int
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows whose logits are sampled (on the last stage)
+    sample: list[tuple[int, SamplingParams]]  # (sequence id, its params) per sampled row
+    released: list[int] = field(default_factory=list)  # finished sequence ids: drop their generators
+
+
+def share_kv_layout(layout: list) -> list:
+    """Stage 0's KV pool layout (blocks, block size, packing) to every stage (a collective, at start)."""
+    try:
+        dist.broadcast_object_list(layout, src=0)
+    except RuntimeError as error:
+        raise PeerLostError(f"stage {dist.get_rank()}: the start-up handshake failed: {error}") from error
+    return layout
+
+
+class StageComm:
+    """One stage's links: receive from the previous stage, send to the next, tokens to stage 0."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device, self.dtype = device, dtype
+        self._sends: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
+        self._next_header: tuple[dist.Work, torch.Tensor] | None = None
+
+    @property
+    def prev(self) -> int:
+        return self.rank - 1
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    # ---- sending -------------------------------------------------------------------------------
+    def _isend(self, tensors: tuple[torch.Tensor, ...], dst: int) -> None:
+        try:
+            works = [dist.isend(t, dst) for t in tensors]
+        except RuntimeError as error:
+            raise PeerLostError(f"stage {self.rank}: sending to stage {dst} failed: {error}") from error
+        for work in works:
+            self._sends.append((work, tensors))  # the tensors live until the send completes
+        self._reap()
+
+    def _reap(self) -> None:
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+
+    def send_batch(self, message: BatchMessage, hidden: torch.Tensor) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        rows, cols = hidden.shape
+        header = torch.tensor([BATCH, payload.numel(), rows, cols], dtype=torch.int64)
+        tensors = (header, payload, hidden.contiguous())
+        self._isend(tuple(t.to(self.device) for t in tensors), self.next)
+
+    def send_stop(self) -> None:
+        if self.rank < self.world_size - 1:
+            self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64, device=self.device),), self.next)
+
+    def send_tokens(self, batch_id: int, tokens: list[int]) -> None:
+        self._isend((torch.tensor([batch_id, *tokens], dtype=torch.int64, device=self.device),), 0)
+
+    def flush(self) -> None:
+        """Wait until every send has been received."""
+        try:
+            while self._sends:
+                self._sends.popleft()[0].wait()
+        except RuntimeError as error:
+            raise PeerLostError(f"stage {self.rank}: a send did not complete: {error}") from error
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def _post_header(self) -> None:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._next_header = (dist.irecv(header, self.prev), header)
+
+    def recv_batch(self) -> tuple[BatchMessage, torch.Tensor] | None:
+        """The next micro-batch from the previous stage; None when stage 0 says stop."""
+        try:
+            if self._next_header is None:
+                self._post_header()
+            work, header = self._next_header
+            work.wait()
+            kind, size, rows, cols = (int(v) for v in header.tolist())
+            if kind == STOP:
+                self._next_header = None
+                return None
+            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+            hidden = torch.empty(rows, cols, dtype=self.dtype, device=self.device)
+            dist.recv(payload, self.prev)
+            dist.recv(hidden, self.prev)
+            self._post_header()  # the next header arrives while this batch computes
+        except RuntimeError as error:
+            raise PeerLostError(
+                f"stage {self.rank}: receiving from stage {self.prev} failed: {error}"
+            ) from error
+        return pickle.loads(payload.cpu().numpy().tobytes()), hidden
+
+    def recv_tokens(self, batch_id: int, count: int) -> list[int]:
+        """Stage 0: the tokens the last stage sampled for micro-batch `batch_id`."""
+        buffer = torch.empty(1 + count, dtype=torch.int64, device=self.device)
+        try:
+            dist.recv(buffer, self.world_size - 1)
+        except RuntimeError as error:
+            raise PeerLostError(
+                f"stage 0: receiving tokens from stage {self.world_size - 1} failed: {error}"
+            ) from error
+        values = buffer.tolist()
+        if values[0] != batch_id:
+            raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
+        return values[1:]

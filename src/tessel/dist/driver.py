@@ -1,0 +1,215 @@
+"""Stage 0 of a pipeline: the engine's scheduler, KV bookkeeping and sampling rules, run as a pipeline.
+
+`PipelineEngine` is an `LLM` (so `generate`, `stream`, `add_request`, `step`, `abort_request`,
+`has_unfinished_requests` are the engine's) whose model is stage 0's layers only. A step:
+
+1. every idle in-flight slot (`PinnedSchedulers`) is scheduled by the engine's scheduler; its
+   batch is prepared by the engine's `ModelRunner` (flat tokens, slot mapping, block tables), run
+   through stage 0's layers and sent on with its metadata; a prefill whose remaining prompt is
+   longer than the CPP threshold is sent instead as the chunks the CPP planner chose, one
+   micro-batch each, back to back (chunk i needs only chunks < i, which every stage has already
+   computed since stages take micro-batches in order);
+2. the oldest micro-batch's sampled tokens are received from the last stage and applied with
+   the engine's own update (`LLMEngine._finish_step`: computed tokens, prefix cache, stop rules).
+
+Aborting a request whose micro-batch is in flight takes effect when that micro-batch is back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessel.dist.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
+from tessel.dist.cpp import ChunkCutter
+from tessel.dist.plan import RunPlan
+from tessel.dist.schedulers import PinnedSchedulers
+from tessel.dist.stage import StageExecutor, rss_bytes, tensor_bytes
+from tessel.engine.llm_engine import LLM
+from tessel.engine.model_runner import StepResult
+from tessel.engine.outputs import RequestOutput
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+from tessel.models.layer_filter import LayerFilter
+from tessel.models.llama import LlamaForCausalLM
+from tessel.models.loader import load_model
+
+
+@dataclass(slots=True)
+class _InFlight:
+    batch_id: int
+    slot: int
+    apply: SchedulerOutput | None  # what to count when it is back (None: a CPP chunk before the last)
+    sampled: list[Sequence]
+    tokens: list[int] | None = None  # already sampled (single-stage pipelines)
+    seq_ids: list[int] = field(default_factory=list)
+
+
+def layer_filter(plan: RunPlan, rank: int, tied: bool) -> LayerFilter:
+    stage = plan.stages[rank]
+    last = rank == len(plan.stages) - 1
+    return LayerFilter(stage.layer_start, stage.layer_end, embed=rank == 0, head=last, tied=tied)
+
+
+class PipelineEngine(LLM):
+    def __init__(
+        self,
+        model_path: str | Path,
+        plan: RunPlan,
+        comm: StageComm | None,
+        *,
+        micro_batches: int | None = None,
+        cutter: ChunkCutter | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.plan, self.comm, self.cutter = plan, comm, cutter
+        super().__init__(model_path, **engine_kwargs)
+        num_slots = micro_batches or plan.micro_batches
+        self.scheduler = PinnedSchedulers(num_slots, self.scheduler.config, self.block_manager)
+        self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
+        self.stage.weight_bytes = self._weight_bytes
+        if comm is not None:  # every stage sizes its KV pool as stage 0 did
+            layout = [
+                self.block_manager.num_total_blocks,
+                self.config.block_size,
+                self.config.pack_cpu_linears,
+            ]
+            share_kv_layout(layout)
+        self._in_flight: deque[_InFlight] = deque()
+        self._busy = [0] * num_slots  # micro-batches in flight per slot
+        self._seqs_in_flight: Counter[int] = Counter()
+        self._deferred_aborts: set[str] = set()
+        self._released: list[int] = []
+        self._batch_ids = itertools.count()
+        self._next_slot = 0
+        self.failure: BaseException | None = None  # set by a watcher when a stage died
+        self.explain_peer_lost: Callable[[PeerLostError], BaseException] | None = None
+
+    def _load_model(self, path: Path) -> LlamaForCausalLM:
+        self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)
+        self.rss_before_load_bytes = rss_bytes()
+        model = load_model(path, self.dtype, layers=self._part)
+        self._weight_bytes = tensor_bytes(model)
+        return model
+
+    # ---- the engine interface ------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        # a known failure counts as work: the next step() raises it (a server then answers 503)
+        return super().has_unfinished_requests() or bool(self._in_flight) or self.failure is not None
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is not None and self._seqs_in_flight[seq.seq_id]:
+            self._deferred_aborts.add(request_id)
+            return
+        super().abort_request(request_id)
+        if seq is not None:
+            self._released.append(seq.seq_id)
+
+    def step(self) -> list[RequestOutput]:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            outputs, self._pending = self._pending, []
+            self._launch()
+            if self._in_flight:
+                outputs.extend(self._complete(self._in_flight.popleft()))
+            return outputs
+        except PeerLostError as error:
+            self.failure = error if self.explain_peer_lost is None else self.explain_peer_lost(error)
+            raise self.failure from error
+
+    def shutdown(self) -> None:
+        """Finish what is in flight and tell the other stages to stop."""
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+        if self.comm is not None:
+            self.comm.send_stop()
+            self.comm.flush()
+
+    # ---- launching micro-batches -----------------------------------------------------------------
+    def _launch(self) -> None:
+        slots = len(self._busy)
+        for offset in range(slots):
+            slot = (self._next_slot + offset) % slots
+            if self._busy[slot]:
+                continue
+            batch = self.scheduler.schedule(slot)
+            if batch.is_empty:
+                continue
+            self._next_slot = (slot + 1) % slots
+            cut = [(seq, n) for seq, n in batch.prefills if self._cut(seq)]
+            normal = SchedulerOutput(batch.decodes, [p for p in batch.prefills if p not in cut])
+            if not normal.is_empty:
+                self._send(slot, normal, normal)
+            for seq, _ in cut:
+                self._send_chunks(slot, seq)
+
+    def _cut(self, seq: Sequence) -> bool:
+        return self.cutter is not None and self.cutter.wants(len(seq) - seq.num_computed_tokens)
+
+    def _send_chunks(self, slot: int, seq: Sequence) -> None:
+        start = seq.num_computed_tokens
+        total = len(seq) - start
+        sizes = self.cutter.chunks(total)
+        self.stage.stats.cpp_prompts += 1
+        self.stage.stats.cpp_chunks += len(sizes)
+        done = 0
+        for index, size in enumerate(sizes):
+            seq.num_computed_tokens = start + done  # where this chunk starts, for `prepare`
+            last = index == len(sizes) - 1
+            apply = SchedulerOutput(prefills=[(seq, total)]) if last else None
+            self._send(slot, SchedulerOutput(prefills=[(seq, size)]), apply)
+            done += size
+        seq.num_computed_tokens = start  # counted when the last chunk is back
+
+    def _send(self, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None) -> None:
+        input_ids, positions, meta, sample_rows = self.runner.prepare(batch)
+        sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        message = BatchMessage(
+            next(self._batch_ids),
+            positions,
+            meta,
+            sample_rows,
+            [(seq.seq_id, seq.params) for seq in sampled],
+            self._released,
+        )
+        self._released = []
+        started = time.perf_counter()
+        hidden = self.stage.forward(positions, meta, input_ids=input_ids)
+        record = _InFlight(
+            message.batch_id, slot, apply, sampled, seq_ids=[s.seq_id for s, _ in batch.scheduled()]
+        )
+        if self.comm is None:
+            record.tokens = self.stage.sample(hidden, message)
+        self.stage.account(started, batch.num_tokens)
+        if self.comm is not None:
+            self.comm.send_batch(message, hidden)
+        self._in_flight.append(record)
+        self._busy[slot] += 1
+        self._seqs_in_flight.update(record.seq_ids)
+
+    # ---- results -------------------------------------------------------------------------------
+    def _complete(self, record: _InFlight) -> list[RequestOutput]:
+        tokens = record.tokens
+        if tokens is None:
+            tokens = self.comm.recv_tokens(record.batch_id, len(record.sampled))
+        self._busy[record.slot] -= 1
+        self._seqs_in_flight.subtract(record.seq_ids)
+        outputs = []
+        if record.apply is not None:  # logprobs are not computed in a pipeline (None)
+            result = StepResult(record.sampled, tokens, [None] * len(tokens))
+            outputs = self._finish_step(record.apply, result, [])
+        if record.apply is not None:
+            self._released.extend(seq.seq_id for seq, _ in record.apply.scheduled() if seq.is_finished)
+        for request_id in list(self._deferred_aborts):
+            seq = self._requests.get(request_id)
+            if seq is None or not self._seqs_in_flight[seq.seq_id]:
+                self._deferred_aborts.discard(request_id)
+                self.abort_request(request_id)
+        return outputs

@@ -1,0 +1,223 @@
+"""Spawn one worker process per plan stage on this machine, and watch them.
+
+Each worker gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on
+a free port) and `TESSEL_RUN_DIR`, where it writes its status (`stage<k>.json`) and its stderr
+(`stage<k>.log`). The launcher polls them: when one exits with an error, the others are
+terminated (SIGTERM, then SIGKILL after `TERMINATE_GRACE_S`) and a `StageFailedError` names the
+stage and the cause: the exception it reported, or the signal that killed it. A stage whose only
+error is a lost peer is a consequence, not a cause, and is named only if nothing else failed.
+Workers die with the launcher (Linux `PR_SET_PDEATHSIG`), and Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessel.errors import TesselError
+
+POLL_S = 0.05
+SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs (to find the cause)
+TERMINATE_GRACE_S = 5.0
+DONE_GRACE_S = 30.0  # after stage 0 finishes, how long the others get to exit
+PR_SET_PDEATHSIG = 1
+RUN_DIR_ENV = "TESSEL_RUN_DIR"
+
+
+class StageFailedError(TesselError):
+    """A pipeline stage died or failed; the message names it and the cause."""
+
+    def __init__(self, stage: int, cause: str) -> None:
+        super().__init__(f"pipeline stage {stage} failed: {cause}", exit_code=1)
+        self.stage, self.cause = stage, cause
+
+
+@dataclass(slots=True)
+class LaunchResult:
+    run_dir: Path
+    statuses: list[dict] = field(default_factory=list)  # stage<k>.json of every stage
+    wall_s: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def worker_env(rank: int, world_size: int, port: int, run_dir: Path, first_rank: int = 0) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **{RUN_DIR_ENV: str(run_dir)},
+    )
+    return env
+
+
+def spawn_worker(rank: int, world_size: int, port: int, run_dir: Path, argv: list[str]) -> subprocess.Popen:
+    log = open(run_dir / f"stage{rank}.log", "wb")  # noqa: SIM115 - the child owns it
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tessel.dist.worker", *argv],
+            env=worker_env(rank, world_size, port, run_dir),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+        )
+    finally:
+        log.close()
+
+
+def read_status(run_dir: Path, rank: int) -> dict:
+    path = run_dir / f"stage{rank}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"stage": rank}
+
+
+def failure_cause(run_dir: Path, rank: int, returncode: int) -> tuple[int, str]:
+    """(priority, cause) of a stage that exited with `returncode`; lower priority = root cause."""
+    status = read_status(run_dir, rank)
+    if returncode < 0:
+        name = (
+            signal.Signals(-returncode).name
+            if -returncode in signal.Signals._value2member_map_
+            else -returncode
+        )
+        cause = f"killed by signal {name}"
+        if returncode == -signal.SIGKILL:
+            cause += " (SIGKILL: killed by hand or by the kernel's out-of-memory killer)"
+        return 0, cause
+    if status.get("error"):
+        priority = 2 if status.get("kind") == "peer" else 1
+        return priority, str(status["error"])
+    return 1, f"exited with code {returncode}: {_log_tail(run_dir, rank)}"
+
+
+def _log_tail(run_dir: Path, rank: int, lines: int = 3) -> str:
+    try:
+        text = (run_dir / f"stage{rank}.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+def terminate(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
+def supervise(procs: list[subprocess.Popen], run_dir: Path, first_rank: int = 0) -> None:
+    """Return when every process exited 0; else stop them all and raise `StageFailedError`."""
+    done_at = None
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            if all(code == 0 for code in codes):
+                return
+            if any(code not in (None, 0) for code in codes):
+                _fail(procs, run_dir, first_rank)
+            if codes[0] == 0 and done_at is None:
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > DONE_GRACE_S:
+                late = [first_rank + i for i, code in enumerate(codes) if code is None]
+                terminate(procs)
+                raise StageFailedError(late[0], f"did not exit {DONE_GRACE_S:.0f} s after stage 0 finished")
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        terminate(procs)
+        raise TesselError(f"interrupted: stopped all {len(procs)} stage processes", exit_code=130) from None
+    except BaseException:
+        terminate(procs)
+        raise
+
+
+def _fail(procs: list[subprocess.Popen], run_dir: Path, first_rank: int) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(POLL_S)
+    causes = [
+        (*failure_cause(run_dir, first_rank + i, proc.returncode), first_rank + i)
+        for i, proc in enumerate(procs)
+        if proc.returncode not in (None, 0)
+    ]
+    terminate(procs)
+    priority, cause, stage = min(causes, key=lambda c: (c[0], c[2]))
+    raise StageFailedError(stage, cause)
+
+
+class LocalStages:
+    """Stages 1..S-1 as child processes of a process that is itself stage 0 (`tessel serve --plan`)."""
+
+    def __init__(self, argv: list[str], num_stages: int, run_dir: Path, port: int) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, num_stages):
+                self.procs.append(spawn_worker(rank, num_stages, port, run_dir, argv))
+        except BaseException:
+            terminate(self.procs)
+            raise
+
+    def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
+        """The failure of a stage that exited (waiting up to `settle_s` for one to), or None."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            dead = [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        if not dead:
+            return None
+        causes = [(*failure_cause(self.run_dir, rank, code), rank) for rank, code in dead]
+        _, cause, stage = min(causes, key=lambda c: (c[0], c[2]))
+        return StageFailedError(stage, cause if causes else "exited")
+
+    def stop(self) -> None:
+        terminate(self.procs)
+
+
+def launch(argv: list[str], num_stages: int, run_dir: Path) -> LaunchResult:
+    """Run `python -m tessel.dist.worker ARGV` as `num_stages` stages; -> their statuses."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    started = time.time()
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(num_stages):
+            procs.append(spawn_worker(rank, num_stages, port, run_dir, argv))
+    except BaseException:
+        terminate(procs)
+        raise
+    supervise(procs, run_dir)
+    return LaunchResult(run_dir, [read_status(run_dir, r) for r in range(num_stages)], time.time() - started)

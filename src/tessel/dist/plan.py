@@ -1,0 +1,115 @@
+"""The plan as the pipeline runtime reads it: one adapter over the plan-file model.
+
+`load_run_plan(path)` is the only place `tessel.dist` reads a plan file. It returns the stages in
+pipeline order (layer range, device, emulated speed), the model the plan was made for and how many
+micro-batches to keep in flight, and `check_model` refuses a plan that does not fit the checkpoint
+before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.chunk.latency import PipelineLatency
+from tessel.errors import TesselError
+from tessel.plan.plan_file import PlanFile, load_plan
+
+FLOAT_PRECISIONS = frozenset({"fp32", "fp16", "bf16"})  # what the runtime runs: --dtype, unquantised
+PIPELINE_MIN_MICRO_BATCHES = 2  # without a plan workload: enough to keep two stages busy
+
+
+@dataclass(frozen=True, slots=True)
+class RunStage:
+    index: int
+    device: str  # the plan's device name (e.g. localhost/gpu0)
+    gpu_type: str  # catalog type; "cpu" runs on the CPU, anything else on CUDA
+    layer_start: int  # decoder layers [layer_start, layer_end)
+    layer_end: int
+    emulate_speed: float = 1.0  # < 1: this stage sleeps (1/s - 1) x its compute (emulation)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.gpu_type.lower() != "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    path: Path
+    model_name: str
+    num_layers: int | None  # layers of the model the plan was made for (None: not recorded)
+    stages: tuple[RunStage, ...]
+    micro_batches: int  # micro-batches in flight (the plan workload's m)
+    plan_file: PlanFile  # the plan-file model itself, for pricing
+
+    @property
+    def backend(self) -> str:
+        """gloo when any stage is a CPU, else NCCL."""
+        return "nccl" if all(stage.is_cuda for stage in self.stages) else "gloo"
+
+    def check_model(self, name: str, num_layers: int) -> None:
+        """Refuse a plan made for another model: its name and the layers its stages and its model
+        config say."""
+        if self.num_layers is not None and self.num_layers != num_layers:
+            raise TesselError(
+                f"{self.path}: the plan is for {self.num_layers} layers, the model has {num_layers}; "
+                "re-plan for this model (`tessel plan --model DIR`)"
+            )
+        self.plan_file.check_model(name, num_layers)
+
+
+def load_run_plan(path: str | Path) -> RunPlan:
+    """Read a `tessel plan --json` file for the runtime; TesselError says what is wrong."""
+    plan = load_plan(path)
+    source = Path(plan.source)
+    if plan.granularity != "layer":
+        split = [s for s in plan.stages if s.unit_start % 2 or s.unit_end % 2]
+        if split:
+            raise TesselError(
+                f"{source}: stage {split[0].index} splits a decoder layer (sublayer units "
+                f"{split[0].unit_start}..{split[0].unit_end}); the runtime runs whole layers: "
+                "re-plan with --granularity layer"
+            )
+    if len(plan.replicas) > 1:
+        raise TesselError(
+            f"{source}: the plan has {len(plan.replicas)} replica pipelines; the runtime runs one "
+            "pipeline: re-plan without replicas, or launch each replica from its own plan file"
+        )
+    for stage in plan.stages:
+        quantised = sorted({p for p in stage.precisions or [] if p not in FLOAT_PRECISIONS})
+        if quantised:
+            raise TesselError(
+                f"{source}: stage {stage.index} holds units in {', '.join(quantised)}; the runtime loads "
+                "the checkpoint's weights in --dtype only: re-plan without weight precisions"
+            )
+    stages = tuple(
+        RunStage(position, s.device, s.gpu_type, s.layer_start, s.layer_end, s.emulate_speed)
+        for position, s in enumerate(plan.stages)
+    )
+    config = plan.model.config or {}
+    num_layers = config.get("num_layers", config.get("num_hidden_layers"))
+    m = plan.workload.get("m") or plan.workload.get("max_micro_batch")
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        m = max(PIPELINE_MIN_MICRO_BATCHES, len(stages))
+    return RunPlan(
+        source,
+        plan.model_name,
+        int(num_layers) if isinstance(num_layers, int) and not isinstance(num_layers, bool) else None,
+        stages,
+        m,
+        plan,
+    )
+
+
+def priced_pipeline(plan: RunPlan, profile_paths=()) -> PipelineLatency:
+    """The plan's stages priced by the cost model (with `tessel profile` fits where given, and each
+    stage's emulated speed): what the CPP planner cuts prompts for and the simulator predicts with."""
+    from tessel.cost.profile import load_profile
+    from tessel.sim.plan_pipeline import pipeline_for
+
+    profiles = [load_profile(p) for p in profile_paths]
+    return pipeline_for(plan.plan_file, profiles=profiles).pipeline

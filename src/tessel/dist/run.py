@@ -1,0 +1,98 @@
+"""Run a plan on this machine: check it, spawn one worker per stage, collect outputs and statuses.
+
+`run_pipeline(RunOptions(...))` is what `tessel launch` and the benchmark call. The plan is
+checked against the model in this process first, so a bad plan is refused before any worker
+starts.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessel.dist.launcher import launch
+from tessel.errors import TesselError
+
+
+@dataclass(slots=True)
+class RunOptions:
+    plan: Path
+    model: Path
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: Path | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    dtype: str = "float32"
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    kv_cache_gib: float | None = None
+    max_num_batched_tokens: int | None = None
+    micro_batches: int | None = None
+    cpp: bool = True
+    cpp_min_tokens: int = 512
+    profiles: list[Path] = field(default_factory=list)
+    threads: int = 1
+    run_dir: Path | None = None
+    warmup: bool = False  # one untimed request per prompt length first
+
+    def worker_argv(self, outputs: Path) -> list[str]:
+        argv = ["--plan", str(self.plan), "--model", str(self.model), "--json", str(outputs), "--quiet"]
+        for prompt in self.prompts:
+            argv += ["--prompt", prompt]
+        optional = {
+            "--prompts-file": self.prompts_file,
+            "--seed": self.seed,
+            "--max-num-seqs": self.max_num_seqs,
+            "--max-model-len": self.max_model_len,
+            "--kv-cache-gib": self.kv_cache_gib,
+            "--max-num-batched-tokens": self.max_num_batched_tokens,
+            "--micro-batches": self.micro_batches,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                argv += [flag, str(value)]
+        argv += ["--max-tokens", str(self.max_tokens), "--temperature", str(self.temperature)]
+        argv += ["--top-p", str(self.top_p), "--top-k", str(self.top_k), "--dtype", self.dtype]
+        argv += ["--cpp-min-tokens", str(self.cpp_min_tokens), "--threads", str(self.threads)]
+        argv += ["--ignore-eos"] if self.ignore_eos else []
+        argv += ["--warmup"] if self.warmup else []
+        argv += [] if self.cpp else ["--no-cpp"]
+        for profile in self.profiles:
+            argv += ["--profile", str(profile)]
+        return argv
+
+
+@dataclass(slots=True)
+class PipelineRun:
+    requests: list[dict]  # per request: token_ids, text, finish_reason, ttft_s, tpot_s, ...
+    stages: list[dict]  # per stage: layers, weight_bytes, rss_bytes, batches, compute_s, ...
+    wall_s: float  # stage 0's generate, from the first request added to the last token
+    run_dir: Path
+
+
+def check_options(options: RunOptions) -> int:
+    """Refuse what would fail in the workers (plan vs model, requests); -> the number of stages."""
+    from tessel.dist.worker import parser, run_requests, validate
+
+    args = parser().parse_args(options.worker_argv(Path("unused.json")))
+    plan, _ = validate(args)
+    run_requests(args)
+    return len(plan.stages)
+
+
+def run_pipeline(options: RunOptions) -> PipelineRun:
+    num_stages = check_options(options)
+    run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-run-"))
+    outputs = run_dir / "outputs.json"
+    result = launch(options.worker_argv(outputs), num_stages, run_dir)
+    try:
+        data = json.loads(outputs.read_text())
+    except (OSError, ValueError) as error:
+        raise TesselError(f"stage 0 finished but wrote no outputs ({error}); see {run_dir}") from None
+    return PipelineRun(data["requests"], result.statuses, float(data["wall_s"]), run_dir)

@@ -1,0 +1,116 @@
+"""`tessel serve --plan`: the server process is stage 0 and spawns the other stages.
+
+`pipeline_engine(...)` checks the plan against the model, spawns stages 1..S-1 on this machine,
+joins them in one process group and returns the `PipelineEngine`, which the server drives like an
+`LLMEngine`. `watch(engine, wake)` polls the stage processes: when one dies, the engine's next
+step raises a `StageFailedError` naming it and the cause (`wake()` makes an idle server take that
+step), so in-flight and new requests get 503 and `/health` names the dead stage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tessel.dist.comm import PeerLostError, StageComm
+from tessel.dist.cpp import ChunkCutter
+from tessel.dist.driver import PipelineEngine
+from tessel.dist.launcher import LocalStages, StageFailedError, free_port
+from tessel.dist.plan import priced_pipeline
+from tessel.dist.run import RunOptions
+from tessel.dist.worker import COMM_TIMEOUT, device_for, engine_kwargs, parser, validate
+from tessel.models.config import resolve_dtype
+
+WATCH_INTERVAL_S = 0.5
+EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit
+
+
+class ServedPipelineEngine(PipelineEngine):
+    """A `PipelineEngine` whose other stages are this process's children."""
+
+    stages: LocalStages
+
+    def watch_stages(self, async_engine) -> threading.Thread:
+        """Watch the stage processes; on a death, fail the engine and wake the server's engine thread."""
+        return watch(self, self.stages, lambda: async_engine.submit(lambda: None))
+
+    def close(self) -> None:
+        self.stages.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedPipelineEngine:
+    args = parser().parse_args(options.worker_argv(Path("unused.json")))
+    plan, config = validate(args)
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="tessel-serve-"))
+    port = free_port()
+    stages = LocalStages(options.worker_argv(run_dir / "unused.json"), len(plan.stages), run_dir, port)
+    atexit.register(stages.stop)
+    try:
+        comm = None
+        if len(plan.stages) > 1:
+            dist.init_process_group(
+                plan.backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=len(plan.stages),
+                timeout=COMM_TIMEOUT,
+            )
+            comm = StageComm(0, len(plan.stages), device_for(plan, 0), resolve_dtype(args.dtype, config))
+        cutter = None
+        if options.cpp and len(plan.stages) > 1:
+            cutter = ChunkCutter(priced_pipeline(plan, options.profiles), options.cpp_min_tokens)
+        engine = ServedPipelineEngine(
+            options.model,
+            plan,
+            comm,
+            micro_batches=options.micro_batches,
+            cutter=cutter,
+            **engine_kwargs(args),
+        )
+    except BaseException:
+        stages.stop()
+        raise
+    engine.stages = stages
+    engine.explain_peer_lost = lambda error: _explain(stages, error)
+    return engine
+
+
+def pipeline_server_engine(model: Path, plan: Path, **engine_options) -> ServedPipelineEngine:
+    """The engine `tessel serve --plan` drives; `engine.watch_stages(async_engine)` starts the watcher."""
+    names = {"dtype", "max_num_seqs", "max_model_len", "kv_cache_gib"}
+    unknown = set(engine_options) - names
+    if unknown:
+        raise TypeError(f"unexpected engine options {sorted(unknown)}")
+    return pipeline_engine(RunOptions(plan, model, **engine_options))
+
+
+def _explain(stages: LocalStages, error: PeerLostError) -> BaseException:
+    return stages.failure(settle_s=EXPLAIN_SETTLE_S) or error
+
+
+def watch(engine: PipelineEngine, stages: LocalStages, wake: Callable[[], object]) -> threading.Thread:
+    """A daemon thread that marks the engine failed when a stage process dies, then calls `wake`."""
+
+    def run() -> None:
+        stop = threading.Event()
+        while not stop.wait(WATCH_INTERVAL_S):
+            failure = stages.failure()
+            if failure is not None:
+                if engine.failure is None:
+                    engine.failure = failure
+                wake()
+                return
+
+    thread = threading.Thread(target=run, name="tessel-stage-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+__all__ = ["StageFailedError", "pipeline_engine", "pipeline_server_engine", "watch"]

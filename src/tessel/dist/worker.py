@@ -1,0 +1,309 @@
+"""One pipeline stage process: `python -m tessel.dist.worker --plan plan.json --model DIR ...`.
+
+It reads the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), so it
+runs under `torchrun --nnodes ... -m tessel.dist.worker` as well as under `tessel launch`, which
+spawns one per stage on this machine. Rank 0 is stage 0: it reads the requests, runs the
+scheduler (`PipelineEngine`), prints the outputs and writes `--json`. Every other rank loads its
+layers and serves micro-batches until stage 0 says stop.
+
+With `TESSEL_RUN_DIR` set (the launcher sets it), each stage writes `stage<k>.json` there: its
+layers, weight bytes and resident memory once loaded, its compute time at the end, or the error
+that stopped it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tessel.dist.comm import PeerLostError, StageComm, share_kv_layout
+from tessel.dist.cpp import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
+from tessel.dist.driver import PipelineEngine, layer_filter
+from tessel.dist.plan import RunPlan, load_run_plan, priced_pipeline
+from tessel.dist.requests import RunRequest, read_requests
+from tessel.dist.stage import StageExecutor, StageStats, rss_bytes
+from tessel.engine.sampling_params import SamplingParams
+from tessel.errors import TesselError
+from tessel.models.config import ModelConfig, resolve_dtype
+
+RUN_DIR_ENV = "TESSEL_RUN_DIR"
+# Idle stages wait for work without limit (a server may idle for hours); a dead peer is noticed
+# by its closed connection and by the launcher, not by this timeout.
+COMM_TIMEOUT = timedelta(days=7)
+EXIT_PEER_LOST = 3
+EXIT_FAILED = 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tessel.dist.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--plan", type=Path, required=True)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--prompt", action="append", default=[])
+    p.add_argument("--prompts-file", type=Path)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", type=Path, help="write per request token_ids, text and timings")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--micro-batches", type=int, help="micro-batches in flight (default: the plan's m)")
+    p.add_argument("--cpp-min-tokens", type=int, default=DEFAULT_CPP_MIN_TOKENS)
+    p.add_argument("--no-cpp", action="store_true", help="never cut prompts into CPP chunks")
+    p.add_argument("--profile", type=Path, action="append", default=[], help="tessel profile JSON")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
+    p.add_argument("--quiet", action="store_true", help="do not print the completions")
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="first run one untimed request per prompt length (random tokens)",
+    )
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    options = {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "kv_cache_gib": args.kv_cache_gib,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunPlan, ModelConfig]:
+    """Everything checkable before a process starts: the plan against the model and the world."""
+    if not args.model.is_dir():
+        raise TesselError(
+            f"--model {args.model} is not a directory; give a local Hugging Face model directory"
+        )
+    plan = load_run_plan(args.plan)
+    config = ModelConfig.from_dir(args.model)
+    plan.check_model(args.model.resolve().name, config.num_hidden_layers)
+    if world_size is not None and world_size != len(plan.stages):
+        raise TesselError(f"WORLD_SIZE is {world_size} but the plan has {len(plan.stages)} stages")
+    for name in ("micro_batches", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for rank in range(len(plan.stages)):
+        device_for(plan, rank)
+    if args.cpp_min_tokens < 1:
+        raise TesselError(f"--cpp-min-tokens must be >= 1, got {args.cpp_min_tokens}")
+    return plan, config
+
+
+def run_requests(args: argparse.Namespace) -> list[RunRequest]:
+    defaults = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    requests = [RunRequest(p, defaults) for p in args.prompt]
+    if args.prompts_file is not None:
+        requests += read_requests(args.prompts_file, defaults)
+    if not requests:
+        raise TesselError("give at least one --prompt or a --prompts-file")
+    return requests
+
+
+def device_for(plan: RunPlan, rank: int) -> torch.device:
+    """The stage's torch device. CUDA stages are refused for now: the engine's `ModelRunner` keeps
+    its KV cache and step inputs on the CPU, so only the transport (NCCL, tensors on the stage's
+    device) would be ready for them."""
+    stage = plan.stages[rank]
+    if stage.is_cuda:
+        raise TesselError(
+            f"stage {rank} is a {stage.gpu_type}: the pipeline runtime runs CPU stages only for now "
+            "(the engine keeps its KV cache on the CPU); plan for `cpu` devices (e.g. --cluster local-cpu)"
+        )
+    return torch.device("cpu")
+
+
+def write_status(rank: int, **fields) -> None:
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    path = Path(run_dir) / f"stage{rank}.json"
+    status = json.loads(path.read_text()) if path.is_file() else {"stage": rank}
+    status.update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(status))
+    tmp.replace(path)
+
+
+# ---- the stages ------------------------------------------------------------------------------------
+def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | None) -> None:
+    requests = run_requests(args)
+    cutter = None
+    if not args.no_cpp and len(plan.stages) > 1:
+        cutter = ChunkCutter(priced_pipeline(plan, args.profile), args.cpp_min_tokens)
+    engine = PipelineEngine(
+        args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
+    )
+    report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
+    if args.warmup:
+        warm_up(engine, requests)
+        engine.stage.stats = StageStats()  # stage 0 counts the timed requests only
+    started = time.time()
+    try:
+        outputs = engine.generate(
+            [r.prompt for r in requests], [r.params for r in requests], use_progress=False
+        )
+    finally:
+        engine.shutdown()
+    wall_s = time.time() - started
+    write_status(0, **asdict(engine.stage.stats), wall_s=wall_s, preemptions=engine.scheduler.num_preemptions)
+    results = [_result(out) for out in outputs]
+    if args.json is not None:
+        args.json.write_text(json.dumps({"wall_s": wall_s, "requests": results}, indent=1))
+    if not args.quiet:
+        for result in results:
+            print(result["text"])
+            print(f"({result['num_output_tokens']} tokens, finish_reason={result['finish_reason']})")
+
+
+def warm_up(engine: PipelineEngine, requests: list[RunRequest]) -> None:
+    """One short request per distinct prompt length, of random token ids (so the prefix cache
+    cannot serve the real prompts): every stage builds its kernels for these shapes untimed."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = sorted({len(engine.tokenize(r.prompt)) for r in requests})
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.generate(prompts, params, use_progress=False)
+
+
+def _result(out) -> dict:
+    m = out.metrics
+    ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
+    n = out.num_output_tokens
+    tpot = None if n < 2 or m.finish_time is None else (m.finish_time - m.first_token_time) / (n - 1)
+    return {
+        "prompt": out.prompt,
+        "token_ids": out.token_ids,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_output_tokens": n,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "arrival_time": m.arrival_time,
+        "finish_time": m.finish_time,
+    }
+
+
+def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, rank: int) -> None:
+    config = ModelConfig.from_dir(args.model)
+    dtype = resolve_dtype(args.dtype, config)
+    part = layer_filter(plan, rank, config.tie_word_embeddings)
+    rss_before = rss_bytes()
+    executor = StageExecutor.load(args.model, part, dtype, comm.device, plan.stages[rank].emulate_speed)
+    num_blocks, block_size, pack = share_kv_layout([None, None, None])
+    executor.attach_kv(num_blocks, block_size, dtype, pack)
+    report_loaded(rank, plan, executor.weight_bytes, rss_before)
+    serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
+    write_status(rank, **asdict(executor.stats))
+
+
+def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
+    """Run micro-batches from the previous stage until stage 0 says stop."""
+    while (received := comm.recv_batch()) is not None:
+        message, hidden = received
+        started = time.perf_counter()
+        out = executor.forward(message.positions, message.meta, hidden=hidden)
+        tokens = executor.sample(out, message) if last else []
+        executor.account(started, hidden.shape[0])
+        if last:
+            comm.send_tokens(message.batch_id, tokens)
+        else:
+            comm.send_batch(message, out)
+    comm.send_stop()
+    comm.flush()
+
+
+def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: int) -> None:
+    """Status once loaded: `rss_bytes` is the whole process, `load_rss_bytes` what loading the
+    stage's weights and KV blocks added to it."""
+    stage = plan.stages[rank]
+    rss = rss_bytes()
+    write_status(
+        rank,
+        state="ready",
+        pid=os.getpid(),
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        weight_bytes=weight_bytes,
+        rss_bytes=rss,
+        load_rss_bytes=rss - rss_before_load,
+    )
+
+
+# ---- the process ---------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        plan, _ = validate(args, world_size)
+        torch.set_num_threads(args.threads)
+        device = device_for(plan, rank)
+        comm = None
+        if world_size > 1:
+            dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=COMM_TIMEOUT)
+            config = ModelConfig.from_dir(args.model)
+            comm = StageComm(rank, world_size, device, resolve_dtype(args.dtype, config))
+        if rank == 0:
+            run_first_stage(args, plan, comm)
+        else:
+            run_later_stage(args, plan, comm, rank)
+        write_status(rank, state="done")
+        return 0
+    except KeyboardInterrupt:
+        write_status(rank, state="interrupted")
+        return 130
+    except PeerLostError as error:
+        write_status(rank, state="failed", kind="peer", error=str(error))
+        print(f"tessel stage {rank}: {error}", file=sys.stderr)
+        return EXIT_PEER_LOST
+    except TesselError as error:
+        write_status(rank, state="failed", kind="user", error=str(error))
+        print(f"tessel stage {rank}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except BaseException as error:  # noqa: BLE001 - reported to the launcher, then re-raised as exit code
+        cause = f"{type(error).__name__}: {error}"
+        write_status(
+            rank, state="failed", kind="exception", error=cause, traceback=traceback.format_exc()[-4000:]
+        )
+        print(f"tessel stage {rank} failed: {cause}", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_FAILED
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a dead peer may make this fail too
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Stage 0's driver in one process (a one-stage plan): several in-flight slots, CPP chunks, aborts
+and preemption must give exactly the single-process engine's tokens (the oracle: `LLM`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_plans import write_plan
+from tessel import LLM, SamplingParams
+from tessel.chunk.latency import PipelineLatency
+from tessel.dist.cpp import ChunkCutter
+from tessel.dist.driver import PipelineEngine
+from tessel.dist.plan import load_run_plan
+from tessel.sim.linear import LinearStage
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Once upon a time",
+    "Paged attention stores keys and values in blocks; a block table maps positions to blocks. " * 3,
+    "One two three four five six",
+]
+
+
+def reference(model_dir, prompts, params, **kwargs):
+    llm = LLM(model_dir, **kwargs)
+    return [out.token_ids for out in llm.generate(prompts, params, use_progress=False)]
+
+
+def pipeline(model_dir, tmp_path, *, slots, cutter_min=None, **kwargs):
+    plan_path = write_plan(tmp_path / "plan1.json", model_dir, [(0, 5)])
+    cutter = None
+    if cutter_min is not None:  # two stages whose time is all per token: the planner cuts finely
+        stage = LinearStage(prefill_base_s=1e-4, prefill_per_token_s=1e-4)
+        cutter = ChunkCutter(PipelineLatency((stage, stage)), min_tokens=cutter_min, grid_tokens=16)
+    return PipelineEngine(
+        model_dir, load_run_plan(plan_path), None, micro_batches=slots, cutter=cutter, **kwargs
+    )
+
+
+@pytest.mark.parametrize(("slots", "cutter_min"), [(1, None), (3, None), (2, 16)])
+def test_greedy_equals_engine(tiny_dirs, tmp_path, slots, cutter_min):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = pipeline(tiny_dirs["tied"], tmp_path, slots=slots, cutter_min=cutter_min)
+    got = [out.token_ids for out in engine.generate(PROMPTS, params, use_progress=False)]
+    assert got == reference(tiny_dirs["tied"], PROMPTS, params)
+    if cutter_min is not None:
+        assert engine.stage.stats.cpp_prompts >= 2
+        assert engine.stage.stats.cpp_chunks > engine.stage.stats.cpp_prompts
+
+
+def test_seeded_sampling_equals_engine(tiny_dirs, tmp_path):
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7 + i, max_tokens=10) for i in range(3)
+    ]
+    engine = pipeline(tiny_dirs["tied"], tmp_path, slots=2)
+    got = [out.token_ids for out in engine.generate(PROMPTS[:3], params, use_progress=False)]
+    assert got == reference(tiny_dirs["tied"], PROMPTS[:3], params)
+
+
+def test_small_pool_preempts_and_still_matches(tiny_dirs, tmp_path):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}
+    engine = pipeline(tiny_dirs["tied"], tmp_path, slots=2, **kwargs)
+    prompts = [p[:60] for p in PROMPTS]
+    got = [out.token_ids for out in engine.generate(prompts, params, use_progress=False)]
+    assert engine.scheduler.num_preemptions > 0
+    assert got == reference(tiny_dirs["tied"], prompts, params, **kwargs)
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_abort_frees_blocks(tiny_dirs, tmp_path):
+    engine = pipeline(tiny_dirs["tied"], tmp_path, slots=2, cutter_min=16)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.abort_request("r1")
+    engine.abort_request("r3")
+    reasons = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {"r0": "length", "r1": "abort", "r2": "length", "r3": "abort", "r4": "length"}
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_emulated_speed_sleeps_in_proportion(tiny_dirs, tmp_path):
+    """A stage at speed 0.25 sleeps 3x its measured compute after every micro-batch (emulation)."""
+    plan_path = write_plan(tmp_path / "slow.json", tiny_dirs["tied"], [(0, 5)], speeds=[0.25])
+    engine = PipelineEngine(tiny_dirs["tied"], load_run_plan(plan_path), None, micro_batches=1)
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4), use_progress=False)
+    stats = engine.stage.stats
+    assert stats.batches > 0
+    assert stats.emulation_sleep_s == pytest.approx(3.0 * stats.compute_s, rel=1e-9)

@@ -1,0 +1,88 @@
+"""The prompts file (`--prompts-file`, JSONL): requests round-trip, bad lines name file and line,
+and hostile input never gives anything but a `TesselError`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tessel.dist.requests import read_requests
+from tessel.engine.sampling_params import SamplingParams
+from tessel.errors import TesselError
+
+DEFAULTS = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+def test_lines_override_the_defaults(tmp_path):
+    path = tmp_path / "r.jsonl"
+    lines = ['"plain text"', json.dumps({"prompt": [5, 6, 7], "max_tokens": 3, "seed": 9}), "", "  "]
+    path.write_text("\n".join(lines))
+    first, second = read_requests(path, DEFAULTS)
+    assert first.prompt == "plain text" and first.params == DEFAULTS
+    assert second.prompt == [5, 6, 7]
+    assert (second.params.max_tokens, second.params.seed, second.params.temperature) == (3, 9, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{", "not valid JSON"),
+        ("[1, 2]", "expected a JSON string or an object"),
+        ('{"prompt": ""}', "non-empty string"),
+        ('{"prompt": [1, "a"]}', "list of token ids"),
+        ('{"prompt": "x", "max_token": 3}', "unknown field(s) ['max_token']"),
+        ('{"prompt": "x", "temperature": -1}', "temperature must be >= 0"),
+        ('{"prompt": "x", "top_k": "many"}', "'top_k' has the wrong type"),
+        ('{"prompt": "x", "max_tokens": 2.5}', "'max_tokens' has the wrong type"),
+        ('{"prompt": "x", "ignore_eos": 1}', "'ignore_eos' has the wrong type"),
+    ],
+)
+def test_bad_lines_name_the_line(tmp_path, line, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text('"fine"\n' + line + "\n")
+    with pytest.raises(TesselError) as caught:
+        read_requests(path, DEFAULTS)
+    assert f"{path}:2" in str(caught.value) and message in str(caught.value)
+
+
+def test_empty_or_missing_file(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(TesselError, match="holds no requests"):
+        read_requests(tmp_path / "empty.jsonl", DEFAULTS)
+    with pytest.raises(TesselError, match="cannot read"):
+        read_requests(tmp_path / "missing.jsonl", DEFAULTS)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+fields = st.sampled_from(
+    ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"]
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lines=st.lists(
+        st.one_of(
+            st.text(max_size=40),
+            st.dictionaries(fields, json_values, max_size=5).map(json.dumps),
+            json_values.map(json.dumps),
+        ),
+        max_size=5,
+    )
+)
+def test_fuzz_only_tessel_errors(tmp_path, lines):
+    path = tmp_path / "fuzz.jsonl"
+    path.write_text("\n".join(lines), encoding="utf-8", errors="surrogatepass")
+    try:
+        for request in read_requests(path, DEFAULTS):
+            assert request.prompt
+            assert isinstance(request.params, SamplingParams)
+    except TesselError:
+        pass
