@@ -65,24 +65,6 @@ def write_cluster(path: Path, name: str, nodes: list) -> Path:
     return path
 
 
-def emulated_profiles(profile: Path, work: Path) -> list[Path]:
-    """The host's profile, and for each emulated speed s a copy for device type `cpu@{s}x` (the name
-    `GpuSpec.emulated` gives) with every fitted time divided by s: the emulated device is the host at
-    s times its speed, and the cost model matches profiles to devices by that name."""
-    speeds = sorted({speed for nodes in CLUSTERS.values() for _, _, speed in nodes if speed is not None})
-    data = json.loads(profile.read_text())
-    paths = [profile]
-    for speed in speeds:
-        scaled = json.loads(json.dumps(data))
-        scaled["device_type"] = f"{data['device_type']}@{speed:g}x"
-        for fit in ("prefill", "decode"):
-            scaled[fit] = {key: value / speed for key, value in data[fit].items()}
-        path = work / f"profile-{speed:g}x.json"
-        path.write_text(json.dumps(scaled))
-        paths.append(path)
-    return paths
-
-
 def write_workload(path: Path, cfg: dict) -> Path:
     path.write_text(
         "name: bench\n"
@@ -192,8 +174,9 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
         "--budget-s", str(cfg["profile_budget_s"]), "--max-offset", str(cfg["cpp_prompt"]),
         "--out", str(profile),
     )  # fmt: skip
-    profiles = emulated_profiles(profile, work)
-    profile_args = [arg for p in profiles for arg in ("--profile", str(p))]
+    # the host's profile also prices its emulated copies (times divided by the speed)
+    profiles = [profile]
+    profile_args = ["--profile", str(profile)]
     workload = write_workload(work / "workload.yaml", cfg)
     requests = prompts_file(work / "requests.jsonl", cfg["requests"], cfg["prompt"], config.vocab_size, 0)
     rows = []

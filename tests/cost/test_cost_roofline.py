@@ -257,3 +257,26 @@ def test_select_profile_prefers_the_exact_match() -> None:
     assert select_profile((effs, other, exact), model, gpu, "fp16") is exact
     assert select_profile((other, effs), model, gpu, "fp16") is effs
     assert select_profile((other,), model, gpu, "fp16") is None
+
+
+@pytest.mark.parametrize("speed", [0.5, 0.25, 0.8])
+def test_host_profile_prices_an_emulated_copy_at_its_speed(speed: float) -> None:
+    """A cluster's `emulate: {speed}` device is the host at `speed`: the host's profile applies, its
+    measured layer times divided by the speed (before, the renamed device matched no profile)."""
+    model, host = load_model("llama-3-8b"), get_gpu("cpu")
+    slow = host.emulated(speed)
+    profile = _profile(model, "cpu")
+    assert select_profile((profile,), model, slow, "fp16") is profile
+    c, p, b, s = random.randint(1, 512), random.randint(0, 512), random.randint(1, 4), 3000
+    fast = unit_prefill_time_s(model, host, "layer", c, p, batch_size=b, profile=profile)
+    slowed = unit_prefill_time_s(model, slow, "layer", c, p, batch_size=b, profile=profile)
+    assert slowed == pytest.approx(fast / speed)
+    assert unit_decode_time_s(model, slow, "layer", b, s, profile=profile) == pytest.approx(
+        unit_decode_time_s(model, host, "layer", b, s, profile=profile) / speed
+    )
+    # attention and MLP split the slowed layer time (shares from the analytic model)
+    parts = [
+        unit_prefill_time_s(model, slow, k, c, p, batch_size=b, profile=profile) for k in ("attention", "mlp")
+    ]
+    assert sum(parts) == pytest.approx(slowed)
+    assert slow.emulated(0.5).emulate_speed == pytest.approx(speed * 0.5)  # speeds compose

@@ -33,6 +33,12 @@ class GpuSpec:
     nvlink_bytes_per_s: float | None  # per direction to NVLink peers; None when the GPU has none
     reserved_bytes: int  # CUDA context, library workspaces: not usable for tensors
     sources: tuple[str, ...]
+    emulate_speed: float = 1.0  # < 1: this device emulated at that fraction of its own speed
+
+    @property
+    def base_name(self) -> str:
+        """The catalog name of the device underneath an emulated one (profiles are keyed by it)."""
+        return self.name.split("@", 1)[0]
 
     def __post_init__(self) -> None:
         missing = [dtype for dtype in DTYPES if dtype not in self.peak_flops_per_s]
@@ -56,9 +62,11 @@ class GpuSpec:
             return self
         if not 0.0 < speed <= 1.0:
             raise TesselError(f"emulate speed must be in (0, 1], got {speed}")
+        speed *= self.emulate_speed
         return replace(
             self,
-            name=f"{self.name}@{speed:g}x",
+            name=f"{self.base_name}@{speed:g}x",
+            emulate_speed=speed,
             peak_flops_per_s={dtype: flops * speed for dtype, flops in self.peak_flops_per_s.items()},
             mem_bandwidth_bytes_per_s=self.mem_bandwidth_bytes_per_s * speed,
         )

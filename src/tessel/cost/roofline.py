@@ -62,7 +62,8 @@ def roofline_time_s(
 
 
 def _same_device(profile: Profile, gpu: GpuSpec) -> bool:
-    return profile.device_type.strip().lower() == gpu.name.lower()
+    """A profile of the host serves an emulated copy of it too (its times are divided by the speed)."""
+    return profile.device_type.strip().lower() == gpu.base_name.lower()
 
 
 def exact_profile(profile: Profile | None, model: ModelSpec, gpu: GpuSpec, dtype: str) -> Profile | None:
@@ -185,6 +186,7 @@ def unit_prefill_time_s(
     # The fit is one sequence through one layer; more sequences repeat everything but its intercept.
     fit = exact.prefill
     layer_s = fit.a0 + batch_size * max(fit.time_s(chunk_tokens, offset_tokens) - fit.a0, 0.0)
+    layer_s /= gpu.emulate_speed
     attention_s = _analytic_prefill_s(model, gpu, "attention", *args, efficiency)
     mlp_s = _analytic_prefill_s(model, gpu, "mlp", *args, efficiency)
     return max(layer_s, 0.0) * _share(kind, attention_s, mlp_s)
@@ -211,7 +213,7 @@ def unit_decode_time_s(
     exact = exact_profile(profile, model, gpu, dtype)
     if exact is None:
         return _analytic_decode_s(model, gpu, kind, *args, efficiency)
-    layer_s = exact.decode.time_s(batch_size, sum_context_tokens)
+    layer_s = exact.decode.time_s(batch_size, sum_context_tokens) / gpu.emulate_speed
     attention_s = _analytic_decode_s(model, gpu, "attention", *args, efficiency)
     mlp_s = _analytic_decode_s(model, gpu, "mlp", *args, efficiency)
     return max(layer_s, 0.0) * _share(kind, attention_s, mlp_s)
