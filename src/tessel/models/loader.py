@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.llama import LlamaForCausalLM
+from tessel.quant import module_swap
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
@@ -58,15 +59,22 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device 
     config = ModelConfig.from_dir(path)
     with torch.device("meta"), _default_dtype(dtype):
         model = LlamaForCausalLM(config)
+    scheme = module_swap.read_scheme(path)  # a compressed-tensors checkpoint: quantised linears
+    if scheme is not None:
+        module_swap.drop_linears(model)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
         model.lm_head.tie(model.model.embed_tokens)
     model.model.rotary.build_tables(device)
-    load_weights(model, path)
+    if scheme is None:
+        load_weights(model, path)
+    else:
+        load_weights(model, path, skip=module_swap.is_quantized_tensor)
+        module_swap.load_linears(model, checkpoint_files(path), scheme, dtype, device)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, skip: Callable[[str], bool] | None = None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {(name, None) for name in params}
     for fused, _ in set(model.packed_modules.values()):
@@ -79,8 +87,10 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith(SKIPPED_SUFFIXES) or (
-                    name == "lm_head.weight" and model.config.tie_word_embeddings
+                if (
+                    name.endswith(SKIPPED_SUFFIXES)
+                    or (name == "lm_head.weight" and model.config.tie_word_embeddings)
+                    or (skip is not None and skip(name))
                 ):
                     continue
                 loaded.add(_load_tensor(model, params, name, f.get_tensor(name), file))

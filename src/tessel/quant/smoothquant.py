@@ -1,0 +1,73 @@
+"""SmoothQuant (Xiao et al., 2023): move activation outliers into the weights before quantising.
+
+For a norm followed by linears that read its output, per input channel j:
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)      (max|W_j| over every consumer's column j)
+    norm.weight_j /= s_j,   W[:, j] *= s_j            so  (X / s) @ (W * s).T == X @ W.T
+
+The function computed is unchanged (tested against the unsmoothed model); the activations the
+linears see are flatter, the weights a little less so. Applied after the RMSNorms of a Llama
+layer: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessel.errors import TesselError
+
+MIN_AMAX = 1e-5  # the paper's clamp: a channel that never fires gets no huge scale
+
+
+@dataclass(slots=True)
+class SmoothGroup:
+    """A norm whose output feeds `linears` (all [*, K]); its input channels get one scale each."""
+
+    name: str
+    norm: nn.Module
+    linears: list[nn.Linear]
+
+
+def llama_smooth_groups(model: nn.Module) -> list[SmoothGroup]:
+    """The two groups of each decoder layer of a Hugging Face Llama-family model."""
+    layers = model.model.layers
+    groups = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups.append(
+            SmoothGroup(
+                f"model.layers.{i}.self_attn.qkv",
+                layer.input_layernorm,
+                [attn.q_proj, attn.k_proj, attn.v_proj],
+            )
+        )
+        groups.append(
+            SmoothGroup(
+                f"model.layers.{i}.mlp.gate_up", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]
+            )
+        )
+    return groups
+
+
+def smoothing_scales(act_amax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """s = amax_x^alpha / amax_w^(1 - alpha) per input channel (float32 [K])."""
+    if not 0.0 <= alpha <= 1.0:
+        raise TesselError(f"--smoothquant alpha must be in [0, 1]; got {alpha}")
+    w_amax = torch.cat([w.detach().abs().float() for w in weights]).amax(dim=0)
+    a = act_amax.float().clamp(min=MIN_AMAX)
+    w = w_amax.clamp(min=MIN_AMAX)
+    return (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=MIN_AMAX)
+
+
+@torch.no_grad()
+def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Fold the scales into the norm and its consumers in place; -> the scales."""
+    scales = smoothing_scales(act_amax, [lin.weight for lin in group.linears], alpha)
+    norm_weight = group.norm.weight
+    norm_weight.copy_((norm_weight.float() / scales).to(norm_weight.dtype))
+    for lin in group.linears:
+        lin.weight.copy_((lin.weight.float() * scales[None, :]).to(lin.weight.dtype))
+    return scales
