@@ -69,8 +69,7 @@ class QuantizeResult:
     input_scales: dict[str, float] = field(default_factory=dict)
 
 
-def calibration_windows(path: Path, tokenizer, samples: int, seq_len: int) -> torch.Tensor:
-    """`samples` consecutive windows of `seq_len` tokens from the text file: int64 [samples, seq_len]."""
+def read_calibration_text(path: Path) -> str:
     path = Path(path)
     if not path.is_file():
         raise TesselError(f"--calib {path} is not a file; give a UTF-8 text file")
@@ -80,11 +79,16 @@ def calibration_windows(path: Path, tokenizer, samples: int, seq_len: int) -> to
         raise TesselError(f"--calib {path} is not UTF-8 text: {error}") from None
     if not text.strip():
         raise TesselError(f"--calib {path} is empty; give a text to calibrate on")
+    return text
+
+
+def calibration_windows(text: str, tokenizer, samples: int, seq_len: int) -> torch.Tensor:
+    """`samples` consecutive windows of `seq_len` tokens of the text: int64 [samples, seq_len]."""
     ids = tokenizer(text)["input_ids"]
     needed = samples * seq_len
     if len(ids) < needed:
         raise TesselError(
-            f"--calib {path} has {len(ids)} tokens; --calib-samples {samples} x --seq-len {seq_len} "
+            f"the --calib text has {len(ids)} tokens; --calib-samples {samples} x --seq-len {seq_len} "
             f"needs {needed}: lower --calib-samples or --seq-len, or give a longer text"
         )
     return torch.tensor(ids[:needed], dtype=torch.int64).view(samples, seq_len)
@@ -188,6 +192,7 @@ def quantize_model(
     if config.get("quantization_config") is not None:
         raise TesselError(f"{model_dir} is already quantised (config.json has quantization_config)")
     scheme = make_scheme(options.scheme, options.act, options.group_size)
+    text = read_calibration_text(options.calib) if options.needs_calibration else None
     model, tokenizer = load_hf_model(model_dir)
     linears = target_linears(model)
     if not linears:
@@ -197,8 +202,8 @@ def quantize_model(
     for name, module in linears.items():
         scheme.check_in_features(module.in_features, name)
     windows = None
-    if options.needs_calibration:
-        windows = calibration_windows(options.calib, tokenizer, options.calib_samples, options.seq_len)
+    if text is not None:
+        windows = calibration_windows(text, tokenizer, options.calib_samples, options.seq_len)
     result = QuantizeResult(
         out_dir, scheme.name, len(linears), 0 if windows is None else windows.numel(), 0.0
     )
