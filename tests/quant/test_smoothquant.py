@@ -21,7 +21,7 @@ def test_smoothed_model_computes_the_same_logits(tiny_llama, alpha: float) -> No
     g = torch.Generator().manual_seed(1)
     for group in llama_smooth_groups(smoothed):
         # outlier-heavy activation maxima, as SmoothQuant meets them in real LLMs
-        act_amax = torch.rand(group.norm.weight.shape[0], generator=g) * 2 + 0.01
+        act_amax = torch.rand(group.linears[0].in_features, generator=g) * 2 + 0.01
         act_amax[torch.randint(0, act_amax.numel(), (3,), generator=g)] *= 50
         scales = smooth_group(group, act_amax, alpha)
         assert torch.all(scales > 0)
@@ -31,6 +31,7 @@ def test_smoothed_model_computes_the_same_logits(tiny_llama, alpha: float) -> No
     ]  # fmt: skip
     if alpha > 0:
         assert any("layernorm" in n for n in changed) and any("q_proj" in n for n in changed)
+        assert any("up_proj" in n for n in changed) and any("down_proj" in n for n in changed)
     with torch.no_grad():
         expected = reference(ids).logits
         got = smoothed(ids).logits
@@ -51,7 +52,7 @@ def test_scales_follow_the_formula() -> None:
 def test_smoothing_flattens_the_activation_outliers(tiny_llama) -> None:
     model = _hf(tiny_llama)
     group = llama_smooth_groups(model)[0]
-    act_amax = torch.ones(group.norm.weight.shape[0])
+    act_amax = torch.ones(group.linears[0].in_features)
     act_amax[5] = 100.0
     scales = smooth_group(group, act_amax, 0.5)
     smoothed_amax = act_amax / scales

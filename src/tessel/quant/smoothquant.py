@@ -1,13 +1,17 @@
 """SmoothQuant (Xiao et al., 2023): move activation outliers into the weights before quantising.
 
-For a norm followed by linears that read its output, per input channel j:
+For a producer followed by linears that read its output, per input channel j:
 
     s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)      (max|W_j| over every consumer's column j)
-    norm.weight_j /= s_j,   W[:, j] *= s_j            so  (X / s) @ (W * s).T == X @ W.T
+    producer's output channel j /= s_j,   W[:, j] *= s_j      so  (X / s) @ (W * s).T == X @ W.T
 
 The function computed is unchanged (tested against the unsmoothed model); the activations the
-linears see are flatter, the weights a little less so. Applied after the RMSNorms of a Llama
-layer: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up.
+linears see are flatter, the weights a little less so. Three groups per Llama layer, as
+llm-compressor maps them: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up (the norm
+weight is divided), and up_proj -> down_proj (up's output rows are divided: down reads
+silu(gate) * up, which is linear in up's output). down_proj's input carries the largest outliers
+of SmolLM2-135M (measured: fake-quantising only down_proj costs +2.6% perplexity, +1.3% after
+smoothing with alpha 0.5).
 """
 
 from __future__ import annotations
@@ -24,15 +28,15 @@ MIN_AMAX = 1e-5  # the paper's clamp: a channel that never fires gets no huge sc
 
 @dataclass(slots=True)
 class SmoothGroup:
-    """A norm whose output feeds `linears` (all [*, K]); its input channels get one scale each."""
+    """A producer (a norm, or a linear) whose output feeds `linears` (all [*, K]); one scale per channel."""
 
     name: str
-    norm: nn.Module
+    producer: nn.Module
     linears: list[nn.Linear]
 
 
 def llama_smooth_groups(model: nn.Module) -> list[SmoothGroup]:
-    """The two groups of each decoder layer of a Hugging Face Llama-family model."""
+    """The three groups of each decoder layer of a Hugging Face Llama-family model."""
     layers = model.model.layers
     groups = []
     for i, layer in enumerate(layers):
@@ -49,6 +53,7 @@ def llama_smooth_groups(model: nn.Module) -> list[SmoothGroup]:
                 f"model.layers.{i}.mlp.gate_up", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]
             )
         )
+        groups.append(SmoothGroup(f"model.layers.{i}.mlp.down_proj", mlp.up_proj, [mlp.down_proj]))
     return groups
 
 
@@ -64,10 +69,15 @@ def smoothing_scales(act_amax: torch.Tensor, weights: list[torch.Tensor], alpha:
 
 @torch.no_grad()
 def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Fold the scales into the norm and its consumers in place; -> the scales."""
+    """Fold the scales into the producer and its consumers in place; -> the scales."""
     scales = smoothing_scales(act_amax, [lin.weight for lin in group.linears], alpha)
-    norm_weight = group.norm.weight
-    norm_weight.copy_((norm_weight.float() / scales).to(norm_weight.dtype))
+    producer = group.producer
+    if isinstance(producer, nn.Linear):  # its output rows
+        producer.weight.copy_((producer.weight.float() / scales[:, None]).to(producer.weight.dtype))
+        if producer.bias is not None:
+            producer.bias.copy_((producer.bias.float() / scales).to(producer.bias.dtype))
+    else:  # a norm's elementwise weight
+        producer.weight.copy_((producer.weight.float() / scales).to(producer.weight.dtype))
     for lin in group.linears:
         lin.weight.copy_((lin.weight.float() * scales[None, :]).to(lin.weight.dtype))
     return scales
