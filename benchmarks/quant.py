@@ -117,7 +117,9 @@ def decode_speed(path: Path, concurrent: int, prompt_len: int, new_tokens: int) 
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     prompts = [ids[i * prompt_len : (i + 1) * prompt_len] for i in range(concurrent)]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4), use_progress=False)  # warm-up
+    llm.generate(
+        [prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4), use_progress=False
+    )  # warm-up
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_progress=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -166,7 +168,9 @@ def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct from the cache)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default="ppl,speed,gemm", help="comma list of ppl, speed, gemm")
@@ -189,7 +193,9 @@ def main() -> None:
     only = set(args.only.split(","))
     configs = args.configs.split(",") if args.configs else list(PPL_CONFIGS)
     cpu = cpu_features.describe()
-    print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {args.threads}")
+    print(
+        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {args.threads}"
+    )
     print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
           f"int8 path: {cpu['int8_path']}")  # fmt: skip
     result: dict = {"cpu": cpu, "threads": args.threads, "torch": torch.__version__, "args": vars(args)}
@@ -222,7 +228,9 @@ def main() -> None:
             single = decode_speed(path, 1, 64, args.new_tokens)
             batch = decode_speed(path, args.concurrent, 64, args.batch_new_tokens)
             rows[name] = {"single": single, "concurrent": batch}
-            print(f"  {name}: {single['tok_per_s']:.1f} tok/s single, {batch['tok_per_s']:.1f} tok/s x{args.concurrent}")
+            print(
+                f"  {name}: {single['tok_per_s']:.1f} tok/s single, {batch['tok_per_s']:.1f} tok/s x{args.concurrent}"
+            )
         result["speed"] = rows
         print(f"\n| model | decode tok/s, 1 stream | vs fp32 | tok/s, {args.concurrent} requests | vs fp32 |")
         print("|---|---|---|---|---|")
