@@ -194,7 +194,8 @@ def main() -> None:
     configs = args.configs.split(",") if args.configs else list(PPL_CONFIGS)
     cpu = cpu_features.describe()
     print(
-        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {args.threads}"
+        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"threads {args.threads}"
     )
     print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
           f"int8 path: {cpu['int8_path']}")  # fmt: skip
@@ -229,7 +230,8 @@ def main() -> None:
             batch = decode_speed(path, args.concurrent, 64, args.batch_new_tokens)
             rows[name] = {"single": single, "concurrent": batch}
             print(
-                f"  {name}: {single['tok_per_s']:.1f} tok/s single, {batch['tok_per_s']:.1f} tok/s x{args.concurrent}"
+                f"  {name}: {single['tok_per_s']:.1f} tok/s single, "
+                f"{batch['tok_per_s']:.1f} tok/s x{args.concurrent}"
             )
         result["speed"] = rows
         print(f"\n| model | decode tok/s, 1 stream | vs fp32 | tok/s, {args.concurrent} requests | vs fp32 |")
