@@ -16,6 +16,7 @@ from tessel.commands import chunk as _chunk
 from tessel.commands import generate as _generate
 from tessel.commands import plan as _plan
 from tessel.commands import profile as _profile
+from tessel.commands import qat as _qat
 from tessel.commands import quantize as _quantize
 from tessel.commands import serve as _serve
 from tessel.commands import simulate as _simulate
@@ -52,6 +53,7 @@ app.command("simulate")(_simulate.simulate)
 app.command("profile")(_profile.profile)
 app.command("chunk")(_chunk.chunk)
 app.command("quantize")(_quantize.quantize)
+app.command("qat")(_qat.qat)
 
 
 def main() -> None:

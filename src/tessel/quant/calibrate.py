@@ -23,7 +23,7 @@ from torch import nn
 from tessel.errors import TesselError
 from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
 from tessel.quant.observers import OBSERVERS, Observer, QuantRange, make_observer
-from tessel.quant.schemes import WEIGHT_OBSERVERS, make_scheme, quantize_weight
+from tessel.quant.schemes import WEIGHT_OBSERVERS, QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.smoothquant import llama_smooth_groups, smooth_group
 
 # Called as progress(pass name, windows done, windows in the pass).
@@ -182,15 +182,10 @@ def load_hf_model(model_dir: Path):
 def quantize_model(
     model_dir: str | Path, out_dir: str | Path, options: QuantizeOptions, progress: Progress | None = None
 ) -> QuantizeResult:
-    """Quantise the model in `model_dir` under `options` ; write the checkpoint to `out_dir`."""
+    """Quantise the model in `model_dir` under `options`; write the checkpoint to `out_dir`."""
     start = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise TesselError(f"{model_dir} has no config.json; give a local Hugging Face model directory")
-    config = json.loads(config_file.read_text())
-    if config.get("quantization_config") is not None:
-        raise TesselError(f"{model_dir} is already quantised (config.json has quantization_config)")
+    config = read_model_config(model_dir)
     scheme = make_scheme(options.scheme, options.act, options.group_size)
     text = read_calibration_text(options.calib) if options.needs_calibration else None
     model, tokenizer = load_hf_model(model_dir)
@@ -222,23 +217,40 @@ def quantize_model(
         groups = input_groups(list(linears))
         input_scales = {name: observers[groups[name]].qparams()[0] for name in linears}
         result.input_scales = {name: float(s) for name, s in input_scales.items()}
-    tensors = _checkpoint_tensors(model, linears, scheme, options.weight_observer, input_scales, config)
-    config = dict(
-        config,
-        quantization_config=quantization_config(scheme, options.observer if scheme.act_static else None),
-    )
-    write_checkpoint(out_dir, model_dir, config, tensors)
+    weights = {
+        name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()
+    }
+    act_observer = options.observer if scheme.act_static else None
+    write_quantized(model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer)
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _checkpoint_tensors(
-    model, linears, scheme, weight_observer, input_scales, config
-) -> dict[str, torch.Tensor]:
+def read_model_config(model_dir: Path) -> dict:
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise TesselError(f"{model_dir} has no config.json; give a local Hugging Face model directory")
+    config = json.loads(config_file.read_text())
+    if config.get("quantization_config") is not None:
+        raise TesselError(f"{model_dir} is already quantised (config.json has quantization_config)")
+    return config
+
+
+def write_quantized(
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    scheme: Scheme,
+    weights: dict[str, QuantizedWeight],
+    input_scales: dict[str, torch.Tensor],
+    config: dict,
+    model_dir: Path,
+    out_dir: Path,
+    act_observer: str | None,
+) -> Path:
+    """The checkpoint: quantised linears from `weights`, every other tensor of `model` as it is."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in linears.items():
-        qw = quantize_weight(module.weight, scheme, weight_observer)
-        for leaf, tensor in module_tensors(scheme, qw, input_scales.get(name)).items():
+        for leaf, tensor in module_tensors(scheme, weights[name], input_scales.get(name)).items():
             tensors[f"{name}.{leaf}"] = tensor
         if module.bias is not None:
             tensors[f"{name}.bias"] = module.bias.detach().float()
@@ -247,4 +259,5 @@ def _checkpoint_tensors(
         if name in quantised or (name == "lm_head.weight" and config.get("tie_word_embeddings")):
             continue
         tensors[name] = tensor.detach().contiguous()
-    return tensors
+    config = dict(config, quantization_config=quantization_config(scheme, act_observer))
+    return write_checkpoint(out_dir, model_dir, config, tensors)

@@ -50,7 +50,11 @@ def make_scheme(name: str, act: str = "dynamic", group_size: int | None = None) 
     if act not in ("dynamic", "static"):
         raise TesselError(f"--act must be dynamic or static; got {act!r}")
     if name == "w8a8":
-        return Scheme(name, 8, group_size, 8, act_static=act == "static")
+        if group_size is not None:
+            raise TesselError(
+                "--group-size applies to w8a16 / w4a16; w8a8 weights have a scale per output channel"
+            )
+        return Scheme(name, 8, None, 8, act_static=act == "static")
     if act == "static":
         raise TesselError(f"--act static needs quantised activations; scheme {name} keeps them float")
     if name == "w8a16":
