@@ -165,3 +165,32 @@ def test_failed_write_leaves_nothing_in_out(tmp_path, tiny_llama) -> None:
         write_checkpoint(out, tiny_llama, {"a": 1}, {"x": "not a tensor"})  # type: ignore[dict-item]
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+TENSORS = st.builds(
+    lambda dtype, shape, fill: torch.full(shape, fill).to(dtype),
+    st.sampled_from([torch.int8, torch.int32, torch.int64, torch.float32]),
+    st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple),
+    st.integers(-3, 3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scheme=st.sampled_from(SCHEMES),
+    tensors=st.dictionaries(
+        st.sampled_from(["weight", "weight_scale", "weight_packed", "weight_shape", "input_scale"]), TENSORS
+    ),
+)
+def test_hostile_module_tensors_raise_only_tessel_error(scheme, tensors) -> None:
+    def get(name: str) -> torch.Tensor:
+        leaf = name.removeprefix("m.")
+        if leaf not in tensors:
+            raise TesselError(f"missing {name}")
+        return tensors[leaf]
+
+    try:
+        weight, _ = read_module(get, "m", scheme)
+    except TesselError:
+        return
+    assert weight.q.dtype == torch.int8 and weight.scale.shape[0] == weight.q.shape[0]

@@ -8,6 +8,7 @@ int8 GEMM computes. Bad input: a clear message naming the field, exit code 2, no
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -24,6 +27,7 @@ from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.layers.quantized_linear import W8A8Linear
+from tessel.quant.calibrate import calibration_windows, read_calibration_text
 
 CASES = {
     "w8a8": ["--scheme", "w8a8"],
@@ -51,6 +55,13 @@ CASES = {
     "w4a16-g32": ["--scheme", "w4a16", "--group-size", "32"],
 }
 CALIB = ["--calib-samples", "4", "--seq-len", "32"]
+
+
+@functools.cache
+def _tokenizer():
+    import tiny_models
+
+    return tiny_models.build_tokenizer()
 
 
 def _quantize(tiny_llama, calib_text, out, args: list[str]):
@@ -174,3 +185,15 @@ def test_unsupported_checkpoint_config_names_the_field(tiny_llama, calib_text, t
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(TesselError, match="weights.num_bits"):
         LLM(out, max_model_len=64)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=400), samples=st.integers(1, 4), seq_len=st.integers(2, 40))
+def test_hostile_calibration_files_give_windows_or_a_tessel_error(tmp_path, data, samples, seq_len) -> None:
+    path = tmp_path / "calib.bin"
+    path.write_bytes(data)
+    try:
+        windows = calibration_windows(read_calibration_text(path), _tokenizer(), samples, seq_len)
+    except TesselError:
+        return
+    assert windows.shape == (samples, seq_len) and windows.dtype == torch.int64

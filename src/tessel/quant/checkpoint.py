@@ -206,21 +206,48 @@ def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
 def read_module(
     get: Callable[[str], torch.Tensor], prefix: str, scheme: Scheme
 ) -> tuple[QuantizedWeight, torch.Tensor | None]:
-    """One quantised linear back from `get(name)`: (weight, input scale or None)."""
+    """One quantised linear back from `get(name)`: (weight, input scale or None). Bad tensors: TesselError."""
     scale = get(f"{prefix}.weight_scale").float()
     if scheme.weight_only:
-        shape = [int(v) for v in get(f"{prefix}.weight_shape").tolist()]
-        q = unpack(get(f"{prefix}.weight_packed"), scheme.weight_bits, shape[1])
+        q = _unpacked_weight(get, prefix, scheme.weight_bits)
     else:
         q = get(f"{prefix}.weight")
-        if q.dtype != torch.int8:
-            raise TesselError(f"{prefix}.weight is {q.dtype}; an int-quantized checkpoint stores int8")
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise TesselError(
+                f"{prefix}.weight is {q.dtype} {tuple(q.shape)}; int-quantized stores int8 [N, K]"
+            )
     n, k = q.shape
+    if scheme.group_size is not None and k % scheme.group_size:
+        raise TesselError(f"{prefix}: group_size {scheme.group_size} does not divide in_features {k}")
     groups = 1 if scheme.group_size is None else k // scheme.group_size
-    if scale.numel() != n * groups:
-        raise TesselError(f"{prefix}.weight_scale has shape {tuple(scale.shape)}; expected [{n}, {groups}]")
-    input_scale = get(f"{prefix}.input_scale").float().reshape(1) if scheme.act_static else None
+    if scale.numel() != n * groups or not bool(torch.isfinite(scale).all()):
+        raise TesselError(
+            f"{prefix}.weight_scale has shape {tuple(scale.shape)}; expected [{n}, {groups}] finite values"
+        )
+    input_scale = None
+    if scheme.act_static:
+        input_scale = get(f"{prefix}.input_scale").float()
+        if input_scale.numel() != 1 or not float(input_scale.reshape(())) > 0:
+            raise TesselError(
+                f"{prefix}.input_scale must be one positive value; got {tuple(input_scale.shape)}"
+            )
+        input_scale = input_scale.reshape(1)
     return QuantizedWeight(q, scale.reshape(n, groups), scheme.group_size), input_scale
+
+
+def _unpacked_weight(get: Callable[[str], torch.Tensor], prefix: str, bits: int) -> torch.Tensor:
+    shape = get(f"{prefix}.weight_shape")
+    packed = get(f"{prefix}.weight_packed")
+    if shape.numel() != 2 or shape.is_floating_point():
+        raise TesselError(f"{prefix}.weight_shape must hold two integers; got {shape.tolist()}")
+    n, k = (int(v) for v in shape.reshape(-1).tolist())
+    words = -(-k * bits // 32)
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (n, words) or n < 1 or k < 1:
+        raise TesselError(
+            f"{prefix}.weight_packed is {packed.dtype} {tuple(packed.shape)}; weight_shape {[n, k]} "
+            f"at {bits} bits needs int32 [{n}, {words}]"
+        )
+    return unpack(packed, bits, k)
 
 
 def write_checkpoint(

@@ -97,11 +97,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -
     return (q.float() - zero_point) * scale
 
 
-def fake_quantize(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qrange: QuantRange) -> torch.Tensor:
-    scale, zero_point = calculate_qparams(lo, hi, qrange)
-    return dequantize(quantize(x, scale, zero_point, qrange), scale, zero_point)
-
-
 def _channel_rows(x: torch.Tensor, axis: int) -> torch.Tensor:
     """x with `axis` first and everything else flattened: [channels, values] float32."""
     return torch.flatten(x.detach().movedim(axis, 0).float(), start_dim=1)
