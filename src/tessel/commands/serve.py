@@ -16,7 +16,7 @@ DEFAULT_MAX_QUEUE = 128  # requests that may wait for a free sequence slot befor
 
 
 def serve(
-    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
+    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
     port: int = typer.Option(8000, help="TCP port to listen on."),
     dtype: str = typer.Option("float32", help="Weight and activation dtype: float32, bfloat16, float16."),
@@ -32,7 +32,7 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
-    if not model.is_dir():
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
         raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
     if max_queue < 0:
         raise TesselError(f"--max-queue must be 0 or more, got {max_queue}")

@@ -27,6 +27,7 @@ from tessel.engine.sequence import RequestMetrics, Sequence
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.loader import load_model
+from tessel.quant.gguf_import import resolve_model_path
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
@@ -43,7 +44,7 @@ def _load_tokenizer(path: Path) -> Any:
 class LLMEngine:
     def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
         self.config = EngineConfig(**kwargs)
-        path = Path(model_path)
+        path = resolve_model_path(model_path)  # a .gguf file becomes a checkpoint directory
         if not path.is_dir():
             raise TesselError(
                 f"model directory {path} does not exist; pass a local Hugging Face model directory"
