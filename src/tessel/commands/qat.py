@@ -13,7 +13,7 @@ from tessel.errors import TesselError
 
 
 def qat(
-    model: Path = typer.Argument(..., help="Local Hugging Face model directory."),
+    model: Path = typer.Argument(..., help="Local Hugging Face model directory or .gguf file."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantised checkpoint to."),
     train: Path = typer.Option(..., "--train", help="UTF-8 text to fine-tune on."),
     scheme: str = typer.Option("w4a16", help="w8a8, w8a16 or w4a16."),
@@ -25,7 +25,7 @@ def qat(
     weight_observer: str = typer.Option("mse", help="Weight scales at the start: minmax or mse."),
 ) -> None:
     """Fine-tune MODEL with fake-quantised linears (clipped STE) and write the quantised checkpoint."""
-    if not model.is_dir():
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
         raise TesselError(f"MODEL {model} is not a directory; give a local Hugging Face model directory")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -13,7 +13,9 @@ from tessel.errors import TesselError
 
 
 def quantize(
-    model: Path = typer.Argument(..., help="Local Hugging Face model directory (fp32/bf16/fp16)."),
+    model: Path = typer.Argument(
+        ..., help="Local Hugging Face model directory (fp32/bf16/fp16) or .gguf file."
+    ),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantised checkpoint to."),
     scheme: str = typer.Option("w8a8", help="w8a8, w8a16 or w4a16."),
     act: str = typer.Option("dynamic", help="w8a8 activations: dynamic (per token) or static (per tensor)."),
@@ -32,7 +34,7 @@ def quantize(
     ),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
-    if not model.is_dir():
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
         raise TesselError(f"MODEL {model} is not a directory; give a local Hugging Face model directory")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -22,6 +22,7 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
+from tessel.quant.gguf_import import resolve_model_path
 from tessel.quant.observers import OBSERVERS, Observer, QuantRange, make_observer
 from tessel.quant.schemes import WEIGHT_OBSERVERS, QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.smoothquant import llama_smooth_groups, smooth_group
@@ -184,7 +185,7 @@ def quantize_model(
 ) -> QuantizeResult:
     """Quantise the model in `model_dir` under `options`; write the checkpoint to `out_dir`."""
     start = time.perf_counter()
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    model_dir, out_dir = resolve_model_path(model_dir), Path(out_dir)  # a .gguf file: its de-quantised copy
     config = read_model_config(model_dir)
     scheme = make_scheme(options.scheme, options.act, options.group_size)
     text = read_calibration_text(options.calib) if options.needs_calibration else None

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.quant.gguf_import import resolve_model_path
 from tessel.quant.observers import QuantRange
 from tessel.quant.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 
@@ -122,7 +123,7 @@ def train_qat(model_dir: str | Path, out_dir: str | Path, options: QATOptions, p
     from tessel.quant import calibrate
 
     start = time.perf_counter()
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_path(model_dir)
     scheme = make_scheme(options.scheme, "dynamic", options.group_size)
     text = calibrate.read_calibration_text(options.train)
     model, tokenizer = calibrate.load_hf_model(model_dir)
