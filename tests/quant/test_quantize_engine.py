@@ -51,6 +51,7 @@ CASES = {
         "--weight-observer",
         "mse",
     ],
+    "w8a8-sq-auto": ["--scheme", "w8a8", "--smoothquant", "auto"],
     "w8a16": ["--scheme", "w8a16"],
     "w4a16-g32": ["--scheme", "w4a16", "--group-size", "32"],
 }
@@ -152,6 +153,7 @@ def test_engine_swaps_in_w8a8_modules_and_generates(tiny_llama, calib_text, tmp_
         (["--scheme", "w9a9"], "--scheme"),
         (["--scheme", "w8a8", "--observer", "kmeans"], "--observer"),
         (["--scheme", "w8a8", "--smoothquant", "1.5"], "alpha"),
+        (["--scheme", "w8a8", "--smoothquant", "best"], "'auto'"),
     ],
 )
 def test_bad_input_is_a_user_error_and_writes_nothing(

@@ -7,7 +7,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tessel.errors import TesselError
-from tessel.quant.smoothquant import llama_smooth_groups, smooth_group, smoothing_scales
+from tessel.quant.smoothquant import (
+    ALPHA_GRID,
+    InputRecorder,
+    best_alpha,
+    llama_smooth_groups,
+    smooth_group,
+    smoothing_scales,
+)
 
 
 def _hf(path):
@@ -57,3 +64,27 @@ def test_smoothing_flattens_the_activation_outliers(tiny_llama) -> None:
     scales = smooth_group(group, act_amax, 0.5)
     smoothed_amax = act_amax / scales
     assert float(smoothed_amax.max() / smoothed_amax.median()) < float(act_amax.max() / act_amax.median())
+
+
+def test_auto_alpha_is_the_grid_point_of_least_w8a8_output_error(tiny_llama) -> None:
+    model = _hf(tiny_llama)
+    group = llama_smooth_groups(model)[2]  # up_proj -> down_proj
+    recorder = InputRecorder()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(40, group.linears[0].in_features, generator=g)
+        x[:, 7] *= 60  # an outlier channel
+        recorder.observe(x)
+    chosen = best_alpha(group, recorder)
+    rows = torch.cat(recorder.rows)
+    weight = group.linears[0].weight.detach().double()
+    errors = {}
+    for alpha in ALPHA_GRID:  # direct: smooth, quantise both operands per row to int8, compare outputs
+        s = smoothing_scales(recorder.amax, [group.linears[0].weight], alpha).double()
+        xs, ws = rows.double() / s, weight * s
+        sx = xs.abs().amax(dim=1, keepdim=True) / 127
+        sw = ws.abs().amax(dim=1, keepdim=True) / 127
+        out = (torch.round(xs / sx) * sx) @ (torch.round(ws / sw) * sw).t()
+        errors[alpha] = float(((out - rows.double() @ weight.t()) ** 2).sum())
+    assert errors[chosen] <= min(errors.values()) * (1 + 1e-4)
+    assert errors[chosen] < errors[0.3] or chosen == 0.3

@@ -23,7 +23,9 @@ def quantize(
         "minmax", help="Static activations: minmax, moving-average, percentile, entropy or mse."
     ),
     weight_observer: str = typer.Option("minmax", help="Weights: minmax or mse (clip search)."),
-    smoothquant: float | None = typer.Option(None, help="SmoothQuant alpha in [0, 1] (e.g. 0.5, 0.8)."),
+    smoothquant: str | None = typer.Option(
+        None, help="SmoothQuant alpha in [0, 1] (e.g. 0.5, 0.8), or auto (the best of 0.3-0.9 per group)."
+    ),
     calib: Path | None = typer.Option(
         None, help="UTF-8 text to calibrate on (SmoothQuant, static activations)."
     ),

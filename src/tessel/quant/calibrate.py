@@ -25,7 +25,7 @@ from tessel.quant.checkpoint import module_tensors, quantization_config, write_c
 from tessel.quant.gguf_import import resolve_model_path
 from tessel.quant.observers import OBSERVERS, Observer, QuantRange, make_observer
 from tessel.quant.schemes import WEIGHT_OBSERVERS, QuantizedWeight, Scheme, make_scheme, quantize_weight
-from tessel.quant.smoothquant import llama_smooth_groups, smooth_group
+from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
 
 # Called as progress(pass name, windows done, windows in the pass).
 Progress = Callable[[str, int, int], None]
@@ -37,7 +37,7 @@ class QuantizeOptions:
     act: str = "dynamic"
     observer: str = "minmax"  # static activations
     weight_observer: str = "minmax"
-    smoothquant: float | None = None  # alpha
+    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (per group, from ALPHA_GRID)
     calib: Path | None = None
     calib_samples: int = 32
     seq_len: int = 512
@@ -49,6 +49,15 @@ class QuantizeOptions:
             raise TesselError(f"--observer must be one of {', '.join(OBSERVERS)}; got {self.observer!r}")
         if self.weight_observer not in WEIGHT_OBSERVERS:
             raise TesselError(f"--weight-observer must be one of {', '.join(WEIGHT_OBSERVERS)}")
+        if isinstance(self.smoothquant, str) and self.smoothquant != "auto":
+            try:
+                object.__setattr__(self, "smoothquant", float(self.smoothquant))
+            except ValueError:
+                raise TesselError(
+                    f"--smoothquant takes an alpha in [0, 1] or 'auto'; got {self.smoothquant!r}"
+                ) from None
+        if isinstance(self.smoothquant, float) and not 0 <= self.smoothquant <= 1:
+            raise TesselError(f"--smoothquant alpha must be in [0, 1]; got {self.smoothquant}")
         if self.calib_samples < 1 or self.seq_len < 2:
             raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
         if self.needs_calibration and self.calib is None:
@@ -68,6 +77,7 @@ class QuantizeResult:
     seconds: float
     smoothed_groups: int = 0
     input_scales: dict[str, float] = field(default_factory=dict)
+    smoothing_alphas: dict[str, float] = field(default_factory=dict)
 
 
 def read_calibration_text(path: Path) -> str:
@@ -153,20 +163,15 @@ def _observe_inputs(
     return observers
 
 
-def _smooth(model, linears, alpha: float, windows, progress) -> int:
-    groups = llama_smooth_groups(model)
-    amax = _observe_inputs(
-        model,
-        linears,
-        lambda: make_observer("minmax", QuantRange(), axis=1),
-        windows,
-        "smoothquant",
-        progress,
-    )
-    for group in groups:
-        lo, hi = amax[group.name].clip_range()
-        smooth_group(group, torch.max(-lo, hi), alpha)
-    return len(groups)
+def _smooth(model, linears, alpha: float | str, windows, progress) -> dict[str, float]:
+    """SmoothQuant every group with `alpha` (or, for "auto", each group's best alpha); -> the alphas."""
+    recorders = _observe_inputs(model, linears, InputRecorder, windows, "smoothquant", progress)
+    alphas = {}
+    for group in llama_smooth_groups(model):
+        recorder = recorders[group.name]
+        alphas[group.name] = best_alpha(group, recorder) if alpha == "auto" else float(alpha)
+        smooth_group(group, recorder.amax, alphas[group.name])
+    return alphas
 
 
 def load_hf_model(model_dir: Path):
@@ -204,7 +209,8 @@ def quantize_model(
         out_dir, scheme.name, len(linears), 0 if windows is None else windows.numel(), 0.0
     )
     if options.smoothquant is not None:
-        result.smoothed_groups = _smooth(model, linears, options.smoothquant, windows, progress)
+        result.smoothing_alphas = _smooth(model, linears, options.smoothquant, windows, progress)
+        result.smoothed_groups = len(result.smoothing_alphas)
     input_scales: dict[str, torch.Tensor] = {}
     if scheme.act_static:
         observers = _observe_inputs(

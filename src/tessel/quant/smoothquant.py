@@ -24,6 +24,8 @@ from torch import nn
 from tessel.errors import TesselError
 
 MIN_AMAX = 1e-5  # the paper's clamp: a channel that never fires gets no huge scale
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # `--smoothquant auto` picks one per group
+SAMPLE_ROWS_PER_BATCH = 64  # input rows kept per calibration window for the auto search
 
 
 @dataclass(slots=True)
@@ -81,3 +83,42 @@ def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> to
     for lin in group.linears:
         lin.weight.copy_((lin.weight.float() * scales[None, :]).to(lin.weight.dtype))
     return scales
+
+
+class InputRecorder:
+    """Per-channel max|x| of a linear's input, plus a sample of its rows (for `auto` alpha)."""
+
+    def __init__(self) -> None:
+        self.amax: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []
+
+    def observe(self, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        amax = x.abs().amax(dim=0)
+        self.amax = amax if self.amax is None else torch.max(self.amax, amax)
+        stride = max(1, x.shape[0] // SAMPLE_ROWS_PER_BATCH)
+        self.rows.append(x[::stride][:SAMPLE_ROWS_PER_BATCH].clone())
+
+
+def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 per row (per token for activations, per output channel for weights)."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(x / scale) * scale
+
+
+def alpha_error(group: SmoothGroup, rows: torch.Tensor, act_amax: torch.Tensor, alpha: float) -> float:
+    """Squared error of the group's W8A8 outputs on `rows` after smoothing with `alpha`."""
+    weight = torch.cat([lin.weight.detach().float() for lin in group.linears])
+    scales = smoothing_scales(
+        act_amax, list(group.linears[i].weight for i in range(len(group.linears))), alpha
+    )
+    reference = rows @ weight.t()
+    quantised = _fake_quant_rows(rows / scales) @ _fake_quant_rows(weight * scales).t()
+    return float(((quantised - reference) ** 2).sum())
+
+
+def best_alpha(group: SmoothGroup, recorder: InputRecorder, grid: tuple[float, ...] = ALPHA_GRID) -> float:
+    """The alpha of `grid` whose smoothing gives the least W8A8 output error on the recorded rows."""
+    rows = torch.cat(recorder.rows)
+    errors = [alpha_error(group, rows, recorder.amax, alpha) for alpha in grid]
+    return grid[min(range(len(grid)), key=errors.__getitem__)]
