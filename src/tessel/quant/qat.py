@@ -151,7 +151,7 @@ def train_qat(model_dir: str | Path, out_dir: str | Path, options: QATOptions, p
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if progress is not None:
             progress("qat", step + 1, options.steps)
     model.eval()
