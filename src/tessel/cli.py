@@ -17,6 +17,8 @@ from tessel.commands import generate as _generate
 from tessel.commands import launch as _launch
 from tessel.commands import plan as _plan
 from tessel.commands import profile as _profile
+from tessel.commands import qat as _qat
+from tessel.commands import quantize as _quantize
 from tessel.commands import serve as _serve
 from tessel.commands import simulate as _simulate
 from tessel.errors import TesselError
@@ -52,6 +54,8 @@ app.command("simulate")(_simulate.simulate)
 app.command("profile")(_profile.profile)
 app.command("chunk")(_chunk.chunk)
 app.command("launch")(_launch.launch)
+app.command("quantize")(_quantize.quantize)
+app.command("qat")(_qat.qat)
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from tessel.errors import TesselError
 
 
 def generate(
-    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
+    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     prompt: list[str] = typer.Option(..., "--prompt", help="A prompt; repeat for a batch."),
     max_tokens: int = typer.Option(64, help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 is greedy; higher samples more freely."),
@@ -27,7 +27,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
-    if not model.is_dir():
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
         raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
     from rich.console import Console
 

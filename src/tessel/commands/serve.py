@@ -31,7 +31,7 @@ class LogLevel(str, Enum):
 
 
 def serve(
-    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
+    model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
     dtype: str = typer.Option("float32", help="Weight and activation dtype: float32, bfloat16, float16."),
@@ -64,7 +64,7 @@ def serve(
     ),
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
-    if not model.is_dir():
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
         raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
     if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")

@@ -36,6 +36,7 @@ from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.quant.gguf_import import resolve_model_path
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
@@ -54,7 +55,7 @@ class LLMEngine:
         self.config = EngineConfig(**kwargs)
         if self.config.kv_cache_gib is not None:
             check_kv_cache_fits(self.config.kv_cache_gib)
-        path = Path(model_path)
+        path = resolve_model_path(model_path)  # a .gguf file becomes a checkpoint directory
         if not path.is_dir():
             raise TesselError(
                 f"model directory {path} does not exist; pass a local Hugging Face model directory"

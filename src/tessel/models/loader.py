@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
+from tessel.quant import module_swap
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
@@ -72,15 +73,32 @@ def load_model(
         model = LlamaForCausalLM(config)
         if layers is not None:
             layers.prune(model)
+    scheme = module_swap.read_scheme(path)  # a compressed-tensors checkpoint: quantised linears
+    if scheme is not None:
+        if layers is not None:
+            raise TesselError(
+                f"{path}: a quantised checkpoint cannot run as a pipeline stage yet; "
+                "run it in one process (tessel generate / serve without --plan)"
+            )
+        module_swap.drop_linears(model)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Identity):
         model.lm_head.tie(model.model.embed_tokens)  # to_empty gives each module its own tensor: tie again
     model.model.rotary.build_tables(device)
-    load_weights(model, path, layers)
+    if scheme is None:
+        load_weights(model, path, layers)
+    else:
+        load_weights(model, path, skip=module_swap.is_quantized_tensor)
+        module_swap.load_linears(model, checkpoint_files(path), scheme, dtype, device)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LlamaForCausalLM, path: Path, layers: LayerFilter | None = None) -> None:
+def load_weights(
+    model: LlamaForCausalLM,
+    path: Path,
+    layers: LayerFilter | None = None,
+    skip: Callable[[str], bool] | None = None,
+) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {(name, None) for name in params}
     for fused, _ in set(model.packed_modules.values()):
@@ -94,8 +112,10 @@ def load_weights(model: LlamaForCausalLM, path: Path, layers: LayerFilter | None
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(SKIPPED_SUFFIXES) or (
-                        name == "lm_head.weight" and model.config.tie_word_embeddings
+                    if (
+                        name.endswith(SKIPPED_SUFFIXES)
+                        or (name == "lm_head.weight" and model.config.tie_word_embeddings)
+                        or (skip is not None and skip(name))
                     ):
                         continue
                     if layers is not None and not layers.holds(name):

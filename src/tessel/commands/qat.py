@@ -1,0 +1,50 @@
+"""`tessel qat`: quantisation-aware fine-tuning into a compressed-tensors checkpoint.
+
+torch is imported inside the command, so the planner side of the CLI loads without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from tessel.errors import TesselError
+
+
+def qat(
+    model: Path = typer.Argument(..., help="Local Hugging Face model directory or .gguf file."),
+    out: Path = typer.Option(..., "--out", help="Directory to write the quantised checkpoint to."),
+    train: Path = typer.Option(..., "--train", help="UTF-8 text to fine-tune on."),
+    scheme: str = typer.Option("w4a16", help="w8a8, w8a16 or w4a16."),
+    steps: int = typer.Option(50, min=1, help="Optimizer steps."),
+    lr: float = typer.Option(1e-5, min=0.0, help="AdamW learning rate."),
+    seq_len: int = typer.Option(256, min=2, help="Tokens per training window."),
+    batch_size: int = typer.Option(1, min=1, help="Windows per step."),
+    group_size: int | None = typer.Option(None, min=1, help="Weight columns per scale (w4a16 default 128)."),
+    weight_observer: str = typer.Option("mse", help="Weight scales at the start: minmax or mse."),
+) -> None:
+    """Fine-tune MODEL with fake-quantised linears (clipped STE) and write the quantised checkpoint."""
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
+        raise TesselError(f"MODEL {model} is not a directory; give a local Hugging Face model directory")
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tessel.quant.qat import QATOptions, train_qat
+
+    options = QATOptions(scheme, train, steps, lr, seq_len, batch_size, group_size, weight_observer)
+    console = Console(stderr=True, highlight=False)
+    with Progress(
+        TextColumn("qat"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("qat", total=steps)
+        result = train_qat(model, out, options, lambda _l, done, _t: bar.update(task, completed=done))
+    Console(highlight=False).print(
+        f"{scheme}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {steps} steps "
+        f"in {result.seconds:.1f} s -> {result.out_dir}"
+    )

@@ -1,0 +1,75 @@
+"""`tessel quantize`: post-training quantisation into a compressed-tensors checkpoint.
+
+torch is imported inside the command, so the planner side of the CLI loads without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from tessel.errors import TesselError
+
+
+def quantize(
+    model: Path = typer.Argument(
+        ..., help="Local Hugging Face model directory (fp32/bf16/fp16) or .gguf file."
+    ),
+    out: Path = typer.Option(..., "--out", help="Directory to write the quantised checkpoint to."),
+    scheme: str = typer.Option("w8a8", help="w8a8, w8a16 or w4a16."),
+    act: str = typer.Option("dynamic", help="w8a8 activations: dynamic (per token) or static (per tensor)."),
+    observer: str = typer.Option(
+        "minmax", help="Static activations: minmax, moving-average, percentile, entropy or mse."
+    ),
+    weight_observer: str = typer.Option("minmax", help="Weights: minmax or mse (clip search)."),
+    smoothquant: str | None = typer.Option(
+        None, help="SmoothQuant alpha in [0, 1] (e.g. 0.5, 0.8), or auto (the best of 0.3-0.9 per group)."
+    ),
+    calib: Path | None = typer.Option(
+        None, help="UTF-8 text to calibrate on (SmoothQuant, static activations)."
+    ),
+    calib_samples: int = typer.Option(32, min=1, help="Calibration windows."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per calibration window."),
+    group_size: int | None = typer.Option(
+        None, min=1, help="Weight columns per scale (w4a16 default 128); none: per output channel."
+    ),
+) -> None:
+    """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
+    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
+        raise TesselError(f"MODEL {model} is not a directory; give a local Hugging Face model directory")
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tessel.quant.calibrate import QuantizeOptions, quantize_model
+
+    options = QuantizeOptions(
+        scheme=scheme,
+        act=act,
+        observer=observer,
+        weight_observer=weight_observer,
+        smoothquant=smoothquant,
+        calib=calib,
+        calib_samples=calib_samples,
+        seq_len=seq_len,
+        group_size=group_size,
+    )
+    console = Console(stderr=True, highlight=False)
+    tasks: dict[str, int] = {}
+    with Progress(
+        TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as bar:  # fmt: skip
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        result = quantize_model(model, out, options, progress)
+    Console(highlight=False).print(
+        f"{result.scheme}: {result.num_linears} linears quantised"
+        + (f", {result.smoothed_groups} SmoothQuant groups" if result.smoothed_groups else "")
+        + (f", calibrated on {result.calib_tokens} tokens" if result.calib_tokens else "")
+        + f" in {result.seconds:.1f} s -> {result.out_dir}"
+    )

@@ -1,0 +1,270 @@
+"""Post-training quantisation of a Hugging Face Llama-family checkpoint: `tessel quantize`.
+
+1. Load the fp model with transformers; cut the calibration text into `samples` windows of
+   `seq_len` tokens.
+2. SmoothQuant (optional): run the windows with hooks on the inputs of q/k/v and gate/up, record
+   per-channel max|x|, fold the scales into the RMSNorms and the linears.
+3. Static activations (optional): run the windows again, one observer per linear input (q/k/v
+   share one, gate/up share one), giving one input scale per linear.
+4. Quantise every linear of the decoder layers (not lm_head), write a compressed-tensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tessel.errors import TesselError
+from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
+from tessel.quant.gguf_import import resolve_model_path
+from tessel.quant.observers import OBSERVERS, Observer, QuantRange, make_observer
+from tessel.quant.schemes import WEIGHT_OBSERVERS, QuantizedWeight, Scheme, make_scheme, quantize_weight
+from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
+
+# Called as progress(pass name, windows done, windows in the pass).
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeOptions:
+    scheme: str = "w8a8"
+    act: str = "dynamic"
+    observer: str = "minmax"  # static activations
+    weight_observer: str = "minmax"
+    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (per group, from ALPHA_GRID)
+    calib: Path | None = None
+    calib_samples: int = 32
+    seq_len: int = 512
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        make_scheme(self.scheme, self.act, self.group_size)  # validates scheme / act / group
+        if self.observer not in OBSERVERS:
+            raise TesselError(f"--observer must be one of {', '.join(OBSERVERS)}; got {self.observer!r}")
+        if self.weight_observer not in WEIGHT_OBSERVERS:
+            raise TesselError(f"--weight-observer must be one of {', '.join(WEIGHT_OBSERVERS)}")
+        if isinstance(self.smoothquant, str) and self.smoothquant != "auto":
+            try:
+                object.__setattr__(self, "smoothquant", float(self.smoothquant))
+            except ValueError:
+                raise TesselError(
+                    f"--smoothquant takes an alpha in [0, 1] or 'auto'; got {self.smoothquant!r}"
+                ) from None
+        if isinstance(self.smoothquant, float) and not 0 <= self.smoothquant <= 1:
+            raise TesselError(f"--smoothquant alpha must be in [0, 1]; got {self.smoothquant}")
+        if self.calib_samples < 1 or self.seq_len < 2:
+            raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
+        if self.needs_calibration and self.calib is None:
+            raise TesselError("--smoothquant and --act static calibrate on text: give --calib FILE")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.smoothquant is not None or self.act == "static"
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    out_dir: Path
+    scheme: str
+    num_linears: int
+    calib_tokens: int
+    seconds: float
+    smoothed_groups: int = 0
+    input_scales: dict[str, float] = field(default_factory=dict)
+    smoothing_alphas: dict[str, float] = field(default_factory=dict)
+
+
+def read_calibration_text(path: Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise TesselError(f"--calib {path} is not a file; give a UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TesselError(f"--calib {path} is not UTF-8 text: {error}") from None
+    if not text.strip():
+        raise TesselError(f"--calib {path} is empty; give a text to calibrate on")
+    return text
+
+
+def calibration_windows(text: str, tokenizer, samples: int, seq_len: int) -> torch.Tensor:
+    """`samples` consecutive windows of `seq_len` tokens of the text: int64 [samples, seq_len]."""
+    ids = tokenizer(text)["input_ids"]
+    needed = samples * seq_len
+    if len(ids) < needed:
+        raise TesselError(
+            f"the --calib text has {len(ids)} tokens; --calib-samples {samples} x --seq-len {seq_len} "
+            f"needs {needed}: lower --calib-samples or --seq-len, or give a longer text"
+        )
+    return torch.tensor(ids[:needed], dtype=torch.int64).view(samples, seq_len)
+
+
+def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear inside the decoder layers (q/k/v/o, gate/up/down), by checkpoint name."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.startswith("model.layers.")
+    }
+
+
+def input_groups(names: list[str]) -> dict[str, str]:
+    """linear name -> the name of the tensor it reads (q/k/v read one, gate/up read one)."""
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    out = {}
+    for name in names:
+        parent, leaf = name.rsplit(".", 1)
+        out[name] = f"{parent}.{shared[leaf]}" if leaf in shared else name
+    return out
+
+
+@torch.no_grad()
+def _run_windows(model: nn.Module, windows: torch.Tensor, label: str, progress: Progress | None) -> None:
+    for i, window in enumerate(windows):
+        model(input_ids=window[None], use_cache=False)
+        if progress is not None:
+            progress(label, i + 1, len(windows))
+
+
+def _observe_inputs(
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    make: Callable[[], Observer | None],
+    windows,
+    label,
+    progress,
+) -> dict[str, Observer]:
+    """One observer per input group, fed by a pre-hook on the group's first linear."""
+    groups = input_groups(list(linears))
+    observers: dict[str, Observer] = {}
+    handles = []
+    for name, module in linears.items():
+        group = groups[name]
+        if group in observers:
+            continue
+        observers[group] = make()
+        obs = observers[group]
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _m, args, obs=obs: obs.observe(args[0].reshape(-1, args[0].shape[-1]))
+            )
+        )
+    try:
+        _run_windows(model, windows, label, progress)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return observers
+
+
+def _smooth(model, linears, alpha: float | str, windows, progress) -> dict[str, float]:
+    """SmoothQuant every group with `alpha` (or, for "auto", each group's best alpha); -> the alphas."""
+    recorders = _observe_inputs(model, linears, InputRecorder, windows, "smoothquant", progress)
+    alphas = {}
+    for group in llama_smooth_groups(model):
+        recorder = recorders[group.name]
+        alphas[group.name] = best_alpha(group, recorder) if alpha == "auto" else float(alpha)
+        smooth_group(group, recorder.amax, alphas[group.name])
+    return alphas
+
+
+def load_hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as error:
+        raise TesselError(f"cannot load {model_dir} with transformers: {error}") from None
+    return model.eval(), tokenizer
+
+
+def quantize_model(
+    model_dir: str | Path, out_dir: str | Path, options: QuantizeOptions, progress: Progress | None = None
+) -> QuantizeResult:
+    """Quantise the model in `model_dir` under `options`; write the checkpoint to `out_dir`."""
+    start = time.perf_counter()
+    model_dir, out_dir = resolve_model_path(model_dir), Path(out_dir)  # a .gguf file: its de-quantised copy
+    config = read_model_config(model_dir)
+    scheme = make_scheme(options.scheme, options.act, options.group_size)
+    text = read_calibration_text(options.calib) if options.needs_calibration else None
+    model, tokenizer = load_hf_model(model_dir)
+    linears = target_linears(model)
+    if not linears:
+        raise TesselError(
+            f"{model_dir}: found no linear layers under model.layers; is it a Llama-family model?"
+        )
+    for name, module in linears.items():
+        scheme.check_in_features(module.in_features, name)
+    windows = None
+    if text is not None:
+        windows = calibration_windows(text, tokenizer, options.calib_samples, options.seq_len)
+    result = QuantizeResult(
+        out_dir, scheme.name, len(linears), 0 if windows is None else windows.numel(), 0.0
+    )
+    if options.smoothquant is not None:
+        result.smoothing_alphas = _smooth(model, linears, options.smoothquant, windows, progress)
+        result.smoothed_groups = len(result.smoothing_alphas)
+    input_scales: dict[str, torch.Tensor] = {}
+    if scheme.act_static:
+        observers = _observe_inputs(
+            model,
+            linears,
+            lambda: make_observer(options.observer, QuantRange()),
+            windows,
+            "activations",
+            progress,
+        )
+        groups = input_groups(list(linears))
+        input_scales = {name: observers[groups[name]].qparams()[0] for name in linears}
+        result.input_scales = {name: float(s) for name, s in input_scales.items()}
+    weights = {
+        name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()
+    }
+    act_observer = options.observer if scheme.act_static else None
+    write_quantized(model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def read_model_config(model_dir: Path) -> dict:
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise TesselError(f"{model_dir} has no config.json; give a local Hugging Face model directory")
+    config = json.loads(config_file.read_text())
+    if config.get("quantization_config") is not None:
+        raise TesselError(f"{model_dir} is already quantised (config.json has quantization_config)")
+    return config
+
+
+def write_quantized(
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    scheme: Scheme,
+    weights: dict[str, QuantizedWeight],
+    input_scales: dict[str, torch.Tensor],
+    config: dict,
+    model_dir: Path,
+    out_dir: Path,
+    act_observer: str | None,
+) -> Path:
+    """The checkpoint: quantised linears from `weights`, every other tensor of `model` as it is."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in linears.items():
+        for leaf, tensor in module_tensors(scheme, weights[name], input_scales.get(name)).items():
+            tensors[f"{name}.{leaf}"] = tensor
+        if module.bias is not None:
+            tensors[f"{name}.bias"] = module.bias.detach().float()
+    quantised = {f"{name}.weight" for name in linears} | {f"{name}.bias" for name in linears}
+    for name, tensor in model.state_dict().items():
+        if name in quantised or (name == "lm_head.weight" and config.get("tie_word_embeddings")):
+            continue
+        tensors[name] = tensor.detach().contiguous()
+    config = dict(config, quantization_config=quantization_config(scheme, act_observer))
+    return write_checkpoint(out_dir, model_dir, config, tensors)

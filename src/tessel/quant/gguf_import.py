@@ -1,0 +1,209 @@
+"""GGUF files (llama.cpp's format) in: a Llama GGUF becomes a checkpoint directory the engine loads.
+
+Read with the `gguf` package, as vLLM does. When every decoder-layer linear is Q8_0, the int8
+values and their block scales (one fp16 scale per 32 weights) are kept: the directory is a
+compressed-tensors W8A16 checkpoint with group size 32 (`pack-quantized`, 8 bits), which the engine
+runs through its quantised-linear swap. Any other mix of types (Q4_1, Q4_K, F16, ...) is
+de-quantised to float32 with `gguf.quants.dequantize`. The embedding is always de-quantised.
+
+llama.cpp stores q/k rows permuted for its RoPE layout; they are permuted back (for Q8_0 the rows
+move with their block scales). The tokenizer comes from transformers' GGUF reader. The directory
+is cached under `$TESSEL_CACHE_DIR/gguf/` keyed by the file's name, size and mtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessel.errors import TesselError
+from tessel.quant.checkpoint import module_tensors, quantization_config
+from tessel.quant.schemes import QuantizedWeight, Scheme
+
+Q8_0_BLOCK = 32  # weights per Q8_0 block (ggml's QK8_0)
+Q8_0_BYTES = 2 + Q8_0_BLOCK  # fp16 scale + 32 int8
+LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TESSEL_CACHE_DIR", Path.home() / ".cache" / "tessel")) / "gguf"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A model directory as given, or the checkpoint directory of a .gguf file (built once)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return gguf_checkpoint(path)
+    return path
+
+
+def gguf_checkpoint(file: Path) -> Path:
+    stat = file.stat()
+    target = cache_root() / f"{file.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+    try:
+        _convert(file, staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _reader(file: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise TesselError("reading GGUF files needs the `gguf` package: pip install gguf") from None
+    try:
+        return GGUFReader(str(file))
+    except (ValueError, OSError, KeyError, IndexError, TypeError, OverflowError, struct.error) as error:
+        raise TesselError(f"{file} is not a readable GGUF file: {error}") from None
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise TesselError(f"GGUF metadata lacks {key!r}; tessel reads Llama-architecture GGUF files")
+        return default
+    return field.contents()
+
+
+def hf_config(reader, has_output: bool) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise TesselError(f"GGUF general.architecture = {arch!r} is not supported; tessel reads 'llama'")
+    if reader.fields.get("llama.rope.scaling.type") is not None:
+        raise TesselError("GGUF llama.rope.scaling.type is not supported")
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise TesselError("the GGUF file has no token_embd.weight tensor; is it a Llama model?")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "vocab_size": int(embd.shape[-1]),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        "torch_dtype": "float32",
+    }
+
+
+def q8_0_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 GGUF tensor -> (int8 [rows, cols], float32 scales [rows, cols / 32])."""
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q8_0_BYTES)
+    scales = blocks[:, :, :2].copy().view(np.float16).reshape(rows, -1).astype(np.float32)
+    q = blocks[:, :, 2:].copy().view(np.int8).reshape(rows, -1)
+    return torch.from_numpy(q), torch.from_numpy(scales)
+
+
+def _dequantized(tensor) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        values = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (transformers' reverse_permute_weights)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _hf_name(name: str) -> tuple[str, str | None]:
+    """GGUF tensor name -> (HF name, GGUF layer-tensor kind or None)."""
+    base, _, suffix = name.rpartition(".")
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{suffix}", None
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}", parts[2]
+    raise TesselError(f"GGUF tensor {name!r} is not one tessel knows for a Llama model")
+
+
+def _convert(file: Path, out: Path) -> None:
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import save_file
+
+    reader = _reader(file)
+    names = {t.name for t in reader.tensors}
+    config = hf_config(reader, "output.weight" in names)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    linears = [t for t in reader.tensors if _hf_name(t.name)[1] in LINEARS]
+    keep_int8 = bool(linears) and all(t.tensor_type == GGMLQuantizationType.Q8_0 for t in linears)
+    scheme = Scheme("w8a16", 8, Q8_0_BLOCK, None)
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf, kind = _hf_name(tensor.name)
+        if keep_int8 and kind in LINEARS:
+            q, scale = q8_0_blocks(tensor)
+            if kind in heads:
+                q, scale = _unpermute(q, heads[kind]), _unpermute(scale, heads[kind])
+            prefix = hf.removesuffix(".weight")
+            for leaf, value in module_tensors(scheme, QuantizedWeight(q, scale, Q8_0_BLOCK)).items():
+                tensors[f"{prefix}.{leaf}"] = value
+            continue
+        value = _dequantized(tensor)
+        if kind in heads:
+            value = _unpermute(value, heads[kind])
+        tensors[hf] = value.contiguous()
+    if keep_int8:
+        config["quantization_config"] = quantization_config(scheme)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+    _save_tokenizer(file, out)
+
+
+def _save_tokenizer(file: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except (OSError, ValueError, KeyError) as error:
+        raise TesselError(f"cannot read the tokenizer of {file}: {error}") from None
+    tokenizer.save_pretrained(str(out))

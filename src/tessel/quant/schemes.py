@@ -1,0 +1,106 @@
+"""Quantisation schemes and weight quantisation (per output channel, or per group of input columns).
+
+    w8a8:   int8 weights per output channel, int8 activations (dynamic per token, or static per tensor)
+    w8a16:  int8 weights per output channel, float activations
+    w4a16:  int4 weights per group of GROUP_SIZE input columns, float activations
+
+Weights are symmetric (zero point 0), so W ~= q * scale with scale [N, groups] broadcast over the
+columns of each group: the layout of compressed-tensors' `weight_scale`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessel.errors import TesselError
+from tessel.quant.observers import QuantRange, make_observer, quantize
+
+GROUP_SIZE = 128  # the group of llm-compressor's W4A16 preset (and GPTQ's usual one)
+WEIGHT_OBSERVERS = ("minmax", "mse")
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    name: str
+    weight_bits: int
+    group_size: int | None  # None: one scale per output channel
+    act_bits: int | None  # None: weight-only (float activations)
+    act_static: bool = False  # activations: static per tensor (calibrated) vs dynamic per token
+
+    @property
+    def weight_range(self) -> QuantRange:
+        return QuantRange(self.weight_bits, symmetric=True)
+
+    @property
+    def weight_only(self) -> bool:
+        return self.act_bits is None
+
+    def check_in_features(self, in_features: int, where: str) -> None:
+        if self.group_size is not None and in_features % self.group_size:
+            raise TesselError(
+                f"scheme {self.name}: group size {self.group_size} does not divide in_features "
+                f"{in_features} of {where}; choose --group-size dividing it"
+            )
+
+
+def make_scheme(name: str, act: str = "dynamic", group_size: int | None = None) -> Scheme:
+    """The scheme for `--scheme NAME --act dynamic|static [--group-size G]`."""
+    if act not in ("dynamic", "static"):
+        raise TesselError(f"--act must be dynamic or static; got {act!r}")
+    if name == "w8a8":
+        if group_size is not None:
+            raise TesselError(
+                "--group-size applies to w8a16 / w4a16; w8a8 weights have a scale per output channel"
+            )
+        return Scheme(name, 8, None, 8, act_static=act == "static")
+    if act == "static":
+        raise TesselError(f"--act static needs quantised activations; scheme {name} keeps them float")
+    if name == "w8a16":
+        return Scheme(name, 8, group_size, None)
+    if name == "w4a16":
+        return Scheme(name, 4, group_size or GROUP_SIZE, None)
+    raise TesselError(f"unknown --scheme {name!r}; choose w8a8, w8a16 or w4a16")
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """q int8 [N, K] (int4 values sit in [-7, 7]); scale float32 [N, groups]; W ~= q * scale per group."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group_size: int | None
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_weight(self.q, self.scale, self.group_size)
+
+
+def _grouped(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """[N, K] -> [N * groups, G] rows, one per scale."""
+    n, k = weight.shape
+    return weight.reshape(n, 1, k) if group_size is None else weight.reshape(n, k // group_size, group_size)
+
+
+def quantize_weight(weight: torch.Tensor, scheme: Scheme, observer: str = "minmax") -> QuantizedWeight:
+    """Round-to-nearest symmetric quantisation of an nn.Linear weight [N, K] under `scheme`."""
+    if observer not in WEIGHT_OBSERVERS:
+        raise TesselError(f"weight observer must be one of {', '.join(WEIGHT_OBSERVERS)}; got {observer!r}")
+    weight = weight.detach().float()
+    n, k = weight.shape
+    scheme.check_in_features(k, "a linear layer")
+    rows = _grouped(weight, scheme.group_size)
+    groups = rows.shape[1]
+    obs = make_observer(observer, scheme.weight_range, axis=0)
+    obs.observe(rows.reshape(n * groups, -1))
+    scale, zero_point = obs.qparams()
+    scale, zero_point = scale.view(n, groups, 1), zero_point.view(n, groups, 1)
+    q = quantize(rows, scale, zero_point, scheme.weight_range).reshape(n, k)
+    return QuantizedWeight(q, scale.view(n, groups), scheme.group_size)
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """q [N, K] * scale [N, groups] spread over each group's columns -> float32 [N, K]."""
+    n, k = q.shape
+    rows = _grouped(q.float(), group_size if scale.shape[1] > 1 else None)
+    return (rows * scale.float().view(n, -1, 1)).reshape(n, k)

@@ -1,0 +1,124 @@
+"""SmoothQuant (Xiao et al., 2023): move activation outliers into the weights before quantising.
+
+For a producer followed by linears that read its output, per input channel j:
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)      (max|W_j| over every consumer's column j)
+    producer's output channel j /= s_j,   W[:, j] *= s_j      so  (X / s) @ (W * s).T == X @ W.T
+
+The function computed is unchanged (tested against the unsmoothed model); the activations the
+linears see are flatter, the weights a little less so. Three groups per Llama layer, as
+llm-compressor maps them: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up (the norm
+weight is divided), and up_proj -> down_proj (up's output rows are divided: down reads
+silu(gate) * up, which is linear in up's output). down_proj's input carries the largest outliers
+of SmolLM2-135M (measured: fake-quantising only down_proj costs +2.6% perplexity, +1.3% after
+smoothing with alpha 0.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessel.errors import TesselError
+
+MIN_AMAX = 1e-5  # the paper's clamp: a channel that never fires gets no huge scale
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # `--smoothquant auto` picks one per group
+SAMPLE_ROWS_PER_BATCH = 64  # input rows kept per calibration window for the auto search
+
+
+@dataclass(slots=True)
+class SmoothGroup:
+    """A producer (a norm, or a linear) whose output feeds `linears` (all [*, K]); one scale per channel."""
+
+    name: str
+    producer: nn.Module
+    linears: list[nn.Linear]
+
+
+def llama_smooth_groups(model: nn.Module) -> list[SmoothGroup]:
+    """The three groups of each decoder layer of a Hugging Face Llama-family model."""
+    layers = model.model.layers
+    groups = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups.append(
+            SmoothGroup(
+                f"model.layers.{i}.self_attn.qkv",
+                layer.input_layernorm,
+                [attn.q_proj, attn.k_proj, attn.v_proj],
+            )
+        )
+        groups.append(
+            SmoothGroup(
+                f"model.layers.{i}.mlp.gate_up", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]
+            )
+        )
+        groups.append(SmoothGroup(f"model.layers.{i}.mlp.down_proj", mlp.up_proj, [mlp.down_proj]))
+    return groups
+
+
+def smoothing_scales(act_amax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """s = amax_x^alpha / amax_w^(1 - alpha) per input channel (float32 [K])."""
+    if not 0.0 <= alpha <= 1.0:
+        raise TesselError(f"--smoothquant alpha must be in [0, 1]; got {alpha}")
+    w_amax = torch.cat([w.detach().abs().float() for w in weights]).amax(dim=0)
+    a = act_amax.float().clamp(min=MIN_AMAX)
+    w = w_amax.clamp(min=MIN_AMAX)
+    return (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=MIN_AMAX)
+
+
+@torch.no_grad()
+def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Fold the scales into the producer and its consumers in place; -> the scales."""
+    scales = smoothing_scales(act_amax, [lin.weight for lin in group.linears], alpha)
+    producer = group.producer
+    if isinstance(producer, nn.Linear):  # its output rows
+        producer.weight.copy_((producer.weight.float() / scales[:, None]).to(producer.weight.dtype))
+        if producer.bias is not None:
+            producer.bias.copy_((producer.bias.float() / scales).to(producer.bias.dtype))
+    else:  # a norm's elementwise weight
+        producer.weight.copy_((producer.weight.float() / scales).to(producer.weight.dtype))
+    for lin in group.linears:
+        lin.weight.copy_((lin.weight.float() * scales[None, :]).to(lin.weight.dtype))
+    return scales
+
+
+class InputRecorder:
+    """Per-channel max|x| of a linear's input, plus a sample of its rows (for `auto` alpha)."""
+
+    def __init__(self) -> None:
+        self.amax: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []
+
+    def observe(self, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        amax = x.abs().amax(dim=0)
+        self.amax = amax if self.amax is None else torch.max(self.amax, amax)
+        stride = max(1, x.shape[0] // SAMPLE_ROWS_PER_BATCH)
+        self.rows.append(x[::stride][:SAMPLE_ROWS_PER_BATCH].clone())
+
+
+def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 per row (per token for activations, per output channel for weights)."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(x / scale) * scale
+
+
+def alpha_error(group: SmoothGroup, rows: torch.Tensor, act_amax: torch.Tensor, alpha: float) -> float:
+    """Squared error of the group's W8A8 outputs on `rows` after smoothing with `alpha`."""
+    weight = torch.cat([lin.weight.detach().float() for lin in group.linears])
+    scales = smoothing_scales(
+        act_amax, list(group.linears[i].weight for i in range(len(group.linears))), alpha
+    )
+    reference = rows @ weight.t()
+    quantised = _fake_quant_rows(rows / scales) @ _fake_quant_rows(weight * scales).t()
+    return float(((quantised - reference) ** 2).sum())
+
+
+def best_alpha(group: SmoothGroup, recorder: InputRecorder, grid: tuple[float, ...] = ALPHA_GRID) -> float:
+    """The alpha of `grid` whose smoothing gives the least W8A8 output error on the recorded rows."""
+    rows = torch.cat(recorder.rows)
+    errors = [alpha_error(group, rows, recorder.amax, alpha) for alpha in grid]
+    return grid[min(range(len(grid)), key=errors.__getitem__)]

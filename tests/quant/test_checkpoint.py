@@ -1,0 +1,196 @@
+"""The compressed-tensors checkpoint format: packing against the package's own helpers, configs
+that the package validates, config parsing (bad configs name their field), atomic writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessel.errors import TesselError
+from tessel.quant.checkpoint import (
+    module_tensors,
+    pack,
+    parse_quantization_config,
+    quantization_config,
+    read_module,
+    unpack,
+    write_checkpoint,
+)
+from tessel.quant.observers import QuantRange
+from tessel.quant.schemes import dequantize_weight, make_scheme, quantize_weight
+
+SCHEMES = [
+    make_scheme("w8a8"),
+    make_scheme("w8a8", act="static"),
+    make_scheme("w8a16"),
+    make_scheme("w4a16"),
+    make_scheme("w4a16", group_size=32),
+]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_matches_compressed_tensors(bits: int) -> None:
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    half = 1 << (bits - 1)
+    q = torch.randint(-half, half, (7, 96), dtype=torch.int8)
+    packed = pack(q, bits)
+    assert torch.equal(packed, helpers.pack_to_int32(q, bits))
+    assert torch.equal(unpack(packed, bits, 96), q)
+    assert torch.equal(helpers.unpack_from_int32(packed, bits, torch.Size([7, 96])), q)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+def test_config_round_trips_and_compressed_tensors_accepts_it(scheme) -> None:
+    config = quantization_config(scheme, "entropy" if scheme.act_static else None)
+    assert parse_quantization_config({"quantization_config": json.loads(json.dumps(config))}) == scheme
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    parsed = ct.QuantizationConfig.model_validate(config)
+    group = parsed.config_groups["group_0"]
+    assert parsed.format == ("pack-quantized" if scheme.weight_only else "int-quantized")
+    assert group.weights.num_bits == scheme.weight_bits and group.weights.group_size == scheme.group_size
+    assert (group.input_activations is None) == scheme.weight_only
+    assert parsed.ignore == ["lm_head"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+def test_module_tensors_read_back_and_decompress_with_compressed_tensors(scheme) -> None:
+    w = torch.randn(48, 128) * torch.linspace(0.1, 3, 128)
+    qw = quantize_weight(w, scheme)
+    tensors = module_tensors(scheme, qw, torch.tensor([0.05]) if scheme.act_static else None)
+    back, input_scale = read_module(lambda name: tensors[name.removeprefix("m.x.")], "m.x", scheme)
+    assert torch.equal(back.q, qw.q) and torch.equal(back.scale, qw.scale)
+    assert (input_scale is not None) == scheme.act_static
+    # the weight error of round-to-nearest: at most half a step of the row's (group's) scale
+    step = qw.scale.repeat_interleave(128 // qw.scale.shape[1], dim=1)
+    assert torch.all((qw.dequantize() - w).abs() <= step / 2 * (1 + 1e-5))
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(quantization_config(scheme, "minmax"))
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    decompressed = compressor.decompress(dict(tensors), config.config_groups["group_0"])
+    assert ct is not None
+    torch.testing.assert_close(decompressed["weight"].float(), qw.dequantize(), rtol=0, atol=1e-6)
+
+
+def test_group_weights_match_per_channel_observer_per_group() -> None:
+    w = torch.randn(5, 96)
+    qw = quantize_weight(w, make_scheme("w4a16", group_size=32))
+    for g in range(3):
+        block = w[:, 32 * g : 32 * (g + 1)]
+        amax = block.abs().amax(dim=1)
+        ref = torch.max(amax / ((QuantRange(4).qmax - QuantRange(4).qmin) / 2), torch.tensor(1.1920929e-07))
+        assert torch.equal(qw.scale[:, g], ref)
+    assert torch.equal(dequantize_weight(qw.q, qw.scale, 32), qw.dequantize())
+
+
+BAD_CONFIGS = {
+    "quant_method": {"quant_method": "gptq"},
+    "format": {"format": "marlin-24"},
+    "ignore": {"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
+    "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8}},
+    "config_groups": {"config_groups": {}},
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_CONFIGS))
+def test_unsupported_config_names_the_field(field: str) -> None:
+    config = dict(quantization_config(make_scheme("w8a8")), **BAD_CONFIGS[field])
+    with pytest.raises(TesselError, match=f"quantization_config.{field}"):
+        parse_quantization_config({"quantization_config": config})
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("weights", "symmetric"), False, "weights.symmetric"),
+        (("weights", "num_bits"), 2, "weights.num_bits"),
+        (("weights", "type"), "float", "weights.type"),
+        (("input_activations", "strategy"), "group", "input_activations.strategy"),
+        (("input_activations", "num_bits"), 4, "input_activations.num_bits"),
+    ],
+)
+def test_unsupported_group_fields_are_named(path, value, field: str) -> None:
+    config = quantization_config(make_scheme("w8a8"))
+    config["config_groups"]["group_0"][path[0]][path[1]] = value
+    with pytest.raises(TesselError, match=f"config_groups.group_0.{field}"):
+        parse_quantization_config({"quantization_config": config})
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 300) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    mutations=st.lists(
+        st.tuples(st.sampled_from(["", "weights", "input_activations"]), st.text(max_size=12), JSON),
+        max_size=4,
+    ),
+    base=st.sampled_from(SCHEMES),
+)
+def test_fuzzed_configs_parse_or_raise_tessel_error(mutations, base) -> None:
+    config = quantization_config(base)
+    group = config["config_groups"]["group_0"]
+    for where, key, value in mutations:
+        target = config if where == "" else group.get(where)
+        if isinstance(target, dict):
+            target[key] = value
+    try:
+        parse_quantization_config({"quantization_config": config})
+    except TesselError:
+        pass
+
+
+@settings(max_examples=50, deadline=None)
+@given(value=JSON)
+def test_any_json_quantization_config_is_parsed_or_rejected(value) -> None:
+    try:
+        parse_quantization_config({"quantization_config": value})
+    except TesselError:
+        pass
+
+
+def test_failed_write_leaves_nothing_in_out(tmp_path, tiny_llama) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(AttributeError):  # the write fails after the tokenizer files were copied
+        write_checkpoint(out, tiny_llama, {"a": 1}, {"x": "not a tensor"})  # type: ignore[dict-item]
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+TENSORS = st.builds(
+    lambda dtype, shape, fill: torch.full(shape, fill).to(dtype),
+    st.sampled_from([torch.int8, torch.int32, torch.int64, torch.float32]),
+    st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple),
+    st.integers(-3, 3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scheme=st.sampled_from(SCHEMES),
+    tensors=st.dictionaries(
+        st.sampled_from(["weight", "weight_scale", "weight_packed", "weight_shape", "input_scale"]), TENSORS
+    ),
+)
+def test_hostile_module_tensors_raise_only_tessel_error(scheme, tensors) -> None:
+    def get(name: str) -> torch.Tensor:
+        leaf = name.removeprefix("m.")
+        if leaf not in tensors:
+            raise TesselError(f"missing {name}")
+        return tensors[leaf]
+
+    try:
+        weight, _ = read_module(get, "m", scheme)
+    except TesselError:
+        return
+    assert weight.q.dtype == torch.int8 and weight.scale.shape[0] == weight.q.shape[0]

@@ -1,0 +1,103 @@
+"""The CPU int8 paths of W8A8Linear give the same result, and the path follows the CPU's features.
+
+Reference: float64 x @ W_deq.T with x quantised as the path quantises it. `int_mm` and `dequant`
+compute the same integer products (int32 vs float32 sums, exact here), so they agree to float32
+rounding; `fbgemm` quantises activations per tensor with 7 bits, so it is held to its own bound
+(half a step of its activation scale per element, summed against |W|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessel.errors import TesselError
+from tessel.kernels.quantize import quantize_per_token
+from tessel.layers.quantized_linear import W8A8Linear
+from tessel.quant import cpu_features
+from tessel.quant.cpu_features import ENV_OVERRIDE, INT8_PATHS, choose_int8_path
+
+
+def _layer(
+    n: int, k: int, bias: bool, input_scale: float | None, path: str
+) -> tuple[W8A8Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    q, s = quantize_per_token(w)
+    b = torch.randn(n, generator=g) if bias else None
+    scale = None if input_scale is None else torch.tensor([input_scale])
+    return W8A8Linear(q, s, b, scale, path=path), q.double() * s.double()[:, None]
+
+
+@pytest.mark.parametrize("path", INT8_PATHS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 45, 70), (7, 129, 257), (33, 64, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_path_matches_the_float64_reference(path: str, m: int, n: int, k: int, bias: bool) -> None:
+    layer, w_deq = _layer(n, k, bias, None, path)
+    x = torch.randn(m, k) * torch.linspace(0.2, 4, k)
+    y = layer(x)
+    b = 0 if layer.bias is None else layer.bias.double()
+    if path == "fbgemm":
+        ref = x.double() @ w_deq.T + b
+        step = (x.max().clamp(min=0) - x.min().clamp(max=0)).double() / 127  # 7-bit activations, per tensor
+        bound = (step / 2) * w_deq.abs().sum(dim=1) + 1e-4
+        assert torch.all((y.double() - ref).abs() <= bound)
+    else:
+        q, s = quantize_per_token(x)
+        ref = (q.double() * s.double()[:, None]) @ w_deq.T + b
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("input_scale", [0.01, 0.05])
+def test_static_input_scale_on_every_path(input_scale: float) -> None:
+    outputs = []
+    for path in INT8_PATHS:
+        layer, w_deq = _layer(40, 72, True, input_scale, path)
+        x = torch.randn(9, 72)
+        x[0, 3] = 100.0  # clipped at 127 steps
+        outputs.append(layer(x))
+        q = torch.round(x.double() / input_scale).clamp(-127, 127) * input_scale
+        ref = q @ w_deq.T + layer.bias.double()
+        torch.testing.assert_close(outputs[-1].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert layer.path == "dequant"  # fbgemm's dynamic linear cannot take the static scale
+
+
+def test_paths_agree_with_each_other_on_a_batch() -> None:
+    x = torch.randn(32, 96)
+    ys = {path: _layer(80, 96, True, None, path)[0](x) for path in INT8_PATHS}
+    torch.testing.assert_close(ys["int_mm"], ys["dequant"], rtol=1e-5, atol=1e-4)
+    rel = (ys["fbgemm"] - ys["int_mm"]).norm() / ys["int_mm"].norm()
+    assert rel < 0.03
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability", "expected"),
+    [
+        ({"avx2", "avx512f", "avx512_vnni"}, "AVX512", "int_mm"),
+        ({"avx2", "amx_int8", "amx_tile"}, "AVX512", "int_mm"),
+        ({"avx2", "fma"}, "AVX2", "fbgemm"),
+        ({"avx2", "avx512f"}, "AVX512", "fbgemm"),  # AVX-512 without VNNI: no fast _int_mm either
+        ({"sse4_2"}, "DEFAULT", "dequant"),
+        (set(), "DEFAULT", "dequant"),
+    ],
+)
+def test_path_follows_the_cpu_features(monkeypatch, flags, capability, expected) -> None:
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    assert choose_int8_path(frozenset(flags), capability) == expected
+
+
+def test_env_override_forces_a_path(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_OVERRIDE, "dequant")
+    assert choose_int8_path(frozenset({"avx512_vnni"}), "AVX512") == "dequant"
+    layer, _ = _layer(8, 16, False, None, None)  # type: ignore[arg-type]
+    assert layer.path == "dequant"
+    monkeypatch.setenv(ENV_OVERRIDE, "cuda")
+    with pytest.raises(TesselError, match=ENV_OVERRIDE):
+        choose_int8_path()
+
+
+def test_this_machine_reads_its_flags() -> None:
+    info = cpu_features.describe()
+    assert info["int8_path"] in INT8_PATHS
+    if "avx512_vnni" in cpu_features.cpu_flags():
+        assert info["int8_path"] == "int_mm" or cpu_features.os.environ.get(ENV_OVERRIDE)

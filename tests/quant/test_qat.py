@@ -1,0 +1,60 @@
+"""QAT: the clipped straight-through estimator's gradient, and a short run that lowers the loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tessel import LLM
+from tessel.cli import app
+from tessel.errors import TesselError
+from tessel.quant.observers import QuantRange
+from tessel.quant.qat import QATOptions, fake_quantize, train_qat
+
+
+@pytest.mark.parametrize("qrange", [QuantRange(8), QuantRange(4)], ids=str)
+def test_ste_gradient_is_one_inside_the_clip_range_and_zero_outside(qrange: QuantRange) -> None:
+    s = 1.2 / qrange.qmax  # clip range +-1.2
+    scale = torch.tensor(s)
+    x = torch.linspace(-2, 2, 401, dtype=torch.float32).requires_grad_(True)
+    y = fake_quantize(x, scale, qrange)
+    y.backward(torch.ones_like(y))
+    inside = (x.detach() / scale >= qrange.qmin) & (x.detach() / scale <= qrange.qmax)
+    a = x.detach().abs()
+    assert torch.all(inside[a < 1.19]) and not torch.any(inside[a > 1.21])
+    assert torch.all(x.grad[inside] == 1) and torch.all(x.grad[~inside] == 0)
+    assert (~inside).any() and inside.any()
+    expected = torch.clamp(torch.round(x.detach() / scale), qrange.qmin, qrange.qmax) * scale
+    assert torch.equal(y.detach(), expected)
+
+
+def test_ste_passes_upstream_gradients_through() -> None:
+    x = torch.tensor([0.05, 0.3, 5.0], requires_grad=True)
+    fake_quantize(x, torch.tensor(0.01), QuantRange(8)).backward(torch.tensor([2.0, -3.0, 7.0]))
+    assert x.grad.tolist() == [2.0, -3.0, 0.0]
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8"])
+def test_a_short_run_lowers_the_loss_and_writes_a_loadable_checkpoint(
+    tiny_llama, calib_text, tmp_path, scheme
+):
+    group = 32 if scheme == "w4a16" else None
+    options = QATOptions(scheme, calib_text, steps=12, lr=3e-3, seq_len=32, batch_size=4, group_size=group)
+    result = train_qat(tiny_llama, tmp_path / scheme, options)
+    first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
+    assert last < first, result.losses
+    config = json.loads((tmp_path / scheme / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    LLM(tmp_path / scheme, max_model_len=64).generate(["Hello"])
+
+
+def test_cli_qat_runs_and_rejects_a_short_text(tiny_llama, calib_text, tmp_path) -> None:
+    args = ["qat", str(tiny_llama), "--out", str(tmp_path / "o"), "--train", str(calib_text)]
+    result = CliRunner().invoke(app, [*args, "--steps", "2", "--seq-len", "16", "--group-size", "32"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "loss" in result.output
+    result = CliRunner().invoke(app, [*args, "--seq-len", "100000", "--group-size", "32"])
+    assert isinstance(result.exception, TesselError) and "--batch-size" in str(result.exception)
