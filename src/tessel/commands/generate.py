@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.errors import TesselError
+from tessel.commands.options import check_model_path
 
 
 def generate(
@@ -27,8 +27,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
-    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
-        raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
+    check_model_path(model, "--model")
     from rich.console import Console
 
     from tessel.engine.llm_engine import LLM

@@ -20,3 +20,13 @@ def input_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN
 def output_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201
     """A file to write: refused when it is a directory, before the command runs."""
     return typer.Option(default, *names, help=help, dir_okay=False, writable=True)
+
+
+def check_model_path(path: Path, option: str) -> None:
+    """A model is a local Hugging Face directory or a .gguf file (engine, quantize, qat, serve)."""
+    from tessel.errors import TesselError
+
+    if not path.is_dir() and not (path.suffix.lower() == ".gguf" and path.is_file()):
+        raise TesselError(
+            f"{option} {path} is not a directory or a .gguf file; give a local Hugging Face model directory"
+        )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.errors import TesselError
+from tessel.commands.options import check_model_path
 
 
 def qat(
@@ -25,8 +25,7 @@ def qat(
     weight_observer: str = typer.Option("mse", help="Weight scales at the start: minmax or mse."),
 ) -> None:
     """Fine-tune MODEL with fake-quantised linears (clipped STE) and write the quantised checkpoint."""
-    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
-        raise TesselError(f"MODEL {model} is not a directory; give a local Hugging Face model directory")
+    check_model_path(model, "MODEL")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.errors import TesselError
+from tessel.commands.options import check_model_path
 
 
 def quantize(
@@ -36,8 +36,7 @@ def quantize(
     ),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
-    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
-        raise TesselError(f"MODEL {model} is not a directory; give a local Hugging Face model directory")
+    check_model_path(model, "MODEL")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 
+from tessel.commands.options import check_model_path
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_PROMPT_CHARS
 
@@ -64,8 +65,7 @@ def serve(
     ),
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
-    if not model.is_dir() and not (model.suffix.lower() == ".gguf" and model.is_file()):
-        raise TesselError(f"--model {model} is not a directory; give a local Hugging Face model directory")
+    check_model_path(model, "--model")
     if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
 
