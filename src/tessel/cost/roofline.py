@@ -235,15 +235,7 @@ def embed_time_s(
     rows = 2 if model.learned_position_rows else 1  # token row (+ position row)
     out_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
     n_bytes = tokens * rows * table_rows_bytes + out_bytes
-    return roofline_time_s(
-        weight_flops=0.0,
-        attention_flops=0.0,
-        n_bytes=n_bytes,
-        gpu=gpu,
-        dtype=dtype,
-        efficiency=efficiency_for(profile, gpu),
-        kernels=KERNELS_EMBED,
-    )
+    return _no_attention_time_s(0.0, n_bytes, gpu, dtype, profile, KERNELS_EMBED)
 
 
 def lm_head_time_s(
@@ -256,12 +248,20 @@ def lm_head_time_s(
     head_dtype = L.activation_dtype(dtype)
     b_act = L.dtype_bytes(head_dtype)
     n_bytes = L.lm_head_bytes(model, dtype) + tokens * (3 * model.hidden_size + model.vocab_size) * b_act
+    flops = 2.0 * tokens * model.hidden_size * model.vocab_size
+    return _no_attention_time_s(flops, n_bytes, gpu, head_dtype, profile, KERNELS_LM_HEAD)
+
+
+def _no_attention_time_s(
+    weight_flops: float, n_bytes: float, gpu: GpuSpec, dtype: str, profile: Profile | None, kernels: int
+) -> float:
+    """Roofline time of an op with no attention core (embedding, LM head), at the profile's efficiency."""
     return roofline_time_s(
-        weight_flops=2.0 * tokens * model.hidden_size * model.vocab_size,
+        weight_flops=weight_flops,
         attention_flops=0.0,
         n_bytes=n_bytes,
         gpu=gpu,
-        dtype=head_dtype,
+        dtype=dtype,
         efficiency=efficiency_for(profile, gpu),
-        kernels=KERNELS_LM_HEAD,
+        kernels=kernels,
     )

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, row_meta, tl, triton
+from tessel.kernels._utils import as_rows, empty_rows_like, row_meta, row_operands, tl, triton
 
 if triton is not None:
 
@@ -83,18 +82,15 @@ def _layer_norm_triton(
 ) -> torch.Tensor:
     n_cols = x.shape[-1]
     x2 = as_rows(x)
-    out = _utils.empty_output(x.shape, x.dtype, x.device)
-    y2 = out.view(-1, n_cols)
+    out, y2 = empty_rows_like(x)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
     if x2.shape[0] > 0:
         _layer_norm_forward_kernel[(x2.shape[0],)](
-            x2,
-            x2.stride(0),
+            *row_operands(x2),
             weight if weight is not None else x2,
             bias if bias is not None else x2,
-            y2,
-            y2.stride(0),
+            *row_operands(y2),
             n_cols,
             eps,
             HAS_WEIGHT=weight is not None,

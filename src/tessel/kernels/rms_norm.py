@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, last_dim_contiguous, row_meta, tl, triton
+from tessel.kernels._utils import (
+    as_rows,
+    empty_rows_like,
+    last_dim_contiguous,
+    row_meta,
+    row_operands,
+    tl,
+    triton,
+)
 
 if triton is not None:
 
@@ -84,12 +91,10 @@ def _rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_cols = x.shape[-1]
     x2 = as_rows(x)
-    out = _utils.empty_output(x.shape, x.dtype, x.device)
-    y2 = out.view(-1, n_cols)
+    out, y2 = empty_rows_like(x)
     if residual is not None:
         r2 = as_rows(residual)
-        new_residual = _utils.empty_output(x.shape, x.dtype, x.device)
-        s2 = new_residual.view(-1, n_cols)
+        new_residual, s2 = empty_rows_like(x)
     else:
         r2 = s2 = x2
         new_residual = None
@@ -97,15 +102,9 @@ def _rms_norm_triton(
     n_rows = x2.shape[0]
     if n_rows > 0:
         _rms_norm_forward_kernel[(n_rows,)](
-            x2,
-            x2.stride(0),
-            r2,
-            r2.stride(0),
+            *row_operands(x2, r2),
             weight,
-            y2,
-            y2.stride(0),
-            s2,
-            s2.stride(0),
+            *row_operands(y2, s2),
             n_cols,
             eps,
             HAS_RESIDUAL=residual is not None,
