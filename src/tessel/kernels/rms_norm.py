@@ -26,6 +26,24 @@ from tessel.kernels._utils import (
 if triton is not None:
 
     @triton.jit
+    def _load_residual_sum(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+        """x at `offs`, plus the residual when there is one (rounded to x's dtype and stored as the
+        new residual stream)."""
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_row + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(s_row + offs, x, mask=mask)
+        return x
+
+    @triton.jit
+    def _store_normalised(x, rstd, W_ptr, y_row, offs, mask):
+        """y = (x * rstd), rounded to x's dtype, times the weight, stored at `offs`."""
+        w = tl.load(W_ptr + offs, mask=mask, other=0.0)
+        y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+        tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rms_norm_forward_kernel(
         X_ptr,
         X_row_stride,
@@ -51,27 +69,16 @@ if triton is not None:
 
         if SINGLE_BLOCK:
             mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_row + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                tl.store(s_row + cols, x, mask=mask)
+            x = _load_residual_sum(x_row, r_row, s_row, cols, mask, HAS_RESIDUAL)
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-            w = tl.load(W_ptr + cols, mask=mask, other=0.0)
-            y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
-            tl.store(y_row + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+            _store_normalised(x, rstd, W_ptr, y_row, cols, mask)
         else:
             acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_SIZE):
                 offs = start + cols
                 mask = offs < n_cols
-                x = tl.load(x_row + offs, mask=mask, other=0.0)
-                if HAS_RESIDUAL:
-                    r = tl.load(r_row + offs, mask=mask, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                    tl.store(s_row + offs, x, mask=mask)
-                xf = x.to(tl.float32)
+                xf = _load_residual_sum(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL).to(tl.float32)
                 acc += xf * xf
             rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
             for start in range(0, n_cols, BLOCK_SIZE):
@@ -81,9 +88,7 @@ if triton is not None:
                     x = tl.load(s_row + offs, mask=mask, other=0.0)
                 else:
                     x = tl.load(x_row + offs, mask=mask, other=0.0)
-                w = tl.load(W_ptr + offs, mask=mask, other=0.0)
-                y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
-                tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
+                _store_normalised(x, rstd, W_ptr, y_row, offs, mask)
 
 
 def _rms_norm_triton(
