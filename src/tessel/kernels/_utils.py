@@ -84,6 +84,12 @@ def row_operands(*rows: torch.Tensor) -> list[torch.Tensor | int]:
 if triton is not None:
 
     @triton.jit
+    def program_row(ptr, row_stride):
+        """The start of this program's row in a one-row-per-program kernel (64-bit: rows x stride
+        may pass 2**31 elements)."""
+        return ptr + tl.program_id(0).to(tl.int64) * row_stride
+
+    @triton.jit
     def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """Row and column offsets of the [BLOCK_M, BLOCK_N] output tile of program `pid`, in grouped
         order: GROUP_M row tiles walk the column tiles together, so the column operand's tiles they

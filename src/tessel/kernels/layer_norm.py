@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, empty_rows_like, row_meta, row_operands, tl, triton
+from tessel.kernels._utils import as_rows, empty_rows_like, program_row, row_meta, row_operands, tl, triton
 
 if triton is not None:
 
@@ -33,9 +33,8 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SINGLE_BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        x_row = X_ptr + row * X_row_stride
-        y_row = Y_ptr + row * Y_row_stride
+        x_row = program_row(X_ptr, X_row_stride)
+        y_row = program_row(Y_ptr, Y_row_stride)
         cols = tl.arange(0, BLOCK_SIZE)
 
         if SINGLE_BLOCK:

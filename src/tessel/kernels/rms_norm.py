@@ -17,6 +17,7 @@ from tessel.kernels._utils import (
     as_rows,
     empty_rows_like,
     last_dim_contiguous,
+    program_row,
     row_meta,
     row_operands,
     tl,
@@ -60,11 +61,10 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SINGLE_BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        x_row = X_ptr + row * X_row_stride
-        r_row = R_ptr + row * R_row_stride
-        y_row = Y_ptr + row * Y_row_stride
-        s_row = S_ptr + row * S_row_stride
+        x_row = program_row(X_ptr, X_row_stride)
+        r_row = program_row(R_ptr, R_row_stride)
+        y_row = program_row(Y_ptr, Y_row_stride)
+        s_row = program_row(S_ptr, S_row_stride)
         cols = tl.arange(0, BLOCK_SIZE)
 
         if SINGLE_BLOCK:
