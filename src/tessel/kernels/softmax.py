@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, empty_rows_like, row_meta, row_operands, tl, triton
+from tessel.kernels._utils import as_rows, empty_rows_like, program_row, row_meta, row_operands, tl, triton
 
 MAX_FUSED_BYTES = 32768  # rows up to this many bytes stay in registers in one tile
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
@@ -55,7 +55,7 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_SIZE)
-        y_row = Y_ptr + row * y_row_stride
+        y_row = program_row(Y_ptr, y_row_stride)
         if SINGLE_BLOCK:
             z = _load_logits(X_ptr, x_row_stride, M_ptr, m_row_stride, row, cols, n_cols, MASK_KIND)
             m = tl.max(z, axis=0)
@@ -110,11 +110,10 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SINGLE_BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_SIZE)
-        y_row = Y_ptr + row * y_row_stride
-        dy_row = DY_ptr + row * dy_row_stride
-        dx_row = DX_ptr + row * dx_row_stride
+        y_row = program_row(Y_ptr, y_row_stride)
+        dy_row = program_row(DY_ptr, dy_row_stride)
+        dx_row = program_row(DX_ptr, dx_row_stride)
         if SINGLE_BLOCK:
             mask = cols < n_cols
             dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
