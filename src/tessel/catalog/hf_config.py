@@ -17,6 +17,7 @@ import math
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tessel.errors import TesselError
 
@@ -238,19 +239,18 @@ class _Fields:
         return _whole(value, low, MAX_COUNT, lambda: self.fail(key, want, value))
 
     def flag(self, key: str, default: bool) -> bool:
-        value = self.data.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.fail(key, "true or false", value)
-        return value
+        return self._typed(key, default, bool, "true or false")
 
     def text(self, key: str, default: str) -> str:
+        return self._typed(key, default, str, "a string")
+
+    def _typed(self, key: str, default: Any, kind: type, want: str) -> Any:
+        """The field `key` if it is a `kind`, `default` if it is absent or null, else a user error."""
         value = self.data.get(key)
         if value is None:
             return default
-        if not isinstance(value, str):
-            raise self.fail(key, "a string", value)
+        if not isinstance(value, kind):
+            raise self.fail(key, want, value)
         return value
 
     def positive_float(

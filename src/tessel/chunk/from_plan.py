@@ -82,23 +82,26 @@ class CostModelStage:
             for kind, count in self.unit_counts
         )
 
+    def _ends_time_s(self, tokens: int, lm_head: bool) -> float:
+        """The embedding on the first stage and, when `lm_head`, the LM head on the last one."""
+        time = 0.0
+        if self.first:
+            time += R.embed_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
+        if lm_head and self.last:
+            time += R.lm_head_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
+        return time
+
     def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
         if chunk_tokens <= 0:
             return 0.0
         time = self._units_time_s(R.unit_prefill_time_s, chunk_tokens, offset_tokens)
-        if self.first:
-            time += R.embed_time_s(self.model, self.gpu, chunk_tokens, self.dtype, profile=self.profile)
-        return time
+        return time + self._ends_time_s(chunk_tokens, lm_head=False)
 
     def decode_time_s(self, batch_size: int, sum_context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
         time = self._units_time_s(R.unit_decode_time_s, batch_size, sum_context_tokens)
-        if self.first:
-            time += R.embed_time_s(self.model, self.gpu, batch_size, self.dtype, profile=self.profile)
-        if self.last:
-            time += R.lm_head_time_s(self.model, self.gpu, batch_size, self.dtype, profile=self.profile)
-        return time
+        return time + self._ends_time_s(batch_size, lm_head=True)
 
     def send_time_s(self, tokens: int) -> float:
         if self.link is None or tokens <= 0:

@@ -1,4 +1,4 @@
-"""Path options the commands share, checked by typer before the command body runs.
+"""Path and count options the commands share, checked by typer before the command body runs.
 
 A bad value is a usage error: exit code 2 and a message naming the option. Ranges are typer's own
 `min=` / `max=` (a float option always gets a `max`, which also refuses nan and inf), choices are
@@ -30,3 +30,8 @@ def check_model_path(path: Path, option: str) -> None:
         raise TesselError(
             f"{option} {path} is not a directory or a .gguf file; give a local Hugging Face model directory"
         )
+
+
+def optional_count(*names: str, limit: int, help: str | None = None, hidden: bool = False):  # noqa: A002, ANN201
+    """A whole number in [1, limit], or None (the command's default)."""
+    return typer.Option(None, *names, min=1, max=limit, help=help, hidden=hidden)

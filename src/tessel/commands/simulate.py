@@ -7,7 +7,7 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import input_file, output_file
+from tessel.commands.options import input_file, optional_count, output_file
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tessel.sim.workload import MAX_REQUESTS
@@ -18,12 +18,8 @@ def simulate(
     workload: str = typer.Option(
         "default", "--workload", help="Bundled workload name, a workload YAML, or a trace (.csv/.jsonl)."
     ),
-    requests: int | None = typer.Option(
-        None,
-        "--requests",
-        min=1,
-        max=MAX_REQUESTS,
-        help="Number of requests (default 200; a trace: its first N rows).",
+    requests: int | None = optional_count(
+        "--requests", limit=MAX_REQUESTS, help="Number of requests (default 200; a trace: its first N rows)."
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Seed of the arrivals and lengths."),
     rate: float | None = typer.Option(
@@ -42,24 +38,22 @@ def simulate(
         "limited to the plan's kv_gib); continuous: one shared pool, 256 sequences, one micro-batch per "
         "stage in flight (vLLM V1). The flags below override either.",
     ),
-    max_num_seqs: int | None = typer.Option(
-        None, "--max-num-seqs", min=1, max=MAX_SEQUENCES, help="Sequences admitted at once."
+    max_num_seqs: int | None = optional_count(
+        "--max-num-seqs", limit=MAX_SEQUENCES, help="Sequences admitted at once."
     ),
-    max_num_batched_tokens: int | None = typer.Option(
-        None,
+    max_num_batched_tokens: int | None = optional_count(
         "--max-num-batched-tokens",
-        min=1,
-        max=MAX_BATCH_TOKENS,
+        limit=MAX_BATCH_TOKENS,
         help="Token budget per micro-batch (default 2048).",
     ),
-    max_running: int | None = typer.Option(  # the old spelling of --max-num-seqs
-        None, "--max-running", min=1, max=MAX_SEQUENCES, hidden=True
+    max_running: int | None = optional_count(  # the old spelling of --max-num-seqs
+        "--max-running", limit=MAX_SEQUENCES, hidden=True
     ),
-    max_batch_tokens: int | None = typer.Option(  # the old spelling of --max-num-batched-tokens
-        None, "--max-batch-tokens", min=1, max=MAX_BATCH_TOKENS, hidden=True
+    max_batch_tokens: int | None = optional_count(  # the old spelling of --max-num-batched-tokens
+        "--max-batch-tokens", limit=MAX_BATCH_TOKENS, hidden=True
     ),
-    max_in_flight: int | None = typer.Option(
-        None, "--max-in-flight", min=1, max=MAX_SEQUENCES, help="Micro-batches in the pipeline at once."
+    max_in_flight: int | None = optional_count(
+        "--max-in-flight", limit=MAX_SEQUENCES, help="Micro-batches in the pipeline at once."
     ),
     enable_chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),

@@ -226,6 +226,17 @@ def weight_bytes_read(model: ModelSpec, kind: str, dtype: str, tokens: float) ->
     return held - untouched * expert_matmul_params(model) * weight_param_bytes(dtype)
 
 
+def block_dims(model: ModelSpec) -> tuple[int, int, int, int, int]:
+    """(hidden, heads, KV heads, head dim, intermediate): the sizes a layer's formulas are written in."""
+    return (
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        model.intermediate_size,
+    )
+
+
 def activation_elems_per_token(model: ModelSpec, kind: str) -> int:
     """Activation elements read + written per token, each op reading inputs and writing outputs once.
 
@@ -234,13 +245,7 @@ def activation_elems_per_token(model: ModelSpec, kind: str) -> int:
     mlp plain: norm (2h), fc1 (h + f), act (2f), fc2 (f + h), residual (3h)
     """
     _check_kind(kind)
-    h, a, g, d, f = (
-        model.hidden_size,
-        model.num_heads,
-        model.num_kv_heads,
-        model.head_dim,
-        model.intermediate_size,
-    )
+    h, a, g, d, f = block_dims(model)
     attention = 7 * h + (a + 2 * g) * d + 3 * a * d
     f_active = f * model.experts_per_token
     mlp = 7 * h + (6 if model.mlp_kind == "gated" else 4) * f_active

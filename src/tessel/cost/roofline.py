@@ -98,6 +98,33 @@ def select_profile(
 # ---- analytic unit times --------------------------------------------------------------------
 
 
+def _analytic_unit_s(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    kind: str,
+    tokens: float,
+    attention_pairs: float,
+    kv_tokens: float,
+    dtype: str,
+    kv_dtype: str,
+    efficiency: Efficiency,
+) -> float:
+    """Roofline time of `tokens` passing one unit whose attention reads or writes `kv_tokens` KV entries."""
+    n_bytes = L.weight_bytes_read(model, kind, dtype, tokens)
+    n_bytes += tokens * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
+    if kind != "mlp":
+        n_bytes += L.kv_bytes_per_token(model, kv_dtype) * kv_tokens
+    return roofline_time_s(
+        weight_flops=L.matmul_flops(model, kind, tokens),
+        attention_flops=L.attention_core_flops(model, kind, attention_pairs),
+        n_bytes=n_bytes,
+        gpu=gpu,
+        dtype=dtype,
+        efficiency=efficiency,
+        kernels=KERNELS_PER_UNIT[kind],
+    )
+
+
 def _analytic_prefill_s(
     model: ModelSpec,
     gpu: GpuSpec,
@@ -111,19 +138,9 @@ def _analytic_prefill_s(
 ) -> float:
     tokens = batch_size * chunk_tokens
     pairs = batch_size * L.prefill_query_key_pairs(chunk_tokens, offset_tokens)
-    n_bytes = L.weight_bytes_read(model, kind, dtype, tokens)
-    n_bytes += tokens * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
-    if kind != "mlp":  # read p cached tokens' KV, write c new ones
-        n_bytes += batch_size * L.kv_bytes_per_token(model, kv_dtype) * (offset_tokens + chunk_tokens)
-    return roofline_time_s(
-        weight_flops=L.matmul_flops(model, kind, tokens),
-        attention_flops=L.attention_core_flops(model, kind, pairs),
-        n_bytes=n_bytes,
-        gpu=gpu,
-        dtype=dtype,
-        efficiency=efficiency,
-        kernels=KERNELS_PER_UNIT[kind],
-    )
+    # read p cached tokens' KV, write c new ones
+    kv_tokens = batch_size * (offset_tokens + chunk_tokens)
+    return _analytic_unit_s(model, gpu, kind, tokens, pairs, kv_tokens, dtype, kv_dtype, efficiency)
 
 
 def _analytic_decode_s(
@@ -136,20 +153,9 @@ def _analytic_decode_s(
     kv_dtype: str,
     efficiency: Efficiency,
 ) -> float:
-    n_bytes = L.weight_bytes_read(model, kind, dtype, batch_size)
-    n_bytes += (
-        batch_size * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
-    )
-    if kind != "mlp":  # read every sequence's context (the new token's KV included)
-        n_bytes += L.kv_bytes_per_token(model, kv_dtype) * sum_context_tokens
-    return roofline_time_s(
-        weight_flops=L.matmul_flops(model, kind, batch_size),
-        attention_flops=L.attention_core_flops(model, kind, sum_context_tokens),
-        n_bytes=n_bytes,
-        gpu=gpu,
-        dtype=dtype,
-        efficiency=efficiency,
-        kernels=KERNELS_PER_UNIT[kind],
+    # read every sequence's context (the new token's KV included)
+    return _analytic_unit_s(
+        model, gpu, kind, batch_size, sum_context_tokens, sum_context_tokens, dtype, kv_dtype, efficiency
     )
 
 
@@ -229,15 +235,7 @@ def embed_time_s(
     rows = 2 if model.learned_position_rows else 1  # token row (+ position row)
     out_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
     n_bytes = tokens * rows * table_rows_bytes + out_bytes
-    return roofline_time_s(
-        weight_flops=0.0,
-        attention_flops=0.0,
-        n_bytes=n_bytes,
-        gpu=gpu,
-        dtype=dtype,
-        efficiency=efficiency_for(profile, gpu),
-        kernels=KERNELS_EMBED,
-    )
+    return _no_attention_time_s(0.0, n_bytes, gpu, dtype, profile, KERNELS_EMBED)
 
 
 def lm_head_time_s(
@@ -250,12 +248,20 @@ def lm_head_time_s(
     head_dtype = L.activation_dtype(dtype)
     b_act = L.dtype_bytes(head_dtype)
     n_bytes = L.lm_head_bytes(model, dtype) + tokens * (3 * model.hidden_size + model.vocab_size) * b_act
+    flops = 2.0 * tokens * model.hidden_size * model.vocab_size
+    return _no_attention_time_s(flops, n_bytes, gpu, head_dtype, profile, KERNELS_LM_HEAD)
+
+
+def _no_attention_time_s(
+    weight_flops: float, n_bytes: float, gpu: GpuSpec, dtype: str, profile: Profile | None, kernels: int
+) -> float:
+    """Roofline time of an op with no attention core (embedding, LM head), at the profile's efficiency."""
     return roofline_time_s(
-        weight_flops=2.0 * tokens * model.hidden_size * model.vocab_size,
+        weight_flops=weight_flops,
         attention_flops=0.0,
         n_bytes=n_bytes,
         gpu=gpu,
-        dtype=head_dtype,
+        dtype=dtype,
         efficiency=efficiency_for(profile, gpu),
-        kernels=KERNELS_LM_HEAD,
+        kernels=kernels,
     )

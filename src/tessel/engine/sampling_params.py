@@ -87,22 +87,22 @@ def check_top_k(value: Any) -> int:
     return top_k
 
 
-def check_max_tokens(value: Any) -> int | None:
+def _optional_int_in(name: str, value: Any, low: int, high: int, high_text: str) -> int | None:
+    """None, or an integer in [low, high] (`high_text` spells `high` in the message)."""
     if value is None:
         return None
-    max_tokens = _int("max_tokens", value)
-    if not 1 <= max_tokens <= MAX_COUNT:
-        raise InvalidSamplingParams(f"max_tokens must be in [1, 2**63 - 1], got {_short(max_tokens)}")
-    return max_tokens
+    number = _int(name, value)
+    if not low <= number <= high:
+        raise InvalidSamplingParams(f"{name} must be in [{low}, {high_text}], got {_short(number)}")
+    return number
+
+
+def check_max_tokens(value: Any) -> int | None:
+    return _optional_int_in("max_tokens", value, 1, MAX_COUNT, "2**63 - 1")
 
 
 def check_seed(value: Any) -> int | None:
-    if value is None:
-        return None
-    seed = _int("seed", value)
-    if not 0 <= seed <= MAX_SEED:
-        raise InvalidSamplingParams(f"seed must be in [0, 2**64 - 1], got {_short(seed)}")
-    return seed
+    return _optional_int_in("seed", value, 0, MAX_SEED, "2**64 - 1")
 
 
 def check_text(value: Any, name: str) -> str:

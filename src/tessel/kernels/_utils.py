@@ -70,7 +70,24 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return last_dim_contiguous(t.reshape(-1, t.shape[-1]) if t.dim() > 0 else t.reshape(1, 1))
 
 
+def empty_rows_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An uninitialised output of `x`'s shape, dtype and device, and its [rows, last dim] view."""
+    out = empty_output(x.shape, x.dtype, x.device)
+    return out, out.view(-1, x.shape[-1])
+
+
+def row_operands(*rows: torch.Tensor) -> list[torch.Tensor | int]:
+    """Each [rows, cols] tensor followed by its row stride: the pointer arguments of a row kernel."""
+    return [arg for t in rows for arg in (t, t.stride(0))]
+
+
 if triton is not None:
+
+    @triton.jit
+    def program_row(ptr, row_stride):
+        """The start of this program's row in a one-row-per-program kernel (64-bit: rows x stride
+        may pass 2**31 elements)."""
+        return ptr + tl.program_id(0).to(tl.int64) * row_stride
 
     @triton.jit
     def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):

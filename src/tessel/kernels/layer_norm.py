@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, row_meta, tl, triton
+from tessel.kernels._utils import as_rows, empty_rows_like, program_row, row_meta, row_operands, tl, triton
 
 if triton is not None:
 
@@ -34,9 +33,8 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SINGLE_BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        x_row = X_ptr + row * X_row_stride
-        y_row = Y_ptr + row * Y_row_stride
+        x_row = program_row(X_ptr, X_row_stride)
+        y_row = program_row(Y_ptr, Y_row_stride)
         cols = tl.arange(0, BLOCK_SIZE)
 
         if SINGLE_BLOCK:
@@ -83,18 +81,15 @@ def _layer_norm_triton(
 ) -> torch.Tensor:
     n_cols = x.shape[-1]
     x2 = as_rows(x)
-    out = _utils.empty_output(x.shape, x.dtype, x.device)
-    y2 = out.view(-1, n_cols)
+    out, y2 = empty_rows_like(x)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
     if x2.shape[0] > 0:
         _layer_norm_forward_kernel[(x2.shape[0],)](
-            x2,
-            x2.stride(0),
+            *row_operands(x2),
             weight if weight is not None else x2,
             bias if bias is not None else x2,
-            y2,
-            y2.stride(0),
+            *row_operands(y2),
             n_cols,
             eps,
             HAS_WEIGHT=weight is not None,

@@ -12,11 +12,37 @@ from __future__ import annotations
 
 import torch
 
-from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, last_dim_contiguous, row_meta, tl, triton
+from tessel.kernels._utils import (
+    as_rows,
+    empty_rows_like,
+    last_dim_contiguous,
+    program_row,
+    row_meta,
+    row_operands,
+    tl,
+    triton,
+)
 
 if triton is not None:
+
+    @triton.jit
+    def _load_residual_sum(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+        """x at `offs`, plus the residual when there is one (rounded to x's dtype and stored as the
+        new residual stream)."""
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_row + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(s_row + offs, x, mask=mask)
+        return x
+
+    @triton.jit
+    def _store_normalised(x, rstd, W_ptr, y_row, offs, mask):
+        """y = (x * rstd), rounded to x's dtype, times the weight, stored at `offs`."""
+        w = tl.load(W_ptr + offs, mask=mask, other=0.0)
+        y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+        tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_forward_kernel(
@@ -35,36 +61,24 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SINGLE_BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        x_row = X_ptr + row * X_row_stride
-        r_row = R_ptr + row * R_row_stride
-        y_row = Y_ptr + row * Y_row_stride
-        s_row = S_ptr + row * S_row_stride
+        x_row = program_row(X_ptr, X_row_stride)
+        r_row = program_row(R_ptr, R_row_stride)
+        y_row = program_row(Y_ptr, Y_row_stride)
+        s_row = program_row(S_ptr, S_row_stride)
         cols = tl.arange(0, BLOCK_SIZE)
 
         if SINGLE_BLOCK:
             mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_row + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                tl.store(s_row + cols, x, mask=mask)
+            x = _load_residual_sum(x_row, r_row, s_row, cols, mask, HAS_RESIDUAL)
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-            w = tl.load(W_ptr + cols, mask=mask, other=0.0)
-            y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
-            tl.store(y_row + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+            _store_normalised(x, rstd, W_ptr, y_row, cols, mask)
         else:
             acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_SIZE):
                 offs = start + cols
                 mask = offs < n_cols
-                x = tl.load(x_row + offs, mask=mask, other=0.0)
-                if HAS_RESIDUAL:
-                    r = tl.load(r_row + offs, mask=mask, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                    tl.store(s_row + offs, x, mask=mask)
-                xf = x.to(tl.float32)
+                xf = _load_residual_sum(x_row, r_row, s_row, offs, mask, HAS_RESIDUAL).to(tl.float32)
                 acc += xf * xf
             rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
             for start in range(0, n_cols, BLOCK_SIZE):
@@ -74,9 +88,7 @@ if triton is not None:
                     x = tl.load(s_row + offs, mask=mask, other=0.0)
                 else:
                     x = tl.load(x_row + offs, mask=mask, other=0.0)
-                w = tl.load(W_ptr + offs, mask=mask, other=0.0)
-                y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
-                tl.store(y_row + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
+                _store_normalised(x, rstd, W_ptr, y_row, offs, mask)
 
 
 def _rms_norm_triton(
@@ -84,12 +96,10 @@ def _rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_cols = x.shape[-1]
     x2 = as_rows(x)
-    out = _utils.empty_output(x.shape, x.dtype, x.device)
-    y2 = out.view(-1, n_cols)
+    out, y2 = empty_rows_like(x)
     if residual is not None:
         r2 = as_rows(residual)
-        new_residual = _utils.empty_output(x.shape, x.dtype, x.device)
-        s2 = new_residual.view(-1, n_cols)
+        new_residual, s2 = empty_rows_like(x)
     else:
         r2 = s2 = x2
         new_residual = None
@@ -97,15 +107,9 @@ def _rms_norm_triton(
     n_rows = x2.shape[0]
     if n_rows > 0:
         _rms_norm_forward_kernel[(n_rows,)](
-            x2,
-            x2.stride(0),
-            r2,
-            r2.stride(0),
+            *row_operands(x2, r2),
             weight,
-            y2,
-            y2.stride(0),
-            s2,
-            s2.stride(0),
+            *row_operands(y2, s2),
             n_cols,
             eps,
             HAS_RESIDUAL=residual is not None,

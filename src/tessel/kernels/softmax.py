@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from tessel.kernels import _utils
 from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import as_rows, row_meta, tl, triton
+from tessel.kernels._utils import as_rows, empty_rows_like, program_row, row_meta, row_operands, tl, triton
 
 MAX_FUSED_BYTES = 32768  # rows up to this many bytes stay in registers in one tile
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
@@ -56,7 +55,7 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_SIZE)
-        y_row = Y_ptr + row * y_row_stride
+        y_row = program_row(Y_ptr, y_row_stride)
         if SINGLE_BLOCK:
             z = _load_logits(X_ptr, x_row_stride, M_ptr, m_row_stride, row, cols, n_cols, MASK_KIND)
             m = tl.max(z, axis=0)
@@ -111,11 +110,10 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SINGLE_BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_SIZE)
-        y_row = Y_ptr + row * y_row_stride
-        dy_row = DY_ptr + row * dy_row_stride
-        dx_row = DX_ptr + row * dx_row_stride
+        y_row = program_row(Y_ptr, y_row_stride)
+        dy_row = program_row(DY_ptr, dy_row_stride)
+        dx_row = program_row(DX_ptr, dx_row_stride)
         if SINGLE_BLOCK:
             mask = cols < n_cols
             dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -164,20 +162,10 @@ def _forward_triton(x: torch.Tensor, mask: torch.Tensor | None, log: bool) -> to
         m2, kind = x2, MASK_NONE
     else:
         m2, kind = _mask_rows(mask, x)
-    y = _utils.empty_output(x.shape, x.dtype, x.device)
-    y2 = y.view(-1, n_cols)
+    y, y2 = empty_rows_like(x)
     if x2.shape[0] > 0 and n_cols > 0:
         _softmax_forward_kernel[(x2.shape[0],)](
-            x2,
-            x2.stride(0),
-            m2,
-            m2.stride(0),
-            y2,
-            y2.stride(0),
-            n_cols,
-            MASK_KIND=kind,
-            LOG=log,
-            **row_meta(n_cols, 4, MAX_FUSED_BYTES),
+            *row_operands(x2, m2, y2), n_cols, MASK_KIND=kind, LOG=log, **row_meta(n_cols, 4, MAX_FUSED_BYTES)
         )
     return y
 
@@ -185,19 +173,10 @@ def _forward_triton(x: torch.Tensor, mask: torch.Tensor | None, log: bool) -> to
 def _backward_triton(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
     n_cols = y.shape[-1]
     y2, dy2 = as_rows(y), as_rows(dy)
-    dx = _utils.empty_output(y.shape, y.dtype, y.device)
-    dx2 = dx.view(-1, n_cols)
+    dx, dx2 = empty_rows_like(y)
     if y2.shape[0] > 0 and n_cols > 0:
         _softmax_backward_kernel[(y2.shape[0],)](
-            y2,
-            y2.stride(0),
-            dy2,
-            dy2.stride(0),
-            dx2,
-            dx2.stride(0),
-            n_cols,
-            LOG=log,
-            **row_meta(n_cols, 4, MAX_FUSED_BYTES),
+            *row_operands(y2, dy2, dx2), n_cols, LOG=log, **row_meta(n_cols, 4, MAX_FUSED_BYTES)
         )
     return dx
 

@@ -23,7 +23,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
 import numpy as np
@@ -69,13 +69,7 @@ class LayerShape:
             )
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-        }
+        return asdict(self)
 
     def scaled(self, factor: int) -> LayerShape:
         """Width / factor, same head dim: fewer heads (KV heads kept >= 1 and dividing the heads)."""

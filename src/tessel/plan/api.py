@@ -60,6 +60,17 @@ class PlanSettings:
         ):
             raise TesselError("--quality-budget, --theta and --sensitivity need --precisions")
 
+    def instance_options(self, model: str | Path | ModelSpec) -> dict:
+        """build_instance's keyword arguments: granularity, dtypes, overlap, swap-in and precisions."""
+        return {
+            "granularity": self.granularity,
+            "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
+            "overlap": self.overlap,
+            "swap_in": self.swap_in,
+            **self.precision_options(model),
+        }
+
     def precision_options(self, model: str | Path | ModelSpec) -> dict:
         """build_instance's precision arguments (none: --dtype for every layer)."""
         from tessel.plan.precision import parse_precisions
@@ -174,16 +185,7 @@ def prepare_plan(
     workload_spec = workload if isinstance(workload, Workload) else load_workload(workload)
     loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
     instance = build_instance(
-        model_spec,
-        cluster_spec,
-        workload_spec,
-        granularity=settings.granularity,
-        dtype=settings.dtype,
-        kv_dtype=settings.kv_dtype,
-        overlap=settings.overlap,
-        swap_in=settings.swap_in,
-        profiles=loaded,
-        **settings.precision_options(model),
+        model_spec, cluster_spec, workload_spec, profiles=loaded, **settings.instance_options(model)
     )
     _check_capacity(instance)
     source = (

@@ -90,27 +90,22 @@ def uniform(instance: PlanningInstance) -> BaselineResult:
     )
 
 
-def memory_proportional(instance: PlanningInstance) -> BaselineResult:
+def _proportional(instance: PlanningInstance, name: str, weights: np.ndarray) -> BaselineResult:
+    """Every device in order, holding a share of the layers proportional to its weight."""
     n_layers = instance.n_units // units_per_layer(instance)
-    memory = np.array([d.memory_bytes for d in instance.devices])
-    counts = proportional_counts(n_layers, memory)
+    counts = proportional_counts(n_layers, weights)
     return _result(
-        instance,
-        "memory_proportional",
-        _from_layer_counts(instance, list(range(instance.n_devices)), counts),
-        None,
+        instance, name, _from_layer_counts(instance, list(range(instance.n_devices)), counts), None
     )
+
+
+def memory_proportional(instance: PlanningInstance) -> BaselineResult:
+    memory = np.array([d.memory_bytes for d in instance.devices])
+    return _proportional(instance, "memory_proportional", memory)
 
 
 def compute_proportional(instance: PlanningInstance) -> BaselineResult:
-    n_layers = instance.n_units // units_per_layer(instance)
-    counts = proportional_counts(n_layers, device_speed(instance))
-    return _result(
-        instance,
-        "compute_proportional",
-        _from_layer_counts(instance, list(range(instance.n_devices)), counts),
-        None,
-    )
+    return _proportional(instance, "compute_proportional", device_speed(instance))
 
 
 def petals_greedy(instance: PlanningInstance) -> BaselineResult:

@@ -75,13 +75,7 @@ def _ratio(name: str, row: int) -> float:
 
 def _maps(model: ModelSpec) -> dict[str, list[tuple[int, int]]]:
     """(parameters, row length) of each linear map of an attention and an MLP block."""
-    h, a, g, d, f = (
-        model.hidden_size,
-        model.num_heads,
-        model.num_kv_heads,
-        model.head_dim,
-        model.intermediate_size,
-    )
+    h, a, g, d, f = L.block_dims(model)
     attention = [(h * a * d, h), (2 * h * g * d, h), (a * d * h, a * d)]
     up = 2 if model.mlp_kind == "gated" else 1
     mlp = [(up * h * f * model.num_experts, h), (f * h * model.num_experts, f)]

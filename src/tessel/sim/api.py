@@ -47,15 +47,18 @@ class SimulationSettings:
     mix: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.mix not in MIX_RULES:
-            raise TesselError(f"mix must be one of {', '.join(MIX_RULES)}, got {self.mix!r}")
-        if self.regime not in REGIMES:
-            raise TesselError(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        _check_one_of("mix", self.mix, MIX_RULES)
+        _check_one_of("regime", self.regime, REGIMES)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_in_flight"):
             value = getattr(self, name)
             limit = MAX_BATCH_TOKENS if name == "max_num_batched_tokens" else MAX_SEQUENCES
             if value is not None and not 1 <= value <= limit:
                 raise TesselError(f"{name} must be from 1 to {limit}, got {value}")
+
+
+def _check_one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TesselError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
