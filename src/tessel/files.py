@@ -10,9 +10,13 @@ floats become null).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tessel.errors import TesselError
@@ -124,3 +128,21 @@ def write_json_file(path: str | Path, document: object, what: str = "output file
     except OSError as error:
         raise TesselError(f"cannot write {what} {path}: {error.strerror or error}") from None
     return path
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | Path) -> Iterator[Path]:
+    """A temporary directory beside `target` that replaces it only when the block succeeds.
+
+    A failed or interrupted run leaves nothing half-written at `target` (and no staging behind)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    try:
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -112,7 +112,7 @@ def plan(
     if replicas is not None:
         from tessel.commands.plan_replicas import parse_replicas, plan_replicas
 
-        problem = prepare_plan(model, cluster, workload, settings, profiles=profile)
+        problem = prepare_plan(model, cluster, workload, settings, profile)
         plan_replicas(console, problem, parse_replicas(replicas), settings, json_path, export)
         return
     outcome = make_plan(

@@ -43,15 +43,7 @@ def quantize(
     from tessel.quant.calibrate import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(
-        scheme=scheme,
-        act=act,
-        observer=observer,
-        weight_observer=weight_observer,
-        smoothquant=smoothquant,
-        calib=calib,
-        calib_samples=calib_samples,
-        seq_len=seq_len,
-        group_size=group_size,
+        scheme, act, observer, weight_observer, smoothquant, calib, calib_samples, seq_len, group_size
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}

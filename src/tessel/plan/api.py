@@ -1,8 +1,8 @@
 """The planner's Python API: `make_plan(model, cluster, workload, ...)`, what `tessel plan` runs.
 
-    from tessel.plan.api import make_plan
-    outcome = make_plan("llama-3-70b", "mixed-a100-v100-t4", "default", time_limit_s=10)
-    outcome.predicted.throughput_tok_s, outcome.to_json()
+    from tessel.plan.api import PlanSettings, make_plan
+    outcome = make_plan("llama-3-70b", "mixed-a100-v100-t4", "default", PlanSettings(time_limit_s=10))
+    outcome.predicted.throughput_tok_s, outcome.plan_file().write("plan.json")
 
 `time_limit_s` bounds the whole call, not only the solver: the set-up (pricing every device pair
 and unit) is timed and the solver gets what is left (at least `MIN_SOLVER_S`; the set-up of the
@@ -28,6 +28,12 @@ from tessel.plan.replan import ReplanDecision, previous_solution, replan
 from tessel.plan.report import Predicted, plan_json, predict
 from tessel.plan.solve import PlanResult, solve
 from tessel.plan.workload import Workload, load_workload
+
+# What the API accepts for each input: a bundled name, a file path, or the loaded spec.
+ModelArg = str | Path | ModelSpec
+ClusterArg = str | Path | Cluster
+WorkloadArg = str | Path | Workload
+Profiles = list[str | Path | Profile] | tuple
 
 MAX_TIME_LIMIT_S = 24 * 3600.0  # a day: longer solver runs are a typo
 MIN_SOLVER_S = 0.5  # the solver always gets this much, so a slow set-up still yields a plan
@@ -170,16 +176,14 @@ class PlanOutcome:
 
 
 def prepare_plan(
-    model: str | Path | ModelSpec = "llama-3-70b",
-    cluster: str | Path | Cluster = "mixed-a100-v100-t4",
-    workload: str | Path | Workload = "default",
-    settings: PlanSettings | None = None,
-    *,
-    profiles: list[str | Path | Profile] | tuple = (),
+    model: ModelArg,
+    cluster: ClusterArg,
+    workload: WorkloadArg,
+    settings: PlanSettings,
+    profiles: Profiles = (),
 ) -> PlanProblem:
     """Read the inputs and price every unit on every device; refuse a model that cannot fit."""
     started = time.perf_counter()
-    settings = settings or PlanSettings()
     model_spec = model if isinstance(model, ModelSpec) else load_model(model)
     cluster_spec = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     workload_spec = workload if isinstance(workload, Workload) else load_workload(workload)
@@ -197,19 +201,19 @@ def prepare_plan(
 
 
 def make_plan(
-    model: str | Path | ModelSpec = "llama-3-70b",
-    cluster: str | Path | Cluster = "mixed-a100-v100-t4",
-    workload: str | Path | Workload = "default",
+    model: ModelArg = "llama-3-70b",
+    cluster: ClusterArg = "mixed-a100-v100-t4",
+    workload: WorkloadArg = "default",
     settings: PlanSettings | None = None,
     *,
-    profiles: list[str | Path | Profile] | tuple = (),
+    profiles: Profiles = (),
     replan_from: str | Path | None = None,
     replan_threshold: float = 0.05,
     replan_horizon_s: float = 3600.0,
 ) -> PlanOutcome:
     """Plan a model on a cluster under a workload; names, paths or loaded specs are all accepted."""
     settings = settings or PlanSettings()
-    problem = prepare_plan(model, cluster, workload, settings, profiles=profiles)
+    problem = prepare_plan(model, cluster, workload, settings, profiles)
     instance = problem.instance
     solver_s = problem.solver_time_s(settings)
     decision = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from tessel.errors import TesselError
+from tessel.files import staged_directory
 from tessel.quant.schemes import QuantizedWeight, Scheme
 
 QUANT_METHOD = "compressed-tensors"
@@ -259,9 +259,7 @@ def write_checkpoint(
     end: a failed run leaves nothing half-written. An existing `out_dir` is replaced.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
-    try:
+    with staged_directory(out_dir) as staging:
         for item in Path(source_dir).iterdir():
             if item.is_file() and item.name not in SKIPPED_FILES and item.suffix != ".safetensors":
                 shutil.copy2(item, staging / item.name)
@@ -269,10 +267,4 @@ def write_checkpoint(
         save_file(
             {k: v.contiguous() for k, v in tensors.items()}, str(staging / WEIGHTS_FILE), {"format": "pt"}
         )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from tessel.errors import TesselError
+from tessel.files import staged_directory
 from tessel.quant.checkpoint import module_tensors, quantization_config
 from tessel.quant.schemes import QuantizedWeight, Scheme
 
@@ -62,16 +61,8 @@ def gguf_checkpoint(file: Path) -> Path:
     target = cache_root() / f"{file.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
-    try:
+    with staged_directory(target) as staging:
         _convert(file, staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 
