@@ -125,4 +125,4 @@ if triton is not None:
         return x
 
 else:  # the names still import where Triton is missing; nothing calls them there
-    grouped_tile = dot_acc = dot_operand = None
+    grouped_tile = dot_acc = dot_operand = program_row = None
