@@ -102,11 +102,14 @@ def random_instance(
     )
 
 
-def flagged_instance(seed: int, n_units: int, n_devices: int, flags: int, **options) -> PlanningInstance:
+def flagged_instance(
+    seed: int, n_units: int, n_devices: int, flags: int, *, rng: np.random.Generator | None = None, **options
+) -> PlanningInstance:
     """`random_instance` with its switches packed in bits, as hypothesis draws them: 1 overlap,
-    2 offload, 4 tight memory, 8 the hidden swap-in rule, 16 re-planning move costs."""
+    2 offload, 4 tight memory, 8 the hidden swap-in rule, 16 re-planning move costs. Pass `rng` to
+    keep drawing from it afterwards (it is then used instead of `seed`)."""
     return random_instance(
-        np.random.default_rng(seed),
+        np.random.default_rng(seed) if rng is None else rng,
         n_units,
         n_devices,
         overlap=bool(flags & 1),

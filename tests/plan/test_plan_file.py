@@ -377,7 +377,16 @@ def test_fuzz_json(tmp_path: Path, document) -> None:
 @FUZZ
 @given(st.sampled_from(SMALL_PATHS), HOSTILE, st.booleans())
 def test_fuzz_one_field_of_a_valid_plan(tmp_path: Path, path: tuple, value, delete: bool) -> None:
-    document = copy.deepcopy(SMALL)
+    try:
+        text = json.dumps(mutated(SMALL, path, value, delete))
+    except (ValueError, RecursionError):  # a value json cannot write
+        return
+    _load_or_refuse(_write(tmp_path, text, "fuzz.json"))
+
+
+def mutated(document: dict, path: tuple, value, delete: bool) -> dict:
+    """A deep copy of `document` with the field at `path` deleted or set to `value`."""
+    document = copy.deepcopy(document)
     target = document
     for key in path[:-1]:
         target = target[key]
@@ -385,11 +394,7 @@ def test_fuzz_one_field_of_a_valid_plan(tmp_path: Path, path: tuple, value, dele
         del target[path[-1]]
     else:
         target[path[-1]] = value
-    try:
-        text = json.dumps(document)
-    except (ValueError, RecursionError):  # a value json cannot write
-        return
-    _load_or_refuse(_write(tmp_path, text, "fuzz.json"))
+    return document
 
 
 def test_gbps_is_bits() -> None:

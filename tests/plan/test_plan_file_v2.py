@@ -114,22 +114,13 @@ def test_a_valid_v2_document_loads() -> None:
 @settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), delete=st.booleans())
 def test_fuzz_one_v2_field(tmp_path, data, delete: bool) -> None:
-    import copy
-
-    from plan.test_plan_file import HOSTILE, _load_or_refuse, _paths
+    from plan.test_plan_file import HOSTILE, _load_or_refuse, _paths, mutated
 
     paths = [p for p in _paths(V2) if p[0] in ("replicas", "precisions", "quality") or "precisions" in p]
     path = data.draw(st.sampled_from(paths))
-    document = copy.deepcopy(V2)
-    target = document
-    for key in path[:-1]:
-        target = target[key]
-    if delete:
-        del target[path[-1]]
-    else:
-        target[path[-1]] = data.draw(HOSTILE)
+    value = None if delete else data.draw(HOSTILE)
     try:
-        text = json.dumps(document)
+        text = json.dumps(mutated(V2, path, value, delete))
     except (ValueError, RecursionError):
         return
     out = tmp_path / "fuzz.json"

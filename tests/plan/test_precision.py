@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plan.random_instances import random_instance, with_precision_choice
+from plan.random_instances import flagged_instance, random_instance, with_precision_choice
 from tessel.errors import TesselError
 from tessel.plan.brute import brute_force
 from tessel.plan.dp import solve_dp
@@ -31,14 +31,7 @@ def _same(a, b) -> bool:
 
 def _instance(seed: int, n_units: int, n_devices: int, flags: int, n_precisions: int):
     rng = np.random.default_rng(seed)
-    base = random_instance(
-        rng,
-        n_units,
-        n_devices,
-        overlap=bool(flags & 1),
-        offload=bool(flags & 2),
-        tight_memory=bool(flags & 4),
-    )
+    base = flagged_instance(seed, n_units, n_devices, flags & 7, rng=rng)  # bits 8, 16: the precision flags
     return with_precision_choice(base, rng, n_precisions, budget=bool(flags & 8), theta=bool(flags & 16))
 
 

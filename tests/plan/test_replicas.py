@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plan.random_instances import random_instance
+from plan.random_instances import flagged_instance, random_instance
 from tessel.errors import TesselError
 from tessel.plan.brute import brute_force
 from tessel.plan.replicas import choose_replicas, routing_weights, subset
@@ -52,15 +52,7 @@ def _oracle(instance) -> float:
     flags=st.integers(0, 7),
 )
 def test_chosen_split_equals_brute_force_over_partitions(seed, n_units, n_devices, flags) -> None:
-    rng = np.random.default_rng(seed)
-    instance = random_instance(
-        rng,
-        n_units,
-        n_devices,
-        overlap=bool(flags & 1),
-        offload=bool(flags & 2),
-        tight_memory=bool(flags & 4),
-    )
+    instance = flagged_instance(seed, n_units, n_devices, flags)
     expected = _oracle(instance)
     if expected == 0.0:
         with pytest.raises(TesselError):
