@@ -302,7 +302,11 @@ def main() -> None:
         import real_model
 
         args.model = real_model.smollm2_dir()
+    from tessel.quant.cpu_features import describe
+
     console = Console(highlight=False)
+    cpu = describe()
+    console.print(f"CPU: {cpu['torch_cpu_capability']}, flags {' '.join(cpu['flags'])}")
     load_before = os.getloadavg()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:
@@ -314,6 +318,7 @@ def main() -> None:
         loadavg_before=load_before,
         loadavg_after=os.getloadavg(),
         cpu_count=os.cpu_count(),
+        cpu=cpu,
     )
     render(result, console)
     args.out.parent.mkdir(parents=True, exist_ok=True)
