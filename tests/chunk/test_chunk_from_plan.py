@@ -182,8 +182,8 @@ def test_sublayer_plan_counts_attention_and_mlp_blocks(tmp_path) -> None:
     path.write_text(json.dumps(document))
     priced = load_plan_pipeline(path)
     first, second = priced.pipeline.stages
-    assert dict(first.unit_counts) == {"attention": 12, "mlp": 11}
-    assert dict(second.unit_counts) == {"attention": 20, "mlp": 21}
+    assert first.unit_counts == (("attention", "fp16", 12), ("mlp", "fp16", 11))
+    assert second.unit_counts == (("attention", "fp16", 20), ("mlp", "fp16", 21))
     model, gpu = load_model("llama-3-8b"), get_gpu("A100-80G")
     layer = unit_prefill_time_s(model, gpu, "layer", 256, 512)
     blocks = unit_prefill_time_s(model, gpu, "attention", 256, 512) + unit_prefill_time_s(

@@ -13,6 +13,13 @@ pipeline's `tail_s` (added to TTFT), not part of every chunk. A measured `Profil
 device type replaces the roofline as `tessel.cost` decides (same device type, shape and dtype:
 the fit; same device type only: its efficiencies).
 
+Weight precision per unit (`tessel plan --precisions`): each unit is priced at the precision the
+plan chose for it, with the cost-model calls and the profile choice the planner made
+(`tessel.plan.build`): an int8 unit is W8A8 at the device's int8 rate, an int4 unit W4A16 at the
+fp16 rate. The embedding, the LM head and the activations sent between stages stay at the
+plan's reference precision (`PlanFile.reference_dtype`), as in the planner. A stage's units are
+grouped by (kind, precision) in `unit_counts`.
+
 The planner evaluates millions of (c, p) pairs for a 128K prompt, so `CostModelStage` also
 answers whole arrays: parts that depend on c only are computed by the scalar cost model once per
 distinct c; the (c, p) roofline is a numpy twin of `tessel.cost.roofline`, checked against the
@@ -43,20 +50,49 @@ TWIN_CHECK_POINTS = 24  # (c, p) samples the numpy twin is checked on
 TWIN_RTOL = 1e-9
 
 
+UnitGroup = tuple[str, str, int]  # (kind, weight precision, how many)
+
+
 @dataclass(frozen=True, slots=True)
 class CostModelStage:
-    """A `StageLatency` for a run of units on one device, priced by `tessel.cost`."""
+    """A `StageLatency` for a run of units on one device, priced by `tessel.cost`.
+
+    `unit_counts` holds (kind, precision, count) groups; a (kind, count) pair means `dtype`. Units
+    at `dtype` use `profile`; units at another precision the profile `tessel.cost.roofline.
+    select_profile` picks for it from `profiles` (what the planner does per precision)."""
 
     model: ModelSpec
     gpu: GpuSpec
-    unit_counts: tuple[tuple[str, int], ...]  # (kind, how many)
+    unit_counts: tuple[UnitGroup, ...] | tuple[tuple[str, int], ...]
     first: bool
     last: bool
-    dtype: str = "fp16"
+    dtype: str = "fp16"  # the reference: embedding, LM head, activations, pair-form unit groups
     kv_dtype: str = "fp16"
     link: LinkSpec | None = None  # to the next stage; None on the last
     profile: Profile | None = None
+    profiles: tuple[Profile, ...] = ()  # candidates for units at other precisions
     twin_ok: bool = field(default=True, compare=False)
+    _precision_profiles: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        groups = tuple(_group(entry, self.dtype) for entry in self.unit_counts)
+        object.__setattr__(self, "unit_counts", groups)
+        for _kind, precision, _count in groups:
+            L.weight_param_bytes(precision)  # an unknown precision is a user error, raised here
+            if precision not in self._precision_profiles:
+                self._precision_profiles[precision] = self._select_profile(precision)
+
+    def _select_profile(self, precision: str) -> Profile | None:
+        if precision == self.dtype:
+            return self.profile
+        candidates = self.profiles or ((self.profile,) if self.profile is not None else ())
+        return R.select_profile(candidates, self.model, self.gpu, precision)
+
+    def profile_for(self, precision: str) -> Profile | None:
+        """The profile that prices units at `precision` on this stage (None: the roofline's defaults)."""
+        if precision not in self._precision_profiles:
+            return self._select_profile(precision)
+        return self._precision_profiles[precision]
 
     @classmethod
     def build(cls, **kwargs) -> CostModelStage:
@@ -66,7 +102,8 @@ class CostModelStage:
     # ---- the StageLatency protocol (scalar: the reference) ----------------------------------
 
     def _units_time_s(self, unit_time_s, size: int, context_tokens: int) -> float:
-        """Sum of `unit_time_s` (prefill: chunk, offset; decode: batch, sum of contexts) over units."""
+        """Sum of `unit_time_s` (prefill: chunk, offset; decode: batch, sum of contexts) over units,
+        each group at its own precision."""
         return sum(
             count
             * unit_time_s(
@@ -75,11 +112,11 @@ class CostModelStage:
                 kind,
                 size,
                 context_tokens,
-                dtype=self.dtype,
+                dtype=precision,
                 kv_dtype=self.kv_dtype,
-                profile=self.profile,
+                profile=self.profile_for(precision),
             )
-            for kind, count in self.unit_counts
+            for kind, precision, count in self.unit_counts
         )
 
     def _ends_time_s(self, tokens: int, lm_head: bool) -> float:
@@ -112,8 +149,21 @@ class CostModelStage:
 
     def prefill_signature(self) -> tuple:
         """Stages with equal signatures have equal prefill times (the planner computes them once)."""
+        profiles = tuple(
+            None if self.profile_for(precision) is None else id(self.profile_for(precision))
+            for _kind, precision, _count in self.unit_counts
+        )
         profile = None if self.profile is None else id(self.profile)
-        return (self.model, self.gpu.name, self.unit_counts, self.first, self.dtype, self.kv_dtype, profile)
+        return (
+            self.model,
+            self.gpu.name,
+            self.unit_counts,
+            self.first,
+            self.dtype,
+            self.kv_dtype,
+            profile,
+            profiles,
+        )
 
     def send_signature(self) -> tuple:
         return (self.model.hidden_size, self.dtype, self.link)
@@ -127,8 +177,8 @@ class CostModelStage:
         if not self.twin_ok:
             return np.vectorize(self.prefill_time_s, otypes=[float])(chunk_tokens, offset_tokens)
         total = np.zeros(np.broadcast_shapes(c.shape, p.shape))
-        for kind, count in self.unit_counts:
-            total = total + count * self._unit_prefill(kind, c, p)
+        for kind, precision, count in self.unit_counts:
+            total = total + count * self._unit_prefill(kind, precision, c, p)
         if self.first:
             total = total + _c_only(self._embed_time_s, c)
         return np.where(c > 0, total, 0.0)
@@ -140,36 +190,50 @@ class CostModelStage:
         """Final norm + LM head for one token (the last prompt token's logits), on this stage."""
         return R.lm_head_time_s(self.model, self.gpu, 1, self.dtype, profile=self.profile)
 
-    def _unit_prefill(self, kind: str, c: np.ndarray, p: np.ndarray) -> np.ndarray:
-        efficiency = R.efficiency_for(self.profile, self.gpu)
-        exact = R.exact_profile(self.profile, self.model, self.gpu, self.dtype)
+    def _unit_prefill(self, kind: str, precision: str, c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        profile = self.profile_for(precision)
+        efficiency = R.efficiency_for(profile, self.gpu)
+        exact = R.exact_profile(profile, self.model, self.gpu, precision)
         if exact is None:
-            return self._analytic(kind, c, p, efficiency)
+            return self._analytic(kind, precision, c, p, efficiency)
         fit = exact.prefill
-        layer_s = np.maximum(fit.a0 + np.maximum(fit.time_s(c, p) - fit.a0, 0.0), 0.0)
+        layer_s = (
+            np.maximum(fit.a0 + np.maximum(fit.time_s(c, p) - fit.a0, 0.0), 0.0) / self.gpu.emulate_speed
+        )
         if kind == "layer":
             return layer_s
-        attention = self._analytic("attention", c, p, efficiency)
-        mlp = self._analytic("mlp", c, p, efficiency)
+        attention = self._analytic("attention", precision, c, p, efficiency)
+        mlp = self._analytic("mlp", precision, c, p, efficiency)
         return layer_s * (attention if kind == "attention" else mlp) / (attention + mlp)
 
-    def _analytic(self, kind: str, c: np.ndarray, p: np.ndarray, efficiency: R.Efficiency) -> np.ndarray:
-        """numpy twin of `roofline._analytic_prefill_s` for one sequence."""
-        model, gpu, act = self.model, self.gpu, L.activation_dtype(self.dtype)
+    def _analytic(
+        self, kind: str, precision: str, c: np.ndarray, p: np.ndarray, efficiency: R.Efficiency
+    ) -> np.ndarray:
+        """numpy twin of `roofline._analytic_prefill_s` for one sequence, units at `precision`."""
+        model, gpu, act = self.model, self.gpu, L.activation_dtype(precision)
         if model.is_moe and kind != "attention":  # experts touched depend on the token count
-            n_bytes = _per_distinct(lambda n: L.weight_bytes_read(model, kind, self.dtype, n), c)
+            n_bytes = _per_distinct(lambda n: L.weight_bytes_read(model, kind, precision, n), c)
         else:
-            n_bytes = float(L.weight_bytes_read(model, kind, self.dtype, 1))
+            n_bytes = float(L.weight_bytes_read(model, kind, precision, 1))
         n_bytes = n_bytes + c * L.activation_elems_per_token(model, kind) * L.dtype_bytes(act)
         if kind != "mlp":
             n_bytes = n_bytes + L.kv_bytes_per_token(model, self.kv_dtype) * (p + c)
-        compute = L.matmul_flops(model, kind, 1.0) * c / (efficiency.compute * gpu.peak_flops(self.dtype))
+        weight_peak = gpu.peak_flops(L.compute_dtype(precision))
+        compute = L.matmul_flops(model, kind, 1.0) * c / (efficiency.compute * weight_peak)
         pairs = c * (p + c / 2)
         compute = compute + L.attention_core_flops(model, kind, 1.0) * pairs / (
             efficiency.compute * gpu.peak_flops(act)
         )
         memory = n_bytes / (efficiency.memory * gpu.mem_bandwidth_bytes_per_s)
         return np.maximum(compute, memory) + R.KERNELS_PER_UNIT[kind] * R.KERNEL_LAUNCH_OVERHEAD_S
+
+
+def _group(entry: tuple, dtype: str) -> UnitGroup:
+    """(kind, count) at `dtype`, or (kind, precision, count), as a (kind, precision, count) group."""
+    if len(entry) == 2:
+        return (entry[0], dtype, int(entry[1]))
+    kind, precision, count = entry
+    return (kind, precision, int(count))
 
 
 AFFINE_PROBES = (1, 2, 17, 1000, 65536)
@@ -218,6 +282,7 @@ class StageSpec:
     unit_end: int  # half-open
     link: LinkSpec | None
     emulate_speed: float = 1.0  # the device runs at this fraction of its type's speed (cluster `emulate`)
+    precisions: tuple[str, ...] | None = None  # weight precision per unit (None: the pipeline's dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +324,11 @@ def build_pipeline(
                 f"cover 0..{n_units} in order without gaps"
             )
         expected = stage.unit_end
+        if stage.precisions is not None and len(stage.precisions) != stage.unit_end - stage.unit_start:
+            raise TesselError(
+                f"stage on {stage.device}: {len(stage.precisions)} precisions for "
+                f"{stage.unit_end - stage.unit_start} units"
+            )
     if expected != n_units:
         raise TesselError(f"the stages cover {expected} units, the model has {n_units} ({granularity})")
     built = []
@@ -271,21 +341,25 @@ def build_pipeline(
             CostModelStage.build(
                 model=model,
                 gpu=gpu,
-                unit_counts=_unit_counts(stage, granularity),
+                unit_counts=_unit_counts(stage, granularity, dtype),
                 first=position == 0,
                 last=last,
                 dtype=dtype,
                 kv_dtype=kv_dtype,
                 link=None if last else stage.link,
                 profile=R.select_profile(list(profiles), model, gpu, dtype),
+                profiles=tuple(profiles),
             )
         )
     return PlanPipeline(PipelineLatency(tuple(built)), built[-1].tail_s(), model, tuple(stages), labels or {})
 
 
-def _unit_counts(stage: StageSpec, granularity: str) -> tuple[tuple[str, int], ...]:
+def _unit_counts(stage: StageSpec, granularity: str, dtype: str) -> tuple[UnitGroup, ...]:
+    """(kind, precision, count) of the stage's units, sorted."""
     units = range(stage.unit_start, stage.unit_end)
-    return tuple(sorted(Counter(unit_kind(u, granularity) for u in units).items()))
+    precisions = stage.precisions or (dtype,) * len(units)
+    counted = Counter((unit_kind(u, granularity), q) for u, q in zip(units, precisions, strict=True))
+    return tuple((kind, q, count) for (kind, q), count in sorted(counted.items()))
 
 
 def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> PlanPipeline:
@@ -306,21 +380,28 @@ def plan_pipeline(
     """The priced pipeline of a plan's stages (its own or one baseline's)."""
     return build_pipeline(
         plan.model_spec,
-        [stage_spec(stage) for stage in stages],
+        [stage_spec(stage, plan.reference_dtype) for stage in stages],
         granularity=plan.granularity,
-        dtype=plan.dtype,
+        dtype=plan.reference_dtype,
         kv_dtype=plan.kv_dtype,
         profiles=profiles,
         labels=labels,
     )
 
 
-def stage_spec(stage: PlanStage) -> StageSpec:
+def stage_spec(stage: PlanStage, dtype: str = "fp16") -> StageSpec:
+    """A plan stage for the chunk planner; its units at their precisions (`dtype` where it has none)."""
     link = None
     if stage.link_bytes_per_s is not None:
         link = LinkSpec(stage.link_bytes_per_s, stage.link_latency_s)
     return StageSpec(
-        stage.device, stage.gpu_type, stage.unit_start, stage.unit_end, link, stage.emulate_speed
+        stage.device,
+        stage.gpu_type,
+        stage.unit_start,
+        stage.unit_end,
+        link,
+        stage.emulate_speed,
+        stage.unit_precisions(dtype),
     )
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from tessel.cost.layer import WEIGHT_SCHEMES, weight_param_bytes
 from tessel.errors import TesselError
 from tessel.units import GBPS, US_PER_S
 
@@ -49,6 +50,24 @@ MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels 
 def units_per_layer(granularity: str) -> int:
     """Units in one decoder layer: 1 at layer granularity, 2 (attention, MLP) at sublayer."""
     return 2 if granularity == "sublayer" else 1
+
+
+def reference_precision(names: list[str] | tuple[str, ...]) -> str:
+    """The precision with the most bytes per weight (fp16 before bf16 on a tie): the planner's
+    reference, at which embedding, LM head and activations run (`tessel plan --precisions`)."""
+    order = tuple(WEIGHT_SCHEMES)
+    return min(names, key=lambda name: (-weight_param_bytes(name), order.index(name)))
+
+
+def _unknown_precision(names: list[str]) -> str | None:
+    """Why a list of weight precisions is not one the cost model prices (None: it is)."""
+    for position, name in enumerate(names):
+        if name not in WEIGHT_SCHEMES:
+            return (
+                f"precisions[{position}] is {_short_repr(name)}, not a weight precision the cost model "
+                f"knows; use one of {', '.join(WEIGHT_SCHEMES)}"
+            )
+    return None
 
 
 def unit_kind(unit: int, granularity: str) -> str:
@@ -89,12 +108,23 @@ class PlanStage(_Strict):
 
     @model_validator(mode="after")
     def _precision_count(self) -> PlanStage:
-        if self.precisions is not None and len(self.precisions) != self.unit_end - self.unit_start:
+        if self.precisions is None:
+            return self
+        if len(self.precisions) != self.unit_end - self.unit_start:
             raise ValueError(
                 f"stage {self.index}: {len(self.precisions)} precisions for "
                 f"{self.unit_end - self.unit_start} units"
             )
+        unknown = _unknown_precision(self.precisions)
+        if unknown:
+            raise ValueError(f"stage {self.index} ({self.device}): {unknown}")
         return self
+
+    def unit_precisions(self, default: str) -> tuple[str, ...]:
+        """The weight precision of each of its units (`default` for all when the plan gives none)."""
+        if self.precisions is None:
+            return (default,) * (self.unit_end - self.unit_start)
+        return tuple(self.precisions)
 
     @property
     def label(self) -> str:
@@ -197,6 +227,9 @@ class PlanFile(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> PlanFile:
+        unknown = _unknown_precision(self.precisions)
+        if unknown:
+            raise ValueError(unknown)
         _check_stages(self.stages, "stages", self.granularity)
         for name, baseline in self.baselines.items():
             if baseline.feasible and baseline.stages:
@@ -231,6 +264,12 @@ class PlanFile(_Strict):
 
     def unit_kind(self, unit: int) -> str:
         return unit_kind(unit, self.granularity)
+
+    @property
+    def reference_dtype(self) -> str:
+        """The precision of what has none of its own (embedding, LM head, activations, units of a
+        stage without `precisions`): the planner's reference, first of `precisions`, else `dtype`."""
+        return reference_precision(self.precisions) if self.precisions else self.dtype
 
     @property
     def num_layers(self) -> int:
