@@ -18,7 +18,7 @@ from tessel.chunk.from_plan import (
 )
 from tessel.chunk.planner import ChunkProblem, plan_chunks
 from tessel.chunk.schedule import evaluate_chunks
-from tessel.cost import LinkSpec, hidden_bytes, link_time_s, unit_prefill_time_s
+from tessel.cost import LinkSpec, hidden_bytes, link_time_s, unit_decode_time_s, unit_prefill_time_s
 from tessel.cost.layer import profile_shape
 from tessel.cost.profile import DecodeFit, PrefillFit, Profile
 from tessel.errors import TesselError
@@ -192,3 +192,60 @@ def test_sublayer_plan_counts_attention_and_mlp_blocks(tmp_path) -> None:
     total = first.prefill_time_s(256, 512) - first._embed_time_s(256) + second.prefill_time_s(256, 512)
     assert total == pytest.approx(32 * blocks, rel=1e-12)
     assert blocks >= layer * 0.9  # split blocks cost about a layer (more launches, same work)
+
+
+@pytest.mark.parametrize(
+    "model_name,gpu_name,groups",
+    [
+        ("llama-3-8b", "T4", (("attention", "int8", 3), ("mlp", "int4", 2), ("attention", "fp16", 1))),
+        ("mixtral-8x7b", "H100", (("layer", "int4", 2), ("layer", "bf16", 1), ("layer", "int8", 1))),
+        ("opt-30b", "V100-32G", (("layer", "fp32", 1), ("layer", "int8", 2))),
+    ],
+)
+def test_mixed_precision_stage_twin_equals_the_cost_model(model_name, gpu_name, groups) -> None:
+    """(kind, precision, count) groups: the numpy twin equals the scalar path, and the scalar path is
+    the cost model's unit time at each group's precision."""
+    rng = np.random.default_rng(3)
+    model, gpu = load_model(model_name), get_gpu(gpu_name).emulated(0.5)
+    stage = CostModelStage.build(model=model, gpu=gpu, unit_counts=groups, first=False, last=False)
+    assert stage.twin_ok
+    c, p = _random_points(rng, 200)
+    scalar = np.array([stage.prefill_time_s(int(a), int(b)) for a, b in zip(c, p, strict=True)])
+    np.testing.assert_allclose(stage.prefill_times_s(c, p), scalar, rtol=1e-9)
+    expected = sum(n * unit_prefill_time_s(model, gpu, k, 300, 900, dtype=q) for k, q, n in groups)
+    assert stage.prefill_time_s(300, 900) == pytest.approx(expected, rel=1e-12)
+    expected = sum(n * unit_decode_time_s(model, gpu, k, 5, 4000, dtype=q) for k, q, n in groups)
+    assert stage.decode_time_s(5, 4000) == pytest.approx(expected, rel=1e-12)
+
+
+def test_each_precision_gets_its_own_profile() -> None:
+    """An int8 profile prices the int8 units and an fp16 profile the fp16 ones (as the planner picks a
+    profile per precision), in both paths."""
+    model, gpu = load_model("llama-3-8b"), get_gpu("A100-80G")
+
+    def profile(dtype: str, scale: float) -> Profile:
+        fits = PrefillFit(1e-4 * scale, 2e-7 * scale, 1e-10, 3e-11 * scale), DecodeFit(1e-4, 1e-6, 1e-9)
+        return Profile("A100-80G", profile_shape(model), dtype, *fits, 0.05)
+
+    fp16, int8 = profile("fp16", 1.0), profile("int8", 0.5)
+    groups = (("layer", "fp16", 2), ("layer", "int8", 3))
+    stage = CostModelStage.build(
+        model=model, gpu=gpu, unit_counts=groups, first=False, last=True, profile=fp16, profiles=(fp16, int8)
+    )
+    assert stage.twin_ok and stage.profile_for("int8") is int8 and stage.profile_for("fp16") is fp16
+    expected = 2 * fp16.prefill.time_s(1000, 3000) + 3 * int8.prefill.time_s(1000, 3000)
+    assert stage.prefill_time_s(1000, 3000) == pytest.approx(expected, rel=1e-9)
+    c, p = _random_points(np.random.default_rng(4), 100)
+    scalar = np.array([stage.prefill_time_s(int(a), int(b)) for a, b in zip(c, p, strict=True)])
+    np.testing.assert_allclose(stage.prefill_times_s(c, p), scalar, rtol=1e-9)
+
+
+def test_unknown_precision_in_a_stage_is_a_user_error() -> None:
+    model = load_model("llama-3-8b")
+    with pytest.raises(TesselError, match="unknown dtype 'int3'"):
+        CostModelStage.build(
+            model=model, gpu=get_gpu("T4"), unit_counts=(("layer", "int3", 1),), first=True, last=True
+        )
+    stages = [StageSpec("a", "T4", 0, 32, None, precisions=("int8",) * 31)]
+    with pytest.raises(TesselError, match="31 precisions for 32 units"):
+        build_pipeline(model, stages)

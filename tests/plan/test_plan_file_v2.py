@@ -126,3 +126,32 @@ def test_fuzz_one_v2_field(tmp_path, data, delete: bool) -> None:
     out = tmp_path / "fuzz.json"
     out.write_text(text)
     _load_or_refuse(out)
+
+
+@settings(max_examples=150, deadline=2000)
+@given(data=st.data(), name=st.text(max_size=12) | st.sampled_from(["int4", "INT8", "fp8", "w8a8", "fp16 "]))
+def test_fuzz_a_stage_precision_name(data, name: str) -> None:
+    """A stage's precision is a weight precision the cost model prices, or the plan is refused with
+    a message naming the stage and the field."""
+    from tessel.cost.layer import WEIGHT_SCHEMES
+
+    document = json.loads(json.dumps(V2))
+    where = data.draw(st.sampled_from(["stages", "replicas"]))
+    stages = document["stages"] if where == "stages" else document["replicas"][0]["stages"]
+    index = data.draw(st.integers(0, len(stages) - 1))
+    position = data.draw(st.integers(0, len(stages[index]["precisions"]) - 1))
+    stages[index]["precisions"][position] = name
+    if name in WEIGHT_SCHEMES:
+        assert parse_plan(document).version == 2
+        return
+    with pytest.raises(TesselError) as raised:
+        parse_plan(document)
+    message = str(raised.value)
+    prefix = "stages" if where == "stages" else "replicas[0].stages"
+    assert f"{prefix}[{index}]" in message and f"precisions[{position}]" in message, message
+
+
+def test_unknown_top_level_precision_is_refused() -> None:
+    document = dict(V2, precisions=["fp16", "int2"])
+    with pytest.raises(TesselError, match=r"precisions\[1\] is 'int2'"):
+        parse_plan(document)
