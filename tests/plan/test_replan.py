@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from plan.random_instances import random_instance, with_precision_choice
 from tessel.cli import app
 from tessel.cost.link import link_time_s
 from tessel.errors import TesselError
+from tessel.plan.brute import brute_force
 from tessel.plan.build import build_instance
 from tessel.plan.cluster import load_cluster
+from tessel.plan.dp import solve_dp
+from tessel.plan.milp import solve_milp
 from tessel.plan.plan_file import PlanStage
 from tessel.plan.replan import move_costs, previous_solution, replan
 from tessel.plan.solution import Solution, evaluate
@@ -128,3 +135,160 @@ def test_cli_replan(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, [*args, "--replan-from", str(tmp_path / "bad.json")])
     assert isinstance(result.exception, TesselError) and "not valid JSON" in str(result.exception)
     assert np.isfinite(data["objective"])
+
+
+# ---- copies of one GPU type, and precisions: against brute force -----------------------------
+
+BRUTE_RTOL = 1e-6
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(a.objective - b.objective) <= BRUTE_RTOL * max(abs(a.objective), abs(b.objective))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(1, 5))
+def test_move_costs_break_the_symmetry_of_copies(seed: int, n_units: int) -> None:
+    """Four devices of one type (two exact copies per node): with move costs the copies are no longer
+    interchangeable, and DP and MILP still find brute force's optimum."""
+    instance = random_instance(np.random.default_rng(seed), n_units, 4, n_types=1, move=True)
+    oracle = brute_force(instance).evaluation
+    assert _same(oracle, solve_dp(instance, orders="all").evaluation)
+    assert _same(oracle, solve_milp(instance, mip_gap=0.0, time_limit_s=60).evaluation)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_units=st.integers(1, 4),
+    n_devices=st.integers(1, 3),
+    n_precisions=st.integers(2, 3),
+    budget=st.booleans(),
+)
+def test_precision_move_costs_equal_brute_force(seed, n_units, n_devices, n_precisions, budget) -> None:
+    """Move costs that depend on the precision a unit takes ([U, N, P]): DP, MILP and solve() find
+    brute force's optimum; the relaxed instance stays a lower bound."""
+    rng = np.random.default_rng(seed)
+    base = random_instance(rng, n_units, n_devices)
+    instance = with_precision_choice(base, rng, n_precisions, budget=budget, theta=False)
+    move = rng.uniform(0.0, 0.3, size=(n_units, n_devices, n_precisions))
+    move[np.arange(n_units), rng.integers(0, n_devices, n_units), 0] = 0.0
+    instance = replace(instance, move_s=move, move_weight=float(rng.uniform(0.5, 20.0)))
+    oracle = brute_force(instance).evaluation
+    assert _same(oracle, solve_dp(instance, orders="all").evaluation)
+    milp = solve_milp(instance, mip_gap=0.0, time_limit_s=60)
+    assert _same(oracle, milp.evaluation)
+    if milp.evaluation is not None:
+        assert milp.objective == pytest.approx(milp.evaluation.objective, rel=BRUTE_RTOL)
+    if oracle is not None:
+        assert _same(oracle, solve(instance, time_limit_s=30, mip_gap=0.0).evaluation)
+        relaxed = brute_force(instance.relaxed()).evaluation
+        assert relaxed.objective <= oracle.objective * (1 + BRUTE_RTOL)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """llama-2-7b on four T4 and two V100 with fp16 / int8 per layer, and a plan with both."""
+    cluster = load_cluster(CLUSTER)
+    instance = build_instance("llama-2-7b", cluster, "default", precisions=("fp16", "int8"))
+    plan = solve(instance, solver="dp", time_limit_s=5).solution
+    assert set(plan.precisions) == {0, 1}
+    return cluster, instance, plan
+
+
+def test_precision_move_costs_follow_the_rule(mixed) -> None:
+    """Same device and precision: free; fewer bytes on the same device: re-quantised in place, free;
+    more bytes: loaded from the host over the device's PCIe; another device: the new precision's
+    bytes over the link."""
+    cluster, instance, plan = mixed
+    seconds, moved = move_costs(instance, cluster, plan)
+    assert seconds.shape == (instance.n_units, instance.n_devices, 2)
+    owner = plan.assignment(instance.n_units)
+    names = [d.name for d in instance.devices]
+    bytes_at = instance.precision.weight_bytes
+    for u in range(1, instance.n_units - 1):
+        q0, j0 = plan.precisions[u], owner[u]
+        assert seconds[u, j0, q0] == 0.0 and moved[u, j0, q0] == 0.0
+        other = (j0 + 1) % instance.n_devices
+        link = cluster.link(names[j0], names[other])
+        if q0 == 0:  # fp16 held: int8 is derived in place, or sent as int8
+            assert seconds[u, j0, 1] == 0.0
+            assert seconds[u, other, 1] == pytest.approx(link_time_s(link, bytes_at[u, 1]))
+        else:  # int8 held: fp16 comes from the host
+            pcie = instance.devices[j0].host_to_device_bytes_per_s
+            assert seconds[u, j0, 0] == pytest.approx(bytes_at[u, 0] / pcie)
+            assert moved[u, j0, 0] == pytest.approx(bytes_at[u, 0])
+            assert seconds[u, other, 1] == pytest.approx(link_time_s(link, bytes_at[u, 1]))
+
+
+def test_same_workload_keeps_plan_and_precisions(mixed) -> None:
+    cluster, instance, plan = mixed
+    decision = replan(instance, cluster, plan, solver="dp", time_limit_s=5)
+    assert decision.previous_evaluation.feasible
+    assert decision.previous_evaluation.precisions == tuple(
+        instance.precision.names[q] for q in plan.precisions
+    )
+    assert not decision.take_new and decision.chosen.solution == plan
+
+
+def test_previous_precisions_are_read_and_checked(mixed) -> None:
+    _, instance, plan = mixed
+    names = instance.precision.names
+    stages = [
+        PlanStage(
+            index=i,
+            device=instance.devices[s.device].name,
+            gpu_type=instance.devices[s.device].gpu_type,
+            layer_start=s.unit_start,
+            layer_end=s.unit_end,
+            unit_start=s.unit_start,
+            unit_end=s.unit_end,
+            precisions=[names[q] for q in plan.precisions[s.unit_start : s.unit_end]],
+        )
+        for i, s in enumerate(plan.stages)
+    ]
+    assert previous_solution(instance, stages, "p.json") == plan
+    int4 = [stages[0].model_copy(update={"precisions": ["int4"] * stages[0].unit_end}), *stages[1:]]
+    with pytest.raises(TesselError, match="holds unit 0 at int4.*--precisions fp16,int8"):
+        previous_solution(instance, int4, "p.json")
+    fp16_only = build_instance("llama-2-7b", load_cluster(CLUSTER), "default")
+    with pytest.raises(TesselError, match="re-plan with --precisions listing int8"):
+        previous_solution(fp16_only, stages, "p.json")
+    bare = [s.model_copy(update={"precisions": None}) for s in stages]  # a version-1 style plan
+    assert previous_solution(instance, bare, "p.json").precisions == (0,) * instance.n_units
+    assert previous_solution(instance, bare, "p.json", "int8").precisions == (1,) * instance.n_units
+
+
+def test_cli_replan_keeps_or_rechooses_precisions(tmp_path: Path) -> None:
+    """`--replan-from` a mixed-precision plan without --precisions re-plans under the old plan's
+    precisions and budget; on the same workload it keeps every layer's precision, on another it
+    reports the layers whose precision changes, and the plan file carries the chosen ones."""
+    old = tmp_path / "old.json"
+    args = ["plan", "--model", "llama-2-7b", "--cluster", CLUSTER, "--solver", "dp", "--time-limit", "4"]
+    made = CliRunner().invoke(app, [*args, "--precisions", "fp16,int8", "--json", str(old)])
+    assert made.exit_code == 0, made.output
+    before = json.loads(old.read_text())
+    same = tmp_path / "same.json"
+    result = CliRunner().invoke(app, [*args, "--replan-from", str(old), "--json", str(same)])
+    assert result.exit_code == 0, result.output
+    assert "keeping the previous plan" in result.output and "keeps every layer's precision" in result.output
+    kept = json.loads(same.read_text())
+    assert [s["precisions"] for s in kept["stages"]] == [s["precisions"] for s in before["stages"]]
+    assert kept["precisions"] == ["fp16", "int8"] and kept["quality"]["budget"] == before["quality"]["budget"]
+    other = tmp_path / "other.json"
+    flags = ["--workload", "long-prompt", "--replan-threshold", "0", "--replan-from", str(old)]
+    result = CliRunner().invoke(app, [*args, *flags, "--json", str(other)])
+    assert result.exit_code == 0, result.output
+    after = json.loads(other.read_text())
+    old_q = [q for s in before["stages"] for q in s["precisions"]]
+    new_q = [q for s in after["stages"] for q in s["precisions"]]
+    changed = [layer for layer, (a, b) in enumerate(zip(old_q, new_q, strict=True)) if a != b]
+    text = " ".join(result.output.split())
+    if changed:
+        assert "re-quantises:" in text
+        assert all(f"{old_q[layer]} -> {new_q[layer]}" in text for layer in changed)
+    else:
+        assert "keeps every layer's precision" in text
+    assert after["quality"]["cost"] <= after["quality"]["budget"] * (1 + 1e-6)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tessel.catalog.models import ModelSpec, load_model
@@ -213,19 +213,22 @@ def make_plan(
 ) -> PlanOutcome:
     """Plan a model on a cluster under a workload; names, paths or loaded specs are all accepted."""
     settings = settings or PlanSettings()
+    previous = None
+    if replan_from is not None:
+        previous = load_plan(replan_from)
+        settings = inherited_precisions(settings, previous)
     problem = prepare_plan(model, cluster, workload, settings, profiles)
     instance = problem.instance
     solver_s = problem.solver_time_s(settings)
     decision = None
-    if replan_from is None:
+    if previous is None:
         result = solve(instance, solver=settings.solver, time_limit_s=solver_s, mip_gap=settings.mip_gap)
     else:
-        previous = load_plan(replan_from)
         previous.check_cluster(problem.cluster)
         decision = replan(
             instance,
             problem.cluster,
-            previous_solution(instance, previous.stages, str(replan_from)),
+            previous_solution(instance, previous.stages, str(replan_from), previous.reference_dtype),
             threshold=replan_threshold,
             horizon_s=replan_horizon_s,
             solver=settings.solver,
@@ -247,6 +250,25 @@ def make_plan(
         problem.cluster_source,
         problem.setup_s,
         time.perf_counter() - problem.started,
+    )
+
+
+def inherited_precisions(settings: PlanSettings, previous: PlanFile) -> PlanSettings:
+    """Re-planning without --precisions: the previous plan's precisions, budget and theta, so its
+    precisions are kept or re-chosen under the same rules (with --precisions: the settings as given)."""
+    if settings.precisions is not None or len(previous.precisions) < 2:
+        return settings
+    quality = previous.quality
+    if quality is None:
+        return replace(settings, precisions=",".join(previous.precisions))
+    if quality.source == "sensitivity" and settings.sensitivity is None:
+        raise TesselError(
+            f"{previous.source} chose its precisions with measured sensitivities; pass --sensitivity "
+            "with that file (or --precisions and a budget) to re-plan it"
+        )
+    theta = quality.theta if quality.theta > 0 or quality.budget is None else None
+    return replace(
+        settings, precisions=",".join(previous.precisions), quality_budget=quality.budget, theta=theta
     )
 
 

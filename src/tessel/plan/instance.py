@@ -31,6 +31,8 @@ Precision per unit (`precision`, optional): each unit takes one weight precision
 (`PrecisionChoice.names`); its weight bytes and its times on every device are those of q, and it
 costs `quality[u, q]` (0 for the reference precision). A plan is feasible only when its total quality
 cost is within `quality_budget`. Without a precision choice the base arrays above are the plan's.
+With both, the move cost may depend on the precision too: `move_s[u, j, q]`, the seconds to bring
+unit u onto device j at precision q (re-planning a plan whose units already have precisions).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class PlanningInstance:
     swap_in: str = "charged"  # "charged" or "hidden" (see the module docstring)
     # re-planning: seconds to bring unit u's weights onto device j (0 where they already are), and
     # the weight of that one-time cost against the objective (see tessel.plan.replan)
-    move_s: np.ndarray | None = None  # [U, N]
+    move_s: np.ndarray | None = None  # [U, N], or [U, N, P] with a precision choice
     move_weight: float = 0.0
     precision: PrecisionChoice | None = None  # a weight precision per unit, chosen by the solver
     labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
@@ -139,7 +141,10 @@ class PlanningInstance:
         if self.swap_in not in SWAP_IN_POLICIES:
             raise ValueError(f"swap_in must be one of {SWAP_IN_POLICIES}, got {self.swap_in!r}")
         if self.move_s is not None:
-            _check_shape("move_s", self.move_s, (n_units, n_devices))
+            if self.precision is not None and np.ndim(self.move_s) == 3:
+                _check_shape("move_s", self.move_s, (n_units, n_devices, len(self.precision.names)))
+            else:
+                _check_shape("move_s", self.move_s, (n_units, n_devices))
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.precision is not None:
@@ -170,8 +175,14 @@ class PlanningInstance:
             prefill=replace(self.prefill, unit_time_s=choice.prefill_time_s[units, :, q]),
             decode=replace(self.decode, unit_time_s=choice.decode_time_s[units, :, q]),
             weight_bytes=choice.weight_bytes[units, q],
+            move_s=self.move_s[units, :, q] if self.precision_move_costs else self.move_s,
             precision=None,
         )
+
+    @property
+    def precision_move_costs(self) -> bool:
+        """Whether `move_s` is [U, N, P] (the move cost depends on the precision a unit takes)."""
+        return self.move_s is not None and np.ndim(self.move_s) == 3
 
     def relaxed(self) -> PlanningInstance:
         """Each unit at its least bytes and least time over the precisions it may take, no quality
@@ -196,6 +207,9 @@ class PlanningInstance:
                 self.decode, unit_time_s=np.where(allowed[:, None, :], choice.decode_time_s, inf).min(axis=2)
             ),
             weight_bytes=np.where(allowed, choice.weight_bytes, inf).min(axis=1),
+            move_s=np.where(allowed[:, None, :], self.move_s, inf).min(axis=2)
+            if self.precision_move_costs
+            else self.move_s,
             precision=None,
         )
 

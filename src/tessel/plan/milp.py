@@ -126,8 +126,12 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
     mb.cost[int(Mp)] = pw * m1
     mb.cost[int(Md)] = dw * m1
     if inst.move_s is not None and inst.move_weight > 0:
-        for (u, j), seconds in np.ndenumerate(inst.move_s):
-            mb.cost[x[u, j]] = inst.move_weight * seconds * MS
+        if inst.precision_move_costs:  # [U, N, P]: on the precision variables
+            for (u, j, q), seconds in np.ndenumerate(inst.move_s):
+                mb.cost[z[u, j, q]] += inst.move_weight * seconds * MS
+        else:
+            for (u, j), seconds in np.ndenumerate(inst.move_s):
+                mb.cost[x[u, j]] = inst.move_weight * seconds * MS
 
     # assignment and contiguity
     mb.rows(x, 1.0, 1.0, 1.0)

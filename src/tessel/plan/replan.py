@@ -15,6 +15,17 @@ workload (or, when that plan no longer fits, a plan solved without move costs).
 The new plan is taken when the previous one no longer fits, or when
     gain = (previous objective - new objective with its amortised move) / previous objective
 reaches `threshold`; otherwise the previous plan stays.
+
+Weight precisions (`tessel plan --precisions`): the previous plan's units keep the precisions its
+file gives, and the solver may re-choose them under the new instance's precisions and budget. A unit
+at precision q on device j then costs, besides any move of the embedding or LM head:
+- when q holds no more bytes per weight than the unit's previous precision q0 (the same precision,
+  or fewer bits, e.g. fp16 -> int8), its q weights sent from its previous device over the cluster
+  link (quantised there; nothing is sent when j is that device: re-quantising in place is not
+  charged);
+- otherwise (more bytes than the previous device holds, e.g. int8 -> fp16), its q weights loaded
+  from the host over device j's host-to-device PCIe (the checkpoint lives in host memory).
+`ReplanDecision.precision_changes` lists the units whose precision the new plan changes.
 """
 
 from __future__ import annotations
@@ -34,6 +45,16 @@ from tessel.plan.solve import PlanResult, solve
 
 
 @dataclass(frozen=True, slots=True)
+class PrecisionChange:
+    """A run of consecutive units whose precision goes from `old` to `new` (half-open units)."""
+
+    unit_start: int
+    unit_end: int
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReplanDecision:
     previous: Solution
     previous_evaluation: Evaluation  # the previous plan under the new workload (may be infeasible)
@@ -43,6 +64,7 @@ class ReplanDecision:
     gain: float  # (previous - new) / previous, new including its amortised move; inf if previous fails
     take_new: bool
     reason: str
+    precision_changes: tuple[PrecisionChange, ...] = ()  # what the new plan re-quantises
 
     @property
     def chosen(self) -> PlanResult:
@@ -60,9 +82,12 @@ class ReplanDecision:
         )
 
 
-def previous_solution(instance: PlanningInstance, stages: Sequence[PlanStage], source: str) -> Solution:
+def previous_solution(
+    instance: PlanningInstance, stages: Sequence[PlanStage], source: str, default_precision: str | None = None
+) -> Solution:
     """The stages of a plan file (`tessel.plan.plan_file.load_plan`) as a solution of `instance`
-    (devices by name)."""
+    (devices by name), with its units' precisions when `instance` chooses them. A stage without
+    precisions holds `default_precision` (the plan's `reference_dtype`; None: the instance's dtype)."""
     index = {device.name: j for j, device in enumerate(instance.devices)}
     result = []
     for position, stage in enumerate(stages):
@@ -77,13 +102,58 @@ def previous_solution(instance: PlanningInstance, stages: Sequence[PlanStage], s
             f"{source}: its stages do not fit this model's {instance.n_units} units ({error}); "
             "re-plan with the same model and granularity"
         ) from None
-    return solution
+    return solution.with_precisions(_previous_precisions(instance, stages, source, default_precision))
+
+
+def _previous_precisions(
+    instance: PlanningInstance, stages: Sequence[PlanStage], source: str, default: str | None
+) -> tuple[int, ...] | None:
+    """Index per unit into the instance's precisions (None without a precision choice), or a user
+    error when the previous plan holds a precision this re-planning cannot price."""
+    dtype = instance.labels.get("dtype", "fp16")
+    names = instance.precision.names if instance.precision is not None else (dtype,)
+    vector = []
+    for position, stage in enumerate(stages):
+        for offset, name in enumerate(stage.unit_precisions(default or dtype)):
+            if name in names:
+                vector.append(names.index(name))
+                continue
+            unit = stage.unit_start + offset
+            allowed = (
+                f"--precisions {','.join(names)}" if instance.precision is not None else f"--dtype {dtype}"
+            )
+            raise TesselError(
+                f"{source}: stage {position} holds unit {unit} at {name}, which {allowed} does not "
+                f"include; re-plan with --precisions listing {name} (and the others the plan uses)"
+            )
+    return tuple(vector) if instance.precision is not None else None
+
+
+def precision_changes(
+    instance: PlanningInstance, previous: Solution, new: Solution
+) -> tuple[PrecisionChange, ...]:
+    """Runs of units whose precision differs between two plans of `instance` (empty without a choice)."""
+    if instance.precision is None or previous.precisions is None:
+        return ()
+    names = instance.precision.names
+    old_q, new_q = previous.precisions, new.precisions or (0,) * instance.n_units
+    changes: list[PrecisionChange] = []
+    for u, (a, b) in enumerate(zip(old_q, new_q, strict=True)):
+        if a == b:
+            continue
+        last = changes[-1] if changes else None
+        if last is not None and last.unit_end == u and (last.old, last.new) == (names[a], names[b]):
+            changes[-1] = PrecisionChange(last.unit_start, u + 1, last.old, last.new)
+        else:
+            changes.append(PrecisionChange(u, u + 1, names[a], names[b]))
+    return tuple(changes)
 
 
 def move_costs(
     instance: PlanningInstance, cluster: Cluster, previous: Solution
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds and bytes to bring each unit onto each device, [U, N] each (0 where it already is).
+    """Seconds and bytes to bring each unit onto each device, [U, N] each (0 where it already is);
+    [U, N, P] with a precision choice and a previous plan with precisions (module docstring).
 
     Unit u on device j needs its weights from their previous device unless that is j; unit 0 also
     needs the embedding unless j was the first stage, unit U-1 the LM head unless j was the last."""
@@ -91,19 +161,37 @@ def move_costs(
     owner = previous.assignment(U)
     names = [device.name for device in instance.devices]
     first, last = previous.stages[0].device, previous.stages[-1].device
-    seconds, moved = np.zeros((U, N)), np.zeros((U, N))
-    for u in range(U):
+
+    def send_s(source: int, target: int, n_bytes: float) -> float:
+        return link_time_s(cluster.link(names[source], names[target]), n_bytes)
+
+    ends_s, ends_bytes = np.zeros((U, N)), np.zeros((U, N))  # embedding (unit 0), LM head (unit U-1)
+    for u, source, n_bytes in ((0, first, instance.first_bytes), (U - 1, last, instance.last_bytes)):
         for j in range(N):
-            parts = [(owner[u], float(instance.weight_bytes[u]))]
-            if u == 0:
-                parts.append((first, instance.first_bytes))
-            if u == U - 1:
-                parts.append((last, instance.last_bytes))
-            for source, n_bytes in parts:
-                if source != j and n_bytes > 0:
-                    moved[u, j] += n_bytes
-                    seconds[u, j] += link_time_s(cluster.link(names[source], names[j]), n_bytes)
-    return seconds, moved
+            if source != j and n_bytes > 0:
+                ends_bytes[u, j] += n_bytes
+                ends_s[u, j] += send_s(source, j, n_bytes)
+    if instance.precision is None or previous.precisions is None:
+        unit_bytes = np.where(owner[:, None] != np.arange(N)[None, :], instance.weight_bytes[:, None], 0.0)
+        unit_s = np.array(
+            [
+                [send_s(owner[u], j, unit_bytes[u, j]) if unit_bytes[u, j] > 0 else 0.0 for j in range(N)]
+                for u in range(U)
+            ]
+        )
+        return unit_s + ends_s, unit_bytes + ends_bytes
+    choice = instance.precision
+    held = choice.weight_bytes[np.arange(U), np.asarray(previous.precisions)]
+    seconds, moved = np.zeros((U, N, len(choice.names))), np.zeros((U, N, len(choice.names)))
+    for (u, j, q), _ in np.ndenumerate(seconds):
+        n_bytes = float(choice.weight_bytes[u, q])
+        if n_bytes > held[u] * (1 + 1e-12):  # more than the previous device holds: from the host
+            seconds[u, j, q] = n_bytes / instance.devices[j].host_to_device_bytes_per_s
+            moved[u, j, q] = n_bytes
+        elif owner[u] != j:  # quantised (if at all) on the previous device, then sent
+            seconds[u, j, q] = send_s(owner[u], j, n_bytes)
+            moved[u, j, q] = n_bytes
+    return seconds + ends_s[..., None], moved + ends_bytes[..., None]
 
 
 def replan(
@@ -131,10 +219,15 @@ def replan(
     seconds, moved = move_costs(instance, cluster, previous)
     costed = replace(instance, move_s=seconds, move_weight=reference / horizon_s)
     new = solve(costed, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, incumbent=previous)
+    if moved.ndim == 3:  # at the precisions the new plan chose
+        moved = moved[np.arange(instance.n_units), :, np.asarray(new.solution.precisions)]
     move_bytes = float(sum(np.sum(moved[s.unit_start : s.unit_end, s.device]) for s in new.solution.stages))
+    changes = precision_changes(instance, previous, new.solution)
     if not old.feasible:
         reason = "the previous plan does not fit the new workload: " + "; ".join(old.reasons)
-        return ReplanDecision(previous, old, new, move_bytes, new.evaluation.move_s, np.inf, True, reason)
+        return ReplanDecision(
+            previous, old, new, move_bytes, new.evaluation.move_s, np.inf, True, reason, changes
+        )
     gain = (old.objective - new.evaluation.objective) / old.objective
     take = gain >= threshold and new.solution != previous
     if take:
@@ -145,4 +238,4 @@ def replan(
         reason = (
             f"the new plan gains {gain:.1%} after its amortised move, below the {threshold:.1%} threshold"
         )
-    return ReplanDecision(previous, old, new, move_bytes, new.evaluation.move_s, gain, take, reason)
+    return ReplanDecision(previous, old, new, move_bytes, new.evaluation.move_s, gain, take, reason, changes)

@@ -9,9 +9,13 @@ from tessel.plan.instance import PlanningInstance
 
 
 def interchangeable(instance: PlanningInstance, a: int, b: int) -> bool:
-    """Devices a and b are exact copies: same memory, host link, workspace, unit times and links to
-    every other device (so swapping them changes no plan's cost)."""
+    """Devices a and b are exact copies: same memory, host link, workspace, unit times, links to
+    every other device and, when re-planning, the same cost of moving each unit there (so swapping
+    them changes no plan's cost)."""
     da, db = instance.devices[a], instance.devices[b]
+    move = instance.move_s
+    if move is not None and instance.move_weight > 0 and not np.array_equal(move[:, a], move[:, b]):
+        return False
     if (da.memory_bytes, da.host_bytes, da.host_to_device_bytes_per_s) != (
         db.memory_bytes,
         db.host_bytes,

@@ -39,8 +39,28 @@ def print_replan(console: Console, outcome: PlanOutcome) -> None:
         f"weights, {decision.move_s:.2f} s, amortised over {outcome.replan_horizon_s:.0f} s)",
         highlight=False,
     )
+    if decision.precision_changes:
+        console.print(f"new plan re-quantises: {precision_change_text(outcome)}", highlight=False)
+    elif decision.previous.precisions is not None:
+        console.print("new plan keeps every layer's precision", highlight=False)
     verdict = "taking the new plan" if decision.take_new else "keeping the previous plan"
     console.print(f"{verdict}: {decision.reason}", highlight=False)
+
+
+def precision_change_text(outcome: PlanOutcome) -> str:
+    """'layers 3-5 fp16 -> int8; layer 9 int8 -> fp16' (units at sublayer granularity)."""
+    units = outcome.instance.units
+    sublayer = outcome.settings.granularity == "sublayer"
+    parts = []
+    for change in outcome.replan.precision_changes:
+        first, last = change.unit_start, change.unit_end - 1
+        if sublayer:
+            where = f"unit {first}" if first == last else f"units {first}-{last}"
+        else:
+            first, last = units[first].layer, units[last].layer
+            where = f"layer {first}" if first == last else f"layers {first}-{last}"
+        parts.append(f"{where} {change.old} -> {change.new}")
+    return "; ".join(parts)
 
 
 def print_vllm_export(console: Console, outcome: PlanOutcome) -> None:
