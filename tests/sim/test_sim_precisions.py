@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from sim.sim_plans import TINY_LLAMA
 from tessel.catalog.models import model_from_config
 from tessel.cli import app
+from tessel.cost import layer as L
 from tessel.errors import TesselError
 from tessel.plan.build import build_instance
 from tessel.plan.cluster import load_cluster
@@ -28,6 +29,7 @@ from tessel.plan.solution import Solution, Stage, evaluate
 from tessel.plan.workload import Workload
 from tessel.sim.api import SimulationSettings, simulate_plan
 from tessel.sim.plan_pipeline import pipeline_for
+from tessel.units import GIB
 
 CLUSTER = "llmpq-t4-v100"  # four T4 (int8 tensor cores) and two V100 (no int8 tensor cores)
 PRECISIONS = ("fp16", "int8", "int4")
@@ -83,9 +85,9 @@ def _random_plan(rng: np.random.Generator, n_units: int, n_devices: int, n_preci
     prompt=st.integers(1, 700),
 )
 def test_random_mixed_plans_simulate_at_the_planners_stage_times(seed, names, batch, prompt) -> None:
-    """Random tiny plans with random precisions per layer: each simulated stage's decode step is the
-    planner's stage compute time, its prefill too when one request fills a micro-batch, and a short
-    simulation of the plan file runs."""
+    """Random tiny plans with random precisions per layer: each stage's weights in the plan file are
+    the cost model's bytes at its precisions, each simulated stage's decode step is the planner's stage
+    compute time, its prefill too when one request fills a micro-batch, and a short simulation runs."""
     from tessel.plan.precision import parse_precisions
 
     rng = np.random.default_rng(seed)
@@ -98,6 +100,14 @@ def test_random_mixed_plans_simulate_at_the_planners_stage_times(seed, names, ba
     plan = parse_plan(json.loads(document.dump()))
     priced = pipeline_for(plan).pipeline
     b, context = workload.micro_batch_size, workload.mean_decode_context_tokens
+    for written, spec in zip(plan.stages, solution.stages, strict=True):  # memory at the precisions
+        held = sum(
+            L.weight_bytes(model, "layer", precisions[solution.precisions[u]])
+            for u in range(spec.unit_start, spec.unit_end)
+        )
+        held += instance.first_bytes if spec.unit_start == 0 else 0.0
+        held += instance.last_bytes if spec.unit_end == instance.n_units else 0.0
+        assert written.weights_gib * GIB == pytest.approx(held, rel=STAGE_RTOL)
     for stage, expected in zip(priced.stages, evaluation.stages, strict=True):
         assert stage.decode_time_s(b, b * context) == pytest.approx(expected.compute_decode_s, rel=STAGE_RTOL)
         if b == 1:  # the planner's prefill pass is one prompt of the mean length from offset 0

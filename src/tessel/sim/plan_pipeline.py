@@ -7,6 +7,10 @@ roofline, or a measured `Profile` of the stage's device type): per stage
     decode(B, S)  = sum of its units' decode times (+ embedding / LM head of B tokens)
     send(n)       = link latency + hidden bytes of n tokens / link bandwidth  (0 on the last stage)
 
+Each unit is priced at the weight precision the plan chose for it (a stage's `precisions`, from
+`tessel plan --precisions`), the embedding and LM head at the plan's reference precision
+(`PlanFile.reference_dtype`), as the planner priced them; so on a mixed-precision plan the planner's
+stage times and the simulator's agree (`tests/sim/test_sim_precisions.py`).
 Prefill leaves out the final norm + LM head: only the last chunk of a prompt needs logits. The
 simulator adds `logits_time_s(n)` (LM head of n tokens on the last stage's GPU) to a batch that
 finishes n prompts. Links: `link_to_next.bandwidth_gbps` in gigabits per second, `latency_us`.
