@@ -242,7 +242,7 @@ def precision_rows(quick: bool) -> dict:
 
 def replica_rows(quick: bool) -> dict:
     """Best single pipeline vs replicas on helix-like-42 (LLaMA-2-70B)."""
-    from tessel.plan.replicas import choose_replicas, replica_gap
+    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
 
     limit = 10.0 if quick else 60.0
     workload = load_workload("default")
@@ -270,6 +270,8 @@ def replica_rows(quick: bool) -> dict:
             for r in chosen.replicas
         ],  # fmt: skip
         "gap": replica_gap(chosen),
+        "split_bound_tok_s": chosen.split_bound_tok_s,
+        "split_gap": split_gap(chosen),
         "splits": chosen.splits_evaluated,
         "time_s": chosen.time_s,
     }
@@ -289,7 +291,7 @@ def _cluster_64() -> dict:
 def scale_rows(quick: bool) -> dict:
     """80 layers x 64 GPUs, three precisions, replicas: time and gap to the split's bound."""
     from tessel.plan.precision import parse_precisions
-    from tessel.plan.replicas import choose_replicas, replica_gap
+    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("default")
@@ -308,6 +310,8 @@ def scale_rows(quick: bool) -> dict:
         "tok_s": chosen.throughput_tok_s,
         "upper_bound_tok_s": chosen.upper_bound_tok_s,
         "gap": replica_gap(chosen),
+        "split_bound_tok_s": chosen.split_bound_tok_s,
+        "split_gap": split_gap(chosen),
         "replica_gaps": [r.result.gap for r in chosen.replicas],
         "splits": chosen.splits_evaluated,
     }

@@ -30,7 +30,7 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
     from rich.table import Table
 
     from tessel.plan.baselines import run_baselines
-    from tessel.plan.replicas import choose_replicas, replica_gap
+    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
     from tessel.plan.report import plan_json, predict, replicas_json, stage_table
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
@@ -62,11 +62,13 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
             gap,
         )
     console.print(table)
-    gap = replica_gap(chosen)
+    gap, every = replica_gap(chosen), split_gap(chosen)
     console.print(
         f"replicas: {chosen.throughput_tok_s:.1f} tok/s in all (max flow over the replicas), "
         f"{chosen.splits_evaluated} splits tried{' (every partition)' if chosen.exhaustive else ''}, "
-        f"gap {'n/a' if gap is None else f'{gap * 100:.2f}%'} to this split's bound, {chosen.time_s:.1f} s"
+        f"gap {'n/a' if gap is None else f'{gap * 100:.2f}%'} to this split's bound, "
+        f"{'n/a' if every is None else f'{every * 100:.2f}%'} to the bound over every split "
+        f"({chosen.split_bound_tok_s:.1f} tok/s), {chosen.time_s:.1f} s"
     )
     first = chosen.replicas[0]
     if json_path is not None:

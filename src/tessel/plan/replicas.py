@@ -25,8 +25,9 @@ Which split (`choose_replicas`):
   signature re-uses the plan); the best split's groups are then planned again with the time left.
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
-  No optimality claim across splits: the reported gap is each replica's own, and the upper bound is
-  the sum of each replica's throughput at its proven lower bound.
+  The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
+  `split_bound_tok_s` bounds every split there is (`tessel.plan.replica_bound`: a fluid bound, loose
+  but proven), so `split_gap` is a proven gap to the best split at any cluster size.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ReplicaPlan:
     splits_evaluated: int
     exhaustive: bool  # every partition of the devices was tried
     time_s: float
+    split_bound_tok_s: float = math.inf  # over every split of the devices (`tessel.plan.replica_bound`)
 
 
 def routing_weights(capacities: list[float]) -> list[float]:
@@ -300,6 +302,8 @@ def choose_replicas(
         Replica(g, subset(instance, g), p[0], p[1], p[2], w)
         for (g, p), w in zip(best[1], weights, strict=True)
     )
+    from tessel.plan.replica_bound import split_upper_bound_tok_s
+
     return ReplicaPlan(
         chosen,
         best[0],
@@ -307,6 +311,7 @@ def choose_replicas(
         evaluated,
         exhaustive,
         time.perf_counter() - started,
+        split_upper_bound_tok_s(instance, micro_batch_size),
     )
 
 
@@ -391,3 +396,11 @@ def replica_gap(plan: ReplicaPlan) -> float | None:
     if not math.isfinite(plan.upper_bound_tok_s) or plan.upper_bound_tok_s <= 0:
         return None
     return max(plan.upper_bound_tok_s - plan.throughput_tok_s, 0.0) / plan.upper_bound_tok_s
+
+
+def split_gap(plan: ReplicaPlan) -> float | None:
+    """Relative gap of the split's throughput to the bound over every split (None: no bound)."""
+    bound = plan.split_bound_tok_s
+    if not math.isfinite(bound) or bound <= 0:
+        return None
+    return max(bound - plan.throughput_tok_s, 0.0) / bound

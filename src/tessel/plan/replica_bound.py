@@ -1,0 +1,134 @@
+"""An upper bound on the summed throughput of every split of a cluster into replicas.
+
+`choose_replicas` tries every partition of up to 6 devices; beyond, it tries candidate splits only.
+This bound covers every split (any number of replicas, idle devices allowed, any plan of each group),
+so the best split found is within a proven gap of the best split there is.
+
+Per replica (group G of devices, plan with n_j units on device j, m micro-batches of b requests,
+n_out = decode_weight / prefill_weight), `tessel.plan.report.predict` gives
+
+    throughput(G) = m b n_out / (P + n_out D),   P = sum_j T^pre_j + (m-1) max_j T^pre_j >= m max_j T^pre_j
+
+and likewise D, so P + n_out D >= m max_j (T^pre_j + n_out T^dec_j) >= m max_j phi_j(n_j), where
+phi_j(n) is a lower bound on device j's weighted stage time when it holds any n units:
+
+    phi_j(n) = n w_j + k off_j(n)          (additive stage time)
+    phi_j(n) = max(n w_j, k off_j(n))      (overlap: T = max(compute, comm, offload))
+    w_j = min over units of (prefill + n_out decode time on j),  k = 1 + n_out,
+    off_j(n) = max(n beta + workspace_j - memory_j, 0) / host-to-device bandwidth_j,
+    beta = the fewest bytes (weights + KV) of any unit, n <= cap_j (what device + host memory hold).
+
+Precisions enter through `PlanningInstance.relaxed` (every unit at its fewest bytes and least time);
+communication, the first / last stage extras and the swap-in rule are left out (they only add).
+So throughput(G) <= b n_out / L_G with L_G = max_j phi_j(n_j). Let r_j(L) = the most units device j
+holds with phi_j <= L (concave piecewise-linear in L). Then U = sum_{j in G} n_j <= sum_{j in G} r_j(L_G),
+and L_G >= L* := the least L with sum over all devices r_j(L) >= U. Hence
+
+    sum_G throughput(G) <= b n_out / U * sum_G sum_{j in G} r_j(L_G) / L_G
+                        <= b n_out / U * sum_j max_{L >= L*} r_j(L) / L,
+
+the maximum over L taken at L* or at a breakpoint of r_j (r_j(L) / L is monotone between them).
+Tested against brute force over every partition with brute-force plans per group
+(`tests/plan/test_replica_bound.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL
+
+BISECTION_STEPS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    """phi(n) = max over lines of (slope * n + intercept), for 0 <= n <= cap."""
+
+    lines: tuple[tuple[float, float], ...]
+    cap: float
+
+    def units(self, load: float) -> float:
+        """r(L): the most units with phi <= L (0 when not even one fraction fits)."""
+        most = self.cap
+        for slope, intercept in self.lines:
+            if slope > 0:
+                most = min(most, (load - intercept) / slope)
+            elif intercept > load:
+                return 0.0
+        return max(most, 0.0)
+
+    def breakpoints(self) -> list[float]:
+        """Loads where r changes slope: r leaves 0, two lines cross, the cap starts to bind."""
+        points = [intercept for _, intercept in self.lines]
+        points += [slope * self.cap + intercept for slope, intercept in self.lines if math.isfinite(self.cap)]
+        for i, (a1, c1) in enumerate(self.lines):
+            for a2, c2 in self.lines[i + 1 :]:
+                if a1 > 0 and a2 > 0 and a1 != a2:  # (L - c1) / a1 = (L - c2) / a2
+                    points.append((a1 * c2 - a2 * c1) / (a1 - a2))
+        return points
+
+    def best_rate(self, least_load: float) -> float:
+        """max over L >= least_load of r(L) / L (units per second of weighted load)."""
+        candidates = [least_load, *(p for p in self.breakpoints() if p > least_load)]
+        best = max(self.units(load) / load for load in candidates if load > 0)
+        if not math.isfinite(self.cap):  # r(L) / L tends to 1 / (steepest slope) as L grows
+            steepest = max(slope for slope, _ in self.lines)
+            best = max(best, 1.0 / steepest) if steepest > 0 else math.inf
+        return best
+
+
+def _devices(instance: PlanningInstance) -> list[_Device]:
+    relaxed = instance.relaxed()
+    n_out = relaxed.decode_weight / relaxed.prefill_weight
+    k = 1.0 + n_out
+    work = relaxed.prefill.unit_time_s + n_out * relaxed.decode.unit_time_s  # [U, N]
+    beta = float(np.min(relaxed.weight_bytes + relaxed.kv_bytes))
+    devices = []
+    for j, slot in enumerate(relaxed.devices):
+        w = float(np.min(work[:, j]))
+        spare = slot.memory_bytes - float(relaxed.workspace_bytes[j])  # offload starts past this
+        host = slot.host_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
+        cap = (spare + host) / beta if beta > 0 else math.inf
+        rate = slot.host_to_device_bytes_per_s
+        if rate <= 0:  # no host link: nothing may be offloaded
+            cap = min(cap, max(spare, 0.0) / beta) if beta > 0 else cap
+            offload = (0.0, 0.0)
+        else:
+            offload = (k * beta / rate, -k * spare / rate)  # k (n beta - spare) / rate
+        if instance.overlap:
+            lines = ((w, 0.0), offload, (0.0, 0.0))
+        else:
+            lines = ((w, 0.0), (w + offload[0], offload[1]))
+        devices.append(_Device(lines, cap))
+    return devices
+
+
+def split_upper_bound_tok_s(instance: PlanningInstance, micro_batch_size: int) -> float:
+    """Upper bound on the summed predicted throughput (tokens/s) of every split of the instance's
+    devices into replicas, each planned any way (module docstring); 0 when no split can hold the
+    model, inf when a device costs no time."""
+    devices = _devices(instance)
+    units = float(instance.n_units)
+    if sum(d.units(math.inf) for d in devices) < units:
+        return 0.0
+    low, high = 0.0, 1.0
+    while sum(d.units(high) for d in devices) < units:
+        high *= 2.0
+        if not math.isfinite(high):
+            return 0.0
+    for _ in range(BISECTION_STEPS):  # low stays below the least feasible load
+        middle = 0.5 * (low + high)
+        if sum(d.units(middle) for d in devices) >= units:
+            high = middle
+        else:
+            low = middle
+    if low <= 0.0:
+        return math.inf
+    n_out = instance.decode_weight / instance.prefill_weight
+    rates = sum(d.best_rate(low) for d in devices)
+    return micro_batch_size * n_out * rates / units

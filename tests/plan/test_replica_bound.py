@@ -1,0 +1,105 @@
+"""The bound over every replica split (`tessel.plan.replica_bound`) against brute force: every
+partition of the devices, every group planned by brute force, never more throughput than the bound."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from plan.random_instances import flagged_instance, with_precision_choice
+from plan.test_replicas import _labelings
+from tessel.plan.replica_bound import split_upper_bound_tok_s
+from tessel.plan.replicas import choose_replicas, subset
+from tessel.plan.report import predict
+from tessel.plan.solution import Solution, evaluate
+
+
+def _plans(instance):
+    """Every plan of an instance (every device order, unit split and precision vector), evaluated."""
+    U, N = instance.n_units, instance.n_devices
+    vectors = (
+        [None] if instance.precision is None else itertools.product(range(instance.n_precisions), repeat=U)
+    )
+    for vector in vectors:
+        for k in range(1, min(N, U) + 1):
+            for cuts in itertools.combinations(range(1, U), k - 1):
+                counts = [b - a for a, b in zip((0, *cuts), (*cuts, U), strict=True)]
+                for devices in itertools.permutations(range(N), k):
+                    yield evaluate(instance, Solution.from_counts(devices, counts).with_precisions(vector))
+
+
+def _best_split_tok_s(instance, micro_batch_size: int) -> float:
+    """Most summed throughput over every partition, each group at its most throughput over every plan
+    (not only the objective's optimum: the bound must cover them all)."""
+    best = 0.0
+    for labels in _labelings(instance.n_devices):
+        total = 0.0
+        for label in set(labels):
+            group = tuple(j for j, x in enumerate(labels) if x == label)
+            sub = subset(instance, group)
+            total += max(
+                (predict(sub, e, micro_batch_size).throughput_tok_s for e in _plans(sub) if e.feasible),
+                default=0.0,
+            )
+        best = max(best, total)
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_units=st.integers(1, 4),
+    n_devices=st.integers(1, 4),
+    flags=st.integers(0, 15),
+    n_precisions=st.integers(1, 3),
+    batch=st.integers(1, 5),
+)
+def test_no_split_beats_the_bound(seed, n_units, n_devices, flags, n_precisions, batch) -> None:
+    rng = np.random.default_rng(seed)
+    instance = flagged_instance(seed, n_units, n_devices, flags, rng=rng)
+    if n_precisions > 1:
+        instance = with_precision_choice(instance, rng, n_precisions, budget=bool(flags & 1), theta=False)
+    bound = split_upper_bound_tok_s(instance, batch)
+    best = _best_split_tok_s(instance, batch)
+    assert best <= bound * (1 + 1e-9), (best, bound)
+    if best > 0:
+        assert math.isfinite(bound)
+
+
+def test_one_device_without_offloading_is_tight() -> None:
+    """One device that holds every unit in its memory: the bound is m b n_out / (m U w), the
+    throughput when the pipeline's one stage does nothing but its units (no extras)."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(5)
+    instance = flagged_instance(0, 3, 1, 0, rng=rng)
+    instance = replace(
+        instance,
+        prefill=replace(instance.prefill, first_time_s=np.zeros(1), last_time_s=np.zeros(1)),
+        decode=replace(instance.decode, first_time_s=np.zeros(1), last_time_s=np.zeros(1)),
+        prefill_weight=1.0,
+    )
+    alike = replace(
+        instance,
+        prefill=replace(instance.prefill, unit_time_s=np.full((3, 1), 0.01)),
+        decode=replace(instance.decode, unit_time_s=np.full((3, 1), 0.001)),
+    )
+    plan = Solution.from_counts([0], [3])
+    evaluation = evaluate(alike, plan)
+    assert evaluation.feasible and evaluation.offload_bytes == 0
+    actual = predict(alike, evaluation, 2).throughput_tok_s
+    assert split_upper_bound_tok_s(alike, 2) == pytest.approx(actual, rel=1e-9)
+
+
+def test_bound_covers_the_chosen_split_on_a_bundled_cluster() -> None:
+    from tessel.plan.build import build_instance
+
+    instance = build_instance("llama-2-7b", "llmpq-t4-v100", "default")
+    chosen = choose_replicas(instance, 7, solver="dp", time_limit_s=6)
+    bound = split_upper_bound_tok_s(instance, 7)
+    assert chosen.throughput_tok_s <= bound < math.inf
