@@ -7,10 +7,10 @@ so the best split found is within a proven gap of the best split there is.
 Per replica (group G of devices, plan with n_j units on device j, m micro-batches of b requests,
 n_out = decode_weight / prefill_weight), `tessel.plan.report.predict` gives
 
-    throughput(G) = m b n_out / (P + n_out D),   P = sum_j T^pre_j + (m-1) max_j T^pre_j >= m max_j T^pre_j
+    throughput(G) = m b n_out / (P + n_out D),   P = sum_j T^pre_j + (m-1) max_j T^pre_j
 
-and likewise D, so P + n_out D >= m max_j (T^pre_j + n_out T^dec_j) >= m max_j phi_j(n_j), where
-phi_j(n) is a lower bound on device j's weighted stage time when it holds any n units:
+and likewise D. With W_j = T^pre_j + n_out T^dec_j, P + n_out D >= sum_j W_j + (m-1) max_j W_j, and
+W_j >= phi_j(n_j), a lower bound on device j's weighted stage time when it holds any n units:
 
     phi_j(n) = n w_j + k off_j(n)          (additive stage time)
     phi_j(n) = max(n w_j, k off_j(n))      (overlap: T = max(compute, comm, offload))
@@ -20,15 +20,18 @@ phi_j(n) is a lower bound on device j's weighted stage time when it holds any n 
 
 Precisions enter through `PlanningInstance.relaxed` (every unit at its fewest bytes and least time);
 communication, the first / last stage extras and the swap-in rule are left out (they only add).
-So throughput(G) <= b n_out / L_G with L_G = max_j phi_j(n_j). Let r_j(L) = the most units device j
-holds with phi_j <= L (concave piecewise-linear in L). Then U = sum_{j in G} n_j <= sum_{j in G} r_j(L_G),
-and L_G >= L* := the least L with sum over all devices r_j(L) >= U. Hence
+With L_G = max_j phi_j(n_j): sum_j W_j >= max(L_G, U w*) (w* the least w_j of all devices), so
+P + n_out D >= m psi(L_G), psi(L) = ((m - 1) L + max(L, U w*)) / m >= L. Let r_j(L) = the most
+units device j holds with phi_j <= L (concave piecewise-linear in L). Then
+U = sum_{j in G} n_j <= sum_{j in G} r_j(L_G), and L_G >= L* := the least L with sum over all
+devices r_j(L) >= U. Hence
 
-    sum_G throughput(G) <= b n_out / U * sum_G sum_{j in G} r_j(L_G) / L_G
-                        <= b n_out / U * sum_j max_{L >= L*} r_j(L) / L,
+    sum_G throughput(G) <= b n_out / U * sum_G sum_{j in G} r_j(L_G) / psi(L_G)
+                        <= b n_out / U * sum_j max_{L >= L*} r_j(L) / psi(L),
 
-the maximum over L taken at L* or at a breakpoint of r_j (r_j(L) / L is monotone between them).
-Tested against brute force over every partition with brute-force plans per group
+the maximum over L taken at L*, at a breakpoint of r_j or of psi, or in the limit L -> inf
+(between breakpoints r_j / psi is a ratio of linear functions, hence monotone).
+Tested against brute force over every partition with every plan of each group
 (`tests/plan/test_replica_bound.py`).
 """
 
@@ -72,21 +75,40 @@ class _Device:
                     points.append((a1 * c2 - a2 * c1) / (a1 - a2))
         return points
 
-    def best_rate(self, least_load: float) -> float:
-        """max over L >= least_load of r(L) / L (units per second of weighted load)."""
-        candidates = [least_load, *(p for p in self.breakpoints() if p > least_load)]
-        best = max(self.units(load) / load for load in candidates if load > 0)
-        if not math.isfinite(self.cap):  # r(L) / L tends to 1 / (steepest slope) as L grows
+    def best_rate(self, least_load: float, psi: _Psi) -> float:
+        """max over L >= least_load of r(L) / psi(L) (units per second of weighted load)."""
+        points = [*self.breakpoints(), psi.knee]
+        candidates = [least_load, *(p for p in points if p > least_load)]
+        best = max(self.units(load) / psi(load) for load in candidates if load > 0)
+        if not math.isfinite(self.cap):  # r(L) / psi(L) tends to 1 / (steepest slope) as L grows
             steepest = max(slope for slope, _ in self.lines)
             best = max(best, 1.0 / steepest) if steepest > 0 else math.inf
         return best
 
 
-def _devices(instance: PlanningInstance) -> list[_Device]:
+@dataclass(frozen=True, slots=True)
+class _Psi:
+    """psi(L) = ((m - 1) L + max(L, knee)) / m: a replica's objective / m when its bottleneck is L."""
+
+    micro_batches: int
+    knee: float  # U w*: every unit on the fastest device
+
+    def __call__(self, load: float) -> float:
+        m = self.micro_batches
+        return ((m - 1) * load + max(load, self.knee)) / m
+
+
+def _work(instance: PlanningInstance) -> np.ndarray:
+    """[U, N] prefill + n_out decode time of each unit on each device, at its least over precisions."""
     relaxed = instance.relaxed()
     n_out = relaxed.decode_weight / relaxed.prefill_weight
-    k = 1.0 + n_out
-    work = relaxed.prefill.unit_time_s + n_out * relaxed.decode.unit_time_s  # [U, N]
+    return relaxed.prefill.unit_time_s + n_out * relaxed.decode.unit_time_s
+
+
+def _devices(instance: PlanningInstance) -> list[_Device]:
+    relaxed = instance.relaxed()
+    k = 1.0 + relaxed.decode_weight / relaxed.prefill_weight
+    work = _work(instance)
     beta = float(np.min(relaxed.weight_bytes + relaxed.kv_bytes))
     devices = []
     for j, slot in enumerate(relaxed.devices):
@@ -130,5 +152,6 @@ def split_upper_bound_tok_s(instance: PlanningInstance, micro_batch_size: int) -
     if low <= 0.0:
         return math.inf
     n_out = instance.decode_weight / instance.prefill_weight
-    rates = sum(d.best_rate(low) for d in devices)
+    psi = _Psi(instance.micro_batches, units * float(np.min(_work(instance))))
+    rates = sum(d.best_rate(low, psi) for d in devices)
     return micro_batch_size * n_out * rates / units
