@@ -8,6 +8,8 @@ throughput for a mixed-precision plan against the simulated one in the regime th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +188,14 @@ def test_unknown_precision_in_a_plan_names_the_stage_and_field(tmp_path: Path) -
         result = CliRunner().invoke(app, command)
         assert isinstance(result.exception, TesselError), result.output
         assert "stages[1]" in str(result.exception) and "precisions[2]" in str(result.exception)
+    ran = subprocess.run(
+        [sys.executable, "-m", "tessel.cli", "simulate", "--plan", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert "precisions[2] is 'int3'" in " ".join(ran.stderr.split())
 
 
 @pytest.mark.slow
