@@ -227,3 +227,19 @@ def test_simulator_agrees_with_the_planner_on_a_mixed_precision_plan(tmp_path: P
     run = json.loads(out.read_text())["results"]["plan"]
     simulated, predicted = run["metrics"]["throughput_tok_s"], run["predicted"]["throughput_tok_s"]
     assert abs(simulated - predicted) <= THROUGHPUT_RTOL * predicted, (simulated, predicted)
+
+
+def test_simulate_shows_the_precisions_it_priced(tmp_path: Path) -> None:
+    model, cluster = _tiny_model(), load_cluster(CLUSTER)
+    workload = _workload(4, 128, 8)
+    instance = build_instance(model, cluster, workload, precisions=("fp16", "int8"), theta=0.0)
+    split = Solution((Stage(0, 0, 3), Stage(1, 3, 8))).with_precisions([0, 0, 1, 1, 1, 0, 0, 0])
+    plan, _ = _plan_file(instance, split, workload, model, cluster)
+    path = tmp_path / "mixed.json"
+    plan.write(path)
+    result = CliRunner().invoke(
+        app, ["simulate", "--plan", str(path), "--requests", "3"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "precisions" in result.output and "fp16 x2, int8 x1" in result.output
+    assert "int8 x2, fp16 x3" in result.output

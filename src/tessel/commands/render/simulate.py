@@ -82,18 +82,34 @@ def _util_range(utilisation: tuple[float, ...]) -> str:
 
 
 def stage_table(run: VariantRun) -> Table:
+    """Per stage: where it runs, its layers, how busy the simulation kept it; and the weight
+    precisions it was priced at when the plan gives them."""
+    from tessel.plan.precision import stage_precision_text
+
     table = Table(title=f"Stages of {run.variant.name}")
-    for name in ("stage", "device", "GPU", "layers", "busy (s)", "utilisation"):
+    mixed = any(stage.precisions is not None for stage in run.variant.stages)
+    names = (
+        "stage",
+        "device",
+        "GPU",
+        "layers",
+        *(("precisions",) if mixed else ()),
+        "busy (s)",
+        "utilisation",
+    )
+    for name in names:
         table.add_column(name, justify="right" if name in ("busy (s)", "utilisation") else "left")
     metrics = run.metrics
     for stage, busy, use in zip(
         run.variant.stages, metrics.stage_busy_s, metrics.stage_utilisation, strict=True
     ):
+        precisions = tuple(stage.precisions or ())
         table.add_row(
             str(stage.index),
             stage.device,
             stage.gpu_type,
             f"{stage.layer_start}-{stage.layer_end - 1}",
+            *((stage_precision_text(precisions, 0, len(precisions)),) if mixed else ()),
             f"{busy:,.3f}",
             f"{use:.1%}",
         )
