@@ -292,3 +292,25 @@ def test_cli_replan_keeps_or_rechooses_precisions(tmp_path: Path) -> None:
     else:
         assert "keeps every layer's precision" in text
     assert after["quality"]["cost"] <= after["quality"]["budget"] * (1 + 1e-6)
+
+
+def test_replanning_inherits_the_previous_precisions_and_budget() -> None:
+    """Without --precisions, the previous plan's list, budget and theta; with it, the given ones; a
+    plan made from measured sensitivities needs them again."""
+    from plan.test_plan_file_v2 import V2
+    from tessel.plan.api import PlanSettings, inherited_precisions
+    from tessel.plan.plan_file import parse_plan
+
+    previous = parse_plan(V2)  # precisions fp16,int8; budget 1.0, theta 0
+    settings = inherited_precisions(PlanSettings(), previous)
+    assert (settings.precisions, settings.quality_budget, settings.theta) == ("fp16,int8", 1.0, None)
+    given = PlanSettings(precisions="fp16,int4", theta=0.5)
+    assert inherited_precisions(given, previous) == given
+    theta_only = parse_plan({**V2, "quality": {"cost": 0.5, "budget": None, "theta": 0.2, "source": "shape"}})
+    settings = inherited_precisions(PlanSettings(), theta_only)
+    assert (settings.quality_budget, settings.theta) == (None, 0.2)
+    measured = parse_plan({**V2, "quality": {**V2["quality"], "source": "sensitivity"}})
+    with pytest.raises(TesselError, match="--precisions fp16,int8 --sensitivity FILE"):
+        inherited_precisions(PlanSettings(), measured)
+    single = parse_plan({**V2, "precisions": [], "quality": None})
+    assert inherited_precisions(PlanSettings(), single) == PlanSettings()

@@ -263,8 +263,8 @@ def inherited_precisions(settings: PlanSettings, previous: PlanFile) -> PlanSett
         return replace(settings, precisions=",".join(previous.precisions))
     if quality.source == "sensitivity" and settings.sensitivity is None:
         raise TesselError(
-            f"{previous.source} chose its precisions with measured sensitivities; pass --sensitivity "
-            "with that file (or --precisions and a budget) to re-plan it"
+            f"{previous.source} chose its precisions with measured sensitivities; re-plan it with "
+            f"--precisions {','.join(previous.precisions)} --sensitivity FILE (the file it was planned with)"
         )
     theta = quality.theta if quality.theta > 0 or quality.budget is None else None
     return replace(
