@@ -148,3 +148,14 @@ def test_generators_reject_bad_arguments() -> None:
         poisson_requests(5, 0.0, dist, dist)
     with pytest.raises(ValueError):
         LengthDistribution("zipf")
+
+
+def test_a_json_integer_beyond_any_float_is_a_user_error(tmp_path) -> None:
+    """Found by tests/cli/test_fuzz_readers.py: float(10**400) raises OverflowError."""
+    from tessel.errors import TesselError
+    from tessel.sim.requests import load_trace
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"arrival_s": 1' + "0" * 400 + ', "prompt_tokens": 1, "output_tokens": 1}\n')
+    with pytest.raises(TesselError, match="field 'arrival_s' must be a number"):
+        load_trace(path)

@@ -186,7 +186,7 @@ def _number(path: Path, line: int, name: str, raw: object, *, integer: bool) -> 
         raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {raw!r}")
     try:
         value = float(raw.strip()) if isinstance(raw, str) else float(raw)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON integer beyond any float
         raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {_short(raw)}") from None
     if integer and not (math.isfinite(value) and value == int(value)):
         raise TesselError(f"{path}:{line}: field {name!r} must be {kind}, got {_short(raw)}")
