@@ -236,6 +236,26 @@ def measure_sensitivity(
     return {name: [max(value / tokens, 0.0) for value in values] for name, values in sums.items()}
 
 
+@torch.no_grad()
+def measure_kl(model: nn.Module, windows: torch.Tensor, layer_precisions: list[str | None]) -> float:
+    """Mean KL(float || model with layer i at layer_precisions[i], None = float) per token, in nats.
+
+    What a mixed-precision plan actually costs, to hold the sum of its per-layer costs against."""
+    layers, _, _ = decoder_parts(model)
+    if len(layer_precisions) != len(layers):
+        raise TesselError(f"{len(layer_precisions)} precisions for {len(layers)} layers")
+    in_features = [linear.in_features for layer in layers for linear in _linears(layer)]
+    total = 0.0
+    for window in windows:
+        _, reference = _float_pass(model, window)
+        with contextlib.ExitStack() as stack:
+            for layer, name in zip(layers, layer_precisions, strict=True):
+                if name is not None:
+                    stack.enter_context(fake_quantized(layer, precision_scheme(name, in_features)))
+            total += kl_sum_nats(reference, model(input_ids=window[None], use_cache=False).logits[0])
+    return total / windows.numel()
+
+
 def write_sensitivity(
     model_dir: str | Path, out: str | Path, options: SensitivityOptions, progress: Progress | None = None
 ) -> SensitivityResult:
