@@ -40,6 +40,12 @@ ROOT = Path(__file__).resolve().parent
 PRECISIONS = ("fp16", "int8", "int4")
 
 
+def _shown(path: Path) -> str:
+    """A path relative to the repository when inside it (results stay comparable across clones)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT.parent)) if path.is_relative_to(ROOT.parent) else str(path)
+
+
 def plan_layers(model_dir: Path, cluster: str, sensitivity: Path | None) -> dict:
     settings = PlanSettings(precisions=",".join(PRECISIONS), sensitivity=sensitivity, time_limit_s=20)
     outcome = make_plan(model_dir, cluster, "default", settings)
@@ -81,7 +87,7 @@ def main() -> None:
         write_sensitivity(
             args.model, path, SensitivityOptions(args.calib, ("int8", "int4"), args.samples, args.seq_len)
         )
-    measure_s = time.perf_counter() - started
+    measure_s = None if args.sensitivity else time.perf_counter() - started  # None: a file reused
     measured = SensitivityFile.model_validate_json(path.read_text()).costs
     per_kind = weight_costs(spec, PRECISIONS, args.model)
     weights = per_kind["attention"] + per_kind["mlp"]  # [L, 3]
@@ -133,8 +139,8 @@ def main() -> None:
         )
     result = {
         "model": spec.name,
-        "calibration": {"file": str(args.calib), "samples": args.samples, "seq_len": args.seq_len},
-        "held_out": {"file": str(args.eval), "samples": args.samples, "seq_len": args.seq_len},
+        "calibration": {"file": _shown(args.calib), "samples": args.samples, "seq_len": args.seq_len},
+        "held_out": {"file": _shown(args.eval), "samples": args.samples, "seq_len": args.seq_len},
         "measure_s": measure_s,
         "costs_kl_nats_per_token": measured,
         "weights_indicator": {name: weights[:, q].tolist() for q, name in enumerate(PRECISIONS)},
