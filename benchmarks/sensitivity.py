@@ -7,7 +7,8 @@ On a local checkpoint (default: SmolLM2-135M-Instruct, cached by tests/real_mode
    and the Spearman rank correlation of the two per precision;
 3. additivity: the KL of the model with every layer at int8 (and at int4) against the sum of the
    per-layer costs the planner adds up (on the calibration windows);
-4. `tessel plan --precisions fp16,int8,int4` on a bundled mixed cluster with each source: which
+4. `tessel plan --precisions fp16,int8,int4` on a bundled mixed cluster with each source (and with
+   the measured costs under the same default budget plus `--theta`): which
    layers get int8 / int4, the predicted throughput, and the measured KL of each plan's precisions
    (on the calibration windows, and on as many windows of the held-out text).
 
@@ -38,6 +39,7 @@ from tessel.quant.sensitivity import SensitivityOptions, measure_kl, write_sensi
 
 ROOT = Path(__file__).resolve().parent
 PRECISIONS = ("fp16", "int8", "int4")
+PLAN_TIME_LIMIT_S = 20.0
 
 
 def _shown(path: Path) -> str:
@@ -46,8 +48,20 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT.parent)) if path.is_relative_to(ROOT.parent) else str(path)
 
 
-def plan_layers(model_dir: Path, cluster: str, sensitivity: Path | None) -> dict:
-    settings = PlanSettings(precisions=",".join(PRECISIONS), sensitivity=sensitivity, time_limit_s=20)
+def plan_layers(
+    model_dir: Path,
+    cluster: str,
+    sensitivity: Path | None,
+    budget: float | None = None,
+    theta: float | None = None,
+) -> dict:
+    settings = PlanSettings(
+        precisions=",".join(PRECISIONS),
+        sensitivity=sensitivity,
+        quality_budget=budget,
+        theta=theta,
+        time_limit_s=PLAN_TIME_LIMIT_S,
+    )
     outcome = make_plan(model_dir, cluster, "default", settings)
     names = list(outcome.result.evaluation.precisions)
     return {
@@ -75,6 +89,7 @@ def main() -> None:
     parser.add_argument("--sensitivity", type=Path, default=None, help="reuse a measured file")
     parser.add_argument("--cluster", default="mixed-a100-v100-t4")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--theta", type=float, default=2.0, help="s per nat, for the third plan")
     parser.add_argument("--json", type=Path, default=ROOT / "results" / "sensitivity.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -124,15 +139,21 @@ def main() -> None:
         )
 
     plans = {}
-    for label, source in (("sensitivity", path), ("weights", None)):
-        plan = plan_layers(args.model, args.cluster, source)
+    default_budget = 0.5 * float(np.sum(measured["int8"]))  # what `tessel plan` takes without options
+    runs = (
+        ("sensitivity", path, None, None),
+        ("weights", None, None, None),
+        (f"sensitivity, theta {args.theta:g}", path, default_budget, args.theta),
+    )
+    for label, source, budget, theta in runs:
+        plan = plan_layers(args.model, args.cluster, source, budget, theta)
         names = [None if n == "fp16" else n for n in plan["precisions"]]
         plan["predicted_kl"] = float(sum(measured[n][i] for i, n in enumerate(names) if n is not None))
         plan["measured_kl"] = measure_kl(model, calib, names)
         plan["held_out_kl"] = measure_kl(model, held_out, names)
         plans[label] = plan
         console.print(
-            f"plan with {plan['source']} costs on {args.cluster}: int8 layers {plan['int8_layers']}, "
+            f"plan with {label} costs on {args.cluster}: int8 layers {plan['int8_layers']}, "
             f"int4 layers {plan['int4_layers']}, {plan['throughput_tok_s']:.0f} tok/s predicted, "
             f"KL of its precisions {plan['measured_kl']:.4g} (sum of layer costs {plan['predicted_kl']:.4g}; "
             f"held-out text {plan['held_out_kl']:.4g})"
