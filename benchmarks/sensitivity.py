@@ -14,6 +14,7 @@ On a local checkpoint (default: SmolLM2-135M-Instruct, cached by tests/real_mode
 
     python benchmarks/sensitivity.py --threads 1
     python benchmarks/sensitivity.py --sensitivity /tmp/smollm2.json   # reuse a measured file
+    python benchmarks/sensitivity.py --halves   # only: rank stability over two halves of the text
 
 JSON to benchmarks/results/sensitivity.json.
 """
@@ -35,7 +36,7 @@ from tessel.catalog.models import load_model
 from tessel.plan.api import PlanSettings, make_plan
 from tessel.plan.quality import SensitivityFile, weight_costs
 from tessel.quant.calibrate import calibration_windows, load_hf_model
-from tessel.quant.sensitivity import SensitivityOptions, measure_kl, write_sensitivity
+from tessel.quant.sensitivity import SensitivityOptions, measure_kl, measure_sensitivity, write_sensitivity
 
 ROOT = Path(__file__).resolve().parent
 PRECISIONS = ("fp16", "int8", "int4")
@@ -79,6 +80,23 @@ def plan_layers(
     }
 
 
+def split_halves(args: argparse.Namespace, console: Console) -> None:
+    """Costs on the first and the second half of the calibration windows, and their rank correlation;
+    added to the existing JSON as `split_half`."""
+    model, tokenizer = load_hf_model(args.model)
+    windows = calibration_windows(
+        args.calib.read_text(encoding="utf-8"), tokenizer, args.samples, args.seq_len
+    )
+    half = len(windows) // 2
+    first = measure_sensitivity(model, windows[:half], ("int8", "int4"))
+    second = measure_sensitivity(model, windows[half:], ("int8", "int4"))
+    rank = {name: float(spearmanr(first[name], second[name]).statistic) for name in first}
+    console.print(f"Spearman, costs on windows 0-{half - 1} vs {half}-{len(windows) - 1}: {rank}")
+    result = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    result["split_half"] = {"first": first, "second": second, "spearman": rank}
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=Path.home() / ".cache/tessel/smollm2-135m-instruct")
@@ -90,11 +108,16 @@ def main() -> None:
     parser.add_argument("--cluster", default="mixed-a100-v100-t4")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--theta", type=float, default=2.0, help="s per nat, for the third plan")
+    parser.add_argument(
+        "--halves", action="store_true", help="only: how stable the ranking is (two halves of the windows)"
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "results" / "sensitivity.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     console = Console()
     spec = load_model(args.model)
+    if args.halves:
+        return split_halves(args, console)
     started = time.perf_counter()
     path = args.sensitivity
     if path is None:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.quant.qat import fake_quantize_per_token  # int8 per token, rounded as the W8A8 kernels do
 from tessel.quant.schemes import GROUP_SIZE, Scheme, make_scheme, quantize_weight
 
 SENSITIVITY_PRECISIONS = ("int8", "int4")  # what the planner can choose below its float reference
@@ -114,11 +115,8 @@ def _linears(layer: nn.Module) -> list[nn.Linear]:
     return [module for module in layer.modules() if isinstance(module, nn.Linear)]
 
 
-def _fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 per token, as the W8A8 kernels round (`tessel.kernels.quantize`)."""
-    from tessel.quant.qat import fake_quantize_per_token
-
-    return fake_quantize_per_token(x)
+def _in_features(layers: nn.ModuleList) -> list[int]:
+    return [linear.in_features for layer in layers for linear in _linears(layer)]
 
 
 @contextlib.contextmanager
@@ -134,7 +132,7 @@ def fake_quantized(layer: nn.Module, scheme: Scheme) -> Iterator[None]:
             if not scheme.weight_only:
                 handles.append(
                     linear.register_forward_pre_hook(
-                        lambda _m, args: (_fake_quantize_per_token(args[0]), *args[1:])
+                        lambda _m, args: (fake_quantize_per_token(args[0]), *args[1:])
                     )
                 )
         yield
@@ -217,7 +215,7 @@ def measure_sensitivity(
 ) -> dict[str, list[float]]:
     """precision -> [layers] mean KL(float || layer i quantised) per token over `windows` [S, T]."""
     layers, _, _ = decoder_parts(model)
-    in_features = [linear.in_features for layer in layers for linear in _linears(layer)]
+    in_features = _in_features(layers)
     if not in_features:
         raise TesselError("found no linear layers in the decoder layers; is it a Llama-family model?")
     schemes = {name: precision_scheme(name, in_features) for name in precisions}
@@ -244,7 +242,7 @@ def measure_kl(model: nn.Module, windows: torch.Tensor, layer_precisions: list[s
     layers, _, _ = decoder_parts(model)
     if len(layer_precisions) != len(layers):
         raise TesselError(f"{len(layer_precisions)} precisions for {len(layers)} layers")
-    in_features = [linear.in_features for layer in layers for linear in _linears(layer)]
+    in_features = _in_features(layers)
     total = 0.0
     for window in windows:
         _, reference = _float_pass(model, window)
@@ -281,6 +279,5 @@ def write_sensitivity(
         raise TesselError(f"{model_dir}: the measured costs are not finite; the model overflows in float32")
     document = SensitivityFile(model=spec.name, num_layers=spec.num_layers, costs=costs)
     write_json_file(out, document.model_dump(), "--sensitivity")
-    in_features = [linear.in_features for layer in layers for linear in _linears(layer)]
-    group = int4_group_size(in_features) if "int4" in options.precisions else None
+    group = int4_group_size(_in_features(layers)) if "int4" in options.precisions else None
     return SensitivityResult(out, spec.name, costs, group, windows.numel(), time.perf_counter() - start)
