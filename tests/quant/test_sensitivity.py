@@ -229,3 +229,16 @@ def test_sensitivity_options_fuzz(samples: int, seq_len: int) -> None:
         assert "--calib-samples" in str(error) or "--seq-len" in str(error)
         return
     assert options.calib_samples >= 1 and options.seq_len >= 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("int48,fp16 \x00\u00e9")), max_size=12))
+def test_cli_precisions_fuzz(tiny_llama: Path, calib_text: Path, tmp_path_factory, text: str) -> None:
+    out = tmp_path_factory.mktemp("fuzz") / "costs.json"
+    args = ["quantize", tiny_llama, "--sensitivity", out, "--calib", calib_text, *SMALL, "--precisions", text]
+    result = _invoke(args)
+    if result.exit_code == 0:
+        assert set(SensitivityFile.model_validate_json(out.read_text()).costs) <= set(SENSITIVITY_PRECISIONS)
+    else:
+        assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2, result.output
+        assert not out.exists()
