@@ -120,14 +120,32 @@ def jsonable(value: object) -> object:
 
 
 def write_json_file(path: str | Path, document: object, what: str = "output file") -> Path:
-    """Write `document` as indented JSON (non-finite floats as null), creating the folder."""
+    """Write `document` as indented JSON (non-finite floats as null), creating the folder.
+
+    Atomic: the text goes to a temporary file beside `path` that replaces it only once complete, so
+    an interrupted write leaves the previous file (or none), never half a document."""
     path = check_output_path(path, what)
+    text = json.dumps(jsonable(document), indent=2) + "\n"
+    staging = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(jsonable(document), indent=2) + "\n")
+        handle, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.partial-")
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(staging, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would have given
+        os.replace(staging, path)
     except OSError as error:
         raise TesselError(f"cannot write {what} {path}: {error.strerror or error}") from None
+    finally:
+        if staging is not None and os.path.exists(staging):
+            os.unlink(staging)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager

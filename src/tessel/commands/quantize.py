@@ -16,7 +16,7 @@ def quantize(
     model: Path = typer.Argument(
         ..., help="Local Hugging Face model directory (fp32/bf16/fp16) or .gguf file."
     ),
-    out: Path = typer.Option(..., "--out", help="Directory to write the quantised checkpoint to."),
+    out: Path | None = typer.Option(None, "--out", help="Directory to write the quantised checkpoint to."),
     scheme: str = typer.Option("w8a8", help="w8a8, w8a16 or w4a16."),
     act: str = typer.Option("dynamic", help="w8a8 activations: dynamic (per token) or static (per tensor)."),
     observer: str = typer.Option(
@@ -34,9 +34,21 @@ def quantize(
     group_size: int | None = typer.Option(
         None, min=1, help="Weight columns per scale (w4a16 default 128); none: per output channel."
     ),
+    sensitivity: Path | None = typer.Option(
+        None, "--sensitivity", help="Instead of --out: per-layer quality costs on --calib, for `tessel plan`."
+    ),
+    precisions: str = typer.Option("int8,int4", help="--sensitivity: the precisions to measure."),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
     check_model_path(model, "MODEL")
+    if (out is None) == (sensitivity is None):
+        from tessel.errors import TesselError
+
+        raise TesselError("give one of --out DIR (a quantised checkpoint) or --sensitivity FILE (costs)")
+    if sensitivity is not None:
+        from tessel.commands.sensitivity import write_sensitivity_file
+
+        return write_sensitivity_file(model, sensitivity, calib, precisions, calib_samples, seq_len)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
