@@ -27,13 +27,15 @@ def quantize(
         None, help="SmoothQuant alpha in [0, 1] (e.g. 0.5, 0.8), or auto (the best of 0.3-0.9 per group)."
     ),
     calib: Path | None = typer.Option(
-        None, help="UTF-8 text to calibrate on (SmoothQuant, static activations)."
+        None, help="UTF-8 text to calibrate on (SmoothQuant, static activations, GPTQ)."
     ),
     calib_samples: int = typer.Option(32, min=1, help="Calibration windows."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration window."),
     group_size: int | None = typer.Option(
         None, min=1, help="Weight columns per scale (w4a16 default 128); none: per output channel."
     ),
+    method: str = typer.Option("rtn", help="Weights: rtn (round to nearest) or gptq (needs --calib)."),
+    act_order: bool = typer.Option(False, help="GPTQ: round columns by descending Hessian diagonal."),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
     check_model_path(model, "MODEL")
@@ -43,7 +45,17 @@ def quantize(
     from tessel.quant.calibrate import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(
-        scheme, act, observer, weight_observer, smoothquant, calib, calib_samples, seq_len, group_size
+        scheme,
+        act,
+        observer,
+        weight_observer,
+        smoothquant,
+        calib,
+        calib_samples,
+        seq_len,
+        group_size,
+        method,
+        act_order,
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}
