@@ -57,6 +57,11 @@ PPL_CONFIGS: dict[str, dict] = {
     "w4a16 g64": {"scheme": "w4a16", "group_size": 64},
     "w4a16 g64 mse": {"scheme": "w4a16", "group_size": 64, "weight_observer": "mse"},
     "w4a16 g64 qat": {"scheme": "w4a16", "group_size": 64, "qat": True},  # tessel qat from the mse start
+    "w4a16 g64 gptq": {"scheme": "w4a16", "group_size": 64, "method": "gptq"},
+    "w4a16 g64 gptq act-order": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True},
+    "w4a16 g32 gptq act-order": {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True},
+    "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
+    "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }
 QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
 SPEED_CONFIGS = ("fp32", "w8a8 rtn", "w8a16")
@@ -86,7 +91,11 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
             print(f"  qat {name}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} "
                   f"in {result.seconds:.1f} s", flush=True)  # fmt: skip
         return out
-    if options.get("smoothquant") is not None or options.get("act") == "static":
+    if (
+        options.get("smoothquant") is not None
+        or options.get("act") == "static"
+        or options.get("method") == "gptq"
+    ):
         options.update(calib=CALIB, calib_samples=calib_samples, seq_len=seq_len)
     if not (out / "config.json").exists():
         result = quantize_model(model, out, QuantizeOptions(**options))

@@ -54,6 +54,8 @@ CASES = {
     "w8a8-sq-auto": ["--scheme", "w8a8", "--smoothquant", "auto"],
     "w8a16": ["--scheme", "w8a16"],
     "w4a16-g32": ["--scheme", "w4a16", "--group-size", "32"],
+    "w4a16-g32-gptq": ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq"],
+    "w8a8-sq-gptq-act-order": ["--scheme", "w8a8", "--smoothquant", "0.5", "--method", "gptq", "--act-order"],
 }
 CALIB = ["--calib-samples", "4", "--seq-len", "32"]
 
@@ -154,6 +156,12 @@ def test_engine_swaps_in_w8a8_modules_and_generates(tiny_llama, calib_text, tmp_
         (["--scheme", "w8a8", "--observer", "kmeans"], "--observer"),
         (["--scheme", "w8a8", "--smoothquant", "1.5"], "alpha"),
         (["--scheme", "w8a8", "--smoothquant", "best"], "'auto'"),
+        (["--scheme", "w8a8", "--method", "awq"], "--method"),
+        (["--scheme", "w8a8", "--act-order"], "--act-order applies to --method gptq"),
+        (
+            ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq", "--calib-samples", "5000"],
+            "--calib-samples 5000",
+        ),
     ],
 )
 def test_bad_input_is_a_user_error_and_writes_nothing(

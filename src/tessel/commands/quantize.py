@@ -27,7 +27,7 @@ def quantize(
         None, help="SmoothQuant alpha in [0, 1] (e.g. 0.5, 0.8), or auto (the best of 0.3-0.9 per group)."
     ),
     calib: Path | None = typer.Option(
-        None, help="UTF-8 text to calibrate on (SmoothQuant, static activations)."
+        None, help="UTF-8 text to calibrate on (SmoothQuant, static activations, GPTQ)."
     ),
     calib_samples: int = typer.Option(32, min=1, help="Calibration windows."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration window."),
@@ -38,6 +38,8 @@ def quantize(
         None, "--sensitivity", help="Instead of --out: per-layer quality costs on --calib, for `tessel plan`."
     ),
     precisions: str = typer.Option("int8,int4", help="--sensitivity: the precisions to measure."),
+    method: str = typer.Option("rtn", help="Weights: rtn (round to nearest) or gptq (needs --calib)."),
+    act_order: bool = typer.Option(False, help="GPTQ: round columns by descending Hessian diagonal."),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
     check_model_path(model, "MODEL")
@@ -55,7 +57,17 @@ def quantize(
     from tessel.quant.calibrate import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(
-        scheme, act, observer, weight_observer, smoothquant, calib, calib_samples, seq_len, group_size
+        scheme,
+        act,
+        observer,
+        weight_observer,
+        smoothquant,
+        calib,
+        calib_samples,
+        seq_len,
+        group_size,
+        method,
+        act_order,
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}

@@ -6,7 +6,9 @@
    per-channel max|x|, fold the scales into the RMSNorms and the linears.
 3. Static activations (optional): run the windows again, one observer per linear input (q/k/v
    share one, gate/up share one), giving one input scale per linear.
-4. Quantise every linear of the decoder layers (not lm_head), write a compressed-tensors checkpoint.
+4. Quantise every linear of the decoder layers (not lm_head): round to nearest (`rtn`), or GPTQ
+   (`gptq`, `tessel.quant.gptq`: layer by layer on the calibration windows); write a
+   compressed-tensors checkpoint.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from torch import nn
 from tessel.errors import TesselError
 from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
 from tessel.quant.gguf_import import resolve_model_path
+from tessel.quant.gptq import gptq_model
 from tessel.quant.observers import OBSERVERS, Observer, QuantRange, make_observer
 from tessel.quant.schemes import WEIGHT_OBSERVERS, QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
+
+METHODS = ("rtn", "gptq")
 
 # Called as progress(pass name, windows done, windows in the pass).
 Progress = Callable[[str, int, int], None]
@@ -42,6 +47,8 @@ class QuantizeOptions:
     calib_samples: int = 32
     seq_len: int = 512
     group_size: int | None = None
+    method: str = "rtn"  # weights: round to nearest, or GPTQ
+    act_order: bool = False  # GPTQ: columns by descending Hessian diagonal
 
     def __post_init__(self) -> None:
         make_scheme(self.scheme, self.act, self.group_size)  # validates scheme / act / group
@@ -58,14 +65,20 @@ class QuantizeOptions:
                 ) from None
         if isinstance(self.smoothquant, float) and not 0 <= self.smoothquant <= 1:
             raise TesselError(f"--smoothquant alpha must be in [0, 1]; got {self.smoothquant}")
+        if self.method not in METHODS:
+            raise TesselError(f"--method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.act_order and self.method != "gptq":
+            raise TesselError("--act-order applies to --method gptq")
         if self.calib_samples < 1 or self.seq_len < 2:
             raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
         if self.needs_calibration and self.calib is None:
-            raise TesselError("--smoothquant and --act static calibrate on text: give --calib FILE")
+            raise TesselError(
+                "--smoothquant, --act static and --method gptq calibrate on text: give --calib FILE"
+            )
 
     @property
     def needs_calibration(self) -> bool:
-        return self.smoothquant is not None or self.act == "static"
+        return self.smoothquant is not None or self.act == "static" or self.method == "gptq"
 
 
 @dataclass(slots=True)
@@ -224,13 +237,24 @@ def quantize_model(
         groups = input_groups(list(linears))
         input_scales = {name: observers[groups[name]].qparams()[0] for name in linears}
         result.input_scales = {name: float(s) for name, s in input_scales.items()}
-    weights = {
-        name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()
-    }
+    weights = _quantize_weights(model, linears, scheme, options, windows, progress)
     act_observer = options.observer if scheme.act_static else None
     write_quantized(model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows, progress):
+    if options.method == "gptq":
+        return gptq_model(
+            model,
+            windows,
+            scheme,
+            act_order=options.act_order,
+            observer=options.weight_observer,
+            progress=progress,
+        )
+    return {name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()}
 
 
 def read_model_config(model_dir: Path) -> dict:
