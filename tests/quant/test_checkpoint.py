@@ -113,6 +113,8 @@ def test_unsupported_config_names_the_field(field: str) -> None:
         (("weights", "type"), "float", "weights.type"),
         (("input_activations", "strategy"), "group", "input_activations.strategy"),
         (("input_activations", "num_bits"), 4, "input_activations.num_bits"),
+        (("weights", "actorder"), "group", "weights.actorder"),  # stores weight_g_idx
+        (("weights", "actorder"), "dynamic", "weights.actorder"),
     ],
 )
 def test_unsupported_group_fields_are_named(path, value, field: str) -> None:
@@ -120,6 +122,15 @@ def test_unsupported_group_fields_are_named(path, value, field: str) -> None:
     config["config_groups"]["group_0"][path[0]][path[1]] = value
     with pytest.raises(TesselError, match=f"config_groups.group_0.{field}"):
         parse_quantization_config({"quantization_config": config})
+
+
+@pytest.mark.parametrize("actorder", ["static", "weight"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+def test_gptq_weight_activation_order_reads_as_the_plain_layout(scheme, actorder: str) -> None:
+    """llm-compressor's GPTQModifier writes actorder "static": rounding order only, no weight_g_idx."""
+    config = quantization_config(scheme)
+    config["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    assert parse_quantization_config({"quantization_config": config}) == scheme
 
 
 JSON = st.recursive(

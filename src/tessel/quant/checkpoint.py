@@ -41,6 +41,7 @@ FORMAT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this fo
 IGNORED = ["lm_head"]
 WEIGHTS_FILE = "model.safetensors"
 SKIPPED_FILES = ("config.json", "model.safetensors.index.json")
+ACTORDERS_WITHOUT_G_IDX = (None, False, "weight", "static")  # compressed-tensors' ActivationOrdering
 
 
 def _args(
@@ -141,7 +142,14 @@ def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:
         )
     else:
         group_size = None
-    _field(w.get("actorder") in (None, False), f"{where}.weights.actorder", w.get("actorder"), "null")
+    # GPTQ's "weight" (alias "static") order changes how weights were rounded, not the layout;
+    # "group" (alias "dynamic") stores a permutation (weight_g_idx) that tessel does not apply
+    _field(
+        w.get("actorder") in ACTORDERS_WITHOUT_G_IDX,
+        f"{where}.weights.actorder",
+        w.get("actorder"),
+        "null, 'weight' or 'static'",
+    )
     a = group.get("input_activations")
     _field(
         group.get("output_activations") is None,
