@@ -95,6 +95,8 @@ BAD_CONFIGS = {
     "ignore": {"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
     "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8}},
     "config_groups": {"config_groups": {}},
+    "sparsity_config": {"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},
+    "transform_config": {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},
 }
 
 

@@ -119,6 +119,15 @@ def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
         "['lm_head'] (every other Linear quantised)",
     )
     _field(qc.get("kv_cache_scheme") is None, "kv_cache_scheme", qc.get("kv_cache_scheme"), "null")
+    sparsity = qc.get("sparsity_config") or {}  # llm-compressor writes {} when nothing was pruned
+    _field(
+        isinstance(sparsity, dict) and sparsity.get("format", "dense") == "dense",
+        "sparsity_config",
+        sparsity,
+        "none or format 'dense' (sparse layouts store other tensors)",
+    )
+    transform = qc.get("transform_config")  # QuIP / SpinQuant rotations, which the engine would not apply
+    _field(not transform, "transform_config", transform, "none")
     groups = qc.get("config_groups")
     _field(isinstance(groups, dict) and len(groups) == 1, "config_groups", groups, "exactly one group")
     ((name, group),) = groups.items()
