@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import sys
@@ -188,16 +189,39 @@ def llama_speed(gguf: Path, prompts: list[list[int]], threads: int, new_single: 
     return {"single": single, "concurrent": batch, "llama_cpp_python": llama_cpp.__version__}
 
 
+def llama_perplexity(gguf: Path, ids: list[int], seq_len: int, threads: int) -> dict:
+    """exp(mean NLL) of llama.cpp's logits over the windows `quant.perplexity` evaluates."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        str(gguf), n_ctx=seq_len, n_batch=seq_len, n_threads=threads, n_threads_batch=threads,
+        logits_all=True, verbose=False,
+    )  # fmt: skip
+    nll, count = 0.0, 0
+    for first in range(0, len(ids) - 1, seq_len):
+        window = ids[first : first + seq_len]
+        if len(window) < 2:
+            break
+        llm.reset()
+        llm.eval(window)
+        logits = torch.from_numpy(llm.scores[: len(window) - 1].copy()).double()
+        targets = torch.tensor(window[1:])
+        nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+        count += len(window) - 1
+    return {"ppl": math.exp(nll / count), "tokens": count}
+
+
 def llama_section(model: Path, workdir: Path, args) -> dict:
     from transformers import AutoTokenizer
 
     import real_model
 
     gguf = llama_q8_0(real_model.smollm2_gguf(), workdir)
-    ids = AutoTokenizer.from_pretrained(str(model))(tessel_bench.EVAL.read_text(encoding="utf-8"))[
-        "input_ids"
-    ]
+    text = tessel_bench.EVAL.read_text(encoding="utf-8")
+    ids = AutoTokenizer.from_pretrained(str(model))(text)["input_ids"]  # the GGUF's vocabulary, same ids
     prompts = [ids[i * 64 : (i + 1) * 64] for i in range(args.concurrent)]  # decode_speed's prompts
+    ppl = llama_perplexity(gguf, ids[: args.eval_tokens], args.seq_len, args.threads)
+    print(f"  llama.cpp Q8_0: ppl {ppl['ppl']:.3f} over {ppl['tokens']} tokens (its own logits)", flush=True)
     rows = {
         "llama.cpp Q8_0": llama_speed(gguf, prompts, args.threads, args.new_tokens, args.batch_new_tokens)
     }
@@ -214,7 +238,7 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
         s1, sb = row["single"]["tok_per_s"], row["concurrent"]["tok_per_s"]
         print(f"| {name} | {s1:.1f} | {s1 / base['single']['tok_per_s']:.2f}x | {sb:.1f} | "
               f"{sb / base['concurrent']['tok_per_s']:.2f}x |")  # fmt: skip
-    return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "rows": rows}
+    return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "perplexity": ppl, "rows": rows}
 
 
 def main() -> None:
