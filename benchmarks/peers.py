@@ -17,7 +17,8 @@ compressed-tensors than tessel's dev install, llama-cpp-python compiles for minu
   `quant.decode_speed` in this process on the same threads. llama-cpp-python's `Llama` holds one
   sequence: its 32 requests run one after another (its server serialises them the same way).
 
-JSON goes to benchmarks/results/peers.json; the CPU's features are recorded beside the figures.
+JSON goes to benchmarks/results/peers.json (a section not run keeps its earlier figures; each section
+records its arguments); the CPU's features are recorded beside the figures.
 """
 
 from __future__ import annotations
@@ -267,21 +268,22 @@ def main() -> None:
     print(f"CPU: {name}, torch {torch.__version__}, threads {args.threads}")
     print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
           f"int8 path: {cpu['int8_path']}")  # fmt: skip
-    result: dict = {"cpu": cpu, "threads": args.threads, "torch": torch.__version__, "args": vars(args)}
+    result: dict = {"cpu": cpu, "torch": torch.__version__}
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tessel-peers-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = tessel_bench._model_dir(args.model)
     try:
         if "llmc" in only:
-            result["llm_compressor"] = llmc_section(model, workdir, args)
+            result["llm_compressor"] = dict(llmc_section(model, workdir, args), args=vars(args))
         if "llama" in only:
-            result["llama_cpp"] = llama_section(model, workdir, args)
+            result["llama_cpp"] = dict(llama_section(model, workdir, args), args=vars(args))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    kept = json.loads(out.read_text()) if out.exists() else {}  # the section not run this time stays
+    out.write_text(json.dumps(kept | result, indent=2, default=str))
     print(f"\nwrote {out}")
 
 
