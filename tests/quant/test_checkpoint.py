@@ -142,10 +142,16 @@ JSON = st.recursive(
 )
 
 
+# the fields llm-compressor writes, so that fuzzing reaches them, and any other name
+KNOWN_KEYS = ["format", "ignore", "kv_cache_scheme", "sparsity_config", "transform_config", "actorder"]
+KNOWN_KEYS += ["strategy", "group_size", "num_bits", "dynamic", "symmetric", "type", "scale_dtype"]
+KEYS = st.sampled_from(KNOWN_KEYS) | st.text(max_size=12)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     mutations=st.lists(
-        st.tuples(st.sampled_from(["", "weights", "input_activations"]), st.text(max_size=12), JSON),
+        st.tuples(st.sampled_from(["", "weights", "input_activations"]), KEYS, JSON),
         max_size=4,
     ),
     base=st.sampled_from(SCHEMES),
