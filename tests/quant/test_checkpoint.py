@@ -95,6 +95,8 @@ BAD_CONFIGS = {
     "ignore": {"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
     "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8}},
     "config_groups": {"config_groups": {}},
+    "sparsity_config": {"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},
+    "transform_config": {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},
 }
 
 
@@ -113,6 +115,8 @@ def test_unsupported_config_names_the_field(field: str) -> None:
         (("weights", "type"), "float", "weights.type"),
         (("input_activations", "strategy"), "group", "input_activations.strategy"),
         (("input_activations", "num_bits"), 4, "input_activations.num_bits"),
+        (("weights", "actorder"), "group", "weights.actorder"),  # stores weight_g_idx
+        (("weights", "actorder"), "dynamic", "weights.actorder"),
     ],
 )
 def test_unsupported_group_fields_are_named(path, value, field: str) -> None:
@@ -122,6 +126,15 @@ def test_unsupported_group_fields_are_named(path, value, field: str) -> None:
         parse_quantization_config({"quantization_config": config})
 
 
+@pytest.mark.parametrize("actorder", ["static", "weight"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+def test_gptq_weight_activation_order_reads_as_the_plain_layout(scheme, actorder: str) -> None:
+    """llm-compressor's GPTQModifier writes actorder "static": rounding order only, no weight_g_idx."""
+    config = quantization_config(scheme)
+    config["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    assert parse_quantization_config({"quantization_config": config}) == scheme
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 300) | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
@@ -129,10 +142,16 @@ JSON = st.recursive(
 )
 
 
+# the fields llm-compressor writes, so that fuzzing reaches them, and any other name
+KNOWN_KEYS = ["format", "ignore", "kv_cache_scheme", "sparsity_config", "transform_config", "actorder"]
+KNOWN_KEYS += ["strategy", "group_size", "num_bits", "dynamic", "symmetric", "type", "scale_dtype"]
+KEYS = st.sampled_from(KNOWN_KEYS) | st.text(max_size=12)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     mutations=st.lists(
-        st.tuples(st.sampled_from(["", "weights", "input_activations"]), st.text(max_size=12), JSON),
+        st.tuples(st.sampled_from(["", "weights", "input_activations"]), KEYS, JSON),
         max_size=4,
     ),
     base=st.sampled_from(SCHEMES),

@@ -18,13 +18,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
 from typer.testing import CliRunner
 
+from ct_oracle import engine_logits, hf_quantized
 from tessel import LLM, SamplingParams
 from tessel.cli import app
-from tessel.engine.scheduler import SchedulerOutput
-from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.layers.quantized_linear import W8A8Linear
 from tessel.quant.calibrate import calibration_windows, read_calibration_text
@@ -74,40 +72,6 @@ def _quantize(tiny_llama, calib_text, out, args: list[str]):
     return result
 
 
-def _hf_quantized(path, scheme_args: list[str]):
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
-    ).eval()
-    if "w8a8" not in scheme_args:
-        return model
-    static = "static" in scheme_args
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        input_scales = {
-            n.removesuffix(".input_scale"): f.get_tensor(n) for n in f.keys() if n.endswith("input_scale")
-        }
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            scale = input_scales.get(name) if static else None
-            module.register_forward_pre_hook(lambda _m, args, s=scale: (_fake_quant(args[0], s),))
-    return model
-
-
-def _fake_quant(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
-    if static_scale is not None:
-        return torch.round(x / static_scale).clamp(-127, 127) * static_scale
-    s = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127
-    return torch.round(x / s) * s
-
-
-def _engine_logits(path, ids: list[int]) -> torch.Tensor:
-    llm = LLM(path, max_model_len=128, block_size=8)
-    seq = Sequence("x", ids, SamplingParams(temperature=0), block_size=8)
-    llm.block_manager.allocate(seq, 0)
-    return llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(ids))]))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_loads_in_hf_and_the_engine_matches_it(
     tiny_llama, calib_text, tmp_path, case: str
@@ -120,13 +84,13 @@ def test_checkpoint_loads_in_hf_and_the_engine_matches_it(
     assert (out / "tokenizer.json").exists()
     ids = torch.randint(4, 300, (19,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
-        expected = _hf_quantized(out, CASES[case])(torch.tensor([ids])).logits[0]
-    got = _engine_logits(out, ids)
+        expected = hf_quantized(out)(torch.tensor([ids])).logits[0]
+    got = engine_logits(out, ids)
     scale = float(expected.abs().max())
     # W8A8: a token whose activation sits on a rounding tie may round the other way (fp32 vs int32 sums)
     tol = 2e-3 if "w8a8" in case else 1e-4
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * scale)
-    fp = _engine_logits(tiny_llama, ids)
+    fp = engine_logits(tiny_llama, ids)
     assert float((got - fp).abs().max()) > 0  # it really is quantised
     relative = float((got - fp).norm() / fp.norm())
     assert relative < (0.5 if "w4" in case else 0.1), relative  # near the float model (int4: 15 levels)

@@ -41,6 +41,7 @@ FORMAT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this fo
 IGNORED = ["lm_head"]
 WEIGHTS_FILE = "model.safetensors"
 SKIPPED_FILES = ("config.json", "model.safetensors.index.json")
+ACTORDERS_WITHOUT_G_IDX = (None, False, "weight", "static")  # compressed-tensors' ActivationOrdering
 
 
 def _args(
@@ -118,6 +119,15 @@ def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
         "['lm_head'] (every other Linear quantised)",
     )
     _field(qc.get("kv_cache_scheme") is None, "kv_cache_scheme", qc.get("kv_cache_scheme"), "null")
+    sparsity = qc.get("sparsity_config") or {}  # llm-compressor writes {} when nothing was pruned
+    _field(
+        isinstance(sparsity, dict) and sparsity.get("format", "dense") == "dense",
+        "sparsity_config",
+        sparsity,
+        "none or format 'dense' (sparse layouts store other tensors)",
+    )
+    transform = qc.get("transform_config")  # QuIP / SpinQuant rotations, which the engine would not apply
+    _field(not transform, "transform_config", transform, "none")
     groups = qc.get("config_groups")
     _field(isinstance(groups, dict) and len(groups) == 1, "config_groups", groups, "exactly one group")
     ((name, group),) = groups.items()
@@ -141,7 +151,14 @@ def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:
         )
     else:
         group_size = None
-    _field(w.get("actorder") in (None, False), f"{where}.weights.actorder", w.get("actorder"), "null")
+    # GPTQ's "weight" (alias "static") order changes how weights were rounded, not the layout;
+    # "group" (alias "dynamic") stores a permutation (weight_g_idx) that tessel does not apply
+    _field(
+        w.get("actorder") in ACTORDERS_WITHOUT_G_IDX,
+        f"{where}.weights.actorder",
+        w.get("actorder"),
+        "null, 'weight' or 'static'",
+    )
     a = group.get("input_activations")
     _field(
         group.get("output_activations") is None,

@@ -1,0 +1,291 @@
+"""tessel against the peers issue 12 names: llm-compressor (accuracy) and llama.cpp (CPU speed).
+
+    python benchmarks/peers.py [--only llmc,llama] [--threads 1] [--eval-tokens N] [--out PATH.json]
+
+Runs in the benchmark venv (docs/quant.md: llm-compressor pins an older transformers and
+compressed-tensors than tessel's dev install, llama-cpp-python compiles for minutes):
+
+- llmc: llm-compressor's `oneshot` quantises SmolLM2-135M-Instruct (W8A8 round to nearest,
+  SmoothQuant 0.8, SmoothQuant 0.8 + GPTQ, W8A16 per channel, W4A16 group 64 round to nearest
+  and GPTQ) on tessel's calibration windows (the same `--calib-samples` x `--seq-len` tokens of
+  benchmarks/data/kjv_calibration.txt that `tessel quantize` reads); each checkpoint is then
+  evaluated **by tessel's engine** on the same evaluation windows as benchmarks/quant.py
+  (`quant.perplexity`), beside tessel's own configurations quantised in the same process.
+- llama: llama.cpp (llama-cpp-python) re-quantises the SmolLM2 GGUF (Q4_1) to Q8_0 with its own
+  `llama_model_quantize` (allow_requantize); decode tok/s of one stream (64-token prompt, 128 new,
+  the first excluded) and of 32 requests of 64 + 64, against tessel's W8A8 engine measured with
+  `quant.decode_speed` in this process on the same threads. llama-cpp-python's `Llama` holds one
+  sequence: its 32 requests run one after another (its server serialises them the same way).
+
+JSON goes to benchmarks/results/peers.json (a section not run keeps its earlier figures; each section
+records its arguments); the CPU's features are recorded beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant as tessel_bench  # noqa: E402  (benchmarks/quant.py: perplexity, decode_speed, configs)
+
+RESULTS = Path(__file__).parent / "results" / "peers.json"
+W4_GROUP = 64  # SmolLM2's hidden 576 is not a multiple of llm-compressor's default 128
+TESSEL_CONFIGS = ("w8a8 rtn", "w8a8 sq0.8", "w8a8 sq-auto", "w8a16", "w4a16 g64")
+LLMC_CONFIGS = ("w8a8 rtn", "w8a8 sq0.8", "w8a8 sq0.8 gptq", "w8a16", "w4a16 g64", "w4a16 g64 gptq")
+SMOOTHING = 0.8
+LLAMA_FTYPE_MOSTLY_Q8_0 = 7  # llama.h enum llama_ftype
+
+
+def _recipe(name: str) -> list:
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    ignore = ["lm_head"]
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    if name.startswith("w4a16"):
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": W4_GROUP,
+        }
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+    if name.startswith("w8a8"):
+        quantizer = {"targets": "Linear", "scheme": "W8A8", "ignore": ignore}
+    else:
+        quantizer = {"config_groups": groups, "ignore": ignore}
+    recipe = [SmoothQuantModifier(smoothing_strength=SMOOTHING)] if "sq" in name else []
+    recipe.append(GPTQModifier(**quantizer) if "gptq" in name else QuantizationModifier(**quantizer))
+    return recipe
+
+
+def llmc_quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len: int) -> dict:
+    """llm-compressor's oneshot on tessel's calibration windows -> a compressed-tensors checkpoint."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoTokenizer
+
+    from tessel.quant.calibrate import calibration_windows, read_calibration_text
+
+    out = workdir / ("llmc_" + name.replace(" ", "_"))
+    info = {"path": str(out)}
+    if (out / "config.json").exists():
+        return info
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    windows = calibration_windows(
+        read_calibration_text(tessel_bench.CALIB), tokenizer, calib_samples, seq_len
+    ).tolist()
+    data = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * seq_len] * len(windows)})
+    start = time.perf_counter()
+    oneshot(
+        model=str(model),
+        dataset=data,
+        recipe=_recipe(name),
+        output_dir=str(out),
+        num_calibration_samples=calib_samples,
+        max_seq_length=seq_len,
+        shuffle_calibration_samples=False,
+    )
+    info["seconds"] = time.perf_counter() - start
+    print(f"  llm-compressor {name}: quantised in {info['seconds']:.1f} s", flush=True)
+    return info
+
+
+def llmc_section(model: Path, workdir: Path, args) -> dict:
+    import compressed_tensors
+    import llmcompressor
+
+    fp32 = tessel_bench.perplexity(model, args.seq_len, args.eval_tokens)
+    print(f"  fp32 ppl {fp32['ppl']:.3f} over {fp32['tokens']} tokens", flush=True)
+    rows: dict[str, dict] = {}
+    for name in TESSEL_CONFIGS:
+        path = tessel_bench._quantize(model, name, workdir, args.calib_samples, args.seq_len)
+        rows[f"tessel {name}"] = tessel_bench.perplexity(path, args.seq_len, args.eval_tokens)
+    for name in LLMC_CONFIGS:
+        info = llmc_quantize(model, name, workdir, args.calib_samples, args.seq_len)
+        row = tessel_bench.perplexity(Path(info["path"]), args.seq_len, args.eval_tokens)
+        row["quantize_seconds"] = info.get("seconds")
+        row["quantization_config"] = json.loads((Path(info["path"]) / "config.json").read_text())[
+            "quantization_config"
+        ]
+        rows[f"llm-compressor {name}"] = row
+    for name, row in rows.items():
+        row["delta_pct"] = 100 * (row["ppl"] / fp32["ppl"] - 1)
+        print(f"  {name}: ppl {row['ppl']:.3f} ({row['delta_pct']:+.2f}%)", flush=True)
+    print("\n| quantised by | configuration | perplexity (tessel engine) | vs fp32 |\n|---|---|---|---|")
+    print(f"| | fp32 | {fp32['ppl']:.3f} | |")
+    for name, row in rows.items():
+        who, config = name.split(" ", 1)
+        print(f"| {who} | {config} | {row['ppl']:.3f} | {row['delta_pct']:+.2f}% |")
+    return {
+        "fp32": fp32,
+        "rows": rows,
+        "llmcompressor": llmcompressor.__version__,
+        "compressed_tensors": compressed_tensors.__version__,
+        "calibration": {
+            "samples": args.calib_samples,
+            "seq_len": args.seq_len,
+            "text": str(tessel_bench.CALIB),
+        },
+    }
+
+
+def llama_q8_0(gguf: Path, workdir: Path) -> Path:
+    """The GGUF re-quantised to Q8_0 by llama.cpp's own quantiser."""
+    import llama_cpp
+
+    out = workdir / (gguf.stem.split(".")[0] + ".Q8_0.gguf")
+    if out.exists():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPE_MOSTLY_Q8_0
+    params.allow_requantize = True
+    params.nthread = 1
+    failed = llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), params)
+    if failed:
+        raise RuntimeError(f"llama_model_quantize returned {failed}")
+    return out
+
+
+def _llama_generate(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """Greedy decode of `new_tokens` after `prompt`: (time of the first token, time of the last)."""
+    llm.reset()
+    first = last = 0.0
+    for i, _token in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
+        last = time.perf_counter()
+        if i == 0:
+            first = last
+        if i + 1 == new_tokens:
+            break
+    return first, last
+
+
+def llama_speed(gguf: Path, prompts: list[list[int]], threads: int, new_single: int, new_batch: int) -> dict:
+    import llama_cpp
+
+    n_ctx = max(len(p) for p in prompts) + max(new_single, new_batch) + 8
+    llm = llama_cpp.Llama(
+        str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=128, verbose=False
+    )
+    _llama_generate(llm, prompts[0][:16], 4)  # warm-up
+    first, last = _llama_generate(llm, prompts[0], new_single)
+    single = {"tok_per_s": (new_single - 1) / (last - first)}
+    start, cpu = time.perf_counter(), time.process_time()
+    for prompt in prompts:  # one Llama holds one sequence: requests run one after another
+        _llama_generate(llm, prompt, new_batch)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    total = new_batch * len(prompts)
+    batch = {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": cpu, "mode": "sequential"}
+    return {"single": single, "concurrent": batch, "llama_cpp_python": llama_cpp.__version__}
+
+
+def llama_perplexity(gguf: Path, ids: list[int], seq_len: int, threads: int) -> dict:
+    """exp(mean NLL) of llama.cpp's logits over the windows `quant.perplexity` evaluates."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        str(gguf), n_ctx=seq_len, n_batch=seq_len, n_threads=threads, n_threads_batch=threads,
+        logits_all=True, verbose=False,
+    )  # fmt: skip
+    nll, count = 0.0, 0
+    for first in range(0, len(ids) - 1, seq_len):
+        window = ids[first : first + seq_len]
+        if len(window) < 2:
+            break
+        llm.reset()
+        llm.eval(window)
+        logits = torch.from_numpy(llm.scores[: len(window) - 1].copy()).double()
+        targets = torch.tensor(window[1:])
+        nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+        count += len(window) - 1
+    return {"ppl": math.exp(nll / count), "tokens": count}
+
+
+def llama_section(model: Path, workdir: Path, args) -> dict:
+    from transformers import AutoTokenizer
+
+    import real_model
+
+    gguf = llama_q8_0(real_model.smollm2_gguf(), workdir)
+    text = tessel_bench.EVAL.read_text(encoding="utf-8")
+    ids = AutoTokenizer.from_pretrained(str(model))(text)["input_ids"]  # the GGUF's vocabulary, same ids
+    prompts = [ids[i * 64 : (i + 1) * 64] for i in range(args.concurrent)]  # decode_speed's prompts
+    ppl = llama_perplexity(gguf, ids[: args.eval_tokens], args.seq_len, args.threads)
+    print(f"  llama.cpp Q8_0: ppl {ppl['ppl']:.3f} over {ppl['tokens']} tokens (its own logits)", flush=True)
+    rows = {
+        "llama.cpp Q8_0": llama_speed(gguf, prompts, args.threads, args.new_tokens, args.batch_new_tokens)
+    }
+    w8a8 = tessel_bench._quantize(model, "w8a8 rtn", workdir, args.calib_samples, args.seq_len)
+    rows["tessel W8A8"] = {
+        "single": tessel_bench.decode_speed(w8a8, 1, 64, args.new_tokens),
+        "concurrent": tessel_bench.decode_speed(w8a8, args.concurrent, 64, args.batch_new_tokens),
+    }
+    base = rows["llama.cpp Q8_0"]
+    n = args.concurrent
+    print(f"\n| engine | decode tok/s, 1 stream | vs llama.cpp | tok/s, {n} requests | vs llama.cpp |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        s1, sb = row["single"]["tok_per_s"], row["concurrent"]["tok_per_s"]
+        print(f"| {name} | {s1:.1f} | {s1 / base['single']['tok_per_s']:.2f}x | {sb:.1f} | "
+              f"{sb / base['concurrent']['tok_per_s']:.2f}x |")  # fmt: skip
+    return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "perplexity": ppl, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct from the cache)")
+    parser.add_argument("--only", default="llmc,llama", help="comma list of llmc, llama")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=512, help="evaluation and calibration window")
+    parser.add_argument("--eval-tokens", type=int, default=8192, help="evaluate the first N tokens")
+    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128, help="single-stream decode tokens")
+    parser.add_argument("--batch-new-tokens", type=int, default=64, help="per request")
+    parser.add_argument("--concurrent", type=int, default=32)
+    parser.add_argument("--workdir", help="keep quantised checkpoints here (default: a temp dir)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from tessel.quant import cpu_features
+
+    only = set(args.only.split(","))
+    cpu = cpu_features.describe()
+    name = platform.processor() or platform.machine()
+    print(f"CPU: {name}, torch {torch.__version__}, threads {args.threads}")
+    print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
+          f"int8 path: {cpu['int8_path']}")  # fmt: skip
+    result: dict = {"cpu": cpu, "torch": torch.__version__}
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tessel-peers-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = tessel_bench._model_dir(args.model)
+    try:
+        if "llmc" in only:
+            result["llm_compressor"] = dict(llmc_section(model, workdir, args), args=vars(args))
+        if "llama" in only:
+            result["llama_cpp"] = dict(llama_section(model, workdir, args), args=vars(args))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = json.loads(out.read_text()) if out.exists() else {}  # the section not run this time stays
+    out.write_text(json.dumps(kept | result, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

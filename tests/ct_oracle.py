@@ -1,0 +1,62 @@
+"""The oracle for compressed-tensors checkpoints: HF transformers loads one through the
+`compressed-tensors` package (which de-quantises the weights); for int8 activations each decoder
+linear additionally sees its input fake-quantised (per token, or by its static input scale), which
+is the function tessel's int8 GEMM computes. `engine_logits` is tessel's side of the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tessel import LLM, SamplingParams
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+
+
+def hf_quantized(path: str | Path) -> torch.nn.Module:
+    """transformers + compressed-tensors model of the checkpoint at `path` (activations as declared)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    ).eval()
+    for module in model.modules():  # compressed-tensors 0.19 would fake-quantise inputs too, by max / 127.5
+        if hasattr(module, "quantization_scheme"):
+            module.quantization_enabled = False
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    acts = next(iter(config["config_groups"].values())).get("input_activations")
+    if acts is None:
+        return model
+    static = not acts.get("dynamic")
+    input_scales = {}
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for n in f.keys():
+                if n.endswith(".input_scale"):
+                    input_scales[n.removesuffix(".input_scale")] = f.get_tensor(n).float()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
+            scale = input_scales.get(name) if static else None
+            module.register_forward_pre_hook(lambda _m, args, s=scale: (fake_quant(args[0], s),))
+    return model
+
+
+def fake_quant(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
+    """int8 symmetric: per token (dynamic, [-127, 127] by max|x| / 127, as vLLM) or by one static scale."""
+    if static_scale is not None:
+        return torch.round(x / static_scale).clamp(-127, 127) * static_scale
+    s = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(x / s) * s
+
+
+def engine_logits(path: str | Path, ids: list[int]) -> torch.Tensor:
+    """tessel's prefill logits [len(ids), vocab] for one sequence."""
+    llm = LLM(path, max_model_len=128, block_size=8)
+    seq = Sequence("x", ids, SamplingParams(temperature=0), block_size=8)
+    llm.block_manager.allocate(seq, 0)
+    return llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(ids))]))
