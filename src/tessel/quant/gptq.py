@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.quant.observers import make_observer, quantize
+from tessel.quant.observers import make_observer
 from tessel.quant.schemes import QuantizedWeight, Scheme
 
 BLOCK = 128  # columns per lazy update (the reference's blocksize)
@@ -107,7 +107,7 @@ def gptq_quantize(
     u = _inverse_hessian_factor(h, percdamp)
     codes = torch.zeros(n, k, dtype=torch.int8)
     scales = torch.zeros(n, k // group, dtype=dtype) if static_scales is None else static_scales
-    zero = torch.zeros(n, dtype=torch.int32)
+    qrange = scheme.weight_range
     for start in range(0, k, block):
         end = min(start + block, k)
         w_block, u_block = w[:, start:end].clone(), u[start:end, start:end]
@@ -118,9 +118,9 @@ def gptq_quantize(
                 current = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]  # as updated so far
                 scales[:, column // group] = _group_scales(current, scheme, observer)
             scale = scales[:, column // group]
-            q = quantize(w_block[:, i], scale, zero, scheme.weight_range)
-            codes[:, column] = q
-            error = (w_block[:, i] - q.to(dtype) * scale) / u_block[i, i]
+            q = torch.clamp(torch.round(w_block[:, i] / scale), qrange.qmin, qrange.qmax)  # in H's dtype
+            codes[:, column] = q.to(torch.int8)
+            error = (w_block[:, i] - q * scale) / u_block[i, i]
             w_block[:, i:] -= error[:, None] * u_block[i, i:][None, :]
             errors[:, i] = error
         w[:, end:] -= errors @ u[start:end, end:]

@@ -6,8 +6,9 @@
 
 with lo <= 0 <= hi (zero is always representable) and scale >= float32 eps: the same arithmetic,
 bit for bit, as `torch.ao.quantization`'s observers (tests hold them to it). Symmetric ranges are
-restricted (int8: [-127, 127], int4: [-7, 7]) so -x quantises to -q; asymmetric ranges use every
-level (int8: [-128, 127], int4: [-8, 7]).
+restricted (int8: [-127, 127], int4: [-7, 7]) so -x quantises to -q, unless `restricted=False`:
+then, as compressed-tensors does, scale = max|x| / 7.5 (int4) over all of [-8, 7]; asymmetric ranges
+use every level (int8: [-128, 127], int4: [-8, 7]).
 
 How the range is found:
 
@@ -52,6 +53,7 @@ class QuantRange:
 
     num_bits: int = 8
     symmetric: bool = True
+    restricted: bool = True  # symmetric: drop the lowest level (-2**(b-1)) so -x quantises to -q
 
     def __post_init__(self) -> None:
         if self.num_bits not in (4, 8):
@@ -60,7 +62,7 @@ class QuantRange:
     @property
     def qmin(self) -> int:
         half = 1 << (self.num_bits - 1)
-        return -(half - 1) if self.symmetric else -half
+        return -(half - 1) if self.symmetric and self.restricted else -half
 
     @property
     def qmax(self) -> int:

@@ -31,7 +31,9 @@ class Scheme:
 
     @property
     def weight_range(self) -> QuantRange:
-        return QuantRange(self.weight_bits, symmetric=True)
+        """int8: [-127, 127]; int4: every level of [-8, 7] with scale max|w| / 7.5 (compressed-tensors'
+        and llm-compressor's symmetric int4): one level more than [-7, 7] is worth much at 4 bits."""
+        return QuantRange(self.weight_bits, symmetric=True, restricted=self.weight_bits == 8)
 
     @property
     def weight_only(self) -> bool:
@@ -66,7 +68,7 @@ def make_scheme(name: str, act: str = "dynamic", group_size: int | None = None) 
 
 @dataclass(slots=True)
 class QuantizedWeight:
-    """q int8 [N, K] (int4 values sit in [-7, 7]); scale float32 [N, groups]; W ~= q * scale per group."""
+    """q int8 [N, K] (int4 values sit in [-8, 7]); scale float32 [N, groups]; W ~= q * scale per group."""
 
     q: torch.Tensor
     scale: torch.Tensor
