@@ -59,6 +59,29 @@ PPL_CONFIGS: dict[str, dict] = {
     "w4a16 g64 qat": {"scheme": "w4a16", "group_size": 64, "qat": True},  # tessel qat from the mse start
     "w4a16 g64 gptq": {"scheme": "w4a16", "group_size": 64, "method": "gptq"},
     "w4a16 g64 gptq act-order": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True},
+    "w4a16 g64 gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 64,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 g32 gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 32,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 g64 gptq act-order mse 23x512": {  # all 12,168 calibration tokens
+        "scheme": "w4a16",
+        "group_size": 64,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+        "calib_samples": 23,
+    },
+    "w4a16 g32 gptq": {"scheme": "w4a16", "group_size": 32, "method": "gptq"},
     "w4a16 g32 gptq act-order": {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True},
     "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
@@ -96,7 +119,7 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
         or options.get("act") == "static"
         or options.get("method") == "gptq"
     ):
-        options.update(calib=CALIB, calib_samples=calib_samples, seq_len=seq_len)
+        options = {"calib": CALIB, "calib_samples": calib_samples, "seq_len": seq_len, **options}
     if not (out / "config.json").exists():
         result = quantize_model(model, out, QuantizeOptions(**options))
         print(f"  quantised {name} in {result.seconds:.1f} s", flush=True)
