@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import types
 import warnings
 
 import torch
@@ -38,18 +39,28 @@ def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 
 
 @functools.cache
-def _compiled(with_bias: bool):
+def _compiled(m: int, n: int, k: int, with_bias: bool):
+    """One static-shape compiled GEMV per (M, N, K): a static kernel ran 1.6x faster than a
+    dynamic-shape one at 1 x 576 x 576. torch.compile keeps its cache per code object (at most
+    `recompile_limit` shapes each), so each shape gets its own copy of the function's code."""
     fn = _gemv_bias if with_bias else _gemv
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    name = f"{fn.__name__}_{m}x{n}x{k}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return torch.compile(types.FunctionType(code, fn.__globals__, name), dynamic=False, fullgraph=True)
 
 
 class _State:
     broken: str | None = None  # why compiling failed in this process (then nothing compiles again)
 
 
+@functools.cache
+def _has_cxx() -> bool:
+    return any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
+
+
 def compiler_available() -> bool:
     """Whether inductor can build C++ kernels here (a C++ compiler on PATH, compiling not broken)."""
-    return _State.broken is None and any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
+    return _State.broken is None and _has_cxx()
 
 
 def gemv_int8(
@@ -60,9 +71,8 @@ def gemv_int8(
     if not compiler_available():
         return None
     try:
-        if bias is None:
-            return _compiled(False)(x, w, w_scale)
-        return _compiled(True)(x, w, w_scale, bias)
+        gemv = _compiled(x.shape[0], w.shape[0], w.shape[1], bias is not None)
+        return gemv(x, w, w_scale) if bias is None else gemv(x, w, w_scale, bias)
     except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
         _State.broken = f"{type(error).__name__}: {error}"
         warnings.warn(f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM")

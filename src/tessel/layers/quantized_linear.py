@@ -154,6 +154,10 @@ class W8A16CPULinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "gemv" and x.dim() == 2 and x.dtype == torch.float32 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            out = gemv_int8(x, self.weight, self.weight_scale, self.bias)  # a decode step: the hot path
+            if out is not None:
+                return out
         rows = x.reshape(-1, self.in_features).float()
         out = None
         if self.path == "bf16":
