@@ -24,10 +24,10 @@ import warnings
 
 import torch
 
-
-# torch 2.13's CPU `_weight_int8pack_mm` crashes (segfault) when K is not a multiple of 4
-# (found at K = 66 and 70); such layers take the bfloat16 GEMM, which computes the same.
-INT8PACK_K_MULTIPLE = 4
+# torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
+# (segfault) at K = 66 and 70 and returned wrong values or NaN at K = 36, 68, 72 (32, 48, 80, 576
+# and 1536 were right); other layers take the bfloat16 GEMM, which computes the same.
+INT8PACK_K_MULTIPLE = 16
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,9 @@ def gemv_int8(
         return gemv(x, w, w_scale) if bias is None else gemv(x, w, w_scale, bias)
     except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
         _State.broken = f"{type(error).__name__}: {error}"
-        warnings.warn(f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM")
+        warnings.warn(
+            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=2
+        )
         return None
 
 

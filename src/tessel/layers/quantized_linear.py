@@ -144,7 +144,8 @@ class W8A16CPULinear(nn.Module):
         self._float = self._bf16 = None
         if path == "bf16":
             w16 = self.weight.to(torch.bfloat16)
-            self._bf16 = torch.ops.mkldnn._reorder_linear_weight(w16, BATCH_HINT) if packing_available() else w16
+            packed = packing_available()
+            self._bf16 = torch.ops.mkldnn._reorder_linear_weight(w16, BATCH_HINT) if packed else w16
         else:
             w = self.weight.float().mul_(self.weight_scale[:, None])
             self._float = (
@@ -154,7 +155,8 @@ class W8A16CPULinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.path == "gemv" and x.dim() == 2 and x.dtype == torch.float32 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        decode_step = x.dim() == 2 and x.dtype == torch.float32 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        if self.path == "gemv" and decode_step:
             out = gemv_int8(x, self.weight, self.weight_scale, self.bias)  # a decode step: the hot path
             if out is not None:
                 return out
