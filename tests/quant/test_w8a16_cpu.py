@@ -25,7 +25,7 @@ from tessel.quant.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a
 HAS_BF16 = bool(cpu_flags() & BF16_FLAGS)
 PATHS = ["gemv", "dequant", pytest.param("bf16", marks=pytest.mark.skipif(not HAS_BF16, reason="no bf16"))]
 # K = 80: torch's int8 GEMV on the bf16 path; K = 68, 70, 257: its fallback (see INT8PACK_K_MULTIPLE)
-SHAPES = [(1, 45, 70), (2, 129, 257), (1, 64, 68), (2, 37, 80), (7, 129, 257), (33, 64, 96)]
+SHAPES = [(1, 45, 70), (2, 129, 257), (1, 64, 68), (1, 37, 80), (2, 37, 80), (7, 129, 257), (33, 64, 96)]
 
 
 def _layer(n: int, k: int, bias: bool, path: str):

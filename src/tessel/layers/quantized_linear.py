@@ -34,10 +34,11 @@ from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8
 from tessel.layers.packed_linear import BATCH_HINT, PackedLinear, packing_available
 from tessel.quant.cpu_features import INT8_PATHS, W8A16_PATHS, choose_int8_path, choose_w8a16_path
 
-# Rows up to which a decode step reads the int8 weight directly (GEMV) instead of a float GEMM:
-# at 1 and 2 rows the int8 GEMV beat the float32 GEMM on SmolLM2's shapes, at 4 rows it tied, at 8
-# it lost (1 thread, AMD EPYC; benchmarks/quant.py --only gemm measures it).
-GEMV_MAX_ROWS = 2
+# Rows up to which a decode step reads the int8 weight directly (GEMV) instead of a float GEMM.
+# Over SmolLM2's 120 decoder linears (1 thread, AMD EPYC, loaded machine) the int8 GEMV took 0.35x
+# the float32 GEMM's time at 1 row, 0.56x at 2, 0.93x at 4 and 1.7x at 8; each row count is a
+# separate compilation (seconds per shape), so only the single-sequence decode step takes it.
+GEMV_MAX_ROWS = 1
 
 
 class W8A8Linear(nn.Module):
