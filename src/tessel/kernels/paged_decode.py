@@ -278,7 +278,8 @@ def _paged_decode_triton(
 
 # The batched PyTorch path gathers every sequence's blocks up to the longest context; it runs when
 # that padding stays under this fraction of the gathered rows (a decode batch of similar lengths),
-# else sequences run one at a time. 32 concurrent SmolLM2 requests: attention 48.7 -> see docs/quant.md.
+# else sequences run one at a time (a Python loop per sequence and layer: with 32 concurrent SmolLM2
+# requests attention was 26% of a decode step, benchmarks/decode_profile.py --concurrent 32).
 MAX_PADDING_FRACTION = 0.25
 
 
