@@ -195,17 +195,3 @@ def test_every_autotune_candidate_is_correct(monkeypatch, triton_backend, tile, 
     out = module._paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.1, splits=splits)
     ref = reference(q, k_cache, v_cache, tables, lens, scale=0.1)
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
-
-
-@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
-def test_similar_lengths_take_the_batched_torch_path(torch_backend, dtype, atol, rtol):
-    """Lengths this close batch into two matmuls (padding under MAX_PADDING_FRACTION); table entries
-    past a sequence's end are -1 and never read; the result equals the one-sequence-at-a-time loop."""
-    module = _decode_module()
-    q, k_cache, v_cache, tables, lens = make_paged(8, 2, 64, 16, [60, 64, 57, 49], dtype, pad_value=-1)
-    assert sum(lens.tolist()) >= (1 - module.MAX_PADDING_FRACTION) * 4 * 64
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
-    ref = reference(q, k_cache, v_cache, tables, lens)
-    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
-    loop = module._paged_decode_torch_loop(q, k_cache, v_cache, tables, lens.tolist(), 64**-0.5)
-    torch.testing.assert_close(out.double(), loop.double(), atol=atol, rtol=rtol)

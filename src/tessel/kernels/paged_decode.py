@@ -276,47 +276,7 @@ def _paged_decode_triton(
     return out
 
 
-# The batched PyTorch path gathers every sequence's blocks up to the longest context; it runs when
-# that padding stays under this fraction of the gathered rows (a decode batch of similar lengths),
-# else sequences run one at a time (a Python loop per sequence and layer: with 32 concurrent SmolLM2
-# requests attention was 26% of a decode step, benchmarks/decode_profile.py --concurrent 32).
-MAX_PADDING_FRACTION = 0.25
-
-
 def _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    lengths = context_lens.tolist()
-    batch, block_size = q.shape[0], k_cache.shape[1]
-    if batch > 1 and min(lengths) > 0:
-        width = -(-max(lengths) // block_size)
-        if sum(lengths) >= (1 - MAX_PADDING_FRACTION) * batch * width * block_size:
-            return _paged_decode_torch_batched(q, k_cache, v_cache, block_tables[:, :width], lengths, scale)
-    return _paged_decode_torch_loop(q, k_cache, v_cache, block_tables, lengths, scale)
-
-
-def _paged_decode_torch_batched(q, k_cache, v_cache, block_tables, lengths, scale) -> torch.Tensor:
-    """All rows in two batched matmuls over the blocks gathered up to the longest context; the
-    padded keys (a sequence's own first block again) get -inf scores, so their values weigh 0."""
-    batch, n_q_heads, head_dim = q.shape
-    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = block_tables.shape[1]
-    lens = torch.tensor(lengths)
-    # table entries past a sequence's last block may hold anything: read its first block there
-    own = torch.arange(width)[None, :] < (lens[:, None] + block_size - 1) // block_size
-    index = torch.where(own, block_tables, block_tables[:, :1]).reshape(-1).long()
-    k = k_cache.index_select(0, index).view(batch, width * block_size, n_kv_heads, head_dim)
-    v = v_cache.index_select(0, index).view(batch, width * block_size, n_kv_heads, head_dim)
-    if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    query = (q.float() * scale).view(batch, n_kv_heads, n_q_heads // n_kv_heads, head_dim)
-    scores = torch.matmul(query, k.permute(0, 2, 3, 1))  # [B, Hkv, group, L]
-    positions = torch.arange(width * block_size)
-    padded = positions[None, :] >= lens[:, None]  # [B, L]
-    scores.masked_fill_(padded[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2))  # [B, Hkv, group, D]
-    return out.view(q.shape).to(q.dtype)
-
-
-def _paged_decode_torch_loop(q, k_cache, v_cache, block_tables, lengths, scale) -> torch.Tensor:
     batch, n_q_heads, head_dim = q.shape
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # The query-head group of each kv head is a length-`group` query sequence: no K/V repeat.
@@ -327,7 +287,7 @@ def _paged_decode_torch_loop(q, k_cache, v_cache, block_tables, lengths, scale) 
     # One sequence at a time, gathering only its own blocks: a padded batched gather copies
     # every row up to the longest context, and a sequence's K/V (<= a few hundred KiB) stays in
     # cache between its gather and its two matmuls.
-    rows = zip(lengths, block_tables.unbind(0), queries, out.unbind(0), strict=True)
+    rows = zip(context_lens.tolist(), block_tables.unbind(0), queries, out.unbind(0), strict=True)
     for length, table, query, row_out in rows:
         if length == 0:
             continue
