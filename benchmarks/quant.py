@@ -60,6 +60,8 @@ PPL_CONFIGS: dict[str, dict] = {
     "w4a16 g64 gptq": {"scheme": "w4a16", "group_size": 64, "method": "gptq"},
     "w4a16 g64 gptq act-order": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True},
     "w4a16 g32 gptq act-order": {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True},
+    "w4a16 g64 awq": {"scheme": "w4a16", "group_size": 64, "awq": True},
+    "w4a16 g64 awq gptq": {"scheme": "w4a16", "group_size": 64, "awq": True, "method": "gptq"},
     "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }
@@ -95,6 +97,7 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
         options.get("smoothquant") is not None
         or options.get("act") == "static"
         or options.get("method") == "gptq"
+        or options.get("awq")
     ):
         options.update(calib=CALIB, calib_samples=calib_samples, seq_len=seq_len)
     if not (out / "config.json").exists():
