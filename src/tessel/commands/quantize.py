@@ -40,6 +40,9 @@ def quantize(
     precisions: str = typer.Option("int8,int4", help="--sensitivity: the precisions to measure."),
     method: str = typer.Option("rtn", help="Weights: rtn (round to nearest) or gptq (needs --calib)."),
     act_order: bool = typer.Option(False, help="GPTQ: round columns by descending Hessian diagonal."),
+    static_groups: bool = typer.Option(
+        False, help="GPTQ: group scales from the original weights up front (llm-compressor's rule)."
+    ),
     awq: bool = typer.Option(False, help="AWQ activation-aware channel scaling first (needs --calib)."),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
@@ -67,9 +70,10 @@ def quantize(
         calib_samples,
         seq_len,
         group_size,
-        method,
-        act_order,
-        awq,
+        method=method,
+        act_order=act_order,
+        static_groups=static_groups,
+        awq=awq,
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}

@@ -50,6 +50,7 @@ class QuantizeOptions:
     group_size: int | None = None
     method: str = "rtn"  # weights: round to nearest, or GPTQ
     act_order: bool = False  # GPTQ: columns by descending Hessian diagonal
+    static_groups: bool = False  # GPTQ: group scales from the original weights, up front
     awq: bool = False  # AWQ's activation-aware channel scaling before the weights are rounded
 
     def __post_init__(self) -> None:
@@ -71,6 +72,8 @@ class QuantizeOptions:
             raise TesselError(f"--method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.act_order and self.method != "gptq":
             raise TesselError("--act-order applies to --method gptq")
+        if self.static_groups and self.method != "gptq":
+            raise TesselError("--static-groups applies to --method gptq")
         if self.calib_samples < 1 or self.seq_len < 2:
             raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
         if self.awq and self.smoothquant is not None:
@@ -265,6 +268,7 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
             scheme,
             act_order=options.act_order,
             observer=options.weight_observer,
+            static_groups=options.static_groups,
             progress=progress,
         )
     return {name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()}
