@@ -32,12 +32,20 @@ def awq_scales(act_mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
-def awq_error(group: SmoothGroup, rows: torch.Tensor, scales: torch.Tensor, scheme: Scheme) -> float:
-    """||rows W^T - (rows / s) Q(W * s)^T||^2 over the group's linears stacked (float64 sum)."""
+def awq_error(
+    group: SmoothGroup,
+    rows: torch.Tensor,
+    scales: torch.Tensor,
+    scheme: Scheme,
+    reference: torch.Tensor | None = None,
+) -> float:
+    """||rows W^T - (rows / s) Q(W * s)^T||^2 over the group's linears stacked (float64 sum);
+    `reference`: rows W^T when the caller has it already."""
     weight = torch.cat([lin.weight.detach().float() for lin in group.linears])
     quantised = quantize_weight(weight * scales[None, :], scheme).dequantize()
-    error = (rows / scales) @ quantised.t() - rows @ weight.t()
-    return float(error.double().pow(2).sum())
+    if reference is None:
+        reference = rows @ weight.t()
+    return float(((rows / scales) @ quantised.t() - reference).double().pow(2).sum())
 
 
 def best_awq_alpha(
@@ -45,7 +53,8 @@ def best_awq_alpha(
 ) -> float:
     """The alpha of `grid` whose AWQ scales give the group the least output error on `rows`."""
     mean_abs = rows.abs().mean(dim=0)
-    errors = [awq_error(group, rows, awq_scales(mean_abs, alpha), scheme) for alpha in grid]
+    reference = rows @ torch.cat([lin.weight.detach().float() for lin in group.linears]).t()
+    errors = [awq_error(group, rows, awq_scales(mean_abs, alpha), scheme, reference) for alpha in grid]
     return grid[min(range(len(grid)), key=errors.__getitem__)]
 
 
