@@ -104,3 +104,38 @@ def test_folding_keeps_the_model_function(tiny_llama):
     with torch.no_grad():
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scheme=st.sampled_from(["w8a8", "w8a16", "w4a16", "w4a8", ""]),
+    method=st.sampled_from(["rtn", "gptq", "awq", "GPTQ"]),
+    awq=st.booleans(),
+    act_order=st.booleans(),
+    static_groups=st.booleans(),
+    smoothquant=st.sampled_from([None, 0.5, "auto", "x"]),
+    calib=st.sampled_from([None, "calib.txt"]),
+)
+def test_fuzzed_method_options_are_valid_or_a_tessel_error(
+    scheme, method, awq, act_order, static_groups, smoothquant, calib
+):
+    from tessel.errors import TesselError
+    from tessel.quant.calibrate import QuantizeOptions
+
+    try:
+        options = QuantizeOptions(
+            scheme,
+            smoothquant=smoothquant,
+            calib=calib,
+            group_size=16 if scheme.endswith("a16") else None,
+            method=method,
+            act_order=act_order,
+            static_groups=static_groups,
+            awq=awq,
+        )
+    except TesselError:
+        return
+    assert options.method in ("rtn", "gptq")
+    assert not (options.awq and options.smoothquant is not None)
+    assert (options.act_order or options.static_groups) <= (options.method == "gptq")
+    assert options.calib is not None or not (options.awq or options.method == "gptq")
