@@ -63,6 +63,13 @@ PPL_CONFIGS: dict[str, dict] = {
     "w4a16 g64 gptq static": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "static_groups": True},
     "w4a16 g64 awq": {"scheme": "w4a16", "group_size": 64, "awq": True},
     "w4a16 g64 awq gptq": {"scheme": "w4a16", "group_size": 64, "awq": True, "method": "gptq"},
+    "w4a16 g64 awq gptq act-order": {
+        "scheme": "w4a16",
+        "group_size": 64,
+        "awq": True,
+        "method": "gptq",
+        "act_order": True,
+    },
     "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }
