@@ -15,9 +15,12 @@ Ecclesiastes: disjoint).
   `--seq-len` windows of the evaluation text; perplexity = exp(mean NLL), delta vs fp32.
 - speed: decode tokens/s of one stream (prompt 64 tokens, 128 new, the first token excluded) and
   of 32 concurrent requests (64 + 64 each, all output tokens over the wall time), fp32 vs W8A8 vs
-  W8A16 on the same threads, with the CPU's features and the chosen int8 path printed beside.
-- gemm: `W8A8Linear` (the engine's module, this CPU's path) and the kernels' `Int8Linear` vs
-  fp32 `nn.Linear` at 256 x 4096 x 4096, median of interleaved runs.
+  W8A16 (and W8A16 with bf16 activations where the CPU has bf16 dot products) on the same threads;
+  every model is loaded once and the runs are interleaved `--speed-repeats` times (median, and the
+  median of the per-round ratios to fp32), with the CPU's features and the chosen paths beside.
+- gemm: `W8A8Linear` (the engine's module, this CPU's path), the kernels' `Int8Linear` and
+  `W8A16CPULinear` (each path) vs fp32 `nn.Linear` (plain and oneDNN-packed as the engine runs it)
+  at 256 x 4096 x 4096 and a decode step's 1 x 3072 x 576, median of interleaved runs.
 
 Everything runs in this process on `--threads` torch threads. JSON goes to benchmarks/results/quant.json.
 """
@@ -59,6 +62,29 @@ PPL_CONFIGS: dict[str, dict] = {
     "w4a16 g64 qat": {"scheme": "w4a16", "group_size": 64, "qat": True},  # tessel qat from the mse start
     "w4a16 g64 gptq": {"scheme": "w4a16", "group_size": 64, "method": "gptq"},
     "w4a16 g64 gptq act-order": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "act_order": True},
+    "w4a16 g64 gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 64,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 g32 gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 32,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 g64 gptq act-order mse 23x512": {  # all 12,168 calibration tokens
+        "scheme": "w4a16",
+        "group_size": 64,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+        "calib_samples": 23,
+    },
+    "w4a16 g32 gptq": {"scheme": "w4a16", "group_size": 32, "method": "gptq"},
     "w4a16 g32 gptq act-order": {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True},
     "w4a16 g64 gptq static": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "static_groups": True},
     "w4a16 g64 awq": {"scheme": "w4a16", "group_size": 64, "awq": True},
@@ -74,7 +100,13 @@ PPL_CONFIGS: dict[str, dict] = {
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }
 QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
-SPEED_CONFIGS = ("fp32", "w8a8 rtn", "w8a16")
+# speed row -> (quantisation config, TESSEL_W8A16_PATH while loading; None: this CPU's choice)
+SPEED_CONFIGS: dict[str, tuple[str, str | None]] = {
+    "fp32": ("fp32", None),
+    "w8a8 rtn": ("w8a8 rtn", None),
+    "w8a16": ("w8a16", None),
+    "w8a16 bf16": ("w8a16", "bf16"),  # only where the CPU has AVX-512 BF16 / AMX
+}
 TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
 
 
@@ -107,7 +139,7 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
         or options.get("method") == "gptq"
         or options.get("awq")
     ):
-        options.update(calib=CALIB, calib_samples=calib_samples, seq_len=seq_len)
+        options = {"calib": CALIB, "calib_samples": calib_samples, "seq_len": seq_len, **options}
     if not (out / "config.json").exists():
         result = quantize_model(model, out, QuantizeOptions(**options))
         print(f"  quantised {name} in {result.seconds:.1f} s", flush=True)
@@ -145,25 +177,87 @@ def perplexity(path: Path, seq_len: int, eval_tokens: int | None) -> dict:
     return {"ppl": math.exp(nll / count), "tokens": count, "seconds": time.perf_counter() - start}
 
 
-def decode_speed(path: Path, concurrent: int, prompt_len: int, new_tokens: int) -> dict:
+def _speed_llm(path: Path, w8a16_path: str | None, max_model_len: int):
+    import os
+
+    from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE
+
+    saved = os.environ.get(W8A16_ENV_OVERRIDE)
+    if w8a16_path:
+        os.environ[W8A16_ENV_OVERRIDE] = w8a16_path
+    try:
+        return _llm(path, max_model_len)
+    finally:
+        os.environ.pop(W8A16_ENV_OVERRIDE, None)
+        if saved is not None:
+            os.environ[W8A16_ENV_OVERRIDE] = saved
+
+
+def _quantized_paths(llm) -> dict[str, int]:
+    """How many decoder linears run on each path (`W8A8Linear.path`, `W8A16CPULinear.path`)."""
+    counts: dict[str, int] = {}
+    for module in llm.model.modules():
+        path = getattr(module, "path", None)
+        if isinstance(path, str):
+            key = f"{type(module).__name__}:{path}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def decode_speed(llm, concurrent: int, prompt_len: int, new_tokens: int) -> dict:
     from tessel.engine.sampling_params import SamplingParams
 
-    llm = _llm(path, prompt_len + new_tokens + 8)
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     prompts = [ids[i * prompt_len : (i + 1) * prompt_len] for i in range(concurrent)]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(
         [prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4), use_progress=False
-    )  # warm-up
+    )  # warm-up (and, for the compiled W8A16 GEMV, its compilation)
+    if concurrent == 1:  # the prefill's CPU time alone, to subtract from the whole run's below
+        prefill_cpu = time.process_time()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_progress=False)
+        prefill_cpu = time.process_time() - prefill_cpu
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_progress=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if concurrent == 1:
         m = outputs[0].metrics
         decode_s = m.finish_time - m.first_token_time
-        return {"tok_per_s": (new_tokens - 1) / decode_s, "wall_s": wall, "cpu_s": cpu}
+        cpu_tok_per_s = (new_tokens - 1) / max(cpu - prefill_cpu, 1e-9)
+        return {"tok_per_s": (new_tokens - 1) / decode_s, "wall_s": wall, "cpu_s": cpu,
+                "cpu_tok_per_s": cpu_tok_per_s}  # fmt: skip
     total = sum(o.num_output_tokens for o in outputs)
     return {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": cpu, "cpu_tok_per_s": total / cpu}
+
+
+def speed_table(path_of, args) -> dict:
+    """Interleaved rounds over the models (all loaded once): per row the median tok/s and the median
+    of the per-round ratios to fp32, one stream and `args.concurrent` requests."""
+    from tessel.quant.cpu_features import BF16_FLAGS, cpu_flags
+
+    names = [n for n in SPEED_CONFIGS if SPEED_CONFIGS[n][1] != "bf16" or cpu_flags() & BF16_FLAGS]
+    max_len = 64 + max(args.new_tokens, args.batch_new_tokens) + 8
+    llms = {n: _speed_llm(path_of(SPEED_CONFIGS[n][0]), SPEED_CONFIGS[n][1], max_len) for n in names}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.speed_repeats):
+        for name, llm in llms.items():
+            single = decode_speed(llm, 1, 64, args.new_tokens)
+            batch = decode_speed(llm, args.concurrent, 64, args.batch_new_tokens)
+            runs[name].append({"single": single, "concurrent": batch})
+            print(f"  round {r + 1} {name}: {single['tok_per_s']:.1f} tok/s single, "
+                  f"{batch['tok_per_s']:.1f} tok/s x{args.concurrent}", flush=True)  # fmt: skip
+    rows = {}
+    for name in names:
+        row = {"paths": _quantized_paths(llms[name]), "runs": runs[name]}
+        for kind in ("single", "concurrent"):
+            row[kind] = {}
+            for key in ("tok_per_s", "cpu_tok_per_s"):
+                tps = [run[kind][key] for run in runs[name]]
+                base = [run[kind][key] for run in runs["fp32"]]
+                row[kind][key] = statistics.median(tps)
+                row[kind][f"{key}_vs_fp32"] = statistics.median(t / b for t, b in zip(tps, base, strict=True))
+        rows[name] = row
+    return rows
 
 
 def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
@@ -171,19 +265,24 @@ def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
 
     from tessel.kernels.quantize import quantize_per_token
     from tessel.layers import Int8Linear
-    from tessel.layers.quantized_linear import W8A8Linear
+    from tessel.layers.packed_linear import PackedLinear, packing_available
+    from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
+    from tessel.quant.cpu_features import BF16_FLAGS, cpu_flags
 
     fp = nn.Linear(k, n)
     q, s = quantize_per_token(fp.weight.detach())
-    layers = {
-        "nn.Linear fp32": fp,
-        "W8A8Linear": W8A8Linear(q, s, fp.bias.detach()),
-        "Int8Linear": Int8Linear.from_linear(fp),
-    }
+    b = fp.bias.detach()
+    layers = {"nn.Linear fp32": fp}
+    if packing_available():
+        layers["PackedLinear fp32 (engine)"] = PackedLinear(fp.weight, b)
+    layers |= {"W8A8Linear": W8A8Linear(q, s, b), "Int8Linear": Int8Linear.from_linear(fp)}
+    for path in ("gemv", "bf16", "dequant"):
+        if path != "bf16" or cpu_flags() & BF16_FLAGS:
+            layers[f"W8A16CPULinear {path}"] = W8A16CPULinear(q, s, b, path=path)
     x = torch.randn(m, k)
     times: dict[str, list[float]] = {name: [] for name in layers}
     with torch.no_grad():
-        for layer in layers.values():
+        for layer in layers.values():  # warm-up (and compilation of the W8A16 GEMV)
             layer(x)
         for _ in range(repeats):  # interleaved, so load on the machine hits every layer alike
             for name, layer in layers.items():
@@ -216,7 +315,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="single-stream decode tokens")
     parser.add_argument("--batch-new-tokens", type=int, default=64, help="per request, 32 concurrent")
     parser.add_argument("--concurrent", type=int, default=32)
-    parser.add_argument("--gemm", default="256,4096,4096", help="M,N,K")
+    parser.add_argument("--speed-repeats", type=int, default=3, help="interleaved rounds of the speed runs")
+    parser.add_argument("--gemm", default="256,4096,4096;1,3072,576", help="M,N,K[;M,N,K...]")
     parser.add_argument("--gemm-repeats", type=int, default=7)
     parser.add_argument("--workdir", help="keep quantised checkpoints here (default: a temp dir)")
     parser.add_argument("--out", default=str(RESULTS))
@@ -233,7 +333,7 @@ def main() -> None:
         f"threads {args.threads}"
     )
     print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
-          f"int8 path: {cpu['int8_path']}")  # fmt: skip
+          f"int8 path: {cpu['int8_path']}; W8A16 path: {cpu['w8a16_path']}")  # fmt: skip
     result: dict = {"cpu": cpu, "threads": args.threads, "torch": torch.__version__, "args": vars(args)}
     tmp = tempfile.TemporaryDirectory(prefix="tessel-quant-bench-")
     workdir = Path(args.workdir) if args.workdir else Path(tmp.name)
@@ -258,34 +358,33 @@ def main() -> None:
             print(f"| {name} | {row['ppl']:.3f} | {delta} | {'' if target is None else f'<= +{target}%'} |")
 
     if "speed" in only:
-        rows = {}
-        for name in SPEED_CONFIGS:
-            path = path_of(name)
-            single = decode_speed(path, 1, 64, args.new_tokens)
-            batch = decode_speed(path, args.concurrent, 64, args.batch_new_tokens)
-            rows[name] = {"single": single, "concurrent": batch}
-            print(
-                f"  {name}: {single['tok_per_s']:.1f} tok/s single, "
-                f"{batch['tok_per_s']:.1f} tok/s x{args.concurrent}"
-            )
+        rows = speed_table(path_of, args)
         result["speed"] = rows
-        print(f"\n| model | decode tok/s, 1 stream | vs fp32 | tok/s, {args.concurrent} requests | vs fp32 |")
-        print("|---|---|---|---|---|")
-        base = rows["fp32"]
+        print(f"\n| model | 1 stream tok/s | vs fp32 | CPU-time vs fp32 | {args.concurrent} requests tok/s "
+              "| vs fp32 | CPU-time vs fp32 | paths |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
         for name, row in rows.items():
-            s1, sb = row["single"]["tok_per_s"], row["concurrent"]["tok_per_s"]
-            print(f"| {name} | {s1:.1f} | {s1 / base['single']['tok_per_s']:.2f}x | {sb:.1f} | "
-                  f"{sb / base['concurrent']['tok_per_s']:.2f}x |")  # fmt: skip
+            cells = []
+            for kind in ("single", "concurrent"):
+                r = row[kind]
+                cells += [f"{r['tok_per_s']:.1f}", f"{r['tok_per_s_vs_fp32']:.2f}x",
+                          f"{r['cpu_tok_per_s_vs_fp32']:.2f}x"]  # fmt: skip
+            paths = ", ".join(f"{k} x{v}" for k, v in row["paths"].items()) or "float (oneDNN-packed)"
+            print(f"| {name} | {' | '.join(cells)} | {paths} |")
+        print(f"(median of {args.speed_repeats} interleaved rounds; ratios: median of per-round ratios; "
+              "CPU time: the process's, which a loaded machine inflates less than wall time)")  # fmt: skip
 
     if "gemm" in only:
-        m, n, k = (int(v) for v in args.gemm.split(","))
-        g = gemm_speed(m, n, k, args.gemm_repeats)
-        result["gemm"] = g
-        print(f"\n| {m}x{n}x{k} | median ms | min ms | speedup (median) |\n|---|---|---|---|")
-        for name in g["median_ms"]:
-            print(f"| {name} | {g['median_ms'][name]:.1f} | {g['min_ms'][name]:.1f} | "
-                  f"{g['speedup_median'][name]:.2f}x |")  # fmt: skip
-        print(f"(W8A8Linear path: {g['path']})")
+        result["gemm"] = []
+        for shape in args.gemm.split(";"):
+            m, n, k = (int(v) for v in shape.split(","))
+            repeats = args.gemm_repeats if m * n * k >= 1 << 28 else max(args.gemm_repeats, 200)
+            g = gemm_speed(m, n, k, repeats)
+            result["gemm"].append(g)
+            print(f"\n| {m}x{n}x{k} | median ms | min ms | speedup (median) |\n|---|---|---|---|")
+            for name in g["median_ms"]:
+                print(f"| {name} | {g['median_ms'][name]:.3f} | {g['min_ms'][name]:.3f} | "
+                      f"{g['speedup_median'][name]:.2f}x |")  # fmt: skip
+            print(f"(W8A8Linear path: {g['path']}; {repeats} interleaved repeats)")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -86,3 +86,13 @@ def test_residual_shape_mismatch_is_rejected():
 def test_no_tokens(backend):
     out, new_residual = rms_norm(torch.randn(0, 8), torch.ones(8), 1e-6, torch.randn(0, 8))
     assert out.shape == new_residual.shape == (0, 8)
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 123), (64, 4096), (3, 17)])
+def test_float32_torch_path_is_bit_equal_to_the_hf_formula(torch_backend, rows, hidden):
+    """The float32 PyTorch path runs torch's fused rms_norm; it must equal LlamaRMSNorm's ops bit for bit."""
+    x, r, weight = torch.randn(rows, hidden) * 3, torch.randn(rows, hidden), torch.randn(hidden)
+    out, s = rms_norm(x, weight, 1e-5, r)
+    expected_s = x + r
+    expected = (expected_s * torch.rsqrt(expected_s.pow(2).mean(-1, keepdim=True) + 1e-5)) * weight
+    assert torch.equal(s, expected_s) and torch.equal(out, expected)

@@ -125,6 +125,10 @@ def _rms_norm_torch(
     if residual is not None:
         x = x + residual
         new_residual = x
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch's fused kernel: one op instead of six, bit-equal to the lines below in float32
+        # (checked on 1-64 rows x 17-4096 columns; tests/kernels/test_rms_norm.py holds it to them)
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps), new_residual
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (normed * weight).to(x.dtype), new_residual

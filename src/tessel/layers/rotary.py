@@ -13,6 +13,7 @@ from torch import nn
 
 from tessel.catalog.hf_config import ROPE_TYPES, RopeScaling
 from tessel.kernels import rope
+from tessel.kernels.rope import rope_tables
 
 __all__ = ["ROPE_TYPES", "RopeScaling", "RotaryEmbedding", "inverse_frequencies"]
 
@@ -55,6 +56,9 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         self.cos = torch.empty(0)
         self.sin = torch.empty(0)
+        # (positions, dtype) -> rope_tables of the last call: every layer of a step rotates at the
+        # same positions, so the gather runs once per step, not once per layer
+        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.build_tables()
 
     def build_tables(self, device: torch.device | str = "cpu") -> None:
@@ -64,8 +68,14 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(self.max_position, dtype=torch.int64).float()
             freqs = positions[:, None] * inv_freq[None, :]
             self.cos, self.sin = freqs.cos(), freqs.sin()
+        self._last = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope(q, k, positions, self.cos, self.sin)
+        if q.is_cuda or torch.is_grad_enabled():
+            return rope(q, k, positions, self.cos, self.sin)
+        last = self._last
+        if last is None or last[0] is not positions or last[1] != q.dtype:
+            last = self._last = (positions, q.dtype, rope_tables(positions, self.cos, self.sin, q.dtype))
+        return rope(q, k, positions, self.cos, self.sin, tables=last[2])

@@ -7,6 +7,16 @@
 
 `TESSEL_INT8_PATH=int_mm|fbgemm|dequant` forces a path (each one runs on any x86 CPU with
 PyTorch's fbgemm; only the speed differs).
+
+W8A16 (int8 weights, float activations; `choose_w8a16_path`):
+
+    gemv     a C++ compiler for torch.compile: a fused int8 GEMV for decode steps of up to
+             GEMV_MAX_ROWS rows, the de-quantised float32 GEMM above (float32 activations)
+    bf16     only when forced, on AVX-512 BF16 / AMX: bfloat16 activations and outputs
+             (`torch._weight_int8pack_mm`, oneDNN's bf16 GEMM); changes the numerics
+    dequant  otherwise: the de-quantised float32 GEMM
+
+`TESSEL_W8A16_PATH=gemv|bf16|dequant` forces one (`bf16` only where the CPU has bf16 dot products).
 """
 
 from __future__ import annotations
@@ -23,6 +33,10 @@ INT8_PATHS = ("int_mm", "fbgemm", "dequant")
 ENV_OVERRIDE = "TESSEL_INT8_PATH"
 VNNI_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
 CPUINFO = Path("/proc/cpuinfo")
+
+W8A16_PATHS = ("gemv", "bf16", "dequant")
+W8A16_ENV_OVERRIDE = "TESSEL_W8A16_PATH"
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @functools.cache
@@ -57,6 +71,26 @@ def choose_int8_path(flags: frozenset[str] | None = None, capability: str | None
     return "dequant"
 
 
+def choose_w8a16_path(flags: frozenset[str] | None = None, compiler: bool | None = None) -> str:
+    """The CPU W8A16 path (default: this machine's), unless TESSEL_W8A16_PATH forces one."""
+    flags = cpu_flags() if flags is None else flags
+    forced = os.environ.get(W8A16_ENV_OVERRIDE, "").strip()
+    if forced:
+        if forced not in W8A16_PATHS:
+            raise TesselError(f"{W8A16_ENV_OVERRIDE}={forced!r}; choose one of {', '.join(W8A16_PATHS)}")
+        if forced == "bf16" and not flags & BF16_FLAGS:
+            raise TesselError(
+                f"{W8A16_ENV_OVERRIDE}=bf16 needs a CPU with AVX-512 BF16 or AMX (flags "
+                f"{', '.join(sorted(BF16_FLAGS))}); use gemv or dequant"
+            )
+        return forced
+    if compiler is None:
+        from tessel.kernels.w8a16_cpu import compiler_available
+
+        compiler = compiler_available()
+    return "gemv" if compiler else "dequant"
+
+
 def describe() -> dict[str, object]:
     """What the benchmark prints beside its figures."""
     flags = cpu_flags()
@@ -65,5 +99,6 @@ def describe() -> dict[str, object]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "flags": interesting,
         "int8_path": choose_int8_path(),
+        "w8a16_path": choose_w8a16_path(),
         "quantized_engines": list(torch.backends.quantized.supported_engines),
     }

@@ -7,6 +7,7 @@ tessel's fused `qkv_proj` / `gate_up_proj`):
 
     w8a8          -> `W8A8Linear` (int8 GEMM; CPU path by the CPU's features)
     w8a16 on CUDA -> `W8A16Linear` (Triton kernel, int8 weights in memory)
+    w8a16 on CPU, float32 -> `W8A16CPULinear` (int8 GEMV for decode steps; path by the CPU's features)
     otherwise     -> a float nn.Linear holding the dequantised weight (packed for oneDNN on CPU)
 
 Fused q/k/v with static activations take the largest of their three input scales (as vLLM does;
@@ -24,7 +25,7 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A16Linear
-from tessel.layers.quantized_linear import W8A8Linear, dequantized_linear
+from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear, dequantized_linear
 from tessel.quant.checkpoint import parse_quantization_config, read_module
 from tessel.quant.schemes import QuantizedWeight, Scheme
 
@@ -121,8 +122,11 @@ def _build(scheme: Scheme, weights, input_scales, biases, dtype, device) -> nn.M
             )
         input_scale = torch.stack(input_scales).max() if scheme.act_static else None
         return W8A8Linear(q.to(device), scale.to(device), _to(bias, device), _to(input_scale, device))
-    if scheme.weight_bits == 8 and scheme.group_size is None and torch.device(device).type == "cuda":
+    per_channel_int8 = scheme.weight_bits == 8 and scheme.group_size is None
+    if per_channel_int8 and torch.device(device).type == "cuda":
         return W8A16Linear.from_int8(q.to(device), scale.reshape(-1).to(device), _to(bias, device))
+    if per_channel_int8 and torch.device(device).type == "cpu" and dtype == torch.float32:
+        return W8A16CPULinear(q, scale.reshape(-1), bias)
     weight = QuantizedWeight(q, scale, scheme.group_size).dequantize()
     return dequantized_linear(weight.to(device), _to(bias, device), dtype)
 

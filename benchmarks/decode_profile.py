@@ -1,0 +1,118 @@
+"""Where a decode step's time goes: wall-clock timers around the engine's modules.
+
+    python benchmarks/decode_profile.py [--model DIR] [--concurrent 1] [--steps 20] [--threads 1]
+
+Loads the model (default SmolLM2-135M-Instruct; a quantised checkpoint directory works too), starts
+`--concurrent` requests of 64 prompt tokens, runs their prefill and 4 decode steps, then times
+`--steps` decode steps with `time.perf_counter` around each linear (per kind), the attention
+(cache write + paged decode), RMSNorm, RoPE, SiLU-and-mul, the LM head, input preparation,
+sampling and the scheduler. "other in run" is the model runner's time outside those (Python glue,
+views, splits, module calls); "outside run" is the engine's own (stop rules, detokenising).
+Timers add a few microseconds per call, so the parts sum to slightly more than an untimed step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # real_model
+EVAL = Path(__file__).parent / "data" / "kjv_evaluation.txt"
+PARTS = ("attention", "rmsnorm", "silu_and_mul", "rope", "embed", "lm_head", "prepare inputs", "sample")
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.seconds[name] += time.perf_counter() - start
+            return out
+
+        object.__setattr__(obj, attr, timed)  # an instance attribute shadows the bound method
+
+
+def instrument(llm, timers: Timers) -> None:
+    model = llm.model
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, name in ((attn.qkv_proj, "qkv"), (attn.o_proj, "o"), (mlp.gate_up_proj, "gate_up"),
+                             (mlp.down_proj, "down")):  # fmt: skip
+            timers.wrap(module, "forward", f"linear {name}")
+        timers.wrap(attn.attn, "forward", "attention")
+        timers.wrap(layer.input_layernorm, "forward", "rmsnorm")
+        timers.wrap(layer.post_attention_layernorm, "forward", "rmsnorm")
+        timers.wrap(mlp.act, "forward", "silu_and_mul")
+    timers.wrap(model.model.norm, "forward", "rmsnorm")
+    timers.wrap(model.model.rotary, "forward", "rope")
+    timers.wrap(model.model.embed_tokens, "forward", "embed")
+    timers.wrap(model, "compute_logits", "lm_head")
+    timers.wrap(llm.runner, "prepare", "prepare inputs")
+    timers.wrap(llm.runner, "sample", "sample")
+    timers.wrap(llm.runner, "run", "run")
+    timers.wrap(llm.scheduler, "schedule", "schedule")
+
+
+def profile(model_dir: str, concurrent: int, steps: int) -> dict[str, float]:
+    """-> milliseconds per decode step, by part ("step": the whole step)."""
+    from tessel import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_model_len=64 + steps + 16, max_num_seqs=max(concurrent, 1))
+    ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(concurrent):
+        llm.add_request(f"r{i}", ids[i * 64 : (i + 1) * 64], params)
+    timers = Timers()
+    instrument(llm, timers)
+    for _ in range(5 if concurrent == 1 else 8):  # prefill(s), warm-up decode steps (the GEMV compiles)
+        llm.step()
+    timers.seconds.clear()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        llm.step()
+    ms = {name: s / steps * 1e3 for name, s in timers.seconds.items()}
+    ms["step"] = (time.perf_counter() - start) / steps * 1e3
+    ms["step CPU time"] = (time.process_time() - cpu) / steps * 1e3
+    ms["linear (decoder layers)"] = sum(v for k, v in ms.items() if k.startswith("linear "))
+    ms["other in run"] = ms["run"] - ms["linear (decoder layers)"] - sum(ms.get(p, 0.0) for p in PARTS)
+    ms["outside run"] = ms["step"] - ms["run"] - ms.get("schedule", 0.0)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the cache)")
+    parser.add_argument("--concurrent", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        import real_model
+
+        args.model = str(real_model.smollm2_dir())
+    ms = profile(args.model, args.concurrent, args.steps)
+    step = ms["step"]
+    print(f"{Path(args.model).name}, {args.concurrent} sequence(s), {args.threads} thread(s): "
+          f"{step:.1f} ms per decode step ({ms['step CPU time']:.1f} ms CPU time)")  # fmt: skip
+    print("\n| part | ms per step | share |\n|---|---|---|")
+    shown = [k for k in ms if k not in ("step", "run", "step CPU time")]
+    for name in sorted(shown, key=lambda k: -ms[k]):
+        print(f"| {name} | {ms[name]:.2f} | {100 * ms[name] / step:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""W8A16 on CPU: int8 weights per output channel, float activations, no float copy of the weight read.
+
+    out[m, n] = (sum_k x[m, k] * w[n, k]) * w_scale[n] + bias[n]         float32 sums
+
+`gemv_int8` is that formula as one fused reduction compiled by torch.compile (inductor's C++
+codegen): each int8 weight is converted in registers, so a decode step reads 1 byte per weight
+instead of the 4 of a float32 GEMM. It wins only for a few rows (a decode step of one or two
+sequences, where the GEMM is memory-bound): at more rows the weight is re-read per row, and the
+caller runs a library GEMM instead (`tessel.layers.quantized_linear.W8A16CPULinear`).
+Measured in benchmarks/quant.py (`--only gemm`); compile time is paid once per process
+(inductor caches the generated code on disk across processes).
+
+`bf16_gemm` is the bfloat16-activation path (W8A16 as a GPU runs it: 16-bit activations):
+`torch._weight_int8pack_mm` for a few rows, oneDNN's bfloat16 GEMM on the int8 values held as
+bfloat16 (exact: |w| <= 127) for more, float32 sums rounded to bfloat16, the scale in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import types
+import warnings
+
+import torch
+
+# torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
+# (segfault) at K = 66 and 70 and returned wrong values or NaN at K = 36, 68, 72 (32, 48, 80, 576
+# and 1536 were right); other layers take the bfloat16 GEMM, which computes the same.
+INT8PACK_K_MULTIPLE = 16
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale
+
+
+def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale + bias
+
+
+@functools.cache
+def _compiled(m: int, n: int, k: int, with_bias: bool):
+    """One static-shape compiled GEMV per (M, N, K): a static kernel ran 1.6x faster than a
+    dynamic-shape one at 1 x 576 x 576. torch.compile keeps its cache per code object (at most
+    `recompile_limit` shapes each), so each shape gets its own copy of the function's code."""
+    fn = _gemv_bias if with_bias else _gemv
+    name = f"{fn.__name__}_{m}x{n}x{k}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return torch.compile(types.FunctionType(code, fn.__globals__, name), dynamic=False, fullgraph=True)
+
+
+class _State:
+    broken: str | None = None  # why compiling failed in this process (then nothing compiles again)
+
+
+@functools.cache
+def _has_cxx() -> bool:
+    return any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
+
+
+def compiler_available() -> bool:
+    """Whether inductor can build C++ kernels here (a C++ compiler on PATH, compiling not broken)."""
+    return _State.broken is None and _has_cxx()
+
+
+def gemv_int8(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """x float32 [M, K] @ (w int8 [N, K] * w_scale [N]).T + bias -> float32 [M, N], fused and compiled;
+    None when compiling fails (the caller falls back; a warning says why, once per process)."""
+    if not compiler_available():
+        return None
+    try:
+        gemv = _compiled(x.shape[0], w.shape[0], w.shape[1], bias is not None)
+        return gemv(x, w, w_scale) if bias is None else gemv(x, w, w_scale, bias)
+    except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
+        _State.broken = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=2
+        )
+        return None
+
+
+def bf16_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w16: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemv_max_rows: int,
+) -> torch.Tensor:
+    """bf16(sum_k bf16(x[m, k]) * w[n, k]) * w_scale[n] + bias[n] -> float32 [M, N] (sums in float32).
+
+    Up to `gemv_max_rows` rows: `torch._weight_int8pack_mm` on the int8 weight (unit scales, so the
+    scale is applied in float32 as below); more rows: a bfloat16 GEMM on `w16`, the weight as
+    bfloat16 [N, K] or reordered for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`).
+    Both round the sum to bfloat16, as a bfloat16 GEMM's output is."""
+    xb = x.to(torch.bfloat16)
+    if x.shape[0] <= gemv_max_rows and x.shape[1] % INT8PACK_K_MULTIPLE == 0:
+        out = torch.ops.aten._weight_int8pack_mm(xb, w, _unit_scales(w.shape[0]))
+    elif w16.is_mkldnn:
+        out = torch.ops.mkldnn._linear_pointwise(xb, w16, None, "none", [], "")
+    else:
+        out = torch.matmul(xb, w16.t())
+    out = out.float().mul_(w_scale)
+    return out if bias is None else out.add_(bias)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_scales(n: int) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.bfloat16)
