@@ -86,6 +86,16 @@ PPL_CONFIGS: dict[str, dict] = {
     },
     "w4a16 g32 gptq": {"scheme": "w4a16", "group_size": 32, "method": "gptq"},
     "w4a16 g32 gptq act-order": {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True},
+    "w4a16 g64 gptq static": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "static_groups": True},
+    "w4a16 g64 awq": {"scheme": "w4a16", "group_size": 64, "awq": True},
+    "w4a16 g64 awq gptq": {"scheme": "w4a16", "group_size": 64, "awq": True, "method": "gptq"},
+    "w4a16 g64 awq gptq act-order": {
+        "scheme": "w4a16",
+        "group_size": 64,
+        "awq": True,
+        "method": "gptq",
+        "act_order": True,
+    },
     "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }
@@ -127,6 +137,7 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
         options.get("smoothquant") is not None
         or options.get("act") == "static"
         or options.get("method") == "gptq"
+        or options.get("awq")
     ):
         options = {"calib": CALIB, "calib_samples": calib_samples, "seq_len": seq_len, **options}
     if not (out / "config.json").exists():

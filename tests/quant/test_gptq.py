@@ -26,7 +26,7 @@ def _scale(columns: torch.Tensor, scheme) -> torch.Tensor:
     return obs.qparams()[0].double()
 
 
-def _slow_gptq(weight, hessian, scheme, act_order=False):
+def _slow_gptq(weight, hessian, scheme, act_order=False, static_groups=False):
     """The OBS update of one column at a time, the remaining columns' inverse Hessian inverted anew."""
     n, k = weight.shape
     group = scheme.group_size or k
@@ -35,15 +35,17 @@ def _slow_gptq(weight, hessian, scheme, act_order=False):
     h = hessian.double().clone()
     h += PERCDAMP * torch.mean(torch.diag(h)) * torch.eye(k, dtype=torch.float64)
     scales = torch.zeros(n, k // group, dtype=torch.float64)
-    if act_order:
+    static = act_order or static_groups
+    if static:
         for g in range(0, k, group):
             scales[:, g // group] = _scale(w[:, g : g + group], scheme)
+    if act_order:
         order = torch.argsort(torch.diag(hessian.double()), descending=True, stable=True).tolist()
     else:
         order = list(range(k))
     codes = torch.zeros(n, k, dtype=torch.int8)
     for position, column in enumerate(order):
-        if not act_order and column % group == 0:
+        if not static and column % group == 0:
             scales[:, column // group] = _scale(w[:, column : column + group], scheme)
         scale = scales[:, column // group]
         q = torch.clamp(torch.round(w[:, column] / scale), qmin, qmax)
@@ -68,14 +70,23 @@ def _problem(seed: int, n: int, k: int):
 
 
 @pytest.mark.parametrize(
-    ("scheme_name", "group", "act_order", "block"),
-    [("w4a16", 16, False, 32), ("w4a16", 16, True, 32), ("w8a16", None, False, 16), ("w4a16", 8, False, 12)],
+    ("scheme_name", "group", "act_order", "block", "static"),
+    [
+        ("w4a16", 16, False, 32, False),
+        ("w4a16", 16, True, 32, False),
+        ("w8a16", None, False, 16, False),
+        ("w4a16", 8, False, 12, False),
+        ("w4a16", 16, False, 32, True),
+        ("w4a16", 8, True, 12, True),
+    ],
 )
-def test_fast_gptq_gives_the_codes_of_the_slow_published_algorithm(scheme_name, group, act_order, block):
+def test_fast_gptq_gives_the_codes_of_the_slow_published_algorithm(
+    scheme_name, group, act_order, block, static
+):
     scheme = make_scheme(scheme_name, group_size=group)
     weight, hessian, _ = _problem(seed=7, n=12, k=48)
-    fast = gptq_quantize(weight, hessian, scheme, act_order=act_order, block=block)
-    codes, scales = _slow_gptq(weight, hessian, scheme, act_order)
+    fast = gptq_quantize(weight, hessian, scheme, act_order=act_order, block=block, static_groups=static)
+    codes, scales = _slow_gptq(weight, hessian, scheme, act_order, static)
     assert torch.equal(fast.q, codes)
     torch.testing.assert_close(fast.scale.double(), scales, rtol=1e-5, atol=0)
 

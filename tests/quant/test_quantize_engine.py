@@ -53,6 +53,16 @@ CASES = {
     "w8a16": ["--scheme", "w8a16"],
     "w4a16-g32": ["--scheme", "w4a16", "--group-size", "32"],
     "w4a16-g32-gptq": ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq"],
+    "w4a16-g32-awq-gptq": [
+        "--scheme",
+        "w4a16",
+        "--group-size",
+        "32",
+        "--awq",
+        "--method",
+        "gptq",
+        "--static-groups",
+    ],  # fmt: skip
     "w8a8-sq-gptq-act-order": ["--scheme", "w8a8", "--smoothquant", "0.5", "--method", "gptq", "--act-order"],
 }
 CALIB = ["--calib-samples", "4", "--seq-len", "32"]
@@ -122,6 +132,8 @@ def test_engine_swaps_in_w8a8_modules_and_generates(tiny_llama, calib_text, tmp_
         (["--scheme", "w8a8", "--smoothquant", "best"], "'auto'"),
         (["--scheme", "w8a8", "--method", "awq"], "--method"),
         (["--scheme", "w8a8", "--act-order"], "--act-order applies to --method gptq"),
+        (["--scheme", "w8a16", "--awq", "--smoothquant", "0.5"], "--awq and --smoothquant"),
+        (["--scheme", "w8a16", "--static-groups"], "--static-groups applies to --method gptq"),
         (
             ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq", "--calib-samples", "5000"],
             "--calib-samples 5000",

@@ -40,6 +40,10 @@ def quantize(
     precisions: str = typer.Option("int8,int4", help="--sensitivity: the precisions to measure."),
     method: str = typer.Option("rtn", help="Weights: rtn (round to nearest) or gptq (needs --calib)."),
     act_order: bool = typer.Option(False, help="GPTQ: round columns by descending Hessian diagonal."),
+    static_groups: bool = typer.Option(
+        False, help="GPTQ: group scales from the original weights up front (llm-compressor's rule)."
+    ),
+    awq: bool = typer.Option(False, help="AWQ activation-aware channel scaling first (needs --calib)."),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
     check_model_path(model, "MODEL")
@@ -66,8 +70,10 @@ def quantize(
         calib_samples,
         seq_len,
         group_size,
-        method,
-        act_order,
+        method=method,
+        act_order=act_order,
+        static_groups=static_groups,
+        awq=awq,
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}
@@ -84,7 +90,11 @@ def quantize(
         result = quantize_model(model, out, options, progress)
     Console(highlight=False).print(
         f"{result.scheme}: {result.num_linears} linears quantised"
-        + (f", {result.smoothed_groups} SmoothQuant groups" if result.smoothed_groups else "")
+        + (
+            f", {result.smoothed_groups} {'AWQ' if awq else 'SmoothQuant'} groups"
+            if result.smoothed_groups
+            else ""
+        )
         + (f", calibrated on {result.calib_tokens} tokens" if result.calib_tokens else "")
         + f" in {result.seconds:.1f} s -> {result.out_dir}"
     )

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.quant.awq import awq_group
 from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
 from tessel.quant.gguf_import import resolve_model_path
 from tessel.quant.gptq import gptq_model
@@ -49,6 +50,8 @@ class QuantizeOptions:
     group_size: int | None = None
     method: str = "rtn"  # weights: round to nearest, or GPTQ
     act_order: bool = False  # GPTQ: columns by descending Hessian diagonal
+    static_groups: bool = False  # GPTQ: group scales from the original weights, up front
+    awq: bool = False  # AWQ's activation-aware channel scaling before the weights are rounded
 
     def __post_init__(self) -> None:
         make_scheme(self.scheme, self.act, self.group_size)  # validates scheme / act / group
@@ -69,16 +72,20 @@ class QuantizeOptions:
             raise TesselError(f"--method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.act_order and self.method != "gptq":
             raise TesselError("--act-order applies to --method gptq")
+        if self.static_groups and self.method != "gptq":
+            raise TesselError("--static-groups applies to --method gptq")
         if self.calib_samples < 1 or self.seq_len < 2:
             raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
+        if self.awq and self.smoothquant is not None:
+            raise TesselError("--awq and --smoothquant both rescale the same channels: choose one")
         if self.needs_calibration and self.calib is None:
             raise TesselError(
-                "--smoothquant, --act static and --method gptq calibrate on text: give --calib FILE"
+                "--smoothquant, --awq, --act static and --method gptq calibrate on text: give --calib FILE"
             )
 
     @property
     def needs_calibration(self) -> bool:
-        return self.smoothquant is not None or self.act == "static" or self.method == "gptq"
+        return self.smoothquant is not None or self.act == "static" or self.method == "gptq" or self.awq
 
 
 @dataclass(slots=True)
@@ -187,6 +194,12 @@ def _smooth(model, linears, alpha: float | str, windows, progress) -> dict[str, 
     return alphas
 
 
+def _awq(model, linears, scheme: Scheme, windows, progress) -> dict[str, float]:
+    """AWQ-scale every SmoothQuant group (tessel.quant.awq); -> the alpha chosen per group."""
+    recorders = _observe_inputs(model, linears, InputRecorder, windows, "awq", progress)
+    return {g.name: awq_group(g, recorders[g.name], scheme) for g in llama_smooth_groups(model)}
+
+
 def load_hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -224,6 +237,9 @@ def quantize_model(
     if options.smoothquant is not None:
         result.smoothing_alphas = _smooth(model, linears, options.smoothquant, windows, progress)
         result.smoothed_groups = len(result.smoothing_alphas)
+    if options.awq:
+        result.smoothing_alphas = _awq(model, linears, scheme, windows, progress)
+        result.smoothed_groups = len(result.smoothing_alphas)
     input_scales: dict[str, torch.Tensor] = {}
     if scheme.act_static:
         observers = _observe_inputs(
@@ -252,6 +268,7 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
             scheme,
             act_order=options.act_order,
             observer=options.weight_observer,
+            static_groups=options.static_groups,
             progress=progress,
         )
     return {name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()}

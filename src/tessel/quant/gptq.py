@@ -83,8 +83,11 @@ def gptq_quantize(
     percdamp: float = PERCDAMP,
     observer: str = "minmax",
     block: int = BLOCK,
+    static_groups: bool = False,
 ) -> QuantizedWeight:
-    """GPTQ-round a weight [N, K] against the Hessian [K, K] of its input under `scheme`."""
+    """GPTQ-round a weight [N, K] against the Hessian [K, K] of its input under `scheme`.
+    `static_groups`: every group's scale from the un-updated weights up front (as with act-order;
+    llm-compressor's rule) instead of when the group starts."""
     n, k = weight.shape
     scheme.check_in_features(k, "a linear layer")
     group = scheme.group_size or k
@@ -98,10 +101,11 @@ def gptq_quantize(
     w[:, dead] = 0.0
     static_scales = None
     order = torch.arange(k)
-    if act_order:
+    if act_order or static_groups:
         static_scales = torch.stack(
             [_group_scales(w[:, g : g + group], scheme, observer) for g in range(0, k, group)], dim=1
         )
+    if act_order:
         order = torch.argsort(torch.diag(h), descending=True, stable=True)
         w, h = w[:, order], h[order][:, order]
     u = _inverse_hessian_factor(h, percdamp)
@@ -203,6 +207,7 @@ def gptq_model(
     act_order: bool = False,
     percdamp: float = PERCDAMP,
     observer: str = "minmax",
+    static_groups: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, QuantizedWeight]:
     """GPTQ every decoder-layer linear, layer after layer: layer i's Hessians come from the outputs of
@@ -217,7 +222,13 @@ def gptq_model(
             modules = [layer.get_submodule(name) for name in names]
             stacked = torch.cat([m.weight for m in modules])
             rounded = gptq_quantize(
-                stacked, acc.hessian, scheme, act_order=act_order, percdamp=percdamp, observer=observer
+                stacked,
+                acc.hessian,
+                scheme,
+                act_order=act_order,
+                percdamp=percdamp,
+                observer=observer,
+                static_groups=static_groups,
             )
             row = 0
             for name, module in zip(names, modules, strict=True):

@@ -73,6 +73,13 @@ def smoothing_scales(act_amax: torch.Tensor, weights: list[torch.Tensor], alpha:
 def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> torch.Tensor:
     """Fold the scales into the producer and its consumers in place; -> the scales."""
     scales = smoothing_scales(act_amax, [lin.weight for lin in group.linears], alpha)
+    fold_scales(group, scales)
+    return scales
+
+
+@torch.no_grad()
+def fold_scales(group: SmoothGroup, scales: torch.Tensor) -> None:
+    """producer's output channel j /= s_j, every consumer's column j *= s_j (in place)."""
     producer = group.producer
     if isinstance(producer, nn.Linear):  # its output rows
         producer.weight.copy_((producer.weight.float() / scales[:, None]).to(producer.weight.dtype))
@@ -82,7 +89,6 @@ def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> to
         producer.weight.copy_((producer.weight.float() / scales).to(producer.weight.dtype))
     for lin in group.linears:
         lin.weight.copy_((lin.weight.float() * scales[None, :]).to(lin.weight.dtype))
-    return scales
 
 
 class InputRecorder:
