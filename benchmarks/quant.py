@@ -87,6 +87,22 @@ PPL_CONFIGS: dict[str, dict] = {
     "w4a16 g32 gptq": {"scheme": "w4a16", "group_size": 32, "method": "gptq"},
     "w4a16 g32 gptq act-order": {"scheme": "w4a16", "group_size": 32, "method": "gptq", "act_order": True},
     "w4a16 g64 gptq static": {"scheme": "w4a16", "group_size": 64, "method": "gptq", "static_groups": True},
+    "w4a16 g64 awq gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 64,
+        "awq": True,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 g32 awq gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 32,
+        "awq": True,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
     "w4a16 g64 awq": {"scheme": "w4a16", "group_size": 64, "awq": True},
     "w4a16 g64 awq gptq": {"scheme": "w4a16", "group_size": 64, "awq": True, "method": "gptq"},
     "w4a16 g64 awq gptq act-order": {
