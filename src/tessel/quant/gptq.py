@@ -70,7 +70,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, percdamp: float) -> torch.Ten
     except torch.linalg.LinAlgError:
         raise TesselError(
             "GPTQ: the calibration Hessian is not positive definite even after dampening; "
-            "give more --calib-samples or a larger --gptq-damp"
+            "give more --calib-samples or a longer --seq-len"
         ) from None
 
 
