@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, with_precision_choice
-from plan.test_replicas import _labelings
+from plan.test_replicas import best_over_partitions
 from tessel.plan.replica_bound import split_upper_bound_tok_s
-from tessel.plan.replicas import choose_replicas, subset
+from tessel.plan.replicas import choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, evaluate
 
@@ -36,18 +36,12 @@ def _plans(instance):
 def _best_split_tok_s(instance, micro_batch_size: int) -> float:
     """Most summed throughput over every partition, each group at its most throughput over every plan
     (not only the objective's optimum: the bound must cover them all)."""
-    best = 0.0
-    for labels in _labelings(instance.n_devices):
-        total = 0.0
-        for label in set(labels):
-            group = tuple(j for j, x in enumerate(labels) if x == label)
-            sub = subset(instance, group)
-            total += max(
-                (predict(sub, e, micro_batch_size).throughput_tok_s for e in _plans(sub) if e.feasible),
-                default=0.0,
-            )
-        best = max(best, total)
-    return best
+
+    def most_tok_s(sub) -> float:
+        plans = (predict(sub, e, micro_batch_size).throughput_tok_s for e in _plans(sub) if e.feasible)
+        return max(plans, default=0.0)
+
+    return best_over_partitions(instance, most_tok_s)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

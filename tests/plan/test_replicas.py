@@ -30,18 +30,22 @@ def _labelings(n: int):
     yield from grow([])
 
 
-def _oracle(instance) -> float:
+def best_over_partitions(instance, group_tok_s) -> float:
+    """Most summed `group_tok_s(sub-instance)` over every partition of the devices into groups."""
     best = 0.0
     for labels in _labelings(instance.n_devices):
-        total = 0.0
-        for label in set(labels):
-            group = tuple(j for j, x in enumerate(labels) if x == label)
-            sub = subset(instance, group)
-            found = brute_force(sub).evaluation
-            if found is not None:
-                total += predict(sub, found, 1).throughput_tok_s
-        best = max(best, total)
+        groups = [tuple(j for j, x in enumerate(labels) if x == label) for label in set(labels)]
+        best = max(best, sum(group_tok_s(subset(instance, group)) for group in groups))
     return best
+
+
+def _brute_force_tok_s(sub) -> float:
+    found = brute_force(sub).evaluation
+    return 0.0 if found is None else predict(sub, found, 1).throughput_tok_s
+
+
+def _oracle(instance) -> float:
+    return best_over_partitions(instance, _brute_force_tok_s)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
