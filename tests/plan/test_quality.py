@@ -64,6 +64,19 @@ def test_int4_error_matches_group_quantisation_in_float64() -> None:
     assert relative_error(weights, "int4") == pytest.approx(expected_num / float(np.sum(w * w)), rel=1e-9)
 
 
+def test_int4_error_groups_a_row_that_128_does_not_divide() -> None:
+    rng = np.random.default_rng(2)
+    weights = rng.normal(size=(3, 300)).astype(np.float32)
+    weights[:, 256:] *= 0.01  # a small-valued tail: one row-wide scale would round it to nothing
+    w = weights.astype(np.float64)
+    expected_num = 0.0
+    for row in w:
+        for group in (row[:128], row[128:256], row[256:]):
+            scale = np.abs(group).max() / 7
+            expected_num += float(np.sum((group - np.clip(np.round(group / scale), -8, 7) * scale) ** 2))
+    assert relative_error(weights, "int4") == pytest.approx(expected_num / float(np.sum(w * w)), rel=1e-9)
+
+
 def test_weight_costs_on_a_real_checkpoint(smollm2_dir) -> None:
     model = load_model(smollm2_dir)
     costs = weight_costs(model, ("fp16", "int8", "int4"), smollm2_dir)

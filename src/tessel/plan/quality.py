@@ -14,7 +14,8 @@ Three sources, in the order `quality_costs` takes them:
   precision, any non-negative cost (e.g. the perplexity increase when that one layer is quantised);
   refused when written for another model (name or layer count);
 - a local checkpoint (the model given as a directory with *.safetensors): each layer's weights are
-  rounded at each precision (symmetric, per output channel for int8, groups of 128 for int4) and the
+  rounded at each precision (symmetric, per output channel for int8, groups of 128 for int4, a
+  shorter last group where 128 does not divide a row) and the
   measured relative error ||W - Q(W)||^2 / ||W||^2 is the ratio above; at most `SAMPLE_ROWS` rows
   per matrix, evenly spaced, keep this fast on 70B checkpoints;
 - otherwise, from the model's shape alone (`shape_costs`, the default): weights taken as
@@ -199,8 +200,11 @@ def relative_error(weights: np.ndarray, name: str) -> float:
             rounded = bits.astype(np.uint32).view(np.float32).astype(np.float64)
         return float(np.sum((w - rounded) ** 2)) / norm
     bits = INTEGER_BITS[name]
-    group = L.INT4_GROUP_SIZE if name == "int4" and w.shape[1] % L.INT4_GROUP_SIZE == 0 else w.shape[1]
-    grouped = w.reshape(w.shape[0], -1, group)
+    group = min(L.INT4_GROUP_SIZE, w.shape[1]) if name == "int4" else w.shape[1]
+    # a row that 128 does not divide ends in a shorter group: zero padding adds no error and leaves
+    # that group's max |w| (its scale) as the real weights set it
+    padded = np.pad(w, ((0, 0), (0, -w.shape[1] % group)))
+    grouped = padded.reshape(w.shape[0], -1, group)
     levels = 2 ** (bits - 1) - 1
     scale = np.abs(grouped).max(axis=2, keepdims=True) / levels
     scale[scale == 0] = 1.0
