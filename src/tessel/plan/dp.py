@@ -318,6 +318,7 @@ class _Search:
         self.best_obj = _INF
         self.lb_p, self.lb_d = bottleneck_lower_bounds(instance)
         self.open_bound = _INF  # least lower bound left unexplored (over all orders searched)
+        self.last_run_s = 0.0  # a DP pass cannot stop halfway: the next is started only if it can end in time
         self._seq = itertools.count()
 
     def _box_bound(self, sum_lb: float, lo_p: float, lo_d: float) -> float:
@@ -329,7 +330,14 @@ class _Search:
         return bound >= self.best_obj - self.rel_gap * abs(self.best_obj) - 1e-12 * abs(self.best_obj)
 
     def out_of_budget(self) -> bool:
-        return self.calls >= self.max_calls or time.perf_counter() > self.deadline
+        return self.calls >= self.max_calls or time.perf_counter() + self.last_run_s > self.deadline
+
+    def run(self, dp: _OrderDP, bound_p: float, strict_p: bool, bound_d: float, strict_d: bool):
+        started = time.perf_counter()
+        self.calls += 1
+        path = dp.run(bound_p, strict_p, bound_d, strict_d)
+        self.last_run_s = time.perf_counter() - started
+        return path
 
     def dive(self, order: tuple[int, ...]) -> None:
         """Quick incumbents: both bottlenecks bounded a little above their lower bounds."""
@@ -337,8 +345,7 @@ class _Search:
         for slack in DIVE_SLACKS:
             if self.out_of_budget():
                 return
-            self.calls += 1
-            path = dp.run(self.lb_p * (1 + slack), False, self.lb_d * (1 + slack), False)
+            path = self.run(dp, self.lb_p * (1 + slack), False, self.lb_d * (1 + slack), False)
             if path is not None:
                 obj = _path_objective(self.instance, path)
                 if obj < self.best_obj:
@@ -368,8 +375,7 @@ class _Search:
             if self.out_of_budget():
                 self.open_bound = min(self.open_bound, box.bound)
                 return
-            self.calls += 1
-            path = dp.run(box.hi_p, box.strict_p, box.hi_d, box.strict_d)
+            path = self.run(dp, box.hi_p, box.strict_p, box.hi_d, box.strict_d)
             if path is None:
                 continue
             obj = _path_objective(inst, path)

@@ -363,7 +363,8 @@ def solve_milp(
     grace_s = SPAWN_GRACE_S + max(2.0, 0.1 * time_limit_s)
     status, result = "solver hung", None
     try:
-        out, _ = child.communicate(pickle.dumps((instance, kwargs)), timeout=time_limit_s + grace_s)
+        message = pickle.dumps((instance, kwargs, time.time()))
+        out, _ = child.communicate(message, timeout=time_limit_s + grace_s)
         if child.returncode == 0:
             result = pickle.loads(out)
         else:
@@ -388,8 +389,9 @@ def solve_milp(
 
 
 def _child_main() -> None:
-    """`python -m tessel.plan.milp`: (instance, options) pickled on stdin, the MILPResult on stdout.
-    HiGHS's own prints (C level, fd 1) go to stderr so they cannot mix with the result."""
+    """`python -m tessel.plan.milp`: (instance, options, wall-clock time sent) pickled on stdin, the
+    MILPResult on stdout. HiGHS's own prints (C level, fd 1) go to stderr so they cannot mix with the
+    result."""
     import os
     import pickle
     import sys
@@ -398,7 +400,9 @@ def _child_main() -> None:
 
     result_fd = os.dup(1)
     os.dup2(2, 1)
-    instance, kwargs = pickle.loads(sys.stdin.buffer.read())
+    instance, kwargs, sent_at = pickle.loads(sys.stdin.buffer.read())
+    # the interpreter's start and imports count against the parent's limit
+    kwargs["time_limit_s"] = max(kwargs["time_limit_s"] - max(time.time() - sent_at, 0.0), 0.1)
     with os.fdopen(result_fd, "wb") as out:
         out.write(pickle.dumps(milp._solve_milp(instance, **kwargs)))
 

@@ -164,16 +164,26 @@ def _milp(
         proven = _gap(best[0].objective, counts.bound)
         elapsed = time.perf_counter() - started
         return PlanResult(best[1], best[0], "milp", "gap reached", proven, counts.bound, elapsed, detail)
-    left = time_limit_s - (time.perf_counter() - started)
-    dp = solve_dp(instance, time_limit_s=max(left, 0.0) * DP_SHARE, rel_gap=DP_WARM_START_GAP)
+    left = max(time_limit_s - (time.perf_counter() - started), 0.0)
+    # HiGHS starts an interpreter and builds the model before it solves: with too little time left
+    # it would overrun the limit, so the DP gets all of it and HiGHS is skipped
+    highs_fits = left * (1 - DP_SHARE) >= HIGHS_MIN_S
+    dp = solve_dp(instance, time_limit_s=left * DP_SHARE if highs_fits else left, rel_gap=DP_WARM_START_GAP)
     if dp.evaluation is not None and dp.evaluation.feasible:
         heuristics.append((dp.evaluation, dp.solution, "dp"))
+    detail.update(dp_objective=dp.evaluation.objective if dp.evaluation else None, dp_calls=dp.dp_calls)
+    if not highs_fits and heuristics:
+        evaluation, solution, source = min(heuristics, key=lambda h: h[0].objective)
+        detail.update(plan_from=source, highs=f"not run: {left:.1f} s left of the time limit after the bound")
+        bound = _finite(counts.bound)
+        proven = _gap(evaluation.objective, bound) if bound is not None else None
+        status = "gap reached" if proven is not None and proven <= gap else "Time limit reached"
+        elapsed = time.perf_counter() - started
+        return PlanResult(solution, evaluation, "milp", status, proven, bound, elapsed, detail)
     warm = min(heuristics, key=lambda h: h[0].objective)[1] if heuristics else None
-    remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-    milp = solve_milp(instance, time_limit_s=remaining, mip_gap=gap, warm_start=warm, isolate=True)
+    remaining = time_limit_s - (time.perf_counter() - started)
+    milp = solve_milp(instance, time_limit_s=max(remaining, 1.0), mip_gap=gap, warm_start=warm, isolate=True)
     detail.update(
-        dp_objective=dp.evaluation.objective if dp.evaluation else None,
-        dp_calls=dp.dp_calls,
         milp_cols=milp.n_cols,
         milp_rows=milp.n_rows,
         warm_started=milp.warm_started,
