@@ -108,8 +108,9 @@ def main() -> None:
         args.model = str(real_model.smollm2_dir())
     ms = profile(args.model, args.concurrent, args.steps, args.lm_head)
     step = ms["step"]
-    print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), {args.threads} thread(s): "
-          f"{step:.1f} ms per decode step ({ms['step CPU time']:.1f} ms CPU time)")  # fmt: skip
+    print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), "
+          f"{args.threads} thread(s): {step:.1f} ms per decode step "
+          f"({ms['step CPU time']:.1f} ms CPU time)")  # fmt: skip
     print("\n| part | ms per step | share |\n|---|---|---|")
     shown = [k for k in ms if k not in ("step", "run", "step CPU time")]
     for name in sorted(shown, key=lambda k: -ms[k]):
