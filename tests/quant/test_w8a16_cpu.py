@@ -136,3 +136,19 @@ def test_engine_decodes_like_hf_on_every_path(tiny_llama, tmp_path, monkeypatch,
     chosen = logprobs.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
     engine = torch.tensor([lp.logprob for lp in got.logprobs])
     torch.testing.assert_close(engine, chosen, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_takes_strided_inputs_and_inference_mode() -> None:
+    """The compiled GEMV runs without guards, so `gemv_int8` must hand it contiguous inputs:
+    a strided row, a transposed weight view and float64 scales give the float64 reference."""
+    g = torch.Generator().manual_seed(11)
+    q, s = quantize_per_token(torch.randn(45, 70, generator=g))
+    wide = torch.randn(1, 140, generator=g)
+    x = wide[:, ::2]  # [1, 70], column stride 2
+    q_view = q.t().contiguous().t()  # [45, 70] with strides (1, 45)
+    want = x.double() @ (q.double() * s.double()[:, None]).T
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            got = w8a16_cpu.gemv_int8(x, q_view, s.double())
+        assert got is not None
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -2,11 +2,11 @@
 
     out[m, n] = (sum_k x[m, k] * w[n, k]) * w_scale[n] + bias[n]         float32 sums
 
-`gemv_int8` is that formula as one fused reduction compiled by torch.compile (inductor's C++
-codegen): each int8 weight is converted in registers, so a decode step reads 1 byte per weight
-instead of the 4 of a float32 GEMM. It wins only for a few rows (a decode step of one or two
-sequences, where the GEMM is memory-bound): at more rows the weight is re-read per row, and the
-caller runs a library GEMM instead (`tessel.layers.quantized_linear.W8A16CPULinear`).
+`gemv_int8` is that formula as one fused reduction compiled by inductor (its C++ codegen, called
+without torch.compile's guards): each int8 weight is converted in registers, so a decode step
+reads 1 byte per weight instead of the 4 of a float32 GEMM. It wins only for a few rows (a decode
+step of one or two sequences, where the GEMM is memory-bound): at more rows the weight is re-read
+per row, and the caller runs a library GEMM instead (`tessel.layers.quantized_linear.W8A16CPULinear`).
 Measured in benchmarks/quant.py (`--only gemm`); compile time is paid once per process
 (inductor caches the generated code on disk across processes).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import types
 import warnings
 
 import torch
@@ -40,13 +39,19 @@ def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 
 @functools.cache
 def _compiled(m: int, n: int, k: int, with_bias: bool):
-    """One static-shape compiled GEMV per (M, N, K): a static kernel ran 1.6x faster than a
-    dynamic-shape one at 1 x 576 x 576. torch.compile keeps its cache per code object (at most
-    `recompile_limit` shapes each), so each shape gets its own copy of the function's code."""
-    fn = _gemv_bias if with_bias else _gemv
-    name = f"{fn.__name__}_{m}x{n}x{k}"
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return torch.compile(types.FunctionType(code, fn.__globals__, name), dynamic=False, fullgraph=True)
+    """One static-shape compiled GEMV per (M, N, K) (a static kernel ran 1.6x faster than a
+    dynamic-shape one at 1 x 576 x 576). Inductor compiles the traced graph directly, without
+    torch.compile's dynamo front end, whose guard checks cost about 20 us a call (a 576 x 576 GEMV
+    took 45 us through torch.compile, 24 us so; bit-identical outputs). Nothing then checks the
+    inputs, so `gemv_int8` passes only contiguous float32 / int8 tensors of exactly these shapes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = [torch.zeros(m, k), torch.zeros(n, k, dtype=torch.int8), torch.zeros(n)]
+    if with_bias:
+        inputs.append(torch.zeros(n))
+    with torch.no_grad():
+        graph = make_fx(_gemv_bias if with_bias else _gemv)(*inputs)
+        return torch._inductor.compile(graph, inputs)
 
 
 class _State:
@@ -70,9 +75,13 @@ def gemv_int8(
     None when compiling fails (the caller falls back; a warning says why, once per process)."""
     if not compiler_available():
         return None
+    if x.dtype != torch.float32 or w.dtype != torch.int8 or x.device.type != "cpu":
+        return None
+    args = [x.contiguous(), w.contiguous(), w_scale.float().contiguous()]
+    if bias is not None:
+        args.append(bias.float().contiguous())
     try:
-        gemv = _compiled(x.shape[0], w.shape[0], w.shape[1], bias is not None)
-        return gemv(x, w, w_scale) if bias is None else gemv(x, w, w_scale, bias)
+        return _compiled(x.shape[0], w.shape[0], w.shape[1], bias is not None)(*args)
     except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
         _State.broken = f"{type(error).__name__}: {error}"
         warnings.warn(
