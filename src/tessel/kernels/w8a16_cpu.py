@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from tessel.kernels.quantize import EPS, QMAX
+
 # torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
 # (segfault) at K = 66 and 70 and returned wrong values or NaN at K = 36, 68, 72 (32, 48, 80, 576
 # and 1536 were right); other layers take the bfloat16 GEMM, which computes the same.
@@ -37,21 +39,41 @@ def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale + bias
 
 
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token`'s formula, the codes left in float32 (what the GEMV reads)."""
+    scale = x.abs().amax(dim=1).clamp_min(EPS) / QMAX
+    return torch.round(x / scale[:, None]), scale
+
+
 @functools.cache
 def _compiled(m: int, n: int, k: int, with_bias: bool):
-    """One static-shape compiled GEMV per (M, N, K) (a static kernel ran 1.6x faster than a
-    dynamic-shape one at 1 x 576 x 576). Inductor compiles the traced graph directly, without
-    torch.compile's dynamo front end, whose guard checks cost about 20 us a call (a 576 x 576 GEMV
-    took 45 us through torch.compile, 24 us so; bit-identical outputs). Nothing then checks the
-    inputs, so `gemv_int8` passes only contiguous float32 / int8 tensors of exactly these shapes."""
+    """A static-shape compiled kernel per shape (a static GEMV ran 1.6x faster than a dynamic-shape
+    one at 1 x 576 x 576): the GEMV for (M, N, K), or with n = 0 the row quantiser for (M, K).
+    Inductor compiles the traced graph directly, without torch.compile's dynamo front end, whose
+    guard checks cost tens of microseconds a call, as much as a small layer's GEMV. Nothing then
+    checks the inputs, so callers pass only contiguous float32 / int8 tensors of exactly the shape."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    inputs = [torch.zeros(m, k), torch.zeros(n, k, dtype=torch.int8), torch.zeros(n)]
-    if with_bias:
-        inputs.append(torch.zeros(n))
+    if n == 0:
+        fn, inputs = _quantize_rows, [torch.zeros(m, k)]
+    else:
+        fn = _gemv_bias if with_bias else _gemv
+        inputs = [torch.zeros(m, k), torch.zeros(n, k, dtype=torch.int8), torch.zeros(n)]
+        inputs += [torch.zeros(n)] if with_bias else []
     with torch.no_grad():
-        graph = make_fx(_gemv_bias if with_bias else _gemv)(*inputs)
-        return torch._inductor.compile(graph, inputs)
+        return torch._inductor.compile(make_fx(fn)(*inputs), inputs)
+
+
+def _run(key: tuple[int, int, int, bool], args: list[torch.Tensor]):
+    """The compiled kernel of `key` on `args`; None when compiling fails (a warning, once)."""
+    try:
+        return _compiled(*key)(*args)
+    except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
+        _State.broken = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=3
+        )
+        return None
 
 
 class _State:
@@ -80,14 +102,15 @@ def gemv_int8(
     args = [x.contiguous(), w.contiguous(), w_scale.float().contiguous()]
     if bias is not None:
         args.append(bias.float().contiguous())
-    try:
-        return _compiled(x.shape[0], w.shape[0], w.shape[1], bias is not None)(*args)
-    except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
-        _State.broken = f"{type(error).__name__}: {error}"
-        warnings.warn(
-            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=2
-        )
+    return _run((x.shape[0], w.shape[0], w.shape[1], bias is not None), args)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize_per_token(x)` for a float32 CPU x [M, K] as one compiled kernel, the codes as
+    float32 [M, K] (integers in [-127, 127]) and the scales [M]; None without a compiler."""
+    if not compiler_available() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
+    return _run((x.shape[0], 0, x.shape[1], False), [x.contiguous()])
 
 
 def bf16_gemm(
