@@ -57,6 +57,7 @@ def instrument(llm, timers: Timers) -> None:
         timers.wrap(mlp.act, "forward", "silu_and_mul")
     timers.wrap(model.model.norm, "forward", "rmsnorm")
     timers.wrap(model.model.rotary, "forward", "rope")
+    timers.wrap(model.model.rotary, "rotate_qk", "rope")  # LlamaAttention calls this one
     timers.wrap(model.model.embed_tokens, "forward", "embed")
     timers.wrap(model, "compute_logits", "lm_head")
     timers.wrap(llm.runner, "prepare", "prepare inputs")
