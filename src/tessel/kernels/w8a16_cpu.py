@@ -39,32 +39,54 @@ def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale + bias
 
 
+def _gemv_int8_scaled(
+    codes: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """W8A8's one-row product: integer codes summed in float32, then `int8_epilogue`'s two scalings
+    in its order (bit-equal to it; a bias is added outside, as a fused add-multiply was not)."""
+    acc = (codes[:, None, :] * w[None].to(torch.float32)).sum(-1)
+    return (acc * row_scale[:, None]) * w_scale
+
+
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_per_token`'s formula, the codes left in float32 (what the GEMV reads)."""
     scale = x.abs().amax(dim=1).clamp_min(EPS) / QMAX
     return torch.round(x / scale[:, None]), scale
 
 
+# kernel name -> (function, its example inputs for M, N, K)
+_KERNELS = {
+    "gemv": (_gemv, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n)]),
+    "gemv_bias": (_gemv_bias, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n), torch.zeros(n)]),
+    "gemv_scaled": (_gemv_int8_scaled, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(m), torch.zeros(n)]),
+    "quantize": (_quantize_rows, lambda m, n, k: [_x(m, k)]),
+}
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.zeros(m, k)
+
+
+def _w(n: int, k: int) -> torch.Tensor:
+    return torch.zeros(n, k, dtype=torch.int8)
+
+
 @functools.cache
-def _compiled(m: int, n: int, k: int, with_bias: bool):
+def _compiled(name: str, m: int, n: int, k: int):
     """A static-shape compiled kernel per shape (a static GEMV ran 1.6x faster than a dynamic-shape
-    one at 1 x 576 x 576): the GEMV for (M, N, K), or with n = 0 the row quantiser for (M, K).
-    Inductor compiles the traced graph directly, without torch.compile's dynamo front end, whose
-    guard checks cost tens of microseconds a call, as much as a small layer's GEMV. Nothing then
-    checks the inputs, so callers pass only contiguous float32 / int8 tensors of exactly the shape."""
+    one at 1 x 576 x 576). Inductor compiles the traced graph directly, without torch.compile's
+    dynamo front end, whose guard checks cost tens of microseconds a call, as much as a small
+    layer's GEMV. Nothing then checks the inputs, so callers pass only contiguous float32 / int8
+    tensors of exactly the shape."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    if n == 0:
-        fn, inputs = _quantize_rows, [torch.zeros(m, k)]
-    else:
-        fn = _gemv_bias if with_bias else _gemv
-        inputs = [torch.zeros(m, k), torch.zeros(n, k, dtype=torch.int8), torch.zeros(n)]
-        inputs += [torch.zeros(n)] if with_bias else []
+    fn, example = _KERNELS[name]
+    inputs = example(m, n, k)
     with torch.no_grad():
         return torch._inductor.compile(make_fx(fn)(*inputs), inputs)
 
 
-def _run(key: tuple[int, int, int, bool], args: list[torch.Tensor]):
+def _run(key: tuple[str, int, int, int], args: list[torch.Tensor]):
     """The compiled kernel of `key` on `args`; None when compiling fails (a warning, once)."""
     try:
         return _compiled(*key)(*args)
@@ -102,7 +124,7 @@ def gemv_int8(
     args = [x.contiguous(), w.contiguous(), w_scale.float().contiguous()]
     if bias is not None:
         args.append(bias.float().contiguous())
-    return _run((x.shape[0], w.shape[0], w.shape[1], bias is not None), args)
+    return _run(("gemv" if bias is None else "gemv_bias", x.shape[0], w.shape[0], w.shape[1]), args)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -110,7 +132,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     float32 [M, K] (integers in [-127, 127]) and the scales [M]; None without a compiler."""
     if not compiler_available() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    return _run((x.shape[0], 0, x.shape[1], False), [x.contiguous()])
+    return _run(("quantize", x.shape[0], 0, x.shape[1]), [x.contiguous()])
+
+
+def gemv_int8_scaled(
+    codes: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor | None:
+    """(codes float32 [M, K] @ w int8 [N, K].T) * row_scale[:, None] * w_scale[None, :], float32 sums
+    of the integer products, as one compiled kernel; None without a compiler."""
+    if not compiler_available() or codes.dtype != torch.float32 or w.dtype != torch.int8:
+        return None
+    args = [codes.contiguous(), w.contiguous(), row_scale.float().contiguous(), w_scale.float().contiguous()]
+    return _run(("gemv_scaled", codes.shape[0], w.shape[0], w.shape[1]), args)
 
 
 def bf16_gemm(

@@ -34,7 +34,7 @@ from torch import nn
 from tessel.errors import TesselError
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import QMAX, quantize_per_token
-from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8, quantize_rows
+from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8, gemv_int8_scaled, quantize_rows
 from tessel.layers.packed_linear import BATCH_HINT, PackedLinear, packing_available
 from tessel.quant.cpu_features import INT8_PATHS, W8A16_PATHS, choose_int8_path, choose_w8a16_path
 
@@ -113,18 +113,21 @@ class W8A8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _gemv(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """The integer products of a single row as the compiled int8 GEMV (unit weight scales),
-        then `int8_gemm`'s epilogue: equal to the int32 GEMM while every partial sum stays below
-        2**24 in magnitude (float32 holds those integers exactly); None without a compiler."""
+        """The integer products of a single row summed by a compiled int8 GEMV, then `int8_gemm`'s
+        epilogue (in the same kernel when there is no bias): equal to the int32 GEMM while every
+        partial sum stays below 2**24 in magnitude (float32 holds those integers exactly); None
+        without a compiler."""
         quantized = quantize_rows(rows) if self.input_scale is None else None  # one compiled kernel
         if quantized is None:
             q, s = self._quantize_input(rows)
             quantized = q.float(), s
         codes, scales = quantized
+        if self.bias is None:  # the epilogue fused in (bit-equal; with a bias it was not)
+            return gemv_int8_scaled(codes, self.weight, scales, self.weight_scale)
         acc = gemv_int8(codes, self.weight, _unit_scales(self.out_features))
-        return (
-            None if acc is None else int8_epilogue(acc, scales, self.weight_scale, self.bias, torch.float32)
-        )
+        if acc is None:
+            return None
+        return int8_epilogue(acc, scales, self.weight_scale, self.bias, torch.float32)
 
     def extra_repr(self) -> str:
         act = "dynamic per token" if self.input_scale is None else "static per tensor"
