@@ -1,6 +1,7 @@
 """Where a decode step's time goes: wall-clock timers around the engine's modules.
 
-    python benchmarks/decode_profile.py [--model DIR] [--concurrent 1] [--steps 20] [--threads 1]
+    python benchmarks/decode_profile.py [--model DIR] [--concurrent 1] [--steps 20] [--threads 1] \
+        [--lm-head int8]
 
 Loads the model (default SmolLM2-135M-Instruct; a quantised checkpoint directory works too), starts
 `--concurrent` requests of 64 prompt tokens, runs their prefill and 4 decode steps, then times
@@ -56,6 +57,7 @@ def instrument(llm, timers: Timers) -> None:
         timers.wrap(mlp.act, "forward", "silu_and_mul")
     timers.wrap(model.model.norm, "forward", "rmsnorm")
     timers.wrap(model.model.rotary, "forward", "rope")
+    timers.wrap(model.model.rotary, "rotate_qk", "rope")  # LlamaAttention calls this one
     timers.wrap(model.model.embed_tokens, "forward", "embed")
     timers.wrap(model, "compute_logits", "lm_head")
     timers.wrap(llm.runner, "prepare", "prepare inputs")
@@ -64,11 +66,11 @@ def instrument(llm, timers: Timers) -> None:
     timers.wrap(llm.scheduler, "schedule", "schedule")
 
 
-def profile(model_dir: str, concurrent: int, steps: int) -> dict[str, float]:
+def profile(model_dir: str, concurrent: int, steps: int, lm_head: str = "float") -> dict[str, float]:
     """-> milliseconds per decode step, by part ("step": the whole step)."""
     from tessel import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_model_len=64 + steps + 16, max_num_seqs=max(concurrent, 1))
+    llm = LLM(model_dir, max_model_len=64 + steps + 16, max_num_seqs=max(concurrent, 1), lm_head=lm_head)
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(concurrent):
@@ -98,16 +100,18 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lm-head", default="float", help="float or int8 (the engine's lm_head option)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
         import real_model
 
         args.model = str(real_model.smollm2_dir())
-    ms = profile(args.model, args.concurrent, args.steps)
+    ms = profile(args.model, args.concurrent, args.steps, args.lm_head)
     step = ms["step"]
-    print(f"{Path(args.model).name}, {args.concurrent} sequence(s), {args.threads} thread(s): "
-          f"{step:.1f} ms per decode step ({ms['step CPU time']:.1f} ms CPU time)")  # fmt: skip
+    print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), "
+          f"{args.threads} thread(s): {step:.1f} ms per decode step "
+          f"({ms['step CPU time']:.1f} ms CPU time)")  # fmt: skip
     print("\n| part | ms per step | share |\n|---|---|---|")
     shown = [k for k in ms if k not in ("step", "run", "step CPU time")]
     for name in sorted(shown, key=lambda k: -ms[k]):

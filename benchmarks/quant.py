@@ -12,10 +12,12 @@ Ecclesiastes: disjoint).
   static activations with minmax / entropy / mse, W8A16, W4A16 group 64: SmolLM2's hidden 576 is
   not a multiple of 128; round to nearest, MSE clipping, and `tessel qat` 60 steps on the
   calibration text from the MSE start), then the tessel engine's prefill logits over non-overlapping
-  `--seq-len` windows of the evaluation text; perplexity = exp(mean NLL), delta vs fp32.
+  `--seq-len` windows of the evaluation text; perplexity = exp(mean NLL), delta vs fp32. A name
+  ending in " int8-head" runs that checkpoint with the engine's int8 LM head (`lm_head="int8"`).
 - speed: decode tokens/s of one stream (prompt 64 tokens, 128 new, the first token excluded) and
   of 32 concurrent requests (64 + 64 each, all output tokens over the wall time), fp32 vs W8A8 vs
-  W8A16 (and W8A16 with bf16 activations where the CPU has bf16 dot products) on the same threads;
+  W8A16 (and W8A16 with bf16 activations where the CPU has bf16 dot products; W8A8 and W8A16 with
+  the int8 LM head; `--speed-configs` picks rows) on the same threads;
   every model is loaded once and the runs are interleaved `--speed-repeats` times (median, and the
   median of the per-round ratios to fp32), with the CPU's features and the chosen paths beside.
 - gemm: `W8A8Linear` (the engine's module, this CPU's path), the kernels' `Int8Linear` and
@@ -116,12 +118,18 @@ PPL_CONFIGS: dict[str, dict] = {
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }
 QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
-# speed row -> (quantisation config, TESSEL_W8A16_PATH while loading; None: this CPU's choice)
-SPEED_CONFIGS: dict[str, tuple[str, str | None]] = {
-    "fp32": ("fp32", None),
-    "w8a8 rtn": ("w8a8 rtn", None),
-    "w8a16": ("w8a16", None),
-    "w8a16 bf16": ("w8a16", "bf16"),  # only where the CPU has AVX-512 BF16 / AMX
+# A ppl configuration name + this suffix: the same checkpoint run with the engine's int8 LM head
+# (`LLM(dir, lm_head="int8")`), e.g. "fp32 int8-head", "w8a16 int8-head", "w8a8 sq-auto int8-head".
+INT8_HEAD = " int8-head"
+PPL_HEAD_CONFIGS = ("fp32 int8-head", "w8a16 int8-head", "w8a8 sq-auto int8-head")  # run by default too
+# speed row -> (quantisation config, TESSEL_W8A16_PATH while loading (None: this CPU's choice), lm_head)
+SPEED_CONFIGS: dict[str, tuple[str, str | None, str]] = {
+    "fp32": ("fp32", None, "float"),
+    "w8a8 rtn": ("w8a8 rtn", None, "float"),
+    "w8a8 rtn int8-head": ("w8a8 rtn", None, "int8"),
+    "w8a16": ("w8a16", None, "float"),
+    "w8a16 int8-head": ("w8a16", None, "int8"),
+    "w8a16 bf16": ("w8a16", "bf16", "float"),  # only where the CPU has AVX-512 BF16 / AMX
 }
 TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
 
@@ -162,18 +170,18 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
     return out
 
 
-def _llm(path: Path, max_model_len: int):
+def _llm(path: Path, max_model_len: int, lm_head: str = "float"):
     from tessel import LLM
 
-    return LLM(str(path), max_model_len=max_model_len, max_num_seqs=32)
+    return LLM(str(path), max_model_len=max_model_len, max_num_seqs=32, lm_head=lm_head)
 
 
-def perplexity(path: Path, seq_len: int, eval_tokens: int | None) -> dict:
+def perplexity(path: Path, seq_len: int, eval_tokens: int | None, lm_head: str = "float") -> dict:
     from tessel.engine.sampling_params import SamplingParams
     from tessel.engine.scheduler import SchedulerOutput
     from tessel.engine.sequence import Sequence
 
-    llm = _llm(path, seq_len)
+    llm = _llm(path, seq_len, lm_head)
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     if eval_tokens:
         ids = ids[:eval_tokens]
@@ -193,7 +201,7 @@ def perplexity(path: Path, seq_len: int, eval_tokens: int | None) -> dict:
     return {"ppl": math.exp(nll / count), "tokens": count, "seconds": time.perf_counter() - start}
 
 
-def _speed_llm(path: Path, w8a16_path: str | None, max_model_len: int):
+def _speed_llm(path: Path, w8a16_path: str | None, lm_head: str, max_model_len: int):
     import os
 
     from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE
@@ -202,7 +210,7 @@ def _speed_llm(path: Path, w8a16_path: str | None, max_model_len: int):
     if w8a16_path:
         os.environ[W8A16_ENV_OVERRIDE] = w8a16_path
     try:
-        return _llm(path, max_model_len)
+        return _llm(path, max_model_len, lm_head)
     finally:
         os.environ.pop(W8A16_ENV_OVERRIDE, None)
         if saved is not None:
@@ -251,9 +259,11 @@ def speed_table(path_of, args) -> dict:
     of the per-round ratios to fp32, one stream and `args.concurrent` requests."""
     from tessel.quant.cpu_features import BF16_FLAGS, cpu_flags
 
-    names = [n for n in SPEED_CONFIGS if SPEED_CONFIGS[n][1] != "bf16" or cpu_flags() & BF16_FLAGS]
+    names = args.speed_configs.split(",") if args.speed_configs else list(SPEED_CONFIGS)
+    names = ["fp32"] + [n for n in names if n != "fp32"]  # the ratios' base, always run
+    names = [n for n in names if SPEED_CONFIGS[n][1] != "bf16" or cpu_flags() & BF16_FLAGS]
     max_len = 64 + max(args.new_tokens, args.batch_new_tokens) + 8
-    llms = {n: _speed_llm(path_of(SPEED_CONFIGS[n][0]), SPEED_CONFIGS[n][1], max_len) for n in names}
+    llms = {n: _speed_llm(path_of(SPEED_CONFIGS[n][0]), *SPEED_CONFIGS[n][1:], max_len) for n in names}
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.speed_repeats):
         for name, llm in llms.items():
@@ -332,6 +342,9 @@ def main() -> None:
     parser.add_argument("--batch-new-tokens", type=int, default=64, help="per request, 32 concurrent")
     parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--speed-repeats", type=int, default=3, help="interleaved rounds of the speed runs")
+    parser.add_argument(
+        "--speed-configs", help=f"comma list of speed rows (default: all of {', '.join(SPEED_CONFIGS)})"
+    )
     parser.add_argument("--gemm", default="256,4096,4096;1,3072,576", help="M,N,K[;M,N,K...]")
     parser.add_argument("--gemm-repeats", type=int, default=7)
     parser.add_argument("--workdir", help="keep quantised checkpoints here (default: a temp dir)")
@@ -342,7 +355,7 @@ def main() -> None:
     from tessel.quant import cpu_features
 
     only = set(args.only.split(","))
-    configs = args.configs.split(",") if args.configs else list(PPL_CONFIGS)
+    configs = args.configs.split(",") if args.configs else [*PPL_CONFIGS, *PPL_HEAD_CONFIGS]
     cpu = cpu_features.describe()
     print(
         f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -363,7 +376,9 @@ def main() -> None:
         rows = {"fp32": perplexity(model, args.seq_len, args.eval_tokens)}
         print(f"  fp32 ppl {rows['fp32']['ppl']:.3f} over {rows['fp32']['tokens']} tokens", flush=True)
         for name in configs:
-            rows[name] = perplexity(path_of(name), args.seq_len, args.eval_tokens)
+            base, int8_head = name.removesuffix(INT8_HEAD), name.endswith(INT8_HEAD)
+            lm_head = "int8" if int8_head else "float"
+            rows[name] = perplexity(path_of(base), args.seq_len, args.eval_tokens, lm_head)
             rows[name]["delta_pct"] = 100 * (rows[name]["ppl"] / rows["fp32"]["ppl"] - 1)
             print(f"  {name}: ppl {rows[name]['ppl']:.3f} ({rows[name]['delta_pct']:+.2f}%)", flush=True)
         result["perplexity"] = rows

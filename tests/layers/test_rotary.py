@@ -72,3 +72,20 @@ def test_rotated_q_k_match_hf_apply_rotary_pos_emb(scaling: dict | None) -> None
 def test_unknown_rope_type_is_a_user_error() -> None:
     with pytest.raises(TesselError, match="yarn"):
         RopeScaling(rope_type="yarn", factor=2.0)
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # 16 of 32: partial rotary, the rest passes through
+@pytest.mark.parametrize("inference", [True, False])
+def test_rotate_qk_equals_forward_bit_for_bit(rotary_dim: int, inference: bool) -> None:
+    """q and k heads rotated side by side (a view of a fused qkv row, as LlamaAttention passes them)
+    equal `forward` on q and k apart; HF is `forward`'s oracle above."""
+    tokens, hq, hkv, head_dim = 7, 4, 2, 32
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim)
+    qk = qkv[:, : (hq + hkv) * head_dim].view(tokens, hq + hkv, head_dim)
+    positions = torch.randint(0, 512, (tokens,))
+    rope = RotaryEmbedding(rotary_dim, 512, 10000.0)
+    with torch.inference_mode(inference):
+        q, k = rope.rotate_qk(positions, qk, hq)
+        want_q, want_k = rope(positions, qk[:, :hq], qk[:, hq:])
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert q.shape == (tokens, hq, head_dim) and k.shape == (tokens, hkv, head_dim)

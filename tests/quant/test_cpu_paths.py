@@ -101,3 +101,25 @@ def test_this_machine_reads_its_flags() -> None:
     assert info["int8_path"] in INT8_PATHS
     if "avx512_vnni" in cpu_features.cpu_flags():
         assert info["int8_path"] == "int_mm" or cpu_features.os.environ.get(ENV_OVERRIDE)
+
+
+@pytest.mark.parametrize(("n", "k"), [(45, 70), (129, 257), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("input_scale", [None, 0.02])
+def test_one_row_gemv_equals_the_int32_gemm(monkeypatch, n: int, k: int, bias: bool, input_scale) -> None:
+    """A single row takes the compiled GEMV (float32 sums of the integer products): bit for bit the
+    int32 GEMM + epilogue of `int8_gemm` (its sums stay below 2**24 here), also without a compiler."""
+    from tessel.kernels import w8a16_cpu
+    from tessel.kernels.int8_gemm import int8_gemm
+
+    layer, _ = _layer(n, k, bias, input_scale, "int_mm")
+    x = torch.randn(1, k) * torch.linspace(0.2, 4, k)
+    q, s = layer._quantize_input(x)
+    want = int8_gemm(q, layer.weight, s, layer.weight_scale, layer.bias, out_dtype=torch.float32)
+    assert layer._gemv(x) is not None
+    assert torch.equal(layer(x), want)
+    with torch.inference_mode():
+        assert torch.equal(layer(x[None]), want[None])  # [1, 1, K]: leading dims kept
+    monkeypatch.setattr(w8a16_cpu._State, "broken", "no compiler (test)")
+    assert layer._gemv(x) is None
+    assert torch.equal(layer(x), want)

@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tessel import LLM, SamplingParams
@@ -136,3 +138,37 @@ def test_engine_decodes_like_hf_on_every_path(tiny_llama, tmp_path, monkeypatch,
     chosen = logprobs.gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
     engine = torch.tensor([lp.logprob for lp in got.logprobs])
     torch.testing.assert_close(engine, chosen, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_takes_strided_inputs_and_inference_mode() -> None:
+    """The compiled GEMV runs without guards, so `gemv_int8` must hand it contiguous inputs:
+    a strided row, a transposed weight view and float64 scales give the float64 reference."""
+    g = torch.Generator().manual_seed(11)
+    q, s = quantize_per_token(torch.randn(45, 70, generator=g))
+    wide = torch.randn(1, 140, generator=g)
+    x = wide[:, ::2]  # [1, 70], column stride 2
+    q_view = q.t().contiguous().t()  # [45, 70] with strides (1, 45)
+    want = x.double() @ (q.double() * s.double()[:, None]).T
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            got = w8a16_cpu.gemv_int8(x, q_view, s.double())
+        assert got is not None
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    row=st.lists(st.floats(-1e4, 1e4, width=32), min_size=70, max_size=70),
+    ties=st.booleans(),
+)
+def test_compiled_row_quantiser_equals_quantize_per_token(row: list[float], ties: bool) -> None:
+    """The compiled quantiser of a one-row W8A8 step: `quantize_per_token`'s codes and scales bit for
+    bit, rounding ties included (values planted at (j + 1/2) * scale), and a row of zeros."""
+    x = torch.tensor([row])
+    if ties:
+        scale = x.abs().max() / 127
+        x[0, :10] = (torch.arange(10) - 5 + 0.5) * scale
+    got = w8a16_cpu.quantize_rows(x)
+    assert got is not None
+    q, s = quantize_per_token(x)
+    assert torch.equal(got[0], q.float()) and torch.equal(got[1], s)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import check_model_path
+from tessel.commands.options import LM_HEAD_OPTION, LMHeadMode, check_model_path
 
 
 def generate(
@@ -25,6 +25,7 @@ def generate(
     dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto (the checkpoint's)."),
     max_model_len: int | None = typer.Option(None, help="Longest prompt + completion, in tokens."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    lm_head: LMHeadMode = LM_HEAD_OPTION,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
     check_model_path(model, "--model")
@@ -45,7 +46,7 @@ def generate(
     )  # the same validation as the HTTP API: a bad value stops here, before the model loads
     params.verify(ModelConfig.from_dir(model).vocab_size)
     kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
-    llm = LLM(str(model), dtype=dtype, **kwargs)
+    llm = LLM(str(model), dtype=dtype, lm_head=lm_head, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
     console = Console(highlight=False)
     for output in outputs:

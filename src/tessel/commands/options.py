@@ -8,8 +8,15 @@ A bad value is a usage error: exit code 2 and a message naming the option. Range
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import typer
+
+# The engine's `lm_head` modes (tessel.quant.lm_head.LM_HEAD_MODES; the CLI may not import torch)
+LMHeadMode = Literal["float", "int8"]
+LM_HEAD_OPTION = typer.Option(
+    "float", "--lm-head", help="float (the checkpoint's) or int8: the LM head rounded per row at load."
+)
 
 
 def input_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201 (typer's OptionInfo)

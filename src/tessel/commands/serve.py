@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import check_model_path
+from tessel.commands.options import LM_HEAD_OPTION, LMHeadMode, check_model_path
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_PROMPT_CHARS
 
@@ -63,11 +63,14 @@ def serve(
     plan: Path | None = typer.Option(
         None, "--plan", help="Serve through this plan's pipeline (one process per stage, `tessel launch`)."
     ),
+    lm_head: LMHeadMode = LM_HEAD_OPTION,
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     check_model_path(model, "--model")
     if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
+    if plan is not None and lm_head != "float":
+        raise TesselError(f"--lm-head {lm_head} cannot be combined with --plan yet; serve in one process")
 
     import uvicorn
 
@@ -84,7 +87,7 @@ def serve(
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is None:
-        engine = LLMEngine(str(model), dtype=dtype, **kwargs)
+        engine = LLMEngine(str(model), dtype=dtype, lm_head=lm_head, **kwargs)
     else:
         from tessel.dist.serving import pipeline_server_engine
 

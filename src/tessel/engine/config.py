@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tessel.errors import TesselError
+from tessel.quant.lm_head import check_lm_head_mode
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step; large enough for efficient CPU GEMMs
@@ -26,6 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
     pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.packed_linear)
+    lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.quant.lm_head)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -41,3 +43,4 @@ class EngineConfig:
             raise TesselError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        check_lm_head_mode(self.lm_head)

@@ -90,7 +90,7 @@ class LLMEngine:
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         """The whole model; a pipeline stage (`tessel.dist`) loads only its layers."""
-        return load_model(path, self.dtype)
+        return load_model(path, self.dtype, lm_head=self.config.lm_head)
 
     # ---- sizing -------------------------------------------------------------------------------
     def _max_model_len(self) -> int:

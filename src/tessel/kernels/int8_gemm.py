@@ -44,8 +44,19 @@ def _int8_gemm_torch(
     else:
         # On CPU, torch._int_mm takes any shape and strides (checked on torch 2.13, incl. M = 1, K = 7).
         acc = torch._int_mm(a, w.t())
-    # Epilogue in float32, two passes over [M, N]: int32 * float32 promotes into the one output
-    # buffer, then the per-channel scale (and the bias, fused by addcmul) in place.
+    return int8_epilogue(acc, a_scale, w_scale, bias, out_dtype)
+
+
+def int8_epilogue(
+    acc: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """acc [M, N] (int32, or float32 holding integers) * a_scale[:, None] * w_scale[None, :] + bias."""
+    # In float32, two passes over [M, N]: int32 * float32 promotes into the one output buffer,
+    # then the per-channel scale (and the bias, fused by addcmul) in place.
     out = torch.mul(acc, a_scale.view(-1, 1))
     if bias is None:
         out.mul_(w_scale.view(1, -1))

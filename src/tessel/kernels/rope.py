@@ -164,6 +164,12 @@ def _rotate_with_tables(x: torch.Tensor, c2: torch.Tensor, s2: torch.Tensor) -> 
     return out.to(x.dtype)
 
 
+def rope_rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, H, D] rotated with `rope_tables(positions, cos, sin, x.dtype)` on the PyTorch path: any
+    heads at once (q and k side by side), exactly as `rope` rotates each."""
+    return _rotate_with_tables(x, *tables)
+
+
 def _rope_torch(
     q: torch.Tensor,
     k: torch.Tensor,

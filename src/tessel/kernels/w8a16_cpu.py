@@ -2,11 +2,11 @@
 
     out[m, n] = (sum_k x[m, k] * w[n, k]) * w_scale[n] + bias[n]         float32 sums
 
-`gemv_int8` is that formula as one fused reduction compiled by torch.compile (inductor's C++
-codegen): each int8 weight is converted in registers, so a decode step reads 1 byte per weight
-instead of the 4 of a float32 GEMM. It wins only for a few rows (a decode step of one or two
-sequences, where the GEMM is memory-bound): at more rows the weight is re-read per row, and the
-caller runs a library GEMM instead (`tessel.layers.quantized_linear.W8A16CPULinear`).
+`gemv_int8` is that formula as one fused reduction compiled by inductor (its C++ codegen, called
+without torch.compile's guards): each int8 weight is converted in registers, so a decode step
+reads 1 byte per weight instead of the 4 of a float32 GEMM. It wins only for a few rows (a decode
+step of one or two sequences, where the GEMM is memory-bound): at more rows the weight is re-read
+per row, and the caller runs a library GEMM instead (`tessel.layers.quantized_linear.W8A16CPULinear`).
 Measured in benchmarks/quant.py (`--only gemm`); compile time is paid once per process
 (inductor caches the generated code on disk across processes).
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import functools
 import shutil
-import types
 import warnings
 
 import torch
+
+from tessel.kernels.quantize import EPS, QMAX
 
 # torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
 # (segfault) at K = 66 and 70 and returned wrong values or NaN at K = 36, 68, 72 (32, 48, 80, 576
@@ -38,15 +39,63 @@ def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale + bias
 
 
+def _gemv_int8_scaled(
+    codes: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """W8A8's one-row product: integer codes summed in float32, then `int8_epilogue`'s two scalings
+    in its order (bit-equal to it; a bias is added outside, as a fused add-multiply was not)."""
+    acc = (codes[:, None, :] * w[None].to(torch.float32)).sum(-1)
+    return (acc * row_scale[:, None]) * w_scale
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token`'s formula, the codes left in float32 (what the GEMV reads)."""
+    scale = x.abs().amax(dim=1).clamp_min(EPS) / QMAX
+    return torch.round(x / scale[:, None]), scale
+
+
+# kernel name -> (function, its example inputs for M, N, K)
+_KERNELS = {
+    "gemv": (_gemv, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n)]),
+    "gemv_bias": (_gemv_bias, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n), torch.zeros(n)]),
+    "gemv_scaled": (_gemv_int8_scaled, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(m), torch.zeros(n)]),
+    "quantize": (_quantize_rows, lambda m, n, k: [_x(m, k)]),
+}
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.zeros(m, k)
+
+
+def _w(n: int, k: int) -> torch.Tensor:
+    return torch.zeros(n, k, dtype=torch.int8)
+
+
 @functools.cache
-def _compiled(m: int, n: int, k: int, with_bias: bool):
-    """One static-shape compiled GEMV per (M, N, K): a static kernel ran 1.6x faster than a
-    dynamic-shape one at 1 x 576 x 576. torch.compile keeps its cache per code object (at most
-    `recompile_limit` shapes each), so each shape gets its own copy of the function's code."""
-    fn = _gemv_bias if with_bias else _gemv
-    name = f"{fn.__name__}_{m}x{n}x{k}"
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return torch.compile(types.FunctionType(code, fn.__globals__, name), dynamic=False, fullgraph=True)
+def _compiled(name: str, m: int, n: int, k: int):
+    """A static-shape compiled kernel per shape (a static GEMV ran 1.6x faster than a dynamic-shape
+    one at 1 x 576 x 576). Inductor compiles the traced graph directly, without torch.compile's
+    dynamo front end, whose guard checks cost tens of microseconds a call, as much as a small
+    layer's GEMV. Nothing then checks the inputs, so callers pass only contiguous float32 / int8
+    tensors of exactly the shape."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn, example = _KERNELS[name]
+    inputs = example(m, n, k)
+    with torch.no_grad():
+        return torch._inductor.compile(make_fx(fn)(*inputs), inputs)
+
+
+def _run(key: tuple[str, int, int, int], args: list[torch.Tensor]):
+    """The compiled kernel of `key` on `args`; None when compiling fails (a warning, once)."""
+    try:
+        return _compiled(*key)(*args)
+    except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
+        _State.broken = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=3
+        )
+        return None
 
 
 class _State:
@@ -70,15 +119,31 @@ def gemv_int8(
     None when compiling fails (the caller falls back; a warning says why, once per process)."""
     if not compiler_available():
         return None
-    try:
-        gemv = _compiled(x.shape[0], w.shape[0], w.shape[1], bias is not None)
-        return gemv(x, w, w_scale) if bias is None else gemv(x, w, w_scale, bias)
-    except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
-        _State.broken = f"{type(error).__name__}: {error}"
-        warnings.warn(
-            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=2
-        )
+    if x.dtype != torch.float32 or w.dtype != torch.int8 or x.device.type != "cpu":
         return None
+    args = [x.contiguous(), w.contiguous(), w_scale.float().contiguous()]
+    if bias is not None:
+        args.append(bias.float().contiguous())
+    return _run(("gemv" if bias is None else "gemv_bias", x.shape[0], w.shape[0], w.shape[1]), args)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize_per_token(x)` for a float32 CPU x [M, K] as one compiled kernel, the codes as
+    float32 [M, K] (integers in [-127, 127]) and the scales [M]; None without a compiler."""
+    if not compiler_available() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return _run(("quantize", x.shape[0], 0, x.shape[1]), [x.contiguous()])
+
+
+def gemv_int8_scaled(
+    codes: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor | None:
+    """(codes float32 [M, K] @ w int8 [N, K].T) * row_scale[:, None] * w_scale[None, :], float32 sums
+    of the integer products, as one compiled kernel; None without a compiler."""
+    if not compiler_available() or codes.dtype != torch.float32 or w.dtype != torch.int8:
+        return None
+    args = [codes.contiguous(), w.contiguous(), row_scale.float().contiguous(), w_scale.float().contiguous()]
+    return _run(("gemv_scaled", codes.shape[0], w.shape[0], w.shape[1]), args)
 
 
 def bf16_gemm(

@@ -1,4 +1,4 @@
-"""Token embedding and the LM head (which only projects the rows it is given)."""
+"""Token embedding and the LM head (which only projects the rows it is given), float or quantised."""
 
 from __future__ import annotations
 
@@ -28,3 +28,15 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight).float()
+
+
+class QuantizedLMHead(nn.Module):
+    """hidden [N, H] -> float32 logits [N, V] through a quantised linear (`tessel.quant.lm_head`).
+    Not an `LMHead`, so `pack_linears` leaves it alone; the embedding keeps its float weight."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden).float()

@@ -4,6 +4,10 @@
     static:   q_x = clamp(round(x / s_in), -127, 127), s_x = s_in  s_in: the calibrated input_scale
     y = (q_x @ q_w.T) * s_x[:, None] * s_w[None, :] + bias
 
+A single-row step on CPU (one sequence decoding; not on the `fbgemm` path) sums the integer
+products in the compiled int8 GEMV of `gemv_int8` (float32 sums, exact below 2**24, as the
+`dequant` path's), which streams the int8 weight faster than oneDNN's int8 GEMM does at one row.
+
 On CUDA the GEMM is tessel's Triton int8 kernel. On CPU the path follows the CPU
 (`tessel.quant.cpu_features`): `int_mm` (AVX-512 VNNI / AMX: `torch._int_mm`), `fbgemm` (AVX2:
 PyTorch's dynamic int8 linear, which quantises the activations per tensor, not per token, and
@@ -28,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.kernels.int8_gemm import int8_gemm
+from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import QMAX, quantize_per_token
-from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8
+from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8, gemv_int8_scaled, quantize_rows
 from tessel.layers.packed_linear import BATCH_HINT, PackedLinear, packing_available
 from tessel.quant.cpu_features import INT8_PATHS, W8A16_PATHS, choose_int8_path, choose_w8a16_path
 
@@ -93,6 +97,10 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.path != "fbgemm" and not rows.is_cuda and 0 < rows.shape[0] <= GEMV_MAX_ROWS:
+            out = self._gemv(rows)  # a decode step of one sequence: the hot path
+            if out is not None:
+                return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if rows.is_cuda or self.path == "int_mm":
             q, s = self._quantize_input(rows)
             out = int8_gemm(q, self.weight, s, self.weight_scale, self.bias, out_dtype=x.dtype)
@@ -103,6 +111,23 @@ class W8A8Linear(nn.Module):
             out = (q.float() @ self._float_weight.t()).mul_(s[:, None]).mul_(self.weight_scale)
             out = (out if self.bias is None else out.add_(self.bias)).to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _gemv(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The integer products of a single row summed by a compiled int8 GEMV, then `int8_gemm`'s
+        epilogue (in the same kernel when there is no bias): equal to the int32 GEMM while every
+        partial sum stays below 2**24 in magnitude (float32 holds those integers exactly); None
+        without a compiler."""
+        quantized = quantize_rows(rows) if self.input_scale is None else None  # one compiled kernel
+        if quantized is None:
+            q, s = self._quantize_input(rows)
+            quantized = q.float(), s
+        codes, scales = quantized
+        if self.bias is None:  # the epilogue fused in (bit-equal; with a bias it was not)
+            return gemv_int8_scaled(codes, self.weight, scales, self.weight_scale)
+        acc = gemv_int8(codes, self.weight, _unit_scales(self.out_features))
+        if acc is None:
+            return None
+        return int8_epilogue(acc, scales, self.weight_scale, self.bias, torch.float32)
 
     def extra_repr(self) -> str:
         act = "dynamic per token" if self.input_scale is None else "static per tensor"
@@ -173,6 +198,11 @@ class W8A16CPULinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_scales(n: int) -> torch.Tensor:
+    return torch.ones(n)
 
 
 def _fbgemm_pack(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):

@@ -13,7 +13,7 @@ from torch import nn
 
 from tessel.catalog.hf_config import ROPE_TYPES, RopeScaling
 from tessel.kernels import rope
-from tessel.kernels.rope import rope_tables
+from tessel.kernels.rope import rope_rotate, rope_tables
 
 __all__ = ["ROPE_TYPES", "RopeScaling", "RotaryEmbedding", "inverse_frequencies"]
 
@@ -75,7 +75,21 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.is_cuda or torch.is_grad_enabled():
             return rope(q, k, positions, self.cos, self.sin)
+        return rope(q, k, positions, self.cos, self.sin, tables=self._tables(positions, q.dtype))
+
+    def rotate_qk(
+        self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k heads side by side, qk [T, Hq + Hkv, D] (a view of the fused qkv output) -> rotated
+        (q, k) views. On the PyTorch path one rotation covers both (half the ops of `forward`, the
+        same products and sums: bit-equal)."""
+        if qk.is_cuda or torch.is_grad_enabled():
+            return self(positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
+        out = rope_rotate(qk, self._tables(positions, qk.dtype))
+        return out[:, :num_q_heads], out[:, num_q_heads:]
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         last = self._last
-        if last is None or last[0] is not positions or last[1] != q.dtype:
-            last = self._last = (positions, q.dtype, rope_tables(positions, self.cos, self.sin, q.dtype))
-        return rope(q, k, positions, self.cos, self.sin, tables=last[2])
+        if last is None or last[0] is not positions or last[1] != dtype:
+            last = self._last = (positions, dtype, rope_tables(positions, self.cos, self.sin, dtype))
+        return last[2]

@@ -33,12 +33,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         n = hidden.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # rotated in one go
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.rotary[0].rotate_qk(positions, qk, self.num_heads)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(n, self.q_size))
 

@@ -20,6 +20,7 @@ from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.quant import module_swap
+from tessel.quant.lm_head import check_lm_head_mode, quantize_lm_head
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
@@ -65,9 +66,14 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     layers: LayerFilter | None = None,
+    lm_head: str = "float",
 ) -> LlamaForCausalLM:
-    """The model in `path`; with `layers`, only that pipeline stage's part (the rest is nn.Identity)."""
+    """The model in `path`; with `layers`, only that pipeline stage's part (the rest is nn.Identity);
+    `lm_head="int8"` rounds the LM head per row (`tessel.quant.lm_head`)."""
     path = Path(path)
+    check_lm_head_mode(lm_head)
+    if lm_head != "float" and layers is not None:
+        raise TesselError(f"lm_head={lm_head!r} cannot run as a pipeline stage yet; run in one process")
     config = ModelConfig.from_dir(path)
     with torch.device("meta"), _default_dtype(dtype):
         model = LlamaForCausalLM(config)
@@ -90,6 +96,8 @@ def load_model(
     else:
         load_weights(model, path, skip=module_swap.is_quantized_tensor)
         module_swap.load_linears(model, checkpoint_files(path), scheme, dtype, device)
+    if lm_head == "int8":
+        model.lm_head = quantize_lm_head(model.lm_head, scheme, dtype, device)
     return model.eval().requires_grad_(False)
 
 

@@ -10,7 +10,7 @@ PyTorch's fbgemm; only the speed differs).
 
 W8A16 (int8 weights, float activations; `choose_w8a16_path`):
 
-    gemv     a C++ compiler for torch.compile: a fused int8 GEMV for decode steps of up to
+    gemv     a C++ compiler for inductor: a fused int8 GEMV for decode steps of up to
              GEMV_MAX_ROWS rows, the de-quantised float32 GEMM above (float32 activations)
     bf16     only when forced, on AVX-512 BF16 / AMX: bfloat16 activations and outputs
              (`torch._weight_int8pack_mm`, oneDNN's bf16 GEMM); changes the numerics
