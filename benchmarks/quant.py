@@ -114,6 +114,33 @@ PPL_CONFIGS: dict[str, dict] = {
         "method": "gptq",
         "act_order": True,
     },
+    # asymmetric int4 (a zero point per group, llm-compressor's W4A16_ASYM): `tessel quantize --asym`
+    "w4a16 asym": {"scheme": "w4a16", "asym": True},
+    "w4a16 asym g32": {"scheme": "w4a16", "group_size": 32, "asym": True},
+    "w4a16 asym gptq act-order mse": {
+        "scheme": "w4a16",
+        "asym": True,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 asym g32 gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 32,
+        "asym": True,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
+    "w4a16 asym g32 awq gptq act-order mse": {
+        "scheme": "w4a16",
+        "group_size": 32,
+        "asym": True,
+        "awq": True,
+        "method": "gptq",
+        "act_order": True,
+        "weight_observer": "mse",
+    },
     "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
 }

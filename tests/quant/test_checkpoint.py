@@ -28,6 +28,8 @@ SCHEMES = [
     make_scheme("w8a16"),
     make_scheme("w4a16"),
     make_scheme("w4a16", group_size=32),
+    make_scheme("w4a16", group_size=32, symmetric=False),
+    make_scheme("w8a16", symmetric=False),
 ]
 
 
@@ -42,7 +44,34 @@ def test_pack_matches_compressed_tensors(bits: int) -> None:
     assert torch.equal(helpers.unpack_from_int32(packed, bits, torch.Size([7, 96])), q)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 7, 12, 16])
+def test_zero_points_pack_along_rows_as_compressed_tensors(bits: int, rows: int) -> None:
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    half = 1 << (bits - 1)
+    zero_point = torch.randint(-half, half, (rows, 3), dtype=torch.int8)
+    packed = pack(zero_point.t(), bits).t()
+    assert torch.equal(packed, helpers.pack_to_int32(zero_point, bits, packed_dim=0))
+    assert torch.equal(
+        helpers.unpack_from_int32(packed, bits, torch.Size([rows, 3]), packed_dim=0), zero_point
+    )
+
+
+def test_asymmetric_weights_fit_a_shifted_range_better() -> None:
+    w = torch.rand(16, 128) * 0.9 + 0.1 * torch.randn(16, 128)  # mostly positive rows
+    errors = {}
+    for symmetric in (True, False):
+        qw = quantize_weight(w, make_scheme("w4a16", group_size=32, symmetric=symmetric))
+        assert (qw.zero_point is None) == symmetric
+        errors[symmetric] = float((qw.dequantize() - w).pow(2).sum())
+    assert errors[False] < 0.6 * errors[True]
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    SCHEMES,
+    ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}-{'sym' if s.symmetric else 'asym'}",
+)
 def test_config_round_trips_and_compressed_tensors_accepts_it(scheme) -> None:
     config = quantization_config(scheme, "entropy" if scheme.act_static else None)
     assert parse_quantization_config({"quantization_config": json.loads(json.dumps(config))}) == scheme
@@ -55,13 +84,20 @@ def test_config_round_trips_and_compressed_tensors_accepts_it(scheme) -> None:
     assert parsed.ignore == ["lm_head"]
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+@pytest.mark.parametrize(
+    "scheme",
+    SCHEMES,
+    ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}-{'sym' if s.symmetric else 'asym'}",
+)
 def test_module_tensors_read_back_and_decompress_with_compressed_tensors(scheme) -> None:
     w = torch.randn(48, 128) * torch.linspace(0.1, 3, 128)
     qw = quantize_weight(w, scheme)
     tensors = module_tensors(scheme, qw, torch.tensor([0.05]) if scheme.act_static else None)
     back, input_scale = read_module(lambda name: tensors[name.removeprefix("m.x.")], "m.x", scheme)
     assert torch.equal(back.q, qw.q) and torch.equal(back.scale, qw.scale)
+    assert (back.zero_point is None) == scheme.symmetric
+    if not scheme.symmetric:
+        assert torch.equal(back.zero_point, qw.zero_point)
     assert (input_scale is not None) == scheme.act_static
     # the weight error of round-to-nearest: at most half a step of the row's (group's) scale
     step = qw.scale.repeat_interleave(128 // qw.scale.shape[1], dim=1)
@@ -127,7 +163,11 @@ def test_unsupported_group_fields_are_named(path, value, field: str) -> None:
 
 
 @pytest.mark.parametrize("actorder", ["static", "weight"])
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}")
+@pytest.mark.parametrize(
+    "scheme",
+    SCHEMES,
+    ids=lambda s: f"{s.name}-{s.group_size}-{s.act_static}-{'sym' if s.symmetric else 'asym'}",
+)
 def test_gptq_weight_activation_order_reads_as_the_plain_layout(scheme, actorder: str) -> None:
     """llm-compressor's GPTQModifier writes actorder "static": rounding order only, no weight_g_idx."""
     config = quantization_config(scheme)
@@ -198,7 +238,10 @@ TENSORS = st.builds(
 @given(
     scheme=st.sampled_from(SCHEMES),
     tensors=st.dictionaries(
-        st.sampled_from(["weight", "weight_scale", "weight_packed", "weight_shape", "input_scale"]), TENSORS
+        st.sampled_from(
+            ["weight", "weight_scale", "weight_packed", "weight_shape", "weight_zero_point", "input_scale"]
+        ),
+        TENSORS,
     ),
 )
 def test_hostile_module_tensors_raise_only_tessel_error(scheme, tensors) -> None:

@@ -20,10 +20,19 @@ from tessel.quant.observers import make_observer
 from tessel.quant.schemes import make_scheme, quantize_weight
 
 
-def _scale(columns: torch.Tensor, scheme) -> torch.Tensor:
-    obs = make_observer("minmax", scheme.weight_range, axis=0)
-    obs.observe(columns.float())
-    return obs.qparams()[0].double()
+def _scale(columns: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero point) per row of a group; asymmetric ones by compressed-tensors' own rule."""
+    if scheme.symmetric:
+        obs = make_observer("minmax", scheme.weight_range, axis=0)
+        obs.observe(columns.float())
+        return obs.qparams()[0].double(), torch.zeros(columns.shape[0], dtype=torch.float64)
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=scheme.weight_bits, symmetric=False, strategy="channel")
+    lo, hi = columns.float().amin(dim=1), columns.float().amax(dim=1)
+    scale, zero_point = calculate_qparams(lo, hi, args)
+    return scale.double(), zero_point.double()
 
 
 def _slow_gptq(weight, hessian, scheme, act_order=False, static_groups=False):
@@ -35,10 +44,11 @@ def _slow_gptq(weight, hessian, scheme, act_order=False, static_groups=False):
     h = hessian.double().clone()
     h += PERCDAMP * torch.mean(torch.diag(h)) * torch.eye(k, dtype=torch.float64)
     scales = torch.zeros(n, k // group, dtype=torch.float64)
+    zeros = torch.zeros(n, k // group, dtype=torch.float64)
     static = act_order or static_groups
     if static:
         for g in range(0, k, group):
-            scales[:, g // group] = _scale(w[:, g : g + group], scheme)
+            scales[:, g // group], zeros[:, g // group] = _scale(w[:, g : g + group], scheme)
     if act_order:
         order = torch.argsort(torch.diag(hessian.double()), descending=True, stable=True).tolist()
     else:
@@ -46,15 +56,17 @@ def _slow_gptq(weight, hessian, scheme, act_order=False, static_groups=False):
     codes = torch.zeros(n, k, dtype=torch.int8)
     for position, column in enumerate(order):
         if not static and column % group == 0:
-            scales[:, column // group] = _scale(w[:, column : column + group], scheme)
-        scale = scales[:, column // group]
-        q = torch.clamp(torch.round(w[:, column] / scale), qmin, qmax)
+            scales[:, column // group], zeros[:, column // group] = _scale(
+                w[:, column : column + group], scheme
+            )
+        scale, zero = scales[:, column // group], zeros[:, column // group]
+        q = torch.clamp(torch.round(w[:, column] / scale) + zero, qmin, qmax)
         codes[:, column] = q.to(torch.int8)
         remaining = order[position:]
         inverse = torch.linalg.inv(h[remaining][:, remaining])
-        error = (w[:, column] - q * scale) / inverse[0, 0]
+        error = (w[:, column] - (q - zero) * scale) / inverse[0, 0]
         w[:, remaining] -= error[:, None] * inverse[0][None, :]
-    return codes, scales
+    return codes, scales, zeros
 
 
 def _problem(seed: int, n: int, k: int):
@@ -70,25 +82,34 @@ def _problem(seed: int, n: int, k: int):
 
 
 @pytest.mark.parametrize(
-    ("scheme_name", "group", "act_order", "block", "static"),
+    ("scheme_name", "group", "act_order", "block", "static", "symmetric"),
     [
-        ("w4a16", 16, False, 32, False),
-        ("w4a16", 16, True, 32, False),
-        ("w8a16", None, False, 16, False),
-        ("w4a16", 8, False, 12, False),
-        ("w4a16", 16, False, 32, True),
-        ("w4a16", 8, True, 12, True),
+        ("w4a16", 16, False, 32, False, True),
+        ("w4a16", 16, True, 32, False, True),
+        ("w8a16", None, False, 16, False, True),
+        ("w4a16", 8, False, 12, False, True),
+        ("w4a16", 16, False, 32, True, True),
+        ("w4a16", 8, True, 12, True, True),
+        ("w4a16", 16, False, 32, False, False),
+        ("w4a16", 8, True, 12, False, False),
+        ("w8a16", None, False, 16, False, False),
     ],
 )
 def test_fast_gptq_gives_the_codes_of_the_slow_published_algorithm(
-    scheme_name, group, act_order, block, static
+    scheme_name, group, act_order, block, static, symmetric
 ):
-    scheme = make_scheme(scheme_name, group_size=group)
+    if not symmetric:
+        pytest.importorskip("compressed_tensors")
+    scheme = make_scheme(scheme_name, group_size=group, symmetric=symmetric)
     weight, hessian, _ = _problem(seed=7, n=12, k=48)
     fast = gptq_quantize(weight, hessian, scheme, act_order=act_order, block=block, static_groups=static)
-    codes, scales = _slow_gptq(weight, hessian, scheme, act_order, static)
+    codes, scales, zeros = _slow_gptq(weight, hessian, scheme, act_order, static)
     assert torch.equal(fast.q, codes)
     torch.testing.assert_close(fast.scale.double(), scales, rtol=1e-5, atol=0)
+    if symmetric:
+        assert fast.zero_point is None
+    else:
+        assert torch.equal(fast.zero_point.double(), zeros)
 
 
 @pytest.mark.parametrize("scheme_name", ["w4a16", "w8a16"])

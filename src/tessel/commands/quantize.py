@@ -44,6 +44,9 @@ def quantize(
         False, help="GPTQ: group scales from the original weights up front (llm-compressor's rule)."
     ),
     awq: bool = typer.Option(False, help="AWQ activation-aware channel scaling first (needs --calib)."),
+    asym: bool = typer.Option(
+        False, help="w8a16 / w4a16: asymmetric weights, a zero point per scale (llm-compressor's W4A16_ASYM)."
+    ),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
     check_model_path(model, "MODEL")
@@ -74,6 +77,7 @@ def quantize(
         act_order=act_order,
         static_groups=static_groups,
         awq=awq,
+        asym=asym,
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}

@@ -52,9 +52,10 @@ class QuantizeOptions:
     act_order: bool = False  # GPTQ: columns by descending Hessian diagonal
     static_groups: bool = False  # GPTQ: group scales from the original weights, up front
     awq: bool = False  # AWQ's activation-aware channel scaling before the weights are rounded
+    asym: bool = False  # weight-only schemes: a zero point per scale
 
     def __post_init__(self) -> None:
-        make_scheme(self.scheme, self.act, self.group_size)  # validates scheme / act / group
+        self.make_scheme()  # validates scheme / act / group / symmetry
         if self.observer not in OBSERVERS:
             raise TesselError(f"--observer must be one of {', '.join(OBSERVERS)}; got {self.observer!r}")
         if self.weight_observer not in WEIGHT_OBSERVERS:
@@ -82,6 +83,9 @@ class QuantizeOptions:
             raise TesselError(
                 "--smoothquant, --awq, --act static and --method gptq calibrate on text: give --calib FILE"
             )
+
+    def make_scheme(self) -> Scheme:
+        return make_scheme(self.scheme, self.act, self.group_size, symmetric=not self.asym)
 
     @property
     def needs_calibration(self) -> bool:
@@ -218,7 +222,7 @@ def quantize_model(
     start = time.perf_counter()
     model_dir, out_dir = resolve_model_path(model_dir), Path(out_dir)  # a .gguf file: its de-quantised copy
     config = read_model_config(model_dir)
-    scheme = make_scheme(options.scheme, options.act, options.group_size)
+    scheme = options.make_scheme()
     text = read_calibration_text(options.calib) if options.needs_calibration else None
     model, tokenizer = load_hf_model(model_dir)
     linears = target_linears(model)

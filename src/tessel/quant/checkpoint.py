@@ -12,6 +12,8 @@ and each quantised linear `<prefix>` stores (symmetric: no zero points)
     int-quantized (w8a8):          <prefix>.weight int8 [N, K], .weight_scale [N, 1], .input_scale [1]
     pack-quantized (w8a16, w4a16): <prefix>.weight_packed int32 [N, K * bits / 32], .weight_scale [N, groups],
                                    .weight_shape int64 [2]
+    asymmetric weight-only (`--asym`): also .weight_zero_point int32 [ceil(N * bits / 32), groups],
+                                   the int8 zero points packed along the output rows
 
 `pack-quantized` puts 32 / bits values per int32, value + 2**(bits-1) in bits, lowest bits first
 (compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32; tested against it). This
@@ -45,12 +47,17 @@ ACTORDERS_WITHOUT_G_IDX = (None, False, "weight", "static")  # compressed-tensor
 
 
 def _args(
-    bits: int, strategy: str, dynamic: bool, group_size: int | None, observer: str | None = None
+    bits: int,
+    strategy: str,
+    dynamic: bool,
+    group_size: int | None,
+    observer: str | None = None,
+    symmetric: bool = True,
 ) -> dict[str, Any]:
     return {
         "num_bits": bits,
         "type": "int",
-        "symmetric": True,
+        "symmetric": symmetric,
         "group_size": group_size,
         "strategy": strategy,
         "dynamic": dynamic,
@@ -67,7 +74,7 @@ def checkpoint_format(scheme: Scheme) -> str:
 
 def quantization_config(scheme: Scheme, act_observer: str | None = None) -> dict[str, Any]:
     strategy = "channel" if scheme.group_size is None else "group"
-    weights = _args(scheme.weight_bits, strategy, False, scheme.group_size, "minmax")
+    weights = _args(scheme.weight_bits, strategy, False, scheme.group_size, "minmax", scheme.symmetric)
     acts = None
     if not scheme.weight_only:
         if scheme.act_static:
@@ -140,8 +147,10 @@ def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
 def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:
     w = group.get("weights")
     _field(isinstance(w, dict), f"{where}.weights", w, "an object")
-    for key, wanted in (("type", "int"), ("symmetric", True), ("dynamic", False)):
+    for key, wanted in (("type", "int"), ("dynamic", False)):
         _field(w.get(key, wanted) == wanted, f"{where}.weights.{key}", w.get(key), repr(wanted))
+    symmetric = w.get("symmetric", True)
+    _field(isinstance(symmetric, bool), f"{where}.weights.symmetric", symmetric, "true or false")
     bits, strategy, group_size = w.get("num_bits"), w.get("strategy"), w.get("group_size")
     _field(bits in (4, 8), f"{where}.weights.num_bits", bits, "4 or 8")
     _field(strategy in ("channel", "group"), f"{where}.weights.strategy", strategy, "'channel' or 'group'")
@@ -168,7 +177,10 @@ def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:
     )
     if a is None:
         _field(fmt == PACK_QUANTIZED or bits == 8, "format", fmt, f"{PACK_QUANTIZED!r} for 4-bit weights")
-        return Scheme("w8a16" if bits == 8 else "w4a16", bits, group_size, None)
+        _field(
+            fmt == PACK_QUANTIZED or symmetric, "format", fmt, f"{PACK_QUANTIZED!r} for asymmetric weights"
+        )
+        return Scheme("w8a16" if bits == 8 else "w4a16", bits, group_size, None, symmetric=symmetric)
     _field(isinstance(a, dict), f"{where}.input_activations", a, "an object or null")
     for key, wanted in (("type", "int"), ("symmetric", True), ("num_bits", 8)):
         _field(a.get(key, wanted) == wanted, f"{where}.input_activations.{key}", a.get(key), repr(wanted))
@@ -180,6 +192,7 @@ def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:
         "('token', dynamic) or ('tensor', static)",
     )
     _field(bits == 8, f"{where}.weights.num_bits", bits, "8 with int8 activations")
+    _field(symmetric, f"{where}.weights.symmetric", symmetric, "true with int8 activations")
     _field(fmt == INT_QUANTIZED, "format", fmt, f"{INT_QUANTIZED!r} with int8 activations")
     return Scheme("w8a8", 8, group_size, 8, act_static=kind == ("tensor", False))
 
@@ -192,6 +205,8 @@ def module_tensors(
     if scheme.weight_only:
         out["weight_packed"] = pack(weight.q, scheme.weight_bits)
         out["weight_shape"] = torch.tensor(list(weight.q.shape), dtype=torch.int64)
+        if weight.zero_point is not None:  # packed along the output rows, as compressed-tensors does
+            out["weight_zero_point"] = pack(weight.zero_point.to(torch.int8).t(), scheme.weight_bits).t()
     else:
         out["weight"] = weight.q.contiguous()
     if scheme.act_static:
@@ -202,12 +217,12 @@ def module_tensors(
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 [N, K] values of `bits` bits -> int32 [N, K * bits / 32] (K * bits a multiple of 32)."""
+    """int8 [N, K] values of `bits` bits -> int32 [N, ceil(K * bits / 32)] (the last word padded with
+    zero fields, as compressed-tensors pads)."""
     n, k = q.shape
     per_word = 32 // bits
-    if k % per_word:
-        raise TesselError(f"packing {bits}-bit weights wants in_features divisible by {per_word}; got {k}")
-    values = (q.to(torch.int64) + (1 << (bits - 1))).reshape(n, k // per_word, per_word)
+    values = q.to(torch.int64) + (1 << (bits - 1))
+    values = torch.nn.functional.pad(values, (0, -k % per_word)).reshape(n, -1, per_word)
     shifts = torch.arange(0, 32, bits, dtype=torch.int64)
     words = (values << shifts).sum(dim=2)  # the fields occupy disjoint bits, so the sum is their OR
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # wrap into int32
@@ -241,6 +256,7 @@ def read_module(
         raise TesselError(
             f"{prefix}.weight_scale has shape {tuple(scale.shape)}; expected [{n}, {groups}] finite values"
         )
+    zero_point = None if scheme.symmetric else _zero_points(get, prefix, scheme.weight_bits, n, groups)
     input_scale = None
     if scheme.act_static:
         input_scale = get(f"{prefix}.input_scale").float()
@@ -249,7 +265,21 @@ def read_module(
                 f"{prefix}.input_scale must be one positive value; got {tuple(input_scale.shape)}"
             )
         input_scale = input_scale.reshape(1)
-    return QuantizedWeight(q, scale.reshape(n, groups), scheme.group_size), input_scale
+    return QuantizedWeight(q, scale.reshape(n, groups), scheme.group_size, zero_point), input_scale
+
+
+def _zero_points(
+    get: Callable[[str], torch.Tensor], prefix: str, bits: int, n: int, groups: int
+) -> torch.Tensor:
+    """int8 [N, groups] from `<prefix>.weight_zero_point`, int32 packed along the output rows."""
+    packed = get(f"{prefix}.weight_zero_point")
+    words = -(-n * bits // 32)
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (words, groups):
+        raise TesselError(
+            f"{prefix}.weight_zero_point is {packed.dtype} {tuple(packed.shape)}; asymmetric {bits}-bit "
+            f"weights [{n}, {groups} groups] need int32 [{words}, {groups}] (packed along the rows)"
+        )
+    return unpack(packed.t(), bits, n).t().contiguous()
 
 
 def _unpacked_weight(get: Callable[[str], torch.Tensor], prefix: str, bits: int) -> torch.Tensor:

@@ -50,11 +50,13 @@ class HessianAccumulator:
         self.hessian += x.t() @ x
 
 
-def _group_scales(weight: torch.Tensor, scheme: Scheme, observer: str) -> torch.Tensor:
-    """Scales [N] of a block of columns [N, G] (one group), by the weight observer."""
+def _group_scales(weight: torch.Tensor, scheme: Scheme, observer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales [N], zero points [N]) of a block of columns [N, G] (one group), by the weight observer;
+    the zero points are 0 for a symmetric scheme."""
     obs = make_observer(observer, scheme.weight_range, axis=0)
     obs.observe(weight.float())
-    return obs.qparams()[0].to(weight.dtype)
+    scale, zero_point = obs.qparams()
+    return scale.to(weight.dtype), zero_point.to(weight.dtype)
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, percdamp: float) -> torch.Tensor:
@@ -99,18 +101,19 @@ def gptq_quantize(
     dead = torch.diag(h) == 0  # columns whose input is always zero: any value works, take 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    static_scales = None
+    static_scales = static_zeros = None
     order = torch.arange(k)
     if act_order or static_groups:
-        static_scales = torch.stack(
-            [_group_scales(w[:, g : g + group], scheme, observer) for g in range(0, k, group)], dim=1
-        )
+        params = [_group_scales(w[:, g : g + group], scheme, observer) for g in range(0, k, group)]
+        static_scales = torch.stack([p[0] for p in params], dim=1)
+        static_zeros = torch.stack([p[1] for p in params], dim=1)
     if act_order:
         order = torch.argsort(torch.diag(h), descending=True, stable=True)
         w, h = w[:, order], h[order][:, order]
     u = _inverse_hessian_factor(h, percdamp)
     codes = torch.zeros(n, k, dtype=torch.int8)
     scales = torch.zeros(n, k // group, dtype=dtype) if static_scales is None else static_scales
+    zeros = torch.zeros(n, k // group, dtype=dtype) if static_zeros is None else static_zeros
     qrange = scheme.weight_range
     for start in range(0, k, block):
         end = min(start + block, k)
@@ -120,15 +123,18 @@ def gptq_quantize(
             column = int(order[start + i])
             if static_scales is None and column % group == 0:
                 current = torch.cat([w_block[:, i:], w[:, end:]], dim=1)[:, :group]  # as updated so far
-                scales[:, column // group] = _group_scales(current, scheme, observer)
-            scale = scales[:, column // group]
-            q = torch.clamp(torch.round(w_block[:, i] / scale), qrange.qmin, qrange.qmax)  # in H's dtype
+                scales[:, column // group], zeros[:, column // group] = _group_scales(
+                    current, scheme, observer
+                )
+            scale, zero = scales[:, column // group], zeros[:, column // group]
+            q = torch.clamp(torch.round(w_block[:, i] / scale) + zero, qrange.qmin, qrange.qmax)  # H's dtype
             codes[:, column] = q.to(torch.int8)
-            error = (w_block[:, i] - q * scale) / u_block[i, i]
+            error = (w_block[:, i] - (q - zero) * scale) / u_block[i, i]
             w_block[:, i:] -= error[:, None] * u_block[i, i:][None, :]
             errors[:, i] = error
         w[:, end:] -= errors @ u[start:end, end:]
-    return QuantizedWeight(codes, scales.float(), scheme.group_size)
+    zero_point = None if scheme.symmetric else zeros.to(torch.int8)
+    return QuantizedWeight(codes, scales.float(), scheme.group_size, zero_point)
 
 
 # Called as progress(pass name, layers done, layers in all).
@@ -233,8 +239,9 @@ def gptq_model(
             row = 0
             for name, module in zip(names, modules, strict=True):
                 rows = module.out_features
+                zero = None if rounded.zero_point is None else rounded.zero_point[row : row + rows]
                 part = QuantizedWeight(
-                    rounded.q[row : row + rows], rounded.scale[row : row + rows], scheme.group_size
+                    rounded.q[row : row + rows], rounded.scale[row : row + rows], scheme.group_size, zero
                 )
                 out[f"model.layers.{index}.{name}"] = part
                 module.weight.copy_(part.dequantize().to(module.weight.dtype))

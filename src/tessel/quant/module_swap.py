@@ -8,7 +8,8 @@ tessel's fused `qkv_proj` / `gate_up_proj`):
     w8a8          -> `W8A8Linear` (int8 GEMM; CPU path by the CPU's features)
     w8a16 on CUDA -> `W8A16Linear` (Triton kernel, int8 weights in memory)
     w8a16 on CPU, float32 -> `W8A16CPULinear` (int8 GEMV for decode steps; path by the CPU's features)
-    otherwise     -> a float nn.Linear holding the dequantised weight (packed for oneDNN on CPU)
+    otherwise (w4a16, asymmetric, grouped w8a16)
+                  -> a float nn.Linear holding the dequantised weight (packed for oneDNN on CPU)
 
 Fused q/k/v with static activations take the largest of their three input scales (as vLLM does;
 `tessel quantize` writes equal ones, q/k/v reading the same tensor).
@@ -122,12 +123,13 @@ def _build(scheme: Scheme, weights, input_scales, biases, dtype, device) -> nn.M
             )
         input_scale = torch.stack(input_scales).max() if scheme.act_static else None
         return W8A8Linear(q.to(device), scale.to(device), _to(bias, device), _to(input_scale, device))
-    per_channel_int8 = scheme.weight_bits == 8 and scheme.group_size is None
+    per_channel_int8 = scheme.weight_bits == 8 and scheme.group_size is None and scheme.symmetric
     if per_channel_int8 and torch.device(device).type == "cuda":
         return W8A16Linear.from_int8(q.to(device), scale.reshape(-1).to(device), _to(bias, device))
     if per_channel_int8 and torch.device(device).type == "cpu" and dtype == torch.float32:
         return W8A16CPULinear(q, scale.reshape(-1), bias)
-    weight = QuantizedWeight(q, scale, scheme.group_size).dequantize()
+    zero_point = None if scheme.symmetric else torch.cat([w.zero_point for w in weights])
+    weight = QuantizedWeight(q, scale, scheme.group_size, zero_point).dequantize()
     return dequantized_linear(weight.to(device), _to(bias, device), dtype)
 
 

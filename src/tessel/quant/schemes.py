@@ -4,8 +4,11 @@
     w8a16:  int8 weights per output channel, float activations
     w4a16:  int4 weights per group of GROUP_SIZE input columns, float activations
 
-Weights are symmetric (zero point 0), so W ~= q * scale with scale [N, groups] broadcast over the
-columns of each group: the layout of compressed-tensors' `weight_scale`.
+Weights are symmetric by default (zero point 0), so W ~= q * scale with scale [N, groups] broadcast
+over the columns of each group: the layout of compressed-tensors' `weight_scale`. Weight-only schemes
+can be asymmetric (`--asym`, llm-compressor's W4A16_ASYM): W ~= (q - zero_point) * scale with an
+integer zero point per scale, from compressed-tensors' rule (the range [min(lo, 0), max(hi, 0)]
+over the qmin..qmax levels, zero_point = clamp(qmin - round(lo / scale))).
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ class Scheme:
     group_size: int | None  # None: one scale per output channel
     act_bits: int | None  # None: weight-only (float activations)
     act_static: bool = False  # activations: static per tensor (calibrated) vs dynamic per token
+    symmetric: bool = True  # False: weights with a zero point per scale (weight-only schemes)
 
     @property
     def weight_range(self) -> QuantRange:
         """int8: [-127, 127]; int4: every level of [-8, 7] with scale max|w| / 7.5 (compressed-tensors'
-        and llm-compressor's symmetric int4): one level more than [-7, 7] is worth much at 4 bits."""
-        return QuantRange(self.weight_bits, symmetric=True, restricted=self.weight_bits == 8)
+        and llm-compressor's symmetric int4): one level more than [-7, 7] is worth much at 4 bits.
+        Asymmetric: every level of [-2**(b-1), 2**(b-1) - 1]."""
+        restricted = self.weight_bits == 8 and self.symmetric
+        return QuantRange(self.weight_bits, symmetric=self.symmetric, restricted=restricted)
 
     @property
     def weight_only(self) -> bool:
@@ -47,8 +53,12 @@ class Scheme:
             )
 
 
-def make_scheme(name: str, act: str = "dynamic", group_size: int | None = None) -> Scheme:
-    """The scheme for `--scheme NAME --act dynamic|static [--group-size G]`."""
+def make_scheme(
+    name: str, act: str = "dynamic", group_size: int | None = None, symmetric: bool = True
+) -> Scheme:
+    """The scheme for `--scheme NAME --act dynamic|static [--group-size G] [--asym]`."""
+    if not symmetric and name == "w8a8":
+        raise TesselError("--asym applies to weight-only schemes (w8a16, w4a16); w8a8 weights are symmetric")
     if act not in ("dynamic", "static"):
         raise TesselError(f"--act must be dynamic or static; got {act!r}")
     if name == "w8a8":
@@ -60,22 +70,24 @@ def make_scheme(name: str, act: str = "dynamic", group_size: int | None = None) 
     if act == "static":
         raise TesselError(f"--act static needs quantised activations; scheme {name} keeps them float")
     if name == "w8a16":
-        return Scheme(name, 8, group_size, None)
+        return Scheme(name, 8, group_size, None, symmetric=symmetric)
     if name == "w4a16":
-        return Scheme(name, 4, group_size or GROUP_SIZE, None)
+        return Scheme(name, 4, group_size or GROUP_SIZE, None, symmetric=symmetric)
     raise TesselError(f"unknown --scheme {name!r}; choose w8a8, w8a16 or w4a16")
 
 
 @dataclass(slots=True)
 class QuantizedWeight:
-    """q int8 [N, K] (int4 values sit in [-8, 7]); scale float32 [N, groups]; W ~= q * scale per group."""
+    """q int8 [N, K] (int4 values sit in [-8, 7]); scale float32 [N, groups]; zero_point None
+    (symmetric) or int8 [N, groups]; W ~= (q - zero_point) * scale per group."""
 
     q: torch.Tensor
     scale: torch.Tensor
     group_size: int | None
+    zero_point: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_weight(self.q, self.scale, self.group_size)
+        return dequantize_weight(self.q, self.scale, self.group_size, self.zero_point)
 
 
 def _grouped(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
@@ -85,7 +97,7 @@ def _grouped(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
 
 
 def quantize_weight(weight: torch.Tensor, scheme: Scheme, observer: str = "minmax") -> QuantizedWeight:
-    """Round-to-nearest symmetric quantisation of an nn.Linear weight [N, K] under `scheme`."""
+    """Round-to-nearest quantisation of an nn.Linear weight [N, K] under `scheme` (its symmetry)."""
     if observer not in WEIGHT_OBSERVERS:
         raise TesselError(f"weight observer must be one of {', '.join(WEIGHT_OBSERVERS)}; got {observer!r}")
     weight = weight.detach().float()
@@ -98,11 +110,17 @@ def quantize_weight(weight: torch.Tensor, scheme: Scheme, observer: str = "minma
     scale, zero_point = obs.qparams()
     scale, zero_point = scale.view(n, groups, 1), zero_point.view(n, groups, 1)
     q = quantize(rows, scale, zero_point, scheme.weight_range).reshape(n, k)
-    return QuantizedWeight(q, scale.view(n, groups), scheme.group_size)
+    zero = None if scheme.symmetric else zero_point.view(n, groups).to(torch.int8)
+    return QuantizedWeight(q, scale.view(n, groups), scheme.group_size, zero)
 
 
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """q [N, K] * scale [N, groups] spread over each group's columns -> float32 [N, K]."""
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, group_size: int | None, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(q [N, K] - zero_point [N, groups]) * scale [N, groups], spread over each group's columns ->
+    float32 [N, K]."""
     n, k = q.shape
     rows = _grouped(q.float(), group_size if scale.shape[1] > 1 else None)
+    if zero_point is not None:
+        rows = rows - zero_point.float().view(n, -1, 1)
     return (rows * scale.float().view(n, -1, 1)).reshape(n, k)
