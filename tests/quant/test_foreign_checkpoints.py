@@ -5,7 +5,8 @@
    (`apply_quantization_config`), its own `calculate_qparams` gives the min/max scales (what
    llm-compressor's minmax observer calls; the full int range, so int8 -128 and int4 -8 occur),
    then `ModelCompressor.from_pretrained_model` + `compress_model` + `save_pretrained` +
-   `update_config`. W8A8 (int-quantized), W8A16 per channel and W4A16 group 32 (pack-quantized).
+   `update_config`. W8A8 (int-quantized), W8A16 per channel and W4A16 group 32 (pack-quantized),
+   symmetric and asymmetric (zero points).
 2. Written by llm-compressor's `oneshot` itself (RTN, SmoothQuant, GPTQ with its activation
    order): skipped unless `llmcompressor` is importable (it pins an older transformers /
    compressed-tensors, so it lives in the benchmark venv; docs/quant.md).
@@ -29,12 +30,12 @@ from ct_oracle import engine_logits, hf_quantized
 W4_GROUP = 32  # divides the tiny model's hidden 64 and FFN 128
 
 
-def _weights(bits: int, strategy: str) -> dict:
+def _weights(bits: int, strategy: str, symmetric: bool = True) -> dict:
     group_size = W4_GROUP if strategy == "group" else None
     return {
         "num_bits": bits,
         "type": "int",
-        "symmetric": True,
+        "symmetric": symmetric,
         "strategy": strategy,
         "group_size": group_size,
     }
@@ -45,6 +46,9 @@ CT_SCHEMES = {  # name -> (config group, format)
     "w8a8": ({"weights": _weights(8, "channel"), "input_activations": PER_TOKEN_INT8}, "int-quantized"),
     "w8a16": ({"weights": _weights(8, "channel")}, "pack-quantized"),
     "w4a16-g32": ({"weights": _weights(4, "group")}, "pack-quantized"),
+    # asymmetric (llm-compressor's W4A16_ASYM layout): zero points packed along the rows
+    "w4a16-g32-asym": ({"weights": _weights(4, "group", symmetric=False)}, "pack-quantized"),
+    "w8a16-asym": ({"weights": _weights(8, "channel", symmetric=False)}, "pack-quantized"),
 }
 
 

@@ -64,6 +64,21 @@ CASES = {
         "--static-groups",
     ],  # fmt: skip
     "w8a8-sq-gptq-act-order": ["--scheme", "w8a8", "--smoothquant", "0.5", "--method", "gptq", "--act-order"],
+    "w4a16-g32-asym": ["--scheme", "w4a16", "--group-size", "32", "--asym"],
+    "w4a16-g32-asym-awq-gptq-act-order-mse": [
+        "--scheme",
+        "w4a16",
+        "--group-size",
+        "32",
+        "--asym",
+        "--awq",
+        "--method",
+        "gptq",
+        "--act-order",
+        "--weight-observer",
+        "mse",
+    ],  # fmt: skip
+    "w8a16-asym": ["--scheme", "w8a16", "--asym"],
 }
 CALIB = ["--calib-samples", "4", "--seq-len", "32"]
 
@@ -125,6 +140,7 @@ def test_engine_swaps_in_w8a8_modules_and_generates(tiny_llama, calib_text, tmp_
     [
         (["--scheme", "w4a16"], "group size 128 does not divide in_features 64"),
         (["--scheme", "w8a16", "--act", "static"], "--act static"),
+        (["--scheme", "w8a8", "--asym"], "--asym applies to weight-only schemes"),
         (["--scheme", "w8a8", "--act", "static", "--calib-samples", "5000"], "--calib-samples 5000"),
         (["--scheme", "w9a9"], "--scheme"),
         (["--scheme", "w8a8", "--observer", "kmeans"], "--observer"),
