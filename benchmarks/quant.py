@@ -115,10 +115,11 @@ PPL_CONFIGS: dict[str, dict] = {
         "act_order": True,
     },
     # asymmetric int4 (a zero point per group, llm-compressor's W4A16_ASYM): `tessel quantize --asym`
-    "w4a16 asym": {"scheme": "w4a16", "asym": True},
+    "w4a16 asym g64": {"scheme": "w4a16", "group_size": 64, "asym": True},
     "w4a16 asym g32": {"scheme": "w4a16", "group_size": 32, "asym": True},
-    "w4a16 asym gptq act-order mse": {
+    "w4a16 asym g64 gptq act-order mse": {
         "scheme": "w4a16",
+        "group_size": 64,
         "asym": True,
         "method": "gptq",
         "act_order": True,
