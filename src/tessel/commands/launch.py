@@ -44,6 +44,9 @@ def launch(
     cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
     profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
     threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
+    replica: int | None = typer.Option(
+        None, min=0, help="Replica plans: which pipeline to run (route requests by the plan's weights)."
+    ),
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
     ),
@@ -59,7 +62,7 @@ def launch(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
         micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
-        threads=threads, run_dir=run_dir,
+        threads=threads, run_dir=run_dir, replica=replica,
     )  # fmt: skip
     run = run_pipeline(options)
     print_run(run)

@@ -41,6 +41,7 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 BLOCK_KINDS = ("layer", "attention", "mlp")
 UNQUANTISED_BYTES = 2  # fp16: what int8 (W8A8) keeps for norms, biases, embedding and LM head
 INT4_GROUP_SIZE = 128  # AWQ's and GPTQ's default group size (one fp16 scale per 128 weights)
+FLOAT_WEIGHTS = frozenset({"fp32", "fp16", "bf16"})  # precisions that keep weights as floats
 WEIGHT_SCHEMES = {
     "fp32": "W32A32",
     "fp16": "W16A16",

@@ -38,6 +38,7 @@ from tessel.engine.sequence import Sequence
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.quant.load_quantize import quantize_layers
 
 
 @dataclass(slots=True)
@@ -94,6 +95,9 @@ class PipelineEngine(LLM):
         self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)
         self.rss_before_load_bytes = rss_bytes()
         model = load_model(path, self.dtype, layers=self._part)
+        quantized = self.plan.stages[0].quantized_layers
+        if quantized:
+            quantize_layers(model, quantized, self.dtype)
         self._weight_bytes = tensor_bytes(model)
         return model
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.chunk.latency import PipelineLatency
+from tessel.cost.layer import FLOAT_WEIGHTS
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, load_plan
 
-FLOAT_PRECISIONS = frozenset({"fp32", "fp16", "bf16"})  # what the runtime runs: --dtype, unquantised
 PIPELINE_MIN_MICRO_BATCHES = 2  # without a plan workload: enough to keep two stages busy
 
 
@@ -27,6 +27,17 @@ class RunStage:
     layer_start: int  # decoder layers [layer_start, layer_end)
     layer_end: int
     emulate_speed: float = 1.0  # < 1: this stage sleeps (1/s - 1) x its compute (emulation)
+    # per layer of the stage, the (attention, MLP) weight precisions of the plan (empty: all --dtype)
+    layer_precisions: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def quantized_layers(self) -> dict[int, tuple[str, str]]:
+        """Layer index -> (attention, MLP) precisions, for the layers with a non-float half."""
+        return {
+            self.layer_start + offset: halves
+            for offset, halves in enumerate(self.layer_precisions)
+            if any(p not in FLOAT_WEIGHTS for p in halves)
+        }
 
     @property
     def num_layers(self) -> int:
@@ -62,33 +73,32 @@ class RunPlan:
         self.plan_file.check_model(name, num_layers)
 
 
-def load_run_plan(path: str | Path) -> RunPlan:
-    """Read a `tessel plan --json` file for the runtime; TesselError says what is wrong."""
+def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
+    """Read a `tessel plan --json` file for the runtime (`replica`: which pipeline of a replica plan);
+    TesselError says what is wrong."""
     plan = load_plan(path)
     source = Path(plan.source)
+    plan_stages = _replica_stages(plan, source, replica)
     if plan.granularity != "layer":
-        split = [s for s in plan.stages if s.unit_start % 2 or s.unit_end % 2]
+        split = [s for s in plan_stages if s.unit_start % 2 or s.unit_end % 2]
         if split:
             raise TesselError(
                 f"{source}: stage {split[0].index} splits a decoder layer (sublayer units "
                 f"{split[0].unit_start}..{split[0].unit_end}); the runtime runs whole layers: "
                 "re-plan with --granularity layer"
             )
-    if len(plan.replicas) > 1:
-        raise TesselError(
-            f"{source}: the plan has {len(plan.replicas)} replica pipelines; the runtime runs one "
-            "pipeline: re-plan without replicas, or launch each replica from its own plan file"
-        )
-    for stage in plan.stages:
-        quantised = sorted({p for p in stage.precisions or [] if p not in FLOAT_PRECISIONS})
-        if quantised:
-            raise TesselError(
-                f"{source}: stage {stage.index} holds units in {', '.join(quantised)}; the runtime loads "
-                "the checkpoint's weights in --dtype only: re-plan without weight precisions"
-            )
+    per_layer = plan.units_per_layer
     stages = tuple(
-        RunStage(position, s.device, s.gpu_type, s.layer_start, s.layer_end, s.emulate_speed)
-        for position, s in enumerate(plan.stages)
+        RunStage(
+            position,
+            s.device,
+            s.gpu_type,
+            s.layer_start,
+            s.layer_end,
+            s.emulate_speed,
+            _layer_precisions(s.precisions, s.unit_start, per_layer),
+        )
+        for position, s in enumerate(plan_stages)
     )
     config = plan.model.config or {}
     num_layers = config.get("num_layers", config.get("num_hidden_layers"))
@@ -103,6 +113,39 @@ def load_run_plan(path: str | Path) -> RunPlan:
         m,
         plan,
     )
+
+
+def _replica_stages(plan: PlanFile, source: Path, replica: int | None) -> list:
+    """The stages of the pipeline to run: the plan's own, or replica `replica`'s (one process group
+    runs one pipeline; a load balancer splits requests by the replicas' weights)."""
+    if replica is None:
+        if len(plan.replicas) > 1:
+            listed = ", ".join(
+                f"{r.index} ({len(r.stages)} stages, weight {r.weight:.3f})" for r in plan.replicas
+            )
+            raise TesselError(
+                f"{source}: the plan has {len(plan.replicas)} replica pipelines: {listed}; one launch runs "
+                "one of them: pass --replica K (and route requests by the weights)"
+            )
+        return plan.stages
+    count = max(len(plan.replicas), 1)
+    if not 0 <= replica < count:
+        raise TesselError(f"--replica {replica}: the plan has {count} pipeline(s), numbered 0..{count - 1}")
+    return plan.replicas[replica].stages if plan.replicas else plan.stages
+
+
+def _layer_precisions(
+    precisions: list[str] | None, unit_start: int, per_layer: int
+) -> tuple[tuple[str, str], ...]:
+    """Unit precisions -> (attention, MLP) per layer: a layer unit gives both halves its precision;
+    at sublayer granularity the even unit is the attention half, the odd one the MLP half."""
+    if not precisions:
+        return ()
+    if per_layer == 1:
+        return tuple((p, p) for p in precisions)
+    # the stage starts on a layer boundary (checked above), so the units pair up
+    assert unit_start % 2 == 0 and len(precisions) % 2 == 0
+    return tuple((precisions[i], precisions[i + 1]) for i in range(0, len(precisions), 2))
 
 
 def priced_pipeline(plan: RunPlan, profile_paths=()) -> PipelineLatency:

@@ -40,6 +40,7 @@ class RunOptions:
     threads: int = 1
     run_dir: Path | None = None
     warmup: bool = False  # one untimed request per prompt length first
+    replica: int | None = None  # which pipeline of a replica plan
 
     def worker_argv(self, outputs: Path) -> list[str]:
         argv = ["--plan", str(self.plan), "--model", str(self.model), "--json", str(outputs), "--quiet"]
@@ -53,6 +54,7 @@ class RunOptions:
             "--kv-cache-gib": self.kv_cache_gib,
             "--max-num-batched-tokens": self.max_num_batched_tokens,
             "--micro-batches": self.micro_batches,
+            "--replica": self.replica,
         }
         for flag, value in optional.items():
             if value is not None:

@@ -26,6 +26,7 @@ from tessel.layers.attention import AttentionMetadata
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.quant.load_quantize import quantize_layers
 
 
 @dataclass(slots=True)
@@ -57,8 +58,20 @@ class StageExecutor:
     _generators: dict[int, torch.Generator] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: Path, part: LayerFilter, dtype: torch.dtype, device: torch.device, speed: float):
+    def load(
+        cls,
+        path: Path,
+        part: LayerFilter,
+        dtype: torch.dtype,
+        device: torch.device,
+        speed: float,
+        precisions: dict[int, tuple[str, str]] | None = None,
+    ):
+        """The stage's layers from the checkpoint; `precisions`: layer -> (attention, MLP) weight
+        precisions of the plan, rounded here (`tessel.quant.load_quantize`)."""
         model = load_model(path, dtype, device, layers=part)
+        if precisions:
+            quantize_layers(model, precisions, dtype)
         return cls(model, part, speed, weight_bytes=tensor_bytes(model))
 
     def attach_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype, pack: bool) -> None:

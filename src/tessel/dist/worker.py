@@ -67,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpp", action="store_true", help="never cut prompts into CPP chunks")
     p.add_argument("--profile", type=Path, action="append", default=[], help="tessel profile JSON")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
+    p.add_argument("--replica", type=int, help="which pipeline of a replica plan to run")
     p.add_argument("--quiet", action="store_true", help="do not print the completions")
     p.add_argument(
         "--warmup",
@@ -93,7 +94,7 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[R
         raise TesselError(
             f"--model {args.model} is not a directory; give a local Hugging Face model directory"
         )
-    plan = load_run_plan(args.plan)
+    plan = load_run_plan(args.plan, args.replica)
     config = ModelConfig.from_dir(args.model)
     plan.check_model(args.model.resolve().name, config.num_hidden_layers)
     if world_size is not None and world_size != len(plan.stages):
@@ -217,7 +218,10 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     dtype = resolve_dtype(args.dtype, config)
     part = layer_filter(plan, rank, config.tie_word_embeddings)
     rss_before = rss_bytes()
-    executor = StageExecutor.load(args.model, part, dtype, comm.device, plan.stages[rank].emulate_speed)
+    stage = plan.stages[rank]
+    executor = StageExecutor.load(
+        args.model, part, dtype, comm.device, stage.emulate_speed, stage.quantized_layers
+    )
     num_blocks, block_size, pack = share_kv_layout([None, None, None])
     executor.attach_kv(num_blocks, block_size, dtype, pack)
     report_loaded(rank, plan, executor.weight_bytes, rss_before)
