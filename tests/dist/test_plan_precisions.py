@@ -183,3 +183,24 @@ def test_a_replica_plan_runs_the_replica_asked_for(tiny_dirs, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     expected = [out.token_ids for out in LLM(model).generate(prompts, params, use_progress=False)]
     assert [r["token_ids"] for r in run.requests] == expected
+
+
+def test_serve_runs_one_replica_and_needs_a_plan_for_it(tiny_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+    from tessel.dist.serving import pipeline_server_engine
+
+    model = tiny_dirs["tied"]
+    result = CliRunner().invoke(app, ["serve", "--model", str(model), "--replica", "1"])
+    assert isinstance(result.exception, TesselError) and "give --plan too" in str(result.exception)
+    engine = pipeline_server_engine(model, replica_plan(tmp_path / "replicas.json", model), replica=1)
+    try:
+        assert [(s.device, s.layer_start, s.layer_end) for s in engine.plan.stages] == [
+            ("localhost/cpu2", 0, 5)
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        got = engine.generate(["Hello world"], params, use_progress=False)[0].token_ids
+        assert got == LLM(model).generate(["Hello world"], params, use_progress=False)[0].token_ids
+    finally:
+        engine.close()

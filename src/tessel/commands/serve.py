@@ -63,12 +63,17 @@ def serve(
     plan: Path | None = typer.Option(
         None, "--plan", help="Serve through this plan's pipeline (one process per stage, `tessel launch`)."
     ),
+    replica: int | None = typer.Option(
+        None, min=0, help="With --plan of several replicas: which pipeline this server runs."
+    ),
     lm_head: LMHeadMode = LM_HEAD_OPTION,
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     check_model_path(model, "--model")
     if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
+    if replica is not None and plan is None:
+        raise TesselError("--replica picks a pipeline of a --plan; give --plan too")
     if plan is not None and lm_head != "float":
         raise TesselError(f"--lm-head {lm_head} cannot be combined with --plan yet; serve in one process")
 
@@ -91,7 +96,7 @@ def serve(
     else:
         from tessel.dist.serving import pipeline_server_engine
 
-        engine = pipeline_server_engine(model, plan, dtype=dtype, **kwargs)
+        engine = pipeline_server_engine(model, plan, dtype=dtype, replica=replica, **kwargs)
     app = create_app(
         engine,
         max_pending=engine.config.max_num_seqs + max_queue,

@@ -84,7 +84,7 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
 
 def pipeline_server_engine(model: Path, plan: Path, **engine_options) -> ServedPipelineEngine:
     """The engine `tessel serve --plan` drives; `engine.watch_stages(async_engine)` starts the watcher."""
-    names = {"dtype", "max_num_seqs", "max_model_len", "kv_cache_gib"}
+    names = {"dtype", "max_num_seqs", "max_model_len", "kv_cache_gib", "replica"}
     unknown = set(engine_options) - names
     if unknown:
         raise TypeError(f"unexpected engine options {sorted(unknown)}")
