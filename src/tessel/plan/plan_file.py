@@ -169,6 +169,8 @@ class Replica(_Strict):
     stages: list[PlanStage] = Field(min_length=1)
     predicted: Predicted | None = None
     objective: float | None = None
+    # its share of the workload's m micro-batches in flight (None: written before shares, all m)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_INDEX)
 
 
 class Quality(_Strict):
