@@ -264,7 +264,7 @@ def _refine(planner: _Planner, best: tuple, deadline: float, screen_s: float) ->
         for position in positions:
             group, k, old = planned[position]
             again = planner.plan(group, k)
-            if again is not None and (proxy or again[1] > old[1]):
+            if again is not None and (proxy or again[1] >= old[1]):  # ties: the new one has a bound
                 planned[position] = (group, k, again)
             elif proxy:
                 planned[position] = (group, k, None)
