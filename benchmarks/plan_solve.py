@@ -12,8 +12,8 @@ Part 3 (precision, issue 13): on `llmpq-t4-v100`, uniform fp16 against a precisi
 against fp16,int8,int4 at the quality cost of all-int8 (the all-int8 plan is offered as an
 incumbent, so the mixed plan is never worse).
 Part 4 (replicas): on `helix-like-42` (LLaMA-2-70B, Helix's model), the best single pipeline
-against `--replicas auto`, the replicas sharing the workload's requests in flight; also at 4x and
-16x as many requests in flight (a third of the time limit each).
+against `--replicas auto`, the replicas sharing the workload's requests in flight (8 micro-batches
+of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time limit each).
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
 
     python benchmarks/plan_solve.py            # full: time limits 10 s (8, 16) and 120 s (42)
@@ -241,7 +241,7 @@ def precision_rows(quick: bool) -> dict:
     }
 
 
-SWEEP_REQUESTS_IN_FLIGHT = (224, 896)  # 4x and 16x the default workload's 56 (8 micro-batches of 7)
+SWEEP_MICRO_BATCHES = (24, 64)  # in flight on the cluster, 7 requests each (the default: 8 of 7)
 
 
 def replica_rows(quick: bool) -> dict:
@@ -250,9 +250,10 @@ def replica_rows(quick: bool) -> dict:
     limit = 10.0 if quick else 60.0
     workload = load_workload("default")
     row = _replicas_vs_single(workload, limit)
+    b, third = workload.micro_batch_size, limit / 3
     row["by_requests_in_flight"] = [
-        _replicas_vs_single(workload.model_copy(update={"batch_size": r}), limit / 3)
-        for r in SWEEP_REQUESTS_IN_FLIGHT
+        _replicas_vs_single(workload.model_copy(update={"batch_size": m * b, "max_micro_batch": m}), third)
+        for m in SWEEP_MICRO_BATCHES
     ]
     return row
 
