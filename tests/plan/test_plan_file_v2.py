@@ -110,6 +110,12 @@ def test_bad_replicas_are_refused(replica_plan) -> None:
     broken = [dict(replicas[0], stages=[stage, *replicas[0]["stages"][1:]]), *replicas[1:]]
     with pytest.raises(TesselError, match="precisions for"):
         parse_plan(_with(document, replicas=broken))
+    greedy = [dict(r, micro_batches=document["workload"]["m"]) for r in replicas]
+    if len(greedy) > 1:
+        with pytest.raises(TesselError, match="micro-batches in flight"):
+            parse_plan(_with(document, replicas=greedy))
+    older = [{k: v for k, v in r.items() if k != "micro_batches"} for r in replicas]
+    assert all(r.micro_batches is None for r in parse_plan(_with(document, replicas=older)).replicas)
 
 
 def test_too_many_replicas_exit_2() -> None:
