@@ -12,7 +12,8 @@ Part 3 (precision, issue 13): on `llmpq-t4-v100`, uniform fp16 against a precisi
 against fp16,int8,int4 at the quality cost of all-int8 (the all-int8 plan is offered as an
 incumbent, so the mixed plan is never worse).
 Part 4 (replicas): on `helix-like-42` (LLaMA-2-70B, Helix's model), the best single pipeline
-against `--replicas auto`.
+against `--replicas auto`, the replicas sharing the workload's requests in flight (8 micro-batches
+of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time limit each).
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
 
     python benchmarks/plan_solve.py            # full: time limits 10 s (8, 16) and 120 s (42)
@@ -240,12 +241,26 @@ def precision_rows(quick: bool) -> dict:
     }
 
 
-def replica_rows(quick: bool) -> dict:
-    """Best single pipeline vs replicas on helix-like-42 (LLaMA-2-70B)."""
-    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
+SWEEP_MICRO_BATCHES = (24, 64)  # in flight on the cluster, 7 requests each (the default: 8 of 7)
 
+
+def replica_rows(quick: bool) -> dict:
+    """Best single pipeline vs replicas on helix-like-42 (LLaMA-2-70B), at the default workload's
+    requests in flight (shared by the replicas), and at more requests in flight (shorter limits)."""
     limit = 10.0 if quick else 60.0
     workload = load_workload("default")
+    row = _replicas_vs_single(workload, limit)
+    b, third = workload.micro_batch_size, limit / 3
+    row["by_requests_in_flight"] = [
+        _replicas_vs_single(workload.model_copy(update={"batch_size": m * b, "max_micro_batch": m}), third)
+        for m in SWEEP_MICRO_BATCHES
+    ]
+    return row
+
+
+def _replicas_vs_single(workload, limit: float) -> dict:
+    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
+
     b = workload.micro_batch_size
     instance = build_instance("llama-2-70b", "helix-like-42", workload)
     single = solve(instance, time_limit_s=limit)
@@ -256,6 +271,8 @@ def replica_rows(quick: bool) -> dict:
         "cluster": "helix-like-42",
         "model": "llama-2-70b",
         "time_limit_s": limit,
+        "micro_batches": instance.micro_batches,  # in flight on the whole cluster, b requests each
+        "micro_batch_size": b,
         "single_pipeline_tok_s": single_tok,
         "uniform_single_tok_s": uniform,
         "replicas_tok_s": chosen.throughput_tok_s,
@@ -266,6 +283,7 @@ def replica_rows(quick: bool) -> dict:
                 "types": sorted({d.gpu_type for d in r.instance.devices}),
                 "tok_s": r.throughput_tok_s,
                 "weight": r.weight,
+                "micro_batches": r.micro_batches,
             }
             for r in chosen.replicas
         ],  # fmt: skip
@@ -313,6 +331,7 @@ def scale_rows(quick: bool) -> dict:
         "split_bound_tok_s": chosen.split_bound_tok_s,
         "split_gap": split_gap(chosen),
         "replica_gaps": [r.result.gap for r in chosen.replicas],
+        "replica_micro_batches": [r.micro_batches for r in chosen.replicas],  # of the workload's m
         "splits": chosen.splits_evaluated,
     }
 

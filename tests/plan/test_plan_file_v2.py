@@ -58,6 +58,39 @@ def test_simulate_routes_across_replicas(replica_plan, tmp_path) -> None:
     assert len(metrics["stage_busy_s"]) == sum(len(r.stages) for r in plan.replicas)
 
 
+MIN_ROUTED_REQUESTS = 100  # a replica routed fewer is a handful of long requests, not a rate
+
+
+def test_simulated_replicas_agree_with_the_planner(replica_plan) -> None:
+    """In the regime the planner priced, each replica keeps only its own share of the in-flight
+    micro-batches; under a saturating trace, each replica routed enough requests simulates at least
+    75% of its predicted throughput (the single-pipeline check in tests/sim/test_sim_cli.py allows
+    25%) and at most 1.5x it. The prediction is the conservative side here: the 3-T4 replica of this
+    plan simulates ~29% above it with or without shares. With every replica given all m
+    micro-batches (the old model), the 1-V100 replicas simulate at 0.70x their prediction and fail."""
+    from tessel.sim.api import SimulationSettings, simulate_plan
+    from tessel.sim.routing import route
+
+    path, _ = replica_plan
+    plan = load_plan(path)
+    assert all(r.micro_batches is not None for r in plan.replicas)
+    assert sum(r.micro_batches for r in plan.replicas) <= plan.workload["m"]
+    report = simulate_plan(plan, "default", SimulationSettings(requests=800, seed=1, rate_per_s=40.0))
+    finished = {record.request.id: record for record in report.runs[0].result.records}
+    routed = route(report.trace.requests, [r.weight for r in plan.replicas])
+    checked = 0
+    for replica, requests in zip(plan.replicas, routed, strict=True):
+        if len(requests) < MIN_ROUTED_REQUESTS:
+            continue
+        records = [finished[request.id] for request in requests]
+        span_s = max(r.finish_s for r in records) - min(r.request.arrival_s for r in records)
+        simulated = sum(r.request.output_tokens for r in records) / span_s
+        predicted = replica.predicted.throughput_tok_s
+        assert 0.75 * predicted <= simulated <= 1.5 * predicted, (replica.index, simulated, predicted)
+        checked += 1
+    assert checked >= 1
+
+
 def _with(document: dict, **changes) -> dict:
     return {**document, **changes}
 
@@ -77,6 +110,12 @@ def test_bad_replicas_are_refused(replica_plan) -> None:
     broken = [dict(replicas[0], stages=[stage, *replicas[0]["stages"][1:]]), *replicas[1:]]
     with pytest.raises(TesselError, match="precisions for"):
         parse_plan(_with(document, replicas=broken))
+    greedy = [dict(r, micro_batches=document["workload"]["m"]) for r in replicas]
+    if len(greedy) > 1:
+        with pytest.raises(TesselError, match="micro-batches in flight"):
+            parse_plan(_with(document, replicas=greedy))
+    older = [{k: v for k, v in r.items() if k != "micro_batches"} for r in replicas]
+    assert all(r.micro_batches is None for r in parse_plan(_with(document, replicas=older)).replicas)
 
 
 def test_too_many_replicas_exit_2() -> None:

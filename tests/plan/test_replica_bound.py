@@ -97,3 +97,30 @@ def test_bound_covers_the_chosen_split_on_a_bundled_cluster() -> None:
     chosen = choose_replicas(instance, 7, solver="dp", time_limit_s=6)
     bound = split_upper_bound_tok_s(instance, 7)
     assert chosen.throughput_tok_s <= bound < math.inf
+
+
+def test_a_share_of_the_kv_is_covered() -> None:
+    """One device whose memory holds every unit with one micro-batch's KV but must offload the KV of
+    all m: its best is at a share of one micro-batch (no offload), and the bound covers that (a
+    bound that charged every replica the KV of all m micro-batches would fall below it)."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(11)
+    instance = flagged_instance(0, 3, 1, 0, rng=rng, micro_batches=4)
+    instance = replace(
+        instance,
+        prefill=replace(instance.prefill, first_time_s=np.zeros(1), last_time_s=np.zeros(1)),
+        decode=replace(instance.decode, first_time_s=np.zeros(1), last_time_s=np.zeros(1)),
+        kv_bytes=np.full(3, 4e9),
+        weight_bytes=np.full(3, 1e9),
+        first_bytes=0.0,
+        last_bytes=0.0,
+        workspace_bytes=np.zeros(1),
+    )
+    slot = replace(instance.devices[0], memory_bytes=7e9, host_bytes=1e12, host_to_device_bytes_per_s=1e8)
+    instance = replace(instance, devices=(slot,))
+    one = choose_replicas(instance, 2, solver="brute")
+    assert [r.micro_batches for r in one.replicas] == [1]
+    best = _best_split_tok_s(instance, 2)
+    assert best == pytest.approx(one.throughput_tok_s, rel=1e-9)
+    assert best <= split_upper_bound_tok_s(instance, 2) * (1 + 1e-9)

@@ -1,7 +1,11 @@
-"""Replicas: the chosen split against brute force over device partitions (brute-force pipelines per
-group), routing weights, and too many replicas."""
+"""Replicas: the chosen split against brute force over device partitions and over every division
+of the workload's in-flight micro-batches among the groups (brute-force pipelines per group and
+share), routing weights, and too many replicas."""
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,12 +34,24 @@ def _labelings(n: int):
     yield from grow([])
 
 
+def group_share(sub, k: int):
+    """The model under test, written out here: a group holding k of the m micro-batches in flight
+    plans with k micro-batches and the KV of those k only."""
+    return replace(sub, micro_batches=k, kv_bytes=np.asarray(sub.kv_bytes) * k / sub.micro_batches)
+
+
 def best_over_partitions(instance, group_tok_s) -> float:
-    """Most summed `group_tok_s(sub-instance)` over every partition of the devices into groups."""
-    best = 0.0
+    """Most summed `group_tok_s(group's sub-instance at its share)` over every partition of the
+    devices into groups and every division of the m micro-batches into shares k_g >= 0 (0: idle),
+    sum k_g <= m."""
+    m, best = instance.micro_batches, 0.0
     for labels in _labelings(instance.n_devices):
         groups = [tuple(j for j, x in enumerate(labels) if x == label) for label in set(labels)]
-        best = max(best, sum(group_tok_s(subset(instance, group)) for group in groups))
+        shares = range(1, m + 1)
+        curves = [[0.0, *(group_tok_s(group_share(subset(instance, g), k)) for k in shares)] for g in groups]
+        for ks in itertools.product(range(m + 1), repeat=len(groups)):
+            if sum(ks) <= m:
+                best = max(best, sum(curve[k] for curve, k in zip(curves, ks, strict=True)))
     return best
 
 
@@ -71,8 +87,13 @@ def test_chosen_split_equals_brute_force_over_partitions(seed, n_units, n_device
         assert replica.weight == pytest.approx(replica.throughput_tok_s / chosen.throughput_tok_s)
         used = {replica.devices[s.device] for s in replica.result.solution.stages}
         assert used <= set(replica.devices)
+        assert replica.instance.micro_batches == replica.micro_batches >= 1
+        expected_kv = instance.kv_bytes * replica.micro_batches / instance.micro_batches
+        np.testing.assert_allclose(replica.instance.kv_bytes, expected_kv)
     devices = [j for r in chosen.replicas for j in r.devices]
     assert len(devices) == len(set(devices))  # disjoint
+    # the cluster holds the workload's in-flight requests once, not once per replica
+    assert sum(r.micro_batches for r in chosen.replicas) <= instance.micro_batches
 
 
 def test_routing_weights_are_proportional_to_capacity() -> None:
@@ -85,11 +106,16 @@ def test_routing_weights_are_proportional_to_capacity() -> None:
 def test_too_many_replicas_names_the_largest_feasible_count() -> None:
     rng = np.random.default_rng(4)
     instance = random_instance(rng, 3, 4)
-    largest = max(
-        sum(
-            brute_force(subset(instance, tuple(j for j, x in enumerate(labels) if x == label))).solution
-            is not None
-            for label in set(labels)
+    largest = max(  # every replica needs at least one of the m micro-batches in flight
+        min(
+            instance.micro_batches,
+            sum(
+                brute_force(
+                    group_share(subset(instance, tuple(j for j, x in enumerate(labels) if x == label)), 1)
+                ).solution
+                is not None
+                for label in set(labels)
+            ),
         )
         for labels in _labelings(4)
     )

@@ -44,10 +44,13 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
         mip_gap=settings.mip_gap,
     )
     for index, replica in enumerate(chosen.replicas):
-        title = f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs"
+        title = (
+            f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs, "
+            f"{replica.micro_batches} of the {instance.micro_batches} micro-batches in flight"
+        )
         console.print(stage_table(replica.instance, replica.result.evaluation, title))
     table = Table(title=f"{len(chosen.replicas)} replicas on {cluster_spec.name}", title_justify="left")
-    for column in ("replica", "GPUs", "types", "tok/s", "routing weight", "status", "gap"):
+    for column in ("replica", "GPUs", "types", "micro-batches", "tok/s", "routing weight", "status", "gap"):
         table.add_column(column, justify="right")
     for index, replica in enumerate(chosen.replicas):
         types = sorted({replica.instance.devices[j].gpu_type for j in range(len(replica.devices))})
@@ -56,6 +59,7 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
             str(index),
             str(len(replica.devices)),
             ",".join(types),
+            str(replica.micro_batches),
             f"{replica.throughput_tok_s:.1f}",
             f"{replica.weight:.3f}",
             replica.result.status,

@@ -16,8 +16,10 @@ Version 2 adds, all optional (a version 1 file reads as a version 2 file without
   quality cost, the budget, theta and where the per-layer costs came from);
 - per stage, `precisions`: the weight precision of each of its units, in unit order;
 - `replicas`: several pipelines on disjoint devices, each with its stages, its routing `weight`
-  (the share of requests a load balancer sends it; the weights sum to 1) and its prediction. The
-  top-level `stages` are then the first replica's, so a reader of one pipeline still finds one.
+  (the share of requests a load balancer sends it; the weights sum to 1), its prediction and, optional,
+  `micro_batches`: its share of the workload's m micro-batches in flight (the shares sum to at most m;
+  absent in files written before shares: all m). The top-level `stages` are then the first
+  replica's, so a reader of one pipeline still finds one.
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ class Replica(_Strict):
     stages: list[PlanStage] = Field(min_length=1)
     predicted: Predicted | None = None
     objective: float | None = None
+    # its share of the workload's m micro-batches in flight (None: written before shares, all m)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_INDEX)
 
 
 class Quality(_Strict):
@@ -397,7 +401,8 @@ class PlanFile(_Strict):
 
 def _check_replicas(plan: PlanFile) -> None:
     """Each replica's stages are a pipeline over all units, no device serves two replicas, the
-    weights sum to 1, and the top-level stages are the first replica's."""
+    weights sum to 1, the top-level stages are the first replica's, and the replicas' shares of the
+    in-flight micro-batches sum to at most the workload's m."""
     if not plan.replicas:
         return
     owner: dict[str, int] = {}
@@ -416,6 +421,12 @@ def _check_replicas(plan: PlanFile) -> None:
         raise ValueError(f"replica weights sum to {total:.6g}, not 1")
     if [s.device for s in plan.replicas[0].stages] != [s.device for s in plan.stages]:
         raise ValueError("'stages' must be the first replica's stages")
+    shares = [r.micro_batches for r in plan.replicas if r.micro_batches is not None]
+    m = plan.workload.get("m") if isinstance(plan.workload, dict) else None
+    if isinstance(m, int) and sum(shares) > m:
+        raise ValueError(
+            f"replicas hold {sum(shares)} micro-batches in flight, more than the workload's m={m}"
+        )
 
 
 def _where(variant: PlanVariant) -> str:

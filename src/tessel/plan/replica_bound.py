@@ -4,24 +4,28 @@
 This bound covers every split (any number of replicas, idle devices allowed, any plan of each group),
 so the best split found is within a proven gap of the best split there is.
 
-Per replica (group G of devices, plan with n_j units on device j, m micro-batches of b requests,
+Per replica (group G of devices, plan with n_j units on device j, its share of k_G of the workload's
+m micro-batches of b requests, 1 <= k_G <= m, KV of its k_G micro-batches: `replicas.share`,
 n_out = decode_weight / prefill_weight), `tessel.plan.report.predict` gives
 
-    throughput(G) = m b n_out / (P + n_out D),   P = sum_j T^pre_j + (m-1) max_j T^pre_j
+    throughput(G) = k b n_out / (P + n_out D),   P = sum_j T^pre_j + (k-1) max_j T^pre_j
 
-and likewise D. With W_j = T^pre_j + n_out T^dec_j, P + n_out D >= sum_j W_j + (m-1) max_j W_j, and
-W_j >= phi_j(n_j), a lower bound on device j's weighted stage time when it holds any n units:
+and likewise D. With W_j = T^pre_j + n_out T^dec_j, P + n_out D >= sum_j W_j + (k-1) max_j W_j, and
+W_j >= phi_j(n_j), a lower bound on device j's weighted stage time when it holds any n units
+(the bytes of a unit are at least beta, its weights plus the KV of one micro-batch, since k >= 1):
 
     phi_j(n) = n w_j + k off_j(n)          (additive stage time)
     phi_j(n) = max(n w_j, k off_j(n))      (overlap: T = max(compute, comm, offload))
     w_j = min over units of (prefill + n_out decode time on j),  k = 1 + n_out,
     off_j(n) = max(n beta + workspace_j - memory_j, 0) / host-to-device bandwidth_j,
-    beta = the fewest bytes (weights + KV) of any unit, n <= cap_j (what device + host memory hold).
+    beta = the fewest bytes (weights + KV of one micro-batch: kv_bytes / m) of any unit,
+    n <= cap_j (what device + host memory hold).
 
 Precisions enter through `PlanningInstance.relaxed` (every unit at its fewest bytes and least time);
 communication, the first / last stage extras and the swap-in rule are left out (they only add).
 With L_G = max_j phi_j(n_j): sum_j W_j >= max(L_G, U w*) (w* the least w_j of all devices), so
-P + n_out D >= m psi(L_G), psi(L) = ((m - 1) L + max(L, U w*)) / m >= L. Let r_j(L) = the most
+P + n_out D >= k psi_k(L_G), psi_k(L) = L + (max(L, U w*) - L) / k >= psi(L) := psi_m(L) >= L, as
+k <= m: every replica's throughput is at most b n_out / psi(L_G) whatever its share. Let r_j(L) = the most
 units device j holds with phi_j <= L (concave piecewise-linear in L). Then
 U = sum_{j in G} n_j <= sum_{j in G} r_j(L_G), and L_G >= L* := the least L with sum over all
 devices r_j(L) >= U. Hence
@@ -109,7 +113,7 @@ def _devices(instance: PlanningInstance) -> list[_Device]:
     relaxed = instance.relaxed()
     k = 1.0 + relaxed.decode_weight / relaxed.prefill_weight
     work = _work(instance)
-    beta = float(np.min(relaxed.weight_bytes + relaxed.kv_bytes))
+    beta = float(np.min(relaxed.weight_bytes + relaxed.kv_bytes / relaxed.micro_batches))
     devices = []
     for j, slot in enumerate(relaxed.devices):
         w = float(np.min(work[:, j]))
@@ -132,8 +136,8 @@ def _devices(instance: PlanningInstance) -> list[_Device]:
 
 def split_upper_bound_tok_s(instance: PlanningInstance, micro_batch_size: int) -> float:
     """Upper bound on the summed predicted throughput (tokens/s) of every split of the instance's
-    devices into replicas, each planned any way (module docstring); 0 when no split can hold the
-    model, inf when a device costs no time."""
+    devices into replicas, each with any share of the micro-batches and planned any way (module
+    docstring); 0 when no split can hold the model, inf when a device costs no time."""
     devices = _devices(instance)
     units = float(instance.n_units)
     if sum(d.units(math.inf) for d in devices) < units:

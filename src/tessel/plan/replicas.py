@@ -1,20 +1,28 @@
 """Several pipelines (replicas) on one cluster, and how requests are routed among them (Helix's idea).
 
 `--replicas auto|N` splits the devices into disjoint groups; each group is planned as one pipeline
-exactly as `tessel plan` plans a cluster (`solve` on the group's sub-instance, same workload: m
-micro-batches of b requests in flight per replica), and idle devices are allowed.
+exactly as `tessel plan` plans a cluster (`solve` on the group's sub-instance), and idle devices are
+allowed.
 
-Routing: the requests are a flow from one source through the replicas to one sink, replica r
-carrying at most its capacity c_r (requests/s it completes: its predicted throughput / mean output
-tokens). On this star network the max flow is sum_r c_r and every flow that saturates it sends c_r
-through replica r, so the routing weights are w_r = c_r / sum c (they sum to 1); below saturation
-the same weights keep every replica at the same utilisation. The objective of a split is the max
-flow, i.e. the summed throughput.
+Shares of the in-flight requests: the workload keeps m micro-batches of b requests in flight (its
+concurrency, m b) on the whole cluster, not on each replica. Replica r holds k_r of those
+micro-batches (`share`: same b and pass costs, the KV of its own k_r micro-batches only, objective
+with k_r micro-batches), with sum_r k_r <= m; a group with k_r = 0 is idle. The shares are chosen
+exactly, by a knapsack over the integer grid k = 0..m (`allocate`), to maximise the summed throughput
+X_r(k_r) = k_r b n_out / objective_r(k_r).
+
+Routing is consistent with the shares by Little's law: the cluster is a closed system in which
+replica r keeps its k_r b requests in flight, so it completes X_r requests-worth per second and each
+of its requests stays k_r b / X_r (Little: in flight = rate x time in system). Routing in proportion
+to completions, w_r = X_r / sum X (the max flow source -> replica r, capacity X_r -> sink, which
+saturates every replica), is exactly the rate at which each replica frees a slot, so the routed
+rate times the latency gives back each replica's share k_r b. The objective of a split is the summed
+throughput (the max flow).
 
 Which split (`choose_replicas`):
 - N <= `EXHAUSTIVE_DEVICES` devices: every partition of the devices into groups (Bell(N) of them),
-  each group planned once; with exact group plans this is the optimum over splits (the tests hold it
-  against brute force over partitions with brute-force pipelines).
+  each group planned once per share k = 1..m; with exact group plans this is the optimum over splits
+  and shares (the tests hold it against brute force over partitions, shares and pipelines).
 - larger clusters: candidates built from device types. For each type, the smallest group of that
   type that holds the model (weights, KV and extras within its GPU memory, else GPU + host) and
   twice that size; same-type groups first, the devices left over pooled by memory into mixed
@@ -22,7 +30,9 @@ Which split (`choose_replicas`):
   a contiguous 1/k of every type's devices (by node); plus the whole cluster as one pipeline.
   Groups are planned once per signature (device types and how they share nodes) with an equal share
   of `SCREEN_TIME_SHARE` of the time limit each to rank the splits (a later group of the same
-  signature re-uses the plan); the best split's groups are then planned again with the time left.
+  signature re-uses the plan), at the largest share k <= m it holds; that placement is evaluated at
+  every share k to allocate the shares; the best split's groups are then planned again at their
+  shares with the time left.
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
   The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
@@ -62,6 +72,7 @@ class Replica:
     throughput_tok_s: float
     upper_bound_tok_s: float  # throughput at the group's proven lower bound on the objective
     weight: float  # routing share (sums to 1 over the replicas)
+    micro_batches: int = 1  # its share k of the workload's m micro-batches in flight (`instance` has k)
 
     def device_names(self) -> tuple[str, ...]:
         return tuple(self.instance.devices[s.device].name for s in self.result.solution.stages)
@@ -84,6 +95,34 @@ def routing_weights(capacities: list[float]) -> list[float]:
     if total <= 0:
         raise ValueError("no replica has capacity")
     return [c / total for c in capacities]
+
+
+def share(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
+    """The problem of a replica that holds `micro_batches` of the workload's m micro-batches in flight:
+    same micro-batch size and pass costs, the KV of its own micro-batches only."""
+    if not 1 <= micro_batches <= instance.micro_batches:
+        raise ValueError(f"a share is 1..{instance.micro_batches} micro-batches, got {micro_batches}")
+    scale = micro_batches / instance.micro_batches
+    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
+
+
+def allocate(curves: list[dict[int, float]], budget: int, count: int | None = None):
+    """Shares k_g (0 = idle) of `budget` micro-batches for groups with throughput curves
+    {k: X_g(k)} (k missing: the group cannot serve k), maximising sum X_g(k_g) with sum k_g <= budget
+    (exact knapsack over the integer grid). With `count`, exactly that many groups get a share.
+    Returns (total, shares) or None when no allocation is possible."""
+    states: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {(0, 0): (0.0, ())}
+    for curve in curves:
+        nxt: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+        for (used, served), (value, ks) in states.items():
+            options = [(0, 0.0), *((k, x) for k, x in curve.items() if used + k <= budget)]
+            for k, x in options:
+                key = (used + k, served + (k > 0))
+                if key not in nxt or value + x > nxt[key][0] * (1 + 1e-12):
+                    nxt[key] = (value + x, (*ks, k))
+        states = nxt
+    found = [v for (_, served), v in states.items() if served > 0 and (count is None or served == count)]
+    return max(found, key=lambda v: v[0]) if found else None
 
 
 def subset(instance: PlanningInstance, devices: tuple[int, ...]) -> PlanningInstance:
@@ -123,7 +162,7 @@ def holds_model(instance: PlanningInstance, devices: tuple[int, ...], gpu_only: 
 
 
 class _Planner:
-    """Plans groups once per signature and keeps the results."""
+    """Plans groups once per (signature, share) and keeps the results."""
 
     def __init__(
         self, instance: PlanningInstance, micro_batch_size: int, solver: str, seconds: float, gap: float
@@ -137,6 +176,7 @@ class _Planner:
         )
         self.cache: dict[tuple, tuple[PlanResult, float, float] | None] = {}
         self.proxy = False  # screening: plan `averaged_precisions` (a fast estimate)
+        self.every_share = True  # solve each share; else solve one share and evaluate the others
 
     def signature(self, devices: tuple[int, ...]) -> tuple:
         """Device types and which of them share a node: groups alike in both plan alike."""
@@ -145,64 +185,91 @@ class _Planner:
             sorted((self.instance.devices[j].gpu_type, nodes[self.instance.devices[j].node]) for j in devices)
         )
 
-    def plan(self, devices: tuple[int, ...]) -> tuple[PlanResult, float, float] | None:
-        """(the group's plan, its throughput, the throughput at its lower bound) or None.
+    def curve(self, devices: tuple[int, ...]) -> dict[int, tuple[PlanResult, float, float]]:
+        """The group's plan at each share k = 1..m it can serve: {k: (plan, throughput, upper)}."""
+        m = self.instance.micro_batches
+        if self.every_share:
+            planned = {k: self.plan(devices, k) for k in range(1, m + 1)}
+            return {k: p for k, p in planned.items() if p is not None}
+        held = [k for k in range(1, m + 1) if holds_model(share(self.instance, k), devices)]
+        if not held:
+            return {}
+        base = self.plan(devices, held[-1])
+        if base is None:
+            return {}
+        out = {}
+        for k in held:
+            sub = self._instance(devices, k)
+            evaluation = evaluate(sub, base[0].solution)
+            if evaluation.feasible:
+                upper = base[2] if k == held[-1] else math.inf
+                out[k] = (replace(base[0], evaluation=evaluation), self._tok_s(sub, evaluation), upper)
+        return out
+
+    def plan(self, devices: tuple[int, ...], k: int) -> tuple[PlanResult, float, float] | None:
+        """(the group's plan at share k, its throughput, the throughput at its lower bound) or None.
 
         A group alike to one planned before reuses that plan (its devices in the same canonical
         order: by type, node, name), re-evaluated on this group's own links."""
-        key = self.signature(devices)
+        key = (self.signature(devices), k)
         if key not in self.cache:
-            self.cache[key] = self._solve(devices)
+            self.cache[key] = self._solve(devices, k)
             return self.cache[key]
         cached = self.cache[key]
         if cached is None:
             return None
         result, _, _ = cached
-        sub = self._instance(devices)
+        sub = self._instance(devices, k)
         evaluation = evaluate(sub, result.solution)
         if not evaluation.feasible:
-            return self._solve(devices)
-        throughput = predict(sub, evaluation, self.b).throughput_tok_s
+            return self._solve(devices, k)
+        throughput = self._tok_s(sub, evaluation)
         upper = _upper(throughput, evaluation.objective, result.bound)
         return replace(result, evaluation=evaluation), throughput, upper
 
-    def _instance(self, devices: tuple[int, ...]) -> PlanningInstance:
-        sub = subset(self.instance, devices)
+    def _tok_s(self, sub: PlanningInstance, evaluation) -> float:
+        return predict(sub, evaluation, self.b).throughput_tok_s
+
+    def _instance(self, devices: tuple[int, ...], k: int) -> PlanningInstance:
+        sub = share(subset(self.instance, devices), k)
         return averaged_precisions(sub) if self.proxy else sub
 
-    def _solve(self, devices: tuple[int, ...]):
-        if not holds_model(self.instance, devices):
+    def _solve(self, devices: tuple[int, ...], k: int):
+        if not holds_model(share(self.instance, k), devices):
             return None
-        sub = self._instance(devices)
+        sub = self._instance(devices, k)
         try:
             result = solve(sub, solver=self.solver, time_limit_s=self.seconds, mip_gap=self.gap)
         except TesselError:
             return None
-        throughput = predict(sub, result.evaluation, self.b).throughput_tok_s
+        throughput = self._tok_s(sub, result.evaluation)
         return result, throughput, _upper(throughput, result.evaluation.objective, result.bound)
 
 
 def _refine(planner: _Planner, best: tuple, deadline: float, screen_s: float) -> tuple:
-    """The chosen split's kinds of group planned again with the time left (and with the real
-    precision choice when screening used the relaxed one); better plans, or every plan after a
-    relaxed screening, replace the screened ones."""
+    """The chosen split's kinds of group planned again at their shares with the time left (and with
+    the real precision choice when screening used the relaxed one); better plans, or every plan after
+    a relaxed screening, replace the screened ones."""
     proxy = planner.proxy
     kinds: dict[tuple, list[int]] = {}
-    for position, (group, _) in enumerate(best[1]):
-        kinds.setdefault(planner.signature(group), []).append(position)
+    for position, (group, k, _) in enumerate(best[1]):
+        kinds.setdefault((planner.signature(group), k), []).append(position)
     seconds = (deadline - time.perf_counter()) / max(1, len(kinds))
     if not proxy and seconds <= 1.5 * screen_s:
         return best
     planner.seconds, planner.proxy = max(seconds, MIN_REPLICA_TIME_S), False
     planned = list(best[1])
     for key, positions in kinds.items():
-        del planner.cache[key]
+        planner.cache.pop(key, None)
         for position in positions:
-            again = planner.plan(planned[position][0])
-            if again is not None and (proxy or again[1] > planned[position][1][1]):
-                planned[position] = (planned[position][0], again)
-    planned = [(g, p) for g, p in planned if p is not None]
-    return sum(p[1] for _, p in planned), planned
+            group, k, old = planned[position]
+            again = planner.plan(group, k)
+            if again is not None and (proxy or again[1] >= old[1]):  # ties: the new one has a bound
+                planned[position] = (group, k, again)
+            elif proxy:
+                planned[position] = (group, k, None)
+    planned = [(g, k, p) for g, k, p in planned if p is not None]
+    return sum(p[1] for _, _, p in planned), planned
 
 
 def _upper(throughput: float, objective: float, bound: float | None) -> float:
@@ -256,16 +323,18 @@ def choose_replicas(
     time_limit_s: float = 30.0,
     mip_gap: float = 0.01,
 ) -> ReplicaPlan:
-    """The split of the devices into `replicas` pipelines (None: the best count) with the most
-    summed throughput, each planned as a pipeline, and the routing weights."""
+    """The split of the devices into `replicas` pipelines (None: the best count) and of the
+    workload's m micro-batches in flight among them with the most summed throughput, each replica
+    planned as a pipeline with its share, and the routing weights."""
     started = time.perf_counter()
-    n = instance.n_devices
+    n, m = instance.n_devices, instance.micro_batches
     exhaustive = n <= EXHAUSTIVE_DEVICES
-    splits = list(_partitions(list(range(n)))) if exhaustive else _candidate_splits(instance)
+    splits = list(_partitions(list(range(n)))) if exhaustive else _candidate_splits(share(instance, 1))
     if replicas is not None:
         if replicas < 1:
             raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
     planner = _Planner(instance, micro_batch_size, solver, 0.0, mip_gap)
+    planner.every_share = exhaustive
     kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
     screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
     planner.seconds = screen_s
@@ -279,14 +348,15 @@ def choose_replicas(
             exhaustive = False
             break
         split = [canonical_group(instance, g) for g in split]
-        planned = [(g, planner.plan(g)) for g in split]
-        planned = [(g, p) for g, p in planned if p is not None]
-        largest = max(largest, len(planned))
-        if replicas is not None and len(planned) != replicas:
+        curves = [planner.curve(g) for g in split]
+        largest = max(largest, min(m, sum(bool(c) for c in curves)))
+        found = allocate([{k: p[1] for k, p in c.items()} for c in curves], m, replicas)
+        if found is None:
             continue
         evaluated += 1
-        total = sum(p[1] for _, p in planned)
-        if planned and (best is None or total > best[0] * (1 + 1e-9)):
+        total, ks = found
+        if best is None or total > best[0] * (1 + 1e-9):
+            planned = [(g, k, c[k]) for g, k, c in zip(split, ks, curves, strict=True) if k > 0]
             best = (total, planned)
     if best is not None and not exhaustive:
         best = _refine(planner, best, started + REFINE_END * time_limit_s, screen_s)
@@ -297,10 +367,10 @@ def choose_replicas(
         )
     if best is None:
         raise TesselError("no group of these devices can hold the model; add GPUs or host memory")
-    weights = routing_weights([p[1] for _, p in best[1]])
+    weights = routing_weights([p[1] for _, _, p in best[1]])
     chosen = tuple(
-        Replica(g, subset(instance, g), p[0], p[1], p[2], w)
-        for (g, p), w in zip(best[1], weights, strict=True)
+        Replica(g, share(subset(instance, g), k), p[0], p[1], p[2], w, k)
+        for (g, k, p), w in zip(best[1], weights, strict=True)
     )
     from tessel.plan.replica_bound import split_upper_bound_tok_s
 

@@ -97,6 +97,7 @@ def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
             "stages": stage_records(replica.instance, replica.result.evaluation, cluster),
             "predicted": predict(replica.instance, replica.result.evaluation, micro_batch_size).to_json(),
             "objective": replica.result.evaluation.objective,
+            "micro_batches": replica.micro_batches,
         }
         for index, replica in enumerate(replica_plan.replicas)
     ]

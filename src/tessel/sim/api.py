@@ -134,7 +134,7 @@ def simulate_plan(
     variants = [plan_file.main, *(plan_file.baseline_variants if settings.compare else ())]
     runs = [_run_variant(plan_file, v, trace.requests, scheduler, options, loaded) for v in variants]
     if plan_file.replicas:  # the plan is several pipelines: route the trace across them
-        runs[0] = _run_replicas(plan_file, trace.requests, scheduler, options, loaded)
+        runs[0] = _run_replicas(plan_file, trace.requests, scheduler, options, loaded, settings)
     runs = tuple(runs)
     names = tuple(str(p) for p in profiles if not isinstance(p, Profile))
     return SimulationReport(plan_file, str(workload), trace, settings, scheduler, options, runs, names)
@@ -173,20 +173,45 @@ def _run_variant(
 
 
 def _run_replicas(
-    plan_file: PlanFile, requests: list[Request], scheduler: dict, options: dict, profiles: list[Profile]
+    plan_file: PlanFile,
+    requests: list[Request],
+    scheduler: dict,
+    options: dict,
+    profiles: list[Profile],
+    settings: SimulationSettings,
 ) -> VariantRun:
     """Each replica simulated with the requests routed to it (`tessel.sim.routing`), merged."""
     from tessel.sim.routing import merge_results, route
 
     replicas = plan_file.replica_variants
     routed = route(requests, [r.weight for r in plan_file.replicas])
-    results = [
-        _run_variant(plan_file, variant, share, scheduler, options, profiles).result
-        for variant, share in zip(replicas, routed, strict=True)
-        if share
-    ]
+    results = []
+    for replica, variant, share in zip(plan_file.replicas, replicas, routed, strict=True):
+        if share:
+            own = _replica_settings(plan_file, replica, scheduler, options, settings)
+            results.append(_run_variant(plan_file, variant, share, *own, profiles).result)
     merged = merge_results(results)
     stages = tuple(stage for variant in replicas for stage in variant.stages)
     return VariantRun(
         PlanVariant(name="replicas", stages=stages, predicted={}), merged, compute_metrics(merged)
     )
+
+
+def _replica_settings(
+    plan_file: PlanFile, replica, scheduler: dict, options: dict, settings: SimulationSettings
+) -> tuple[dict, dict]:
+    """(scheduler, options) for one replica: in the plan regime it keeps its own share of
+    the workload's micro-batches in flight (`Replica.micro_batches`), where no flag set them."""
+    defaults = regime_defaults(plan_file, settings.regime)
+    k = replica.micro_batches
+    if k is None or defaults.max_in_flight is None:
+        return scheduler, options
+    b = defaults.max_num_seqs // defaults.max_in_flight
+    scheduler, options = dict(scheduler), dict(options)
+    if settings.max_num_seqs is None:
+        scheduler["max_num_seqs"] = k * b
+    if settings.max_in_flight is None:
+        options["max_in_flight"] = k
+    if settings.pinned is None:
+        options["pinned"] = k > 1
+    return scheduler, options
