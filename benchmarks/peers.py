@@ -227,10 +227,14 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
         "llama.cpp Q8_0": llama_speed(gguf, prompts, args.threads, args.new_tokens, args.batch_new_tokens)
     }
     w8a8 = tessel_bench._quantize(model, "w8a8 rtn", workdir, args.calib_samples, args.seq_len)
-    rows["tessel W8A8"] = {
-        "single": tessel_bench.decode_speed(w8a8, 1, 64, args.new_tokens),
-        "concurrent": tessel_bench.decode_speed(w8a8, args.concurrent, 64, args.batch_new_tokens),
-    }
+    max_len = 64 + max(args.new_tokens, args.batch_new_tokens) + 8
+    for name, lm_head in (("tessel W8A8", "float"), ("tessel W8A8 + int8 head", "int8")):
+        llm = tessel_bench._speed_llm(w8a8, None, lm_head, max_len)
+        rows[name] = {
+            "single": tessel_bench.decode_speed(llm, 1, 64, args.new_tokens),
+            "concurrent": tessel_bench.decode_speed(llm, args.concurrent, 64, args.batch_new_tokens),
+        }
+        del llm
     base = rows["llama.cpp Q8_0"]
     n = args.concurrent
     print(f"\n| engine | decode tok/s, 1 stream | vs llama.cpp | tok/s, {n} requests | vs llama.cpp |")

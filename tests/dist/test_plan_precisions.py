@@ -158,7 +158,7 @@ def replica_plan(path, model):
     solo = {**first[1], "index": 0, "device": "localhost/cpu2", "layer_start": 0, "unit_start": 0}
     plan["replicas"] = [
         {"index": 0, "weight": 0.625, "stages": first},
-        {"index": 1, "weight": 0.375, "stages": [solo]},
+        {"index": 1, "weight": 0.375, "stages": [solo], "micro_batches": 1},
     ]
     path.write_text(json.dumps(plan))
     return path
@@ -178,6 +178,9 @@ def test_a_replica_plan_runs_the_replica_asked_for(tiny_dirs, tmp_path):
     assert [(s.layer_start, s.layer_end) for s in load_run_plan(path, 0).stages] == [(0, 2), (2, 5)]
     solo = load_run_plan(path, 1)
     assert [(s.device, s.layer_start, s.layer_end) for s in solo.stages] == [("localhost/cpu2", 0, 5)]
+    assert (
+        solo.micro_batches == 1 and load_run_plan(path, 0).micro_batches == 2
+    )  # its share; else the plan's m
     prompts = ["Hello world", "Once upon a time there was a small model"]
     run = run_pipeline(RunOptions(path, model, prompts=prompts, max_tokens=6, ignore_eos=True, replica=1))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

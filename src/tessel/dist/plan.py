@@ -103,6 +103,8 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
     config = plan.model.config or {}
     num_layers = config.get("num_layers", config.get("num_hidden_layers"))
     m = plan.workload.get("m") or plan.workload.get("max_micro_batch")
+    if replica is not None and plan.replicas and plan.replicas[replica].micro_batches is not None:
+        m = plan.replicas[replica].micro_batches  # the replica's share of the workload's micro-batches
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         m = max(PIPELINE_MIN_MICRO_BATCHES, len(stages))
     return RunPlan(
