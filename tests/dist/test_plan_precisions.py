@@ -19,7 +19,7 @@ from ct_oracle import fake_quant
 from dist_plans import write_plan
 from tessel import LLM, SamplingParams
 from tessel.dist.driver import PipelineEngine
-from tessel.dist.plan import load_run_plan
+from tessel.dist.plan import load_run_plan, priced_pipeline
 from tessel.dist.run import RunOptions, run_pipeline
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -178,9 +178,10 @@ def test_a_replica_plan_runs_the_replica_asked_for(tiny_dirs, tmp_path):
     assert [(s.layer_start, s.layer_end) for s in load_run_plan(path, 0).stages] == [(0, 2), (2, 5)]
     solo = load_run_plan(path, 1)
     assert [(s.device, s.layer_start, s.layer_end) for s in solo.stages] == [("localhost/cpu2", 0, 5)]
-    assert (
-        solo.micro_batches == 1 and load_run_plan(path, 0).micro_batches == 2
-    )  # its share; else the plan's m
+    assert solo.micro_batches == 1  # its share of the micro-batches
+    assert load_run_plan(path, 0).micro_batches == 2  # no share given: the plan's m
+    # the CPP cut is priced on the replica's own stages (one device here, the first replica's two)
+    assert len(priced_pipeline(solo).stages) == 1 and len(priced_pipeline(load_run_plan(path, 0)).stages) == 2
     prompts = ["Hello world", "Once upon a time there was a small model"]
     run = run_pipeline(RunOptions(path, model, prompts=prompts, max_tokens=6, ignore_eos=True, replica=1))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

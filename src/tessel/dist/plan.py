@@ -54,8 +54,9 @@ class RunPlan:
     model_name: str
     num_layers: int | None  # layers of the model the plan was made for (None: not recorded)
     stages: tuple[RunStage, ...]
-    micro_batches: int  # micro-batches in flight (the plan workload's m)
+    micro_batches: int  # micro-batches in flight (the plan workload's m, or the replica's share)
     plan_file: PlanFile  # the plan-file model itself, for pricing
+    replica: int | None = None  # which pipeline of a replica plan these stages are
 
     @property
     def backend(self) -> str:
@@ -114,6 +115,7 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
         stages,
         m,
         plan,
+        replica,
     )
 
 
@@ -157,4 +159,7 @@ def priced_pipeline(plan: RunPlan, profile_paths=()) -> PipelineLatency:
     from tessel.sim.plan_pipeline import pipeline_for
 
     profiles = [load_profile(p) for p in profile_paths]
-    return pipeline_for(plan.plan_file, profiles=profiles).pipeline
+    variant = None
+    if plan.replica is not None and plan.plan_file.replicas:
+        variant = plan.plan_file.replica_variants[plan.replica]  # the stages this launch runs
+    return pipeline_for(plan.plan_file, variant, profiles=profiles).pipeline
