@@ -3,11 +3,12 @@
     python benchmarks/kernels.py [--quick] [--device cpu|cuda] [--out benchmarks/results/kernels.json]
 
 On CUDA every op is timed with `triton.testing.do_bench` (median of a 25 ms warm-up + 100 ms of
-runs) against its torch baseline: fp16 matmul, torch._int_mm, SDPA, F.rms_norm, F.conv2d, ...
-On CPU the CPU paths are timed against their float baselines with a median wall-clock timer;
-the headline is `Int8Linear` (per-token quantisation + torch._int_mm + fused epilogue) against
-fp32 `nn.Linear` at 256 x 4096 x 4096 (target: >= 2x). Attention/norm ops from other modules
-are imported lazily and skipped when absent. `speedup` = baseline time / tessel time.
+runs) against its torch baseline: fp16 matmul, torch._int_mm, SDPA, F.rms_norm, F.conv2d, ... On CPU
+the CPU paths are timed against their float baselines with a median wall-clock timer; the headline
+is `Int8Linear` (per-token quantisation, the int8 GEMM of the CPU's path, the epilogue) against fp32
+`nn.Linear` at 256 x 4096 x 4096 (target: >= 2x), on the path this CPU chooses (`int_mm` with
+AVX-512 VNNI, `fp16codes` with AVX2 only) and on fbgemm's two routes forced. Attention/norm ops from
+other modules are imported lazily and skipped when absent. `speedup` = baseline time / tessel time.
 """
 
 from __future__ import annotations
@@ -148,7 +149,16 @@ def gemm_shape(bench: Bench, m: int, n: int, k: int) -> None:
     expected = baseline()
     int8_layer = Int8Linear.from_linear(ref)
     check("Int8Linear", int8_layer(x), expected, 0.05)
-    bench.pair("Int8Linear (W8A8)", shape, "int8", lambda: int8_layer(x), base_name, baseline)
+    path = int8_layer.cpu_path() if device == "cpu" else "cuda"
+    bench.pair(f"Int8Linear (W8A8, {path})", shape, "int8", lambda: int8_layer(x), base_name, baseline)
+    if device == "cpu":  # fbgemm's two routes too, each forced (any x86 CPU runs them)
+        for other in ("fp16codes", "fbgemm"):
+            if other != path:
+                layer = Int8Linear.from_linear(ref)
+                layer._path = other
+                check(f"Int8Linear {other}", layer(x), expected, 0.05)
+                name = f"Int8Linear (W8A8, {other})"
+                bench.pair(name, shape, "int8", lambda layer=layer: layer(x), base_name, baseline)
 
     q, s = quantize_per_token(x)
     w_q, w_s, b32 = int8_layer.weight, int8_layer.weight_scale, int8_layer.bias
@@ -308,9 +318,14 @@ def main() -> None:
         device_name = torch.cuda.get_device_name()
         title = f"tessel kernels on {device_name}"
     else:
+        from tessel.quant.cpu_features import describe
+
+        cpu = describe()
         device_name = platform.processor() or platform.machine()
         title = (
-            f"tessel CPU paths on {device_name}, {torch.get_num_threads()} threads, load {load_before[0]:.1f}"
+            f"tessel CPU paths on {device_name}, {torch.get_num_threads()} threads, "
+            f"load {load_before[0]:.1f}; "
+            f"features {', '.join(cpu['flags'])}, int8 path {cpu['int8_path']}"
         )
     print_table(bench.results, title)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +335,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu_features": None if args.device == "cuda" else cpu,
         "quick": args.quick,
         "load_average_1_5_15min_before_after": [load_before, os.getloadavg()],
         "note": "speedup = baseline / tessel (median and min of interleaved runs); > 1: tessel faster",

@@ -13,7 +13,9 @@ against fp16,int8,int4 at the quality cost of all-int8 (the all-int8 plan is off
 incumbent, so the mixed plan is never worse).
 Part 4 (replicas): on `helix-like-42` (LLaMA-2-70B, Helix's model), the best single pipeline
 against `--replicas auto`, the replicas sharing the workload's requests in flight (8 micro-batches
-of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time limit each).
+of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time limit each). Both are
+also compared with Helix's own baseline, separate same-type pipelines with even layer splits
+(`tessel.plan.replica_baseline`), sharing the micro-batches the same way.
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
 
     python benchmarks/plan_solve.py            # full: time limits 10 s (8, 16) and 120 s (42)
@@ -259,6 +261,7 @@ def replica_rows(quick: bool) -> dict:
 
 
 def _replicas_vs_single(workload, limit: float) -> dict:
+    from tessel.plan.replica_baseline import separate_uniform
     from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
 
     b = workload.micro_batch_size
@@ -267,6 +270,8 @@ def _replicas_vs_single(workload, limit: float) -> dict:
     single_tok = predict(instance, single.evaluation, b).throughput_tok_s
     uniform = predict(instance, run_baselines(instance)["uniform"].evaluation, b).throughput_tok_s
     chosen = choose_replicas(instance, b, time_limit_s=limit)
+    separate = separate_uniform(instance, b)  # Helix's baseline: same-type pipelines, even split
+    separate_tok = None if separate is None else separate.throughput_tok_s
     return {
         "cluster": "helix-like-42",
         "model": "llama-2-70b",
@@ -277,6 +282,9 @@ def _replicas_vs_single(workload, limit: float) -> dict:
         "uniform_single_tok_s": uniform,
         "replicas_tok_s": chosen.throughput_tok_s,
         "over_single": chosen.throughput_tok_s / single_tok,
+        "separate_uniform_tok_s": separate_tok,
+        "separate_uniform_groups": None if separate is None else [list(g) for g in separate.groups],
+        "over_separate_uniform": None if separate_tok is None else chosen.throughput_tok_s / separate_tok,
         "replicas": [
             {
                 "gpus": len(r.devices),

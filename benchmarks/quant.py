@@ -150,14 +150,16 @@ QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
 # (`LLM(dir, lm_head="int8")`), e.g. "fp32 int8-head", "w8a16 int8-head", "w8a8 sq-auto int8-head".
 INT8_HEAD = " int8-head"
 PPL_HEAD_CONFIGS = ("fp32 int8-head", "w8a16 int8-head", "w8a8 sq-auto int8-head")  # run by default too
-# speed row -> (quantisation config, TESSEL_W8A16_PATH while loading (None: this CPU's choice), lm_head)
-SPEED_CONFIGS: dict[str, tuple[str, str | None, str]] = {
+# speed row -> (quantisation config, CPU path forced while loading ({} or None: this CPU's choice;
+# TESSEL_INT8_PATH / TESSEL_W8A16_PATH), lm_head)
+SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str]] = {
     "fp32": ("fp32", None, "float"),
     "w8a8 rtn": ("w8a8 rtn", None, "float"),
     "w8a8 rtn int8-head": ("w8a8 rtn", None, "int8"),
+    "w8a8 rtn fbgemm int8-head": ("w8a8 rtn", {"TESSEL_INT8_PATH": "fbgemm"}, "int8"),  # opt-in 7-bit, AVX2
     "w8a16": ("w8a16", None, "float"),
     "w8a16 int8-head": ("w8a16", None, "int8"),
-    "w8a16 bf16": ("w8a16", "bf16", "float"),  # only where the CPU has AVX-512 BF16 / AMX
+    "w8a16 bf16": ("w8a16", {"TESSEL_W8A16_PATH": "bf16"}, "float"),  # only on AVX-512 BF16 / AMX
 }
 TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
 
@@ -229,20 +231,18 @@ def perplexity(path: Path, seq_len: int, eval_tokens: int | None, lm_head: str =
     return {"ppl": math.exp(nll / count), "tokens": count, "seconds": time.perf_counter() - start}
 
 
-def _speed_llm(path: Path, w8a16_path: str | None, lm_head: str, max_model_len: int):
+def _speed_llm(path: Path, forced: dict[str, str] | None, lm_head: str, max_model_len: int):
     import os
 
-    from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE
-
-    saved = os.environ.get(W8A16_ENV_OVERRIDE)
-    if w8a16_path:
-        os.environ[W8A16_ENV_OVERRIDE] = w8a16_path
+    saved = {name: os.environ.get(name) for name in forced or {}}
+    os.environ.update(forced or {})
     try:
         return _llm(path, max_model_len, lm_head)
     finally:
-        os.environ.pop(W8A16_ENV_OVERRIDE, None)
-        if saved is not None:
-            os.environ[W8A16_ENV_OVERRIDE] = saved
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def _quantized_paths(llm) -> dict[str, int]:
@@ -279,7 +279,12 @@ def decode_speed(llm, concurrent: int, prompt_len: int, new_tokens: int) -> dict
         return {"tok_per_s": (new_tokens - 1) / decode_s, "wall_s": wall, "cpu_s": cpu,
                 "cpu_tok_per_s": cpu_tok_per_s}  # fmt: skip
     total = sum(o.num_output_tokens for o in outputs)
-    return {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": cpu, "cpu_tok_per_s": total / cpu}
+    # decode alone, as the one-stream figure: the tokens after each request's first one, over the
+    # time from the first first-token to the last finish (prefill rounds inside it count against)
+    decode_tokens = sum(o.num_output_tokens - 1 for o in outputs)
+    decode_s = max(o.metrics.finish_time for o in outputs) - min(o.metrics.first_token_time for o in outputs)
+    return {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": cpu, "cpu_tok_per_s": total / cpu,
+            "decode_tok_per_s": decode_tokens / max(decode_s, 1e-9)}  # fmt: skip
 
 
 def speed_table(path_of, args) -> dict:
@@ -289,7 +294,12 @@ def speed_table(path_of, args) -> dict:
 
     names = args.speed_configs.split(",") if args.speed_configs else list(SPEED_CONFIGS)
     names = ["fp32"] + [n for n in names if n != "fp32"]  # the ratios' base, always run
-    names = [n for n in names if SPEED_CONFIGS[n][1] != "bf16" or cpu_flags() & BF16_FLAGS]
+
+    def runs_here(name: str) -> bool:
+        forced = SPEED_CONFIGS[name][1] or {}
+        return forced.get("TESSEL_W8A16_PATH") != "bf16" or bool(cpu_flags() & BF16_FLAGS)
+
+    names = [n for n in names if runs_here(n)]
     max_len = 64 + max(args.new_tokens, args.batch_new_tokens) + 8
     llms = {n: _speed_llm(path_of(SPEED_CONFIGS[n][0]), *SPEED_CONFIGS[n][1:], max_len) for n in names}
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -299,13 +309,16 @@ def speed_table(path_of, args) -> dict:
             batch = decode_speed(llm, args.concurrent, 64, args.batch_new_tokens)
             runs[name].append({"single": single, "concurrent": batch})
             print(f"  round {r + 1} {name}: {single['tok_per_s']:.1f} tok/s single, "
-                  f"{batch['tok_per_s']:.1f} tok/s x{args.concurrent}", flush=True)  # fmt: skip
+                  f"{batch['tok_per_s']:.1f} tok/s x{args.concurrent} with prefill, "
+                  f"{batch['decode_tok_per_s']:.1f} decoding", flush=True)  # fmt: skip
     rows = {}
     for name in names:
         row = {"paths": _quantized_paths(llms[name]), "runs": runs[name]}
         for kind in ("single", "concurrent"):
             row[kind] = {}
-            for key in ("tok_per_s", "cpu_tok_per_s"):
+            for key in ("tok_per_s", "cpu_tok_per_s", "decode_tok_per_s"):
+                if key not in runs[name][0][kind]:
+                    continue
                 tps = [run[kind][key] for run in runs[name]]
                 base = [run[kind][key] for run in runs["fp32"]]
                 row[kind][key] = statistics.median(tps)
@@ -420,17 +433,21 @@ def main() -> None:
         rows = speed_table(path_of, args)
         result["speed"] = rows
         print(f"\n| model | 1 stream tok/s | vs fp32 | CPU-time vs fp32 | {args.concurrent} requests tok/s "
-              "| vs fp32 | CPU-time vs fp32 | paths |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+              "| vs fp32 | CPU-time vs fp32 | decoding tok/s | vs fp32 | paths |"
+              "\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
         for name, row in rows.items():
             cells = []
             for kind in ("single", "concurrent"):
                 r = row[kind]
                 cells += [f"{r['tok_per_s']:.1f}", f"{r['tok_per_s_vs_fp32']:.2f}x",
                           f"{r['cpu_tok_per_s_vs_fp32']:.2f}x"]  # fmt: skip
+            r = row["concurrent"]
+            cells += [f"{r['decode_tok_per_s']:.1f}", f"{r['decode_tok_per_s_vs_fp32']:.2f}x"]
             paths = ", ".join(f"{k} x{v}" for k, v in row["paths"].items()) or "float (oneDNN-packed)"
             print(f"| {name} | {' | '.join(cells)} | {paths} |")
         print(f"(median of {args.speed_repeats} interleaved rounds; ratios: median of per-round ratios; "
-              "CPU time: the process's, which a loaded machine inflates less than wall time)")  # fmt: skip
+              "CPU time: the process's, which a loaded machine inflates less than wall time; "
+              f"{args.concurrent} requests: with their prefill, then the decode steps alone)")  # fmt: skip
 
     if "gemm" in only:
         result["gemm"] = []

@@ -10,7 +10,13 @@ one pass over all of them (median of interleaved repeats, 1 thread):
 - fp32 oneDNN: the engine's float32 GEMM on the de-quantised weight (`PackedLinear`);
 - compiled GEMV: tessel's `gemv_int8` (inductor-fused int8 reduction, float32 activations);
 - int8pack bf16 / fp32: `torch._weight_int8pack_mm` with bfloat16 / float32 activations;
-- oneDNN bf16: oneDNN's bfloat16 GEMM on the int8 values packed as bfloat16 (`bf16` path, many rows).
+- oneDNN bf16: oneDNN's bfloat16 GEMM on the int8 values packed as bfloat16 (`bf16` path, many rows);
+- fbgemm fp16 codes: the int8 codes as float16 in fbgemm's fp16-weight GEMM, float32 activations
+  (the `fbgemm` W8A16 path, `tessel.kernels.int8_cpu`);
+- fbgemm int8 (W8A8): fbgemm's dynamic int8 GEMM on rows scaled per token (the `fbgemm` W8A8 path),
+  for comparison: it quantises the activations.
+
+The CPU's features are printed first: the ranking differs between AVX2-only and AVX-512 CPUs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def build(layers: int) -> list[dict]:
+    from tessel.kernels.int8_cpu import fbgemm_pack, fp16_codes_pack
     from tessel.kernels.quantize import quantize_per_token
     from tessel.layers.packed_linear import BATCH_HINT, PackedLinear
 
@@ -33,13 +40,18 @@ def build(layers: int) -> list[dict]:
         for n, k in SHAPES:
             w = torch.randn(n, k) / k**0.5
             q, s = quantize_per_token(w)
-            w16 = torch.ops.mkldnn._reorder_linear_weight(q.bfloat16(), BATCH_HINT)
+            try:  # oneDNN packs bfloat16 only on AVX-512 (or AVX-NE-CONVERT) CPUs
+                w16 = torch.ops.mkldnn._reorder_linear_weight(q.bfloat16(), BATCH_HINT)
+            except RuntimeError:
+                w16 = None
             fp32 = PackedLinear(q.float() * s[:, None], None)
-            out.append({"k": k, "q": q, "s": s, "s16": s.bfloat16(), "fp32": fp32, "w16": w16})
+            out.append({"k": k, "q": q, "s": s, "s16": s.bfloat16(), "fp32": fp32, "w16": w16,
+                        "fp16": fp16_codes_pack(q), "int8": fbgemm_pack(q, s)})  # fmt: skip
     return out
 
 
 def options(layers: list[dict], rows: int) -> dict:
+    from tessel.kernels.int8_cpu import fbgemm_linear, fp16_codes_linear
     from tessel.kernels.w8a16_cpu import gemv_int8
 
     xs = {k: torch.randn(rows, k) for k in (576, 1536)}
@@ -52,10 +64,13 @@ def options(layers: list[dict], rows: int) -> dict:
         "int8pack bf16": run(
             lambda lin, x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), lin["q"], lin["s16"])
         ),
-        "oneDNN bf16": run(
-            lambda lin, x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), lin["w16"], None, "none", [], "")
-        ),
+        "fbgemm fp16 codes": run(lambda lin, x: fp16_codes_linear(x, lin["fp16"], lin["s"], None)),
+        "fbgemm int8 (W8A8)": run(lambda lin, x: fbgemm_linear(x, lin["int8"], None)),
     }
+    if layers[0]["w16"] is not None:
+        found["oneDNN bf16"] = run(
+            lambda lin, x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), lin["w16"], None, "none", [], "")
+        )
     if rows == 1:
         found["compiled GEMV"] = run(lambda lin, x: gemv_int8(x, lin["q"], lin["s"]))
         found["int8pack fp32"] = run(lambda lin, x: torch.ops.aten._weight_int8pack_mm(x, lin["q"], lin["s"]))
@@ -71,6 +86,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from tessel.quant.cpu_features import describe
+
+    cpu = describe()
+    print(f"CPU features: {', '.join(cpu['flags'])}; torch capability {cpu['torch_cpu_capability']}; "
+          f"int8 path {cpu['int8_path']}, W8A16 path {cpu['w8a16_path']}")  # fmt: skip
     layers = build(args.layers)
     print(f"| rows | option | ms per pass over {len(layers)} linears | vs fp32 oneDNN |\n|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -50,6 +50,20 @@ def test_int8_gemm_matches_float64(backend: str, m: int, n: int, k: int, bias: b
     torch.testing.assert_close(out.double(), reference(a, w, a_scale, w_scale, b), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("path", ["int_mm", "fp16codes", "dequant"])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (37, 45, 70), (33, 19, 1000)])
+def test_int8_gemm_on_each_cpu_path(
+    torch_backend: None, monkeypatch, path: str, m: int, n: int, k: int
+) -> None:
+    """The torch path's CPU GEMM follows the CPU (`_int_mm` with VNNI, float32 sums of the codes
+    otherwise): forced either way, the integer sums are exact (K = 1000 reaches 16 129 000 < 2**24)."""
+    monkeypatch.setenv("TESSEL_INT8_PATH", path)
+    a, w, a_scale, w_scale, b = make_inputs(m, n, k, True)
+    a[0], w[0] = -127, -127  # the largest sum
+    out = int8_gemm(a, w, a_scale, w_scale, b, out_dtype=torch.float32)
+    torch.testing.assert_close(out.double(), reference(a, w, a_scale, w_scale, b), atol=1e-5, rtol=1e-5)
+
+
 def test_int8_gemm_default_out_dtype_is_float16(backend: str) -> None:
     a, w, a_scale, w_scale, _ = make_inputs(9, 10, 11, bias=False)
     assert int8_gemm(a, w, a_scale, w_scale).dtype == torch.float16

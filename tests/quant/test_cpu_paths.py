@@ -2,8 +2,9 @@
 
 Reference: float64 x @ W_deq.T with x quantised as the path quantises it. `int_mm` and `dequant`
 compute the same integer products (int32 vs float32 sums, exact here), so they agree to float32
-rounding; `fbgemm` quantises activations per tensor with 7 bits, so it is held to its own bound
-(half a step of its activation scale per element, summed against |W|).
+rounding, and `fp16codes` (fbgemm's float32 sums of the codes) equals `int_mm` bit for bit; `fbgemm`
+quantises each row scaled to [-1, 1] with 7 bits, so it is held to its own bound (half a step of the
+row's activation scale per element, summed against |W|).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def test_every_path_matches_the_float64_reference(path: str, m: int, n: int, k: 
     b = 0 if layer.bias is None else layer.bias.double()
     if path == "fbgemm":
         ref = x.double() @ w_deq.T + b
-        step = (x.max().clamp(min=0) - x.min().clamp(max=0)).double() / 127  # 7-bit activations, per tensor
+        absmax = x.double().abs().amax(1, keepdim=True)
+        scaled = x.double() / absmax  # every row in [-1, 1], then one 7-bit step for them all
+        step = (scaled.max().clamp(min=0) - scaled.min().clamp(max=0)) / 127 * absmax  # [M, 1]
         bound = (step / 2) * w_deq.abs().sum(dim=1) + 1e-4
         assert torch.all((y.double() - ref).abs() <= bound)
     else:
@@ -66,8 +69,22 @@ def test_paths_agree_with_each_other_on_a_batch() -> None:
     x = torch.randn(32, 96)
     ys = {path: _layer(80, 96, True, None, path)[0](x) for path in INT8_PATHS}
     torch.testing.assert_close(ys["int_mm"], ys["dequant"], rtol=1e-5, atol=1e-4)
+    assert torch.equal(ys["fp16codes"], ys["int_mm"])  # the same integer sums, the same epilogue
+    one_row = {path: _layer(80, 96, True, None, path)[0](x[:1]) for path in ("fp16codes", "dequant")}
+    torch.testing.assert_close(one_row["fp16codes"], one_row["dequant"], rtol=1e-6, atol=1e-6)
     rel = (ys["fbgemm"] - ys["int_mm"]).norm() / ys["int_mm"].norm()
     assert rel < 0.03
+
+
+def test_fbgemm_quantises_each_row_on_its_own_scale() -> None:
+    """A quiet row beside a loud one keeps its precision: per token, not per tensor."""
+    layer, w_deq = _layer(64, 96, False, None, "fbgemm")
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(3))
+    x[0] *= 1e3
+    x[1] *= 1e-3
+    ref = x.double() @ w_deq.T
+    rel = (layer(x).double() - ref).norm(dim=1) / ref.norm(dim=1)
+    assert torch.all(rel < 0.03), rel  # per tensor, the quiet row would round to zero (rel ~ 1)
 
 
 @pytest.mark.parametrize(
@@ -75,8 +92,8 @@ def test_paths_agree_with_each_other_on_a_batch() -> None:
     [
         ({"avx2", "avx512f", "avx512_vnni"}, "AVX512", "int_mm"),
         ({"avx2", "amx_int8", "amx_tile"}, "AVX512", "int_mm"),
-        ({"avx2", "fma"}, "AVX2", "fbgemm"),
-        ({"avx2", "avx512f"}, "AVX512", "fbgemm"),  # AVX-512 without VNNI: no fast _int_mm either
+        ({"avx2", "fma"}, "AVX2", "fp16codes"),
+        ({"avx2", "avx512f"}, "AVX512", "fp16codes"),  # AVX-512 without VNNI: no fast _int_mm either
         ({"sse4_2"}, "DEFAULT", "dequant"),
         (set(), "DEFAULT", "dequant"),
     ],

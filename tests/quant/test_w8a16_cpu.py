@@ -1,7 +1,8 @@
 """The CPU W8A16 paths (`W8A16CPULinear`): each against float64, the path follows the CPU, and the
 engine decoding a W8A16 checkpoint matches HF transformers step by step.
 
-References: float64 `x @ (q * s).T + b` for `gemv` and `dequant` (float32 sums: 1e-5 relative);
+References: float64 `x @ (q * s).T + b` for `gemv`, `fp16codes` and `dequant` (float32 sums: 1e-5
+relative);
 for `bf16` the float64 sum of bf16(x) * q, whose bfloat16 rounding bounds the error (2**-8 relative
 per output). HF loads the checkpoint through `compressed-tensors` (de-quantised float32 weights).
 """
@@ -25,7 +26,12 @@ from tessel.layers.quantized_linear import GEMV_MAX_ROWS, W8A16CPULinear
 from tessel.quant.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a16_path, cpu_flags
 
 HAS_BF16 = bool(cpu_flags() & BF16_FLAGS)
-PATHS = ["gemv", "dequant", pytest.param("bf16", marks=pytest.mark.skipif(not HAS_BF16, reason="no bf16"))]
+PATHS = [
+    "gemv",
+    "fp16codes",
+    "dequant",
+    pytest.param("bf16", marks=pytest.mark.skipif(not HAS_BF16, reason="no bf16")),
+]
 # K = 80: torch's int8 GEMV on the bf16 path; K = 68, 70, 257: its fallback (see INT8PACK_K_MULTIPLE)
 SHAPES = [(1, 45, 70), (2, 129, 257), (1, 64, 68), (1, 37, 80), (2, 37, 80), (7, 129, 257), (33, 64, 96)]
 
@@ -89,8 +95,10 @@ def test_a_failing_compile_falls_back_to_the_float_gemm(monkeypatch) -> None:
     ("flags", "compiler", "expected"),
     [
         (frozenset({"avx2", "avx512f", "avx512_bf16"}), True, "gemv"),  # bf16 only when forced
-        (frozenset({"avx2"}), True, "gemv"),
-        (frozenset({"avx2", "amx_bf16"}), False, "dequant"),
+        (frozenset({"avx2", "avx512f"}), True, "gemv"),
+        (frozenset({"avx2"}), True, "fp16codes"),  # AVX2 only: inductor's int8 loads are slow there
+        (frozenset({"avx2"}), False, "fp16codes"),
+        (frozenset({"avx2", "avx512f", "amx_bf16"}), False, "dequant"),
         (frozenset(), False, "dequant"),
     ],
 )
@@ -100,7 +108,7 @@ def test_path_follows_the_cpu(monkeypatch, flags, compiler, expected) -> None:
 
 
 def test_env_override(monkeypatch) -> None:
-    for path in ("gemv", "dequant"):
+    for path in ("gemv", "fp16codes", "dequant"):
         monkeypatch.setenv(W8A16_ENV_OVERRIDE, path)
         assert choose_w8a16_path(frozenset(), False) == path
     monkeypatch.setenv(W8A16_ENV_OVERRIDE, "bf16")
@@ -114,7 +122,7 @@ def test_env_override(monkeypatch) -> None:
         _layer(8, 8, False, "fp8")
 
 
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
+@pytest.mark.parametrize("path", ["gemv", "fp16codes", "dequant"])
 def test_engine_decodes_like_hf_on_every_path(tiny_llama, tmp_path, monkeypatch, path: str) -> None:
     """Greedy decode (one row per step: the GEMV) of a W8A16 checkpoint: the engine's tokens and
     their logprobs equal HF's on the compressed-tensors model."""

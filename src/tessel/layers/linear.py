@@ -5,7 +5,13 @@ The quantised layers hold int8 weights quantised once per output channel (symmet
 the same rule as `quantize_per_token` applied to the weight's rows):
 
     Int8Linear:   y = int8_gemm(q_x, q_w, s_x, s_w, bias)  with (q_x, s_x) = quantize_per_token(x)
-    W8A16Linear:  y = w8a16_gemm(x, q_w, s_w, bias)
+    W8A16Linear:  y = w8a16_gemm(x, q_w, s_w, bias)   (float32 on a CPU with fbgemm: the codes as
+                  float16 in fbgemm's fp16-weight GEMM, `tessel.kernels.int8_cpu`, the same sums)
+
+On CPU, `Int8Linear` takes the int8 path of the CPU it runs on (`choose_int8_path`): `int_mm`
+(AVX-512 VNNI / AMX) as above, `fp16codes` (AVX2: the same codes through fbgemm's fp16-weight GEMM),
+`fbgemm` (opt-in: fbgemm's int8 GEMM, 7-bit codes per token; both `tessel.kernels.int8_cpu`),
+`dequant` (the integer codes as a float32 GEMM).
 """
 
 from __future__ import annotations
@@ -14,9 +20,18 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.kernels.int8_gemm import int8_gemm
+from tessel.kernels._dispatch import use_triton
+from tessel.kernels.int8_cpu import (
+    fbgemm_linear,
+    fbgemm_pack,
+    fp16_codes_linear,
+    fp16_codes_matmul,
+    fp16_codes_pack,
+)
+from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import quantize_per_token
 from tessel.kernels.w8a16_gemm import linear, w8a16_gemm
+from tessel.quant.cpu_features import choose_int8_path, fbgemm_available
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -135,6 +150,22 @@ class _QuantizedLinear(nn.Module):
             self._buffers[name] = tensor.to(device=self.weight.device, dtype=torch.float32)
         return self
 
+    _packed: tuple[tuple, object] | None = None  # ((path, weight key), fbgemm's form of the weight)
+
+    def _fbgemm_weight(self, path: str):
+        """fbgemm's packed weight for `path` (`fbgemm` or `fp16codes`), packed again whenever the
+        weight or its scales changed."""
+        key = (path, self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(),
+               self.weight_scale._version)  # fmt: skip
+        if self._packed is None or self._packed[0] != key:
+            packed = (
+                fbgemm_pack(self.weight, self.weight_scale)
+                if path == "fbgemm"
+                else fp16_codes_pack(self.weight)
+            )
+            self._packed = (key, packed)
+        return self._packed[1]
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight these int8 values stand for: weight * weight_scale[:, None]."""
         return self.weight.float() * self.weight_scale[:, None]
@@ -152,11 +183,31 @@ class Int8Linear(_QuantizedLinear):
     int8_gemm (int32 accumulation). Output dtype = input dtype (float16, bfloat16 or float32).
     """
 
+    _path: str | None = None  # the CPU int8 path, chosen at the first CPU call
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x, self.in_features)
-        q, scale = quantize_per_token(rows)
-        out = int8_gemm(q, self.weight, scale, self.weight_scale, self.bias, out_dtype=x.dtype)
+        on_cpu_torch = rows.device.type == "cpu" and not use_triton(rows)
+        path = self.cpu_path() if on_cpu_torch else "int_mm"  # int8_gemm: Triton, or torch's on CUDA
+        if path == "fbgemm":
+            out = fbgemm_linear(rows, self._fbgemm_weight(path), self.bias).to(x.dtype)
+        else:
+            q, scale = quantize_per_token(rows)
+            if path == "fp16codes":
+                acc = fp16_codes_matmul(q, self._fbgemm_weight(path))
+                out = int8_epilogue(acc, scale, self.weight_scale, self.bias, x.dtype)
+            elif path == "int_mm":
+                out = int8_gemm(q, self.weight, scale, self.weight_scale, self.bias, out_dtype=x.dtype)
+            else:  # dequant: exact integer sums in float32 while they stay below 2**24
+                acc = q.float() @ self.weight.float().t()
+                out = int8_epilogue(acc, scale, self.weight_scale, self.bias, x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def cpu_path(self) -> str:
+        """The CPU int8 path, `choose_int8_path()` when first called (TESSEL_INT8_PATH forces one)."""
+        if self._path is None:
+            self._path = choose_int8_path()
+        return self._path
 
 
 class W8A16Linear(_QuantizedLinear):
@@ -164,5 +215,14 @@ class W8A16Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x, self.in_features)
-        out = w8a16_gemm(rows, self.weight, self.weight_scale, self.bias)
+        if (
+            rows.dtype == torch.float32
+            and rows.device.type == "cpu"
+            and fbgemm_available()
+            and not use_triton(rows)
+        ):
+            # the int8 codes as float16 in fbgemm's fp16-weight GEMM: the same sums, no float copy per call
+            out = fp16_codes_linear(rows, self._fbgemm_weight("fp16codes"), self.weight_scale, self.bias)
+        else:
+            out = w8a16_gemm(rows, self.weight, self.weight_scale, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)

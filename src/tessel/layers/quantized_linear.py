@@ -4,20 +4,22 @@
     static:   q_x = clamp(round(x / s_in), -127, 127), s_x = s_in  s_in: the calibrated input_scale
     y = (q_x @ q_w.T) * s_x[:, None] * s_w[None, :] + bias
 
-A single-row step on CPU (one sequence decoding; not on the `fbgemm` path) sums the integer
+A single-row step on CPU (one sequence decoding; on the `int_mm` or `dequant` path) sums the integer
 products in the compiled int8 GEMV of `gemv_int8` (float32 sums, exact below 2**24, as the
 `dequant` path's), which streams the int8 weight faster than oneDNN's int8 GEMM does at one row.
 
 On CUDA the GEMM is tessel's Triton int8 kernel. On CPU the path follows the CPU
-(`tessel.quant.cpu_features`): `int_mm` (AVX-512 VNNI / AMX: `torch._int_mm`), `fbgemm` (AVX2:
-PyTorch's dynamic int8 linear, which quantises the activations per tensor, not per token, and
-uses 7-bit activations against int16 saturation; static scales fall back to `dequant` there),
-`dequant` (the integer products as a float32 GEMM).
+(`tessel.quant.cpu_features`): `int_mm` (AVX-512 VNNI / AMX: `torch._int_mm`), `fp16codes` (AVX2:
+the integer codes through fbgemm's fp16-weight GEMM, the same sums), `fbgemm` (opt-in on AVX2:
+PyTorch's dynamic int8 linear on rows scaled to [-1, 1] first, so still per token, but with 7-bit
+codes against int16 saturation; static scales fall back to `dequant` there; both
+`tessel.kernels.int8_cpu`), `dequant` (the integer products as a float32 GEMM).
 
 `W8A16CPULinear` is the weight-only scheme's CPU module (`choose_w8a16_path`):
 
     gemv     rows <= GEMV_MAX_ROWS: y = gemv_int8(x, q_w, s_w, bias) (float32, int8 weights read)
              more rows:            the de-quantised float32 GEMM (oneDNN-packed), as `dequant`
+    fp16codes  y = fp16_codes_linear(x, q_w as float16, s_w, bias) (float32 sums, 2 bytes per weight)
     bf16     y = bf16(sum_k bf16(x) * q_w) * s_w + bias (int8 weights for few rows, packed bf16 above)
     dequant  the de-quantised float32 GEMM for every call
 """
@@ -25,13 +27,19 @@ uses 7-bit activations against int16 saturation; static scales fall back to `deq
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.kernels.int8_cpu import (
+    fbgemm_linear,
+    fbgemm_pack,
+    fp16_codes_linear,
+    fp16_codes_matmul,
+    fp16_codes_pack,
+)
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import QMAX, quantize_per_token
 from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8, gemv_int8_scaled, quantize_rows
@@ -84,7 +92,9 @@ class W8A8Linear(nn.Module):
         if self.weight.device.type != "cpu" or self.weight.is_meta:
             return
         if path == "fbgemm":
-            self._packed = _fbgemm_pack(self.weight, self.weight_scale, self.bias)
+            self._packed = fbgemm_pack(self.weight, self.weight_scale)
+        elif path == "fp16codes":
+            self._packed = fp16_codes_pack(self.weight)
         elif path == "dequant":
             self._float_weight = self.weight.float()
 
@@ -97,7 +107,8 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.path != "fbgemm" and not rows.is_cuda and 0 < rows.shape[0] <= GEMV_MAX_ROWS:
+        one_row_gemv = self.path in ("int_mm", "dequant")  # inductor's GEMV: slow without AVX-512
+        if one_row_gemv and not rows.is_cuda and 0 < rows.shape[0] <= GEMV_MAX_ROWS:
             out = self._gemv(rows)  # a decode step of one sequence: the hot path
             if out is not None:
                 return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -105,7 +116,14 @@ class W8A8Linear(nn.Module):
             q, s = self._quantize_input(rows)
             out = int8_gemm(q, self.weight, s, self.weight_scale, self.bias, out_dtype=x.dtype)
         elif self.path == "fbgemm":
-            out = torch.ops.quantized.linear_dynamic(rows.float(), self._packed, True).to(x.dtype)
+            out = fbgemm_linear(rows, self._packed, self.bias).to(x.dtype)
+        elif self.path == "fp16codes":
+            quantized = None
+            if self.input_scale is None and 0 < rows.shape[0] <= GEMV_MAX_ROWS:  # one compiled kernel
+                quantized = quantize_rows(rows)
+            codes, s = quantized if quantized is not None else self._quantize_input(rows)
+            acc = fp16_codes_matmul(codes, self._packed)
+            out = int8_epilogue(acc, s, self.weight_scale, self.bias, x.dtype)
         else:
             q, s = self._quantize_input(rows)
             out = (q.float() @ self._float_weight.t()).mul_(s[:, None]).mul_(self.weight_scale)
@@ -167,8 +185,10 @@ class W8A16CPULinear(nn.Module):
         if path not in W8A16_PATHS:
             raise TesselError(f"unknown W8A16 path {path!r}; choose one of {', '.join(W8A16_PATHS)}")
         self.path = path
-        self._float = self._bf16 = None
-        if path == "bf16":
+        self._float = self._bf16 = self._fp16_codes = None
+        if path == "fp16codes":
+            self._fp16_codes = fp16_codes_pack(self.weight)
+        elif path == "bf16":
             w16 = self.weight.to(torch.bfloat16)
             packed = packing_available()
             self._bf16 = torch.ops.mkldnn._reorder_linear_weight(w16, BATCH_HINT) if packed else w16
@@ -188,7 +208,9 @@ class W8A16CPULinear(nn.Module):
                 return out
         rows = x.reshape(-1, self.in_features).float()
         out = None
-        if self.path == "bf16":
+        if self.path == "fp16codes":
+            out = fp16_codes_linear(rows, self._fp16_codes, self.weight_scale, self.bias)
+        elif self.path == "bf16":
             out = bf16_gemm(rows, self.weight, self._bf16, self.weight_scale, self.bias, GEMV_MAX_ROWS)
         elif self.path == "gemv" and 0 < rows.shape[0] <= GEMV_MAX_ROWS:
             out = gemv_int8(rows, self.weight, self.weight_scale, self.bias)
@@ -203,15 +225,6 @@ class W8A16CPULinear(nn.Module):
 @functools.lru_cache(maxsize=64)
 def _unit_scales(n: int) -> torch.Tensor:
     return torch.ones(n)
-
-
-def _fbgemm_pack(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-    zeros = torch.zeros(weight.shape[0], dtype=torch.int64)
-    with warnings.catch_warnings():  # quantized tensors are deprecated in torch; fbgemm still needs one
-        warnings.simplefilter("ignore")
-        torch.backends.quantized.engine = "fbgemm"
-        qweight = torch._make_per_channel_quantized_tensor(weight, scale.double(), zeros, 0)
-        return torch.ops.quantized.linear_prepack(qweight, bias)
 
 
 def dequantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:

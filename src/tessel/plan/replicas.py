@@ -405,7 +405,7 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
         by_type.setdefault(device.gpu_type, []).append(j)
     for members in by_type.values():
         members.sort(key=lambda j: (instance.devices[j].node, instance.devices[j].name))
-    smallest = {t: _smallest_group(instance, members) for t, members in by_type.items()}
+    smallest = {t: smallest_group(instance, members) for t, members in by_type.items()}
     splits = []
     for gpu_only in (True, False):
         for factor in (1, 2, 4):
@@ -433,7 +433,7 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
     return [*splits, [list(range(instance.n_devices))]]  # the whole cluster last: the slowest to plan
 
 
-def _smallest_group(instance: PlanningInstance, members: list[int]) -> dict[bool, int | None]:
+def smallest_group(instance: PlanningInstance, members: list[int]) -> dict[bool, int | None]:
     out = {}
     for gpu_only in (True, False):
         out[gpu_only] = next(

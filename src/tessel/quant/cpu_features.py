@@ -1,22 +1,31 @@
 """Which int8 matmul a CPU runs fast, read from its feature flags.
 
-    int_mm   AVX-512 VNNI or AMX: `torch._int_mm` (oneDNN's int8 GEMM, int32 accumulation)
-    fbgemm   AVX2 without VNNI: PyTorch's fbgemm dynamic int8 linear (`quantized.linear_dynamic`);
-             `torch._int_mm` has no fast kernel there (the issue measured 0.04x fp32)
-    dequant  anything else: the same integer products as float32 GEMMs (exact below 2**24)
+W8A8 (`choose_int8_path`):
 
-`TESSEL_INT8_PATH=int_mm|fbgemm|dequant` forces a path (each one runs on any x86 CPU with
-PyTorch's fbgemm; only the speed differs).
+    int_mm     AVX-512 VNNI or AMX: `torch._int_mm` (oneDNN's int8 GEMM, int32 accumulation)
+    fp16codes  AVX2 without VNNI: the int8 codes of weights and activations through fbgemm's
+               fp16-weight GEMM (`tessel.kernels.int8_cpu`): the int32 GEMM's sums below 2**24;
+               `torch._int_mm` has no fast kernel there (the issue measured 0.04x fp32)
+    fbgemm     opt-in on AVX2: fbgemm's dynamic int8 linear, faster, with 7-bit activation codes
+               per token (less accurate: SmolLM2's perplexity moves more, docs/quant.md)
+    dequant    anything else: the same integer products as float32 GEMMs (exact below 2**24)
+
+`TESSEL_INT8_PATH=int_mm|fp16codes|fbgemm|dequant` forces a path (each one runs on any x86 CPU
+with PyTorch's fbgemm; only the speed differs, and `fbgemm`'s 7-bit codes).
 
 W8A16 (int8 weights, float activations; `choose_w8a16_path`):
 
-    gemv     a C++ compiler for inductor: a fused int8 GEMV for decode steps of up to
-             GEMV_MAX_ROWS rows, the de-quantised float32 GEMM above (float32 activations)
-    bf16     only when forced, on AVX-512 BF16 / AMX: bfloat16 activations and outputs
-             (`torch._weight_int8pack_mm`, oneDNN's bf16 GEMM); changes the numerics
-    dequant  otherwise: the de-quantised float32 GEMM
+    gemv       AVX-512 and a C++ compiler for inductor: a fused int8 GEMV for decode steps of up
+               to GEMV_MAX_ROWS rows, the de-quantised float32 GEMM above (float32 activations)
+    fp16codes  AVX2 without AVX-512: the int8 codes as float16 in fbgemm's fp16-weight GEMM, the
+               scale in float32 (float32 activations, every row count); inductor's int8 GEMV has
+               no fast int8 loads there
+    bf16       only when forced, on AVX-512 BF16 / AMX: bfloat16 activations and outputs
+               (`torch._weight_int8pack_mm`, oneDNN's bf16 GEMM); changes the numerics
+    dequant    otherwise: the de-quantised float32 GEMM
 
-`TESSEL_W8A16_PATH=gemv|bf16|dequant` forces one (`bf16` only where the CPU has bf16 dot products).
+`TESSEL_W8A16_PATH=gemv|fp16codes|bf16|dequant` forces one (`bf16` only where the CPU has bf16
+dot products).
 """
 
 from __future__ import annotations
@@ -29,12 +38,13 @@ import torch
 
 from tessel.errors import TesselError
 
-INT8_PATHS = ("int_mm", "fbgemm", "dequant")
+INT8_PATHS = ("int_mm", "fp16codes", "fbgemm", "dequant")
 ENV_OVERRIDE = "TESSEL_INT8_PATH"
 VNNI_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
 CPUINFO = Path("/proc/cpuinfo")
 
-W8A16_PATHS = ("gemv", "bf16", "dequant")
+W8A16_PATHS = ("gemv", "fp16codes", "bf16", "dequant")
+AVX512_FLAG = "avx512f"
 W8A16_ENV_OVERRIDE = "TESSEL_W8A16_PATH"
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -67,7 +77,7 @@ def choose_int8_path(flags: frozenset[str] | None = None, capability: str | None
     if flags & VNNI_FLAGS:
         return "int_mm"
     if ("avx2" in flags or capability in ("AVX2", "AVX512")) and fbgemm_available():
-        return "fbgemm"
+        return "fp16codes"
     return "dequant"
 
 
@@ -84,6 +94,8 @@ def choose_w8a16_path(flags: frozenset[str] | None = None, compiler: bool | None
                 f"{', '.join(sorted(BF16_FLAGS))}); use gemv or dequant"
             )
         return forced
+    if AVX512_FLAG not in flags and "avx2" in flags and fbgemm_available():
+        return "fp16codes"
     if compiler is None:
         from tessel.kernels.w8a16_cpu import compiler_available
 
