@@ -228,8 +228,13 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
     }
     w8a8 = tessel_bench._quantize(model, "w8a8 rtn", workdir, args.calib_samples, args.seq_len)
     max_len = 64 + max(args.new_tokens, args.batch_new_tokens) + 8
-    for name, lm_head in (("tessel W8A8", "float"), ("tessel W8A8 + int8 head", "int8")):
-        llm = tessel_bench._speed_llm(w8a8, None, lm_head, max_len)
+    configs = [("tessel W8A8", "float", None), ("tessel W8A8 + int8 head", "int8", None)]
+    from tessel.quant import cpu_features
+
+    if cpu_features.choose_int8_path() == "fp16codes":  # AVX2: the opt-in 7-bit fbgemm path too
+        configs.append(("tessel W8A8 fbgemm + int8 head", "int8", {"TESSEL_INT8_PATH": "fbgemm"}))
+    for name, lm_head, forced in configs:
+        llm = tessel_bench._speed_llm(w8a8, forced, lm_head, max_len)
         rows[name] = {
             "single": tessel_bench.decode_speed(llm, 1, 64, args.new_tokens),
             "concurrent": tessel_bench.decode_speed(llm, args.concurrent, 64, args.batch_new_tokens),

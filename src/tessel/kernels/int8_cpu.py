@@ -46,12 +46,10 @@ def fbgemm_linear(rows: torch.Tensor, packed: torch.ScriptObject, bias: torch.Te
     """float32 rows [M, K] through fbgemm's int8 GEMM, each row quantised on its own -> float32 [M, N]."""
     rows = rows.float()
     if rows.shape[0] == 1:  # one row: per tensor is per token already
-        out = torch.ops.quantized.linear_dynamic(rows, packed, True)
+        out = _quietly(torch.ops.quantized.linear_dynamic, rows, packed, True)
         return out if bias is None else out.add_(bias)
     absmax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(EPS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = torch.ops.quantized.linear_dynamic(rows / absmax, packed, True)
+    out = _quietly(torch.ops.quantized.linear_dynamic, rows / absmax, packed, True)
     out.mul_(absmax)
     return out if bias is None else out.add_(bias)
 
@@ -76,9 +74,23 @@ def fp16_codes_matmul(rows: torch.Tensor, codes: FP16Codes) -> torch.Tensor:
     """rows [M, K] @ codes.T -> float32 [M, N] by fbgemm's fp16-weight GEMM (float32 activations
     and sums): with integer rows (W8A8's quantised activations) the sums are the int32 GEMM's
     while they stay below 2**24 in magnitude, as on the `dequant` path."""
+    return _quietly(torch.fbgemm_linear_fp16_weight_fp32_activation, rows.float(), codes.packed, codes.zeros)
+
+
+_QUIETED: set[object] = set()
+
+
+def _quietly(op, *args):
+    """`op(*args)`, its deprecation warning silenced. torch warns once per process, on the first
+    call, so only that call pays for `warnings.catch_warnings` (a few microseconds, as much as a
+    small decode-step GEMM)."""
+    if op in _QUIETED:
+        return op(*args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.fbgemm_linear_fp16_weight_fp32_activation(rows.float(), codes.packed, codes.zeros)
+        out = op(*args)
+    _QUIETED.add(op)
+    return out
 
 
 def fp16_codes_linear(
