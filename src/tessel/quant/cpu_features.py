@@ -61,7 +61,9 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
 def fbgemm_available() -> bool:
+    """Whether this torch build has fbgemm (asked once: the engine list is rebuilt on every query)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
