@@ -155,10 +155,14 @@ def gemm_shape(bench: Bench, m: int, n: int, k: int) -> None:
         for other in ("fp16codes", "fbgemm"):
             if other != path:
                 layer = Int8Linear.from_linear(ref)
-                layer._path = other
+                layer.set_path(other)
                 check(f"Int8Linear {other}", layer(x), expected, 0.05)
-                name = f"Int8Linear (W8A8, {other})"
+                name = f"Int8Linear (W8A8, {other}{', 7-bit acts' if other == 'fbgemm' else ''})"
                 bench.pair(name, shape, "int8", lambda layer=layer: layer(x), base_name, baseline)
+        narrow = Int8Linear.from_linear(ref, weight_code_bits=7)  # fbgemm with 8-bit activations on AVX2
+        check("Int8Linear 7-bit weight codes", narrow(x), expected, 0.05)
+        name = f"Int8Linear (W8A8, 7-bit weight codes, {narrow.cpu_path()})"
+        bench.pair(name, shape, "int8", lambda: narrow(x), base_name, baseline)
 
     q, s = quantize_per_token(x)
     w_q, w_s, b32 = int8_layer.weight, int8_layer.weight_scale, int8_layer.bias

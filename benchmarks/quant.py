@@ -144,6 +144,14 @@ PPL_CONFIGS: dict[str, dict] = {
     },
     "w8a16 gptq": {"scheme": "w8a16", "method": "gptq"},
     "w8a8 sq-auto gptq": {"scheme": "w8a8", "smoothquant": "auto", "method": "gptq"},
+    # 7-bit weight codes (still int8): AVX2 CPUs run them on fbgemm's int8 GEMM, 8-bit activations
+    "w8a8 w7 rtn": {"scheme": "w8a8", "weight_code_bits": 7},
+    "w8a8 w7 sq-auto gptq": {
+        "scheme": "w8a8",
+        "smoothquant": "auto",
+        "method": "gptq",
+        "weight_code_bits": 7,
+    },
 }
 QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
 # A ppl configuration name + this suffix: the same checkpoint run with the engine's int8 LM head
@@ -157,6 +165,8 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str]] = {
     "w8a8 rtn": ("w8a8 rtn", None, "float"),
     "w8a8 rtn int8-head": ("w8a8 rtn", None, "int8"),
     "w8a8 rtn fbgemm int8-head": ("w8a8 rtn", {"TESSEL_INT8_PATH": "fbgemm"}, "int8"),  # opt-in 7-bit, AVX2
+    "w8a8 w7": ("w8a8 w7 rtn", None, "float"),  # AVX2: fbgemm, 8-bit activations
+    "w8a8 w7 int8-head": ("w8a8 w7 rtn", None, "int8"),
     "w8a16": ("w8a16", None, "float"),
     "w8a16 int8-head": ("w8a16", None, "int8"),
     "w8a16 bf16": ("w8a16", {"TESSEL_W8A16_PATH": "bf16"}, "float"),  # only on AVX-512 BF16 / AMX
@@ -403,7 +413,8 @@ def main() -> None:
         f"threads {args.threads}"
     )
     print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
-          f"int8 path: {cpu['int8_path']}; W8A16 path: {cpu['w8a16_path']}")  # fmt: skip
+          f"int8 path: {cpu['int8_path']} ({cpu['int8_path_7bit_weight_codes']} for 7-bit weight codes); "
+          f"W8A16 path: {cpu['w8a16_path']}")  # fmt: skip
     result: dict = {"cpu": cpu, "threads": args.threads, "torch": torch.__version__, "args": vars(args)}
     tmp = tempfile.TemporaryDirectory(prefix="tessel-quant-bench-")
     workdir = Path(args.workdir) if args.workdir else Path(tmp.name)

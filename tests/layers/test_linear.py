@@ -103,21 +103,24 @@ def int8_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return path
 
 
-def activation_step(x: torch.Tensor, path: str | None) -> torch.Tensor:
+def activation_step(x: torch.Tensor, path: str | None, fbgemm_levels: int = 127) -> torch.Tensor:
     """The activation quantisation step per row [M, 1]: absmax / 127 per token, or fbgemm's 7-bit
-    step over the rows scaled to [-1, 1] (per tensor), times the row's absmax."""
+    (127 levels; 255 against 7-bit weight codes) step over the rows scaled to [-1, 1] (per tensor),
+    times the row's absmax."""
     rows = x.reshape(-1, IN_FEATURES).double()
     _, s_x = quantize_per_token(rows.float())
     if path != "fbgemm":
         return s_x.double()[:, None]
     absmax = rows.abs().amax(1, keepdim=True)
     scaled = rows / absmax
-    return (scaled.max().clamp(min=0) - scaled.min().clamp(max=0)) / 127 * absmax
+    return (scaled.max().clamp(min=0) - scaled.min().clamp(max=0)) / fbgemm_levels * absmax
 
 
-def w8a8_bound(x: torch.Tensor, layer: Int8Linear, ref: nn.Linear, path: str | None = None) -> torch.Tensor:
+def w8a8_bound(
+    x: torch.Tensor, layer: Int8Linear, ref: nn.Linear, path: str | None = None, fbgemm_levels: int = 127
+) -> torch.Tensor:
     rows = x.reshape(-1, IN_FEATURES).double()
-    s_x = activation_step(x, path)  # [M, 1]
+    s_x = activation_step(x, path, fbgemm_levels)  # [M, 1]
     s_w = layer.weight_scale.double()[None, :]  # [1, N]
     abs_x_sum = rows.abs().sum(1, keepdim=True)  # sum_k |x_k|
     abs_w_sum = ref.weight.detach().double().abs().sum(1)[None, :]  # sum_k |w_k|
@@ -137,6 +140,46 @@ def test_int8_linear_within_quantisation_bound(int8_backend: str | None, dtype: 
     assert torch.all(err <= w8a8_bound(x, layer, ref, int8_backend) + atol + rtol * expected.abs())
     rel = (out.double() - expected).norm() / expected.norm()
     assert rel < 0.03, f"relative error {rel:.4f}; Gaussian data should give ~1.3% (7-bit: ~2%)"
+
+
+def test_int8_linear_with_7bit_weight_codes_within_quantisation_bound(int8_backend: str | None) -> None:
+    """`weight_code_bits=7`: codes in [-63, 63] (scale absmax / 63); fbgemm then takes 8-bit
+    activation codes (255 levels per row), every other path the same integer products as before."""
+    ref = float_linear()
+    layer = Int8Linear.from_linear(ref, weight_code_bits=7)
+    assert torch.all(layer.weight.abs().amax(1) == 63)
+    err_w = (layer.dequantized_weight() - ref.weight.detach()).abs()
+    assert torch.all(err_w <= layer.weight_scale[:, None] / 2 * (1 + 1e-5))
+    x = inputs()
+    expected = ref.double()(x.double())
+    err = (layer(x).double() - expected).abs()
+    atol, rtol = OUTPUT_ROUNDING[torch.float32]
+    assert torch.all(err <= w8a8_bound(x, layer, ref, int8_backend, 255) + atol + rtol * expected.abs())
+
+
+def test_int8_linear_path_follows_the_weight_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AVX2 (flags patched): 7-bit codes take fbgemm with 8-bit activations, full-range codes
+    fp16codes; the choice is made again when the weight changes; set_path forces one."""
+    from tessel.quant import cpu_features
+
+    if not cpu_features.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    ref = float_linear()
+    layer = Int8Linear.from_linear(ref, weight_code_bits=7)
+    assert layer.cpu_path() == "fbgemm" and layer._path[2] == 8
+    with torch.no_grad():
+        layer.weight.copy_(Int8Linear.from_linear(ref).weight)  # full-range codes now
+    assert layer.cpu_path() == "fp16codes"
+    layer.set_path("fbgemm")
+    assert layer.cpu_path() == "fbgemm" and layer._path[2] == 7
+    layer.set_path(None)
+    assert layer.cpu_path() == "fp16codes"
+    with pytest.raises(TesselError, match="unknown int8 path"):
+        layer.set_path("vnni")
+    with pytest.raises(TesselError, match="weight code bits"):
+        Int8Linear.from_linear(ref, weight_code_bits=6)
 
 
 @pytest.mark.parametrize("int8_backend", EXACT_INT8_BACKENDS, indirect=True)

@@ -90,6 +90,53 @@ def test_one_device_without_offloading_is_tight() -> None:
     assert split_upper_bound_tok_s(alike, 2) == pytest.approx(actual, rel=1e-9)
 
 
+def _one_stage_instance(slowdowns: list[float], micro_batches: int):
+    """3 units on devices that each hold all of them, no stage extras, unit time x slowdown."""
+    from dataclasses import replace
+
+    n = len(slowdowns)
+    instance = flagged_instance(0, 3, n, 0, rng=np.random.default_rng(5), micro_batches=micro_batches)
+    memory = float(instance.weight_bytes.sum() + instance.kv_bytes.sum()) * 4
+    speed = np.array(slowdowns)[None, :]
+    zeros = np.zeros(n)
+    return replace(
+        instance,
+        devices=tuple(replace(d, memory_bytes=memory) for d in instance.devices),
+        prefill=replace(instance.prefill, unit_time_s=0.01 * speed.repeat(3, 0), first_time_s=zeros,
+                        last_time_s=zeros),
+        decode=replace(instance.decode, unit_time_s=0.001 * speed.repeat(3, 0), first_time_s=zeros,
+                       last_time_s=zeros),
+        prefill_weight=1.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("slowdowns", "micro_batches", "fluid_over_best"),
+    [
+        ([1, 1, 1, 1], 2, 2.0),  # 2 one-device replicas, 1 micro-batch each; every device busy: 4
+        ([1, 3, 3, 3], 2, 1.5),  # the fast device takes 1 micro-batch (1 stage), a slow one the other
+    ],
+)
+def test_flow_bound_is_tight_where_requests_in_flight_limit(
+    slowdowns, micro_batches, fluid_over_best
+) -> None:
+    """Too few micro-batches in flight to keep every device busy: the best split (brute force) is
+    exactly the flow bound's, while the fluid bound (every device busy at once) is looser."""
+    from tessel.plan.replica_bound import _fluid_bound_tok_s, flow_bound_tok_s
+
+    instance = _one_stage_instance(slowdowns, micro_batches)
+    best = _best_split_tok_s(instance, 2)
+    assert flow_bound_tok_s(instance, 2) == pytest.approx(best, rel=1e-5)
+    assert split_upper_bound_tok_s(instance, 2) == pytest.approx(best, rel=1e-5)
+    assert _fluid_bound_tok_s(instance, 2) == pytest.approx(fluid_over_best * best, rel=1e-5)
+
+
+def test_flow_bound_is_infinite_when_a_unit_costs_nothing() -> None:
+    from tessel.plan.replica_bound import flow_bound_tok_s
+
+    assert flow_bound_tok_s(_one_stage_instance([0, 1], 2), 2) == math.inf
+
+
 def test_bound_covers_the_chosen_split_on_a_bundled_cluster() -> None:
     from tessel.plan.build import build_instance
 

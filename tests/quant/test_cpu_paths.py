@@ -140,3 +140,82 @@ def test_one_row_gemv_equals_the_int32_gemm(monkeypatch, n: int, k: int, bias: b
     monkeypatch.setattr(w8a16_cpu._State, "broken", "no compiler (test)")
     assert layer._gemv(x) is None
     assert torch.equal(layer(x), want)
+
+
+def _narrow_layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight codes in [-63, 63] (`--weight-code-bits 7`) and their scales."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    s = w.abs().amax(1) / 63
+    return torch.round(w / s[:, None]).clamp(-63, 63).to(torch.int8), s
+
+
+@pytest.fixture
+def avx2_cpu(monkeypatch):
+    """This process seen as an AVX2 CPU without VNNI (the path choice only; every path runs anywhere)."""
+    if not cpu_features.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 45, 70), (7, 129, 257), (33, 64, 96)])
+def test_7bit_weight_codes_take_fbgemm_with_8bit_activations_on_avx2(avx2_cpu, m, n, k) -> None:
+    """Weights in [-64, 63] cannot saturate AVX2's int16 pair sums against 8-bit activation codes:
+    the layer picks fbgemm with 255 levels per row, held to half of that step against float64."""
+    q, s = _narrow_layer(n, k, m)
+    layer = W8A8Linear(q, s, torch.randn(n))
+    assert (layer.path, layer._fbgemm_act_bits) == ("fbgemm", 8)
+    x = torch.randn(m, k) * torch.linspace(0.2, 4, k)
+    x[0, 5] = 40.0  # an outlier in the first row only
+    w_deq = q.double() * s.double()[:, None]
+    ref = x.double() @ w_deq.T + layer.bias.double()
+    absmax = x.double().abs().amax(1, keepdim=True)
+    scaled = x.double() / absmax  # every row in [-1, 1], then one 8-bit step for them all
+    step = (scaled.max().clamp(min=0) - scaled.min().clamp(max=0)) / 255 * absmax  # [M, 1]
+    bound = (step / 2) * w_deq.abs().sum(dim=1) + 1e-4
+    assert torch.all((layer(x).double() - ref).abs() <= bound)
+    # and tighter than the int8 per-token codes of the exact paths would be held to (absmax / 127)
+    exact = W8A8Linear(q, s, layer.bias, path="dequant")(x).double()
+    assert (layer(x).double() - ref).norm() < 1.5 * (exact - ref).norm()
+
+
+def test_full_range_weights_keep_fp16codes_or_7bit_activations(avx2_cpu) -> None:
+    layer, _ = _layer(64, 96, False, None, None)  # type: ignore[arg-type]
+    assert int(layer.weight.abs().max()) == 127
+    assert (layer.path, layer._fbgemm_act_bits) == ("fp16codes", 7)
+    layer.set_path("fbgemm")  # opt-in: 7-bit activation codes, never 8 against these weights
+    assert layer._fbgemm_act_bits == 7
+    q, s = _narrow_layer(64, 96, 1)
+    static = W8A8Linear(q, s, input_scale=torch.tensor([0.02]))  # fbgemm takes no static scale
+    assert static.path == "fp16codes"
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability", "expected"),
+    [
+        ({"avx2", "avx512f", "avx512_vnni"}, "AVX512", "int_mm"),  # VNNI sums never saturate: int_mm
+        ({"avx2", "fma"}, "AVX2", "fbgemm"),
+        ({"avx2", "avx512f"}, "AVX512", "fbgemm"),
+        (set(), "DEFAULT", "dequant"),
+    ],
+)
+def test_7bit_weights_path_follows_the_cpu_features(monkeypatch, flags, capability, expected) -> None:
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    if expected == "fbgemm" and not cpu_features.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    assert choose_int8_path(frozenset(flags), capability, weights_fit_7bit=True) == expected
+    monkeypatch.setenv(ENV_OVERRIDE, "fp16codes")  # a forced path still wins
+    assert choose_int8_path(frozenset(flags), capability, weights_fit_7bit=True) == "fp16codes"
+
+
+def test_fits_7bit_codes_edges() -> None:
+    from tessel.kernels.int8_cpu import fbgemm_linear, fbgemm_pack, fits_7bit_codes
+
+    assert fits_7bit_codes(torch.tensor([[-64, 63]], dtype=torch.int8))
+    assert not fits_7bit_codes(torch.tensor([[-65, 0]], dtype=torch.int8))
+    assert not fits_7bit_codes(torch.tensor([[0, 64]], dtype=torch.int8))
+    assert fits_7bit_codes(torch.zeros(0, 4, dtype=torch.int8))
+    packed = fbgemm_pack(torch.ones(2, 4, dtype=torch.int8), torch.ones(2))
+    with pytest.raises(ValueError, match="7 or 8 bits"):
+        fbgemm_linear(torch.ones(1, 4), packed, None, act_bits=6)

@@ -41,7 +41,13 @@ from tessel.quant.observers import (
     quantize,
 )
 
-RANGES = [QuantRange(8, True), QuantRange(8, False), QuantRange(4, True), QuantRange(4, False)]
+RANGES = [
+    QuantRange(8, True),
+    QuantRange(8, False),
+    QuantRange(4, True),
+    QuantRange(4, False),
+    QuantRange(8, True, code_bits=7),  # int8 storage, codes in [-63, 63] (AVX2's fbgemm)
+]
 
 
 def _distribution(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -286,6 +292,13 @@ def test_per_tensor_mse_is_near_the_raw_grid_minimum(kind: str) -> None:
 def test_errors_name_the_problem() -> None:
     with pytest.raises(TesselError, match="num_bits"):
         QuantRange(3)
+    with pytest.raises(TesselError, match="code_bits 7 applies to symmetric int8"):
+        QuantRange(4, True, code_bits=7)
+    with pytest.raises(TesselError, match="code_bits 7 applies to symmetric int8"):
+        QuantRange(8, False, code_bits=7)
+    with pytest.raises(TesselError, match="code_bits 6"):
+        QuantRange(8, True, code_bits=6)
+    assert (QuantRange(8, True, code_bits=7).qmin, QuantRange(8, True, code_bits=7).qmax) == (-63, 63)
     with pytest.raises(TesselError, match="unknown observer"):
         make_observer("kmeans", QuantRange())
     with pytest.raises(TesselError, match="per-tensor and symmetric"):

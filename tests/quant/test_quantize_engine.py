@@ -135,10 +135,55 @@ def test_engine_swaps_in_w8a8_modules_and_generates(tiny_llama, calib_text, tmp_
     assert expected.strip() in result.output
 
 
+def test_7bit_weight_codes_are_an_int8_checkpoint_run_on_fbgemm(
+    tiny_llama, calib_text, tmp_path, monkeypatch
+) -> None:
+    """`--weight-code-bits 7`: an ordinary int8 compressed-tensors checkpoint (num_bits 8) whose
+    codes lie in [-63, 63]. HF reads it; the engine's exact path matches HF; on an AVX2 CPU
+    (flags patched) the engine runs fbgemm's int8 GEMM with 8-bit activations (its own rounding
+    of each row), as near the float model as the exact path is."""
+    from safetensors.torch import load_file
+
+    from tessel.kernels.int8_cpu import fits_7bit_codes
+    from tessel.quant import cpu_features
+
+    out = tmp_path / "w7"
+    args = ["--scheme", "w8a8", "--weight-code-bits", "7", "--smoothquant", "0.5", "--method", "gptq"]
+    result = _quantize(tiny_llama, calib_text, out, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert next(iter(config["config_groups"].values()))["weights"]["num_bits"] == 8
+    tensors = load_file(str(out / "model.safetensors"))
+    codes = [t for name, t in tensors.items() if t.dtype == torch.int8]
+    assert codes and all(int(t.abs().max()) <= 63 for t in codes)
+    assert max(int(t.abs().max()) for t in codes) == 63
+    ids = torch.randint(4, 300, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = hf_quantized(out)(torch.tensor([ids])).logits[0]
+    scale = float(expected.abs().max())
+    monkeypatch.setenv("TESSEL_INT8_PATH", "dequant")
+    exact = engine_logits(out, ids)
+    torch.testing.assert_close(exact, expected, rtol=2e-3, atol=2e-3 * scale)
+    if not cpu_features.fbgemm_available():
+        return
+    monkeypatch.delenv("TESSEL_INT8_PATH")
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    llm = LLM(out, max_model_len=128)
+    linears = [m for m in llm.model.modules() if isinstance(m, W8A8Linear)]
+    assert linears and all(fits_7bit_codes(m.weight) for m in linears)
+    assert {(m.path, m._fbgemm_act_bits) for m in linears} == {("fbgemm", 8)}
+    got = engine_logits(out, ids)
+    fp = engine_logits(tiny_llama, ids)
+    exact_error, fbgemm_error = float((exact - fp).norm()), float((got - fp).norm())
+    assert fbgemm_error < 1.25 * exact_error, (fbgemm_error, exact_error)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--scheme", "w4a16"], "group size 128 does not divide in_features 64"),
+        (["--scheme", "w8a16", "--weight-code-bits", "7"], "--weight-code-bits 7 applies to w8a8"),
+        (["--scheme", "w8a8", "--weight-code-bits", "6"], "--weight-code-bits must be 8 or 7"),
         (["--scheme", "w8a16", "--act", "static"], "--act static"),
         (["--scheme", "w8a8", "--asym"], "--asym applies to weight-only schemes"),
         (["--scheme", "w8a8", "--act", "static", "--calib-samples", "5000"], "--calib-samples 5000"),

@@ -47,6 +47,11 @@ def quantize(
     asym: bool = typer.Option(
         False, help="w8a16 / w4a16: asymmetric weights, a zero point per scale (llm-compressor's W4A16_ASYM)."
     ),
+    weight_code_bits: int = typer.Option(
+        8,
+        help="w8a8: 7 keeps the int8 weight codes in [-63, 63] (still an int8 checkpoint), so AVX2 CPUs "
+        "without VNNI run fbgemm's int8 GEMM with 8-bit activations (docs/quant.md).",
+    ),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
     check_model_path(model, "MODEL")
@@ -78,6 +83,7 @@ def quantize(
         static_groups=static_groups,
         awq=awq,
         asym=asym,
+        weight_code_bits=weight_code_bits,
     )
     console = Console(stderr=True, highlight=False)
     tasks: dict[str, int] = {}

@@ -11,11 +11,17 @@ computes what the de-quantised float32 GEMM does while reading 2 bytes per weigh
 the channel scale after it; W8A8 feeds it the per-token int8 codes of the activations (integers
 too), so its sums are the int32 GEMM's while they stay below 2**24: the `int_mm` path's numbers.
 
-fbgemm int8 (`quantized.linear_dynamic`), faster still, but it quantises its input per tensor to
-7-bit unsigned codes with a zero point (AVX2's u8 x s8 multiply-add sums pairs into int16, which
-8-bit codes could saturate). Per tensor would give every row of a batch the step of the largest
-row, so each row is divided by its absmax first; all rows then span [-1, 1] and the step is each
-row's own (per token, as `quantize_per_token`), with 128 levels instead of 255:
+fbgemm int8 (`quantized.linear_dynamic`), faster still. It quantises its input per tensor to
+unsigned codes with a zero point, and AVX2's u8 x s8 multiply-add sums pairs of products into int16:
+255 * 127 * 2 overflows it. So either side must give up a bit:
+
+    weights in [-64, 63] (`tessel quantize --weight-code-bits 7`): 8-bit activation codes,
+        255 * 64 * 2 = 32640 < 2**15, never saturates (`fits_7bit_codes`; the engine's default then)
+    any int8 weights: 7-bit activation codes (`reduce_range`), 128 levels instead of 255 (opt-in)
+
+Per tensor would give every row of a batch the step of the largest row, so each row is divided by
+its absmax first; all rows then span [-1, 1] and the step is each row's own (per token, as
+`quantize_per_token`):
 
     y[m, :] = fbgemm(x[m, :] / a[m]) * a[m] + bias        a[m] = max_k |x[m, k]|
 """
@@ -42,14 +48,30 @@ def fbgemm_pack(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Scrip
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
-def fbgemm_linear(rows: torch.Tensor, packed: torch.ScriptObject, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 rows [M, K] through fbgemm's int8 GEMM, each row quantised on its own -> float32 [M, N]."""
+NARROW_CODE_MIN, NARROW_CODE_MAX = -64, 63  # int8 weight codes fbgemm multiplies by 8-bit activations
+
+
+def fits_7bit_codes(weight: torch.Tensor) -> bool:
+    """Whether int8 weight codes lie in [-64, 63], so 8-bit activation codes cannot saturate."""
+    return weight.numel() == 0 or (
+        int(weight.min()) >= NARROW_CODE_MIN and int(weight.max()) <= NARROW_CODE_MAX
+    )
+
+
+def fbgemm_linear(
+    rows: torch.Tensor, packed: torch.ScriptObject, bias: torch.Tensor | None, act_bits: int = 7
+) -> torch.Tensor:
+    """float32 rows [M, K] through fbgemm's int8 GEMM, each row quantised on its own to `act_bits`
+    (8 only for weights that `fits_7bit_codes`) -> float32 [M, N]."""
+    if act_bits not in (7, 8):
+        raise ValueError(f"fbgemm's activation codes are 7 or 8 bits; got {act_bits}")
+    reduce_range = act_bits == 7
     rows = rows.float()
     if rows.shape[0] == 1:  # one row: per tensor is per token already
-        out = _quietly(torch.ops.quantized.linear_dynamic, rows, packed, True)
+        out = _quietly(torch.ops.quantized.linear_dynamic, rows, packed, reduce_range)
         return out if bias is None else out.add_(bias)
     absmax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(EPS)
-    out = _quietly(torch.ops.quantized.linear_dynamic, rows / absmax, packed, True)
+    out = _quietly(torch.ops.quantized.linear_dynamic, rows / absmax, packed, reduce_range)
     out.mul_(absmax)
     return out if bias is None else out.add_(bias)
 

@@ -10,8 +10,9 @@ the same rule as `quantize_per_token` applied to the weight's rows):
 
 On CPU, `Int8Linear` takes the int8 path of the CPU it runs on (`choose_int8_path`): `int_mm`
 (AVX-512 VNNI / AMX) as above, `fp16codes` (AVX2: the same codes through fbgemm's fp16-weight GEMM),
-`fbgemm` (opt-in: fbgemm's int8 GEMM, 7-bit codes per token; both `tessel.kernels.int8_cpu`),
-`dequant` (the integer codes as a float32 GEMM).
+`fbgemm` (fbgemm's int8 GEMM, per token: 8-bit activation codes when the weight codes fit 7 bits,
+`from_linear(layer, weight_code_bits=7)`, and the default on AVX2 then; 7-bit activation codes
+otherwise, opt-in; both `tessel.kernels.int8_cpu`), `dequant` (the integer codes as a float32 GEMM).
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from tessel.kernels._dispatch import use_triton
 from tessel.kernels.int8_cpu import (
     fbgemm_linear,
     fbgemm_pack,
+    fits_7bit_codes,
     fp16_codes_linear,
     fp16_codes_matmul,
     fp16_codes_pack,
 )
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
-from tessel.kernels.quantize import quantize_per_token
+from tessel.kernels.quantize import EPS, quantize_per_token
 from tessel.kernels.w8a16_gemm import linear, w8a16_gemm
-from tessel.quant.cpu_features import choose_int8_path, fbgemm_available
+from tessel.quant.cpu_features import INT8_PATHS, choose_int8_path, fbgemm_available
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -40,10 +42,19 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features)
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8: (q [N, K] int8, scale [N] float32), weight ~= q * scale[:, None]."""
-    with torch.no_grad():
-        return quantize_per_token(weight.detach().float())
+def quantize_weight(weight: torch.Tensor, code_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [N, K] int8, scale [N] float32), weight ~= q * scale[:, None].
+    code_bits 7 keeps the codes in [-63, 63] (scale absmax / 63): fbgemm's int8 GEMM on AVX2 then
+    takes 8-bit activations."""
+    if code_bits == 8:
+        with torch.no_grad():
+            return quantize_per_token(weight.detach().float())
+    if code_bits != 7:
+        raise TesselError(f"weight code bits must be 8 or 7; got {code_bits}")
+    w = weight.detach().float()
+    qmax = (1 << (code_bits - 1)) - 1
+    scale = (w.abs().amax(dim=1) / qmax).clamp_min_(EPS)
+    return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -105,9 +116,10 @@ class _QuantizedLinear(nn.Module):
         )
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear) -> _QuantizedLinear:
-        """Quantise a float nn.Linear once: per-output-channel int8 weights, float32 scales, float32 bias."""
-        weight, scale = quantize_weight(layer.weight)
+    def from_linear(cls, layer: nn.Linear, weight_code_bits: int = 8) -> _QuantizedLinear:
+        """Quantise a float nn.Linear once: per-output-channel int8 weights (codes of
+        `weight_code_bits`), float32 scales, float32 bias."""
+        weight, scale = quantize_weight(layer.weight, weight_code_bits)
         bias = None if layer.bias is None else layer.bias.detach().float()
         return cls.from_int8(weight, scale, bias)
 
@@ -183,14 +195,17 @@ class Int8Linear(_QuantizedLinear):
     int8_gemm (int32 accumulation). Output dtype = input dtype (float16, bfloat16 or float32).
     """
 
-    _path: str | None = None  # the CPU int8 path, chosen at the first CPU call
+    # ((weight key), CPU int8 path, fbgemm's activation bits), chosen again when the weight changes
+    _path: tuple[tuple, str, int] | None = None
+    _forced: str | None = None  # set_path's choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x, self.in_features)
         on_cpu_torch = rows.device.type == "cpu" and not use_triton(rows)
         path = self.cpu_path() if on_cpu_torch else "int_mm"  # int8_gemm: Triton, or torch's on CUDA
         if path == "fbgemm":
-            out = fbgemm_linear(rows, self._fbgemm_weight(path), self.bias).to(x.dtype)
+            act_bits = self._path[2]
+            out = fbgemm_linear(rows, self._fbgemm_weight(path), self.bias, act_bits).to(x.dtype)
         else:
             q, scale = quantize_per_token(rows)
             if path == "fp16codes":
@@ -204,10 +219,20 @@ class Int8Linear(_QuantizedLinear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def cpu_path(self) -> str:
-        """The CPU int8 path, `choose_int8_path()` when first called (TESSEL_INT8_PATH forces one)."""
-        if self._path is None:
-            self._path = choose_int8_path()
-        return self._path
+        """The CPU int8 path: `choose_int8_path` for this weight's codes, chosen at the first call
+        and again when the weight changes (TESSEL_INT8_PATH forces one)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._path is None or self._path[0] != key:
+            narrow = fits_7bit_codes(self.weight)
+            path = self._forced or choose_int8_path(weights_fit_7bit=narrow)
+            self._path = (key, path, 8 if narrow else 7)
+        return self._path[1]
+
+    def set_path(self, path: str | None) -> None:
+        """Force a CPU int8 path (one of INT8_PATHS; None: by the CPU and the weight's codes again)."""
+        if path is not None and path not in INT8_PATHS:
+            raise TesselError(f"unknown int8 path {path!r}; choose one of {', '.join(INT8_PATHS)}")
+        self._forced, self._path = path, None
 
 
 class W8A16Linear(_QuantizedLinear):

@@ -10,10 +10,11 @@ products in the compiled int8 GEMV of `gemv_int8` (float32 sums, exact below 2**
 
 On CUDA the GEMM is tessel's Triton int8 kernel. On CPU the path follows the CPU
 (`tessel.quant.cpu_features`): `int_mm` (AVX-512 VNNI / AMX: `torch._int_mm`), `fp16codes` (AVX2:
-the integer codes through fbgemm's fp16-weight GEMM, the same sums), `fbgemm` (opt-in on AVX2:
-PyTorch's dynamic int8 linear on rows scaled to [-1, 1] first, so still per token, but with 7-bit
-codes against int16 saturation; static scales fall back to `dequant` there; both
-`tessel.kernels.int8_cpu`), `dequant` (the integer products as a float32 GEMM).
+the integer codes through fbgemm's fp16-weight GEMM, the same sums), `fbgemm` (PyTorch's dynamic
+int8 linear on rows scaled to [-1, 1] first, so still per token: 8-bit activation codes where the
+weight codes fit 7 bits, the default on AVX2 then; 7-bit activation codes against int16 saturation
+otherwise, opt-in; static scales fall back to `dequant` there; both `tessel.kernels.int8_cpu`),
+`dequant` (the integer products as a float32 GEMM).
 
 `W8A16CPULinear` is the weight-only scheme's CPU module (`choose_w8a16_path`):
 
@@ -36,6 +37,7 @@ from tessel.errors import TesselError
 from tessel.kernels.int8_cpu import (
     fbgemm_linear,
     fbgemm_pack,
+    fits_7bit_codes,
     fp16_codes_linear,
     fp16_codes_matmul,
     fp16_codes_pack,
@@ -81,15 +83,20 @@ class W8A8Linear(nn.Module):
         self.set_path(path)
 
     def set_path(self, path: str | None = None) -> None:
-        """Pick the CPU int8 path (None: by this CPU's features) and prepare its weight form."""
-        path = choose_int8_path() if path is None else path
+        """Pick the CPU int8 path (None: by this CPU's features and the weight's codes) and prepare
+        its weight form."""
+        on_cpu = self.weight.device.type == "cpu" and not self.weight.is_meta
+        narrow = on_cpu and fits_7bit_codes(self.weight)
+        self._fbgemm_act_bits = 8 if narrow else 7
+        if path is None:
+            path = choose_int8_path(weights_fit_7bit=narrow and self.input_scale is None)
         if path not in INT8_PATHS:
             raise TesselError(f"unknown int8 path {path!r}; choose one of {', '.join(INT8_PATHS)}")
         if path == "fbgemm" and self.input_scale is not None:
             path = "dequant"  # fbgemm's dynamic linear cannot take a calibrated input scale
         self.path = path
         self._packed = self._float_weight = None
-        if self.weight.device.type != "cpu" or self.weight.is_meta:
+        if not on_cpu:
             return
         if path == "fbgemm":
             self._packed = fbgemm_pack(self.weight, self.weight_scale)
@@ -116,7 +123,7 @@ class W8A8Linear(nn.Module):
             q, s = self._quantize_input(rows)
             out = int8_gemm(q, self.weight, s, self.weight_scale, self.bias, out_dtype=x.dtype)
         elif self.path == "fbgemm":
-            out = fbgemm_linear(rows, self._packed, self.bias).to(x.dtype)
+            out = fbgemm_linear(rows, self._packed, self.bias, self._fbgemm_act_bits).to(x.dtype)
         elif self.path == "fp16codes":
             quantized = None
             if self.input_scale is None and 0 < rows.shape[0] <= GEMV_MAX_ROWS:  # one compiled kernel

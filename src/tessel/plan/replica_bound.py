@@ -35,6 +35,22 @@ devices r_j(L) >= U. Hence
 
 the maximum over L taken at L*, at a breakpoint of r_j or of psi, or in the limit L -> inf
 (between breakpoints r_j / psi is a ratio of linear functions, hence monotone).
+
+That bound lets every device work at once, which needs requests in flight on all of them; the
+workload has only m micro-batches in flight (sum_G k_G <= m). The flow bound counts both limits
+per unit and device. With x_G = throughput(G) / (b n_out), R_G = P + n_out D, and a_uj = x_G for
+unit u on device j of replica G (a rate of unit crossings):
+
+    R_G >= sum_j W_j + (k_G - 1) max_j W_j >= k_G max_j W_j, so x_G W_j = k_G W_j / R_G <= 1:
+        sum_u a_uj w_uj <= 1 for every device j (its busy time)
+    R_G >= sum_j W_j, so x_G sum_{j in G} W_j <= k_G and, summed over the replicas,
+        sum_{u, j} a_uj w_uj <= m (Little's law: the micro-batches in flight)
+    every replica holds every unit once: sum_j a_uj = sum_G x_G =: Y for every unit u
+
+(w_uj: unit u's least prefill + n_out decode time on device j, `_work`; W_j >= sum of its units'
+w_uj). The most Y of this linear program (HiGHS) bounds every split: sum_G throughput(G) <=
+b n_out Y*. It leaves memory out, which the fluid bound counts; the bound returned is the smaller
+of the two.
 Tested against brute force over every partition with every plan of each group
 (`tests/plan/test_replica_bound.py`).
 """
@@ -46,10 +62,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessel.plan.highs import solve_lp
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL
 
 BISECTION_STEPS = 200
+LP_SLACK = 1e-6  # relative: HiGHS's optimum is exact only to its tolerances
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +156,37 @@ def split_upper_bound_tok_s(instance: PlanningInstance, micro_batch_size: int) -
     """Upper bound on the summed predicted throughput (tokens/s) of every split of the instance's
     devices into replicas, each with any share of the micro-batches and planned any way (module
     docstring); 0 when no split can hold the model, inf when a device costs no time."""
+    fluid = _fluid_bound_tok_s(instance, micro_batch_size)
+    return min(fluid, flow_bound_tok_s(instance, micro_batch_size)) if fluid > 0 else fluid
+
+
+def flow_bound_tok_s(instance: PlanningInstance, micro_batch_size: int) -> float:
+    """b n_out Y*: the flow bound's linear program (module docstring); inf when a unit costs no time
+    on some device (the program is unbounded) or HiGHS finds no optimum (no bound is claimed then)."""
+    work = _work(instance)  # [U, N]
+    n_units, n_devices = work.shape
+    n_vars = n_units * n_devices + 1  # a_uj row-major, then Y
+    flat = np.arange(n_units * n_devices)
+    units, devices = flat // n_devices, flat % n_devices
+    # rows 0..U-1: sum_j a_uj - Y = 0; U..U+N-1: device busy time <= 1; U+N: in flight <= m
+    rows = np.concatenate(
+        [units, np.arange(n_units), n_units + devices, np.full(flat.size, n_units + n_devices)]
+    )
+    cols = np.concatenate([flat, np.full(n_units, n_vars - 1), flat, flat])
+    vals = np.concatenate([np.ones(flat.size), -np.ones(n_units), work.reshape(-1), work.reshape(-1)])
+    row_lower = np.concatenate([np.zeros(n_units), np.full(n_devices + 1, -np.inf)])
+    row_upper = np.concatenate([np.zeros(n_units), np.ones(n_devices), [float(instance.micro_batches)]])
+    cost = np.zeros(n_vars)
+    cost[-1] = -1.0
+    least = solve_lp(cost, np.zeros(n_vars), np.full(n_vars, np.inf), rows, cols, vals, row_lower, row_upper)
+    if least is None:
+        return math.inf
+    n_out = instance.decode_weight / instance.prefill_weight
+    return micro_batch_size * n_out * -least * (1 + LP_SLACK)
+
+
+def _fluid_bound_tok_s(instance: PlanningInstance, micro_batch_size: int) -> float:
+    """The bound with every device busy at once (module docstring, first part)."""
     devices = _devices(instance)
     units = float(instance.n_units)
     if sum(d.units(math.inf) for d in devices) < units:

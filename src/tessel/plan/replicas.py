@@ -36,8 +36,9 @@ Which split (`choose_replicas`):
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
   The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
-  `split_bound_tok_s` bounds every split there is (`tessel.plan.replica_bound`: a fluid bound, loose
-  but proven), so `split_gap` is a proven gap to the best split at any cluster size.
+  `split_bound_tok_s` bounds every split there is (`tessel.plan.replica_bound`: the lesser of a fluid
+  bound and a requests-in-flight bound, loose but proven), so `split_gap` is a proven gap to the best
+  split at any cluster size.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ class QuantizeOptions:
     static_groups: bool = False  # GPTQ: group scales from the original weights, up front
     awq: bool = False  # AWQ's activation-aware channel scaling before the weights are rounded
     asym: bool = False  # weight-only schemes: a zero point per scale
+    weight_code_bits: int = 8  # w8a8: 7 keeps the int8 codes in [-63, 63] for AVX2 (fbgemm's int8 GEMM)
 
     def __post_init__(self) -> None:
         self.make_scheme()  # validates scheme / act / group / symmetry
@@ -85,7 +86,14 @@ class QuantizeOptions:
             )
 
     def make_scheme(self) -> Scheme:
-        return make_scheme(self.scheme, self.act, self.group_size, symmetric=not self.asym)
+        symmetric = not self.asym
+        return make_scheme(
+            self.scheme,
+            self.act,
+            self.group_size,
+            symmetric=symmetric,
+            weight_code_bits=self.weight_code_bits,
+        )
 
     @property
     def needs_calibration(self) -> bool:

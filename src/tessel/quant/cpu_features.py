@@ -6,12 +6,14 @@ W8A8 (`choose_int8_path`):
     fp16codes  AVX2 without VNNI: the int8 codes of weights and activations through fbgemm's
                fp16-weight GEMM (`tessel.kernels.int8_cpu`): the int32 GEMM's sums below 2**24;
                `torch._int_mm` has no fast kernel there (the issue measured 0.04x fp32)
-    fbgemm     opt-in on AVX2: fbgemm's dynamic int8 linear, faster, with 7-bit activation codes
-               per token (less accurate: SmolLM2's perplexity moves more, docs/quant.md)
+    fbgemm     fbgemm's dynamic int8 linear, faster: the default on AVX2 for weights whose codes
+               fit 7 bits (`tessel quantize --weight-code-bits 7`), with 8-bit activation codes per
+               token; opt-in for full-range weights, with 7-bit activation codes (less accurate:
+               SmolLM2's perplexity moves more, docs/quant.md)
     dequant    anything else: the same integer products as float32 GEMMs (exact below 2**24)
 
 `TESSEL_INT8_PATH=int_mm|fp16codes|fbgemm|dequant` forces a path (each one runs on any x86 CPU
-with PyTorch's fbgemm; only the speed differs, and `fbgemm`'s 7-bit codes).
+with PyTorch's fbgemm; only the speed differs, and `fbgemm`'s codes).
 
 W8A16 (int8 weights, float activations; `choose_w8a16_path`):
 
@@ -67,8 +69,12 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def choose_int8_path(flags: frozenset[str] | None = None, capability: str | None = None) -> str:
-    """The CPU int8 path for these flags (default: this machine's), unless TESSEL_INT8_PATH forces one."""
+def choose_int8_path(
+    flags: frozenset[str] | None = None, capability: str | None = None, weights_fit_7bit: bool = False
+) -> str:
+    """The CPU int8 path for these flags (default: this machine's), unless TESSEL_INT8_PATH forces one.
+    `weights_fit_7bit`: the weight codes lie in [-64, 63], so fbgemm's int8 GEMM is exact with
+    8-bit activations on AVX2 and is taken there instead of `fp16codes`."""
     forced = os.environ.get(ENV_OVERRIDE, "").strip()
     if forced:
         if forced not in INT8_PATHS:
@@ -79,7 +85,7 @@ def choose_int8_path(flags: frozenset[str] | None = None, capability: str | None
     if flags & VNNI_FLAGS:
         return "int_mm"
     if ("avx2" in flags or capability in ("AVX2", "AVX512")) and fbgemm_available():
-        return "fp16codes"
+        return "fbgemm" if weights_fit_7bit else "fp16codes"
     return "dequant"
 
 
@@ -113,6 +119,7 @@ def describe() -> dict[str, object]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "flags": interesting,
         "int8_path": choose_int8_path(),
+        "int8_path_7bit_weight_codes": choose_int8_path(weights_fit_7bit=True),
         "w8a16_path": choose_w8a16_path(),
         "quantized_engines": list(torch.backends.quantized.supported_engines),
     }

@@ -45,28 +45,42 @@ MSE_MAX_SHRINK = 0.8  # ... down to 20% of it (llm-compressor's MSE observer def
 MSE_SUBSAMPLES = 8  # points per histogram bin when the MSE is measured on a histogram
 DEFAULT_PERCENTILE = 99.99
 DEFAULT_AVERAGING = 0.01  # torch.ao MovingAverageMinMaxObserver's averaging_constant
+NARROW_CODE_BITS = (7,)  # QuantRange.code_bits allowed below num_bits
 
 
 @dataclass(frozen=True, slots=True)
 class QuantRange:
-    """Integer width and mapping: int8 / int4, symmetric (zero point 0) or asymmetric."""
+    """Integer width and mapping: int8 / int4, symmetric (zero point 0) or asymmetric.
+
+    `code_bits` narrows the codes of a symmetric int8 range while they are still stored as int8:
+    7 keeps them in [-63, 63], which AVX2's int8 multiply-add cannot saturate against 8-bit
+    activations (`tessel.kernels.int8_cpu`)."""
 
     num_bits: int = 8
     symmetric: bool = True
     restricted: bool = True  # symmetric: drop the lowest level (-2**(b-1)) so -x quantises to -q
+    code_bits: int | None = None  # None: num_bits
 
     def __post_init__(self) -> None:
         if self.num_bits not in (4, 8):
             raise TesselError(f"num_bits must be 4 or 8; got {self.num_bits}")
+        if self.code_bits is not None and (
+            self.code_bits not in NARROW_CODE_BITS or self.num_bits != 8 or not self.symmetric
+        ):
+            raise TesselError(f"code_bits {self.code_bits} applies to symmetric int8 only; choose 7")
+
+    @property
+    def _bits(self) -> int:
+        return self.num_bits if self.code_bits is None else self.code_bits
 
     @property
     def qmin(self) -> int:
-        half = 1 << (self.num_bits - 1)
+        half = 1 << (self._bits - 1)
         return -(half - 1) if self.symmetric and self.restricted else -half
 
     @property
     def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
+        return (1 << (self._bits - 1)) - 1
 
 
 def calculate_qparams(

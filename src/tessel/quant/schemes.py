@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tessel.errors import TesselError
-from tessel.quant.observers import QuantRange, make_observer, quantize
+from tessel.quant.observers import NARROW_CODE_BITS, QuantRange, make_observer, quantize
 
 GROUP_SIZE = 128  # the group of llm-compressor's W4A16 preset (and GPTQ's usual one)
 WEIGHT_OBSERVERS = ("minmax", "mse")
@@ -32,14 +32,17 @@ class Scheme:
     act_bits: int | None  # None: weight-only (float activations)
     act_static: bool = False  # activations: static per tensor (calibrated) vs dynamic per token
     symmetric: bool = True  # False: weights with a zero point per scale (weight-only schemes)
+    weight_code_bits: int | None = None  # w8a8: 7 keeps the int8 codes in [-63, 63] (AVX2's fbgemm)
 
     @property
     def weight_range(self) -> QuantRange:
-        """int8: [-127, 127]; int4: every level of [-8, 7] with scale max|w| / 7.5 (compressed-tensors'
-        and llm-compressor's symmetric int4): one level more than [-7, 7] is worth much at 4 bits.
-        Asymmetric: every level of [-2**(b-1), 2**(b-1) - 1]."""
+        """int8: [-127, 127] ([-63, 63] with 7-bit codes); int4: every level of [-8, 7] with scale
+        max|w| / 7.5 (compressed-tensors' and llm-compressor's symmetric int4): one level more than
+        [-7, 7] is worth much at 4 bits. Asymmetric: every level of [-2**(b-1), 2**(b-1) - 1]."""
         restricted = self.weight_bits == 8 and self.symmetric
-        return QuantRange(self.weight_bits, symmetric=self.symmetric, restricted=restricted)
+        return QuantRange(
+            self.weight_bits, symmetric=self.symmetric, restricted=restricted, code_bits=self.weight_code_bits
+        )
 
     @property
     def weight_only(self) -> bool:
@@ -54,9 +57,20 @@ class Scheme:
 
 
 def make_scheme(
-    name: str, act: str = "dynamic", group_size: int | None = None, symmetric: bool = True
+    name: str,
+    act: str = "dynamic",
+    group_size: int | None = None,
+    symmetric: bool = True,
+    weight_code_bits: int = 8,
 ) -> Scheme:
-    """The scheme for `--scheme NAME --act dynamic|static [--group-size G] [--asym]`."""
+    """The scheme for `--scheme NAME --act dynamic|static [--group-size G] [--asym]
+    [--weight-code-bits 7]`."""
+    if weight_code_bits not in (8, *NARROW_CODE_BITS):
+        raise TesselError(f"--weight-code-bits must be 8 or 7; got {weight_code_bits}")
+    if weight_code_bits != 8 and name != "w8a8":
+        raise TesselError(
+            "--weight-code-bits 7 applies to w8a8 (int8 x int8 on AVX2); weight-only schemes keep 8-bit codes"
+        )
     if not symmetric and name == "w8a8":
         raise TesselError("--asym applies to weight-only schemes (w8a16, w4a16); w8a8 weights are symmetric")
     if act not in ("dynamic", "static"):
@@ -66,7 +80,8 @@ def make_scheme(
             raise TesselError(
                 "--group-size applies to w8a16 / w4a16; w8a8 weights have a scale per output channel"
             )
-        return Scheme(name, 8, None, 8, act_static=act == "static")
+        narrow = None if weight_code_bits == 8 else weight_code_bits
+        return Scheme(name, 8, None, 8, act_static=act == "static", weight_code_bits=narrow)
     if act == "static":
         raise TesselError(f"--act static needs quantised activations; scheme {name} keeps them float")
     if name == "w8a16":
