@@ -192,6 +192,35 @@ def gemm_shape(bench: Bench, m: int, n: int, k: int) -> None:
         bench.pair("linear", shape, dtype_name, lambda: linear(x, weight, bias), base_name, baseline)
 
 
+# SmolLM2-135M's decoder linears as the engine fuses them (N, K): qkv, o, gate_up, down.
+SMOLLM2_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def smollm2_cases(bench: Bench) -> None:
+    """One SmolLM2 decoder layer's four linears, run back to back, at 1 row (one-stream decode) and
+    32 rows (32 requests decoding): Int8Linear with 7-bit and with 8-bit weight codes on this CPU's
+    paths, against fp32 F.linear. The end-to-end W8A8 / fp32 decode ratio of the engine cannot
+    exceed this one by much, as everything outside the linears is the same code in both."""
+    from tessel.layers import Int8Linear
+
+    refs = [torch.nn.Linear(k, n) for n, k in SMOLLM2_LINEARS.values()]
+    narrow = [Int8Linear.from_linear(ref, weight_code_bits=7) for ref in refs]
+    full = [Int8Linear.from_linear(ref) for ref in refs]
+    for m in (1, 32):
+        xs = [torch.randn(m, ref.in_features) for ref in refs]
+
+        def run(layers, xs=xs) -> list[torch.Tensor]:
+            return [layer(x) for layer, x in zip(layers, xs, strict=True)]
+
+        for layers, bits in ((narrow, 7), (full, 8)):
+            for got, want in zip(run(layers), run(refs), strict=True):
+                check(f"Int8Linear {bits}-bit codes", got, want, 0.05)
+            name = f"SmolLM2 layer, Int8Linear {bits}-bit codes ({layers[0].cpu_path()})"
+            bench.pair(name, f"{m}x(qkv,o,gate_up,down)",
+                       "int8", lambda layers=layers, run=run: run(layers), "F.linear float32",
+                       lambda run=run: run(refs))  # fmt: skip
+
+
 def other_cases(bench: Bench) -> None:
     from tessel.kernels import conv2d, transpose
 
@@ -306,7 +335,9 @@ def main() -> None:
         default=None,
         help="torch CPU threads (default: torch's); 1 is steadier on a shared CPU",
     )
-    parser.add_argument("--only", choices=("gemm", "other"), default=None, help="run one group of ops")
+    parser.add_argument(
+        "--only", choices=("gemm", "smollm2", "other"), default=None, help="run one group of ops"
+    )
     args = parser.parse_args()
 
     if args.threads:
@@ -316,6 +347,9 @@ def main() -> None:
     load_before = os.getloadavg()
     if args.only in (None, "gemm"):
         gemm_cases(bench)
+    if args.only in (None, "smollm2") and args.device == "cpu":
+        with torch.no_grad():
+            smollm2_cases(bench)
     if args.only in (None, "other"):
         other_cases(bench)
     if args.device == "cuda":

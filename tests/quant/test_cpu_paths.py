@@ -126,7 +126,7 @@ def test_this_machine_reads_its_flags() -> None:
 def test_one_row_gemv_equals_the_int32_gemm(monkeypatch, n: int, k: int, bias: bool, input_scale) -> None:
     """A single row takes the compiled GEMV (float32 sums of the integer products): bit for bit the
     int32 GEMM + epilogue of `int8_gemm` (its sums stay below 2**24 here), also without a compiler."""
-    from tessel.kernels import w8a16_cpu
+    from tessel.kernels import cpu_compile
     from tessel.kernels.int8_gemm import int8_gemm
 
     layer, _ = _layer(n, k, bias, input_scale, "int_mm")
@@ -137,7 +137,7 @@ def test_one_row_gemv_equals_the_int32_gemm(monkeypatch, n: int, k: int, bias: b
     assert torch.equal(layer(x), want)
     with torch.inference_mode():
         assert torch.equal(layer(x[None]), want[None])  # [1, 1, K]: leading dims kept
-    monkeypatch.setattr(w8a16_cpu._State, "broken", "no compiler (test)")
+    monkeypatch.setattr(cpu_compile._State, "broken", "no compiler (test)")
     assert layer._gemv(x) is None
     assert torch.equal(layer(x), want)
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from tessel import LLM, SamplingParams
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.kernels import w8a16_cpu
+from tessel.kernels import cpu_compile, w8a16_cpu
 from tessel.kernels.quantize import quantize_per_token
 from tessel.layers.quantized_linear import GEMV_MAX_ROWS, W8A16CPULinear
 from tessel.quant.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a16_path, cpu_flags
@@ -79,7 +79,7 @@ def test_a_failing_compile_falls_back_to_the_float_gemm(monkeypatch) -> None:
     def broken(*args):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(w8a16_cpu._State, "broken", None)
+    monkeypatch.setattr(cpu_compile._State, "broken", None)
     monkeypatch.setattr(w8a16_cpu, "_compiled", lambda *key: broken)
     layer, *_ = _layer(30, 50, True, "gemv")
     reference, *_ = _layer(30, 50, True, "dequant")

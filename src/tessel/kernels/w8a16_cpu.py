@@ -18,11 +18,11 @@ bfloat16 (exact: |w| <= 127) for more, float32 sums rounded to bfloat16, the sca
 from __future__ import annotations
 
 import functools
-import shutil
-import warnings
 
 import torch
 
+from tessel.kernels import cpu_compile
+from tessel.kernels.cpu_compile import compiler_available
 from tessel.kernels.quantize import EPS, QMAX
 
 # torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
@@ -74,42 +74,14 @@ def _w(n: int, k: int) -> torch.Tensor:
 @functools.cache
 def _compiled(name: str, m: int, n: int, k: int):
     """A static-shape compiled kernel per shape (a static GEMV ran 1.6x faster than a dynamic-shape
-    one at 1 x 576 x 576). Inductor compiles the traced graph directly, without torch.compile's
-    dynamo front end, whose guard checks cost tens of microseconds a call, as much as a small
-    layer's GEMV. Nothing then checks the inputs, so callers pass only contiguous float32 / int8
-    tensors of exactly the shape."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
+    one at 1 x 576 x 576); `tessel.kernels.cpu_compile` builds it."""
     fn, example = _KERNELS[name]
-    inputs = example(m, n, k)
-    with torch.no_grad():
-        return torch._inductor.compile(make_fx(fn)(*inputs), inputs)
+    return cpu_compile.compile_graph(fn, example(m, n, k))
 
 
 def _run(key: tuple[str, int, int, int], args: list[torch.Tensor]):
     """The compiled kernel of `key` on `args`; None when compiling fails (a warning, once)."""
-    try:
-        return _compiled(*key)(*args)
-    except Exception as error:  # inductor raises many types (missing headers, a compiler error, ...)
-        _State.broken = f"{type(error).__name__}: {error}"
-        warnings.warn(
-            f"tessel: the compiled W8A16 GEMV failed ({_State.broken}); using the float GEMM", stacklevel=3
-        )
-        return None
-
-
-class _State:
-    broken: str | None = None  # why compiling failed in this process (then nothing compiles again)
-
-
-@functools.cache
-def _has_cxx() -> bool:
-    return any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
-
-
-def compiler_available() -> bool:
-    """Whether inductor can build C++ kernels here (a C++ compiler on PATH, compiling not broken)."""
-    return _State.broken is None and _has_cxx()
+    return cpu_compile.run(lambda: _compiled(*key), args, "the compiled W8A16 GEMV", "the float GEMM")
 
 
 def gemv_int8(

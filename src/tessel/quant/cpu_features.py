@@ -105,7 +105,7 @@ def choose_w8a16_path(flags: frozenset[str] | None = None, compiler: bool | None
     if AVX512_FLAG not in flags and "avx2" in flags and fbgemm_available():
         return "fp16codes"
     if compiler is None:
-        from tessel.kernels.w8a16_cpu import compiler_available
+        from tessel.kernels.cpu_compile import compiler_available
 
         compiler = compiler_available()
     return "gemv" if compiler else "dequant"

@@ -1,0 +1,116 @@
+"""A/B of one engine change, alternating it on and off every decode step of the same requests.
+
+    python benchmarks/decode_ab.py [--model DIR] [--change compiled-rmsnorm] [--concurrent 1] \
+        [--steps 300] [--lm-head int8] [--threads 1] [--out PATH.json]
+
+A shared CPU's speed drifts by tens of percent over seconds, more than a small change gains, so
+two whole runs one after the other cannot compare it. Here the change flips before every step of
+one generation (`--concurrent` requests of 64 prompt tokens, after 12 warm-up steps), and each
+side gets the median of its step times; `ratio` is the median over adjacent step pairs of
+off / on (> 1: the change is faster). Changes:
+
+- compiled-rmsnorm: one float32 row's add + RMSNorm as one inductor kernel
+  (`tessel.kernels.rms_norm`), against PyTorch's ops.
+
+JSON goes to benchmarks/results/decode_ab.json with the CPU's features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # real_model
+EVAL = Path(__file__).parent / "data" / "kjv_evaluation.txt"
+RESULTS = Path(__file__).parent / "results" / "decode_ab.json"
+
+
+def compiled_rmsnorm_switch() -> Callable[[bool], None]:
+    module = importlib.import_module("tessel.kernels.rms_norm")
+    one_row = module._one_cpu_row
+
+    def switch(on: bool) -> None:
+        module._one_cpu_row = one_row if on else (lambda tensors: False)
+
+    return switch
+
+
+CHANGES = {"compiled-rmsnorm": compiled_rmsnorm_switch}
+
+
+def step_times(llm, switch: Callable[[bool], None], concurrent: int, steps: int) -> dict[bool, list[float]]:
+    from tessel import SamplingParams
+
+    ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for i in range(concurrent):
+        llm.add_request(f"ab{i}", ids[i * 64 : (i + 1) * 64], params)
+    for i in range(12):  # prefill, then warm-up steps on both sides (the compiles)
+        switch(i % 2 == 1)
+        llm.step()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(steps):
+        on = i % 2 == 1
+        switch(on)
+        start = time.perf_counter()
+        llm.step()
+        times[on].append(time.perf_counter() - start)
+    switch(True)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the cache)")
+    parser.add_argument("--change", choices=sorted(CHANGES), default="compiled-rmsnorm")
+    parser.add_argument("--concurrent", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lm-head", default="float", help="float or int8 (the engine's lm_head option)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        import real_model
+
+        args.model = str(real_model.smollm2_dir())
+    from tessel import LLM
+    from tessel.quant.cpu_features import describe
+
+    max_len = 64 + args.steps + 32
+    llm = LLM(args.model, max_model_len=max_len, max_num_seqs=args.concurrent, lm_head=args.lm_head)
+    times = step_times(llm, CHANGES[args.change](), args.concurrent, args.steps)
+    off_ms, on_ms = (statistics.median(times[side]) * 1e3 for side in (False, True))
+    ratio = statistics.median(a / b for a, b in zip(times[False], times[True], strict=False))
+    cpu = describe()
+    print(f"CPU: {platform.machine()}, features {', '.join(cpu['flags'])}; torch {torch.__version__}, "
+          f"{args.threads} thread(s)")  # fmt: skip
+    print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), {args.change}: "
+          f"off {off_ms:.2f} ms/step, on {on_ms:.2f} ms/step, off/on {ratio:.3f}")  # fmt: skip
+    record = {
+        "model": Path(args.model).name, "change": args.change, "concurrent": args.concurrent,
+        "lm_head": args.lm_head, "steps": args.steps, "threads": args.threads, "off_ms": off_ms,
+        "on_ms": on_ms, "ratio_off_over_on": ratio, "cpu_flags": cpu["flags"], "torch": torch.__version__,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs = json.loads(args.out.read_text()) if args.out.exists() else []
+    args.out.write_text(json.dumps([*runs, record], indent=2) + "\n")
+    print(f"appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
