@@ -1,16 +1,18 @@
 """A/B of one engine change, alternating it on and off every decode step of the same requests.
 
     python benchmarks/decode_ab.py [--model DIR] [--change compiled-rmsnorm] [--concurrent 1] \
-        [--steps 300] [--lm-head int8] [--threads 1] [--out PATH.json]
+        [--prompt-len 64] [--steps 300] [--lm-head int8] [--threads 1] [--out PATH.json]
 
 A shared CPU's speed drifts by tens of percent over seconds, more than a small change gains, so
 two whole runs one after the other cannot compare it. Here the change flips before every step of
-one generation (`--concurrent` requests of 64 prompt tokens, after 12 warm-up steps), and each
+one generation (`--concurrent` requests of `--prompt-len` tokens, after 12 warm-up steps), and each
 side gets the median of its step times; `ratio` is the median over adjacent step pairs of
 off / on (> 1: the change is faster). Changes:
 
 - compiled-rmsnorm: one float32 row's add + RMSNorm as one inductor kernel
   (`tessel.kernels.rms_norm`), against PyTorch's ops.
+- batched-attention: the CPU decode attention's batched form for short contexts
+  (`tessel.kernels.paged_decode.batched_fits`), against the per-sequence loop.
 
 JSON goes to benchmarks/results/decode_ab.json with the CPU's features.
 """
@@ -45,16 +47,28 @@ def compiled_rmsnorm_switch() -> Callable[[bool], None]:
     return switch
 
 
-CHANGES = {"compiled-rmsnorm": compiled_rmsnorm_switch}
+def batched_attention_switch() -> Callable[[bool], None]:
+    module = importlib.import_module("tessel.kernels.paged_decode")
+    fits = module.batched_fits
+
+    def switch(on: bool) -> None:
+        module.batched_fits = fits if on else (lambda *args: False)
+
+    return switch
 
 
-def step_times(llm, switch: Callable[[bool], None], concurrent: int, steps: int) -> dict[bool, list[float]]:
+CHANGES = {"compiled-rmsnorm": compiled_rmsnorm_switch, "batched-attention": batched_attention_switch}
+
+
+def step_times(
+    llm, switch: Callable[[bool], None], concurrent: int, prompt_len: int, steps: int
+) -> dict[bool, list[float]]:
     from tessel import SamplingParams
 
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(concurrent):
-        llm.add_request(f"ab{i}", ids[i * 64 : (i + 1) * 64], params)
+        llm.add_request(f"ab{i}", ids[i * prompt_len : (i + 1) * prompt_len], params)
     for i in range(12):  # prefill, then warm-up steps on both sides (the compiles)
         switch(i % 2 == 1)
         llm.step()
@@ -78,6 +92,7 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the cache)")
     parser.add_argument("--change", choices=sorted(CHANGES), default="compiled-rmsnorm")
     parser.add_argument("--concurrent", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lm-head", default="float", help="float or int8 (the engine's lm_head option)")
     parser.add_argument("--threads", type=int, default=1)
@@ -91,9 +106,9 @@ def main() -> None:
     from tessel import LLM
     from tessel.quant.cpu_features import describe
 
-    max_len = 64 + args.steps + 32
+    max_len = args.prompt_len + args.steps + 32
     llm = LLM(args.model, max_model_len=max_len, max_num_seqs=args.concurrent, lm_head=args.lm_head)
-    times = step_times(llm, CHANGES[args.change](), args.concurrent, args.steps)
+    times = step_times(llm, CHANGES[args.change](), args.concurrent, args.prompt_len, args.steps)
     off_ms, on_ms = (statistics.median(times[side]) * 1e3 for side in (False, True))
     ratio = statistics.median(a / b for a, b in zip(times[False], times[True], strict=False))
     cpu = describe()
@@ -103,8 +118,9 @@ def main() -> None:
           f"off {off_ms:.2f} ms/step, on {on_ms:.2f} ms/step, off/on {ratio:.3f}")  # fmt: skip
     record = {
         "model": Path(args.model).name, "change": args.change, "concurrent": args.concurrent,
-        "lm_head": args.lm_head, "steps": args.steps, "threads": args.threads, "off_ms": off_ms,
-        "on_ms": on_ms, "ratio_off_over_on": ratio, "cpu_flags": cpu["flags"], "torch": torch.__version__,
+        "prompt_len": args.prompt_len, "lm_head": args.lm_head, "steps": args.steps,
+        "threads": args.threads, "off_ms": off_ms, "on_ms": on_ms, "ratio_off_over_on": ratio,
+        "cpu_flags": cpu["flags"], "torch": torch.__version__,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = json.loads(args.out.read_text()) if args.out.exists() else []

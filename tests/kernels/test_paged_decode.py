@@ -195,3 +195,61 @@ def test_every_autotune_candidate_is_correct(monkeypatch, triton_backend, tile, 
     out = module._paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.1, splits=splits)
     ref = reference(q, k_cache, v_cache, tables, lens, scale=0.1)
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("form", ["batched", "loop"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}")
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+def test_both_cpu_forms_match_float64(torch_backend, monkeypatch, form, case, dtype, atol, rtol):
+    """The short-context batched form and the per-sequence loop, each forced on every case."""
+    monkeypatch.setattr(_decode_module(), "batched_fits", lambda *args: form == "batched")
+    q, k_cache, v_cache, tables, lens = make_paged(*case, dtype, pad_value=-1)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(
+        out.double(), reference(q, k_cache, v_cache, tables, lens), atol=atol, rtol=rtol
+    )
+
+
+def test_batched_form_never_reads_past_a_context(torch_backend, monkeypatch):
+    """Every cache slot outside the rows' contexts holds NaN (the rest of a last block, the other
+    blocks, block 0): the output stays finite, and a row without context gets zeros."""
+    monkeypatch.setattr(_decode_module(), "batched_fits", lambda *args: True)
+    q, k_cache, v_cache, tables, lens = make_paged(6, 2, 32, 8, [13, 0, 3, 21], torch.float32, pad_value=-1)
+    valid = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        for t in range(n):
+            valid[tables[b, t // 8], t % 8] = True
+    k_cache[~valid] = float("nan")
+    v_cache[~valid] = float("nan")
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_a_gather_built_once_serves_every_layer(torch_backend):
+    """The engine builds `decode_gather` once per step and passes it to each layer's call."""
+    module = _decode_module()
+    q, k_cache, v_cache, tables, lens = make_paged(8, 2, 64, 16, [1, 50, 96, 17], torch.float32)
+    gather = module.decode_gather(tables, lens, k_cache)
+    assert gather is not None and gather.tokens == 96 and gather.empty_rows is None
+    for _ in range(2):  # another layer: other caches and queries, the same gather
+        k2, v2, q2 = torch.randn_like(k_cache), torch.randn_like(v_cache), torch.randn_like(q)
+        out = paged_decode_attention(q2, k2, v2, tables, lens, gather=gather)
+        torch.testing.assert_close(out.double(), reference(q2, k2, v2, tables, lens), atol=2e-5, rtol=1e-4)
+
+
+def test_batched_form_is_taken_for_short_contexts_only():
+    module = _decode_module()
+    fits = module.batched_fits
+    assert fits(32, 96, 3, 64, 4)  # SmolLM2's 3 kv heads of 64, 32 rows of <= 96 tokens: 2.25 MiB
+    assert not fits(1, 96, 3, 64, 4)  # one row: nothing to batch
+    assert not fits(4, 129, 3, 64, 4)  # a context past 128 tokens
+    assert not fits(32, 112, 3, 64, 4)  # 2.6 MiB of K
+    assert fits(64, 64, 3, 64, 2)  # float16 halves the bytes
+    q, k_cache, v_cache, tables, lens = make_paged(4, 2, 16, 4, [5, 9], torch.float32)
+    assert module.decode_gather(tables, lens, k_cache) is not None
+    assert module.decode_gather(tables[:1], lens[:1], k_cache) is None
+    strided = torch.randn(k_cache.shape[0], k_cache.shape[1], 4, 16)[:, :, :2]  # not contiguous
+    assert module.decode_gather(tables, lens, strided) is None

@@ -15,6 +15,7 @@ import torch
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
+from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 from tessel.layers.packed_linear import pack_linears
 from tessel.layers.sampler import Sampler
@@ -87,12 +88,15 @@ class ModelRunner:
         """All decode rows in one paged-attention call: block tables padded with block 0."""
         width = max(-(-n // self.block_size) for n in context_lens)
         tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
-        return DecodeGroup(
+        group = DecodeGroup(
             0,
             len(seqs),
             torch.tensor(tables, dtype=torch.int32),
             torch.tensor(context_lens, dtype=torch.int32),
         )
+        if not self.kv_cache.is_cuda and self.kv_cache.shape[1]:  # the CPU's batched form, if it applies
+            group.gather = decode_gather(group.block_tables, group.context_lens, self.kv_cache[0, 0])
+        return group
 
     def prepare(
         self, batch: SchedulerOutput

@@ -11,14 +11,24 @@ and handles the whole query-head group at once, so each K/V block is read once p
 tokens are walked in tiles with an online softmax, for any block size. When those programs are
 too few to fill the GPU (small batch, long context), the context is split across programs
 (flash-decoding): split s returns its normalised partial output o_s and lse_s = log2 sum exp2,
-and a second kernel combines out = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s). The PyTorch path
-(the engine's CPU decode) goes sequence by sequence: gather its used blocks, two matmuls.
+and a second kernel combines out = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s).
+
+The PyTorch path (the engine's CPU decode) has two forms. With several rows of short contexts
+(`batched_fits`: at most `BATCHED_MAX_TOKENS` tokens, `BATCHED_MAX_BYTES` of K) one token-level
+gather builds every row's K/V padded to the longest context (padding repeats the row's first
+token, so it is finite wherever the context is), then two batched matmuls, the padding masked
+out of the scores. The gather's slot index (`decode_gather`) is the same for every layer of a
+step; the engine builds it once per step. Otherwise the loop goes sequence by sequence: gather
+its used blocks, two matmuls. A sequence's ~8 small ops cost tens of microseconds on a CPU, more
+than a short context's arithmetic; past those limits the padded copy outgrows the core's cache
+and the loop wins (`benchmarks/decode_ab.py --change batched-attention` measures it in the engine).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +40,9 @@ from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench,
 LOG2_E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # flash-decoding: a split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 64
+# CPU: a step's rows are batched up to this context and this size of the padded K copy (one cache).
+BATCHED_MAX_TOKENS = 128
+BATCHED_MAX_BYTES = 5 << 19  # 2.5 MiB
 
 
 if triton is not None:
@@ -276,7 +289,72 @@ def _paged_decode_triton(
     return out
 
 
-def _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+def batched_fits(batch: int, tokens: int, n_kv_heads: int, head_dim: int, itemsize: int) -> bool:
+    """Whether the CPU path batches a step: more than one row, short contexts."""
+    k_bytes = batch * tokens * n_kv_heads * head_dim * itemsize
+    return batch > 1 and tokens <= BATCHED_MAX_TOKENS and k_bytes <= BATCHED_MAX_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGather:
+    """Where the batched CPU form reads a step's K/V: row b, token t < tokens."""
+
+    slots: torch.Tensor  # int64 [B * tokens]: cache slot (block * block_size + offset) of each
+    pad_bias: torch.Tensor  # float32 [B, 1, 1, tokens]: 0 on a context's tokens, -inf past it
+    empty_rows: torch.Tensor | None  # bool [B]: rows with no context (their output is 0); None: none
+    tokens: int  # the longest context
+
+
+def decode_gather(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor
+) -> DecodeGather | None:
+    """The batched CPU form's gather for these rows, or None where the loop runs them instead."""
+    lens = context_lens.tolist()
+    block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    tokens = max(lens, default=0)
+    if k_cache.is_cuda or not k_cache.is_contiguous():
+        return None
+    if not batched_fits(len(lens), tokens, n_kv_heads, head_dim, k_cache.element_size()):
+        return None
+    lens_col = context_lens.to(torch.int64)[:, None]
+    positions = torch.arange(tokens)
+    valid = positions < lens_col  # [B, tokens]
+    read = torch.where(valid, positions, 0)  # a padded token reads the row's first one
+    blocks = block_tables[:, : -(-tokens // block_size)].to(torch.int64).gather(1, read // block_size)
+    # a row without context has no block to read (its table may hold anything): slot 0, output 0
+    slots = torch.where(lens_col > 0, blocks * block_size + read % block_size, 0)
+    pad_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    empty_rows = (lens_col[:, 0] == 0) if 0 in lens else None
+    return DecodeGather(slots.view(-1), pad_bias, empty_rows, tokens)
+
+
+def _paged_decode_batched(q, k_cache, v_cache, gather: DecodeGather, scale) -> torch.Tensor:
+    batch, n_q_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[2]
+
+    def rows(cache: torch.Tensor) -> torch.Tensor:  # -> float32 [B, Hkv, tokens, D]
+        picked = cache.view(-1, n_kv_heads, head_dim).index_select(0, gather.slots)
+        out = torch.empty(batch, n_kv_heads, gather.tokens, head_dim)
+        return out.copy_(picked.view(batch, gather.tokens, n_kv_heads, head_dim).transpose(1, 2))
+
+    k, v = rows(k_cache), rows(v_cache)
+    queries = (q.float() * scale).view(batch, n_kv_heads, n_q_heads // n_kv_heads, head_dim)
+    scores = torch.matmul(queries, k.transpose(-1, -2)).add_(gather.pad_bias)  # [B, Hkv, group, tokens]
+    out = torch.matmul(scores.softmax(dim=-1), v)
+    if gather.empty_rows is not None:  # all -inf scores: NaN rows
+        out.masked_fill_(gather.empty_rows[:, None, None, None], 0.0)
+    return out.view(q.shape).to(q.dtype)
+
+
+def _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, gather) -> torch.Tensor:
+    if gather is None:
+        gather = decode_gather(block_tables, context_lens, k_cache)
+    if gather is not None:
+        return _paged_decode_batched(q, k_cache, v_cache, gather, scale)
+    return _paged_decode_loop(q, k_cache, v_cache, block_tables, context_lens.tolist(), scale)
+
+
+def _paged_decode_loop(q, k_cache, v_cache, block_tables, lens: list[int], scale) -> torch.Tensor:
     batch, n_q_heads, head_dim = q.shape
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # The query-head group of each kv head is a length-`group` query sequence: no K/V repeat.
@@ -287,7 +365,7 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) 
     # One sequence at a time, gathering only its own blocks: a padded batched gather copies
     # every row up to the longest context, and a sequence's K/V (<= a few hundred KiB) stays in
     # cache between its gather and its two matmuls.
-    rows = zip(context_lens.tolist(), block_tables.unbind(0), queries, out.unbind(0), strict=True)
+    rows = zip(lens, block_tables.unbind(0), queries, out.unbind(0), strict=True)
     for length, table, query, row_out in rows:
         if length == 0:
             continue
@@ -308,15 +386,17 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float | None = None,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache; returns [B, Hq, D] in q.dtype.
 
     q: [B, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D]; block_tables: int32
     [B, max_blocks] (entries past a sequence's last block are ignored); context_lens: int32 [B].
-    scale defaults to 1/sqrt(D).
+    scale defaults to 1/sqrt(D). `gather`: `decode_gather(block_tables, context_lens, k_cache)`,
+    built once for the layers of a step (built here when None and the batched form applies).
     """
     _check(q, k_cache, v_cache, block_tables, context_lens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if use_triton(q, k_cache, v_cache, block_tables, context_lens):
         return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, gather)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tessel.kernels import flash_attention, paged_decode_attention
+from tessel.kernels.paged_decode import DecodeGather
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # int32 [end - start, max_blocks of the group]
     context_lens: torch.Tensor  # int32 [end - start]
+    gather: DecodeGather | None = None  # the CPU batched form's gather, built once per step
 
 
 @dataclass(slots=True)
@@ -71,13 +73,14 @@ class Attention(nn.Module):
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].end == q.shape[0]:  # one decode group only: no extra copy
+            g = groups[0]
             return paged_decode_attention(
-                q, k_cache, v_cache, groups[0].block_tables, groups[0].context_lens, self.scale
+                q, k_cache, v_cache, g.block_tables, g.context_lens, self.scale, g.gather
             )
         out = torch.empty_like(q)
         for g in groups:
             out[g.start : g.end] = paged_decode_attention(
-                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale
+                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale, g.gather
             )
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
