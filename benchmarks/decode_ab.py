@@ -1,7 +1,7 @@
 """A/B of one engine change, alternating it on and off every decode step of the same requests.
 
-    python benchmarks/decode_ab.py [--model DIR] [--change compiled-rmsnorm] [--concurrent 1] \
-        [--prompt-len 64] [--steps 300] [--lm-head int8] [--threads 1] [--out PATH.json]
+    python benchmarks/decode_ab.py [--model DIR] [--change batched-attention] [--concurrent 32] \
+        [--prompt-len 64] [--steps 40] [--lm-head int8] [--threads 1] [--out PATH.json]
 
 A shared CPU's speed drifts by tens of percent over seconds, more than a small change gains, so
 two whole runs one after the other cannot compare it. Here the change flips before every step of
@@ -9,10 +9,9 @@ one generation (`--concurrent` requests of `--prompt-len` tokens, after 12 warm-
 side gets the median of its step times; `ratio` is the median over adjacent step pairs of
 off / on (> 1: the change is faster). Changes:
 
-- compiled-rmsnorm: one float32 row's add + RMSNorm as one inductor kernel
-  (`tessel.kernels.rms_norm`), against PyTorch's ops.
 - batched-attention: the CPU decode attention's batched form for short contexts
-  (`tessel.kernels.paged_decode.batched_fits`), against the per-sequence loop.
+  (`tessel.kernels.paged_decode.batched_fits`), against the per-sequence loop;
+  `--batched-max-tokens` / `--batched-max-mib` move its limits, to see where it stops winning.
 
 JSON goes to benchmarks/results/decode_ab.json with the CPU's features.
 """
@@ -37,16 +36,6 @@ EVAL = Path(__file__).parent / "data" / "kjv_evaluation.txt"
 RESULTS = Path(__file__).parent / "results" / "decode_ab.json"
 
 
-def compiled_rmsnorm_switch() -> Callable[[bool], None]:
-    module = importlib.import_module("tessel.kernels.rms_norm")
-    one_row = module._one_cpu_row
-
-    def switch(on: bool) -> None:
-        module._one_cpu_row = one_row if on else (lambda tensors: False)
-
-    return switch
-
-
 def batched_attention_switch() -> Callable[[bool], None]:
     module = importlib.import_module("tessel.kernels.paged_decode")
     fits = module.batched_fits
@@ -57,7 +46,7 @@ def batched_attention_switch() -> Callable[[bool], None]:
     return switch
 
 
-CHANGES = {"compiled-rmsnorm": compiled_rmsnorm_switch, "batched-attention": batched_attention_switch}
+CHANGES = {"batched-attention": batched_attention_switch}
 
 
 def step_times(
@@ -90,15 +79,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the cache)")
-    parser.add_argument("--change", choices=sorted(CHANGES), default="compiled-rmsnorm")
-    parser.add_argument("--concurrent", type=int, default=1)
+    parser.add_argument("--change", choices=sorted(CHANGES), default="batched-attention")
+    parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lm-head", default="float", help="float or int8 (the engine's lm_head option)")
+    parser.add_argument("--batched-max-tokens", type=int, help="the batched attention's context limit")
+    parser.add_argument("--batched-max-mib", type=float, help="... and its padded K copy limit, MiB")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    paged_decode = importlib.import_module("tessel.kernels.paged_decode")
+    if args.batched_max_tokens is not None:
+        paged_decode.BATCHED_MAX_TOKENS = args.batched_max_tokens
+    if args.batched_max_mib is not None:
+        paged_decode.BATCHED_MAX_BYTES = int(args.batched_max_mib * 2**20)
     if args.model is None:
         import real_model
 
@@ -120,6 +116,8 @@ def main() -> None:
         "model": Path(args.model).name, "change": args.change, "concurrent": args.concurrent,
         "prompt_len": args.prompt_len, "lm_head": args.lm_head, "steps": args.steps,
         "threads": args.threads, "off_ms": off_ms, "on_ms": on_ms, "ratio_off_over_on": ratio,
+        "batched_max_tokens": paged_decode.BATCHED_MAX_TOKENS,
+        "batched_max_bytes": paged_decode.BATCHED_MAX_BYTES,
         "cpu_flags": cpu["flags"], "torch": torch.__version__,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
 import pytest
 import torch
 
-from tessel.kernels import cpu_compile, rms_norm
-
-rms_norm_module = importlib.import_module("tessel.kernels.rms_norm")
+from tessel.kernels import rms_norm
 
 # (dtype, atol, rtol): the output passes through three roundings to dtype (x + residual, the
 # normalised row, the weight product), so a few ulps of the dtype on values of size ~5.
@@ -94,61 +89,10 @@ def test_no_tokens(backend):
 
 
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 123), (64, 4096), (3, 17)])
-def test_float32_torch_path_is_bit_equal_to_the_hf_formula(torch_backend, monkeypatch, rows, hidden):
-    """The float32 PyTorch path runs torch's fused rms_norm; it must equal LlamaRMSNorm's ops bit for bit
-    (the compiled one-row kernel off: its sum runs in another order, tested below)."""
-    monkeypatch.setattr(rms_norm_module, "_one_cpu_row", lambda tensors: False)
+def test_float32_torch_path_is_bit_equal_to_the_hf_formula(torch_backend, rows, hidden):
+    """The float32 PyTorch path runs torch's fused rms_norm; it must equal LlamaRMSNorm's ops bit for bit."""
     x, r, weight = torch.randn(rows, hidden) * 3, torch.randn(rows, hidden), torch.randn(hidden)
     out, s = rms_norm(x, weight, 1e-5, r)
     expected_s = x + r
     expected = (expected_s * torch.rsqrt(expected_s.pow(2).mean(-1, keepdim=True) + 1e-5)) * weight
     assert torch.equal(s, expected_s) and torch.equal(out, expected)
-
-
-@pytest.mark.parametrize("hidden", [576, 17, 4096])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_one_cpu_row_runs_the_compiled_kernel(torch_backend, monkeypatch, hidden, with_residual):
-    """One float32 row takes the inductor kernel: x + residual bit for bit, the norm within float32
-    rounding of float64 (its mean of squares sums in another order than torch.rms_norm's)."""
-    if not cpu_compile.compiler_available():
-        pytest.skip("no C++ compiler for inductor")
-    built = []
-    kernel = rms_norm_module._one_row_kernel
-    monkeypatch.setattr(rms_norm_module, "_one_row_kernel", lambda *key: built.append(key) or kernel(*key))
-    x, r, weight = torch.randn(1, hidden) * 3, torch.randn(1, hidden), torch.randn(hidden)
-    if with_residual:
-        out, s = rms_norm(x, weight, 1e-5, r)
-        assert torch.equal(s, x + r)
-    else:
-        out = rms_norm(x, weight, 1e-5)
-    assert built == [(hidden, 1e-5, with_residual)]
-    ref, _ = reference(x, weight, 1e-5, r if with_residual else None)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(out, torch.rms_norm(x + r if with_residual else x, (hidden,), weight, 1e-5),
-                               atol=0, rtol=1e-6)  # fmt: skip
-
-
-def test_rows_the_compiled_kernel_does_not_take(torch_backend, monkeypatch):
-    """Two rows, a non-contiguous row, float16, and a call that needs a gradient take the PyTorch ops."""
-    monkeypatch.setattr(rms_norm_module, "_one_row_kernel", lambda *key: pytest.fail(f"compiled {key}"))
-    weight = torch.randn(64)
-    rms_norm(torch.randn(2, 64), weight, 1e-6)
-    rms_norm(torch.randn(64, 2).t()[:1], torch.randn(64), 1e-6)
-    rms_norm(torch.randn(1, 64, dtype=torch.float16), weight.half(), 1e-6)
-    rms_norm(torch.randn(1, 64), weight.requires_grad_(), 1e-6)
-
-
-def test_a_failing_compile_falls_back_to_the_pytorch_ops(torch_backend, monkeypatch):
-    def broken(*key):
-        raise RuntimeError("no compiler (test)")
-
-    monkeypatch.setattr(cpu_compile._State, "broken", None)
-    monkeypatch.setattr(cpu_compile, "_has_cxx", lambda: True)
-    monkeypatch.setattr(rms_norm_module, "_one_row_kernel", broken)
-    x, r, weight = torch.randn(1, 40), torch.randn(1, 40), torch.randn(40)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out, s = rms_norm(x, weight, 1e-6, r)
-    assert torch.equal(out, torch.rms_norm(x + r, (40,), weight, 1e-6)) and torch.equal(s, x + r)
-    assert any("compiled RMSNorm failed" in str(w.message) for w in caught)
-    assert not cpu_compile.compiler_available()

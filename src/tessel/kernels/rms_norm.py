@@ -6,19 +6,12 @@
 Statistics are computed in fp32 and the normalised row is cast back to `x.dtype` before the
 weight multiply, as `LlamaRMSNorm` does; the result is returned in `x.dtype`. The Triton
 kernel is forward-only (inference); a call that needs a gradient takes the PyTorch path.
-
-On CPU a single float32 row (a decode step of one sequence) runs the add and the norm as one
-kernel compiled by inductor (`tessel.kernels.cpu_compile`), bit for bit `torch.rms_norm`'s
-result: one call of a few microseconds instead of two ops of tens, 61 times a token in SmolLM2.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from tessel.kernels import cpu_compile
 from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import (
     as_rows,
@@ -141,45 +134,6 @@ def _rms_norm_torch(
     return (normed * weight).to(x.dtype), new_residual
 
 
-@functools.cache
-def _one_row_kernel(hidden: int, eps: float, with_residual: bool):
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
-        return (torch.rms_norm(x, (hidden,), weight, eps),)
-
-    def add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s = x + residual
-        return torch.rms_norm(s, (hidden,), weight, eps), s
-
-    row = torch.zeros(1, hidden)
-    if with_residual:
-        return cpu_compile.compile_graph(add_norm, [row, row.clone(), torch.ones(hidden)])
-    return cpu_compile.compile_graph(norm, [row, torch.ones(hidden)])
-
-
-def _one_cpu_row(tensors: tuple[torch.Tensor, ...]) -> bool:
-    x = tensors[0]
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-    )
-
-
-def _rms_norm_one_row(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The compiled kernel on one float32 CPU row; None without a compiler (or when it failed)."""
-    if not cpu_compile.compiler_available():
-        return None
-    hidden, with_residual = x.shape[1], residual is not None
-    args = [x, residual, weight] if with_residual else [x, weight]
-    kernel = functools.partial(_one_row_kernel, hidden, float(eps), with_residual)
-    out = cpu_compile.run(kernel, args, "the compiled RMSNorm", "PyTorch's ops")
-    if out is None:
-        return None
-    return (out[0], out[1]) if with_residual else (out[0], None)
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -194,10 +148,8 @@ def rms_norm(
         t is not None and t.requires_grad for t in (x, weight, residual)
     )
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    fused = None
     if not needs_grad and x.numel() > 0 and use_triton(*tensors):
-        fused = _rms_norm_triton(x, weight, eps, residual)
-    elif not needs_grad and _one_cpu_row(tensors):
-        fused = _rms_norm_one_row(x, weight, eps, residual)
-    out, new_residual = fused if fused is not None else _rms_norm_torch(x, weight, eps, residual)
+        out, new_residual = _rms_norm_triton(x, weight, eps, residual)
+    else:
+        out, new_residual = _rms_norm_torch(x, weight, eps, residual)
     return out if residual is None else (out, new_residual)
