@@ -253,3 +253,24 @@ def test_batched_form_is_taken_for_short_contexts_only():
     assert module.decode_gather(tables[:1], lens[:1], k_cache) is None
     strided = torch.randn(k_cache.shape[0], k_cache.shape[1], 4, 16)[:, :, :2]  # not contiguous
     assert module.decode_gather(tables, lens, strided) is None
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    block_size=st.sampled_from([1, 3, 8, 16]),
+    lens=st.lists(st.integers(0, 60), min_size=2, max_size=6),
+    pad_value=st.sampled_from([-1, 0, 10**6]),
+)
+def test_batched_form_on_random_rows(torch_backend, monkeypatch, n_kv, group, block_size, lens, pad_value):
+    """Forced batched form: ragged rows (empty ones too), table padding that is -1, a real block or
+    far out of range; the padding must never be read."""
+    monkeypatch.setattr(_decode_module(), "batched_fits", lambda *args: True)
+    q, k_cache, v_cache, tables, lens_t = make_paged(
+        n_kv * group, n_kv, 16, block_size, lens, torch.float32, pad_value=pad_value
+    )
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens_t)
+    torch.testing.assert_close(
+        out.double(), reference(q, k_cache, v_cache, tables, lens_t), atol=2e-5, rtol=1e-4
+    )
