@@ -31,9 +31,11 @@ from tessel.kernels.int8_cpu import (
     fp16_codes_pack,
 )
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
-from tessel.kernels.quantize import EPS, quantize_per_token
+from tessel.kernels.quantize import quantize_per_token
 from tessel.kernels.w8a16_gemm import linear, w8a16_gemm
 from tessel.quant.cpu_features import INT8_PATHS, choose_int8_path, fbgemm_available
+from tessel.quant.schemes import make_scheme
+from tessel.quant.schemes import quantize_weight as quantize_with_scheme
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -44,17 +46,15 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 
 def quantize_weight(weight: torch.Tensor, code_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8: (q [N, K] int8, scale [N] float32), weight ~= q * scale[:, None].
-    code_bits 7 keeps the codes in [-63, 63] (scale absmax / 63): fbgemm's int8 GEMM on AVX2 then
-    takes 8-bit activations."""
+    code_bits 7 keeps the codes in [-63, 63] (scale absmax / 63, the quantisation toolkit's
+    `--weight-code-bits 7` rounding): fbgemm's int8 GEMM on AVX2 then takes 8-bit activations."""
     if code_bits == 8:
         with torch.no_grad():
             return quantize_per_token(weight.detach().float())
     if code_bits != 7:
         raise TesselError(f"weight code bits must be 8 or 7; got {code_bits}")
-    w = weight.detach().float()
-    qmax = (1 << (code_bits - 1)) - 1
-    scale = (w.abs().amax(dim=1) / qmax).clamp_min_(EPS)
-    return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
+    quantized = quantize_with_scheme(weight, make_scheme("w8a8", weight_code_bits=code_bits))
+    return quantized.q, quantized.scale.reshape(-1)
 
 
 class _LinearFunction(torch.autograd.Function):
