@@ -10,6 +10,9 @@ Loads the model (default SmolLM2-135M-Instruct; a quantised checkpoint directory
 sampling and the scheduler. "other in run" is the model runner's time outside those (Python glue,
 views, splits, module calls); "outside run" is the engine's own (stop rules, detokenising).
 Timers add a few microseconds per call, so the parts sum to slightly more than an untimed step.
+
+`--torch-profiler` times the same steps without the timers, under `torch.profiler`, and prints the
+operators with the most self CPU time per step instead (op, ms per step, calls per step).
 """
 
 from __future__ import annotations
@@ -92,6 +95,31 @@ def profile(model_dir: str, concurrent: int, steps: int, lm_head: str = "float")
     return ms
 
 
+def op_profile(model_dir: str, concurrent: int, steps: int, lm_head: str, top: int) -> dict:
+    """-> {"step": untimed ms per step, "ops": [(op, self CPU ms per step, calls per step)]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tessel import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_model_len=64 + 2 * steps + 16, max_num_seqs=max(concurrent, 1), lm_head=lm_head)
+    ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    for i in range(concurrent):
+        llm.add_request(f"r{i}", ids[i * 64 : (i + 1) * 64], params)
+    for _ in range(5 if concurrent == 1 else 8):
+        llm.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    ops = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in events]
+    return {"step": step_ms, "ops": ops}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,12 +129,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lm-head", default="float", help="float or int8 (the engine's lm_head option)")
+    parser.add_argument("--torch-profiler", type=int, default=0, metavar="TOP",
+                        help="print the TOP operators by self CPU time (torch.profiler) instead")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
         import real_model
 
         args.model = str(real_model.smollm2_dir())
+    if args.torch_profiler:
+        result = op_profile(args.model, args.concurrent, args.steps, args.lm_head, args.torch_profiler)
+        print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), "
+              f"{args.threads} thread(s): {result['step']:.1f} ms per decode step (untimed)")  # fmt: skip
+        print("\n| operator | self CPU ms per step | calls per step |\n|---|---|---|")
+        for name, ms, calls in result["ops"]:
+            print(f"| {name} | {ms:.2f} | {calls:g} |")
+        return
     ms = profile(args.model, args.concurrent, args.steps, args.lm_head)
     step = ms["step"]
     print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), "

@@ -165,6 +165,7 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str]] = {
     "w8a8 rtn": ("w8a8 rtn", None, "float"),
     "w8a8 rtn int8-head": ("w8a8 rtn", None, "int8"),
     "w8a8 rtn fbgemm int8-head": ("w8a8 rtn", {"TESSEL_INT8_PATH": "fbgemm"}, "int8"),  # opt-in 7-bit, AVX2
+    "w8a8 rtn int_mm int8-head": ("w8a8 rtn", {"TESSEL_INT8_PATH": "int_mm"}, "int8"),  # VNNI before fbgemm
     "w8a8 w7": ("w8a8 w7 rtn", None, "float"),  # AVX2: fbgemm, 8-bit activations
     "w8a8 w7 int8-head": ("w8a8 w7 rtn", None, "int8"),
     "w8a16": ("w8a16", None, "float"),

@@ -11,41 +11,62 @@ computes what the de-quantised float32 GEMM does while reading 2 bytes per weigh
 the channel scale after it; W8A8 feeds it the per-token int8 codes of the activations (integers
 too), so its sums are the int32 GEMM's while they stay below 2**24: the `int_mm` path's numbers.
 
-fbgemm int8 (`quantized.linear_dynamic`), faster still. It quantises its input per tensor to
-unsigned codes with a zero point, and AVX2's u8 x s8 multiply-add sums pairs of products into int16:
-255 * 127 * 2 overflows it. So either side must give up a bit:
+fbgemm int8, faster still. It multiplies unsigned activation codes (with a zero point) by the
+signed weight codes. AVX2's u8 x s8 multiply-add sums pairs of products into int16, and
+255 * 127 * 2 overflows it; AVX-512 VNNI's vpdpbusd sums single products into int32 and cannot.
+So on AVX2 either side must give up a bit:
 
     weights in [-64, 63] (`tessel quantize --weight-code-bits 7`): 8-bit activation codes,
         255 * 64 * 2 = 32640 < 2**15, never saturates (`fits_7bit_codes`; the engine's default then)
     any int8 weights: 7-bit activation codes (`reduce_range`), 128 levels instead of 255 (opt-in)
 
-Per tensor would give every row of a batch the step of the largest row, so each row is divided by
-its absmax first; all rows then span [-1, 1] and the step is each row's own (per token, as
-`quantize_per_token`):
+8-bit activation codes (AVX2 with 7-bit weights, every weight on VNNI) are `quantize_per_token`'s
+own: each row is divided by its scale a[m] = max_k |x[m, k]| / 127, and fbgemm's int8 linear with a
+given input quantisation (scale 1, zero point 128: code = round(x / a) + 128) multiplies those
+integers exactly. The weight is packed with unit scales, so the GEMM returns the integer sums, and
+`int8_gemm`'s own epilogue scales them: bit-equal to the int32 GEMM path (`int_mm`):
 
-    y[m, :] = fbgemm(x[m, :] / a[m]) * a[m] + bias        a[m] = max_k |x[m, k]|
+    y[m, :] = (fbgemm_q(round(x[m, :] / a[m])) * a[m]) * w_scale + bias
+
+7-bit codes go through fbgemm's dynamic linear (`quantized.linear_dynamic`), which quantises its
+input per tensor; each row is divided by its absmax first so every row spans [-1, 1] and keeps
+its own step (per token):
+
+    y[m, :] = fbgemm_dynamic(x[m, :] / b[m]) * w_scale * b[m] + bias        b[m] = max_k |x[m, k]|
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from tessel.kernels.quantize import EPS
+from tessel.kernels.int8_gemm import int8_epilogue
+from tessel.kernels.quantize import EPS, per_token_codes
 
 
-def fbgemm_pack(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.ScriptObject:
+@dataclass(frozen=True, slots=True)
+class FbgemmInt8:
+    """Int8 weights [N, K] packed by fbgemm with unit scales, so its GEMM returns the integer sums
+    (exact in float32 below 2**24), and the per-output-channel scales applied after."""
+
+    packed: torch.ScriptObject  # fbgemm's opaque packed matrix
+    weight_scale: torch.Tensor  # float32 [N]
+
+
+def fbgemm_pack(weight: torch.Tensor, weight_scale: torch.Tensor) -> FbgemmInt8:
     """fbgemm's packed form of int8 weights [N, K] with per-output-channel scales [N] (no bias)."""
-    zeros = torch.zeros(weight.shape[0], dtype=torch.int64)
+    n = weight.shape[0]
     with warnings.catch_warnings():  # quantized tensors are deprecated in torch; fbgemm still needs one
         warnings.simplefilter("ignore")
         torch.backends.quantized.engine = "fbgemm"
         qweight = torch._make_per_channel_quantized_tensor(
-            weight.contiguous(), weight_scale.double(), zeros, 0
+            weight.contiguous(), torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.int64), 0
         )
-        return torch.ops.quantized.linear_prepack(qweight, None)
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+    return FbgemmInt8(packed, weight_scale.reshape(-1).float().contiguous())
 
 
 NARROW_CODE_MIN, NARROW_CODE_MAX = -64, 63  # int8 weight codes fbgemm multiplies by 8-bit activations
@@ -59,21 +80,41 @@ def fits_7bit_codes(weight: torch.Tensor) -> bool:
 
 
 def fbgemm_linear(
-    rows: torch.Tensor, packed: torch.ScriptObject, bias: torch.Tensor | None, act_bits: int = 7
+    rows: torch.Tensor, weight: FbgemmInt8, bias: torch.Tensor | None, act_bits: int = 7
 ) -> torch.Tensor:
     """float32 rows [M, K] through fbgemm's int8 GEMM, each row quantised on its own to `act_bits`
-    (8 only for weights that `fits_7bit_codes`) -> float32 [M, N]."""
+    -> float32 [M, N]. 8: `quantize_per_token`'s codes and `int8_gemm`'s epilogue, bit-equal to
+    the int32 GEMM path (only where the codes cannot saturate); 7: fbgemm's dynamic quantisation."""
     if act_bits not in (7, 8):
         raise ValueError(f"fbgemm's activation codes are 7 or 8 bits; got {act_bits}")
-    reduce_range = act_bits == 7
     rows = rows.float()
-    if rows.shape[0] == 1:  # one row: per tensor is per token already
-        out = _quietly(torch.ops.quantized.linear_dynamic, rows, packed, reduce_range)
-        return out if bias is None else out.add_(bias)
-    absmax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(EPS)
-    out = _quietly(torch.ops.quantized.linear_dynamic, rows / absmax, packed, reduce_range)
-    out.mul_(absmax)
+    if act_bits == 8 and _given_qparams_linear() is not None:
+        # Rounded here, not by fbgemm: it adds the zero point before rounding, and 36.500008 + 128
+        # rounds to the tie 164.5 in float32, then to even: 36 where quantize_per_token gives 37.
+        codes, scale = per_token_codes(rows)
+        sums = _quietly(_given_qparams_linear(), codes, 1.0, UINT8_ZERO_POINT, weight.packed)
+        return int8_epilogue(sums, scale, weight.weight_scale, bias, torch.float32)
+    absmax = None if rows.shape[0] == 1 else rows.abs().amax(dim=1, keepdim=True).clamp_min_(EPS)
+    if absmax is not None:  # one row: per tensor is per token already
+        rows = rows / absmax
+    out = _quietly(torch.ops.quantized.linear_dynamic, rows, weight.packed, act_bits == 7)
+    out.mul_(weight.weight_scale)
+    if absmax is not None:
+        out.mul_(absmax)
     return out if bias is None else out.add_(bias)
+
+
+UINT8_ZERO_POINT = 128  # signed codes in [-127, 127] as fbgemm's unsigned activations: [1, 255]
+
+
+@functools.cache
+def _given_qparams_linear():
+    """fbgemm's int8 linear on float rows quantised by a given scale and zero point, float32 out
+    (None in a torch build without it: the dynamic linear runs instead)."""
+    try:
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from tessel.errors import TesselError
 from tessel.kernels._dispatch import use_triton
 from tessel.kernels.autotune import INT8_GEMM_CONFIGS, INTERPRETER_CONFIG, Autotuner, bucket_m, shape_key
 from tessel.kernels.gemm import gemm_triton
-from tessel.quant.cpu_features import choose_int8_path
+from tessel.quant.cpu_features import int_mm_fast
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -42,7 +42,7 @@ def _int8_gemm_torch(
     if a.is_cuda and (a.shape[0] <= 16 or a.shape[1] % 8 or w.shape[0] % 8):
         # CUDA's _int_mm wants M > 16 and K, N multiples of 8; exact int32 via float64 otherwise.
         acc = (a.double() @ w.double().t()).to(torch.int32)
-    elif a.is_cuda or choose_int8_path() == "int_mm":
+    elif a.is_cuda or int_mm_fast():
         # On CPU, torch._int_mm takes any shape and strides (checked on torch 2.13, incl. M = 1, K = 7).
         acc = torch._int_mm(a, w.t())
     else:

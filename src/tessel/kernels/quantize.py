@@ -97,14 +97,20 @@ def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Four passes over [M, K] (aminmax, divide, round in place, cast); everything else is [M].
-    # aminmax reads x once without materialising |x|. No clamp is needed: |x| <= amax and
-    # scale = fl(amax / 127), so |x / scale| <= 127 * (1 + 2**-22) < 127.5 and rounds into range
-    # (a row under EPS has scale > amax / 127). Measured in benchmarks/kernels.py vs the int8 GEMM.
-    lo, hi = torch.aminmax(x, dim=1)
-    scale = torch.maximum(hi.float(), lo.float().neg()).clamp_min_(EPS).div_(QMAX)
+    codes, scale = per_token_codes(x)
+    return codes.to(torch.int8), scale
+
+
+def per_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token` on CPU / in PyTorch, its codes left in float32 (integers in [-127, 127])."""
+    # Four passes over [M, K] (abs, amax, divide, round in place); everything else is [M].
+    # abs + amax, not aminmax: torch 2.13's aminmax over dim 1 is not vectorised on every CPU
+    # (`benchmarks/decode_profile.py --torch-profiler` showed it). No clamp is needed: |x| <= amax
+    # and scale = fl(amax / 127), so |x / scale| <= 127 * (1 + 2**-22) < 127.5 and rounds into
+    # range (a row under EPS has scale > amax / 127).
+    scale = x.abs().amax(dim=1).float().clamp_min_(EPS).div_(QMAX)
     y = torch.div(x, scale.view(-1, 1)) if x.dtype == torch.float32 else x.float().div_(scale.view(-1, 1))
-    return y.round_().to(torch.int8), scale
+    return y.round_(), scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

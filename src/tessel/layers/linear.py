@@ -9,10 +9,11 @@ the same rule as `quantize_per_token` applied to the weight's rows):
                   float16 in fbgemm's fp16-weight GEMM, `tessel.kernels.int8_cpu`, the same sums)
 
 On CPU, `Int8Linear` takes the int8 path of the CPU it runs on (`choose_int8_path`): `int_mm`
-(AVX-512 VNNI / AMX) as above, `fp16codes` (AVX2: the same codes through fbgemm's fp16-weight GEMM),
-`fbgemm` (fbgemm's int8 GEMM, per token: 8-bit activation codes when the weight codes fit 7 bits,
-`from_linear(layer, weight_code_bits=7)`, and the default on AVX2 then; 7-bit activation codes
-otherwise, opt-in; both `tessel.kernels.int8_cpu`), `dequant` (the integer codes as a float32 GEMM).
+(AMX) as above, `fp16codes` (AVX2: the same codes through fbgemm's fp16-weight GEMM), `fbgemm`
+(fbgemm's int8 GEMM on the same per-token codes where they cannot saturate: the default on AVX-512
+VNNI, and on AVX2 when the weight codes fit 7 bits, `from_linear(layer, weight_code_bits=7)`; 7-bit
+activation codes for full-range weights on AVX2, opt-in; both `tessel.kernels.int8_cpu`),
+`dequant` (the integer codes as a float32 GEMM).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tessel.kernels.int8_cpu import (
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import quantize_per_token
 from tessel.kernels.w8a16_gemm import linear, w8a16_gemm
-from tessel.quant.cpu_features import INT8_PATHS, choose_int8_path, fbgemm_available
+from tessel.quant.cpu_features import INT8_PATHS, choose_int8_path, fbgemm_act_bits, fbgemm_available
 from tessel.quant.schemes import make_scheme
 from tessel.quant.schemes import quantize_weight as quantize_with_scheme
 
@@ -225,7 +226,7 @@ class Int8Linear(_QuantizedLinear):
         if self._path is None or self._path[0] != key:
             narrow = fits_7bit_codes(self.weight)
             path = self._forced or choose_int8_path(weights_fit_7bit=narrow)
-            self._path = (key, path, 8 if narrow else 7)
+            self._path = (key, path, fbgemm_act_bits(narrow))
         return self._path[1]
 
     def set_path(self, path: str | None) -> None:

@@ -4,17 +4,19 @@
     static:   q_x = clamp(round(x / s_in), -127, 127), s_x = s_in  s_in: the calibrated input_scale
     y = (q_x @ q_w.T) * s_x[:, None] * s_w[None, :] + bias
 
-A single-row step on CPU (one sequence decoding; on the `int_mm` or `dequant` path) sums the integer
-products in the compiled int8 GEMV of `gemv_int8` (float32 sums, exact below 2**24, as the
-`dequant` path's), which streams the int8 weight faster than oneDNN's int8 GEMM does at one row.
+A single-row step on CPU (one sequence decoding; on the `int_mm` or `dequant` path, or `fbgemm`
+with 8-bit codes on AVX-512) sums the integer products in the compiled int8 GEMV of `gemv_int8`
+(float32 sums, exact below 2**24, as the `dequant` path's), which streams the int8 weight faster
+than oneDNN's int8 GEMM does at one row.
 
 On CUDA the GEMM is tessel's Triton int8 kernel. On CPU the path follows the CPU
-(`tessel.quant.cpu_features`): `int_mm` (AVX-512 VNNI / AMX: `torch._int_mm`), `fp16codes` (AVX2:
-the integer codes through fbgemm's fp16-weight GEMM, the same sums), `fbgemm` (PyTorch's dynamic
-int8 linear on rows scaled to [-1, 1] first, so still per token: 8-bit activation codes where the
-weight codes fit 7 bits, the default on AVX2 then; 7-bit activation codes against int16 saturation
-otherwise, opt-in; static scales fall back to `dequant` there; both `tessel.kernels.int8_cpu`),
-`dequant` (the integer products as a float32 GEMM).
+(`tessel.quant.cpu_features`): `int_mm` (AMX, and static scales on AVX-512 VNNI: `torch._int_mm`),
+`fp16codes` (AVX2: the integer codes through fbgemm's fp16-weight GEMM, the same sums), `fbgemm`
+(fbgemm's int8 GEMM on the same per-token codes, bit-equal to `int_mm`, where 8-bit codes cannot
+saturate: the default on AVX-512 VNNI, and on AVX2 where the weight codes fit 7 bits; 7-bit
+activation codes against int16 saturation for full-range weights on AVX2, opt-in; static scales
+fall back to `dequant` there; `tessel.kernels.int8_cpu`), `dequant` (the integer products as a
+float32 GEMM).
 
 `W8A16CPULinear` is the weight-only scheme's CPU module (`choose_w8a16_path`):
 
@@ -46,7 +48,14 @@ from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import QMAX, quantize_per_token
 from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8, gemv_int8_scaled, quantize_rows
 from tessel.layers.packed_linear import BATCH_HINT, PackedLinear, packing_available
-from tessel.quant.cpu_features import INT8_PATHS, W8A16_PATHS, choose_int8_path, choose_w8a16_path
+from tessel.quant.cpu_features import (
+    INT8_PATHS,
+    W8A16_PATHS,
+    avx512_cpu,
+    choose_int8_path,
+    choose_w8a16_path,
+    fbgemm_act_bits,
+)
 
 # Rows up to which a decode step reads the int8 weight directly (GEMV) instead of a float GEMM.
 # Over SmolLM2's 120 decoder linears (1 thread, AMD EPYC, loaded machine) the int8 GEMV took 0.35x
@@ -87,14 +96,19 @@ class W8A8Linear(nn.Module):
         its weight form."""
         on_cpu = self.weight.device.type == "cpu" and not self.weight.is_meta
         narrow = on_cpu and fits_7bit_codes(self.weight)
-        self._fbgemm_act_bits = 8 if narrow else 7
+        self._fbgemm_act_bits = fbgemm_act_bits(narrow)
         if path is None:
-            path = choose_int8_path(weights_fit_7bit=narrow and self.input_scale is None)
+            static = self.input_scale is not None
+            path = choose_int8_path(weights_fit_7bit=narrow and not static, static_scales=static)
         if path not in INT8_PATHS:
             raise TesselError(f"unknown int8 path {path!r}; choose one of {', '.join(INT8_PATHS)}")
         if path == "fbgemm" and self.input_scale is not None:
             path = "dequant"  # fbgemm's dynamic linear cannot take a calibrated input scale
         self.path = path
+        # One row on AVX-512 (VNNI): the compiled GEMV, faster there in the engine than fbgemm's
+        # one-row GEMM (benchmarks/quant.py, `w8a8 rtn int_mm int8-head`), and the same codes.
+        # Inductor's GEMV is slow without AVX-512, where fbgemm keeps the row.
+        self._fbgemm_gemv_row = path == "fbgemm" and self._fbgemm_act_bits == 8 and avx512_cpu()
         self._packed = self._float_weight = None
         if not on_cpu:
             return
@@ -114,7 +128,7 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        one_row_gemv = self.path in ("int_mm", "dequant")  # inductor's GEMV: slow without AVX-512
+        one_row_gemv = self.path in ("int_mm", "dequant") or self._fbgemm_gemv_row
         if one_row_gemv and not rows.is_cuda and 0 < rows.shape[0] <= GEMV_MAX_ROWS:
             out = self._gemv(rows)  # a decode step of one sequence: the hot path
             if out is not None:

@@ -2,14 +2,17 @@
 
 W8A8 (`choose_int8_path`):
 
-    int_mm     AVX-512 VNNI or AMX: `torch._int_mm` (oneDNN's int8 GEMM, int32 accumulation)
+    int_mm     AMX, or AVX-512 VNNI for static activation scales: `torch._int_mm` (oneDNN's int8
+               GEMM, int32 accumulation)
     fp16codes  AVX2 without VNNI: the int8 codes of weights and activations through fbgemm's
                fp16-weight GEMM (`tessel.kernels.int8_cpu`): the int32 GEMM's sums below 2**24;
                `torch._int_mm` has no fast kernel there (the issue measured 0.04x fp32)
-    fbgemm     fbgemm's dynamic int8 linear, faster: the default on AVX2 for weights whose codes
-               fit 7 bits (`tessel quantize --weight-code-bits 7`), with 8-bit activation codes per
-               token; opt-in for full-range weights, with 7-bit activation codes (less accurate:
-               SmolLM2's perplexity moves more, docs/quant.md)
+    fbgemm     fbgemm's dynamic int8 linear, faster: the default on AVX-512 VNNI (without AMX) for
+               dynamic activations, with 8-bit activation codes per token (VNNI's vpdpbusd sums
+               u8 x s8 products straight into int32: nothing saturates); on AVX2 the default for
+               weights whose codes fit 7 bits (`tessel quantize --weight-code-bits 7`), with 8-bit
+               activation codes; opt-in on AVX2 for full-range weights, with 7-bit activation
+               codes (AVX2's vpmaddubsw sums pairs into int16; less accurate: docs/quant.md)
     dequant    anything else: the same integer products as float32 GEMMs (exact below 2**24)
 
 `TESSEL_INT8_PATH=int_mm|fp16codes|fbgemm|dequant` forces a path (each one runs on any x86 CPU
@@ -43,6 +46,8 @@ from tessel.errors import TesselError
 INT8_PATHS = ("int_mm", "fp16codes", "fbgemm", "dequant")
 ENV_OVERRIDE = "TESSEL_INT8_PATH"
 VNNI_FLAGS = frozenset({"avx512_vnni", "amx_int8"})
+AMX_INT8_FLAG = "amx_int8"
+FBGEMM_NO_SATURATION_FLAG = "avx512_vnni"  # fbgemm's int8 kernels use vpdpbusd (int32 sums) here
 CPUINFO = Path("/proc/cpuinfo")
 
 W8A16_PATHS = ("gemv", "fp16codes", "bf16", "dequant")
@@ -70,11 +75,15 @@ def fbgemm_available() -> bool:
 
 
 def choose_int8_path(
-    flags: frozenset[str] | None = None, capability: str | None = None, weights_fit_7bit: bool = False
+    flags: frozenset[str] | None = None,
+    capability: str | None = None,
+    weights_fit_7bit: bool = False,
+    static_scales: bool = False,
 ) -> str:
     """The CPU int8 path for these flags (default: this machine's), unless TESSEL_INT8_PATH forces one.
     `weights_fit_7bit`: the weight codes lie in [-64, 63], so fbgemm's int8 GEMM is exact with
-    8-bit activations on AVX2 and is taken there instead of `fp16codes`."""
+    8-bit activations on AVX2 and is taken there instead of `fp16codes`. `static_scales`: the
+    activations have a calibrated scale, which fbgemm's dynamic linear cannot take."""
     forced = os.environ.get(ENV_OVERRIDE, "").strip()
     if forced:
         if forced not in INT8_PATHS:
@@ -83,10 +92,32 @@ def choose_int8_path(
     flags = cpu_flags() if flags is None else flags
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     if flags & VNNI_FLAGS:
-        return "int_mm"
+        # Zen 4, 32 rows of SmolLM2's linears: fbgemm 2.5x fp32, oneDNN's _int_mm 1.5x (docs/quant.md).
+        # AMX's tiles are oneDNN's alone (not measured here), so AMX CPUs keep _int_mm.
+        fbgemm = FBGEMM_NO_SATURATION_FLAG in flags and AMX_INT8_FLAG not in flags
+        return "fbgemm" if fbgemm and not static_scales and fbgemm_available() else "int_mm"
     if ("avx2" in flags or capability in ("AVX2", "AVX512")) and fbgemm_available():
-        return "fbgemm" if weights_fit_7bit else "fp16codes"
+        return "fbgemm" if weights_fit_7bit and not static_scales else "fp16codes"
     return "dequant"
+
+
+def avx512_cpu(flags: frozenset[str] | None = None) -> bool:
+    """AVX-512F: where inductor's compiled int8 GEMV (`tessel.kernels.w8a16_cpu`) loads int8 fast."""
+    return AVX512_FLAG in (cpu_flags() if flags is None else flags)
+
+
+def int_mm_fast(flags: frozenset[str] | None = None) -> bool:
+    """Whether `torch._int_mm` has a fast CPU kernel here (AVX-512 VNNI or AMX), or is forced."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & VNNI_FLAGS) or os.environ.get(ENV_OVERRIDE, "").strip() == "int_mm"
+
+
+def fbgemm_act_bits(weights_fit_7bit: bool, flags: frozenset[str] | None = None) -> int:
+    """The activation code bits fbgemm's int8 GEMM takes exactly against these weights: 8 on AVX-512
+    VNNI (int32 sums of single products) or for weight codes in [-64, 63]; 7 otherwise, where AVX2's
+    int16 pair sums (2 x 255 x 127 > 32767) would saturate."""
+    flags = cpu_flags() if flags is None else flags
+    return 8 if weights_fit_7bit or FBGEMM_NO_SATURATION_FLAG in flags else 7
 
 
 def choose_w8a16_path(flags: frozenset[str] | None = None, compiler: bool | None = None) -> str:
