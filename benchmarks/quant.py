@@ -171,6 +171,7 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str]] = {
     "w8a16": ("w8a16", None, "float"),
     "w8a16 int8-head": ("w8a16", None, "int8"),
     "w8a16 bf16": ("w8a16", {"TESSEL_W8A16_PATH": "bf16"}, "float"),  # only on AVX-512 BF16 / AMX
+    "w8a16 fp16codes int8-head": ("w8a16", {"TESSEL_W8A16_PATH": "fp16codes"}, "int8"),  # AVX2's path
 }
 TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
 
