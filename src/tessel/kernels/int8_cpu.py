@@ -88,11 +88,12 @@ def fbgemm_linear(
     if act_bits not in (7, 8):
         raise ValueError(f"fbgemm's activation codes are 7 or 8 bits; got {act_bits}")
     rows = rows.float()
-    if act_bits == 8 and _given_qparams_linear() is not None:
+    given_qparams = _given_qparams_linear() if act_bits == 8 else None
+    if given_qparams is not None:
         # Rounded here, not by fbgemm: it adds the zero point before rounding, and 36.500008 + 128
         # rounds to the tie 164.5 in float32, then to even: 36 where quantize_per_token gives 37.
         codes, scale = per_token_codes(rows)
-        sums = _quietly(_given_qparams_linear(), codes, 1.0, UINT8_ZERO_POINT, weight.packed)
+        sums = _quietly(given_qparams, codes, 1.0, UINT8_ZERO_POINT, weight.packed)
         return int8_epilogue(sums, scale, weight.weight_scale, bias, torch.float32)
     absmax = None if rows.shape[0] == 1 else rows.abs().amax(dim=1, keepdim=True).clamp_min_(EPS)
     if absmax is not None:  # one row: per tensor is per token already
