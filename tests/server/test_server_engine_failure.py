@@ -9,6 +9,7 @@ next request, up to `max_engine_restarts`; after that the engine is dead and `on
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,9 @@ def test_engine_failing_past_its_restarts_is_dead(broken_engine: Any, serve_in_t
     from tessel.server.limits import ServerLimits
 
     app = create_app(broken_engine, max_pending=4, limits=ServerLimits(max_engine_restarts=1))
-    dead_calls = []
-    app.state.async_engine.on_dead = lambda: dead_calls.append(True)
+    dead_calls, dead = [], threading.Event()
+    # on_dead runs on the engine thread after the 503s are handed over: wait for it, not race it
+    app.state.async_engine.on_dead = lambda: (dead_calls.append(True), dead.set())
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
         ok = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         assert ok.status_code == 200, ok.text
@@ -68,6 +70,7 @@ def test_engine_failing_past_its_restarts_is_dead(broken_engine: Any, serve_in_t
             assert failed.status_code == 503
             error = failed.json()["error"]
             assert error["code"] == "engine_dead" and "simulated device failure" in error["message"]
+        assert dead.wait(TIMEOUT_S)
         assert dead_calls == [True]
 
         health = client.get("/health")
