@@ -10,9 +10,12 @@ Loads the model (default SmolLM2-135M-Instruct; a quantised checkpoint directory
 sampling and the scheduler. "other in run" is the model runner's time outside those (Python glue,
 views, splits, module calls); "outside run" is the engine's own (stop rules, detokenising).
 Timers add a few microseconds per call, so the parts sum to slightly more than an untimed step.
+The timers wrap the eager modules, so this mode runs the engine with `enforce_eager=True` (a
+one-sequence step would otherwise run as compiled graphs, `tessel.engine.decode_graph`).
 
 `--torch-profiler` times the same steps without the timers, under `torch.profiler`, and prints the
-operators with the most self CPU time per step instead (op, ms per step, calls per step).
+operators with the most self CPU time per step instead (op, ms per step, calls per step), with
+the engine's defaults (compiled one-sequence steps included) unless `--enforce-eager` is given.
 """
 
 from __future__ import annotations
@@ -73,7 +76,13 @@ def profile(model_dir: str, concurrent: int, steps: int, lm_head: str = "float")
     """-> milliseconds per decode step, by part ("step": the whole step)."""
     from tessel import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_model_len=64 + steps + 16, max_num_seqs=max(concurrent, 1), lm_head=lm_head)
+    llm = LLM(
+        model_dir,
+        max_model_len=64 + steps + 16,
+        max_num_seqs=max(concurrent, 1),
+        lm_head=lm_head,
+        enforce_eager=True,  # the timers wrap the eager modules
+    )
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(concurrent):
@@ -95,13 +104,21 @@ def profile(model_dir: str, concurrent: int, steps: int, lm_head: str = "float")
     return ms
 
 
-def op_profile(model_dir: str, concurrent: int, steps: int, lm_head: str, top: int) -> dict:
+def op_profile(
+    model_dir: str, concurrent: int, steps: int, lm_head: str, top: int, enforce_eager: bool = False
+) -> dict:
     """-> {"step": untimed ms per step, "ops": [(op, self CPU ms per step, calls per step)]}."""
     from torch.profiler import ProfilerActivity, profile
 
     from tessel import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_model_len=64 + 2 * steps + 16, max_num_seqs=max(concurrent, 1), lm_head=lm_head)
+    llm = LLM(
+        model_dir,
+        max_model_len=64 + 2 * steps + 16,
+        max_num_seqs=max(concurrent, 1),
+        lm_head=lm_head,
+        enforce_eager=enforce_eager,
+    )
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
     params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
     for i in range(concurrent):
@@ -131,6 +148,8 @@ def main() -> None:
     parser.add_argument("--lm-head", default="float", help="float or int8 (the engine's lm_head option)")
     parser.add_argument("--torch-profiler", type=int, default=0, metavar="TOP",
                         help="print the TOP operators by self CPU time (torch.profiler) instead")  # fmt: skip
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="with --torch-profiler: no compiled one-sequence decode step")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
@@ -138,7 +157,9 @@ def main() -> None:
 
         args.model = str(real_model.smollm2_dir())
     if args.torch_profiler:
-        result = op_profile(args.model, args.concurrent, args.steps, args.lm_head, args.torch_profiler)
+        result = op_profile(
+            args.model, args.concurrent, args.steps, args.lm_head, args.torch_profiler, args.enforce_eager
+        )
         print(f"{Path(args.model).name}, lm_head {args.lm_head}, {args.concurrent} sequence(s), "
               f"{args.threads} thread(s): {result['step']:.1f} ms per decode step (untimed)")  # fmt: skip
         print("\n| operator | self CPU ms per step | calls per step |\n|---|---|---|")

@@ -227,18 +227,20 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
         "llama.cpp Q8_0": llama_speed(gguf, prompts, args.threads, args.new_tokens, args.batch_new_tokens)
     }
     max_len = 64 + max(args.new_tokens, args.batch_new_tokens) + 8
-    configs = [
-        ("tessel W8A8", "w8a8 rtn", "float", None),
-        ("tessel W8A8 + int8 head", "w8a8 rtn", "int8", None),
+    configs = [  # (row, quantisation config, lm_head, CPU path forced, enforce_eager)
+        ("tessel W8A8", "w8a8 rtn", "float", None, False),
+        ("tessel W8A8 + int8 head", "w8a8 rtn", "int8", None, False),
+        ("tessel W8A8 + int8 head, eager decode", "w8a8 rtn", "int8", None, True),
     ]
     from tessel.quant import cpu_features
 
     if cpu_features.choose_int8_path() == "fp16codes":  # AVX2: fbgemm, 7-bit weight codes or activations
-        configs.append(("tessel W8A8 7-bit weight codes + int8 head", "w8a8 w7 rtn", "int8", None))
-        configs.append(("tessel W8A8 fbgemm + int8 head", "w8a8 rtn", "int8", {"TESSEL_INT8_PATH": "fbgemm"}))
-    for name, config, lm_head, forced in configs:
+        configs.append(("tessel W8A8 7-bit weight codes + int8 head", "w8a8 w7 rtn", "int8", None, False))
+        fbgemm = {"TESSEL_INT8_PATH": "fbgemm"}
+        configs.append(("tessel W8A8 fbgemm + int8 head", "w8a8 rtn", "int8", fbgemm, False))
+    for name, config, lm_head, forced, eager in configs:
         checkpoint = tessel_bench._quantize(model, config, workdir, args.calib_samples, args.seq_len)
-        llm = tessel_bench._speed_llm(checkpoint, forced, lm_head, max_len)
+        llm = tessel_bench._speed_llm(checkpoint, forced, lm_head, eager, max_len)
         rows[name] = {
             "single": tessel_bench.decode_speed(llm, 1, 64, args.new_tokens),
             "concurrent": tessel_bench.decode_speed(llm, args.concurrent, 64, args.batch_new_tokens),

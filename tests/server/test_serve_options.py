@@ -96,3 +96,21 @@ def test_serve_exits_when_the_engine_cannot_restart(
     assert not thread.is_alive(), "the server did not exit after its engine died"
     assert isinstance(results[0].exception, TesselError) and results[0].exception.exit_code == 3
     assert "supervisor" in str(results[0].exception)
+
+
+@pytest.mark.parametrize(("args", "expected"), [([], False), (["--enforce-eager"], True)])
+def test_enforce_eager_reaches_the_engine(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], expected: bool
+) -> None:
+    from tessel.engine import llm_engine
+
+    seen: dict[str, Any] = {}
+
+    def record(self: Any, *_args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise TesselError("stop after the engine's options")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", record)
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), *args])
+    assert isinstance(result.exception, TesselError), result.output
+    assert seen["enforce_eager"] is expected

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import LM_HEAD_OPTION, LMHeadMode, check_model_path
+from tessel.commands.options import ENFORCE_EAGER_OPTION, LM_HEAD_OPTION, LMHeadMode, check_model_path
 
 
 def generate(
@@ -26,6 +26,7 @@ def generate(
     max_model_len: int | None = typer.Option(None, help="Longest prompt + completion, in tokens."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     lm_head: LMHeadMode = LM_HEAD_OPTION,
+    enforce_eager: bool = ENFORCE_EAGER_OPTION,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
     check_model_path(model, "--model")
@@ -46,7 +47,7 @@ def generate(
     )  # the same validation as the HTTP API: a bad value stops here, before the model loads
     params.verify(ModelConfig.from_dir(model).vocab_size)
     kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
-    llm = LLM(str(model), dtype=dtype, lm_head=lm_head, **kwargs)
+    llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
     console = Console(highlight=False)
     for output in outputs:

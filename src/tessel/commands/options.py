@@ -17,6 +17,12 @@ LMHeadMode = Literal["float", "int8"]
 LM_HEAD_OPTION = typer.Option(
     "float", "--lm-head", help="float (the checkpoint's) or int8: the LM head rounded per row at load."
 )
+ENFORCE_EAGER_OPTION = typer.Option(
+    False,
+    "--enforce-eager",
+    help="Run a one-sequence CPU decode step eagerly, without compiling it into graphs (seconds saved "
+    "at the first step, slower steps after).",
+)
 
 
 def input_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201 (typer's OptionInfo)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import LM_HEAD_OPTION, LMHeadMode, check_model_path
+from tessel.commands.options import ENFORCE_EAGER_OPTION, LM_HEAD_OPTION, LMHeadMode, check_model_path
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_PROMPT_CHARS
 
@@ -67,6 +67,7 @@ def serve(
         None, min=0, help="With --plan of several replicas: which pipeline this server runs."
     ),
     lm_head: LMHeadMode = LM_HEAD_OPTION,
+    enforce_eager: bool = ENFORCE_EAGER_OPTION,
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     check_model_path(model, "--model")
@@ -92,7 +93,7 @@ def serve(
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is None:
-        engine = LLMEngine(str(model), dtype=dtype, lm_head=lm_head, **kwargs)
+        engine = LLMEngine(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, **kwargs)
     else:
         from tessel.dist.serving import pipeline_server_engine
 

@@ -28,6 +28,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
     pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.packed_linear)
     lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.quant.lm_head)
+    enforce_eager: bool = False  # True: no compiled one-sequence CPU decode step (tessel.engine.decode_graph)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -77,7 +77,12 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(
-            self.model, num_blocks, self.config.block_size, self.dtype, self.config.pack_cpu_linears
+            self.model,
+            num_blocks,
+            self.config.block_size,
+            self.dtype,
+            self.config.pack_cpu_linears,
+            self.config.enforce_eager,
         )
         eos = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

@@ -3,7 +3,8 @@
 The step's tokens are flattened: one per decoding sequence first, then each prefill chunk.
 `slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
 tables and context lengths for one batched paged-attention call. On CPU the model's float32
-linear layers are packed for oneDNN first (`tessel.layers.packed_linear`).
+linear layers are packed for oneDNN first (`tessel.layers.packed_linear`), and a step of one
+decoding sequence runs as compiled graphs where the model allows (`tessel.engine.decode_graph`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessel.engine.decode_graph import DecodeGraph
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -64,6 +66,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         pack_cpu_linears: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -79,6 +82,9 @@ class ModelRunner:
             pack_linears(model)
         for i, attn in enumerate(attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.decode_graph = None
+        if not enforce_eager and not self.kv_cache.is_cuda:
+            self.decode_graph = DecodeGraph.for_model(model)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -136,7 +142,7 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
         result = StepResult(prompt_logprobs=self._prompt_logprobs(batch, hidden))
         result.seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
         if not sample_rows:
@@ -180,4 +186,14 @@ class ModelRunner:
     def forward_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits of every token in the step, [T, V] (for tests that compare against HF)."""
         input_ids, positions, meta, _ = self.prepare(batch)
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+        return self.model.compute_logits(self._forward(input_ids, positions, meta))
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The model's hidden states for the step: the compiled graph for one decoding sequence, where
+        there is one (and it compiled), else the eager model."""
+        hidden = None
+        if self.decode_graph is not None and meta.num_decode_tokens == 1 and not meta.prefills:
+            hidden = self.decode_graph(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta) if hidden is None else hidden

@@ -31,15 +31,18 @@ from tessel.kernels.quantize import EPS, QMAX
 INT8PACK_K_MULTIPLE = 16
 
 
-def _gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def gemv_formula(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """W8A16's product: float32 rows times the int8 weight, summed in float32, times the channel scale."""
     return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale
 
 
-def _gemv_bias(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def gemv_bias_formula(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
     return (x[:, None, :] * w[None].to(torch.float32)).sum(-1) * w_scale + bias
 
 
-def _gemv_int8_scaled(
+def gemv_scaled_formula(
     codes: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor, w_scale: torch.Tensor
 ) -> torch.Tensor:
     """W8A8's one-row product: integer codes summed in float32, then `int8_epilogue`'s two scalings
@@ -48,7 +51,7 @@ def _gemv_int8_scaled(
     return (acc * row_scale[:, None]) * w_scale
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_per_token`'s formula, the codes left in float32 (what the GEMV reads)."""
     scale = x.abs().amax(dim=1).clamp_min(EPS) / QMAX
     return torch.round(x / scale[:, None]), scale
@@ -56,10 +59,13 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # kernel name -> (function, its example inputs for M, N, K)
 _KERNELS = {
-    "gemv": (_gemv, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n)]),
-    "gemv_bias": (_gemv_bias, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n), torch.zeros(n)]),
-    "gemv_scaled": (_gemv_int8_scaled, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(m), torch.zeros(n)]),
-    "quantize": (_quantize_rows, lambda m, n, k: [_x(m, k)]),
+    "gemv": (gemv_formula, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n)]),
+    "gemv_bias": (gemv_bias_formula, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n), torch.zeros(n)]),
+    "gemv_scaled": (
+        gemv_scaled_formula,
+        lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(m), torch.zeros(n)],
+    ),
+    "quantize": (quantize_rows_formula, lambda m, n, k: [_x(m, k)]),
 }
 
 

@@ -1,0 +1,164 @@
+"""The compiled one-sequence decode step's pieces against their eager forms, and what compiling costs.
+
+    python benchmarks/decode_graph.py [--threads 1] [--contexts 128,512,2048] [--model DIR] [--out PATH.json]
+
+1. Attention of one query row (SmolLM2's heads: 9 query, 3 kv, head_dim 64; block size 16) over a
+   paged cache: the eager engine's `paged_decode_attention` against the compiled attention graph
+   (`tessel.engine.decode_graph.attention_graph`), microseconds per call.
+2. A W8A8 one-row linear (1 x 3072 x 576, SmolLM2's gate/up) compiled with its codes stored (a graph
+   output, as `tessel.layers.traced_linear` does) and inlined (recomputed per output channel).
+3. With `--model` (a quantised checkpoint; default: none): the first decode steps of a fresh engine
+   with an empty inductor cache (compiling) against later ones, one sequence.
+
+CPU features are printed and stored beside the figures. Ratios within one run are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "decode_graph.json"
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def _time_us(fn, repeats: int = 7, calls: int = 200) -> float:
+    """Median over `repeats` of the mean microseconds of `calls` calls (after 10 warm-up calls)."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def attention_rows(contexts: list[int]) -> list[dict]:
+    import torch
+
+    from tessel.engine.decode_graph import attention_graph, bucket_blocks
+    from tessel.kernels import cpu_compile
+    from tessel.kernels.paged_decode import paged_decode_attention
+
+    scale = HEAD_DIM**-0.5
+    num_blocks = max(contexts) // BLOCK_SIZE * 2 + 8
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    fn = attention_graph(HEADS, KV_HEADS, HEAD_DIM, scale)
+    rows = []
+    for context in contexts:
+        used = -(-context // BLOCK_SIZE)
+        blocks = torch.randperm(num_blocks)[:used]
+        table = torch.zeros(bucket_blocks(used, BLOCK_SIZE), dtype=torch.int64)
+        table[:used] = blocks
+        q = torch.randn(1, HEADS, HEAD_DIM)
+        lens = torch.tensor([context], dtype=torch.int32)
+        inputs = [q, k_cache, v_cache, table, lens.to(torch.int64)]
+        compiled = cpu_compile.compile_graph(fn, inputs)
+        table_eager = blocks[None].int()
+
+        def eager(q=q, table=table_eager, lens=lens):
+            return paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+
+        eager_us = _time_us(eager)
+        graph_us = _time_us(lambda c=compiled, ins=inputs: c(*ins))
+        rows.append({"context": context, "eager_us": eager_us, "graph_us": graph_us})
+        print(f"  attention, {context} tokens: eager {eager_us:.0f} us, graph {graph_us:.0f} us", flush=True)
+    return rows
+
+
+def linear_row() -> dict:
+    import torch
+
+    from tessel.kernels import cpu_compile
+    from tessel.kernels.w8a16_cpu import gemv_scaled_formula, quantize_rows_formula
+
+    n, k = 3072, 576
+    x, w, w_scale = torch.randn(1, k), torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+
+    def inlined(x, w, w_scale):
+        codes, scale = quantize_rows_formula(x)
+        return (gemv_scaled_formula(codes, w, scale, w_scale),)
+
+    def stored(x, w, w_scale):
+        codes, scale = quantize_rows_formula(x)
+        return gemv_scaled_formula(codes, w, scale, w_scale), codes
+
+    inputs = [x, w, w_scale]
+    times = {}
+    for name, fn in (("codes_inlined_us", inlined), ("codes_stored_us", stored)):
+        compiled = cpu_compile.compile_graph(fn, inputs)
+        times[name] = _time_us(lambda c=compiled: c(*inputs))
+    print(f"  W8A8 1 x {n} x {k}: codes inlined {times['codes_inlined_us']:.0f} us, "
+          f"stored {times['codes_stored_us']:.0f} us", flush=True)  # fmt: skip
+    return {"shape": [1, n, k], **times}
+
+
+def first_steps(model: str, steps: int = 40) -> dict:
+    """Per-step seconds of one sequence's decode in a fresh engine (inductor's cache is empty here)."""
+    from tessel import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=256, lm_head="int8")
+    times: list[float] = []
+    original = llm.runner._forward
+
+    def timed(*args):
+        start = time.perf_counter()
+        out = original(*args)
+        times.append(time.perf_counter() - start)
+        return out
+
+    llm.runner._forward = timed
+    llm.generate(["The history of"], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    decode = times[1:]  # the first call is the prefill
+    later = statistics.median(decode[-10:])
+    print(f"  {model}: first decode step {decode[0]:.2f} s (compiling), later steps {later * 1e3:.1f} ms; "
+          f"{sum(t > 0.2 for t in decode)} steps over 0.2 s", flush=True)  # fmt: skip
+    return {"model": model, "step_s": decode, "median_last_10_s": later}
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--contexts", default="128,512,2048")
+    parser.add_argument("--model", help="a quantised checkpoint: time its first decode steps (cold cache)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tessel-inductor-")  # a cold cache
+    import torch
+
+    from tessel.quant import cpu_features
+
+    torch.set_num_threads(args.threads)
+    cpu = cpu_features.describe()
+    print(f"CPU: {cpu}, torch {torch.__version__}, {args.threads} thread(s)")
+    result = {"cpu": cpu, "torch": torch.__version__, "threads": args.threads}
+    result["attention"] = attention_rows([int(c) for c in args.contexts.split(",")])
+    result["w8a8_linear"] = linear_row()
+    if args.model:
+        result["first_steps"] = first_steps(args.model)
+    print("\n| one-row attention (9/3 heads, D 64) | eager us | graph us | eager / graph |")
+    print("|---|---|---|---|")
+    for row in result["attention"]:
+        ratio = row["eager_us"] / row["graph_us"]
+        print(f"| {row['context']} tokens | {row['eager_us']:.0f} | {row['graph_us']:.0f} | {ratio:.2f}x |")
+    lin = result["w8a8_linear"]
+    print(f"\nW8A8 1 x 3072 x 576 in a graph: codes recomputed per channel {lin['codes_inlined_us']:.0f} us, "
+          f"stored {lin['codes_stored_us']:.0f} us "
+          f"({lin['codes_inlined_us'] / lin['codes_stored_us']:.2f}x)")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""One sequence's decode step as compiled graphs: the CPU engine's single-stream hot path.
+
+Eagerly, a one-row decode step of SmolLM2-135M (W8A8, int8 LM head) spent 9.6 of its 22.8 ms in
+the compiled int8 GEMVs and the rest in ~40 small ops per layer (norms, rotary, splits, the
+attention's gathers), each a few to tens of microseconds of dispatch on a CPU
+(`benchmarks/decode_profile.py --torch-profiler 30 --lm-head int8`, Zen 4, 1 thread). Compiled,
+the step ran 1.74x faster (`benchmarks/quant.py`'s `w8a8 rtn int8-head` and its `eager` row).
+
+Here the step runs as four kinds of graph, traced (`make_fx`) and compiled by inductor's C++
+backend (`tessel.kernels.cpu_compile`), each compiled once and shared by every layer with the
+same shapes:
+
+    first      layer 0: input norm, qkv projection, rotary                       -> q, k, v
+    attention  q against the layer's cached K/V, the block table padded to a bucket of blocks
+    middle     layer i's o projection + residual, post-attention norm, MLP + residual,
+               then layer i + 1's input norm, qkv projection, rotary              -> q, k, v, residual
+    last       the last layer's o projection ... MLP + residual, the final norm   -> hidden
+
+Eager between them: the embedding lookup and, per layer, the new k/v written into the cache.
+Attention buckets are powers of two of blocks (at least `MIN_BUCKET_TOKENS` tokens), padded
+tokens masked to -inf, so a sequence compiles a new attention graph only when its context
+doubles. The linears enter through their one-row forms (`tessel.layers.traced_linear`); a model
+with a linear that has none, a pipeline stage, or a float dtype other than float32 runs eager.
+
+The numbers are the eager step's formulas, not its bits: inductor sums the norms' and the
+attention's reductions in its own order (W8A8 then rounds a code the other way at a near-tie
+now and then). Compiling costs seconds per graph on the first step that needs it (inductor
+keeps the generated code on disk for later processes); `enforce_eager` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tessel.kernels import cpu_compile
+from tessel.kernels.rope import rope_rotate, rope_tables
+from tessel.layers.attention import Attention, AttentionMetadata
+from tessel.layers.embedding import VocabEmbedding
+from tessel.layers.norm import RMSNorm
+from tessel.layers.traced_linear import Kept, LinearForm, linear_form
+from tessel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+MIN_BUCKET_TOKENS = 64  # the smallest attention graph; shorter contexts are padded to it
+
+
+@dataclass(frozen=True, slots=True)
+class _Shapes:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One decoder layer's graph inputs: weights as the traced forms take them, and its caches."""
+
+    input_norm: torch.Tensor
+    qkv: LinearForm
+    o: LinearForm
+    post_norm: torch.Tensor
+    gate_up: LinearForm
+    down: LinearForm
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @property
+    def pre_inputs(self) -> list[torch.Tensor]:
+        return [self.input_norm, *self.qkv.inputs]
+
+    @property
+    def post_inputs(self) -> list[torch.Tensor]:
+        return [*self.o.inputs, self.post_norm, *self.gate_up.inputs, *self.down.inputs]
+
+    @property
+    def pre_signature(self) -> tuple:
+        return (tuple(self.input_norm.shape), self.qkv.signature)
+
+    @property
+    def post_signature(self) -> tuple:
+        return (self.o.signature, self.gate_up.signature, self.down.signature)
+
+
+def bucket_blocks(blocks: int, block_size: int) -> int:
+    """The attention graph's table length for a context of `blocks` blocks: a power of two."""
+    least = -(-MIN_BUCKET_TOKENS // block_size)
+    return max(least, 1 << (blocks - 1).bit_length())
+
+
+def attention_graph(num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Callable:
+    """The traceable one-row attention: (q [1, Hq, D], k_cache, v_cache [blocks, block_size, Hkv, D],
+    table int64 [B], context int64 [1]) -> (out [1, Hq * D], probabilities), over the B blocks of
+    `table`, tokens at or past `context` masked out."""
+    group = num_heads // num_kv_heads
+
+    def attention(q, k_cache, v_cache, table, context):
+        tokens = table.shape[0] * k_cache.shape[1]
+        k = k_cache[table].reshape(tokens, num_kv_heads, head_dim).permute(1, 0, 2)
+        v = v_cache[table].reshape(tokens, num_kv_heads, head_dim).permute(1, 0, 2)
+        queries = q.reshape(num_kv_heads, group, head_dim)
+        # broadcast products summed: inductor fuses the gather into both reductions (4.3x faster than
+        # the eager path's gathers and matmuls at 128 tokens, 2.2x at 2048, SmolLM2's heads;
+        # `benchmarks/decode_graph.py`)
+        scores = (queries[:, :, None, :] * k[:, None]).sum(-1) * scale  # [Hkv, group, tokens]
+        scores = scores.masked_fill(torch.arange(tokens) >= context, float("-inf"))
+        p = scores.softmax(-1)  # a graph output, so it is stored, not recomputed per head_dim column
+        out = (p[..., None] * v[:, None]).sum(-2)  # [Hkv, group, D]
+        return out.reshape(1, num_heads * head_dim), p
+
+    return attention
+
+
+class DecodeGraph:
+    """`graph(input_ids, positions, meta)` -> final hidden [1, H] of a one-sequence decode step, or
+    None when compiling failed (the caller runs the eager model; a warning said why, once)."""
+
+    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
+        c = model.config
+        attn = model.model.layers[0].self_attn
+        self.shapes = _Shapes(
+            c.hidden_size,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            model.model.norm.eps,
+            attn.attn.scale,
+        )
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary
+        self.final_norm = model.model.norm.weight.detach()
+        self.layers = layers
+        self.block_size = layers[0].k_cache.shape[1]
+        self._graphs: dict[tuple, Callable] = {}
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM) -> DecodeGraph | None:
+        """The graph for `model` (its attention caches set), or None where it cannot run one."""
+        inner = getattr(model, "model", None)
+        if inner is None or not cpu_compile.compiler_available():
+            return None
+        if not isinstance(inner.embed_tokens, VocabEmbedding) or not isinstance(inner.norm, RMSNorm):
+            return None  # a pipeline stage without the embedding or the final norm
+        if inner.embed_tokens.weight.dtype != torch.float32 or inner.embed_tokens.weight.device.type != "cpu":
+            return None
+        layers = [_layer(layer) for layer in inner.layers]
+        if not layers or any(layer is None for layer in layers):
+            return None
+        return cls(model, layers)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        group = meta.decode_groups[0]
+        context = group.context_lens.to(torch.int64)
+        blocks = -(-int(context[0]) // self.block_size)
+        table = torch.zeros(bucket_blocks(blocks, self.block_size), dtype=torch.int64)
+        table[:blocks] = group.block_tables[0, :blocks]
+        c2, s2 = rope_tables(positions, self.rotary.cos, self.rotary.sin)
+        slots = meta.slot_mapping
+        hidden = self.embed(input_ids)
+        residual = hidden
+        first = self.layers[0]
+        inputs = [hidden, *first.pre_inputs, c2, s2]
+        out = self._run(("first", first.pre_signature), functools.partial(self._first, first), inputs)
+        if out is None:
+            return None
+        q, k, v = out[:3]
+        for i, layer in enumerate(self.layers):
+            nk = self.shapes.num_kv_heads
+            layer.k_cache.view(-1, nk, self.shapes.head_dim).index_copy_(0, slots, k)
+            layer.v_cache.view(-1, nk, self.shapes.head_dim).index_copy_(0, slots, v)
+            key = ("attention", table.shape[0], tuple(layer.k_cache.shape))
+            inputs = [q.contiguous(), layer.k_cache, layer.v_cache, table, context]
+            out = self._run(key, self._attention, inputs)
+            if out is None:
+                return None
+            attended = out[0]
+            if i + 1 == len(self.layers):
+                inputs = [attended, residual, *layer.post_inputs, self.final_norm]
+                out = self._run(("last", layer.post_signature), functools.partial(self._last, layer), inputs)
+                return None if out is None else out[0]
+            nxt = self.layers[i + 1]
+            inputs = [attended, residual, *layer.post_inputs, *nxt.pre_inputs, c2, s2]
+            key = ("middle", layer.post_signature, nxt.pre_signature)
+            out = self._run(key, functools.partial(self._middle, layer, nxt), inputs)
+            if out is None:
+                return None
+            q, k, v, residual = out[:4]
+        raise AssertionError("unreachable: the last layer returns")
+
+    # ---- compiling --------------------------------------------------------------------------------
+    def _run(self, key: tuple, make: Callable[[], Callable], inputs: list[torch.Tensor]):
+        """The compiled graph of `key` on `inputs` (traced on these inputs the first time); None
+        when compiling or running fails."""
+
+        def build() -> Callable:
+            if key not in self._graphs:
+                self._graphs[key] = cpu_compile.compile_graph(make(), inputs)
+            return self._graphs[key]
+
+        return cpu_compile.run(build, inputs, "the compiled decode step", "the eager decode step")
+
+    # Each builder traces with the forms of the layers it is built for; layers whose signatures
+    # match take the same inputs in the same order, so they share the graph.
+    def _first(self, layer: _Layer) -> Callable:
+        def first(hidden, norm, *rest):
+            q, k, v, kept = self._pre(hidden, norm, layer.qkv, rest)
+            return (q, k, v, *kept)
+
+        return first
+
+    def _middle(self, layer: _Layer, nxt: _Layer) -> Callable:
+        def middle(attended, residual, *rest):
+            hidden, residual, kept, rest = self._post(attended, residual, layer, list(rest))
+            residual = hidden + residual  # the next layer's input norm adds the residual first
+            q, k, v, kept_pre = self._pre(residual, rest[0], nxt.qkv, rest[1:])
+            return (q, k, v, residual, *kept, *kept_pre)
+
+        return middle
+
+    def _last(self, layer: _Layer) -> Callable:
+        s = self.shapes
+
+        def last(attended, residual, *rest):
+            hidden, residual, kept, rest = self._post(attended, residual, layer, list(rest))
+            return (torch.rms_norm(hidden + residual, (s.hidden,), rest[0], s.eps), *kept)
+
+        return last
+
+    def _attention(self) -> Callable:
+        s = self.shapes
+        return attention_graph(s.num_heads, s.num_kv_heads, s.head_dim, s.scale)
+
+    # ---- the traced pieces --------------------------------------------------------------------------
+    def _pre(self, residual_sum, norm, qkv: LinearForm, rest) -> tuple:
+        """Input norm, qkv projection, rotary: (q, k, v, kept); `rest` = qkv's inputs, c2, s2."""
+        s = self.shapes
+        n = len(qkv.inputs)
+        x = torch.rms_norm(residual_sum, (s.hidden,), norm, s.eps)
+        y, kept = qkv.apply(x, list(rest[:n]))
+        c2, s2 = rest[n], rest[n + 1]
+        q_width = (s.num_heads + s.num_kv_heads) * s.head_dim
+        qk = rope_rotate(y[:, :q_width].reshape(1, s.num_heads + s.num_kv_heads, s.head_dim), (c2, s2))
+        v = y[:, q_width:].reshape(1, s.num_kv_heads, s.head_dim)
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], v, kept
+
+    def _post(self, attended, residual, layer: _Layer, rest: list) -> tuple:
+        """o projection + residual, norm, MLP -> (mlp out, residual, kept, the inputs left over)."""
+        s = self.shapes
+        kept: Kept = []
+        y, k1 = layer.o.apply(attended, rest)
+        rest = rest[len(layer.o.inputs) :]
+        residual = y + residual
+        x = torch.rms_norm(residual, (s.hidden,), rest[0], s.eps)
+        rest = rest[1:]
+        gate_up, k2 = layer.gate_up.apply(x, rest)
+        rest = rest[len(layer.gate_up.inputs) :]
+        gate, up = gate_up.chunk(2, dim=-1)
+        out, k3 = layer.down.apply(F.silu(gate) * up, rest)
+        rest = rest[len(layer.down.inputs) :]
+        kept += k1 + k2 + k3
+        return out, residual, kept, rest
+
+
+def _layer(layer: torch.nn.Module) -> _Layer | None:
+    """The graph inputs of a decoder layer, or None where one of its parts has no traced form."""
+    if not isinstance(layer, LlamaDecoderLayer):
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn.attn, Attention) or attn.attn.k_cache.dtype != torch.float32:
+        return None
+    forms = [linear_form(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(f is None for f in forms) or not attn.attn.k_cache.numel():
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(n.weight.dtype != torch.float32 for n in norms):
+        return None
+    qkv, o, gate_up, down = forms
+    return _Layer(
+        layer.input_layernorm.weight.detach(), qkv, o,
+        layer.post_attention_layernorm.weight.detach(), gate_up, down,
+        attn.attn.k_cache, attn.attn.v_cache,
+    )  # fmt: skip

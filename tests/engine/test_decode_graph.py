@@ -1,0 +1,195 @@
+"""The compiled one-sequence decode step (`tessel.engine.decode_graph`).
+
+Oracles: HF transformers' forward for the model's logits, float64 softmax attention for the
+attention graph; the eager engine for what must not change (steps of several rows, fallbacks).
+The float models run with unpacked linears (`pack_cpu_linears=False`): oneDNN's packed weights
+have no traced form, so a packed float model runs eager.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from hf_oracle import GREEDY, TEXTS, assert_matches_hf, hf_model
+from tessel import LLM, SamplingParams
+from tessel.engine import decode_graph as dg
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+from tessel.kernels import cpu_compile
+
+pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
+
+
+def _count_calls(llm: LLM) -> list[int]:
+    """Wrap the engine's decode graph; -> a list that gets one entry per step it ran."""
+    graph = llm.runner.decode_graph
+    calls: list[int] = []
+
+    class Counting:
+        def __call__(self, input_ids, positions, meta):
+            calls.append(int(positions[0]))
+            return graph(input_ids, positions, meta)
+
+    llm.runner.decode_graph = Counting()
+    return calls
+
+
+def teacher_forced_logits(llm: LLM, ids: list[int], prefill: int) -> torch.Tensor:
+    """Logits of every position: `prefill` tokens in one step, then one decode step per token."""
+    seq = Sequence("x", ids, GREEDY, block_size=llm.config.block_size)
+    llm.block_manager.allocate(seq, 0)
+    got = [llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, prefill)]))]
+    seq.num_computed_tokens = prefill
+    while seq.num_computed_tokens < len(ids):
+        got.append(llm.runner.forward_logits(SchedulerOutput(decodes=[seq])))
+        seq.num_computed_tokens += 1
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama31_tied", "qwen2", "mistral_head_dim"])
+def test_decode_steps_match_hf_forward(checkpoints, variant: str) -> None:
+    """80 tokens at block size 8: the attention graph's bucket grows from 8 to 16 blocks on the way."""
+    path = checkpoints(variant)
+    llm = LLM(path, max_model_len=128, block_size=8, pack_cpu_linears=False)
+    assert llm.runner.decode_graph is not None
+    calls = _count_calls(llm)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(4, llm.model_config.vocab_size, (80,), generator=g).tolist()
+    got = teacher_forced_logits(llm, ids, prefill=5)
+    assert calls == list(range(5, 80))  # every decode step ran as the graph
+    with torch.no_grad():
+        expected = hf_model(path)(torch.tensor([ids])).logits[0].float()
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_greedy_generation_matches_hf_and_only_single_sequence_steps_take_the_graph(checkpoints) -> None:
+    path = checkpoints("llama")
+    llm = LLM(path, max_model_len=256, pack_cpu_linears=False)
+    calls = _count_calls(llm)
+    batch = llm.generate(TEXTS, GREEDY)  # several rows decode together until the shorter ones finish
+    assert_matches_hf(path, batch)
+    graph_steps = len(calls)
+    single = llm.generate(TEXTS[:1], GREEDY)
+    assert_matches_hf(path, single)
+    assert len(calls) - graph_steps == single[0].num_output_tokens - 1  # all its decode steps
+    eager = LLM(path, max_model_len=256, pack_cpu_linears=False, enforce_eager=True)
+    assert eager.runner.decode_graph is None
+    assert [o.token_ids for o in eager.generate(TEXTS, GREEDY)] == [o.token_ids for o in batch]
+
+
+def test_a_model_without_traced_forms_runs_eager(checkpoints) -> None:
+    path = checkpoints("llama")
+    assert LLM(path, max_model_len=64).runner.decode_graph is None  # oneDNN-packed float linears
+    llm = LLM(path, max_model_len=64, pack_cpu_linears=False)
+    model = llm.runner.model
+    assert dg.DecodeGraph.for_model(model) is not None
+    model.model.norm = nn.Identity()  # as a pipeline stage without the final norm holds it
+    assert dg.DecodeGraph.for_model(model) is None
+
+
+def test_a_failed_compile_warns_once_and_the_step_runs_eager(checkpoints, monkeypatch) -> None:
+    path = checkpoints("llama")
+    prompt = "Once upon a time"
+    expected = LLM(path, max_model_len=64, enforce_eager=True).generate([prompt], GREEDY)[0].token_ids
+    monkeypatch.setattr(cpu_compile._State, "broken", None)  # restored after the test
+
+    def fail(*_args):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(cpu_compile, "compile_graph", fail)
+    llm = LLM(path, max_model_len=64, pack_cpu_linears=False)
+    with pytest.warns(UserWarning, match="compiled decode step failed.*no compiler today"):
+        out = llm.generate([prompt], GREEDY)[0]
+    assert out.token_ids == expected
+    assert not cpu_compile.compiler_available()  # nothing compiles again in this process
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 8, 9, 100, 128, 129])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 256])
+def test_bucket_is_the_smallest_power_of_two_holding_the_context_and_the_minimum(
+    blocks: int, block_size: int
+) -> None:
+    bucket = dg.bucket_blocks(blocks, block_size)
+    least = math.ceil(dg.MIN_BUCKET_TOKENS / block_size)
+    assert bucket >= blocks and bucket >= least
+    assert bucket == least or (bucket & (bucket - 1) == 0 and bucket // 2 < max(blocks, least))
+
+
+def _attention_reference(q, k_cache, v_cache, table: list[int], context: int, scale: float) -> torch.Tensor:
+    """float64 softmax attention of one query row over the first `context` tokens of its blocks."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:context].double()
+    v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:context].double()
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (q[0].double()[:, None, :] * k).sum(-1) * scale  # [Hq, L]
+    return (scores.softmax(-1)[:, :, None] * v).sum(1)  # [Hq, D]
+
+
+def _attention_case(heads, head_dim: int, block_size: int, context: int, seed: int):
+    """(graph function, its inputs, the float64 expectation) for scattered blocks of random K/V."""
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 200 // block_size + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    used = math.ceil(context / block_size)
+    blocks = torch.randperm(num_blocks, generator=g)[:used].tolist()  # scattered, out of order
+    table = torch.zeros(dg.bucket_blocks(used, block_size), dtype=torch.int64)  # padding reads block 0
+    table[:used] = torch.tensor(blocks)
+    q = torch.randn(1, num_heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    fn = dg.attention_graph(num_heads, num_kv_heads, head_dim, scale)
+    expected = _attention_reference(q, k_cache, v_cache, blocks, context, scale)
+    return fn, [q, k_cache, v_cache, table, torch.tensor([context])], expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.sampled_from([(4, 4), (4, 2), (6, 1), (9, 3)]),
+    head_dim=st.sampled_from([8, 32, 64]),
+    block_size=st.sampled_from([1, 4, 16]),
+    context=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_graph_matches_float64_attention(heads, head_dim, block_size, context, seed) -> None:
+    fn, inputs, expected = _attention_case(heads, head_dim, block_size, context, seed)
+    got = fn(*inputs)[0].view(expected.shape)  # the function as traced, run eagerly
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "block_size", "context"),
+    [((9, 3), 64, 16, 1), ((4, 2), 32, 4, 64), ((6, 1), 8, 1, 65), ((4, 4), 32, 16, 200)],
+)
+def test_compiled_attention_graph_matches_float64_attention(heads, head_dim, block_size, context) -> None:
+    fn, inputs, expected = _attention_case(heads, head_dim, block_size, context, seed=context)
+    got = cpu_compile.compile_graph(fn, inputs)(*inputs)[0].view(expected.shape)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_command_passes_enforce_eager_to_the_engine(checkpoints, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+
+    built: list[bool] = []
+    for_model = dg.DecodeGraph.for_model
+    monkeypatch.setattr(dg.DecodeGraph, "for_model", lambda model: built.append(True) or for_model(model))
+    path = checkpoints("llama")
+    args = ["generate", "--model", str(path), "--prompt", "Hello world", "--max-tokens", "6"]
+    eager = CliRunner().invoke(app, [*args, "--enforce-eager"])
+    assert eager.exit_code == 0 and not built, eager.output
+    compiled = CliRunner().invoke(app, args)
+    assert compiled.exit_code == 0 and built, compiled.output
+    expected = LLM(path).generate(["Hello world"], SamplingParams(temperature=0, max_tokens=6))[0].text
+    assert expected.strip() in eager.output and expected.strip() in compiled.output

@@ -1,0 +1,135 @@
+"""Quantised checkpoints through the compiled one-sequence decode step (`tessel.engine.decode_graph`),
+and each linear module's traced one-row form (`tessel.layers.traced_linear`).
+
+Oracles: HF transformers + compressed-tensors (`ct_oracle.hf_quantized`, activations fake-quantised
+as the int8 GEMM computes them) for the decode steps' logits; each module's own eager forward for
+its traced form.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ct_oracle import hf_quantized
+from hf_oracle import GREEDY
+from tessel import LLM
+from tessel.cli import app
+from tessel.engine.decode_graph import DecodeGraph
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+from tessel.kernels import cpu_compile
+from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
+from tessel.layers.traced_linear import linear_form
+from tessel.quant.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
+from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu
+
+pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
+
+CALIB = ["--calib-samples", "4", "--seq-len", "32"]
+SCHEMES = {
+    "w8a8": ["--scheme", "w8a8"],
+    "w8a8-static": ["--scheme", "w8a8", "--act", "static"],
+    "w8a16": ["--scheme", "w8a16"],
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_llama, calib_text, tmp_path_factory):
+    """quantized(name) -> the tiny Llama quantised with SCHEMES[name] (written once per module)."""
+    root = tmp_path_factory.mktemp("quantized")
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            out = root / name
+            args = ["quantize", str(tiny_llama), "--out", str(out), *CALIB, "--calib", str(calib_text)]
+            result = CliRunner().invoke(app, [*args, *SCHEMES[name]])
+            assert result.exit_code == 0, result.output
+            done[name] = out
+        return done[name]
+
+    return get
+
+
+def _decode_logits(llm: LLM, ids: list[int], prefill: int) -> tuple[torch.Tensor, int]:
+    """(logits of every position, decode steps the graph ran): `prefill` tokens, then one at a time."""
+    graph, runs = llm.runner.decode_graph, []
+    llm.runner.decode_graph = lambda *args: runs.append(1) or graph(*args)
+    seq = Sequence("x", ids, GREEDY, block_size=8)
+    llm.block_manager.allocate(seq, 0)
+    got = [llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, prefill)]))]
+    for seq.num_computed_tokens in range(prefill, len(ids)):
+        got.append(llm.runner.forward_logits(SchedulerOutput(decodes=[seq])))
+    return torch.cat(got), len(runs)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "path"),
+    [("w8a8", None), ("w8a8", "int_mm"), ("w8a8", "dequant"), ("w8a8-static", None), ("w8a16", None)],
+)
+def test_decode_steps_match_the_compressed_tensors_oracle(quantized, monkeypatch, scheme, path) -> None:
+    """None: the path this CPU picks (on AVX2 W8A8's fbgemm and W8A16's fp16codes have no traced
+    form, so the test forces the compiled GEMV path there)."""
+    out = quantized(scheme)
+    if path is not None:
+        monkeypatch.setenv(INT8_ENV_OVERRIDE, path)
+    llm = LLM(out, max_model_len=128, block_size=8)
+    if llm.runner.decode_graph is None:
+        assert path is None and not avx512_cpu()
+        monkeypatch.setenv(INT8_ENV_OVERRIDE, "dequant")
+        monkeypatch.setenv(W8A16_ENV_OVERRIDE, "gemv")
+        llm = LLM(out, max_model_len=128, block_size=8)
+    ids = torch.randint(4, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    got, graph_steps = _decode_logits(llm, ids, prefill=6)
+    assert graph_steps == 34
+    with torch.no_grad():
+        expected = hf_quantized(out)(torch.tensor([ids])).logits[0]
+    scale = float(expected.abs().max())
+    # W8A8: an activation on a rounding tie may round the other way (the graph sums in its own order)
+    tol = 2e-3 if "w8a8" in scheme else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * scale)
+
+
+def _modules(with_bias: bool) -> list[torch.nn.Module]:
+    g = torch.Generator().manual_seed(6)
+    n, k = 48, 80
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) / 100 + 1e-3
+    bias = torch.randn(n, generator=g) if with_bias else None
+    linear = torch.nn.Linear(k, n, bias=with_bias)
+    return [
+        W8A8Linear(w, scale, bias, path="int_mm"),
+        W8A8Linear(w, scale, bias, input_scale=torch.tensor(0.02), path="int_mm"),
+        W8A8Linear(w, scale, bias, path="dequant"),
+        W8A16CPULinear(w, scale, bias, path="gemv"),
+        linear.requires_grad_(False),
+    ]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_traced_form_computes_its_modules_one_row_forward(with_bias: bool) -> None:
+    x = torch.randn(1, 80, generator=torch.Generator().manual_seed(7)) * 3
+    for module in _modules(with_bias):
+        form = linear_form(module)
+        assert form is not None, module
+        got, kept = form.apply(x, form.inputs)
+        expected = module(x)
+        # the same formula, summed in another order by eager torch than by the compiled GEMV
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+        inputs = [x, *form.inputs]
+        compiled = cpu_compile.compile_graph(lambda x, *ins, f=form: (f.apply(x, list(ins))[0],), inputs)
+        torch.testing.assert_close(compiled(*inputs)[0], expected, rtol=1e-5, atol=1e-5)
+        assert kept[0] is x
+
+
+def test_paths_without_a_traced_form_keep_the_model_eager(quantized) -> None:
+    w = torch.randint(-63, 64, (16, 32), dtype=torch.int8)
+    assert linear_form(W8A16CPULinear(w, torch.ones(16), path="dequant")) is None
+    assert linear_form(W8A16CPULinear(w, torch.ones(16), path="fp16codes")) is None
+    assert linear_form(W8A8Linear(w, torch.ones(16), path="fp16codes")) is None
+    llm = LLM(quantized("w8a16"), max_model_len=64)
+    layer = llm.runner.model.model.layers[1].mlp
+    layer.down_proj.set_path("dequant")
+    assert DecodeGraph.for_model(llm.runner.model) is None
