@@ -1,7 +1,7 @@
 """One sequence's decode step as compiled graphs: the CPU engine's single-stream hot path.
 
 Eagerly, a one-row decode step of SmolLM2-135M (W8A8, int8 LM head) spent 9.6 of its 22.8 ms in
-the compiled int8 GEMVs and the rest in ~40 small ops per layer (norms, rotary, splits, the
+the compiled int8 GEMVs and the rest in the small eager ops around them (norms, rotary, splits, views, the
 attention's gathers), each a few to tens of microseconds of dispatch on a CPU
 (`benchmarks/decode_profile.py --torch-profiler 30 --lm-head int8`, Zen 4, 1 thread). Compiled,
 the step ran 1.74x faster (`benchmarks/quant.py`'s `w8a8 rtn int8-head` and its `eager` row).

@@ -68,8 +68,8 @@ class LinearForm:
 
     @property
     def signature(self) -> tuple:
-        """What a compiled graph depends on: the formula and its inputs' shapes and dtypes."""
-        return (self.kind, self.bias is not None, *((tuple(t.shape), t.dtype) for t in self.inputs))
+        """What a compiled graph depends on: the formula and its inputs' shapes, strides and dtypes."""
+        return (self.kind, self.bias is not None, *((t.shape, t.stride(), t.dtype) for t in self.inputs))
 
     def apply(self, x: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, Kept]:
         """The formula on x with `inputs` standing for `self.inputs` (graph placeholders when traced)."""
