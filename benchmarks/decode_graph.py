@@ -1,6 +1,7 @@
 """The compiled one-sequence decode step's pieces against their eager forms, and what compiling costs.
 
-    python benchmarks/decode_graph.py [--threads 1] [--contexts 128,512,2048] [--model DIR] [--out PATH.json]
+    python benchmarks/decode_graph.py [--threads 1] [--contexts 128,512,2048] \
+        [--model DIR [--ppl-windows 6]] [--out PATH.json]
 
 1. Attention of one query row (SmolLM2's heads: 9 query, 3 kv, head_dim 64; block size 16) over a
    paged cache: the eager engine's `paged_decode_attention` against the compiled attention graph
@@ -9,6 +10,9 @@
    output, as `tessel.layers.traced_linear` does) and inlined (recomputed per output channel).
 3. With `--model` (a quantised checkpoint; default: none): the first decode steps of a fresh engine
    with an empty inductor cache (compiling) against later ones, one sequence.
+4. With `--model` and `--ppl-windows N`: the held-out text's perplexity over N windows of 256
+   tokens, token by token through the compiled decode step and through the eager one, each against
+   the prefill's (W8A8's near-tie roundings make decode runs drift; this shows how far, each way).
 
 CPU features are printed and stored beside the figures. Ratios within one run are comparable.
 """
@@ -25,6 +29,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "decode_graph.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # real_model
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
@@ -125,12 +130,37 @@ def first_steps(model: str, steps: int = 40) -> dict:
     return {"model": model, "step_s": decode, "median_last_10_s": later}
 
 
+def ppl_windows(model: str, windows: int, tokens: int = 256, stride: int = 400) -> list[dict]:
+    import math
+
+    from transformers import AutoTokenizer
+
+    from real_model import token_nll
+
+    text = (Path(__file__).parent / "data" / "kjv_evaluation.txt").read_text(encoding="utf-8")
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
+    rows = []
+    for w in range(windows):
+        window = ids[1000 + w * stride : 1000 + w * stride + tokens]
+        prefill, _ = token_nll(Path(model), window, decode=False)
+        compiled, steps = token_nll(Path(model), window, decode=True)
+        eager, _ = token_nll(Path(model), window, decode=True, enforce_eager=True)
+        row = {"window": w, "prefill_nll": prefill, "compiled_nll": compiled, "eager_nll": eager,
+               "compiled_steps": steps, "compiled_vs_prefill_pct": 100 * (math.exp(compiled - prefill) - 1),
+               "eager_vs_prefill_pct": 100 * (math.exp(eager - prefill) - 1)}  # fmt: skip
+        rows.append(row)
+        print(f"  window {w}: perplexity vs prefill, compiled {row['compiled_vs_prefill_pct']:+.2f}%, "
+              f"eager {row['eager_vs_prefill_pct']:+.2f}%", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--model", help="a quantised checkpoint: time its first decode steps (cold cache)")
+    parser.add_argument("--ppl-windows", type=int, default=0, help="with --model: perplexity windows")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tessel-inductor-")  # a cold cache
@@ -146,6 +176,8 @@ def main() -> None:
     result["w8a8_linear"] = linear_row()
     if args.model:
         result["first_steps"] = first_steps(args.model)
+    if args.model and args.ppl_windows:
+        result["ppl_windows"] = ppl_windows(args.model, args.ppl_windows)
     print("\n| one-row attention (9/3 heads, D 64) | eager us | graph us | eager / graph |")
     print("|---|---|---|---|")
     for row in result["attention"]:

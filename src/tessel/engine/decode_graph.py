@@ -105,8 +105,8 @@ def attention_graph(num_heads: int, num_kv_heads: int, head_dim: int, scale: flo
         k = k_cache[table].reshape(tokens, num_kv_heads, head_dim).permute(1, 0, 2)
         v = v_cache[table].reshape(tokens, num_kv_heads, head_dim).permute(1, 0, 2)
         queries = q.reshape(num_kv_heads, group, head_dim)
-        # broadcast products summed: inductor fuses the gather into both reductions (4.3x faster than
-        # the eager path's gathers and matmuls at 128 tokens, 2.2x at 2048, SmolLM2's heads;
+        # broadcast products summed: inductor fuses the gather into both reductions (3.9x faster than
+        # the eager path's gathers and matmuls at 128 tokens, 2.1x at 2048, SmolLM2's heads;
         # `benchmarks/decode_graph.py`)
         scores = (queries[:, :, None, :] * k[:, None]).sum(-1) * scale  # [Hkv, group, tokens]
         scores = scores.masked_fill(torch.arange(tokens) >= context, float("-inf"))
