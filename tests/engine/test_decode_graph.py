@@ -193,3 +193,17 @@ def test_generate_command_passes_enforce_eager_to_the_engine(checkpoints, monkey
     assert compiled.exit_code == 0 and built, compiled.output
     expected = LLM(path).generate(["Hello world"], SamplingParams(temperature=0, max_tokens=6))[0].text
     assert expected.strip() in eager.output and expected.strip() in compiled.output
+
+
+def test_warm_up_compiles_the_step_and_leaves_the_engine_as_it_was(checkpoints) -> None:
+    path = checkpoints("llama")
+    llm = LLM(path, max_model_len=64, pack_cpu_linears=False)
+    graphs = llm.runner.decode_graph._graphs
+    assert llm.warm_up() and {key[0] for key in graphs} == {"first", "middle", "last", "attention"}
+    assert llm.num_free_blocks == llm.num_total_blocks and not llm.has_unfinished_requests()
+    calls = _count_calls(llm)
+    compiled = len(graphs)
+    out = llm.generate(TEXTS[:1], GREEDY)  # a short prompt: the bucket warm_up compiled
+    assert_matches_hf(path, out)
+    assert calls and len(graphs) == compiled  # nothing left to compile
+    assert not LLM(path, max_model_len=64).warm_up()  # packed float linears: no compiled step

@@ -114,3 +114,14 @@ def test_enforce_eager_reaches_the_engine(
     result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), *args])
     assert isinstance(result.exception, TesselError), result.output
     assert seen["enforce_eager"] is expected
+
+
+def test_serve_warms_up_the_engine_first(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessel.engine import llm_engine
+
+    def stop(self: Any) -> bool:
+        raise TesselError("warmed up")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "warm_up", stop)
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model)])
+    assert isinstance(result.exception, TesselError) and "warmed up" in str(result.exception)

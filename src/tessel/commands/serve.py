@@ -94,6 +94,7 @@ def serve(
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is None:
         engine = LLMEngine(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, **kwargs)
+        engine.warm_up()  # the compiled decode step, before the first request would wait for it
     else:
         from tessel.dist.serving import pipeline_server_engine
 

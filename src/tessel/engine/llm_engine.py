@@ -158,6 +158,24 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.block_manager.num_total_blocks
 
+    def warm_up(self) -> bool:
+        """Compile the one-sequence decode step now (`tessel.engine.decode_graph`: its graphs and the
+        first attention bucket), so the first lone request does not wait seconds for it; -> whether
+        the engine has one. A two-token dummy sequence runs on blocks freed afterwards, outside the
+        scheduler and the prefix cache."""
+        if self.runner.decode_graph is None:
+            return False
+        params = SamplingParams(temperature=0, max_tokens=1)
+        seq = Sequence("warm-up", [0, 0], params, self.config.block_size)
+        self.block_manager.allocate(seq, 0)
+        try:
+            self.runner.run(SchedulerOutput(prefills=[(seq, 1)]))
+            seq.num_computed_tokens = 1
+            self.runner.run(SchedulerOutput(decodes=[seq]))
+        finally:
+            self.block_manager.free(seq)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
