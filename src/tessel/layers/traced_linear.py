@@ -2,8 +2,8 @@
 
 `linear_form(module)` -> `LinearForm(kind, tensors)`, or None where the module's one-row forward
 calls a library kernel a traced graph cannot hold (fbgemm, oneDNN's packed weight, bfloat16's
-`_weight_int8pack_mm`). `form(x)` computes, for a float32 row x [1, K], the module's formula with
-the same functions its own forward compiles (`tessel.kernels.w8a16_cpu`):
+`_weight_int8pack_mm`). `form.apply(x, form.inputs)` computes, for a float32 row x [1, K], the
+module's formula with the same functions its own forward compiles (`tessel.kernels.w8a16_cpu`):
 
     w8a8      codes, s = quantize_per_token(x) (dynamic) or round(x / s_in) (static)
               y = (sum_k codes[k] * q_w[n, k]) * s * s_w[n] (+ bias)       float32 sums, exact < 2**24
