@@ -88,6 +88,15 @@ class _Layer:
         return (self.o.signature, self.gate_up.signature, self.down.signature)
 
 
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A graph of the step: its key in the compiled-graph cache, its builder, its weight inputs."""
+
+    key: tuple[str, int]
+    build: Callable[[], Callable]
+    weights: list[torch.Tensor]
+
+
 def bucket_blocks(blocks: int, block_size: int) -> int:
     """The attention graph's table length for a context of `blocks` blocks: a power of two."""
     least = -(-MIN_BUCKET_TOKENS // block_size)
@@ -138,6 +147,31 @@ class DecodeGraph:
         self.layers = layers
         self.block_size = layers[0].k_cache.shape[1]
         self._graphs: dict[tuple, Callable] = {}
+        # keys, builders and weight inputs worked out once, not per step (signatures read every
+        # input's shape and strides)
+        self._keys: dict[tuple, tuple[str, int]] = {}
+        first = layers[0]
+        self._first_segment = _Segment(
+            self._key("first", first.pre_signature), functools.partial(self._first, first), first.pre_inputs
+        )
+        self._segments = [self._segment(i) for i in range(len(layers))]
+        self._cache_shape = tuple(first.k_cache.shape)
+
+    def _key(self, kind: str, *signature: tuple) -> tuple[str, int]:
+        """A short key per distinct signature, so a step's 61 graph calls do not hash the nested
+        signatures (every input's shape and strides) again."""
+        return self._keys.setdefault((kind, *signature), (kind, len(self._keys)))
+
+    def _segment(self, i: int) -> _Segment:
+        """What runs after layer i's attention: `middle` into layer i + 1, or `last`."""
+        layer = self.layers[i]
+        if i + 1 == len(self.layers):
+            key = self._key("last", layer.post_signature)
+            return _Segment(key, functools.partial(self._last, layer), [*layer.post_inputs, self.final_norm])
+        nxt = self.layers[i + 1]
+        key = self._key("middle", layer.post_signature, nxt.pre_signature)
+        build = functools.partial(self._middle, layer, nxt)
+        return _Segment(key, build, [*layer.post_inputs, *nxt.pre_inputs])
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> DecodeGraph | None:
@@ -166,30 +200,24 @@ class DecodeGraph:
         slots = meta.slot_mapping
         hidden = self.embed(input_ids)
         residual = hidden
-        first = self.layers[0]
-        inputs = [hidden, *first.pre_inputs, c2, s2]
-        out = self._run(("first", first.pre_signature), functools.partial(self._first, first), inputs)
+        first = self._first_segment
+        out = self._run(first.key, first.build, [hidden, *first.weights, c2, s2])
         if out is None:
             return None
         q, k, v = out[:3]
-        for i, layer in enumerate(self.layers):
-            nk = self.shapes.num_kv_heads
-            layer.k_cache.view(-1, nk, self.shapes.head_dim).index_copy_(0, slots, k)
-            layer.v_cache.view(-1, nk, self.shapes.head_dim).index_copy_(0, slots, v)
-            key = ("attention", table.shape[0], tuple(layer.k_cache.shape))
+        nk, d = self.shapes.num_kv_heads, self.shapes.head_dim
+        attention_key = ("attention", table.shape[0], self._cache_shape)
+        for layer, segment in zip(self.layers, self._segments, strict=True):
+            layer.k_cache.view(-1, nk, d).index_copy_(0, slots, k)
+            layer.v_cache.view(-1, nk, d).index_copy_(0, slots, v)
             inputs = [q.contiguous(), layer.k_cache, layer.v_cache, table, context]
-            out = self._run(key, self._attention, inputs)
+            out = self._run(attention_key, self._attention, inputs)
             if out is None:
                 return None
-            attended = out[0]
-            if i + 1 == len(self.layers):
-                inputs = [attended, residual, *layer.post_inputs, self.final_norm]
-                out = self._run(("last", layer.post_signature), functools.partial(self._last, layer), inputs)
+            if segment.key[0] == "last":
+                out = self._run(segment.key, segment.build, [out[0], residual, *segment.weights])
                 return None if out is None else out[0]
-            nxt = self.layers[i + 1]
-            inputs = [attended, residual, *layer.post_inputs, *nxt.pre_inputs, c2, s2]
-            key = ("middle", layer.post_signature, nxt.pre_signature)
-            out = self._run(key, functools.partial(self._middle, layer, nxt), inputs)
+            out = self._run(segment.key, segment.build, [out[0], residual, *segment.weights, c2, s2])
             if out is None:
                 return None
             q, k, v, residual = out[:4]
