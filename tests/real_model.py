@@ -96,22 +96,10 @@ def token_nll(path: Path, ids: list[int], decode: bool, **engine_kwargs) -> tupl
     prefill of every token, or (`decode`) the first token then one decode step per token."""
     import torch
 
-    from tessel import LLM, SamplingParams
-    from tessel.engine.scheduler import SchedulerOutput
-    from tessel.engine.sequence import Sequence
+    from decode_steps import decode_logits
+    from tessel import LLM
 
     llm = LLM(path, max_model_len=len(ids), **engine_kwargs)
-    graph, runs = llm.runner.decode_graph, []
-    if graph is not None:
-        llm.runner.decode_graph = lambda *args: runs.append(1) or graph(*args)
-    seq = Sequence("nll", ids, SamplingParams(temperature=0), llm.config.block_size)
-    llm.block_manager.allocate(seq, 0)
-    if not decode:
-        logits = llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(ids))]))
-    else:
-        steps = [llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, 1)]))]
-        for seq.num_computed_tokens in range(1, len(ids)):
-            steps.append(llm.runner.forward_logits(SchedulerOutput(decodes=[seq])))
-        logits = torch.cat(steps)
+    logits, graph_steps = decode_logits(llm, ids, prefill=1 if decode else len(ids))
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:]))
-    return float(nll), len(runs)
+    return float(nll), graph_steps

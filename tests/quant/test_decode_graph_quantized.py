@@ -13,12 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from ct_oracle import hf_quantized
-from hf_oracle import GREEDY
+from decode_steps import decode_logits
 from tessel import LLM
 from tessel.cli import app
 from tessel.engine.decode_graph import DecodeGraph
-from tessel.engine.scheduler import SchedulerOutput
-from tessel.engine.sequence import Sequence
 from tessel.kernels import cpu_compile
 from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
 from tessel.layers.traced_linear import linear_form
@@ -53,18 +51,6 @@ def quantized(tiny_llama, calib_text, tmp_path_factory):
     return get
 
 
-def _decode_logits(llm: LLM, ids: list[int], prefill: int) -> tuple[torch.Tensor, int]:
-    """(logits of every position, decode steps the graph ran): `prefill` tokens, then one at a time."""
-    graph, runs = llm.runner.decode_graph, []
-    llm.runner.decode_graph = lambda *args: runs.append(1) or graph(*args)
-    seq = Sequence("x", ids, GREEDY, block_size=8)
-    llm.block_manager.allocate(seq, 0)
-    got = [llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, prefill)]))]
-    for seq.num_computed_tokens in range(prefill, len(ids)):
-        got.append(llm.runner.forward_logits(SchedulerOutput(decodes=[seq])))
-    return torch.cat(got), len(runs)
-
-
 @pytest.mark.parametrize(
     ("scheme", "path"),
     [("w8a8", None), ("w8a8", "int_mm"), ("w8a8", "dequant"), ("w8a8-static", None), ("w8a16", None)],
@@ -82,7 +68,7 @@ def test_decode_steps_match_the_compressed_tensors_oracle(quantized, monkeypatch
         monkeypatch.setenv(W8A16_ENV_OVERRIDE, "gemv")
         llm = LLM(out, max_model_len=128, block_size=8)
     ids = torch.randint(4, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    got, graph_steps = _decode_logits(llm, ids, prefill=6)
+    got, graph_steps = decode_logits(llm, ids, prefill=6)
     assert graph_steps == 34
     with torch.no_grad():
         expected = hf_quantized(out)(torch.tensor([ids])).logits[0]

@@ -122,6 +122,12 @@ def test_serve_warms_up_the_engine_first(tiny_model: Path, monkeypatch: pytest.M
     def stop(self: Any) -> bool:
         raise TesselError("warmed up")
 
+    def serve(self: Any) -> None:
+        raise AssertionError("the server ran before the engine warmed up")
+
+    import uvicorn
+
     monkeypatch.setattr(llm_engine.LLMEngine, "warm_up", stop)
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
     result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model)])
     assert isinstance(result.exception, TesselError) and "warmed up" in str(result.exception)

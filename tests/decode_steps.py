@@ -1,0 +1,28 @@
+"""A sequence teacher-forced through the engine's runner: its prompt's first tokens in one prefill,
+then one decode step per token (the steps the compiled one-sequence decode graph runs)."""
+
+from __future__ import annotations
+
+import torch
+
+from tessel import LLM, SamplingParams
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+
+
+def decode_logits(llm: LLM, ids: list[int], prefill: int) -> tuple[torch.Tensor, int]:
+    """(logits of every position [len(ids), V], steps the engine's decode graph ran): `prefill`
+    tokens in one step, then one decode step per remaining token (prefill = len(ids): no decode)."""
+    graph, runs = llm.runner.decode_graph, []
+    if graph is not None:
+        llm.runner.decode_graph = lambda *args: runs.append(1) or graph(*args)
+    seq = Sequence("teacher-forced", ids, SamplingParams(temperature=0), llm.config.block_size)
+    llm.block_manager.allocate(seq, 0)
+    try:
+        got = [llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, prefill)]))]
+        for seq.num_computed_tokens in range(prefill, len(ids)):
+            got.append(llm.runner.forward_logits(SchedulerOutput(decodes=[seq])))
+    finally:
+        llm.runner.decode_graph = graph
+        llm.block_manager.free(seq)
+    return torch.cat(got), len(runs)
