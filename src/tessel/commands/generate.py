@@ -10,7 +10,13 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import ENFORCE_EAGER_OPTION, LM_HEAD_OPTION, LMHeadMode, check_model_path
+from tessel.commands.options import (
+    DEVICE_OPTION,
+    ENFORCE_EAGER_OPTION,
+    LM_HEAD_OPTION,
+    LMHeadMode,
+    check_model_path,
+)
 
 
 def generate(
@@ -27,6 +33,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
+    device: str = DEVICE_OPTION,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
     check_model_path(model, "--model")
@@ -47,7 +54,7 @@ def generate(
     )  # the same validation as the HTTP API: a bad value stops here, before the model loads
     params.verify(ModelConfig.from_dir(model).vocab_size)
     kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
-    llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, **kwargs)
+    llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
     console = Console(highlight=False)
     for output in outputs:

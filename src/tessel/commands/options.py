@@ -24,6 +24,13 @@ ENFORCE_EAGER_OPTION = typer.Option(
     "at the first step, slower steps after).",
 )
 
+DEVICE_OPTION = typer.Option(
+    "cpu",
+    "--device",
+    help="cpu, cuda or cuda:N: where the model runs (on CUDA tessel's Triton kernels; use --dtype "
+    "float16 or bfloat16 there).",
+)
+
 
 def input_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
     """An existing, readable file (not a directory); its content is checked by the reader."""

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import ENFORCE_EAGER_OPTION, LM_HEAD_OPTION, LMHeadMode, check_model_path
+from tessel.commands.options import (
+    DEVICE_OPTION,
+    ENFORCE_EAGER_OPTION,
+    LM_HEAD_OPTION,
+    LMHeadMode,
+    check_model_path,
+)
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_PROMPT_CHARS
 
@@ -68,6 +74,7 @@ def serve(
     ),
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
+    device: str = DEVICE_OPTION,
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     check_model_path(model, "--model")
@@ -77,6 +84,10 @@ def serve(
         raise TesselError("--replica picks a pipeline of a --plan; give --plan too")
     if plan is not None and lm_head != "float":
         raise TesselError(f"--lm-head {lm_head} cannot be combined with --plan yet; serve in one process")
+    if plan is not None and device != "cpu":
+        raise TesselError(
+            f"--device {device} cannot be combined with --plan yet: pipeline stages run on the CPU"
+        )
 
     import uvicorn
 
@@ -86,14 +97,16 @@ def serve(
     from tessel.server.limits import ServerLimits
 
     if kv_cache_gib is not None:
-        check_kv_cache_fits(kv_cache_gib)
+        check_kv_cache_fits(kv_cache_gib, device)
     limits = ServerLimits(
         max_body_bytes, max_prompt_chars, max_prompt_tokens, max_engine_restarts=max_engine_restarts
     )
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is None:
-        engine = LLMEngine(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, **kwargs)
+        engine = LLMEngine(
+            str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs
+        )
         engine.warm_up()  # the compiled decode step, before the first request would wait for it
     else:
         from tessel.dist.serving import pipeline_server_engine

@@ -35,6 +35,7 @@ from tessel.engine.model_runner import StepResult
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
+from tessel.errors import TesselError
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
@@ -92,6 +93,11 @@ class PipelineEngine(LLM):
         self.explain_peer_lost: Callable[[PeerLostError], BaseException] | None = None
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
+        if self.config.device != "cpu":
+            raise TesselError(
+                f"device={self.config.device!r}: pipeline stages run on the CPU for now; "
+                "run a CUDA model in one process (tessel generate / serve --device cuda without --plan)"
+            )
         self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)
         self.rss_before_load_bytes = rss_bytes()
         model = load_model(path, self.dtype, layers=self._part)

@@ -29,6 +29,7 @@ class EngineConfig:
     pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.packed_linear)
     lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.quant.lm_head)
     enforce_eager: bool = False  # True: no compiled one-sequence CPU decode step (tessel.engine.decode_graph)
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the weights, the KV cache and the kernels run
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -45,3 +46,30 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         check_lm_head_mode(self.lm_head)
+        self.device = str(check_device(self.device))
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch device for `device`, refused with a reason unless it is the CPU or a CUDA GPU
+    that this PyTorch build can see."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise TesselError(
+            f"device {device!r} is not a device name; use cpu, cuda or cuda:N ({error})"
+        ) from None
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type != "cuda":
+        raise TesselError(f"device {device!r}: tessel's engine runs on cpu or cuda, not {parsed.type}")
+    if not torch.cuda.is_available():
+        raise TesselError(
+            f"device {device!r}: this PyTorch sees no CUDA GPU (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda or 'none'}); use --device cpu or install a CUDA build"
+        )
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise TesselError(
+            f"device {device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}"
+        )
+    return torch.device("cuda", parsed.index if parsed.index is not None else torch.cuda.current_device())

@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
         self.config = EngineConfig(**kwargs)
         if self.config.kv_cache_gib is not None:
-            check_kv_cache_fits(self.config.kv_cache_gib)
+            check_kv_cache_fits(self.config.kv_cache_gib, self.config.device)
         path = resolve_model_path(model_path)  # a .gguf file becomes a checkpoint directory
         if not path.is_dir():
             raise TesselError(
@@ -83,6 +83,7 @@ class LLMEngine:
             self.dtype,
             self.config.pack_cpu_linears,
             self.config.enforce_eager,
+            self.config.device,
         )
         eos = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -95,7 +96,7 @@ class LLMEngine:
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         """The whole model; a pipeline stage (`tessel.dist`) loads only its layers."""
-        return load_model(path, self.dtype, lm_head=self.config.lm_head)
+        return load_model(path, self.dtype, self.config.device, lm_head=self.config.lm_head)
 
     # ---- sizing -------------------------------------------------------------------------------
     def _max_model_len(self) -> int:

@@ -48,7 +48,8 @@ class StepResult:
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
     """logprobs [N, V] (log-softmax rows), the token at each row, k alternatives -> one per row."""
-    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)).squeeze(1).tolist()
+    index = torch.tensor(token_ids, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
     if k == 0:
         return [TokenLogprobs(t, lp, []) for t, lp in zip(token_ids, chosen, strict=True)]
     values, indices = logprobs.topk(k, dim=-1)
@@ -67,16 +68,25 @@ class ModelRunner:
         dtype: torch.dtype,
         pack_cpu_linears: bool = True,
         enforce_eager: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model = model
         self.block_size = block_size
+        self.device = torch.device(device)
         self.sampler = Sampler()
         c = model.config
         # One cache per attention layer the model holds (a pipeline stage holds some of them).
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN).
         self.kv_cache = torch.zeros(
-            2, len(attention_layers), num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype
+            2,
+            len(attention_layers),
+            num_blocks,
+            block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype=dtype,
+            device=self.device,
         )
         if pack_cpu_linears and not self.kv_cache.is_cuda:
             pack_linears(model)
@@ -97,8 +107,8 @@ class ModelRunner:
         group = DecodeGroup(
             0,
             len(seqs),
-            torch.tensor(tables, dtype=torch.int32),
-            torch.tensor(context_lens, dtype=torch.int32),
+            self._tensor(tables, torch.int32),
+            self._tensor(context_lens, torch.int32),
         )
         if not self.kv_cache.is_cuda and self.kv_cache.shape[1]:  # the CPU's batched form, if it applies
             group.gather = decode_gather(group.block_tables, group.context_lens, self.kv_cache[0, 0])
@@ -112,7 +122,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64))
+        meta = AttentionMetadata(slot_mapping=self._tensor([], torch.int64))
         for row, seq in enumerate(batch.decodes):
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
@@ -130,13 +140,18 @@ class ModelRunner:
             slots.extend(self._slots(seq, start, end))
             table = None
             if start > 0:
-                table = torch.tensor(seq.block_table[: -(-end // self.block_size)], dtype=torch.int64)
+                table = self._tensor(seq.block_table[: -(-end // self.block_size)], torch.int64)
             meta.prefills.append(PrefillChunk(offset, n, end, table))
             if end == len(seq):
                 sample_rows.append(offset + n - 1)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        ids = torch.tensor(input_ids, dtype=torch.int64)
-        return ids, torch.tensor(positions, dtype=torch.int64), meta, sample_rows
+        meta.slot_mapping = self._tensor(slots, torch.int64)
+        ids = self._tensor(input_ids, torch.int64)
+        return ids, self._tensor(positions, torch.int64), meta, sample_rows
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A step's index list on the model's device (built on the host, one copy per list)."""
+        t = torch.tensor(values, dtype=dtype)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> StepResult:
@@ -148,7 +163,7 @@ class ModelRunner:
         if not sample_rows:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
-        result.tokens = self.sample(logits, result.seqs).tolist()
+        result.tokens = self.sample(logits.float(), result.seqs).tolist()
         result.logprobs = [None] * len(result.seqs)
         for i, seq in enumerate(result.seqs):
             if seq.params.logprobs is not None:  # before temperature: the raw logits
@@ -176,9 +191,9 @@ class ModelRunner:
         params = [seq.params for seq in seqs]
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
-        temperatures = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
+        temperatures = self._tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32)
+        top_k = self._tensor([p.top_k for p in params], torch.int64)
+        top_p = self._tensor([p.top_p for p in params], torch.float32)
         generators = [seq.generator for seq in seqs]
         return self.sampler(logits, temperatures, top_k, top_p, generators)
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one go: the CUDA tests (tests/*/test_cuda_*.py, skipped on a
+# machine without a GPU), the engine on CUDA against HF (benchmarks/cuda_engine.py) and the kernels
+# against their torch baselines (benchmarks/kernels.py --device cuda). Logs and JSON go to OUT_DIR.
+#
+#   bash benchmarks/gpu_checks.sh OUT_DIR [--quick]
+#
+# Run from the repo root with tessel importable (installed, or PYTHONPATH=src). Each step has its
+# own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others.
+# The autotuner's picks are kept in OUT_DIR/tessel-cache (TESSEL_CACHE_DIR): pass the same folder
+# again and a later run skips the tuning.
+set -u
+out=${1:?usage: gpu_checks.sh OUT_DIR [--quick]}
+quick=${2:-}
+mkdir -p "$out"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TESSEL_CACHE_DIR=${TESSEL_CACHE_DIR:-$out/tessel-cache}
+export PYTHONPATH=src:tests${PYTHONPATH:+:$PYTHONPATH}
+python=${PYTHON:-python3}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee "$out/gpu.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
+  local name=$1 seconds=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/gpu.txt"
+  tail -n 25 "$out/$name.log"
+}
+
+# The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
+TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-150}" $python -m pytest -q -p no:cacheprovider -rfE \
+  --junitxml "$out/cuda_tests.xml" \
+  tests/kernels/test_cuda_kernels.py tests/engine/test_cuda_engine.py tests/quant/test_cuda_quantized.py
+step cuda_engine "${ENGINE_S:-200}" $python benchmarks/cuda_engine.py --repeats 2 $quick \
+  --out "$out/cuda_engine.json"
+step kernels_cuda "${KERNELS_S:-100}" $python benchmarks/kernels.py --device cuda $quick \
+  --out "$out/kernels_cuda.json"
