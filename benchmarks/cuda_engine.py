@@ -15,7 +15,9 @@ Workloads (EOS ignored, greedy):
   (equal lengths, so no padding), tessel through its scheduler (continuous batching).
 Each phase: one warm-up run, then the best of `--repeats` (wall clock, `torch.cuda.synchronize`
 around it). tok/s counts the new tokens. `vs HF` = tessel tok/s / HF float16 tok/s of that
-workload. tessel runs eagerly on CUDA (no CUDA graphs): a decode step is one launch per kernel.
+workload. tessel replays its decode steps as CUDA graphs (`tessel.engine.cuda_graph`), captured by
+`LLM.warm_up()` before the timing (its seconds are recorded); the `eager` rows launch every kernel
+from Python.
 """
 
 from __future__ import annotations
@@ -47,14 +49,15 @@ NUM_KV_HEADS = 3
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 BATCH = 32
-# (row name, checkpoint, tessel dtype, LM head mode)
+# (row name, checkpoint, tessel dtype, LM head mode, eager: no CUDA graphs)
 TESSEL_ROWS = [
-    ("tessel float16", "fp", torch.float16, "float"),
-    ("tessel bfloat16", "fp", torch.bfloat16, "float"),
-    ("tessel float32", "fp", torch.float32, "float"),
-    ("tessel W8A8 (float16 acts)", "w8a8", torch.float16, "float"),
-    ("tessel W8A8 + int8 head", "w8a8", torch.float16, "int8"),
-    ("tessel W8A16 (float16 acts)", "w8a16", torch.float16, "float"),
+    ("tessel float16", "fp", torch.float16, "float", False),
+    ("tessel float16 eager", "fp", torch.float16, "float", True),
+    ("tessel bfloat16", "fp", torch.bfloat16, "float", False),
+    ("tessel W8A8 (float16 acts)", "w8a8", torch.float16, "float", False),
+    ("tessel W8A8 + int8 head", "w8a8", torch.float16, "int8", False),
+    ("tessel W8A8 eager", "w8a8", torch.float16, "float", True),
+    ("tessel W8A16 (float16 acts)", "w8a16", torch.float16, "float", False),
 ]
 
 
@@ -100,11 +103,24 @@ def best_seconds(run, repeats: int) -> float:
     return min(times)
 
 
-def tessel_row(path: Path, dtype: torch.dtype, lm_head: str, batch: list[list[int]], repeats: int) -> dict:
+def tessel_row(
+    path: Path, dtype: torch.dtype, lm_head: str, eager: bool, batch: list[list[int]], repeats: int
+) -> dict:
     from tessel import LLM, SamplingParams
 
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(path, device="cuda", dtype=dtype, lm_head=lm_head, max_model_len=512, max_num_seqs=BATCH)
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype=dtype,
+        lm_head=lm_head,
+        max_model_len=512,
+        max_num_seqs=BATCH,
+        enforce_eager=eager,
+    )
+    start = time.perf_counter()
+    llm.warm_up()  # every bucket's CUDA graph, as `tessel serve` does before it listens
+    capture_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
     def run(prompts_: list[list[int]]) -> None:
@@ -115,7 +131,8 @@ def tessel_row(path: Path, dtype: torch.dtype, lm_head: str, batch: list[list[in
     many = best_seconds(lambda: run(batch), repeats)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     tok_s = {"one_stream_tok_s": NEW_TOKENS / one, "batch_tok_s": BATCH * NEW_TOKENS / many}
-    return {**tok_s, "peak_gib": peak_gib}
+    graphs = llm.runner.cuda_graphs
+    return {**tok_s, "peak_gib": peak_gib, "warm_up_s": capture_s, "graph_replays": graphs and graphs.replays}
 
 
 def hf_row(path: Path, batch: list[list[int]], repeats: int) -> dict:
@@ -157,9 +174,9 @@ def main() -> None:
         batch = prompts(BATCH, SMOLLM2_SHAPE["vocab_size"])
         results = {"HF transformers float16": hf_row(paths["fp"], batch, repeats)}
         print(f"HF float16: {results['HF transformers float16']}", flush=True)
-        for name, checkpoint, dtype, lm_head in rows:
+        for name, checkpoint, dtype, lm_head, eager in rows:
             try:
-                results[name] = tessel_row(paths[checkpoint], dtype, lm_head, batch, repeats)
+                results[name] = tessel_row(paths[checkpoint], dtype, lm_head, eager, batch, repeats)
             except Exception as error:  # one failing row must not lose the others' figures
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
             torch.cuda.empty_cache()  # the row's engine is gone: give its memory back before the next

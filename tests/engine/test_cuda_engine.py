@@ -1,7 +1,8 @@
 """The engine on a CUDA GPU: weights, KV cache and step tensors on the device, tessel's Triton kernels
-(flash attention, paged decode, RMSNorm, RoPE, SiLU-and-mul) in the model. Oracle: HF transformers
-on the same GPU. Skipped where PyTorch sees no GPU; run there with TRITON_INTERPRET=0 (tests/
-conftest.py sets 1 when unset, which would interpret the kernels).
+(flash attention, paged decode, RMSNorm, RoPE, SiLU-and-mul) in the model, decode steps replayed as
+CUDA graphs (`tessel.engine.cuda_graph`). Oracles: HF transformers on the same GPU, and the engine's
+eager steps for the graphs' padding. Skipped where PyTorch sees no GPU; run there with
+TRITON_INTERPRET=0 (tests/conftest.py sets 1 when unset, which would interpret the kernels).
 
 On the CPU, `device="cpu"` and the refusals of devices this machine lacks are checked.
 """
@@ -42,6 +43,7 @@ def test_prefill_and_decode_steps_match_hf_on_cuda(checkpoints, arch: str) -> No
     assert llm.runner.kv_cache.is_cuda and llm.runner.decode_graph is None
     ids = torch.randint(4, 300, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     got, _ = decode_logits(llm, ids, prefill=40)
+    assert llm.runner.cuda_graphs.replays == 30  # every decode step replayed the 1-row graph
     expected = _hf_logits(path, ids, torch.float32)
     assert got.is_cuda
     scale = float(expected.abs().max())
@@ -69,6 +71,7 @@ def test_greedy_batch_with_chunked_prefill_matches_hf_on_cuda(checkpoints) -> No
     llm = LLM(path, device="cuda", max_model_len=256, block_size=8, max_num_batched_tokens=16)
     outputs = llm.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert_matches_hf(path, outputs)
+    assert llm.runner.cuda_graphs.replays > 0
 
 
 @needs_cuda
@@ -90,9 +93,82 @@ def test_logprobs_on_cuda(checkpoints) -> None:
     assert len(out.logprobs) == 4 and all(len(lp.top) == 2 for lp in out.logprobs)
 
 
+@needs_cuda
+def test_cuda_graphs_match_eager_steps_as_the_batch_shrinks(checkpoints) -> None:
+    """13 requests of different lengths: decode steps of 13, then fewer rows as requests end, each
+    run at a bucket (16, 8, 4, 2, 1) with dummy rows; the tokens and logprobs are eager's."""
+    path = checkpoints("llama31_tied")
+    prompts = [list(range(5, 5 + 3 * i + 1)) for i in range(13)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=1) for i in range(13)
+    ]
+    graphs = LLM(path, device="cuda", max_model_len=128, block_size=8, max_num_seqs=16)
+    eager = LLM(path, device="cuda", max_model_len=128, block_size=8, max_num_seqs=16, enforce_eager=True)
+    assert eager.runner.cuda_graphs is None
+    got, want = graphs.generate(prompts, params), eager.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
+    assert set(graphs.runner.cuda_graphs.graphs) >= {16, 8, 4, 2, 1}
+    # the scratch block of the dummy rows is not in the block manager's pool
+    assert graphs.runner.kv_cache.shape[2] == graphs.num_total_blocks + 1
+    assert graphs.num_free_blocks == graphs.num_total_blocks
+
+
+@needs_cuda
+def test_warm_up_captures_every_bucket_then_generates(checkpoints) -> None:
+    path = checkpoints("qwen2")
+    llm = LLM(path, device="cuda", max_model_len=128, max_num_seqs=20)
+    assert llm.warm_up()
+    assert sorted(llm.runner.cuda_graphs.graphs) == [1, 2, 4, 8, 16, 20]
+    assert llm.num_free_blocks == llm.num_total_blocks
+    from hf_oracle import assert_matches_hf
+
+    assert_matches_hf(path, llm.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=24)))
+
+
+@needs_cuda
+def test_a_failed_capture_warns_and_decodes_eagerly(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_oracle import assert_matches_hf
+    from tessel.engine import cuda_graph
+
+    def refused(self, step):
+        raise RuntimeError("capture refused (test)")
+
+    monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", refused)
+    path = checkpoints("llama")
+    llm = LLM(path, device="cuda", max_model_len=128)
+    with pytest.warns(RuntimeWarning, match="capture refused"):
+        outputs = llm.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=24))
+    assert_matches_hf(path, outputs)
+    assert llm.runner.cuda_graphs.replays == 0
+
+
 def test_cpu_device_is_the_default_and_explicit(checkpoints) -> None:
     llm = LLM(checkpoints("llama"), device="cpu", max_model_len=64)
     assert llm.config.device == "cpu" and llm.runner.kv_cache.device.type == "cpu"
+    assert llm.runner.cuda_graphs is None and llm.runner.kv_cache.shape[2] == llm.num_total_blocks
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "buckets"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+    ],
+)
+def test_cuda_graph_buckets(max_rows: int, buckets: list[int]) -> None:
+    from tessel.engine.cuda_graph import CudaGraphDecoder, batch_buckets
+
+    assert batch_buckets(max_rows) == buckets
+    decoder = CudaGraphDecoder.__new__(CudaGraphDecoder)
+    decoder.buckets = buckets
+    assert [decoder.bucket(n) for n in range(1, max_rows + 2)] == [
+        min(b for b in buckets if b >= n) for n in range(1, max_rows + 1)
+    ] + [None]
 
 
 @pytest.mark.parametrize(
@@ -102,3 +178,57 @@ def test_cpu_device_is_the_default_and_explicit(checkpoints) -> None:
 def test_unusable_devices_are_refused_by_name(checkpoints, device: str, message: str) -> None:
     with pytest.raises(TesselError, match=message):
         LLM(checkpoints("llama"), device=device, max_model_len=64)
+
+
+def _eager_record(self, step):
+    """A stand-in for CUDA graph capture on the CPU: replay re-runs the step on the static buffers
+    and writes into the captured output, as a graph replay does."""
+    hidden = step()
+    return (lambda: hidden.copy_(step())), hidden
+
+
+def test_graph_buffers_and_padding_on_the_cpu(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder's bookkeeping (static buffers, buckets, dummy rows in the scratch block, the
+    step's rows put back after a capture) with replay standing in for the graph: the same tokens
+    and logprobs as eager steps, for 13 requests that end one by one."""
+    from tessel.engine import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "supported", lambda device: True)
+    monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", _eager_record)
+    path = checkpoints("llama")
+    prompts = [list(range(5, 5 + 3 * i + 1)) for i in range(13)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=1) for i in range(13)
+    ]
+    graphs = LLM(path, max_model_len=128, block_size=8, max_num_seqs=16)
+    eager = LLM(path, max_model_len=128, block_size=8, max_num_seqs=16, enforce_eager=True)
+    got, want = graphs.generate(prompts, params), eager.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
+    decoder = graphs.runner.cuda_graphs
+    # one prefill step for all 13 prompts, then a decode step per token of the longest request
+    assert set(decoder.graphs) == {16, 8, 4, 2, 1} and decoder.replays == (4 + 3 * 12) - 1
+    assert graphs.runner.kv_cache.shape[2] == graphs.num_total_blocks + 1
+    assert graphs.num_free_blocks == graphs.num_total_blocks
+
+
+def test_a_failed_capture_falls_back_to_eager_on_the_cpu(
+    checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tessel.engine import cuda_graph
+
+    def refused(self, step):
+        raise RuntimeError("capture refused (test)")
+
+    monkeypatch.setattr(cuda_graph, "supported", lambda device: True)
+    monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", refused)
+    path = checkpoints("llama")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, max_model_len=64)
+    with pytest.warns(RuntimeWarning, match="capture refused"):
+        got = llm.generate(TEXTS, params)
+    assert llm.runner.cuda_graphs.failed and llm.runner.cuda_graphs.replays == 0
+    want = LLM(path, max_model_len=64, enforce_eager=True).generate(TEXTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not llm.warm_up()

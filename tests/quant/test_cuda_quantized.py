@@ -54,6 +54,7 @@ def test_quantized_checkpoint_on_cuda_matches_the_compressed_tensors_oracle(quan
     assert all(p.is_cuda for p in llm.model.state_dict().values())
     ids = torch.randint(4, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     got, _ = decode_logits(llm, ids, prefill=24)  # a prefill, then 16 single decode steps
+    assert llm.runner.cuda_graphs.replays == 16  # as captured CUDA graphs
     with torch.no_grad():
         expected = hf_quantized(path)(torch.tensor([ids])).logits[0]
     got, scale = got.float().cpu(), float(expected.abs().max())

@@ -84,6 +84,8 @@ class LLMEngine:
             self.config.pack_cpu_linears,
             self.config.enforce_eager,
             self.config.device,
+            self.config.max_num_seqs,
+            self.max_model_len,
         )
         eos = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -160,10 +162,13 @@ class LLMEngine:
         return self.block_manager.num_total_blocks
 
     def warm_up(self) -> bool:
-        """Compile the one-sequence decode step now (`tessel.engine.decode_graph`: its graphs and the
-        first attention bucket), so the first lone request does not wait seconds for it; -> whether
-        the engine has one. A two-token dummy sequence runs on blocks freed afterwards, outside the
-        scheduler and the prefix cache."""
+        """Build the decode step's graphs now, so the first requests do not wait for them; -> whether
+        the engine has any. On CUDA: capture every bucket of rows (`tessel.engine.cuda_graph`, on
+        dummy rows). On CPU: compile the one-sequence step (`tessel.engine.decode_graph`: its graphs
+        and the first attention bucket) with a two-token dummy sequence, on blocks freed afterwards,
+        outside the scheduler and the prefix cache."""
+        if self.runner.cuda_graphs is not None:
+            return self.runner.cuda_graphs.capture_all()
         if self.runner.decode_graph is None:
             return False
         params = SamplingParams(temperature=0, max_tokens=1)

@@ -5,6 +5,7 @@ The step's tokens are flattened: one per decoding sequence first, then each pref
 tables and context lengths for one batched paged-attention call. On CPU the model's float32
 linear layers are packed for oneDNN first (`tessel.layers.packed_linear`), and a step of one
 decoding sequence runs as compiled graphs where the model allows (`tessel.engine.decode_graph`).
+On CUDA a step of decodes only replays a captured CUDA graph (`tessel.engine.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessel.engine import cuda_graph
 from tessel.engine.decode_graph import DecodeGraph
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.scheduler import SchedulerOutput
@@ -69,7 +71,10 @@ class ModelRunner:
         pack_cpu_linears: bool = True,
         enforce_eager: bool = False,
         device: str | torch.device = "cpu",
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`max_num_seqs` and `max_model_len` size the CUDA graphs' buffers (no graphs without them)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -77,11 +82,15 @@ class ModelRunner:
         c = model.config
         # One cache per attention layer the model holds (a pipeline stage holds some of them).
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN).
+        cuda_graphs = bool(
+            cuda_graph.supported(self.device) and not enforce_eager and max_num_seqs and max_model_len
+        )
+        # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN). With CUDA
+        # graphs one more block than the block manager's: the scratch block of padded rows.
         self.kv_cache = torch.zeros(
             2,
             len(attention_layers),
-            num_blocks,
+            num_blocks + (1 if cuda_graphs else 0),
             block_size,
             c.num_key_value_heads,
             c.head_dim,
@@ -95,6 +104,12 @@ class ModelRunner:
         self.decode_graph = None
         if not enforce_eager and not self.kv_cache.is_cuda:
             self.decode_graph = DecodeGraph.for_model(model)
+        self.cuda_graphs = None
+        if cuda_graphs:
+            max_blocks = -(-max_model_len // block_size)
+            self.cuda_graphs = cuda_graph.CudaGraphDecoder(
+                model, max_num_seqs, max_blocks, block_size, num_blocks
+            )
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -206,9 +221,12 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The model's hidden states for the step: the compiled graph for one decoding sequence, where
-        there is one (and it compiled), else the eager model."""
+        """The model's hidden states for the step: on CPU the compiled graph for one decoding
+        sequence, on CUDA the captured graph of a step of decodes, where there is one (and it
+        compiled or captured), else the eager model."""
         hidden = None
         if self.decode_graph is not None and meta.num_decode_tokens == 1 and not meta.prefills:
             hidden = self.decode_graph(input_ids, positions, meta)
+        elif self.cuda_graphs is not None and not meta.prefills:
+            hidden = self.cuda_graphs(input_ids, positions, meta)
         return self.model(input_ids, positions, meta) if hidden is None else hidden

@@ -1,0 +1,185 @@
+"""Decode steps on a CUDA GPU replayed as captured CUDA graphs.
+
+Eagerly, a decode step is one kernel launch per op from Python: for SmolLM2-135M's 30 layers that
+is several hundred launches, and on an H100 the step took ~17 ms for one sequence and ~16 ms for 32
+(`benchmarks/cuda_engine.py`, eager rows): the GPU waited on the host. A captured graph replays
+the whole step with one launch from the host (as vLLM and nano-vllm do).
+
+A graph has fixed shapes, so the step runs at a bucket of rows (`batch_buckets`: 1, 2, 4, 8, then
+multiples of 16 up to `max_num_seqs`), over static input buffers:
+
+    input_ids, positions, slot_mapping  [rows]
+    block_tables                        [rows, blocks of max_model_len]  (int32)
+    context_lens                        [rows]                            (int32)
+
+A step copies its rows in, pads the rest with a dummy row (token 0 at position 0, writing its k/v
+into a scratch block past the block manager's pool and attending to that one token), replays, and
+reads its rows of the static hidden states. The table is always as wide as `max_model_len`, so the
+paged-decode kernel's launch (its context splits) does not depend on the step.
+
+Each bucket is captured the first time a step needs it, or all of them by `LLMEngine.warm_up()`
+(which `tessel serve` calls before it listens): one eager run first (Triton compiles and the
+autotuner picks its tiles outside the capture), then the capture into a memory pool shared by all
+buckets. Prefills and mixed steps stay eager. A capture that fails warns once and the engine
+runs eagerly; `enforce_eager` turns the graphs off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tessel.layers.attention import AttentionMetadata, DecodeGroup
+from tessel.models.llama import LlamaForCausalLM
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """The row counts a graph is captured for: 1, 2, 4, 8, the multiples of 16 below `max_rows`,
+    and `max_rows` itself."""
+    small = [b for b in SMALL_BUCKETS if b < max_rows]
+    return small + list(range(BUCKET_STEP, max_rows, BUCKET_STEP)) + [max_rows]
+
+
+@dataclass(slots=True)
+class _Inputs:
+    """The static buffers every graph reads (a bucket of rows reads their first rows)."""
+
+    input_ids: torch.Tensor  # int64 [rows]
+    positions: torch.Tensor  # int64 [rows]
+    slot_mapping: torch.Tensor  # int64 [rows]
+    block_tables: torch.Tensor  # int32 [rows, blocks of max_model_len]
+    context_lens: torch.Tensor  # int32 [rows]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.context_lens)
+
+
+class CudaGraphDecoder:
+    """Pure decode steps of up to `max_rows` sequences, each bucket of rows one captured graph."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, max_rows: int, max_blocks: int, block_size: int, scratch_block: int
+    ) -> None:
+        self.model = model
+        self.buckets = batch_buckets(max_rows)
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * block_size
+        device = model.model.embed_tokens.weight.device
+        rows = self.buckets[-1]
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.inputs = _Inputs(
+            zeros(rows),
+            zeros(rows),
+            zeros(rows),
+            zeros(rows, max_blocks, dtype=torch.int32),
+            zeros(rows, dtype=torch.int32),
+        )
+        self.graphs: dict[int, tuple[Callable[[], object], torch.Tensor]] = {}  # rows -> (replay, hidden)
+        self.pool = None  # one memory pool for every bucket's graph
+        self.replays = 0  # steps that ran as a graph (tests, benchmarks)
+        self.failed: str | None = None
+
+    @torch.inference_mode()
+    def capture_all(self) -> bool:
+        """Capture every bucket now (largest first, so the smaller ones reuse its pool memory);
+        -> whether all of them were captured."""
+        for rows in reversed(self.buckets):
+            if self.failed is not None or (rows not in self.graphs and self._capture(rows) is None):
+                return False
+        return True
+
+    def bucket(self, rows: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, rows)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The hidden states of a pure decode step (one decode group), or None to run it eagerly."""
+        rows = meta.num_decode_tokens
+        bucket = self.bucket(rows)
+        if self.failed is not None or bucket is None or meta.prefills or len(meta.decode_groups) != 1:
+            return None
+        tables = meta.decode_groups[0].block_tables
+        if tables.shape[1] > self.inputs.block_tables.shape[1]:
+            return None
+        x = self.inputs
+        x.input_ids[:rows].copy_(input_ids)
+        x.positions[:rows].copy_(positions)
+        x.slot_mapping[:rows].copy_(meta.slot_mapping)
+        x.block_tables[:rows, : tables.shape[1]].copy_(tables)
+        x.context_lens[:rows].copy_(meta.decode_groups[0].context_lens)
+        self._pad(rows, bucket)
+        captured = self.graphs.get(bucket) or self._capture(bucket)
+        if captured is None:
+            return None
+        replay, hidden = captured
+        replay()
+        self.replays += 1
+        return hidden[:rows]
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows [start, end) are dummies: token 0 at position 0, its k/v written into the scratch
+        block, attending to that one token. Columns of a real row past its context are never read."""
+        x = self.inputs
+        x.input_ids[start:end].zero_()
+        x.positions[start:end].zero_()
+        x.slot_mapping[start:end].fill_(self.scratch_slot)
+        x.block_tables[start:end, 0].fill_(self.scratch_block)
+        x.context_lens[start:end].fill_(1)
+
+    def _args(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The model's arguments for a bucket: views of the static buffers (new views each call, as
+        the CPU rotary caches its tables by the positions tensor's identity)."""
+        x = self.inputs
+        group = DecodeGroup(0, rows, x.block_tables[:rows], x.context_lens[:rows])
+        meta = AttentionMetadata(x.slot_mapping[:rows], num_decode_tokens=rows, decode_groups=[group])
+        return x.input_ids[:rows], x.positions[:rows], meta
+
+    def _capture(self, rows: int) -> tuple[Callable[[], object], torch.Tensor] | None:
+        """Capture the bucket's graph on dummy rows (the step's own rows are put back after)."""
+        saved = [t[:rows].clone() for t in self.inputs.tensors()]
+        self._pad(0, rows)
+        try:
+            captured = self._record(lambda: self.model(*self._args(rows)))
+        except Exception as error:  # noqa: BLE001 (whatever failed, the step still runs, eagerly)
+            self.failed = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"capturing a {rows}-row decode step as a CUDA graph failed ({self.failed}); "
+                "decoding eagerly from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        finally:
+            for tensor, values in zip(self.inputs.tensors(), saved, strict=True):
+                tensor[:rows].copy_(values)
+        self.graphs[rows] = captured
+        return captured
+
+    def _record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], object], torch.Tensor]:
+        """(replay, output) of `step` captured as a CUDA graph, after one eager run (Triton compiles
+        and the autotuner picks its tiles there, outside the capture)."""
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = step()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, hidden
+
+
+def supported(device: torch.device) -> bool:
+    """Whether decode steps on `device` can be captured (CUDA only)."""
+    return device.type == "cuda"
