@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decode_steps import decode_logits
 from hf_oracle import TEXTS, hf_model
@@ -171,6 +173,21 @@ def test_cuda_graph_buckets(max_rows: int, buckets: list[int]) -> None:
     ] + [None]
 
 
+def test_generate_command_passes_the_device(checkpoints) -> None:
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+
+    path = checkpoints("llama")
+    args = ["generate", "--model", str(path), "--prompt", "Hello world", "--max-tokens", "6"]
+    cpu = CliRunner().invoke(app, [*args, "--device", "cpu"])
+    expected = LLM(path).generate(["Hello world"], SamplingParams(temperature=0, max_tokens=6))[0].text
+    assert cpu.exit_code == 0 and expected.strip() in cpu.output, cpu.output
+    if not torch.cuda.is_available():
+        refused = CliRunner().invoke(app, [*args, "--device", "cuda"])
+        assert isinstance(refused.exception, TesselError) and "sees no CUDA GPU" in str(refused.exception)
+
+
 @pytest.mark.parametrize(
     ("device", "message"),
     [("tpu", "not a device name|cpu or cuda"), ("mps", "cpu or cuda"), ("cuda:64", "CUDA")],
@@ -232,3 +249,21 @@ def test_a_failed_capture_falls_back_to_eager_on_the_cpu(
     want = LLM(path, max_model_len=64, enforce_eager=True).generate(TEXTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert not llm.warm_up()
+
+
+@given(
+    st.text(max_size=24)
+    | st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:-1", "cuda:x", "meta", "CPU", " cpu"])
+)
+@settings(max_examples=200, deadline=None)
+def test_any_device_string_is_a_device_or_a_named_refusal(text: str) -> None:
+    """Whatever a user types for --device: the CPU, a CUDA GPU this PyTorch sees, or a TesselError
+    that names the value; never another exception."""
+    from tessel.engine.config import check_device
+
+    try:
+        device = check_device(text)
+    except TesselError as error:
+        assert repr(text) in str(error)
+        return
+    assert device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())

@@ -116,6 +116,45 @@ def test_enforce_eager_reaches_the_engine(
     assert seen["enforce_eager"] is expected
 
 
+@pytest.mark.parametrize(("args", "expected"), [([], "cpu"), (["--device", "cuda:1"], "cuda:1")])
+def test_device_reaches_the_engine(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], expected: str
+) -> None:
+    from tessel.engine import llm_engine
+
+    seen: dict[str, Any] = {}
+
+    def record(self: Any, *_args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise TesselError("stop after the engine's options")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", record)
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), *args])
+    assert isinstance(result.exception, TesselError), result.output
+    assert seen["device"] == expected
+
+
+def test_a_device_without_cuda_is_refused_by_name(tiny_model: Path) -> None:
+    """This PyTorch (the CPU wheel in CI) sees no GPU: a TesselError (exit 2 from `tessel`) with the
+    reason, before serving."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), "--device", "cuda"])
+    assert isinstance(result.exception, TesselError) and "sees no CUDA GPU" in str(result.exception)
+
+
+def test_device_with_a_plan_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    result = CliRunner().invoke(
+        app, ["serve", "--model", str(tiny_model), "--plan", str(plan), "--device", "cuda"]
+    )
+    assert isinstance(result.exception, TesselError)
+    assert "--device cuda cannot be combined with --plan" in str(result.exception)
+
+
 def test_serve_warms_up_the_engine_first(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tessel.engine import llm_engine
 
