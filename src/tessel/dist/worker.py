@@ -128,14 +128,15 @@ def run_requests(args: argparse.Namespace) -> list[RunRequest]:
 
 
 def device_for(plan: RunPlan, rank: int) -> torch.device:
-    """The stage's torch device. CUDA stages are refused for now: the engine's `ModelRunner` keeps
-    its KV cache and step inputs on the CPU, so only the transport (NCCL, tensors on the stage's
-    device) would be ready for them."""
+    """The stage's torch device. CUDA stages are refused for now: the single-process engine runs on
+    a GPU (`device="cuda"`), but the stages' transport (gloo, host tensors) and a stage's runner
+    have not been run on GPUs together, so a CUDA plan is not offered untested."""
     stage = plan.stages[rank]
     if stage.is_cuda:
         raise TesselError(
             f"stage {rank} is a {stage.gpu_type}: the pipeline runtime runs CPU stages only for now "
-            "(the engine keeps its KV cache on the CPU); plan for `cpu` devices (e.g. --cluster local-cpu)"
+            "(GPU stages are untested); plan for `cpu` devices (e.g. --cluster local-cpu), or run the "
+            "model in one process on one GPU (tessel generate / serve --device cuda)"
         )
     return torch.device("cpu")
 
