@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -181,8 +182,13 @@ def main() -> None:
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
             torch.cuda.empty_cache()  # the row's engine is gone: give its memory back before the next
             print(f"{name}: {results[name]}", flush=True)
+    from tessel.quant.cpu_features import describe
+
     hf = results["HF transformers float16"]
+    host = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **describe()}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    print(f"host CPU (eager rows launch from it): {host['cpu']}, {host['cpu_count']} cores, "
+          f"flags {', '.join(host['flags'])}")  # fmt: skip
     print(f"{'row':<30} {'one stream tok/s':>17} {'vs HF':>6} {f'{BATCH} requests tok/s':>19} {'vs HF':>6}")
     for name, r in results.items():
         if "error" in r:
@@ -197,6 +203,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "host": host,
         "model": {**SMOLLM2_SHAPE, "num_key_value_heads": NUM_KV_HEADS, "quick": args.quick},
         "workload": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "batch": BATCH},
         "repeats": repeats,

@@ -95,26 +95,31 @@ def test_logprobs_on_cuda(checkpoints) -> None:
     assert len(out.logprobs) == 4 and all(len(lp.top) == 2 for lp in out.logprobs)
 
 
-@needs_cuda
-def test_cuda_graphs_match_eager_steps_as_the_batch_shrinks(checkpoints) -> None:
-    """13 requests of different lengths: decode steps of 13, then fewer rows as requests end, each
-    run at a bucket (16, 8, 4, 2, 1) with dummy rows; the tokens and logprobs are eager's."""
-    path = checkpoints("llama31_tied")
+def _shrinking_batch_matches_eager(path, **engine_args) -> LLM:
+    """13 requests of different lengths through the graphs and through eager steps: decode steps of
+    13 rows, then fewer as requests end, each at a bucket (16, 8, 4, 2, 1) with dummy rows. Asserts
+    the same tokens and logprobs, and the scratch block outside the block manager's pool; -> the
+    graphs' engine."""
     prompts = [list(range(5, 5 + 3 * i + 1)) for i in range(13)]
     params = [
         SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=1) for i in range(13)
     ]
-    graphs = LLM(path, device="cuda", max_model_len=128, block_size=8, max_num_seqs=16)
-    eager = LLM(path, device="cuda", max_model_len=128, block_size=8, max_num_seqs=16, enforce_eager=True)
+    graphs = LLM(path, max_model_len=128, block_size=8, max_num_seqs=16, **engine_args)
+    eager = LLM(path, max_model_len=128, block_size=8, max_num_seqs=16, enforce_eager=True, **engine_args)
     assert eager.runner.cuda_graphs is None
     got, want = graphs.generate(prompts, params), eager.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want, strict=True):
         assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
-    assert set(graphs.runner.cuda_graphs.graphs) >= {16, 8, 4, 2, 1}
-    # the scratch block of the dummy rows is not in the block manager's pool
     assert graphs.runner.kv_cache.shape[2] == graphs.num_total_blocks + 1
     assert graphs.num_free_blocks == graphs.num_total_blocks
+    return graphs
+
+
+@needs_cuda
+def test_cuda_graphs_match_eager_steps_as_the_batch_shrinks(checkpoints) -> None:
+    graphs = _shrinking_batch_matches_eager(checkpoints("llama31_tied"), device="cuda")
+    assert set(graphs.runner.cuda_graphs.graphs) >= {16, 8, 4, 2, 1}
 
 
 @needs_cuda
@@ -212,22 +217,9 @@ def test_graph_buffers_and_padding_on_the_cpu(checkpoints, monkeypatch: pytest.M
 
     monkeypatch.setattr(cuda_graph, "supported", lambda device: True)
     monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", _eager_record)
-    path = checkpoints("llama")
-    prompts = [list(range(5, 5 + 3 * i + 1)) for i in range(13)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=1) for i in range(13)
-    ]
-    graphs = LLM(path, max_model_len=128, block_size=8, max_num_seqs=16)
-    eager = LLM(path, max_model_len=128, block_size=8, max_num_seqs=16, enforce_eager=True)
-    got, want = graphs.generate(prompts, params), eager.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want, strict=True):
-        assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
-    decoder = graphs.runner.cuda_graphs
+    decoder = _shrinking_batch_matches_eager(checkpoints("llama")).runner.cuda_graphs
     # one prefill step for all 13 prompts, then a decode step per token of the longest request
     assert set(decoder.graphs) == {16, 8, 4, 2, 1} and decoder.replays == (4 + 3 * 12) - 1
-    assert graphs.runner.kv_cache.shape[2] == graphs.num_total_blocks + 1
-    assert graphs.num_free_blocks == graphs.num_total_blocks
 
 
 def test_a_failed_capture_falls_back_to_eager_on_the_cpu(

@@ -137,7 +137,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        meta = AttentionMetadata(slot_mapping=self._tensor([], torch.int64))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64, device=self.device))
         for row, seq in enumerate(batch.decodes):
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
