@@ -1,7 +1,7 @@
 """The compiled one-sequence decode step's pieces against their eager forms, and what compiling costs.
 
     python benchmarks/decode_graph.py [--threads 1] [--contexts 128,512,2048] \
-        [--model DIR [--ppl-windows 6]] [--out PATH.json]
+        [--model DIR [--rows 1] [--ppl-windows 6]] [--out PATH.json]
 
 1. Attention of one query row (SmolLM2's heads: 9 query, 3 kv, head_dim 64; block size 16) over a
    paged cache: the eager engine's `paged_decode_attention` against the compiled attention graph
@@ -9,7 +9,8 @@
 2. A W8A8 one-row linear (1 x 3072 x 576, SmolLM2's gate/up) compiled with its codes stored (a graph
    output, as `tessel.layers.traced_linear` does) and inlined (recomputed per output channel).
 3. With `--model` (a quantised checkpoint; default: none): the first decode steps of a fresh engine
-   with an empty inductor cache (compiling) against later ones, one sequence.
+   with an empty inductor cache (compiling) against later ones, `--rows` sequences at once (1: the
+   one-sequence step; more: the batch step's graphs for their bucket of rows).
 4. With `--model` and `--ppl-windows N`: the held-out text's perplexity over N windows of 256
    tokens, token by token through the compiled decode step and through the eager one, each against
    the prefill's (W8A8's near-tie roundings make decode runs drift; this shows how far, each way).
@@ -107,8 +108,9 @@ def linear_row() -> dict:
     return {"shape": [1, n, k], **times}
 
 
-def first_steps(model: str, steps: int = 40) -> dict:
-    """Per-step seconds of one sequence's decode in a fresh engine (inductor's cache is empty here)."""
+def first_steps(model: str, rows: int = 1, steps: int = 40) -> dict:
+    """Per-step seconds of `rows` sequences decoding together in a fresh engine (inductor's cache is
+    empty here): one row runs `decode_graph`'s step, several `batch_decode_graph`'s."""
     from tessel import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=256, lm_head="int8")
@@ -122,12 +124,14 @@ def first_steps(model: str, steps: int = 40) -> dict:
         return out
 
     llm.runner._forward = timed
-    llm.generate(["The history of"], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    prompts = [f"The history of {i}" for i in range(rows)]  # prefilled in one step
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     decode = times[1:]  # the first call is the prefill
     later = statistics.median(decode[-10:])
-    print(f"  {model}: first decode step {decode[0]:.2f} s (compiling), later steps {later * 1e3:.1f} ms; "
+    print(f"  {model}, {rows} row(s): first decode step {decode[0]:.2f} s (compiling), "
+          f"later steps {later * 1e3:.1f} ms; "
           f"{sum(t > 0.2 for t in decode)} steps over 0.2 s", flush=True)  # fmt: skip
-    return {"model": model, "step_s": decode, "median_last_10_s": later}
+    return {"model": model, "rows": rows, "step_s": decode, "median_last_10_s": later}
 
 
 def ppl_windows(model: str, windows: int, tokens: int = 256, stride: int = 400) -> list[dict]:
@@ -160,6 +164,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--model", help="a quantised checkpoint: time its first decode steps (cold cache)")
+    parser.add_argument("--rows", type=int, default=1, help="with --model: sequences decoding together")
     parser.add_argument("--ppl-windows", type=int, default=0, help="with --model: perplexity windows")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -175,7 +180,7 @@ def main() -> None:
     result["attention"] = attention_rows([int(c) for c in args.contexts.split(",")])
     result["w8a8_linear"] = linear_row()
     if args.model:
-        result["first_steps"] = first_steps(args.model)
+        result["first_steps"] = first_steps(args.model, args.rows)
     if args.model and args.ppl_windows:
         result["ppl_windows"] = ppl_windows(args.model, args.ppl_windows)
     print("\n| one-row attention (9/3 heads, D 64) | eager us | graph us | eager / graph |")

@@ -26,3 +26,29 @@ def decode_logits(llm: LLM, ids: list[int], prefill: int) -> tuple[torch.Tensor,
         llm.runner.decode_graph = graph
         llm.block_manager.free(seq)
     return torch.cat(got), len(runs)
+
+
+def batch_decode_logits(llm: LLM, prompts: list[list[int]], prefill: int) -> tuple[torch.Tensor, int]:
+    """(logits [steps, rows, V], steps the engine's batch decode graph ran): each sequence's first
+    `prefill` tokens prefilled on its own, then one decode step per position for all of them at
+    once (teacher-forced; the sequences have equal lengths)."""
+    graph, runs = llm.runner.batch_decode_graph, []
+    if graph is not None:
+        llm.runner.batch_decode_graph = lambda *args: runs.append(1) or graph(*args)
+    params, block_size = SamplingParams(temperature=0), llm.config.block_size
+    seqs = [Sequence(f"row-{i}", ids, params, block_size) for i, ids in enumerate(prompts)]
+    for seq in seqs:
+        llm.block_manager.allocate(seq, 0)
+    try:
+        for seq in seqs:
+            llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, prefill)]))
+        got = []
+        for position in range(prefill, len(prompts[0])):
+            for seq in seqs:
+                seq.num_computed_tokens = position
+            got.append(llm.runner.forward_logits(SchedulerOutput(decodes=seqs)))
+    finally:
+        llm.runner.batch_decode_graph = graph
+        for seq in seqs:
+            llm.block_manager.free(seq)
+    return torch.stack(got), len(runs)

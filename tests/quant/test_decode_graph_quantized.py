@@ -1,5 +1,6 @@
-"""Quantised checkpoints through the compiled one-sequence decode step (`tessel.engine.decode_graph`),
-and each linear module's traced one-row form (`tessel.layers.traced_linear`).
+"""Quantised checkpoints through the compiled decode steps (`tessel.engine.decode_graph` for one
+sequence, `tessel.engine.batch_decode_graph` for several), each linear module's traced one-row form
+(`tessel.layers.traced_linear`) and its split multi-row form (`tessel.layers.split_linear`).
 
 Oracles: HF transformers + compressed-tensors (`ct_oracle.hf_quantized`, activations fake-quantised
 as the int8 GEMM computes them) for the decode steps' logits; each module's own eager forward for
@@ -13,15 +14,16 @@ import torch
 from typer.testing import CliRunner
 
 from ct_oracle import hf_quantized
-from decode_steps import decode_logits
+from decode_steps import batch_decode_logits, decode_logits
 from tessel import LLM
 from tessel.cli import app
 from tessel.engine.decode_graph import DecodeGraph
 from tessel.kernels import cpu_compile
 from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
+from tessel.layers.split_linear import split_linear
 from tessel.layers.traced_linear import linear_form
 from tessel.quant.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
-from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu
+from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, fbgemm_act_bits
 
 pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
 
@@ -119,3 +121,46 @@ def test_paths_without_a_traced_form_keep_the_model_eager(quantized) -> None:
     layer = llm.runner.model.model.layers[1].mlp
     layer.down_proj.set_path("dequant")
     assert DecodeGraph.for_model(llm.runner.model) is None
+
+
+@pytest.mark.parametrize(("scheme", "path"), [("w8a8", "fbgemm"), ("w8a8", "int_mm"), ("w8a16", None)])
+def test_batch_decode_steps_match_the_compressed_tensors_oracle(quantized, monkeypatch, scheme, path) -> None:
+    """fbgemm: its quantiser and epilogue inside the graphs (8-bit codes: where they cannot saturate,
+    AVX-512 VNNI; the tiny model's weights are not 7-bit elsewhere); int_mm, W8A16: whole modules
+    called between the graphs."""
+    if path == "fbgemm" and fbgemm_act_bits(False) != 8:
+        pytest.skip("fbgemm multiplies 8-bit activation codes by full-range weights only with VNNI")
+    if path is not None:
+        monkeypatch.setenv(INT8_ENV_OVERRIDE, path)
+    out = quantized(scheme)
+    llm = LLM(out, max_model_len=128, block_size=8)
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear | W8A16CPULinear)]
+    kinds = {split_linear(m).kind for m in linears}
+    assert kinds == ({"fbgemm8"} if path == "fbgemm" else {"opaque"})
+    prompts = torch.randint(4, 300, (5, 30), generator=torch.Generator().manual_seed(8)).tolist()
+    got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
+    assert graph_steps == 24
+    with torch.no_grad():
+        expected = hf_quantized(out)(torch.tensor(prompts)).logits[:, 6:].transpose(0, 1)
+    scale = float(expected.abs().max())
+    tol = 2e-3 if "w8a8" in scheme else 1e-4  # W8A8: near-tie activations, as above
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [2, 7, 32])
+def test_each_split_form_computes_its_modules_forward(with_bias: bool, rows: int) -> None:
+    """post(call(pre(x))) run eagerly: the module's own ops in the same order, so the same bits."""
+    x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows)) * 3
+    modules = _modules(with_bias)
+    w, scale = modules[0].weight, modules[0].weight_scale
+    bias = modules[0].bias
+    if fbgemm_act_bits(False) == 8:
+        modules.append(W8A8Linear(w, scale, bias, path="fbgemm"))
+    for module in modules:
+        split = split_linear(module)
+        assert split.kind == ("fbgemm8" if getattr(module, "path", None) == "fbgemm" else "opaque")
+        inputs, carried = split.pre(x)
+        assert len(carried) == split.num_carried
+        got = split.post(split.call(inputs), carried, list(split.weights))
+        torch.testing.assert_close(got, module(x), rtol=0, atol=0)

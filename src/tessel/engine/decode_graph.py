@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from tessel.layers.norm import RMSNorm
 from tessel.layers.traced_linear import Kept, LinearForm, linear_form
 from tessel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
+T = TypeVar("T")
 MIN_BUCKET_TOKENS = 64  # the smallest attention graph; shorter contexts are padded to it
 
 
@@ -176,17 +178,8 @@ class DecodeGraph:
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> DecodeGraph | None:
         """The graph for `model` (its attention caches set), or None where it cannot run one."""
-        inner = getattr(model, "model", None)
-        if inner is None or not cpu_compile.compiler_available():
-            return None
-        if not isinstance(inner.embed_tokens, VocabEmbedding) or not isinstance(inner.norm, RMSNorm):
-            return None  # a pipeline stage without the embedding or the final norm
-        if inner.embed_tokens.weight.dtype != torch.float32 or inner.embed_tokens.weight.device.type != "cpu":
-            return None
-        layers = [_layer(layer) for layer in inner.layers]
-        if not layers or any(layer is None for layer in layers):
-            return None
-        return cls(model, layers)
+        layers = graph_layers(model, _layer)
+        return None if layers is None else cls(model, layers)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -297,18 +290,38 @@ class DecodeGraph:
         return out, residual, kept, rest
 
 
-def _layer(layer: torch.nn.Module) -> _Layer | None:
-    """The graph inputs of a decoder layer, or None where one of its parts has no traced form."""
+def graph_layers(model: LlamaForCausalLM, build: Callable[[LlamaDecoderLayer], T | None]) -> list[T] | None:
+    """`build(layer)` for each decoder layer of `model`, or None where the CPU's compiled decode
+    steps cannot run it: no compiler, a pipeline stage (without the embedding or the final norm),
+    weights not float32 on the CPU, a layer other than a Llama layer with RMSNorms and a float32
+    paged cache, or a layer `build` refuses."""
+    inner = getattr(model, "model", None)
+    if inner is None or not cpu_compile.compiler_available():
+        return None
+    if not isinstance(inner.embed_tokens, VocabEmbedding) or not isinstance(inner.norm, RMSNorm):
+        return None
+    weight = inner.embed_tokens.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    layers = [build(layer) if _plain_layer(layer) else None for layer in inner.layers]
+    return None if not layers or any(layer is None for layer in layers) else layers
+
+
+def _plain_layer(layer: torch.nn.Module) -> bool:
     if not isinstance(layer, LlamaDecoderLayer):
-        return None
-    attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn.attn, Attention) or attn.attn.k_cache.dtype != torch.float32:
-        return None
-    forms = [linear_form(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if any(f is None for f in forms) or not attn.attn.k_cache.numel():
-        return None
+        return False
+    attn = layer.self_attn.attn
+    if not isinstance(attn, Attention) or attn.k_cache.dtype != torch.float32 or not attn.k_cache.numel():
+        return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(n.weight.dtype != torch.float32 for n in norms):
+    return all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 for n in norms)
+
+
+def _layer(layer: LlamaDecoderLayer) -> _Layer | None:
+    """The graph inputs of a decoder layer, or None where one of its linears has no traced form."""
+    attn, mlp = layer.self_attn, layer.mlp
+    forms = [linear_form(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(f is None for f in forms):
         return None
     qkv, o, gate_up, down = forms
     return _Layer(

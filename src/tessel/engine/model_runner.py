@@ -3,8 +3,10 @@
 The step's tokens are flattened: one per decoding sequence first, then each prefill chunk.
 `slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
 tables and context lengths for one batched paged-attention call. On CPU the model's float32
-linear layers are packed for oneDNN first (`tessel.layers.packed_linear`), and a step of one
-decoding sequence runs as compiled graphs where the model allows (`tessel.engine.decode_graph`).
+linear layers are packed for oneDNN first (`tessel.layers.packed_linear`), and a step of
+decodes only runs as compiled graphs where the model allows: one sequence's wholly
+(`tessel.engine.decode_graph`), several sequences' between their linears' GEMMs
+(`tessel.engine.batch_decode_graph`).
 On CUDA a step of decodes only replays a captured CUDA graph (`tessel.engine.cuda_graph`).
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessel.engine import cuda_graph
+from tessel.engine.batch_decode_graph import BatchDecodeGraph
 from tessel.engine.decode_graph import DecodeGraph
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.scheduler import SchedulerOutput
@@ -101,9 +104,11 @@ class ModelRunner:
             pack_linears(model)
         for i, attn in enumerate(attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        self.decode_graph = None
+        self.decode_graph = self.batch_decode_graph = None
         if not enforce_eager and not self.kv_cache.is_cuda:
             self.decode_graph = DecodeGraph.for_model(model)
+            if not cuda_graphs:  # (a CPU stand-in for the CUDA graphs in tests: they take the batches)
+                self.batch_decode_graph = BatchDecodeGraph.for_model(model)
         self.cuda_graphs = None
         if cuda_graphs:
             max_blocks = -(-max_model_len // block_size)
@@ -221,12 +226,15 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The model's hidden states for the step: on CPU the compiled graph for one decoding
-        sequence, on CUDA the captured graph of a step of decodes, where there is one (and it
-        compiled or captured), else the eager model."""
+        """The model's hidden states for the step: for a step of decodes only, on CPU the compiled
+        graphs (one sequence's, or several sequences' around their GEMMs), on CUDA the captured
+        graph, where there is one (and it compiled or captured); else the eager model."""
         hidden = None
-        if self.decode_graph is not None and meta.num_decode_tokens == 1 and not meta.prefills:
+        decodes_only = meta.num_decode_tokens > 0 and not meta.prefills
+        if self.decode_graph is not None and decodes_only and meta.num_decode_tokens == 1:
             hidden = self.decode_graph(input_ids, positions, meta)
+        elif self.batch_decode_graph is not None and decodes_only and meta.num_decode_tokens > 1:
+            hidden = self.batch_decode_graph(input_ids, positions, meta)
         elif self.cuda_graphs is not None and not meta.prefills:
             hidden = self.cuda_graphs(input_ids, positions, meta)
         return self.model(input_ids, positions, meta) if hidden is None else hidden

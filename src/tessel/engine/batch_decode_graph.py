@@ -1,0 +1,265 @@
+"""A decode step of several sequences as compiled graphs between the linears' GEMMs (CPU).
+
+At 32 rows the library GEMMs are most of a step, and the ops between them (norms, rotary, splits,
+W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each a few to tens of
+microseconds. With them compiled, a 32-row W8A8 step of SmolLM2-135M (int8 LM head, AVX-512 VNNI,
+1 thread) took 67.3 ms instead of 76.4, its 151 graphs 4.2 ms of it
+(`benchmarks/decode_profile.py --concurrent 32 --torch-profiler 20`). Here those ops run as
+graphs traced (`make_fx`) and compiled by inductor's C++ backend (`tessel.kernels.cpu_compile`),
+and each GEMM is called eagerly between them, split by `tessel.layers.split_linear` (fbgemm's
+int8 GEMM alone, its quantiser and epilogue in the graphs; any other linear whole). Per layer:
+
+    first / next  (down's post + residual,) input norm, qkv's pre     graph (layer 0: "first")
+    qkv           GEMM                                                 eager
+    rotary        qkv's post, rotary -> q, k, v                        graph
+    attention     the layer's own module on the real rows: cache write, paged decode
+    o_in          o's pre (only where it computes anything)            graph
+    o             GEMM
+    post_attn     o's post + residual, post-attention norm, gate_up's pre   graph
+    gate_up       GEMM
+    act           gate_up's post, SiLU-and-mul, down's pre             graph
+    down          GEMM
+    last          (after the last layer) down's post + residual, final norm   graph
+
+Graphs are compiled per bucket of rows (2, 4, 8, 16, then multiples of 16) and shared by every
+layer with the same shapes, on the first step that needs them (seconds per bucket; inductor keeps
+the generated code on disk for later processes). A step with fewer rows than its bucket pads the
+graphs' rows (token 0 at position 0: finite, never read back); the GEMMs and the attention run on
+the real rows only, their outputs copied into padded buffers.
+
+The numbers are the eager step's formulas, not its bits: inductor sums the norms' reductions in
+its own order (W8A8 then rounds a code the other way at a near-tie now and then), as in the
+one-sequence step (`tessel.engine.decode_graph`). `enforce_eager` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tessel.engine.decode_graph import graph_layers
+from tessel.kernels import cpu_compile
+from tessel.kernels.rope import rope_rotate, rope_tables
+from tessel.layers.attention import Attention, AttentionMetadata
+from tessel.layers.split_linear import SplitLinear, split_linear
+from tessel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+BUCKET_STEP = 16  # above this many rows, buckets grow by this many (below: powers of two)
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a step of `rows` decodes is compiled for: 2, 4, 8, 16, 32, 48, ..."""
+    if rows <= BUCKET_STEP:
+        return max(2, 1 << (rows - 1).bit_length())
+    return -(-rows // BUCKET_STEP) * BUCKET_STEP
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: SplitLinear
+    o: SplitLinear
+    post_norm: torch.Tensor
+    gate_up: SplitLinear
+    down: SplitLinear
+    attention: Attention
+
+
+@dataclass(frozen=True, slots=True)
+class _Shapes:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def _pre_outputs(split: SplitLinear, x: torch.Tensor) -> list[torch.Tensor]:
+    """A graph's tail that feeds `split`'s call: its inputs, then what its post carries."""
+    inputs, carried = split.pre(x)
+    return [*inputs, *carried]
+
+
+class BatchDecodeGraph:
+    """`graph(input_ids, positions, meta)` -> final hidden [rows, H] of a step of decodes only, or
+    None when compiling failed (the caller runs the eager model; a warning said why, once)."""
+
+    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        self.shapes = _Shapes(
+            model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, inner.norm.eps
+        )
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary
+        self.final_norm = inner.norm.weight.detach()
+        self.layers = layers
+        self._graphs: dict[tuple, Callable] = {}
+        self._padded_buffers: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM) -> BatchDecodeGraph | None:
+        """The graphs for `model` (its attention caches set), or None where it cannot run them."""
+        layers = graph_layers(model, _layer)
+        return None if layers is None else cls(model, layers)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        rows = input_ids.shape[0]
+        bucket = bucket_rows(rows)
+        ids, pos = (F.pad(t, (0, bucket - rows)) for t in (input_ids, positions))
+        c2, s2 = rope_tables(pos, self.rotary.cos, self.rotary.sin)
+        hidden = self.embed(ids)
+        first = self.layers[0]
+        out = self._run("first", bucket, (first.qkv,), self._first, [hidden, first.input_norm])
+        for i, layer in enumerate(self.layers):
+            if out is None:
+                return None
+            out = self._layer(i, layer, out, rows, bucket, meta, (c2, s2))
+        return None if out is None else out[0][:rows]
+
+    def _layer(self, i: int, layer: _Layer, out: list, rows: int, bucket: int, meta, tables) -> list | None:
+        """Layer i from its qkv call's inputs (`out`: the call's inputs, carried, residual) to the
+        next layer's (or, after the last, [final hidden])."""
+        n = 1 + layer.qkv.num_carried
+        calls, residual = out[:n], out[n]
+        acc = self._gemm("qkv", layer.qkv, calls[:1], rows, bucket)
+        qkv_in = [acc, *calls[1:], *layer.qkv.weights, *tables]
+        out = self._run("rotary", bucket, (layer.qkv,), self._rotary, qkv_in)
+        if out is None:
+            return None
+        q, k, v = (t[:rows] for t in out)
+        attended = layer.attention(q.contiguous(), k, v, meta)
+        x = self._padded("attention", attended.view(rows, -1), bucket)
+        calls = [x]
+        if layer.o.traced_pre:
+            calls = self._run("o_in", bucket, (layer.o,), self._o_in, [x])
+            if calls is None:
+                return None
+        acc = self._gemm("o", layer.o, calls[:1], rows, bucket)
+        post_in = [acc, *calls[1:], *layer.o.weights, residual, layer.post_norm]
+        out = self._run("post_attn", bucket, (layer.o, layer.gate_up), self._post_attn, post_in)
+        if out is None:
+            return None
+        n = 1 + layer.gate_up.num_carried
+        calls, residual = out[:n], out[n]
+        acc = self._gemm("gate_up", layer.gate_up, calls[:1], rows, bucket)
+        act_in = [acc, *calls[1:], *layer.gate_up.weights]
+        calls = self._run("act", bucket, (layer.gate_up, layer.down), self._act, act_in)
+        if calls is None:
+            return None
+        acc = self._gemm("down", layer.down, calls[:1], rows, bucket)
+        down_in = [acc, *calls[1:], *layer.down.weights, residual]
+        if i + 1 == len(self.layers):
+            return self._run("last", bucket, (layer.down,), self._last, [*down_in, self.final_norm])
+        nxt = self.layers[i + 1]
+        return self._run("next", bucket, (layer.down, nxt.qkv), self._next, [*down_in, nxt.input_norm])
+
+    # ---- eager pieces ------------------------------------------------------------------------------
+    def _gemm(self, role: str, split: SplitLinear, calls: list[torch.Tensor], rows: int, bucket: int):
+        """`split`'s call on the real rows, padded back to the bucket."""
+        if rows == bucket:
+            return split.call(calls)
+        return self._padded(role, split.call([t[:rows] for t in calls]), bucket)
+
+    def _padded(self, role: str, t: torch.Tensor, bucket: int) -> torch.Tensor:
+        """t [rows, N] in the first rows of a [bucket, N] buffer kept for this role (rows past the
+        step's hold zeros or an earlier step's values: finite, never read back)."""
+        if t.shape[0] == bucket:
+            return t
+        key = (role, bucket, t.shape[1])
+        buffer = self._padded_buffers.get(key)
+        if buffer is None:
+            buffer = self._padded_buffers[key] = torch.zeros(bucket, t.shape[1])
+        buffer[: t.shape[0]].copy_(t)
+        return buffer
+
+    def _run(self, kind: str, bucket: int, splits: tuple, make: Callable, inputs: list) -> list | None:
+        """The compiled graph of `kind` for these splits' signatures on `inputs`; None on failure."""
+        key = (kind, bucket, *(s.signature for s in splits))
+
+        def build() -> Callable:
+            if key not in self._graphs:
+                self._graphs[key] = cpu_compile.compile_graph(make(*splits), inputs)
+            return self._graphs[key]
+
+        return cpu_compile.run(build, inputs, "the compiled batch decode step", "the eager decode step")
+
+    # ---- the traced pieces (builders: the splits they trace -> the function) -----------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.rms_norm(x, (self.shapes.hidden,), weight, self.shapes.eps)
+
+    def _first(self, qkv: SplitLinear) -> Callable:
+        def first(hidden, norm):
+            return (*_pre_outputs(qkv, self._norm(hidden, norm)), hidden)
+
+        return first
+
+    def _rotary(self, qkv: SplitLinear) -> Callable:
+        s = self.shapes
+        n, q_width = qkv.num_carried, (s.num_heads + s.num_kv_heads) * s.head_dim
+
+        def rotary(acc, *rest):
+            y = qkv.post(acc, list(rest[:n]), list(rest[n:-2]))
+            heads = y[:, :q_width].reshape(y.shape[0], s.num_heads + s.num_kv_heads, s.head_dim)
+            qk = rope_rotate(heads, (rest[-2], rest[-1]))
+            v = y[:, q_width:].reshape(y.shape[0], s.num_kv_heads, s.head_dim)
+            return qk[:, : s.num_heads], qk[:, s.num_heads :], v
+
+        return rotary
+
+    def _o_in(self, o: SplitLinear) -> Callable:
+        def o_in(x):
+            return tuple(_pre_outputs(o, x))
+
+        return o_in
+
+    def _post_attn(self, o: SplitLinear, gate_up: SplitLinear) -> Callable:
+        n = o.num_carried
+
+        def post_attn(acc, *rest):
+            residual = o.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+            return (*_pre_outputs(gate_up, self._norm(residual, rest[-1])), residual)
+
+        return post_attn
+
+    def _act(self, gate_up: SplitLinear, down: SplitLinear) -> Callable:
+        n = gate_up.num_carried
+
+        def act(acc, *rest):
+            gate, up = gate_up.post(acc, list(rest[:n]), list(rest[n:])).chunk(2, dim=-1)
+            return tuple(_pre_outputs(down, F.silu(gate) * up))
+
+        return act
+
+    def _next(self, down: SplitLinear, qkv: SplitLinear) -> Callable:
+        n = down.num_carried
+
+        def next_layer(acc, *rest):
+            residual = down.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+            return (*_pre_outputs(qkv, self._norm(residual, rest[-1])), residual)
+
+        return next_layer
+
+    def _last(self, down: SplitLinear) -> Callable:
+        n = down.num_carried
+
+        def last(acc, *rest):
+            residual = down.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+            return (self._norm(residual, rest[-1]),)
+
+        return last
+
+
+def _layer(layer: LlamaDecoderLayer) -> _Layer:
+    """A decoder layer's pieces (every linear has a split form)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        layer.input_layernorm.weight.detach(), split_linear(attn.qkv_proj), split_linear(attn.o_proj),
+        layer.post_attention_layernorm.weight.detach(), split_linear(mlp.gate_up_proj),
+        split_linear(mlp.down_proj), attn.attn,
+    )  # fmt: skip

@@ -1,0 +1,103 @@
+"""The compiled decode step of several sequences (`tessel.engine.batch_decode_graph`).
+
+Oracles: HF transformers' forward for the model's logits (each row of a teacher-forced batch
+against its own sequence); the eager engine for fallbacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from decode_steps import batch_decode_logits
+from hf_oracle import GREEDY, TEXTS, assert_matches_hf, hf_model
+from tessel import LLM
+from tessel.engine import batch_decode_graph as bdg
+from tessel.kernels import cpu_compile
+
+pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
+
+
+def _prompts(llm: LLM, rows: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, llm.model_config.vocab_size, (rows, length), generator=g).tolist()
+
+
+def _assert_rows_match_hf(path, prompts: list[list[int]], got: torch.Tensor, prefill: int) -> None:
+    """got [steps, rows, V]: decode step s of row r is position prefill + s of prompts[r]."""
+    with torch.no_grad():
+        expected = hf_model(path)(torch.tensor(prompts)).logits.float()  # [rows, length, V]
+    expected = expected[:, prefill:].transpose(0, 1)  # [steps, rows, V]
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize(
+    ("variant", "rows", "packed"),
+    [
+        ("llama", 3, True),  # 3 rows in a bucket of 4: padded graphs, GEMMs on the real rows
+        ("llama", 4, False),  # a full bucket, plain nn.Linear calls
+        ("llama", 17, True),  # past 16: a bucket of 32
+        ("llama31_tied", 2, True),
+        ("qwen2", 5, True),  # q/k/v biases
+        ("mistral_head_dim", 3, True),  # head_dim * heads != hidden
+    ],
+)
+def test_batch_decode_steps_match_hf_forward(checkpoints, variant: str, rows: int, packed: bool) -> None:
+    path = checkpoints(variant)
+    llm = LLM(path, max_model_len=128, block_size=8, pack_cpu_linears=packed, max_num_seqs=32)
+    assert llm.runner.batch_decode_graph is not None
+    prompts = _prompts(llm, rows, 30, seed=rows)
+    got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
+    assert graph_steps == 24  # every step of several decodes ran as the graphs
+    assert {key[1] for key in llm.runner.batch_decode_graph._graphs} == {bdg.bucket_rows(rows)}
+    _assert_rows_match_hf(path, prompts, got, prefill=6)
+
+
+def test_greedy_batches_match_hf_and_take_the_graphs_until_one_sequence_is_left(checkpoints) -> None:
+    path = checkpoints("llama")
+    llm = LLM(path, max_model_len=256)  # oneDNN-packed float linears: called between the graphs
+    graph = llm.runner.batch_decode_graph
+    rows_per_step: list[int] = []
+    llm.runner.batch_decode_graph = lambda ids, *rest: rows_per_step.append(len(ids)) or graph(ids, *rest)
+    outputs = llm.generate(TEXTS, GREEDY)  # the shorter ones finish first: the batch shrinks
+    assert_matches_hf(path, outputs)
+    assert rows_per_step and min(rows_per_step) >= 2 and max(rows_per_step) == len(TEXTS)
+    buckets = {key[1] for key in graph._graphs}
+    assert buckets == {bdg.bucket_rows(n) for n in rows_per_step}
+
+
+def test_enforce_eager_and_a_model_the_graphs_cannot_hold_run_eager(checkpoints) -> None:
+    path = checkpoints("llama")
+    assert LLM(path, max_model_len=64, enforce_eager=True).runner.batch_decode_graph is None
+    model = LLM(path, max_model_len=64).runner.model
+    assert bdg.BatchDecodeGraph.for_model(model) is not None
+    model.model.norm = nn.Identity()  # as a pipeline stage without the final norm holds it
+    assert bdg.BatchDecodeGraph.for_model(model) is None
+
+
+def test_a_failed_compile_warns_once_and_the_batch_runs_eager(checkpoints, monkeypatch) -> None:
+    path = checkpoints("llama")
+    prompts = TEXTS[:3]
+    eager = LLM(path, max_model_len=64, enforce_eager=True)
+    expected = [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    monkeypatch.setattr(cpu_compile._State, "broken", None)  # restored after the test
+
+    def fail(*_args):
+        raise RuntimeError("no compiler today")
+
+    llm = LLM(path, max_model_len=64)
+    monkeypatch.setattr(cpu_compile, "compile_graph", fail)
+    with pytest.warns(UserWarning, match="compiled batch decode step failed.*no compiler today"):
+        out = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == expected
+
+
+@given(rows=st.integers(2, 600))
+def test_bucket_is_the_smallest_allowed_row_count_holding_the_rows(rows: int) -> None:
+    bucket = bdg.bucket_rows(rows)
+    allowed = [2, 4, 8, 16] + list(range(32, 640 + 1, bdg.BUCKET_STEP))
+    assert bucket == min(b for b in allowed if b >= rows)
