@@ -181,6 +181,7 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str, bool]] = {
     "w8a16": ("w8a16", None, "float", False),
     "w8a16 int8-head": ("w8a16", None, "int8", False),
     "w8a16 bf16": ("w8a16", {"TESSEL_W8A16_PATH": "bf16"}, "float", False),  # only on AVX-512 BF16 / AMX
+    "w8a16 bf16 int8-head": ("w8a16", {"TESSEL_W8A16_PATH": "bf16"}, "int8", False),
     "w8a8 rtn int8-head eager": ("w8a8 rtn", None, "int8", True),  # without the compiled decode step
     "w8a16 int8-head eager": ("w8a16", None, "int8", True),
     "w8a16 fp16codes int8-head": ("w8a16", {"TESSEL_W8A16_PATH": "fp16codes"}, "int8", False),  # AVX2's path
