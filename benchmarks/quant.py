@@ -159,7 +159,7 @@ QAT_STEPS, QAT_LR, QAT_SEQ_LEN = 60, 2e-5, 256
 INT8_HEAD = " int8-head"
 PPL_HEAD_CONFIGS = ("fp32 int8-head", "w8a16 int8-head", "w8a8 sq-auto int8-head")  # run by default too
 # speed row -> (quantisation config, CPU path forced while loading ({} or None: this CPU's choice;
-# TESSEL_INT8_PATH / TESSEL_W8A16_PATH), lm_head, enforce_eager: no compiled one-sequence decode step)
+# TESSEL_INT8_PATH / TESSEL_W8A16_PATH), lm_head, enforce_eager: no compiled decode steps)
 SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str, bool]] = {
     "fp32": ("fp32", None, "float", False),
     "w8a8 rtn": ("w8a8 rtn", None, "float", False),
@@ -176,6 +176,8 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str, bool]] = {
         "int8",
         False,
     ),  # VNNI before fbgemm
+    "w8a8 rtn fp16codes int8-head": ("w8a8 rtn", {"TESSEL_INT8_PATH": "fp16codes"}, "int8", False),  # AVX2's
+    "w8a8 rtn fp16codes int8-head eager": ("w8a8 rtn", {"TESSEL_INT8_PATH": "fp16codes"}, "int8", True),
     "w8a8 w7": ("w8a8 w7 rtn", None, "float", False),  # AVX2: fbgemm, 8-bit activations
     "w8a8 w7 int8-head": ("w8a8 w7 rtn", None, "int8", False),
     "w8a16": ("w8a16", None, "float", False),
@@ -184,6 +186,7 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str, bool]] = {
     "w8a16 bf16 int8-head": ("w8a16", {"TESSEL_W8A16_PATH": "bf16"}, "int8", False),
     "w8a8 rtn int8-head eager": ("w8a8 rtn", None, "int8", True),  # without the compiled decode step
     "w8a16 int8-head eager": ("w8a16", None, "int8", True),
+    "fp32 eager": ("fp32", None, "float", True),
     "w8a16 fp16codes int8-head": ("w8a16", {"TESSEL_W8A16_PATH": "fp16codes"}, "int8", False),  # AVX2's path
 }
 TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}

@@ -123,11 +123,16 @@ def test_paths_without_a_traced_form_keep_the_model_eager(quantized) -> None:
     assert DecodeGraph.for_model(llm.runner.model) is None
 
 
-@pytest.mark.parametrize(("scheme", "path"), [("w8a8", "fbgemm"), ("w8a8", "int_mm"), ("w8a16", None)])
+SPLIT_KINDS = {"fbgemm": "fbgemm8", "fp16codes": "fp16codes"}  # W8A8 paths whose GEMM is split out
+
+
+@pytest.mark.parametrize(
+    ("scheme", "path"), [("w8a8", "fbgemm"), ("w8a8", "fp16codes"), ("w8a8", "int_mm"), ("w8a16", None)]
+)
 def test_batch_decode_steps_match_the_compressed_tensors_oracle(quantized, monkeypatch, scheme, path) -> None:
-    """fbgemm: its quantiser and epilogue inside the graphs (8-bit codes: where they cannot saturate,
-    AVX-512 VNNI; the tiny model's weights are not 7-bit elsewhere); int_mm, W8A16: whole modules
-    called between the graphs."""
+    """fbgemm, fp16codes: the quantiser and epilogue inside the graphs (fbgemm's 8-bit codes only where
+    they cannot saturate, AVX-512 VNNI; the tiny model's weights are not 7-bit elsewhere); int_mm,
+    W8A16: whole modules called between the graphs."""
     if path == "fbgemm" and fbgemm_act_bits(False) != 8:
         pytest.skip("fbgemm multiplies 8-bit activation codes by full-range weights only with VNNI")
     if path is not None:
@@ -136,7 +141,7 @@ def test_batch_decode_steps_match_the_compressed_tensors_oracle(quantized, monke
     llm = LLM(out, max_model_len=128, block_size=8)
     linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear | W8A16CPULinear)]
     kinds = {split_linear(m).kind for m in linears}
-    assert kinds == ({"fbgemm8"} if path == "fbgemm" else {"opaque"})
+    assert kinds == {SPLIT_KINDS.get(path, "opaque")}
     prompts = torch.randint(4, 300, (5, 30), generator=torch.Generator().manual_seed(8)).tolist()
     got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
     assert graph_steps == 24
@@ -155,11 +160,13 @@ def test_each_split_form_computes_its_modules_forward(with_bias: bool, rows: int
     modules = _modules(with_bias)
     w, scale = modules[0].weight, modules[0].weight_scale
     bias = modules[0].bias
+    modules.append(W8A8Linear(w, scale, bias, path="fp16codes"))
     if fbgemm_act_bits(False) == 8:
         modules.append(W8A8Linear(w, scale, bias, path="fbgemm"))
     for module in modules:
         split = split_linear(module)
-        assert split.kind == ("fbgemm8" if getattr(module, "path", None) == "fbgemm" else "opaque")
+        dynamic = getattr(module, "input_scale", 0) is None
+        assert split.kind == (SPLIT_KINDS.get(module.path, "opaque") if dynamic else "opaque")
         inputs, carried = split.pre(x)
         assert len(carried) == split.num_carried
         got = split.post(split.call(inputs), carried, list(split.weights))

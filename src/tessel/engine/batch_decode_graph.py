@@ -1,4 +1,5 @@
-"""A decode step of several sequences as compiled graphs between the linears' GEMMs (CPU).
+"""A decode step of several sequences as compiled graphs between the linears' GEMMs (CPU); also
+one sequence's where the model has no one-row traced form (`tessel.engine.decode_graph`).
 
 At 32 rows the library GEMMs are most of a step, and the ops between them (norms, rotary, splits,
 W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each a few to tens of
@@ -21,7 +22,7 @@ int8 GEMM alone, its quantiser and epilogue in the graphs; any other linear whol
     down          GEMM
     last          (after the last layer) down's post + residual, final norm   graph
 
-Graphs are compiled per bucket of rows (2, 4, 8, 16, then multiples of 16) and shared by every
+Graphs are compiled per bucket of rows (1, 2, 4, 8, 16, then multiples of 16) and shared by every
 layer with the same shapes, on the first step that needs them (seconds per bucket; inductor keeps
 the generated code on disk for later processes). A step with fewer rows than its bucket pads the
 graphs' rows (token 0 at position 0: finite, never read back); the GEMMs and the attention run on
@@ -51,9 +52,9 @@ BUCKET_STEP = 16  # above this many rows, buckets grow by this many (below: powe
 
 
 def bucket_rows(rows: int) -> int:
-    """The row count a step of `rows` decodes is compiled for: 2, 4, 8, 16, 32, 48, ..."""
+    """The row count a step of `rows` decodes is compiled for: 1, 2, 4, 8, 16, 32, 48, ..."""
     if rows <= BUCKET_STEP:
-        return max(2, 1 << (rows - 1).bit_length())
+        return 1 << (rows - 1).bit_length()
     return -(-rows // BUCKET_STEP) * BUCKET_STEP
 
 

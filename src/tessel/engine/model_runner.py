@@ -233,7 +233,7 @@ class ModelRunner:
         decodes_only = meta.num_decode_tokens > 0 and not meta.prefills
         if self.decode_graph is not None and decodes_only and meta.num_decode_tokens == 1:
             hidden = self.decode_graph(input_ids, positions, meta)
-        elif self.batch_decode_graph is not None and decodes_only and meta.num_decode_tokens > 1:
+        elif self.batch_decode_graph is not None and decodes_only:
             hidden = self.batch_decode_graph(input_ids, positions, meta)
         elif self.cuda_graphs is not None and not meta.prefills:
             hidden = self.cuda_graphs(input_ids, positions, meta)

@@ -13,6 +13,8 @@ linear says which of its ops can join the graphs on either side of that call:
               pre  = codes, scale = quantize_per_token's formula (codes left in float32)
               call = fbgemm's int8 GEMM on the codes (unit weight scales: the integer sums)
               post = (sums * scale[:, None]) * w_scale (+ bias, by addcmul): `int8_epilogue`'s ops
+    fp16codes W8A8 on `fp16codes` with dynamic activations (AVX2's default): the same pre and post,
+              call = fbgemm's fp16-weight GEMM on the codes (the same integer sums below 2**24)
     opaque    any other module: pre = x, call = module(x), post = y (the module's own forward)
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessel.kernels.int8_cpu import UINT8_ZERO_POINT, _given_qparams_linear, _quietly
+from tessel.kernels.int8_cpu import UINT8_ZERO_POINT, _given_qparams_linear, _quietly, fp16_codes_matmul
 from tessel.kernels.w8a16_cpu import quantize_rows_formula
 from tessel.layers.quantized_linear import W8A8Linear
 
@@ -32,7 +34,7 @@ from tessel.layers.quantized_linear import W8A8Linear
 class SplitLinear:
     """`post(call(pre(x)))` is the module's forward on rows x [M, K]; `weights` are post's tensors."""
 
-    kind: str  # "fbgemm8" | "opaque"
+    kind: str  # "fbgemm8" | "fp16codes" | "opaque"
     module: nn.Module
     weights: tuple[torch.Tensor, ...] = ()
 
@@ -44,7 +46,7 @@ class SplitLinear:
     @property
     def num_carried(self) -> int:
         """How many tensors `pre` hands to `post` besides the call's one input."""
-        return 1 if self.kind == "fbgemm8" else 0
+        return 0 if self.kind == "opaque" else 1
 
     @property
     def signature(self) -> tuple:
@@ -53,7 +55,7 @@ class SplitLinear:
 
     def pre(self, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the call's inputs, the tensors `post` takes besides the GEMM's output); traceable."""
-        if self.kind == "fbgemm8":
+        if self.kind != "opaque":
             codes, scale = quantize_rows_formula(x)
             return [codes], [scale]
         return [x], []
@@ -63,27 +65,33 @@ class SplitLinear:
         if self.kind == "fbgemm8":
             packed = self.module._packed.packed
             return _quietly(_given_qparams_linear(), inputs[0], 1.0, UINT8_ZERO_POINT, packed)
+        if self.kind == "fp16codes":
+            return fp16_codes_matmul(inputs[0], self.module._packed)
         return self.module(inputs[0])
 
     def post(
         self, acc: torch.Tensor, carried: list[torch.Tensor], weights: list[torch.Tensor]
     ) -> torch.Tensor:
         """y from the GEMM's output; `weights` stand for `self.weights` (placeholders when traced)."""
-        if self.kind == "fbgemm8":
+        if self.kind != "opaque":
             out = acc * carried[0][:, None]
             return out * weights[0] if len(weights) == 1 else torch.addcmul(weights[1], out, weights[0])
         return acc
 
 
 def split_linear(module: nn.Module) -> SplitLinear:
-    """`module`'s split form: fbgemm8 where it applies, else opaque."""
-    if (
-        isinstance(module, W8A8Linear)
-        and module.path == "fbgemm"
-        and module._fbgemm_act_bits == 8
-        and module._packed is not None
-        and _given_qparams_linear() is not None
-    ):
-        weights = (module.weight_scale,) + (() if module.bias is None else (module.bias,))
-        return SplitLinear("fbgemm8", module, weights)
-    return SplitLinear("opaque", module)
+    """`module`'s split form: fbgemm8 or fp16codes where it applies, else opaque."""
+    kind = _codes_kind(module) if isinstance(module, W8A8Linear) else None
+    if kind is None:
+        return SplitLinear("opaque", module)
+    weights = (module.weight_scale,) + (() if module.bias is None else (module.bias,))
+    return SplitLinear(kind, module, weights)
+
+
+def _codes_kind(module: W8A8Linear) -> str | None:
+    """The split kind of a W8A8 module whose GEMM reads per-token codes, or None."""
+    if module._packed is None or module.input_scale is not None:
+        return None
+    if module.path == "fbgemm" and module._fbgemm_act_bits == 8 and _given_qparams_linear() is not None:
+        return "fbgemm8"
+    return "fp16codes" if module.path == "fp16codes" else None
