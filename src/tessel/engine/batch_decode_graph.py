@@ -4,7 +4,7 @@ one sequence's where the model has no one-row traced form (`tessel.engine.decode
 At 32 rows the library GEMMs are most of a step, and the ops between them (norms, rotary, splits,
 W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each a few to tens of
 microseconds. With them compiled, a 32-row W8A8 step of SmolLM2-135M (int8 LM head, AVX-512 VNNI,
-1 thread) took 67.3 ms instead of 76.4, its 151 graphs 4.2 ms of it
+1 thread) took 67.3 ms instead of 76.4, its 151 graph calls 4.2 ms of it
 (`benchmarks/decode_profile.py --concurrent 32 --torch-profiler 20`). Here those ops run as
 graphs traced (`make_fx`) and compiled by inductor's C++ backend (`tessel.kernels.cpu_compile`),
 and each GEMM is called eagerly between them, split by `tessel.layers.split_linear` (fbgemm's
