@@ -1,11 +1,14 @@
 """tessel's engine on a CUDA GPU against HF transformers' `generate` on the same GPU; print a table,
 write JSON.
 
-    python benchmarks/cuda_engine.py [--quick] [--out benchmarks/results/cuda_engine.json]
+    python benchmarks/cuda_engine.py [--shape smollm2|llama-1b] [--quick] [--rows ...] \
+        [--out benchmarks/results/cuda_engine.json]
 
 The model has SmolLM2-135M's shapes (hidden 576, FFN 1536, 30 layers, 9 heads / 3 KV heads, vocab
-49152, tied embeddings) with random weights: the GPU machine has no network and no room for the
-real checkpoint, and decode speed does not depend on the weights' values. Quantised copies are
+49152, tied embeddings), or with `--shape llama-1b` Llama-3.2-1B's (hidden 2048, FFN 8192, 16
+layers, 32 heads / 8 KV heads, vocab 128256, tied embeddings: 1.24 B parameters, where the
+weights' bytes start to matter), with random weights: the GPU machine has no network and no room
+for real checkpoints, and decode speed does not depend on the weights' values. Quantised copies are
 written by `tessel quantize` (round to nearest, W8A8 per-token dynamic and W8A16 per channel) with
 the repo's calibration text.
 
@@ -36,17 +39,34 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_engine.json"
-SMOLLM2_SHAPE = {
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "max_position_embeddings": 2048,
-    "rope_theta": 100000.0,
-    "rms_norm_eps": 1e-5,
+SHAPES = {  # name -> (the HF config's sizes, KV heads)
+    "smollm2": (
+        {
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "max_position_embeddings": 2048,
+            "rope_theta": 100000.0,
+            "rms_norm_eps": 1e-5,
+        },
+        3,
+    ),
+    "llama-1b": (
+        {
+            "vocab_size": 128256,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 2048,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+        },
+        8,
+    ),
 }
-NUM_KV_HEADS = 3
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 BATCH = 32
@@ -62,17 +82,18 @@ TESSEL_ROWS = [
 ]
 
 
-def build_checkpoints(root: Path, quick: bool) -> dict[str, Path]:
+def build_checkpoints(root: Path, shape_name: str, quick: bool) -> dict[str, Path]:
     from typer.testing import CliRunner
 
     import tiny_models
     from tessel.cli import app
 
-    shape = dict(SMOLLM2_SHAPE)
+    sizes, kv_heads = SHAPES[shape_name]
+    shape = dict(sizes)
     if quick:
         shape["num_hidden_layers"] = 4
     fp = tiny_models.make_tiny_checkpoint(
-        root / "fp", "llama", tie_word_embeddings=True, num_kv_heads=NUM_KV_HEADS, seed=0, **shape
+        root / "fp", "llama", tie_word_embeddings=True, num_kv_heads=kv_heads, seed=0, **shape
     )
     calib = root / "calib.txt"
     calib.write_text((tiny_models.CORPUS + "\n") * 8, encoding="utf-8")
@@ -160,6 +181,7 @@ def hf_row(path: Path, batch: list[list[int]], repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--quick", action="store_true", help="4 layers, 1 repeat: a smoke run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", default="", help="comma-separated tessel row names to run (default: all)")
@@ -170,10 +192,27 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     wanted = [r for r in args.rows.split(",") if r]
     rows = [r for r in TESSEL_ROWS if not wanted or r[0] in wanted]
+    from tessel.quant.cpu_features import describe
+
+    sizes, kv_heads = SHAPES[args.shape]
+    host = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **describe()}
+    record = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": host,
+        "model": {"shape": args.shape, **sizes, "num_key_value_heads": kv_heads, "quick": args.quick},
+        "workload": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "batch": BATCH},
+        "repeats": repeats,
+        "results": {},
+    }
+    results = record["results"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = build_checkpoints(Path(tmp), args.quick)
-        batch = prompts(BATCH, SMOLLM2_SHAPE["vocab_size"])
-        results = {"HF transformers float16": hf_row(paths["fp"], batch, repeats)}
+        paths = build_checkpoints(Path(tmp), args.shape, args.quick)
+        batch = prompts(BATCH, sizes["vocab_size"])
+        results["HF transformers float16"] = hf_row(paths["fp"], batch, repeats)
         print(f"HF float16: {results['HF transformers float16']}", flush=True)
         for name, checkpoint, dtype, lm_head, eager in rows:
             try:
@@ -182,10 +221,9 @@ def main() -> None:
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
             torch.cuda.empty_cache()  # the row's engine is gone: give its memory back before the next
             print(f"{name}: {results[name]}", flush=True)
-    from tessel.quant.cpu_features import describe
+            args.out.write_text(json.dumps(record, indent=2))  # each row kept, should a later one hang
 
     hf = results["HF transformers float16"]
-    host = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **describe()}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"host CPU (eager rows launch from it): {host['cpu']}, {host['cpu_count']} cores, "
           f"flags {', '.join(host['flags'])}")  # fmt: skip
@@ -198,18 +236,6 @@ def main() -> None:
         r["one_stream_vs_hf"], r["batch_vs_hf"] = one / hf["one_stream_tok_s"], many / hf["batch_tok_s"]
         ratios = f"{one:>17.1f} {r['one_stream_vs_hf']:>5.2f}x {many:>19.1f} {r['batch_vs_hf']:>5.2f}x"
         print(f"{name:<30} {ratios}")
-    record = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host": host,
-        "model": {**SMOLLM2_SHAPE, "num_key_value_heads": NUM_KV_HEADS, "quick": args.quick},
-        "workload": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "batch": BATCH},
-        "repeats": repeats,
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")
 

@@ -1,7 +1,10 @@
 """The compiled decode step of several sequences (`tessel.engine.batch_decode_graph`).
 
 Oracles: HF transformers' forward for the model's logits (each row of a teacher-forced batch
-against its own sequence); the eager engine for fallbacks.
+against its own sequence); the eager engine for fallbacks. The engine compiles these graphs only
+for models with split linears (W8A8 on fbgemm / fp16codes: tests/quant/test_decode_graph_quantized.py);
+here they are installed on float models, whose logits HF gives exactly, to test the graphs
+themselves: the buckets, the padding, the attention between them, four architectures.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ from tessel.engine import batch_decode_graph as bdg
 from tessel.kernels import cpu_compile
 
 pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
+
+
+def _with_graphs(llm: LLM) -> LLM:
+    """`llm` with the batch decode graphs installed (a float model: not worth compiling by default)."""
+    assert llm.runner.batch_decode_graph is None
+    llm.runner.batch_decode_graph = bdg.BatchDecodeGraph.for_model(llm.runner.model)
+    assert llm.runner.batch_decode_graph is not None and not llm.runner.batch_decode_graph.worth_compiling
+    return llm
 
 
 def _prompts(llm: LLM, rows: int, length: int, seed: int) -> list[list[int]]:
@@ -49,8 +60,7 @@ def _assert_rows_match_hf(path, prompts: list[list[int]], got: torch.Tensor, pre
 )
 def test_batch_decode_steps_match_hf_forward(checkpoints, variant: str, rows: int, packed: bool) -> None:
     path = checkpoints(variant)
-    llm = LLM(path, max_model_len=128, block_size=8, pack_cpu_linears=packed, max_num_seqs=32)
-    assert llm.runner.batch_decode_graph is not None
+    llm = _with_graphs(LLM(path, max_model_len=128, block_size=8, pack_cpu_linears=packed, max_num_seqs=32))
     prompts = _prompts(llm, rows, 30, seed=rows)
     got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
     assert graph_steps == 24  # every decode step ran as the graphs
@@ -60,7 +70,7 @@ def test_batch_decode_steps_match_hf_forward(checkpoints, variant: str, rows: in
 
 def test_greedy_batches_match_hf_and_take_the_graphs_as_they_shrink(checkpoints) -> None:
     path = checkpoints("llama")
-    llm = LLM(path, max_model_len=256)  # oneDNN-packed float linears: called between the graphs
+    llm = _with_graphs(LLM(path, max_model_len=256))  # oneDNN-packed float linears, called between
     graph = llm.runner.batch_decode_graph
     rows_per_step: list[int] = []
     llm.runner.batch_decode_graph = lambda ids, *rest: rows_per_step.append(len(ids)) or graph(ids, *rest)
@@ -76,9 +86,9 @@ def test_greedy_batches_match_hf_and_take_the_graphs_as_they_shrink(checkpoints)
     assert buckets == {bdg.bucket_rows(n) for n in rows_per_step}
 
 
-def test_enforce_eager_and_a_model_the_graphs_cannot_hold_run_eager(checkpoints) -> None:
+def test_float_models_enforce_eager_and_models_the_graphs_cannot_hold_run_eager(checkpoints) -> None:
     path = checkpoints("llama")
-    assert LLM(path, max_model_len=64, enforce_eager=True).runner.batch_decode_graph is None
+    assert LLM(path, max_model_len=64).runner.batch_decode_graph is None  # not worth compiling
     model = LLM(path, max_model_len=64).runner.model
     assert bdg.BatchDecodeGraph.for_model(model) is not None
     model.model.norm = nn.Identity()  # as a pipeline stage without the final norm holds it
@@ -95,7 +105,7 @@ def test_a_failed_compile_warns_once_and_the_batch_runs_eager(checkpoints, monke
     def fail(*_args):
         raise RuntimeError("no compiler today")
 
-    llm = LLM(path, max_model_len=64)
+    llm = _with_graphs(LLM(path, max_model_len=64))
     monkeypatch.setattr(cpu_compile, "compile_graph", fail)
     with pytest.warns(UserWarning, match="compiled batch decode step failed.*no compiler today"):
         out = llm.generate(prompts, GREEDY)

@@ -17,6 +17,7 @@ from ct_oracle import hf_quantized
 from decode_steps import batch_decode_logits, decode_logits
 from tessel import LLM
 from tessel.cli import app
+from tessel.engine.batch_decode_graph import BatchDecodeGraph
 from tessel.engine.decode_graph import DecodeGraph
 from tessel.kernels import cpu_compile
 from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
@@ -142,6 +143,10 @@ def test_batch_decode_steps_match_the_compressed_tensors_oracle(quantized, monke
     linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear | W8A16CPULinear)]
     kinds = {split_linear(m).kind for m in linears}
     assert kinds == {SPLIT_KINDS.get(path, "opaque")}
+    # whole modules only: the engine leaves the steps eager (not worth compiling); installed here
+    assert (llm.runner.batch_decode_graph is None) == (kinds == {"opaque"})
+    if kinds == {"opaque"}:
+        llm.runner.batch_decode_graph = BatchDecodeGraph.for_model(llm.runner.model)
     prompts = torch.randint(4, 300, (5, 30), generator=torch.Generator().manual_seed(8)).tolist()
     got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
     assert graph_steps == 24

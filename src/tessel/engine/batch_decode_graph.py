@@ -101,6 +101,17 @@ class BatchDecodeGraph:
         self._graphs: dict[tuple, Callable] = {}
         self._padded_buffers: dict[tuple[str, int, int], torch.Tensor] = {}
 
+    @property
+    def worth_compiling(self) -> bool:
+        """Whether some linear is split (its quantiser and epilogue in the graphs). With every linear
+        called whole (float32, W8A16) the graphs hold only the norms, rotary and activation: the
+        packed float32 engine's steps ran 1.03x faster with them (`benchmarks/quant.py`, `fp32`
+        against `fp32 eager`, `quant_speed_vnni_batch_graph.json`), for 3.5 s (warm inductor cache)
+        to 12 s (cold) of compiling on its first one-row step; the engine leaves such models eager."""
+        return any(
+            s.traced_pre for layer in self.layers for s in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> BatchDecodeGraph | None:
         """The graphs for `model` (its attention caches set), or None where it cannot run them."""

@@ -107,8 +107,10 @@ class ModelRunner:
         self.decode_graph = self.batch_decode_graph = None
         if not enforce_eager and not self.kv_cache.is_cuda:
             self.decode_graph = DecodeGraph.for_model(model)
-            if not cuda_graphs:  # (a CPU stand-in for the CUDA graphs in tests: they take the batches)
-                self.batch_decode_graph = BatchDecodeGraph.for_model(model)
+            # (cuda_graphs on a CPU: the tests' stand-in for them, which takes the batches)
+            graph = None if cuda_graphs else BatchDecodeGraph.for_model(model)
+            if graph is not None and graph.worth_compiling:
+                self.batch_decode_graph = graph
         self.cuda_graphs = None
         if cuda_graphs:
             max_blocks = -(-max_model_len // block_size)
