@@ -1,5 +1,6 @@
 """A decode step of several sequences as compiled graphs between the linears' GEMMs (CPU); also
-one sequence's where the model has no one-row traced form (`tessel.engine.decode_graph`).
+one sequence's where the model has no one-row traced form (`tessel.engine.decode_graph`). The
+engine takes it for models with a split linear (`BatchDecodeGraph.worth_compiling`).
 
 At 32 rows the library GEMMs are most of a step, and the ops between them (norms, rotary, splits,
 W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each a few to tens of
@@ -106,8 +107,9 @@ class BatchDecodeGraph:
         """Whether some linear is split (its quantiser and epilogue in the graphs). With every linear
         called whole (float32, W8A16) the graphs hold only the norms, rotary and activation: the
         packed float32 engine's steps ran 1.03x faster with them (`benchmarks/quant.py`, `fp32`
-        against `fp32 eager`, `quant_speed_vnni_batch_graph.json`), for 3.5 s (warm inductor cache)
-        to 12 s (cold) of compiling on its first one-row step; the engine leaves such models eager."""
+        against `fp32 eager`, `quant_speed_vnni_batch_graph.json`), not worth seconds of compiling
+        per bucket of rows (a 32-row W8A8 bucket: 5.4 s, cold inductor cache,
+        `benchmarks/decode_graph.py --rows 32`); the engine leaves such models eager."""
         return any(
             s.traced_pre for layer in self.layers for s in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
