@@ -79,6 +79,13 @@ class _Shapes:
     eps: float
 
 
+def _residual(split: SplitLinear, acc: torch.Tensor, rest: tuple) -> torch.Tensor:
+    """`split`'s output + the residual, from a graph's inputs after the GEMM's output: what its
+    post carries, its weights, the residual, one more tensor (a norm's weight)."""
+    n = split.num_carried
+    return split.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+
+
 def _pre_outputs(split: SplitLinear, x: torch.Tensor) -> list[torch.Tensor]:
     """A graph's tail that feeds `split`'s call: its inputs, then what its post carries."""
     inputs, carried = split.pre(x)
@@ -233,10 +240,8 @@ class BatchDecodeGraph:
         return o_in
 
     def _post_attn(self, o: SplitLinear, gate_up: SplitLinear) -> Callable:
-        n = o.num_carried
-
         def post_attn(acc, *rest):
-            residual = o.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+            residual = _residual(o, acc, rest)
             return (*_pre_outputs(gate_up, self._norm(residual, rest[-1])), residual)
 
         return post_attn
@@ -251,19 +256,15 @@ class BatchDecodeGraph:
         return act
 
     def _next(self, down: SplitLinear, qkv: SplitLinear) -> Callable:
-        n = down.num_carried
-
         def next_layer(acc, *rest):
-            residual = down.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+            residual = _residual(down, acc, rest)
             return (*_pre_outputs(qkv, self._norm(residual, rest[-1])), residual)
 
         return next_layer
 
     def _last(self, down: SplitLinear) -> Callable:
-        n = down.num_carried
-
         def last(acc, *rest):
-            residual = down.post(acc, list(rest[:n]), list(rest[n:-2])) + rest[-2]
+            residual = _residual(down, acc, rest)
             return (self._norm(residual, rest[-1]),)
 
         return last

@@ -48,10 +48,12 @@ class SplitLinear:
         """How many tensors `pre` hands to `post` besides the call's one input."""
         return 0 if self.kind == "opaque" else 1
 
-    @property
-    def signature(self) -> tuple:
-        """What a graph holding `pre` or `post` depends on: the kind and post's tensors' shapes."""
-        return (self.kind, *((t.shape, t.dtype) for t in self.weights))
+    signature: tuple = ()  # what a graph holding `pre` or `post` depends on (set at construction)
+
+    def __post_init__(self) -> None:
+        # worked out once: the batch step looks it up for each of its graph calls
+        signature = (self.kind, *((t.shape, t.dtype) for t in self.weights))
+        object.__setattr__(self, "signature", signature)
 
     def pre(self, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the call's inputs, the tensors `post` takes besides the GEMM's output); traceable."""
