@@ -10,8 +10,8 @@ So the cost model's fits and the engine time the same code.
 
 Each point: `warmup` untimed runs, then the median of `repeats` timed runs, under
 `torch.inference_mode()` with a fixed thread count; on CUDA, CUDA events around the run after a
-synchronize. Points are chosen from a grid to fit the time budget (cost estimated from FLOPs and
-one calibration run). The fits and held-out errors come from `tessel.cost.fit`, the profile
+synchronize (`make_clock`, `time_runs`: the timer benchmarks/_harness.py uses too). Points are
+chosen from a grid to fit the time budget (cost estimated from FLOPs and one calibration run). The fits and held-out errors come from `tessel.cost.fit`, the profile
 format from `tessel.cost.profile` (both torch-free); torch is imported inside functions here.
 """
 
@@ -22,7 +22,7 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
@@ -266,10 +266,29 @@ class _Layer:
         return torch.full((batch,), context, device=self.device), x, residual, meta
 
 
-def _timer(settings: ProfileSettings) -> Callable[[Callable[[], object]], float]:
-    import torch
+Clock = Callable[[Callable[[], object]], float]
+CLOCKS = ("wall", "cpu", "cuda", "cuda-wall")
 
-    if settings.device == "cuda":
+
+def make_clock(kind: str) -> Clock:
+    """A function that runs `fn` once and returns its seconds: "wall" (`time.perf_counter`), "cpu"
+    (this process's CPU time), "cuda" (CUDA events around it after a synchronize: the GPU time of the
+    work it queued) or "cuda-wall" (wall time from a synchronize to a synchronize after it)."""
+    if kind not in CLOCKS:
+        raise TesselError(f"clock must be one of {', '.join(CLOCKS)}, got {kind!r}")
+    if kind.startswith("cuda"):
+        import torch
+
+        if kind == "cuda-wall":
+
+            def run_synchronized(fn: Callable[[], object]) -> float:
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                return time.perf_counter() - begin
+
+            return run_synchronized
 
         def run_cuda(fn: Callable[[], object]) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -282,24 +301,52 @@ def _timer(settings: ProfileSettings) -> Callable[[Callable[[], object]], float]
 
         return run_cuda
 
-    read = time.process_time if settings.clock == "cpu" else time.perf_counter
+    read = time.process_time if kind == "cpu" else time.perf_counter
 
-    def run_cpu(fn: Callable[[], object]) -> float:
+    def run_host(fn: Callable[[], object]) -> float:
         begin = read()
         fn()
         return read() - begin
 
-    return run_cpu
+    return run_host
 
 
-def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock) -> float:
+def time_runs(
+    fns: Sequence[Callable[[], object]],
+    clock: Clock,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    min_total_s: float = 0.0,
+    max_runs: int = MAX_RUNS,
+) -> list[list[float]]:
+    """Seconds of every timed run of each of `fns`: `warmup` untimed rounds, then rounds of one timed
+    run of each fn in turn (so a load change on a shared machine hits them alike): at least `repeats`
+    rounds, and more while the first fn's runs add up to less than `min_total_s` (at most `max_runs`)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    runs: list[list[float]] = [[] for _ in fns]
+    while runs and (len(runs[0]) < repeats or (sum(runs[0]) < min_total_s and len(runs[0]) < max_runs)):
+        for fn, times in zip(fns, runs, strict=True):
+            times.append(clock(fn))
+    return runs
+
+
+def _timer(settings: ProfileSettings) -> Clock:
+    return make_clock("cuda" if settings.device == "cuda" else "cpu" if settings.clock == "cpu" else "wall")
+
+
+def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock) -> float:
     """Median of at least `repeats` timed runs, and of more while they add up to less than
     `min_point_s` (cheap points get enough runs for a median that shrugs off preemption)."""
-    for _ in range(settings.warmup):
-        layer.forward(*inputs)
-    times: list[float] = []
-    while len(times) < settings.repeats or (sum(times) < settings.min_point_s and len(times) < MAX_RUNS):
-        times.append(clock(lambda: layer.forward(*inputs)))
+    (times,) = time_runs(
+        [lambda: layer.forward(*inputs)],
+        clock,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        min_total_s=settings.min_point_s,
+    )
     return statistics.median(times)
 
 
