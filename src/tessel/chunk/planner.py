@@ -55,9 +55,10 @@ LOCAL_SEARCH_MULTI_START_GRID = 256  # up to this many grid steps, start from th
 BEAM_STATES = 40_000  # finish-time states the beam search keeps over all grid boundaries ...
 BEAM_WIDTH_RANGE = (16, 64)  # ... as a per-boundary beam width within this range
 REL_EPS = 1e-12  # relative slack for float comparisons of makespans
-# Size limits of one problem. The DP tables hold (grid steps) x (steps per chunk) cells per stage:
-# 4096 steps (a 256K-token prompt on the 64-token grid) peaked at 1.4 GB and 40 s on the 2-core
-# dev machine, 8192 steps at 5.2 GB. Longer prompts want a coarser grid or a chunk-size cap.
+# Size limits of one problem. The DP tables hold (grid steps) x (steps per chunk) cells per stage,
+# so memory grows with the square of the steps: 4096 steps (a 256K-token prompt on the 64-token
+# grid) fit a 2-core dev machine, twice that does not (measured: docs/results.md, Limits). Longer
+# prompts want a coarser grid or a chunk-size cap.
 MAX_GRID_STEPS = 4096
 MAX_PROMPT_TOKENS = 2**24  # 16.8M tokens: above any model's context window
 

@@ -4,9 +4,8 @@ engine takes it for models with a split linear (`BatchDecodeGraph.worth_compilin
 
 At 32 rows the library GEMMs are most of a step, and the ops between them (norms, rotary, splits,
 W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each a few to tens of
-microseconds. With them compiled, a 32-row W8A8 step of SmolLM2-135M (int8 LM head, AVX-512 VNNI,
-1 thread) took 67.3 ms instead of 76.4, its 151 graph calls 4.2 ms of it
-(`benchmarks/decode_profile.py --concurrent 32 --torch-profiler 20`). Here those ops run as
+microseconds, which compiled graphs save (`benchmarks/decode_profile.py --concurrent 32
+--torch-profiler 20`; docs/results.md). Here those ops run as
 graphs traced (`make_fx`) and compiled by inductor's C++ backend (`tessel.kernels.cpu_compile`),
 and each GEMM is called eagerly between them, split by `tessel.layers.split_linear` (fbgemm's
 int8 GEMM alone, its quantiser and epilogue in the graphs; any other linear whole). Per layer:
@@ -113,10 +112,9 @@ class BatchDecodeGraph:
     def worth_compiling(self) -> bool:
         """Whether some linear is split (its quantiser and epilogue in the graphs). With every linear
         called whole (float32, W8A16) the graphs hold only the norms, rotary and activation: the
-        packed float32 engine's steps ran 1.03x faster with them (`benchmarks/quant.py`, `fp32`
-        against `fp32 eager`, `quant_speed_vnni_batch_graph.json`), not worth seconds of compiling
-        per bucket of rows (a 32-row W8A8 bucket: 5.4 s, cold inductor cache,
-        `benchmarks/decode_graph.py --rows 32`); the engine leaves such models eager."""
+        packed float32 engine's steps ran only slightly faster with them (`benchmarks/quant.py`,
+        `fp32` against `fp32 eager`; docs/results.md), not worth seconds of compiling per bucket of
+        rows (`benchmarks/decode_graph.py --rows 32`); the engine leaves such models eager."""
         return any(
             s.traced_pre for layer in self.layers for s in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )

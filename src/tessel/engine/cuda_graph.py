@@ -1,10 +1,9 @@
 """Decode steps on a CUDA GPU replayed as captured CUDA graphs.
 
 Eagerly, a decode step is one kernel launch per op from Python: for SmolLM2-135M's 30 layers that
-is several hundred launches. On an H100, float16, one sequence decoded 66 tok/s and 32 sequences
-1883 tok/s (about 15 and 17 ms a step, prefill included; `benchmarks/cuda_engine.py`'s eager row):
-the GPU waited on the host. A captured graph replays the whole step with one launch from the host
-(as vLLM and nano-vllm do): 636 and 10694 tok/s (about 1.6 and 3.0 ms a step).
+is several hundred launches, and the GPU waits on the host. A captured graph replays the whole
+step with one launch from the host (as vLLM and nano-vllm do), an order of magnitude faster at that
+size (`benchmarks/cuda_engine.py`, its graph and eager rows; docs/results.md).
 
 A graph has fixed shapes, so the step runs at a bucket of rows (`batch_buckets`: 1, 2, 4, 8, then
 multiples of 16 up to `max_num_seqs`), over static input buffers:

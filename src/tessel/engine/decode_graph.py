@@ -1,10 +1,10 @@
 """One sequence's decode step as compiled graphs: the CPU engine's single-stream hot path.
 
-Eagerly, a one-row decode step of SmolLM2-135M (W8A8, int8 LM head) spent 9.6 of its 22.8 ms in
-the compiled int8 GEMVs and the rest in the small eager ops around them (norms, rotary, splits, views, the
-attention's gathers), each a few to tens of microseconds of dispatch on a CPU
-(`benchmarks/decode_profile.py --torch-profiler 30 --lm-head int8`, Zen 4, 1 thread). Compiled,
-the step ran 1.74x faster (`benchmarks/quant.py`'s `w8a8 rtn int8-head` and its `eager` row).
+Eagerly, a one-row decode step of SmolLM2-135M (W8A8, int8 LM head) spends less than half its
+time in the compiled int8 GEMVs and the rest in the small eager ops around them (norms, rotary,
+splits, views, the attention's gathers), each a few to tens of microseconds of dispatch on a CPU
+(`benchmarks/decode_profile.py --torch-profiler 30 --lm-head int8`). Compiled, the step runs much
+faster (`benchmarks/quant.py`'s `w8a8 rtn int8-head` and its `eager` row; docs/results.md).
 
 Here the step runs as four kinds of graph, traced (`make_fx`) and compiled by inductor's C++
 backend (`tessel.kernels.cpu_compile`), each compiled once and shared by every layer with the
@@ -116,9 +116,8 @@ def attention_graph(num_heads: int, num_kv_heads: int, head_dim: int, scale: flo
         k = k_cache[table].reshape(tokens, num_kv_heads, head_dim).permute(1, 0, 2)
         v = v_cache[table].reshape(tokens, num_kv_heads, head_dim).permute(1, 0, 2)
         queries = q.reshape(num_kv_heads, group, head_dim)
-        # broadcast products summed: inductor fuses the gather into both reductions (3.9x faster than
-        # the eager path's gathers and matmuls at 128 tokens, 2.1x at 2048, SmolLM2's heads;
-        # `benchmarks/decode_graph.py`)
+        # broadcast products summed: inductor fuses the gather into both reductions (faster than the
+        # eager path's gathers and matmuls at SmolLM2's heads: `benchmarks/decode_graph.py`)
         scores = (queries[:, :, None, :] * k[:, None]).sum(-1) * scale  # [Hkv, group, tokens]
         scores = scores.masked_fill(torch.arange(tokens) >= context, float("-inf"))
         p = scores.softmax(-1)  # a graph output, so it is stored, not recomputed per head_dim column

@@ -1,7 +1,7 @@
 """Int8 weights on x86 CPUs without AVX-512, through fbgemm (PyTorch's CPU low-precision GEMMs).
 
-`torch._int_mm` has no fast kernel on such CPUs (at 256x4096x4096 it ran at 0.04x the speed of a
-float32 GEMM on an AVX2-only AMD EPYC, `benchmarks/kernels.py`), and inductor's compiled int8 GEMV
+`torch._int_mm` has no fast kernel on such CPUs (far slower than a float32 GEMM on an AVX2-only
+AMD EPYC, `benchmarks/kernels.py`), and inductor's compiled int8 GEMV
 (`tessel.kernels.w8a16_cpu`, fast with AVX-512) loads int8 through a slow partial-vector path
 with AVX2 only (`benchmarks/w8a16_cpu_options.py`). Two fbgemm GEMMs are fast there:
 

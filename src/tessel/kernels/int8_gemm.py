@@ -46,8 +46,8 @@ def _int8_gemm_torch(
         # On CPU, torch._int_mm takes any shape and strides (checked on torch 2.13, incl. M = 1, K = 7).
         acc = torch._int_mm(a, w.t())
     else:
-        # Without AVX-512 VNNI / AMX, _int_mm has no fast CPU kernel (0.04x a float32 GEMM at
-        # 256x4096x4096 on an AVX2-only CPU): the same integer products as a float32 GEMM, exact
+        # Without AVX-512 VNNI / AMX, _int_mm has no fast CPU kernel (far slower than a float32 GEMM
+        # on an AVX2-only CPU): the same integer products as a float32 GEMM, exact
         # while every partial sum stays below 2**24 in magnitude.
         acc = a.float() @ w.float().t()
     return int8_epilogue(acc, a_scale, w_scale, bias, out_dtype)

@@ -18,8 +18,8 @@ The PyTorch path (the engine's CPU decode) has two forms. With several rows of s
 gather builds every row's K/V padded to the longest context (padding repeats the row's first
 token, so it is finite wherever the context is), then one `scaled_dot_product_attention` over
 views of it (each kv head's query group a short query sequence), the padding masked out by a
--inf bias. It replaced two batched matmuls on a head-major copy (1.13x against the loop where
-those ran 1.10x, on a Zen 4 CPU; `benchmarks/decode_ab.py`; not measured on AVX2). The gather's
+-inf bias. It replaced two batched matmuls on a head-major copy, which ran slower on a Zen 4 CPU
+(`benchmarks/decode_ab.py`; not measured on AVX2). The gather's
 slot index (`decode_gather`) is the same for every layer of a step; the engine builds it once per
 step. Otherwise the loop goes sequence by sequence: gather its used blocks, two matmuls. A
 sequence's ~8 small ops cost tens of microseconds on a CPU, more than a short context's

@@ -46,8 +46,8 @@ def _mixed_gemm_triton(
 
 # Weight rows dequantised per step of the PyTorch path: 2**24 float32 elements (64 MiB) bound the
 # transient float copy (a 28672 x 8192 weight would otherwise need 940 MiB per call) while keeping
-# the number of separate ops small (on this loaded 2-core machine every extra parallel op risked a
-# scheduler stall: 4 MiB blocks measured 2-10x slower than one block at 2 threads).
+# the number of separate ops small (on a loaded 2-core machine every extra parallel op risked a
+# scheduler stall: 4 MiB blocks ran several times slower at 2 threads; docs/results.md).
 DEQUANT_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -56,7 +56,7 @@ def _w8a16_gemm_torch(
 ) -> torch.Tensor:
     # Dequantise a block of weight rows at a time and hand it to the library GEMM. On CPU this
     # saves memory, not time: torch's own int8-weight CPU kernel (torch._weight_int8pack_mm)
-    # measured ~20x slower than fp32 F.linear at 256 x 4096 x 4096.
+    # is far slower than fp32 F.linear (docs/results.md).
     n, k = w.shape
     rows = max(16, DEQUANT_CHUNK_ELEMENTS // max(k, 1))
     scale = w_scale.view(-1, 1).float()

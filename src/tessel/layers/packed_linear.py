@@ -1,10 +1,9 @@
 """Linear layers with the weight reordered once for oneDNN: the engine's float32 CPU GEMMs.
 
 A float32 `F.linear` on CPU runs the default sgemm on the row-major weight. oneDNN's JIT GEMM on
-a weight reordered into its blocked layout is 1.86-3.14x faster on the engine benchmark model's
-shapes (`benchmarks/packed_linear.py`, 1 thread, AMD EPYC: the 32-row [512 x 32000] LM head
-23.6 -> 7.5 ms, 2048 x 512 x 3072 75.9 -> 36.5 ms), with float32 accumulation (max error against
-float64 3.7e-6 at K = 512). `pack_linears(model)` swaps every
+a weight reordered into its blocked layout is faster on the engine benchmark model's shapes
+(`benchmarks/packed_linear.py`; docs/results.md), with float32 accumulation (errors against
+float64 of the order of `F.linear`'s). `pack_linears(model)` swaps every
 float32 `nn.Linear` and the `LMHead` for a `PackedLinear` holding the reordered weight; it does
 nothing where PyTorch has no oneDNN. Inference only: the packed weight has no gradient.
 """

@@ -58,9 +58,9 @@ from tessel.quant.cpu_features import (
 )
 
 # Rows up to which a decode step reads the int8 weight directly (GEMV) instead of a float GEMM.
-# Over SmolLM2's 120 decoder linears (1 thread, AMD EPYC, loaded machine) the int8 GEMV took 0.35x
-# the float32 GEMM's time at 1 row, 0.56x at 2, 0.93x at 4 and 1.7x at 8; each row count is a
-# separate compilation (seconds per shape), so only the single-sequence decode step takes it.
+# The GEMV re-reads the weight per row, so its lead over the float32 GEMM shrinks with the rows
+# and is gone by about 4 (measured over SmolLM2's 120 decoder linears: docs/results.md); each row
+# count is a separate compilation (seconds per shape), so only the single-sequence step takes it.
 GEMV_MAX_ROWS = 1
 
 

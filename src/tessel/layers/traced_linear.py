@@ -12,8 +12,8 @@ module's formula with the same functions its own forward compiles (`tessel.kerne
 
 and returns (y, kept): `kept` are the row x and W8A8's codes, which the graph must store. Inductor
 otherwise inlines a pointwise producer into the reduction that reads it, recomputing the codes
-(or the SiLU before the down projection) for every output channel: W8A8 at 1 x 3072 x 576 ran
-3.6x slower (`benchmarks/decode_graph.py`). Returned as graph outputs, they are stored once.
+(or the SiLU before the down projection) for every output channel, several times slower
+(`benchmarks/decode_graph.py`). Returned as graph outputs, they are stored once.
 """
 
 from __future__ import annotations

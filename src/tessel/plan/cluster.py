@@ -45,7 +45,7 @@ NVLINK_LATENCY_S = 2e-6
 PCIE_P2P_LATENCY_S = 10e-6
 INTRA_LINK_KINDS = ("nvlink", "pcie")
 # Most GPUs in one cluster file. The planner's set-up prices every ordered device pair (quadratic:
-# 3000 GPUs took 82 s before the solver started) and a pipeline of Llama-3-70B has 80 layers, so
+# measured in docs/results.md, Limits) and a pipeline of Llama-3-70B has 80 layers, so
 # a plan uses far fewer; larger fleets are planned as several clusters (or replicas).
 MAX_CLUSTER_DEVICES = 256
 MAX_HOST_MEMORY_GIB = 2**20  # 1 PiB of host DRAM per node: beyond any machine

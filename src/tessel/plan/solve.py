@@ -34,7 +34,7 @@ DP_SHARE = 0.25  # fraction of the time left that the DP gets before the MILP
 DP_WARM_START_GAP = 0.01
 MAX_PRECISION_MILP_BINARIES = 4000  # HiGHS gets the precision MILP only below this many z[u, j, q]
 PRECISION_SEARCH_SHARE = 0.7  # of the time limit, when HiGHS runs after the precision search
-HIGHS_MIN_S = 3.0  # HiGHS runs in a fresh interpreter (about 1-2 s to start): not worth less than this
+HIGHS_MIN_S = 3.0  # HiGHS runs in a fresh interpreter (seconds to start): not worth less than this
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ W8A8 (`choose_int8_path`):
                GEMM, int32 accumulation)
     fp16codes  AVX2 without VNNI: the int8 codes of weights and activations through fbgemm's
                fp16-weight GEMM (`tessel.kernels.int8_cpu`): the int32 GEMM's sums below 2**24;
-               `torch._int_mm` has no fast kernel there (the issue measured 0.04x fp32)
+               `torch._int_mm` has no fast kernel there (far slower than fp32)
     fbgemm     fbgemm's int8 GEMM, faster: the default on AVX-512 VNNI (without AMX) for
                dynamic activations, with 8-bit activation codes per token (VNNI's vpdpbusd sums
                u8 x s8 products straight into int32: nothing saturates); on AVX2 the default for
@@ -92,8 +92,8 @@ def choose_int8_path(
     flags = cpu_flags() if flags is None else flags
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     if flags & VNNI_FLAGS:
-        # Zen 4, one SmolLM2 layer's linears at 32 rows: fbgemm 2.39x fp32, oneDNN's _int_mm 1.80x
-        # (benchmarks/kernels.py --only smollm2; docs/quant.md).
+        # Zen 4, one SmolLM2 layer's linears at 32 rows: fbgemm faster than oneDNN's _int_mm
+        # (measured by benchmarks/kernels.py --only smollm2; docs/results.md).
         # AMX's tiles are oneDNN's alone (not measured here), so AMX CPUs keep _int_mm.
         fbgemm = FBGEMM_NO_SATURATION_FLAG in flags and AMX_INT8_FLAG not in flags
         return "fbgemm" if fbgemm and not static_scales and fbgemm_available() else "int_mm"

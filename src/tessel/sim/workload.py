@@ -31,7 +31,7 @@ from tessel.sim.requests import (
 TRACE_SUFFIXES = (".csv", ".jsonl", ".json", ".ndjson")
 DEFAULT_REQUESTS = 200
 # Most requests one simulation serves: every request keeps its record and intervals in memory
-# (a 20000-request run of the default plan passed 1.8 GB and 300 s on the 2-core dev machine).
+# (at this many, a run of the default plan takes minutes and gigabytes: docs/results.md, Limits).
 MAX_REQUESTS = 20_000
 Z_99 = 2.3263478740408408  # standard normal 99th percentile
 
