@@ -24,7 +24,7 @@ from tessel.plan.build import build_instance, capacity_shortfall_bytes
 from tessel.plan.cluster import Cluster, load_cluster
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.plan_file import PlanFile, load_plan
-from tessel.plan.replan import ReplanDecision, previous_solution, replan
+from tessel.plan.replan import ReplanDecision, check_same_model, previous_solution, replan
 from tessel.plan.report import Predicted, plan_json, predict
 from tessel.plan.solve import PlanResult, solve
 from tessel.plan.workload import Workload, load_workload
@@ -224,6 +224,7 @@ def make_plan(
     if previous is None:
         result = solve(instance, solver=settings.solver, time_limit_s=solver_s, mip_gap=settings.mip_gap)
     else:
+        check_same_model(previous, problem.model)
         previous.check_cluster(problem.cluster)
         decision = replan(
             instance,

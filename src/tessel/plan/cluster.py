@@ -20,9 +20,9 @@ Links between two devices:
 - same node, explicit `{bandwidth_gbps, latency_us}`: as given;
 - different nodes: the network, capped by either GPU's PCIe (the NIC sits behind it).
 
-`emulate: {speed: s}` (0 < s <= 1) on a node makes its devices plan as s times their type's peak
-FLOP/s and memory bandwidth: a way to run an uneven plan on one host (several CPU devices, one
-of them "slower"). The plan records each stage's `emulate_speed`.
+`emulate: {speed: s}` (0.01 <= s <= 1, `plan_file.MIN_EMULATE_SPEED`) on a node makes its devices
+plan as s times their type's peak FLOP/s and memory bandwidth: a way to run an uneven plan on one
+host (several CPU devices, one of them "slower"). The plan records each stage's `emulate_speed`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tessel.catalog.files import bundled_names, parse_yaml, resolve_file, valida
 from tessel.catalog.gpus import GpuSpec, get_gpu
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
+from tessel.plan.plan_file import MIN_EMULATE_SPEED
 from tessel.units import GBPS, GIB, US_PER_S
 
 # One-way latency of a GPU-to-GPU copy: NVLink ~2 us and PCIe peer-to-peer ~10 us including the
@@ -67,7 +68,10 @@ class LinkModel(BaseModel):
 class EmulateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    speed: float = Field(gt=0, le=1, allow_inf_nan=False, description="fraction of the device type's speed")
+    # at least plan_file.MIN_EMULATE_SPEED: a plan records it and its readers refuse slower stages
+    speed: float = Field(
+        ge=MIN_EMULATE_SPEED, le=1, allow_inf_nan=False, description="fraction of the device type's speed"
+    )
 
 
 class GpuGroupModel(BaseModel):

@@ -1,11 +1,60 @@
 """Small HiGHS helpers shared by the MILP and the DP's bounds: an LP from COO entries, and its value.
 
-`highspy` is imported inside the functions, so importing the planner stays cheap.
+`highspy` is imported inside the functions, so importing the planner stays cheap. Every solver is
+made by `new_highs`: HiGHS prints its banner ("Running HiGHS ...") to the process's stdout from C
+when the first one is constructed, before any option can be set, so that construction runs with
+file descriptor 1 pointed at /dev/null; output is then off unless asked for (`verbose`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
+
+_banner_lock = threading.Lock()
+_banner_silenced = False  # the banner is printed once per process, by the first Highs()
+
+
+def new_highs(verbose: bool = False):
+    """A `highspy.Highs` that prints nothing (with `verbose`: HiGHS's log, without its banner)."""
+    import highspy
+
+    global _banner_silenced
+    with _banner_lock:
+        if _banner_silenced:
+            h = highspy.Highs()
+        else:
+            with _stdout_to_devnull():
+                h = highspy.Highs()
+            _banner_silenced = True
+    h.setOptionValue("output_flag", bool(verbose))
+    return h
+
+
+@contextmanager
+def _stdout_to_devnull() -> Iterator[None]:
+    """File descriptor 1 on /dev/null for the block (C's printf included), then back."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)  # what C buffered goes to /dev/null, not to the restored stdout
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper, integer=None):
@@ -45,8 +94,7 @@ def solve_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper)
     """Optimal value of a small LP, or None when HiGHS finds none."""
     import highspy
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = new_highs()
     h.passModel(highs_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper))
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.highs import highs_lp
+from tessel.plan.highs import highs_lp, new_highs
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
@@ -432,8 +432,7 @@ def _solve_milp(
         np.asarray(mb.rows_hi),
         np.asarray(mb.integer),
     )
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", bool(verbose))
+    h = new_highs(verbose)
     h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads is not None:

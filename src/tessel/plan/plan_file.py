@@ -26,14 +26,24 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tessel.cost.layer import WEIGHT_SCHEMES, weight_param_bytes
 from tessel.errors import TesselError
+from tessel.plan.workload import MAX_MICRO_BATCHES
 from tessel.units import GBPS, US_PER_S
 
 if TYPE_CHECKING:
@@ -47,6 +57,15 @@ MAIN_VARIANT = "plan"
 MAX_INDEX = 2**31 - 1  # unit, layer and stage indices: far above any model, far below overflow
 MAX_PLAN_BYTES = 64 * 2**20  # a plan of 10,000 stages is a few MB
 MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels down
+# The slowest emulated stage: at speed s a stage sleeps (1/s - 1) x its compute, so 0.01 is a stage
+# 100x slower than measured; below it a run takes days (1e-9: a billion times its compute).
+MIN_EMULATE_SPEED = 0.01
+# Workload keys a runtime sizes by (micro-batches in flight): at most what the planner accepts
+# (`tessel.plan.workload.MAX_MICRO_BATCHES`, a workload file's `max_micro_batch`).
+MICRO_BATCH_KEYS = ("m", "max_micro_batch")
+# A device written as a torch device ("cuda:0", "cpu", "node/cuda:1"): its kind must agree with gpu_type.
+TORCH_DEVICE = re.compile(r"(?:.*/)?(cuda|cpu|mps|xpu|hip)(?::\d+)?", re.IGNORECASE)
+CPU_TYPE = "cpu"  # the catalog's gpu_type of a CPU device
 
 
 def units_per_layer(granularity: str) -> int:
@@ -107,6 +126,31 @@ class PlanStage(_Strict):
     link_to_next: Link | None = None
     emulate_speed: float = Field(default=1.0, gt=0, le=1)  # fraction of the host's speed (cluster `emulate`)
     precisions: list[str] | None = None  # weight precision of each unit, unit_start..unit_end (v2)
+
+    @field_validator("emulate_speed")
+    @classmethod
+    def _emulate_floor(cls, speed: float) -> float:
+        if speed < MIN_EMULATE_SPEED:
+            raise ValueError(
+                f"{speed:g} is below the slowest emulated speed {MIN_EMULATE_SPEED:g} (a stage "
+                f"{1 / MIN_EMULATE_SPEED:g}x slower than measured); a slower one would run for days"
+            )
+        return speed
+
+    @model_validator(mode="after")
+    def _device_kind(self) -> PlanStage:
+        """A device written as a torch device ("cuda:0", "cpu") names its kind: it must be gpu_type's."""
+        match = TORCH_DEVICE.fullmatch(self.device)
+        if match is None:
+            return self
+        on_cpu = match.group(1).lower() == CPU_TYPE
+        if on_cpu != (self.gpu_type.lower() == CPU_TYPE):
+            raise ValueError(
+                f"device {_short_repr(self.device)} is a {match.group(1)} device but "
+                f"its gpu_type is {_short_repr(self.gpu_type)}; the runtime places a stage by gpu_type, "
+                "so make them agree"
+            )
+        return self
 
     @model_validator(mode="after")
     def _precision_count(self) -> PlanStage:
@@ -172,7 +216,7 @@ class Replica(_Strict):
     predicted: Predicted | None = None
     objective: float | None = None
     # its share of the workload's m micro-batches in flight (None: written before shares, all m)
-    micro_batches: int | None = Field(default=None, ge=1, le=MAX_INDEX)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_MICRO_BATCHES)
 
 
 class Quality(_Strict):
@@ -234,6 +278,7 @@ class PlanFile(_Strict):
         unknown = _unknown_precision(self.precisions)
         if unknown:
             raise ValueError(unknown)
+        _check_micro_batches(self.workload)
         _check_stages(self.stages, "stages", self.granularity)
         for name, baseline in self.baselines.items():
             if baseline.feasible and baseline.stages:
@@ -247,10 +292,10 @@ class PlanFile(_Strict):
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
 
     def write(self, path: str | Path) -> None:
-        try:
-            Path(path).write_text(self.dump())
-        except OSError as error:
-            raise TesselError(f"cannot write {path}: {error.strerror}") from None
+        """Write the plan to `path` atomically (the previous file stays until the new one is complete)."""
+        from tessel.files import write_text_file
+
+        write_text_file(path, self.dump(), "plan file")
 
     # ---- derived facts -------------------------------------------------------------------------
 
@@ -397,6 +442,20 @@ class PlanFile(_Strict):
             differences.append(f"{num_layers} layers, the plan covers {self.num_layers}")
         if differences:
             raise TesselError(f"{self.source}: " + "; ".join(differences) + "; plan again for this model")
+
+
+def _check_micro_batches(workload: dict[str, Any]) -> None:
+    """`workload.m` and `workload.max_micro_batch`, where given, are whole numbers of micro-batches
+    from 1 to MAX_MICRO_BATCHES (a runtime keeps that many in flight and sizes its buffers by it)."""
+    for key in MICRO_BATCH_KEYS:
+        value = workload.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or not 1 <= value <= MAX_MICRO_BATCHES:
+            raise ValueError(
+                f"workload.{key} is {_short_repr(value)}; micro-batches in flight must be a whole number "
+                f"from 1 to {MAX_MICRO_BATCHES} (what `tessel plan` accepts as max_micro_batch)"
+            )
 
 
 def _check_replicas(plan: PlanFile) -> None:

@@ -26,12 +26,16 @@ at precision q on device j then costs, besides any move of the embedding or LM h
 - otherwise (more bytes than the previous device holds, e.g. int8 -> fp16), its q weights loaded
   from the host over device j's host-to-device PCIe (the checkpoint lives in host memory).
 `ReplanDecision.precision_changes` lists the units whose precision the new plan changes.
+
+The previous plan must be for the same model (`check_same_model`: same name and the same weight
+shapes): its weights are what moves, and another model's weights cannot become this one's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +46,25 @@ from tessel.plan.instance import PlanningInstance
 from tessel.plan.plan_file import PlanStage
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
 from tessel.plan.solve import PlanResult, solve
+
+if TYPE_CHECKING:
+    from tessel.catalog.models import ModelSpec
+    from tessel.plan.plan_file import PlanFile
+
+# ModelSpec fields that fix the weights' shapes: two models that differ in one hold different weights
+WEIGHT_SHAPE_FIELDS = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tied_embeddings",
+    "mlp_kind",
+    "num_experts",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +103,25 @@ class ReplanDecision:
             self.new.time_s,
             {"replan": self.reason},
         )
+
+
+def check_same_model(previous: PlanFile, model: ModelSpec) -> None:
+    """The previous plan is for `model` (same name, same weight shapes), or a user error naming both:
+    re-planning prices moving the previous plan's weights, which are meaningless for another model."""
+    old = previous.model_spec
+    differences = [
+        f"{name} {getattr(old, name)} vs {getattr(model, name)}"
+        for name in WEIGHT_SHAPE_FIELDS
+        if getattr(old, name) != getattr(model, name)
+    ]
+    if previous.model.name == model.name and not differences:
+        return
+    shapes = f" ({', '.join(differences[:3])})" if differences else ""
+    raise TesselError(
+        f"{previous.source} is a plan for model {previous.model.name!r}, not {model.name!r}{shapes}: "
+        "re-planning prices moving the old plan's weights, and those are another model's; plan "
+        f"{model.name!r} without --replan-from, or re-plan from a plan made for it"
+    )
 
 
 def previous_solution(
