@@ -188,6 +188,31 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client: httpx.Client) -
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}),  # issue 27: was accepted
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 4}),
+        ("/v1/completions", {"prompt": "hi", "best_of": True}),
+        ("/v1/completions", {"prompt": "hi", "best_of": 1.5}),
+        ("/v1/chat/completions", _chat([USER], n=2, best_of=1)),
+    ],
+)
+def test_best_of_other_than_n_is_400_naming_it(client: httpx.Client, path: str, fields: dict) -> None:
+    """best_of (the n best of best_of candidates) is not implemented: only best_of == n changes nothing."""
+    message = _error(client.post(path, json={"max_tokens": 2, **fields}), 400)["message"]
+    assert "best_of" in message and "does not implement" in message, message
+
+
+@pytest.mark.parametrize(("n", "best_of"), [(2, 2), (1, 1), (2, None)])
+def test_best_of_equal_to_n_or_absent_is_served(client: httpx.Client, n: int, best_of: int | None) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "n": n, "best_of": best_of}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == n
+
+
 def test_limits_answer_with_the_limit(client: httpx.Client, engine: Any) -> None:
     huge = {"prompt": "x" * (MAX_BODY_BYTES + 1)}
     error = _error(client.post("/v1/completions", json=huge), 413)

@@ -22,7 +22,12 @@ from tessel.commands.options import (
     check_model_path,
 )
 from tessel.errors import TesselError
-from tessel.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_MAX_PROMPT_CHARS
+from tessel.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_ENGINE_RESTARTS,
+    DEFAULT_MAX_PROMPT_CHARS,
+)
 
 DEFAULT_MAX_QUEUE = 128  # requests that may wait for a free sequence slot before the server answers 429
 ENGINE_DEAD_EXIT_CODE = 3
@@ -52,6 +57,13 @@ def serve(
     ),
     max_body_bytes: int = typer.Option(
         DEFAULT_MAX_BODY_BYTES, min=1, help="Largest request body; a larger one gets HTTP 413."
+    ),
+    body_timeout_s: float = typer.Option(
+        DEFAULT_BODY_TIMEOUT_S,
+        "--body-timeout-s",
+        min=0.001,
+        max=86400,
+        help="Seconds a request body may take to arrive after its headers; slower gets HTTP 408 and a close.",
     ),
     max_prompt_chars: int = typer.Option(
         DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt (all chat messages together); 400 above."
@@ -99,7 +111,11 @@ def serve(
     if kv_cache_gib is not None:
         check_kv_cache_fits(kv_cache_gib, device)
     limits = ServerLimits(
-        max_body_bytes, max_prompt_chars, max_prompt_tokens, max_engine_restarts=max_engine_restarts
+        max_body_bytes,
+        max_prompt_chars,
+        max_prompt_tokens,
+        max_engine_restarts=max_engine_restarts,
+        body_timeout_s=body_timeout_s,
     )
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     kwargs = {k: v for k, v in options.items() if v is not None}

@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 `create_app(engine)` wraps an `LLMEngine` in an `AsyncEngine` whose thread starts and stops with
-the app (its lifespan). Bodies over `limits.max_body_bytes` get 413; prompts over
+the app (its lifespan). Bodies over `limits.max_body_bytes` get 413, bodies not in full within
+`limits.body_timeout_s` 408 and a closed connection; prompts over
 `max_prompt_chars` (before tokenizing) or `max_prompt_tokens` (after) get 400 naming the limit;
 tokenizing runs on the `AsyncEngine`'s tokenizer threads, never on the engine thread. A request
 whose client goes away is aborted, streamed or not, so its KV blocks return to the pool at once:
@@ -30,7 +31,7 @@ from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
-from tessel.server.limits import BodySizeLimit, ServerLimits
+from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 from tessel.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tessel.server.metrics import ServerMetrics
 from tessel.server.protocol import (
@@ -81,6 +82,7 @@ def create_app(
 
     app = FastAPI(title="tessel", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(BodyReadTimeout, body_timeout_s=limits.body_timeout_s)  # 408, then close
     app.state.async_engine = async_engine
     app.state.model_name = served_name
     app.state.limits = limits

@@ -6,7 +6,9 @@ validation (`tessel.engine.sampling_params.check_*`), so the HTTP API refuses ex
 valid Unicode (no lone surrogates). Fields tessel does not implement (`tools`, `functions`,
 `response_format`, `logit_bias`, penalties, ...) and unknown fields are refused with a 400 naming
 them, unless sent at their no-op value (null, `presence_penalty: 0`, `tools: []`, ...), which
-clients often do. `suffix` is refused too; `n` is 1 to `MAX_CHOICES`. Completions take
+clients often do. `suffix` is refused too; `n` is 1 to `MAX_CHOICES`. `best_of` (OpenAI: generate
+best_of candidates, return the n most likely) is not implemented: it is accepted only equal to `n`
+(where it changes nothing), else refused naming it, `{"n": 2, "best_of": 1}` included. Completions take
 `logprobs: k` and `echo`; chat takes `logprobs: true` with `top_logprobs: k` (k up to
 `MAX_LOGPROBS`). `top_k` and `ignore_eos` are extensions that vLLM also accepts.
 """
@@ -49,7 +51,6 @@ NO_OP_VALUES: dict[str, list[Any]] = {
     "frequency_penalty": [0],
     "repetition_penalty": [1],
     "logit_bias": [{}],
-    "best_of": [1],
     "tools": [[]],
     "tool_choice": ["none"],
     "parallel_tool_calls": [True, False],
@@ -99,6 +100,9 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data  # pydantic reports the wrong type
         data = {key: value for key, value in data.items() if value is not None}  # null: the default
+        if "n" in cls.model_fields:  # a request for choices: best_of is judged against its n
+            _check_best_of(data)
+            data.pop("best_of", None)
         unsupported = [
             key
             for key, value in data.items()
@@ -112,6 +116,25 @@ class _Request(BaseModel):
                 f"{cls.what} has unsupported field(s) {names}: {why}tessel does not implement them"
             )
         return {key: value for key, value in data.items() if key in cls.model_fields}
+
+
+def _check_best_of(data: dict[str, Any]) -> None:
+    """`best_of` is a no-op only when it equals n (every candidate returned); refused otherwise."""
+    if "best_of" not in data:
+        return
+    best_of, n = data["best_of"], data.get("n", 1)
+    if type(best_of) is int and type(n) is int and best_of == n:
+        return
+    raise ValueError(
+        f"best_of is {_shown_value(best_of)} but n is {_shown_value(n)}: tessel does not implement "
+        "best_of (picking the n best of several candidates); leave it out or send best_of equal to n"
+    )
+
+
+def _shown_value(value: Any) -> str:
+    if isinstance(value, bool | float) or (isinstance(value, int) and abs(value) < 10**6):
+        return repr(value)
+    return "a large number" if isinstance(value, int) else f"a {type(value).__name__}"
 
 
 def _is_no_op(value: Any, no_ops: list[Any]) -> bool:
