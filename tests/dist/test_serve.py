@@ -64,3 +64,46 @@ def test_serve_through_a_pipeline(tiny_dirs, tmp_path):
             assert client.post("/v1/completions", json=body).status_code == 503
     finally:
         engine.close()
+
+
+LONG_PROMPT = "Paged attention stores keys and values in blocks; a table maps positions to blocks. " * 12
+
+
+def test_logprobs_of_cpp_chunks_equal_one_process(tiny_dirs, tmp_path):
+    """The last stage sends back the logprobs asked for (issue 27: they were dropped, so the server
+    answered 500): a prompt's logprobs when its prefill is cut into CPP chunks (each chunk its own
+    micro-batch), and each sampled token's, equal the single-process engine's."""
+    from tessel.chunk.latency import PipelineLatency
+    from tessel.dist.cpp import ChunkCutter
+    from tessel.dist.run import RunOptions
+    from tessel.dist.serving import pipeline_engine
+    from tessel.sim.linear import LinearStage
+
+    model = tiny_dirs["untied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 6)], micro_batches=2)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=3),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True, logprobs=0),
+    ]
+    prompts = [LONG_PROMPT, "Once upon a time"]
+    engine = pipeline_engine(RunOptions(plan, model))
+    stage = LinearStage(prefill_base_s=1e-4, prefill_per_token_s=1e-4)  # all per token: cut finely
+    engine.cutter = ChunkCutter(PipelineLatency((stage, stage)), min_tokens=16, grid_tokens=16)
+    try:
+        got = engine.generate(prompts, params, use_progress=False)
+        assert engine.stage.stats.cpp_chunks > engine.stage.stats.cpp_prompts == 1  # the long prompt was cut
+    finally:
+        engine.close()
+    expected = LLM(model).generate(prompts, params, use_progress=False)
+    for out, want in zip(got, expected, strict=True):
+        assert out.token_ids == want.token_ids
+        pairs = list(zip(out.logprobs, want.logprobs, strict=True))
+        if want.prompt_logprobs is not None:
+            assert out.prompt_logprobs[0] is None and want.prompt_logprobs[0] is None
+            pairs += list(zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True))
+        assert len(out.logprobs) == 5
+        for entry, oracle in pairs:
+            assert entry.token_id == oracle.token_id
+            assert entry.logprob == pytest.approx(oracle.logprob, abs=1e-5)
+            assert [i for i, _ in entry.top] == [i for i, _ in oracle.top]
+            assert [lp for _, lp in entry.top] == pytest.approx([lp for _, lp in oracle.top], abs=1e-5)

@@ -1,16 +1,25 @@
-"""Fixtures for the server tests: a tiny checkpoint, bounded polling, a uvicorn server in a thread.
+"""Fixtures for the server tests: a tiny checkpoint, bounded polling, a uvicorn server in a thread,
+and the engine behind the server in both kinds `tessel serve` runs.
 
 Servers bind to 127.0.0.1 on a port the OS picks, and every wait polls a condition under a
 bounded deadline (no sleeps for synchronisation). The helpers are handed out as fixtures because
 the suite imports test modules with `--import-mode=importlib` (no test directory on sys.path).
+
+A module whose `engine` fixture is built with `make_engine` runs once per engine kind: `single`
+(one process's `LLMEngine`, `tessel serve`) and `pipeline` (`tessel serve --plan`: a 2-stage CPU
+plan of the same checkpoint, this process stage 0 and stage 1 a child process over gloo, two
+micro-batches in flight). The same tests, with the same oracles, hold for both. Tests marked
+`single_engine` (request validation, which never reaches the engine) run on the single one only.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +77,66 @@ def engine_paused(async_engine: Any) -> Iterator[None]:
     finally:
         release.set()
         future.result(timeout=DEADLINE_S)
+
+
+ENGINE_KINDS = ("single", "pipeline")
+PIPELINE_SLOTS = 2  # the plan's micro-batches in flight (one scheduler each)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "single_engine: run on the single-process engine kind only")
+
+
+def _pipeline_run_of_single_engine_test(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    kind = None if callspec is None else callspec.params.get("engine_kind")
+    return kind == "pipeline" and item.get_closest_marker("single_engine") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the pipeline runs of tests marked `single_engine`."""
+    dropped = [item for item in items if _pipeline_run_of_single_engine_test(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not _pipeline_run_of_single_engine_test(item)]
+
+
+@contextmanager
+def build_engine(
+    kind: str, model: Path, work_dir: Path, *, max_num_seqs: int, **options: Any
+) -> Iterator[Any]:
+    """The engine a server drives. `max_num_seqs` bounds the sequences running at once in both kinds:
+    the pipeline's `PIPELINE_SLOTS` schedulers get an equal share each."""
+    if kind == "single":
+        from tessel.engine.llm_engine import LLMEngine
+
+        yield LLMEngine(str(model), max_num_seqs=max_num_seqs, **options)
+        return
+    from dist_plans import write_plan
+    from tessel.dist.serving import pipeline_server_engine
+
+    assert kind == "pipeline" and max_num_seqs % PIPELINE_SLOTS == 0, (kind, max_num_seqs)
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    split = [(0, layers // 2), (layers // 2, layers)]
+    plan = write_plan(work_dir / "plan.json", model, split, micro_batches=PIPELINE_SLOTS)
+    engine = pipeline_server_engine(model, plan, max_num_seqs=max_num_seqs // PIPELINE_SLOTS, **options)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module", params=ENGINE_KINDS)
+def engine_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def make_engine(
+    engine_kind: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., AbstractContextManager[Any]]:
+    """`with make_engine(max_num_seqs=..., **engine options) as engine`: this module's engine kind."""
+    return functools.partial(build_engine, engine_kind, tiny_model, tmp_path_factory.mktemp(engine_kind))
 
 
 @pytest.fixture(scope="session")

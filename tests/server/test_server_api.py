@@ -1,4 +1,5 @@
-"""The HTTP API in-process: a real `LLMEngine` behind the app, under uvicorn in a thread.
+"""The HTTP API in-process: a real engine behind the app, under uvicorn in a thread, once per engine
+kind (one process; a 2-stage pipeline as `serve --plan` runs it).
 
 Greedy outputs are checked against `LLM.generate` on the same checkpoint (the oracle); error
 bodies against OpenAI's shape; a full server against 429; and a client that goes away, mid-stream
@@ -28,12 +29,11 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was", "Hello world! Ho
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Any:
-    from tessel.engine.llm_engine import LLMEngine
-
-    return LLMEngine(
-        str(tiny_model), max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB
-    )
+def engine(make_engine: Any) -> Any:
+    """Per engine kind (conftest): one process, or a 2-stage pipeline of the same checkpoint."""
+    options = {"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": KV_CACHE_GIB}
+    with make_engine(max_num_seqs=MAX_NUM_SEQS, **options) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +223,7 @@ def test_concurrent_requests_equal_their_sequential_results(
 # ---- errors ------------------------------------------------------------------------------------
 
 
+@pytest.mark.single_engine
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -242,6 +243,7 @@ def test_malformed_completion_bodies_are_400(client: httpx.Client, body: dict, p
     assert error["param"] == param
 
 
+@pytest.mark.single_engine
 def test_malformed_chat_bodies_and_json_are_400(client: httpx.Client) -> None:
     _assert_openai_error(client.post("/v1/chat/completions", json={"messages": []}), 400)
     _assert_openai_error(client.post("/v1/chat/completions", json={"messages": [{"content": "x"}]}), 400)
@@ -265,12 +267,14 @@ def test_chat_content_parts_equal_plain_content(client: httpx.Client) -> None:
     assert texts[0]["usage"] == texts[1]["usage"]
 
 
+@pytest.mark.single_engine
 def test_token_ids_outside_the_vocabulary_are_400(client: httpx.Client, engine: Any) -> None:
     vocab_size = len(engine.tokenizer)
     error = _assert_openai_error(client.post("/v1/completions", json={"prompt": [1, vocab_size]}), 400)
     assert str(vocab_size) in error["message"]
 
 
+@pytest.mark.single_engine
 def test_unknown_model_and_route_are_404(client: httpx.Client) -> None:
     error = _assert_openai_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404)
     assert error["code"] == "model_not_found" and "gpt-9" in error["message"]

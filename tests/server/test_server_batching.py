@@ -1,5 +1,6 @@
 """More concurrent requests than `max_num_seqs`: the engine's waiting queue fills, continuous
-batching serves them all, and each answer equals `LLM.generate` run on its own prompt alone."""
+batching serves them all, and each answer equals `LLM.generate` run on its own prompt alone; once
+per engine kind (one process; a 2-stage pipeline as `serve --plan` runs it)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int, str
 
 
 def test_more_requests_than_slots_each_equal_llm_generate(
-    tiny_model: Path, serve_in_thread: Any, wait_until: Any
+    tiny_model: Path, make_engine: Any, serve_in_thread: Any, wait_until: Any
 ) -> None:
-    from tessel.engine.llm_engine import LLM, LLMEngine
+    from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
     from tessel.server.app import create_app
 
@@ -58,16 +59,15 @@ def test_more_requests_than_slots_each_equal_llm_generate(
         for p, n in zip(PROMPTS, lengths, strict=True)
     ]
 
-    engine = LLMEngine(str(tiny_model), max_num_seqs=MAX_NUM_SEQS, max_model_len=256, kv_cache_gib=0.01)
-    app = create_app(engine, max_pending=NUM_REQUESTS)
-
     async def run(url: str) -> list[str]:
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as client:
             jobs = enumerate(zip(PROMPTS, lengths, strict=True))
             calls = [_complete(client, p, n, stream=i % 2 == 0) for i, (p, n) in jobs]
             return await asyncio.gather(*calls)
 
-    with serve_in_thread(app) as url:
-        assert asyncio.run(run(url)) == expected
-        wait_until(lambda: not engine.has_unfinished_requests(), "the engine to finish")
-    assert engine.num_free_blocks == engine.num_total_blocks
+    with make_engine(max_num_seqs=MAX_NUM_SEQS, max_model_len=256, kv_cache_gib=0.01) as engine:
+        app = create_app(engine, max_pending=NUM_REQUESTS)
+        with serve_in_thread(app) as url:
+            assert asyncio.run(run(url)) == expected
+            wait_until(lambda: not engine.has_unfinished_requests(), "the engine to finish")
+        assert engine.num_free_blocks == engine.num_total_blocks

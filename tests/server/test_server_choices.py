@@ -1,4 +1,5 @@
-"""n > 1 choices (issue 15) through the official `openai` client on a live server.
+"""n > 1 choices (issue 15) through the official `openai` client on a live server, once per engine
+kind (one process; a 2-stage pipeline as `serve --plan` runs it).
 
 Oracle: choice i with seed s equals an n = 1 request with seed s + i (its own seed stream), streamed
 or not; the later choices reuse the prompt's full KV blocks from the prefix cache (the engine's
@@ -19,10 +20,9 @@ N = 3
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Any:
-    from tessel.engine.llm_engine import LLMEngine
-
-    return LLMEngine(str(tiny_model), max_num_seqs=4, max_model_len=256, kv_cache_gib=0.01)
+def engine(make_engine: Any) -> Any:
+    with make_engine(max_num_seqs=4, max_model_len=256, kv_cache_gib=0.01) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
 """logprobs and echo through the official `openai` client, against HF transformers (issue 15).
 
-The server runs under uvicorn in a thread; prompt (echo) and completion logprobs must equal HF's
-log-softmax of its logits over the same tokens to 1e-4, in the shapes the client parses; streamed
-logprobs must equal the non-streamed ones.
+The server runs under uvicorn in a thread, once per engine kind (one process; a 2-stage pipeline as
+`serve --plan` runs it, issue 27); prompt (echo) and completion logprobs must equal HF's
+log-softmax of its logits over the same tokens to 1e-4, in the shapes the client parses, and the
+single-process engine's (`LLM.generate`) to float rounding; streamed logprobs must equal the
+non-streamed ones.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ PROMPT = "Once upon a time there was a small model"
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Any:
-    from tessel.engine.llm_engine import LLMEngine
-
-    return LLMEngine(str(tiny_model), max_num_seqs=4, max_model_len=256, kv_cache_gib=0.01)
+def engine(make_engine: Any) -> Any:
+    with make_engine(max_num_seqs=4, max_model_len=256, kv_cache_gib=0.01) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,7 @@ def test_streamed_completion_logprobs_equal_non_streamed(client: Any, tiny_model
     assert tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
 
 
+@pytest.mark.single_engine
 def test_logprobs_bounds_are_400(client: Any, tiny_model: Path) -> None:
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model=tiny_model.name, prompt="hi", logprobs=21)
@@ -131,3 +133,31 @@ def test_logprobs_bounds_are_400(client: Any, tiny_model: Path) -> None:
         client.chat.completions.create(
             model=tiny_model.name, messages=[{"role": "user", "content": "hi"}], top_logprobs=3
         )
+
+
+def test_logprobs_equal_the_single_process_engine(client: Any, engine: Any, tiny_model: Path) -> None:
+    """The response's logprobs, echoed prompt and alternatives included, are those of the
+    single-process engine (`LLM.generate` with the same sampling, shaped by the server's own
+    `completion_logprobs`) to float rounding; greedy and seeded."""
+    from tessel import LLM, SamplingParams
+    from tessel.server.logprobs import TokenText, completion_logprobs
+
+    oracle = LLM(str(tiny_model), max_model_len=256, kv_cache_gib=0.01)
+    for temperature, seed in [(0.0, None), (0.8, 11)]:
+        result = client.completions.create(
+            model=tiny_model.name, prompt=PROMPT, max_tokens=6, temperature=temperature, seed=seed,
+            echo=True, logprobs=3, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        params = SamplingParams(
+            temperature=temperature, seed=seed, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=3
+        )
+        out = oracle.generate(PROMPT, params, use_progress=False)[0]
+        ids = out.prompt_token_ids + out.token_ids
+        want = completion_logprobs(out.prompt_logprobs + out.logprobs, TokenText(oracle.tokenizer), ids)
+        got = result.choices[0].logprobs
+        assert result.choices[0].text == PROMPT + out.text
+        assert got.tokens == want.tokens and got.text_offset == want.text_offset
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        assert got.token_logprobs[1:] == pytest.approx(want.token_logprobs[1:], abs=1e-5)
+        for top, expected in zip(got.top_logprobs[1:], want.top_logprobs[1:], strict=True):
+            assert top == pytest.approx(expected, abs=1e-5)

@@ -1,14 +1,14 @@
 """`GET /metrics` (issue 15): vLLM's metric names under `tessel:`, scraped around a disconnect storm.
 
-A live uvicorn server in a thread. Oracles: the engine's own counters (running / waiting queues,
-free blocks) while it is parked, the usage fields of a finished response for the token counters,
-and zero KV blocks in use after every client of the storm has gone.
+A live uvicorn server in a thread, once per engine kind (one process; a 2-stage pipeline as
+`serve --plan` runs it, whose /metrics was a 500: issue 27). Oracles: the engine's own counters
+(running / waiting queues, free blocks) while it is parked, the usage fields of a finished response
+for the token counters, and zero KV blocks in use after every client of the storm has gone.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,10 +22,9 @@ TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Any:
-    from tessel.engine.llm_engine import LLMEngine
-
-    return LLMEngine(str(tiny_model), max_num_seqs=MAX_NUM_SEQS, max_model_len=512, kv_cache_gib=0.02)
+def engine(make_engine: Any) -> Any:
+    with make_engine(max_num_seqs=MAX_NUM_SEQS, max_model_len=512, kv_cache_gib=0.02) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

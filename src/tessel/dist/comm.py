@@ -3,9 +3,10 @@
 A micro-batch travels from stage k to k+1 as three tensors: a fixed-size header
 `[kind, payload bytes, rows, cols]`, the pickled `BatchMessage` (positions, attention metadata
 with the block tables stage 0 decided, what to sample) and the hidden states [rows, cols]. The
-last stage sends the sampled tokens back to stage 0 as `[micro-batch id, tokens...]`. Sends are
-non-blocking (`isend`); the next header is received with a pre-posted `irecv` so a stage's
-receive overlaps its compute. Any failure of the process group becomes `PeerLostError`.
+last stage sends the sampled tokens (and the logprobs asked for) back to stage 0 as
+`tessel.dist.sampled.SampledRows`. Sends are non-blocking (`isend`); the next header is received
+with a pre-posted `irecv` so a stage's receive overlaps its compute. Any failure of the process
+group becomes `PeerLostError`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tessel.dist.sampled import HEAD_LEN, SampledRows
+from tessel.engine.model_runner import PromptScoring
 from tessel.engine.sampling_params import SamplingParams
 from tessel.layers.attention import AttentionMetadata
 
@@ -38,6 +41,7 @@ class BatchMessage:
     sample_rows: list[int]  # rows whose logits are sampled (on the last stage)
     sample: list[tuple[int, SamplingParams]]  # (sequence id, its params) per sampled row
     released: list[int] = field(default_factory=list)  # finished sequence ids: drop their generators
+    prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt logprobs asked (last stage)
 
 
 def share_kv_layout(layout: list) -> list:
@@ -91,8 +95,8 @@ class StageComm:
         if self.rank < self.world_size - 1:
             self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64, device=self.device),), self.next)
 
-    def send_tokens(self, batch_id: int, tokens: list[int]) -> None:
-        self._isend((torch.tensor([batch_id, *tokens], dtype=torch.int64, device=self.device),), 0)
+    def send_tokens(self, batch_id: int, sampled: SampledRows) -> None:
+        self._isend(tuple(t.to(self.device) for t in sampled.to_wire(batch_id)), 0)
 
     def flush(self) -> None:
         """Wait until every send has been received."""
@@ -129,16 +133,19 @@ class StageComm:
             ) from error
         return pickle.loads(payload.cpu().numpy().tobytes()), hidden
 
-    def recv_tokens(self, batch_id: int, count: int) -> list[int]:
-        """Stage 0: the tokens the last stage sampled for micro-batch `batch_id`."""
-        buffer = torch.empty(1 + count, dtype=torch.int64, device=self.device)
+    def recv_tokens(self, batch_id: int, count: int) -> SampledRows:
+        """Stage 0: the `count` tokens (and logprobs) the last stage sampled for micro-batch `batch_id`."""
+        buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64, device=self.device)
         try:
             dist.recv(buffer, self.world_size - 1)
+            values = buffer.tolist()
+            payload = torch.empty(values[1], dtype=torch.uint8, device=self.device)
+            if values[1]:
+                dist.recv(payload, self.world_size - 1)
         except RuntimeError as error:
             raise PeerLostError(
                 f"stage 0: receiving tokens from stage {self.world_size - 1} failed: {error}"
             ) from error
-        values = buffer.tolist()
         if values[0] != batch_id:
             raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
-        return values[1:]
+        return SampledRows.from_wire(values[HEAD_LEN:], payload.cpu().numpy().tobytes())

@@ -9,8 +9,9 @@
    longer than the CPP threshold is sent instead as the chunks the CPP planner chose, one
    micro-batch each, back to back (chunk i needs only chunks < i, which every stage has already
    computed since stages take micro-batches in order);
-2. the oldest micro-batch's sampled tokens are received from the last stage and applied with
-   the engine's own update (`LLMEngine._finish_step`: computed tokens, prefix cache, stop rules).
+2. the oldest micro-batch's sampled tokens, with the logprobs its requests asked for
+   (`tessel.dist.sampled`), are received from the last stage and applied with the engine's own
+   update (`LLMEngine._finish_step`: computed tokens, logprobs, prefix cache, stop rules).
 
 Aborting a request whose micro-batch is in flight takes effect when that micro-batch is back.
 """
@@ -28,10 +29,11 @@ from typing import Any
 from tessel.dist.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
 from tessel.dist.cpp import ChunkCutter
 from tessel.dist.plan import RunPlan
+from tessel.dist.sampled import SampledRows
 from tessel.dist.schedulers import PinnedSchedulers
 from tessel.dist.stage import StageExecutor, rss_bytes, tensor_bytes
 from tessel.engine.llm_engine import LLM
-from tessel.engine.model_runner import StepResult
+from tessel.engine.model_runner import PromptScoring, StepResult, prompt_scorings
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -48,7 +50,8 @@ class _InFlight:
     slot: int
     apply: SchedulerOutput | None  # what to count when it is back (None: a CPP chunk before the last)
     sampled: list[Sequence]
-    tokens: list[int] | None = None  # already sampled (single-stage pipelines)
+    scorings: list[tuple[Sequence, PromptScoring]]  # chunks whose prompt logprobs come back
+    result: SampledRows | None = None  # already sampled (single-stage pipelines)
     seq_ids: list[int] = field(default_factory=list)
 
 
@@ -181,6 +184,7 @@ class PipelineEngine(LLM):
     def _send(self, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None) -> None:
         input_ids, positions, meta, sample_rows = self.runner.prepare(batch)
         sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        scorings = prompt_scorings(batch)
         message = BatchMessage(
             next(self._batch_ids),
             positions,
@@ -188,15 +192,15 @@ class PipelineEngine(LLM):
             sample_rows,
             [(seq.seq_id, seq.params) for seq in sampled],
             self._released,
+            [scoring for _, scoring in scorings],
         )
         self._released = []
         started = time.perf_counter()
         hidden = self.stage.forward(positions, meta, input_ids=input_ids)
-        record = _InFlight(
-            message.batch_id, slot, apply, sampled, seq_ids=[s.seq_id for s, _ in batch.scheduled()]
-        )
+        seq_ids = [s.seq_id for s, _ in batch.scheduled()]
+        record = _InFlight(message.batch_id, slot, apply, sampled, scorings, seq_ids=seq_ids)
         if self.comm is None:
-            record.tokens = self.stage.sample(hidden, message)
+            record.result = self.stage.sample(hidden, message)
         self.stage.account(started, batch.num_tokens)
         if self.comm is not None:
             self.comm.send_batch(message, hidden)
@@ -206,16 +210,22 @@ class PipelineEngine(LLM):
 
     # ---- results -------------------------------------------------------------------------------
     def _complete(self, record: _InFlight) -> list[RequestOutput]:
-        tokens = record.tokens
-        if tokens is None:
-            tokens = self.comm.recv_tokens(record.batch_id, len(record.sampled))
+        back = record.result
+        if back is None:
+            back = self.comm.recv_tokens(record.batch_id, len(record.sampled))
         self._busy[record.slot] -= 1
         self._seqs_in_flight.subtract(record.seq_ids)
+        prompt = [
+            (seq, scoring.first, logprobs)
+            for (seq, scoring), logprobs in zip(record.scorings, back.prompt_logprobs, strict=True)
+        ]
         outputs = []
-        if record.apply is not None:  # logprobs are not computed in a pipeline (None)
-            result = StepResult(record.sampled, tokens, [None] * len(tokens))
+        if record.apply is None:  # a CPP chunk before the last: only its prompt logprobs to keep
+            for seq, first, logprobs in prompt:
+                seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
+        else:
+            result = StepResult(record.sampled, back.tokens, back.logprobs, prompt)
             outputs = self._finish_step(record.apply, result, [])
-        if record.apply is not None:
             self._released.extend(seq.seq_id for seq, _ in record.apply.scheduled() if seq.is_finished)
         for request_id in list(self._deferred_aborts):
             seq = self._requests.get(request_id)

@@ -5,7 +5,8 @@ k's token). As vLLM V0 does, each request is pinned on arrival to the slot ("vir
 with the fewest unfinished requests; each slot's scheduler is the engine's own (token budget,
 chunked prefill, prefix cache, preemption), all sharing one `BlockManager`, and a slot is
 scheduled again only when its previous micro-batch has come back. `add`, `finish` and
-`num_unfinished` are what `LLMEngine` calls on its scheduler.
+`num_unfinished` are what `LLMEngine` calls on its scheduler; `running` and `waiting` (every slot's,
+slot by slot) are what the server's metrics read of it, from another thread.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ class PinnedSchedulers:
     @property
     def num_unfinished(self) -> int:
         return sum(s.num_unfinished for s in self.slots)
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Sequences admitted to a slot's batch (in flight or between micro-batches)."""
+        return [seq for slot in self.slots for seq in list(slot.running)]  # list(): one C-level copy
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Sequences queued in a slot, not yet admitted (or preempted)."""
+        return [seq for slot in self.slots for seq in list(slot.waiting)]
 
     @property
     def num_preemptions(self) -> int:

@@ -3,8 +3,8 @@
 The first stage embeds the tokens; every stage runs its layers; a stage that is not the last hands
 on the residual stream (hidden + residual, the next layer's input-norm sum, so the next stage's
 first layer sees exactly what it would see in one process); the last stage applies the final
-norm, projects the sampled rows and samples them. Sampling here keeps each seeded request's
-`torch.Generator` on the last stage, where its logits are.
+norm, projects the sampled rows and samples them, with the logprobs asked for. Sampling here keeps
+each seeded request's `torch.Generator` on the last stage, where its logits are.
 
 A stage with an emulated speed s < 1 sleeps (1/s - 1) x its measured compute time after every
 micro-batch: emulation of a slower device on one CPU, not a model of one.
@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from tessel.dist.comm import BatchMessage
-from tessel.engine.model_runner import ModelRunner
+from tessel.dist.sampled import SampledRows
+from tessel.engine.model_runner import ModelRunner, sampled_logprobs, score_prompt
 from tessel.engine.sampling_params import SamplingParams
 from tessel.layers.attention import AttentionMetadata
 from tessel.models.layer_filter import LayerFilter
@@ -100,15 +101,19 @@ class StageExecutor:
         return hidden + residual
 
     @torch.inference_mode()
-    def sample(self, hidden: torch.Tensor, message: BatchMessage) -> list[int]:
-        """Last stage: the tokens of the message's sampled rows."""
+    def sample(self, hidden: torch.Tensor, message: BatchMessage) -> SampledRows:
+        """Last stage: the tokens of the message's sampled rows, with the logprobs their requests
+        asked for and the prompt logprobs of its chunks (as the single-process `ModelRunner.run`)."""
         for seq_id in message.released:
             self._generators.pop(seq_id, None)
+        prompt_logprobs = [score_prompt(self.model, hidden, s) for s in message.prompt_scorings]
         if not message.sample_rows:
-            return []
+            return SampledRows([], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[message.sample_rows])
         rows = [_Row(params, self._generator(seq_id, params)) for seq_id, params in message.sample]
-        return self.runner.sample(logits, rows).tolist()
+        tokens = self.runner.sample(logits.float(), rows).tolist()
+        logprobs = sampled_logprobs(logits, tokens, [row.params for row in rows])
+        return SampledRows(tokens, logprobs, prompt_logprobs)
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:

@@ -236,10 +236,10 @@ def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
         message, hidden = received
         started = time.perf_counter()
         out = executor.forward(message.positions, message.meta, hidden=hidden)
-        tokens = executor.sample(out, message) if last else []
+        sampled = executor.sample(out, message) if last else None  # tokens and the logprobs asked for
         executor.account(started, hidden.shape[0])
         if last:
-            comm.send_tokens(message.batch_id, tokens)
+            comm.send_tokens(message.batch_id, sampled)
         else:
             comm.send_batch(message, out)
     comm.send_stop()

@@ -20,6 +20,7 @@ from tessel.engine import cuda_graph
 from tessel.engine.batch_decode_graph import BatchDecodeGraph
 from tessel.engine.decode_graph import DecodeGraph
 from tessel.engine.outputs import TokenLogprobs
+from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.kernels.paged_decode import decode_gather
@@ -62,6 +63,52 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list
         TokenLogprobs(t, lp, list(zip(ids, vals, strict=True)))
         for t, lp, ids, vals in zip(token_ids, chosen, indices.tolist(), values.tolist(), strict=True)
     ]
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """Each sampled row's token logprob and its `params.logprobs` alternatives (None where not asked),
+    from the raw logits [N, V] (before temperature)."""
+    found: list[TokenLogprobs | None] = [None] * len(tokens)
+    for i, p in enumerate(params):
+        if p.logprobs is not None:
+            rows = logits[i : i + 1].float().log_softmax(dim=-1)
+            found[i] = token_logprobs(rows, [tokens[i]], p.logprobs)[0]
+    return found
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Rows [row, row + len(targets)) of a step's hidden states score the prompt tokens `targets`
+    (the tokens at positions first, first + 1, ...) with `k` alternatives each."""
+
+    row: int
+    first: int
+    targets: list[int]
+    k: int
+
+
+def prompt_scorings(batch: SchedulerOutput) -> list[tuple[Sequence, PromptScoring]]:
+    """The step's chunks that asked for prompt logprobs: row p scores prompt token p + 1."""
+    found = []
+    row = 0
+    for seq, n in batch.scheduled():
+        start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
+        last = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
+        if k is not None and start < last:
+            found.append((seq, PromptScoring(row, start + 1, seq.token_ids[start + 1 : last + 1], k)))
+        row += n
+    return found
+
+
+def score_prompt(
+    model: LlamaForCausalLM, hidden: torch.Tensor, scoring: PromptScoring
+) -> list[TokenLogprobs]:
+    """The logprobs of `scoring.targets` from the model's final hidden states of the step."""
+    rows = hidden[scoring.row : scoring.row + len(scoring.targets)]
+    logits = model.compute_logits(rows).float()
+    return token_logprobs(logits.log_softmax(dim=-1), scoring.targets, scoring.k)
 
 
 class ModelRunner:
@@ -180,34 +227,18 @@ class ModelRunner:
         """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
-        result = StepResult(prompt_logprobs=self._prompt_logprobs(batch, hidden))
+        result = StepResult(
+            prompt_logprobs=[
+                (seq, s.first, score_prompt(self.model, hidden, s)) for seq, s in prompt_scorings(batch)
+            ]
+        )
         result.seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
         if not sample_rows:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
         result.tokens = self.sample(logits.float(), result.seqs).tolist()
-        result.logprobs = [None] * len(result.seqs)
-        for i, seq in enumerate(result.seqs):
-            if seq.params.logprobs is not None:  # before temperature: the raw logits
-                rows = logits[i : i + 1].float().log_softmax(dim=-1)
-                result.logprobs[i] = token_logprobs(rows, [result.tokens[i]], seq.params.logprobs)[0]
+        result.logprobs = sampled_logprobs(logits, result.tokens, [seq.params for seq in result.seqs])
         return result
-
-    def _prompt_logprobs(
-        self, batch: SchedulerOutput, hidden: torch.Tensor
-    ) -> list[tuple[Sequence, int, list[TokenLogprobs]]]:
-        """For each chunk that asked: the logprob of prompt token p + 1 from the logits at row p."""
-        found = []
-        row = 0
-        for seq, n in batch.scheduled():
-            start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
-            last = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
-            if k is not None and start < last:
-                logits = self.model.compute_logits(hidden[row : row + last - start]).float()
-                targets = seq.token_ids[start + 1 : last + 1]
-                found.append((seq, start + 1, token_logprobs(logits.log_softmax(dim=-1), targets, k)))
-            row += n
-        return found
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]
