@@ -232,7 +232,7 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
         ("tessel W8A8 + int8 head", "w8a8 rtn", "int8", None, False),
         ("tessel W8A8 + int8 head, eager decode", "w8a8 rtn", "int8", None, True),
     ]
-    from tessel.quant import cpu_features
+    from tessel.kernels import cpu_features
 
     if cpu_features.choose_int8_path() == "fp16codes":  # AVX2: fbgemm, 7-bit weight codes or activations
         configs.append(("tessel W8A8 7-bit weight codes + int8 head", "w8a8 w7 rtn", "int8", None, False))
@@ -275,7 +275,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tessel.quant import cpu_features
+    from tessel.kernels import cpu_features
 
     only = set(args.only.split(","))
     cpu = cpu_features.describe()

@@ -326,7 +326,7 @@ def decode_speed(llm, concurrent: int, prompt_len: int, new_tokens: int) -> dict
 def speed_table(path_of, args) -> dict:
     """Interleaved rounds over the models (all loaded once): per row the median tok/s and the median
     of the per-round ratios to fp32, one stream and `args.concurrent` requests."""
-    from tessel.quant.cpu_features import BF16_FLAGS, cpu_flags
+    from tessel.kernels.cpu_features import BF16_FLAGS, cpu_flags
 
     names = args.speed_configs.split(",") if args.speed_configs else list(SPEED_CONFIGS)
     names = ["fp32"] + [n for n in names if n != "fp32"]  # the ratios' base, always run
@@ -370,7 +370,7 @@ def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
     from tessel.layers import Int8Linear
     from tessel.layers.packed_linear import PackedLinear, packing_available
     from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
-    from tessel.quant.cpu_features import BF16_FLAGS, cpu_flags
+    from tessel.kernels.cpu_features import BF16_FLAGS, cpu_flags
 
     fp = nn.Linear(k, n)
     q, s = quantize_per_token(fp.weight.detach())
@@ -429,7 +429,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tessel.quant import cpu_features
+    from tessel.kernels import cpu_features
 
     only = set(args.only.split(","))
     configs = args.configs.split(",") if args.configs else [*PPL_CONFIGS, *PPL_HEAD_CONFIGS]

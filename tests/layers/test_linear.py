@@ -20,7 +20,7 @@ from torch import nn
 from tessel.errors import TesselError
 from tessel.kernels import quantize_per_token
 from tessel.layers import Int8Linear, Linear, W8A16Linear
-from tessel.quant.cpu_features import ENV_OVERRIDE
+from tessel.kernels.cpu_features import ENV_OVERRIDE
 
 OUTPUT_ROUNDING = {  # dtype: (atol, rtol) for one rounding of O(1) outputs to this dtype
     torch.float32: (1e-5, 1e-5),
@@ -160,7 +160,7 @@ def test_int8_linear_with_7bit_weight_codes_within_quantisation_bound(int8_backe
 def test_int8_linear_path_follows_the_weight_codes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On AVX2 (flags patched): 7-bit codes take fbgemm with 8-bit activations, full-range codes
     fp16codes; the choice is made again when the weight changes; set_path forces one."""
-    from tessel.quant import cpu_features
+    from tessel.kernels import cpu_features
 
     if not cpu_features.fbgemm_available():
         pytest.skip("this torch build has no fbgemm")

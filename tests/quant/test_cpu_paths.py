@@ -16,8 +16,8 @@ import torch
 from tessel.errors import TesselError
 from tessel.kernels.quantize import quantize_per_token
 from tessel.layers.quantized_linear import W8A8Linear
-from tessel.quant import cpu_features
-from tessel.quant.cpu_features import ENV_OVERRIDE, INT8_PATHS, choose_int8_path
+from tessel.kernels import cpu_features
+from tessel.kernels.cpu_features import ENV_OVERRIDE, INT8_PATHS, choose_int8_path
 
 
 def _layer(

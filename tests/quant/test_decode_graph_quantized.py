@@ -23,8 +23,8 @@ from tessel.kernels import cpu_compile
 from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
 from tessel.layers.split_linear import split_linear
 from tessel.layers.traced_linear import linear_form
-from tessel.quant.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
-from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, fbgemm_act_bits
+from tessel.kernels.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
+from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, fbgemm_act_bits
 
 pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
 

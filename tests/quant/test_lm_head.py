@@ -29,7 +29,7 @@ from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.layers.embedding import LMHead, QuantizedLMHead
 from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
-from tessel.quant.cpu_features import ENV_OVERRIDE, W8A16_ENV_OVERRIDE
+from tessel.kernels.cpu_features import ENV_OVERRIDE, W8A16_ENV_OVERRIDE
 from tessel.quant.lm_head import LM_HEAD_MODES, check_lm_head_mode, quantize_lm_head
 from tessel.quant.schemes import make_scheme
 

@@ -145,7 +145,7 @@ def test_7bit_weight_codes_are_an_int8_checkpoint_run_on_fbgemm(
     from safetensors.torch import load_file
 
     from tessel.kernels.int8_cpu import fits_7bit_codes
-    from tessel.quant import cpu_features
+    from tessel.kernels import cpu_features
 
     out = tmp_path / "w7"
     args = ["--scheme", "w8a8", "--weight-code-bits", "7", "--smoothquant", "0.5", "--method", "gptq"]

@@ -52,8 +52,8 @@ def test_compiled_decode_steps_keep_smollm2s_perplexity(
     eager engine's own decode steps drift from its prefill too): over six 256-token windows the
     drift was -3.1% to +2.6% compiled and -2.5% to +0.2% eager (`benchmarks/decode_graph.py
     --ppl-windows 6`), so the bound catches a wrong formula, not rounding."""
-    from tessel.quant.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
-    from tessel.quant.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu
+    from tessel.kernels.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
+    from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu
 
     if not avx512_cpu():  # AVX2's default paths have no traced form: force the compiled GEMV ones
         monkeypatch.setenv(INT8_ENV_OVERRIDE, "dequant")

@@ -23,7 +23,7 @@ from tessel.errors import TesselError
 from tessel.kernels import cpu_compile, w8a16_cpu
 from tessel.kernels.quantize import quantize_per_token
 from tessel.layers.quantized_linear import GEMV_MAX_ROWS, W8A16CPULinear
-from tessel.quant.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a16_path, cpu_flags
+from tessel.kernels.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a16_path, cpu_flags
 
 HAS_BF16 = bool(cpu_flags() & BF16_FLAGS)
 PATHS = [

@@ -34,7 +34,7 @@ from tessel.kernels.int8_cpu import (
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import quantize_per_token
 from tessel.kernels.w8a16_gemm import linear, w8a16_gemm
-from tessel.quant.cpu_features import INT8_PATHS, choose_int8_path, fbgemm_act_bits, fbgemm_available
+from tessel.kernels.cpu_features import INT8_PATHS, choose_int8_path, fbgemm_act_bits, fbgemm_available
 from tessel.quant.schemes import make_scheme
 from tessel.quant.schemes import quantize_weight as quantize_with_scheme
 

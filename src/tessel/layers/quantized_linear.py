@@ -10,7 +10,7 @@ with 8-bit codes on AVX-512) sums the integer products in the compiled int8 GEMV
 than oneDNN's int8 GEMM does at one row.
 
 On CUDA the GEMM is tessel's Triton int8 kernel. On CPU the path follows the CPU
-(`tessel.quant.cpu_features`): `int_mm` (AMX, and static scales on AVX-512 VNNI: `torch._int_mm`),
+(`tessel.kernels.cpu_features`): `int_mm` (AMX, and static scales on AVX-512 VNNI: `torch._int_mm`),
 `fp16codes` (AVX2: the integer codes through fbgemm's fp16-weight GEMM, the same sums), `fbgemm`
 (fbgemm's int8 GEMM on the same per-token codes, bit-equal to `int_mm`, where 8-bit codes cannot
 saturate: the default on AVX-512 VNNI, and on AVX2 where the weight codes fit 7 bits; 7-bit
@@ -48,7 +48,7 @@ from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
 from tessel.kernels.quantize import QMAX, quantize_per_token
 from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8, gemv_int8_scaled, quantize_rows
 from tessel.layers.packed_linear import BATCH_HINT, PackedLinear, packing_available
-from tessel.quant.cpu_features import (
+from tessel.kernels.cpu_features import (
     INT8_PATHS,
     W8A16_PATHS,
     avx512_cpu,
