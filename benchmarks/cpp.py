@@ -1,6 +1,6 @@
 """CPP chunk planner: predicted TTFT against the baselines, and the planner's own run time.
 
-    python benchmarks/cpp.py [--quick] [--model llama-3-70b] [--out benchmarks/results/cpp.json]
+    python benchmarks/cpp.py [--quick] [--model llama-3-70b] [--out benchmarks/results/cpp.jsonl]
 
 Pipelines: the first S devices (S in 2, 4, 8) of bundled clusters, layers split evenly (memory is
 not checked: this measures chunking, not placement), priced by the analytic cost model. For each
@@ -8,16 +8,14 @@ prompt length: the planner's chunks and TTFT, every baseline's TTFT, the speedup
 baseline, and two run times: the TeraPipe DP alone (`dp_s`, the part with the 2 s target at 128K
 on a 64-token grid) and the whole planner (`planner_s`: DP + local/beam search on non-uniform
 pipelines). Times are process CPU seconds (immune to other processes sharing the cores) next to
-wall seconds.
+wall seconds. Each run appends a record to benchmarks/results/cpp.jsonl (`_harness`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
+import _harness
 from rich.console import Console
 from rich.table import Table
 
@@ -28,7 +26,6 @@ from tessel.chunk.from_plan import even_split_pipeline
 from tessel.chunk.planner import ChunkProblem, plan_chunks
 from tessel.plan.cluster import load_cluster
 
-RESULTS = Path(__file__).parent / "results" / "cpp.json"
 FULL = {
     "clusters": [
         ("mixed-a100-v100-t4", (2, 4, 8)),
@@ -38,12 +35,6 @@ FULL = {
     "seq_lens": (4096, 16384, 65536, 131072),
 }
 QUICK = {"clusters": [("mixed-a100-v100-t4", (4,)), ("a100-8x80g", (4,))], "seq_lens": (4096, 32768)}
-
-
-def _timed(fn):
-    wall, cpu = time.perf_counter(), time.process_time()
-    value = fn()
-    return value, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def run(model_name: str, config: dict, grid: int) -> list[dict]:
@@ -61,12 +52,12 @@ def run(model_name: str, config: dict, grid: int) -> list[dict]:
                     tail_s=priced.tail_s,
                     flops_linear_tokens=priced.flops_linear_tokens,
                 )
-                dp, dp_wall, dp_cpu = _timed(
-                    lambda p=problem: plan_chunks(p, exact=False, local_search=False)
-                )
+                with _harness.stopwatch() as dp_time:
+                    dp = plan_chunks(problem, exact=False, local_search=False)
                 baselines = baseline_plans(problem)
                 seeds = [base.chunks for base in baselines.values()]
-                plan, wall, cpu = _timed(lambda p=problem, s=seeds: plan_chunks(p, seeds=s))
+                with _harness.stopwatch() as planner_time:
+                    plan = plan_chunks(problem, seeds=seeds)
                 best_name = min(baselines, key=lambda name: baselines[name].ttft_s)
                 rows.append(
                     {
@@ -82,10 +73,10 @@ def run(model_name: str, config: dict, grid: int) -> list[dict]:
                         "optimal": plan.optimal,
                         "lower_bound_s": lower_bound_s(problem),
                         "dp_ttft_s": dp.ttft_s,
-                        "dp_s": dp_cpu,
-                        "dp_wall_s": dp_wall,
-                        "planner_s": cpu,
-                        "planner_wall_s": wall,
+                        "dp_s": dp_time.cpu_s,
+                        "dp_wall_s": dp_time.wall_s,
+                        "planner_s": planner_time.cpu_s,
+                        "planner_wall_s": planner_time.wall_s,
                         "baselines": {
                             name: {"ttft_s": base.ttft_s, "chunks": len(base.chunks)}
                             for name, base in baselines.items()
@@ -131,17 +122,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Two pipelines, 4K and 32K tokens.")
     parser.add_argument("--model", default="llama-3-70b")
     parser.add_argument("--grid", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=None)
+    _harness.add_record_options(parser, "cpp")
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
     rows = run(args.model, config, args.grid)
     console = Console(width=200)
     show(rows, console)
-    out = args.out or (RESULTS.with_name("cpp_quick.json") if args.quick else RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
     document = {"model": args.model, "quick": args.quick, "rows": rows}
-    out.write_text(json.dumps(document, indent=2) + "\n")
-    console.print(f"wrote {out}")
+    _harness.append_record(args.out, "cpp", document, args.label)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 write JSON.
 
     python benchmarks/cuda_engine.py [--shape smollm2|llama-1b] [--quick] [--rows ...] \
-        [--out benchmarks/results/cuda_engine.json]
+        [--out benchmarks/results/cuda_engine.jsonl] [--label NAME]
 
 The model has SmolLM2-135M's shapes (hidden 576, FFN 1536, 30 layers, 9 heads / 3 KV heads, vocab
 49152, tied embeddings), or with `--shape llama-1b` Llama-3.2-1B's (hidden 2048, FFN 8192, 16
@@ -17,28 +17,24 @@ Workloads (EOS ignored, greedy):
 - 32 requests at once: 32 prompts of 128 tokens, 128 new tokens each. HF takes them as one batch
   (equal lengths, so no padding), tessel through its scheduler (continuous batching).
 Each phase: one warm-up run, then the best of `--repeats` (wall clock, `torch.cuda.synchronize`
-around it). tok/s counts the new tokens. `vs HF` = tessel tok/s / HF float16 tok/s of that
-workload. tessel replays its decode steps as CUDA graphs (`tessel.engine.cuda_graph`), captured by
-`LLM.warm_up()` before the timing (its seconds are recorded); the `eager` rows launch every kernel
-from Python.
+around it: `_harness.time_call(..., clock="cuda-wall")`). tok/s counts the new tokens. `vs HF` =
+tessel tok/s / HF float16 tok/s of that workload. tessel replays its decode steps as CUDA graphs
+(`tessel.engine.cuda_graph`), captured by `LLM.warm_up()` before the timing (its seconds are
+recorded); the `eager` rows launch every kernel from Python. Each run appends a record to
+benchmarks/results/cuda_engine.jsonl; the figures so far are kept beside it
+(`cuda_engine.jsonl.partial.tmp`) after every row, should a later one hang.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+import _harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-RESULTS = ROOT / "benchmarks" / "results" / "cuda_engine.json"
 SHAPES = {  # name -> (the HF config's sizes, KV heads)
     "smollm2": (
         {
@@ -85,9 +81,9 @@ TESSEL_ROWS = [
 def build_checkpoints(root: Path, shape_name: str, quick: bool) -> dict[str, Path]:
     from typer.testing import CliRunner
 
-    import tiny_models
     from tessel.cli import app
 
+    tiny_models = _harness.tests_module("tiny_models")
     sizes, kv_heads = SHAPES[shape_name]
     shape = dict(sizes)
     if quick:
@@ -114,15 +110,8 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
 
 
 def best_seconds(run, repeats: int) -> float:
-    run()  # warm-up: Triton's JIT and autotuning, cuBLAS handles
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """After one warm-up run (Triton's JIT and autotuning, cuBLAS handles), the best of `repeats`."""
+    return _harness.time_call(run, warmup=1, repeats=repeats, clock="cuda-wall").min_s
 
 
 def tessel_row(
@@ -140,9 +129,8 @@ def tessel_row(
         max_num_seqs=BATCH,
         enforce_eager=eager,
     )
-    start = time.perf_counter()
-    llm.warm_up()  # every bucket's CUDA graph, as `tessel serve` does before it listens
-    capture_s = time.perf_counter() - start
+    with _harness.stopwatch() as capture:
+        llm.warm_up()  # every bucket's CUDA graph, as `tessel serve` does before it listens
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
     def run(prompts_: list[list[int]]) -> None:
@@ -154,7 +142,8 @@ def tessel_row(
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     tok_s = {"one_stream_tok_s": NEW_TOKENS / one, "batch_tok_s": BATCH * NEW_TOKENS / many}
     graphs = llm.runner.cuda_graphs
-    return {**tok_s, "peak_gib": peak_gib, "warm_up_s": capture_s, "graph_replays": graphs and graphs.replays}
+    replays = graphs and graphs.replays
+    return {**tok_s, "peak_gib": peak_gib, "warm_up_s": capture.wall_s, "graph_replays": replays}
 
 
 def hf_row(path: Path, batch: list[list[int]], repeats: int) -> dict:
@@ -185,30 +174,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, 1 repeat: a smoke run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", default="", help="comma-separated tessel row names to run (default: all)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "cuda_engine")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/cuda_engine.py needs a CUDA GPU")
     repeats = 1 if args.quick else args.repeats
     wanted = [r for r in args.rows.split(",") if r]
     rows = [r for r in TESSEL_ROWS if not wanted or r[0] in wanted]
-    from tessel.quant.cpu_features import describe
-
     sizes, kv_heads = SHAPES[args.shape]
-    host = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **describe()}
     record = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "host": host,
         "model": {"shape": args.shape, **sizes, "num_key_value_heads": kv_heads, "quick": args.quick},
         "workload": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "batch": BATCH},
         "repeats": repeats,
         "results": {},
     }
     results = record["results"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_checkpoints(Path(tmp), args.shape, args.quick)
         batch = prompts(BATCH, sizes["vocab_size"])
@@ -221,12 +205,11 @@ def main() -> None:
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
             torch.cuda.empty_cache()  # the row's engine is gone: give its memory back before the next
             print(f"{name}: {results[name]}", flush=True)
-            args.out.write_text(json.dumps(record, indent=2))  # each row kept, should a later one hang
+            _harness.save_partial(args.out, "cuda_engine", record, args.label)  # should a later one hang
 
     hf = results["HF transformers float16"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(f"host CPU (eager rows launch from it): {host['cpu']}, {host['cpu_count']} cores, "
-          f"flags {', '.join(host['flags'])}")  # fmt: skip
+    print(f"host (eager rows launch from its CPU): {_harness.machine_line()}")
     print(f"{'row':<30} {'one stream tok/s':>17} {'vs HF':>6} {f'{BATCH} requests tok/s':>19} {'vs HF':>6}")
     for name, r in results.items():
         if "error" in r:
@@ -236,8 +219,7 @@ def main() -> None:
         r["one_stream_vs_hf"], r["batch_vs_hf"] = one / hf["one_stream_tok_s"], many / hf["batch_tok_s"]
         ratios = f"{one:>17.1f} {r['one_stream_vs_hf']:>5.2f}x {many:>19.1f} {r['batch_vs_hf']:>5.2f}x"
         print(f"{name:<30} {ratios}")
-    args.out.write_text(json.dumps(record, indent=2))
-    print(f"wrote {args.out}")
+    _harness.append_record(args.out, "cuda_engine", record, args.label)
 
 
 if __name__ == "__main__":

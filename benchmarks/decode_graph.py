@@ -1,7 +1,7 @@
 """The compiled one-sequence decode step's pieces against their eager forms, and what compiling costs.
 
     python benchmarks/decode_graph.py [--threads 1] [--contexts 128,512,2048] \
-        [--model DIR [--rows 1] [--ppl-windows 6]] [--out PATH.json]
+        [--model DIR [--rows 1] [--ppl-windows 6]] [--out PATH.jsonl]
 
 1. Attention of one query row (SmolLM2's heads: 9 query, 3 kv, head_dim 64; block size 16) over a
    paged cache: the eager engine's `paged_decode_attention` against the compiled attention graph
@@ -15,36 +15,26 @@
    tokens, token by token through the compiled decode step and through the eager one, each against
    the prefill's (W8A8's near-tie roundings make decode runs drift; this shows how far, each way).
 
-CPU features are printed and stored beside the figures. Ratios within one run are comparable.
+The machine's features are printed and recorded beside the figures (a record appended to
+benchmarks/results/decode_graph.jsonl). Ratios within one run are comparable.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "decode_graph.json"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # real_model
+import _harness
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
 def _time_us(fn, repeats: int = 7, calls: int = 200) -> float:
-    """Median over `repeats` of the mean microseconds of `calls` calls (after 10 warm-up calls)."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    """Median over `repeats` of the mean microseconds of `calls` calls (after one such untimed run)."""
+    return _harness.time_call(fn, warmup=1, repeats=repeats, calls=calls).median_s * 1e6
 
 
 def attention_rows(contexts: list[int]) -> list[dict]:
@@ -118,9 +108,9 @@ def first_steps(model: str, rows: int = 1, steps: int = 40) -> dict:
     original = llm.runner._forward
 
     def timed(*args):
-        start = time.perf_counter()
-        out = original(*args)
-        times.append(time.perf_counter() - start)
+        with _harness.stopwatch() as step:
+            out = original(*args)
+        times.append(step.wall_s)
         return out
 
     llm.runner._forward = timed
@@ -139,8 +129,8 @@ def ppl_windows(model: str, windows: int, tokens: int = 256, stride: int = 400) 
 
     from transformers import AutoTokenizer
 
-    from real_model import token_nll
-
+    _harness.tests_module("decode_steps")  # what real_model.token_nll imports, loaded first
+    token_nll = _harness.tests_module("real_model").token_nll
     text = (Path(__file__).parent / "data" / "kjv_evaluation.txt").read_text(encoding="utf-8")
     ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     rows = []
@@ -166,17 +156,14 @@ def main() -> None:
     parser.add_argument("--model", help="a quantised checkpoint: time its first decode steps (cold cache)")
     parser.add_argument("--rows", type=int, default=1, help="with --model: sequences decoding together")
     parser.add_argument("--ppl-windows", type=int, default=0, help="with --model: perplexity windows")
-    parser.add_argument("--out", default=str(RESULTS))
+    _harness.add_record_options(parser, "decode_graph")
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tessel-inductor-")  # a cold cache
     import torch
 
-    from tessel.quant import cpu_features
-
     torch.set_num_threads(args.threads)
-    cpu = cpu_features.describe()
-    print(f"CPU: {cpu}, torch {torch.__version__}, {args.threads} thread(s)")
-    result = {"cpu": cpu, "torch": torch.__version__, "threads": args.threads}
+    print(_harness.machine_line())
+    result = {"torch": torch.__version__, "threads": args.threads}
     result["attention"] = attention_rows([int(c) for c in args.contexts.split(",")])
     result["w8a8_linear"] = linear_row()
     if args.model:
@@ -192,9 +179,7 @@ def main() -> None:
     print(f"\nW8A8 1 x 3072 x 576 in a graph: codes recomputed per channel {lin['codes_inlined_us']:.0f} us, "
           f"stored {lin['codes_stored_us']:.0f} us "
           f"({lin['codes_inlined_us'] / lin['codes_stored_us']:.2f}x)")  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    _harness.append_record(args.out, "decode_graph", result, args.label)
 
 
 if __name__ == "__main__":

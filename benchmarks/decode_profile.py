@@ -1,7 +1,7 @@
 """Where a decode step's time goes: wall-clock timers around the engine's modules.
 
     python benchmarks/decode_profile.py [--model DIR] [--concurrent 1] [--steps 20] [--threads 1] \
-        [--lm-head int8]
+        [--lm-head int8] [--out PATH.jsonl]
 
 Loads the model (default SmolLM2-135M-Instruct; a quantised checkpoint directory works too), starts
 `--concurrent` requests of 64 prompt tokens, runs their prefill and 4 decode steps, then times
@@ -16,20 +16,19 @@ one-sequence step would otherwise run as compiled graphs, `tessel.engine.decode_
 `--torch-profiler` times the same steps without the timers, under `torch.profiler`, and prints the
 operators with the most self CPU time per step instead (op, ms per step, calls per step), with
 the engine's defaults (compiled one-sequence steps included) unless `--enforce-eager` is given.
+Each run appends a record to benchmarks/results/decode_profile.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import time
 from pathlib import Path
 
+import _harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # real_model
 EVAL = Path(__file__).parent / "data" / "kjv_evaluation.txt"
 PARTS = ("attention", "rmsnorm", "silu_and_mul", "rope", "embed", "lm_head", "prepare inputs", "sample")
 
@@ -41,7 +40,7 @@ class Timers:
     def wrap(self, obj, attr: str, name: str) -> None:
         inner = getattr(obj, attr)
 
-        def timed(*args, **kwargs):
+        def timed(*args, **kwargs):  # hundreds of calls per step: two perf_counter reads, no more
             start = time.perf_counter()
             out = inner(*args, **kwargs)
             self.seconds[name] += time.perf_counter() - start
@@ -92,12 +91,12 @@ def profile(model_dir: str, concurrent: int, steps: int, lm_head: str = "float")
     for _ in range(5 if concurrent == 1 else 8):  # prefill(s), warm-up decode steps (the GEMV compiles)
         llm.step()
     timers.seconds.clear()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        llm.step()
+    with _harness.stopwatch() as whole:
+        for _ in range(steps):
+            llm.step()
     ms = {name: s / steps * 1e3 for name, s in timers.seconds.items()}
-    ms["step"] = (time.perf_counter() - start) / steps * 1e3
-    ms["step CPU time"] = (time.process_time() - cpu) / steps * 1e3
+    ms["step"] = whole.wall_s / steps * 1e3
+    ms["step CPU time"] = whole.cpu_s / steps * 1e3
     ms["linear (decoder layers)"] = sum(v for k, v in ms.items() if k.startswith("linear "))
     ms["other in run"] = ms["run"] - ms["linear (decoder layers)"] - sum(ms.get(p, 0.0) for p in PARTS)
     ms["outside run"] = ms["step"] - ms["run"] - ms.get("schedule", 0.0)
@@ -125,10 +124,10 @@ def op_profile(
         llm.add_request(f"r{i}", ids[i * 64 : (i + 1) * 64], params)
     for _ in range(5 if concurrent == 1 else 8):
         llm.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
+    with _harness.stopwatch() as whole:
+        for _ in range(steps):
+            llm.step()
+    step_ms = whole.wall_s / steps * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.step()
@@ -150,12 +149,11 @@ def main() -> None:
                         help="print the TOP operators by self CPU time (torch.profiler) instead")  # fmt: skip
     parser.add_argument("--enforce-eager", action="store_true",
                         help="with --torch-profiler: no compiled one-sequence decode step")  # fmt: skip
+    _harness.add_record_options(parser, "decode_profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.model is None:
-        import real_model
-
-        args.model = str(real_model.smollm2_dir())
+    args.model = str(_harness.example_model(args.model))
+    settings = {key: getattr(args, key) for key in ("concurrent", "steps", "threads", "lm_head")}
     if args.torch_profiler:
         result = op_profile(
             args.model, args.concurrent, args.steps, args.lm_head, args.torch_profiler, args.enforce_eager
@@ -165,6 +163,9 @@ def main() -> None:
         print("\n| operator | self CPU ms per step | calls per step |\n|---|---|---|")
         for name, ms, calls in result["ops"]:
             print(f"| {name} | {ms:.2f} | {calls:g} |")
+        settings |= {"torch_profiler": args.torch_profiler, "enforce_eager": args.enforce_eager}
+        record = {"model": Path(args.model).name, **settings, "ops_ms_per_step": result}
+        _harness.append_record(args.out, "decode_profile", record, args.label)
         return
     ms = profile(args.model, args.concurrent, args.steps, args.lm_head)
     step = ms["step"]
@@ -175,6 +176,8 @@ def main() -> None:
     shown = [k for k in ms if k not in ("step", "run", "step CPU time")]
     for name in sorted(shown, key=lambda k: -ms[k]):
         print(f"| {name} | {ms[name]:.2f} | {100 * ms[name] / step:.1f}% |")
+    record = {"model": Path(args.model).name, **settings, "ms_per_step": ms}
+    _harness.append_record(args.out, "decode_profile", record, args.label)
 
 
 if __name__ == "__main__":

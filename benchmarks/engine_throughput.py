@@ -1,6 +1,6 @@
 """tessel's engine against HF `generate`: offline batch throughput and a single request.
 
-    python benchmarks/engine_throughput.py [--quick] [--threads N] [--out PATH.json]
+    python benchmarks/engine_throughput.py [--quick] [--threads N] [--out PATH.jsonl]
 
 A random Llama (~58M params: vocab 32000, hidden 512, 8 layers, 8 heads / 4 KV heads, float32)
 is written to a temp dir with tests/tiny_models.py. The workload is the usual vLLM-vs-HF shape:
@@ -21,7 +21,8 @@ Each phase runs in its own subprocess (same torch thread count), after a short w
 reported peak RSS (getrusage maxrss) is that phase's own. Ratios are tessel / HF in tokens per
 wall-clock second, and HF / tessel in CPU seconds (process time), which a busy shared machine
 distorts less (exactly comparable with --threads 1). `--quick` shrinks everything for a
-smoke run on a busy machine; the ratios are meaningful only on a quiet one.
+smoke run on a busy machine; the ratios are meaningful only on a quiet one. Each run appends a
+record to benchmarks/results/engine_throughput.jsonl.
 """
 
 from __future__ import annotations
@@ -29,17 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
-ROOT = Path(__file__).resolve().parents[1]
+import _harness
 
 MODEL_SHAPE = {
     "vocab_size": 32000,
@@ -83,13 +81,16 @@ def single_request(shape: dict) -> list[tuple[list[int], int]]:
 # ---- phases (each in a subprocess) --------------------------------------------------------------
 def timed(run: Callable[[], None], repeats: int) -> dict:
     """Best (least disturbed) of `repeats` runs: wall seconds and CPU seconds, each the minimum."""
-    walls, cpus = [], []
+    runs = []
     for _ in range(repeats):
-        start, cpu = time.perf_counter(), time.process_time()
-        run()
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
-    return {"seconds": min(walls), "cpu_seconds": min(cpus), "repeats": repeats}
+        with _harness.stopwatch() as elapsed:
+            run()
+        runs.append(elapsed)
+    return {
+        "seconds": min(e.wall_s for e in runs),
+        "cpu_seconds": min(e.cpu_s for e in runs),
+        "repeats": repeats,
+    }
 
 
 def run_tessel(
@@ -166,9 +167,7 @@ def phase_main(args: argparse.Namespace) -> None:
 def build_model(root: Path) -> Path:
     import math
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import tiny_models
-
+    tiny_models = _harness.tests_module("tiny_models")
     shape = dict(MODEL_SHAPE)
     path = tiny_models.make_tiny_checkpoint(root / "llama-58m", "llama", num_kv_heads=NUM_KV_HEADS, **shape)
     from safetensors import safe_open
@@ -196,14 +195,12 @@ def run_phase(phase: str, model: Path, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    import torch
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests (smoke run)")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads, both sides (default 1: see the docstring)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "engine_throughput")
     parser.add_argument(
         "--no-pack",
         action="store_true",
@@ -268,7 +265,6 @@ def main() -> None:
         "model": {**MODEL_SHAPE, "num_key_value_heads": NUM_KV_HEADS, "dtype": "float32"},
         "threads": args.threads,
         "pack_cpu_linears": not args.no_pack,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
         "load_average": os.getloadavg(),
         "results": results,
         "batch_ratio": batch_ratio,
@@ -277,9 +273,7 @@ def main() -> None:
         "single_cpu_ratio": single_cpu_ratio,
         "targets": {"batch_ratio": 2.0, "single_ratio": 0.9},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    _harness.append_record(args.out, "engine_throughput", report, args.label)
 
 
 if __name__ == "__main__":

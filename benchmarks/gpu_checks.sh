@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go: the CUDA tests (tests/*/test_cuda_*.py, skipped on a
 # machine without a GPU), the engine on CUDA against HF (benchmarks/cuda_engine.py) and the kernels
-# against their torch baselines (benchmarks/kernels.py --device cuda). Logs and JSON go to OUT_DIR.
+# against their torch baselines (benchmarks/kernels.py --device cuda). Logs go to OUT_DIR; records to
+# OUT_DIR/results/<benchmark>.jsonl, the same files as benchmarks/results/ (cuda_engine, kernels, and
+# gpu_checks: one record per step with its log). To keep them, append them to the repository's:
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [--quick]
+#   for f in OUT_DIR/results/*.jsonl; do cat "$f" >> "benchmarks/results/$(basename "$f")"; done
 #
 # Run from the repo root with tessel importable (installed, or PYTHONPATH=src). Each step has its
-# own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others.
-# The autotuner's picks are kept in OUT_DIR/tessel-cache (TESSEL_CACHE_DIR): pass the same folder
-# again and a later run skips the tuning.
+# own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others;
+# a step cut short leaves its figures so far in OUT_DIR/results/<benchmark>.jsonl.partial.tmp.
+# LABEL names the records (e.g. h100); on a copy of the tree without git, pass the commit as
+# TESSEL_GIT_SHA. The autotuner's picks are kept in OUT_DIR/tessel-cache (TESSEL_CACHE_DIR): pass
+# the same folder again and a later run skips the tuning.
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [--quick]}
 quick=${2:-}
-mkdir -p "$out"
+mkdir -p "$out/results"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TESSEL_CACHE_DIR=${TESSEL_CACHE_DIR:-$out/tessel-cache}
-export PYTHONPATH=src:tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 python=${PYTHON:-python3}
+label=${LABEL:-}
 
 {
   date -u
@@ -24,7 +30,7 @@ python=${PYTHON:-python3}
   $python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } 2>&1 | tee "$out/gpu.txt"
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, record it
   local name=$1 seconds=$2
   shift 2
   local start=$SECONDS
@@ -32,6 +38,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/gpu.txt"
   tail -n 25 "$out/$name.log"
+  $python benchmarks/_harness.py "$out/$name.log" --step "$name" --exit-code "$rc" \
+    --seconds "$((SECONDS - start))" --label "$label" --out "$out/results/gpu_checks.jsonl"
 }
 
 # The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
@@ -39,6 +47,7 @@ TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-150}" $python -m pytest -q -p no:ca
   --junitxml "$out/cuda_tests.xml" \
   tests/kernels/test_cuda_kernels.py tests/engine/test_cuda_engine.py tests/quant/test_cuda_quantized.py
 step cuda_engine "${ENGINE_S:-200}" $python benchmarks/cuda_engine.py --repeats 2 $quick \
-  --out "$out/cuda_engine.json"
+  --label "$label" --out "$out/results/cuda_engine.jsonl"
 step kernels_cuda "${KERNELS_S:-100}" $python benchmarks/kernels.py --device cuda $quick \
-  --out "$out/kernels_cuda.json"
+  --label "$label" --out "$out/results/kernels.jsonl"
+$python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"

@@ -1,27 +1,22 @@
 """How far each int4 grid is from SmolLM2's weights: relative error ||Q(W) - W|| / ||W|| per grid.
 
-    python benchmarks/int4_grids.py [--model DIR] [--out PATH.json]
+    python benchmarks/int4_grids.py [--model DIR] [--out PATH.jsonl]
 
-SmolLM2-135M-Instruct reaches tessel as its Q4_1 GGUF de-quantised (tests/real_model.py): every
+SmolLM2-135M-Instruct reaches tessel as its Q4_1 GGUF de-quantised (`tessel example-model`): every
 block of 32 weights is a float minimum plus 16 evenly spaced levels. This shows what that means for
 re-quantising it to int4: symmetric groups (tessel's and compressed-tensors' w4a16, scale max|w| / 7.5
 over [-8, 7]), asymmetric groups with an integer zero point (compressed-tensors' asymmetric int4),
-and the block-of-32 float-minimum grid of Q4_1 itself, over every decoder-layer linear.
+and the block-of-32 float-minimum grid of Q4_1 itself, over every decoder-layer linear. Each run
+appends a record to benchmarks/results/int4_grids.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
+import _harness
 import torch
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # real_model
-RESULTS = Path(__file__).parent / "results" / "int4_grids.json"
 
 
 def symmetric(rows: torch.Tensor) -> torch.Tensor:
@@ -53,14 +48,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct from the cache)")
-    parser.add_argument("--out", default=str(RESULTS))
+    _harness.add_record_options(parser, "int4_grids")
     args = parser.parse_args()
-    if args.model:
-        model = Path(args.model)
-    else:
-        import real_model
-
-        model = real_model.smollm2_dir()
+    model = _harness.example_model(args.model)
     tensors = {}
     for file in sorted(model.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
@@ -79,8 +69,7 @@ def main() -> None:
     )
     for name, value in table.items():
         print(f"| {name} | {value:.4f} |")
-    Path(args.out).write_text(json.dumps({"model": str(model), "relative_error": table}, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    _harness.append_record(args.out, "int4_grids", {"model": str(model), "relative_error": table}, args.label)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,29 @@
 """Time tessel's kernels against the PyTorch ops they replace; print a table, write JSON.
 
-    python benchmarks/kernels.py [--quick] [--device cpu|cuda] [--out benchmarks/results/kernels.json]
+    python benchmarks/kernels.py [--quick] [--device cpu|cuda] [--out benchmarks/results/kernels.jsonl]
 
 On CUDA every op is timed with `triton.testing.do_bench` (median of a 25 ms warm-up + 100 ms of
 runs) against its torch baseline: fp16 matmul, torch._int_mm, SDPA, F.rms_norm, F.conv2d, ... On CPU
-the CPU paths are timed against their float baselines with a median wall-clock timer; the headline
+the CPU paths are timed against their float baselines with the harness's interleaved wall-clock
+timer (median and min); the headline
 is `Int8Linear` (per-token quantisation, the int8 GEMM of the CPU's path, the epilogue) against fp32
 `nn.Linear` at 256 x 4096 x 4096 (target: >= 2x), on the path this CPU chooses (`int_mm` with
 AVX-512 VNNI, `fp16codes` with AVX2 only) and on fbgemm's two routes forced. Attention/norm ops from
 other modules are imported lazily and skipped when absent. `speedup` = baseline time / tessel time.
+Each run appends a record to benchmarks/results/kernels.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+import _harness
 import torch
 import torch.nn.functional as F
-
-RESULTS = Path(__file__).parent / "results" / "kernels.json"
 
 
 @dataclass(slots=True)
@@ -49,15 +45,9 @@ def cpu_pair_ms(tessel: Callable[[], object], baseline: Callable[[], object], re
 
     Alternating the two ops spreads load changes on a shared CPU evenly over both.
     """
-    for fn in (tessel, baseline, tessel, baseline):
-        fn()
-    samples: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, times in zip((tessel, baseline), samples, strict=True):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return [statistics.median(samples[0]), statistics.median(samples[1]), min(samples[0]), min(samples[1])]
+    timed = _harness.time_calls({"tessel": tessel, "baseline": baseline}, warmup=2, repeats=repeats)
+    t, b = timed["tessel"], timed["baseline"]
+    return [t.median_ms, b.median_ms, t.min_ms, b.min_ms]
 
 
 def cuda_pair_ms(tessel: Callable[[], object], baseline: Callable[[], object], quick: bool) -> list[float]:
@@ -329,7 +319,7 @@ def main() -> None:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "kernels")
     parser.add_argument(
         "--threads",
         type=int,
@@ -357,31 +347,26 @@ def main() -> None:
         device_name = torch.cuda.get_device_name()
         title = f"tessel kernels on {device_name}"
     else:
-        from tessel.quant.cpu_features import describe
-
-        cpu = describe()
-        device_name = platform.processor() or platform.machine()
+        cpu = _harness.machine()["cpu"]
+        device_name = cpu["name"]
         title = (
             f"tessel CPU paths on {device_name}, {torch.get_num_threads()} threads, "
             f"load {load_before[0]:.1f}; "
             f"features {', '.join(cpu['flags'])}, int8 path {cpu['int8_path']}"
         )
     print_table(bench.results, title)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": args.device,
         "device_name": device_name,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "cpu_features": None if args.device == "cuda" else cpu,
         "quick": args.quick,
         "load_average_1_5_15min_before_after": [load_before, os.getloadavg()],
         "note": "speedup = baseline / tessel (median and min of interleaved runs); > 1: tessel faster",
         "results": [asdict(r) for r in bench.results],
     }
-    args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out}")
+    _harness.append_record(args.out, "kernels", payload, args.label)
 
 
 if __name__ == "__main__":

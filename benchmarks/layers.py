@@ -1,32 +1,28 @@
 """Per-layer latency of a Llama-shaped decoder layer's linears: nn.Linear vs tessel's layers.
 
     python benchmarks/layers.py [--quick] [--model tinyllama|llama-7b] [--tokens 256 16]
-                                [--out benchmarks/results/layers.json]
+                                [--out benchmarks/results/layers.jsonl]
 
 Builds the seven projections of one decoder layer (q, k, v, o, gate, up, down) from the same
 float weights as `nn.Linear`, tessel `Linear`, `Int8Linear` (W8A8) and `W8A16Linear`, then runs
 the layer's matmul chain layer by layer (q/k/v/gate/up on the hidden state, o on the attention
 width, down on silu(gate) * up) for a prefill chunk and a decode batch. Providers are timed
-interleaved (median and min of the runs; min is the steadier number on a shared CPU).
-On CUDA the float baseline is fp16, on CPU fp32. speedup = nn.Linear time / provider time.
+interleaved (median and min of the runs; min is the steadier number on a shared CPU; CUDA events
+on a GPU). On CUDA the float baseline is fp16, on CPU fp32. speedup = nn.Linear time / provider
+time. Each run appends a record to benchmarks/results/layers.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-RESULTS = Path(__file__).parent / "results" / "layers.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,27 +96,13 @@ def run_chain(modules: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) ->
     return modules["down_proj"](act) + o
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_interleaved(
     fns: dict[str, Callable[[], object]], repeats: int, device: str
 ) -> dict[str, tuple[float, float]]:
     """provider -> (median ms, min ms), providers run in turn so load changes hit all alike."""
-    for fn in fns.values():
-        fn()
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
+    clock = "cuda" if device == "cuda" else "wall"
+    timed = _harness.time_calls(fns, warmup=2, repeats=repeats, clock=clock)
+    return {name: (t.median_ms, t.min_ms) for name, t in timed.items()}
 
 
 @dataclass(slots=True)
@@ -207,7 +189,7 @@ def main() -> None:
         default=None,
         help="torch CPU threads (default: torch's); 1 is steadier on a shared CPU",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "layers")
     args = parser.parse_args()
 
     model = args.model or ("llama-7b" if args.device == "cuda" and not args.quick else "tinyllama")
@@ -216,13 +198,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: Int8Linear reads its weight's version counter
         rows = bench_model(model, args.tokens, args.device, repeats)
     where = (
         torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     )
     print_table(rows, f"decoder-layer linears of {model} on {where} (load {load_before[0]:.1f})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": args.device,
         "where": where,
@@ -233,8 +214,7 @@ def main() -> None:
         "load_average_1_5_15min_before_after": [load_before, os.getloadavg()],
         "rows": [asdict(row) for row in rows],
     }
-    args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out}")
+    _harness.append_record(args.out, "layers", payload, args.label)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,20 @@
 """fp32 CPU GEMMs: PyTorch's `nn.Linear` against tessel's oneDNN-packed `PackedLinear`.
 
-    python benchmarks/packed_linear.py [--threads 1] [--repeats 15] [--out PATH.json]
+    python benchmarks/packed_linear.py [--threads 1] [--repeats 15] [--out PATH.jsonl]
 
 Shapes are the engine benchmark model's (hidden 512, fused gate/up 3072, LM head 32000) at a
 decode batch (32 rows), one prefill tile (256) and a long prefill (2048). Both providers get the
-same float32 weight and input; they are timed interleaved and the median per call is reported,
-with speedup = nn.Linear / PackedLinear and the largest error of each against float64.
+same float32 weight and input; they are timed interleaved (3 x `--repeats` calls each, after a
+warm-up call: oneDNN builds its primitive on the first call of a shape) and the median per call is
+reported, with speedup = nn.Linear / PackedLinear and the largest error of each against float64.
+Each run appends a record to benchmarks/results/packed_linear.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
-from pathlib import Path
 
+import _harness
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -24,18 +22,8 @@ from torch import nn
 
 from tessel.layers.packed_linear import PackedLinear, packing_available
 
-RESULTS = Path(__file__).parent / "results" / "packed_linear.json"
 SHAPES = [(rows, 512, out) for out in (512, 3072, 32000) for rows in (32, 256, 2048)]
-
-
-def _time_ms(fn, x: torch.Tensor, repeats: int) -> list[float]:
-    fn(x)  # warm-up: oneDNN builds its primitive on the first call of a shape
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn(x)
-        times.append((time.perf_counter() - started) * 1e3)
-    return times
+ROUNDS = 3  # x --repeats timed calls of each provider
 
 
 def measure(rows: int, in_features: int, out_features: int, repeats: int) -> dict:
@@ -49,11 +37,10 @@ def measure(rows: int, in_features: int, out_features: int, repeats: int) -> dic
             name: float((fn(x).double() - reference).abs().max())
             for name, fn in (("torch", linear), ("packed", packed))
         }
-        torch_ms, packed_ms = [], []
-        for _ in range(3):  # interleaved rounds
-            torch_ms += _time_ms(linear, x, repeats)
-            packed_ms += _time_ms(packed, x, repeats)
-    t, p = statistics.median(torch_ms), statistics.median(packed_ms)
+        timed = _harness.time_calls(
+            {"torch": lambda: linear(x), "packed": lambda: packed(x)}, warmup=1, repeats=ROUNDS * repeats
+        )
+    t, p = timed["torch"].median_ms, timed["packed"].median_ms
     return {
         "shape": [rows, in_features, out_features],
         "torch_ms": t,
@@ -69,7 +56,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "packed_linear")
     args = parser.parse_args()
     if not packing_available():
         raise SystemExit("this PyTorch build has no oneDNN linear packing")
@@ -95,20 +82,8 @@ def main() -> None:
             f"{row['max_abs_error']['packed']:.1e}",
         )
     Console(width=140).print(table)
-    document = {
-        "benchmark": "packed_linear",
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "torch": torch.__version__,
-        },
-        "results": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    document = {"threads": args.threads, "repeats": args.repeats, "results": rows}
+    _harness.append_record(args.out, "packed_linear", document, args.label)
 
 
 if __name__ == "__main__":

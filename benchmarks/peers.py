@@ -1,6 +1,6 @@
 """tessel against the peers issue 12 names: llm-compressor (accuracy) and llama.cpp (CPU speed).
 
-    python benchmarks/peers.py [--only llmc,llama] [--threads 1] [--eval-tokens N] [--out PATH.json]
+    python benchmarks/peers.py [--only llmc,llama] [--threads 1] [--eval-tokens N] [--out PATH.jsonl]
 
 Runs in the benchmark venv (docs/quant.md: llm-compressor pins an older transformers and
 compressed-tensors than tessel's dev install, llama-cpp-python compiles for minutes):
@@ -17,8 +17,8 @@ compressed-tensors than tessel's dev install, llama-cpp-python compiles for minu
   `quant.decode_speed` in this process on the same threads. llama-cpp-python's `Llama` holds one
   sequence: its 32 requests run one after another (its server serialises them the same way).
 
-JSON goes to benchmarks/results/peers.json (a section not run keeps its earlier figures; each section
-records its arguments); the CPU's features are recorded beside the figures.
+Each run appends a record to benchmarks/results/peers.jsonl with the sections it ran (each with its
+arguments) and the machine's features.
 """
 
 from __future__ import annotations
@@ -26,19 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _harness
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quant as tessel_bench  # noqa: E402  (benchmarks/quant.py: perplexity, decode_speed, configs)
+import quant as tessel_bench  # benchmarks/quant.py: perplexity, decode_speed, configs
 
-RESULTS = Path(__file__).parent / "results" / "peers.json"
 W4_GROUP = 64  # SmolLM2's hidden 576 is not a multiple of llm-compressor's default 128
 TESSEL_CONFIGS = ("w8a8 rtn", "w8a8 sq0.8", "w8a8 sq-auto", "w8a16", "w4a16 g64")
 LLMC_CONFIGS = ("w8a8 rtn", "w8a8 sq0.8", "w8a8 sq0.8 gptq", "w8a16", "w4a16 g64", "w4a16 g64 gptq")
@@ -87,17 +84,17 @@ def llmc_quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq
         read_calibration_text(tessel_bench.CALIB), tokenizer, calib_samples, seq_len
     ).tolist()
     data = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * seq_len] * len(windows)})
-    start = time.perf_counter()
-    oneshot(
-        model=str(model),
-        dataset=data,
-        recipe=_recipe(name),
-        output_dir=str(out),
-        num_calibration_samples=calib_samples,
-        max_seq_length=seq_len,
-        shuffle_calibration_samples=False,
-    )
-    info["seconds"] = time.perf_counter() - start
+    with _harness.stopwatch() as elapsed:
+        oneshot(
+            model=str(model),
+            dataset=data,
+            recipe=_recipe(name),
+            output_dir=str(out),
+            num_calibration_samples=calib_samples,
+            max_seq_length=seq_len,
+            shuffle_calibration_samples=False,
+        )
+    info["seconds"] = elapsed.wall_s
     print(f"  llm-compressor {name}: quantised in {info['seconds']:.1f} s", flush=True)
     return info
 
@@ -181,12 +178,12 @@ def llama_speed(gguf: Path, prompts: list[list[int]], threads: int, new_single: 
     _llama_generate(llm, prompts[0][:16], 4)  # warm-up
     first, last = _llama_generate(llm, prompts[0], new_single)
     single = {"tok_per_s": (new_single - 1) / (last - first)}
-    start, cpu = time.perf_counter(), time.process_time()
-    for prompt in prompts:  # one Llama holds one sequence: requests run one after another
-        _llama_generate(llm, prompt, new_batch)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    with _harness.stopwatch() as elapsed:
+        for prompt in prompts:  # one Llama holds one sequence: requests run one after another
+            _llama_generate(llm, prompt, new_batch)
     total = new_batch * len(prompts)
-    batch = {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": cpu, "mode": "sequential"}
+    wall = elapsed.wall_s
+    batch = {"tok_per_s": total / wall, "wall_s": wall, "cpu_s": elapsed.cpu_s, "mode": "sequential"}
     return {"single": single, "concurrent": batch, "llama_cpp_python": llama_cpp.__version__}
 
 
@@ -215,9 +212,7 @@ def llama_perplexity(gguf: Path, ids: list[int], seq_len: int, threads: int) -> 
 def llama_section(model: Path, workdir: Path, args) -> dict:
     from transformers import AutoTokenizer
 
-    import real_model
-
-    gguf = llama_q8_0(real_model.smollm2_gguf(), workdir)
+    gguf = llama_q8_0(_harness.example_gguf(), workdir)
     text = tessel_bench.EVAL.read_text(encoding="utf-8")
     ids = AutoTokenizer.from_pretrained(str(model))(text)["input_ids"]  # the GGUF's vocabulary, same ids
     prompts = [ids[i * 64 : (i + 1) * 64] for i in range(args.concurrent)]  # decode_speed's prompts
@@ -271,19 +266,12 @@ def main() -> None:
     parser.add_argument("--batch-new-tokens", type=int, default=64, help="per request")
     parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--workdir", help="keep quantised checkpoints here (default: a temp dir)")
-    parser.add_argument("--out", default=str(RESULTS))
+    _harness.add_record_options(parser, "peers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-
-    from tessel.kernels import cpu_features
-
     only = set(args.only.split(","))
-    cpu = cpu_features.describe()
-    name = platform.processor() or platform.machine()
-    print(f"CPU: {name}, torch {torch.__version__}, threads {args.threads}")
-    print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
-          f"int8 path: {cpu['int8_path']}")  # fmt: skip
-    result: dict = {"cpu": cpu, "torch": torch.__version__}
+    print(_harness.machine_line())
+    result: dict = {"torch": torch.__version__}
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tessel-peers-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = tessel_bench._model_dir(args.model)
@@ -295,11 +283,7 @@ def main() -> None:
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    kept = json.loads(out.read_text()) if out.exists() else {}  # the section not run this time stays
-    out.write_text(json.dumps(kept | result, indent=2, default=str))
-    print(f"\nwrote {out}")
+    _harness.append_record(args.out, "peers", result, args.label)
 
 
 if __name__ == "__main__":

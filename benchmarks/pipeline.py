@@ -1,6 +1,6 @@
 """Pipeline runtime against the simulator: predicted vs measured TTFT, TPOT and throughput.
 
-    python benchmarks/pipeline.py [--quick] [--model DIR] [--out benchmarks/results/pipeline.json]
+    python benchmarks/pipeline.py [--quick] [--model DIR] [--out benchmarks/results/pipeline.jsonl]
 
 1. Profiles this CPU (`tessel profile --device cpu` on the model's layer shape, fp32, 1 thread).
 2. Plans the model (`tessel plan --solver dp --dtype fp32 --profile ...`) on four local-CPU clusters:
@@ -12,9 +12,10 @@
 4. CPP on vs off for one long prompt on the 2-stage plan: measured TTFT (whole prompt as one
    micro-batch vs the chunk planner's cut) next to the chunk planner's predicted TTFTs.
 
-Prints a table and writes JSON. Every stage runs 1 torch thread: on a machine with fewer free cores
-than stages, the stages time-share the cores and the measured numbers say more about the machine's
-load than about the plan (the JSON records the load average before and after).
+Prints a table and appends a record to benchmarks/results/pipeline.jsonl. Every stage runs 1 torch
+thread: on a machine with fewer free cores than stages, the stages time-share the cores and the
+measured numbers say more about the machine's load than about the plan (the record has the load
+average before and after).
 """
 
 from __future__ import annotations
@@ -26,15 +27,11 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import _harness
 from rich.console import Console
 from rich.table import Table
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
-sys.path.insert(0, str(ROOT / "tests"))  # real_model: the SmolLM2 checkpoint builder
 
 FULL = {"requests": 8, "prompt": 256, "output": 64, "cpp_prompt": 4096, "profile_budget_s": 120, "slots": 4}
 QUICK = {"requests": 2, "prompt": 32, "output": 4, "cpp_prompt": 1024, "profile_budget_s": 15, "slots": 2}
@@ -290,7 +287,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
     parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "pipeline")
     for key in FULL:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override (full: {FULL[key]})")
     args = parser.parse_args()
@@ -298,32 +295,21 @@ def main() -> None:
     for key in FULL:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
-    if args.model is None:
-        import real_model
-
-        args.model = real_model.smollm2_dir()
-    from tessel.quant.cpu_features import describe
-
+    args.model = _harness.example_model(args.model)
     console = Console(highlight=False)
-    cpu = describe()
-    console.print(f"CPU: {cpu['torch_cpu_capability']}, flags {' '.join(cpu['flags'])}")
+    console.print(_harness.machine_line())
     load_before = os.getloadavg()
-    started = time.time()
-    with tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:
+    with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:
         result = run(args.model, cfg, Path(tmp), console)
     result.update(
         model=str(args.model),
         quick=args.quick,
-        wall_s=time.time() - started,
+        wall_s=elapsed.wall_s,
         loadavg_before=load_before,
         loadavg_after=os.getloadavg(),
-        cpu_count=os.cpu_count(),
-        cpu=cpu,
     )
     render(result, console)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    console.print(f"wrote {args.out}")
+    _harness.append_record(args.out, "pipeline", result, args.label)
 
 
 if __name__ == "__main__":

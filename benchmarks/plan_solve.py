@@ -22,8 +22,8 @@ Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 6
     python benchmarks/plan_solve.py --quick    # smoke run: 3 s limits, fewer clusters
     python benchmarks/plan_solve.py --parts precision,replicas,scale   # only some parts
 
-Writes benchmarks/results/plan_solve.json. The machine is shared: times are wall-clock under
-whatever load there is; the JSON records the time limits used.
+Appends a record to benchmarks/results/plan_solve.jsonl (with the parts run). The machine is shared:
+times are wall-clock under whatever load there is; the record has the time limits used.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import time
-from pathlib import Path
 
+import _harness
 from rich.console import Console
 from rich.table import Table
 
@@ -48,7 +46,6 @@ from tessel.plan.solve import solve
 from tessel.plan.workload import load_workload
 
 MODEL = "llama-3-70b"
-RESULTS = Path(__file__).parent / "results" / "plan_solve.json"
 
 
 def _cluster_16() -> dict:
@@ -115,20 +112,20 @@ def solve_rows(quick: bool) -> list[dict]:
             "time_limit_s": limit,
             "types": len(cluster.gpu_types),
         }
-        started = time.perf_counter()
-        dp = solve_dp(instance, time_limit_s=limit, rel_gap=0.01)
+        with _harness.stopwatch() as dp_time:
+            dp = solve_dp(instance, time_limit_s=limit, rel_gap=0.01)
         row["dp"] = {
-            "time_s": time.perf_counter() - started,
+            "time_s": dp_time.wall_s,
             "objective": _obj(dp.evaluation),
             "bound": _finite(dp.bound),
             "exact": dp.exact,
             "calls": dp.dp_calls,
             "orders": f"{dp.orders_searched}/{dp.orders_total}",
         }
-        started = time.perf_counter()
-        result = solve(instance, time_limit_s=limit, mip_gap=0.01)
+        with _harness.stopwatch() as solve_time:
+            result = solve(instance, time_limit_s=limit, mip_gap=0.01)
         row["milp"] = {
-            "time_s": time.perf_counter() - started,
+            "time_s": solve_time.wall_s,
             "objective": result.evaluation.objective,
             "bound": result.bound,
             "gap": result.gap,
@@ -198,9 +195,9 @@ def precision_rows(quick: bool) -> dict:
     best_fp16 = predict(reference, solve(reference, time_limit_s=limit).evaluation, b).throughput_tok_s
     names = parse_precisions("fp16,int8,int4")
     mixed_instance = build_instance(MODEL, "llmpq-t4-v100", workload, precisions=names)
-    started = time.perf_counter()
-    mixed = solve(mixed_instance, time_limit_s=limit)
-    mixed_s = time.perf_counter() - started
+    with _harness.stopwatch() as mixed_time:
+        mixed = solve(mixed_instance, time_limit_s=limit)
+    mixed_s = mixed_time.wall_s
     int8_instance = build_instance(MODEL, "llmpq-t4-v100", workload, dtype="int8")
     all_int8 = solve(int8_instance, time_limit_s=limit)
     int8_vector = (names.index("int8"),) * mixed_instance.n_units
@@ -208,9 +205,10 @@ def precision_rows(quick: bool) -> dict:
     from dataclasses import replace
 
     equal = replace(mixed_instance, precision=replace(mixed_instance.precision, quality_budget=int8_cost))
-    started = time.perf_counter()
-    equal_plan = solve(equal, time_limit_s=limit, incumbent=all_int8.solution.with_precisions(int8_vector))
-    equal_s = time.perf_counter() - started
+    incumbent = all_int8.solution.with_precisions(int8_vector)
+    with _harness.stopwatch() as equal_time:
+        equal_plan = solve(equal, time_limit_s=limit, incumbent=incumbent)
+    equal_s = equal_time.wall_s
 
     def tok(instance, result) -> float:
         return predict(instance, result.evaluation, b).throughput_tok_s
@@ -321,17 +319,17 @@ def scale_rows(quick: bool) -> dict:
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("default")
-    started = time.perf_counter()
-    instance = build_instance(
-        MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4")
-    )
-    chosen = choose_replicas(instance, workload.micro_batch_size, time_limit_s=limit)
+    with _harness.stopwatch() as elapsed:
+        instance = build_instance(
+            MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4")
+        )
+        chosen = choose_replicas(instance, workload.micro_batch_size, time_limit_s=limit)
     return {
         "devices": instance.n_devices,
         "layers": instance.n_units,
         "precisions": list(instance.precision.names),
         "time_limit_s": limit,
-        "time_s": time.perf_counter() - started,
+        "time_s": elapsed.wall_s,
         "replicas": len(chosen.replicas),
         "tok_s": chosen.throughput_tok_s,
         "upper_bound_tok_s": chosen.upper_bound_tok_s,
@@ -361,7 +359,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: short limits, fewer clusters")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "plan_solve")
     parser.add_argument(
         "--parts", default="solve,quality,precision,replicas,scale", help="comma-separated parts to run"
     )
@@ -373,10 +371,8 @@ def main() -> None:
         if name in parts:
             extra[name] = {**run(args.quick), "quick": args.quick}
             console.print_json(json.dumps(extra[name], default=str))
-    if not parts & {"solve", "quality"}:  # a partial run updates those parts of the results file
-        previous = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "plan_solve"}
-        _write(args.out, {**previous, **extra})
-        console.print(f"wrote {args.out}")
+    if not parts & {"solve", "quality"}:  # a record of those parts alone
+        _harness.append_record(args.out, "plan_solve", {"model": MODEL, **extra}, args.label)
         return
 
     solve_data = solve_rows(args.quick) if "solve" in parts else []
@@ -444,25 +440,8 @@ def main() -> None:
         table.add_row(row["cluster"], str(row["devices"]), f"{row['throughput_tok_s']:.1f}", *cells)
     console.print(table)
 
-    _write(
-        args.out,
-        {
-            "benchmark": "plan_solve",
-            "model": MODEL,
-            "quick": args.quick,
-            "host": platform.node(),
-            "note": "wall-clock on a shared 2-core machine; other jobs were running",
-            "solve": solve_data,
-            "quality": quality,
-            **extra,
-        },
-    )
-    console.print(f"wrote {args.out}")
-
-
-def _write(path: Path, document: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    document = {"model": MODEL, "quick": args.quick, "solve": solve_data, "quality": quality, **extra}
+    _harness.append_record(args.out, "plan_solve", document, args.label)
 
 
 if __name__ == "__main__":

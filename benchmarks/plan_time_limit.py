@@ -1,7 +1,8 @@
 """Does `tessel plan --time-limit T` bound the whole command on large clusters?
 
 Writes clusters of N GPUs (four types, one node of N/4 each), runs `tessel plan --time-limit T` on
-each, and prints the wall time of the whole command next to the limit; JSON to benchmarks/results/.
+each, and prints the wall time of the whole command next to the limit; each run appends a record to
+benchmarks/results/plan_time_limit.jsonl.
 
     python benchmarks/plan_time_limit.py                 # N in 32, 64, 128; T = 5 s
     python benchmarks/plan_time_limit.py --gpus 256 --time-limit 10
@@ -10,14 +11,13 @@ each, and prints the wall time of the whole command next to the limit; JSON to b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import _harness
 from rich.console import Console
 from rich.table import Table
 
@@ -37,33 +37,18 @@ def write_cluster(path: Path, gpus: int) -> Path:
 
 
 def time_plan(cluster: Path, time_limit_s: float) -> dict:
-    started = time.perf_counter()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tessel.cli",
-            "plan",
-            "--cluster",
-            str(cluster),
-            "--time-limit",
-            str(time_limit_s),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    wall = time.perf_counter() - started
+    command = [sys.executable, "-m", "tessel.cli", "plan", "--cluster", str(cluster)]
+    with _harness.stopwatch() as elapsed:
+        done = subprocess.run([*command, "--time-limit", str(time_limit_s)], capture_output=True, text=True)
     solver = next((line for line in done.stdout.splitlines() if line.startswith("solver:")), "")
-    return {"wall_s": wall, "returncode": done.returncode, "solver": solver.strip()}
+    return {"wall_s": elapsed.wall_s, "returncode": done.returncode, "solver": solver.strip()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--time-limit", type=float, default=5.0)
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "plan_time_limit.json"
-    )
+    _harness.add_record_options(parser, "plan_time_limit")
     args = parser.parse_args()
     console = Console(highlight=False)
     table = Table(title=f"tessel plan --time-limit {args.time_limit:g} (Llama-3-70B, 4 GPU types)")
@@ -87,9 +72,7 @@ def main() -> None:
         "loadavg": os.getloadavg(),
         "cpus": os.cpu_count(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    console.print(f"wrote {args.out}")
+    _harness.append_record(args.out, "plan_time_limit", result, args.label)
 
 
 if __name__ == "__main__":

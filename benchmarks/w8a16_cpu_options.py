@@ -1,6 +1,6 @@
 """The W8A16 CPU options over a whole model's decoder linears, as a decode step meets them.
 
-    python benchmarks/w8a16_cpu_options.py [--rows 1,32] [--layers 30] [--repeats 5] [--out JSON]
+    python benchmarks/w8a16_cpu_options.py [--rows 1,32] [--layers 30] [--repeats 5] [--out PATH.jsonl]
 
 SmolLM2-135M's four linear shapes (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536)
 x `--layers` layers, each with its own random weight, so the weights stream from DRAM as in a real
@@ -17,19 +17,16 @@ one pass over all of them (median of interleaved repeats, 1 thread):
   for comparison: it quantises the activations.
 
 The CPU's features are printed first: the ranking differs between AVX2-only and AVX-512 CPUs.
+Each run appends a record to benchmarks/results/w8a16_cpu_options.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 
+import _harness
 import torch
 
-RESULTS = Path(__file__).parent / "results" / "w8a16_cpu_options.json"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
@@ -87,36 +84,23 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _harness.add_record_options(parser, "w8a16_cpu_options")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from tessel.quant.cpu_features import describe
-
-    cpu = describe()
-    print(f"CPU features: {', '.join(cpu['flags'])}; torch capability {cpu['torch_cpu_capability']}; "
-          f"int8 path {cpu['int8_path']}, W8A16 path {cpu['w8a16_path']}")  # fmt: skip
-    result = {"cpu": cpu, "layers": args.layers, "repeats": args.repeats, "threads": 1, "rows": []}
+    print(_harness.machine_line())
+    result = {"layers": args.layers, "repeats": args.repeats, "threads": 1, "rows": []}
     layers = build(args.layers)
     print(f"| rows | option | ms per pass over {len(layers)} linears | vs fp32 oneDNN |\n|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         found = options(layers, rows)
-        times: dict[str, list[float]] = {name: [] for name in found}
-        with torch.inference_mode():
-            for fn in found.values():  # warm-up (and compilation)
-                fn()
-            for _ in range(args.repeats):
-                for name, fn in found.items():
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
-        base = statistics.median(times["fp32 oneDNN"])
-        for name, ts in times.items():
-            med = statistics.median(ts)
+        with torch.inference_mode():  # one warm-up round (and compilation), then interleaved
+            timed = _harness.time_calls(found, warmup=1, repeats=args.repeats)
+        base = timed["fp32 oneDNN"].median_s
+        for name, timing in timed.items():
+            med = timing.median_s
             print(f"| {rows} | {name} | {med * 1e3:.1f} | {base / med:.2f}x |", flush=True)
             result["rows"].append({"rows": rows, "option": name, "ms": med * 1e3, "vs_fp32": base / med})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    _harness.append_record(args.out, "w8a16_cpu_options", result, args.label)
 
 
 if __name__ == "__main__":
