@@ -11,8 +11,9 @@ So the cost model's fits and the engine time the same code.
 Each point: `warmup` untimed runs, then the median of `repeats` timed runs, under
 `torch.inference_mode()` with a fixed thread count; on CUDA, CUDA events around the run after a
 synchronize (`make_clock`, `time_runs`: the timer benchmarks/_harness.py uses too). Points are
-chosen from a grid to fit the time budget (cost estimated from FLOPs and one calibration run). The fits and held-out errors come from `tessel.cost.fit`, the profile
-format from `tessel.cost.profile` (both torch-free); torch is imported inside functions here.
+chosen from a grid to fit the time budget (cost estimated from FLOPs and one calibration run). The
+fits and held-out errors come from `tessel.cost.fit`, the profile format from `tessel.cost.profile`
+(both torch-free); torch is imported inside functions here.
 """
 
 from __future__ import annotations
