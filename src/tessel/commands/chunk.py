@@ -62,7 +62,7 @@ def chunk(
     from tessel.files import check_output_path, write_json_file
 
     if json_out is not None:
-        check_output_path(json_out, "--json")
+        check_output_path(json_out, "--json", inputs=(plan, model, cluster, *profiles))
     outcome = chunk_prompts(
         seq_len,
         plan=plan,

@@ -54,9 +54,15 @@ def launch(
     """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
     from tessel.commands.render.launch import print_run
     from tessel.dist.run import RunOptions, run_pipeline
+    from tessel.files import check_output_path, claim_directory, write_text_file
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
+    inputs = (plan, model, prompts_file, *profile)
+    if json_out is not None:
+        check_output_path(json_out, "--json", inputs)  # before the stages start
+    if run_dir is not None:  # new, empty, or a run folder of tessel's: never a folder of the user's
+        claim_directory(run_dir, "--run-dir", inputs=inputs)
     options = RunOptions(
         plan, model, prompts=list(prompt), prompts_file=prompts_file, max_tokens=max_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype,
@@ -68,7 +74,4 @@ def launch(
     print_run(run)
     if json_out is not None:
         document = {"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}
-        try:
-            json_out.write_text(json.dumps(document, indent=1))
-        except OSError as error:
-            raise TesselError(f"cannot write {json_out}: {error.strerror}") from None
+        write_text_file(json_out, json.dumps(document, indent=1), "--json", inputs)

@@ -93,7 +93,8 @@ def plan(
     from tessel.plan.api import PlanSettings, make_plan, prepare_plan
 
     if json_path is not None:
-        check_output_path(json_path, "--json")
+        inputs = (model, cluster, workload, *profile, replan_from, sensitivity)
+        check_output_path(json_path, "--json", inputs=inputs)  # never over a file this command reads
     settings = PlanSettings(
         solver,
         granularity,

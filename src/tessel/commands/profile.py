@@ -60,7 +60,7 @@ def profile(
     from tessel.files import check_output_path, write_json_file
     from tessel.models.profiler import ProfileSettings, profile_layer
 
-    check_output_path(out, "--out")  # before the timing runs, not after
+    check_output_path(out, "--out", inputs=(model,))  # before the timing runs, not after
     shape, meta = _layer_shape(model, tiny_shape, scale, device)
     settings = ProfileSettings(
         device=device,
@@ -85,7 +85,7 @@ def profile(
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             meta=meta,
         )
-    write_json_file(out, result.to_json(), "--out")
+    write_json_file(out, result.to_json(), "--out", inputs=(model,))
     print_profile(console, result, report, data, out)
 
 

@@ -14,18 +14,32 @@ from tessel.commands.options import check_model_path
 
 def qat(
     model: Path = typer.Argument(..., help="Local Hugging Face model directory or .gguf file."),
-    out: Path = typer.Option(..., "--out", help="Directory to write the quantised checkpoint to."),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        help="Directory to write the quantised checkpoint to: a new one, or one tessel wrote before with "
+        "--overwrite.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing --out directory, if tessel wrote it (never another)."
+    ),
     train: Path = typer.Option(..., "--train", help="UTF-8 text to fine-tune on."),
     scheme: str = typer.Option("w4a16", help="w8a8, w8a16 or w4a16."),
     steps: int = typer.Option(50, min=1, help="Optimizer steps."),
-    lr: float = typer.Option(1e-5, min=0.0, help="AdamW learning rate."),
+    lr: float = typer.Option(
+        1e-5, min=0.0, help="AdamW learning rate (a run whose loss turns inf / nan stops)."
+    ),
     seq_len: int = typer.Option(256, min=2, help="Tokens per training window."),
     batch_size: int = typer.Option(1, min=1, help="Windows per step."),
     group_size: int | None = typer.Option(None, min=1, help="Weight columns per scale (w4a16 default 128)."),
     weight_observer: str = typer.Option("mse", help="Weight scales at the start: minmax or mse."),
 ) -> None:
     """Fine-tune MODEL with fake-quantised linears (clipped STE) and write the quantised checkpoint."""
+    from tessel.files import check_output_directory, read_nonempty_text_file
+
     check_model_path(model, "MODEL")
+    read_nonempty_text_file(train, "--train")
+    check_output_directory(out, "--out", inputs=(model, train), overwrite=overwrite)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -42,7 +56,9 @@ def qat(
         transient=True,
     ) as bar:
         task = bar.add_task("qat", total=steps)
-        result = train_qat(model, out, options, lambda _l, done, _t: bar.update(task, completed=done))
+        result = train_qat(
+            model, out, options, lambda _l, done, _t: bar.update(task, completed=done), overwrite=overwrite
+        )
     Console(highlight=False).print(
         f"{scheme}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {steps} steps "
         f"in {result.seconds:.1f} s -> {result.out_dir}"

@@ -16,7 +16,15 @@ def quantize(
     model: Path = typer.Argument(
         ..., help="Local Hugging Face model directory (fp32/bf16/fp16) or .gguf file."
     ),
-    out: Path | None = typer.Option(None, "--out", help="Directory to write the quantised checkpoint to."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Directory to write the quantised checkpoint to (required unless --sensitivity); a new one, "
+        "or one tessel wrote before with --overwrite.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing --out directory, if tessel wrote it (never another)."
+    ),
     scheme: str = typer.Option("w8a8", help="w8a8, w8a16 or w4a16."),
     act: str = typer.Option("dynamic", help="w8a8 activations: dynamic (per token) or static (per tensor)."),
     observer: str = typer.Option(
@@ -54,11 +62,16 @@ def quantize(
     ),
 ) -> None:
     """Quantise MODEL and write a compressed-tensors checkpoint (vLLM / llm-compressor layout) to --out."""
+    from tessel.errors import TesselError
+    from tessel.files import check_output_directory, read_nonempty_text_file
+
     check_model_path(model, "MODEL")
     if (out is None) == (sensitivity is None):
-        from tessel.errors import TesselError
-
         raise TesselError("give one of --out DIR (a quantised checkpoint) or --sensitivity FILE (costs)")
+    if calib is not None:  # checked even when the scheme does not calibrate
+        read_nonempty_text_file(calib, "--calib")
+    if out is not None:  # before the work (and again when it is written)
+        check_output_directory(out, "--out", inputs=(model, calib), overwrite=overwrite)
     if sensitivity is not None:
         from tessel.commands.sensitivity import write_sensitivity_file
 
@@ -97,7 +110,7 @@ def quantize(
                 tasks[label] = bar.add_task(label, total=total)
             bar.update(tasks[label], completed=done)
 
-        result = quantize_model(model, out, options, progress)
+        result = quantize_model(model, out, options, progress, overwrite=overwrite)
     Console(highlight=False).print(
         f"{result.scheme}: {result.num_linears} linears quantised"
         + (

@@ -19,7 +19,7 @@ def write_sensitivity_file(
     from tessel.files import check_output_path
     from tessel.quant.sensitivity import SensitivityOptions, parse_sensitivity_precisions, write_sensitivity
 
-    check_output_path(out, "--sensitivity")
+    check_output_path(out, "--sensitivity", inputs=(model, calib))
     if calib is None:
         raise TesselError("--sensitivity measures on a text: give --calib FILE (UTF-8)")
     options = SensitivityOptions(calib, parse_sensitivity_precisions(precisions), calib_samples, seq_len)

@@ -74,13 +74,17 @@ def simulate(
     from rich.console import Console
 
     from tessel.commands.render.simulate import print_simulation, write_gantt
-    from tessel.files import check_output_path, write_json_file
+    from tessel.errors import TesselError
+    from tessel.files import check_output_path, staged_file, write_json_file
     from tessel.sim.api import SimulationSettings, simulate_plan
     from tessel.sim.gantt import check_gantt_path
 
+    inputs = (plan, workload, *profile)
     for path, option in ((gantt, "--gantt"), (json_out, "--json")):
         if path is not None:
-            check_output_path(path, option)
+            check_output_path(path, option, inputs)
+    if gantt is not None and json_out is not None and gantt.resolve() == json_out.resolve():
+        raise TesselError(f"--gantt and --json both name {gantt}; give two files")
     if gantt is not None:
         check_gantt_path(gantt)
     settings = SimulationSettings(
@@ -93,8 +97,9 @@ def simulate(
     console = Console()
     print_simulation(console, report)
     if gantt is not None:
-        write_gantt(report, gantt, gantt_until_s)
+        with staged_file(gantt, "--gantt", inputs) as staging:  # same suffix: the chart's format
+            write_gantt(report, staging, gantt_until_s)
         console.print(f"Gantt chart written to {gantt}", highlight=False)
     if json_out is not None:
-        write_json_file(json_out, report.to_json(), "--json")
+        write_json_file(json_out, report.to_json(), "--json", inputs)
         console.print(f"metrics written to {json_out}", highlight=False)

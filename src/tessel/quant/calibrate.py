@@ -112,17 +112,11 @@ class QuantizeResult:
     smoothing_alphas: dict[str, float] = field(default_factory=dict)
 
 
-def read_calibration_text(path: Path) -> str:
-    path = Path(path)
-    if not path.is_file():
-        raise TesselError(f"--calib {path} is not a file; give a UTF-8 text file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise TesselError(f"--calib {path} is not UTF-8 text: {error}") from None
-    if not text.strip():
-        raise TesselError(f"--calib {path} is empty; give a text to calibrate on")
-    return text
+def read_calibration_text(path: Path, option: str = "--calib") -> str:
+    """The text of a calibration / training file (`option` names it in errors); empty is refused."""
+    from tessel.files import read_nonempty_text_file
+
+    return read_nonempty_text_file(path, option)
 
 
 def calibration_windows(text: str, tokenizer, samples: int, seq_len: int) -> torch.Tensor:
@@ -224,14 +218,23 @@ def load_hf_model(model_dir: Path):
 
 
 def quantize_model(
-    model_dir: str | Path, out_dir: str | Path, options: QuantizeOptions, progress: Progress | None = None
+    model_dir: str | Path,
+    out_dir: str | Path,
+    options: QuantizeOptions,
+    progress: Progress | None = None,
+    *,
+    overwrite: bool = False,
 ) -> QuantizeResult:
-    """Quantise the model in `model_dir` under `options`; write the checkpoint to `out_dir`."""
+    """Quantise the model in `model_dir` under `options`; write the checkpoint to `out_dir` (an existing
+    one only with `overwrite`, and only when tessel wrote it: `tessel.files.check_output_directory`)."""
+    from tessel.files import check_output_directory
+
     start = time.perf_counter()
+    check_output_directory(out_dir, "--out", inputs=(model_dir, options.calib), overwrite=overwrite)
     model_dir, out_dir = resolve_model_path(model_dir), Path(out_dir)  # a .gguf file: its de-quantised copy
     config = read_model_config(model_dir)
     scheme = options.make_scheme()
-    text = read_calibration_text(options.calib) if options.needs_calibration else None
+    text = read_calibration_text(options.calib) if options.calib is not None else None  # checked if unused
     model, tokenizer = load_hf_model(model_dir)
     linears = target_linears(model)
     if not linears:
@@ -241,7 +244,7 @@ def quantize_model(
     for name, module in linears.items():
         scheme.check_in_features(module.in_features, name)
     windows = None
-    if text is not None:
+    if text is not None and options.needs_calibration:
         windows = calibration_windows(text, tokenizer, options.calib_samples, options.seq_len)
     result = QuantizeResult(
         out_dir, scheme.name, len(linears), 0 if windows is None else windows.numel(), 0.0
@@ -267,7 +270,9 @@ def quantize_model(
         result.input_scales = {name: float(s) for name, s in input_scales.items()}
     weights = _quantize_weights(model, linears, scheme, options, windows, progress)
     act_observer = options.observer if scheme.act_static else None
-    write_quantized(model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer)
+    write_quantized(
+        model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer, overwrite
+    )
     result.seconds = time.perf_counter() - start
     return result
 
@@ -306,6 +311,7 @@ def write_quantized(
     model_dir: Path,
     out_dir: Path,
     act_observer: str | None,
+    overwrite: bool = False,
 ) -> Path:
     """The checkpoint: quantised linears from `weights`, every other tensor of `model` as it is."""
     tensors: dict[str, torch.Tensor] = {}
@@ -320,4 +326,4 @@ def write_quantized(
             continue
         tensors[name] = tensor.detach().contiguous()
     config = dict(config, quantization_config=quantization_config(scheme, act_observer))
-    return write_checkpoint(out_dir, model_dir, config, tensors)
+    return write_checkpoint(out_dir, model_dir, config, tensors, overwrite=overwrite)

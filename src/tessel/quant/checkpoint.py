@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from tessel.errors import TesselError
-from tessel.files import staged_directory
+from tessel.files import OUTPUT_MARKER, staged_directory
 from tessel.quant.schemes import QuantizedWeight, Scheme
 
 QUANT_METHOD = "compressed-tensors"
@@ -298,17 +298,29 @@ def _unpacked_weight(get: Callable[[str], torch.Tensor], prefix: str, bits: int)
 
 
 def write_checkpoint(
-    out_dir: Path, source_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+    out_dir: Path,
+    source_dir: Path,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    *,
+    overwrite: bool = False,
+    inputs: tuple[str | Path | None, ...] = (),
 ) -> Path:
     """Write config.json + model.safetensors (+ the source's tokenizer files) to `out_dir` atomically.
 
-    Everything goes to a temporary directory beside `out_dir`, which is renamed into place at the
-    end: a failed run leaves nothing half-written. An existing `out_dir` is replaced.
+    Everything goes to a fresh directory beside `out_dir`, which is moved into place at the end: a
+    failed run leaves nothing half-written (`tessel.files.staged_directory`). `out_dir` may not be
+    `source_dir`, a folder holding it, or anything in `inputs`; an existing `out_dir` is replaced only
+    with `overwrite`, and only when tessel wrote it.
     """
     out_dir = Path(out_dir)
-    with staged_directory(out_dir) as staging:
+    with staged_directory(out_dir, "--out", inputs=(source_dir, *inputs), overwrite=overwrite) as staging:
         for item in Path(source_dir).iterdir():
-            if item.is_file() and item.name not in SKIPPED_FILES and item.suffix != ".safetensors":
+            if (
+                item.is_file()
+                and item.name not in (*SKIPPED_FILES, OUTPUT_MARKER)
+                and item.suffix != ".safetensors"
+            ):
                 shutil.copy2(item, staging / item.name)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         save_file(

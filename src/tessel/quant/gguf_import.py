@@ -57,11 +57,15 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def gguf_checkpoint(file: Path) -> Path:
+    """The checkpoint directory of `file` in tessel's cache, converted on first use.
+
+    Built in a staging directory and moved into place; a leftover cache entry without config.json is
+    replaced only when tessel wrote it (`tessel.files.staged_directory`, which never removes others)."""
     stat = file.stat()
     target = cache_root() / f"{file.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (target / "config.json").is_file():
         return target
-    with staged_directory(target) as staging:
+    with staged_directory(target, "GGUF cache entry", inputs=(file,), overwrite=True) as staging:
         _convert(file, staging)
     return target
 

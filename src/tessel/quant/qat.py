@@ -11,6 +11,7 @@ compressed-tensors checkpoint as `tessel quantize`, with the trained weights und
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +108,9 @@ class QATOptions:
         make_scheme(self.scheme, "dynamic", self.group_size)
         if self.train is None:
             raise TesselError("tessel qat trains on text: give --train FILE")
-        if self.steps < 1 or self.lr <= 0 or self.batch_size < 1 or self.seq_len < 2:
-            raise TesselError("--steps and --batch-size must be >= 1, --lr > 0 and --seq-len >= 2")
+        lr_ok = math.isfinite(self.lr) and self.lr > 0
+        if self.steps < 1 or not lr_ok or self.batch_size < 1 or self.seq_len < 2:
+            raise TesselError("--steps and --batch-size must be >= 1, --lr > 0 (finite) and --seq-len >= 2")
 
 
 @dataclass(slots=True)
@@ -118,14 +120,20 @@ class QATResult:
     seconds: float
 
 
-def train_qat(model_dir: str | Path, out_dir: str | Path, options: QATOptions, progress=None) -> QATResult:
-    """Fine-tune `model_dir` with fake-quantised linears; write the quantised checkpoint to `out_dir`."""
+def train_qat(
+    model_dir: str | Path, out_dir: str | Path, options: QATOptions, progress=None, *, overwrite: bool = False
+) -> QATResult:
+    """Fine-tune `model_dir` with fake-quantised linears; write the quantised checkpoint to `out_dir` (an
+    existing one only with `overwrite`, and only when tessel wrote it). A loss or weight that turns
+    non-finite stops the run with a TesselError, and nothing is written."""
+    from tessel.files import check_output_directory
     from tessel.quant import calibrate
 
     start = time.perf_counter()
+    check_output_directory(out_dir, "--out", inputs=(model_dir, options.train), overwrite=overwrite)
+    text = calibrate.read_calibration_text(options.train, "--train")
     model_dir = resolve_model_path(model_dir)
     scheme = make_scheme(options.scheme, "dynamic", options.group_size)
-    text = calibrate.read_calibration_text(options.train)
     model, tokenizer = calibrate.load_hf_model(model_dir)
     config = calibrate.read_model_config(model_dir)
     linears = calibrate.target_linears(model)
@@ -148,16 +156,30 @@ def train_qat(model_dir: str | Path, out_dir: str | Path, options: QATOptions, p
     for step in range(options.steps):
         batch = windows[torch.randint(0, count, (options.batch_size,), generator=generator)]
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise _diverged(step + 1, options, f"the training loss is {losses[-1]}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss.detach()))
         if progress is not None:
             progress("qat", step + 1, options.steps)
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise _diverged(options.steps, options, "the weights are not finite")
     model.eval()
     weights = {name: module.quantized_weight() for name, module in qat.items()}
     for name, module in qat.items():  # back to plain linears for the state dict
         parent_name, leaf = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), leaf, module.linear)
-    calibrate.write_quantized(model, linears, scheme, weights, {}, config, model_dir, Path(out_dir), None)
+    calibrate.write_quantized(
+        model, linears, scheme, weights, {}, config, model_dir, Path(out_dir), None, overwrite
+    )
     return QATResult(Path(out_dir), losses, time.perf_counter() - start)
+
+
+def _diverged(step: int, options: QATOptions, what: str) -> TesselError:
+    """The error that stops a run whose loss or weights turned inf / nan (the learning rate is too large)."""
+    return TesselError(
+        f"qat diverged at step {step} of {options.steps}: {what}; nothing was written. "
+        f"Give a smaller --lr (now {options.lr:g})"
+    )

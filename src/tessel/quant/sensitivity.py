@@ -265,7 +265,7 @@ def write_sensitivity(
     from tessel.quant.gguf_import import resolve_model_path
 
     start = time.perf_counter()
-    out = check_output_path(out, "--sensitivity")
+    out = check_output_path(out, "--sensitivity", inputs=(model_dir, options.calib))
     model_dir = resolve_model_path(model_dir)
     spec = load_model(model_dir)  # the name and layer count `tessel plan --model DIR` sees
     text = read_calibration_text(options.calib)
