@@ -196,3 +196,75 @@ def test_fuzz_plans_only_tessel_errors(tiny_dirs, tmp_path, edits, version):
         check_options(RunOptions(plan, model, prompts=["Hello"]))
     except TesselError:
         pass
+
+
+# ---- liveness: a stage that stops answering ends the run like a dead one ------------------------------
+HEARTBEAT_TIMEOUT_S = 3.0  # short, so these tests stay cheap (the default is 30 s)
+
+
+def _run_in_thread(options: RunOptions) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = run_pipeline(options)
+        except BaseException as error:  # noqa: BLE001 - inspected by the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _release(pids: list[int]) -> None:
+    """SIGCONT then SIGKILL whatever is left of a test's stage processes."""
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+
+
+@pytest.mark.slow
+def test_stopped_stage_ends_the_run_named(tiny_dirs, tmp_path):
+    """SIGSTOP of stage 1 mid-generation (a hang looks the same): the run fails within the heartbeat
+    timeout naming stage 1's silence, and every stage process is gone (the stopped one included)."""
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    run_dir = tmp_path / "run"
+    options = RunOptions(
+        plan,
+        model,
+        prompts=["Hello world"] * 4,
+        max_tokens=1000,
+        ignore_eos=True,
+        run_dir=run_dir,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT_S,
+    )
+    thread, outcome = _run_in_thread(options)
+    pids = _wait_ready(run_dir, 2)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        thread.join(timeout=FAULT_DEADLINE_S)
+        assert not thread.is_alive(), "the launcher did not notice the stopped stage"
+    finally:
+        _release(pids)
+    error = outcome.get("error")
+    assert isinstance(error, StageFailedError), outcome
+    assert error.stage == 1 and f"sent no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s" in error.cause
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_cli_refuses_a_bad_heartbeat_timeout(tiny_dirs, tmp_path, monkeypatch):
+    _no_spawn(monkeypatch)
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    args = ["launch", "--plan", str(plan), "--model", str(model), "--prompt", "x"]
+    result = CliRunner().invoke(app, [*args, "--heartbeat-timeout", "0"])
+    assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2
+    assert "--heartbeat-timeout must be" in str(result.exception)
+    monkeypatch.setenv("TESSEL_HEARTBEAT_TIMEOUT_S", "soon")
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2
+    assert "TESSEL_HEARTBEAT_TIMEOUT_S='soon'" in str(result.exception)

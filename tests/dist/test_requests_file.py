@@ -86,3 +86,71 @@ def test_fuzz_only_tessel_errors(tmp_path, lines):
             assert isinstance(request.params, SamplingParams)
     except TesselError:
         pass
+
+
+# ---- checked against the model before any stage process starts -----------------------------------
+def _launch_refuses(monkeypatch, tmp_path, model, extra: list[str]):
+    """`tessel launch ... extra` with spawning forbidden: -> the TesselError it exited 2 with."""
+    from typer.testing import CliRunner
+
+    from dist_plans import write_plan
+    from tessel.cli import app
+    from tessel.dist import launcher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stage process was spawned for a bad request")
+
+    monkeypatch.setattr(launcher, "spawn_worker", refuse)
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    run_dir = tmp_path / "run"
+    args = ["launch", "--plan", str(plan), "--model", str(model), "--run-dir", str(run_dir), *extra]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, TesselError), result.output
+    assert result.exception.exit_code == 2
+    assert not list(run_dir.glob("stage*")), "a stage left files: it was started"
+    return result.exception
+
+
+@pytest.mark.parametrize(
+    ("line", "options", "message"),
+    [
+        ({"prompt": [1, 5000]}, [], ":2: prompt token ids [5000] are outside the vocabulary [0, 384)"),
+        ({"prompt": "x", "top_k": 2**64}, [], ":2: top_k=18446744073709551616 is larger than the vocabulary"),
+        ({"prompt": "hello " * 400}, ["--max-tokens", "4"], ":2: the prompt has 1601 tokens"),
+        ({"prompt": "hi", "max_tokens": 2000}, [], ":2: the prompt has 3 tokens and max_tokens is 2000"),
+        (
+            {"prompt": "hi"},
+            ["--max-tokens", str(10**9)],
+            ":1: the prompt has 3 tokens and max_tokens is 1000000000",
+        ),
+        ({"prompt": "hi"}, ["--max-model-len", "4096"], "max_model_len=4096 exceeds"),
+    ],
+)
+def test_launch_refuses_bad_requests_before_any_stage(
+    tiny_dirs, tmp_path, monkeypatch, line, options, message
+):
+    """Each used to fail in stage 0 with exit 1 once every stage had loaded."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('"fine"\n' + json.dumps(line) + "\n")
+    error = _launch_refuses(monkeypatch, tmp_path, tiny_dirs["tied"], ["--prompts-file", str(path), *options])
+    assert message in str(error)
+    if message.startswith(":"):
+        assert str(error).startswith(str(path) + message[:3])
+
+
+def test_a_huge_line_is_refused_by_characters_before_tokenizing(tiny_dirs, tmp_path, monkeypatch):
+    """A line over --max-prompt-chars (default 1,000,000) is refused without being tokenized."""
+    from tessel.dist import request_checks
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the prompt was tokenized")
+
+    monkeypatch.setattr(request_checks, "_load_tokenizer", no_tokenizer)
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps("a" * 1_000_001) + "\n")
+    error = _launch_refuses(monkeypatch, tmp_path, tiny_dirs["tied"], ["--prompts-file", str(path)])
+    assert f"{path}:1: the prompt has 1000001 characters; at most 1000000" in str(error)
+    error = _launch_refuses(
+        monkeypatch, tmp_path, tiny_dirs["tied"], ["--prompt", "abcdef", "--max-prompt-chars", "5"]
+    )
+    assert "--prompt 1: the prompt has 6 characters" in str(error)

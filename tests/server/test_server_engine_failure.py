@@ -97,3 +97,39 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
     assert error["code"] == "engine_dead" and "simulated device failure" in error["message"]
+
+
+class _LostPart(RuntimeError):
+    """A failure a restart of the loop cannot mend (as a dead pipeline stage's `StageFailedError`)."""
+
+    restart_can_fix = False
+
+
+def test_failure_a_restart_cannot_fix_keeps_the_server_up(broken_engine: Any, serve_in_thread: Any) -> None:
+    """It spends no restart and does not call `on_dead` (`tessel serve` would exit: connection
+    refused); the server answers: /health and every request 503 with the cause, /v1/models 200."""
+    from tessel.server.app import create_app
+    from tessel.server.limits import ServerLimits
+
+    app = create_app(broken_engine, max_pending=4, limits=ServerLimits(max_engine_restarts=3))
+    async_engine = app.state.async_engine
+    dead_calls: list[bool] = []
+    async_engine.on_dead = lambda: dead_calls.append(True)
+
+    def step() -> list:
+        raise _LostPart("pipeline stage 1 is gone")
+
+    broken_engine.step = step
+    body = {"prompt": "hello", "max_tokens": 3}
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+        failed = client.post("/v1/completions", json=body)
+        assert failed.status_code == 503
+        assert "pipeline stage 1 is gone" in failed.json()["error"]["message"]
+        assert "retry" not in failed.json()["error"]["message"]  # retrying cannot help
+        for _ in range(5):
+            health = client.get("/health")
+            assert health.status_code == 503 and "pipeline stage 1 is gone" in health.text
+            later = client.post("/v1/completions", json=body)
+            assert later.status_code == 503 and "pipeline stage 1 is gone" in later.text
+        assert client.get("/v1/models").status_code == 200
+    assert async_engine.num_restarts == 0 and dead_calls == []

@@ -13,6 +13,7 @@ import typer
 
 from tessel.commands.options import input_file, output_file
 from tessel.errors import TesselError
+from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 
 def launch(
@@ -50,6 +51,14 @@ def launch(
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
     ),
+    heartbeat_timeout: float | None = typer.Option(
+        None,
+        help="Seconds a stage may send no heartbeat (stopped, hung) before the run fails "
+        "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    ),
+    max_prompt_chars: int = typer.Option(
+        DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt, refused before it is tokenized."
+    ),
 ) -> None:
     """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
     from tessel.commands.render.launch import print_run
@@ -68,7 +77,8 @@ def launch(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
         micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
-        threads=threads, run_dir=run_dir, replica=replica,
+        threads=threads, run_dir=run_dir, replica=replica, heartbeat_timeout=heartbeat_timeout,
+        max_prompt_chars=max_prompt_chars,
     )  # fmt: skip
     run = run_pipeline(options)
     print_run(run)

@@ -3,7 +3,9 @@
 torch, fastapi and uvicorn are imported inside the command, so the planner side of the CLI loads
 without the runtime extra. Every option is checked before the model loads. When the engine fails
 more often than `--max-engine-restarts` allows, the server shuts down and exits with status 3, so
-a supervisor (systemd, Kubernetes) restarts it.
+a supervisor (systemd, Kubernetes) restarts it. With `--plan`, a stage that dies or sends no
+heartbeat for `--heartbeat-timeout` seconds leaves the server up without a pipeline: `/health` and
+every request answer 503 naming the stage (a restart of the engine loop cannot bring it back).
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def serve(
     replica: int | None = typer.Option(
         None, min=0, help="With --plan of several replicas: which pipeline this server runs."
     ),
+    heartbeat_timeout: float | None = typer.Option(
+        None,
+        help="With --plan: seconds a stage may send no heartbeat before it counts as failed "
+        "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    ),
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
@@ -94,6 +101,8 @@ def serve(
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
     if replica is not None and plan is None:
         raise TesselError("--replica picks a pipeline of a --plan; give --plan too")
+    if heartbeat_timeout is not None and plan is None:
+        raise TesselError("--heartbeat-timeout watches the stages of a --plan; give --plan too")
     if plan is not None and lm_head != "float":
         raise TesselError(f"--lm-head {lm_head} cannot be combined with --plan yet; serve in one process")
     if plan is not None and device != "cpu":
@@ -106,6 +115,7 @@ def serve(
     from tessel.engine.llm_engine import LLMEngine
     from tessel.engine.memory import check_kv_cache_fits
     from tessel.server.app import create_app
+    from tessel.server.async_engine import restart_can_fix
     from tessel.server.limits import ServerLimits
 
     if kv_cache_gib is not None:
@@ -125,9 +135,13 @@ def serve(
         )
         engine.warm_up()  # the compiled decode step, before the first request would wait for it
     else:
+        from tessel.dist.heartbeat import heartbeat_timeout_s
         from tessel.dist.serving import pipeline_server_engine
 
-        engine = pipeline_server_engine(model, plan, dtype=dtype, replica=replica, **kwargs)
+        timeout_s = heartbeat_timeout_s(heartbeat_timeout)
+        engine = pipeline_server_engine(
+            model, plan, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s, **kwargs
+        )
     app = create_app(
         engine,
         max_pending=engine.config.max_num_seqs + max_queue,
@@ -141,6 +155,10 @@ def serve(
         engine.watch_stages(async_engine)
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     server.run()
+    if async_engine.error is not None and not restart_can_fix(async_engine.error):
+        raise TesselError(
+            f"stopped without a pipeline: {async_engine.error}", exit_code=ENGINE_DEAD_EXIT_CODE
+        )
     if async_engine.error is not None:
         raise TesselError(
             f"the engine failed {async_engine.num_restarts + 1} times ({async_engine.error}); exiting so a "

@@ -6,18 +6,22 @@ with the block tables stage 0 decided, what to sample) and the hidden states [ro
 last stage sends the sampled tokens (and the logprobs asked for) back to stage 0 as
 `tessel.dist.sampled.SampledRows`. Sends are non-blocking (`isend`); the next header is received
 with a pre-posted `irecv` so a stage's receive overlaps its compute. Any failure of the process
-group becomes `PeerLostError`.
+group becomes `PeerLostError`. As messages move, the stage's `Progress` is updated for its
+heartbeat (`tessel.dist.heartbeat`): when a stage starts and ends computing a micro-batch, and since
+when stage 0 waits for tokens.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from tessel.dist.heartbeat import Progress
 from tessel.dist.sampled import HEAD_LEN, SampledRows
 from tessel.engine.model_runner import PromptScoring
 from tessel.engine.sampling_params import SamplingParams
@@ -29,6 +33,8 @@ HEADER_LEN = 4
 
 class PeerLostError(RuntimeError):
     """A send or receive failed: another stage is gone (its own report names the cause)."""
+
+    restart_can_fix = False  # the process group is broken: restarting the engine loop cannot mend it
 
 
 @dataclass(slots=True)
@@ -61,6 +67,11 @@ class StageComm:
         self.device, self.dtype = device, dtype
         self._sends: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
         self._next_header: tuple[dist.Work, torch.Tensor] | None = None
+        self.progress = Progress()
+
+    def _handed_on(self, batch_id: int) -> None:
+        self.progress.active_since, self.progress.last_s = None, time.time()
+        self.progress.last_batch = max(self.progress.last_batch, batch_id)
 
     @property
     def prev(self) -> int:
@@ -90,6 +101,10 @@ class StageComm:
         header = torch.tensor([BATCH, payload.numel(), rows, cols], dtype=torch.int64)
         tensors = (header, payload, hidden.contiguous())
         self._isend(tuple(t.to(self.device) for t in tensors), self.next)
+        if self.rank == 0:
+            self.progress.last_s = time.time()
+        else:
+            self._handed_on(message.batch_id)
 
     def send_stop(self) -> None:
         if self.rank < self.world_size - 1:
@@ -97,6 +112,7 @@ class StageComm:
 
     def send_tokens(self, batch_id: int, sampled: SampledRows) -> None:
         self._isend(tuple(t.to(self.device) for t in sampled.to_wire(batch_id)), 0)
+        self._handed_on(batch_id)
 
     def flush(self) -> None:
         """Wait until every send has been received."""
@@ -121,6 +137,7 @@ class StageComm:
             kind, size, rows, cols = (int(v) for v in header.tolist())
             if kind == STOP:
                 self._next_header = None
+                self.progress.last_s = time.time()
                 return None
             payload = torch.empty(size, dtype=torch.uint8, device=self.device)
             hidden = torch.empty(rows, cols, dtype=self.dtype, device=self.device)
@@ -131,11 +148,13 @@ class StageComm:
             raise PeerLostError(
                 f"stage {self.rank}: receiving from stage {self.prev} failed: {error}"
             ) from error
+        self.progress.active_since = self.progress.last_s = time.time()
         return pickle.loads(payload.cpu().numpy().tobytes()), hidden
 
     def recv_tokens(self, batch_id: int, count: int) -> SampledRows:
         """Stage 0: the `count` tokens (and logprobs) the last stage sampled for micro-batch `batch_id`."""
         buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64, device=self.device)
+        self.progress.owed_batch, self.progress.owed_since = batch_id, time.time()
         try:
             dist.recv(buffer, self.world_size - 1)
             values = buffer.tolist()
@@ -146,6 +165,8 @@ class StageComm:
             raise PeerLostError(
                 f"stage 0: receiving tokens from stage {self.world_size - 1} failed: {error}"
             ) from error
+        self.progress.owed_since = None
+        self._handed_on(batch_id)
         if values[0] != batch_id:
             raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
         return SampledRows.from_wire(values[HEAD_LEN:], payload.cpu().numpy().tobytes())

@@ -1,12 +1,14 @@
 """Spawn one worker process per plan stage on this machine, and watch them.
 
 Each worker gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on
-a free port) and `TESSEL_RUN_DIR`, where it writes its status (`stage<k>.json`) and its stderr
-(`stage<k>.log`). The launcher polls them: when one exits with an error, the others are
-terminated (SIGTERM, then SIGKILL after `TERMINATE_GRACE_S`) and a `StageFailedError` names the
-stage and the cause: the exception it reported, or the signal that killed it. A stage whose only
-error is a lost peer is a consequence, not a cause, and is named only if nothing else failed.
-Workers die with the launcher (Linux `PR_SET_PDEATHSIG`), and Ctrl-C stops them all.
+a free port) and `TESSEL_RUN_DIR`, where it writes its status (`stage<k>.json`), its heartbeat
+(`stage<k>.beat`) and its stderr (`stage<k>.log`). The launcher polls them: when one exits with an
+error, sends no heartbeat for the heartbeat timeout, or the pipeline is stuck
+(`tessel.dist.heartbeat`), the others are terminated (SIGTERM and SIGCONT, then SIGKILL after
+`TERMINATE_GRACE_S`) and a `StageFailedError` names the stage and the cause: the exception it
+reported, the signal that killed it, or its silence. A stage whose only error is a lost peer is a
+consequence, not a cause, and is named only if nothing else failed. Workers die with the launcher
+(Linux `PR_SET_PDEATHSIG`), and Ctrl-C stops them all.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tessel.dist.heartbeat import HEARTBEAT_TIMEOUT_ENV, Progress, Watchdog, heartbeat_timeout_s
 from tessel.errors import TesselError
 
 POLL_S = 0.05
+WATCHDOG_INTERVAL_S = 0.25  # how often the heartbeat files are read
 SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs (to find the cause)
 TERMINATE_GRACE_S = 5.0
 DONE_GRACE_S = 30.0  # after stage 0 finishes, how long the others get to exit
@@ -35,6 +39,8 @@ RUN_DIR_ENV = "TESSEL_RUN_DIR"
 
 class StageFailedError(TesselError):
     """A pipeline stage died or failed; the message names it and the cause."""
+
+    restart_can_fix = False  # a server's engine loop cannot bring a stage process back
 
     def __init__(self, stage: int, cause: str) -> None:
         super().__init__(f"pipeline stage {stage} failed: {cause}", exit_code=1)
@@ -59,7 +65,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def worker_env(rank: int, world_size: int, port: int, run_dir: Path, first_rank: int = 0) -> dict[str, str]:
+def worker_env(
+    rank: int, world_size: int, port: int, run_dir: Path, heartbeat_timeout: float | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -67,17 +75,25 @@ def worker_env(rank: int, world_size: int, port: int, run_dir: Path, first_rank:
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        **{RUN_DIR_ENV: str(run_dir)},
+        **{RUN_DIR_ENV: str(run_dir), HEARTBEAT_TIMEOUT_ENV: str(heartbeat_timeout_s(heartbeat_timeout))},
     )
     return env
 
 
-def spawn_worker(rank: int, world_size: int, port: int, run_dir: Path, argv: list[str]) -> subprocess.Popen:
+def spawn_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    run_dir: Path,
+    argv: list[str],
+    heartbeat_timeout: float | None = None,
+) -> subprocess.Popen:
+    """Stage `rank` as a child process; `heartbeat_timeout`: seconds (None: the env's or 30 s)."""
     log = open(run_dir / f"stage{rank}.log", "wb")  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "tessel.dist.worker", *argv],
-            env=worker_env(rank, world_size, port, run_dir),
+            env=worker_env(rank, world_size, port, run_dir, heartbeat_timeout),
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
@@ -122,10 +138,12 @@ def _log_tail(run_dir: Path, rank: int, lines: int = 3) -> str:
 
 
 def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, so a stopped process gets it), then SIGKILL after `TERMINATE_GRACE_S`."""
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for proc in procs:
         try:
@@ -136,9 +154,12 @@ def terminate(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def supervise(procs: list[subprocess.Popen], run_dir: Path, first_rank: int = 0) -> None:
+def supervise(
+    procs: list[subprocess.Popen], run_dir: Path, first_rank: int = 0, watchdog: Watchdog | None = None
+) -> None:
     """Return when every process exited 0; else stop them all and raise `StageFailedError`."""
     done_at = None
+    watched_at = time.monotonic()
     try:
         while True:
             codes = [proc.poll() for proc in procs]
@@ -146,6 +167,12 @@ def supervise(procs: list[subprocess.Popen], run_dir: Path, first_rank: int = 0)
                 return
             if any(code not in (None, 0) for code in codes):
                 _fail(procs, run_dir, first_rank)
+            if watchdog is not None and time.monotonic() - watched_at >= WATCHDOG_INTERVAL_S:
+                watched_at = time.monotonic()
+                silent = watchdog.check(lambda rank: procs[rank - first_rank].poll() is None)
+                if silent is not None:
+                    terminate(procs)
+                    raise StageFailedError(*silent)
             if codes[0] == 0 and done_at is None:
                 done_at = time.monotonic()
             if done_at is not None and time.monotonic() - done_at > DONE_GRACE_S:
@@ -176,48 +203,78 @@ def _fail(procs: list[subprocess.Popen], run_dir: Path, first_rank: int) -> None
 
 
 class LocalStages:
-    """Stages 1..S-1 as child processes of a process that is itself stage 0 (`tessel serve --plan`)."""
+    """Stages 1..S-1 as child processes of a process that is itself stage 0 (`tessel serve --plan`).
 
-    def __init__(self, argv: list[str], num_stages: int, run_dir: Path, port: int) -> None:
+    `stage0_progress`: stage 0's `Progress` (its `StageComm`'s), set once the process group is up,
+    so the watchdog also sees a stuck pipeline. The first failure found is kept: stopping the
+    others afterwards does not change the cause reported.
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        num_stages: int,
+        run_dir: Path,
+        port: int,
+        heartbeat_timeout: float | None = None,
+    ) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        timeout_s = heartbeat_timeout_s(heartbeat_timeout)
         self.procs: list[subprocess.Popen] = []
+        self.stage0_progress: Progress | None = None
+        self.watchdog = Watchdog(
+            run_dir, list(range(1, num_stages)), timeout_s, time.time(), lambda: self.stage0_progress
+        )
+        self._failure: StageFailedError | None = None
         try:
             for rank in range(1, num_stages):
-                self.procs.append(spawn_worker(rank, num_stages, port, run_dir, argv))
+                self.procs.append(spawn_worker(rank, num_stages, port, run_dir, argv, timeout_s))
         except BaseException:
             terminate(self.procs)
             raise
 
     def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
-        """The failure of a stage that exited (waiting up to `settle_s` for one to), or None."""
+        """The failure of a stage that exited (waiting up to `settle_s` for one to) or fell silent, or
+        None."""
+        if self._failure is None:
+            self._failure = self._find_failure(settle_s)
+        return self._failure
+
+    def _find_failure(self, settle_s: float) -> StageFailedError | None:
         deadline = time.monotonic() + settle_s
         while True:
             dead = [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
             if dead or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-        if not dead:
-            return None
-        causes = [(*failure_cause(self.run_dir, rank, code), rank) for rank, code in dead]
-        _, cause, stage = min(causes, key=lambda c: (c[0], c[2]))
-        return StageFailedError(stage, cause if causes else "exited")
+        if dead:
+            causes = [(*failure_cause(self.run_dir, rank, code), rank) for rank, code in dead]
+            _, cause, stage = min(causes, key=lambda c: (c[0], c[2]))
+            return StageFailedError(stage, cause)
+        silent = self.watchdog.check(lambda rank: self.procs[rank - 1].poll() is None)
+        return None if silent is None else StageFailedError(*silent)
 
     def stop(self) -> None:
         terminate(self.procs)
 
 
-def launch(argv: list[str], num_stages: int, run_dir: Path) -> LaunchResult:
-    """Run `python -m tessel.dist.worker ARGV` as `num_stages` stages; -> their statuses."""
+def launch(
+    argv: list[str], num_stages: int, run_dir: Path, heartbeat_timeout: float | None = None
+) -> LaunchResult:
+    """Run `python -m tessel.dist.worker ARGV` as `num_stages` stages; -> their statuses.
+
+    `heartbeat_timeout`: seconds a stage may stay silent (None: `TESSEL_HEARTBEAT_TIMEOUT_S` or 30)."""
+    timeout_s = heartbeat_timeout_s(heartbeat_timeout)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     started = time.time()
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(num_stages):
-            procs.append(spawn_worker(rank, num_stages, port, run_dir, argv))
+            procs.append(spawn_worker(rank, num_stages, port, run_dir, argv, timeout_s))
     except BaseException:
         terminate(procs)
         raise
-    supervise(procs, run_dir)
+    supervise(procs, run_dir, watchdog=Watchdog(run_dir, list(range(num_stages)), timeout_s, started))
     return LaunchResult(run_dir, [read_status(run_dir, r) for r in range(num_stages)], time.time() - started)

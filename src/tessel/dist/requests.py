@@ -27,6 +27,7 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
 class RunRequest:
     prompt: str | list[int]
     params: SamplingParams
+    where: str = ""  # for messages: "FILE:LINE" of a prompts-file request, "--prompt N" of another
 
 
 def read_requests(path: Path, defaults: SamplingParams) -> list[RunRequest]:
@@ -73,7 +74,7 @@ def _parse_line(where: str, line: str, defaults: SamplingParams) -> RunRequest:
         raise TesselError(f"{where}: {error}") from None
     except (TypeError, ValueError) as error:
         raise TesselError(f"{where}: bad sampling field ({error})") from None
-    return RunRequest(prompt, params)
+    return RunRequest(prompt, params, where)
 
 
 def _well_typed(key: str, value: object) -> bool:

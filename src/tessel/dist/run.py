@@ -12,8 +12,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tessel.dist.heartbeat import heartbeat_timeout_s
 from tessel.dist.launcher import launch
 from tessel.errors import TesselError
+from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 
 @dataclass(slots=True)
@@ -41,6 +43,8 @@ class RunOptions:
     run_dir: Path | None = None
     warmup: bool = False  # one untimed request per prompt length first
     replica: int | None = None  # which pipeline of a replica plan
+    heartbeat_timeout: float | None = None  # seconds a stage may be silent (None: the env's, or 30)
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer text prompts are refused untokenized
 
     def worker_argv(self, outputs: Path) -> list[str]:
         argv = ["--plan", str(self.plan), "--model", str(self.model), "--json", str(outputs), "--quiet"]
@@ -55,6 +59,7 @@ class RunOptions:
             "--max-num-batched-tokens": self.max_num_batched_tokens,
             "--micro-batches": self.micro_batches,
             "--replica": self.replica,
+            "--max-prompt-chars": self.max_prompt_chars,
         }
         for flag, value in optional.items():
             if value is not None:
@@ -79,12 +84,15 @@ class PipelineRun:
 
 
 def check_options(options: RunOptions) -> int:
-    """Refuse what would fail in the workers (plan vs model, requests); -> the number of stages."""
-    from tessel.dist.worker import parser, run_requests, validate
+    """Refuse what would fail in the workers (plan vs model, the requests against the tokenizer and
+    max_model_len) before any starts; -> the number of stages."""
+    from tessel.dist.request_checks import check_requests
+    from tessel.dist.worker import engine_kwargs, parser, run_requests, validate
 
+    heartbeat_timeout_s(options.heartbeat_timeout)
     args = parser().parse_args(options.worker_argv(Path("unused.json")))
-    plan, _ = validate(args)
-    run_requests(args)
+    plan, config = validate(args)
+    check_requests(run_requests(args), args.model, config, engine_kwargs(args))
     return len(plan.stages)
 
 
@@ -92,7 +100,7 @@ def run_pipeline(options: RunOptions) -> PipelineRun:
     num_stages = check_options(options)
     run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-run-"))
     outputs = run_dir / "outputs.json"
-    result = launch(options.worker_argv(outputs), num_stages, run_dir)
+    result = launch(options.worker_argv(outputs), num_stages, run_dir, options.heartbeat_timeout)
     try:
         data = json.loads(outputs.read_text())
     except (OSError, ValueError) as error:

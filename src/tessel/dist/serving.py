@@ -2,9 +2,13 @@
 
 `pipeline_engine(...)` checks the plan against the model, spawns stages 1..S-1 on this machine,
 joins them in one process group and returns the `PipelineEngine`, which the server drives like an
-`LLMEngine`. `watch(engine, wake)` polls the stage processes: when one dies, the engine's next
-step raises a `StageFailedError` naming it and the cause (`wake()` makes an idle server take that
-step), so in-flight and new requests get 503 and `/health` names the dead stage.
+`LLMEngine`. `watch(engine, wake)` polls the stage processes and their heartbeats: when one dies,
+falls silent (SIGSTOP, a hang) or the pipeline is stuck, the engine is marked failed with a
+`StageFailedError` naming the stage and the cause, the other stages are stopped (which also ends a
+receive stage 0 is blocked in) and `wake()` makes the server's engine thread take its next step,
+which raises the failure. A restart of the engine loop cannot bring a stage back
+(`StageFailedError.restart_can_fix` is False), so the server stays up without a pipeline: in-flight
+and new requests get 503 and `/health` answers 503 naming the stage, until the server is restarted.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
     plan, config = validate(args)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="tessel-serve-"))
     port = free_port()
-    stages = LocalStages(options.worker_argv(run_dir / "unused.json"), len(plan.stages), run_dir, port)
+    argv = options.worker_argv(run_dir / "unused.json")
+    stages = LocalStages(argv, len(plan.stages), run_dir, port, options.heartbeat_timeout)
     atexit.register(stages.stop)
     try:
         comm = None
@@ -63,6 +68,7 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
                 timeout=COMM_TIMEOUT,
             )
             comm = StageComm(0, len(plan.stages), device_for(plan, 0), resolve_dtype(args.dtype, config))
+            stages.stage0_progress = comm.progress  # the watchdog sees stage 0 wait for tokens
         cutter = None
         if options.cpp and len(plan.stages) > 1:
             cutter = ChunkCutter(priced_pipeline(plan, options.profiles), options.cpp_min_tokens)
@@ -84,7 +90,7 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
 
 def pipeline_server_engine(model: Path, plan: Path, **engine_options) -> ServedPipelineEngine:
     """The engine `tessel serve --plan` drives; `engine.watch_stages(async_engine)` starts the watcher."""
-    names = {"dtype", "max_num_seqs", "max_model_len", "kv_cache_gib", "replica"}
+    names = {"dtype", "max_num_seqs", "max_model_len", "kv_cache_gib", "replica", "heartbeat_timeout"}
     unknown = set(engine_options) - names
     if unknown:
         raise TypeError(f"unexpected engine options {sorted(unknown)}")
@@ -92,21 +98,26 @@ def pipeline_server_engine(model: Path, plan: Path, **engine_options) -> ServedP
 
 
 def _explain(stages: LocalStages, error: PeerLostError) -> BaseException:
+    """The stage failure behind a lost peer (the one the watcher found, or a stage that exits within
+    `EXPLAIN_SETTLE_S`), else the lost peer itself."""
     return stages.failure(settle_s=EXPLAIN_SETTLE_S) or error
 
 
 def watch(engine: PipelineEngine, stages: LocalStages, wake: Callable[[], object]) -> threading.Thread:
-    """A daemon thread that marks the engine failed when a stage process dies, then calls `wake`."""
+    """A daemon thread that, once a stage dies or falls silent (or the engine lost a peer), marks the
+    engine failed, stops every stage process and calls `wake`."""
 
     def run() -> None:
         stop = threading.Event()
         while not stop.wait(WATCH_INTERVAL_S):
             failure = stages.failure()
-            if failure is not None:
-                if engine.failure is None:
-                    engine.failure = failure
-                wake()
-                return
+            if failure is None and engine.failure is None:
+                continue
+            if engine.failure is None:
+                engine.failure = failure
+            stages.stop()  # no orphans; a receive stage 0 is blocked in fails now
+            wake()
+            return
 
     thread = threading.Thread(target=run, name="tessel-stage-watch", daemon=True)
     thread.start()

@@ -8,7 +8,8 @@ layers and serves micro-batches until stage 0 says stop.
 
 With `TESSEL_RUN_DIR` set (the launcher sets it), each stage writes `stage<k>.json` there: its
 layers, weight bytes and resident memory once loaded, its compute time at the end, or the error
-that stopped it.
+that stopped it; and a heartbeat thread rewrites `stage<k>.beat` with its progress
+(`tessel.dist.heartbeat`), from the start of `main` to the process's end.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ import torch.distributed as dist
 from tessel.dist.comm import PeerLostError, StageComm, share_kv_layout
 from tessel.dist.cpp import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
 from tessel.dist.driver import PipelineEngine, layer_filter
+from tessel.dist.heartbeat import Heartbeat, Progress, beat_interval_s, heartbeat_timeout_s
 from tessel.dist.plan import RunPlan, load_run_plan, priced_pipeline
+from tessel.dist.request_checks import check_prompt_chars
 from tessel.dist.requests import RunRequest, read_requests
 from tessel.dist.stage import StageExecutor, StageStats, rss_bytes
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 RUN_DIR_ENV = "TESSEL_RUN_DIR"
 # Idle stages wait for work without limit (a server may idle for hours); a dead peer is noticed
@@ -50,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--prompt", action="append", default=[])
     p.add_argument("--prompts-file", type=Path)
+    p.add_argument(
+        "--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS, help="longest text prompt"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -119,11 +126,12 @@ def run_requests(args: argparse.Namespace) -> list[RunRequest]:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    requests = [RunRequest(p, defaults) for p in args.prompt]
+    requests = [RunRequest(p, defaults, f"--prompt {i + 1}") for i, p in enumerate(args.prompt)]
     if args.prompts_file is not None:
         requests += read_requests(args.prompts_file, defaults)
     if not requests:
         raise TesselError("give at least one --prompt or a --prompts-file")
+    check_prompt_chars(requests, args.max_prompt_chars)
     return requests
 
 
@@ -264,11 +272,20 @@ def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: 
 
 
 # ---- the process ---------------------------------------------------------------------------------
+def start_heartbeat(rank: int) -> Heartbeat | None:
+    """The stage's heartbeat thread, under a launcher (`TESSEL_RUN_DIR` set); None under torchrun."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return None
+    return Heartbeat(Path(run_dir), rank, beat_interval_s(heartbeat_timeout_s()), Progress()).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        heartbeat = start_heartbeat(rank)
         plan, _ = validate(args, world_size)
         torch.set_num_threads(args.threads)
         device = device_for(plan, rank)
@@ -277,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=COMM_TIMEOUT)
             config = ModelConfig.from_dir(args.model)
             comm = StageComm(rank, world_size, device, resolve_dtype(args.dtype, config))
+            if heartbeat is not None:
+                heartbeat.progress = comm.progress  # the heartbeat reports the stage's messages
         if rank == 0:
             run_first_stage(args, plan, comm)
         else:

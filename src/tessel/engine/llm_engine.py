@@ -50,6 +50,25 @@ def _load_tokenizer(path: Path) -> Any:
         raise TesselError(f"cannot load the tokenizer from {path}: {error}") from error
 
 
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest prompt + completion the engine takes: `config.max_model_len`, checked against the
+    model (or the model's own limit when None)."""
+    c = model_config
+    limit = c.max_position_embeddings
+    if config.max_model_len is None:
+        return min(limit, c.sliding_window or limit)
+    if config.max_model_len > limit:
+        raise TesselError(
+            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}"
+        )
+    if c.sliding_window and config.max_model_len > c.sliding_window:
+        raise TesselError(
+            f"max_model_len={config.max_model_len} exceeds the sliding window ({c.sliding_window}); "
+            "tessel has no sliding-window attention, so set max_model_len <= the window"
+        )
+    return config.max_model_len
+
+
 class LLMEngine:
     def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
         self.config = EngineConfig(**kwargs)
@@ -102,21 +121,7 @@ class LLMEngine:
 
     # ---- sizing -------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
-        c = self.model_config
-        limit = c.max_position_embeddings
-        if self.config.max_model_len is None:
-            return min(limit, c.sliding_window or limit)
-        if self.config.max_model_len > limit:
-            raise TesselError(
-                f"max_model_len={self.config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}"
-            )
-        if c.sliding_window and self.config.max_model_len > c.sliding_window:
-            raise TesselError(
-                f"max_model_len={self.config.max_model_len} exceeds the sliding window ({c.sliding_window}); "
-                "tessel has no sliding-window attention, so set max_model_len <= the window"
-            )
-        return self.config.max_model_len
+        return max_model_len(self.config, self.model_config)
 
     def _max_num_batched_tokens(self) -> int:
         tokens = self.config.max_num_batched_tokens

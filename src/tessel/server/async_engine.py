@@ -14,7 +14,11 @@ A request that fails alone comes back as an output with finish_reason "error" an
 stream (400 for a `TesselError`, else 500). A step that fails for every request (the engine, not
 a request) fails the requests in flight with `EngineDeadError` (503) and restarts the loop, at most
 `max_restarts` times; then the engine is dead for good, `/health` says so and `on_dead` is called
-(`tessel serve` exits, so a supervisor can restart it).
+(`tessel serve` exits, so a supervisor can restart it). Only failures a restart can fix count: an
+error whose `restart_can_fix` attribute is False (a pipeline stage that died or fell silent,
+`tessel.dist.launcher.StageFailedError`) stops the loop at once without spending the budget and
+without `on_dead`: the server stays up, answering 503 with the cause on `/health` and to every
+request, instead of exiting and leaving its clients with refused connections.
 
 The server holds at most `max_pending` unfinished requests (running plus waiting); one more is
 refused with `QueueFullError` (HTTP 429) instead of queueing without bound.
@@ -91,6 +95,11 @@ class RequestStream:
             return
         self._done = True
         self._owner._release(self.request_id, abort=abort)
+
+
+def restart_can_fix(error: BaseException) -> bool:
+    """Whether restarting the engine loop may cure `error` (False for an error that says it cannot)."""
+    return getattr(error, "restart_can_fix", True) is not False
 
 
 def _request_error(error: BaseException | None) -> Exception:
@@ -248,6 +257,9 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as error:
+                if not restart_can_fix(error):
+                    self._die(error, notify=False)
+                    return
                 if self.num_restarts >= self.max_restarts:
                     self._die(error)
                     return
@@ -290,14 +302,15 @@ class AsyncEngine:
         if self.on_outputs is not None and outputs:
             self.on_outputs(outputs, time.time())
 
-    def _die(self, error: BaseException) -> None:
+    def _die(self, error: BaseException, notify: bool = True) -> None:
+        """Fail everything with 503 and stop the loop; `notify`: call `on_dead` (the server exits)."""
         with self._cond:
             self.error = error
         dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
         for request_id in list(self._queues):
             self._deliver(request_id, dead, finished=True)
         self._fail_commands(dead)
-        if self.on_dead is not None:
+        if notify and self.on_dead is not None:
             self.on_dead()
 
     def _fail_commands(self, error: BaseException) -> None:
