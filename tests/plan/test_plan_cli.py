@@ -71,7 +71,7 @@ def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
     assert "VLLM_PP_LAYER_PARTITION=" in result.output and "vllm serve" in result.output
     assert "KV capacity" in result.output
     data = json.loads(out.read_text())
-    assert set(data) == TOP_KEYS and data["version"] == 2
+    assert set(data) == TOP_KEYS and data["version"] == 3
     assert data["precisions"] == [] and data["quality"] is None and data["replicas"] == []
     assert data["model"]["config"]["num_layers"] == 80 and data["granularity"] == granularity
     assert data["cluster"] == {"name": "mixed-a100-v100-t4", "source": "mixed-a100-v100-t4"}

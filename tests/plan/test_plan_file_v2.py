@@ -1,9 +1,11 @@
 """Plan file version 2: per-stage precisions, replicas with routing weights; version 1 still reads;
-`tessel plan --replicas` writes it and `tessel simulate` routes a workload across the replicas."""
+`tessel plan --replicas` writes it and `tessel simulate` routes a workload across the replicas.
+Version 3: a replica plan's top-level `predicted` is the whole plan's; version 2 files upgrade."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PLAN_VERSION, load_plan, parse_plan
+from tessel.plan.plan_file import PLAN_VERSION, Predicted, Replica, load_plan, parse_plan, whole_predicted
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -35,7 +37,7 @@ def replica_plan(tmp_path_factory):
 def test_replica_plan_file_round_trips(replica_plan) -> None:
     path, stdout = replica_plan
     plan = load_plan(path)
-    assert plan.version == PLAN_VERSION == 2 and plan.precisions == ["fp16", "int8"]
+    assert plan.version == PLAN_VERSION == 3 and plan.precisions == ["fp16", "int8"]
     assert len(plan.replicas) >= 1 and sum(r.weight for r in plan.replicas) == pytest.approx(1.0)
     assert [s.device for s in plan.stages] == [s.device for s in plan.replicas[0].stages]
     for replica in plan.replicas:
@@ -52,9 +54,11 @@ def test_simulate_routes_across_replicas(replica_plan, tmp_path) -> None:
     out = tmp_path / "sim.json"
     result = _run_cli("simulate", "--plan", str(path), "--requests", "40", "--json", str(out))
     assert result.returncode == 0, result.stderr
-    metrics = json.loads(out.read_text())["results"]["replicas"]["metrics"]
+    replicas = json.loads(out.read_text())["results"]["replicas"]
+    metrics = replicas["metrics"]
     assert metrics["requests"] == 40
     plan = load_plan(path)
+    assert replicas["predicted"] == plan.predicted.as_dict()  # the whole plan's, beside its simulation
     assert len(metrics["stage_busy_s"]) == sum(len(r.stages) for r in plan.replicas)
 
 
@@ -181,7 +185,7 @@ def test_fuzz_a_stage_precision_name(data, name: str) -> None:
     position = data.draw(st.integers(0, len(stages[index]["precisions"]) - 1))
     stages[index]["precisions"][position] = name
     if name in WEIGHT_SCHEMES:
-        assert parse_plan(document).version == 2
+        assert parse_plan(document).version == PLAN_VERSION
         return
     with pytest.raises(TesselError) as raised:
         parse_plan(document)
@@ -194,3 +198,74 @@ def test_unknown_top_level_precision_is_refused() -> None:
     document = dict(V2, precisions=["fp16", "int2"])
     with pytest.raises(TesselError, match=r"precisions\[1\] is 'int2'"):
         parse_plan(document)
+
+
+# ---- version 3: a replica plan's top-level `predicted` is the whole plan's ----------------------
+
+
+def test_a_replica_plan_states_the_whole_plans_figures(replica_plan) -> None:
+    """The top-level throughput is what the replicas serve together (the total `tessel plan
+    --replicas` prints), above replica 0's; TTFT and TPOT are request-weighted over the replicas.
+    Each replica keeps its own figures, and `main` (replica 0's stages) carries replica 0's."""
+    path, stdout = replica_plan
+    plan = load_plan(path)
+    assert len(plan.replicas) >= 2
+    throughputs = [replica.predicted.throughput_tok_s for replica in plan.replicas]
+    assert plan.predicted.throughput_tok_s == pytest.approx(sum(throughputs), rel=1e-9)
+    assert plan.predicted.throughput_tok_s > throughputs[0]
+    printed = re.search(r"replicas: ([\d.]+) tok/s in all", " ".join(stdout.split()))
+    assert float(printed.group(1)) == pytest.approx(plan.predicted.throughput_tok_s, abs=0.05)
+    for key in ("ttft_s", "tpot_s"):
+        weighted = sum(replica.weight * getattr(replica.predicted, key) for replica in plan.replicas)
+        assert getattr(plan.predicted, key) == pytest.approx(weighted, rel=1e-9)
+    assert plan.main.predicted == plan.replicas[0].predicted.as_dict()
+
+
+def _as_version_2(document: dict) -> dict:
+    """What tessel wrote before version 3: the same plan with replica 0's figures at the top level."""
+    return {**document, "version": 2, "predicted": document["replicas"][0]["predicted"]}
+
+
+def test_an_older_replica_plan_loads_with_the_whole_plans_figures(replica_plan, tmp_path) -> None:
+    path, _ = replica_plan
+    current = load_plan(path)
+    document = json.loads(path.read_text())
+    old = tmp_path / "version2.json"
+    old.write_text(json.dumps(_as_version_2(document)))
+    upgraded = load_plan(old)
+    assert upgraded.version == PLAN_VERSION
+    assert upgraded.predicted.throughput_tok_s > upgraded.replicas[0].predicted.throughput_tok_s
+    assert upgraded.predicted.model_dump() == pytest.approx(current.predicted.model_dump(), rel=1e-12)
+    assert upgraded.replicas == current.replicas
+    # an older file whose replicas give no figures: its top-level ones were replica 0's, so none is stated
+    bare = [{key: value for key, value in r.items() if key != "predicted"} for r in document["replicas"]]
+    assert parse_plan({**_as_version_2(document), "replicas": bare}).predicted is None
+
+
+def test_a_replica_plan_round_trips_through_write_and_load(replica_plan, tmp_path) -> None:
+    path, _ = replica_plan
+    plan = load_plan(path)
+    again = tmp_path / "again.json"
+    plan.write(again)
+    reread = load_plan(again)
+    assert reread.version == PLAN_VERSION and reread.model_dump() == plan.model_dump()
+    assert json.loads(again.read_text())["predicted"] == json.loads(path.read_text())["predicted"]
+
+
+def _replica(index: int, weight: float, ttft_s: float, tpot_s: float, throughput_tok_s: float) -> Replica:
+    predicted = Predicted(ttft_s=ttft_s, tpot_s=tpot_s, throughput_tok_s=throughput_tok_s)
+    return Replica(index=index, weight=weight, stages=parse_plan(V2).stages, predicted=predicted)
+
+
+def test_whole_throughput_is_where_the_first_replica_saturates() -> None:
+    """Weights in proportion to the throughputs: the plan serves their sum. Hand-set weights that
+    are not: it serves min_r X_r / w_r (replica 1, given 3/4 of the requests at 100 tok/s, saturates
+    at 133.3 tok/s in all). TTFT and TPOT are the means over requests."""
+    fast, slow = _replica(0, 0.75, 1.0, 0.1, 300.0), _replica(1, 0.25, 2.0, 0.3, 100.0)
+    whole = whole_predicted([fast, slow])
+    assert whole.throughput_tok_s == pytest.approx(400.0)
+    assert whole.ttft_s == pytest.approx(1.25) and whole.tpot_s == pytest.approx(0.15)
+    skewed = [fast.model_copy(update={"weight": 0.25}), slow.model_copy(update={"weight": 0.75})]
+    assert whole_predicted(skewed).throughput_tok_s == pytest.approx(400.0 / 3)
+    unknown = [fast, slow.model_copy(update={"predicted": Predicted(ttft_s=2.0)})]
+    assert whole_predicted(unknown) == Predicted(ttft_s=1.25)

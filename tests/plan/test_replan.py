@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -135,6 +137,22 @@ def test_cli_replan(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, [*args, "--replan-from", str(tmp_path / "bad.json")])
     assert isinstance(result.exception, TesselError) and "not valid JSON" in str(result.exception)
     assert np.isfinite(data["objective"])
+
+
+def test_cli_refuses_replan_from_with_replicas(tmp_path: Path) -> None:
+    """`--replicas` plans afresh, so a `--replan-from` beside it would be ignored: the pair is
+    refused before any planning, exit 2, one line, no traceback, no plan file written."""
+    old, out = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text("{}")
+    command = ["plan", "--model", MODEL, "--cluster", CLUSTER, "--replicas", "auto", "--time-limit", "3"]
+    command += ["--replan-from", str(old), "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "tessel.cli", *command], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--replan-from" in result.stderr and "--replicas" in result.stderr
+    assert not out.exists()
 
 
 # ---- copies of one GPU type, and precisions: against brute force -----------------------------

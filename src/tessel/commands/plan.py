@@ -13,6 +13,7 @@ from typing import Literal
 import typer
 
 from tessel.commands.options import input_file, output_file
+from tessel.errors import TesselError
 from tessel.plan.api import MAX_TIME_LIMIT_S
 
 Dtype = Literal["fp16", "bf16", "int8", "fp8", "fp32"]
@@ -92,6 +93,8 @@ def plan(
     from tessel.files import check_output_path
     from tessel.plan.api import PlanSettings, make_plan, prepare_plan
 
+    if replicas is not None and replan_from is not None:
+        raise TesselError("--replicas cannot re-plan from a serving plan; drop --replan-from")
     if json_path is not None:
         inputs = (model, cluster, workload, *profile, replan_from, sensitivity)
         check_output_path(json_path, "--json", inputs=inputs)  # never over a file this command reads

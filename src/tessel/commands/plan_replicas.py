@@ -31,7 +31,7 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
 
     from tessel.plan.baselines import run_baselines
     from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
-    from tessel.plan.report import plan_json, predict, replicas_json, stage_table
+    from tessel.plan.report import plan_json, replicas_json, stage_table
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
     b = workload_spec.micro_batch_size
@@ -116,5 +116,4 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
                 console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
         weights = ",".join(f"{replica.weight:.4f}" for replica in chosen.replicas)
         typer.echo(f"load-balancer weights (replica 0..{len(chosen.replicas) - 1}): {weights}")
-    del predict
     return chosen

@@ -20,6 +20,12 @@ Version 2 adds, all optional (a version 1 file reads as a version 2 file without
   `micro_batches`: its share of the workload's m micro-batches in flight (the shares sum to at most m;
   absent in files written before shares: all m). The top-level `stages` are then the first
   replica's, so a reader of one pipeline still finds one.
+
+Version 3 changes what the top-level `predicted` of a replica plan means: it is the whole plan's
+(`whole_predicted`: what the replicas serve together under their routing weights), where versions
+1 and 2 wrote replica 0's. Each replica keeps its own `predicted`. `_upgrade` recomputes the
+top-level figures of an older replica plan from its replicas' (null where a replica gives none).
+A plan without replicas is the same in every version.
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
     from tessel.plan.cluster import Cluster
 
-PLAN_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, 2})
+PLAN_VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+WHOLE_PREDICTED_VERSION = 3  # from it, a replica plan's top-level `predicted` is the whole plan's
 WEIGHT_RTOL = 1e-6  # replica weights must sum to 1 within this
 MAIN_VARIANT = "plan"
 MAX_INDEX = 2**31 - 1  # unit, layer and stage indices: far above any model, far below overflow
@@ -219,6 +226,29 @@ class Replica(_Strict):
     micro_batches: int | None = Field(default=None, ge=1, le=MAX_MICRO_BATCHES)
 
 
+def whole_predicted(replicas: list[Replica]) -> Predicted | None:
+    """A replica plan's predicted figures for the whole plan (the top-level `predicted`, version 3).
+
+    - throughput_tok_s: what the replicas serve together when requests are routed by their
+      weights w_r: min_r X_r / w_r, the rate at which the first replica saturates. With the
+      planner's weights (w_r = X_r / sum X) that is sum_r X_r, the max flow `tessel plan
+      --replicas` reports as the total.
+    - ttft_s, tpot_s: request-weighted means over the replicas, sum_r w_r x_r (a share w_r of the
+      requests sees replica r's figure): what the mean request sees.
+
+    A figure that some replica does not give is None; None when no figure is known."""
+    figures = {}
+    for key in Predicted.model_fields:
+        values = [getattr(r.predicted, key) if r.predicted is not None else None for r in replicas]
+        if not replicas or any(value is None for value in values):
+            figures[key] = None
+        elif key == "throughput_tok_s":
+            figures[key] = min(value / r.weight for value, r in zip(values, replicas, strict=True))
+        else:
+            figures[key] = sum(value * r.weight for value, r in zip(values, replicas, strict=True))
+    return None if all(value is None for value in figures.values()) else Predicted(**figures)
+
+
 class Quality(_Strict):
     """The plan's quality cost (v2): its total, the budget and theta it was held to, the source."""
 
@@ -369,7 +399,10 @@ class PlanFile(_Strict):
 
     @property
     def main(self) -> PlanVariant:
-        return PlanVariant(name=MAIN_VARIANT, stages=tuple(self.stages), predicted=_predicted(self.predicted))
+        """The top-level pipeline. In a replica plan its stages are replica 0's, and so are the
+        figures it carries (the whole plan's are `predicted`)."""
+        predicted = self.replicas[0].predicted if self.replicas else self.predicted
+        return PlanVariant(name=MAIN_VARIANT, stages=tuple(self.stages), predicted=_predicted(predicted))
 
     @property
     def baseline_variants(self) -> tuple[PlanVariant, ...]:
@@ -500,7 +533,9 @@ def _predicted(predicted: Predicted | None) -> dict[str, float]:
 
 def _upgrade(data: dict) -> dict:
     """The one place older plan versions become the current one: version 1 lacks only optional
-    version 2 fields (precisions, quality, replicas), so it reads as version 2 without them."""
+    version 2 fields (precisions, quality, replicas), so it reads as version 2 without them; a
+    version 1 or 2 replica plan's top-level `predicted` (replica 0's) becomes the whole plan's,
+    recomputed from its replicas (`whole_predicted`)."""
     _check_nesting(data)
     version = data.get("version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
@@ -515,8 +550,22 @@ def _upgrade(data: dict) -> dict:
         raise ValueError("'stages' must be a non-empty list of stages")
     if version == 1:
         data = {key: value for key, value in data.items() if key not in ("precisions", "quality", "replicas")}
-        data["version"] = PLAN_VERSION
-    return data
+    if version < WHOLE_PREDICTED_VERSION and data.get("replicas"):
+        data = {**data, "predicted": _whole_predicted_of(data["replicas"])}
+    return {**data, "version": PLAN_VERSION}
+
+
+def _whole_predicted_of(replicas: Any) -> dict[str, Any] | None:
+    """The whole plan's figures from an older file's replicas, as JSON; None when its replicas do
+    not parse (validation then refuses them with a message naming the field)."""
+    if not isinstance(replicas, list):
+        return None
+    try:
+        parsed = [Replica.model_validate(replica) for replica in replicas]
+    except ValidationError:
+        return None
+    whole = whole_predicted(parsed)
+    return None if whole is None else whole.model_dump()
 
 
 def _check_nesting(data: Any) -> None:

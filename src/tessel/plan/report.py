@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tessel.plan.baselines import BaselineResult
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.plan_file import PLAN_VERSION, PlanFile, parse_plan
+from tessel.plan.plan_file import PLAN_VERSION, PlanFile, parse_plan, whole_predicted
 from tessel.plan.solution import Evaluation
 from tessel.units import GBPS, GIB, US_PER_S
 
@@ -190,8 +190,9 @@ def plan_json(
     baseline_instance: PlanningInstance | None = None,
 ) -> PlanFile:
     """The plan file that the simulator, chunk planner and runtime read. With `replicas`
-    (`replicas_json`), `evaluation` is the first replica's and `instance` its group's, and the
-    baselines (single pipelines over the whole cluster) belong to `baseline_instance`."""
+    (`replicas_json`), `evaluation` is the first replica's and `instance` its group's (the top-level
+    `stages`), the top-level `predicted` is the whole plan's (`whole_predicted`), and the baselines
+    (single pipelines over the whole cluster) belong to `baseline_instance`."""
     b = workload.micro_batch_size
     data = {
         "version": PLAN_VERSION,
@@ -214,7 +215,10 @@ def plan_json(
         "quality": quality_json(instance, evaluation, quality_source),
         "replicas": replicas or [],
     }
-    return parse_plan(_finite_tree(data), source="tessel plan")
+    plan = parse_plan(_finite_tree(data), source="tessel plan")
+    if not plan.replicas:
+        return plan
+    return plan.model_copy(update={"predicted": whole_predicted(plan.replicas)})
 
 
 def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):

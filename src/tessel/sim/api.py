@@ -192,8 +192,9 @@ def _run_replicas(
             results.append(_run_variant(plan_file, variant, share, *own, profiles).result)
     merged = merge_results(results)
     stages = tuple(stage for variant in replicas for stage in variant.stages)
+    whole = {} if plan_file.predicted is None else plan_file.predicted.as_dict()  # the whole plan's
     return VariantRun(
-        PlanVariant(name="replicas", stages=stages, predicted={}), merged, compute_metrics(merged)
+        PlanVariant(name="replicas", stages=stages, predicted=whole), merged, compute_metrics(merged)
     )
 
 
