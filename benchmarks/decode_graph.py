@@ -75,7 +75,8 @@ def linear_row() -> dict:
     import torch
 
     from tessel.kernels import cpu_compile
-    from tessel.kernels.w8a16_cpu import gemv_scaled_formula, quantize_rows_formula
+    from tessel.kernels.quantize import per_token_codes as quantize_rows_formula
+    from tessel.kernels.w8a16_cpu import gemv_scaled_formula
 
     n, k = 3072, 576
     x, w, w_scale = torch.randn(1, k), torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)

@@ -123,7 +123,8 @@ def gemm_shape(bench: Bench, m: int, n: int, k: int) -> None:
     """One GEMM shape: the W8A8 layer and its two halves, W8A16, and (CUDA) the float GEMM."""
     from tessel.kernels import int8_gemm, quantize_per_token
     from tessel.kernels.w8a16_gemm import linear
-    from tessel.layers import Int8Linear, W8A16Linear
+    from tessel.layers import W8A8Linear as Int8Linear
+    from tessel.layers import W8A16Linear
 
     device = bench.device
     float_dtype = torch.float16 if device == "cuda" else torch.float32
@@ -192,7 +193,7 @@ def smollm2_cases(bench: Bench) -> None:
     32 rows (32 requests decoding): Int8Linear with 7-bit and with 8-bit weight codes on this CPU's
     paths, against fp32 F.linear. The end-to-end W8A8 / fp32 decode ratio of the engine cannot
     exceed this one by much, as everything outside the linears is the same code in both."""
-    from tessel.layers import Int8Linear
+    from tessel.layers import W8A8Linear as Int8Linear
 
     refs = [torch.nn.Linear(k, n) for n, k in SMOLLM2_LINEARS.values()]
     narrow = [Int8Linear.from_linear(ref, weight_code_bits=7) for ref in refs]

@@ -63,7 +63,8 @@ PROVIDERS = ("nn.Linear", "tessel Linear", "Int8Linear", "W8A16Linear")
 
 def build_layers(shape: DecoderShape, device: str, dtype: torch.dtype) -> dict[str, dict[str, nn.Module]]:
     """provider -> projection name -> module, all holding the same float weights."""
-    from tessel.layers import Int8Linear, Linear, W8A16Linear
+    from tessel.layers import Linear, W8A16Linear
+    from tessel.layers import W8A8Linear as Int8Linear
 
     layers: dict[str, dict[str, nn.Module]] = {p: {} for p in PROVIDERS}
     for name, (fan_in, fan_out) in shape.projections().items():

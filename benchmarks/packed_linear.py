@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from tessel.layers.packed_linear import PackedLinear, packing_available
+from tessel.layers.linear import packed_linear as PackedLinear
+from tessel.layers.linear import packing_available
 
 SHAPES = [(rows, 512, out) for out in (512, 3072, 32000) for rows in (32, 256, 2048)]
 ROUNDS = 3  # x --repeats timed calls of each provider

@@ -358,9 +358,10 @@ def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
 
     from tessel.kernels.cpu_features import BF16_FLAGS, cpu_flags
     from tessel.kernels.quantize import quantize_per_token
-    from tessel.layers import Int8Linear
-    from tessel.layers.packed_linear import PackedLinear, packing_available
-    from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
+    from tessel.layers.linear import W8A8Linear, packing_available
+    from tessel.layers.linear import W8A8Linear as Int8Linear
+    from tessel.layers.linear import W8A16Linear as W8A16CPULinear
+    from tessel.layers.linear import packed_linear as PackedLinear
 
     fp = nn.Linear(k, n)
     q, s = quantize_per_token(fp.weight.detach())

@@ -24,7 +24,7 @@ from tessel.dist.run import RunOptions, run_pipeline
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
-from tessel.layers.quantized_linear import W8A8Linear
+from tessel.layers.linear import W8A8Linear
 from tessel.quant.load_quantize import int4_group, quantized_linear
 
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -1,4 +1,4 @@
-"""tessel.layers Linear / Int8Linear / W8A16Linear against nn.Linear.
+"""tessel.layers Linear / W8A8Linear / W8A16Linear against nn.Linear.
 
 Error bounds for the quantised layers, per output y = sum_k x_k w_k (float64 maths):
 - W8A16: the weight error |w_k - q_k s_w| <= s_w / 2 (round to nearest), so
@@ -19,8 +19,8 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.kernels import quantize_per_token
-from tessel.layers import Int8Linear, Linear, W8A16Linear
 from tessel.kernels.cpu_features import ENV_OVERRIDE
+from tessel.layers import Linear, W8A8Linear, W8A16Linear
 
 OUTPUT_ROUNDING = {  # dtype: (atol, rtol) for one rounding of O(1) outputs to this dtype
     torch.float32: (1e-5, 1e-5),
@@ -80,7 +80,7 @@ def test_linear_gradients_match_nn_linear(backend: str) -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-# ---- Int8Linear ---------------------------------------------------------------------------------
+# ---- W8A8Linear ---------------------------------------------------------------------------------
 
 
 INT8_BACKENDS = {
@@ -117,7 +117,7 @@ def activation_step(x: torch.Tensor, path: str | None, fbgemm_levels: int = 127)
 
 
 def w8a8_bound(
-    x: torch.Tensor, layer: Int8Linear, ref: nn.Linear, path: str | None = None, fbgemm_levels: int = 127
+    x: torch.Tensor, layer: W8A8Linear, ref: nn.Linear, path: str | None = None, fbgemm_levels: int = 127
 ) -> torch.Tensor:
     rows = x.reshape(-1, IN_FEATURES).double()
     s_x = activation_step(x, path, fbgemm_levels)  # [M, 1]
@@ -128,9 +128,9 @@ def w8a8_bound(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_linear_within_quantisation_bound(int8_backend: str | None, dtype: torch.dtype) -> None:
+def test_w8a8_linear_within_quantisation_bound(int8_backend: str | None, dtype: torch.dtype) -> None:
     ref = float_linear()
-    layer = Int8Linear.from_linear(ref)
+    layer = W8A8Linear.from_linear(ref)
     x = inputs(dtype)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (2, 5, OUT_FEATURES)
@@ -142,11 +142,11 @@ def test_int8_linear_within_quantisation_bound(int8_backend: str | None, dtype: 
     assert rel < 0.03, f"relative error {rel:.4f}; Gaussian data should give ~1.3% (7-bit: ~2%)"
 
 
-def test_int8_linear_with_7bit_weight_codes_within_quantisation_bound(int8_backend: str | None) -> None:
+def test_w8a8_linear_with_7bit_weight_codes_within_quantisation_bound(int8_backend: str | None) -> None:
     """`weight_code_bits=7`: codes in [-63, 63] (scale absmax / 63); fbgemm then takes 8-bit
     activation codes (255 levels per row), every other path the same integer products as before."""
     ref = float_linear()
-    layer = Int8Linear.from_linear(ref, weight_code_bits=7)
+    layer = W8A8Linear.from_linear(ref, weight_code_bits=7)
     assert torch.all(layer.weight.abs().amax(1) == 63)
     err_w = (layer.dequantized_weight() - ref.weight.detach()).abs()
     assert torch.all(err_w <= layer.weight_scale[:, None] / 2 * (1 + 1e-5))
@@ -157,9 +157,9 @@ def test_int8_linear_with_7bit_weight_codes_within_quantisation_bound(int8_backe
     assert torch.all(err <= w8a8_bound(x, layer, ref, int8_backend, 255) + atol + rtol * expected.abs())
 
 
-def test_int8_linear_path_follows_the_weight_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_w8a8_linear_path_follows_the_weight_codes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On AVX2 (flags patched): 7-bit codes take fbgemm with 8-bit activations, full-range codes
-    fp16codes; the choice is made again when the weight changes; set_path forces one."""
+    fp16codes; the choice is made again when a new weight is loaded; set_path forces one."""
     from tessel.kernels import cpu_features
 
     if not cpu_features.fbgemm_available():
@@ -167,27 +167,29 @@ def test_int8_linear_path_follows_the_weight_codes(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
     ref = float_linear()
-    layer = Int8Linear.from_linear(ref, weight_code_bits=7)
-    assert layer.cpu_path() == "fbgemm" and layer._path[2] == 8
-    with torch.no_grad():
-        layer.weight.copy_(Int8Linear.from_linear(ref).weight)  # full-range codes now
-    assert layer.cpu_path() == "fp16codes"
+    layer = W8A8Linear.from_linear(ref, weight_code_bits=7)
+    assert layer.path == "fbgemm" and layer.plan.fbgemm_act_bits == 8
+    full = W8A8Linear.from_linear(ref)
+    layer.load_state_dict(full.state_dict())  # full-range codes now
+    assert layer.path == "fp16codes"
+    x = inputs()
+    assert torch.equal(layer(x), full(x))
     layer.set_path("fbgemm")
-    assert layer.cpu_path() == "fbgemm" and layer._path[2] == 7
+    assert layer.path == "fbgemm" and layer.plan.fbgemm_act_bits == 7
     layer.set_path(None)
-    assert layer.cpu_path() == "fp16codes"
+    assert layer.path == "fp16codes"
     with pytest.raises(TesselError, match="unknown int8 path"):
         layer.set_path("vnni")
     with pytest.raises(TesselError, match="weight code bits"):
-        Int8Linear.from_linear(ref, weight_code_bits=6)
+        W8A8Linear.from_linear(ref, weight_code_bits=6)
 
 
 @pytest.mark.parametrize("int8_backend", EXACT_INT8_BACKENDS, indirect=True)
-def test_int8_linear_is_exactly_quantise_then_gemm(int8_backend: str | None) -> None:
+def test_w8a8_linear_is_exactly_quantise_then_gemm(int8_backend: str | None) -> None:
     """The layer computes (q_x s_x) @ (q_w s_w).T + b: check against that in float64 (fbgemm's
-    7-bit codes: `test_int8_linear_within_quantisation_bound` holds it to its bound)."""
+    7-bit codes: `test_w8a8_linear_within_quantisation_bound` holds it to its bound)."""
     ref = float_linear()
-    layer = Int8Linear.from_linear(ref)
+    layer = W8A8Linear.from_linear(ref)
     x = inputs()
     q_x, s_x = quantize_per_token(x.reshape(-1, IN_FEATURES))
     deq_x = q_x.double() * s_x.double()[:, None]
@@ -197,10 +199,10 @@ def test_int8_linear_is_exactly_quantise_then_gemm(int8_backend: str | None) -> 
     torch.testing.assert_close(layer.dequantized_weight().double(), deq_w)
 
 
-def test_int8_linear_weights_are_per_channel_int8(int8_backend: str | None) -> None:
+def test_w8a8_linear_weights_are_per_channel_int8(int8_backend: str | None) -> None:
     ref = float_linear(bias=False)
     ref.weight.data[3] *= 100  # one loud channel must not coarsen the others' scales
-    layer = Int8Linear.from_linear(ref)
+    layer = W8A8Linear.from_linear(ref)
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (OUT_FEATURES,)
     assert layer.bias is None
     assert torch.all(layer.weight.abs().amax(1) == 127)
@@ -208,17 +210,19 @@ def test_int8_linear_weights_are_per_channel_int8(int8_backend: str | None) -> N
     assert torch.all(err <= layer.weight_scale[:, None] / 2 * (1 + 1e-5))
     state = layer.state_dict()
     assert set(state) == {"weight", "weight_scale"}
-    again = Int8Linear(IN_FEATURES, OUT_FEATURES, bias=False)
+    again = W8A8Linear(torch.zeros(OUT_FEATURES, IN_FEATURES, dtype=torch.int8), torch.ones(OUT_FEATURES))
     again.load_state_dict(state)
     assert torch.equal(again.weight, layer.weight)
+    x = inputs()
+    assert torch.equal(again(x), layer(x))  # the path's weight forms follow the loaded weight
 
 
-def test_int8_linear_from_int8_validates() -> None:
+def test_w8a8_linear_validates_its_int8_tensors() -> None:
     with pytest.raises(TesselError):
-        Int8Linear.from_int8(torch.zeros(4, 3), torch.ones(4))
+        W8A8Linear(torch.zeros(4, 3), torch.ones(4))
     with pytest.raises(TesselError):
-        Int8Linear.from_int8(torch.zeros(4, 3, dtype=torch.int8), torch.ones(5))
-    layer = Int8Linear.from_int8(torch.ones(4, 3, dtype=torch.int8), torch.full((4,), 0.5), torch.arange(4.0))
+        W8A8Linear(torch.zeros(4, 3, dtype=torch.int8), torch.ones(5))
+    layer = W8A8Linear(torch.ones(4, 3, dtype=torch.int8), torch.full((4,), 0.5), torch.arange(4.0))
     out = layer(torch.ones(2, 3))
     torch.testing.assert_close(out, torch.tensor([[1.5, 2.5, 3.5, 4.5]] * 2))
     with pytest.raises(TesselError):
@@ -244,7 +248,7 @@ def test_w8a16_linear_within_quantisation_bound(backend: str, dtype: torch.dtype
         assert rel < 0.02, f"relative error {rel:.4f}; Gaussian weights should give ~1%"
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, W8A16Linear])
+@pytest.mark.parametrize("cls", [W8A8Linear, W8A16Linear])
 def test_quantized_layers_keep_float32_scales_through_dtype_casts(backend: str, cls) -> None:
     ref = float_linear()
     layer = cls.from_linear(ref)

@@ -1,4 +1,4 @@
-"""PackedLinear (oneDNN-reordered weights) against a float64 linear, and pack_linears' swaps."""
+"""The packed `Linear` (oneDNN-reordered weights) against a float64 linear, and pack_linears' swaps."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from tessel.layers.embedding import LMHead
-from tessel.layers.packed_linear import (
+from tessel.layers.linear import (
     TILE_ROWS,
-    PackedLinear,
+    Linear,
     bucket_rows,
     pack_linears,
+    packed_linear,
     packing_available,
 )
 
@@ -27,7 +28,7 @@ def test_packed_linear_matches_float64(rows, in_features, out_features, bias) ->
     expected = x.double() @ layer.weight.double().t()
     if bias:
         expected += layer.bias.double()
-    out = PackedLinear(layer.weight, layer.bias)(x)
+    out = packed_linear(layer.weight, layer.bias)(x)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -41,7 +42,7 @@ def test_row_buckets_cover_every_count_with_few_shapes() -> None:
 
 def test_leading_dims_and_strided_rows() -> None:
     layer = nn.Linear(40, 24)
-    packed = PackedLinear(layer.weight, layer.bias)
+    packed = packed_linear(layer.weight, layer.bias)
     x = torch.randn(3, 5, 40)
     torch.testing.assert_close(packed(x), layer(x), atol=1e-5, rtol=1e-5)
     strided = torch.randn(6, 80)[:, :40]
@@ -61,14 +62,18 @@ class _Tiny(nn.Module):
         return self.head(self.inner(self.proj(x)))
 
 
+def _packed(module: nn.Module) -> bool:
+    return isinstance(module, Linear) and module.path == "packed" and module.weight is None
+
+
 def test_pack_linears_swaps_float32_layers_and_keeps_outputs() -> None:
     model = _Tiny()
     x = torch.randn(9, 16)
     expected = model(x)
     assert pack_linears(model) == 3
-    assert isinstance(model.proj, PackedLinear) and isinstance(model.inner[0], PackedLinear)
-    assert isinstance(model.head, PackedLinear)
-    assert isinstance(model.bf16, nn.Linear)
+    assert _packed(model.proj) and _packed(model.inner[0]) and _packed(model.head)
+    assert type(model.bf16) is nn.Linear
+    assert pack_linears(model) == 0  # packed layers are not packed again
     with torch.inference_mode():
         out = model(x)
     assert out.dtype == torch.float32
@@ -77,11 +82,10 @@ def test_pack_linears_swaps_float32_layers_and_keeps_outputs() -> None:
 
 def test_engine_can_leave_linears_unpacked(tmp_path) -> None:
     from tessel import LLM
-    from tessel.layers.packed_linear import PackedLinear as Packed
     from tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama")
     packed = LLM(str(path), max_model_len=64)
     plain = LLM(str(path), max_model_len=64, pack_cpu_linears=False)
-    count = [sum(isinstance(m, Packed) for m in llm.model.modules()) for llm in (packed, plain)]
+    count = [sum(_packed(m) for m in llm.model.modules()) for llm in (packed, plain)]
     assert count[0] > 0 and count[1] == 0

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from tessel.cost.profile import load_profile  # noqa: E402
 from tessel.errors import TesselError  # noqa: E402
-from tessel.layers.packed_linear import PackedLinear  # noqa: E402
+from tessel.layers.linear import Linear  # noqa: E402
 from tessel.models.llama import LlamaDecoderLayer  # noqa: E402
 from tessel.models.profiler import (  # noqa: E402
     LayerShape,
@@ -64,7 +64,8 @@ def test_the_timed_layer_is_the_engines() -> None:
     layer = _Layer(LayerShape(64, 96, 4, 2, 16), ProfileSettings(), max_tokens=64, max_batch=2)
     assert isinstance(layer.module, LlamaDecoderLayer)
     if torch.backends.mkldnn.is_available():  # float32 on CPU: packed as ModelRunner packs it
-        assert isinstance(layer.module.mlp.gate_up_proj, PackedLinear)
+        gate_up = layer.module.mlp.gate_up_proj
+        assert isinstance(gate_up, Linear) and gate_up.path == "packed"
 
 
 @pytest.mark.parametrize(

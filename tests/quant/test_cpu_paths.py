@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels.quantize import quantize_per_token
-from tessel.layers.quantized_linear import W8A8Linear
 from tessel.kernels import cpu_features
 from tessel.kernels.cpu_features import ENV_OVERRIDE, INT8_PATHS, choose_int8_path
+from tessel.kernels.quantize import quantize_per_token
+from tessel.layers.linear import W8A8Linear
 
 
 def _layer(
@@ -39,7 +39,7 @@ def test_every_path_matches_the_float64_reference(path: str, m: int, n: int, k: 
     x = torch.randn(m, k) * torch.linspace(0.2, 4, k)
     y = layer(x)
     b = 0 if layer.bias is None else layer.bias.double()
-    if path == "fbgemm" and layer._fbgemm_act_bits == 7:  # 8 bits: quantize_per_token's codes
+    if path == "fbgemm" and layer.plan.fbgemm_act_bits == 7:  # 8 bits: quantize_per_token's codes
         ref = x.double() @ w_deq.T + b
         absmax = x.double().abs().amax(1, keepdim=True)
         scaled = x.double() / absmax  # every row in [-1, 1], then one 7-bit step for them all
@@ -73,7 +73,7 @@ def test_paths_agree_with_each_other_on_a_batch() -> None:
     assert torch.equal(ys["fp16codes"], ys["int_mm"])  # the same integer sums, the same epilogue
     one_row = {path: _layer(80, 96, True, None, path)[0](x[:1]) for path in ("fp16codes", "dequant")}
     torch.testing.assert_close(one_row["fp16codes"], one_row["dequant"], rtol=1e-6, atol=1e-6)
-    if _layer(80, 96, True, None, "fbgemm")[0]._fbgemm_act_bits == 8:  # VNNI: the same codes
+    if _layer(80, 96, True, None, "fbgemm")[0].plan.fbgemm_act_bits == 8:  # VNNI: the same codes
         assert torch.equal(ys["fbgemm"], ys["int_mm"])
     rel = (ys["fbgemm"] - ys["int_mm"]).norm() / ys["int_mm"].norm()
     assert rel < 0.03
@@ -171,9 +171,10 @@ def test_full_range_weights_take_8bit_fbgemm_on_vnni(monkeypatch, m, n, k) -> No
     if not cpu_features.fbgemm_available():
         pytest.skip("this torch build has no fbgemm")
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
-    layer, _ = _layer(n, k, True, None, None)  # type: ignore[arg-type]
+    amx = cpu_features.AMX_INT8_FLAG in cpu_features.cpu_flags()  # the default is int_mm there: forced
+    layer, _ = _layer(n, k, True, None, "fbgemm" if amx else None)  # type: ignore[arg-type]
     assert int(layer.weight.abs().max()) == 127
-    assert (layer.path, layer._fbgemm_act_bits) == ("fbgemm", 8)
+    assert (layer.path, layer.plan.fbgemm_act_bits) == ("fbgemm", 8)
     x = torch.randn(m, k) * torch.linspace(0.2, 4, k)
     x[0, 5] = 40.0
     _assert_per_token_int8(layer, x)
@@ -244,7 +245,7 @@ def test_7bit_weight_codes_take_fbgemm_with_8bit_activations_on_avx2(avx2_cpu, m
     the layer picks fbgemm on the per-token int8 codes, the int32 GEMM's result."""
     q, s = _narrow_layer(n, k, m)
     layer = W8A8Linear(q, s, torch.randn(n))
-    assert (layer.path, layer._fbgemm_act_bits) == ("fbgemm", 8)
+    assert (layer.path, layer.plan.fbgemm_act_bits) == ("fbgemm", 8)
     x = torch.randn(m, k) * torch.linspace(0.2, 4, k)
     x[0, 5] = 40.0  # an outlier in the first row only
     _assert_per_token_int8(layer, x)
@@ -256,9 +257,9 @@ def test_7bit_weight_codes_take_fbgemm_with_8bit_activations_on_avx2(avx2_cpu, m
 def test_full_range_weights_keep_fp16codes_or_7bit_activations(avx2_cpu) -> None:
     layer, _ = _layer(64, 96, False, None, None)  # type: ignore[arg-type]
     assert int(layer.weight.abs().max()) == 127
-    assert (layer.path, layer._fbgemm_act_bits) == ("fp16codes", 7)
+    assert (layer.path, layer.plan.fbgemm_act_bits) == ("fp16codes", 7)
     layer.set_path("fbgemm")  # opt-in: 7-bit activation codes, never 8 against these weights
-    assert layer._fbgemm_act_bits == 7
+    assert layer.plan.fbgemm_act_bits == 7
     q, s = _narrow_layer(64, 96, 1)
     static = W8A8Linear(q, s, input_scale=torch.tensor([0.02]))  # fbgemm takes no static scale
     assert static.path == "fp16codes"
@@ -307,7 +308,7 @@ def test_one_fbgemm_row_takes_the_gemv_only_with_avx512(monkeypatch, flags, gemv
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     q, s = _narrow_layer(96, 160, 4)  # 7-bit codes: 8-bit activations on either CPU
     layer = W8A8Linear(q, s, torch.randn(96))
-    assert (layer.path, layer._fbgemm_act_bits, layer._fbgemm_gemv_row) == ("fbgemm", 8, gemv)
+    assert (layer.path, layer.plan.fbgemm_act_bits, layer.plan.one_row_gemv) == ("fbgemm", 8, gemv)
     calls = []
     monkeypatch.setattr(layer, "_gemv", lambda rows: calls.append(rows) or None)  # falls through
     _assert_per_token_int8(layer, torch.randn(1, 160) * 3)
@@ -322,7 +323,7 @@ def test_fbgemm_codes_round_near_ties_as_quantize_per_token() -> None:
         pytest.skip("this torch build has no fbgemm")
     q, s = _narrow_layer(64, 96, 6)
     layer = W8A8Linear(q, s, torch.randn(64), path="fbgemm")
-    assert layer._fbgemm_act_bits == 8
+    assert layer.plan.fbgemm_act_bits == 8
     g = torch.Generator().manual_seed(6)
     halves = torch.randint(-120, 120, (16, 96), generator=g).float() + 0.5
     nudge = torch.where(torch.rand(16, 96, generator=g) < 0.5, -8e-6, 8e-6) * halves.abs()

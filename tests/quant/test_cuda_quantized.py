@@ -16,8 +16,7 @@ from ct_oracle import hf_quantized
 from decode_steps import decode_logits
 from tessel import LLM
 from tessel.cli import app
-from tessel.layers.linear import W8A16Linear
-from tessel.layers.quantized_linear import W8A8Linear
+from tessel.layers.linear import W8A8Linear, W8A16Linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CASES = {

@@ -1,6 +1,6 @@
 """Quantised checkpoints through the compiled decode steps (`tessel.engine.decode_graph` for one
 sequence, `tessel.engine.batch_decode_graph` for several), each linear module's traced one-row form
-(`tessel.layers.traced_linear`) and its split multi-row form (`tessel.layers.split_linear`).
+(`layer.one_row_form()`) and its split multi-row form (`layer.split()`, `tessel.layers.linear.forms`).
 
 Oracles: HF transformers + compressed-tensors (`ct_oracle.hf_quantized`, activations fake-quantised
 as the int8 GEMM computes them) for the decode steps' logits; each module's own eager forward for
@@ -20,11 +20,9 @@ from tessel.cli import app
 from tessel.engine.batch_decode_graph import BatchDecodeGraph
 from tessel.engine.decode_graph import DecodeGraph
 from tessel.kernels import cpu_compile
-from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
-from tessel.layers.split_linear import split_linear
-from tessel.layers.traced_linear import linear_form
 from tessel.kernels.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
 from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, fbgemm_act_bits
+from tessel.layers.linear import W8A8Linear, W8A16Linear, linear_form, split_linear
 
 pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
 
@@ -92,7 +90,7 @@ def _modules(with_bias: bool) -> list[torch.nn.Module]:
         W8A8Linear(w, scale, bias, path="int_mm"),
         W8A8Linear(w, scale, bias, input_scale=torch.tensor(0.02), path="int_mm"),
         W8A8Linear(w, scale, bias, path="dequant"),
-        W8A16CPULinear(w, scale, bias, path="gemv"),
+        W8A16Linear(w, scale, bias, path="gemv"),
         linear.requires_grad_(False),
     ]
 
@@ -115,8 +113,8 @@ def test_each_traced_form_computes_its_modules_one_row_forward(with_bias: bool) 
 
 def test_paths_without_a_traced_form_keep_the_model_eager(quantized) -> None:
     w = torch.randint(-63, 64, (16, 32), dtype=torch.int8)
-    assert linear_form(W8A16CPULinear(w, torch.ones(16), path="dequant")) is None
-    assert linear_form(W8A16CPULinear(w, torch.ones(16), path="fp16codes")) is None
+    assert linear_form(W8A16Linear(w, torch.ones(16), path="dequant")) is None
+    assert linear_form(W8A16Linear(w, torch.ones(16), path="fp16codes")) is None
     assert linear_form(W8A8Linear(w, torch.ones(16), path="fp16codes")) is None
     llm = LLM(quantized("w8a16"), max_model_len=64)
     layer = llm.runner.model.model.layers[1].mlp
@@ -140,7 +138,7 @@ def test_batch_decode_steps_match_the_compressed_tensors_oracle(quantized, monke
         monkeypatch.setenv(INT8_ENV_OVERRIDE, path)
     out = quantized(scheme)
     llm = LLM(out, max_model_len=128, block_size=8)
-    linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear | W8A16CPULinear)]
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear | W8A16Linear)]
     kinds = {split_linear(m).kind for m in linears}
     assert kinds == {SPLIT_KINDS.get(path, "opaque")}
     # whole modules only: the engine leaves the steps eager (not worth compiling); installed here

@@ -27,9 +27,9 @@ from tessel.engine.config import EngineConfig
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
-from tessel.layers.embedding import LMHead, QuantizedLMHead
-from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear
 from tessel.kernels.cpu_features import ENV_OVERRIDE, W8A16_ENV_OVERRIDE
+from tessel.layers.embedding import LMHead, QuantizedLMHead
+from tessel.layers.linear import W8A8Linear, W8A16Linear
 from tessel.quant.lm_head import LM_HEAD_MODES, check_lm_head_mode, quantize_lm_head
 from tessel.quant.schemes import make_scheme
 
@@ -77,7 +77,7 @@ def test_head_matches_float64(monkeypatch, scheme: str, path: str, m: int, v: in
     head = _head(v, k, seed=v + k)
     module = quantize_lm_head(head, SCHEMES[scheme], torch.float32, "cpu")
     linear = module.linear
-    assert isinstance(linear, W8A8Linear if scheme == "w8a8" else W8A16CPULinear)
+    assert isinstance(linear, W8A8Linear if scheme == "w8a8" else W8A16Linear)
     assert linear.path == path
     check_codes(linear, head.weight)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

@@ -24,7 +24,7 @@ from ct_oracle import engine_logits, hf_quantized
 from tessel import LLM, SamplingParams
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.layers.quantized_linear import W8A8Linear
+from tessel.layers.linear import W8A8Linear
 from tessel.quant.calibrate import calibration_windows, read_calibration_text
 
 CASES = {
@@ -144,8 +144,8 @@ def test_7bit_weight_codes_are_an_int8_checkpoint_run_on_fbgemm(
     of each row), as near the float model as the exact path is."""
     from safetensors.torch import load_file
 
-    from tessel.kernels.int8_cpu import fits_7bit_codes
     from tessel.kernels import cpu_features
+    from tessel.kernels.int8_cpu import fits_7bit_codes
 
     out = tmp_path / "w7"
     args = ["--scheme", "w8a8", "--weight-code-bits", "7", "--smoothquant", "0.5", "--method", "gptq"]
@@ -171,7 +171,7 @@ def test_7bit_weight_codes_are_an_int8_checkpoint_run_on_fbgemm(
     llm = LLM(out, max_model_len=128)
     linears = [m for m in llm.model.modules() if isinstance(m, W8A8Linear)]
     assert linears and all(fits_7bit_codes(m.weight) for m in linears)
-    assert {(m.path, m._fbgemm_act_bits) for m in linears} == {("fbgemm", 8)}
+    assert {(m.path, m.plan.fbgemm_act_bits) for m in linears} == {("fbgemm", 8)}
     got = engine_logits(out, ids)
     fp = engine_logits(tiny_llama, ids)
     exact_error, fbgemm_error = float((exact - fp).norm()), float((got - fp).norm())

@@ -1,4 +1,4 @@
-"""The CPU W8A16 paths (`W8A16CPULinear`): each against float64, the path follows the CPU, and the
+"""The CPU W8A16 paths (`W8A16Linear`): each against float64, the path follows the CPU, and the
 engine decoding a W8A16 checkpoint matches HF transformers step by step.
 
 References: float64 `x @ (q * s).T + b` for `gemv`, `fp16codes` and `dequant` (float32 sums: 1e-5
@@ -21,9 +21,9 @@ from tessel import LLM, SamplingParams
 from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.kernels import cpu_compile, w8a16_cpu
-from tessel.kernels.quantize import quantize_per_token
-from tessel.layers.quantized_linear import GEMV_MAX_ROWS, W8A16CPULinear
 from tessel.kernels.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a16_path, cpu_flags
+from tessel.kernels.quantize import quantize_per_token
+from tessel.layers.linear import GEMV_MAX_ROWS, W8A16Linear
 
 HAS_BF16 = bool(cpu_flags() & BF16_FLAGS)
 PATHS = [
@@ -40,7 +40,7 @@ def _layer(n: int, k: int, bias: bool, path: str):
     g = torch.Generator().manual_seed(n * 1000 + k)
     q, s = quantize_per_token(torch.randn(n, k, generator=g))
     b = torch.randn(n, generator=g) if bias else None
-    return W8A16CPULinear(q, s, b, path=path), q, s, b
+    return W8A16Linear(q, s, b, path=path), q, s, b
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -133,7 +133,7 @@ def test_engine_decodes_like_hf_on_every_path(tiny_llama, tmp_path, monkeypatch,
     assert result.exit_code == 0, result.output
     monkeypatch.setenv(W8A16_ENV_OVERRIDE, path)
     llm = LLM(out, max_model_len=64, block_size=8)
-    assert {m.path for m in llm.model.modules() if isinstance(m, W8A16CPULinear)} == {path}
+    assert {m.path for m in llm.model.modules() if isinstance(m, W8A16Linear)} == {path}
     prompt = torch.randint(4, 300, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))[0]
     hf = AutoModelForCausalLM.from_pretrained(

@@ -7,7 +7,7 @@ W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each 
 microseconds, which compiled graphs save (`benchmarks/decode_profile.py --concurrent 32
 --torch-profiler 20`; docs/results.md). Here those ops run as
 graphs traced (`make_fx`) and compiled by inductor's C++ backend (`tessel.kernels.cpu_compile`),
-and each GEMM is called eagerly between them, split by `tessel.layers.split_linear` (fbgemm's
+and each GEMM is called eagerly between them, split by `tessel.layers.linear.forms` (fbgemm's
 int8 GEMM alone, its quantiser and epilogue in the graphs; any other linear whole). Per layer:
 
     first / next  (down's post + residual,) input norm, qkv's pre     graph (layer 0: "first")
@@ -45,7 +45,7 @@ from tessel.engine.decode_graph import graph_layers
 from tessel.kernels import cpu_compile
 from tessel.kernels.rope import rope_rotate, rope_tables
 from tessel.layers.attention import Attention, AttentionMetadata
-from tessel.layers.split_linear import SplitLinear, split_linear
+from tessel.layers.linear import SplitLinear, split_linear
 from tessel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 BUCKET_STEP = 16  # above this many rows, buckets grow by this many (below: powers of two)

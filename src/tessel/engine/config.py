@@ -26,7 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 (or max_model_len without chunking)
     enable_chunked_prefill: bool = True
     num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
-    pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.packed_linear)
+    pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.linear)
     lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.quant.lm_head)
     enforce_eager: bool = False  # True: no compiled one-sequence CPU decode step (tessel.engine.decode_graph)
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the weights, the KV cache and the kernels run

@@ -19,7 +19,7 @@ same shapes:
 Eager between them: the embedding lookup and, per layer, the new k/v written into the cache.
 Attention buckets are powers of two of blocks (at least `MIN_BUCKET_TOKENS` tokens), padded
 tokens masked to -inf, so a sequence compiles a new attention graph only when its context
-doubles. The linears enter through their one-row forms (`tessel.layers.traced_linear`); a model
+doubles. The linears enter through their one-row forms (`tessel.layers.linear.forms`); a model
 with a linear that has none, a pipeline stage, or a float dtype other than float32 runs eager.
 
 The numbers are the eager step's formulas, not its bits: inductor sums the norms' and the
@@ -42,8 +42,8 @@ from tessel.kernels import cpu_compile
 from tessel.kernels.rope import rope_rotate, rope_tables
 from tessel.layers.attention import Attention, AttentionMetadata
 from tessel.layers.embedding import VocabEmbedding
+from tessel.layers.linear import Kept, LinearForm, linear_form
 from tessel.layers.norm import RMSNorm
-from tessel.layers.traced_linear import Kept, LinearForm, linear_form
 from tessel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 T = TypeVar("T")

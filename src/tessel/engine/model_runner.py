@@ -3,7 +3,7 @@
 The step's tokens are flattened: one per decoding sequence first, then each prefill chunk.
 `slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
 tables and context lengths for one batched paged-attention call. On CPU the model's float32
-linear layers are packed for oneDNN first (`tessel.layers.packed_linear`), and a step of
+linear layers are packed for oneDNN first (`tessel.layers.linear.pack_linears`), and a step of
 decodes only runs as compiled graphs where the model allows: one sequence's wholly
 (`tessel.engine.decode_graph`), several sequences' between their linears' GEMMs
 (`tessel.engine.batch_decode_graph`).
@@ -25,7 +25,7 @@ from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
-from tessel.layers.packed_linear import pack_linears
+from tessel.layers.linear import pack_linears
 from tessel.layers.sampler import Sampler
 from tessel.models.llama import LlamaForCausalLM
 

@@ -6,6 +6,17 @@ functions are exported here, so `from tessel.kernels import rms_norm` gives the 
 them binds each name to the function after its module has loaded, so the package attribute
 `tessel.kernels.rms_norm` is the function; the module itself is reached with
 `from tessel.kernels.rms_norm import ...` or `importlib.import_module("tessel.kernels.rms_norm")`.
+
+The engine's path (what a served model runs, through `tessel.layers`):
+
+    rms_norm, rope, silu_and_mul, flash_attention (prefill), paged_decode_attention (decode),
+    quantize_per_token + int8_gemm (W8A8), w8a16_gemm (W8A16 on CUDA), and the CPU side:
+    int8_cpu (fbgemm's GEMMs), w8a16_cpu (compiled int8 GEMVs), cpu_compile, cpu_features
+    (which CPU path a W8A8 / W8A16 layer takes)
+
+A library beside it (tested in tests/kernels, run by no engine step): conv2d (`tessel.layers.Conv2d`),
+transpose, softmax / log_softmax, layer_norm, flash_attention_int8, and `linear`, the float GEMM
+behind `tessel.layers.Linear`'s trainable path (the engine's float layers run PyTorch's or oneDNN's).
 """
 
 from tessel.kernels.conv2d import conv2d

@@ -10,7 +10,7 @@ W8A8 (`choose_int8_path`):
     fbgemm     fbgemm's int8 GEMM, faster: the default on AVX-512 VNNI (without AMX) for
                dynamic activations, with 8-bit activation codes per token (VNNI's vpdpbusd sums
                u8 x s8 products straight into int32: nothing saturates); on AVX2 the default for
-               weights whose codes fit 7 bits (`tessel quantize --weight-code-bits 7`), with 8-bit
+               weights whose codes fit 7 bits (the quantize command's `--weight-code-bits 7`), with 8-bit
                activation codes; opt-in on AVX2 for full-range weights, with 7-bit activation
                codes (AVX2's vpmaddubsw sums pairs into int16; less accurate: docs/quant.md)
     dequant    anything else: the same integer products as float32 GEMMs (exact below 2**24)

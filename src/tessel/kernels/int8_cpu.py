@@ -16,7 +16,7 @@ signed weight codes. AVX2's u8 x s8 multiply-add sums pairs of products into int
 255 * 127 * 2 overflows it; AVX-512 VNNI's vpdpbusd sums single products into int32 and cannot.
 So on AVX2 either side must give up a bit:
 
-    weights in [-64, 63] (`tessel quantize --weight-code-bits 7`): 8-bit activation codes,
+    weights in [-64, 63] (the quantize command's `--weight-code-bits 7`): 8-bit activation codes,
         255 * 64 * 2 = 32640 < 2**15, never saturates (`fits_7bit_codes`; the engine's default then)
     any int8 weights: 7-bit activation codes (`reduce_range`), 128 levels instead of 255 (opt-in)
 
@@ -88,13 +88,9 @@ def fbgemm_linear(
     if act_bits not in (7, 8):
         raise ValueError(f"fbgemm's activation codes are 7 or 8 bits; got {act_bits}")
     rows = rows.float()
-    given_qparams = _given_qparams_linear() if act_bits == 8 else None
-    if given_qparams is not None:
-        # Rounded here, not by fbgemm: it adds the zero point before rounding, and 36.500008 + 128
-        # rounds to the tie 164.5 in float32, then to even: 36 where quantize_per_token gives 37.
+    if act_bits == 8 and fbgemm_takes_codes():
         codes, scale = per_token_codes(rows)
-        sums = _quietly(given_qparams, codes, 1.0, UINT8_ZERO_POINT, weight.packed)
-        return int8_epilogue(sums, scale, weight.weight_scale, bias, torch.float32)
+        return int8_epilogue(fbgemm_int8_sums(codes, weight), scale, weight.weight_scale, bias, torch.float32)
     absmax = None if rows.shape[0] == 1 else rows.abs().amax(dim=1, keepdim=True).clamp_min_(EPS)
     if absmax is not None:  # one row: per tensor is per token already
         rows = rows / absmax
@@ -116,6 +112,20 @@ def _given_qparams_linear():
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
     except (AttributeError, RuntimeError):
         return None
+
+
+def fbgemm_takes_codes() -> bool:
+    """Whether this torch build's fbgemm multiplies given 8-bit codes (`fbgemm_int8_sums`)."""
+    return _given_qparams_linear() is not None
+
+
+def fbgemm_int8_sums(codes: torch.Tensor, weight: FbgemmInt8) -> torch.Tensor:
+    """codes [M, K] (float32 integers in [-127, 127], `quantize_per_token`'s) @ weight.T -> the
+    integer sums as float32 [M, N], by fbgemm's int8 GEMM (only where `fbgemm_takes_codes`).
+    The codes are rounded by the caller, not by fbgemm: it adds the zero point before rounding,
+    and 36.500008 + 128 rounds to the tie 164.5 in float32, then to even: 36 where
+    quantize_per_token gives 37."""
+    return _quietly(_given_qparams_linear(), codes, 1.0, UINT8_ZERO_POINT, weight.packed)
 
 
 @dataclass(frozen=True, slots=True)

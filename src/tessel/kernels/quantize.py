@@ -102,15 +102,30 @@ def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def per_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_per_token` on CPU / in PyTorch, its codes left in float32 (integers in [-127, 127])."""
+    """`quantize_per_token` in PyTorch, its codes left in float32 (integers in [-127, 127]): the one
+    formula of the per-token quantiser, eager on CPU and traced into the compiled CPU kernels and
+    decode steps."""
+    return row_codes(x, QMAX)
+
+
+def row_codes(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric codes of each row of x [M, K] in [-qmax, qmax], as float32 integers, and the row
+    scales max(max_k |x[m, k]|, EPS) / qmax [M] (qmax 63: 7-bit weight codes)."""
     # Four passes over [M, K] (abs, amax, divide, round in place); everything else is [M].
     # abs + amax, not aminmax: torch 2.13's aminmax over dim 1 is not vectorised on every CPU
     # (`benchmarks/decode_profile.py --torch-profiler` showed it). No clamp is needed: |x| <= amax
-    # and scale = fl(amax / 127), so |x / scale| <= 127 * (1 + 2**-22) < 127.5 and rounds into
-    # range (a row under EPS has scale > amax / 127).
-    scale = x.abs().amax(dim=1).float().clamp_min_(EPS).div_(QMAX)
+    # and scale = fl(amax / qmax), so |x / scale| <= qmax * (1 + 2**-22) < qmax + 0.5 and rounds
+    # into range (a row under EPS has scale > amax / qmax).
+    scale = x.abs().amax(dim=1).float().clamp_min_(EPS).div_(qmax)
     y = torch.div(x, scale.view(-1, 1)) if x.dtype == torch.float32 else x.float().div_(scale.view(-1, 1))
     return y.round_(), scale
+
+
+def static_codes(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of x [M, K] by one calibrated scale (static activations), left in float32:
+    clamp(round(x / s), -127, 127), and s repeated per row (the scales `int8_epilogue` takes)."""
+    codes = torch.round(x.float() / input_scale).clamp_(-QMAX, QMAX)
+    return codes, input_scale.expand(x.shape[0])
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

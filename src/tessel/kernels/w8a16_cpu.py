@@ -6,7 +6,7 @@
 without torch.compile's guards): each int8 weight is converted in registers, so a decode step
 reads 1 byte per weight instead of the 4 of a float32 GEMM. It wins only for a few rows (a decode
 step of one or two sequences, where the GEMM is memory-bound): at more rows the weight is re-read
-per row, and the caller runs a library GEMM instead (`tessel.layers.quantized_linear.W8A16CPULinear`).
+per row, and the caller runs a library GEMM instead (`tessel.layers.linear.W8A16Linear`).
 Measured in benchmarks/quant.py (`--only gemm`); compile time is paid once per process
 (inductor caches the generated code on disk across processes).
 
@@ -23,7 +23,7 @@ import torch
 
 from tessel.kernels import cpu_compile
 from tessel.kernels.cpu_compile import compiler_available
-from tessel.kernels.quantize import EPS, QMAX
+from tessel.kernels.quantize import per_token_codes
 
 # torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
 # (segfault) at K = 66 and 70 and returned wrong values or NaN at K = 36, 68, 72 (32, 48, 80, 576
@@ -51,12 +51,6 @@ def gemv_scaled_formula(
     return (acc * row_scale[:, None]) * w_scale
 
 
-def quantize_rows_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_per_token`'s formula, the codes left in float32 (what the GEMV reads)."""
-    scale = x.abs().amax(dim=1).clamp_min(EPS) / QMAX
-    return torch.round(x / scale[:, None]), scale
-
-
 # kernel name -> (function, its example inputs for M, N, K)
 _KERNELS = {
     "gemv": (gemv_formula, lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(n)]),
@@ -65,7 +59,7 @@ _KERNELS = {
         gemv_scaled_formula,
         lambda m, n, k: [_x(m, k), _w(n, k), torch.zeros(m), torch.zeros(n)],
     ),
-    "quantize": (quantize_rows_formula, lambda m, n, k: [_x(m, k)]),
+    "quantize": (per_token_codes, lambda m, n, k: [_x(m, k)]),
 }
 
 

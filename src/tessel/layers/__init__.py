@@ -7,9 +7,8 @@ from typing import Any
 
 _EXPORTS = {
     "Linear": "tessel.layers.linear",
-    "Int8Linear": "tessel.layers.linear",
+    "W8A8Linear": "tessel.layers.linear",
     "W8A16Linear": "tessel.layers.linear",
-    "W8A8Linear": "tessel.layers.quantized_linear",
     "Conv2d": "tessel.layers.conv",
     "RMSNorm": "tessel.layers.norm",
     "RotaryEmbedding": "tessel.layers.rotary",

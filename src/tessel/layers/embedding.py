@@ -31,7 +31,7 @@ class LMHead(nn.Module):
 
 
 class QuantizedLMHead(nn.Module):
-    """hidden [N, H] -> float32 logits [N, V] through a quantised linear (`tessel.quant.lm_head`).
+    """hidden [N, H] -> float32 logits [N, V] through a quantised linear (the engine's `lm_head="int8"`).
     Not an `LMHead`, so `pack_linears` leaves it alone; the embedding keeps its float weight."""
 
     def __init__(self, linear: nn.Module) -> None:

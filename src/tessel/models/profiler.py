@@ -183,7 +183,7 @@ class _Layer:
     ) -> None:
         import torch
 
-        from tessel.layers.packed_linear import pack_linears
+        from tessel.layers.linear import pack_linears
         from tessel.layers.rotary import RotaryEmbedding
         from tessel.models.config import ModelConfig
         from tessel.models.llama import LlamaDecoderLayer

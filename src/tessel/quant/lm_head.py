@@ -11,7 +11,7 @@ on the module the checkpoint's scheme runs its decoder linears with:
 
     w8a8 checkpoint                    -> `W8A8Linear`, int8 activations per token (dynamic: the head
                                           has no calibrated input scale), the CPU's int8 path
-    float or weight-only, CPU float32  -> `W8A16CPULinear` (the int8 GEMV for a one-row step)
+    float or weight-only, CPU float32  -> `W8A16Linear` (the int8 GEMV for a one-row step)
     weight-only, CUDA                  -> `W8A16Linear` (Triton)
     otherwise                          -> a float `nn.Linear` holding the de-quantised rows
 
@@ -25,8 +25,7 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.layers.embedding import LMHead, QuantizedLMHead
-from tessel.layers.linear import W8A16Linear
-from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear, dequantized_linear
+from tessel.layers.linear import W8A8Linear, W8A16Linear, dequantized_linear
 from tessel.quant.schemes import Scheme, make_scheme, quantize_weight
 
 LM_HEAD_MODES = ("float", "int8")  # float: as the checkpoint says (the default)
@@ -55,8 +54,8 @@ def _module(
     if scheme is not None and not scheme.weight_only:
         return W8A8Linear(q.to(device), scale.to(device))
     if device.type == "cuda":
-        return W8A16Linear.from_int8(q.to(device), scale.to(device), None)
+        return W8A16Linear(q.to(device), scale.to(device))
     if device.type == "cpu" and dtype == torch.float32:
-        return W8A16CPULinear(q.cpu(), scale.cpu())
+        return W8A16Linear(q.cpu(), scale.cpu())
     weight = (q.float() * scale[:, None].float()).to(device)
     return dequantized_linear(weight, None, dtype)

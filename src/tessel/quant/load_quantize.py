@@ -22,7 +22,7 @@ from torch import nn
 
 from tessel.cost import layer as L
 from tessel.errors import TesselError
-from tessel.layers.quantized_linear import W8A8Linear, dequantized_linear
+from tessel.layers.linear import W8A8Linear, dequantized_linear
 from tessel.quant.schemes import make_scheme, quantize_weight
 
 RUNNABLE = L.FLOAT_WEIGHTS | {"int8", "int4"}

@@ -7,7 +7,7 @@ tessel's fused `qkv_proj` / `gate_up_proj`):
 
     w8a8          -> `W8A8Linear` (int8 GEMM; CPU path by the CPU's features)
     w8a16 on CUDA -> `W8A16Linear` (Triton kernel, int8 weights in memory)
-    w8a16 on CPU, float32 -> `W8A16CPULinear` (int8 GEMV for decode steps; path by the CPU's features)
+    w8a16 on CPU, float32 -> `W8A16Linear` (int8 GEMV for decode steps; path by the CPU's features)
     otherwise (w4a16, asymmetric, grouped w8a16)
                   -> a float nn.Linear holding the dequantised weight (packed for oneDNN on CPU)
 
@@ -25,8 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.layers.linear import W8A16Linear
-from tessel.layers.quantized_linear import W8A8Linear, W8A16CPULinear, dequantized_linear
+from tessel.layers.linear import W8A8Linear, W8A16Linear, dequantized_linear
 from tessel.quant.checkpoint import parse_quantization_config, read_module
 from tessel.quant.schemes import QuantizedWeight, Scheme
 
@@ -125,9 +124,9 @@ def _build(scheme: Scheme, weights, input_scales, biases, dtype, device) -> nn.M
         return W8A8Linear(q.to(device), scale.to(device), _to(bias, device), _to(input_scale, device))
     per_channel_int8 = scheme.weight_bits == 8 and scheme.group_size is None and scheme.symmetric
     if per_channel_int8 and torch.device(device).type == "cuda":
-        return W8A16Linear.from_int8(q.to(device), scale.reshape(-1).to(device), _to(bias, device))
+        return W8A16Linear(q.to(device), scale.reshape(-1).to(device), _to(bias, device))
     if per_channel_int8 and torch.device(device).type == "cpu" and dtype == torch.float32:
-        return W8A16CPULinear(q, scale.reshape(-1), bias)
+        return W8A16Linear(q, scale.reshape(-1), bias)
     zero_point = None if scheme.symmetric else torch.cat([w.zero_point for w in weights])
     weight = QuantizedWeight(q, scale, scheme.group_size, zero_point).dequantize()
     return dequantized_linear(weight.to(device), _to(bias, device), dtype)
