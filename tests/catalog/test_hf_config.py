@@ -159,6 +159,12 @@ def test_directory_without_config_json_is_a_user_error(tmp_path: Path) -> None:
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
         ({"eos_token_id": [2, -3]}, "eos_token_id"),
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+        ({"head_dim": 7}, "head_dim"),  # issue 27: rotary embeddings turn pairs of dimensions
+        ({"hidden_size": 63, "num_attention_heads": 9, "num_key_value_heads": 3}, "head_dim"),  # 63 / 9 = 7
+        ({"model_type": []}, "model_type"),  # issue 27: transformers' tokenizer crashed on it
+        ({"hidden_size": "64"}, "hidden_size"),
+        ({"vocab_size": 1e12}, "vocab_size"),
+        ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
     ],
 )
 def test_bad_fields_name_the_file_and_the_field(tmp_path: Path, change: dict, field: str) -> None:

@@ -74,19 +74,36 @@ def test_killed_middle_stage_ends_the_run(tiny_dirs, tmp_path):
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_exception_in_a_stage_is_named(tiny_dirs, tmp_path):
-    """Stage 2's layers are missing a tensor: it fails while loading; the run names it and why."""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for item in tiny_dirs["tied"].iterdir():
+def test_exception_in_a_stage_is_named(tiny_dirs, tmp_path, monkeypatch):
+    """A model missing a tensor is refused before any stage starts; when only stage 2 sees it (its
+    copy of the model lacks the tensor), stage 2 fails and the run names it and why."""
+    good = tiny_dirs["tied"]
+    broken = tmp_path / "broken" / good.name  # the same name: the plan fits both
+    broken.mkdir(parents=True)
+    for item in good.iterdir():
         if item.suffix != ".safetensors":
             (broken / item.name).write_bytes(item.read_bytes())
-    tensors = load_file(str(tiny_dirs["tied"] / "model.safetensors"))
+    tensors = load_file(str(good / "model.safetensors"))
     del tensors["model.layers.4.mlp.down_proj.weight"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    plan = write_plan(tmp_path / "plan.json", broken, [(0, 2), (2, 4), (4, 5)])
+    plan = write_plan(tmp_path / "plan.json", good, [(0, 2), (2, 4), (4, 5)])
+    with monkeypatch.context() as patch:
+        _no_spawn(patch)
+        with pytest.raises(TesselError, match="model.layers.4.mlp.down_proj.weight"):
+            run_pipeline(RunOptions(plan, broken, prompts=["Hello"], max_tokens=4, run_dir=tmp_path / "r0"))
+    spawn = launcher.spawn_worker
+
+    def stage_2_gets_the_broken_copy(rank, world_size, port, run_dir, argv, *rest):  # noqa: ANN001, ANN002, ANN202
+        if rank == 2:
+            argv = [
+                str(broken) if before == "--model" else a
+                for before, a in zip(["", *argv[:-1]], argv, strict=True)
+            ]
+        return spawn(rank, world_size, port, run_dir, argv, *rest)
+
+    monkeypatch.setattr(launcher, "spawn_worker", stage_2_gets_the_broken_copy)
     with pytest.raises(StageFailedError) as caught:
-        run_pipeline(RunOptions(plan, broken, prompts=["Hello"], max_tokens=4, run_dir=tmp_path / "run"))
+        run_pipeline(RunOptions(plan, good, prompts=["Hello"], max_tokens=4, run_dir=tmp_path / "run"))
     assert caught.value.stage == 2
     assert "model.layers.4.mlp.down_proj.weight" in caught.value.cause
 

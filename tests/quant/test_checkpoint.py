@@ -4,12 +4,14 @@ that the package validates, config parsing (bad configs name their field), atomi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hostile_models
 from tessel.errors import TesselError
 from tessel.quant.checkpoint import (
     module_tensors,
@@ -256,3 +258,60 @@ def test_hostile_module_tensors_raise_only_tessel_error(scheme, tensors) -> None
     except TesselError:
         return
     assert weight.q.dtype == torch.int8 and weight.scale.shape[0] == weight.q.shape[0]
+
+
+def _w8a8_module(scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"m.weight": torch.ones(4, 8, dtype=torch.int8), "m.weight_scale": scale}
+
+
+@pytest.mark.parametrize(
+    "scale, message",
+    [
+        (torch.zeros(4, 1), "m.weight_scale has zero or negative values"),
+        (-torch.ones(4, 1), "m.weight_scale has zero or negative values"),
+        (torch.tensor([[1.0], [float("nan")], [1.0], [1.0]]), "m.weight_scale has non-finite values"),
+        (torch.full((4, 1), float("inf")), "m.weight_scale has non-finite values"),
+        (torch.ones(4, 1, dtype=torch.int32), "m.weight_scale is torch.int32; scales are stored as floating"),
+    ],
+)
+def test_scales_that_are_not_positive_finite_floats_are_refused_by_name(scale, message: str) -> None:
+    tensors = _w8a8_module(scale)
+    with pytest.raises(TesselError, match=message) as error:
+        read_module(tensors.__getitem__, "m", make_scheme("w8a8"))
+    assert "has shape" not in str(error.value)  # what is wrong, not the shape again
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_static_input_scale_must_be_positive_and_finite(value: float) -> None:
+    tensors = _w8a8_module(torch.ones(4, 1)) | {"m.input_scale": torch.tensor([value])}
+    with pytest.raises(TesselError, match=r"m\.input_scale has (zero or negative|non-finite) values"):
+        read_module(tensors.__getitem__, "m", make_scheme("w8a8", act="static"))
+
+
+@pytest.fixture(scope="module")
+def w8a8_checkpoint(tiny_llama, tmp_path_factory) -> Path:
+    from tessel.quant.calibrate import QuantizeOptions, quantize_model
+
+    out = tmp_path_factory.mktemp("w8a8") / "w8a8"
+    quantize_model(tiny_llama, out, QuantizeOptions("w8a8"))
+    return out
+
+
+@pytest.mark.parametrize("edit", sorted(hostile_models.SCALE_EDITS))
+def test_a_w8a8_checkpoint_with_bad_scales_is_refused_at_load(w8a8_checkpoint, tmp_path, edit: str) -> None:
+    from typer.testing import CliRunner
+
+    from tessel import LLM
+    from tessel.cli import app
+
+    change, wanted = hostile_models.SCALE_EDITS[edit]
+    model = hostile_models.broken_copy(w8a8_checkpoint, tmp_path / "m", change)
+    result = CliRunner().invoke(
+        app, ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]
+    )
+    error = result.exception
+    assert isinstance(error, TesselError) and error.exit_code == 2, result.output + repr(error)
+    message = str(error)
+    assert "\n" not in message and hostile_models.SCALE in message and wanted in message, message
+    with pytest.raises(TesselError, match=wanted):
+        LLM(model)

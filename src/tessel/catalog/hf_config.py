@@ -172,10 +172,15 @@ def _llama(fields: _Fields, common: dict) -> dict:
     theta, scaling = _rope(fields)
     use_window = common["family"] != "qwen2" or fields.flag("use_sliding_window", False)
     window = fields.count("sliding_window", default=0, low=0)  # 0: no window
+    head_dim = fields.count("head_dim", default=0) or _derived_head_dim(fields, hidden, heads)
+    if head_dim % 2:
+        raise TesselError(
+            f"{source}: head_dim ({head_dim}) must be even: rotary embeddings turn pairs of dimensions"
+        )
     return {
         "intermediate_size": fields.count("intermediate_size"),
         "num_key_value_heads": kv_heads,
-        "head_dim": fields.count("head_dim", default=0) or _derived_head_dim(fields, hidden, heads),
+        "head_dim": head_dim,
         "hidden_act": fields.text("hidden_act", "silu"),
         "rms_norm_eps": fields.positive_float("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
         "rope_theta": theta,
@@ -316,6 +321,7 @@ def _architecture(fields: _Fields) -> tuple[str, str]:
     names = fields.get("architectures")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise fields.fail("architectures", "a list of architecture names", names)
+    model_type = fields.text("model_type", "")  # transformers reads it too, to pick its classes
     supported = ", ".join(ARCHITECTURES)
     for name in names or []:
         if name in ARCHITECTURES:
@@ -324,9 +330,8 @@ def _architecture(fields: _Fields) -> tuple[str, str]:
         raise TesselError(
             f"{fields.source}: architecture {names[0]!r} is not supported; tessel reads {supported}"
         )
-    model_type = fields.get("model_type")
     by_type = {family: name for name, family in ARCHITECTURES.items()}
-    if isinstance(model_type, str) and model_type in by_type:
+    if model_type in by_type:
         return by_type[model_type], model_type
     raise TesselError(
         f"{fields.source}: names no architecture tessel knows (model_type {_show(model_type)}); "

@@ -36,12 +36,11 @@ def generate(
     device: str = DEVICE_OPTION,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
-    check_model_path(model, "--model")
+    checked = check_model_path(model, "--model")  # the one model reader, before anything loads
     from rich.console import Console
 
     from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
-    from tessel.models.config import ModelConfig
 
     params = SamplingParams(
         temperature=temperature,
@@ -52,7 +51,7 @@ def generate(
         stop=list(stop),
         ignore_eos=ignore_eos,
     )  # the same validation as the HTTP API: a bad value stops here, before the model loads
-    params.verify(ModelConfig.from_dir(model).vocab_size)
+    params.verify(checked.config.vocab_size)
     kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
     llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)

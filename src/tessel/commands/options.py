@@ -8,9 +8,12 @@ A bad value is a usage error: exit code 2 and a message naming the option. Range
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import typer
+
+if TYPE_CHECKING:
+    from tessel.models.reader import ModelFiles
 
 # The engine's `lm_head` modes (tessel.quant.lm_head.LM_HEAD_MODES; the CLI may not import torch)
 LMHeadMode = Literal["float", "int8"]
@@ -42,14 +45,12 @@ def output_file(default: Path | None, *names: str, help: str):  # noqa: A002, AN
     return typer.Option(default, *names, help=help, dir_okay=False, writable=True)
 
 
-def check_model_path(path: Path, option: str) -> None:
-    """A model is a local Hugging Face directory or a .gguf file (engine, quantize, qat, serve)."""
-    from tessel.errors import TesselError
+def check_model_path(path: Path, option: str) -> ModelFiles:
+    """A model is a local Hugging Face directory or a .gguf file (generate, serve, quantize, qat): checked
+    by the one model reader (config, weights' headers and shapes) before the command does heavy work."""
+    from tessel.models.reader import read_model  # torch: only when a command runs
 
-    if not path.is_dir() and not (path.suffix.lower() == ".gguf" and path.is_file()):
-        raise TesselError(
-            f"{option} {path} is not a directory or a .gguf file; give a local Hugging Face model directory"
-        )
+    return read_model(path, option)
 
 
 def optional_count(*names: str, limit: int, help: str | None = None, hidden: bool = False):  # noqa: A002, ANN201

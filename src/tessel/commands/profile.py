@@ -99,7 +99,10 @@ def _layer_shape(model: str, tiny_shape: str | None, scale: int | None, device: 
             raise TesselError(f"--tiny-shape sizes must be from 1 to {MAX_TINY_WIDTH}, got {tiny_shape!r}")
         return shape, {"source": f"--tiny-shape {tiny_shape}"}
     from tessel.catalog.models import load_model
+    from tessel.models.reader import is_checkpoint, read_model
 
+    if is_checkpoint(model):  # a model's files, not a preset or a config.json: checked by the model reader
+        model = str(read_model(model).path)
     spec = load_model(model)
     factor = scale if scale is not None else (CPU_DEFAULT_SCALE if device == "cpu" else 1)
     full = LayerShape(

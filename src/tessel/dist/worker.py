@@ -38,6 +38,7 @@ from tessel.dist.stage import StageExecutor, StageStats, rss_bytes
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.models.reader import read_model
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 RUN_DIR_ENV = "TESSEL_RUN_DIR"
@@ -102,7 +103,7 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[R
             f"--model {args.model} is not a directory; give a local Hugging Face model directory"
         )
     plan = load_run_plan(args.plan, args.replica)
-    config = ModelConfig.from_dir(args.model)
+    config = read_model(args.model).config  # the one model reader: config and weights agree
     plan.check_model(args.model.resolve().name, config.num_hidden_layers)
     if world_size is not None and world_size != len(plan.stages):
         raise TesselError(f"WORLD_SIZE is {world_size} but the plan has {len(plan.stages)} stages")

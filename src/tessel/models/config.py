@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
 }
+MAX_REASON_CHARS = 300  # of a third-party error, quoted in a one-line message
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -121,16 +122,38 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """The config of a model directory, or of a .gguf file's checkpoint directory (converted once)."""
         path = Path(path)
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            from tessel.quant.gguf_import import resolve_model_path
+
+            path = resolve_model_path(path)
         if not (path / "config.json").is_file():
             raise TesselError(f"{path} has no config.json; point --model at a Hugging Face model directory")
         config = cls.from_hf(read_hf_config(path))
+        _check_with_transformers(path, config.architecture)
         generation = path / "generation_config.json"
         if generation.is_file():  # HF generate stops at these too (Llama 3.1 lists several)
             config.eos_token_ids += [
                 e for e in read_generation_eos(generation) if e not in config.eos_token_ids
             ]
         return config
+
+
+def _check_with_transformers(path: Path, architecture: str) -> None:
+    """transformers reads config.json too (every tokenizer, quantize's model): what its config class's
+    strict field types refuse (a null `hidden_act`, say) is a user error here, not a traceback later."""
+    import transformers
+
+    config_class = getattr(transformers, architecture.removesuffix("ForCausalLM") + "Config")
+    try:
+        config_class.from_pretrained(str(path))
+    except Exception as error:  # noqa: BLE001 (whatever the third-party reader raises, the file is at fault)
+        reason = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise TesselError(
+            f"{path / 'config.json'}: transformers cannot read it ({type(error).__name__}: "
+            f"{reason[:MAX_REASON_CHARS]})"
+        ) from None
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:

@@ -1,14 +1,15 @@
 """Build a model from a local Hugging Face directory and load its safetensors lazily.
 
-Parameters are created on the meta device (no random init), materialised empty in the target
-dtype, then filled tensor by tensor from `safe_open` (single file or sharded with
-`model.safetensors.index.json`), so peak memory is the model plus one checkpoint tensor.
+The directory is checked first by the one model reader (`tessel.models.reader.read_model`: config,
+safetensors headers, every tensor's shape against the config), so nothing is allocated for a model
+the files cannot hold. Parameters are created on the meta device (no random init), materialised
+empty in the target dtype, then filled tensor by tensor from `safe_open` (single file or sharded
+with `model.safetensors.index.json`), so peak memory is the model plus one checkpoint tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,14 +17,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tessel.errors import TesselError
-from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
+from tessel.models.reader import SKIPPED_SUFFIXES, checkpoint_files, read_model
 from tessel.quant import module_swap
 from tessel.quant.lm_head import check_lm_head_mode, quantize_lm_head
 
-INDEX_FILE = "model.safetensors.index.json"
-SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
+__all__ = ["checkpoint_files", "load_model", "load_weights"]
 
 
 @contextlib.contextmanager
@@ -36,31 +36,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({path / name for name in weight_map.values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise TesselError(
-                f"{index}: not a readable safetensors index ({error}); re-save the checkpoint"
-            ) from None
-    elif (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise TesselError(
-            f"{path} has no .safetensors weights; tessel loads safetensors only "
-            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
-        )
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise TesselError(f"{path}: shard(s) listed in {INDEX_FILE} are missing: {', '.join(missing)}")
-    return files
-
-
 def load_model(
     path: str | Path,
     dtype: torch.dtype,
@@ -70,16 +45,16 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model in `path`; with `layers`, only that pipeline stage's part (the rest is nn.Identity);
     `lm_head="int8"` rounds the LM head per row (`tessel.quant.lm_head`)."""
-    path = Path(path)
     check_lm_head_mode(lm_head)
     if lm_head != "float" and layers is not None:
         raise TesselError(f"lm_head={lm_head!r} cannot run as a pipeline stage yet; run in one process")
-    config = ModelConfig.from_dir(path)
+    checked = read_model(path)  # config and weights agree before anything is allocated
+    path, config = checked.path, checked.config
     with torch.device("meta"), _default_dtype(dtype):
         model = LlamaForCausalLM(config)
         if layers is not None:
             layers.prune(model)
-    scheme = module_swap.read_scheme(path)  # a compressed-tensors checkpoint: quantised linears
+    scheme = checked.scheme  # a compressed-tensors checkpoint: quantised linears
     if scheme is not None:
         if layers is not None:
             raise TesselError(
@@ -95,7 +70,7 @@ def load_model(
         load_weights(model, path, layers)
     else:
         load_weights(model, path, skip=module_swap.is_quantized_tensor)
-        module_swap.load_linears(model, checkpoint_files(path), scheme, dtype, device)
+        module_swap.load_linears(model, list(checked.files), scheme, dtype, device)
     if lm_head == "int8":
         model.lm_head = quantize_lm_head(model.lm_head, scheme, dtype, device)
     return model.eval().requires_grad_(False)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tessel.catalog.hf_config import config_path, read_json_object
 from tessel.errors import TesselError
+from tessel.models.reader import read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
 from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
 from tessel.quant.gguf_import import resolve_model_path
@@ -207,8 +208,10 @@ def _awq(model, linears, scheme: Scheme, windows, progress) -> dict[str, float]:
 
 
 def load_hf_model(model_dir: Path):
+    """(float32 transformers model, tokenizer) of a directory or .gguf file the model reader accepts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model_dir = read_model(model_dir, "MODEL").path  # config and weights agree before transformers loads
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -292,12 +295,12 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
 
 
 def read_model_config(model_dir: Path) -> dict:
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
-        raise TesselError(f"{model_dir} has no config.json; give a local Hugging Face model directory")
-    config = json.loads(config_file.read_text())
+    """The config.json fields of a float model, after the model reader checked it with its weights."""
+    model_dir = resolve_model_dir(model_dir, "MODEL")
+    config = read_json_object(config_path(model_dir))
     if config.get("quantization_config") is not None:
         raise TesselError(f"{model_dir} is already quantised (config.json has quantization_config)")
+    read_model(model_dir, "MODEL")
     return config
 
 

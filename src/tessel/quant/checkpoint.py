@@ -239,7 +239,7 @@ def read_module(
     get: Callable[[str], torch.Tensor], prefix: str, scheme: Scheme
 ) -> tuple[QuantizedWeight, torch.Tensor | None]:
     """One quantised linear back from `get(name)`: (weight, input scale or None). Bad tensors: TesselError."""
-    scale = get(f"{prefix}.weight_scale").float()
+    scale = get(f"{prefix}.weight_scale")
     if scheme.weight_only:
         q = _unpacked_weight(get, prefix, scheme.weight_bits)
     else:
@@ -252,20 +252,31 @@ def read_module(
     if scheme.group_size is not None and k % scheme.group_size:
         raise TesselError(f"{prefix}: group_size {scheme.group_size} does not divide in_features {k}")
     groups = 1 if scheme.group_size is None else k // scheme.group_size
-    if scale.numel() != n * groups or not bool(torch.isfinite(scale).all()):
-        raise TesselError(
-            f"{prefix}.weight_scale has shape {tuple(scale.shape)}; expected [{n}, {groups}] finite values"
-        )
+    if scale.numel() != n * groups:
+        raise TesselError(f"{prefix}.weight_scale has shape {tuple(scale.shape)}; expected [{n}, {groups}]")
+    scale = _positive_scales(scale, f"{prefix}.weight_scale")
     zero_point = None if scheme.symmetric else _zero_points(get, prefix, scheme.weight_bits, n, groups)
     input_scale = None
     if scheme.act_static:
-        input_scale = get(f"{prefix}.input_scale").float()
-        if input_scale.numel() != 1 or not float(input_scale.reshape(())) > 0:
+        input_scale = get(f"{prefix}.input_scale")
+        if input_scale.numel() != 1:
             raise TesselError(
-                f"{prefix}.input_scale must be one positive value; got {tuple(input_scale.shape)}"
+                f"{prefix}.input_scale has shape {tuple(input_scale.shape)}; expected one value"
             )
-        input_scale = input_scale.reshape(1)
+        input_scale = _positive_scales(input_scale, f"{prefix}.input_scale").reshape(1)
     return QuantizedWeight(q, scale.reshape(n, groups), scheme.group_size, zero_point), input_scale
+
+
+def _positive_scales(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """`scale` as float32 when every value is a finite number > 0; else TesselError naming the tensor."""
+    if not scale.is_floating_point():
+        raise TesselError(f"{name} is {scale.dtype}; scales are stored as floating point")
+    scale = scale.float()
+    if not bool(torch.isfinite(scale).all()):
+        raise TesselError(f"{name} has non-finite values (NaN or inf); the checkpoint is corrupt")
+    if not bool((scale > 0).all()):
+        raise TesselError(f"{name} has zero or negative values; every scale must be > 0")
+    return scale
 
 
 def _zero_points(

@@ -128,8 +128,10 @@ def q8_0_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, Q8_0_BYTES)
     scales = blocks[:, :, :2].copy().view(np.float16).reshape(rows, -1).astype(np.float32)
-    q = blocks[:, :, 2:].copy().view(np.int8).reshape(rows, -1)
-    return torch.from_numpy(q), torch.from_numpy(scales)
+    q = blocks[:, :, 2:].copy().view(np.int8)
+    zero = scales == 0  # llama.cpp's d = 0 for an all-zero block: codes 0 at scale 1 are the same zeros
+    q[zero], scales[zero] = 0, 1.0  # (the loader refuses scales <= 0)
+    return torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(scales)
 
 
 def _dequantized(tensor) -> torch.Tensor:

@@ -1,0 +1,305 @@
+"""The one model reader: every command that opens a model checks it here before any heavy work.
+
+    model = read_model("/models/Llama-3.2-1B")       # or a .gguf file, converted once (gguf_import)
+    model.config, model.scheme, model.files, model.tensors
+
+`read_model` resolves the path (a Hugging Face directory, or a .gguf file's checkpoint directory),
+reads config.json through the one config reader (`tessel.catalog.hf_config` via `ModelConfig`,
+which also has transformers' config class read it, as every tokenizer does), reads every
+safetensors header (`tessel.models.safetensors_header`: sizes consistent with the file) and checks
+that the weights are the model config.json describes: each layer it counts exists on disk, every
+tensor it implies is there with the shape its sizes imply and a dtype tessel reads, nothing else
+is. Sizes are thereby bounded by the bytes on disk before anything is allocated (a config.json
+claiming 10^9 layers or a 10^12-token vocabulary against a small file is refused, not built); the
+rotary tables, the one size not stored, are held to the same bound.
+
+Generate, serve, `tessel.LLM` and the pipeline stages reach it through `tessel.models.loader`;
+quantize, qat and sensitivity through `tessel.quant.calibrate`; the CLI through
+`tessel.commands.options.check_model_path`; `tessel launch` through the worker's `validate`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.errors import TesselError
+from tessel.models.config import ModelConfig
+from tessel.models.safetensors_header import FLOAT_DTYPES, TensorHeader, read_header
+from tessel.quant.schemes import Scheme
+
+INDEX_FILE = "model.safetensors.index.json"
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
+LAYER_PREFIX = "model.layers."
+ROPE_TABLE_FLOOR_BYTES = 256 * 2**20  # rotary tables always allowed up to this (4M positions at head_dim 16)
+ROPE_TABLE_BYTES_PER_VALUE = 4  # float32 cos and sin, head_dim / 2 values each per position
+INT_DTYPES = frozenset({"I32", "I64"})
+FLOATS = frozenset(FLOAT_DTYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What config.json implies for one checkpoint tensor; `sizes` names the fields behind the shape."""
+
+    shape: tuple[int, ...]
+    dtypes: frozenset[str]
+    sizes: str
+    required: bool = True
+    any_layout: bool = False  # scales: [N, groups] or flat; only the element count must match
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """A model directory checked against its config: what every command gets before loading."""
+
+    path: Path  # the checkpoint directory (for a .gguf file: its converted copy)
+    config: ModelConfig
+    scheme: Scheme | None  # a compressed-tensors checkpoint's scheme; None for float weights
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorHeader]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tensors.values())
+
+
+def read_model(path: str | Path, option: str = "--model") -> ModelFiles:
+    """The model at `path` (a Hugging Face directory or a .gguf file), checked; TesselError names the
+    file and the field."""
+    directory = resolve_model_dir(path, option)
+    config = ModelConfig.from_dir(directory)
+    scheme = read_scheme(directory)
+    files = tuple(checkpoint_files(directory))
+    tensors = read_headers(files)
+    check_tensors(directory, config, scheme, tensors)
+    model = ModelFiles(directory, config, scheme, files, tensors)
+    check_rope_tables(model)
+    return model
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A .gguf file, or a directory holding safetensors weights (not just a config.json)."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / INDEX_FILE).is_file() or any(path.glob("*.safetensors"))
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def resolve_model_dir(path: str | Path, option: str = "--model") -> Path:
+    """A model directory as given, or the checkpoint directory a .gguf file converts to (cached)."""
+    from tessel.quant.gguf_import import resolve_model_path
+
+    path = Path(path)
+    is_gguf = path.suffix.lower() == ".gguf" and path.is_file()
+    if not (is_gguf or path.is_dir()):
+        raise TesselError(
+            f"{option} {path} is not a directory or a .gguf file; give a local Hugging Face model directory"
+        )
+    return resolve_model_path(path)
+
+
+def read_scheme(directory: Path) -> Scheme | None:
+    """The quantisation scheme config.json declares (None: float weights); its errors name the file."""
+    from tessel.catalog.hf_config import read_json_object
+    from tessel.quant.checkpoint import parse_quantization_config
+
+    config_file = directory / "config.json"
+    try:
+        return parse_quantization_config(read_json_object(config_file))
+    except TesselError as error:
+        message = str(error)
+        located = message if message.startswith(str(config_file)) else f"{config_file}: {message}"
+        raise TesselError(located) from None
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a directory: its index's shards, model.safetensors, or every *.safetensors."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({path / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+            raise TesselError(
+                f"{index}: not a readable safetensors index ({error}); re-save the checkpoint"
+            ) from None
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TesselError(
+            f"{path} has no .safetensors weights; tessel loads safetensors only "
+            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+        )
+    outside = [str(f) for f in files if f.parent != path]
+    if outside:
+        raise TesselError(f"{index}: shards must be files of {path}, not {', '.join(outside[:3])}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise TesselError(f"{path}: shard(s) listed in {INDEX_FILE} are missing: {', '.join(missing)}")
+    return files
+
+
+def read_headers(files: Iterable[Path]) -> dict[str, TensorHeader]:
+    """Every tensor's header over all the files; a tensor stored twice is refused."""
+    tensors: dict[str, TensorHeader] = {}
+    for file in files:
+        for name, header in read_header(file).items():
+            if name in tensors:
+                raise TesselError(f"{file}: tensor {name!r} is also in {tensors[name].file.name}")
+            tensors[name] = header
+    return tensors
+
+
+def check_tensors(
+    directory: Path, config: ModelConfig, scheme: Scheme | None, tensors: dict[str, TensorHeader]
+) -> None:
+    """The weights hold exactly the tensors config.json implies (layers first: no huge enumeration)."""
+    check_layer_count(directory, config, tensors)
+    expected = expected_tensors(config, scheme)
+    missing = [name for name, spec in expected.items() if spec.required and name not in tensors]
+    if missing:
+        raise TesselError(
+            f"{directory}: the checkpoint lacks {len(missing)} tensor(s) config.json implies, "
+            f"e.g. {', '.join(missing[:5])}"
+        )
+    for name, header in tensors.items():
+        spec = expected.get(name)
+        if spec is None:
+            if name.endswith(SKIPPED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                continue
+            raise TesselError(
+                f"{header.file}: unexpected tensor {name!r}; is this really a {config.architecture} "
+                "with the sizes in its config.json?"
+            )
+        _check_tensor(header, spec)
+
+
+def _check_tensor(header: TensorHeader, spec: TensorSpec) -> None:
+    if header.dtype not in spec.dtypes:
+        raise TesselError(
+            f"{header.file}: tensor {header.name!r} is {header.dtype}; tessel reads it as "
+            f"{' or '.join(sorted(spec.dtypes))}"
+        )
+    fits = math.prod(header.shape) == math.prod(spec.shape) if spec.any_layout else header.shape == spec.shape
+    if not fits:
+        raise TesselError(
+            f"{header.file}: tensor {header.name!r} has shape {list(header.shape)}, config.json implies "
+            f"{list(spec.shape)} ({spec.sizes})"
+        )
+
+
+def check_layer_count(directory: Path, config: ModelConfig, tensors: dict[str, TensorHeader]) -> None:
+    """num_hidden_layers against the layers on disk, before any per-layer work."""
+    on_disk = set()
+    for name in tensors:
+        if name.startswith(LAYER_PREFIX):
+            index = name[len(LAYER_PREFIX) :].split(".", 1)[0]
+            if index.isascii() and index.isdigit():
+                on_disk.add(int(index))
+    wanted = config.num_hidden_layers
+    if wanted > len(on_disk):
+        held = f"layers 0-{max(on_disk)}" if on_disk else "no decoder layer"
+        raise TesselError(
+            f"{directory / 'config.json'}: num_hidden_layers is {wanted}, but the weights hold "
+            f"{len(on_disk)} ({held}); fix config.json or re-download the checkpoint"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Linear:
+    """One decoder-layer linear as config.json sizes it: [rows, cols] named by the fields behind them."""
+
+    rows: int
+    row_fields: str
+    cols: int
+    col_fields: str
+    biased: bool
+
+
+def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, TensorSpec]:
+    """Checkpoint (Hugging Face) name -> what config.json implies for it."""
+    c = config
+    hidden = (c.hidden_size, "hidden_size")
+    embedding = TensorSpec((c.vocab_size, c.hidden_size), FLOATS, "vocab_size x hidden_size")
+    out = {
+        "model.embed_tokens.weight": embedding,
+        "model.norm.weight": TensorSpec((c.hidden_size,), FLOATS, hidden[1]),
+    }
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = embedding
+    q = (c.q_size, "num_attention_heads x head_dim")
+    kv = (c.kv_size, "num_key_value_heads x head_dim")
+    ffn = (c.intermediate_size, "intermediate_size")
+    linears = {
+        "self_attn.q_proj": _Linear(*q, *hidden, c.qkv_bias),
+        "self_attn.k_proj": _Linear(*kv, *hidden, c.qkv_bias),
+        "self_attn.v_proj": _Linear(*kv, *hidden, c.qkv_bias),
+        "self_attn.o_proj": _Linear(*hidden, *q, c.o_bias),
+        "mlp.gate_proj": _Linear(*ffn, *hidden, c.mlp_bias),
+        "mlp.up_proj": _Linear(*ffn, *hidden, c.mlp_bias),
+        "mlp.down_proj": _Linear(*hidden, *ffn, c.mlp_bias),
+    }
+    for i in range(c.num_hidden_layers):
+        prefix = f"{LAYER_PREFIX}{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{prefix}{norm}.weight"] = TensorSpec((c.hidden_size,), FLOATS, hidden[1])
+        for leaf, linear in linears.items():
+            out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme)
+    return out
+
+
+def _linear_tensors(prefix: str, linear: _Linear, scheme: Scheme | None) -> dict[str, TensorSpec]:
+    """One linear's tensors: float `weight`, or a compressed-tensors layout (`tessel.quant.checkpoint`)."""
+    n, k, rows = linear.rows, linear.cols, linear.row_fields
+    sizes = f"{rows}, {linear.col_fields}"
+    bias = TensorSpec((n,), FLOATS, rows, required=linear.biased and scheme is None)
+    if scheme is None:  # a bias config.json does not imply is unexpected, as the loader has no place for it
+        weight = {f"{prefix}.weight": TensorSpec((n, k), FLOATS, sizes)}
+        return weight | {f"{prefix}.bias": bias} if linear.biased else weight
+    group = scheme.group_size
+    if group is not None and k % group:
+        raise TesselError(
+            f"{prefix}: quantization_config group_size {group} does not divide its {k} input features"
+        )
+    groups = 1 if group is None else k // group
+    out = {
+        f"{prefix}.bias": bias,
+        f"{prefix}.weight_scale": TensorSpec((n, groups), FLOATS, f"{rows}, groups", any_layout=True),
+    }
+    if not scheme.weight_only:
+        out[f"{prefix}.weight"] = TensorSpec((n, k), frozenset({"I8"}), sizes)
+        out[f"{prefix}.input_scale"] = TensorSpec(
+            (1,), FLOATS, "one scale", required=scheme.act_static, any_layout=True
+        )
+        return out
+    bits = scheme.weight_bits
+    out[f"{prefix}.weight_packed"] = TensorSpec(
+        (n, -(-k * bits // 32)), frozenset({"I32"}), f"{sizes} at {bits} bits per int32"
+    )
+    out[f"{prefix}.weight_shape"] = TensorSpec((2,), INT_DTYPES, "[rows, cols]")
+    out[f"{prefix}.weight_zero_point"] = TensorSpec(
+        (-(-n * bits // 32), groups),
+        frozenset({"I32"}),
+        f"{rows} packed, groups",
+        required=not scheme.symmetric,
+    )
+    return out
+
+
+def check_rope_tables(model: ModelFiles) -> None:
+    """The rotary cos/sin tables (max_position_embeddings x head_dim float32) within the weights' bound."""
+    c = model.config
+    table_bytes = c.max_position_embeddings * c.head_dim * ROPE_TABLE_BYTES_PER_VALUE
+    limit = max(model.weight_bytes, ROPE_TABLE_FLOOR_BYTES)
+    if table_bytes > limit:
+        raise TesselError(
+            f"{model.path / 'config.json'}: max_position_embeddings {c.max_position_embeddings} needs "
+            f"{table_bytes / 2**30:.1f} GiB of rotary tables at head_dim {c.head_dim}, above the "
+            f"{limit / 2**30:.2f} GiB allowed beside {model.weight_bytes / 2**30:.2f} GiB of weights; "
+            "fix max_position_embeddings"
+        )
