@@ -149,6 +149,7 @@ def test_directory_without_config_json_is_a_user_error(tmp_path: Path) -> None:
         ({"num_key_value_heads": 0}, "num_key_value_heads"),
         ({"hidden_size": -64}, "hidden_size"),
         ({"num_hidden_layers": 2**40}, "num_hidden_layers"),
+        ({"num_hidden_layers": 1_000_000_000}, "num_hidden_layers"),  # issue 27: `tessel plan` hung
         ({"vocab_size": math.nan}, "vocab_size"),
         ({"intermediate_size": "96"}, "intermediate_size"),
         ({"num_attention_heads": 5}, "num_attention_heads"),  # 64 is not a multiple of 5
@@ -197,3 +198,13 @@ def test_both_rope_formats_read_the_same() -> None:
         new_fields | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}, source="x"
     )
     assert (default.rope_theta, default.rope_scaling) == (1e5, None)
+
+
+def test_plan_refuses_a_config_with_a_billion_layers(tmp_path) -> None:
+    """Issue 27: `tessel plan --model DIR` with num_hidden_layers 1e9 ran for minutes pricing layers."""
+    from tessel.plan.api import PlanSettings, make_plan
+
+    fields = {**VALID, "num_hidden_layers": 1_000_000_000}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(TesselError, match="num_hidden_layers.*4096"):
+        make_plan(str(tmp_path), "local-cpu", "default", PlanSettings())

@@ -31,6 +31,9 @@ ARCHITECTURES = {
 }
 ROPE_TYPES = ("default", "linear", "llama3")  # what tessel.layers.rotary computes
 MAX_COUNT = 2**31 - 1  # sizes and counts index int32 tensors in the engine's kernels
+# The deepest decoders published have 126 layers (Llama-3.1-405B); the planner prices every layer
+# on every device, so a config claiming millions would make `tessel plan` run for hours.
+MAX_LAYERS = 4096
 MAX_CONFIG_BYTES = 16 * 2**20  # a real config.json is a few KiB
 DEFAULT_MAX_POSITIONS = 2048
 DEFAULT_RMS_NORM_EPS = 1e-6
@@ -145,7 +148,7 @@ def parse_hf_config(data: dict, *, source: str) -> HFConfig:
         "architecture": architecture,
         "vocab_size": fields.count("vocab_size"),
         "hidden_size": fields.count("hidden_size"),
-        "num_hidden_layers": fields.count("num_hidden_layers"),
+        "num_hidden_layers": fields.count("num_hidden_layers", high=MAX_LAYERS),
         "num_attention_heads": fields.count("num_attention_heads"),
         "max_position_embeddings": fields.count("max_position_embeddings", default=DEFAULT_MAX_POSITIONS),
         "bos_token_id": fields.token_id("bos_token_id"),
@@ -231,7 +234,14 @@ class _Fields:
     def fail(self, key: str, want: str, value: object) -> TesselError:
         return TesselError(f"{self.source}: field {key!r} must be {want}, got {_show(value)}")
 
-    def count(self, key: str, default: int | None = None, low: int = 1, mapping: dict | None = None) -> int:
+    def count(
+        self,
+        key: str,
+        default: int | None = None,
+        low: int = 1,
+        mapping: dict | None = None,
+        high: int = MAX_COUNT,
+    ) -> int:
         value = (self.data if mapping is None else mapping).get(key)
         if value is None:
             if default is None:
@@ -240,8 +250,8 @@ class _Fields:
                     "(an HF config.json for a Llama/Qwen2/Mistral/Mixtral/OPT model)"
                 )
             return default
-        want = f"a whole number in [{low}, {MAX_COUNT}]"
-        return _whole(value, low, MAX_COUNT, lambda: self.fail(key, want, value))
+        want = f"a whole number in [{low}, {high}]"
+        return _whole(value, low, high, lambda: self.fail(key, want, value))
 
     def flag(self, key: str, default: bool) -> bool:
         return self._typed(key, default, bool, "true or false")
