@@ -31,9 +31,9 @@ def _count_calls(llm: LLM) -> list[int]:
     calls: list[int] = []
 
     class Counting:
-        def __call__(self, input_ids, positions, meta):
+        def __call__(self, input_ids, positions, meta, stream=None):
             calls.append(int(positions[0]))
-            return graph(input_ids, positions, meta)
+            return graph(input_ids, positions, meta, stream)
 
     llm.runner.decode_graph = Counting()
     return calls

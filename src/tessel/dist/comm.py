@@ -2,10 +2,11 @@
 
 A micro-batch travels from stage k to k+1 as three tensors: a fixed-size header
 `[kind, payload bytes, rows, cols]`, the pickled `BatchMessage` (positions, attention metadata
-with the block tables stage 0 decided, what to sample) and the hidden states [rows, cols]. The
-last stage sends the sampled tokens (and the logprobs asked for) back to stage 0 as
-`tessel.dist.sampled.SampledRows`. Sends are non-blocking (`isend`); the next header is received
-with a pre-posted `irecv` so a stage's receive overlaps its compute. Any failure of the process
+with the block tables stage 0 decided, what to sample) and the residual stream [rows, cols]. The
+last stage sends the sampled tokens (and the logprobs asked for) back to stage 0, a
+`tessel.engine.model_runner.SampledRows` (wire format: `tessel.dist.sampled`). Sends are
+non-blocking (`isend`); the next header is received with a pre-posted `irecv` so a stage's receive
+overlaps its compute. Any failure of the process
 group becomes `PeerLostError`. As messages move, the stage's `Progress` is updated for its
 heartbeat (`tessel.dist.heartbeat`): when a stage starts and ends computing a micro-batch, and since
 when stage 0 waits for tokens.
@@ -22,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tessel.dist.heartbeat import Progress
-from tessel.dist.sampled import HEAD_LEN, SampledRows
-from tessel.engine.model_runner import PromptScoring
+from tessel.dist.sampled import HEAD_LEN, from_wire, to_wire
+from tessel.engine.model_runner import PromptScoring, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.layers.attention import AttentionMetadata
 
@@ -111,7 +112,7 @@ class StageComm:
             self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64, device=self.device),), self.next)
 
     def send_tokens(self, batch_id: int, sampled: SampledRows) -> None:
-        self._isend(tuple(t.to(self.device) for t in sampled.to_wire(batch_id)), 0)
+        self._isend(tuple(t.to(self.device) for t in to_wire(sampled, batch_id)), 0)
         self._handed_on(batch_id)
 
     def flush(self) -> None:
@@ -169,4 +170,4 @@ class StageComm:
         self._handed_on(batch_id)
         if values[0] != batch_id:
             raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
-        return SampledRows.from_wire(values[HEAD_LEN:], payload.cpu().numpy().tobytes())
+        return from_wire(values[HEAD_LEN:], payload.cpu().numpy().tobytes())

@@ -4,11 +4,11 @@
 `has_unfinished_requests` are the engine's) whose model is stage 0's layers only. A step:
 
 1. every idle in-flight slot (`PinnedSchedulers`) is scheduled by the engine's scheduler; its
-   batch is prepared by the engine's `ModelRunner` (flat tokens, slot mapping, block tables), run
-   through stage 0's layers and sent on with its metadata; a prefill whose remaining prompt is
-   longer than the CPP threshold is sent instead as the chunks the CPP planner chose, one
-   micro-batch each, back to back (chunk i needs only chunks < i, which every stage has already
-   computed since stages take micro-batches in order);
+   batch is prepared and run through stage 0's layers by the engine's `ModelRunner` (`prepare`:
+   flat tokens, slot mapping, block tables; `run_stage`) and sent on with its metadata; a prefill
+   whose remaining prompt is longer than the CPP threshold is sent instead as the chunks the CPP
+   planner chose, one micro-batch each, back to back (chunk i needs only chunks < i, which every
+   stage has already computed since stages take micro-batches in order);
 2. the oldest micro-batch's sampled tokens, with the logprobs its requests asked for
    (`tessel.dist.sampled`), are received from the last stage and applied with the engine's own
    update (`LLMEngine._finish_step`: computed tokens, logprobs, prefix cache, stop rules).
@@ -29,11 +29,10 @@ from typing import Any
 from tessel.dist.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
 from tessel.dist.cpp import ChunkCutter
 from tessel.dist.plan import RunPlan
-from tessel.dist.sampled import SampledRows
 from tessel.dist.schedulers import PinnedSchedulers
 from tessel.dist.stage import StageExecutor, rss_bytes, tensor_bytes
 from tessel.engine.llm_engine import LLM
-from tessel.engine.model_runner import PromptScoring, StepResult, prompt_scorings
+from tessel.engine.model_runner import PromptScoring, SampledRows, StepResult, prompt_scorings
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -196,7 +195,7 @@ class PipelineEngine(LLM):
         )
         self._released = []
         started = time.perf_counter()
-        hidden = self.stage.forward(positions, meta, input_ids=input_ids)
+        hidden = self.runner.run_stage(positions, meta, input_ids=input_ids)
         seq_ids = [s.seq_id for s, _ in batch.scheduled()]
         record = _InFlight(message.batch_id, slot, apply, sampled, scorings, seq_ids=seq_ids)
         if self.comm is None:

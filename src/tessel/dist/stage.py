@@ -1,10 +1,11 @@
-"""One pipeline stage's compute: its decoder layers over its share of the paged KV cache.
+"""One pipeline stage: its part of the model (`LayerFilter`), run by the engine's own `ModelRunner`.
 
-The first stage embeds the tokens; every stage runs its layers; a stage that is not the last hands
-on the residual stream (hidden + residual, the next layer's input-norm sum, so the next stage's
-first layer sees exactly what it would see in one process); the last stage applies the final
-norm, projects the sampled rows and samples them, with the logprobs asked for. Sampling here keeps
-each seeded request's `torch.Generator` on the last stage, where its logits are.
+The model is stage-aware (`tessel.models.llama.LlamaModel.forward`): the first stage embeds the
+tokens, a later one takes the residual stream it received; a stage that is not the last returns the
+stream to send on, the last the final hidden states. `ModelRunner.run_stage` runs it as one process
+runs its model (eager or the compiled decode graphs), and `ModelRunner.sample_hidden` samples the
+last stage's rows with the logprobs asked for. Sampling here keeps each seeded request's
+`torch.Generator` on the last stage, where its logits are.
 
 A stage with an emulated speed s < 1 sleeps (1/s - 1) x its measured compute time after every
 micro-batch: emulation of a slower device on one CPU, not a model of one.
@@ -20,10 +21,8 @@ from pathlib import Path
 import torch
 
 from tessel.dist.comm import BatchMessage
-from tessel.dist.sampled import SampledRows
-from tessel.engine.model_runner import ModelRunner, sampled_logprobs, score_prompt
+from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
-from tessel.layers.attention import AttentionMetadata
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
@@ -81,39 +80,13 @@ class StageExecutor:
         if not self.part.embed and self.part.needs_embedding:
             self.model.model.embed_tokens = torch.nn.Identity()  # the packed head has its own copy
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        input_ids: torch.Tensor | None = None,
-        hidden: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token ids (first stage) or the received residual stream -> this stage's output."""
-        inner = self.model.model
-        hidden = inner.embed_tokens(input_ids) if self.part.embed else hidden
-        residual = None
-        for index in range(self.part.layer_start, self.part.layer_end):
-            hidden, residual = inner.layers[index](positions, hidden, residual, meta)
-        if self.part.head:
-            hidden, _ = inner.norm(hidden, residual)
-            return hidden
-        return hidden + residual
-
-    @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, message: BatchMessage) -> SampledRows:
         """Last stage: the tokens of the message's sampled rows, with the logprobs their requests
-        asked for and the prompt logprobs of its chunks (as the single-process `ModelRunner.run`)."""
+        asked for and the prompt logprobs of its chunks (`ModelRunner.sample_hidden`, as `run`)."""
         for seq_id in message.released:
             self._generators.pop(seq_id, None)
-        prompt_logprobs = [score_prompt(self.model, hidden, s) for s in message.prompt_scorings]
-        if not message.sample_rows:
-            return SampledRows([], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[message.sample_rows])
         rows = [_Row(params, self._generator(seq_id, params)) for seq_id, params in message.sample]
-        tokens = self.runner.sample(logits.float(), rows).tolist()
-        logprobs = sampled_logprobs(logits, tokens, [row.params for row in rows])
-        return SampledRows(tokens, logprobs, prompt_logprobs)
+        return self.runner.sample_hidden(hidden, message.sample_rows, rows, message.prompt_scorings)
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:

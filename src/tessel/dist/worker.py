@@ -242,11 +242,11 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
 def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     """Run micro-batches from the previous stage until stage 0 says stop."""
     while (received := comm.recv_batch()) is not None:
-        message, hidden = received
+        message, stream = received
         started = time.perf_counter()
-        out = executor.forward(message.positions, message.meta, hidden=hidden)
+        out = executor.runner.run_stage(message.positions, message.meta, stream=stream)
         sampled = executor.sample(out, message) if last else None  # tokens and the logprobs asked for
-        executor.account(started, hidden.shape[0])
+        executor.account(started, stream.shape[0])
         if last:
             comm.send_tokens(message.batch_id, sampled)
         else:

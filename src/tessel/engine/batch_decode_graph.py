@@ -21,6 +21,10 @@ int8 GEMM alone, its quantiser and epilogue in the graphs; any other linear whol
     act           gate_up's post, SiLU-and-mul, down's pre             graph
     down          GEMM
     last          (after the last layer) down's post + residual, final norm   graph
+    end           (a pipeline stage before the last) down's post + residual: the stream   graph
+
+A pipeline stage runs its layers (`LlamaModel.part`), from the residual stream it received where
+it does not embed.
 
 Graphs are compiled per bucket of rows (1, 2, 4, 8, 16, then multiples of 16) and shared by every
 layer with the same shapes, on the first step that needs them (seconds per bucket; inductor keeps
@@ -96,14 +100,12 @@ class BatchDecodeGraph:
     None when compiling failed (the caller runs the eager model; a warning said why, once)."""
 
     def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
-        inner = model.model
-        attn = inner.layers[0].self_attn
-        self.shapes = _Shapes(
-            model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, inner.norm.eps
-        )
+        inner, c = model.model, model.config
+        attn = inner.layers[inner.part.layer_start].self_attn
+        self.shapes = _Shapes(c.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, c.rms_norm_eps)
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary
-        self.final_norm = inner.norm.weight.detach()
+        self.final_norm = inner.norm.weight.detach() if inner.part.head else None  # None: send the stream
         self.layers = layers
         self._graphs: dict[tuple, Callable] = {}
         self._padded_buffers: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -126,13 +128,22 @@ class BatchDecodeGraph:
         return None if layers is None else cls(model, layers)
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        rows = input_ids.shape[0]
+        """A pipeline stage that does not embed starts from the residual `stream` it received and,
+        before the last stage, returns the stream to send on (`LlamaModel.forward`)."""
+        rows = positions.shape[0]
         bucket = bucket_rows(rows)
-        ids, pos = (F.pad(t, (0, bucket - rows)) for t in (input_ids, positions))
+        pos = F.pad(positions, (0, bucket - rows))
         c2, s2 = rope_tables(pos, self.rotary.cos, self.rotary.sin)
-        hidden = self.embed(ids)
+        if stream is None:
+            hidden = self.embed(F.pad(input_ids, (0, bucket - rows)))
+        else:
+            hidden = F.pad(stream, (0, 0, 0, bucket - rows))  # padded rows: zeros, finite
         first = self.layers[0]
         out = self._run("first", bucket, (first.qkv,), self._first, [hidden, first.input_norm])
         for i, layer in enumerate(self.layers):
@@ -173,6 +184,8 @@ class BatchDecodeGraph:
             return None
         acc = self._gemm("down", layer.down, calls[:1], rows, bucket)
         down_in = [acc, *calls[1:], *layer.down.weights, residual]
+        if i + 1 == len(self.layers) and self.final_norm is None:
+            return self._run("end", bucket, (layer.down,), self._end, down_in)
         if i + 1 == len(self.layers):
             return self._run("last", bucket, (layer.down,), self._last, [*down_in, self.final_norm])
         nxt = self.layers[i + 1]
@@ -266,6 +279,14 @@ class BatchDecodeGraph:
             return (self._norm(residual, rest[-1]),)
 
         return last
+
+    def _end(self, down: SplitLinear) -> Callable:
+        n = down.num_carried
+
+        def end(acc, *rest):  # the residual stream, as the eager stage sends it
+            return (down.post(acc, list(rest[:n]), list(rest[n:-1])) + rest[-1],)
+
+        return end
 
 
 def _layer(layer: LlamaDecoderLayer) -> _Layer:

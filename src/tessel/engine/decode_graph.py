@@ -15,12 +15,15 @@ same shapes:
     middle     layer i's o projection + residual, post-attention norm, MLP + residual,
                then layer i + 1's input norm, qkv projection, rotary              -> q, k, v, residual
     last       the last layer's o projection ... MLP + residual, the final norm   -> hidden
+    end        (a pipeline stage before the last) as last, without the norm      -> residual stream
 
-Eager between them: the embedding lookup and, per layer, the new k/v written into the cache.
+Eager between them: the embedding lookup and, per layer, the new k/v written into the cache. A
+pipeline stage runs its layers (`LlamaModel.part`), from the residual stream it received where it
+does not embed.
 Attention buckets are powers of two of blocks (at least `MIN_BUCKET_TOKENS` tokens), padded
 tokens masked to -inf, so a sequence compiles a new attention graph only when its context
 doubles. The linears enter through their one-row forms (`tessel.layers.linear.forms`); a model
-with a linear that has none, a pipeline stage, or a float dtype other than float32 runs eager.
+with a linear that has none or a float dtype other than float32 runs eager.
 
 The numbers are the eager step's formulas, not its bits: inductor sums the norms' and the
 attention's reductions in its own order (W8A8 then rounds a code the other way at a near-tie
@@ -33,6 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import TypeVar
 
 import torch
@@ -132,19 +136,19 @@ class DecodeGraph:
     None when compiling failed (the caller runs the eager model; a warning said why, once)."""
 
     def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
-        c = model.config
-        attn = model.model.layers[0].self_attn
+        c, part = model.config, model.model.part
+        attn = model.model.layers[part.layer_start].self_attn
         self.shapes = _Shapes(
             c.hidden_size,
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            model.model.norm.eps,
+            c.rms_norm_eps,
             attn.attn.scale,
         )
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary
-        self.final_norm = model.model.norm.weight.detach()
+        self.final_norm = model.model.norm.weight.detach() if part.head else None  # None: send the stream
         self.layers = layers
         self.block_size = layers[0].k_cache.shape[1]
         self._graphs: dict[tuple, Callable] = {}
@@ -164,8 +168,11 @@ class DecodeGraph:
         return self._keys.setdefault((kind, *signature), (kind, len(self._keys)))
 
     def _segment(self, i: int) -> _Segment:
-        """What runs after layer i's attention: `middle` into layer i + 1, or `last`."""
+        """What runs after layer i's attention: `middle` into layer i + 1, `last` or `end`."""
         layer = self.layers[i]
+        if i + 1 == len(self.layers) and self.final_norm is None:
+            key = self._key("end", layer.post_signature)
+            return _Segment(key, functools.partial(self._end, layer), layer.post_inputs)
         if i + 1 == len(self.layers):
             key = self._key("last", layer.post_signature)
             return _Segment(key, functools.partial(self._last, layer), [*layer.post_inputs, self.final_norm])
@@ -181,8 +188,14 @@ class DecodeGraph:
         return None if layers is None else cls(model, layers)
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
+        """A pipeline stage that does not embed starts from the residual `stream` it received and,
+        before the last stage, returns the stream to send on (`LlamaModel.forward`)."""
         group = meta.decode_groups[0]
         context = group.context_lens.to(torch.int64)
         blocks = -(-int(context[0]) // self.block_size)
@@ -190,7 +203,7 @@ class DecodeGraph:
         table[:blocks] = group.block_tables[0, :blocks]
         c2, s2 = rope_tables(positions, self.rotary.cos, self.rotary.sin)
         slots = meta.slot_mapping
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids) if stream is None else stream
         residual = hidden
         first = self._first_segment
         out = self._run(first.key, first.build, [hidden, *first.weights, c2, s2])
@@ -206,7 +219,7 @@ class DecodeGraph:
             out = self._run(attention_key, self._attention, inputs)
             if out is None:
                 return None
-            if segment.key[0] == "last":
+            if segment.key[0] in ("last", "end"):
                 out = self._run(segment.key, segment.build, [out[0], residual, *segment.weights])
                 return None if out is None else out[0]
             out = self._run(segment.key, segment.build, [out[0], residual, *segment.weights, c2, s2])
@@ -254,6 +267,13 @@ class DecodeGraph:
 
         return last
 
+    def _end(self, layer: _Layer) -> Callable:
+        def end(attended, residual, *rest):
+            hidden, residual, kept, _ = self._post(attended, residual, layer, list(rest))
+            return (hidden + residual, *kept)  # the residual stream, as the eager stage sends it
+
+        return end
+
     def _attention(self) -> Callable:
         s = self.shapes
         return attention_graph(s.num_heads, s.num_kv_heads, s.head_dim, s.scale)
@@ -290,20 +310,26 @@ class DecodeGraph:
 
 
 def graph_layers(model: LlamaForCausalLM, build: Callable[[LlamaDecoderLayer], T | None]) -> list[T] | None:
-    """`build(layer)` for each decoder layer of `model`, or None where the CPU's compiled decode
-    steps cannot run it: no compiler, a pipeline stage (without the embedding or the final norm),
-    weights not float32 on the CPU, a layer other than a Llama layer with RMSNorms and a float32
-    paged cache, or a layer `build` refuses."""
+    """`build(layer)` for each decoder layer `model` runs (a pipeline stage: its own), or None where
+    the CPU's compiled decode steps cannot run them: no compiler, an embedding (first stage) or a
+    final norm (last stage) of another kind, weights not float32 on the CPU, a layer other than a
+    Llama layer with RMSNorms and a float32 paged cache, or a layer `build` refuses."""
     inner = getattr(model, "model", None)
     if inner is None or not cpu_compile.compiler_available():
         return None
-    if not isinstance(inner.embed_tokens, VocabEmbedding) or not isinstance(inner.norm, RMSNorm):
+    part = inner.part
+    if part.embed and not isinstance(inner.embed_tokens, VocabEmbedding):
         return None
-    weight = inner.embed_tokens.weight
+    if part.head and not isinstance(inner.norm, RMSNorm):
+        return None
+    held = list(islice(inner.layers, part.layer_start, part.layer_end))
+    if not held or not all(_plain_layer(layer) for layer in held):
+        return None
+    weight = inner.embed_tokens.weight if part.embed else held[0].input_layernorm.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    layers = [build(layer) if _plain_layer(layer) else None for layer in inner.layers]
-    return None if not layers or any(layer is None for layer in layers) else layers
+    layers = [build(layer) for layer in held]
+    return None if any(layer is None for layer in layers) else layers
 
 
 def _plain_layer(layer: torch.nn.Module) -> bool:

@@ -8,6 +8,10 @@ decodes only runs as compiled graphs where the model allows: one sequence's whol
 (`tessel.engine.decode_graph`), several sequences' between their linears' GEMMs
 (`tessel.engine.batch_decode_graph`).
 On CUDA a step of decodes only replays a captured CUDA graph (`tessel.engine.cuda_graph`).
+
+A pipeline stage runs here too (`run_stage`, then `sample_hidden` on the last stage): its model
+holds a part of the layers (`LlamaModel.part`) and takes and returns the residual stream, through
+the same `_forward` as one process, so a stage gets the same graphs.
 """
 
 from __future__ import annotations
@@ -111,6 +115,24 @@ def score_prompt(
     return token_logprobs(logits.log_softmax(dim=-1), scoring.targets, scoring.k)
 
 
+@dataclass(slots=True)
+class SampledRows:
+    """A step's sampled `tokens` (one per sampled row), their `logprobs` (None where not asked) and
+    the `prompt_logprobs` of each of its prompt scorings, in order."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.logprobs:
+            self.logprobs = [None] * len(self.tokens)
+
+    @property
+    def has_logprobs(self) -> bool:
+        return bool(self.prompt_logprobs) or any(entry is not None for entry in self.logprobs)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -132,8 +154,14 @@ class ModelRunner:
         c = model.config
         # One cache per attention layer the model holds (a pipeline stage holds some of them).
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        part = model.model.part  # CUDA graphs capture a whole model's step (ids in, hidden out)
         cuda_graphs = bool(
-            cuda_graph.supported(self.device) and not enforce_eager and max_num_seqs and max_model_len
+            cuda_graph.supported(self.device)
+            and not enforce_eager
+            and max_num_seqs
+            and max_model_len
+            and part.embed
+            and part.head
         )
         # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN). With CUDA
         # graphs one more block than the block manager's: the scratch block of padded rows.
@@ -227,18 +255,42 @@ class ModelRunner:
         """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
-        result = StepResult(
-            prompt_logprobs=[
-                (seq, s.first, score_prompt(self.model, hidden, s)) for seq, s in prompt_scorings(batch)
-            ]
-        )
-        result.seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        scorings = prompt_scorings(batch)
+        sampled = self.sample_hidden(hidden, sample_rows, seqs, [s for _, s in scorings])
+        prompt = [
+            (seq, s.first, logprobs)
+            for (seq, s), logprobs in zip(scorings, sampled.prompt_logprobs, strict=True)
+        ]
+        return StepResult(seqs, sampled.tokens, sampled.logprobs, prompt)
+
+    @torch.inference_mode()
+    def run_stage(
+        self,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        input_ids: torch.Tensor | None = None,
+        stream: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A pipeline stage's share of a prepared step: token ids (first stage) or the residual
+        stream it received -> the final hidden states (last stage: `sample_hidden` samples them) or
+        the residual stream to send on."""
+        return self._forward(input_ids, positions, meta, stream)
+
+    @torch.inference_mode()
+    def sample_hidden(
+        self, hidden: torch.Tensor, sample_rows: list[int], seqs: list, scorings: list[PromptScoring]
+    ) -> SampledRows:
+        """The tokens of the step's `sample_rows` of the final hidden states, one per entry of `seqs`
+        (sequences, or anything with their `params` and `generator`), with the logprobs they asked
+        for, and the prompt logprobs of `scorings`."""
+        prompt_logprobs = [score_prompt(self.model, hidden, s) for s in scorings]
         if not sample_rows:
-            return result
+            return SampledRows([], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[sample_rows])
-        result.tokens = self.sample(logits.float(), result.seqs).tolist()
-        result.logprobs = sampled_logprobs(logits, result.tokens, [seq.params for seq in result.seqs])
-        return result
+        tokens = self.sample(logits.float(), seqs).tolist()
+        logprobs = sampled_logprobs(logits, tokens, [seq.params for seq in seqs])
+        return SampledRows(tokens, logprobs, prompt_logprobs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]
@@ -257,17 +309,22 @@ class ModelRunner:
         return self.model.compute_logits(self._forward(input_ids, positions, meta))
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The model's hidden states for the step: for a step of decodes only, on CPU the compiled
-        graphs (one sequence's, or several sequences' around their GEMMs), on CUDA the captured
-        graph, where there is one (and it compiled or captured); else the eager model."""
+        """The model's output for the step (a pipeline stage's from the residual `stream` it received,
+        `LlamaModel.forward`): for a step of decodes only, on CPU the compiled graphs (one
+        sequence's, or several sequences' around their GEMMs), on CUDA the captured graph, where
+        there is one (and it compiled or captured); else the eager model."""
         hidden = None
         decodes_only = meta.num_decode_tokens > 0 and not meta.prefills
         if self.decode_graph is not None and decodes_only and meta.num_decode_tokens == 1:
-            hidden = self.decode_graph(input_ids, positions, meta)
+            hidden = self.decode_graph(input_ids, positions, meta, stream)
         elif self.batch_decode_graph is not None and decodes_only:
-            hidden = self.batch_decode_graph(input_ids, positions, meta)
+            hidden = self.batch_decode_graph(input_ids, positions, meta, stream)
         elif self.cuda_graphs is not None and not meta.prefills:
             hidden = self.cuda_graphs(input_ids, positions, meta)
-        return self.model(input_ids, positions, meta) if hidden is None else hidden
+        return self.model(input_ids, positions, meta, stream) if hidden is None else hidden

@@ -2,8 +2,10 @@
 on the first stage and the final norm + LM head on the last.
 
 `prune(model)` replaces what the stage does not hold by `nn.Identity` while the model is still on
-the meta device, so those parts never get memory; `holds(name)` tells the loader which checkpoint
-tensors to read. With tied embeddings the last stage holds the embedding matrix as its LM head.
+the meta device, so those parts never get memory, and gives the model its part: its forward then
+runs this stage (`tessel.models.llama.LlamaModel.forward`); `holds(name)` tells the loader which
+checkpoint tensors to read. With tied embeddings the last stage holds the embedding matrix as its
+LM head.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ class LayerFilter:
         return True  # anything else is checked by the loader as usual
 
     def prune(self, model: nn.Module) -> None:
-        """Drop (on the meta device) the modules of a `LlamaForCausalLM` this stage does not hold."""
+        """Drop (on the meta device) the modules of a `LlamaForCausalLM` this stage does not hold;
+        the model then runs this stage's part."""
         inner = model.model
+        inner.part = self
         for index in range(len(inner.layers)):
             if not self.holds_layer(index):
                 inner.layers[index] = nn.Identity()

@@ -4,9 +4,18 @@ q/k/v are one `qkv_proj` and gate/up one `gate_up_proj` (fewer, larger GEMMs); `
 slices the HF tensors into them. The forward pass takes the step's flattened tokens
 ([T] ids and positions) and returns hidden states [T, H]; `compute_logits` projects only the
 rows that get sampled.
+
+The model is stage-aware, as vLLM's are: it runs the decoder layers it holds (`LlamaModel.part`,
+a `tessel.models.layer_filter.LayerFilter`: all of them in one process, a pipeline stage's range
+otherwise, the others `nn.Identity`). The first stage embeds token ids; a later one takes the
+residual stream the stage before it sent. The last stage returns the final hidden states; any
+other the residual stream to send on: hidden + residual, the sum the next layer's input norm
+takes first, so the next stage's first layer sees exactly what it would see in one process.
 """
 
 from __future__ import annotations
+
+from itertools import islice
 
 import torch
 from torch import nn
@@ -17,6 +26,7 @@ from tessel.layers.embedding import LMHead, VocabEmbedding
 from tessel.layers.norm import RMSNorm
 from tessel.layers.rotary import RotaryEmbedding
 from tessel.models.config import ModelConfig
+from tessel.models.layer_filter import LayerFilter
 
 
 class LlamaAttention(nn.Module):
@@ -89,14 +99,30 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # what this model runs: every layer, the embedding and the final norm (`LayerFilter.prune`
+        # narrows it to a pipeline stage's part)
+        self.part = LayerFilter(
+            0, config.num_hidden_layers, embed=True, head=True, tied=config.tie_word_embeddings
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        """Token ids [T] (first stage) or the received residual stream [T, H] (a later stage) ->
+        the final hidden states [T, H] (last stage) or the residual stream to send on."""
+        part = self.part
+        if part.embed == (stream is not None):
+            raise ValueError("the first stage takes token ids, a later stage the residual stream")
+        hidden = self.embed_tokens(input_ids) if stream is None else stream
         residual = None
-        for layer in self.layers:
+        for layer in islice(self.layers, part.layer_start, part.layer_end):
             hidden, residual = layer(positions, hidden, residual, meta)
+        if not part.head:
+            return hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -120,9 +146,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, stream)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
