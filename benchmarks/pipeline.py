@@ -6,7 +6,7 @@
 2. Plans the model (`tessel plan --solver dp --dtype fp32 --profile ...`) on four local-CPU clusters:
    2 and 3 stages, each with and without an emulated half-speed device (`emulate: {speed: 0.5}`).
 3. Runs the plan and its uniform baseline on the same closed batch of requests (token-id prompts of
-   a fixed length, `ignore_eos`), one process per stage (`tessel.dist.run.run_pipeline`), and
+   a fixed length, `ignore_eos`), one process per stage (`tessel.pipeline.run.run_pipeline`), and
    simulates the same batch with the same scheduler settings (pinned slots = micro-batches in flight,
    token budget) on the plan's priced pipeline (`tessel.sim`, with the profile).
 4. CPP on vs off for one long prompt on the 2-stage plan: measured TTFT (whole prompt as one
@@ -93,7 +93,7 @@ def prompts_file(path: Path, n: int, tokens: int, vocab: int, seed: int) -> Path
 
 
 def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> dict:
-    from tessel.dist.run import RunOptions, run_pipeline
+    from tessel.pipeline.run import RunOptions, run_pipeline
 
     options = RunOptions(
         plan,
@@ -202,7 +202,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
 def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: int, console: Console) -> dict:
     from tessel.chunk.schedule import evaluate_chunks
     from tessel.cost.profile import load_profile
-    from tessel.dist.cpp import ChunkCutter
+    from tessel.pipeline.chunk_cutter import ChunkCutter
     from tessel.plan.plan_file import load_plan
     from tessel.sim.plan_pipeline import pipeline_for
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import hostile_models
 import tiny_models
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 from tessel.cli import app
 
 

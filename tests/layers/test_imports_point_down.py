@@ -13,7 +13,7 @@ import pytest
 import tessel
 
 SRC = Path(tessel.__file__).parent
-ABOVE = ("quant", "models", "engine", "server", "dist", "pipeline", "commands", "cli")
+ABOVE = ("quant", "models", "engine", "server", "pipeline", "commands", "cli")
 
 
 def _imported_modules(path: Path) -> Iterator[str]:

@@ -61,8 +61,8 @@ def test_the_floor_itself_loads() -> None:
 def test_the_runtime_refuses_a_near_zero_speed_before_any_process(tmp_path: Path) -> None:
     """The pipeline runtime reads plans through `load_plan`: the 1e-9 stage of the finding (it ran
     for ever) is refused when the run plan is read."""
-    from dist_plans import write_plan
-    from tessel.dist.plan import load_run_plan
+    from pipeline_plans import write_plan
+    from tessel.pipeline.run_plan import load_run_plan
 
     model = tmp_path / "tiny"
     model.mkdir()

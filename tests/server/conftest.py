@@ -112,8 +112,8 @@ def build_engine(
 
         yield LLMEngine(str(model), max_num_seqs=max_num_seqs, **options)
         return
-    from dist_plans import write_plan
-    from tessel.dist.serving import pipeline_server_engine
+    from pipeline_plans import write_plan
+    from tessel.pipeline.serving import pipeline_server_engine
 
     assert kind == "pipeline" and max_num_seqs % PIPELINE_SLOTS == 0, (kind, max_num_seqs)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]

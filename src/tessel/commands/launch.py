@@ -62,8 +62,8 @@ def launch(
 ) -> None:
     """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
     from tessel.commands.render.launch import print_run
-    from tessel.dist.run import RunOptions, run_pipeline
     from tessel.files import check_output_path, claim_directory, write_text_file
+    from tessel.pipeline.run import RunOptions, run_pipeline
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")

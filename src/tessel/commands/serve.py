@@ -135,8 +135,8 @@ def serve(
         )
         engine.warm_up()  # the compiled decode step, before the first request would wait for it
     else:
-        from tessel.dist.heartbeat import heartbeat_timeout_s
-        from tessel.dist.serving import pipeline_server_engine
+        from tessel.pipeline.heartbeat import heartbeat_timeout_s
+        from tessel.pipeline.serving import pipeline_server_engine
 
         timeout_s = heartbeat_timeout_s(heartbeat_timeout)
         engine = pipeline_server_engine(

@@ -116,7 +116,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
-        """The whole model; a pipeline stage (`tessel.dist`) loads only its layers."""
+        """The whole model; a pipeline stage (`tessel.pipeline`) loads only its layers."""
         return load_model(path, self.dtype, self.config.device, lm_head=self.config.lm_head)
 
     # ---- sizing -------------------------------------------------------------------------------

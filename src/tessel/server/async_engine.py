@@ -16,7 +16,7 @@ a request) fails the requests in flight with `EngineDeadError` (503) and restart
 `max_restarts` times; then the engine is dead for good, `/health` says so and `on_dead` is called
 (`tessel serve` exits, so a supervisor can restart it). Only failures a restart can fix count: an
 error whose `restart_can_fix` attribute is False (a pipeline stage that died or fell silent,
-`tessel.dist.launcher.StageFailedError`) stops the loop at once without spending the budget and
+`tessel.pipeline.launcher.StageFailedError`) stops the loop at once without spending the budget and
 without `on_dead`: the server stays up, answering 503 with the cause on `/health` and to every
 request, instead of exiting and leaving its clients with refused connections.
 

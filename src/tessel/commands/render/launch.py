@@ -17,7 +17,7 @@ STAGE_COLUMNS = (
 )
 
 
-def print_run(run) -> None:  # noqa: ANN001 (tessel.dist.run.PipelineRun; torch stays out of the CLI import)
+def print_run(run) -> None:  # noqa: ANN001 (tessel.pipeline.run.PipelineRun; torch stays out of the CLI import)
     console = Console(highlight=False)
     for request in run.requests:
         if len(run.requests) > 1:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
-from tessel.dist.run import RunOptions, run_pipeline
+from tessel.pipeline.run import RunOptions, run_pipeline
 
 pytestmark = pytest.mark.slow  # four processes load SmolLM2 (3 stages + the reference): ~1-2 min
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tessel.dist.heartbeat import (
+from tessel.errors import TesselError
+from tessel.pipeline.heartbeat import (
     Heartbeat,
     Progress,
     Watchdog,
@@ -18,7 +19,6 @@ from tessel.dist.heartbeat import (
     heartbeat_timeout_s,
     read_beat,
 )
-from tessel.errors import TesselError
 
 TIMEOUT_S = 10.0
 

@@ -1,7 +1,7 @@
-"""One pipeline stage process: `python -m tessel.dist.worker --plan plan.json --model DIR ...`.
+"""One pipeline stage process: `python -m tessel.pipeline.worker --plan plan.json --model DIR ...`.
 
 It reads the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), so it
-runs under `torchrun --nnodes ... -m tessel.dist.worker` as well as under `tessel launch`, which
+runs under `torchrun --nnodes ... -m tessel.pipeline.worker` as well as under `tessel launch`, which
 spawns one per stage on this machine. Rank 0 is stage 0: it reads the requests, runs the
 scheduler (`PipelineEngine`), prints the outputs and writes `--json`. Every other rank loads its
 layers and serves micro-batches until stage 0 says stop.
@@ -9,7 +9,7 @@ layers and serves micro-batches until stage 0 says stop.
 With `TESSEL_RUN_DIR` set (the launcher sets it), each stage writes `stage<k>.json` there: its
 layers, weight bytes and resident memory once loaded, its compute time at the end, or the error
 that stopped it; and a heartbeat thread rewrites `stage<k>.beat` with its progress
-(`tessel.dist.heartbeat`), from the start of `main` to the process's end.
+(`tessel.pipeline.heartbeat`), from the start of `main` to the process's end.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.dist.comm import PeerLostError, StageComm, share_kv_layout
-from tessel.dist.cpp import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
-from tessel.dist.driver import PipelineEngine, layer_filter
-from tessel.dist.heartbeat import Heartbeat, Progress, beat_interval_s, heartbeat_timeout_s
-from tessel.dist.plan import RunPlan, load_run_plan, priced_pipeline
-from tessel.dist.request_checks import check_prompt_chars
-from tessel.dist.requests import RunRequest, read_requests
-from tessel.dist.stage import StageExecutor, StageStats, rss_bytes
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.reader import read_model
+from tessel.pipeline.chunk_cutter import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
+from tessel.pipeline.comm import PeerLostError, StageComm, share_kv_layout
+from tessel.pipeline.driver import PipelineEngine, layer_filter
+from tessel.pipeline.heartbeat import Heartbeat, Progress, beat_interval_s, heartbeat_timeout_s
+from tessel.pipeline.prompts_file import RunRequest, read_requests
+from tessel.pipeline.request_checks import check_prompt_chars
+from tessel.pipeline.run_plan import RunPlan, load_run_plan, priced_pipeline
+from tessel.pipeline.stage import StageExecutor, StageStats, rss_bytes
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 RUN_DIR_ENV = "TESSEL_RUN_DIR"
@@ -50,7 +50,7 @@ EXIT_FAILED = 1
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tessel.dist.worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tessel.pipeline.worker", description=__doc__.split("\n")[0])
     p.add_argument("--plan", type=Path, required=True)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--prompt", action="append", default=[])

@@ -10,7 +10,7 @@
    planner chose, one micro-batch each, back to back (chunk i needs only chunks < i, which every
    stage has already computed since stages take micro-batches in order);
 2. the oldest micro-batch's sampled tokens, with the logprobs its requests asked for
-   (`tessel.dist.sampled`), are received from the last stage and applied with the engine's own
+   (`tessel.pipeline.sampled`), are received from the last stage and applied with the engine's own
    update (`LLMEngine._finish_step`: computed tokens, logprobs, prefix cache, stop rules).
 
 Aborting a request whose micro-batch is in flight takes effect when that micro-batch is back.
@@ -26,11 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessel.dist.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
-from tessel.dist.cpp import ChunkCutter
-from tessel.dist.plan import RunPlan
-from tessel.dist.schedulers import PinnedSchedulers
-from tessel.dist.stage import StageExecutor, rss_bytes, tensor_bytes
 from tessel.engine.llm_engine import LLM
 from tessel.engine.model_runner import PromptScoring, SampledRows, StepResult, prompt_scorings
 from tessel.engine.outputs import RequestOutput
@@ -40,6 +35,11 @@ from tessel.errors import TesselError
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.pipeline.chunk_cutter import ChunkCutter
+from tessel.pipeline.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
+from tessel.pipeline.pinned_schedulers import PinnedSchedulers
+from tessel.pipeline.run_plan import RunPlan
+from tessel.pipeline.stage import StageExecutor, rss_bytes, tensor_bytes
 from tessel.quant.load_quantize import quantize_layers
 
 

@@ -1,6 +1,6 @@
 """The plan as the pipeline runtime reads it: one adapter over the plan-file model.
 
-`load_run_plan(path)` is the only place `tessel.dist` reads a plan file. It returns the stages in
+`load_run_plan(path)` is the only place `tessel.pipeline` reads a plan file. It returns the stages in
 pipeline order (layer range, device, emulated speed), the model the plan was made for and how many
 micro-batches to keep in flight, and `check_model` refuses a plan that does not fit the checkpoint
 before any process starts.

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tessel.dist.comm import PeerLostError, StageComm
-from tessel.dist.cpp import ChunkCutter
-from tessel.dist.driver import PipelineEngine
-from tessel.dist.launcher import LocalStages, StageFailedError, free_port
-from tessel.dist.plan import priced_pipeline
-from tessel.dist.run import RunOptions
-from tessel.dist.worker import COMM_TIMEOUT, device_for, engine_kwargs, parser, validate
 from tessel.models.config import resolve_dtype
+from tessel.pipeline.chunk_cutter import ChunkCutter
+from tessel.pipeline.comm import PeerLostError, StageComm
+from tessel.pipeline.driver import PipelineEngine
+from tessel.pipeline.launcher import LocalStages, StageFailedError, free_port
+from tessel.pipeline.run import RunOptions
+from tessel.pipeline.run_plan import priced_pipeline
+from tessel.pipeline.worker import COMM_TIMEOUT, device_for, engine_kwargs, parser, validate
 
 WATCH_INTERVAL_S = 0.5
 EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit

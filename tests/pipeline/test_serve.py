@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tessel.dist.serving import pipeline_server_engine  # noqa: E402
+from tessel.pipeline.serving import pipeline_server_engine  # noqa: E402
 from tessel.server.app import create_app  # noqa: E402
 
 DEADLINE_S = 60.0
@@ -74,9 +74,9 @@ def test_logprobs_of_cpp_chunks_equal_one_process(tiny_dirs, tmp_path):
     answered 500): a prompt's logprobs when its prefill is cut into CPP chunks (each chunk its own
     micro-batch), and each sampled token's, equal the single-process engine's."""
     from tessel.chunk.latency import PipelineLatency
-    from tessel.dist.cpp import ChunkCutter
-    from tessel.dist.run import RunOptions
-    from tessel.dist.serving import pipeline_engine
+    from tessel.pipeline.chunk_cutter import ChunkCutter
+    from tessel.pipeline.run import RunOptions
+    from tessel.pipeline.serving import pipeline_engine
     from tessel.sim.linear import LinearStage
 
     model = tiny_dirs["untied"]

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from ct_oracle import fake_quant
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
-from tessel.dist.driver import PipelineEngine
-from tessel.dist.plan import load_run_plan, priced_pipeline
-from tessel.dist.run import RunOptions, run_pipeline
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear
+from tessel.pipeline.driver import PipelineEngine
+from tessel.pipeline.run import RunOptions, run_pipeline
+from tessel.pipeline.run_plan import load_run_plan, priced_pipeline
 from tessel.quant.load_quantize import int4_group, quantized_linear
 
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -193,7 +193,7 @@ def test_serve_runs_one_replica_and_needs_a_plan_for_it(tiny_dirs, tmp_path):
     from typer.testing import CliRunner
 
     from tessel.cli import app
-    from tessel.dist.serving import pipeline_server_engine
+    from tessel.pipeline.serving import pipeline_server_engine
 
     model = tiny_dirs["tied"]
     result = CliRunner().invoke(app, ["serve", "--model", str(model), "--replica", "1"])

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from tessel.dist.comm import BatchMessage
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.pipeline.comm import BatchMessage
 from tessel.quant.load_quantize import quantize_layers
 
 

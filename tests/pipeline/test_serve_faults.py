@@ -15,12 +15,12 @@ import time
 import httpx
 import pytest
 
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tessel.dist.serving import pipeline_server_engine  # noqa: E402
+from tessel.pipeline.serving import pipeline_server_engine  # noqa: E402
 from tessel.server.app import create_app  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 3.0  # short, so the test stays cheap (the default is 30 s)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tessel.dist.requests import read_requests
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
+from tessel.pipeline.prompts_file import read_requests
 
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=32)
 
@@ -93,9 +93,9 @@ def _launch_refuses(monkeypatch, tmp_path, model, extra: list[str]):
     """`tessel launch ... extra` with spawning forbidden: -> the TesselError it exited 2 with."""
     from typer.testing import CliRunner
 
-    from dist_plans import write_plan
+    from pipeline_plans import write_plan
     from tessel.cli import app
-    from tessel.dist import launcher
+    from tessel.pipeline import launcher
 
     def refuse(*args, **kwargs):
         raise AssertionError("a stage process was spawned for a bad request")
@@ -140,7 +140,7 @@ def test_launch_refuses_bad_requests_before_any_stage(
 
 def test_a_huge_line_is_refused_by_characters_before_tokenizing(tiny_dirs, tmp_path, monkeypatch):
     """A line over --max-prompt-chars (default 1,000,000) is refused without being tokenized."""
-    from tessel.dist import request_checks
+    from tessel.pipeline import request_checks
 
     def no_tokenizer(*args, **kwargs):
         raise AssertionError("the prompt was tokenized")

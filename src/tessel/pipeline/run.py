@@ -12,9 +12,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessel.dist.heartbeat import heartbeat_timeout_s
-from tessel.dist.launcher import launch
 from tessel.errors import TesselError
+from tessel.pipeline.heartbeat import heartbeat_timeout_s
+from tessel.pipeline.launcher import launch
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 
@@ -86,8 +86,8 @@ class PipelineRun:
 def check_options(options: RunOptions) -> int:
     """Refuse what would fail in the workers (plan vs model, the requests against the tokenizer and
     max_model_len) before any starts; -> the number of stages."""
-    from tessel.dist.request_checks import check_requests
-    from tessel.dist.worker import engine_kwargs, parser, run_requests, validate
+    from tessel.pipeline.request_checks import check_requests
+    from tessel.pipeline.worker import engine_kwargs, parser, run_requests, validate
 
     heartbeat_timeout_s(options.heartbeat_timeout)
     args = parser().parse_args(options.worker_argv(Path("unused.json")))

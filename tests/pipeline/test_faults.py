@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 from tessel.cli import app
-from tessel.dist import launcher
-from tessel.dist.launcher import StageFailedError
-from tessel.dist.run import RunOptions, check_options, run_pipeline
 from tessel.errors import TesselError
+from tessel.pipeline import launcher
+from tessel.pipeline.launcher import StageFailedError
+from tessel.pipeline.run import RunOptions, check_options, run_pipeline
 
 READY_TIMEOUT_S = 240  # three stage processes importing torch on a loaded machine
 FAULT_DEADLINE_S = 30  # the bound: everything stops within 30 s of the death

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dist_plans import write_plan
+from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
 from tessel.chunk.latency import PipelineLatency
-from tessel.dist.cpp import ChunkCutter
-from tessel.dist.driver import PipelineEngine
-from tessel.dist.plan import load_run_plan
+from tessel.pipeline.chunk_cutter import ChunkCutter
+from tessel.pipeline.driver import PipelineEngine
+from tessel.pipeline.run_plan import load_run_plan
 from tessel.sim.linear import LinearStage
 
 PROMPTS = [

@@ -4,11 +4,11 @@ A micro-batch travels from stage k to k+1 as three tensors: a fixed-size header
 `[kind, payload bytes, rows, cols]`, the pickled `BatchMessage` (positions, attention metadata
 with the block tables stage 0 decided, what to sample) and the residual stream [rows, cols]. The
 last stage sends the sampled tokens (and the logprobs asked for) back to stage 0, a
-`tessel.engine.model_runner.SampledRows` (wire format: `tessel.dist.sampled`). Sends are
+`tessel.engine.model_runner.SampledRows` (wire format: `tessel.pipeline.sampled`). Sends are
 non-blocking (`isend`); the next header is received with a pre-posted `irecv` so a stage's receive
 overlaps its compute. Any failure of the process
 group becomes `PeerLostError`. As messages move, the stage's `Progress` is updated for its
-heartbeat (`tessel.dist.heartbeat`): when a stage starts and ends computing a micro-batch, and since
+heartbeat (`tessel.pipeline.heartbeat`): when a stage starts and ends computing a micro-batch, and since
 when stage 0 waits for tokens.
 """
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tessel.dist.heartbeat import Progress
-from tessel.dist.sampled import HEAD_LEN, from_wire, to_wire
 from tessel.engine.model_runner import PromptScoring, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.layers.attention import AttentionMetadata
+from tessel.pipeline.heartbeat import Progress
+from tessel.pipeline.sampled import HEAD_LEN, from_wire, to_wire
 
 BATCH, STOP = 1, 2
 HEADER_LEN = 4

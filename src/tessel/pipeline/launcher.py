@@ -4,7 +4,7 @@ Each worker gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_AD
 a free port) and `TESSEL_RUN_DIR`, where it writes its status (`stage<k>.json`), its heartbeat
 (`stage<k>.beat`) and its stderr (`stage<k>.log`). The launcher polls them: when one exits with an
 error, sends no heartbeat for the heartbeat timeout, or the pipeline is stuck
-(`tessel.dist.heartbeat`), the others are terminated (SIGTERM and SIGCONT, then SIGKILL after
+(`tessel.pipeline.heartbeat`), the others are terminated (SIGTERM and SIGCONT, then SIGKILL after
 `TERMINATE_GRACE_S`) and a `StageFailedError` names the stage and the cause: the exception it
 reported, the signal that killed it, or its silence. A stage whose only error is a lost peer is a
 consequence, not a cause, and is named only if nothing else failed. Workers die with the launcher
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessel.dist.heartbeat import HEARTBEAT_TIMEOUT_ENV, Progress, Watchdog, heartbeat_timeout_s
 from tessel.errors import TesselError
+from tessel.pipeline.heartbeat import HEARTBEAT_TIMEOUT_ENV, Progress, Watchdog, heartbeat_timeout_s
 
 POLL_S = 0.05
 WATCHDOG_INTERVAL_S = 0.25  # how often the heartbeat files are read
@@ -92,7 +92,7 @@ def spawn_worker(
     log = open(run_dir / f"stage{rank}.log", "wb")  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "tessel.dist.worker", *argv],
+            [sys.executable, "-m", "tessel.pipeline.worker", *argv],
             env=worker_env(rank, world_size, port, run_dir, heartbeat_timeout),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -262,7 +262,7 @@ class LocalStages:
 def launch(
     argv: list[str], num_stages: int, run_dir: Path, heartbeat_timeout: float | None = None
 ) -> LaunchResult:
-    """Run `python -m tessel.dist.worker ARGV` as `num_stages` stages; -> their statuses.
+    """Run `python -m tessel.pipeline.worker ARGV` as `num_stages` stages; -> their statuses.
 
     `heartbeat_timeout`: seconds a stage may stay silent (None: `TESSEL_HEARTBEAT_TIMEOUT_S` or 30)."""
     timeout_s = heartbeat_timeout_s(heartbeat_timeout)
