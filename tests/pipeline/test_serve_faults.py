@@ -1,6 +1,7 @@
 """`tessel serve --plan` when a stage stops answering or dies: the server stays up, `/health` answers
-503 naming the stage, requests get 503 (never a hang, never a refused connection), the restart
-budget is not spent, and no stage process is left behind."""
+503 naming the stage while it rebuilds the pipeline, requests get 503 with Retry-After (never a
+hang, never a refused connection), then it serves again; past `--max-engine-restarts` it answers
+503 for good, and no stage process is left behind."""
 
 from __future__ import annotations
 
@@ -65,21 +66,31 @@ def _post_within_deadline(client: TestClient, body: dict) -> httpx.Response:
     return answer["response"]
 
 
-def test_stopped_stage_is_noticed_and_named(tiny_dirs, tmp_path):
+def _complete(client: TestClient | httpx.Client) -> str:
+    response = client.post("/v1/completions", json=BODY)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
     """SIGSTOP of stage 1 while a request runs (a deadlock looks the same): that request ends with
-    503 instead of hanging, /health names stage 1's silence, new requests get 503 at once."""
+    503 instead of hanging; while the pipeline is rebuilt /health names stage 1's silence and new
+    requests get 503 with Retry-After; then the new pipeline answers as the old one did."""
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)])
     engine = pipeline_server_engine(model, plan, heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
     pids = [proc.pid for proc in engine.stages.procs]
+    app = create_app(engine, max_pending=8)
+    async_engine = app.state.async_engine
     try:
-        app = create_app(engine, max_pending=8)
-        async_engine = app.state.async_engine
         dead_calls: list[bool] = []
         async_engine.on_dead = lambda: dead_calls.append(True)
-        engine.watch_stages(async_engine)
+        engine.serve_with(async_engine)
+        gate = threading.Event()  # holds the rebuild, so the test sees the server while it rebuilds
+        rebuild = async_engine.rebuild
+        async_engine.rebuild = lambda broken: (gate.wait(DEADLINE_S), rebuild(broken))[1]
         with TestClient(app) as client:
-            assert client.post("/v1/completions", json=BODY).status_code == 200
+            before = _complete(client)
             running: dict = {}
             long_body = {**BODY, "max_tokens": 900, "ignore_eos": True}
             thread = threading.Thread(
@@ -92,21 +103,30 @@ def test_stopped_stage_is_noticed_and_named(tiny_dirs, tmp_path):
             assert "r" in running, "the running request hung on the stopped stage"
             assert running["r"].status_code == 503, running["r"].text
             health = client.get("/health")
-            assert health.status_code == 503
+            assert health.status_code == 503 and "restarting" in health.text
             assert "stage 1" in health.text and f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s" in health.text
             later = _post_within_deadline(client, BODY)
             assert later.status_code == 503 and "stage 1" in later.text
+            assert int(later.headers["Retry-After"]) >= 1
             assert client.get("/v1/models").status_code == 200
-        assert dead_calls == [] and async_engine.num_restarts == 0
-        _wait(lambda: not any(_alive(pid) for pid in pids), "the stage processes to be stopped")
+            gate.set()
+            _wait(lambda: client.get("/health").status_code == 200, "the rebuilt pipeline")
+            assert _complete(client) == before
+            assert not any(_alive(pid) for pid in pids)  # the old stages
+            assert async_engine.engine is not engine and async_engine.num_restarts == 1
+        assert dead_calls == []
     finally:
         _release(pids)
-        engine.close()
+        async_engine.engine.close()
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as children:
-        return [int(child) for child in children.read().split()]
+def _children(pid: int) -> set[int]:
+    """Child processes of every thread of `pid` (stages rebuilt by the engine thread are its children)."""
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as listed:
+            children.update(int(child) for child in listed.read().split())
+    return children
 
 
 def _free_port() -> int:
@@ -117,41 +137,54 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the stage through /proc")
-def test_killed_stage_leaves_the_server_up(tiny_dirs, tmp_path):
-    """`kill -9` of stage 1 under `tessel serve --plan`: the server process stays up (it used to spend
-    its restart budget in 3 s and exit: connection refused); /health names the stage, /v1/models
-    answers, completions get 503."""
+def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tmp_path):
+    """`kill -9` of stage 1 under `tessel serve --plan --max-engine-restarts 1`: /health names the
+    stage, then the server is back with a new stage 1 and answers as before. A second kill is past
+    the budget: the server stays up (it used to exit: connection refused), /health and completions
+    answer 503 with the reason, /v1/models answers. No stage process outlives the server."""
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)])
     port = _free_port()
     command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--plan", str(plan)]
     command += ["--port", str(port), "--log-level", "warning", "--max-engine-restarts", "1"]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    stage_pids: list[int] = []
+    stage_pids: set[int] = set()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=DEADLINE_S) as client:
 
-            def up() -> bool:
+            def health() -> httpx.Response | None:
                 assert server.poll() is None, server.stderr.read()
                 try:
-                    return client.get("/health").status_code == 200
+                    return client.get("/health")
                 except httpx.TransportError:
-                    return False
+                    return None
 
-            _wait(up, "the server to start")
-            assert client.post("/v1/completions", json=BODY).status_code == 200
-            stage_pids = _children(server.pid)
-            assert len(stage_pids) == 1
-            os.kill(stage_pids[0], signal.SIGKILL)
-            _wait(lambda: client.get("/health").status_code == 503, "/health to report the dead stage")
-            for _ in range(3):  # more failures than --max-engine-restarts: still up
+            _wait(lambda: (r := health()) is not None and r.status_code == 200, "the server to start")
+            before = _complete(client)
+            first = _children(server.pid)
+            stage_pids |= first
+            assert len(first) == 1
+            os.kill(first.pop(), signal.SIGKILL)
+            _wait(lambda: health().status_code == 503, "/health to report the dead stage")
+            failed = health()
+            assert "stage 1" in failed.text and "SIGKILL" in failed.text, failed.text
+            _wait(lambda: health().status_code == 200, "the rebuilt pipeline")
+            assert _complete(client) == before
+            second = _children(server.pid)
+            stage_pids |= second
+            assert len(second) == 1 and not second & stage_pids - second
+            os.kill(second.pop(), signal.SIGKILL)
+            _wait(lambda: "no restarts are left" in health().text, "/health to give up")
+            for _ in range(2):
                 response = client.post("/v1/completions", json=BODY)
                 assert response.status_code == 503 and "stage 1" in response.text
-                time.sleep(0.5)  # a poll interval: the server had exited within 3 s
-            health = client.get("/health")
-            assert "stage 1" in health.text and "SIGKILL" in health.text
+                assert "Retry-After" not in response.headers
+                time.sleep(0.5)  # a poll interval: the server used to exit within 3 s
+            dead = health()
+            assert dead.status_code == 503 and "stage 1" in dead.text and "SIGKILL" in dead.text
             assert client.get("/v1/models").status_code == 200
             assert server.poll() is None
+            stage_pids |= _children(server.pid)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -159,7 +192,9 @@ def test_killed_stage_leaves_the_server_up(tiny_dirs, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+        alive = [pid for pid in stage_pids if _alive(pid)]
         _release(stage_pids)
+    assert alive == [], f"stage processes outlived the server: {alive}"
 
 
 def test_heartbeat_timeout_needs_a_plan(tiny_dirs):

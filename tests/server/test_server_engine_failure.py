@@ -133,3 +133,65 @@ def test_failure_a_restart_cannot_fix_keeps_the_server_up(broken_engine: Any, se
             assert later.status_code == 503 and "pipeline stage 1 is gone" in later.text
         assert client.get("/v1/models").status_code == 200
     assert async_engine.num_restarts == 0 and dead_calls == []
+
+
+class _StageGone(RuntimeError):
+    """A failure only a new engine mends (as a dead pipeline stage's `StageFailedError`)."""
+
+    recovery = "rebuild"
+
+
+def test_failure_that_needs_a_rebuild_gets_a_new_engine(
+    broken_engine: Any, serve_in_thread: Any, tiny_model: Path
+) -> None:
+    """The broken engine is handed to `rebuild`; the new one serves; the rebuild counts as a restart."""
+    from tessel.server.app import create_app
+
+    app = create_app(broken_engine, max_pending=4)
+    async_engine = app.state.async_engine
+    handed: list[Any] = []
+    fresh = type(broken_engine)(str(tiny_model), max_num_seqs=2, max_model_len=256, kv_cache_gib=0.01)
+    async_engine.rebuild = lambda broken: (handed.append(broken), fresh)[1]
+
+    def step() -> list:
+        raise _StageGone("pipeline stage 1 is gone")
+
+    broken_engine.step = step
+    body = {"prompt": "hello", "max_tokens": 3}
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+        failed = client.post("/v1/completions", json=body)
+        assert failed.status_code == 503 and "pipeline stage 1 is gone" in failed.text
+        assert "restarting" in failed.text and int(failed.headers["Retry-After"]) >= 1
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.get("/health").json() == {"status": "ok"}
+    assert handed == [broken_engine] and async_engine.engine is fresh and async_engine.num_restarts == 1
+
+
+def test_rebuild_that_fails_leaves_the_server_up(broken_engine: Any, serve_in_thread: Any) -> None:
+    """A rebuild that raises (a stage that dies again while loading): 503 for good with that reason,
+    no `on_dead` (the server would exit: connection refused)."""
+    from tessel.server.app import create_app
+
+    app = create_app(broken_engine, max_pending=4)
+    async_engine = app.state.async_engine
+    dead_calls: list[bool] = []
+    async_engine.on_dead = lambda: dead_calls.append(True)
+
+    def rebuild(broken: Any) -> Any:
+        raise _StageGone("pipeline stage 1 failed while loading")
+
+    def step() -> list:
+        raise _StageGone("pipeline stage 1 is gone")
+
+    async_engine.rebuild = rebuild
+    broken_engine.step = step
+    body = {"prompt": "hello", "max_tokens": 3}
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+        assert client.post("/v1/completions", json=body).status_code == 503
+        for _ in range(3):
+            health = client.get("/health")
+            assert health.status_code == 503 and "failed while loading" in health.text
+            assert "Retry-After" not in health.headers
+            assert client.post("/v1/completions", json=body).status_code == 503
+        assert client.get("/v1/models").status_code == 200
+    assert dead_calls == [] and async_engine.num_restarts == 1

@@ -4,8 +4,10 @@ torch, fastapi and uvicorn are imported inside the command, so the planner side 
 without the runtime extra. Every option is checked before the model loads. When the engine fails
 more often than `--max-engine-restarts` allows, the server shuts down and exits with status 3, so
 a supervisor (systemd, Kubernetes) restarts it. With `--plan`, a stage that dies or sends no
-heartbeat for `--heartbeat-timeout` seconds leaves the server up without a pipeline: `/health` and
-every request answer 503 naming the stage (a restart of the engine loop cannot bring it back).
+heartbeat for `--heartbeat-timeout` seconds makes the server rebuild the pipeline (new stage
+processes), each rebuild counting against `--max-engine-restarts`: meanwhile `/health` and every
+request answer 503 naming the stage, with Retry-After. Past the budget, or when a rebuild fails,
+the server stays up without a pipeline, answering 503 with the cause, and never exits by itself.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ def serve(
         None, min=1, help="Most prompt tokens (default: max-model-len minus one); 400 above."
     ),
     max_engine_restarts: int = typer.Option(
-        DEFAULT_MAX_ENGINE_RESTARTS, min=0, help="Engine failures survived before the server exits."
+        DEFAULT_MAX_ENGINE_RESTARTS,
+        min=0,
+        help="Engine failures survived before the server exits (with --plan: pipeline rebuilds after a "
+        "stage failure, then 503 for good).",
     ),
     served_model_name: str | None = typer.Option(
         None, help="Model id for clients (default: the directory name)."
@@ -115,7 +120,7 @@ def serve(
     from tessel.engine.llm_engine import LLMEngine
     from tessel.engine.memory import check_kv_cache_fits
     from tessel.server.app import create_app
-    from tessel.server.async_engine import restart_can_fix
+    from tessel.server.async_engine import Recovery, recovery_for
     from tessel.server.limits import ServerLimits
 
     if kv_cache_gib is not None:
@@ -152,10 +157,14 @@ def serve(
     async_engine = app.state.async_engine
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)
     if plan is not None:
-        engine.watch_stages(async_engine)
+        engine.serve_with(async_engine)  # watch the stages; rebuild the pipeline after a stage failure
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
-    server.run()
-    if async_engine.error is not None and not restart_can_fix(async_engine.error):
+    try:
+        server.run()
+    finally:
+        if plan is not None:
+            async_engine.engine.close()  # the stages of the pipeline last built
+    if async_engine.error is not None and recovery_for(async_engine.error) is not Recovery.RESTART:
         raise TesselError(
             f"stopped without a pipeline: {async_engine.error}", exit_code=ENGINE_DEAD_EXIT_CODE
         )

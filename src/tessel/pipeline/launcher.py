@@ -40,7 +40,7 @@ RUN_DIR_ENV = "TESSEL_RUN_DIR"
 class StageFailedError(TesselError):
     """A pipeline stage died or failed; the message names it and the cause."""
 
-    restart_can_fix = False  # a server's engine loop cannot bring a stage process back
+    recovery = "rebuild"  # a server's engine loop cannot bring a stage back; a new pipeline can
 
     def __init__(self, stage: int, cause: str) -> None:
         super().__init__(f"pipeline stage {stage} failed: {cause}", exit_code=1)

@@ -6,9 +6,13 @@ joins them in one process group and returns the `PipelineEngine`, which the serv
 falls silent (SIGSTOP, a hang) or the pipeline is stuck, the engine is marked failed with a
 `StageFailedError` naming the stage and the cause, the other stages are stopped (which also ends a
 receive stage 0 is blocked in) and `wake()` makes the server's engine thread take its next step,
-which raises the failure. A restart of the engine loop cannot bring a stage back
-(`StageFailedError.restart_can_fix` is False), so the server stays up without a pipeline: in-flight
-and new requests get 503 and `/health` answers 503 naming the stage, until the server is restarted.
+which raises the failure. A restart of the engine loop cannot bring a stage back; a new pipeline
+can (`StageFailedError.recovery` is "rebuild"): `engine.serve_with(async_engine)` starts the
+watcher and lets the server's `AsyncEngine` call `engine.rebuilt(async_engine)`, which stops the
+old stages, destroys the process group, spawns new stages on a new port, joins them in a new
+group and returns a new engine that the server drives from then on (see
+`tessel.server.async_engine`). The new stages are spawned from the server's engine thread, and
+`PR_SET_PDEATHSIG` ends them when that thread ends: when the server stops, or gives up the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import atexit
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +30,8 @@ from tessel.models.config import resolve_dtype
 from tessel.pipeline.chunk_cutter import ChunkCutter
 from tessel.pipeline.comm import PeerLostError, StageComm
 from tessel.pipeline.driver import PipelineEngine
-from tessel.pipeline.launcher import LocalStages, StageFailedError, free_port
+from tessel.pipeline.heartbeat import read_beat
+from tessel.pipeline.launcher import POLL_S, LocalStages, StageFailedError, free_port
 from tessel.pipeline.run import RunOptions
 from tessel.pipeline.run_plan import priced_pipeline
 from tessel.pipeline.worker import COMM_TIMEOUT, device_for, engine_kwargs, parser, validate
@@ -38,13 +44,31 @@ class ServedPipelineEngine(PipelineEngine):
     """A `PipelineEngine` whose other stages are this process's children."""
 
     stages: LocalStages
+    options: RunOptions  # what it was built from: `rebuilt` builds the same pipeline again
+    _unwatched: threading.Event
 
     def watch_stages(self, async_engine) -> threading.Thread:
         """Watch the stage processes; on a death, fail the engine and wake the server's engine thread."""
-        return watch(self, self.stages, lambda: async_engine.submit(lambda: None))
+        wake = lambda: async_engine.submit(lambda: None)  # noqa: E731
+        return watch(self, self.stages, wake, self._unwatched)
+
+    def serve_with(self, async_engine) -> None:
+        """Watch the stages, and let `async_engine` rebuild the pipeline after a stage failure."""
+        async_engine.rebuild = lambda broken: broken.rebuilt(async_engine)
+        self.watch_stages(async_engine)
+
+    def rebuilt(self, async_engine) -> ServedPipelineEngine:
+        """Stop this pipeline and build the same one again (new stage processes, new process group),
+        watched for `async_engine`; raises (a `StageFailedError`, ...) when the new one fails to start."""
+        self.close()
+        engine = pipeline_engine(self.options)
+        engine.watch_stages(async_engine)
+        return engine
 
     def close(self) -> None:
+        self._unwatched.set()
         self.stages.stop()
+        atexit.unregister(self.stages.stop)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -60,6 +84,7 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
     try:
         comm = None
         if len(plan.stages) > 1:
+            _wait_for_first_beats(stages)
             dist.init_process_group(
                 plan.backend,
                 init_method=f"tcp://127.0.0.1:{port}",
@@ -82,10 +107,24 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
         )
     except BaseException:
         stages.stop()
+        atexit.unregister(stages.stop)
+        if dist.is_initialized():
+            dist.destroy_process_group()  # so a later build (a rebuild) can join a new group
         raise
-    engine.stages = stages
+    engine.stages, engine.options, engine._unwatched = stages, options, threading.Event()
     engine.explain_peer_lost = lambda error: _explain(stages, error)
     return engine
+
+
+def _wait_for_first_beats(stages: LocalStages) -> None:
+    """Wait until every stage process beats (it runs `tessel.pipeline.worker` and is about to join the
+    process group), so a stage that dies while starting raises its `StageFailedError` here instead of
+    leaving stage 0 waiting for it in `init_process_group`."""
+    while not all(read_beat(stages.run_dir, rank) is not None for rank in range(1, len(stages.procs) + 1)):
+        failure = stages.failure()
+        if failure is not None:
+            raise failure
+        time.sleep(POLL_S)
 
 
 def pipeline_server_engine(model: Path, plan: Path, **engine_options) -> ServedPipelineEngine:
@@ -103,12 +142,17 @@ def _explain(stages: LocalStages, error: PeerLostError) -> BaseException:
     return stages.failure(settle_s=EXPLAIN_SETTLE_S) or error
 
 
-def watch(engine: PipelineEngine, stages: LocalStages, wake: Callable[[], object]) -> threading.Thread:
+def watch(
+    engine: PipelineEngine,
+    stages: LocalStages,
+    wake: Callable[[], object],
+    stop: threading.Event | None = None,
+) -> threading.Thread:
     """A daemon thread that, once a stage dies or falls silent (or the engine lost a peer), marks the
-    engine failed, stops every stage process and calls `wake`."""
+    engine failed, stops every stage process and calls `wake`; it ends early once `stop` is set."""
+    stop = stop or threading.Event()
 
     def run() -> None:
-        stop = threading.Event()
         while not stop.wait(WATCH_INTERVAL_S):
             failure = stages.failure()
             if failure is None and engine.failure is None:

@@ -30,7 +30,7 @@ from starlette.background import BackgroundTask
 from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
-from tessel.server.errors import EngineDeadError, ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 from tessel.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tessel.server.metrics import ServerMetrics
@@ -53,6 +53,17 @@ from tessel.server.protocol import (
 
 DEFAULT_MAX_PENDING = 256  # requests held at once (running + waiting) before a 429
 _CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody reads this response
+
+
+class _ServedEngine:
+    """The engine `async_engine` drives now (a pipeline server builds a new one after a stage failure):
+    the routes and metrics read it through this, never hold the first one."""
+
+    def __init__(self, async_engine: AsyncEngine) -> None:
+        self._async_engine = async_engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._async_engine.engine, name)
 
 
 def create_app(
@@ -87,7 +98,8 @@ def create_app(
     app.state.model_name = served_name
     app.state.limits = limits
     token_text = TokenText(engine.tokenizer)  # event loop only
-    metrics = ServerMetrics(engine)
+    served = _ServedEngine(async_engine)
+    metrics = ServerMetrics(served)
     async_engine.on_outputs = metrics.observe
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -95,10 +107,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.healthy:
-            cause = async_engine.error
-            reason = f"{type(cause).__name__}: {cause}" if cause is not None else "its thread is not running"
-            return response_for(EngineDeadError(f"the engine failed: {reason}"))
+        unavailable = async_engine.unavailable()  # failed, or a pipeline being rebuilt (Retry-After)
+        if unavailable is not None:
+            return response_for(unavailable)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -108,7 +119,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=served_name, created=created, max_model_len=engine.max_model_len)
+        card = ModelCard(id=served_name, created=created, max_model_len=served.max_model_len)
         return ModelList(data=[card])
 
     async def generate(
@@ -151,7 +162,7 @@ def create_app(
         prompt = body.prompt
         if isinstance(prompt, str):
             limits.check_prompt_chars(len(prompt))
-            prompt_ids = await async_engine.tokenize(lambda tokenizer: engine.tokenize(prompt, tokenizer))
+            prompt_ids = await async_engine.tokenize(lambda tokenizer: served.tokenize(prompt, tokenizer))
         else:
             limits.check_prompt_tokens(len(prompt))
             prompt_ids = prompt

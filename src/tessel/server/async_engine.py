@@ -12,13 +12,20 @@ the steps of the requests already running nor the tokenizing of a short one on a
 
 A request that fails alone comes back as an output with finish_reason "error" and raises from its
 stream (400 for a `TesselError`, else 500). A step that fails for every request (the engine, not
-a request) fails the requests in flight with `EngineDeadError` (503) and restarts the loop, at most
-`max_restarts` times; then the engine is dead for good, `/health` says so and `on_dead` is called
-(`tessel serve` exits, so a supervisor can restart it). Only failures a restart can fix count: an
-error whose `restart_can_fix` attribute is False (a pipeline stage that died or fell silent,
-`tessel.pipeline.launcher.StageFailedError`) stops the loop at once without spending the budget and
-without `on_dead`: the server stays up, answering 503 with the cause on `/health` and to every
-request, instead of exiting and leaving its clients with refused connections.
+a request) fails the requests in flight with `EngineDeadError` (503) and recovers the way the
+error asks (`recovery_for`, `Recovery`):
+
+- RESTART (any error that says nothing): clear the engine's requests and step on;
+- REBUILD (`recovery = "rebuild"`: a pipeline stage died or fell silent, the process group is
+  broken): `rebuild(old_engine)` builds a new engine (a new pipeline) on the engine thread. While
+  it runs, `/health` and every request answer 503 naming the failure, with `Retry-After`;
+- NONE: nothing this process can do.
+
+Each restart and each rebuild counts against `max_restarts`. A RESTART failure past the budget
+calls `on_dead` (`tessel serve` exits, so a supervisor can restart it). A REBUILD failure past
+the budget, one with no `rebuild`, a rebuild that fails and a NONE failure leave the server up
+for good without an engine, answering 503 with the cause on `/health` and to every request,
+instead of exiting and leaving its clients with refused connections.
 
 The server holds at most `max_pending` unfinished requests (running plus waiting); one more is
 refused with `QueueFullError` (HTTP 429) instead of queueing without bound.
@@ -28,11 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
 from typing import Any, TypeVar
 
 from tessel.errors import TesselError
@@ -42,6 +51,17 @@ from tessel.server.limits import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_TOKENIZER_
 T = TypeVar("T")
 
 _JOIN_TIMEOUT_S = 30.0  # how long stop() waits for a step in progress to end
+REBUILD_RETRY_AFTER_S = 5  # Retry-After while the engine is being rebuilt, before one rebuild was timed
+
+log = logging.getLogger(__name__)
+
+
+class Recovery(str, Enum):
+    """What brings the engine back after a step failed for every request."""
+
+    RESTART = "restart"  # fail the requests in flight, clear the engine and step on
+    REBUILD = "rebuild"  # the engine is broken (a pipeline lost a stage): build a new one
+    NONE = "none"  # nothing this process can do
 
 
 class RequestStream:
@@ -97,9 +117,18 @@ class RequestStream:
         self._owner._release(self.request_id, abort=abort)
 
 
+def recovery_for(error: BaseException) -> Recovery:
+    """The recovery `error` asks for: its `recovery` attribute; else REBUILD for an error whose
+    `restart_can_fix` is False (the older spelling); else RESTART."""
+    declared = getattr(error, "recovery", None)
+    if declared is not None:
+        return Recovery(declared)
+    return Recovery.REBUILD if getattr(error, "restart_can_fix", True) is False else Recovery.RESTART
+
+
 def restart_can_fix(error: BaseException) -> bool:
-    """Whether restarting the engine loop may cure `error` (False for an error that says it cannot)."""
-    return getattr(error, "restart_can_fix", True) is not False
+    """Whether restarting the engine loop (with the same engine) may cure `error`."""
+    return recovery_for(error) is Recovery.RESTART
 
 
 def _request_error(error: BaseException | None) -> Exception:
@@ -125,6 +154,12 @@ class AsyncEngine:
         self.max_restarts = max_restarts
         self.num_restarts = 0
         self.on_dead: Callable[[], None] | None = None  # called once the engine cannot restart
+        # builds a new engine in place of the broken one it is given (which it closes first)
+        self.rebuild: Callable[[Any], Any] | None = None
+        self.rebuilding: BaseException | None = None  # the failure being recovered from by a rebuild
+        self.num_rebuilds = 0
+        self._dead_note = ""  # why the engine stays down, after the cause
+        self._retry_after_s = REBUILD_RETRY_AFTER_S
         self.on_outputs: Callable[[list[Any], float], None] | None = None  # each step's outputs (metrics)
         self.num_aborted = 0  # requests aborted before they finished (clients that went away)
         self.error: BaseException | None = None
@@ -157,7 +192,25 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.unavailable() is None
+
+    def unavailable(self) -> EngineDeadError | None:
+        """Why the engine cannot take requests now (503, with Retry-After while it is rebuilt), or None."""
+        with self._cond:
+            rebuilding, error, stopping = self.rebuilding, self.error, self._stopping
+        if rebuilding is not None:
+            return EngineDeadError(
+                f"the engine failed: {_describe(rebuilding)}; the pipeline is restarting (rebuild "
+                f"{self.num_restarts} of at most {self.max_restarts}); retry the request",
+                retry_after_s=self._retry_after_s,
+            )
+        if error is not None:
+            return EngineDeadError(f"the engine failed: {_describe(error)}{self._dead_note}")
+        if stopping:
+            return EngineDeadError("the server is shutting down")
+        if self._thread is None or not self._thread.is_alive():
+            return EngineDeadError("the engine failed: its thread is not running")
+        return None
 
     @property
     def num_pending(self) -> int:
@@ -174,11 +227,12 @@ class AsyncEngine:
         """Run `fn` on the engine thread between two steps (callable from any thread)."""
         future: Future = Future()
         with self._cond:
-            if self.error is not None or self._stopping:
-                future.set_exception(EngineDeadError(f"the engine is not running: {self.error}"))
-                return future
-            self._commands.append((fn, future))
-            self._cond.notify_all()
+            refused = self.error is not None or self._stopping or self.rebuilding is not None
+            if not refused:
+                self._commands.append((fn, future))
+                self._cond.notify_all()
+        if refused:
+            future.set_exception(self.unavailable() or EngineDeadError("the engine is not running"))
         return future
 
     async def tokenize(self, fn: Callable[[Any], T]) -> T:
@@ -257,13 +311,9 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as error:
-                if not restart_can_fix(error):
-                    self._die(error, notify=False)
+                if not self._recover(error):
                     return
-                if self.num_restarts >= self.max_restarts:
-                    self._die(error)
-                    return
-                outputs = self._restart(error)
+                outputs = []
             except BaseException as error:
                 self._die(error)
                 return
@@ -286,6 +336,61 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self.engine.abort_request(request_id)
 
+    def _recover(self, error: BaseException) -> bool:
+        """Recover from a step that failed for every request; False: the engine stays down."""
+        recovery = recovery_for(error)
+        spent = self.num_restarts >= self.max_restarts
+        if recovery is Recovery.RESTART and not spent:
+            self._restart(error)
+            return True
+        if recovery is Recovery.RESTART:
+            self._die(error)
+            return False
+        if recovery is Recovery.REBUILD and self.rebuild is not None and not spent:
+            return self._rebuild(error)
+        if recovery is Recovery.REBUILD and self.rebuild is not None:
+            self._dead_note = (
+                f"; the pipeline was rebuilt {self.num_rebuilds} times and no restarts are left "
+                f"(--max-engine-restarts {self.max_restarts}): it stays down until the server restarts"
+            )
+        self._die(error, notify=False)
+        return False
+
+    def _rebuild(self, error: BaseException) -> bool:
+        """Fail what is in flight with 503, build a new engine in place of this one and go on; False
+        (the server stays up without an engine) when the rebuild fails."""
+        with self._cond:
+            self.num_restarts += 1
+            self.rebuilding = error
+        refused = self.unavailable()
+        for request_id in list(self._queues):
+            self._deliver(request_id, refused, finished=True)
+        self._fail_commands(refused)
+        log.warning(
+            "tessel: rebuilding the pipeline (%d of at most %d) after %s",
+            self.num_restarts,
+            self.max_restarts,
+            _describe(error),
+        )
+        started = time.monotonic()
+        try:
+            engine = self.rebuild(self.engine)
+        except Exception as rebuild_error:
+            took_s = time.monotonic() - started
+            failure = _describe(rebuild_error)
+            log.error("tessel: the pipeline rebuild failed after %.1f s: %s", took_s, failure)
+            self._dead_note = f" (rebuilding the pipeline after {_describe(error)})"
+            self._die(rebuild_error, notify=False)
+            return False
+        took_s = time.monotonic() - started
+        log.warning("tessel: the pipeline is back after %.1f s (cause: %s)", took_s, _describe(error))
+        with self._cond:
+            self.engine = engine
+            self.num_rebuilds += 1
+            self._retry_after_s = max(1, round(took_s))
+            self.rebuilding = None
+        return True
+
     def _restart(self, error: BaseException) -> list[Any]:
         """Fail what is in flight with 503, clear the engine and go on; -> no outputs to deliver."""
         self.num_restarts += 1
@@ -306,7 +411,8 @@ class AsyncEngine:
         """Fail everything with 503 and stop the loop; `notify`: call `on_dead` (the server exits)."""
         with self._cond:
             self.error = error
-        dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
+            self.rebuilding = None
+        dead = EngineDeadError(f"the engine failed: {_describe(error)}{self._dead_note}")
         for request_id in list(self._queues):
             self._deliver(request_id, dead, finished=True)
         self._fail_commands(dead)
@@ -320,3 +426,7 @@ class AsyncEngine:
         for _, future in commands:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

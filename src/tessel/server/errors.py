@@ -21,7 +21,14 @@ class QueueFullError(TesselError):
 
 
 class EngineDeadError(TesselError):
-    """The engine thread stopped on an unexpected error; the server cannot generate any more."""
+    """The engine thread stopped on an unexpected error; the server cannot generate any more.
+
+    `retry_after_s`: set while the engine is being rebuilt (a pipeline after a stage failure): the
+    response carries it as `Retry-After`."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ModelNotFoundError(TesselError):
@@ -50,7 +57,10 @@ def response_for(error: Exception) -> JSONResponse:
     if isinstance(error, QueueFullError):
         return error_response(429, str(error), "rate_limit_exceeded", code="queue_full")
     if isinstance(error, EngineDeadError):
-        return error_response(503, str(error), "engine_error", code="engine_dead")
+        response = error_response(503, str(error), "engine_error", code="engine_dead")
+        if error.retry_after_s is not None:
+            response.headers["Retry-After"] = str(error.retry_after_s)
+        return response
     if isinstance(error, ModelNotFoundError):
         return error_response(404, str(error), "invalid_request_error", param="model", code="model_not_found")
     if isinstance(error, TesselError):
