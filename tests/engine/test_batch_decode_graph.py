@@ -20,6 +20,7 @@ from hf_oracle import GREEDY, TEXTS, assert_matches_hf, hf_model
 from tessel import LLM
 from tessel.engine import batch_decode_graph as bdg
 from tessel.kernels import cpu_compile
+from tessel.layers.buckets import BUCKET_STEP, bucket_rows
 
 pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
 
@@ -28,7 +29,7 @@ def _with_graphs(llm: LLM) -> LLM:
     """`llm` with the batch decode graphs installed (a float model: not worth compiling by default)."""
     assert llm.runner.batch_decode_graph is None
     llm.runner.batch_decode_graph = bdg.BatchDecodeGraph.for_model(llm.runner.model)
-    assert llm.runner.batch_decode_graph is not None and not llm.runner.batch_decode_graph.worth_compiling
+    assert llm.runner.batch_decode_graph is not None and not llm.runner.batch_decode_graph.splits_a_linear
     return llm
 
 
@@ -64,7 +65,7 @@ def test_batch_decode_steps_match_hf_forward(checkpoints, variant: str, rows: in
     prompts = _prompts(llm, rows, 30, seed=rows)
     got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
     assert graph_steps == 24  # every decode step ran as the graphs
-    assert {key[1] for key in llm.runner.batch_decode_graph._graphs} == {bdg.bucket_rows(rows)}
+    assert {key[1] for key in llm.runner.batch_decode_graph._graphs} == {bucket_rows(rows)}
     _assert_rows_match_hf(path, prompts, got, prefill=6)
 
 
@@ -83,7 +84,7 @@ def test_greedy_batches_match_hf_and_take_the_graphs_as_they_shrink(checkpoints)
     assert_matches_hf(path, single)
     assert rows_per_step.count(1) == single[0].num_output_tokens - 1
     buckets = {key[1] for key in graph._graphs}
-    assert buckets == {bdg.bucket_rows(n) for n in rows_per_step}
+    assert buckets == {bucket_rows(n) for n in rows_per_step}
 
 
 def test_float_models_enforce_eager_and_models_the_graphs_cannot_hold_run_eager(checkpoints) -> None:
@@ -114,6 +115,6 @@ def test_a_failed_compile_warns_once_and_the_batch_runs_eager(checkpoints, monke
 
 @given(rows=st.integers(1, 600))
 def test_bucket_is_the_smallest_allowed_row_count_holding_the_rows(rows: int) -> None:
-    bucket = bdg.bucket_rows(rows)
-    allowed = [1, 2, 4, 8, 16] + list(range(32, 640 + 1, bdg.BUCKET_STEP))
+    bucket = bucket_rows(rows)
+    allowed = [1, 2, 4, 8, 16] + list(range(32, 640 + 1, BUCKET_STEP))
     assert bucket == min(b for b in allowed if b >= rows)

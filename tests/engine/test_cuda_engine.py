@@ -168,9 +168,10 @@ def test_cpu_device_is_the_default_and_explicit(checkpoints) -> None:
     ],
 )
 def test_cuda_graph_buckets(max_rows: int, buckets: list[int]) -> None:
-    from tessel.engine.cuda_graph import CudaGraphDecoder, batch_buckets
+    from tessel.engine.cuda_graph import CudaGraphDecoder
+    from tessel.layers.buckets import row_buckets
 
-    assert batch_buckets(max_rows) == buckets
+    assert row_buckets(max_rows) == buckets
     decoder = CudaGraphDecoder.__new__(CudaGraphDecoder)
     decoder.buckets = buckets
     assert [decoder.bucket(n) for n in range(1, max_rows + 2)] == [
@@ -213,9 +214,9 @@ def test_graph_buffers_and_padding_on_the_cpu(checkpoints, monkeypatch: pytest.M
     """The decoder's bookkeeping (static buffers, buckets, dummy rows in the scratch block, the
     step's rows put back after a capture) with replay standing in for the graph: the same tokens
     and logprobs as eager steps, for 13 requests that end one by one."""
-    from tessel.engine import cuda_graph
+    from tessel.engine import cuda_graph, step_plan
 
-    monkeypatch.setattr(cuda_graph, "supported", lambda device: True)
+    monkeypatch.setattr(step_plan, "capture_family", lambda device: step_plan.GraphFamily.CUDA)
     monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", _eager_record)
     decoder = _shrinking_batch_matches_eager(checkpoints("llama")).runner.cuda_graphs
     # one prefill step for all 13 prompts, then a decode step per token of the longest request
@@ -225,12 +226,12 @@ def test_graph_buffers_and_padding_on_the_cpu(checkpoints, monkeypatch: pytest.M
 def test_a_failed_capture_falls_back_to_eager_on_the_cpu(
     checkpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tessel.engine import cuda_graph
+    from tessel.engine import cuda_graph, step_plan
 
     def refused(self, step):
         raise RuntimeError("capture refused (test)")
 
-    monkeypatch.setattr(cuda_graph, "supported", lambda device: True)
+    monkeypatch.setattr(step_plan, "capture_family", lambda device: step_plan.GraphFamily.CUDA)
     monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", refused)
     path = checkpoints("llama")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -23,8 +23,8 @@ LM_HEAD_OPTION = typer.Option(
 ENFORCE_EAGER_OPTION = typer.Option(
     False,
     "--enforce-eager",
-    help="Run a one-sequence CPU decode step eagerly, without compiling it into graphs (seconds saved "
-    "at the first step, slower steps after).",
+    help="Run every step eagerly: no compiled CPU decode graphs, no captured CUDA graphs (seconds saved "
+    "at the first steps, slower steps after).",
 )
 
 DEVICE_OPTION = typer.Option(

@@ -1,6 +1,6 @@
 """A decode step of several sequences as compiled graphs between the linears' GEMMs (CPU); also
 one sequence's where the model has no one-row traced form (`tessel.engine.decode_graph`). The
-engine takes it for models with a split linear (`BatchDecodeGraph.worth_compiling`).
+engine takes it for models with a split linear (`tessel.engine.step_plan`).
 
 At 32 rows the library GEMMs are most of a step, and the ops between them (norms, rotary, splits,
 W8A8's per-token quantiser and epilogue, SiLU-and-mul) are eager dispatch, each a few to tens of
@@ -26,15 +26,16 @@ int8 GEMM alone, its quantiser and epilogue in the graphs; any other linear whol
 A pipeline stage runs its layers (`LlamaModel.part`), from the residual stream it received where
 it does not embed.
 
-Graphs are compiled per bucket of rows (1, 2, 4, 8, 16, then multiples of 16) and shared by every
-layer with the same shapes, on the first step that needs them (seconds per bucket; inductor keeps
-the generated code on disk for later processes). A step with fewer rows than its bucket pads the
+Graphs are compiled per bucket of rows (`tessel.layers.buckets.bucket_rows`: 1, 2, 4, 8, 16, then
+multiples of 16) and shared by every layer with the same shapes, on the first step that needs them
+or by `LLMEngine.warm_up()` (seconds per bucket; inductor keeps the generated code on disk for later
+processes). A step with fewer rows than its bucket pads the
 graphs' rows (token 0 at position 0: finite, never read back); the GEMMs and the attention run on
 the real rows only, their outputs copied into padded buffers.
 
 The numbers are the eager step's formulas, not its bits: inductor sums the norms' reductions in
 its own order (W8A8 then rounds a code the other way at a near-tie now and then), as in the
-one-sequence step (`tessel.engine.decode_graph`). `enforce_eager` turns it off.
+one-sequence step (`tessel.engine.decode_graph`). `enforce_eager` turns it off (`tessel.engine.step_plan`).
 """
 
 from __future__ import annotations
@@ -49,17 +50,9 @@ from tessel.engine.decode_graph import graph_layers
 from tessel.kernels import cpu_compile
 from tessel.kernels.rope import rope_rotate, rope_tables
 from tessel.layers.attention import Attention, AttentionMetadata
+from tessel.layers.buckets import bucket_rows
 from tessel.layers.linear import SplitLinear, split_linear
 from tessel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-BUCKET_STEP = 16  # above this many rows, buckets grow by this many (below: powers of two)
-
-
-def bucket_rows(rows: int) -> int:
-    """The row count a step of `rows` decodes is compiled for: 1, 2, 4, 8, 16, 32, 48, ..."""
-    if rows <= BUCKET_STEP:
-        return 1 << (rows - 1).bit_length()
-    return -(-rows // BUCKET_STEP) * BUCKET_STEP
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +90,8 @@ def _pre_outputs(split: SplitLinear, x: torch.Tensor) -> list[torch.Tensor]:
 
 class BatchDecodeGraph:
     """`graph(input_ids, positions, meta)` -> final hidden [rows, H] of a step of decodes only, or
-    None when compiling failed (the caller runs the eager model; a warning said why, once)."""
+    None when compiling failed (a warning said why, once; `tessel.engine.step_plan` records it and
+    runs this step and the later ones eagerly)."""
 
     def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
         inner, c = model.model, model.config
@@ -111,12 +105,10 @@ class BatchDecodeGraph:
         self._padded_buffers: dict[tuple[str, int, int], torch.Tensor] = {}
 
     @property
-    def worth_compiling(self) -> bool:
-        """Whether some linear is split (its quantiser and epilogue in the graphs). With every linear
-        called whole (float32, W8A16) the graphs hold only the norms, rotary and activation: the
-        packed float32 engine's steps ran only slightly faster with them (`benchmarks/quant.py`,
-        `fp32` against `fp32 eager`; docs/results.md), not worth seconds of compiling per bucket of
-        rows (`benchmarks/decode_graph.py --rows 32`); the engine leaves such models eager."""
+    def splits_a_linear(self) -> bool:
+        """Whether some linear is split (its quantiser and epilogue in the graphs); with every linear
+        called whole the graphs hold only the norms, rotary and activation (the engine's choice:
+        `tessel.engine.step_plan`)."""
         return any(
             s.traced_pre for layer in self.layers for s in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )

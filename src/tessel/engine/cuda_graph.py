@@ -5,8 +5,8 @@ is several hundred launches, and the GPU waits on the host. A captured graph rep
 step with one launch from the host (as vLLM and nano-vllm do), an order of magnitude faster at that
 size (`benchmarks/cuda_engine.py`, its graph and eager rows; docs/results.md).
 
-A graph has fixed shapes, so the step runs at a bucket of rows (`batch_buckets`: 1, 2, 4, 8, then
-multiples of 16 up to `max_num_seqs`), over static input buffers:
+A graph has fixed shapes, so the step runs at a bucket of rows (`tessel.layers.buckets.row_buckets`:
+1, 2, 4, 8, 16, then multiples of 16, capped at `max_num_seqs`), over static input buffers:
 
     input_ids, positions, slot_mapping  [rows]
     block_tables                        [rows, blocks of max_model_len]  (int32)
@@ -20,13 +20,13 @@ paged-decode kernel's launch (its context splits) does not depend on the step.
 Each bucket is captured the first time a step needs it, or all of them by `LLMEngine.warm_up()`
 (which `tessel serve` calls before it listens): one eager run first (Triton compiles and the
 autotuner picks its tiles outside the capture), then the capture into a memory pool shared by all
-buckets. Prefills and mixed steps stay eager. A capture that fails warns once and the engine
-runs eagerly; `enforce_eager` turns the graphs off.
+buckets. Which steps replay a graph is `tessel.engine.step_plan`'s choice (pure decode steps that
+`fits`; prefills and mixed steps stay eager). A capture that fails warns once and the engine runs
+eagerly from then on; `enforce_eager` turns the graphs off.
 """
 
 from __future__ import annotations
 
-import bisect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,17 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from tessel.layers.attention import AttentionMetadata, DecodeGroup
+from tessel.layers.buckets import capped_bucket, row_buckets
 from tessel.models.llama import LlamaForCausalLM
-
-SMALL_BUCKETS = (1, 2, 4, 8)
-BUCKET_STEP = 16
-
-
-def batch_buckets(max_rows: int) -> list[int]:
-    """The row counts a graph is captured for: 1, 2, 4, 8, the multiples of 16 below `max_rows`,
-    and `max_rows` itself."""
-    small = [b for b in SMALL_BUCKETS if b < max_rows]
-    return small + list(range(BUCKET_STEP, max_rows, BUCKET_STEP)) + [max_rows]
 
 
 @dataclass(slots=True)
@@ -68,7 +59,7 @@ class CudaGraphDecoder:
         self, model: LlamaForCausalLM, max_rows: int, max_blocks: int, block_size: int, scratch_block: int
     ) -> None:
         self.model = model
-        self.buckets = batch_buckets(max_rows)
+        self.buckets = row_buckets(max_rows)
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
         device = model.model.embed_tokens.weight.device
@@ -99,20 +90,27 @@ class CudaGraphDecoder:
         return True
 
     def bucket(self, rows: int) -> int | None:
-        i = bisect.bisect_left(self.buckets, rows)
-        return self.buckets[i] if i < len(self.buckets) else None
+        return capped_bucket(rows, self.buckets[-1])
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Whether a graph can run this step: decodes only (one decode group), at most `max_rows`
+        rows, block tables no wider than the static ones, no failed capture."""
+        return (
+            self.failed is None
+            and not meta.prefills
+            and len(meta.decode_groups) == 1
+            and self.bucket(meta.num_decode_tokens) is not None
+            and meta.decode_groups[0].block_tables.shape[1] <= self.inputs.block_tables.shape[1]
+        )
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """The hidden states of a pure decode step (one decode group), or None to run it eagerly."""
+        """The hidden states of a step that `fits`, or None where its bucket's capture failed (a
+        warning said why; `failed` then holds it)."""
         rows = meta.num_decode_tokens
         bucket = self.bucket(rows)
-        if self.failed is not None or bucket is None or meta.prefills or len(meta.decode_groups) != 1:
-            return None
         tables = meta.decode_groups[0].block_tables
-        if tables.shape[1] > self.inputs.block_tables.shape[1]:
-            return None
         x = self.inputs
         x.input_ids[:rows].copy_(input_ids)
         x.positions[:rows].copy_(positions)
@@ -178,8 +176,3 @@ class CudaGraphDecoder:
         if self.pool is None:
             self.pool = graph.pool()
         return graph.replay, hidden
-
-
-def supported(device: torch.device) -> bool:
-    """Whether decode steps on `device` can be captured (CUDA only)."""
-    return device.type == "cuda"

@@ -28,7 +28,8 @@ with a linear that has none or a float dtype other than float32 runs eager.
 The numbers are the eager step's formulas, not its bits: inductor sums the norms' and the
 attention's reductions in its own order (W8A8 then rounds a code the other way at a near-tie
 now and then). Compiling costs seconds per graph on the first step that needs it (inductor
-keeps the generated code on disk for later processes); `enforce_eager` turns it off.
+keeps the generated code on disk for later processes); `enforce_eager` turns it off
+(`tessel.engine.step_plan` decides which steps run it).
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def attention_graph(num_heads: int, num_kv_heads: int, head_dim: int, scale: flo
 
 class DecodeGraph:
     """`graph(input_ids, positions, meta)` -> final hidden [1, H] of a one-sequence decode step, or
-    None when compiling failed (the caller runs the eager model; a warning said why, once)."""
+    None when compiling failed (a warning said why, once; `tessel.engine.step_plan` records it and
+    runs this step and the later ones eagerly)."""
 
     def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
         c, part = model.config, model.model.part

@@ -169,12 +169,17 @@ class LLMEngine:
     def warm_up(self) -> bool:
         """Build the decode step's graphs now, so the first requests do not wait for them; -> whether
         the engine has any. On CUDA: capture every bucket of rows (`tessel.engine.cuda_graph`, on
-        dummy rows). On CPU: compile the one-sequence step (`tessel.engine.decode_graph`: its graphs
-        and the first attention bucket) with a two-token dummy sequence, on blocks freed afterwards,
-        outside the scheduler and the prefix cache."""
-        if self.runner.cuda_graphs is not None:
-            return self.runner.cuda_graphs.capture_all()
-        if self.runner.decode_graph is None:
+        dummy rows). On CPU: one decode step per bucket of rows the engine compiles
+        (`StepPlan.warm_up_rows`: one row for the one-sequence graph, with its first attention
+        bucket; every bucket up to `max_num_seqs` for the batch graph), each row a two-token dummy
+        sequence on a block freed afterwards, outside the scheduler and the prefix cache. The
+        one-sequence graph's longer attention buckets compile when a context first reaches them
+        (docs/engine.md)."""
+        plan = self.runner.plan
+        if plan.cuda_graphs is not None:
+            return plan.cuda_graphs.capture_all()
+        rows = plan.warm_up_rows(self.config.max_num_seqs)
+        if not rows:
             return False
         params = SamplingParams(temperature=0, max_tokens=1)
         seq = Sequence("warm-up", [0, 0], params, self.config.block_size)
@@ -182,7 +187,8 @@ class LLMEngine:
         try:
             self.runner.run(SchedulerOutput(prefills=[(seq, 1)]))
             seq.num_computed_tokens = 1
-            self.runner.run(SchedulerOutput(decodes=[seq]))
+            for n in rows:  # n rows of the one sequence: each writes the same k/v into the same slot
+                self.runner.run(SchedulerOutput(decodes=[seq] * n))
         finally:
             self.block_manager.free(seq)
         return True

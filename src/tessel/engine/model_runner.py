@@ -3,11 +3,9 @@
 The step's tokens are flattened: one per decoding sequence first, then each prefill chunk.
 `slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
 tables and context lengths for one batched paged-attention call. On CPU the model's float32
-linear layers are packed for oneDNN first (`tessel.layers.linear.pack_linears`), and a step of
-decodes only runs as compiled graphs where the model allows: one sequence's wholly
-(`tessel.engine.decode_graph`), several sequences' between their linears' GEMMs
-(`tessel.engine.batch_decode_graph`).
-On CUDA a step of decodes only replays a captured CUDA graph (`tessel.engine.cuda_graph`).
+linear layers are packed for oneDNN first (`tessel.layers.linear.pack_linears`). How a step runs
+(eager, a compiled CPU graph of one row or several, a captured CUDA graph) is
+`tessel.engine.step_plan`'s choice, asked once per step in `_forward`.
 
 A pipeline stage runs here too (`run_stage`, then `sample_hidden` on the last stage): its model
 holds a part of the layers (`LlamaModel.part`) and takes and returns the residual stream, through
@@ -20,13 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessel.engine import cuda_graph
-from tessel.engine.batch_decode_graph import BatchDecodeGraph
-from tessel.engine.decode_graph import DecodeGraph
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
+from tessel.engine.step_plan import CudaSizes, GraphFamily, StepMode, StepPlan, graph_family
 from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 from tessel.layers.linear import pack_linears
@@ -154,15 +150,11 @@ class ModelRunner:
         c = model.config
         # One cache per attention layer the model holds (a pipeline stage holds some of them).
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        part = model.model.part  # CUDA graphs capture a whole model's step (ids in, hidden out)
-        cuda_graphs = bool(
-            cuda_graph.supported(self.device)
-            and not enforce_eager
-            and max_num_seqs
-            and max_model_len
-            and part.embed
-            and part.head
+        part = model.model.part
+        family = graph_family(
+            self.device, enforce_eager, part.embed and part.head, bool(max_num_seqs and max_model_len)
         )
+        cuda_graphs = family is GraphFamily.CUDA
         # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN). With CUDA
         # graphs one more block than the block manager's: the scratch block of padded rows.
         self.kv_cache = torch.zeros(
@@ -179,19 +171,31 @@ class ModelRunner:
             pack_linears(model)
         for i, attn in enumerate(attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        self.decode_graph = self.batch_decode_graph = None
-        if not enforce_eager and not self.kv_cache.is_cuda:
-            self.decode_graph = DecodeGraph.for_model(model)
-            # (cuda_graphs on a CPU: the tests' stand-in for them, which takes the batches)
-            graph = None if cuda_graphs else BatchDecodeGraph.for_model(model)
-            if graph is not None and graph.worth_compiling:
-                self.batch_decode_graph = graph
-        self.cuda_graphs = None
+        sizes = None
         if cuda_graphs:
-            max_blocks = -(-max_model_len // block_size)
-            self.cuda_graphs = cuda_graph.CudaGraphDecoder(
-                model, max_num_seqs, max_blocks, block_size, num_blocks
-            )
+            sizes = CudaSizes(max_num_seqs, -(-max_model_len // block_size), block_size, num_blocks)
+        self.plan = StepPlan.build(family, model, sizes)
+
+    # The plan's graphs, as tests and benchmarks reach them (and wrap or install one by assigning).
+    @property
+    def decode_graph(self):
+        return self.plan.row_graph
+
+    @decode_graph.setter
+    def decode_graph(self, graph) -> None:
+        self.plan.row_graph = graph
+
+    @property
+    def batch_decode_graph(self):
+        return self.plan.batch_graph
+
+    @batch_decode_graph.setter
+    def batch_decode_graph(self, graph) -> None:
+        self.plan.batch_graph = graph
+
+    @property
+    def cuda_graphs(self):
+        return self.plan.cuda_graphs
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -316,15 +320,11 @@ class ModelRunner:
         stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model's output for the step (a pipeline stage's from the residual `stream` it received,
-        `LlamaModel.forward`): for a step of decodes only, on CPU the compiled graphs (one
-        sequence's, or several sequences' around their GEMMs), on CUDA the captured graph, where
-        there is one (and it compiled or captured); else the eager model."""
-        hidden = None
-        decodes_only = meta.num_decode_tokens > 0 and not meta.prefills
-        if self.decode_graph is not None and decodes_only and meta.num_decode_tokens == 1:
-            hidden = self.decode_graph(input_ids, positions, meta, stream)
-        elif self.batch_decode_graph is not None and decodes_only:
-            hidden = self.batch_decode_graph(input_ids, positions, meta, stream)
-        elif self.cuda_graphs is not None and not meta.prefills:
-            hidden = self.cuda_graphs(input_ids, positions, meta)
-        return self.model(input_ids, positions, meta, stream) if hidden is None else hidden
+        `LlamaModel.forward`), run as `self.plan` chooses: a graph, or the eager model (also where
+        the graph failed to compile or capture; the plan records it)."""
+        mode = self.plan.mode(meta)
+        if mode is not StepMode.EAGER:
+            hidden = self.plan.run(mode, input_ids, positions, meta, stream)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, meta, stream)

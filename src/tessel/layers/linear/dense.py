@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessel.kernels.w8a16_gemm import linear
+from tessel.layers import buckets
 from tessel.layers.embedding import LMHead
 from tessel.layers.linear.forms import LinearForm, TracedForms, float_form
 from tessel.layers.linear.int8_weights import rows_of
@@ -36,7 +37,6 @@ BATCH_HINT = 32  # rows oneDNN tunes the weight layout for (a decode step's batc
 # of TILE_ROWS and a short tile is zero-padded to a bucket, so a weight gets at most 13 primitives
 # (the engine benchmark's peak RSS stays below HF's: benchmarks/results/engine_throughput.jsonl).
 TILE_ROWS = 256
-BUCKET_STEP = 32  # above this many rows, buckets are multiples of it; below, powers of two
 
 
 @functools.cache
@@ -55,11 +55,9 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
-def bucket_rows(rows: int) -> int:
-    """The row count a GEMM call of `rows` rows (1 <= rows <= TILE_ROWS) is padded to."""
-    if rows <= BUCKET_STEP:
-        return 1 << (rows - 1).bit_length()
-    return -(-rows // BUCKET_STEP) * BUCKET_STEP
+# The row count a GEMM call of `rows` rows (1 <= rows <= TILE_ROWS) is padded to: the one ladder's
+# rung (`tessel.layers.buckets`) at its packed-linear step.
+bucket_rows = functools.partial(buckets.bucket_rows, step=buckets.PACKED_ROWS_STEP)
 
 
 @dataclass(frozen=True, slots=True)
