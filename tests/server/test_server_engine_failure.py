@@ -102,7 +102,7 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(
 class _LostPart(RuntimeError):
     """A failure a restart of the loop cannot mend (as a dead pipeline stage's `StageFailedError`)."""
 
-    restart_can_fix = False
+    recovery = "rebuild"
 
 
 def test_failure_a_restart_cannot_fix_keeps_the_server_up(broken_engine: Any, serve_in_thread: Any) -> None:

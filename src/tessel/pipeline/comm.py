@@ -35,7 +35,7 @@ HEADER_LEN = 4
 class PeerLostError(RuntimeError):
     """A send or receive failed: another stage is gone (its own report names the cause)."""
 
-    restart_can_fix = False  # the process group is broken: restarting the engine loop cannot mend it
+    recovery = "rebuild"  # the process group is broken: restarting the engine loop cannot mend it
 
 
 @dataclass(slots=True)

@@ -118,12 +118,9 @@ class RequestStream:
 
 
 def recovery_for(error: BaseException) -> Recovery:
-    """The recovery `error` asks for: its `recovery` attribute; else REBUILD for an error whose
-    `restart_can_fix` is False (the older spelling); else RESTART."""
+    """The recovery `error` asks for: its `recovery` attribute, else RESTART."""
     declared = getattr(error, "recovery", None)
-    if declared is not None:
-        return Recovery(declared)
-    return Recovery.REBUILD if getattr(error, "restart_can_fix", True) is False else Recovery.RESTART
+    return Recovery.RESTART if declared is None else Recovery(declared)
 
 
 def restart_can_fix(error: BaseException) -> bool:
