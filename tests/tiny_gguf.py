@@ -1,7 +1,7 @@
 """A tiny Llama GGUF file written from a tiny checkpoint (tests/tiny_models.py), for tests of `.gguf` inputs.
 
 Float32 tensors, llama.cpp's names and its q/k row permutation (convert_hf_to_gguf's `permute`), the
-checkpoint's byte-level BPE tokenizer as a `gpt2` GGUF tokenizer. `tessel.quant.gguf_import` turns it
+checkpoint's byte-level BPE tokenizer as a `gpt2` GGUF tokenizer. `tessel.models.gguf` turns it
 back into the checkpoint.
 """
 

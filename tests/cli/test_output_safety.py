@@ -182,7 +182,7 @@ def test_an_empty_existing_directory_is_used(model_dir, tmp_path) -> None:
 
 
 def test_a_failed_run_keeps_the_old_output_and_leaves_no_staging(model_dir, tmp_path, monkeypatch) -> None:
-    import tessel.quant.checkpoint
+    import tessel.quant.formats.checkpoint
 
     out = tmp_path / "q"
     _ok(_quantize(model_dir, out))
@@ -191,7 +191,7 @@ def test_a_failed_run_keeps_the_old_output_and_leaves_no_staging(model_dir, tmp_
     def full_disk(*_args, **_kwargs) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tessel.quant.checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(tessel.quant.formats.checkpoint, "save_file", full_disk)
     _refused(_quantize(model_dir, out, "--scheme", "w8a16", "--overwrite"), "No space left", str(out))
     _refused(_quantize(model_dir, tmp_path / "new"), "No space left")
     assert _snapshot(out) == before
@@ -303,7 +303,7 @@ def test_launch_outputs_are_checked_before_the_stages_start(plan_file, model_dir
 
 
 def test_a_gguf_cache_entry_tessel_did_not_write_is_kept(tmp_path, monkeypatch) -> None:
-    from tessel.quant import gguf_import
+    from tessel.models import gguf as gguf_import
 
     monkeypatch.setenv("TESSEL_CACHE_DIR", str(tmp_path / "cache"))
     file = tmp_path / "model.gguf"

@@ -1,6 +1,7 @@
 """kernels/ and layers/ import nothing above them (issue 28): not the quantisation toolkit, the models,
 the engine, the server, the pipeline runtime or the CLI. What they need of the CPU (which int8 path
-is fast here) lives in `tessel.kernels.cpu_features`; a layer's weight rounding in the layers."""
+is fast here) lives in `tessel.kernels.cpu_features`; a layer's weight rounding in the layers. The
+runtime (engine, models, pipeline, server) imports nothing from the offline toolkit `tessel.quant`."""
 
 from __future__ import annotations
 
@@ -42,6 +43,21 @@ def test_kernels_and_layers_import_nothing_above_them(package: str) -> None:
         if _above(module)
     ]
     assert upward == []
+
+
+@pytest.mark.parametrize("package", ["engine", "models", "pipeline", "server"])
+def test_the_runtime_imports_nothing_from_the_offline_toolkit(package: str) -> None:
+    """The runtime half of quantisation lives in `tessel.models.quantized` (and GGUF in, in
+    `tessel.models.gguf`); `tessel.quant` is the offline toolkit, which may import the runtime."""
+    files = sorted((SRC / package).rglob("*.py"))
+    assert files
+    toolkit = [
+        f"{path.relative_to(SRC)} imports {module}"
+        for path in files
+        for module in _imported_modules(path)
+        if module.split(".")[:2] == ["tessel", "quant"]
+    ]
+    assert toolkit == []
 
 
 def test_the_check_sees_every_import_form(tmp_path: Path) -> None:

@@ -22,10 +22,10 @@ from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear
+from tessel.models.quantized.load_quantize import int4_group, quantized_linear
 from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run import RunOptions, run_pipeline
 from tessel.pipeline.run_plan import load_run_plan, priced_pipeline
-from tessel.quant.load_quantize import int4_group, quantized_linear
 
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tessel.models.quantized.schemes import make_scheme, quantize_weight
 from tessel.quant.awq import ALPHA_GRID, awq_group, awq_scales, best_awq_alpha
-from tessel.quant.schemes import make_scheme, quantize_weight
 from tessel.quant.smoothquant import InputRecorder, SmoothGroup, llama_smooth_groups
 
 

@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 
 import hostile_models
 from tessel.errors import TesselError
-from tessel.quant.checkpoint import (
+from tessel.models.quantized.compressed_tensors import (
     module_tensors,
     pack,
     parse_quantization_config,
     quantization_config,
     read_module,
     unpack,
-    write_checkpoint,
 )
-from tessel.quant.schemes import dequantize_weight, make_scheme, quantize_weight
+from tessel.models.quantized.schemes import dequantize_weight, make_scheme, quantize_weight
+from tessel.quant.formats.checkpoint import write_checkpoint
 
 SCHEMES = [
     make_scheme("w8a8"),

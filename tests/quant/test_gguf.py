@@ -17,7 +17,7 @@ from tessel import LLM, SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
-from tessel.quant import gguf_import
+from tessel.models import gguf as gguf_import
 
 gguf = pytest.importorskip("gguf")
 

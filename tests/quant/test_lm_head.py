@@ -30,8 +30,8 @@ from tessel.errors import TesselError
 from tessel.kernels.cpu_features import ENV_OVERRIDE, W8A16_ENV_OVERRIDE
 from tessel.layers.embedding import LMHead, QuantizedLMHead
 from tessel.layers.linear import W8A8Linear, W8A16Linear
-from tessel.quant.lm_head import LM_HEAD_MODES, check_lm_head_mode, quantize_lm_head
-from tessel.quant.schemes import make_scheme
+from tessel.models.quantized.lm_head import LM_HEAD_MODES, check_lm_head_mode, quantize_lm_head
+from tessel.models.quantized.schemes import make_scheme
 
 SCHEMES = {"float": None, "w8a16": make_scheme("w8a16"), "w8a8": make_scheme("w8a8")}
 

@@ -25,7 +25,7 @@ from torch.ao.quantization import MovingAveragePerChannelMinMaxObserver as AoMov
 from torch.ao.quantization import PerChannelMinMaxObserver as AoPerChannel
 
 from tessel.errors import TesselError
-from tessel.quant.observers import (
+from tessel.models.quantized.observers import (
     HISTOGRAM_BINS,
     KL_LEVELS,
     EntropyObserver,
@@ -209,7 +209,7 @@ def test_entropy_picks_the_kl_minimum_of_the_published_algorithm(kind: str) -> N
     coarse = counts[: used + (-used % 4)].reshape(-1, 4).sum(axis=1)
     reference = _reference_kl(coarse)
     best_kl = min(kl for _, kl in reference)
-    from tessel.quant.observers import kl_divergences
+    from tessel.models.quantized.observers import kl_divergences
 
     cuts, divergences = kl_divergences(coarse)
     assert [i for i, _ in reference] == list(cuts)

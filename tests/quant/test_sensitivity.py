@@ -22,10 +22,10 @@ import tiny_models
 from tessel.catalog.models import load_model
 from tessel.cli import app
 from tessel.errors import TesselError
+from tessel.models.quantized.schemes import make_scheme, quantize_weight
 from tessel.plan.api import PlanSettings, make_plan
 from tessel.plan.quality import SensitivityFile
 from tessel.quant.calibrate import calibration_windows, load_hf_model
-from tessel.quant.schemes import make_scheme, quantize_weight
 from tessel.quant.sensitivity import (
     SENSITIVITY_PRECISIONS,
     SensitivityOptions,

@@ -15,7 +15,7 @@ import typer
 if TYPE_CHECKING:
     from tessel.models.reader import ModelFiles
 
-# The engine's `lm_head` modes (tessel.quant.lm_head.LM_HEAD_MODES; the CLI may not import torch)
+# The engine's `lm_head` modes (tessel.models.quantized.lm_head.LM_HEAD_MODES; the CLI may not import torch)
 LMHeadMode = Literal["float", "int8"]
 LM_HEAD_OPTION = typer.Option(
     "float", "--lm-head", help="float (the checkpoint's) or int8: the LM head rounded per row at load."

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tessel.errors import TesselError
-from tessel.quant.lm_head import check_lm_head_mode
+from tessel.models.quantized.lm_head import check_lm_head_mode
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step; large enough for efficient CPU GEMMs
@@ -27,7 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
     pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.linear)
-    lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.quant.lm_head)
+    lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.models.quantized.lm_head)
     # True: every step eager: no compiled CPU decode graphs (one row or several) and no captured CUDA
     # graphs (tessel.engine.step_plan)
     enforce_eager: bool = False

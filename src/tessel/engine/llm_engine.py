@@ -34,9 +34,9 @@ from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.models.gguf import resolve_model_path
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
-from tessel.quant.gguf_import import resolve_model_path
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
 

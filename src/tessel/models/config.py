@@ -125,7 +125,7 @@ class ModelConfig:
         """The config of a model directory, or of a .gguf file's checkpoint directory (converted once)."""
         path = Path(path)
         if path.suffix.lower() == ".gguf" and path.is_file():
-            from tessel.quant.gguf_import import resolve_model_path
+            from tessel.models.gguf import resolve_model_path
 
             path = resolve_model_path(path)
         if not (path / "config.json").is_file():

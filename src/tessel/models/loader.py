@@ -19,9 +19,9 @@ from safetensors import SafetensorError, safe_open
 from tessel.errors import TesselError
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
+from tessel.models.quantized import module_swap
+from tessel.models.quantized.lm_head import check_lm_head_mode, quantize_lm_head
 from tessel.models.reader import SKIPPED_SUFFIXES, checkpoint_files, read_model
-from tessel.quant import module_swap
-from tessel.quant.lm_head import check_lm_head_mode, quantize_lm_head
 
 __all__ = ["checkpoint_files", "load_model", "load_weights"]
 
@@ -44,7 +44,7 @@ def load_model(
     lm_head: str = "float",
 ) -> LlamaForCausalLM:
     """The model in `path`; with `layers`, only that pipeline stage's part (the rest is nn.Identity);
-    `lm_head="int8"` rounds the LM head per row (`tessel.quant.lm_head`)."""
+    `lm_head="int8"` rounds the LM head per row (`tessel.models.quantized.lm_head`)."""
     check_lm_head_mode(lm_head)
     if lm_head != "float" and layers is not None:
         raise TesselError(f"lm_head={lm_head!r} cannot run as a pipeline stage yet; run in one process")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
+from tessel.models.quantized.schemes import Scheme
 from tessel.models.safetensors_header import FLOAT_DTYPES, TensorHeader, read_header
-from tessel.quant.schemes import Scheme
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
@@ -90,7 +90,7 @@ def is_checkpoint(path: str | Path) -> bool:
 
 def resolve_model_dir(path: str | Path, option: str = "--model") -> Path:
     """A model directory as given, or the checkpoint directory a .gguf file converts to (cached)."""
-    from tessel.quant.gguf_import import resolve_model_path
+    from tessel.models.gguf import resolve_model_path
 
     path = Path(path)
     is_gguf = path.suffix.lower() == ".gguf" and path.is_file()
@@ -104,7 +104,7 @@ def resolve_model_dir(path: str | Path, option: str = "--model") -> Path:
 def read_scheme(directory: Path) -> Scheme | None:
     """The quantisation scheme config.json declares (None: float weights); its errors name the file."""
     from tessel.catalog.hf_config import read_json_object
-    from tessel.quant.checkpoint import parse_quantization_config
+    from tessel.models.quantized.compressed_tensors import parse_quantization_config
 
     config_file = directory / "config.json"
     try:
@@ -254,7 +254,8 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
 
 
 def _linear_tensors(prefix: str, linear: _Linear, scheme: Scheme | None) -> dict[str, TensorSpec]:
-    """One linear's tensors: float `weight`, or a compressed-tensors layout (`tessel.quant.checkpoint`)."""
+    """One linear's tensors: float `weight`, or a compressed-tensors layout
+    (`tessel.models.quantized.compressed_tensors`)."""
     n, k, rows = linear.rows, linear.cols, linear.row_fields
     sizes = f"{rows}, {linear.col_fields}"
     bias = TensorSpec((n,), FLOATS, rows, required=linear.biased and scheme is None)

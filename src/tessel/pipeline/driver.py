@@ -35,12 +35,12 @@ from tessel.errors import TesselError
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.chunk_cutter import ChunkCutter
 from tessel.pipeline.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.run_plan import RunPlan
 from tessel.pipeline.stage import StageExecutor, rss_bytes, tensor_bytes
-from tessel.quant.load_quantize import quantize_layers
 
 
 @dataclass(slots=True)

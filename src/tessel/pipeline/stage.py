@@ -25,8 +25,8 @@ from tessel.engine.sampling_params import SamplingParams
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
+from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm import BatchMessage
-from tessel.quant.load_quantize import quantize_layers
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ class StageExecutor:
         precisions: dict[int, tuple[str, str]] | None = None,
     ):
         """The stage's layers from the checkpoint; `precisions`: layer -> (attention, MLP) weight
-        precisions of the plan, rounded here (`tessel.quant.load_quantize`)."""
+        precisions of the plan, rounded here (`tessel.models.quantized.load_quantize`)."""
         model = load_model(path, dtype, device, layers=part)
         if precisions:
             quantize_layers(model, precisions, dtype)

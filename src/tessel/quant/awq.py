@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tessel.quant.schemes import Scheme, quantize_weight
+from tessel.models.quantized.schemes import Scheme, quantize_weight
 from tessel.quant.smoothquant import InputRecorder, SmoothGroup, fold_scales
 
 ALPHA_GRID = tuple(i / 20 for i in range(20))  # llm-awq's n_grid = 20

@@ -23,13 +23,20 @@ from torch import nn
 
 from tessel.catalog.hf_config import config_path, read_json_object
 from tessel.errors import TesselError
+from tessel.models.gguf import resolve_model_path
+from tessel.models.quantized.compressed_tensors import module_tensors, quantization_config
+from tessel.models.quantized.observers import OBSERVERS, Observer, QuantRange, make_observer
+from tessel.models.quantized.schemes import (
+    WEIGHT_OBSERVERS,
+    QuantizedWeight,
+    Scheme,
+    make_scheme,
+    quantize_weight,
+)
 from tessel.models.reader import read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
-from tessel.quant.checkpoint import module_tensors, quantization_config, write_checkpoint
-from tessel.quant.gguf_import import resolve_model_path
+from tessel.quant.formats.checkpoint import write_checkpoint
 from tessel.quant.gptq import gptq_model
-from tessel.quant.observers import OBSERVERS, Observer, QuantRange, make_observer
-from tessel.quant.schemes import WEIGHT_OBSERVERS, QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
 
 METHODS = ("rtn", "gptq")

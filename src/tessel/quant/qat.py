@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.quant.gguf_import import resolve_model_path
-from tessel.quant.observers import QuantRange
-from tessel.quant.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
+from tessel.models.gguf import resolve_model_path
+from tessel.models.quantized.observers import QuantRange
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 
 ACT_RANGE = QuantRange(8, symmetric=True)
 

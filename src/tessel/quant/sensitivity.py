@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.models.quantized.schemes import GROUP_SIZE, Scheme, make_scheme, quantize_weight
 from tessel.quant.qat import fake_quantize_per_token  # int8 per token, rounded as the W8A8 kernels do
-from tessel.quant.schemes import GROUP_SIZE, Scheme, make_scheme, quantize_weight
 
 SENSITIVITY_PRECISIONS = ("int8", "int4")  # what the planner can choose below its float reference
 
@@ -260,9 +260,9 @@ def write_sensitivity(
     """Measure every layer's cost at each of `options.precisions` and write the sensitivity file."""
     from tessel.catalog.models import load_model
     from tessel.files import check_output_path, write_json_file
+    from tessel.models.gguf import resolve_model_path
     from tessel.plan.quality import SensitivityFile
     from tessel.quant.calibrate import calibration_windows, load_hf_model, read_calibration_text
-    from tessel.quant.gguf_import import resolve_model_path
 
     start = time.perf_counter()
     out = check_output_path(out, "--sensitivity", inputs=(model_dir, options.calib))

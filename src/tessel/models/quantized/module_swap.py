@@ -26,8 +26,8 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear, W8A16Linear, dequantized_linear
-from tessel.quant.checkpoint import parse_quantization_config, read_module
-from tessel.quant.schemes import QuantizedWeight, Scheme
+from tessel.models.quantized.compressed_tensors import parse_quantization_config, read_module
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 
 # tessel module -> the checkpoint linears it fuses, in order
 FUSED = {

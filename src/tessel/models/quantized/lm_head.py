@@ -6,7 +6,7 @@ embedding itself stays float for the lookup) is rounded per output row at load t
 
     scale[v] = max_k |W[v, k]| / 127,   q[v, k] = round(W[v, k] / scale[v])   in [-127, 127]
 
-(`tessel.quant.schemes.quantize_weight` under w8a16, as the decoder linears), and the head runs
+(`tessel.models.quantized.schemes.quantize_weight` under w8a16, as the decoder linears), and the head runs
 on the module the checkpoint's scheme runs its decoder linears with:
 
     w8a8 checkpoint                    -> `W8A8Linear`, int8 activations per token (dynamic: the head
@@ -26,7 +26,7 @@ from torch import nn
 from tessel.errors import TesselError
 from tessel.layers.embedding import LMHead, QuantizedLMHead
 from tessel.layers.linear import W8A8Linear, W8A16Linear, dequantized_linear
-from tessel.quant.schemes import Scheme, make_scheme, quantize_weight
+from tessel.models.quantized.schemes import Scheme, make_scheme, quantize_weight
 
 LM_HEAD_MODES = ("float", "int8")  # float: as the checkpoint says (the default)
 

@@ -24,8 +24,8 @@ import torch
 
 from tessel.errors import TesselError
 from tessel.files import staged_directory
-from tessel.quant.checkpoint import module_tensors, quantization_config
-from tessel.quant.schemes import QuantizedWeight, Scheme
+from tessel.models.quantized.compressed_tensors import module_tensors, quantization_config
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 
 Q8_0_BLOCK = 32  # weights per Q8_0 block (ggml's QK8_0)
 Q8_0_BYTES = 2 + Q8_0_BLOCK  # fp16 scale + 32 int8

@@ -8,7 +8,7 @@ half at sublayer granularity) a weight precision, priced by the cost model (`tes
     int4 -> W4A16: int4 weights in groups (round to nearest, [-8, 7], scale max|w| / 7.5), float
             activations; the group is the planner's 128 where it divides the row, else the largest
             power of two below it that does (64 for SmolLM2's 576); held de-quantised in --dtype
-            (as `tessel.quant.module_swap` runs int4 checkpoints)
+            (as `tessel.models.quantized.module_swap` runs int4 checkpoints)
     fp32 / fp16 / bf16 -> unchanged: the stage runs its float weights in --dtype
 
 Round to nearest needs no calibration text, so a stage process can do it alone from the float
@@ -23,7 +23,7 @@ from torch import nn
 from tessel.cost import layer as L
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear, dequantized_linear
-from tessel.quant.schemes import make_scheme, quantize_weight
+from tessel.models.quantized.schemes import make_scheme, quantize_weight
 
 RUNNABLE = L.FLOAT_WEIGHTS | {"int8", "int4"}
 # the fused linears of one decoder layer, per half

@@ -17,23 +17,19 @@ and each quantised linear `<prefix>` stores (symmetric: no zero points)
 
 `pack-quantized` puts 32 / bits values per int32, value + 2**(bits-1) in bits, lowest bits first
 (compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32; tested against it). This
-module is the one place that writes and reads the format.
+module is the one place that lays out and reads the format; `tessel.quant.formats.checkpoint` writes
+the checkpoint directory.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from tessel.errors import TesselError
-from tessel.files import OUTPUT_MARKER, staged_directory
-from tessel.quant.schemes import QuantizedWeight, Scheme
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED = "int-quantized"
@@ -41,8 +37,6 @@ PACK_QUANTIZED = "pack-quantized"
 QUANTIZED_STATUS = "compressed"
 FORMAT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this follows (and tests against)
 IGNORED = ["lm_head"]
-WEIGHTS_FILE = "model.safetensors"
-SKIPPED_FILES = ("config.json", "model.safetensors.index.json")
 ACTORDERS_WITHOUT_G_IDX = (None, False, "weight", "static")  # compressed-tensors' ActivationOrdering
 
 
@@ -306,35 +300,3 @@ def _unpacked_weight(get: Callable[[str], torch.Tensor], prefix: str, bits: int)
             f"at {bits} bits needs int32 [{n}, {words}]"
         )
     return unpack(packed, bits, k)
-
-
-def write_checkpoint(
-    out_dir: Path,
-    source_dir: Path,
-    config: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    *,
-    overwrite: bool = False,
-    inputs: tuple[str | Path | None, ...] = (),
-) -> Path:
-    """Write config.json + model.safetensors (+ the source's tokenizer files) to `out_dir` atomically.
-
-    Everything goes to a fresh directory beside `out_dir`, which is moved into place at the end: a
-    failed run leaves nothing half-written (`tessel.files.staged_directory`). `out_dir` may not be
-    `source_dir`, a folder holding it, or anything in `inputs`; an existing `out_dir` is replaced only
-    with `overwrite`, and only when tessel wrote it.
-    """
-    out_dir = Path(out_dir)
-    with staged_directory(out_dir, "--out", inputs=(source_dir, *inputs), overwrite=overwrite) as staging:
-        for item in Path(source_dir).iterdir():
-            if (
-                item.is_file()
-                and item.name not in (*SKIPPED_FILES, OUTPUT_MARKER)
-                and item.suffix != ".safetensors"
-            ):
-                shutil.copy2(item, staging / item.name)
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, str(staging / WEIGHTS_FILE), {"format": "pt"}
-        )
-    return out_dir

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tessel.errors import TesselError
-from tessel.quant.observers import NARROW_CODE_BITS, QuantRange, make_observer, quantize
+from tessel.models.quantized.observers import NARROW_CODE_BITS, QuantRange, make_observer, quantize
 
 GROUP_SIZE = 128  # the group of llm-compressor's W4A16 preset (and GPTQ's usual one)
 WEIGHT_OBSERVERS = ("minmax", "mse")
