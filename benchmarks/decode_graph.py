@@ -7,7 +7,8 @@
    paged cache: the eager engine's `paged_decode_attention` against the compiled attention graph
    (`tessel.engine.decode_graph.attention_graph`), microseconds per call.
 2. A W8A8 one-row linear (1 x 3072 x 576, SmolLM2's gate/up) compiled with its codes stored (a graph
-   output, as `tessel.layers.traced_linear` does) and inlined (recomputed per output channel).
+   output, as the layers' one-row forms do, `tessel.layers.linear.forms`) and inlined (recomputed per
+   output channel).
 3. With `--model` (a quantised checkpoint; default: none): the first decode steps of a fresh engine
    with an empty inductor cache (compiling) against later ones, `--rows` sequences at once (1: the
    one-sequence step; more: the batch step's graphs for their bucket of rows).

@@ -6,7 +6,7 @@ On CUDA every op is timed with `triton.testing.do_bench` (median of a 25 ms warm
 runs) against its torch baseline: fp16 matmul, torch._int_mm, SDPA, F.rms_norm, F.conv2d, ... On CPU
 the CPU paths are timed against their float baselines with the harness's interleaved wall-clock
 timer (median and min); the headline
-is `Int8Linear` (per-token quantisation, the int8 GEMM of the CPU's path, the epilogue) against fp32
+is `W8A8Linear` (per-token quantisation, the int8 GEMM of the CPU's path, the epilogue) against fp32
 `nn.Linear` at 256 x 4096 x 4096 (target: >= 2x), on the path this CPU chooses (`int_mm` with
 AVX-512 VNNI, `fp16codes` with AVX2 only) and on fbgemm's two routes forced. Attention/norm ops from
 other modules are imported lazily and skipped when absent. `speedup` = baseline time / tessel time.
@@ -107,7 +107,7 @@ CUDA_GEMM_SHAPES = [
     (4096, 4096, 4096),  # the README's CUDA target: int8 GEMM >= 1.8x fp16
 ]
 CPU_GEMM_SHAPES = [(16, 4096, 4096), (256, 4096, 4096), (256, 11008, 4096)]
-QUICK_GEMM_SHAPES = [(256, 4096, 4096)]  # the CPU target: Int8Linear >= 2x fp32 nn.Linear here
+QUICK_GEMM_SHAPES = [(256, 4096, 4096)]  # the CPU target: W8A8Linear >= 2x fp32 nn.Linear here
 
 
 def gemm_cases(bench: Bench) -> None:
@@ -123,8 +123,7 @@ def gemm_shape(bench: Bench, m: int, n: int, k: int) -> None:
     """One GEMM shape: the W8A8 layer and its two halves, W8A16, and (CUDA) the float GEMM."""
     from tessel.kernels import int8_gemm, quantize_per_token
     from tessel.kernels.w8a16_gemm import linear
-    from tessel.layers import W8A8Linear as Int8Linear
-    from tessel.layers import W8A16Linear
+    from tessel.layers import W8A8Linear, W8A16Linear
 
     device = bench.device
     float_dtype = torch.float16 if device == "cuda" else torch.float32
@@ -139,21 +138,21 @@ def gemm_shape(bench: Bench, m: int, n: int, k: int) -> None:
         return F.linear(x, weight, bias)
 
     expected = baseline()
-    int8_layer = Int8Linear.from_linear(ref)
-    check("Int8Linear", int8_layer(x), expected, 0.05)
+    int8_layer = W8A8Linear.from_linear(ref)
+    check("W8A8Linear", int8_layer(x), expected, 0.05)
     path = int8_layer.cpu_path() if device == "cpu" else "cuda"
-    bench.pair(f"Int8Linear (W8A8, {path})", shape, "int8", lambda: int8_layer(x), base_name, baseline)
+    bench.pair(f"W8A8Linear (W8A8, {path})", shape, "int8", lambda: int8_layer(x), base_name, baseline)
     if device == "cpu":  # fbgemm's two routes too, each forced (any x86 CPU runs them)
         for other in ("fp16codes", "fbgemm"):
             if other != path:
-                layer = Int8Linear.from_linear(ref)
+                layer = W8A8Linear.from_linear(ref)
                 layer.set_path(other)
-                check(f"Int8Linear {other}", layer(x), expected, 0.05)
-                name = f"Int8Linear (W8A8, {other}{', 7-bit acts' if other == 'fbgemm' else ''})"
+                check(f"W8A8Linear {other}", layer(x), expected, 0.05)
+                name = f"W8A8Linear (W8A8, {other}{', 7-bit acts' if other == 'fbgemm' else ''})"
                 bench.pair(name, shape, "int8", lambda layer=layer: layer(x), base_name, baseline)
-        narrow = Int8Linear.from_linear(ref, weight_code_bits=7)  # fbgemm with 8-bit activations on AVX2
-        check("Int8Linear 7-bit weight codes", narrow(x), expected, 0.05)
-        name = f"Int8Linear (W8A8, 7-bit weight codes, {narrow.cpu_path()})"
+        narrow = W8A8Linear.from_linear(ref, weight_code_bits=7)  # fbgemm with 8-bit activations on AVX2
+        check("W8A8Linear 7-bit weight codes", narrow(x), expected, 0.05)
+        name = f"W8A8Linear (W8A8, 7-bit weight codes, {narrow.cpu_path()})"
         bench.pair(name, shape, "int8", lambda: narrow(x), base_name, baseline)
 
     q, s = quantize_per_token(x)
@@ -190,14 +189,14 @@ SMOLLM2_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "
 
 def smollm2_cases(bench: Bench) -> None:
     """One SmolLM2 decoder layer's four linears, run back to back, at 1 row (one-stream decode) and
-    32 rows (32 requests decoding): Int8Linear with 7-bit and with 8-bit weight codes on this CPU's
+    32 rows (32 requests decoding): W8A8Linear with 7-bit and with 8-bit weight codes on this CPU's
     paths, against fp32 F.linear. The end-to-end W8A8 / fp32 decode ratio of the engine cannot
     exceed this one by much, as everything outside the linears is the same code in both."""
-    from tessel.layers import W8A8Linear as Int8Linear
+    from tessel.layers import W8A8Linear
 
     refs = [torch.nn.Linear(k, n) for n, k in SMOLLM2_LINEARS.values()]
-    narrow = [Int8Linear.from_linear(ref, weight_code_bits=7) for ref in refs]
-    full = [Int8Linear.from_linear(ref) for ref in refs]
+    narrow = [W8A8Linear.from_linear(ref, weight_code_bits=7) for ref in refs]
+    full = [W8A8Linear.from_linear(ref) for ref in refs]
     for m in (1, 32):
         xs = [torch.randn(m, ref.in_features) for ref in refs]
 
@@ -206,8 +205,8 @@ def smollm2_cases(bench: Bench) -> None:
 
         for layers, bits in ((narrow, 7), (full, 8)):
             for got, want in zip(run(layers), run(refs), strict=True):
-                check(f"Int8Linear {bits}-bit codes", got, want, 0.05)
-            name = f"SmolLM2 layer, Int8Linear {bits}-bit codes ({layers[0].cpu_path()})"
+                check(f"W8A8Linear {bits}-bit codes", got, want, 0.05)
+            name = f"SmolLM2 layer, W8A8Linear {bits}-bit codes ({layers[0].cpu_path()})"
             bench.pair(name, f"{m}x(qkv,o,gate_up,down)",
                        "int8", lambda layers=layers, run=run: run(layers), "F.linear float32",
                        lambda run=run: run(refs))  # fmt: skip

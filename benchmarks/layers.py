@@ -4,7 +4,7 @@
                                 [--out benchmarks/results/layers.jsonl]
 
 Builds the seven projections of one decoder layer (q, k, v, o, gate, up, down) from the same
-float weights as `nn.Linear`, tessel `Linear`, `Int8Linear` (W8A8) and `W8A16Linear`, then runs
+float weights as `nn.Linear`, tessel `Linear`, `W8A8Linear` (W8A8) and `W8A16Linear`, then runs
 the layer's matmul chain layer by layer (q/k/v/gate/up on the hidden state, o on the attention
 width, down on silu(gate) * up) for a prefill chunk and a decode batch. Providers are timed
 interleaved (median and min of the runs; min is the steadier number on a shared CPU; CUDA events
@@ -58,20 +58,19 @@ MODELS = {
     # Llama-2-7B config.json: hidden 4096, 32 heads, 32 KV heads, FFN 11008.
     "llama-7b": DecoderShape(4096, 32, 32, 11008),
 }
-PROVIDERS = ("nn.Linear", "tessel Linear", "Int8Linear", "W8A16Linear")
+PROVIDERS = ("nn.Linear", "tessel Linear", "W8A8Linear", "W8A16Linear")
 
 
 def build_layers(shape: DecoderShape, device: str, dtype: torch.dtype) -> dict[str, dict[str, nn.Module]]:
     """provider -> projection name -> module, all holding the same float weights."""
-    from tessel.layers import Linear, W8A16Linear
-    from tessel.layers import W8A8Linear as Int8Linear
+    from tessel.layers import Linear, W8A8Linear, W8A16Linear
 
     layers: dict[str, dict[str, nn.Module]] = {p: {} for p in PROVIDERS}
     for name, (fan_in, fan_out) in shape.projections().items():
         ref = nn.Linear(fan_in, fan_out, bias=False, device=device, dtype=dtype)
         layers["nn.Linear"][name] = ref
         layers["tessel Linear"][name] = Linear.from_linear(ref)
-        layers["Int8Linear"][name] = Int8Linear.from_linear(ref)
+        layers["W8A8Linear"][name] = W8A8Linear.from_linear(ref)
         layers["W8A16Linear"][name] = W8A16Linear.from_linear(ref)
     return layers
 
@@ -199,7 +198,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
-    with torch.no_grad():  # not inference_mode: Int8Linear reads its weight's version counter
+    with torch.no_grad():  # not inference_mode: W8A8Linear reads its weight's version counter
         rows = bench_model(model, args.tokens, args.device, repeats)
     where = (
         torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"

@@ -20,9 +20,9 @@ Ecclesiastes: disjoint).
   the int8 LM head; `--speed-configs` picks rows) on the same threads;
   every model is loaded once and the runs are interleaved `--speed-repeats` times (median, and the
   median of the per-round ratios to fp32), with the CPU's features and the chosen paths beside.
-- gemm: `W8A8Linear` (the engine's module, this CPU's path), the kernels' `Int8Linear` and
-  `W8A16CPULinear` (each path) vs fp32 `nn.Linear` (plain and oneDNN-packed as the engine runs it)
-  at 256 x 4096 x 4096 and a decode step's 1 x 3072 x 576, median of interleaved runs.
+- gemm: `W8A8Linear` (the engine's module, this CPU's path; the row once named `Int8Linear` times
+  the same class) and `W8A16Linear` (each path) vs fp32 `nn.Linear` (plain and oneDNN-packed as the
+  engine runs it) at 256 x 4096 x 4096 and a decode step's 1 x 3072 x 576, median of interleaved runs.
 
 Everything runs in this process on `--threads` torch threads. Each run appends a record to
 benchmarks/results/quant.jsonl.
@@ -266,7 +266,7 @@ def _speed_llm(path: Path, forced: dict[str, str] | None, lm_head: str, eager: b
 
 
 def _quantized_paths(llm) -> dict[str, int]:
-    """How many decoder linears run on each path (`W8A8Linear.path`, `W8A16CPULinear.path`)."""
+    """How many decoder linears run on each path (`W8A8Linear.path`, `W8A16Linear.path`)."""
     counts: dict[str, int] = {}
     for module in llm.model.modules():
         path = getattr(module, "path", None)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from pipeline_plans import write_plan
+from stage_processes import release
 from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.pipeline import launcher
@@ -233,16 +234,6 @@ def _run_in_thread(options: RunOptions) -> tuple[threading.Thread, dict]:
     return thread, outcome
 
 
-def _release(pids: list[int]) -> None:
-    """SIGCONT then SIGKILL whatever is left of a test's stage processes."""
-    for pid in pids:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                break
-
-
 @pytest.mark.slow
 def test_stopped_stage_ends_the_run_named(tiny_dirs, tmp_path):
     """SIGSTOP of stage 1 mid-generation (a hang looks the same): the run fails within the heartbeat
@@ -266,7 +257,7 @@ def test_stopped_stage_ends_the_run_named(tiny_dirs, tmp_path):
         thread.join(timeout=FAULT_DEADLINE_S)
         assert not thread.is_alive(), "the launcher did not notice the stopped stage"
     finally:
-        _release(pids)
+        release(pids)
     error = outcome.get("error")
     assert isinstance(error, StageFailedError), outcome
     assert error.stage == 1 and f"sent no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s" in error.cause

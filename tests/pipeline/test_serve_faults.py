@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from pipeline_plans import write_plan
+from stage_processes import release
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -42,15 +43,6 @@ def _wait(condition, what: str) -> None:
     while not condition():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.05)  # a poll interval
-
-
-def _release(pids: list[int]) -> None:
-    for pid in pids:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                break
 
 
 def _post_within_deadline(client: TestClient, body: dict) -> httpx.Response:
@@ -116,7 +108,7 @@ def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
             assert async_engine.engine is not engine and async_engine.num_restarts == 1
         assert dead_calls == []
     finally:
-        _release(pids)
+        release(pids)
         async_engine.engine.close()
 
 
@@ -193,7 +185,7 @@ def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tm
             server.kill()
             server.wait()
         alive = [pid for pid in stage_pids if _alive(pid)]
-        _release(stage_pids)
+        release(stage_pids)
     assert alive == [], f"stage processes outlived the server: {alive}"
 
 
