@@ -14,3 +14,12 @@ def release(pids: list[int]) -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 break
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

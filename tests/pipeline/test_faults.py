@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from pipeline_plans import write_plan
-from stage_processes import release
+from stage_processes import alive, release
 from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.pipeline import launcher
@@ -27,14 +27,6 @@ from tessel.pipeline.run import RunOptions, check_options, run_pipeline
 
 READY_TIMEOUT_S = 240  # three stage processes importing torch on a loaded machine
 FAULT_DEADLINE_S = 30  # the bound: everything stops within 30 s of the death
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait_ready(run_dir, num_stages: int) -> list[int]:
@@ -72,7 +64,7 @@ def test_killed_middle_stage_ends_the_run(tiny_dirs, tmp_path):
     assert isinstance(error, StageFailedError), outcome
     assert error.stage == 1 and "SIGKILL" in error.cause
     assert "stage 1" in str(error)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_exception_in_a_stage_is_named(tiny_dirs, tmp_path, monkeypatch):
@@ -182,7 +174,7 @@ def test_ctrl_c_stops_every_stage(tiny_dirs, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 plan_edits = st.lists(
@@ -261,7 +253,7 @@ def test_stopped_stage_ends_the_run_named(tiny_dirs, tmp_path):
     error = outcome.get("error")
     assert isinstance(error, StageFailedError), outcome
     assert error.stage == 1 and f"sent no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s" in error.cause
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_cli_refuses_a_bad_heartbeat_timeout(tiny_dirs, tmp_path, monkeypatch):

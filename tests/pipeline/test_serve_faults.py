@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pipeline_plans import write_plan
-from stage_processes import release
+from stage_processes import alive, release
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -28,14 +28,6 @@ from tessel.server.app import create_app  # noqa: E402
 HEARTBEAT_TIMEOUT_S = 3.0  # short, so the test stays cheap (the default is 30 s)
 DEADLINE_S = 60.0  # generous: a loaded 2-core machine
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait(condition, what: str) -> None:
@@ -104,7 +96,7 @@ def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
             gate.set()
             _wait(lambda: client.get("/health").status_code == 200, "the rebuilt pipeline")
             assert _complete(client) == before
-            assert not any(_alive(pid) for pid in pids)  # the old stages
+            assert not any(alive(pid) for pid in pids)  # the old stages
             assert async_engine.engine is not engine and async_engine.num_restarts == 1
         assert dead_calls == []
     finally:
@@ -184,9 +176,9 @@ def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tm
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-        alive = [pid for pid in stage_pids if _alive(pid)]
+        survivors = [pid for pid in stage_pids if alive(pid)]
         release(stage_pids)
-    assert alive == [], f"stage processes outlived the server: {alive}"
+    assert survivors == [], f"stage processes outlived the server: {survivors}"
 
 
 def test_heartbeat_timeout_needs_a_plan(tiny_dirs):
