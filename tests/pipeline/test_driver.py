@@ -93,3 +93,29 @@ def test_emulated_speed_sleeps_in_proportion(tiny_dirs, tmp_path):
     stats = engine.stage.stats
     assert stats.batches > 0
     assert stats.emulation_sleep_s == pytest.approx(3.0 * stats.compute_s, rel=1e-9)
+
+
+def test_every_idle_slot_is_launched_in_one_step(tiny_dirs, tmp_path):
+    """Each step launches every idle slot before it waits for the oldest micro-batch, so with two
+    slots two micro-batches are in flight (a pipeline of two stages keeps both busy)."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = pipeline(tiny_dirs["tied"], tmp_path, slots=2)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(i), prompt, params)
+    in_flight = []
+    original = engine._complete
+
+    def complete(record):
+        in_flight.append(len(engine._in_flight) + 1)  # the one being completed was popped
+        return original(record)
+
+    engine._complete = complete
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert max(in_flight) == 2 and in_flight.count(2) >= len(in_flight) // 2
+
+
+def test_a_one_stage_plan_runs_one_micro_batch(tiny_dirs, tmp_path):
+    """One stage has nothing to overlap with: the plan's m does not split its rows."""
+    plan_path = write_plan(tmp_path / "plan1.json", tiny_dirs["tied"], [(0, 5)], micro_batches=4)
+    assert load_run_plan(plan_path).micro_batches == 1

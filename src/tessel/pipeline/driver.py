@@ -147,8 +147,8 @@ class PipelineEngine(LLM):
     # ---- launching micro-batches -----------------------------------------------------------------
     def _launch(self) -> None:
         slots = len(self._busy)
-        for offset in range(slots):
-            slot = (self._next_slot + offset) % slots
+        order = [(self._next_slot + offset) % slots for offset in range(slots)]  # fixed before launching
+        for slot in order:
             if self._busy[slot]:
                 continue
             batch = self.scheduler.schedule(slot)

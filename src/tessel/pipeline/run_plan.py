@@ -108,6 +108,8 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
         m = plan.replicas[replica].micro_batches  # the replica's share of the workload's micro-batches
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         m = max(PIPELINE_MIN_MICRO_BATCHES, len(stages))
+    if len(stages) == 1:
+        m = 1  # nothing to overlap with: every row in one micro-batch, as one process runs them
     return RunPlan(
         source,
         plan.model_name,
