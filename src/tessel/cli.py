@@ -17,6 +17,7 @@ from tessel.commands import example_model as _example_model
 from tessel.commands import generate as _generate
 from tessel.commands import launch as _launch
 from tessel.commands import plan as _plan
+from tessel.commands import probe as _probe
 from tessel.commands import profile as _profile
 from tessel.commands import qat as _qat
 from tessel.commands import quantize as _quantize
@@ -49,6 +50,7 @@ def version() -> None:
 # Registrations: one line per subcommand module under tessel.commands, e.g.
 #   from tessel.commands import plan as _plan  (at the top)   and   app.command("plan")(_plan.plan)
 app.command("plan")(_plan.plan)
+app.command("probe")(_probe.probe)
 app.command("serve")(_serve.serve)
 app.command("generate")(_generate.generate)
 app.command("simulate")(_simulate.simulate)

@@ -21,7 +21,19 @@ Dtype = Literal["fp16", "bf16", "int8", "fp8", "fp32"]
 
 def plan(
     model: str = typer.Option("llama-3-70b", help="Model preset name or a local HF config.json / directory."),
-    cluster: str = typer.Option("mixed-a100-v100-t4", help="Bundled cluster name or a cluster YAML file."),
+    cluster: str = typer.Option(
+        "mixed-a100-v100-t4",
+        help="Bundled cluster name, a cluster YAML file, or 'local': this machine's GPUs and CPU "
+        "(what `tessel probe` finds).",
+    ),
+    gpu_memory_gib: float | None = typer.Option(
+        None,
+        "--gpu-memory-gib",
+        min=0.01,
+        max=2.0**20,
+        help="Use at most this many GiB of each GPU for the model (weights, KV cache, activations); "
+        "with --cluster local the rest goes to the CPU.",
+    ),
     workload: str = typer.Option("default", help="Bundled workload name or a workload YAML file."),
     solver: Literal["milp", "dp", "brute"] = typer.Option(
         "milp", help="milp (DP warm start + HiGHS), dp, or brute (tiny problems)."
@@ -98,6 +110,7 @@ def plan(
     if json_path is not None:
         inputs = (model, cluster, workload, *profile, replan_from, sensitivity)
         check_output_path(json_path, "--json", inputs=inputs)  # never over a file this command reads
+    cluster_arg = planning_cluster(cluster, gpu_memory_gib)  # refusals before any pricing
     settings = PlanSettings(
         solver,
         granularity,
@@ -116,12 +129,12 @@ def plan(
     if replicas is not None:
         from tessel.commands.plan_replicas import parse_replicas, plan_replicas
 
-        problem = prepare_plan(model, cluster, workload, settings, profile)
+        problem = prepare_plan(model, cluster_arg, workload, settings, profile)
         plan_replicas(console, problem, parse_replicas(replicas), settings, json_path, export)
         return
     outcome = make_plan(
         model,
-        cluster,
+        cluster_arg,
         workload,
         settings,
         profiles=profile,
@@ -135,3 +148,15 @@ def plan(
         console.print(f"wrote {json_path}")
     if export == "vllm":
         print_vllm_export(console, outcome)
+
+
+def planning_cluster(cluster: str, gpu_memory_gib: float | None):  # noqa: ANN201 (str | Cluster)
+    """What `make_plan` gets for --cluster: the name or path as given, this machine for 'local', and a
+    loaded cluster with each GPU's memory capped under --gpu-memory-gib."""
+    from tessel.commands.probe import LOCAL_CLUSTER, local_cluster
+    from tessel.plan.cluster import cap_gpu_memory, load_cluster
+
+    if cluster != LOCAL_CLUSTER and gpu_memory_gib is None:
+        return cluster
+    spec = local_cluster() if cluster == LOCAL_CLUSTER else load_cluster(cluster)
+    return spec if gpu_memory_gib is None else cap_gpu_memory(spec, gpu_memory_gib, "--gpu-memory-gib")

@@ -4,6 +4,8 @@
     nodes:
       - name: node-a
         gpus: {type: A100-80G, count: 2}      # or a list of {type, count} for a mixed node
+                                              # optional memory_gib: the device's memory when it is
+                                              # not the catalog's (as `tessel probe` reads it)
         intra_link: nvlink                    # nvlink | pcie | {bandwidth_gbps: 300, latency_us: 5}
         host_memory_gib: 512                  # host DRAM for offloading (default 0: none)
         emulate: {speed: 0.5}                 # optional: these devices run at half their type's speed
@@ -27,7 +29,8 @@ host (several CPU devices, one of them "slower"). The plan records each stage's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,8 @@ class GpuGroupModel(BaseModel):
 
     type: str
     count: int = Field(default=1, ge=1, le=MAX_CLUSTER_DEVICES)
+    # each device's memory when it is not the catalog's (what `tessel probe` read, or a CPU's free DRAM)
+    memory_gib: float | None = Field(default=None, gt=0, le=MAX_HOST_MEMORY_GIB)
 
     @field_validator("type")
     @classmethod
@@ -87,6 +92,21 @@ class GpuGroupModel(BaseModel):
             return get_gpu(value).name
         except TesselError as error:
             raise ValueError(str(error)) from None
+
+    @model_validator(mode="after")
+    def _above_reserved(self) -> GpuGroupModel:
+        reserved_gib = get_gpu(self.type).reserved_bytes / GIB
+        if self.memory_gib is not None and self.memory_gib <= reserved_gib:
+            raise ValueError(
+                f"memory_gib {self.memory_gib:g} is not above the {reserved_gib:g} GiB a {self.type} "
+                "reserves (CUDA context, workspaces; gpus.yaml reserved_gib)"
+            )
+        return self
+
+    def spec(self) -> GpuSpec:
+        """The catalog's spec of this type, with `memory_gib` when given."""
+        spec = get_gpu(self.type)
+        return spec if self.memory_gib is None else replace(spec, memory_bytes=int(self.memory_gib * GIB))
 
 
 class NodeModel(BaseModel):
@@ -256,6 +276,33 @@ def parse_cluster(data: dict, *, source: str = "<cluster>") -> Cluster:
     return _build(validate_data(data, source, ClusterModel), source)
 
 
+def cap_gpu_memory(cluster: Cluster, usable_gib: float, what: str = "the GPU memory cap") -> Cluster:
+    """`cluster` with every GPU holding at most `usable_gib` GiB of weights, KV cache and activations
+    (its memory becomes the cap plus what it reserves); CPU devices keep theirs. Refuses a cap above
+    a GPU's usable memory, and a cluster with no GPU."""
+    gpus = [device for device in cluster.devices if device.gpu_type.lower() != "cpu"]
+    if not gpus:
+        raise TesselError(f"{what} applies to GPUs, but cluster {cluster.name} has none (only CPU devices)")
+    if not (math.isfinite(usable_gib) and usable_gib * GIB >= 1):
+        raise TesselError(f"{what} must be a positive number of GiB, got {usable_gib:g}")
+    cap_bytes = int(usable_gib * GIB)
+    over = [device for device in gpus if cap_bytes > device.spec.usable_bytes]
+    if over:
+        found = ", ".join(
+            f"{d.name} ({d.gpu_type}: {d.spec.usable_bytes / GIB:.2f} GiB usable of "
+            f"{d.spec.memory_bytes / GIB:.2f} GiB)"
+            for d in over
+        )
+        raise TesselError(f"{what} of {usable_gib:g} GiB is above the memory of {found}; give a smaller cap")
+    devices = tuple(
+        device
+        if device.gpu_type.lower() == "cpu"
+        else replace(device, spec=replace(device.spec, memory_bytes=cap_bytes + device.spec.reserved_bytes))
+        for device in cluster.devices
+    )
+    return Cluster(cluster.name, cluster.nodes, devices, cluster.network, cluster.source)
+
+
 def _build(model: ClusterModel, source: str) -> Cluster:
     nodes, devices = [], []
     for node in model.nodes:
@@ -263,7 +310,7 @@ def _build(model: ClusterModel, source: str) -> Cluster:
         speed = 1.0 if node.emulate is None else node.emulate.speed
         for group in node.gpus:
             for _ in range(group.count):
-                spec = get_gpu(group.type).emulated(speed)
+                spec = group.spec().emulated(speed)
                 device = Device(
                     f"{node.name}/gpu{len(names)}", group.type, node.name, spec, len(names), speed
                 )

@@ -1,0 +1,312 @@
+"""This machine as a cluster: its CUDA GPUs (from `nvidia-smi`) plus its CPU as one more device.
+
+    machine = discover_machine()          # nvidia-smi, /proc/cpuinfo, /proc/meminfo
+    data = cluster_data(machine)          # a mapping of the cluster-file shape (tessel.plan.cluster)
+    text = cluster_yaml(machine)          # the same as a cluster file, with what was found in comments
+
+No torch: GPUs come from `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`
+(`TESSEL_NVIDIA_SMI` names another executable, e.g. a fake in tests). No `nvidia-smi`, or one that
+fails (no driver, no device), gives a machine without GPUs and a note saying why. Each GPU's name is
+mapped to a catalog type (`GPU_NAME_RULES`); a GPU no rule knows is refused, naming it.
+
+The cluster it describes (names as `tessel.plan.cluster` gives them):
+- node `localhost`: the GPUs in CUDA order, `localhost/gpu<K>` being `cuda:K` (the nvidia-smi index,
+  or the position in `CUDA_VISIBLE_DEVICES` when that is set), each with the memory nvidia-smi
+  reports; linked by NVLink when every GPU's catalog type has it and none is a PCIe card, else PCIe
+  (an assumption: `nvidia-smi topo -m` is not read);
+- node `localhost-cpu`: the CPU, catalog type `cpu`, with the DRAM free now (MemAvailable) as its
+  memory; `localhost-cpu/gpu0` is the CPU's device name;
+- between them the `network`: PCIe at the fastest GPU's catalog host-to-device rate (the cluster
+  caps each GPU's link at its own), 10 us. An assumption: hidden states cross PCIe through pinned
+  host buffers as fast as the catalog's achieved copy rate, the same either way.
+Speeds (FLOP/s, memory bandwidth) are the catalog's figures for each type, not measured here;
+`tessel profile` measures a device. Host memory for offloading is 0: the CPU is a device instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tessel.catalog.gpus import GB, get_gpu, known_gpus
+from tessel.errors import TesselError
+from tessel.units import GIB
+
+CLUSTER_NAME = "local"
+GPU_NODE = "localhost"
+CPU_NODE = "localhost-cpu"
+CPU_TYPE = "cpu"
+NVIDIA_SMI_ENV = "TESSEL_NVIDIA_SMI"  # another executable than `nvidia-smi` (a fake in tests)
+NVIDIA_SMI_QUERY = ("--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits")
+NVIDIA_SMI_TIMEOUT_S = 30.0  # nvidia-smi answers in well under a second when the driver is healthy
+MIB = 2**20
+PROC_ROOT = Path("/proc")
+# A pinned host<->device copy's one-way latency including its launch: ~10 us, the figure tessel.plan.
+# cluster uses for PCIe peer-to-peer (NVIDIA p2pBandwidthLatencyTest reports ~10 us over PCIe).
+HOST_LINK_LATENCY_US = 10.0
+BITS_PER_BYTE = 8
+# Vector and matrix extensions worth naming from /proc/cpuinfo's flags (x86) or Features (Arm).
+CPU_ISA_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+    "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "asimd", "sve", "sve2",
+)  # fmt: skip
+# nvidia-smi name (upper case, "NVIDIA"/"Tesla"/"GeForce" kept) -> catalog type, first match wins.
+# A type with several memory sizes picks by the memory nvidia-smi reports: (limit GiB, below, else).
+GPU_NAME_RULES: tuple[tuple[str, str | tuple[float, str, str]], ...] = (
+    (r"\bH200\b", "H200"),
+    (r"\bH100\b", "H100"),
+    (r"\bA100\b", (60.0, "A100-40G", "A100-80G")),
+    (r"\bA10\b", "A10"),  # not A10G (AWS's variant, other figures) nor A100
+    (r"\bL4\b", "L4"),  # not L40 / L40S
+    (r"\bT4\b", "T4"),
+    (r"\bV100S?\b", (24.0, "V100-16G", "V100-32G")),
+    (r"\bRTX 4090\b", "RTX-4090"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalGpu:
+    cuda_index: int  # K in cuda:K (the device name's localhost/gpu<K>)
+    smi_index: int  # nvidia-smi's index (the same unless CUDA_VISIBLE_DEVICES reorders)
+    name: str  # as nvidia-smi prints it
+    memory_bytes: int  # nvidia-smi's memory.total
+    gpu_type: str  # the catalog type
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCpu:
+    model_name: str
+    logical_cores: int  # "processor" entries in /proc/cpuinfo
+    isa: tuple[str, ...]  # the CPU_ISA_FLAGS it has
+    memory_total_bytes: int  # MemTotal
+    memory_available_bytes: int  # MemAvailable: what the CPU device gets
+
+    @property
+    def memory_gib(self) -> float:
+        """The CPU device's memory: MemAvailable, rounded down to 0.01 GiB."""
+        return int(self.memory_available_bytes / GIB * 100) / 100
+
+
+@dataclass(frozen=True, slots=True)
+class LocalMachine:
+    gpus: tuple[LocalGpu, ...]
+    cpu: LocalCpu
+    notes: tuple[str, ...] = ()  # what discovery could not read, e.g. why there are no GPUs
+
+
+@dataclass(frozen=True, slots=True)
+class SmiRow:
+    index: int
+    name: str
+    memory_bytes: int
+
+
+def discover_machine(
+    *, nvidia_smi: str | None = None, proc_root: Path = PROC_ROOT, environ: Mapping[str, str] | None = None
+) -> LocalMachine:
+    """This machine's GPUs and CPU. `nvidia_smi`: the executable (default $TESSEL_NVIDIA_SMI or
+    nvidia-smi); `proc_root`: where cpuinfo and meminfo are; `environ`: for CUDA_VISIBLE_DEVICES."""
+    environ = os.environ if environ is None else environ
+    executable = nvidia_smi or environ.get(NVIDIA_SMI_ENV) or "nvidia-smi"
+    text, notes = run_nvidia_smi(executable)
+    rows = parse_nvidia_smi(text) if text is not None else []
+    if rows:
+        rows, visible_notes = visible_rows(rows, environ.get("CUDA_VISIBLE_DEVICES"))
+        notes += visible_notes
+    gpus = tuple(
+        LocalGpu(k, row.index, row.name, row.memory_bytes, catalog_gpu_type(row.name, row.memory_bytes))
+        for k, row in enumerate(rows)
+    )
+    cpu = parse_cpu(_read_proc(proc_root, "cpuinfo"), _read_proc(proc_root, "meminfo"))
+    return LocalMachine(gpus, cpu, notes)
+
+
+def run_nvidia_smi(executable: str) -> tuple[str | None, tuple[str, ...]]:
+    """(stdout, notes) of the GPU query; stdout None with a note when there is no usable nvidia-smi."""
+    path = shutil.which(executable)
+    if path is None:
+        return None, (f"{executable} not found: no NVIDIA driver here, so no GPUs",)
+    try:
+        result = subprocess.run(
+            [path, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return None, (f"{executable} gave no answer in {NVIDIA_SMI_TIMEOUT_S:g} s: no GPUs",)
+    except OSError as error:
+        return None, (f"{executable} could not run ({error.strerror or error}): no GPUs",)
+    if result.returncode != 0:
+        said = (result.stderr.strip() or result.stdout.strip() or "no message").splitlines()[0]
+        return None, (f"{executable} exited {result.returncode} ({said}): no GPUs",)
+    return result.stdout, ()
+
+
+def parse_nvidia_smi(text: str) -> list[SmiRow]:
+    """Rows of `index, name, memory.total` (MiB); a line of another shape is refused, quoted."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) != 3 or not fields[0].isdigit() or not fields[2].isdigit() or not fields[1]:
+            raise TesselError(
+                f"nvidia-smi printed {line.strip()[:120]!r}, which tessel does not understand; expected "
+                f"'index, name, memory MiB' (from nvidia-smi {' '.join(NVIDIA_SMI_QUERY)})"
+            )
+        rows.append(SmiRow(int(fields[0]), fields[1], int(fields[2]) * MIB))
+    return rows
+
+
+def visible_rows(
+    rows: list[SmiRow], cuda_visible_devices: str | None
+) -> tuple[list[SmiRow], tuple[str, ...]]:
+    """The GPUs CUDA shows under CUDA_VISIBLE_DEVICES (a list of nvidia-smi indices), in its order."""
+    if cuda_visible_devices is None:
+        return rows, ()
+    wanted = [item.strip() for item in cuda_visible_devices.split(",") if item.strip()]
+    if not wanted:
+        return [], ("CUDA_VISIBLE_DEVICES is empty: CUDA sees no GPU, so no GPUs",)
+    by_index = {row.index: row for row in rows}
+    if not all(item.isdigit() and int(item) in by_index for item in wanted):
+        raise TesselError(
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}: tessel reads GPU indices that nvidia-smi lists "
+            f"({', '.join(str(row.index) for row in rows)}), not UUIDs or MIG names; give indices or unset it"
+        )
+    note = f"CUDA_VISIBLE_DEVICES={cuda_visible_devices}: cuda:K is the K-th GPU of that list"
+    return [by_index[int(item)] for item in wanted], (note,)
+
+
+def catalog_gpu_type(name: str, memory_bytes: int) -> str:
+    """The catalog type of a GPU that nvidia-smi names `name` with `memory_bytes` of memory."""
+    upper = name.upper()
+    for pattern, rule in GPU_NAME_RULES:
+        if re.search(pattern, upper):
+            if isinstance(rule, str):
+                return rule
+            limit_gib, below, other = rule
+            return below if memory_bytes / GIB < limit_gib else other
+    known = ", ".join(gpu for gpu in known_gpus() if gpu != CPU_TYPE)
+    raise TesselError(
+        f"GPU {name!r} ({memory_bytes / GIB:.1f} GiB) is not in tessel's catalog (known: {known}). "
+        "Add it: an entry with its datasheet figures in tessel/catalog/gpus.yaml and a name rule in "
+        "GPU_NAME_RULES (tessel/catalog/local_machine.py); or write the cluster file by hand with the "
+        "nearest catalog type (docs/planner.md)"
+    )
+
+
+def parse_cpu(cpuinfo: str, meminfo: str) -> LocalCpu:
+    """The CPU from the text of /proc/cpuinfo and /proc/meminfo."""
+    model, cores, flags = "unknown CPU", 0, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "processor":
+            cores += 1
+        elif key in ("model name", "Hardware") and model == "unknown CPU":
+            model = value
+        elif key in ("flags", "Features"):
+            flags.update(value.split())
+    memory = _meminfo_bytes(meminfo)
+    if "MemTotal" not in memory:
+        raise TesselError("/proc/meminfo has no MemTotal line; tessel probe reads Linux's /proc")
+    total = memory["MemTotal"]
+    available = memory.get("MemAvailable", memory.get("MemFree", total))
+    isa = tuple(flag for flag in CPU_ISA_FLAGS if flag in flags)
+    return LocalCpu(model, max(cores, 1), isa, total, available)
+
+
+def _meminfo_bytes(text: str) -> dict[str, int]:
+    values = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(\w+):\s+(\d+)\s*kB", line.strip())
+        if match:
+            values[match.group(1)] = int(match.group(2)) * 1024
+    return values
+
+
+def _read_proc(proc_root: Path, name: str) -> str:
+    path = proc_root / name
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        raise TesselError(
+            f"cannot read {path} ({error.strerror or error}); tessel probe reads Linux's /proc: "
+            "write the cluster file by hand (docs/planner.md)"
+        ) from None
+
+
+def cluster_data(machine: LocalMachine) -> dict:
+    """The machine as a mapping of the cluster-file shape (`tessel.plan.cluster.parse_cluster`)."""
+    cpu_reserved_gib = get_gpu(CPU_TYPE).reserved_bytes / GIB
+    if machine.cpu.memory_gib <= cpu_reserved_gib:
+        raise TesselError(
+            f"only {machine.cpu.memory_gib:.2f} GiB of DRAM is free (MemAvailable); the CPU device needs "
+            f"more than the {cpu_reserved_gib:g} GiB tessel reserves for the OS and Python"
+        )
+    cpu_node = {
+        "name": CPU_NODE,
+        "gpus": [{"type": CPU_TYPE, "count": 1, "memory_gib": machine.cpu.memory_gib}],
+        "intra_link": "pcie",
+    }
+    if not machine.gpus:
+        return {"name": CLUSTER_NAME, "nodes": [cpu_node]}
+    gpu_node = {"name": GPU_NODE, "gpus": _gpu_groups(machine.gpus), "intra_link": _intra_link(machine.gpus)}
+    pcie_bytes_per_s = max(get_gpu(gpu.gpu_type).pcie_h2d_bytes_per_s for gpu in machine.gpus)
+    network = {"bandwidth_gbps": pcie_bytes_per_s * BITS_PER_BYTE / GB, "latency_us": HOST_LINK_LATENCY_US}
+    return {"name": CLUSTER_NAME, "nodes": [gpu_node, cpu_node], "network": network}
+
+
+def _gpu_groups(gpus: tuple[LocalGpu, ...]) -> list[dict]:
+    """Runs of GPUs of one type and memory as {type, count, memory_gib}, in CUDA order."""
+    groups: list[dict] = []
+    for gpu in gpus:
+        if groups and groups[-1]["type"] == gpu.gpu_type and groups[-1]["memory_gib"] == gpu.memory_gib:
+            groups[-1]["count"] += 1
+        else:
+            groups.append({"type": gpu.gpu_type, "count": 1, "memory_gib": gpu.memory_gib})
+    return groups
+
+
+def _intra_link(gpus: tuple[LocalGpu, ...]) -> str:
+    """nvlink when every GPU's catalog type has NVLink and none is a PCIe card; else pcie."""
+    nvlink = all(
+        get_gpu(gpu.gpu_type).nvlink_bytes_per_s is not None and "PCIE" not in gpu.name.upper()
+        for gpu in gpus
+    )
+    return "nvlink" if nvlink and len(gpus) > 1 else "pcie"
+
+
+def cluster_yaml(machine: LocalMachine) -> str:
+    """The cluster file of this machine, what was found and what was assumed in its comments."""
+    lines = [
+        "# This machine, as `tessel probe` found it (tessel/catalog/local_machine.py).",
+        "# Speeds (FLOP/s, memory and PCIe bandwidth) are the catalog's figures for each type",
+        "# (tessel/catalog/gpus.yaml), not measured here; `tessel profile` measures a device.",
+    ]
+    for gpu in machine.gpus:
+        lines.append(
+            f"# {GPU_NODE}/gpu{gpu.cuda_index} = cuda:{gpu.cuda_index}: {gpu.name} (nvidia-smi index "
+            f"{gpu.smi_index}, {gpu.memory_gib:.2f} GiB) -> catalog {gpu.gpu_type}"
+        )
+    cpu = machine.cpu
+    lines.append(
+        f"# {CPU_NODE}/gpu0: {cpu.model_name}, {cpu.logical_cores} logical cores, "
+        f"{' '.join(cpu.isa) or 'no listed vector extensions'}; memory_gib is the DRAM free when probed "
+        f"(MemAvailable) of {cpu.memory_total_bytes / GIB:.2f} GiB"
+    )
+    if machine.gpus:
+        lines.append(
+            "# network: GPU <-> CPU over PCIe at the catalog's achieved host-to-device rate (an assumption);"
+        )
+        lines.append("# intra_link between GPUs from the catalog types (nvidia-smi topo -m is not read)")
+    lines += [f"# note: {note}" for note in machine.notes]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(cluster_data(machine), sort_keys=False)
