@@ -128,7 +128,7 @@ def _edit(path, edit) -> None:
         (lambda p: p["model"].update(name="llama-3-8b"), "the plan is for 'llama-3-8b'"),
         (lambda p: p.update(version=7), "plan version 7 is not supported"),
         (_sublayer_split, "splits a decoder layer"),
-        (lambda p: p["stages"][1].update(gpu_type="A100-80G"), "runs CPU stages only"),
+        (lambda p: p["stages"][1].update(gpu_type="A100-80G"), "(A100-80G), but this machine has"),
         (lambda p: p["stages"][1].update(precisions=["fp16", "int9", "int8"]), "not a weight precision"),
         (lambda p: p["stages"][1].update(layer_end=4, unit_end=4), "5 layers, the plan covers 4"),
         (lambda p: p["stages"][0].update(layer_end=0, unit_end=0), "holds no units"),

@@ -8,14 +8,16 @@ size (`benchmarks/cuda_engine.py`, its graph and eager rows; docs/results.md).
 A graph has fixed shapes, so the step runs at a bucket of rows (`tessel.layers.buckets.row_buckets`:
 1, 2, 4, 8, 16, then multiples of 16, capped at `max_num_seqs`), over static input buffers:
 
-    input_ids, positions, slot_mapping  [rows]
+    input_ids, positions, slot_mapping  [rows]     (a later pipeline stage: the residual stream
+                                                    [rows, hidden] it received, not input_ids)
     block_tables                        [rows, blocks of max_model_len]  (int32)
     context_lens                        [rows]                            (int32)
 
 A step copies its rows in, pads the rest with a dummy row (token 0 at position 0, writing its k/v
 into a scratch block past the block manager's pool and attending to that one token), replays, and
-reads its rows of the static hidden states. The table is always as wide as `max_model_len`, so the
-paged-decode kernel's launch (its context splits) does not depend on the step.
+reads its rows of the static hidden states (a stage that is not the last: the stream to send on).
+The table is always as wide as `max_model_len`, so the paged-decode kernel's launch (its context
+splits) does not depend on the step.
 
 Each bucket is captured the first time a step needs it, or all of them by `LLMEngine.warm_up()`
 (which `tessel serve` calls before it listens): one eager run first (Triton compiles and the
@@ -42,7 +44,7 @@ from tessel.models.llama import LlamaForCausalLM
 class _Inputs:
     """The static buffers every graph reads (a bucket of rows reads their first rows)."""
 
-    input_ids: torch.Tensor  # int64 [rows]
+    input_ids: torch.Tensor  # int64 [rows]; a later stage's residual stream [rows, hidden] instead
     positions: torch.Tensor  # int64 [rows]
     slot_mapping: torch.Tensor  # int64 [rows]
     block_tables: torch.Tensor  # int32 [rows, blocks of max_model_len]
@@ -56,20 +58,32 @@ class CudaGraphDecoder:
     """Pure decode steps of up to `max_rows` sequences, each bucket of rows one captured graph."""
 
     def __init__(
-        self, model: LlamaForCausalLM, max_rows: int, max_blocks: int, block_size: int, scratch_block: int
+        self,
+        model: LlamaForCausalLM,
+        max_rows: int,
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        stream_dtype: torch.dtype | None = None,
     ) -> None:
+        """`stream_dtype`: the activation dtype, for a pipeline stage after the first (its graphs read
+        the residual stream it received instead of token ids)."""
         self.model = model
         self.buckets = row_buckets(max_rows)
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
-        device = model.model.embed_tokens.weight.device
+        self.takes_stream = not model.model.part.embed
+        device = next(model.parameters()).device
         rows = self.buckets[-1]
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
+        first = zeros(rows)
+        if self.takes_stream:
+            first = zeros(rows, model.config.hidden_size, dtype=stream_dtype or torch.float32)
         self.inputs = _Inputs(
-            zeros(rows),
+            first,
             zeros(rows),
             zeros(rows),
             zeros(rows, max_blocks, dtype=torch.int32),
@@ -104,15 +118,20 @@ class CudaGraphDecoder:
         )
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The hidden states of a step that `fits`, or None where its bucket's capture failed (a
+        """The hidden states (or the stream to send on) of a step that `fits`, from its token ids or
+        the residual `stream` a later stage received; None where its bucket's capture failed (a
         warning said why; `failed` then holds it)."""
         rows = meta.num_decode_tokens
         bucket = self.bucket(rows)
         tables = meta.decode_groups[0].block_tables
         x = self.inputs
-        x.input_ids[:rows].copy_(input_ids)
+        x.input_ids[:rows].copy_(stream if self.takes_stream else input_ids)
         x.positions[:rows].copy_(positions)
         x.slot_mapping[:rows].copy_(meta.slot_mapping)
         x.block_tables[:rows, : tables.shape[1]].copy_(tables)
@@ -136,13 +155,15 @@ class CudaGraphDecoder:
         x.block_tables[start:end, 0].fill_(self.scratch_block)
         x.context_lens[start:end].fill_(1)
 
-    def _args(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _args(self, rows: int) -> tuple:
         """The model's arguments for a bucket: views of the static buffers (new views each call, as
         the CPU rotary caches its tables by the positions tensor's identity)."""
         x = self.inputs
         group = DecodeGroup(0, rows, x.block_tables[:rows], x.context_lens[:rows])
         meta = AttentionMetadata(x.slot_mapping[:rows], num_decode_tokens=rows, decode_groups=[group])
-        return x.input_ids[:rows], x.positions[:rows], meta
+        if self.takes_stream:
+            return None, x.positions[:rows], meta, x.input_ids[:rows]
+        return x.input_ids[:rows], x.positions[:rows], meta, None
 
     def _capture(self, rows: int) -> tuple[Callable[[], object], torch.Tensor] | None:
         """Capture the bucket's graph on dummy rows (the step's own rows are put back after)."""

@@ -2,7 +2,10 @@
 
 A micro-batch travels from stage k to k+1 as three tensors: a fixed-size header
 `[kind, payload bytes, rows, cols]`, the pickled `BatchMessage` (positions, attention metadata
-with the block tables stage 0 decided, what to sample) and the residual stream [rows, cols]. The
+with the block tables stage 0 decided, what to sample) and the residual stream [rows, cols] in the
+activation dtype. Header and message are host tensors over gloo; the stream crosses each link as
+`tessel.pipeline.devices` chose for it: GPU to GPU over NCCL, or through a pinned host buffer over
+gloo (copied off and onto a GPU with non-blocking copies). The
 last stage sends the sampled tokens (and the logprobs asked for) back to stage 0, a
 `tessel.engine.model_runner.SampledRows` (wire format: `tessel.pipeline.sampled`). Sends are
 non-blocking (`isend`); the next header is received with a pre-posted `irecv` so a stage's receive
@@ -17,14 +20,15 @@ from __future__ import annotations
 import pickle
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from tessel.engine.model_runner import PromptScoring, SampledRows
 from tessel.engine.sampling_params import SamplingParams
-from tessel.layers.attention import AttentionMetadata
+from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from tessel.pipeline.devices import HOST, NCCL
 from tessel.pipeline.heartbeat import Progress
 from tessel.pipeline.sampled import HEAD_LEN, from_wire, to_wire
 
@@ -51,21 +55,73 @@ class BatchMessage:
     prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt logprobs asked (last stage)
 
 
-def share_kv_layout(layout: list) -> list:
-    """Stage 0's KV pool layout (blocks, block size, packing) to every stage (a collective, at start)."""
+def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:
+    """The message with its tensors on `device` (host before pickling; the receiver's device after).
+    The CPU attention's precomputed gather stays only on the CPU (the receiver rebuilds it there)."""
+    if message.positions.device == device:
+        return message
+    meta = message.meta
+
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    keep_gather = device.type == "cpu"
+    groups = [
+        DecodeGroup(g.start, g.end, on(g.block_tables), on(g.context_lens), g.gather if keep_gather else None)
+        for g in meta.decode_groups
+    ]
+    prefills = [PrefillChunk(p.start, p.num_tokens, p.context_len, on(p.block_table)) for p in meta.prefills]
+    moved = AttentionMetadata(on(meta.slot_mapping), meta.num_decode_tokens, groups, prefills)
+    return replace(message, positions=on(message.positions), meta=moved)
+
+
+@dataclass(slots=True)
+class KvLayout:
+    """What every stage's KV pool and step graphs are sized by, agreed at start."""
+
+    num_blocks: int  # the fewest blocks any stage's own KV budget holds (block tables are shared)
+    block_size: int
+    pack_cpu_linears: bool
+    max_num_seqs: int
+    max_model_len: int
+
+
+def agree_kv_layout(capacity_blocks: int, stage0: KvLayout | None) -> KvLayout:
+    """A collective at start: every stage offers the blocks its own budget holds (its layers, its
+    device); all get the minimum, and stage 0's (`stage0`) block size, packing and limits."""
     try:
-        dist.broadcast_object_list(layout, src=0)
+        blocks = torch.tensor([capacity_blocks], dtype=torch.int64)
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
+        fields = (
+            [0, 0, 0, 0]
+            if stage0 is None
+            else [stage0.block_size, int(stage0.pack_cpu_linears), stage0.max_num_seqs, stage0.max_model_len]
+        )
+        shared = torch.tensor(fields, dtype=torch.int64)
+        dist.broadcast(shared, src=0)
     except RuntimeError as error:
         raise PeerLostError(f"stage {dist.get_rank()}: the start-up handshake failed: {error}") from error
-    return layout
+    block_size, pack, max_num_seqs, max_model_len = shared.tolist()
+    return KvLayout(int(blocks.item()), block_size, bool(pack), max_num_seqs, max_model_len)
 
 
 class StageComm:
     """One stage's links: receive from the previous stage, send to the next, tokens to stage 0."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        transports: list[str] | None = None,
+    ) -> None:
+        """`transports`: per link k -> k + 1, NCCL or host (default: host for every link)."""
         self.rank, self.world_size = rank, world_size
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = torch.device(device), dtype
+        links = transports or [HOST] * (world_size - 1)
+        self.send_nccl = rank < world_size - 1 and links[rank] == NCCL
+        self.recv_nccl = rank > 0 and links[rank - 1] == NCCL
         self._sends: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
         self._next_header: tuple[dist.Work, torch.Tensor] | None = None
         self.progress = Progress()
@@ -97,22 +153,33 @@ class StageComm:
             self._sends.popleft()
 
     def send_batch(self, message: BatchMessage, hidden: torch.Tensor) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        host = message_on(message, torch.device("cpu"))
+        payload = torch.frombuffer(bytearray(pickle.dumps(host)), dtype=torch.uint8)
         rows, cols = hidden.shape
         header = torch.tensor([BATCH, payload.numel(), rows, cols], dtype=torch.int64)
-        tensors = (header, payload, hidden.contiguous())
-        self._isend(tuple(t.to(self.device) for t in tensors), self.next)
+        self._isend((header, payload, self._outgoing(hidden.to(self.dtype))), self.next)
         if self.rank == 0:
             self.progress.last_s = time.time()
         else:
             self._handed_on(message.batch_id)
 
+    def _outgoing(self, stream: torch.Tensor) -> torch.Tensor:
+        """The stream as this stage's link sends it: on the GPU for NCCL, else in a pinned host
+        buffer (the copy waited for before gloo reads it)."""
+        stream = stream.contiguous()
+        if self.send_nccl or not stream.is_cuda:
+            return stream
+        staged = torch.empty(stream.shape, dtype=stream.dtype, pin_memory=True)
+        staged.copy_(stream, non_blocking=True)
+        torch.cuda.current_stream(stream.device).synchronize()
+        return staged
+
     def send_stop(self) -> None:
         if self.rank < self.world_size - 1:
-            self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64, device=self.device),), self.next)
+            self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64),), self.next)
 
     def send_tokens(self, batch_id: int, sampled: SampledRows) -> None:
-        self._isend(tuple(t.to(self.device) for t in to_wire(sampled, batch_id)), 0)
+        self._isend(tuple(to_wire(sampled, batch_id)), 0)
         self._handed_on(batch_id)
 
     def flush(self) -> None:
@@ -125,7 +192,7 @@ class StageComm:
 
     # ---- receiving -----------------------------------------------------------------------------
     def _post_header(self) -> None:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
         self._next_header = (dist.irecv(header, self.prev), header)
 
     def recv_batch(self) -> tuple[BatchMessage, torch.Tensor] | None:
@@ -140,26 +207,35 @@ class StageComm:
                 self._next_header = None
                 self.progress.last_s = time.time()
                 return None
-            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-            hidden = torch.empty(rows, cols, dtype=self.dtype, device=self.device)
+            payload = torch.empty(size, dtype=torch.uint8)
             dist.recv(payload, self.prev)
-            dist.recv(hidden, self.prev)
+            hidden = self._incoming(rows, cols)
             self._post_header()  # the next header arrives while this batch computes
         except RuntimeError as error:
             raise PeerLostError(
                 f"stage {self.rank}: receiving from stage {self.prev} failed: {error}"
             ) from error
         self.progress.active_since = self.progress.last_s = time.time()
-        return pickle.loads(payload.cpu().numpy().tobytes()), hidden
+        return message_on(pickle.loads(payload.numpy().tobytes()), self.device), hidden
+
+    def _incoming(self, rows: int, cols: int) -> torch.Tensor:
+        """Receive the stream [rows, cols] as the link sends it, onto this stage's device."""
+        if self.recv_nccl or self.device.type == "cpu":
+            hidden = torch.empty(rows, cols, dtype=self.dtype, device=self.device)
+            dist.recv(hidden, self.prev)
+            return hidden
+        staged = torch.empty(rows, cols, dtype=self.dtype, pin_memory=True)
+        dist.recv(staged, self.prev)
+        return staged.to(self.device, non_blocking=True)
 
     def recv_tokens(self, batch_id: int, count: int) -> SampledRows:
         """Stage 0: the `count` tokens (and logprobs) the last stage sampled for micro-batch `batch_id`."""
-        buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64, device=self.device)
+        buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64)
         self.progress.owed_batch, self.progress.owed_since = batch_id, time.time()
         try:
             dist.recv(buffer, self.world_size - 1)
             values = buffer.tolist()
-            payload = torch.empty(values[1], dtype=torch.uint8, device=self.device)
+            payload = torch.empty(values[1], dtype=torch.uint8)
             if values[1]:
                 dist.recv(payload, self.world_size - 1)
         except RuntimeError as error:
@@ -170,4 +246,4 @@ class StageComm:
         self._handed_on(batch_id)
         if values[0] != batch_id:
             raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
-        return from_wire(values[HEAD_LEN:], payload.cpu().numpy().tobytes())
+        return from_wire(values[HEAD_LEN:], payload.numpy().tobytes())

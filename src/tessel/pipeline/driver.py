@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from tessel.engine.llm_engine import LLM
-from tessel.engine.model_runner import PromptScoring, SampledRows, StepResult, prompt_scorings
+from tessel.engine.model_runner import (
+    PromptScoring,
+    SampledRows,
+    StepResult,
+    kv_cache_bytes_per_block,
+    prompt_scorings,
+)
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -37,10 +43,11 @@ from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.chunk_cutter import ChunkCutter
-from tessel.pipeline.comm import BatchMessage, PeerLostError, StageComm, share_kv_layout
+from tessel.pipeline.comm import BatchMessage, KvLayout, PeerLostError, StageComm, agree_kv_layout
+from tessel.pipeline.devices import stage_device
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.run_plan import RunPlan
-from tessel.pipeline.stage import StageExecutor, rss_bytes, tensor_bytes
+from tessel.pipeline.stage import KvBudget, StageExecutor, rss_bytes, tensor_bytes
 
 
 @dataclass(slots=True)
@@ -52,6 +59,12 @@ class _InFlight:
     scorings: list[tuple[Sequence, PromptScoring]]  # chunks whose prompt logprobs come back
     result: SampledRows | None = None  # already sampled (single-stage pipelines)
     seq_ids: list[int] = field(default_factory=list)
+
+
+def stage_kv_budget(plan: RunPlan, rank: int, kv_cache_gib: float | None) -> KvBudget:
+    stage = plan.stages[rank]
+    total = plan.num_layers or sum(s.num_layers for s in plan.stages)
+    return KvBudget(kv_cache_gib, stage.kv_gib, stage.num_layers / total)
 
 
 def layer_filter(plan: RunPlan, rank: int, tied: bool) -> LayerFilter:
@@ -72,18 +85,12 @@ class PipelineEngine(LLM):
         **engine_kwargs: Any,
     ) -> None:
         self.plan, self.comm, self.cutter = plan, comm, cutter
+        engine_kwargs.setdefault("device", stage_device(plan.stages[0]))  # the plan's, not --device
         super().__init__(model_path, **engine_kwargs)
         num_slots = micro_batches or plan.micro_batches
         self.scheduler = PinnedSchedulers(num_slots, self.scheduler.config, self.block_manager)
         self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
         self.stage.weight_bytes = self._weight_bytes
-        if comm is not None:  # every stage sizes its KV pool as stage 0 did
-            layout = [
-                self.block_manager.num_total_blocks,
-                self.config.block_size,
-                self.config.pack_cpu_linears,
-            ]
-            share_kv_layout(layout)
         self._in_flight: deque[_InFlight] = deque()
         self._busy = [0] * num_slots  # micro-batches in flight per slot
         self._seqs_in_flight: Counter[int] = Counter()
@@ -95,19 +102,37 @@ class PipelineEngine(LLM):
         self.explain_peer_lost: Callable[[PeerLostError], BaseException] | None = None
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
-        if self.config.device != "cpu":
-            raise TesselError(
-                f"device={self.config.device!r}: pipeline stages run on the CPU for now; "
-                "run a CUDA model in one process (tessel generate / serve --device cuda without --plan)"
-            )
         self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)
         self.rss_before_load_bytes = rss_bytes()
-        model = load_model(path, self.dtype, layers=self._part)
+        model = load_model(path, self.dtype, self.config.device, layers=self._part)
         quantized = self.plan.stages[0].quantized_layers
         if quantized:
             quantize_layers(model, quantized, self.dtype)
         self._weight_bytes = tensor_bytes(model)
         return model
+
+    def _num_kv_blocks(self) -> int:
+        """Stage 0's KV blocks from its own budget (`KvBudget`); with other stages, the fewest any
+        stage's budget holds (they all index the block tables stage 0 hands out)."""
+        if self.config.num_kv_blocks is not None:
+            return super()._num_kv_blocks()
+        bs = self.config.block_size
+        per_block = kv_cache_bytes_per_block(self.model, bs, self.dtype)
+        blocks_per_seq = -(-self.max_model_len // bs)
+        budget = stage_kv_budget(self.plan, 0, self.config.kv_cache_gib)
+        blocks = budget.blocks(per_block, blocks_per_seq, self.config.max_num_seqs)
+        if self.comm is not None:
+            mine = KvLayout(
+                blocks, bs, self.config.pack_cpu_linears, self.config.max_num_seqs, self.max_model_len
+            )
+            blocks = agree_kv_layout(blocks, mine).num_blocks
+        if blocks < blocks_per_seq:
+            raise TesselError(
+                f"the pipeline's KV cache holds {blocks * bs} tokens ({blocks} blocks of {bs} in the "
+                f"smallest stage's budget), fewer than max_model_len={self.max_model_len}; raise "
+                "--kv-cache-gib or lower --max-model-len"
+            )
+        return blocks
 
     # ---- the engine interface ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

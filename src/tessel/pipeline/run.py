@@ -45,6 +45,7 @@ class RunOptions:
     replica: int | None = None  # which pipeline of a replica plan
     heartbeat_timeout: float | None = None  # seconds a stage may be silent (None: the env's, or 30)
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer text prompts are refused untokenized
+    transport: str = "auto"  # how the stream crosses links (tessel.pipeline.devices)
 
     def worker_argv(self, outputs: Path) -> list[str]:
         argv = ["--plan", str(self.plan), "--model", str(self.model), "--json", str(outputs), "--quiet"]
@@ -67,6 +68,7 @@ class RunOptions:
         argv += ["--max-tokens", str(self.max_tokens), "--temperature", str(self.temperature)]
         argv += ["--top-p", str(self.top_p), "--top-k", str(self.top_k), "--dtype", self.dtype]
         argv += ["--cpp-min-tokens", str(self.cpp_min_tokens), "--threads", str(self.threads)]
+        argv += ["--transport", self.transport]
         argv += ["--ignore-eos"] if self.ignore_eos else []
         argv += ["--warmup"] if self.warmup else []
         argv += [] if self.cpp else ["--no-cpp"]

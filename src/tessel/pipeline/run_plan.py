@@ -29,6 +29,8 @@ class RunStage:
     emulate_speed: float = 1.0  # < 1: this stage sleeps (1/s - 1) x its compute (emulation)
     # per layer of the stage, the (attention, MLP) weight precisions of the plan (empty: all --dtype)
     layer_precisions: tuple[tuple[str, str], ...] = ()
+    weights_gib: float | None = None  # what the planner placed on the device (None: not given)
+    kv_gib: float | None = None  # the KV cache the planner reserved on it
 
     @property
     def quantized_layers(self) -> dict[int, tuple[str, str]]:
@@ -57,11 +59,6 @@ class RunPlan:
     micro_batches: int  # micro-batches in flight (the plan workload's m, or the replica's share)
     plan_file: PlanFile  # the plan-file model itself, for pricing
     replica: int | None = None  # which pipeline of a replica plan these stages are
-
-    @property
-    def backend(self) -> str:
-        """gloo when any stage is a CPU, else NCCL."""
-        return "nccl" if all(stage.is_cuda for stage in self.stages) else "gloo"
 
     def check_model(self, name: str, num_layers: int) -> None:
         """Refuse a plan made for another model: its name and the layers its stages and its model
@@ -98,6 +95,8 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
             s.layer_end,
             s.emulate_speed,
             _layer_precisions(s.precisions, s.unit_start, per_layer),
+            s.weights_gib,
+            s.kv_gib,
         )
         for position, s in enumerate(plan_stages)
     )

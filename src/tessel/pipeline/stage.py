@@ -20,13 +20,15 @@ from pathlib import Path
 
 import torch
 
+from tessel.engine.config import DEFAULT_KV_CACHE_BYTES
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
+from tessel.kernels.paged_decode import decode_gather
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
-from tessel.pipeline.comm import BatchMessage
+from tessel.pipeline.comm import BatchMessage, KvLayout
 
 
 @dataclass(slots=True)
@@ -74,11 +76,31 @@ class StageExecutor:
             quantize_layers(model, precisions, dtype)
         return cls(model, part, speed, weight_bytes=tensor_bytes(model))
 
-    def attach_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype, pack: bool) -> None:
-        """Allocate this stage's KV blocks (its layers only) and pack its CPU linears."""
-        self.runner = ModelRunner(self.model, num_blocks, block_size, dtype, pack)
+    def attach_kv(self, layout: KvLayout, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate this stage's KV blocks (its layers only) on `device`, pack its CPU linears, size
+        its CUDA graphs as stage 0's engine (its max_num_seqs and max_model_len)."""
+        self.runner = ModelRunner(
+            self.model,
+            layout.num_blocks,
+            layout.block_size,
+            dtype,
+            layout.pack_cpu_linears,
+            device=device,
+            max_num_seqs=layout.max_num_seqs,
+            max_model_len=layout.max_model_len,
+        )
         if not self.part.embed and self.part.needs_embedding:
             self.model.model.embed_tokens = torch.nn.Identity()  # the packed head has its own copy
+
+    def adopt(self, message: BatchMessage) -> None:
+        """Give a received message's decode groups the CPU attention's batched gather where the
+        sender (a GPU stage) could not build it."""
+        cache = self.runner.kv_cache
+        if cache.is_cuda or not cache.shape[1]:
+            return
+        for group in message.meta.decode_groups:
+            if group.gather is None:
+                group.gather = decode_gather(group.block_tables, group.context_lens, cache[0, 0])
 
     def sample(self, hidden: torch.Tensor, message: BatchMessage) -> SampledRows:
         """Last stage: the tokens of the message's sampled rows, with the logprobs their requests
@@ -105,6 +127,26 @@ class StageExecutor:
             pause_s = (1.0 / self.emulate_speed - 1.0) * compute_s
             time.sleep(pause_s)
             self.stats.emulation_sleep_s += pause_s
+
+
+@dataclass(frozen=True, slots=True)
+class KvBudget:
+    """What one stage may spend on KV blocks: `--kv-cache-gib` is the whole pipeline's (each stage
+    takes its layers' share), else the plan's `kv_gib` for this stage, else the engine's default
+    pool over this stage's layers; without `--kv-cache-gib`, never more blocks than
+    max_num_seqs x max_model_len need."""
+
+    kv_cache_gib: float | None  # the user's, for all stages together
+    planned_kv_gib: float | None  # the plan's reservation for this stage
+    layer_share: float  # this stage's layers / the model's
+
+    def blocks(self, bytes_per_block: int, blocks_per_seq: int, max_num_seqs: int) -> int:
+        if self.kv_cache_gib is not None:
+            return int(self.kv_cache_gib * 2**30 * self.layer_share // bytes_per_block)
+        budget = DEFAULT_KV_CACHE_BYTES * self.layer_share
+        if self.planned_kv_gib:
+            budget = self.planned_kv_gib * 2**30
+        return max(blocks_per_seq, min(max_num_seqs * blocks_per_seq, int(budget // bytes_per_block)))
 
 
 def tensor_bytes(model: torch.nn.Module) -> int:

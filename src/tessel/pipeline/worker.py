@@ -27,13 +27,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tessel.engine.config import EngineConfig
+from tessel.engine.llm_engine import max_model_len
+from tessel.engine.model_runner import kv_cache_bytes_per_block
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.reader import read_model
 from tessel.pipeline.chunk_cutter import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
-from tessel.pipeline.comm import PeerLostError, StageComm, share_kv_layout
-from tessel.pipeline.driver import PipelineEngine, layer_filter
+from tessel.pipeline.comm import PeerLostError, StageComm, agree_kv_layout
+from tessel.pipeline.devices import (
+    TRANSPORTS,
+    check_devices,
+    cuda_devices,
+    link_transports,
+    process_group_backend,
+    stage_device,
+)
+from tessel.pipeline.driver import PipelineEngine, layer_filter, stage_kv_budget
 from tessel.pipeline.heartbeat import Heartbeat, Progress, beat_interval_s, heartbeat_timeout_s
 from tessel.pipeline.prompts_file import RunRequest, read_requests
 from tessel.pipeline.request_checks import check_prompt_chars
@@ -76,6 +87,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, action="append", default=[], help="tessel profile JSON")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     p.add_argument("--replica", type=int, help="which pipeline of a replica plan to run")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help="how the stream crosses links: auto (NCCL between two GPUs, else pinned host buffers), or one",
+    )
     p.add_argument("--quiet", action="store_true", help="do not print the completions")
     p.add_argument(
         "--warmup",
@@ -96,8 +113,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {key: value for key, value in options.items() if value is not None}
 
 
-def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunPlan, ModelConfig]:
-    """Everything checkable before a process starts: the plan against the model and the world."""
+def validate(
+    args: argparse.Namespace, world_size: int | None = None, rank: int | None = None
+) -> tuple[RunPlan, ModelConfig]:
+    """Everything checkable before a process starts: the plan against the model, the world and this
+    machine's devices (every stage's; under torchrun, `rank`'s own)."""
     if not args.model.is_dir():
         raise TesselError(
             f"--model {args.model} is not a directory; give a local Hugging Face model directory"
@@ -111,8 +131,8 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> tuple[R
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for rank in range(len(plan.stages)):
-        device_for(plan, rank)
+    link_transports(plan, args.transport)
+    check_devices(plan, cuda_devices(), None if rank is None else [rank])
     if args.cpp_min_tokens < 1:
         raise TesselError(f"--cpp-min-tokens must be >= 1, got {args.cpp_min_tokens}")
     return plan, config
@@ -137,17 +157,27 @@ def run_requests(args: argparse.Namespace) -> list[RunRequest]:
 
 
 def device_for(plan: RunPlan, rank: int) -> torch.device:
-    """The stage's torch device. CUDA stages are refused for now: the single-process engine runs on
-    a GPU (`device="cuda"`), but the stages' transport (gloo, host tensors) and a stage's runner
-    have not been run on GPUs together, so a CUDA plan is not offered untested."""
-    stage = plan.stages[rank]
-    if stage.is_cuda:
-        raise TesselError(
-            f"stage {rank} is a {stage.gpu_type}: the pipeline runtime runs CPU stages only for now "
-            "(GPU stages are untested); plan for `cpu` devices (e.g. --cluster local-cpu), or run the "
-            "model in one process on one GPU (tessel generate / serve --device cuda)"
-        )
-    return torch.device("cpu")
+    """The stage's torch device, from the plan (`tessel.pipeline.devices.stage_device`)."""
+    return torch.device(stage_device(plan.stages[rank]))
+
+
+def join_pipeline(
+    plan: RunPlan, rank: int, transport: str, dtype: torch.dtype, init_method: str | None = None
+) -> StageComm:
+    """Join the stages' process group (gloo, plus NCCL where a link runs GPU to GPU) -> the stage's
+    links."""
+    device = device_for(plan, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    transports = link_transports(plan, transport)
+    dist.init_process_group(
+        process_group_backend(transports),
+        init_method=init_method,
+        rank=rank,
+        world_size=len(plan.stages),
+        timeout=COMM_TIMEOUT,
+    )
+    return StageComm(rank, len(plan.stages), device, dtype, transports)
 
 
 def write_status(rank: int, **fields) -> None:
@@ -171,6 +201,8 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     engine = PipelineEngine(
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
+    if args.warmup:
+        engine.warm_up()  # CUDA graphs: every bucket captured on stage 0 (the others capture lazily)
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
     if args.warmup:
         warm_up(engine, requests)
@@ -232,17 +264,28 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     executor = StageExecutor.load(
         args.model, part, dtype, comm.device, stage.emulate_speed, stage.quantized_layers
     )
-    num_blocks, block_size, pack = share_kv_layout([None, None, None])
-    executor.attach_kv(num_blocks, block_size, dtype, pack)
+    layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
+    executor.attach_kv(layout, dtype, comm.device)
     report_loaded(rank, plan, executor.weight_bytes, rss_before)
     serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
     write_status(rank, **asdict(executor.stats))
+
+
+def _capacity(args: argparse.Namespace, plan: RunPlan, rank: int, model, dtype, config: ModelConfig) -> int:
+    """The KV blocks this stage's own budget holds, at stage 0's block size and limits (the engine's
+    defaults where the options leave them)."""
+    engine = EngineConfig(**engine_kwargs(args))
+    bs = engine.block_size
+    per_block = kv_cache_bytes_per_block(model, bs, dtype)
+    budget = stage_kv_budget(plan, rank, args.kv_cache_gib)
+    return budget.blocks(per_block, -(-max_model_len(engine, config) // bs), engine.max_num_seqs)
 
 
 def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     """Run micro-batches from the previous stage until stage 0 says stop."""
     while (received := comm.recv_batch()) is not None:
         message, stream = received
+        executor.adopt(message)
         started = time.perf_counter()
         out = executor.runner.run_stage(message.positions, message.meta, stream=stream)
         sampled = executor.sample(out, message) if last else None  # tokens and the logprobs asked for
@@ -287,14 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         heartbeat = start_heartbeat(rank)
-        plan, _ = validate(args, world_size)
+        plan, _ = validate(args, world_size, rank)
         torch.set_num_threads(args.threads)
-        device = device_for(plan, rank)
         comm = None
         if world_size > 1:
-            dist.init_process_group(plan.backend, rank=rank, world_size=world_size, timeout=COMM_TIMEOUT)
-            config = ModelConfig.from_dir(args.model)
-            comm = StageComm(rank, world_size, device, resolve_dtype(args.dtype, config))
+            dtype = resolve_dtype(args.dtype, ModelConfig.from_dir(args.model))
+            comm = join_pipeline(plan, rank, args.transport, dtype)
             if heartbeat is not None:
                 heartbeat.progress = comm.progress  # the heartbeat reports the stage's messages
         if rank == 0:
