@@ -88,3 +88,21 @@ def test_cli_launch_prints_and_writes_json(tiny_dirs, tmp_path):
     assert [r["token_ids"] for r in written["requests"]] == [o.token_ids for o in expected]
     assert [r["text"] for r in written["requests"]] == [o.text for o in expected]
     assert result.output.count("finish_reason=length") == 2
+
+
+def test_each_stage_sizes_its_kv_from_its_own_budget(tiny_dirs, tmp_path):
+    """The plan reserves 1 MiB of KV for stage 0 (1 layer) and 64 MiB for stage 1 (4 layers): stage 0's
+    budget holds fewer blocks, so every stage uses that many (they share stage 0's block tables), and
+    the tokens are the single process's."""
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 1), (1, 5)])
+    document = json.loads(plan.read_text())
+    document["stages"][0]["kv_gib"], document["stages"][1]["kv_gib"] = 1 / 1024, 64 / 1024
+    plan.write_text(json.dumps(document))
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_layer_block = 2 * 16 * config["num_key_value_heads"] * head_dim * 4  # k and v, 16 tokens, fp32
+    run = run_pipeline(RunOptions(plan, model, prompts=PROMPTS[:2], max_tokens=6, ignore_eos=True))
+    assert [s["kv_blocks"] for s in run.stages] == [2**20 // per_layer_block] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 2
+    assert [r["token_ids"] for r in run.requests] == reference(model, PROMPTS[:2], params)

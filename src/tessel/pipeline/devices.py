@@ -1,7 +1,8 @@
 """Where each stage runs and how hidden states cross each link between stages.
 
 A plan's stage names its device as `<node>/gpu<K>` with a catalog type: type `cpu` runs on the CPU,
-any other on CUDA device K of its node. Before any process starts, `check_devices` refuses a plan
+any other on CUDA device K of its node. Two stages may share one GPU under two names,
+`<node>/gpu<K>` and `<node>/gpu<K>#2` (a plan file names each device once). Before any process starts, `check_devices` refuses a plan
 this machine cannot run, saying what differs: a GPU index it does not have, a GPU of another type
 than the plan's, stages sharing one GPU that cannot hold their planned weights and KV.
 
@@ -27,7 +28,7 @@ from tessel.pipeline.run_plan import RunPlan, RunStage
 
 NCCL, HOST = "nccl", "host"
 TRANSPORTS = ("auto", NCCL, HOST)
-_INDEX = re.compile(r"(\d+)$")
+_INDEX = re.compile(r"/\D*(\d+)[^/]*$")  # the GPU index: the first number after the node
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,7 +203,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     )
     if args.warmup:
         engine.warm_up()  # CUDA graphs: every bucket captured on stage 0 (the others capture lazily)
-    report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes)
+    report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes, engine.num_total_blocks)
     if args.warmup:
         warm_up(engine, requests)
         engine.stage.stats = StageStats()  # stage 0 counts the timed requests only
@@ -266,7 +266,7 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     )
     layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
     executor.attach_kv(layout, dtype, comm.device)
-    report_loaded(rank, plan, executor.weight_bytes, rss_before)
+    report_loaded(rank, plan, executor.weight_bytes, rss_before, layout.num_blocks)
     serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
     write_status(rank, **asdict(executor.stats))
 
@@ -298,9 +298,9 @@ def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     comm.flush()
 
 
-def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: int) -> None:
+def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: int, kv_blocks: int) -> None:
     """Status once loaded: `rss_bytes` is the whole process, `load_rss_bytes` what loading the
-    stage's weights and KV blocks added to it."""
+    stage's weights and KV blocks added to it, `kv_blocks` the blocks every stage agreed on."""
     stage = plan.stages[rank]
     rss = rss_bytes()
     write_status(
@@ -312,6 +312,8 @@ def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: 
         weight_bytes=weight_bytes,
         rss_bytes=rss,
         load_rss_bytes=rss - rss_before_load,
+        kv_blocks=kv_blocks,
+        device=stage_device(stage),
     )
 
 
