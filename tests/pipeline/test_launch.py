@@ -7,6 +7,7 @@ import json
 
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
+from tessel.errors import TesselError
 from tessel.pipeline.run import RunOptions, run_pipeline
 
 PROMPTS = [
@@ -79,6 +80,10 @@ def test_cli_launch_prints_and_writes_json(tiny_dirs, tmp_path):
     ]
     result = CliRunner().invoke(app, [*args, "--max-tokens", "6", "--ignore-eos", "--json", str(out)])
     assert result.exit_code == 0, result.output
+    assert "stage 0 (cpu) -> stage 1 (cpu): gloo, host memory" in result.output  # the link, at start
+    refused = CliRunner().invoke(app, [*args, "--transport", "nccl"])
+    assert isinstance(refused.exception, TesselError) and refused.exception.exit_code == 2
+    assert "a CPU stage has no NCCL" in str(refused.exception)
     expected = LLM(model).generate(
         ["Hello world", "Once"],
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),

@@ -59,11 +59,15 @@ def launch(
     max_prompt_chars: int = typer.Option(
         DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt, refused before it is tokenized."
     ),
+    transport: str = typer.Option(
+        "auto", help="How hidden states cross links: auto (NCCL between two GPUs, else pinned host "
+        "buffers over gloo), nccl or host.",
+    ),
 ) -> None:
     """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
     from tessel.commands.render.launch import print_run
     from tessel.files import check_output_path, claim_directory, write_text_file
-    from tessel.pipeline.run import RunOptions, run_pipeline
+    from tessel.pipeline.run import RunOptions, describe_links, run_pipeline
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
@@ -78,8 +82,10 @@ def launch(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
         micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
         threads=threads, run_dir=run_dir, replica=replica, heartbeat_timeout=heartbeat_timeout,
-        max_prompt_chars=max_prompt_chars,
+        max_prompt_chars=max_prompt_chars, transport=transport,
     )  # fmt: skip
+    for line in describe_links(options):
+        typer.echo(line, err=True)
     run = run_pipeline(options)
     print_run(run)
     if json_out is not None:

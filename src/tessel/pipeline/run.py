@@ -98,6 +98,18 @@ def check_options(options: RunOptions) -> int:
     return len(plan.stages)
 
 
+def describe_links(options: RunOptions) -> list[str]:
+    """Where each stage runs and how the stream crosses each link, one line each (printed at start)."""
+    from tessel.pipeline.devices import describe_links as lines
+    from tessel.pipeline.devices import link_transports, stage_device
+    from tessel.pipeline.run_plan import load_run_plan
+
+    plan = load_run_plan(options.plan, options.replica)
+    if len(plan.stages) == 1:
+        return [f"one stage on {stage_device(plan.stages[0])}"]
+    return lines(plan, link_transports(plan, options.transport))
+
+
 def run_pipeline(options: RunOptions) -> PipelineRun:
     num_stages = check_options(options)
     run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-run-"))
