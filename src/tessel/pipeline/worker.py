@@ -201,8 +201,8 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     engine = PipelineEngine(
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
-    if args.warmup:
-        engine.warm_up()  # CUDA graphs: every bucket captured on stage 0 (the others capture lazily)
+    if args.warmup and engine.runner.cuda_graphs is not None:
+        engine.runner.cuda_graphs.capture_all()  # every bucket's graph, before the timed requests
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes, engine.num_total_blocks)
     if args.warmup:
         warm_up(engine, requests)
@@ -266,6 +266,8 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     )
     layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
     executor.attach_kv(layout, dtype, comm.device)
+    if args.warmup and executor.runner.cuda_graphs is not None:
+        executor.runner.cuda_graphs.capture_all()
     report_loaded(rank, plan, executor.weight_bytes, rss_before, layout.num_blocks)
     serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
     write_status(rank, **asdict(executor.stats))
