@@ -8,6 +8,8 @@ heartbeat for `--heartbeat-timeout` seconds makes the server rebuild the pipelin
 processes), each rebuild counting against `--max-engine-restarts`: meanwhile `/health` and every
 request answer 503 naming the stage, with Retry-After. Past the budget, or when a rebuild fails,
 the server stays up without a pipeline, answering 503 with the cause, and never exits by itself.
+A `--plan` of several replicas without `--replica` runs one such server per replica behind a router
+that splits requests by the plan's weights (`tessel.pipeline.replica_router`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ class LogLevel(str, Enum):
     info = "info"
     debug = "debug"
     trace = "trace"
+
+
+def _options_argv(**options: object) -> list[str]:
+    """`--name value` for each option given (None: left out), as `tessel serve` spells them."""
+    argv: list[str] = []
+    for name, value in options.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
 
 
 def serve(
@@ -89,7 +100,10 @@ def serve(
         None, "--plan", help="Serve through this plan's pipeline (one process per stage, `tessel launch`)."
     ),
     replica: int | None = typer.Option(
-        None, min=0, help="With --plan of several replicas: which pipeline this server runs."
+        None,
+        min=0,
+        help="With --plan of several replicas: which pipeline this server runs (default: all of them, "
+        "one server each, behind a router that splits requests by the plan's weights).",
     ),
     heartbeat_timeout: float | None = typer.Option(
         None,
@@ -134,6 +148,23 @@ def serve(
     )
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
     kwargs = {k: v for k, v in options.items() if v is not None}
+    if plan is not None and replica is None:
+        from tessel.pipeline.heartbeat import heartbeat_timeout_s
+        from tessel.pipeline.replica_router import RouterOptions, replica_specs, serve_replicas
+
+        specs = replica_specs(plan)
+        if len(specs) > 1:  # one server per replica, and a router in front of them
+            timeout_s = heartbeat_timeout_s(heartbeat_timeout)
+            backend_options = _options_argv(
+                dtype=dtype, **options, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                body_timeout_s=body_timeout_s, max_prompt_chars=max_prompt_chars,
+                max_prompt_tokens=max_prompt_tokens, max_engine_restarts=max_engine_restarts,
+                served_model_name=served_model_name, log_level=log_level.value, heartbeat_timeout=timeout_s,
+            )  # fmt: skip
+            level = log_level.value
+            router = RouterOptions(model, plan, host, port, backend_options, timeout_s, limits, level)
+            serve_replicas(router, specs, echo=lambda line: typer.echo(line, err=True))
+            return
     if plan is None:
         engine = LLMEngine(
             str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs

@@ -22,22 +22,33 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from tessel.models.config import resolve_dtype
 from tessel.pipeline.chunk_cutter import ChunkCutter
-from tessel.pipeline.comm import PeerLostError, StageComm
+from tessel.pipeline.comm import PeerLostError
 from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.heartbeat import read_beat
 from tessel.pipeline.launcher import POLL_S, LocalStages, StageFailedError, free_port
 from tessel.pipeline.run import RunOptions
 from tessel.pipeline.run_plan import priced_pipeline
-from tessel.pipeline.worker import COMM_TIMEOUT, device_for, engine_kwargs, parser, validate
+from tessel.pipeline.worker import engine_kwargs, join_pipeline, parser, validate
 
 WATCH_INTERVAL_S = 0.5
 EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit
+
+
+@dataclass(frozen=True, slots=True)
+class StageGauge:
+    """One stage as `/metrics` shows it (`tessel.server.metrics`, labels `stage` and `device`)."""
+
+    stage: int
+    device: str  # the plan's device name
+    up: bool  # its process runs (stage 0 is the server process itself)
+    heartbeat_age_s: float | None  # seconds since its last heartbeat (None: stage 0, or no beat yet)
 
 
 class ServedPipelineEngine(PipelineEngine):
@@ -65,6 +76,16 @@ class ServedPipelineEngine(PipelineEngine):
         engine.watch_stages(async_engine)
         return engine
 
+    def stage_gauges(self) -> list[StageGauge]:
+        """Per stage of this pipeline: its device, whether its process runs, its heartbeat's age."""
+        now = time.time()
+        gauges = [StageGauge(0, self.plan.stages[0].device, True, None)]
+        for rank, proc in enumerate(self.stages.procs, start=1):
+            beat = read_beat(self.stages.run_dir, rank)
+            age = None if beat is None else max(now - beat.time_s, 0.0)
+            gauges.append(StageGauge(rank, self.plan.stages[rank].device, proc.poll() is None, age))
+        return gauges
+
     def close(self) -> None:
         self._unwatched.set()
         self.stages.stop()
@@ -85,14 +106,8 @@ def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedP
         comm = None
         if len(plan.stages) > 1:
             _wait_for_first_beats(stages)
-            dist.init_process_group(
-                plan.backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=0,
-                world_size=len(plan.stages),
-                timeout=COMM_TIMEOUT,
-            )
-            comm = StageComm(0, len(plan.stages), device_for(plan, 0), resolve_dtype(args.dtype, config))
+            dtype = resolve_dtype(args.dtype, config)
+            comm = join_pipeline(plan, 0, args.transport, dtype, f"tcp://127.0.0.1:{port}")
             stages.stage0_progress = comm.progress  # the watchdog sees stage 0 wait for tokens
         cutter = None
         if options.cpp and len(plan.stages) > 1:
@@ -168,4 +183,4 @@ def watch(
     return thread
 
 
-__all__ = ["StageFailedError", "pipeline_engine", "pipeline_server_engine", "watch"]
+__all__ = ["StageFailedError", "StageGauge", "pipeline_engine", "pipeline_server_engine", "watch"]

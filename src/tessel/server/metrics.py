@@ -11,6 +11,10 @@ vLLM's names: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv
 `vllm:request_success_total{finished_reason}`, `vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`. KV block counts have no
 vLLM gauge; they are `tessel:num_kv_blocks_total` and `tessel:num_kv_blocks_used`.
+
+An engine with `stage_gauges()` (a pipeline, `tessel serve --plan`) adds, per stage,
+`tessel:stage_up{stage,device}` (1 while its process runs) and
+`tessel:stage_heartbeat_age_seconds{stage}` (stages after the first: seconds since its heartbeat).
 """
 
 from __future__ import annotations
@@ -46,6 +50,24 @@ class _EngineGauges(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", used / total
         )
+        stage_gauges = getattr(self.engine, "stage_gauges", None)
+        if stage_gauges is not None:
+            yield from _stage_families(stage_gauges())
+
+
+def _stage_families(stages: list[Any]) -> Iterator[GaugeMetricFamily]:
+    up = GaugeMetricFamily(
+        f"{PREFIX}stage_up", "1 while the pipeline stage's process runs.", labels=["stage", "device"]
+    )
+    age = GaugeMetricFamily(
+        f"{PREFIX}stage_heartbeat_age_seconds", "Seconds since the stage's last heartbeat.", labels=["stage"]
+    )
+    for stage in stages:
+        up.add_metric([str(stage.stage), stage.device], 1.0 if stage.up else 0.0)
+        if stage.heartbeat_age_s is not None:
+            age.add_metric([str(stage.stage)], stage.heartbeat_age_s)
+    yield up
+    yield age
 
 
 class ServerMetrics:
