@@ -7,8 +7,9 @@ proportion to the weights, exactly; any mix of sizes stays within one request of
 0.375): greedy completions and chat equal the single-process `LLM` (held to HF transformers
 elsewhere), streamed or not; both replicas serve and the split follows the weights; errors keep
 their status codes; `/metrics` labels replica and stage and counts what each backend served; a
-backend killed or stopped is named (in the stream it broke, in the 503 once none is left) and no
-request hangs; and stopping the server leaves no process behind.
+backend killed is named (in the stream it broke, in the 503 once none is left) and no request
+hangs; and stopping the server leaves no process behind. The router's own paths that need no model
+(a silent backend killed; 429 and 503 sent on to the next replica) run over stand-in HTTP servers.
 
 The server suite of tests/server (parametrised over one process and a 2-stage pipeline) is not run
 over a replica plan: its tests read the engine inside the test process (its free KV blocks, its
@@ -148,10 +149,7 @@ class Router:
 
     def backend_pid(self, replica: int) -> int:
         for pid in self.children:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
+            argv = _cmdline(pid).split(b"\0")
             if b"tessel.cli" in argv and argv[argv.index(b"--replica") + 1] == str(replica).encode():
                 return pid  # a backend: `python -m tessel.cli serve ... --replica K`
         raise AssertionError(f"no backend process of replica {replica} among {self.children}")
@@ -173,6 +171,13 @@ def _descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _running(pid: int) -> bool:
@@ -244,7 +249,8 @@ def _start_router(model: Path, plan: Path, work: Path, *options: str) -> Iterato
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        release(sorted(router.children | _descendants(proc.pid)))  # whatever a failed test left
+        left = router.children | _descendants(proc.pid)  # whatever a failed test left
+        release(sorted(pid for pid in left if str(plan).encode() in _cmdline(pid)))  # not a reused pid
 
 
 @pytest.fixture(scope="module")
@@ -476,8 +482,77 @@ def test_a_silent_backend_is_killed_and_named(tmp_path):
         assert proc.poll() == -signal.SIGKILL
     finally:
         router.close()
-        release([proc.pid])
-        proc.wait()
+        if proc.poll() is None:
+            release([proc.pid])
+            proc.wait()
+
+
+STAND_IN = """
+import http.server, json, sys
+status = int(sys.argv[2])
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def answer(self, code, body, **headers):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.answer(200, {"status": "ok"})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        if status == 200:
+            self.answer(200, {"choices": [{"text": "from the stand-in"}]})
+        else:
+            error = {"message": f"stand-in says {status}", "type": "x", "param": None, "code": None}
+            self.answer(status, {"error": error}, retry_after="7")
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize(
+    ("statuses", "answer", "replica"),
+    [((503, 200), 200, "1"), ((429, 200), 200, "1"), ((429, 503), 503, "1"), ((200, 503), 200, "0")],
+)
+def test_a_busy_or_rebuilding_backend_has_the_request_sent_on(tmp_path, statuses, answer, replica):
+    """429 (queue full) or 503 (pipeline rebuilding) from the replica tried first: the request goes
+    to the next; the last one's answer is passed on with its status and Retry-After. The backends are
+    stand-in HTTP servers (the router's part needs no model)."""
+    from fastapi.testclient import TestClient
+
+    from tessel.pipeline.replica_backends import Backend, ReplicaSpec
+    from tessel.pipeline.replica_router import ReplicaRouter, create_router_app
+
+    backends = []
+    for index, (weight, status) in enumerate(zip(WEIGHTS, statuses, strict=True)):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(port), str(status)])
+        backends.append(Backend(ReplicaSpec(index, weight), proc, port, tmp_path / f"replica{index}.log"))
+    try:
+        for backend in backends:
+            _wait(lambda backend=backend: _answers(backend.url), "a stand-in backend to listen")
+        router = ReplicaRouter(backends, tokenizer=None, silent_timeout_s=DEADLINE_S)
+        with TestClient(create_router_app(router)) as client:
+            response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            assert response.status_code == answer and response.headers["x-tessel-replica"] == replica
+            if answer != 200:
+                assert response.json()["error"]["message"] == f"stand-in says {answer}"
+                assert response.headers["retry-after"] == "7"
+            first_refused = statuses[0] != 200
+            assert [load.rerouted for load in router.loads] == [int(first_refused), 0]
+            assert [load.answered for load in router.loads] == [int(not first_refused), int(first_refused)]
+            assert all(load.outstanding_tokens == load.in_flight == 0 for load in router.loads)
+        assert all(backend.proc.poll() is not None for backend in backends)  # the app's shutdown
+    finally:
+        for backend in backends:
+            if backend.proc.poll() is None:
+                release([backend.proc.pid])
+                backend.proc.wait()
 
 
 def _answers(url: str) -> bool:
