@@ -1,17 +1,18 @@
-"""The compiled one-sequence decode step's pieces against their eager forms, and what compiling costs.
+"""The compiled CPU decode step's pieces against their eager forms, and what compiling costs.
 
     python benchmarks/decode_graph.py [--threads 1] [--contexts 128,512,2048] \
         [--model DIR [--rows 1] [--ppl-windows 6]] [--out PATH.jsonl]
 
 1. Attention of one query row (SmolLM2's heads: 9 query, 3 kv, head_dim 64; block size 16) over a
    paged cache: the eager engine's `paged_decode_attention` against the compiled attention graph
-   (`tessel.engine.decode_graph.attention_graph`), microseconds per call.
+   (`tessel.engine.cpu_graph.attention_graph`), microseconds per call.
 2. A W8A8 one-row linear (1 x 3072 x 576, SmolLM2's gate/up) compiled with its codes stored (a graph
    output, as the layers' one-row forms do, `tessel.layers.linear.forms`) and inlined (recomputed per
    output channel).
 3. With `--model` (a quantised checkpoint; default: none): the first decode steps of a fresh engine
-   with an empty inductor cache (compiling) against later ones, `--rows` sequences at once (1: the
-   one-sequence step; more: the batch step's graphs for their bucket of rows).
+   with an empty inductor cache (compiling) against later ones, `--rows` sequences at once (the
+   graph of their bucket of rows; more than one row only where the path splits a linear, e.g.
+   TESSEL_INT8_PATH=fbgemm or fp16codes: eager otherwise).
 4. With `--model` and `--ppl-windows N`: the held-out text's perplexity over N windows of 256
    tokens, token by token through the compiled decode step and through the eager one, each against
    the prefill's (W8A8's near-tie roundings make decode runs drift; this shows how far, each way).
@@ -41,7 +42,7 @@ def _time_us(fn, repeats: int = 7, calls: int = 200) -> float:
 def attention_rows(contexts: list[int]) -> list[dict]:
     import torch
 
-    from tessel.engine.decode_graph import attention_graph, bucket_blocks
+    from tessel.engine.cpu_graph import attention_graph, bucket_blocks
     from tessel.kernels import cpu_compile
     from tessel.kernels.paged_decode import paged_decode_attention
 
@@ -102,7 +103,7 @@ def linear_row() -> dict:
 
 def first_steps(model: str, rows: int = 1, steps: int = 40) -> dict:
     """Per-step seconds of `rows` sequences decoding together in a fresh engine (inductor's cache is
-    empty here): one row runs `decode_graph`'s step, several `batch_decode_graph`'s."""
+    empty here), through the compiled CPU graph where it takes them (`tessel.engine.cpu_graph`)."""
     from tessel import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=256, lm_head="int8")

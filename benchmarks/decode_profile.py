@@ -11,7 +11,7 @@ sampling and the scheduler. "other in run" is the model runner's time outside th
 views, splits, module calls); "outside run" is the engine's own (stop rules, detokenising).
 Timers add a few microseconds per call, so the parts sum to slightly more than an untimed step.
 The timers wrap the eager modules, so this mode runs the engine with `enforce_eager=True` (a
-one-sequence step would otherwise run as compiled graphs, `tessel.engine.decode_graph`).
+one-sequence step would otherwise run as compiled graphs, `tessel.engine.cpu_graph`).
 
 `--torch-profiler` times the same steps without the timers, under `torch.profiler`, and prints the
 operators with the most self CPU time per step instead (op, ms per step, calls per step), with

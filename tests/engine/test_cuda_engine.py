@@ -42,7 +42,7 @@ def test_prefill_and_decode_steps_match_hf_on_cuda(checkpoints, arch: str) -> No
     """float32: a 40-token prefill, then 30 single decode steps (paged decode over 8-token blocks)."""
     path = checkpoints(arch)
     llm = LLM(path, device="cuda", max_model_len=128, block_size=8)
-    assert llm.runner.kv_cache.is_cuda and llm.runner.decode_graph is None
+    assert llm.runner.kv_cache.is_cuda and llm.runner.cpu_graph is None
     ids = torch.randint(4, 300, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     got, _ = decode_logits(llm, ids, prefill=40)
     assert llm.runner.cuda_graphs.replays == 30  # every decode step replayed the 1-row graph

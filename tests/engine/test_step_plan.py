@@ -15,7 +15,7 @@ import torch
 from hf_oracle import GREEDY, TEXTS, assert_matches_hf
 from tessel import LLM
 from tessel.engine import step_plan
-from tessel.engine.batch_decode_graph import BatchDecodeGraph
+from tessel.engine.cpu_graph import CpuGraph
 from tessel.engine.step_plan import GraphFamily, StepMode, StepPlan, graph_family
 from tessel.kernels import cpu_compile
 from tessel.layers import buckets
@@ -42,10 +42,11 @@ def test_graph_family_from_device_config_and_model(device, eager, whole, sized, 
 
 
 class _Graph:
-    """A stand-in graph: records its calls, returns `hidden` (None: a failed compile or capture)."""
+    """A stand-in graph: records its calls, returns `hidden` (None: a failed compile or capture); a
+    CPU graph takes one row (`one_row`: the linears' one-row forms only) or any row count."""
 
-    def __init__(self, hidden: torch.Tensor | None = None, fits: bool = True) -> None:
-        self.hidden, self._fits, self.calls = hidden, fits, 0
+    def __init__(self, hidden: torch.Tensor | None = None, fits: bool = True, one_row: bool = False) -> None:
+        self.hidden, self._fits, self.one_row, self.calls = hidden, fits, one_row, 0
 
     def __call__(self, *args):
         self.calls += 1
@@ -53,6 +54,9 @@ class _Graph:
 
     def fits(self, meta) -> bool:
         return self._fits
+
+    def takes(self, rows: int) -> bool:
+        return rows == 1 or not self.one_row
 
 
 def _meta(decode_rows: int, prefill: bool = False) -> AttentionMetadata:
@@ -66,22 +70,20 @@ def _meta(decode_rows: int, prefill: bool = False) -> AttentionMetadata:
     return meta
 
 
-ROW, BATCH, CUDA_G = StepMode.CPU_ROW_GRAPH, StepMode.CPU_BATCH_GRAPH, StepMode.CUDA_GRAPH
-EAGER = StepMode.EAGER
+CPU_G, CUDA_G, EAGER = StepMode.CPU_GRAPH, StepMode.CUDA_GRAPH, StepMode.EAGER
 
 
 @pytest.mark.parametrize(
     ("graphs", "rows", "prefill", "mode"),
     [
         ((), 1, False, EAGER),
-        (("row",), 1, False, ROW),
-        (("row",), 3, False, EAGER),  # several rows, no batch graph (float32 models)
-        (("row", "batch"), 1, False, ROW),
-        (("row", "batch"), 3, False, BATCH),
-        (("batch",), 1, False, BATCH),  # no one-row traced form: the batch graph takes one row too
-        (("row", "batch"), 1, True, EAGER),  # a prefill in the step
-        (("row", "batch"), 0, True, EAGER),
-        (("row", "batch"), 0, False, EAGER),
+        (("one_row",), 1, False, CPU_G),  # every linear with a one-row form
+        (("one_row",), 3, False, EAGER),  # several rows, every linear called whole (float32 models)
+        (("cpu",), 1, False, CPU_G),  # some linear split: any row count
+        (("cpu",), 3, False, CPU_G),
+        (("cpu",), 1, True, EAGER),  # a prefill in the step
+        (("cpu",), 0, True, EAGER),
+        (("cpu",), 0, False, EAGER),
         (("cuda",), 1, False, CUDA_G),
         (("cuda",), 7, False, CUDA_G),
         (("cuda",), 7, True, EAGER),
@@ -89,29 +91,22 @@ EAGER = StepMode.EAGER
     ],
 )
 def test_each_combination_picks_its_mode(graphs, rows: int, prefill: bool, mode: StepMode) -> None:
+    cpu = {"cpu", "one_row"} & set(graphs)
     plan = StepPlan(
-        row_graph=_Graph() if "row" in graphs else None,
-        batch_graph=_Graph() if "batch" in graphs else None,
+        cpu_graph=_Graph(one_row="one_row" in graphs) if cpu else None,
         cuda_graphs=_Graph(fits="cuda" in graphs) if {"cuda", "cuda_unfit"} & set(graphs) else None,
     )
     assert plan.mode(_meta(rows, prefill)) is mode
 
 
-@pytest.mark.parametrize("mode", [ROW, BATCH, CUDA_G])
+@pytest.mark.parametrize("mode", [CPU_G, CUDA_G])
 def test_a_failed_graph_is_recorded_and_its_later_steps_run_eager(mode: StepMode) -> None:
-    failing, working = _Graph(None), _Graph(torch.ones(3, 4))
-    plan = StepPlan()
-    if mode is CUDA_G:
-        plan.cuda_graphs = failing
-    else:  # the other CPU graph keeps running
-        plan.row_graph, plan.batch_graph = (failing, working) if mode is ROW else (working, failing)
-    rows = 1 if mode is ROW else 3
-    meta = _meta(rows)
-    assert plan.mode(meta) is mode and plan.run(mode, None, torch.zeros(rows), meta) is None
-    assert plan.failed == {mode} and plan.mode(meta) is EAGER and failing.calls == 1
-    if mode is not CUDA_G:
-        other = _meta(3 if mode is ROW else 1)
-        assert plan.mode(other) is not EAGER and plan.run(plan.mode(other), None, None, other) is not None
+    failing = _Graph(None)
+    plan = StepPlan(cpu_graph=failing) if mode is CPU_G else StepPlan(cuda_graphs=failing)
+    meta = _meta(3)
+    assert plan.mode(meta) is mode and plan.run(mode, None, torch.zeros(3), meta) is None
+    assert plan.failed == {mode} and failing.calls == 1
+    assert plan.mode(meta) is EAGER and plan.mode(_meta(1)) is EAGER  # every row count
 
 
 def _modes(monkeypatch) -> list[StepMode]:
@@ -123,12 +118,12 @@ def _modes(monkeypatch) -> list[StepMode]:
 
 
 def test_enforce_eager_runs_every_step_eager(checkpoints, monkeypatch) -> None:
-    """Unpacked float linears have one-row graphs, and the batch graph is installed: enforce_eager
-    builds neither, and every step (prefills, one row, several) runs eager."""
+    """Unpacked float linears have one-row forms: enforce_eager builds no graph, and every step
+    (prefills, one row, several) runs eager."""
     path = checkpoints("llama")
     llm = LLM(path, max_model_len=128, pack_cpu_linears=False, enforce_eager=True)
     plan = llm.runner.plan
-    assert (plan.row_graph, plan.batch_graph, plan.cuda_graphs) == (None, None, None)
+    assert (plan.cpu_graph, plan.cuda_graphs) == (None, None)
     assert StepPlan.build(GraphFamily.NONE, llm.runner.model) == StepPlan()
     modes = _modes(monkeypatch)
     assert_matches_hf(path, llm.generate(TEXTS, GREEDY) + llm.generate(TEXTS[:1], GREEDY))
@@ -148,30 +143,33 @@ def test_a_failed_compile_warns_once_is_recorded_and_is_not_retried(checkpoints,
         raise RuntimeError("no compiler today")
 
     llm = LLM(path, max_model_len=64, pack_cpu_linears=False)
-    assert llm.runner.plan.row_graph is not None
+    assert llm.runner.plan.cpu_graph is not None
     monkeypatch.setattr(cpu_compile, "compile_graph", fail)
     modes = _modes(monkeypatch)
     with pytest.warns(UserWarning, match="compiled decode step failed.*no compiler today"):
         out = llm.generate(TEXTS[:1], GREEDY)
     assert [o.token_ids for o in out] == [o.token_ids for o in expected]
-    assert llm.runner.plan.failed == {ROW} and len(attempts) == 1  # the later steps did not retry
-    assert modes.count(ROW) == 1 and modes.count(EAGER) == len(modes) - 1 > 2
+    assert llm.runner.plan.failed == {CPU_G} and len(attempts) == 1  # the later steps did not retry
+    assert modes.count(CPU_G) == 1 and modes.count(EAGER) == len(modes) - 1 > 2
 
 
 @needs_compiler
 def test_warm_up_compiles_every_batch_bucket_up_to_max_num_seqs(checkpoints, monkeypatch) -> None:
-    """Packed float linears: no one-row graph, the batch graph installed (as the engine does for
-    split linears) takes every row count; warm-up compiles buckets 1, 2, 4 and 8 (5 rows)."""
+    """Packed float linears: no one-row forms; the graph installed taking every row count (as the
+    engine's does for split linears); warm-up compiles buckets 1, 2, 4 and 8 (5 rows). With only
+    the one-row forms (unpacked float linears) it compiles one row."""
     path = checkpoints("llama")
+    one_row = LLM(path, max_model_len=128, max_num_seqs=5, pack_cpu_linears=False)
+    assert one_row.runner.plan.warm_up_rows(5) == [1]
     llm = LLM(path, max_model_len=128, max_num_seqs=5)
-    graph = llm.runner.batch_decode_graph = BatchDecodeGraph.for_model(llm.runner.model)
+    graph = llm.runner.cpu_graph = CpuGraph.for_model(llm.runner.model, all_rows=True)
     assert llm.runner.plan.warm_up_rows(5) == [1, 2, 4, 5]
     assert llm.warm_up() and {key[1] for key in graph._graphs} == {1, 2, 4, 8}
     assert llm.num_free_blocks == llm.num_total_blocks and not llm.has_unfinished_requests()
     compiled = len(graph._graphs)
     modes = _modes(monkeypatch)
     assert_matches_hf(path, llm.generate(TEXTS, GREEDY))
-    assert BATCH in modes and len(graph._graphs) == compiled  # nothing left to compile
+    assert CPU_G in modes and len(graph._graphs) == compiled  # nothing left to compile
 
 
 # ---- the ladder ---------------------------------------------------------------------------------------
@@ -186,7 +184,7 @@ def test_one_ladder_definition_in_the_sources() -> None:
     assert [where for where, _ in found] == ["layers/buckets.py"] * 3, found
 
 
-def _old_cpu_graph_bucket(rows: int) -> int:  # batch_decode_graph.bucket_rows before the one ladder
+def _old_cpu_graph_bucket(rows: int) -> int:  # the CPU batch graph's bucket_rows before the one ladder
     return 1 << (rows - 1).bit_length() if rows <= 16 else -(-rows // 16) * 16
 
 
@@ -200,10 +198,10 @@ def _old_cuda_buckets(max_rows: int) -> list[int]:  # cuda_graph.batch_buckets b
 
 
 def test_each_site_keeps_its_ladder() -> None:
-    from tessel.engine import batch_decode_graph, cuda_graph
+    from tessel.engine import cpu_graph, cuda_graph
     from tessel.layers.linear import TILE_ROWS, dense
 
-    assert batch_decode_graph.bucket_rows is buckets.bucket_rows and buckets.BUCKET_STEP == 16
+    assert cpu_graph.bucket_rows is buckets.bucket_rows and buckets.BUCKET_STEP == 16
     rows = range(1, 700)
     assert [buckets.bucket_rows(n) for n in rows] == [_old_cpu_graph_bucket(n) for n in rows]
     assert dense.bucket_rows.keywords == {"step": buckets.PACKED_ROWS_STEP} and buckets.PACKED_ROWS_STEP == 32

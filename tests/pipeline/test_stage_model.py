@@ -3,9 +3,9 @@ by the engine's own runner (`ModelRunner.run_stage`), so it takes the same decod
 
 Oracle: the whole model in one runner. Eagerly, the stages' chain (token ids into the first, each
 one's residual stream into the next) gives its final hidden states bit for bit. With the compiled
-decode graphs (one row: `DecodeGraph`, several rows: `BatchDecodeGraph`) every stage runs its own
-graphs, and the chain matches the eager chain to float32 rounding and picks the whole model's
-tokens.
+decode graph (`CpuGraph`: one row with the linears' one-row forms, several rows between the GEMMs)
+every stage runs its own graphs, and the chain matches the eager chain to float32 rounding and picks
+the whole model's tokens.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessel.engine.batch_decode_graph import BatchDecodeGraph
+from decode_steps import CountingGraph
 from tessel.engine.block_manager import BlockManager
+from tessel.engine.cpu_graph import CpuGraph
 from tessel.engine.model_runner import ModelRunner
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
@@ -103,33 +104,26 @@ def test_first_stage_takes_ids_and_later_stages_the_stream(tiny_dirs):
         last.run_stage(positions, meta, input_ids=input_ids)
 
 
-def _counted(runner: ModelRunner, calls: list[str]) -> None:
-    """Wrap the runner's CPU decode graphs: each call appends the graph's kind."""
-    for attr in ("decode_graph", "batch_decode_graph"):
-        graph = getattr(runner, attr)
-        assert graph is not None
-
-        def wrapped(*args, graph=graph, attr=attr):
-            calls.append(attr)
-            return graph(*args)
-
-        setattr(runner, attr, wrapped)
+def _counted(runner: ModelRunner) -> list[int]:
+    """Wrap the runner's CPU decode graph; -> the rows of each step it runs."""
+    assert runner.cpu_graph is not None
+    counting = runner.cpu_graph = CountingGraph(runner.cpu_graph)
+    return counting.rows
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
 def test_stages_run_their_compiled_decode_graphs(tiny_dirs):
-    """Unpacked float linears have one-row traced forms (`DecodeGraph`); the several-row graphs are
-    installed as the engine does for split linears (a float model is not worth compiling them)."""
+    """Unpacked float linears have one-row traced forms; the graph is installed taking several rows
+    too, as the engine's does for split linears (a float model is not worth compiling them)."""
     path, splits = tiny_dirs["untied"], [(0, 2), (2, 6)]
     eager = stage_runners(path, splits, tied=False, pack_cpu_linears=False, enforce_eager=True)
     graphs = stage_runners(path, splits, tied=False, pack_cpu_linears=False)
     whole = whole_runner(path, pack_cpu_linears=False)
-    calls: list[list[str]] = []
+    calls: list[list[int]] = []
     for runner in [*graphs, whole]:
-        runner.batch_decode_graph = BatchDecodeGraph.for_model(runner.model)
-        calls.append([])
-        _counted(runner, calls[-1])
+        runner.cpu_graph = CpuGraph.for_model(runner.model, all_rows=True)
+        calls.append(_counted(runner))
     decode_steps = 0
     for rows in (1, 3):  # 3 rows run in a bucket of 4: the stream is padded
         for batch in teacher_forced(rows, length=12, prefill=8, seed=rows):
@@ -139,6 +133,5 @@ def test_stages_run_their_compiled_decode_graphs(tiny_dirs):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
             tokens = graphs[-1].model.compute_logits(got).argmax(-1)
             assert torch.equal(tokens, whole.model.compute_logits(one_process(whole, batch)).argmax(-1))
-    one_row = ["decode_graph"] * 4
     for stage_calls in calls:  # every stage (and the whole model) ran every decode step as graphs
-        assert stage_calls == one_row + ["batch_decode_graph"] * (decode_steps - 4)
+        assert stage_calls == [1] * 4 + [3] * (decode_steps - 4)

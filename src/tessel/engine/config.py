@@ -28,8 +28,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size in blocks (overrides kv_cache_gib; for tests)
     pack_cpu_linears: bool = True  # float32 on CPU: oneDNN-packed linears (tessel.layers.linear)
     lm_head: str = "float"  # "int8": the LM head rounded per row at load (tessel.models.quantized.lm_head)
-    # True: every step eager: no compiled CPU decode graphs (one row or several) and no captured CUDA
-    # graphs (tessel.engine.step_plan)
+    # True: every step eager: no compiled CPU decode graph and no captured CUDA graphs
+    # (tessel.engine.step_plan)
     enforce_eager: bool = False
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the weights, the KV cache and the kernels run
 

@@ -169,11 +169,11 @@ class LLMEngine:
     def warm_up(self) -> bool:
         """Build the decode step's graphs now, so the first requests do not wait for them; -> whether
         the engine has any. On CUDA: capture every bucket of rows (`tessel.engine.cuda_graph`, on
-        dummy rows). On CPU: one decode step per bucket of rows the engine compiles
-        (`StepPlan.warm_up_rows`: one row for the one-sequence graph, with its first attention
-        bucket; every bucket up to `max_num_seqs` for the batch graph), each row a two-token dummy
-        sequence on a block freed afterwards, outside the scheduler and the prefix cache. The
-        one-sequence graph's longer attention buckets compile when a context first reaches them
+        dummy rows). On CPU: one decode step per bucket of rows the compiled graph takes
+        (`StepPlan.warm_up_rows`: one row where the linears have one-row forms, with its first
+        attention bucket; every bucket up to `max_num_seqs` where some linear is split), each row a
+        two-token dummy sequence on a block freed afterwards, outside the scheduler and the prefix
+        cache. A one-row step's longer attention buckets compile when a context first reaches them
         (docs/engine.md)."""
         plan = self.runner.plan
         if plan.cuda_graphs is not None:

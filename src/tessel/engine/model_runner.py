@@ -4,7 +4,7 @@ The step's tokens are flattened: one per decoding sequence first, then each pref
 `slot_mapping` says where each token's k/v go in the cache; decode rows get padded block
 tables and context lengths for one batched paged-attention call. On CPU the model's float32
 linear layers are packed for oneDNN first (`tessel.layers.linear.pack_linears`). How a step runs
-(eager, a compiled CPU graph of one row or several, a captured CUDA graph) is
+(eager, the compiled CPU graph, a captured CUDA graph) is
 `tessel.engine.step_plan`'s choice, asked once per step in `_forward`.
 
 A pipeline stage runs here too (`run_stage`, then `sample_hidden` on the last stage): its model
@@ -178,20 +178,12 @@ class ModelRunner:
 
     # The plan's graphs, as tests and benchmarks reach them (and wrap or install one by assigning).
     @property
-    def decode_graph(self):
-        return self.plan.row_graph
+    def cpu_graph(self):
+        return self.plan.cpu_graph
 
-    @decode_graph.setter
-    def decode_graph(self, graph) -> None:
-        self.plan.row_graph = graph
-
-    @property
-    def batch_decode_graph(self):
-        return self.plan.batch_graph
-
-    @batch_decode_graph.setter
-    def batch_decode_graph(self, graph) -> None:
-        self.plan.batch_graph = graph
+    @cpu_graph.setter
+    def cpu_graph(self, graph) -> None:
+        self.plan.cpu_graph = graph
 
     @property
     def cuda_graphs(self):

@@ -7,19 +7,20 @@ exist at all:
     a CUDA device, max_num_seqs and max_model_len given, the whole model (not a pipeline stage)
                                                CUDA graphs (`tessel.engine.cuda_graph`)
     a CUDA device otherwise                    none
-    the CPU                                    CPU graphs, as the model's layers allow:
-        one row    `DecodeGraph` (`tessel.engine.decode_graph`), where every linear has a traced
-                   one-row form (not oneDNN-packed float32, not fbgemm), float32 weights and cache
-        several    `BatchDecodeGraph` (`tessel.engine.batch_decode_graph`), where some linear is
-                   split (W8A8's quantiser and epilogue go into the graphs); with every linear called
-                   whole the graphs would hold only the norms, rotary and activation, not worth
-                   seconds of compiling per bucket of rows, so such models run eager
+    the CPU                                    the compiled CPU graph (`tessel.engine.cpu_graph`)
+                                               where the model's layers allow one: float32 weights
+                                               and cache, Llama layers with RMSNorms
 
 Then per step `StepPlan.mode` picks one `StepMode`:
 
     prefills in the step, or no decodes        EAGER
-    CPU, one row, a one-row graph              CPU_ROW_GRAPH
-    CPU, a batch graph (one row too where there is no one-row graph)   CPU_BATCH_GRAPH
+    CPU, the graph `takes` the step's rows     CPU_GRAPH: one row where every linear has a traced
+                                               one-row form (not oneDNN-packed float32, not fbgemm),
+                                               any row count where some linear is split (W8A8's
+                                               quantiser and epilogue go into the graphs); with every
+                                               linear called whole the graphs would hold only the
+                                               norms, rotary and activation, not worth seconds of
+                                               compiling per bucket of rows, so those steps run eager
     CUDA graphs and the step `fits` them       CUDA_GRAPH
     otherwise                                  EAGER
 
@@ -34,9 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessel.engine.batch_decode_graph import BatchDecodeGraph
+from tessel.engine.cpu_graph import CpuGraph
 from tessel.engine.cuda_graph import CudaGraphDecoder
-from tessel.engine.decode_graph import DecodeGraph
 from tessel.layers.attention import AttentionMetadata
 from tessel.layers.buckets import row_buckets
 from tessel.models.llama import LlamaForCausalLM
@@ -50,8 +50,7 @@ class GraphFamily(enum.Enum):
 
 class StepMode(enum.Enum):
     EAGER = "eager"
-    CPU_ROW_GRAPH = "the compiled one-row decode step"
-    CPU_BATCH_GRAPH = "the compiled batch decode step"
+    CPU_GRAPH = "the compiled decode step"
     CUDA_GRAPH = "the captured CUDA graph"
 
 
@@ -89,8 +88,7 @@ class StepPlan:
     """The runner's graphs and, per step, the mode that runs it. The graph fields are the tests'
     hooks too (a test wraps or installs a graph by assigning it)."""
 
-    row_graph: DecodeGraph | None = None
-    batch_graph: BatchDecodeGraph | None = None
+    cpu_graph: CpuGraph | None = None
     cuda_graphs: CudaGraphDecoder | None = None
     failed: set[StepMode] = field(default_factory=set)
 
@@ -98,8 +96,7 @@ class StepPlan:
     def build(cls, family: GraphFamily, model: LlamaForCausalLM, cuda: CudaSizes | None = None) -> StepPlan:
         """The graphs of `family` for `model` (its attention caches set): those its layers allow."""
         if family is GraphFamily.CPU:
-            batch = BatchDecodeGraph.for_model(model)
-            return cls(DecodeGraph.for_model(model), batch if batch_graph_pays(batch) else None)
+            return cls(cpu_graph=CpuGraph.for_model(model))
         if family is GraphFamily.CUDA:
             if cuda is None:
                 raise ValueError("CUDA graphs need their buffers' sizes")
@@ -113,10 +110,8 @@ class StepPlan:
         rows = meta.num_decode_tokens
         if meta.prefills or rows == 0:
             return StepMode.EAGER
-        if rows == 1 and self.row_graph is not None:
-            return self._unless_failed(StepMode.CPU_ROW_GRAPH)
-        if self.batch_graph is not None:
-            return self._unless_failed(StepMode.CPU_BATCH_GRAPH)
+        if self.cpu_graph is not None and self.cpu_graph.takes(rows):
+            return self._unless_failed(StepMode.CPU_GRAPH)
         if self.cuda_graphs is not None and self.cuda_graphs.fits(meta):
             return self._unless_failed(StepMode.CUDA_GRAPH)
         return StepMode.EAGER
@@ -138,28 +133,15 @@ class StepPlan:
             return None
         if mode is StepMode.CUDA_GRAPH:
             hidden = self.cuda_graphs(input_ids, positions, meta)
-        elif mode is StepMode.CPU_ROW_GRAPH:
-            hidden = self.row_graph(input_ids, positions, meta, stream)
         else:
-            hidden = self.batch_graph(input_ids, positions, meta, stream)
+            hidden = self.cpu_graph(input_ids, positions, meta, stream)
         if hidden is None:
             self.failed.add(mode)
         return hidden
 
     def warm_up_rows(self, max_rows: int) -> list[int]:
         """The row counts of the CPU decode steps that compile graphs, one per bucket of rows up to
-        `max_rows`: one row for the one-row graph, every bucket of the batch graph (running
-        `max_rows` rows compiles the bucket that holds them)."""
-        rows = [1] if self.row_graph is not None else []
-        if self.batch_graph is not None:
-            rows += [b for b in row_buckets(max_rows) if b not in rows]
-        return rows
-
-
-def batch_graph_pays(graph: BatchDecodeGraph | None) -> bool:
-    """Whether the engine compiles the batch graph: where some linear is split. With every linear
-    called whole (float32, W8A16) the graphs hold only the norms, rotary and activation: the packed
-    float32 engine's steps ran only slightly faster with them (`benchmarks/quant.py`, `fp32` against
-    `fp32 eager`; docs/results.md), not worth seconds of compiling per bucket of rows
-    (`benchmarks/decode_graph.py --rows 32`)."""
-    return graph is not None and graph.splits_a_linear
+        `max_rows` that the graph takes (running `max_rows` rows compiles the bucket that holds them)."""
+        if self.cpu_graph is None:
+            return []
+        return [rows for rows in row_buckets(max_rows) if self.cpu_graph.takes(rows)]

@@ -69,8 +69,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = self.k_cache, self.v_cache
         if k_cache.numel():
-            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+            self.store(k, v, meta.slot_mapping)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].end == q.shape[0]:  # one decode group only: no extra copy
             g = groups[0]
@@ -90,6 +89,11 @@ class Attention(nn.Module):
                 ks, vs = k[rows], v[rows]
             out[rows] = self._prefill(q[rows], ks, vs)
         return out
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the step's k/v rows [T, Hkv, D] into the caches at their slots."""
+        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
 
     def _gather(self, cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         """The chunk's whole context from the cache: [context_len, Hkv, D]."""

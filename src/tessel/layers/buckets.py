@@ -8,8 +8,8 @@ A ladder is the powers of two up to `step`, then the multiples of `step`:
 
 Two steps are in use:
 
-    BUCKET_STEP = 16         the decode graphs' rows: the CPU batch graph
-                             (`tessel.engine.batch_decode_graph`, uncapped) and the CUDA graphs
+    BUCKET_STEP = 16         the decode graphs' rows: the CPU graph
+                             (`tessel.engine.cpu_graph`, uncapped) and the CUDA graphs
                              (`tessel.engine.cuda_graph`, capped at `max_num_seqs`)
     PACKED_ROWS_STEP = 32    the rows of a packed float linear's oneDNN call (`tessel.layers.linear.dense`:
                              inputs cut into tiles of 256 rows, so a weight gets at most 13 shapes)

@@ -78,14 +78,19 @@ class RotaryEmbedding(nn.Module):
         return rope(q, k, positions, self.cos, self.sin, tables=self._tables(positions, q.dtype))
 
     def rotate_qk(
-        self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
+        self,
+        positions: torch.Tensor | None,
+        qk: torch.Tensor,
+        num_q_heads: int,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k heads side by side, qk [T, Hq + Hkv, D] (a view of the fused qkv output) -> rotated
         (q, k) views. On the PyTorch path one rotation covers both (half the ops of `forward`, the
-        same products and sums: bit-equal)."""
-        if qk.is_cuda or torch.is_grad_enabled():
+        same products and sums: bit-equal); `tables`: the positions' `rope_tables`, where the caller
+        has them (the compiled CPU decode step passes them in, `positions` None)."""
+        if tables is None and (qk.is_cuda or torch.is_grad_enabled()):
             return self(positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
-        out = rope_rotate(qk, self._tables(positions, qk.dtype))
+        out = rope_rotate(qk, self._tables(positions, qk.dtype) if tables is None else tables)
         return out[:, :num_q_heads], out[:, num_q_heads:]
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,14 +42,23 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        n = hidden.shape[0]
-        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # rotated in one go
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0].rotate_qk(positions, qk, self.num_heads)
+        q, k, v = self.heads(self.qkv_proj(hidden), positions)
         out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+
+    def heads(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor | None,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection [T, q_size + 2 kv_size] -> q [T, Hq, D], k and v [T, Hkv, D], q and k
+        rotated at `positions` (or by their rope `tables`, as the compiled CPU decode step passes them)."""
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        n = qkv.shape[0]
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # rotated in one go
+        q, k = self.rotary[0].rotate_qk(positions, qk, self.num_heads, tables)
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
 
 class LlamaMLP(nn.Module):

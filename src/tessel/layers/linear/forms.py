@@ -1,6 +1,6 @@
 """The two forms a linear layer offers the compiled CPU decode steps, beside its eager forward.
 
-One row (`layer.one_row_form()` -> `LinearForm`, the engine's one-sequence decode graph): the layer's
+One row (`layer.one_row_form()` -> `LinearForm`, the CPU decode graph's one row): the layer's
 formula for a float32 row x [1, K] as a function inductor can trace, with the same functions its
 own one-row forward compiles (`tessel.kernels.w8a16_cpu`):
 
@@ -16,7 +16,7 @@ codes (or the SiLU before the down projection) for every output channel, several
 one-row step calls a library kernel a graph cannot hold (fbgemm, oneDNN's packed weight,
 bfloat16's `_weight_int8pack_mm`) has none (None).
 
-Several rows (`layer.split()` -> `SplitLinear`, the engine's batch decode graph): the forward
+Several rows (`layer.split()` -> `SplitLinear`, the CPU decode graph's other steps): the forward
 split around its library GEMM call, which the graphs on either side cannot hold:
 
     pre(x)             traced   -> (what the call reads, what the epilogue carries)

@@ -1,6 +1,6 @@
-"""Quantised checkpoints through the compiled decode steps (`tessel.engine.decode_graph` for one
-sequence, `tessel.engine.batch_decode_graph` for several), each linear module's traced one-row form
-(`layer.one_row_form()`) and its split multi-row form (`layer.split()`, `tessel.layers.linear.forms`).
+"""Quantised checkpoints through the compiled CPU decode step (`tessel.engine.cpu_graph`), each linear
+module's traced one-row form (`layer.one_row_form()`) and its split multi-row form (`layer.split()`,
+`tessel.layers.linear.forms`).
 
 Oracles: HF transformers + compressed-tensors (`ct_oracle.hf_quantized`, activations fake-quantised
 as the int8 GEMM computes them) for the decode steps' logits; each module's own eager forward for
@@ -17,8 +17,7 @@ from ct_oracle import hf_quantized
 from decode_steps import batch_decode_logits, decode_logits
 from tessel import LLM
 from tessel.cli import app
-from tessel.engine.batch_decode_graph import BatchDecodeGraph
-from tessel.engine.decode_graph import DecodeGraph
+from tessel.engine.cpu_graph import CpuGraph
 from tessel.kernels import cpu_compile
 from tessel.kernels.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
 from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, fbgemm_act_bits
@@ -63,7 +62,7 @@ def test_decode_steps_match_the_compressed_tensors_oracle(quantized, monkeypatch
     if path is not None:
         monkeypatch.setenv(INT8_ENV_OVERRIDE, path)
     llm = LLM(out, max_model_len=128, block_size=8)
-    if llm.runner.decode_graph is None:
+    if llm.runner.cpu_graph is None or not llm.runner.cpu_graph.row_forms:
         assert path is None and not avx512_cpu()
         monkeypatch.setenv(INT8_ENV_OVERRIDE, "dequant")
         monkeypatch.setenv(W8A16_ENV_OVERRIDE, "gemv")
@@ -119,7 +118,7 @@ def test_paths_without_a_traced_form_keep_the_model_eager(quantized) -> None:
     llm = LLM(quantized("w8a16"), max_model_len=64)
     layer = llm.runner.model.model.layers[1].mlp
     layer.down_proj.set_path("dequant")
-    assert DecodeGraph.for_model(llm.runner.model) is None
+    assert not CpuGraph.for_model(llm.runner.model, all_rows=True).row_forms
 
 
 SPLIT_KINDS = {"fbgemm": "fbgemm8", "fp16codes": "fp16codes"}  # W8A8 paths whose GEMM is split out
@@ -141,10 +140,12 @@ def test_batch_decode_steps_match_the_compressed_tensors_oracle(quantized, monke
     linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear | W8A16Linear)]
     kinds = {split_linear(m).kind for m in linears}
     assert kinds == {SPLIT_KINDS.get(path, "opaque")}
-    # whole modules only: the engine leaves the steps eager (not worth compiling); installed here
-    assert (llm.runner.batch_decode_graph is None) == (kinds == {"opaque"})
+    # whole modules only: the engine leaves the steps of several rows eager (not worth compiling);
+    # a graph taking them is installed here
+    graph = llm.runner.cpu_graph
+    assert (graph is not None and graph.takes(5)) == (kinds != {"opaque"})
     if kinds == {"opaque"}:
-        llm.runner.batch_decode_graph = BatchDecodeGraph.for_model(llm.runner.model)
+        llm.runner.cpu_graph = CpuGraph.for_model(llm.runner.model, all_rows=True)
     prompts = torch.randint(4, 300, (5, 30), generator=torch.Generator().manual_seed(8)).tolist()
     got, graph_steps = batch_decode_logits(llm, prompts, prefill=6)
     assert graph_steps == 24
