@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=2.0, help="--gpu-memory-gib of the CPU + GPU plan")
     parser.add_argument("--threads", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--skip", action="append", default=[], help="configurations to skip (by name)")
-    _harness.add_record_options(parser, BENCHMARK)
+    _harness.add_record_options(parser, "pipeline_gpu")
     args = parser.parse_args()
     print(_harness.machine_line())
     cuda = args.device.startswith("cuda")

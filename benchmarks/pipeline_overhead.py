@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    _harness.add_record_options(parser, BENCHMARK)
+    _harness.add_record_options(parser, "pipeline_overhead")
     args = parser.parse_args()
     model = _harness.example_model(args.model)
     console = Console(highlight=False)

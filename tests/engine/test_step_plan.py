@@ -26,19 +26,18 @@ needs_compiler = pytest.mark.skipif(not cpu_compile.compiler_available(), reason
 
 
 @pytest.mark.parametrize(
-    ("device", "eager", "whole", "sized", "family"),
+    ("device", "eager", "sized", "family"),
     [
-        (CPU, False, True, True, GraphFamily.CPU),
-        (CPU, False, False, False, GraphFamily.CPU),  # a pipeline stage, no CUDA sizes: CPU graphs still
-        (CPU, True, True, True, GraphFamily.NONE),
-        (CUDA, False, True, True, GraphFamily.CUDA),
-        (CUDA, False, False, True, GraphFamily.NONE),  # a stage: CUDA graphs capture whole models only
-        (CUDA, False, True, False, GraphFamily.NONE),  # no max_num_seqs / max_model_len to size them
-        (CUDA, True, True, True, GraphFamily.NONE),
+        (CPU, False, True, GraphFamily.CPU),
+        (CPU, False, False, GraphFamily.CPU),  # no CUDA sizes: CPU graphs still
+        (CPU, True, True, GraphFamily.NONE),
+        (CUDA, False, True, GraphFamily.CUDA),  # a whole model or a pipeline stage alike
+        (CUDA, False, False, GraphFamily.NONE),  # no max_num_seqs / max_model_len to size them
+        (CUDA, True, True, GraphFamily.NONE),
     ],
 )
-def test_graph_family_from_device_config_and_model(device, eager, whole, sized, family) -> None:
-    assert graph_family(device, eager, whole, sized) is family
+def test_graph_family_from_device_and_config(device, eager, sized, family) -> None:
+    assert graph_family(device, eager, sized) is family
 
 
 class _Graph:

@@ -31,8 +31,10 @@ from tessel.models.llama import LlamaForCausalLM
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over the attention layers `model` holds (a pipeline stage: its own)."""
     c = model.config
-    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize
+    layers = sum(isinstance(m, Attention) for m in model.modules())
+    return 2 * layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -150,10 +152,7 @@ class ModelRunner:
         c = model.config
         # One cache per attention layer the model holds (a pipeline stage holds some of them).
         attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        part = model.model.part
-        family = graph_family(
-            self.device, enforce_eager, part.embed and part.head, bool(max_num_seqs and max_model_len)
-        )
+        family = graph_family(self.device, enforce_eager, bool(max_num_seqs and max_model_len))
         cuda_graphs = family is GraphFamily.CUDA
         # zeros, not empty: masked-out cache rows must not hold NaNs (0 * NaN = NaN). With CUDA
         # graphs one more block than the block manager's: the scratch block of padded rows.
@@ -173,7 +172,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         sizes = None
         if cuda_graphs:
-            sizes = CudaSizes(max_num_seqs, -(-max_model_len // block_size), block_size, num_blocks)
+            blocks = -(-max_model_len // block_size)
+            sizes = CudaSizes(max_num_seqs, blocks, block_size, num_blocks, dtype)
         self.plan = StepPlan.build(family, model, sizes)
 
     # The plan's graphs, as tests and benchmarks reach them (and wrap or install one by assigning).

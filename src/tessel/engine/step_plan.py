@@ -4,7 +4,7 @@ Once per runner, from the device, `enforce_eager` and the model, `graph_family` 
 exist at all:
 
     enforce_eager                              none: every step eager
-    a CUDA device, max_num_seqs and max_model_len given, the whole model (not a pipeline stage)
+    a CUDA device, max_num_seqs and max_model_len given (the whole model or a pipeline stage)
                                                CUDA graphs (`tessel.engine.cuda_graph`)
     a CUDA device otherwise                    none
     the CPU                                    the compiled CPU graph (`tessel.engine.cpu_graph`)
@@ -60,15 +60,13 @@ def capture_family(device: torch.device) -> GraphFamily:
     return GraphFamily.CUDA if device.type == "cuda" else GraphFamily.CPU
 
 
-def graph_family(
-    device: torch.device, enforce_eager: bool, whole_model: bool, cuda_sized: bool
-) -> GraphFamily:
-    """Which graphs a runner builds: none with `enforce_eager`; CUDA graphs only for a whole model
-    (ids in, hidden out) with their buffers sized (`cuda_sized`: max_num_seqs and max_model_len)."""
+def graph_family(device: torch.device, enforce_eager: bool, cuda_sized: bool) -> GraphFamily:
+    """Which graphs a runner builds: none with `enforce_eager`; CUDA graphs only with their buffers
+    sized (`cuda_sized`: max_num_seqs and max_model_len)."""
     if enforce_eager:
         return GraphFamily.NONE
     family = capture_family(device)
-    if family is GraphFamily.CUDA and not (whole_model and cuda_sized):
+    if family is GraphFamily.CUDA and not cuda_sized:
         return GraphFamily.NONE
     return family
 
@@ -81,6 +79,7 @@ class CudaSizes:
     max_blocks: int
     block_size: int
     scratch_block: int  # the block past the block manager's pool that padded rows write into
+    stream_dtype: torch.dtype | None = None  # a later pipeline stage's activation dtype
 
 
 @dataclass(slots=True)
@@ -101,7 +100,9 @@ class StepPlan:
             if cuda is None:
                 raise ValueError("CUDA graphs need their buffers' sizes")
             c = cuda
-            graphs = CudaGraphDecoder(model, c.max_rows, c.max_blocks, c.block_size, c.scratch_block)
+            graphs = CudaGraphDecoder(
+                model, c.max_rows, c.max_blocks, c.block_size, c.scratch_block, c.stream_dtype
+            )
             return cls(cuda_graphs=graphs)
         return cls()
 
@@ -132,7 +133,7 @@ class StepPlan:
         if mode is StepMode.EAGER:
             return None
         if mode is StepMode.CUDA_GRAPH:
-            hidden = self.cuda_graphs(input_ids, positions, meta)
+            hidden = self.cuda_graphs(input_ids, positions, meta, stream)
         else:
             hidden = self.cpu_graph(input_ids, positions, meta, stream)
         if hidden is None:
