@@ -40,7 +40,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARK = "pipeline_gpu"
 PROMPT_TOKENS = 64
 
 
@@ -213,7 +212,7 @@ def main() -> None:
             row["seconds"] = elapsed.wall_s
             rows[name] = row
             print(f"   {json.dumps(_harness_safe(row))[:400]}", flush=True)
-            _harness.save_partial(args.out, BENCHMARK, result, args.label)
+            _harness.save_partial(args.out, "pipeline_gpu", result, args.label)
 
         half = layers // 2
         plan = lambda name, stages, m=1: write_plan(root / f"{name}.json", model, stages, m)  # noqa: E731
@@ -260,7 +259,7 @@ def main() -> None:
         if cuda:
             step("accelerate offload bf16", lambda: accelerate_row(model, args.cap_gib, batch, new))
     _print(result)
-    _harness.append_record(args.out, BENCHMARK, result, args.label)
+    _harness.append_record(args.out, "pipeline_gpu", result, args.label)
 
 
 SMOLLM2_SHAPE = {

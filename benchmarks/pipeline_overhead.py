@@ -35,7 +35,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARK = "pipeline_overhead"
 PROMPT_TOKENS = 64
 
 
@@ -180,7 +179,7 @@ def main() -> None:
         f"{result['overlap']:.2f}x   bound t({requests} rows) / t({requests // 2} rows): "
         f"{result['bound']:.2f}x"
     )
-    _harness.append_record(args.out, BENCHMARK, result, args.label)
+    _harness.append_record(args.out, "pipeline_overhead", result, args.label)
 
 
 if __name__ == "__main__":
