@@ -25,11 +25,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.quantized.schemes import Scheme
 from tessel.models.safetensors_header import FLOAT_DTYPES, TensorHeader, read_header
+
+if TYPE_CHECKING:
+    from tessel.models.bert import BertConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed
@@ -68,8 +72,13 @@ class ModelFiles:
 
 def read_model(path: str | Path, option: str = "--model") -> ModelFiles:
     """The model at `path` (a Hugging Face directory or a .gguf file), checked; TesselError names the
-    file and the field."""
+    file and the field. An encoder (BERT) is refused here: it is read by `read_encoder`."""
     directory = resolve_model_dir(path, option)
+    if is_encoder_model(directory):
+        raise TesselError(
+            f"{option} {directory} is an encoder (BERT) model: it computes embeddings, not text; use "
+            "`tessel embed`, or `tessel serve`, which answers /v1/embeddings for it"
+        )
     config = ModelConfig.from_dir(directory)
     scheme = read_scheme(directory)
     files = tuple(checkpoint_files(directory))
@@ -304,3 +313,66 @@ def check_rope_tables(model: ModelFiles) -> None:
             f"{limit / 2**30:.2f} GiB allowed beside {model.weight_bytes / 2**30:.2f} GiB of weights; "
             "fix max_position_embeddings"
         )
+
+
+# ---- encoders (BERT): the same checks, against the tensors `tessel.models.bert` implies ------------
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderFiles:
+    """An encoder directory checked against its config.json (`read_encoder`)."""
+
+    path: Path
+    config: BertConfig
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorHeader]
+
+
+def is_encoder_model(path: str | Path) -> bool:
+    """Whether `path` is a directory whose config.json names a BERT encoder (unreadable: False, so the
+    decoder reader reports what is wrong with it)."""
+    from tessel.models.bert import encoder_architecture
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        from tessel.catalog.hf_config import read_json_object
+
+        return encoder_architecture(read_json_object(config_file)) is not None
+    except TesselError:
+        return False
+
+
+def read_encoder(path: str | Path, option: str = "--model") -> EncoderFiles:
+    """The encoder at `path`, checked: every tensor config.json implies is there with its shape and a
+    float dtype, nothing unknown is (task heads, the pooler and position ids are allowed and skipped)."""
+    from tessel.models.bert import BertConfig, checkpoint_prefix, expected_shapes, is_ignored
+
+    directory = resolve_model_dir(path, option)
+    if not is_encoder_model(directory):
+        raise TesselError(
+            f"{option} {directory} is not an encoder model (config.json names no BERT architecture); "
+            "embeddings come from BERT-family encoders such as sentence-transformers checkpoints"
+        )
+    config = BertConfig.from_dir(directory)
+    files = tuple(checkpoint_files(directory))
+    tensors = read_headers(files)
+    prefix = checkpoint_prefix(list(tensors))
+    shapes = expected_shapes(config)
+    expected = {prefix + name: TensorSpec(shape, FLOATS, sizes) for name, (shape, sizes) in shapes.items()}
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise TesselError(
+            f"{directory}: the checkpoint lacks {len(missing)} tensor(s) config.json implies, "
+            f"e.g. {', '.join(missing[:5])}"
+        )
+    for name, header in tensors.items():
+        if name in expected:
+            _check_tensor(header, expected[name])
+        elif not is_ignored(name, prefix):
+            raise TesselError(
+                f"{header.file}: unexpected tensor {name!r}; is this really a {config.architecture} "
+                "with the sizes in its config.json?"
+            )
+    return EncoderFiles(directory, config, files, tensors)

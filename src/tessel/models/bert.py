@@ -1,0 +1,286 @@
+"""The BERT family of post-norm encoders (HF `BertModel`): what sentence-transformers models run on.
+
+    config = BertConfig.from_dir("/models/all-MiniLM-L6-v2")
+    model = load_bert(read_encoder(path), torch.float32)
+    hidden = model(input_ids, attention_mask)            # [batch, tokens, hidden]
+
+Each layer is post-norm (the LayerNorm after the residual add, unlike the pre-norm Llama decoders):
+`x = LN(x + O(attn(x)))`, `x = LN(x + W2 gelu(W1 x))`; the embeddings are word + learned absolute
+position + token type (all type 0 here), then a LayerNorm. Attention is bidirectional
+(`scaled_dot_product_attention` with a key padding mask); q, k and v are one fused linear.
+
+Checkpoints name tensors as `BertModel` saves them (`embeddings.word_embeddings.weight`,
+`encoder.layer.{i}.attention.self.query.weight`, ...), optionally under a `bert.` prefix (the
+`BertFor*` heads); heads (`cls.*`), the pooler and the `position_ids` buffer are not loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from torch.nn import functional as F
+
+from tessel.catalog.hf_config import MAX_LAYERS, read_json_object
+from tessel.catalog.hf_config import _Fields as Fields
+from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.models.reader import EncoderFiles
+
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "BertForMaskedLM",
+    "BertForPreTraining",
+    "BertForSequenceClassification",
+)
+ENCODER_MODEL_TYPES = ("bert",)
+# hidden_act -> the activation HF's ACT2FN applies ("gelu" is the exact erf form)
+ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+IGNORED_PREFIXES = ("cls.", "pooler.")  # task heads and the pooler: sentence-transformers uses neither
+IGNORED_SUFFIXES = ("position_ids",)  # a buffer of 0..max_positions-1, recomputed
+DEFAULT_LAYER_NORM_EPS = 1e-12  # BertConfig's default
+
+
+@dataclass(frozen=True, slots=True)
+class BertConfig:
+    """The fields of a BERT config.json the encoder needs, validated (`from_dict`)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = DEFAULT_LAYER_NORM_EPS
+    hidden_act: str = "gelu"
+    pad_token_id: int = 0
+    checkpoint_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise TesselError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise TesselError(
+                f"hidden_act {self.hidden_act!r} is not supported; BERT encoders run {', '.join(ACTIVATIONS)}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config.json") -> BertConfig:
+        fields = Fields(data, source)
+        kind = fields.text("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise TesselError(
+                f"{source}: position_embedding_type {kind!r} is not supported (only absolute positions)"
+            )
+        try:
+            return cls(
+                architecture=encoder_architecture(data) or "BertModel",
+                vocab_size=fields.count("vocab_size"),
+                hidden_size=fields.count("hidden_size"),
+                num_hidden_layers=fields.count("num_hidden_layers", high=MAX_LAYERS),
+                num_attention_heads=fields.count("num_attention_heads"),
+                intermediate_size=fields.count("intermediate_size"),
+                max_position_embeddings=fields.count("max_position_embeddings", default=512),
+                type_vocab_size=fields.count("type_vocab_size", default=2),
+                layer_norm_eps=fields.positive_float("layer_norm_eps", DEFAULT_LAYER_NORM_EPS),
+                hidden_act=fields.text("hidden_act", "gelu"),
+                pad_token_id=fields.token_id("pad_token_id") or 0,
+                checkpoint_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
+            )
+        except TesselError as error:
+            message = str(error)
+            raise TesselError(message if message.startswith(source) else f"{source}: {message}") from None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> BertConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise TesselError(f"{path} has no config.json; point --model at a Hugging Face model directory")
+        return cls.from_dict(read_json_object(config_file), source=str(config_file))
+
+
+def encoder_architecture(data: dict) -> str | None:
+    """The BERT architecture a parsed config.json names (its `architectures`, else `model_type`), or None."""
+    names = data.get("architectures")
+    if isinstance(names, list):
+        for name in names:
+            if name in ENCODER_ARCHITECTURES:
+                return name
+        if names:
+            return None
+    return "BertModel" if data.get("model_type") in ENCODER_MODEL_TYPES else None
+
+
+def checkpoint_prefix(names: list[str]) -> str:
+    """'bert.' when the encoder's tensors sit under it (`BertForMaskedLM` and the other heads), else ''."""
+    return "bert." if any(n.startswith("bert.embeddings.") for n in names) else ""
+
+
+def is_ignored(name: str, prefix: str) -> bool:
+    """A checkpoint tensor the encoder does not load (a task head, the pooler, position ids)."""
+    bare = name.removeprefix(prefix)
+    return name.startswith(IGNORED_PREFIXES) or bare.startswith(IGNORED_PREFIXES) or bare.endswith(
+        IGNORED_SUFFIXES
+    )
+
+
+def expected_shapes(config: BertConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Checkpoint name (without prefix) -> (shape, the config fields behind it)."""
+    c, h = config, config.hidden_size
+    out = {
+        "embeddings.word_embeddings.weight": ((c.vocab_size, h), "vocab_size x hidden_size"),
+        "embeddings.position_embeddings.weight": ((c.max_position_embeddings, h), "max_position_embeddings"),
+        "embeddings.token_type_embeddings.weight": ((c.type_vocab_size, h), "type_vocab_size"),
+        "embeddings.LayerNorm.weight": ((h,), "hidden_size"),
+        "embeddings.LayerNorm.bias": ((h,), "hidden_size"),
+    }
+    per_layer = {
+        "attention.self.query": (h, h),
+        "attention.self.key": (h, h),
+        "attention.self.value": (h, h),
+        "attention.output.dense": (h, h),
+        "intermediate.dense": (c.intermediate_size, h),
+        "output.dense": (h, c.intermediate_size),
+    }
+    for i in range(c.num_hidden_layers):
+        layer = f"encoder.layer.{i}."
+        for leaf, (rows, cols) in per_layer.items():
+            out[f"{layer}{leaf}.weight"] = ((rows, cols), "hidden_size, intermediate_size")
+            out[f"{layer}{leaf}.bias"] = ((rows,), "hidden_size, intermediate_size")
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            out[f"{layer}{norm}.weight"] = ((h,), "hidden_size")
+            out[f"{layer}{norm}.bias"] = ((h,), "hidden_size")
+    return out
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = self.position_embeddings.weight[: input_ids.shape[1]]
+        x = self.word_embeddings(input_ids) + positions + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class BertLayer(nn.Module):
+    """One post-norm layer: fused qkv, bidirectional attention, output + LN, GELU MLP + LN."""
+
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        h = c.hidden_size
+        self.num_heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.gelu_approximate = ACTIVATIONS[c.hidden_act]
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
+        self.up = nn.Linear(h, c.intermediate_size)
+        self.down = nn.Linear(c.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        batch, tokens, hidden = x.shape
+        qkv = self.qkv(x).view(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
+        attn = attn.transpose(1, 2).reshape(batch, tokens, hidden)
+        x = self.attn_norm(x + self.attn_out(attn))
+        return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)))
+
+
+class BertEncoder(nn.Module):
+    """`forward(input_ids [B, T], attention_mask [B, T] of 0/1)` -> last hidden states [B, T, hidden]."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(input_ids)
+        mask = None
+        if not bool(attention_mask.all()):  # a key padding mask, broadcast over heads and queries
+            mask = attention_mask[:, None, None, :].to(torch.bool)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+# checkpoint leaf -> (our module, which third of the fused qkv or None)
+_LAYER_NAMES = {
+    "attention.self.query": ("qkv", 0),
+    "attention.self.key": ("qkv", 1),
+    "attention.self.value": ("qkv", 2),
+    "attention.output.dense": ("attn_out", None),
+    "attention.output.LayerNorm": ("attn_norm", None),
+    "intermediate.dense": ("up", None),
+    "output.dense": ("down", None),
+    "output.LayerNorm": ("out_norm", None),
+}
+
+
+def parameter_target(name: str) -> tuple[str, int | None]:
+    """Our parameter name for a (prefix-free) checkpoint name, and its third of qkv (or None)."""
+    if not name.startswith("encoder.layer."):
+        return name, None
+    index, rest = name.removeprefix("encoder.layer.").split(".", 1)
+    leaf, kind = rest.rsplit(".", 1)
+    module, third = _LAYER_NAMES[leaf]
+    return f"layers.{index}.{module}.{kind}", third
+
+
+def load_bert(checked: EncoderFiles, dtype: torch.dtype, device: str | torch.device = "cpu") -> BertEncoder:
+    """The encoder with the weights of a checkpoint `reader.read_encoder` checked."""
+    config = checked.config
+    with torch.device("meta"):
+        model = BertEncoder(config)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, int | None]] = set()
+    for file in checked.files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                prefix = checkpoint_prefix(list(f.keys()))
+                for name in f.keys():
+                    if is_ignored(name, prefix):
+                        continue
+                    target, third = parameter_target(name.removeprefix(prefix))
+                    data = params[target].data
+                    if third is not None:
+                        size = data.shape[0] // 3
+                        data = data.narrow(0, third * size, size)
+                    data.copy_(f.get_tensor(name))
+                    loaded.add((target, third))
+        except (SafetensorError, OSError) as error:
+            raise TesselError(f"{file}: not a readable safetensors file ({error}); re-download it") from None
+    wanted = {(n, t) for n in params for t in ((0, 1, 2) if ".qkv." in n else (None,))}
+    if wanted - loaded:
+        missing = sorted(str(n) for n in wanted - loaded)
+        raise TesselError(
+            f"{checked.path}: the checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}"
+        )
+    return model.eval().requires_grad_(False)
+
