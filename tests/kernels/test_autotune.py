@@ -179,6 +179,51 @@ def test_launch_tuned_on_cpu_uses_the_default_without_benchmarking(tmp_cache: Pa
     assert not (tmp_cache / "autotune").exists()
 
 
+
+def test_tuning_totals_count_benchmarks_not_memory_hits(tmp_cache: Path) -> None:
+    """A benchmark compares two readings of `tuning_totals`: only a shape key's benchmark adds to them."""
+    tuner = Autotuner("tuning_totals_test", CONFIGS, default=CONFIGS[0])
+    before = autotune.tuning_totals()["tuning_totals_test"]
+    tuner.pick("k", FakeBench(CONFIGS[1]), device=H100)
+    after_tuning = autotune.tuning_totals()["tuning_totals_test"]
+    tuner.pick("k", FakeBench(CONFIGS[2]), device=H100)  # memory answers
+    Autotuner("tuning_totals_test", CONFIGS, default=CONFIGS[0]).pick("k", FakeBench(CONFIGS[2]), device=H100)
+    after_hits = autotune.tuning_totals()["tuning_totals_test"]
+    assert after_tuning.benchmarks == before.benchmarks + 1 and after_tuning.seconds >= before.seconds
+    assert after_hits == after_tuning
+
+
+def test_cuda_bench_runs_each_candidate_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates' timing is short (TUNE_WARMUP_MS / TUNE_REP_MS of GPU time), not do_bench's default."""
+    triton_testing = pytest.importorskip("triton.testing")
+    seen: list[dict] = []
+
+    def fake_do_bench(fn, **options):
+        fn()
+        seen.append(options)
+        return 0.25
+
+    monkeypatch.setattr(triton_testing, "do_bench", fake_do_bench)
+    launched: list[TileConfig] = []
+    assert autotune.cuda_bench(launched.append)(CONFIGS[0]) == 0.25
+    assert launched == [CONFIGS[0]]
+    assert seen == [{"warmup": autotune.TUNE_WARMUP_MS, "rep": autotune.TUNE_REP_MS, "return_mode": "median"}]
+    assert autotune.TUNE_REP_MS <= 5  # a key's candidates then take a tenth of a second or less
+
+
+def test_gemm_kernel_is_not_specialised_on_the_rows() -> None:
+    """A compiled `_gemm_kernel` takes any M without a new compile (Triton specialises ints on == 1
+    and on multiples of 16 unless told not to); checked on the JIT function, outside the interpreter."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    script = "from tessel.kernels.gemm import _gemm_kernel as k; print(list(k.do_not_specialize))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['M']"
+
 # ---- the kernels compile for real GPUs (Triton's CUDA backend runs on this CPU-only machine) ----
 
 _COMPILE_SCRIPT = r"""

@@ -8,6 +8,11 @@ A kernel launch asks `Autotuner.pick(key, bench)` for a `TileConfig`. The answer
    is written back to that file, so the next process that meets the same shape skips the benchmark;
 4. the default config, when benchmarking is not possible (Triton interpreter, `TESSEL_AUTOTUNE=0`).
 
+A benchmark runs on the call that first meets a shape key, so a server that first meets a row count
+mid-request stalls that request for it: warm-ups tune the row counts they can foresee
+(`tessel.layers.linear.tune_linears`), and every tuner counts its benchmarks and their seconds
+(`tuning_totals()`), so a benchmark can tell tuning from running.
+
 This does what `triton.autotune(configs, key)` does, but owns its cache: Triton's own
 `cache_results` keys files by compiler hash under `~/.triton`, while a cluster of different GPUs
 wants one readable file per GPU model that can be shipped with a deployment.
@@ -21,6 +26,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -75,7 +81,26 @@ def _c(bm: int, bn: int, bk: int, warps: int, stages: int) -> TileConfig:
     return TileConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages)
 
 
-# fp16/bf16 GEMM candidates: the Triton matmul tutorial's CUDA list plus two small-M (decode) tiles.
+# Decode-step tiles (few rows: the weight's bytes are the cost): narrow column tiles, so that a
+# 2048-column weight still spreads over more programs than an H100/H200 has SMs, and deep K tiles
+# with more stages in flight. Added after the tutorial lists proved too wide for Llama-1B's
+# decoder linears at 1 and 32 rows on an H200 (`benchmarks/cuda_linear.py --parts tiles`: each of
+# these won some of those shapes; W8A16's 8192 -> 2048 down projection most).
+FLOAT_DECODE_TILES: tuple[TileConfig, ...] = (
+    _c(16, 32, 256, 4, 4),
+    _c(16, 32, 128, 4, 4),
+    _c(16, 16, 128, 2, 5),
+    _c(16, 64, 256, 4, 3),
+    _c(32, 64, 128, 4, 4),
+)
+INT8_DECODE_TILES: tuple[TileConfig, ...] = (
+    _c(16, 64, 256, 4, 5),
+    _c(16, 32, 256, 4, 5),
+    _c(16, 16, 256, 2, 5),
+)
+
+# fp16/bf16 GEMM candidates: the Triton matmul tutorial's CUDA list, two small-M tiles, and the
+# decode tiles. A tile that does not fit a GPU (shared memory, registers) is skipped by the tuner.
 FLOAT_GEMM_CONFIGS: tuple[TileConfig, ...] = (
     _c(128, 256, 64, 8, 3),
     _c(64, 256, 32, 4, 4),
@@ -87,9 +112,11 @@ FLOAT_GEMM_CONFIGS: tuple[TileConfig, ...] = (
     _c(32, 64, 32, 2, 5),
     _c(16, 64, 128, 4, 4),
     _c(16, 128, 64, 4, 4),
+    *FLOAT_DECODE_TILES,
 )
 
-# int8 GEMM candidates: the tutorial's int8 list (deeper K tiles: an int8 element is half the bytes).
+# int8 GEMM candidates: the tutorial's int8 list (deeper K tiles: an int8 element is half the
+# bytes), and the decode tiles.
 INT8_GEMM_CONFIGS: tuple[TileConfig, ...] = (
     _c(128, 256, 128, 8, 3),
     _c(256, 128, 128, 8, 3),
@@ -102,6 +129,7 @@ INT8_GEMM_CONFIGS: tuple[TileConfig, ...] = (
     _c(32, 64, 128, 4, 4),
     _c(16, 64, 256, 4, 4),
     _c(16, 128, 128, 4, 4),
+    *INT8_DECODE_TILES,
 )
 
 # conv2d as implicit GEMM: K = C*KH*KW is usually small, so the K tiles are shallow.
@@ -234,6 +262,9 @@ def autotune_enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+_ALL_TUNERS: list[Autotuner] = []  # every tuner made (one per kernel module), for `tuning_totals`
+
+
 class Autotuner:
     """Picks the fastest of `configs` for one kernel, per shape key, remembering the choice on disk."""
 
@@ -245,7 +276,9 @@ class Autotuner:
         self.default = default
         self._memory: dict[tuple[str, str], TileConfig] = {}
         self._caches: dict[str, AutotuneCache] = {}
-        self.benchmarks_run = 0
+        self.benchmarks_run = 0  # shape keys benchmarked (each times every candidate)
+        self.tune_s = 0.0  # wall seconds those benchmarks took (compiling the candidates included)
+        _ALL_TUNERS.append(self)
 
     def cache_for(self, device: str) -> AutotuneCache:
         directory = cache_dir() / "autotune"
@@ -278,16 +311,50 @@ class Autotuner:
     def _benchmark(self, bench: Callable[[TileConfig], float]) -> tuple[TileConfig, float | None]:
         self.benchmarks_run += 1
         timings: dict[TileConfig, float] = {}
-        for config in self.configs:
-            try:
-                timings[config] = float(bench(config))
-            except Exception as err:  # out of shared memory or registers: skip that config
-                if type(err).__name__ not in ("OutOfResources", "PTXASError", "CompilationError"):
-                    raise
+        start = time.perf_counter()
+        try:
+            for config in self.configs:
+                try:
+                    timings[config] = float(bench(config))
+                except Exception as err:  # out of shared memory or registers: skip that config
+                    if type(err).__name__ not in ("OutOfResources", "PTXASError", "CompilationError"):
+                        raise
+        finally:
+            self.tune_s += time.perf_counter() - start
         if not timings:
             return self.default, None
         best = min(timings, key=timings.__getitem__)
         return best, timings[best]
+
+
+@dataclass(frozen=True, slots=True)
+class TuningTotals:
+    """What one tuner has spent: shape keys benchmarked and their wall seconds."""
+
+    benchmarks: int
+    seconds: float
+
+
+def tuning_totals() -> dict[str, TuningTotals]:
+    """kernel -> benchmarks and seconds so far in this process, summed over that kernel's tuners (a
+    benchmark compares two readings: a difference during a timed run is tuning, not running)."""
+    totals: dict[str, TuningTotals] = {}
+    for tuner in _ALL_TUNERS:
+        seen = totals.get(tuner.kernel, TuningTotals(0, 0.0))
+        benchmarks, seconds = seen.benchmarks + tuner.benchmarks_run, seen.seconds + tuner.tune_s
+        totals[tuner.kernel] = TuningTotals(benchmarks, seconds)
+    return totals
+
+
+# How long `cuda_bench` runs each candidate: triton.testing.do_bench's `warmup` and `rep`, in ms of
+# GPU time (each timed run clears the L2 cache first). With the 5 / 25 ms used before, one shape
+# key of the int8 GEMM cost its 11 candidates then x ~30 ms by do_bench's own sizing, about a third of a
+# second, paid by the request that first meets the key (issue 29: the 32-request benchmark of the
+# W8A8 engine on Llama-3.2-1B shapes met a new prefill row count, 512, in its timed run). A decode
+# step's GEMMs take microseconds (tens of runs in 3 ms), a prefill's up to about a millisecond (a
+# few runs): enough to rank tiles that differ by tens of percent.
+TUNE_WARMUP_MS = 1
+TUNE_REP_MS = 3
 
 
 def cuda_bench(launch: Callable[[TileConfig], object]) -> Callable[[TileConfig], float]:
@@ -295,7 +362,9 @@ def cuda_bench(launch: Callable[[TileConfig], object]) -> Callable[[TileConfig],
     import triton.testing
 
     def bench(config: TileConfig) -> float:
-        return triton.testing.do_bench(lambda: launch(config), warmup=5, rep=25, return_mode="median")
+        return triton.testing.do_bench(
+            lambda: launch(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median"
+        )
 
     return bench
 

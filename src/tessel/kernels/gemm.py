@@ -20,7 +20,10 @@ from tessel.kernels.autotune import Autotuner, TileConfig, launch_tuned
 
 if triton is not None:
 
-    @triton.jit
+    # M (the rows: a step's tokens) is not specialised on: Triton would otherwise compile each tile
+    # again for M == 1 and for M a multiple of 16, so a step whose row count is new to the process
+    # would wait for compiles; the kernel reads M only in `rows % M`, the grid and the store mask.
+    @triton.jit(do_not_specialize=["M"])
     def _gemm_kernel(
         A_ptr, W_ptr, Out_ptr, A_scale_ptr, W_scale_ptr, Bias_ptr,
         M, N, K,

@@ -14,6 +14,8 @@ layer's path follows its weight's device and this CPU's features (`tessel.kernel
 is chosen at construction (again on `set_path`, a move, a `load_state_dict`) and is its `path`.
 The compiled CPU decode steps take a layer's one-row form (`layer.one_row_form()`) and its split
 form (`layer.split()`), described in forms.py; `linear_form(m)` / `split_linear(m)` ask any module.
+On CUDA the GEMMs tune their tiles per row bucket on first use; `tune_linears(model, max_rows,
+dtype)` (tuning.py) does it for every bucket up front, as a warm-up should.
 """
 
 from tessel.layers.linear.dense import (
@@ -28,6 +30,7 @@ from tessel.layers.linear.dense import (
 )
 from tessel.layers.linear.forms import Kept, LinearForm, SplitLinear, linear_form, split_linear
 from tessel.layers.linear.int8_weights import GEMV_MAX_ROWS, quantize_weight
+from tessel.layers.linear.tuning import tune_linears, tune_rows, tuned_kernel
 from tessel.layers.linear.w8a8 import W8A8Linear
 from tessel.layers.linear.w8a16 import W8A16Linear
 
@@ -49,4 +52,7 @@ __all__ = [
     "packing_available",
     "quantize_weight",
     "split_linear",
+    "tune_linears",
+    "tune_rows",
+    "tuned_kernel",
 ]
