@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from tessel.commands import chunk as _chunk
+from tessel.commands import embed as _embed
 from tessel.commands import example_model as _example_model
 from tessel.commands import generate as _generate
 from tessel.commands import launch as _launch
@@ -60,6 +61,7 @@ app.command("launch")(_launch.launch)
 app.command("quantize")(_quantize.quantize)
 app.command("qat")(_qat.qat)
 app.command("example-model")(_example_model.example_model)
+app.command("embed")(_embed.embed)
 
 
 def main() -> None:

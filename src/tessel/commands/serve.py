@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 
+from tessel.commands.embed import MATRYOSHKA_OPTION, EncoderServeOptions, is_encoder_dir, serve_encoder
 from tessel.commands.options import (
     DEVICE_OPTION,
     ENFORCE_EAGER_OPTION,
@@ -113,8 +114,17 @@ def serve(
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
+    matryoshka: bool = MATRYOSHKA_OPTION,
 ) -> None:
-    """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+    """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health;
+    an encoder (BERT, sentence-transformers) serves /v1/embeddings."""
+    if is_encoder_dir(model):
+        sizes = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
+        limits = sizes | {"body_timeout_s": body_timeout_s}
+        name, level = served_model_name, log_level.value
+        options = EncoderServeOptions(host, port, dtype, device, name, level, matryoshka)
+        serve_encoder(model, options, limits, plan=plan)
+        return
     check_model_path(model, "--model")
     if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")

@@ -30,6 +30,7 @@ from starlette.background import BackgroundTask
 from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
+from tessel.server.embeddings import add_embeddings_route
 from tessel.server.errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 from tessel.server.logprobs import TokenText, chat_logprobs, completion_logprobs
@@ -214,6 +215,7 @@ def create_app(
         )
         return JSONResponse(response.model_dump())
 
+    add_embeddings_route(app, None, served_name, limits)  # a decoder: 400, embeddings need an encoder
     return app
 
 
