@@ -97,6 +97,19 @@ def plan(
     replan_horizon_s: float = typer.Option(
         3600.0, "--replan-horizon-s", min=1, max=1e9, help="Seconds the new plan serves (amortises its move)."
     ),
+    concurrency: Literal["auto", "fixed", "memory"] = typer.Option(
+        "auto",
+        "--concurrency",
+        help="Requests in flight: fixed (the workload's micro-batches, for latency-bound serving), memory "
+        "(each pipeline carries as many as its GPU memory holds, for offline work; implies --replicas 1 "
+        "when --replicas is not given), auto (memory for an offline workload with --replicas, else fixed).",
+    ),
+    max_concurrency: int | None = typer.Option(
+        None,
+        "--max-concurrency",
+        min=1,
+        help="With concurrency by memory: at most this many requests in flight.",
+    ),
 ) -> None:
     """Plan MODEL on CLUSTER under WORKLOAD and compare with the baselines."""
     from rich.console import Console
@@ -126,11 +139,26 @@ def plan(
         sensitivity,
     )
     console = Console(width=None if sys.stdout.isatty() else 150)
+    if concurrency == "memory" and replicas is None:
+        replicas = "1"
+    if max_concurrency is not None and (replicas is None or concurrency == "fixed"):
+        raise TesselError("--max-concurrency applies with --concurrency memory (or --replicas, offline)")
     if replicas is not None:
         from tessel.commands.plan_replicas import parse_replicas, plan_replicas
 
         problem = prepare_plan(model, cluster_arg, workload, settings, profile)
-        plan_replicas(console, problem, parse_replicas(replicas), settings, json_path, export)
+        if concurrency == "auto":
+            concurrency = "memory" if problem.workload.batch_size is not None else "fixed"
+        plan_replicas(
+            console,
+            problem,
+            parse_replicas(replicas),
+            settings,
+            json_path,
+            export,
+            concurrency=concurrency,
+            max_concurrency=max_concurrency,
+        )
         return
     outcome = make_plan(
         model,

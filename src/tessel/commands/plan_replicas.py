@@ -23,7 +23,17 @@ def parse_replicas(text: str) -> int | None:
     return count
 
 
-def plan_replicas(console, problem, count: int | None, settings, json_path: Path | None, export: str | None):
+def plan_replicas(
+    console,
+    problem,
+    count: int | None,
+    settings,
+    json_path: Path | None,
+    export: str | None,
+    *,
+    concurrency: str = "fixed",
+    max_concurrency: int | None = None,
+):
     """Choose, print, write (`--json`) and export (`--export vllm`) a replica plan.
 
     `problem` is `tessel.plan.api.prepare_plan`'s result, `settings` its `PlanSettings`."""
@@ -42,12 +52,19 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
         solver=settings.solver,
         time_limit_s=problem.solver_time_s(settings),
         mip_gap=settings.mip_gap,
+        concurrency=concurrency,
+        max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
     )
     for index, replica in enumerate(chosen.replicas):
         title = (
             f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs, "
             f"{replica.micro_batches} of the {instance.micro_batches} micro-batches in flight"
         )
+        if chosen.concurrency == "memory":
+            title = (
+                f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs, "
+                f"{replica.micro_batches} micro-batches of {b} in flight (as its memory holds)"
+            )
         console.print(stage_table(replica.instance, replica.result.evaluation, title))
     table = Table(title=f"{len(chosen.replicas)} replicas on {cluster_spec.name}", title_justify="left")
     for column in ("replica", "GPUs", "types", "micro-batches", "tok/s", "routing weight", "status", "gap"):
@@ -74,6 +91,21 @@ def plan_replicas(console, problem, count: int | None, settings, json_path: Path
         f"{'n/a' if every is None else f'{every * 100:.2f}%'} to the bound over every split "
         f"({chosen.split_bound_tok_s:.1f} tok/s), {chosen.time_s:.1f} s"
     )
+    console.print(
+        f"concurrency: {chosen.concurrency}; the whole cluster as one pipeline at the workload's "
+        f"{instance.micro_batches} micro-batches: {chosen.single_tok_s:.1f} tok/s "
+        f"(the plan above is never less)"
+    )
+    in_flight = sum(r.micro_batches for r in chosen.replicas)
+    if in_flight > workload_spec.micro_batches:  # memory concurrency: the plan file's m is the total
+        workload_spec = workload_spec.model_copy(
+            update={
+                "batch_size": in_flight * b,
+                "arrival_rate_per_s": None,
+                "latency_estimate_s": None,
+                "max_micro_batch": in_flight,
+            }
+        )
     first = chosen.replicas[0]
     if json_path is not None:
         plan_file = plan_json(

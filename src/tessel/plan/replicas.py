@@ -54,8 +54,9 @@ from tessel.errors import TesselError
 from tessel.plan.build import capacity_shortfall_bytes
 from tessel.plan.instance import PassCosts, PlanningInstance
 from tessel.plan.report import predict
-from tessel.plan.solution import evaluate
+from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, evaluate
 from tessel.plan.solve import PlanResult, solve
+from tessel.plan.workload import MAX_MICRO_BATCHES
 
 EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
 MIN_REPLICA_TIME_S = 0.5
@@ -63,6 +64,12 @@ SCREEN_TIME_SHARE = 0.4  # of the time limit, split over the kinds of group, to 
 SCREEN_STOP = 0.5  # a screening stops there, leaving the rest to plan the chosen split for real
 REFINE_END = 0.9  # the refinement aims to end there: a group's solve may overrun its share a little
 SPREAD_REPLICAS = (2, 4, 8)  # mixed splits tried: k replicas, each with a share of every type
+CONCURRENCY_MODES = ("fixed", "memory")
+SINGLE_TIME_SHARE = 0.3  # of the time limit: the whole cluster as one pipeline, planned first
+MEMORY_TRIES = (1.0, 0.9, 0.75, 0.5)  # memory mode: fractions of a group's memory limit planned at
+MEMORY_BOUND_S = 30.0  # HiGHS time for the memory bound's LP (about 8 s at 80 layers x 42 GPUs)
+MEMORY_SEARCH_SHARE = 0.6  # memory mode: its splits end there, the fixed shares get the rest
+EVERY_K_UP_TO = 8  # memory mode, exhaustive search: every k up to this, then MEMORY_TRIES fractions
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +95,8 @@ class ReplicaPlan:
     exhaustive: bool  # every partition of the devices was tried
     time_s: float
     split_bound_tok_s: float = math.inf  # over every split of the devices (`tessel.plan.replica_bound`)
+    concurrency: str = "fixed"  # "fixed": shares of the workload's m; "memory": as memory holds
+    single_tok_s: float = 0.0  # the whole cluster as one pipeline at the workload's m (a candidate)
 
 
 def routing_weights(capacities: list[float]) -> list[float]:
@@ -105,6 +114,51 @@ def share(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
         raise ValueError(f"a share is 1..{instance.micro_batches} micro-batches, got {micro_batches}")
     scale = micro_batches / instance.micro_batches
     return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
+
+
+def with_micro_batches(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
+    """The instance with `micro_batches` of b requests in flight (any count >= 1): same pass costs,
+    the KV of that many micro-batches."""
+    if micro_batches < 1:
+        raise ValueError(f"micro-batches in flight must be >= 1, got {micro_batches}")
+    scale = micro_batches / instance.micro_batches
+    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
+
+
+def gpu_memory_only(instance: PlanningInstance) -> PlanningInstance:
+    """The instance with no host memory to offload into: every plan holds all in GPU memory."""
+    return replace(instance, devices=tuple(replace(d, host_bytes=0.0) for d in instance.devices))
+
+
+def memory_micro_batches(instance: PlanningInstance, evaluation) -> float:
+    """The most micro-batches a plan's stages hold in device memory (weights, extras and workspace
+    fixed, KV growing with the count): min over stages of free memory / KV of one micro-batch
+    (inf when no stage holds KV); < 1 when it does not even hold one."""
+    m = instance.micro_batches
+    most = math.inf
+    for stage in evaluation.stages:
+        per = stage.kv_bytes / m
+        if per <= 0:
+            continue
+        memory = instance.devices[stage.stage.device].memory_bytes
+        free = memory * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES - (stage.held_bytes - stage.kv_bytes)
+        most = min(most, free / per)
+    return most
+
+
+def group_memory_limit(instance: PlanningInstance, devices: tuple[int, ...], cap: int) -> int:
+    """The most micro-batches (<= cap) whose KV, with the weights and extras, fits the group's GPU
+    memory in all (`holds_model`, GPU only): no plan of the group holds more; 0 when not even one."""
+    if not holds_model(with_micro_batches(instance, 1), devices, gpu_only=True):
+        return 0
+    low, high = 1, cap
+    while low < high:  # largest k that holds
+        middle = (low + high + 1) // 2
+        if holds_model(with_micro_batches(instance, middle), devices, gpu_only=True):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def allocate(curves: list[dict[int, float]], budget: int, count: int | None = None):
@@ -178,6 +232,8 @@ class _Planner:
         self.cache: dict[tuple, tuple[PlanResult, float, float] | None] = {}
         self.proxy = False  # screening: plan `averaged_precisions` (a fast estimate)
         self.every_share = True  # solve each share; else solve one share and evaluate the others
+        self.memory = False  # concurrency by memory (`instance` then has no host memory)
+        self.cap = instance.micro_batches  # most micro-batches one group may hold
 
     def signature(self, devices: tuple[int, ...]) -> tuple:
         """Device types and which of them share a node: groups alike in both plan alike."""
@@ -188,6 +244,8 @@ class _Planner:
 
     def curve(self, devices: tuple[int, ...]) -> dict[int, tuple[PlanResult, float, float]]:
         """The group's plan at each share k = 1..m it can serve: {k: (plan, throughput, upper)}."""
+        if self.memory:
+            return self._memory_curve(devices)
         m = self.instance.micro_batches
         if self.every_share:
             planned = {k: self.plan(devices, k) for k in range(1, m + 1)}
@@ -206,6 +264,48 @@ class _Planner:
                 upper = base[2] if k == held[-1] else math.inf
                 out[k] = (replace(base[0], evaluation=evaluation), self._tok_s(sub, evaluation), upper)
         return out
+
+    def _memory_curve(self, devices: tuple[int, ...]) -> dict[int, tuple[PlanResult, float, float]]:
+        """Concurrency by memory: plans at the most micro-batches the group's memory could hold (and
+        fewer, `MEMORY_TRIES`; with `every_share` also every k up to `EVERY_K_UP_TO`), each placement
+        then serving any k up to what its stages hold ({k: (plan at k, throughput, upper)})."""
+        limit = group_memory_limit(self.instance, devices, self.cap)
+        if limit == 0:
+            return {}
+        tries = sorted({max(1, math.floor(f * limit)) for f in MEMORY_TRIES}, reverse=True)
+        if self.every_share:
+            tries = sorted({*tries, *range(1, min(limit, EVERY_K_UP_TO) + 1)}, reverse=True)
+        out: dict[int, tuple[PlanResult, float, float]] = {}
+        for k in tries:
+            planned = self.plan(devices, k)
+            if planned is None:
+                continue
+            result, _, upper = planned
+            held = memory_micro_batches(self._instance(devices, k), result.evaluation)
+            most = min(math.floor(held), self.cap)
+            for j, throughput in enumerate(self._memory_tok_s(result.evaluation, most), start=1):
+                if j not in out or throughput > out[j][1] * (1 + 1e-12):
+                    out[j] = (result, throughput, upper if j == k else math.inf)  # evaluated at k
+            if not self.every_share:
+                break  # screening: the first placement found (the most micro-batches) ranks the group
+        return out
+
+    def _memory_tok_s(self, evaluation, most: int) -> list[float]:
+        """Throughput of one placement at k = 1..most micro-batches (no offloading: stage times do not
+        depend on k; `tessel.plan.report.predict`'s formula)."""
+        n_out = self.instance.decode_weight / self.instance.prefill_weight
+        pre = [s.time_prefill_s for s in evaluation.stages]
+        dec = [s.time_decode_s for s in evaluation.stages]
+        out = []
+        for k in range(1, most + 1):
+            total = sum(pre) + (k - 1) * max(pre) + n_out * (sum(dec) + (k - 1) * max(dec))
+            out.append(k * self.b * n_out / total if total > 0 else 0.0)
+        return out
+
+    def holds(self, devices: tuple[int, ...], k: int) -> bool:
+        if self.memory:
+            return holds_model(with_micro_batches(self.instance, k), devices, gpu_only=True)
+        return holds_model(share(self.instance, k), devices)
 
     def plan(self, devices: tuple[int, ...], k: int) -> tuple[PlanResult, float, float] | None:
         """(the group's plan at share k, its throughput, the throughput at its lower bound) or None.
@@ -232,11 +332,12 @@ class _Planner:
         return predict(sub, evaluation, self.b).throughput_tok_s
 
     def _instance(self, devices: tuple[int, ...], k: int) -> PlanningInstance:
-        sub = share(subset(self.instance, devices), k)
+        group = subset(self.instance, devices)
+        sub = with_micro_batches(group, k) if self.memory else share(group, k)
         return averaged_precisions(sub) if self.proxy else sub
 
     def _solve(self, devices: tuple[int, ...], k: int):
-        if not holds_model(share(self.instance, k), devices):
+        if not self.holds(devices, k):
             return None
         sub = self._instance(devices, k)
         try:
@@ -323,26 +424,47 @@ def choose_replicas(
     solver: str = "milp",
     time_limit_s: float = 30.0,
     mip_gap: float = 0.01,
+    concurrency: str = "fixed",
+    max_micro_batches: int | None = None,
+    _single: bool = True,
 ) -> ReplicaPlan:
-    """The split of the devices into `replicas` pipelines (None: the best count) and of the
-    workload's m micro-batches in flight among them with the most summed throughput, each replica
-    planned as a pipeline with its share, and the routing weights."""
+    """The split of the devices into `replicas` pipelines (None: the best count) and of the requests
+    in flight among them (`concurrency`: shares of the workload's m micro-batches, or as many as each
+    replica's memory holds, at most `max_micro_batches` in all) with the most summed throughput, each
+    replica planned as a pipeline, and the routing weights. Never less than the whole cluster as one
+    pipeline at the workload's m when that is allowed (`replicas` None or 1)."""
     started = time.perf_counter()
+    if concurrency not in CONCURRENCY_MODES:
+        raise TesselError(f"unknown concurrency {concurrency!r}; use one of {', '.join(CONCURRENCY_MODES)}")
+    if max_micro_batches is not None and max_micro_batches < 1:
+        raise TesselError(f"the most micro-batches in flight must be >= 1, got {max_micro_batches}")
+    if replicas is not None and replicas < 1:
+        raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
+    memory = concurrency == "memory"
     n, m = instance.n_devices, instance.micro_batches
+    single = None
+    if _single and replicas in (None, 1):
+        seconds = SINGLE_TIME_SHARE * time_limit_s
+        single = _single_pipeline(instance, micro_batch_size, solver, seconds, mip_gap)
+    memory_bound = _memory_bound(instance, micro_batch_size, max_micro_batches) if memory else math.inf
+    time_limit_s = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
+    started_splits = time.perf_counter()
     exhaustive = n <= EXHAUSTIVE_DEVICES
-    splits = list(_partitions(list(range(n)))) if exhaustive else _candidate_splits(share(instance, 1))
-    if replicas is not None:
-        if replicas < 1:
-            raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
-    planner = _Planner(instance, micro_batch_size, solver, 0.0, mip_gap)
+    base = gpu_memory_only(instance) if memory else instance
+    splits = list(_partitions(list(range(n)))) if exhaustive else _candidate_splits(share(base, 1))
+    planner = _Planner(base, micro_batch_size, solver, 0.0, mip_gap)
     planner.every_share = exhaustive
+    planner.memory = memory
+    if memory:
+        planner.cap = min(MAX_MICRO_BATCHES, max_micro_batches or MAX_MICRO_BATCHES)
+    budget = m if not memory else max_micro_batches
     kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
     screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
     planner.seconds = screen_s
     planner.proxy = not exhaustive and instance.precision is not None
     best, evaluated, largest = None, 0, 0
     for split in splits:
-        spent = time.perf_counter() - started
+        spent = time.perf_counter() - started_splits
         if best is not None and (
             spent > time_limit_s or (planner.proxy and spent > SCREEN_STOP * time_limit_s)
         ):
@@ -350,8 +472,10 @@ def choose_replicas(
             break
         split = [canonical_group(instance, g) for g in split]
         curves = [planner.curve(g) for g in split]
-        largest = max(largest, min(m, sum(bool(c) for c in curves)))
-        found = allocate([{k: p[1] for k, p in c.items()} for c in curves], m, replicas)
+        served = sum(bool(c) for c in curves)
+        largest = max(largest, served if budget is None else min(budget, served))
+        values = [{k: p[1] for k, p in c.items()} for c in curves]
+        found = _best_each(values, replicas) if budget is None else allocate(values, budget, replicas)
         if found is None:
             continue
         evaluated += 1
@@ -360,19 +484,47 @@ def choose_replicas(
             planned = [(g, k, c[k]) for g, k, c in zip(split, ks, curves, strict=True) if k > 0]
             best = (total, planned)
     if best is not None and not exhaustive:
-        best = _refine(planner, best, started + REFINE_END * time_limit_s, screen_s)
+        deadline = started_splits + (MEMORY_SEARCH_SHARE if memory else REFINE_END) * time_limit_s
+        best = _refine(planner, best, deadline, screen_s)
+    fixed_plan = None
+    if memory:  # the fixed shares (offloading allowed) are candidates too: never worse than them
+        left = time_limit_s - (time.perf_counter() - started_splits)
+        try:
+            fixed_plan = choose_replicas(
+                instance,
+                micro_batch_size,
+                replicas=replicas,
+                solver=solver,
+                time_limit_s=left,
+                mip_gap=mip_gap,
+                _single=False,
+            )
+        except TesselError:
+            fixed_plan = None
+        if fixed_plan is not None and (best is None or fixed_plan.throughput_tok_s > best[0] * (1 + 1e-9)):
+            best = None
+    single_tok_s = 0.0 if single is None else single[1]
+    fixed_tok_s = 0.0 if fixed_plan is None else fixed_plan.throughput_tok_s
+    if single is not None and (best is None or single[1] > best[0] * (1 + 1e-9)) and single[1] >= fixed_tok_s:
+        chosen = (Replica(tuple(range(n)), instance, single[0], single[1], single[2], 1.0, m),)
+        best = (single[1], None)
+    elif best is None and fixed_plan is not None:
+        chosen, best = fixed_plan.replicas, (fixed_tok_s, None)
+        evaluated += fixed_plan.splits_evaluated
+    elif best is not None:
+        weights = routing_weights([p[1] for _, _, p in best[1]])
+        chosen = tuple(
+            _replica(base, planner, g, k, p, w, memory) for (g, k, p), w in zip(best[1], weights, strict=True)
+        )
     if best is None and replicas is not None and largest > 0:
         raise TesselError(
             f"{replicas} replicas cannot each hold the model on these {n} devices; the largest feasible "
             f"count tessel found is {largest}"
         )
+    if best is None and memory:
+        _refuse_unheld_layers(base)
     if best is None:
         raise TesselError("no group of these devices can hold the model; add GPUs or host memory")
-    weights = routing_weights([p[1] for _, _, p in best[1]])
-    chosen = tuple(
-        Replica(g, share(subset(instance, g), k), p[0], p[1], p[2], w, k)
-        for (g, k, p), w in zip(best[1], weights, strict=True)
-    )
     from tessel.plan.replica_bound import split_upper_bound_tok_s
 
     return ReplicaPlan(
@@ -382,8 +534,81 @@ def choose_replicas(
         evaluated,
         exhaustive,
         time.perf_counter() - started,
-        split_upper_bound_tok_s(instance, micro_batch_size),
+        memory_bound if memory else split_upper_bound_tok_s(instance, micro_batch_size),
+        concurrency,
+        single_tok_s,
     )
+
+
+def _replica(base, planner: _Planner, group, k: int, planned, weight: float, memory: bool) -> Replica:
+    """The chosen group at its k, its plan evaluated there (memory mode plans at one k and serves any
+    k its stages hold)."""
+    result, throughput, upper = planned
+    sub = planner._instance(group, k) if memory else share(subset(base, group), k)
+    if memory:
+        result = replace(result, evaluation=evaluate(sub, result.solution))
+    return Replica(group, sub, result, throughput, upper, weight, k)
+
+
+def unheld_units(instance: PlanningInstance) -> list[int]:
+    """Units that no device's memory holds with the KV of one micro-batch (its workspace, and the
+    embedding / LM head for the first / last unit, included): no path from the first layer to the
+    last exists through them without offloading."""
+    one = with_micro_batches(instance.relaxed(), 1)
+    memory = np.array([d.memory_bytes for d in one.devices]) * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
+    least = memory - np.asarray(one.workspace_bytes, dtype=float)
+    need = np.asarray(one.weight_bytes, dtype=float) + np.asarray(one.kv_bytes, dtype=float)
+    need = need.copy()
+    need[0] += one.first_bytes
+    need[-1] += one.last_bytes
+    return [u for u in range(one.n_units) if not np.any(need[u] <= least)]
+
+
+def _refuse_unheld_layers(instance: PlanningInstance) -> None:
+    units = unheld_units(instance)
+    if not units:
+        return
+    first, last = instance.units[units[0]].layer, instance.units[units[-1]].layer
+    span = f"layer {first}" if first == last else f"layers {first}-{last}"
+    raise TesselError(
+        f"no GPU's memory holds {span} with the KV of one micro-batch, so no path of GPUs covers the "
+        f"model from layer 0 to layer {instance.units[-1].layer} without offloading; add GPUs with more "
+        "memory, or plan with --concurrency fixed (offloading to host memory)"
+    )
+
+
+def _memory_bound(instance: PlanningInstance, b: int, cap: int | None) -> float:
+    """The memory-and-requests-in-flight bound over every split held in GPU memory
+    (`tessel.plan.memory_bound`, its LP; inf when HiGHS gives none)."""
+    from tessel.plan.memory_bound import memory_flow_bound
+
+    return memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=MEMORY_BOUND_S).throughput_tok_s
+
+
+def _single_pipeline(instance: PlanningInstance, b: int, solver: str, seconds: float, gap: float):
+    """(plan, throughput, upper) of the whole cluster as one pipeline at the workload's m, or None."""
+    try:
+        result = solve(instance, solver=solver, time_limit_s=max(seconds, MIN_REPLICA_TIME_S), mip_gap=gap)
+    except TesselError:
+        return None
+    throughput = predict(instance, result.evaluation, b).throughput_tok_s
+    return result, throughput, _upper(throughput, result.evaluation.objective, result.bound)
+
+
+def _best_each(curves: list[dict[int, float]], count: int | None):
+    """With no total budget: each group at its best k (groups independent); with `count`, the
+    `count` groups with the most. (total, shares) or None."""
+    tops = [max(c.items(), key=lambda kv: (kv[1], -kv[0])) if c else (0, 0.0) for c in curves]
+    order = sorted((i for i, c in enumerate(curves) if c), key=lambda i: -tops[i][1])
+    if count is not None:
+        if len(order) < count:
+            return None
+        order = order[:count]
+    if not order:
+        return None
+    keep = set(order)
+    ks = tuple(tops[i][0] if i in keep else 0 for i in range(len(curves)))
+    return sum(tops[i][1] for i in keep), ks
 
 
 def _partitions(items: list[int]):
