@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go: the CUDA tests (tests/*/test_cuda_*.py, skipped on a
-# machine without a GPU), the engine on CUDA against HF (benchmarks/cuda_engine.py) and the kernels
-# against their torch baselines (benchmarks/kernels.py --device cuda). Logs go to OUT_DIR; records to
+# machine without a GPU), pipelines with GPU stages (benchmarks/pipeline_gpu.py), the engine on CUDA
+# against HF (benchmarks/cuda_engine.py), the kernels against their torch baselines
+# (benchmarks/kernels.py --device cuda) and the quantised linears per path (benchmarks/cuda_linear.py).
+# SKIP_STEPS="cuda_engine kernels_cuda" leaves steps out. Logs go to OUT_DIR; records to
 # OUT_DIR/results/<benchmark>.jsonl, the same files as benchmarks/results/ (cuda_engine, kernels, and
 # gpu_checks: one record per step with its log). To keep them, append them to the repository's:
 #
@@ -33,6 +35,7 @@ label=${LABEL:-}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, record it
   local name=$1 seconds=$2
   shift 2
+  case " ${SKIP_STEPS:-} " in *" $name "*) echo "== $name: skipped" | tee -a "$out/gpu.txt"; return ;; esac
   local start=$SECONDS
   timeout "$seconds" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -44,10 +47,18 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 
 # The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
 TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-150}" $python -m pytest -q -p no:cacheprovider -rfE \
-  --junitxml "$out/cuda_tests.xml" \
-  tests/kernels/test_cuda_kernels.py tests/engine/test_cuda_engine.py tests/quant/test_cuda_quantized.py
+  --junitxml "$out/cuda_tests.xml" tests/*/test_cuda_*.py
+# Pipelines with GPU stages (issue 29): two stages on one GPU, the planner's CPU + GPU split, each
+# against one process on the GPU; CPU alone and accelerate offload as baselines.
+step pipeline_gpu "${PIPELINE_S:-180}" $python benchmarks/pipeline_gpu.py \
+  --label "$label" --out "$out/results/pipeline_gpu.jsonl"
 step cuda_engine "${ENGINE_S:-200}" $python benchmarks/cuda_engine.py --repeats 2 $quick \
   --label "$label" --out "$out/results/cuda_engine.jsonl"
 step kernels_cuda "${KERNELS_S:-100}" $python benchmarks/kernels.py --device cuda $quick \
   --label "$label" --out "$out/results/kernels.jsonl"
+# Issue 29's W8A8 / W8A16 slowdown at 32 requests on Llama-1B shapes: engine runs with the tuning
+# inside each, a profiled 32-row decode step, the linears per path and row count (LINEAR_S seconds;
+# the script skips what would start past its --budget-s).
+step cuda_linear "${LINEAR_S:-100}" $python benchmarks/cuda_linear.py --budget-s 80 \
+  --label "$label" --out "$out/results/cuda_linear.jsonl"
 $python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"

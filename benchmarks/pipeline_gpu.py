@@ -10,16 +10,17 @@ captures its CUDA graphs and every stage builds its kernels on untimed requests 
 
     single          one process on the GPU (`LLM(device=...)`, `warm_up()`): the oracle and the baseline
     1-stage         a one-stage plan on the GPU: the runtime's overhead
-    2 on one GPU    two stages sharing the GPU (pinned host buffers over gloo), 1 then 2 micro-batches
+    2 on one GPU    two stages sharing the GPU (pinned host buffers over gloo), 2 micro-batches
     CPU + GPU       `tessel plan --cluster local --gpu-memory-gib CAP`: the planner's split of this
-                    machine's CPU and GPU (float32 for the token check, bfloat16 for speed)
-    CPU alone       one process on the CPU, all its threads (bfloat16)
+                    machine's CPU and GPU, 2 micro-batches
+    CPU alone       one process on the CPU, `--threads` threads
     accelerate      HF transformers with `device_map="auto"` and the same `max_memory` (the CPU's layers
-                    offloaded to the GPU per step), bfloat16
+                    offloaded to the GPU per step)
 
-`same` counts requests whose tokens equal the single process's in the same dtype (CPU + GPU: the
-CPU's float32 against the GPU's, so a near-tie may flip a greedy token; the first differing
-position is recorded). `--device cpu` runs the GPU configurations on the CPU (a smoke test of the
+Every configuration runs in `--dtype` (float32 by default, so the CPU's tokens can be held to the
+GPU's). `same` counts requests whose tokens equal the single process's (a CPU's arithmetic against the
+GPU's, or another batch shape's, may flip a greedy token at a near-tie; the first differing
+positions are recorded). `--device cpu` runs the GPU configurations on the CPU (a smoke test of the
 script, not a measurement). The record goes to benchmarks/results/pipeline_gpu.jsonl; the figures so
 far are kept beside it after each row.
 """
@@ -127,12 +128,12 @@ def pipeline_row(
     return {"tok_s": sum(len(t) for t in tokens) / run.wall_s, "tokens": tokens, "stages": stages}
 
 
-def accelerate_row(model: Path, cap_gib: float, batch: list[list[int]], new: int) -> dict:
+def accelerate_row(model: Path, cap_gib: float, batch: list[list[int]], new: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     memory = {0: f"{cap_gib}GiB", "cpu": "100GiB"}
     hf = AutoModelForCausalLM.from_pretrained(
-        model, dtype=torch.bfloat16, device_map="auto", max_memory=memory
+        model, dtype=getattr(torch, dtype), device_map="auto", max_memory=memory
     )
     placed = sorted({str(v) for v in hf.hf_device_map.values()})
     ids = torch.tensor(batch, device="cuda")
@@ -168,6 +169,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--cap-gib", type=float, default=2.0, help="--gpu-memory-gib of the CPU + GPU plan")
     parser.add_argument("--threads", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--dtype", default="float32", help="every configuration's dtype")
     parser.add_argument("--skip", action="append", default=[], help="configurations to skip (by name)")
     _harness.add_record_options(parser, "pipeline_gpu")
     args = parser.parse_args()
@@ -216,48 +218,23 @@ def main() -> None:
 
         half = layers // 2
         plan = lambda name, stages, m=1: write_plan(root / f"{name}.json", model, stages, m)  # noqa: E731
-        threads = args.threads
-        step("single bf16", lambda: single_row(model, args.device, "bfloat16", batch, new, threads))
-        step("single fp32", lambda: single_row(model, args.device, "float32", batch, new, threads))
+        threads, dtype = args.threads, args.dtype
+        step("single", lambda: single_row(model, args.device, dtype, batch, new, threads))
         one = plan("one", [(gpu, kind, 0, layers)])
-        step(
-            "1-stage bf16",
-            lambda: pipeline_row(one, model, "bfloat16", prompts_file, new, 1, threads),
-            "single bf16",
-        )
+        step("1-stage", lambda: pipeline_row(one, model, dtype, prompts_file, new, 1, threads), "single")
         two = plan("two", [(gpu, kind, 0, half), (f"{gpu}#2", kind, half, layers)], 2)
-        step(
-            "2 on one GPU m=1 bf16",
-            lambda: pipeline_row(two, model, "bfloat16", prompts_file, new, 1, threads),
-            "single bf16",
-        )
-        step(
-            "2 on one GPU m=2 bf16",
-            lambda: pipeline_row(two, model, "bfloat16", prompts_file, new, 2, threads),
-            "single bf16",
-        )
+        step("2 on one GPU", lambda: pipeline_row(two, model, dtype, prompts_file, new, 2, threads), "single")
         if cuda:
             mixed = planner_split(model, args.cap_gib, root / "mixed.json")
         else:
             mixed = plan("mixed", [("localhost-cpu/gpu0", "cpu", 0, half), (gpu, kind, half, layers)], 2)
-        split = [
-            (s["device"], s["gpu_type"], s["layer_start"], s["layer_end"])
-            for s in json.loads(mixed.read_text())["stages"]
-        ]
+        stages = json.loads(mixed.read_text())["stages"]
+        split = [(s["device"], s["gpu_type"], s["layer_start"], s["layer_end"]) for s in stages]
         result["cpu_gpu_plan"] = {"cap_gib": args.cap_gib, "stages": split}
-        step(
-            "CPU + GPU m=1 fp32",
-            lambda: pipeline_row(mixed, model, "float32", prompts_file, new, 1, threads),
-            "single fp32",
-        )
-        step(
-            "CPU + GPU m=2 bf16",
-            lambda: pipeline_row(mixed, model, "bfloat16", prompts_file, new, 2, threads),
-            "single bf16",
-        )
-        step("CPU alone bf16", lambda: single_row(model, "cpu", "bfloat16", batch, new, threads))
+        step("CPU + GPU", lambda: pipeline_row(mixed, model, dtype, prompts_file, new, 2, threads), "single")
+        step("CPU alone", lambda: single_row(model, "cpu", dtype, batch, new, threads), "single")
         if cuda:
-            step("accelerate offload bf16", lambda: accelerate_row(model, args.cap_gib, batch, new))
+            step("accelerate offload", lambda: accelerate_row(model, args.cap_gib, batch, new, dtype))
     _print(result)
     _harness.append_record(args.out, "pipeline_gpu", result, args.label)
 
@@ -279,9 +256,9 @@ def _harness_safe(row: dict) -> dict:
 
 def _print(result: dict) -> None:
     rows = result["rows"]
-    base = rows.get("single bf16", {}).get("tok_s")
+    base = rows.get("single", {}).get("tok_s")
     table = Table(title=f"pipelines with GPU stages ({result['device']})")
-    for column in ("configuration", "tok/s", "vs single bf16", "same tokens", "note"):
+    for column in ("configuration", "tok/s", "vs single", "same tokens", "note"):
         table.add_column(column)
     for name, row in rows.items():
         if "error" in row:

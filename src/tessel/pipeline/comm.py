@@ -62,8 +62,8 @@ def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:
         return message
     meta = message.meta
 
-    def on(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:  # to the host: waited for (it is pickled next)
+        return None if t is None else t.to(device, non_blocking=device.type != "cpu")
 
     keep_gather = device.type == "cpu"
     groups = [
