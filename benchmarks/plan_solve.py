@@ -17,6 +17,10 @@ of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time lim
 also compared with Helix's own baseline, separate same-type pipelines with even layer splits
 (`tessel.plan.replica_baseline`), sharing the micro-batches the same way.
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
+Part 6 (memory, issue 33): LLaMA-2-70B, `offline-batch`, concurrency set by memory, on `helix-like-42`
+and on a Helix-shaped 42-node / 64-GPU cluster built here (A100-40G, V100-16G, L4, T4; not a copy):
+`choose_replicas(concurrency="memory")` (never less than one pipeline), the memory + requests-in-flight
+bound (`tessel.plan.memory_bound`, LP), the separate-pipelines baseline by memory, and the ratios.
 
     python benchmarks/plan_solve.py            # full: time limits 10 s (8, 16) and 120 s (42)
     python benchmarks/plan_solve.py --quick    # smoke run: 3 s limits, fewer clusters
@@ -342,6 +346,61 @@ def scale_rows(quick: bool) -> dict:
     }
 
 
+def _helix_64() -> dict:
+    """42 nodes, 64 GPUs: 4 A100-40G x1, 6 V100-16G x2, 10 L4 x2, 6 T4 x2 + 16 T4 x1; 10 Gb/s."""
+    spec = [("A100-40G", 4, 1), ("V100-16G", 6, 2), ("L4", 10, 2), ("T4", 6, 2), ("T4", 16, 1)]
+    nodes, seen = [], 0
+    for kind, count, per in spec:
+        for _ in range(count):
+            nodes.append({"name": f"n{seen}-{kind.lower()}", "gpus": {"type": kind, "count": per},
+                          "intra_link": "pcie", "host_memory_gib": 64})  # fmt: skip
+            seen += 1
+    return {"name": "helix-shaped-64", "nodes": nodes, "network": {"bandwidth_gbps": 10, "latency_us": 100}}
+
+
+def memory_rows(quick: bool) -> dict:
+    """Concurrency by memory on two Helix-like clusters: best plan, bound, baselines, ratios."""
+    from tessel.plan.memory_bound import memory_flow_bound
+    from tessel.plan.replica_baseline import separate_uniform
+    from tessel.plan.replicas import choose_replicas, split_gap
+
+    limit = 20.0 if quick else 60.0
+    workload = load_workload("offline-batch")
+    b = workload.micro_batch_size
+    rows = []
+    clusters = (("helix-like-42", "helix-like-42"), ("helix-shaped-64", parse_cluster(_helix_64())))
+    for name, cluster in clusters:
+        with _harness.stopwatch() as elapsed:
+            instance = build_instance("llama-2-70b", cluster, workload)
+            chosen = choose_replicas(instance, b, time_limit_s=limit, concurrency="memory")
+        bound = memory_flow_bound(instance, b)
+        separate = separate_uniform(instance, b, "memory")
+        separate_tok = None if separate is None else separate.throughput_tok_s
+        best = chosen.throughput_tok_s
+        rows.append({
+            "cluster": name,
+            "devices": instance.n_devices,
+            "time_limit_s": limit,
+            "time_s": elapsed.wall_s,
+            "single_pipeline_tok_s": chosen.single_tok_s,  # whole cluster, the workload's m (fixed)
+            "best_tok_s": best,
+            "over_single": best / chosen.single_tok_s if chosen.single_tok_s else None,
+            "replicas": [{"gpus": len(r.devices), "types": sorted({d.gpu_type for d in r.instance.devices}),
+                          "micro_batches": r.micro_batches, "tok_s": r.throughput_tok_s}
+                         for r in chosen.replicas],  # fmt: skip
+            "memory_bound_tok_s": bound.throughput_tok_s,
+            "memory_bound_micro_batches": bound.micro_batches,
+            "gap_to_bound": split_gap(chosen),
+            "separate_pipelines_tok_s": separate_tok,
+            "separate_pipelines_groups": None if separate is None else [list(g) for g in separate.groups],
+            "best_over_separate": None if not separate_tok else best / separate_tok,
+            "bound_over_separate": None if not separate_tok else bound.throughput_tok_s / separate_tok,
+            "helix_target_over_separate": 2.9,
+            "swarm_like_tok_s": None,  # not built yet
+        })  # fmt: skip
+    return {"model": "llama-2-70b", "workload": "offline-batch", "rows": rows}
+
+
 def _obj(evaluation) -> float | None:
     return None if evaluation is None else evaluation.objective
 
@@ -361,13 +420,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: short limits, fewer clusters")
     _harness.add_record_options(parser, "plan_solve")
     parser.add_argument(
-        "--parts", default="solve,quality,precision,replicas,scale", help="comma-separated parts to run"
+        "--parts",
+        default="solve,quality,precision,replicas,scale,memory",
+        help="comma-separated parts to run",
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     console = Console(width=160)
     extra = {}
-    for name, run in (("precision", precision_rows), ("replicas", replica_rows), ("scale", scale_rows)):
+    runs = (
+        ("precision", precision_rows),
+        ("replicas", replica_rows),
+        ("scale", scale_rows),
+        ("memory", memory_rows),
+    )
+    for name, run in runs:
         if name in parts:
             extra[name] = {**run(args.quick), "quick": args.quick}
             console.print_json(json.dumps(extra[name], default=str))
