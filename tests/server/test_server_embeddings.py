@@ -134,3 +134,14 @@ def test_a_decoder_server_refuses_embeddings(tiny_model):
         response = client.post("/v1/embeddings", json={"input": "hi"})
     assert response.status_code == 400
     assert "needs an encoder" in response.json()["error"]["message"]
+
+
+def test_the_openai_client_gets_the_vectors(encoder_dir, serve_in_thread):
+    openai = pytest.importorskip("openai")
+    embedder = Embedder(encoder_dir)
+    with serve_in_thread(create_embedding_app(embedder)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        response = client.embeddings.create(model="tiny-bert", input=TEXTS)  # base64 on the wire
+    vectors = torch.tensor([item.embedding for item in response.data])
+    assert (vectors - embedder.embed(TEXTS)).abs().max() == 0
+    assert response.usage.prompt_tokens > 0

@@ -170,6 +170,40 @@ def expected_shapes(config: BertConfig) -> dict[str, tuple[tuple[int, ...], str]
 # ---- the model ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """Where a batch's real tokens sit: the model runs on the packed tokens [tokens, hidden] (no padding
+    in the linears, norms and MLP) and pads only around attention. `index`: each token's row in the
+    padded [batch * longest] layout (None: no padding at all); `key_mask`: [batch, 1, 1, longest]."""
+
+    batch: int
+    longest: int
+    index: torch.Tensor | None
+    key_mask: torch.Tensor | None
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor) -> Packing:
+        batch, longest = attention_mask.shape
+        if bool(attention_mask.all()):
+            return cls(batch, longest, None, None)
+        keep = attention_mask.to(torch.bool)
+        index = keep.reshape(-1).nonzero().squeeze(1)
+        return cls(batch, longest, index, keep[:, None, None, :])
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """[tokens, width] -> [batch, longest, width] (zeros at padding)."""
+        if self.index is None:
+            return packed.view(self.batch, self.longest, -1)
+        padded = packed.new_zeros(self.batch * self.longest, packed.shape[-1])
+        padded[self.index] = packed
+        return padded.view(self.batch, self.longest, -1)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """[batch, longest, width] -> [tokens, width]."""
+        flat = padded.reshape(self.batch * self.longest, -1)
+        return flat if self.index is None else flat[self.index]
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
@@ -178,10 +212,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """[batch, longest] token ids -> packed [tokens, hidden]."""
         positions = self.position_embeddings.weight[: input_ids.shape[1]]
-        x = self.word_embeddings(input_ids) + positions + self.token_type_embeddings.weight[0]
-        return self.LayerNorm(x)
+        ids = packing.unpad(input_ids.unsqueeze(-1)).squeeze(-1)
+        x = self.word_embeddings(ids) + packing.unpad(positions.expand(packing.batch, -1, -1))
+        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
 
 class BertLayer(nn.Module):
@@ -199,17 +235,19 @@ class BertLayer(nn.Module):
         self.down = nn.Linear(c.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        batch, tokens, hidden = x.shape
-        qkv = self.qkv(x).view(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-        attn = attn.transpose(1, 2).reshape(batch, tokens, hidden)
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Packed [tokens, hidden] -> packed [tokens, hidden]."""
+        b, t, heads, d = packing.batch, packing.longest, self.num_heads, self.head_dim
+        qkv = packing.pad(self.qkv(x)).view(b, t, 3, heads, d).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=packing.key_mask)
+        attn = packing.unpad(attn.transpose(1, 2))
         x = self.attn_norm(x + self.attn_out(attn))
         return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)))
 
 
 class BertEncoder(nn.Module):
-    """`forward(input_ids [B, T], attention_mask [B, T] of 0/1)` -> last hidden states [B, T, hidden]."""
+    """`forward(input_ids [B, T], attention_mask [B, T] of 0/1)` -> last hidden states [B, T, hidden]
+    (zeros at padding)."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -218,13 +256,11 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(input_ids)
-        mask = None
-        if not bool(attention_mask.all()):  # a key padding mask, broadcast over heads and queries
-            mask = attention_mask[:, None, None, :].to(torch.bool)
+        packing = Packing.from_mask(attention_mask)
+        x = self.embeddings(input_ids, packing)
         for layer in self.layers:
-            x = layer(x, mask)
-        return x
+            x = layer(x, packing)
+        return packing.pad(x)
 
 
 # ---- loading -----------------------------------------------------------------------------------
