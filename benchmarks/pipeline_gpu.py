@@ -135,7 +135,7 @@ def accelerate_row(model: Path, cap_gib: float, batch: list[list[int]], new: int
     hf = AutoModelForCausalLM.from_pretrained(
         model, dtype=getattr(torch, dtype), device_map="auto", max_memory=memory
     )
-    placed = sorted({str(v) for v in hf.hf_device_map.values()})
+    placed = sorted({str(v) for v in getattr(hf, "hf_device_map", {"?": "no hf_device_map"}).values()})
     ids = torch.tensor(batch, device="cuda")
 
     def run() -> None:

@@ -260,3 +260,21 @@ def test_any_device_string_is_a_device_or_a_named_refusal(text: str) -> None:
         assert repr(text) in str(error)
         return
     assert device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+
+
+def test_warm_up_tunes_the_linears_before_it_captures(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, warm_up tunes every GEMM's tiles up to a full prefill's rows, then captures the
+    graphs (with the tuned tiles): no tile is tuned inside a request (issue 29's W8A8 slowdown)."""
+    from tessel.engine import cuda_graph, llm_engine, step_plan
+
+    monkeypatch.setattr(step_plan, "capture_family", lambda device: step_plan.GraphFamily.CUDA)
+    monkeypatch.setattr(cuda_graph.CudaGraphDecoder, "_record", _eager_record)
+    events = []
+    monkeypatch.setattr(llm_engine, "tune_linears", lambda model, rows, dtype: events.append(("tune", rows)))
+    capture = cuda_graph.CudaGraphDecoder.capture_all
+    monkeypatch.setattr(
+        cuda_graph.CudaGraphDecoder, "capture_all", lambda self: events.append(("capture",)) or capture(self)
+    )
+    llm = LLM(checkpoints("llama"), max_model_len=64, max_num_batched_tokens=256)
+    assert llm.warm_up()
+    assert events == [("tune", 256), ("capture",)]

@@ -33,6 +33,7 @@ from tessel.engine.sampling_params import SamplingParams, check_text
 from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence
 from tessel.errors import TesselError
+from tessel.layers.linear.tuning import tune_linears
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.gguf import resolve_model_path
 from tessel.models.llama import LlamaForCausalLM
@@ -168,8 +169,10 @@ class LLMEngine:
 
     def warm_up(self) -> bool:
         """Build the decode step's graphs now, so the first requests do not wait for them; -> whether
-        the engine has any. On CUDA: capture every bucket of rows (`tessel.engine.cuda_graph`, on
-        dummy rows). On CPU: one decode step per bucket of rows the compiled graph takes
+        the engine has any. On CUDA: tune the linears' GEMM tiles for every row bucket a step can
+        have (`tessel.layers.linear.tuning.tune_linears`, up to max_num_batched_tokens rows), then
+        capture every bucket of rows (`tessel.engine.cuda_graph`, on dummy rows). On CPU: one decode
+        step per bucket of rows the compiled graph takes
         (`StepPlan.warm_up_rows`: one row where the linears have one-row forms, with its first
         attention bucket; every bucket up to `max_num_seqs` where some linear is split), each row a
         two-token dummy sequence on a block freed afterwards, outside the scheduler and the prefix
@@ -177,6 +180,7 @@ class LLMEngine:
         (docs/engine.md)."""
         plan = self.runner.plan
         if plan.cuda_graphs is not None:
+            tune_linears(self.model, self._max_num_batched_tokens(), self.dtype)
             return plan.cuda_graphs.capture_all()
         rows = plan.warm_up_rows(self.config.max_num_seqs)
         if not rows:

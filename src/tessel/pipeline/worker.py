@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.engine.config import EngineConfig
+from tessel.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.llm_engine import max_model_len
 from tessel.engine.model_runner import kv_cache_bytes_per_block
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
+from tessel.layers.linear.tuning import tune_linears
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.reader import read_model
 from tessel.pipeline.chunk_cutter import DEFAULT_CPP_MIN_TOKENS, ChunkCutter
@@ -202,7 +203,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
     if args.warmup and engine.runner.cuda_graphs is not None:
-        engine.runner.cuda_graphs.capture_all()  # every bucket's graph, before the timed requests
+        engine.warm_up()  # the GEMM tiles tuned and every bucket's graph captured, before timing
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes, engine.num_total_blocks)
     if args.warmup:
         warm_up(engine, requests)
@@ -267,6 +268,8 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
     executor.attach_kv(layout, dtype, comm.device)
     if args.warmup and executor.runner.cuda_graphs is not None:
+        max_rows = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, layout.max_model_len)
+        tune_linears(executor.model, max_rows, dtype)
         executor.runner.cuda_graphs.capture_all()
     report_loaded(rank, plan, executor.weight_bytes, rss_before, layout.num_blocks)
     serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
