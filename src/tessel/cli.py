@@ -11,7 +11,9 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
+from tessel.commands import catalog_list as _catalog_list
 from tessel.commands import chunk as _chunk
 from tessel.commands import embed as _embed
 from tessel.commands import example_model as _example_model
@@ -62,6 +64,13 @@ app.command("quantize")(_quantize.quantize)
 app.command("qat")(_qat.qat)
 app.command("example-model")(_example_model.example_model)
 app.command("embed")(_embed.embed)
+app.command("list")(_catalog_list.list_catalog)
+
+# What a runtime command imports that a planner-only install (`pip install tessel`) lacks
+RUNTIME_MODULES = (
+    "torch", "triton", "safetensors", "transformers", "tokenizers", "fastapi", "uvicorn", "prometheus_client",
+)  # fmt: skip
+RUNTIME_INSTALL = "pip install 'tessel[runtime]'"
 
 
 def main() -> None:
@@ -71,6 +80,14 @@ def main() -> None:
     except TesselError as error:
         Console(stderr=True).print(f"[bold red]error:[/bold red] {error}", highlight=False)
         sys.exit(error.exit_code)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in RUNTIME_MODULES:
+            raise
+        command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "this command")
+        message = f"`tessel {command}` needs the runtime extra ({missing} is missing): {RUNTIME_INSTALL}"
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
