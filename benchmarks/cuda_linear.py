@@ -547,7 +547,7 @@ def tile_part(budget: Budget) -> dict:
         INT8_DECODE_TILES,
         INT8_GEMM_CONFIGS,
     )
-    from tessel.kernels.quantize import quantize_per_token
+    from tessel.kernels.quantize_rows import quantize_per_token
 
     kernels = {  # name -> (candidates, decode tiles, DOT mode, whether `a` is the int8 codes)
         "int8_gemm": (INT8_GEMM_CONFIGS, INT8_DECODE_TILES, "int8", True),

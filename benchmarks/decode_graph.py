@@ -77,7 +77,7 @@ def linear_row() -> dict:
     import torch
 
     from tessel.kernels import cpu_compile
-    from tessel.kernels.quantize import per_token_codes as quantize_rows_formula
+    from tessel.kernels.quantize_rows import per_token_codes as quantize_rows_formula
     from tessel.kernels.w8a16_cpu import gemv_scaled_formula
 
     n, k = 3072, 576

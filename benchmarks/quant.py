@@ -357,7 +357,7 @@ def gemm_speed(m: int, n: int, k: int, repeats: int) -> dict:
     from torch import nn
 
     from tessel.kernels.cpu_features import BF16_FLAGS, cpu_flags
-    from tessel.kernels.quantize import quantize_per_token
+    from tessel.kernels.quantize_rows import quantize_per_token
     from tessel.layers.linear import W8A8Linear, packing_available
     from tessel.layers.linear import W8A8Linear as Int8Linear
     from tessel.layers.linear import W8A16Linear as W8A16CPULinear

@@ -32,7 +32,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 def build(layers: int) -> list[dict]:
     from tessel.kernels.int8_cpu import fbgemm_pack, fp16_codes_pack
-    from tessel.kernels.quantize import quantize_per_token
+    from tessel.kernels.quantize_rows import quantize_per_token
     from tessel.layers.linear import BATCH_HINT
     from tessel.layers.linear import packed_linear as PackedLinear
 

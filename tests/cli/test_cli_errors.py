@@ -189,7 +189,7 @@ def test_many_nodes_add_up_to_the_cluster_bound(tmp_path: Path) -> None:
 
 
 def test_simulate_requests_are_bounded(plan_file: Path) -> None:
-    from tessel.sim.workload import MAX_REQUESTS
+    from tessel.sim.request_trace import MAX_REQUESTS
 
     message = user_error(["simulate", "--plan", plan_file, "--requests", "100000000"], guard_s=20)
     assert "--requests" in message and str(MAX_REQUESTS) in message.replace(",", "")

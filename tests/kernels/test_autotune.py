@@ -258,7 +258,7 @@ cases = {
                     dict(A_ptr="*fp32", W_ptr="*fp32", Out_ptr="*fp32", A_scale_ptr="*fp32",
                          W_scale_ptr="*fp32", Bias_ptr="*fp32"),
                     dict(HAS_A_SCALE=False, HAS_W_SCALE=False, HAS_BIAS=True, DOT="fp32", **TILE)),
-    "quantize_per_token": ("tessel.kernels.quantize", "_quantize_per_token_kernel",
+    "quantize_per_token": ("tessel.kernels.quantize_rows", "_quantize_per_token_kernel",
                            dict(X_ptr="*fp16", Q_ptr="*i8", Scale_ptr="*fp32"),
                            dict(SINGLE_PASS=True, BLOCK_K=1024)),
     "transpose": ("tessel.kernels.transpose", "_transpose_kernel",

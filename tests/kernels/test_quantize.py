@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tessel.errors import TesselError
 from tessel.kernels import quantize_per_token
 
-quantize_module = importlib.import_module("tessel.kernels.quantize")
+quantize_module = importlib.import_module("tessel.kernels.quantize_rows")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (M, K): K = 9000 > MAX_SINGLE_PASS_K takes the kernel's two-pass branch.

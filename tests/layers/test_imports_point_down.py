@@ -63,10 +63,10 @@ def test_the_runtime_imports_nothing_from_the_offline_toolkit(package: str) -> N
 def test_the_check_sees_every_import_form(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text(
-        "import tessel.engine.config\nfrom tessel import quant\n"
+        "import tessel.engine.engine_config\nfrom tessel import quant\n"
         "def f():\n    from tessel.server.app import create_app\n"
         "from tessel.kernels import rms_norm\nfrom .sibling import x\n"
     )
     found = [module for module in _imported_modules(source) if _above(module)]
     server = ["tessel.server.app", "tessel.server.app.create_app"]
-    assert found == ["tessel.engine.config", "tessel.quant", *server]
+    assert found == ["tessel.engine.engine_config", "tessel.quant", *server]

@@ -16,7 +16,7 @@ import torch
 from tessel.errors import TesselError
 from tessel.kernels import cpu_features
 from tessel.kernels.cpu_features import ENV_OVERRIDE, INT8_PATHS, choose_int8_path
-from tessel.kernels.quantize import quantize_per_token
+from tessel.kernels.quantize_rows import quantize_per_token
 from tessel.layers.linear import W8A8Linear
 
 

@@ -23,7 +23,7 @@ from ct_oracle import fake_quant, hf_quantized
 from tessel import LLM, SamplingParams
 from tessel.cli import app
 from tessel.commands.options import LMHeadMode
-from tessel.engine.config import EngineConfig
+from tessel.engine.engine_config import EngineConfig
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError

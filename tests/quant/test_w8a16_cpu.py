@@ -22,7 +22,7 @@ from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.kernels import cpu_compile, w8a16_cpu
 from tessel.kernels.cpu_features import BF16_FLAGS, W8A16_ENV_OVERRIDE, choose_w8a16_path, cpu_flags
-from tessel.kernels.quantize import quantize_per_token
+from tessel.kernels.quantize_rows import quantize_per_token
 from tessel.layers.linear import GEMV_MAX_ROWS, W8A16Linear
 
 HAS_BF16 = bool(cpu_flags() & BF16_FLAGS)

@@ -11,9 +11,9 @@ from tessel.chunk.latency import PipelineLatency
 from tessel.errors import TesselError
 from tessel.sim.gantt import plot_gantt
 from tessel.sim.linear import LinearStage
-from tessel.sim.metrics import Summary, compute_metrics
 from tessel.sim.requests import LengthDistribution, poisson_requests
 from tessel.sim.scheduler import SimSchedulerConfig
+from tessel.sim.sim_metrics import Summary, compute_metrics
 from tessel.sim.simulator import SimConfig, simulate
 
 

@@ -10,9 +10,9 @@ import pytest
 from tessel.chunk.latency import PipelineLatency
 from tessel.errors import TesselError
 from tessel.sim.linear import LinearStage
-from tessel.sim.metrics import compute_metrics
 from tessel.sim.requests import LengthDistribution, Request, poisson_requests
 from tessel.sim.scheduler import MicroBatch, SimSchedulerConfig
+from tessel.sim.sim_metrics import compute_metrics
 from tessel.sim.simulator import SimConfig, batch_compute_time_s, simulate
 
 

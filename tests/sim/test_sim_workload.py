@@ -11,7 +11,12 @@ from scipy import stats
 
 from tessel.errors import TesselError
 from tessel.plan.workload import TokenDistribution, parse_workload
-from tessel.sim.workload import length_distribution, lognormal_sigma, requests_for_workload, requests_from
+from tessel.sim.request_trace import (
+    length_distribution,
+    lognormal_sigma,
+    requests_for_workload,
+    requests_from,
+)
 
 
 @pytest.mark.parametrize("trial", range(5))

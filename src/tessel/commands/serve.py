@@ -136,7 +136,8 @@ def serve(
         raise TesselError(f"--lm-head {lm_head} cannot be combined with --plan yet; serve in one process")
     if plan is not None and device != "cpu":
         raise TesselError(
-            f"--device {device} cannot be combined with --plan yet: pipeline stages run on the CPU"
+            f"--device {device} cannot be combined with --plan: each stage runs on the device its plan "
+            "stage names (re-plan with `tessel plan --cluster local` for this machine's GPUs)"
         )
 
     import uvicorn

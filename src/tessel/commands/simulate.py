@@ -9,8 +9,8 @@ import typer
 
 from tessel.commands.options import input_file, optional_count, output_file
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
+from tessel.sim.request_trace import MAX_REQUESTS
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from tessel.sim.workload import MAX_REQUESTS
 
 
 def simulate(

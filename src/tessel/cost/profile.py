@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tessel.catalog.files import validate_data
+from tessel.catalog.yaml_reader import validate_data
 from tessel.errors import TesselError
 from tessel.files import read_json_file
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from tessel.engine.block_manager import BlockManager
-from tessel.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.detokenizer import IncrementalDetokenizer
+from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.memory import check_kv_cache_fits
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput

@@ -24,7 +24,7 @@ from tessel.kernels.flash_attention import flash_attention, flash_attention_int8
 from tessel.kernels.int8_gemm import int8_gemm
 from tessel.kernels.layer_norm import layer_norm
 from tessel.kernels.paged_decode import paged_decode_attention
-from tessel.kernels.quantize import quantize_per_token
+from tessel.kernels.quantize_rows import quantize_per_token
 from tessel.kernels.rms_norm import rms_norm
 from tessel.kernels.rope import rope
 from tessel.kernels.silu_and_mul import silu_and_mul

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from tessel.kernels.int8_gemm import int8_epilogue
-from tessel.kernels.quantize import EPS, per_token_codes
+from tessel.kernels.quantize_rows import EPS, per_token_codes
 
 
 @dataclass(frozen=True, slots=True)

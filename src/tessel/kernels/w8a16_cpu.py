@@ -23,7 +23,7 @@ import torch
 
 from tessel.kernels import cpu_compile
 from tessel.kernels.cpu_compile import compiler_available
-from tessel.kernels.quantize import per_token_codes
+from tessel.kernels.quantize_rows import per_token_codes
 
 # torch 2.13's CPU `_weight_int8pack_mm` is right only when K is a multiple of 16: it crashed
 # (segfault) at K = 66 and 70 and returned wrong values or NaN at K = 36, 68, 72 (32, 48, 80, 576

@@ -2,9 +2,10 @@
 
 A plan's stage names its device as `<node>/gpu<K>` with a catalog type: type `cpu` runs on the CPU,
 any other on CUDA device K of its node. Two stages may share one GPU under two names,
-`<node>/gpu<K>` and `<node>/gpu<K>#2` (a plan file names each device once). Before any process starts, `check_devices` refuses a plan
-this machine cannot run, saying what differs: a GPU index it does not have, a GPU of another type
-than the plan's, stages sharing one GPU that cannot hold their planned weights and KV.
+`<node>/gpu<K>` and `<node>/gpu<K>#2` (a plan file names each device once). Before any process
+starts, `check_devices` refuses a plan this machine cannot run, saying what differs: a GPU index it
+does not have, a GPU of another type than the plan's, stages sharing one GPU that cannot hold their
+planned weights and KV.
 
 Per link (stage k -> k + 1) the transport is:
 

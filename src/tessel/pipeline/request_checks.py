@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessel.engine.config import EngineConfig
+from tessel.engine.engine_config import EngineConfig
 from tessel.engine.llm_engine import _load_tokenizer, max_model_len
 from tessel.engine.sampling_params import check_text
 from tessel.errors import TesselError

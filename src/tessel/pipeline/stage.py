@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tessel.engine.config import DEFAULT_KV_CACHE_BYTES
+from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.kernels.paged_decode import decode_gather

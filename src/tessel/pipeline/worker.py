@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.llm_engine import max_model_len
 from tessel.engine.model_runner import kv_cache_bytes_per_block
 from tessel.engine.sampling_params import SamplingParams

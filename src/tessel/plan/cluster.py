@@ -36,8 +36,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tessel.catalog.files import bundled_names, parse_yaml, resolve_file, validate_data
 from tessel.catalog.gpus import GpuSpec, get_gpu
+from tessel.catalog.yaml_reader import bundled_names, parse_yaml, resolve_file, validate_data
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
 from tessel.plan.plan_file import MIN_EMULATE_SPEED

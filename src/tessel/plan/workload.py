@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tessel.catalog.files import bundled_names, parse_yaml, resolve_file, validate_data
+from tessel.catalog.yaml_reader import bundled_names, parse_yaml, resolve_file, validate_data
 
 # Bounds on workload values: beyond them no planner or simulator input makes sense, and numbers
 # stay far from int64 / float overflow. 2**24 tokens (16.8M) is above any model's context window.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from tessel.sim.gantt import plot_gantt
 from tessel.sim.linear import LinearStage
-from tessel.sim.metrics import Metrics, Summary, compute_metrics
 from tessel.sim.requests import LengthDistribution, Request, batch_requests, load_trace, poisson_requests
 from tessel.sim.scheduler import MicroBatch, SimSchedulerConfig, Work
+from tessel.sim.sim_metrics import Metrics, Summary, compute_metrics
 from tessel.sim.simulator import Interval, RequestRecord, SimConfig, SimResult, Simulator, simulate
 
 __all__ = [

@@ -16,13 +16,13 @@ from tessel.cost.profile import Profile, load_profile
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.sim.cpp import cpp_chunk_sizer
-from tessel.sim.metrics import Metrics, compute_metrics
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.regime import REGIMES, regime_defaults
+from tessel.sim.request_trace import RequestSet, requests_for_workload
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimSchedulerConfig
+from tessel.sim.sim_metrics import Metrics, compute_metrics
 from tessel.sim.simulator import MIX_RULES, SimConfig, SimResult, simulate
-from tessel.sim.workload import RequestSet, requests_for_workload
 
 MAX_BATCH_TOKENS = 2**24  # token budget per micro-batch: beyond any prompt (tessel.chunk.planner)
 MAX_SEQUENCES = 1_000_000  # --max-num-seqs / --max-in-flight upper bound

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from tessel.kernels.int8_gemm import int8_epilogue
-from tessel.kernels.quantize import per_token_codes, static_codes
+from tessel.kernels.quantize_rows import per_token_codes, static_codes
 from tessel.kernels.w8a16_cpu import gemv_formula, gemv_scaled_formula
 
 Kept = list[torch.Tensor]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.kernels.quantize import row_codes
+from tessel.kernels.quantize_rows import row_codes
 from tessel.layers.linear.forms import TracedForms
 
 # Rows up to which a decode step reads the int8 weight directly (GEMV) instead of a GEMM. The

@@ -45,7 +45,7 @@ from tessel.kernels.int8_cpu import (
     fp16_codes_pack,
 )
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
-from tessel.kernels.quantize import per_token_codes, quantize_per_token, static_codes
+from tessel.kernels.quantize_rows import per_token_codes, quantize_per_token, static_codes
 from tessel.kernels.w8a16_cpu import gemv_int8, gemv_int8_scaled, quantize_rows
 from tessel.layers.linear.forms import LinearForm, SplitLinear
 from tessel.layers.linear.int8_weights import GEMV_MAX_ROWS, Int8Weights, rows_of
