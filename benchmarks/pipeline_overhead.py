@@ -72,22 +72,23 @@ def single(model: Path, batch: list[list[int]], new: int) -> dict:
     return {"tok_s": len(batch) * new / wall, "tokens": [o.token_ids for o in outputs]}
 
 
-def decode_tok_s(model: Path, batch: list[list[int]], new: int) -> float:
-    """Decode-only tok/s of one process: the run's time less a prefill-only run's."""
+def decode_step_s(model: Path, batch: list[list[int]], new: int) -> dict[int, float]:
+    """Seconds per decode step of one process at len(batch) and len(batch) // 2 rows: a run's time
+    less a prefill-only run's, over its new - 1 decode steps; one engine, the two sizes timed
+    interleaved (best of 3)."""
     from tessel import LLM, SamplingParams
 
     torch.set_num_threads(1)
     llm = LLM(model, dtype="float32", max_num_seqs=len(batch), max_model_len=512, kv_cache_gib=0.5)
-    llm.generate(
-        batch[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_progress=False
-    )
-    times = {}
-    for tokens in (1, new):
+    sizes = (len(batch), len(batch) // 2)
+
+    def run(rows: int, tokens: int):
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        started = time.perf_counter()
-        llm.generate(batch, params, use_progress=False)
-        times[tokens] = time.perf_counter() - started
-    return len(batch) * (new - 1) / (times[new] - times[1])
+        return lambda: llm.generate(batch[:rows], params, use_progress=False)
+
+    calls = {(rows, tokens): run(rows, tokens) for rows in sizes for tokens in (1, new)}
+    timed = _harness.time_calls(calls, warmup=1, repeats=3)
+    return {rows: (timed[(rows, new)].min_s - timed[(rows, 1)].min_s) / (new - 1) for rows in sizes}
 
 
 def staged(plan_path: Path, model: Path, prompts: Path, new: int, requests: int, m: int | None) -> dict:
@@ -134,7 +135,7 @@ def main() -> None:
         rows["1-stage"] = staged(one, model, prompts, new, requests, None)
         rows["2-stage m=2"] = staged(two, model, prompts, new, requests, 2)
         rows[f"2-stage plan m={plan_m}"] = staged(two, model, prompts, new, requests, None)
-        full, half = decode_tok_s(model, batch, new), decode_tok_s(model, batch[: requests // 2], new)
+        step_s = decode_step_s(model, batch, new)
     reference = rows["single"].pop("tokens")
     for row in rows.values():
         tokens = row.pop("tokens", None)
@@ -151,8 +152,8 @@ def main() -> None:
         "rows": rows,
         "overhead": rows["1-stage"]["tok_s"] / rows["single"]["tok_s"],
         "overlap": rows["2-stage m=2"]["tok_s"] / rows["1-stage"]["tok_s"],
-        "decode_tok_s": {str(requests): full, str(requests // 2): half},
-        "bound": 2 * half / full,  # t(n rows) / t(n/2 rows) of a decode step
+        "decode_step_s": {str(rows): seconds for rows, seconds in step_s.items()},
+        "bound": step_s[requests] / step_s[requests // 2],  # t(n rows) / t(n/2 rows) of a decode step
     }
     table = Table(
         title=f"pipeline runtime on this CPU ({requests} requests x {new} tokens, 1 thread per process)"

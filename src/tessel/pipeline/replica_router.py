@@ -25,7 +25,7 @@ is not restarted. `/health` answers 200 while a replica can serve (`"degraded"`,
 failed ones, when not all can), else 503.
 
 `/metrics`: every backend's metrics with a `replica="K"` label added (a pipeline's per-stage
-metrics carry `stage` too, `tessel.server.metrics`), and the router's own, per replica:
+metrics carry `stage` too, `tessel.server.prometheus`), and the router's own, per replica:
 `tessel:router_requests_total` (answered by it), `tessel:router_rerouted_total` (sent on from it),
 `tessel:router_routed_tokens_total` (the costs above), `tessel:router_outstanding_tokens`,
 `tessel:router_requests_in_flight`, `tessel:replica_up` (1 while it takes requests) and
@@ -266,7 +266,7 @@ def create_router_app(router: ReplicaRouter, limits: Any = None) -> FastAPI:
     shutdown stops the backends."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    from tessel.server.errors import install_error_handlers
+    from tessel.server.http_errors import install_error_handlers
     from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 
     limits = limits or ServerLimits()
@@ -383,7 +383,7 @@ async def route(
 
 def no_replica(router: ReplicaRouter, causes: list[str]) -> JSONResponse:
     """503 naming each replica tried and why it did not answer, and each other that cannot serve."""
-    from tessel.server.errors import error_response
+    from tessel.server.http_errors import error_response
 
     tried = {cause.split(":", 1)[0] for cause in causes}
     named = "; ".join([*causes, *(state for state in router.states() if state.split(":", 1)[0] not in tried)])

@@ -43,7 +43,7 @@ EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage
 
 @dataclass(frozen=True, slots=True)
 class StageGauge:
-    """One stage as `/metrics` shows it (`tessel.server.metrics`, labels `stage` and `device`)."""
+    """One stage as `/metrics` shows it (`tessel.server.prometheus`, labels `stage` and `device`)."""
 
     stage: int
     device: str  # the plan's device name

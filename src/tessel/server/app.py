@@ -31,10 +31,10 @@ from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
 from tessel.server.embeddings import add_embeddings_route
-from tessel.server.errors import ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.http_errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 from tessel.server.logprobs import TokenText, chat_logprobs, completion_logprobs
-from tessel.server.metrics import ServerMetrics
+from tessel.server.prometheus import ServerMetrics
 from tessel.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     AssistantMessage,
@@ -115,7 +115,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        """Prometheus text format (`tessel.server.metrics`)."""
+        """Prometheus text format (`tessel.server.prometheus`)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

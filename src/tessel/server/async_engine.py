@@ -45,7 +45,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from tessel.errors import TesselError
-from tessel.server.errors import EngineDeadError, QueueFullError, RequestFailedError
+from tessel.server.http_errors import EngineDeadError, QueueFullError, RequestFailedError
 from tessel.server.limits import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_TOKENIZER_THREADS
 
 T = TypeVar("T")

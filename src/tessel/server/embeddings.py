@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, Field, StrictInt
 
 from tessel.errors import TesselError
-from tessel.server.errors import ModelNotFoundError, install_error_handlers, response_for
+from tessel.server.http_errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 from tessel.server.protocol import ModelCard, ModelList, _Request
 

@@ -87,7 +87,7 @@ class BodySizeLimit:
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            from tessel.server.errors import response_for
+            from tessel.server.http_errors import response_for
 
             await response_for(_too_large(self.max_body_bytes))(scope, receive, send)
             return
