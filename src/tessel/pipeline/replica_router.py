@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -58,6 +58,7 @@ from tessel.pipeline.replica_backends import (
     start_backends,
     stop_backends,
 )
+from tessel.server.disconnect import unless_disconnected
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RESEND_STATUSES = (429, 503)  # the backend took no work: the next replica may
@@ -348,7 +349,7 @@ async def route(
         url = f"{router.backends[load.index].url}{path}"
         try:
             sent = client.send(client.build_request("POST", url, content=body, headers=headers), stream=True)
-            left, upstream = await _unless_disconnected(raw, sent)
+            left, upstream = await unless_disconnected(raw, sent)
             if left:
                 held.release()
                 return Response(status_code=_CLIENT_CLOSED_REQUEST)
@@ -359,7 +360,7 @@ async def route(
                 load.rerouted += 1
                 continue
             if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                left, content = await _unless_disconnected(raw, upstream.aread())
+                left, content = await unless_disconnected(raw, upstream.aread())
                 await upstream.aclose()
                 held.release()
                 if left:
@@ -413,27 +414,6 @@ async def _relay(
 async def _close(upstream: httpx.Response, held: Lease) -> None:
     held.release()
     await upstream.aclose()
-
-
-async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """(True, None) if the client left before `work` finished (then cancelled), else (False, result)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        return True, None
-    return False, task.result()
-
-
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _passed_headers(upstream: httpx.Response, index: int) -> dict[str, str]:

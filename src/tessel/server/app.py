@@ -30,6 +30,7 @@ from starlette.background import BackgroundTask
 from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
+from tessel.server.disconnect import unless_disconnected
 from tessel.server.embeddings import add_embeddings_route
 from tessel.server.http_errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
@@ -283,26 +284,10 @@ def _abort_all(streams: list[RequestStream]) -> None:
         stream.abort()
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Await `work`, cancelling it if the client disconnects first (a cancelled request aborts)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        return Response(status_code=_CLIENT_CLOSED_REQUEST)
-    return task.result()
+    left, result = await unless_disconnected(request, work)
+    return Response(status_code=_CLIENT_CLOSED_REQUEST) if left else result
 
 
 async def _final_outputs(request: Request, streams: list[RequestStream]) -> Any:
