@@ -50,21 +50,25 @@ def version() -> None:
     typer.echo(__version__)
 
 
-# Registrations: one line per subcommand module under tessel.commands, e.g.
-#   from tessel.commands import plan as _plan  (at the top)   and   app.command("plan")(_plan.plan)
-app.command("plan")(_plan.plan)
-app.command("probe")(_probe.probe)
-app.command("serve")(_serve.serve)
-app.command("generate")(_generate.generate)
-app.command("simulate")(_simulate.simulate)
-app.command("profile")(_profile.profile)
-app.command("chunk")(_chunk.chunk)
-app.command("launch")(_launch.launch)
-app.command("quantize")(_quantize.quantize)
-app.command("qat")(_qat.qat)
-app.command("example-model")(_example_model.example_model)
-app.command("embed")(_embed.embed)
-app.command("list")(_catalog_list.list_catalog)
+# Registrations: one entry per subcommand module under tessel.commands, e.g.
+#   from tessel.commands import plan as _plan  (at the top)   and   "plan": _plan.plan
+COMMANDS = {
+    "plan": _plan.plan,
+    "probe": _probe.probe,
+    "serve": _serve.serve,
+    "generate": _generate.generate,
+    "simulate": _simulate.simulate,
+    "profile": _profile.profile,
+    "chunk": _chunk.chunk,
+    "launch": _launch.launch,
+    "quantize": _quantize.quantize,
+    "qat": _qat.qat,
+    "example-model": _example_model.example_model,
+    "embed": _embed.embed,
+    "list": _catalog_list.list_catalog,
+}
+for _name, _command in COMMANDS.items():
+    app.command(_name)(_command)
 
 # What a runtime command imports that a planner-only install (`pip install tessel`) lacks
 RUNTIME_MODULES = (

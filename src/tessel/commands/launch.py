@@ -64,7 +64,7 @@ def launch(
         "buffers over gloo), nccl or host.",
     ),
 ) -> None:
-    """Run PLAN on MODEL as one process per stage (gloo on CPU, NCCL on CUDA) and print the outputs."""
+    """Run PLAN on MODEL as one process per stage, each on its plan device, and print the outputs."""
     from tessel.commands.render.launch import print_run
     from tessel.files import check_output_path, claim_directory, write_text_file
     from tessel.pipeline.run import RunOptions, describe_links, run_pipeline
