@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import typer
 
 from tessel.chunk.planner import MAX_PROMPT_TOKENS
-from tessel.commands.options import input_file, output_file
+from tessel.commands.options import input_file, output_file, plan_dtype_option
 
 
 class SeqLens(tuple):
@@ -39,9 +38,7 @@ def chunk(
     stages: int | None = typer.Option(
         None, "--stages", min=1, max=4096, help="Without --plan: use the first N devices."
     ),
-    dtype: Literal["fp16", "bf16", "int8", "fp8", "fp32"] = typer.Option(
-        "fp16", "--dtype", help="Without --plan: weight dtype."
-    ),
+    dtype: str = plan_dtype_option("fp16", "--dtype", help="Without --plan: weight dtype"),
     grid: int = typer.Option(
         64, "--grid", min=1, max=MAX_PROMPT_TOKENS, help="Chunk boundaries on multiples of this many tokens."
     ),

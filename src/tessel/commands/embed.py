@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import DEVICE_OPTION, output_file
+from tessel.commands.options import DEVICE_OPTION, output_file, runtime_dtype_option
 from tessel.errors import TesselError
 
 MATRYOSHKA_OPTION = typer.Option(
@@ -36,7 +36,7 @@ def embed(
     model: Path = typer.Option(..., "--model", help="Local encoder directory (BERT, sentence-transformers)."),
     text: list[str] = typer.Option(..., "--text", help="A text to embed; repeat for several."),
     json_out: Path | None = output_file(None, "--json", help="Write every vector here (JSON)."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto (the checkpoint's)."),
+    dtype: str = runtime_dtype_option(),
     batch_size: int = typer.Option(32, min=1, max=4096, help="Texts per forward pass (sorted by length)."),
     threads: int | None = typer.Option(None, min=1, max=1024, help="CPU threads (default: torch's)."),
     truncate: bool = typer.Option(False, help="Cut texts over the model's max_seq_length (default: refuse)."),

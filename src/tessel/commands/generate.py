@@ -16,6 +16,7 @@ from tessel.commands.options import (
     LM_HEAD_OPTION,
     LMHeadMode,
     check_model_path,
+    runtime_dtype_option,
 )
 
 
@@ -28,7 +29,7 @@ def generate(
     top_k: int = typer.Option(0, help="Sample among the k most likely tokens (0 = off)."),
     seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string; repeatable."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto (the checkpoint's)."),
+    dtype: str = runtime_dtype_option(),
     max_model_len: int | None = typer.Option(None, help="Longest prompt + completion, in tokens."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     lm_head: LMHeadMode = LM_HEAD_OPTION,

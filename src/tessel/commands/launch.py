@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import input_file, output_file
+from tessel.commands.options import input_file, output_file, runtime_dtype_option
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
@@ -32,7 +32,7 @@ def launch(
     seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     json_out: Path | None = output_file(None, "--json", help="Write per request token_ids and text."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or auto."),
+    dtype: str = runtime_dtype_option(),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
     kv_cache_gib: float | None = typer.Option(

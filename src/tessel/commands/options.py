@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Literal
 
 import typer
 
+from tessel.dtypes import PLAN_DTYPE_HELP, RUNTIME_DTYPE_HELP, parse_dtype, runtime_dtype_name
+from tessel.errors import TesselError
+
 if TYPE_CHECKING:
     from tessel.models.reader import ModelFiles
 
@@ -33,6 +36,47 @@ DEVICE_OPTION = typer.Option(
     help="cpu, cuda or cuda:N: where the model runs (on CUDA tessel's Triton kernels; use --dtype "
     "float16 or bfloat16 there).",
 )
+
+
+def _plan_dtype(value: str) -> str:
+    try:
+        return parse_dtype(value, runtime=False)
+    except TesselError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+def _runtime_dtype(value: str) -> str:
+    try:
+        return runtime_dtype_name(value)
+    except TesselError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+def _runtime_dtype_no_auto(value: str) -> str:  # typer callbacks take the value alone
+    try:
+        return runtime_dtype_name(value, allow_auto=False)
+    except TesselError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+def plan_dtype_option(default: str, *names: str, help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
+    """A planner precision in either spelling (tessel.dtypes), passed on as the short one (`bf16`)."""
+    return typer.Option(
+        default, *names, callback=_plan_dtype, metavar="DTYPE", help=f"{help}: {PLAN_DTYPE_HELP}."
+    )
+
+
+def runtime_dtype_option(  # noqa: ANN201 (typer's OptionInfo)
+    default: str = "float32", help: str = "Weight and activation dtype", auto: bool = True  # noqa: A002
+):
+    """A dtype the engine computes in, either spelling (or auto), passed on as the torch one (`bfloat16`)."""
+    return typer.Option(
+        default,
+        "--dtype",
+        callback=_runtime_dtype if auto else _runtime_dtype_no_auto,
+        metavar="DTYPE",
+        help=f"{help}: {RUNTIME_DTYPE_HELP}" + (", or auto (the checkpoint's)." if auto else "."),
+    )
 
 
 def input_file(default: Path | None, *names: str, help: str):  # noqa: A002, ANN201 (typer's OptionInfo)

@@ -12,11 +12,9 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import input_file, output_file
+from tessel.commands.options import input_file, output_file, plan_dtype_option
 from tessel.errors import TesselError
 from tessel.plan.api import MAX_TIME_LIMIT_S
-
-Dtype = Literal["fp16", "bf16", "int8", "fp8", "fp32"]
 
 
 def plan(
@@ -54,8 +52,8 @@ def plan(
         10.0, "--time-limit", min=0, max=MAX_TIME_LIMIT_S, help="Seconds for the whole command (> 0)."
     ),
     mip_gap: float = typer.Option(0.01, "--mip-gap", min=0, max=0.999, help="Relative gap to stop at."),
-    dtype: Dtype = typer.Option("fp16", help="Weight dtype."),
-    kv_dtype: Dtype = typer.Option("fp16", "--kv-dtype", help="KV cache dtype."),
+    dtype: str = plan_dtype_option("fp16", "--dtype", help="Weight dtype"),
+    kv_dtype: str = plan_dtype_option("fp16", "--kv-dtype", help="KV cache dtype"),
     profile: list[Path] = input_file(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),

@@ -7,6 +7,7 @@ from typing import Literal
 
 import typer
 
+from tessel.commands.options import runtime_dtype_option
 from tessel.errors import TesselError
 
 CPU_DEFAULT_SCALE = 4  # a full-width 8B layer takes seconds per point on a few CPU cores
@@ -30,9 +31,7 @@ def profile(
         max=1024,
         help=f"Divide the model's width by this (default {CPU_DEFAULT_SCALE} on cpu, 1 on cuda).",
     ),
-    dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = typer.Option(
-        "float32", "--dtype", help="float32, bfloat16 or float16 (cuda)."
-    ),
+    dtype: str = runtime_dtype_option("float32", help="Layer dtype (float16: cuda only)", auto=False),
     out: Path = typer.Option(
         Path("profile.json"), "--out", dir_okay=False, writable=True, help="Where to write the profile JSON."
     ),

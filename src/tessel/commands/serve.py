@@ -27,6 +27,7 @@ from tessel.commands.options import (
     LM_HEAD_OPTION,
     LMHeadMode,
     check_model_path,
+    runtime_dtype_option,
 )
 from tessel.errors import TesselError
 from tessel.server.limits import (
@@ -62,7 +63,7 @@ def serve(
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
-    dtype: str = typer.Option("float32", help="Weight and activation dtype: float32, bfloat16, float16."),
+    dtype: str = runtime_dtype_option(),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences batched in one step."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
     kv_cache_gib: float | None = typer.Option(

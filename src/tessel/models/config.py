@@ -21,6 +21,7 @@ from tessel.catalog.hf_config import (
     read_generation_eos,
     read_hf_config,
 )
+from tessel.dtypes import AUTO, runtime_dtype_name
 from tessel.errors import TesselError
 
 # The architectures the engine runs (the reader also reads Mixtral and OPT, for the planner).
@@ -161,9 +162,11 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
         if dtype not in DTYPES.values():
             raise TesselError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
-    name = str(dtype).lower().removeprefix("torch.")
-    if name == "auto":
+    name = runtime_dtype_name(str(dtype))  # the one dtype vocabulary (tessel.dtypes); int8/fp8 refused
+    if name == AUTO:
         name = config.checkpoint_dtype.removeprefix("torch.")
     if name not in DTYPES:
-        raise TesselError(f"dtype {dtype!r} is not supported; use float32, bfloat16, float16 or auto")
+        raise TesselError(
+            f"dtype {dtype!r}: the checkpoint's {name!r} is not supported; use float32, bfloat16 or float16"
+        )
     return DTYPES[name]

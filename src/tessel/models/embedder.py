@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tessel.dtypes import AUTO, runtime_dtype_name
 from tessel.errors import TesselError
 from tessel.models.bert import load_bert
 from tessel.models.config import DTYPES
@@ -176,7 +177,8 @@ def _max_tokens(pooling: PoolingConfig, positions: int, tokenizer) -> int:  # no
 
 
 def _dtype(name: str, checkpoint: str) -> torch.dtype:
-    key = checkpoint.removeprefix("torch.") if name == "auto" else name
+    key = runtime_dtype_name(name)  # the one dtype vocabulary (tessel.dtypes); int8/fp8 refused
+    key = checkpoint.removeprefix("torch.") if key == AUTO else key
     if key not in DTYPES:
         raise TesselError(f"dtype {name!r} is not supported; use float32, bfloat16, float16 or auto")
     return DTYPES[key]
