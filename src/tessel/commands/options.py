@@ -89,6 +89,23 @@ def output_file(default: Path | None, *names: str, help: str):  # noqa: A002, AN
     return typer.Option(default, *names, help=help, dir_okay=False, writable=True)
 
 
+MODEL_ARGUMENT = typer.Argument(
+    None, metavar="MODEL", show_default=False, help="Local Hugging Face model directory or .gguf file."
+)
+MODEL_OPTION = typer.Option(None, "--model", help="The same as MODEL (as in generate and serve).")
+
+
+def one_model(positional: Path | None, option: Path | None) -> Path:
+    """MODEL given as the positional argument or as --model (one of them; both only when the same)."""
+    if positional is None and option is None:
+        raise TesselError("give the model: MODEL (the first argument) or --model MODEL")
+    if positional is not None and option is not None and Path(positional).resolve() != Path(option).resolve():
+        raise TesselError(
+            f"two models given: MODEL {str(positional)!r} and --model {str(option)!r}; give one"
+        )
+    return positional if positional is not None else option
+
+
 def check_model_path(path: Path, option: str) -> ModelFiles:
     """A model is a local Hugging Face directory or a .gguf file (generate, serve, quantize, qat): checked
     by the one model reader (config, weights' headers and shapes) before the command does heavy work."""

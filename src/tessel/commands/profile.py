@@ -11,6 +11,7 @@ from tessel.commands.options import runtime_dtype_option
 from tessel.errors import TesselError
 
 CPU_DEFAULT_SCALE = 4  # a full-width 8B layer takes seconds per point on a few CPU cores
+DEFAULT_OUT = Path("profile.json")
 MAX_TINY_WIDTH = 2**16  # --tiny-shape sizes: above any real layer (Llama-3-405B: h=16384, f=53248)
 
 
@@ -32,8 +33,11 @@ def profile(
         help=f"Divide the model's width by this (default {CPU_DEFAULT_SCALE} on cpu, 1 on cuda).",
     ),
     dtype: str = runtime_dtype_option("float32", help="Layer dtype (float16: cuda only)", auto=False),
-    out: Path = typer.Option(
-        Path("profile.json"), "--out", dir_okay=False, writable=True, help="Where to write the profile JSON."
+    json_path: Path | None = typer.Option(
+        None, "--json", dir_okay=False, writable=True, help=f"Write the profile JSON here ({DEFAULT_OUT})."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", dir_okay=False, writable=True, hidden=True, help="Deprecated spelling of --json."
     ),
     budget_s: float = typer.Option(
         60.0, "--budget-s", min=0.01, max=86400, help="Seconds for the timing runs."
@@ -59,7 +63,8 @@ def profile(
     from tessel.files import check_output_path, write_json_file
     from tessel.models.profiler import ProfileSettings, profile_layer
 
-    check_output_path(out, "--out", inputs=(model,))  # before the timing runs, not after
+    out, option = _json_path(json_path, out)
+    check_output_path(out, option, inputs=(model,))  # before the timing runs, not after
     shape, meta = _layer_shape(model, tiny_shape, scale, device)
     settings = ProfileSettings(
         device=device,
@@ -84,8 +89,18 @@ def profile(
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             meta=meta,
         )
-    write_json_file(out, result.to_json(), "--out", inputs=(model,))
+    write_json_file(out, result.to_json(), option, inputs=(model,))
     print_profile(console, result, report, data, out)
+
+
+def _json_path(json_path: Path | None, out: Path | None) -> tuple[Path, str]:
+    """--json, or the deprecated --out (a note on stderr); both only when they name one file."""
+    if out is None:
+        return (json_path or DEFAULT_OUT), "--json"
+    if json_path is not None and json_path.expanduser().resolve() != out.expanduser().resolve():
+        raise TesselError(f"--json {json_path} and --out {out} name two files; give --json alone")
+    typer.echo("note: `tessel profile --out` is now --json (--out still works)", err=True)
+    return out, "--out"
 
 
 def _layer_shape(model: str, tiny_shape: str | None, scale: int | None, device: str):  # noqa: ANN202

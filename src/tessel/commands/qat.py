@@ -9,11 +9,12 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import check_model_path
+from tessel.commands.options import MODEL_ARGUMENT, MODEL_OPTION, check_model_path, one_model
 
 
 def qat(
-    model: Path = typer.Argument(..., help="Local Hugging Face model directory or .gguf file."),
+    model_argument: Path | None = MODEL_ARGUMENT,
+    model_option: Path | None = MODEL_OPTION,
     out: Path = typer.Option(
         ...,
         "--out",
@@ -37,6 +38,7 @@ def qat(
     """Fine-tune MODEL with fake-quantised linears (clipped STE) and write the quantised checkpoint."""
     from tessel.files import check_output_directory, read_nonempty_text_file
 
+    model = one_model(model_argument, model_option)
     check_model_path(model, "MODEL")
     read_nonempty_text_file(train, "--train")
     check_output_directory(out, "--out", inputs=(model, train), overwrite=overwrite)

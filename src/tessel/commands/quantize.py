@@ -9,13 +9,12 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import check_model_path
+from tessel.commands.options import MODEL_ARGUMENT, MODEL_OPTION, check_model_path, one_model
 
 
 def quantize(
-    model: Path = typer.Argument(
-        ..., help="Local Hugging Face model directory (fp32/bf16/fp16) or .gguf file."
-    ),
+    model_argument: Path | None = MODEL_ARGUMENT,
+    model_option: Path | None = MODEL_OPTION,
     out: Path | None = typer.Option(
         None,
         "--out",
@@ -65,6 +64,7 @@ def quantize(
     from tessel.errors import TesselError
     from tessel.files import check_output_directory, read_nonempty_text_file
 
+    model = one_model(model_argument, model_option)
     check_model_path(model, "MODEL")
     if (out is None) == (sensitivity is None):
         raise TesselError("give one of --out DIR (a quantised checkpoint) or --sensitivity FILE (costs)")
