@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from tessel.commands.options import input_file, output_file, runtime_dtype_option
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
+
+if TYPE_CHECKING:
+    from tessel.sim.measured import RunIdentity
 
 
 def launch(
@@ -31,7 +35,9 @@ def launch(
     top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
     seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
-    json_out: Path | None = output_file(None, "--json", help="Write per request token_ids and text."),
+    json_out: Path | None = output_file(
+        None, "--json", help="Write per request token_ids and text, and the measured metrics (`measured`)."
+    ),
     dtype: str = runtime_dtype_option(),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
@@ -68,6 +74,7 @@ def launch(
     from tessel.commands.render.launch import print_run
     from tessel.files import check_output_path, claim_directory, write_text_file
     from tessel.pipeline.run import RunOptions, describe_links, run_pipeline
+    from tessel.sim.measured import RUN_FILE_VERSION, measured_metrics
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
@@ -87,7 +94,34 @@ def launch(
     for line in describe_links(options):
         typer.echo(line, err=True)
     run = run_pipeline(options)
-    print_run(run)
+    measured = measured_metrics(run.requests, run.wall_s)
+    print_run(run, measured)
     if json_out is not None:
-        document = {"requests": run.requests, "stages": run.stages, "wall_s": run.wall_s}
+        document = {
+            "version": RUN_FILE_VERSION,
+            "run": run_identity(options).to_json(),  # what `tessel simulate --measured` checks
+            "measured": measured.to_json(),
+            "requests": run.requests,
+            "stages": run.stages,
+            "wall_s": run.wall_s,
+        }
         write_text_file(json_out, json.dumps(document, indent=1), "--json", inputs)
+
+
+def run_identity(options) -> RunIdentity:  # noqa: ANN001 (tessel.pipeline.run.RunOptions)
+    """The plan and scheduler settings a run used, with the runtime's defaults filled in."""
+    from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+    from tessel.pipeline.run_plan import load_run_plan
+    from tessel.sim.measured import RunIdentity
+
+    plan = load_run_plan(options.plan, options.replica)
+    return RunIdentity(
+        plan=str(options.plan),
+        model_name=plan.plan_file.model_name,
+        cluster_name=plan.plan_file.cluster_name,
+        stage_layers=tuple((s.layer_start, s.layer_end) for s in plan.stages),
+        replica=options.replica,
+        micro_batches=options.micro_batches or plan.micro_batches,
+        max_num_seqs=options.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens=options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    )

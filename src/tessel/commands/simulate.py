@@ -9,6 +9,7 @@ import typer
 
 from tessel.commands.options import input_file, optional_count, output_file
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
+from tessel.sim.measured import MeasuredComparison, compare_metrics
 from tessel.sim.request_trace import MAX_REQUESTS
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
@@ -69,17 +70,24 @@ def simulate(
     profile: list[Path] = input_file(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),
+    measured: Path | None = input_file(
+        None,
+        "--measured",
+        help="A `tessel launch --json` file of PLAN: simulate its requests (a batch at t=0, its "
+        "micro-batches) and print predicted vs measured with the error.",
+    ),
 ) -> None:
     """Simulate serving a workload with a plan: TTFT, TPOT, throughput, stage use, bubbles."""
     from rich.console import Console
 
-    from tessel.commands.render.simulate import print_simulation, write_gantt
+    from tessel.commands.render.simulate import comparison_table, print_load, print_simulation, write_gantt
     from tessel.errors import TesselError
     from tessel.files import check_output_path, staged_file, write_json_file
     from tessel.sim.api import SimulationSettings, simulate_plan
     from tessel.sim.gantt import check_gantt_path
+    from tessel.sim.load import check_load
 
-    inputs = (plan, workload, *profile)
+    inputs = (plan, workload, *profile, *((measured,) if measured is not None else ()))
     for path, option in ((gantt, "--gantt"), (json_out, "--json")):
         if path is not None:
             check_output_path(path, option, inputs)
@@ -93,13 +101,65 @@ def simulate(
         max_num_batched_tokens or max_batch_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_in_flight, enable_chunked_prefill, cpp, kv_limit, pinned, mix,
     )  # fmt: skip
-    report = simulate_plan(plan, workload, settings, profiles=profile)
     console = Console()
-    print_simulation(console, report)
+    if measured is not None:
+        given = {"--workload": workload != "default", "--requests": requests is not None, "--rate": rate,
+                 "--compare": compare, "--seed": seed != 0}  # fmt: skip
+        clashing = [flag for flag, set_ in given.items() if set_]
+        if clashing:
+            raise TesselError(
+                f"--measured simulates the run's own requests; drop {', '.join(clashing)}"
+            )
+        report, comparison = simulate_measured(plan, measured, mix, profile)
+        print_simulation(console, report)
+        console.print(comparison_table(comparison.rows, f"Predicted vs measured ({measured})"))
+        document = {**report.to_json(), "measured": comparison.to_json()}
+    else:
+        report = simulate_plan(plan, workload, settings, profiles=profile)
+        run = report.runs[0]
+        planned = run.variant.predicted.get("throughput_tok_s")
+        load = check_load(run.result, run.metrics, planned)
+        print_simulation(console, report)
+        print_load(console, load)
+        document = {**report.to_json(), "load": None if load is None else load.to_json()}
     if gantt is not None:
         with staged_file(gantt, "--gantt", inputs) as staging:  # same suffix: the chart's format
-            write_gantt(report, staging, gantt_until_s)
-        console.print(f"Gantt chart written to {gantt}", highlight=False)
+            cut_s = write_gantt(report, staging, gantt_until_s)
+        window = "" if cut_s is None or gantt_until_s is not None else (
+            f" (its first {cut_s:,.3f} s of {report.runs[0].metrics.makespan_s:,.3f} s; "
+            "--gantt-until-s draws more)"
+        )
+        console.print(f"Gantt chart written to {gantt}{window}", highlight=False)
     if json_out is not None:
-        write_json_file(json_out, report.to_json(), "--json", inputs)
+        write_json_file(json_out, document, "--json", inputs)
         console.print(f"metrics written to {json_out}", highlight=False)
+
+
+def simulate_measured(plan: Path, run_file: Path, mix: str, profiles: list[Path]):  # noqa: ANN201
+    """Simulate the requests of a `tessel launch --json` run of PLAN as launch ran them: all at
+    t = 0, its micro-batches in flight (pinned slots), its per-slot sequence limit and token budget,
+    no KV limit (the runtime sizes its own pool). -> (report, comparison)."""
+    from tessel.errors import TesselError
+    from tessel.plan.plan_file import load_plan
+    from tessel.sim.api import SimulationSettings, simulate_plan
+    from tessel.sim.measured import check_same_plan, load_run
+    from tessel.sim.request_trace import RequestSet
+
+    run = load_run(run_file)
+    plan_file = load_plan(plan)
+    if run.identity.replica is not None or plan_file.replicas:
+        raise TesselError(
+            f"--measured compares one pipeline; {plan} has replicas (run {run.identity.replica}): "
+            "make a plan of that replica's stages, launch it and compare that"
+        )
+    check_same_plan(run.identity, plan_file, plan_file.main.stages, f"run file {run_file}")
+    m = run.identity.micro_batches
+    settings = SimulationSettings(
+        max_num_seqs=min(m * run.identity.max_num_seqs, MAX_SEQUENCES),
+        max_num_batched_tokens=run.identity.max_num_batched_tokens,
+        max_in_flight=m, kv_limit=False, pinned=m > 1, mix=mix,
+    )  # fmt: skip
+    n = len(run.requests)
+    trace = RequestSet(run.requests, f"the {n} requests of {run_file}, all at t=0")
+    report = simulate_plan(plan_file, str(run_file), settings, profiles=profiles, trace=trace)
+    return report, MeasuredComparison(run, compare_metrics(report.runs[0].metrics, run.metrics))

@@ -110,13 +110,16 @@ def simulate_plan(
     settings: SimulationSettings | None = None,
     *,
     profiles: tuple[str | Path, ...] | list = (),
+    trace: RequestSet | None = None,
 ) -> SimulationReport:
-    """Serve a workload (bundled name, workload YAML or trace file) with a plan and its baselines."""
+    """Serve a workload (bundled name, workload YAML or trace file) with a plan and its baselines;
+    `trace`, when given, is served instead of the workload's requests (`workload` then only names it)."""
     settings = settings or SimulationSettings()
     plan_file = plan if isinstance(plan, PlanFile) else load_plan(plan)
     plan_file.check_named_cluster()
     loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
-    trace = requests_for_workload(workload, settings.requests, settings.seed, settings.rate_per_s)
+    if trace is None:
+        trace = requests_for_workload(workload, settings.requests, settings.seed, settings.rate_per_s)
     defaults = regime_defaults(plan_file, settings.regime)
     scheduler = {
         "max_num_seqs": defaults.max_num_seqs if settings.max_num_seqs is None else settings.max_num_seqs,

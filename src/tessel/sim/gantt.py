@@ -7,6 +7,11 @@ sending stage's row. The time axis is in ms when the chart spans under 2 s. The 
 file extension (.png, .svg, .pdf); matplotlib draws on its Agg canvas (no pyplot, no display, no
 global backend change). Boxes go into a few PolyCollections (one artist per kind, not per box), so
 charts of 10^5 intervals stay quick.
+
+`default_window_s(result)` is where `tessel simulate --gantt` cuts a chart by default: a chart of
+every micro-batch of 200 requests is thousands of slivers with no readable box, so past
+`WINDOW_MICRO_BATCHES` micro-batches on stage 0 the chart shows the time until the end of that
+many (the pipeline's fill and its steady state); `--gantt-until-s` draws any other window.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ LEGEND_MAX_REQUESTS = 16  # more entries than this make the legend unreadable
 COMPUTE_HEIGHT = 0.62  # share of a row the compute boxes take; transfers sit below them
 SEND_HEIGHT = 0.16
 MIN_STRIPE_SHARE = 0.12  # a decode step (1 token) beside a long prefill chunk stays visible
+WINDOW_MICRO_BATCHES = 48  # stage 0's micro-batches a default chart shows: boxes stay wider than a stroke
 
 
 def check_gantt_path(path: str | Path) -> Path:
@@ -30,6 +36,14 @@ def check_gantt_path(path: str | Path) -> Path:
     if path.suffix.lower() not in FORMATS:
         raise TesselError(f"Gantt chart {path}: unknown format {path.suffix!r} (use {', '.join(FORMATS)})")
     return path
+
+
+def default_window_s(result: SimResult) -> float | None:
+    """The end of the default chart window (seconds): None when the whole run is readable."""
+    firsts = sorted(i.end_s for i in result.intervals if i.kind == "compute" and i.stage == 0)
+    if len(firsts) <= WINDOW_MICRO_BATCHES:
+        return None
+    return firsts[WINDOW_MICRO_BATCHES - 1]
 
 
 def plot_gantt(

@@ -1,9 +1,14 @@
-"""What `tessel launch` prints: the completions, then one row per pipeline stage."""
+"""What `tessel launch` prints: the completions, one row per pipeline stage, then the measured
+TTFT, TPOT and throughput under the names and units `tessel simulate` prints its predictions in."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
+
+from tessel.sim.measured import MeasuredMetrics
 
 STAGE_COLUMNS = (
     "stage",
@@ -17,7 +22,7 @@ STAGE_COLUMNS = (
 )
 
 
-def print_run(run) -> None:  # noqa: ANN001 (tessel.pipeline.run.PipelineRun; torch stays out of the CLI import)
+def print_run(run, measured: MeasuredMetrics) -> None:  # noqa: ANN001 (tessel.pipeline.run.PipelineRun)
     console = Console(highlight=False)
     for request in run.requests:
         if len(run.requests) > 1:
@@ -41,3 +46,22 @@ def print_run(run) -> None:  # noqa: ANN001 (tessel.pipeline.run.PipelineRun; to
             f"{s.get('emulation_sleep_s', 0.0):.3f}",
         )
     Console(stderr=True).print(table)
+    Console(stderr=True).print(measured_table(measured))
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1e3:,.1f}"
+
+
+def measured_table(measured: MeasuredMetrics) -> Table:
+    """The rows `tessel simulate` prints, measured: TTFT and TPOT percentiles in ms, tok/s."""
+    table = Table(title="Measured serving metrics")
+    table.add_column("metric")
+    table.add_column("measured", justify="right")
+    for label, summary in (("TTFT", measured.ttft_s), ("TPOT", measured.tpot_s)):
+        for stat in ("p50", "p90", "p99", "mean"):
+            table.add_row(f"{label} {stat} (ms)", _ms(getattr(summary, stat)))
+    table.add_row("throughput (tok/s)", f"{measured.throughput_tok_s:,.1f}")
+    table.add_row("wall (s)", f"{measured.wall_s:,.3f}")
+    table.add_row("requests", str(measured.requests))
+    return table

@@ -6,10 +6,13 @@ import math
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tessel.sim.api import SimulationReport, VariantRun
-from tessel.sim.gantt import plot_gantt
+from tessel.sim.gantt import default_window_s, plot_gantt
+from tessel.sim.load import LoadCheck
+from tessel.sim.measured import MetricComparison
 
 
 def print_simulation(console: Console, report: SimulationReport) -> None:
@@ -29,9 +32,12 @@ def print_simulation(console: Console, report: SimulationReport) -> None:
             console.print(f"baseline {name}: not simulated ({reason})", highlight=False)
 
 
-def write_gantt(report: SimulationReport, path: Path, until_s: float | None = None) -> None:
-    """The Gantt chart of the plan's run (the first variant)."""
+def write_gantt(report: SimulationReport, path: Path, until_s: float | None = None) -> float | None:
+    """The Gantt chart of the plan's run (the first variant); without `until_s`, the default window
+    (`tessel.sim.gantt.default_window_s`). -> where the chart was cut (None: the whole run)."""
     run = report.runs[0]
+    if until_s is None:
+        until_s = default_window_s(run.result)
     plot_gantt(
         run.result,
         path,
@@ -39,6 +45,24 @@ def write_gantt(report: SimulationReport, path: Path, until_s: float | None = No
         stage_labels=[stage.label for stage in run.variant.stages],
         until_s=until_s,
     )
+    return until_s
+
+
+def print_load(console: Console, load: LoadCheck | None) -> None:
+    if load is not None and load.overloaded:
+        console.print(f"[yellow]{escape(load.message())}[/yellow]")
+
+
+def comparison_table(rows: list[MetricComparison], title: str) -> Table:
+    """Predicted and measured side by side, with (predicted - measured) / measured."""
+    table = Table(title=title)
+    for name in ("metric", "predicted", "measured", "error"):
+        table.add_column(name, justify="left" if name == "metric" else "right")
+    for row in rows:
+        fmt = _ms if row.unit == "ms" else (lambda v: "-" if math.isnan(v) else f"{v:,.1f}")
+        error = "-" if math.isnan(row.error) else f"{row.error:+.1%}"
+        table.add_row(f"{row.label} ({row.unit})", fmt(row.predicted), fmt(row.measured), error)
+    return table
 
 
 def _ms(value: float) -> str:
