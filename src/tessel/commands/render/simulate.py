@@ -36,12 +36,15 @@ def write_gantt(report: SimulationReport, path: Path, until_s: float | None = No
     """The Gantt chart of the plan's run (the first variant); without `until_s`, the default window
     (`tessel.sim.gantt.default_window_s`). -> where the chart was cut (None: the whole run)."""
     run = report.runs[0]
+    title = f"{report.plan_file.model_name} on {report.plan_file.cluster_name}: {report.trace.description}"
     if until_s is None:
         until_s = default_window_s(run.result)
+        if until_s is not None:
+            title += f" (first {until_s:,.3g} s of {run.metrics.makespan_s:,.3g} s)"
     plot_gantt(
         run.result,
         path,
-        title=f"{report.plan_file.model_name} on {report.plan_file.cluster_name}: {report.trace.description}",
+        title=title,
         stage_labels=[stage.label for stage in run.variant.stages],
         until_s=until_s,
     )
