@@ -43,24 +43,14 @@ def qat(
     read_nonempty_text_file(train, "--train")
     check_output_directory(out, "--out", inputs=(model, train), overwrite=overwrite)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tessel.commands.progress import step_progress
     from tessel.quant.qat import QATOptions, train_qat
 
     options = QATOptions(scheme, train, steps, lr, seq_len, batch_size, group_size, weight_observer)
-    console = Console(stderr=True, highlight=False)
-    with Progress(
-        TextColumn("qat"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("qat", total=steps)
-        result = train_qat(
-            model, out, options, lambda _l, done, _t: bar.update(task, completed=done), overwrite=overwrite
-        )
+    with step_progress() as progress:
+        progress("qat", 0, steps)
+        result = train_qat(model, out, options, progress, overwrite=overwrite)
     Console(highlight=False).print(
         f"{scheme}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {steps} steps "
         f"in {result.seconds:.1f} s -> {result.out_dir}"

@@ -77,8 +77,8 @@ def quantize(
 
         return write_sensitivity_file(model, sensitivity, calib, precisions, calib_samples, seq_len)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tessel.commands.progress import step_progress
     from tessel.quant.calibrate import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(
@@ -98,18 +98,7 @@ def quantize(
         asym=asym,
         weight_code_bits=weight_code_bits,
     )
-    console = Console(stderr=True, highlight=False)
-    tasks: dict[str, int] = {}
-    with Progress(
-        TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as bar:  # fmt: skip
-
-        def progress(label: str, done: int, total: int) -> None:
-            if label not in tasks:
-                tasks[label] = bar.add_task(label, total=total)
-            bar.update(tasks[label], completed=done)
-
+    with step_progress() as progress:
         result = quantize_model(model, out, options, progress, overwrite=overwrite)
     Console(highlight=False).print(
         f"{result.scheme}: {result.num_linears} linears quantised"

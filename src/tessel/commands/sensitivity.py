@@ -13,8 +13,8 @@ def write_sensitivity_file(
 ) -> None:
     """Measure per-layer quality costs on --calib and write them for `tessel plan --sensitivity`."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tessel.commands.progress import step_progress
     from tessel.errors import TesselError
     from tessel.files import check_output_path
     from tessel.quant.sensitivity import SensitivityOptions, parse_sensitivity_precisions, write_sensitivity
@@ -23,16 +23,7 @@ def write_sensitivity_file(
     if calib is None:
         raise TesselError("--sensitivity measures on a text: give --calib FILE (UTF-8)")
     options = SensitivityOptions(calib, parse_sensitivity_precisions(precisions), calib_samples, seq_len)
-    console = Console(stderr=True, highlight=False)
-    with Progress(
-        TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("sensitivity", total=None)
-
-        def progress(_label: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with step_progress() as progress:
         result = write_sensitivity(model, out, options, progress)
     largest = {name: max(values) for name, values in result.costs.items()}
     group = f" (int4 groups of {result.int4_group_size})" if result.int4_group_size else ""

@@ -245,7 +245,9 @@ def quantize_model(
     config = read_model_config(model_dir)
     scheme = options.make_scheme()
     text = read_calibration_text(options.calib) if options.calib is not None else None  # checked if unused
+    _report(progress, "load", 0, 1)
     model, tokenizer = load_hf_model(model_dir)
+    _report(progress, "load", 1, 1)
     linears = target_linears(model)
     if not linears:
         raise TesselError(
@@ -280,9 +282,11 @@ def quantize_model(
         result.input_scales = {name: float(s) for name, s in input_scales.items()}
     weights = _quantize_weights(model, linears, scheme, options, windows, progress)
     act_observer = options.observer if scheme.act_static else None
+    _report(progress, "write", 0, 1)
     write_quantized(
         model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer, overwrite
     )
+    _report(progress, "write", 1, 1)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -298,7 +302,16 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
             static_groups=options.static_groups,
             progress=progress,
         )
-    return {name: quantize_weight(m.weight, scheme, options.weight_observer) for name, m in linears.items()}
+    weights = {}
+    for done, (name, module) in enumerate(linears.items(), 1):
+        weights[name] = quantize_weight(module.weight, scheme, options.weight_observer)
+        _report(progress, "weights", done, len(linears))
+    return weights
+
+
+def _report(progress: Progress | None, label: str, done: int, total: int) -> None:
+    if progress is not None:
+        progress(label, done, total)
 
 
 def read_model_config(model_dir: Path) -> dict:
