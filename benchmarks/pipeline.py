@@ -169,7 +169,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
     tessel(
         "profile", "--device", "cpu", "--model", str(model), "--scale", "1", "--dtype", "float32",
         "--budget-s", str(cfg["profile_budget_s"]), "--max-offset", str(cfg["cpp_prompt"]),
-        "--out", str(profile),
+        "--json", str(profile),
     )  # fmt: skip
     # the host's profile also prices its emulated copies (times divided by the speed)
     profiles = [profile]

@@ -56,7 +56,11 @@ def simulate(
     max_in_flight: int | None = optional_count(
         "--max-in-flight", limit=MAX_SEQUENCES, help="Micro-batches in the pipeline at once."
     ),
-    enable_chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill"),
+    enable_chunked_prefill: bool = typer.Option(
+        True,
+        "--chunked-prefill/--no-chunked-prefill",
+        help="Split long prompts across steps within the token budget, as the engine does.",
+    ),
     cpp: bool = typer.Option(False, "--cpp", help="Cut prompts with the CPP chunk planner, pipelined."),
     kv_limit: bool | None = typer.Option(
         None,
