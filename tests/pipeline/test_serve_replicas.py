@@ -11,10 +11,10 @@ backend killed is named (in the stream it broke, in the 503 once none is left) a
 hangs; and stopping the server leaves no process behind. The router's own paths that need no model
 (a silent backend killed; 429 and 503 sent on to the next replica) run over stand-in HTTP servers.
 
-The server suite of tests/server (parametrised over one process and a 2-stage pipeline) is not run
-over a replica plan: its tests read the engine inside the test process (its free KV blocks, its
-`AsyncEngine`, a paused engine thread), which the router does not have. This module covers the same
-API surface through the router instead.
+The server suite of tests/server runs over a replica plan too (its `replicas` engine kind), except
+its tests that read or hold the engine inside the test process (marked `in_process_engine`: a paused
+engine thread, the `AsyncEngine`'s counters), which the router does not have; this module covers the
+router's own paths (routing split, failures, disconnects, stopping).
 """
 
 from __future__ import annotations

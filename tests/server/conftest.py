@@ -1,25 +1,51 @@
 """Fixtures for the server tests: a tiny checkpoint, bounded polling, a uvicorn server in a thread,
-and the engine behind the server in both kinds `tessel serve` runs.
+and the server under test in each of the three kinds `tessel serve` runs.
 
 Servers bind to 127.0.0.1 on a port the OS picks, and every wait polls a condition under a
 bounded deadline (no sleeps for synchronisation). The helpers are handed out as fixtures because
 the suite imports test modules with `--import-mode=importlib` (no test directory on sys.path).
 
-A module whose `engine` fixture is built with `make_engine` runs once per engine kind: `single`
-(one process's `LLMEngine`, `tessel serve`) and `pipeline` (`tessel serve --plan`: a 2-stage CPU
-plan of the same checkpoint, this process stage 0 and stage 1 a child process over gloo, two
-micro-batches in flight). The same tests, with the same oracles, hold for both. Tests marked
-`single_engine` (request validation, which never reaches the engine) run on the single one only.
+A module whose `engine` fixture is built with `make_engine` and served with `serve_engine` runs once
+per engine kind:
+- `single`: one process's `LLMEngine` (`tessel serve`), its app in this process;
+- `pipeline`: `tessel serve --plan` of a 2-stage CPU plan of the same checkpoint (this process stage
+  0, stage 1 a child process over gloo, two micro-batches in flight), its app in this process;
+- `replicas`: `tessel serve --plan` of a plan of two replicas of the same checkpoint (replica 0 the
+  2-stage pipeline above, replica 1 a 1-stage one), run as a user starts it: a child process, the
+  router (`tessel.pipeline.replica_router`) in front of one server process per replica. The
+  `engine` is then the description the router is started from, with the model's tokenizer; the
+  router starts once per module (in `serve_engine`, which knows the module's `max_pending`).
+The same tests, with the same oracles, hold for all three (test_server_batching runs the first two
+only, for the suite's time: a router's start-up is most of a module's time). "The server is idle"
+(`Served.wait_idle`) is read from the engine and the app in process, and from the router's
+`/metrics` for `replicas` (its requests in flight, and each replica's running and waiting requests
+and KV blocks in use).
+
+Two markers leave runs out:
+- `single_engine` (request validation, which never reaches the engine): not run on `pipeline`,
+  whose server is the same code as `single`'s. It does run on `replicas`, where the errors come
+  through the router (its own 404, its JSON and body checks, the backend's 400 passed on).
+- `in_process_engine`: not run on `replicas`. These tests hold the engine thread still
+  (`engine_paused`: a full server's 429, a client leaving mid-stream or mid-request while its request
+  is provably still running) or read the `AsyncEngine`'s counters and hooks (aborted requests, the
+  prefix-cache hits of each choice, the scheduler's queues while parked), which live inside another
+  process behind the router. The router's own disconnect, abort and re-send paths are covered in
+  tests/pipeline/test_serve_replicas.py.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +56,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("torch")
 
 DEADLINE_S = 60.0  # upper bound on any wait; the tests normally pass their polls in milliseconds
+ROUTER_START_DEADLINE_S = 300.0  # the router and three model processes importing torch on 2 busy cores
 POLL_S = 0.01
 
 
@@ -79,38 +106,87 @@ def engine_paused(async_engine: Any) -> Iterator[None]:
         future.result(timeout=DEADLINE_S)
 
 
-ENGINE_KINDS = ("single", "pipeline")
+ENGINE_KINDS = ("single", "pipeline", "replicas")
 PIPELINE_SLOTS = 2  # the plan's micro-batches in flight (one scheduler each)
+REPLICA_WEIGHTS = (0.625, 0.375)  # replica 0 (2 stages), replica 1 (1 stage)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "single_engine: run on the single-process engine kind only")
+    config.addinivalue_line("markers", "single_engine: not run on the pipeline engine kind (see conftest)")
+    config.addinivalue_line(
+        "markers", "in_process_engine: needs the engine in the test process; not run on the replicas kind"
+    )
 
 
-def _pipeline_run_of_single_engine_test(item: pytest.Item) -> bool:
+def _left_out(item: pytest.Item) -> bool:
     callspec = getattr(item, "callspec", None)
     kind = None if callspec is None else callspec.params.get("engine_kind")
-    return kind == "pipeline" and item.get_closest_marker("single_engine") is not None
+    if kind == "pipeline":
+        return item.get_closest_marker("single_engine") is not None
+    if kind == "replicas":
+        return item.get_closest_marker("in_process_engine") is not None
+    return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect the pipeline runs of tests marked `single_engine`."""
-    dropped = [item for item in items if _pipeline_run_of_single_engine_test(item)]
+    """Deselect the pipeline runs of tests marked `single_engine` and the replicas runs of tests
+    marked `in_process_engine`."""
+    dropped = [item for item in items if _left_out(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if not _pipeline_run_of_single_engine_test(item)]
+        items[:] = [item for item in items if not _left_out(item)]
+
+
+@dataclass(frozen=True)
+class ReplicaPlanEngine:
+    """The `replicas` kind's `engine`: what `serve_engine` starts the router from (`tessel serve`
+    options per replica server), and the model's tokenizer, the one each replica's engine loads."""
+
+    model: Path
+    plan: Path
+    work_dir: Path
+    serve_options: tuple[str, ...]
+    tokenizer: Any
+
+
+def write_replica_plan(path: Path, model: Path) -> Path:
+    """Two replicas of `model`: replica 0 on cpu0 + cpu1 (the `pipeline` kind's 2-stage split, its
+    micro-batches in flight), replica 1 on cpu2 (one stage, one micro-batch)."""
+    from pipeline_plans import write_plan
+
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    write_plan(path, model, [(0, layers // 2), (layers // 2, layers)], micro_batches=PIPELINE_SLOTS)
+    plan = json.loads(path.read_text())
+    first = plan["stages"]
+    solo = {**first[1], "index": 0, "device": "localhost/cpu2", "layer_start": 0, "unit_start": 0}
+    plan["version"] = 2
+    plan["replicas"] = [
+        {"index": 0, "weight": REPLICA_WEIGHTS[0], "stages": first},
+        {"index": 1, "weight": REPLICA_WEIGHTS[1], "stages": [solo], "micro_batches": 1},
+    ]
+    path.write_text(json.dumps(plan))
+    return path
 
 
 @contextmanager
 def build_engine(
     kind: str, model: Path, work_dir: Path, *, max_num_seqs: int, **options: Any
 ) -> Iterator[Any]:
-    """The engine a server drives. `max_num_seqs` bounds the sequences running at once in both kinds:
-    the pipeline's `PIPELINE_SLOTS` schedulers get an equal share each."""
+    """The engine a server drives. `max_num_seqs` bounds the sequences running at once: a pipeline's
+    `PIPELINE_SLOTS` schedulers get an equal share each (so does each scheduler of a replica)."""
     if kind == "single":
         from tessel.engine.llm_engine import LLMEngine
 
         yield LLMEngine(str(model), max_num_seqs=max_num_seqs, **options)
+        return
+    if kind == "replicas":
+        from tessel.pipeline.replica_router import load_tokenizer
+
+        assert max_num_seqs % PIPELINE_SLOTS == 0, max_num_seqs
+        plan = write_replica_plan(work_dir / "replicas.json", model)
+        named = {"max_num_seqs": max_num_seqs // PIPELINE_SLOTS, **options}
+        argv = [f"--{name.replace('_', '-')}={value}" for name, value in named.items()]
+        yield ReplicaPlanEngine(model, plan, work_dir, tuple(argv), load_tokenizer(model))
         return
     from pipeline_plans import write_plan
     from tessel.pipeline.serving import pipeline_server_engine
@@ -126,6 +202,113 @@ def build_engine(
         engine.close()
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running server under test: its base URL, its app (in-process kinds; None for `replicas`,
+    whose router is a child process) and `wait_idle()`: wait until it holds no request, then check
+    every KV block is back in its pool."""
+
+    url: str
+    app: Any
+    wait_idle: Callable[[], None]
+
+
+@contextmanager
+def serve_engine(engine: Any, *, max_pending: int) -> Iterator[Served]:
+    """Serve `engine` (from `make_engine`) holding at most `max_pending` unfinished requests: its app
+    under uvicorn in a thread, or for `replicas` the router (each replica server `max_pending` too)."""
+    if isinstance(engine, ReplicaPlanEngine):
+        with serve_router(engine, max_pending=max_pending) as served:
+            yield served
+        return
+    from tessel.server.app import create_app
+
+    app = create_app(engine, max_pending=max_pending)
+
+    def wait_idle() -> None:
+        wait_until(lambda: app.state.async_engine.num_pending == 0, "the server to release its requests")
+        wait_until(lambda: not engine.has_unfinished_requests(), "the engine to finish its requests")
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+    with serve_in_thread(app) as url:
+        yield Served(url, app, wait_idle)
+
+
+def per_replica(url: str) -> dict[str, dict[str, float]]:
+    """name -> {replica: value} of the router's /metrics samples labelled by replica alone."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics", timeout=DEADLINE_S)
+    assert response.status_code == 200, response.text
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if set(sample.labels) == {"replica"}:
+                values.setdefault(sample.name, {})[sample.labels["replica"]] = sample.value
+    return values
+
+
+def _router_idle(url: str) -> None:
+    replicas = {str(index) for index in range(len(REPLICA_WEIGHTS))}
+
+    def total(name: str, values: dict[str, dict[str, float]]) -> float:
+        assert set(values.get(name, {})) == replicas, f"{name} of every replica in /metrics: {values}"
+        return sum(values[name].values())
+
+    wait_until(
+        lambda: total("tessel:router_requests_in_flight", per_replica(url)) == 0,
+        "the router to release its requests",
+    )
+
+    def engines_idle() -> bool:
+        values = per_replica(url)
+        queued = total("tessel:num_requests_running", values) + total("tessel:num_requests_waiting", values)
+        return queued == 0
+
+    wait_until(engines_idle, "the replicas' engines to finish their requests")
+    assert total("tessel:num_kv_blocks_used", per_replica(url)) == 0
+
+
+@contextmanager
+def serve_router(engine: ReplicaPlanEngine, *, max_pending: int) -> Iterator[Served]:
+    """`tessel serve --plan` over the replica plan, a child process in its own session; stopped with
+    SIGTERM (it stops its replica servers, which stop their stages), its session killed if it hangs."""
+    import httpx
+
+    from tessel.pipeline.launcher import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = engine.work_dir / f"router-{port}.log"
+    # each replica server holds its running sequences + max_queue: at least max_pending
+    argv = [
+        sys.executable, "-m", "tessel.cli", "serve", "--model", str(engine.model), "--plan", str(engine.plan),
+        "--port", str(port), f"--max-queue={max_pending}", "--log-level=warning", *engine.serve_options,
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"the router exited ({proc.returncode}): {log.read_text()[-3000:]}"
+        try:
+            return httpx.get(f"{url}/health", timeout=5.0).json() == {"status": "ok"}
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, "the router and both replica servers to start", ROUTER_START_DEADLINE_S)
+        yield Served(url, None, functools.partial(_router_idle, url))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the router's session: its replica servers and stages
+                proc.wait()
+
+
 @pytest.fixture(scope="module", params=ENGINE_KINDS)
 def engine_kind(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -137,6 +320,11 @@ def make_engine(
 ) -> Callable[..., AbstractContextManager[Any]]:
     """`with make_engine(max_num_seqs=..., **engine options) as engine`: this module's engine kind."""
     return functools.partial(build_engine, engine_kind, tiny_model, tmp_path_factory.mktemp(engine_kind))
+
+
+@pytest.fixture(name="serve_engine", scope="session")
+def _serve_engine_fixture() -> Callable[..., AbstractContextManager[Served]]:
+    return serve_engine
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""The HTTP API in-process: a real engine behind the app, under uvicorn in a thread, once per engine
-kind (one process; a 2-stage pipeline as `serve --plan` runs it).
+"""The HTTP API over a live server with a real engine, once per engine kind (conftest: one process; a
+2-stage pipeline as `serve --plan` runs it; the router of a 2-replica plan in front of two servers).
 
 Greedy outputs are checked against `LLM.generate` on the same checkpoint (the oracle); error
 bodies against OpenAI's shape; a full server against 429; and a client that goes away, mid-stream
@@ -37,26 +37,26 @@ def engine(make_engine: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def app(engine: Any) -> Any:
-    from tessel.server.app import create_app
-
-    return create_app(engine, max_pending=MAX_PENDING)
+def served(engine: Any, serve_engine: Any) -> Any:
+    with serve_engine(engine, max_pending=MAX_PENDING) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
-def base_url(app: Any, serve_in_thread: Any) -> str:
-    with serve_in_thread(app) as url:
-        yield url
+def app(served: Any) -> Any:
+    return served.app  # in-process kinds (tests marked in_process_engine)
+
+
+@pytest.fixture(scope="module")
+def base_url(served: Any) -> str:
+    return served.url
 
 
 @pytest.fixture
-def client(base_url: str, engine: Any, app: Any, wait_until: Any) -> httpx.Client:
+def client(base_url: str, served: Any) -> httpx.Client:
     with httpx.Client(base_url=base_url, timeout=60.0) as client:
         yield client
-    # every test leaves the engine empty: all blocks back in the pool, nothing pending
-    wait_until(lambda: app.state.async_engine.num_pending == 0, "the server to release its requests")
-    wait_until(lambda: not engine.has_unfinished_requests(), "the engine to finish its requests")
-    assert engine.num_free_blocks == engine.num_total_blocks
+    served.wait_idle()  # every test leaves the engine empty: all blocks back in the pool, nothing pending
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +296,7 @@ def test_prompt_over_the_model_length_is_400_naming_the_limit(client: httpx.Clie
     assert ok.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
 
 
+@pytest.mark.in_process_engine
 def test_full_server_answers_429_then_recovers(
     client: httpx.Client, base_url: str, app: Any, wait_until: Any, engine_paused: Any
 ) -> None:
@@ -326,6 +327,7 @@ def _long_stream_body(prompt: str) -> dict:
     }
 
 
+@pytest.mark.in_process_engine
 def test_disconnect_mid_stream_aborts_and_frees_blocks(
     base_url: str, client: httpx.Client, engine: Any, app: Any, wait_until: Any, engine_paused: Any
 ) -> None:
@@ -346,6 +348,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.in_process_engine
 def test_disconnect_mid_request_aborts_and_frees_blocks(
     base_url: str, client: httpx.Client, engine: Any, app: Any, wait_until: Any, engine_paused: Any
 ) -> None:

@@ -1,6 +1,11 @@
 """More concurrent requests than `max_num_seqs`: the engine's waiting queue fills, continuous
 batching serves them all, and each answer equals `LLM.generate` run on its own prompt alone; once
-per engine kind (one process; a 2-stage pipeline as `serve --plan` runs it)."""
+per in-process engine kind (conftest: one process; a 2-stage pipeline as `serve --plan` runs it).
+
+Not over the replica plan's router (the conftest's `replicas` kind, which this test passes): its
+start-up (three processes loading the model) is most of a module's time there, and the suite runs the
+router under the api, choices, logprobs and metrics modules (concurrent requests on both replicas:
+test_server_api)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 MAX_NUM_SEQS = 2
 NUM_REQUESTS = 6  # three times the running slots: some requests wait in the engine's queue
@@ -22,6 +28,11 @@ PROMPTS = [
     "One two three four",
     "The cat sat on the mat",
 ]
+
+
+@pytest.fixture(scope="module", params=("single", "pipeline"))
+def engine_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool) -> str:
@@ -46,11 +57,10 @@ async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int, str
 
 
 def test_more_requests_than_slots_each_equal_llm_generate(
-    tiny_model: Path, make_engine: Any, serve_in_thread: Any, wait_until: Any
+    tiny_model: Path, make_engine: Any, serve_engine: Any
 ) -> None:
     from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
-    from tessel.server.app import create_app
 
     lengths = [8 + 5 * i for i in range(NUM_REQUESTS)]  # different lengths: requests leave and join
     llm = LLM(str(tiny_model), max_model_len=256, kv_cache_gib=0.01)
@@ -66,8 +76,6 @@ def test_more_requests_than_slots_each_equal_llm_generate(
             return await asyncio.gather(*calls)
 
     with make_engine(max_num_seqs=MAX_NUM_SEQS, max_model_len=256, kv_cache_gib=0.01) as engine:
-        app = create_app(engine, max_pending=NUM_REQUESTS)
-        with serve_in_thread(app) as url:
-            assert asyncio.run(run(url)) == expected
-            wait_until(lambda: not engine.has_unfinished_requests(), "the engine to finish")
-        assert engine.num_free_blocks == engine.num_total_blocks
+        with serve_engine(engine, max_pending=NUM_REQUESTS) as served:
+            assert asyncio.run(run(served.url)) == expected
+            served.wait_idle()  # the engine finished, every KV block back in its pool

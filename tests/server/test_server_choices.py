@@ -1,5 +1,5 @@
 """n > 1 choices (issue 15) through the official `openai` client on a live server, once per engine
-kind (one process; a 2-stage pipeline as `serve --plan` runs it).
+kind (conftest: one process; a 2-stage pipeline as `serve --plan` runs it; a 2-replica plan's router).
 
 Oracle: choice i with seed s equals an n = 1 request with seed s + i (its own seed stream), streamed
 or not; the later choices reuse the prompt's full KV blocks from the prefix cache (the engine's
@@ -26,18 +26,21 @@ def engine(make_engine: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(engine: Any, serve_in_thread: Any) -> Any:
-    from tessel.server.app import create_app
+def served(engine: Any, serve_engine: Any) -> Any:
+    with serve_engine(engine, max_pending=8) as served:
+        yield served
 
-    app = create_app(engine, max_pending=8)
-    with serve_in_thread(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60.0), app
+
+@pytest.fixture(scope="module")
+def server(served: Any) -> Any:
+    """The client, and the app (None for the replicas kind: tests marked in_process_engine use it)."""
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=60.0), served.app
 
 
 def test_choices_equal_single_requests_with_consecutive_seeds(
-    server: Any, engine: Any, tiny_model: Path, wait_until: Any
+    server: Any, served: Any, engine: Any, tiny_model: Path
 ) -> None:
-    client, app = server
+    client, _ = server
     kw = dict(
         model=tiny_model.name, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True}
     )
@@ -54,9 +57,10 @@ def test_choices_equal_single_requests_with_consecutive_seeds(
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert [streamed[i] for i in range(N)] == singles
-    wait_until(lambda: engine.num_free_blocks == engine.num_total_blocks, "every choice's blocks to return")
+    served.wait_idle()  # every choice's blocks returned
 
 
+@pytest.mark.in_process_engine
 def test_a_client_leaving_an_n_stream_aborts_every_choice(
     server: Any, engine: Any, tiny_model: Path, wait_until: Any
 ) -> None:
@@ -72,6 +76,7 @@ def test_a_client_leaving_an_n_stream_aborts_every_choice(
     wait_until(lambda: engine.num_free_blocks == engine.num_total_blocks, "the KV blocks to return")
 
 
+@pytest.mark.in_process_engine
 def test_later_choices_share_the_prompt_blocks(
     server: Any, engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,10 +1,10 @@
 """logprobs and echo through the official `openai` client, against HF transformers (issue 15).
 
-The server runs under uvicorn in a thread, once per engine kind (one process; a 2-stage pipeline as
-`serve --plan` runs it, issue 27); prompt (echo) and completion logprobs must equal HF's
-log-softmax of its logits over the same tokens to 1e-4, in the shapes the client parses, and the
-single-process engine's (`LLM.generate`) to float rounding; streamed logprobs must equal the
-non-streamed ones.
+The server runs once per engine kind (conftest: one process; a 2-stage pipeline as `serve --plan`
+runs it, issue 27; the router of a 2-replica plan, issue 29); prompt (echo) and completion logprobs
+must equal HF's log-softmax of its logits over the same tokens to 1e-4, in the shapes the client
+parses, and the single-process engine's (`LLM.generate`) to float rounding; streamed logprobs must
+equal the non-streamed ones.
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ def engine(make_engine: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def client(engine: Any, serve_in_thread: Any) -> Any:
-    from tessel.server.app import create_app
-
-    with serve_in_thread(create_app(engine, max_pending=8)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60.0)
+def client(engine: Any, serve_engine: Any) -> Any:
+    with serve_engine(engine, max_pending=8) as served:
+        yield openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=60.0)
 
 
 @pytest.fixture(scope="module")

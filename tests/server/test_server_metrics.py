@@ -1,9 +1,10 @@
 """`GET /metrics` (issue 15): vLLM's metric names under `tessel:`, scraped around a disconnect storm.
 
-A live uvicorn server in a thread, once per engine kind (one process; a 2-stage pipeline as
-`serve --plan` runs it, whose /metrics was a 500: issue 27). Oracles: the engine's own counters
-(running / waiting queues, free blocks) while it is parked, the usage fields of a finished response
-for the token counters, and zero KV blocks in use after every client of the storm has gone.
+A live server, once per engine kind (conftest: one process; a 2-stage pipeline as `serve --plan` runs
+it, whose /metrics was a 500: issue 27; the router of a 2-replica plan, issue 29). Oracles: the
+engine's own counters (running / waiting queues, free blocks) while it is parked, the usage fields
+of a finished response for the token counters, and zero KV blocks in use after every client of the
+storm has gone.
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ def engine(make_engine: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def app(engine: Any) -> Any:
-    from tessel.server.app import create_app
-
-    return create_app(engine, max_pending=16)
+def served(engine: Any, serve_engine: Any) -> Any:
+    with serve_engine(engine, max_pending=16) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
-def base_url(app: Any, serve_in_thread: Any) -> str:
-    with serve_in_thread(app) as url:
-        yield url
+def app(served: Any) -> Any:
+    return served.app  # in-process kinds (tests marked in_process_engine)
+
+
+@pytest.fixture(scope="module")
+def base_url(served: Any) -> str:
+    return served.url
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -52,8 +56,11 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def test_metrics_use_vllm_names(base_url: str) -> None:
-    names = set(scrape(base_url))
+def test_metrics_use_vllm_names(base_url: str, engine_kind: str) -> None:
+    """Each of vLLM's names is a sample of /metrics; behind the router (the replicas kind, conftest:
+    a plan of two replicas), one per replica, labelled `replica="K"`."""
+    samples = set(scrape(base_url))
+    labels = ['{replica="0"}', '{replica="1"}'] if engine_kind == "replicas" else [""]
     for name in [
         "tessel:num_requests_running",
         "tessel:num_requests_waiting",
@@ -66,9 +73,11 @@ def test_metrics_use_vllm_names(base_url: str) -> None:
         "tessel:inter_token_latency_seconds_count",
         "tessel:e2e_request_latency_seconds_count",
     ]:
-        assert name in names, sorted(names)
+        for label in labels:
+            assert name + label in samples, sorted(samples)
 
 
+@pytest.mark.in_process_engine
 def test_kv_blocks_return_to_zero_after_a_disconnect_storm(
     base_url: str, app: Any, engine: Any, wait_until: Any, engine_paused: Any
 ) -> None:
