@@ -45,3 +45,23 @@ def write_plan(
     }
     path.write_text(json.dumps(plan))
     return path
+
+
+REPLICA_WEIGHTS = (0.625, 0.375)  # write_replica_plan's: replica 0 (2 stages), replica 1 (1 stage)
+
+
+def write_replica_plan(path: Path, model_dir: Path, micro_batches: int = 2) -> Path:
+    """A version-2 plan of two pipelines: replica 0 on cpu0 + cpu1 (the layers split in halves,
+    `micro_batches` in flight), replica 1 on cpu2 alone (one micro-batch); `REPLICA_WEIGHTS`."""
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    write_plan(path, model_dir, [(0, layers // 2), (layers // 2, layers)], micro_batches=micro_batches)
+    plan = json.loads(path.read_text())
+    plan["version"] = 2
+    first = plan["stages"]
+    solo = {**first[1], "index": 0, "device": "localhost/cpu2", "layer_start": 0, "unit_start": 0}
+    plan["replicas"] = [
+        {"index": 0, "weight": REPLICA_WEIGHTS[0], "stages": first},
+        {"index": 1, "weight": REPLICA_WEIGHTS[1], "stages": [solo], "micro_batches": 1},
+    ]
+    path.write_text(json.dumps(plan))
+    return path

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ct_oracle import fake_quant
-from pipeline_plans import write_plan
+from pipeline_plans import write_plan, write_replica_plan
 from tessel import LLM, SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
@@ -150,18 +150,8 @@ def test_a_precision_that_cannot_run_is_a_user_error():
 
 
 def replica_plan(path, model):
-    """Two pipelines: replica 0 on cpu0 + cpu1 (layers 0-1 int8 | 2-4), replica 1 on cpu2 alone."""
-    write_plan(path, model, [(0, 2), (2, 5)])
-    plan = json.loads(path.read_text())
-    plan["version"] = 2
-    first = plan["stages"]
-    solo = {**first[1], "index": 0, "device": "localhost/cpu2", "layer_start": 0, "unit_start": 0}
-    plan["replicas"] = [
-        {"index": 0, "weight": 0.625, "stages": first},
-        {"index": 1, "weight": 0.375, "stages": [solo], "micro_batches": 1},
-    ]
-    path.write_text(json.dumps(plan))
-    return path
+    """Two pipelines: replica 0 on cpu0 + cpu1 (layers 0-1 | 2-4), replica 1 on cpu2 alone."""
+    return write_replica_plan(path, model)
 
 
 def test_a_replica_plan_runs_the_replica_asked_for(tiny_dirs, tmp_path):

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline_plans import write_plan
+from pipeline_plans import REPLICA_WEIGHTS, write_replica_plan
 from stage_processes import release
 from tessel import LLM, SamplingParams
 
@@ -57,7 +57,7 @@ START_DEADLINE_S = 300.0  # three processes importing torch on a loaded 2-core m
 DEADLINE_S = 60.0  # any other wait; a healthy answer takes well under a second
 MAX_MODEL_LEN = 256
 MAX_BODY_BYTES = 100_000
-WEIGHTS = (0.625, 0.375)  # replica_plan's
+WEIGHTS = REPLICA_WEIGHTS  # replica_plan's
 NUM_ROUTED = 40
 SPLIT_TOLERANCE = 4  # requests: one that finishes before the last arrives frees room on its replica
 
@@ -205,18 +205,7 @@ def _healthy(router: Router) -> bool:
 
 
 def replica_plan(path: Path, model: Path) -> Path:
-    """test_plan_precisions' plan: replica 0 on cpu0 + cpu1 (layers 0-1 | 2-4), replica 1 on cpu2."""
-    write_plan(path, model, [(0, 2), (2, 5)])
-    plan = json.loads(path.read_text())
-    plan["version"] = 2
-    first = plan["stages"]
-    solo = {**first[1], "index": 0, "device": "localhost/cpu2", "layer_start": 0, "unit_start": 0}
-    plan["replicas"] = [
-        {"index": 0, "weight": WEIGHTS[0], "stages": first},
-        {"index": 1, "weight": WEIGHTS[1], "stages": [solo], "micro_batches": 1},
-    ]
-    path.write_text(json.dumps(plan))
-    return path
+    return write_replica_plan(path, model)
 
 
 @pytest.fixture(scope="module")

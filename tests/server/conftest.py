@@ -51,6 +51,8 @@ from typing import Any
 
 import pytest
 
+from pipeline_plans import REPLICA_WEIGHTS  # replica 0 (2 stages), replica 1 (1 stage)
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("torch")
@@ -108,7 +110,6 @@ def engine_paused(async_engine: Any) -> Iterator[None]:
 
 ENGINE_KINDS = ("single", "pipeline", "replicas")
 PIPELINE_SLOTS = 2  # the plan's micro-batches in flight (one scheduler each)
-REPLICA_WEIGHTS = (0.625, 0.375)  # replica 0 (2 stages), replica 1 (1 stage)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -150,22 +151,11 @@ class ReplicaPlanEngine:
 
 
 def write_replica_plan(path: Path, model: Path) -> Path:
-    """Two replicas of `model`: replica 0 on cpu0 + cpu1 (the `pipeline` kind's 2-stage split, its
-    micro-batches in flight), replica 1 on cpu2 (one stage, one micro-batch)."""
-    from pipeline_plans import write_plan
+    """Two replicas of `model` (`pipeline_plans.write_replica_plan`): replica 0 the `pipeline` kind's
+    2-stage split with its micro-batches in flight, replica 1 one stage, one micro-batch."""
+    from pipeline_plans import write_replica_plan as write
 
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    write_plan(path, model, [(0, layers // 2), (layers // 2, layers)], micro_batches=PIPELINE_SLOTS)
-    plan = json.loads(path.read_text())
-    first = plan["stages"]
-    solo = {**first[1], "index": 0, "device": "localhost/cpu2", "layer_start": 0, "unit_start": 0}
-    plan["version"] = 2
-    plan["replicas"] = [
-        {"index": 0, "weight": REPLICA_WEIGHTS[0], "stages": first},
-        {"index": 1, "weight": REPLICA_WEIGHTS[1], "stages": [solo], "micro_batches": 1},
-    ]
-    path.write_text(json.dumps(plan))
-    return path
+    return write(path, model, micro_batches=PIPELINE_SLOTS)
 
 
 @contextmanager
