@@ -98,6 +98,25 @@ def select_profile(
 # ---- analytic unit times --------------------------------------------------------------------
 
 
+def unit_work(
+    model: ModelSpec,
+    kind: str,
+    tokens: float,
+    attention_pairs: float,
+    kv_tokens: float,
+    dtype: str,
+    kv_dtype: str,
+) -> tuple[float, float, float]:
+    """(weight GEMM FLOPs, attention-core FLOPs, bytes moved) of `tokens` passing one unit whose
+    attention covers `attention_pairs` (query, key) pairs and reads or writes `kv_tokens` KV entries."""
+    n_bytes = L.weight_bytes_read(model, kind, dtype, tokens)
+    n_bytes += tokens * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
+    if kind != "mlp":
+        n_bytes += L.kv_bytes_per_token(model, kv_dtype) * kv_tokens
+    weight_flops = L.matmul_flops(model, kind, tokens)
+    return weight_flops, L.attention_core_flops(model, kind, attention_pairs), n_bytes
+
+
 def _analytic_unit_s(
     model: ModelSpec,
     gpu: GpuSpec,
@@ -110,13 +129,12 @@ def _analytic_unit_s(
     efficiency: Efficiency,
 ) -> float:
     """Roofline time of `tokens` passing one unit whose attention reads or writes `kv_tokens` KV entries."""
-    n_bytes = L.weight_bytes_read(model, kind, dtype, tokens)
-    n_bytes += tokens * L.activation_elems_per_token(model, kind) * L.dtype_bytes(L.activation_dtype(dtype))
-    if kind != "mlp":
-        n_bytes += L.kv_bytes_per_token(model, kv_dtype) * kv_tokens
+    weight_flops, attention_flops, n_bytes = unit_work(
+        model, kind, tokens, attention_pairs, kv_tokens, dtype, kv_dtype
+    )
     return roofline_time_s(
-        weight_flops=L.matmul_flops(model, kind, tokens),
-        attention_flops=L.attention_core_flops(model, kind, attention_pairs),
+        weight_flops=weight_flops,
+        attention_flops=attention_flops,
         n_bytes=n_bytes,
         gpu=gpu,
         dtype=dtype,
@@ -245,11 +263,15 @@ def lm_head_time_s(
     token of each sequence needs logits). The LM head stays fp16 under int8."""
     if tokens <= 0:
         return 0.0
-    head_dtype = L.activation_dtype(dtype)
-    b_act = L.dtype_bytes(head_dtype)
+    flops, n_bytes = lm_head_work(model, tokens, dtype)
+    return _no_attention_time_s(flops, n_bytes, gpu, L.activation_dtype(dtype), profile, KERNELS_LM_HEAD)
+
+
+def lm_head_work(model: ModelSpec, tokens: float, dtype: str = "fp16") -> tuple[float, float]:
+    """(FLOPs, bytes moved) of the final norm + LM head for `tokens` tokens (fp16 under int8)."""
+    b_act = L.dtype_bytes(L.activation_dtype(dtype))
     n_bytes = L.lm_head_bytes(model, dtype) + tokens * (3 * model.hidden_size + model.vocab_size) * b_act
-    flops = 2.0 * tokens * model.hidden_size * model.vocab_size
-    return _no_attention_time_s(flops, n_bytes, gpu, head_dtype, profile, KERNELS_LM_HEAD)
+    return 2.0 * tokens * model.hidden_size * model.vocab_size, n_bytes
 
 
 def _no_attention_time_s(
