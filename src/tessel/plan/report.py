@@ -221,7 +221,46 @@ def plan_json(
     return plan.model_copy(update={"predicted": whole_predicted(plan.replicas)})
 
 
-def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
+def decode_utilization(
+    instance: PlanningInstance,
+    evaluation: Evaluation,
+    *,
+    model,
+    cluster,
+    batch_size: int,
+    decode_context: float,
+    dtype: str = "fp16",
+    kv_dtype: str = "fp16",
+) -> list:
+    """Predicted MFU and MBU of each stage's decode step (b sequences of the workload's mean decode
+    context) over its predicted decode time T_j^dec (`tessel.cost.utilization`)."""
+    from tessel.cost.utilization import stage_decode_work, utilization
+
+    out = []
+    last = len(evaluation.stages) - 1
+    for index, se in enumerate(evaluation.stages):
+        stage = se.stage
+        units = instance.units[stage.unit_start : stage.unit_end]
+        dtypes = (
+            evaluation.precisions[stage.unit_start : stage.unit_end]
+            if evaluation.precisions is not None
+            else [dtype] * len(units)
+        )
+        gpu = cluster.devices[stage.device].spec
+        work = stage_decode_work(
+            model, gpu, [u.kind for u in units], dtypes, batch_size, batch_size * decode_context,
+            kv_dtype=kv_dtype, last=index == last,
+        )  # fmt: skip
+        out.append(utilization(work, se.time_decode_s, gpu))
+    return out
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 100:.1f}"
+
+
+def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, utilizations=None):
+    """The stage table; with `utilizations` (`decode_utilization`), decode MFU and MBU columns."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
@@ -237,6 +276,9 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
         "decode ms",
     ):
         table.add_column(column, justify="left" if column in ("device", "type") else "right")
+    if utilizations is not None:
+        table.add_column("decode MFU %", justify="right")
+        table.add_column("decode MBU %", justify="right")
     if evaluation.precisions is not None:
         table.add_column("precisions", justify="left")
     per = instance.n_units // len({unit.layer for unit in instance.units})
@@ -258,9 +300,16 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str):
             f"{se.offload_bytes / GIB:.1f}",
             f"{se.time_prefill_s * 1e3:.2f}",
             f"{se.time_decode_s * 1e3:.3f}",
+            *utilization_cells(utilizations, index),
             *precision_cells(evaluation, se.stage),
         )
     return table
+
+
+def utilization_cells(utilizations, index: int) -> list[str]:
+    if utilizations is None:
+        return []
+    return [_percent(utilizations[index].mfu), _percent(utilizations[index].mbu)]
 
 
 def precision_cells(evaluation: Evaluation, stage) -> list[str]:

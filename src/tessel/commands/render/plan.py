@@ -6,7 +6,7 @@ import typer
 from rich.console import Console
 
 from tessel.plan.api import PlanOutcome
-from tessel.plan.report import comparison_table, stage_table
+from tessel.plan.report import comparison_table, decode_utilization, stage_table
 
 
 def print_plan(console: Console, outcome: PlanOutcome) -> None:
@@ -18,7 +18,17 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
         f"{outcome.workload.name}: m={instance.micro_batches} micro-batches of {b}, "
         f"{outcome.settings.granularity} granularity"
     )
-    console.print(stage_table(instance, result.evaluation, title))
+    utilizations = decode_utilization(
+        instance,
+        result.evaluation,
+        model=outcome.model,
+        cluster=outcome.cluster,
+        batch_size=b,
+        decode_context=outcome.workload.mean_decode_context_tokens,
+        dtype=outcome.settings.dtype,
+        kv_dtype=outcome.settings.kv_dtype,
+    )
+    console.print(stage_table(instance, result.evaluation, title, utilizations))
     predicted = outcome.predicted
     gap = "n/a" if result.gap is None else f"{result.gap * 100:.2f}%"
     console.print(
