@@ -95,6 +95,7 @@ def launch(
         typer.echo(line, err=True)
     run = run_pipeline(options)
     measured = measured_metrics(run.requests, run.wall_s)
+    add_stage_utilization(run.stages, options)
     print_run(run, measured)
     if json_out is not None:
         document = {
@@ -106,6 +107,24 @@ def launch(
             "wall_s": run.wall_s,
         }
         write_text_file(json_out, json.dumps(document, indent=1), "--json", inputs)
+
+
+def add_stage_utilization(stages: list[dict], options) -> None:  # noqa: ANN001 (RunOptions)
+    """Each stage's measured MFU and MBU (`utilization`: {mfu, mbu}, fractions of its device type's
+    catalog peak; {} where the catalog lacks the type) in its status dict."""
+    from tessel.catalog import load_model
+    from tessel.commands.render.launch import stage_utilization
+    from tessel.dtypes import ALIASES
+    from tessel.models.config import ModelConfig, resolve_dtype
+    from tessel.pipeline.run_plan import load_run_plan
+
+    plan = load_run_plan(options.plan, options.replica)
+    torch_dtype = resolve_dtype(options.dtype, ModelConfig.from_dir(options.model))
+    dtype = ALIASES[str(torch_dtype).removeprefix("torch.")]
+    gpu_types = [stage.gpu_type for stage in plan.stages]
+    utilizations = stage_utilization(stages, gpu_types, load_model(str(options.model)), dtype)
+    for status, util in zip(stages, utilizations, strict=False):
+        status["utilization"] = util
 
 
 def run_identity(options) -> RunIdentity:  # noqa: ANN001 (tessel.pipeline.run.RunOptions)

@@ -19,7 +19,34 @@ STAGE_COLUMNS = (
     "micro-batches",
     "compute s",
     "emulated sleep s",
+    "MFU %",
+    "MBU %",
 )
+
+
+def stage_utilization(
+    stages: list[dict], gpu_types: list[str], model, dtype: str  # noqa: ANN001 (ModelSpec)
+) -> list[dict]:
+    """Measured MFU and MBU of each stage: its tokens and batches through its layers
+    (`tessel.cost.utilization.stage_token_work`, a lower bound) over its compute seconds, against
+    the catalog peak of its device type; {} for a stage whose type the catalog lacks."""
+    from tessel.catalog import get_gpu, known_gpus
+    from tessel.cost.utilization import stage_token_work, utilization
+
+    out = []
+    for s, gpu_type in zip(stages, gpu_types, strict=False):
+        if gpu_type not in known_gpus() or "layer_start" not in s:
+            out.append({})
+            continue
+        gpu = get_gpu(gpu_type)
+        layers = s["layer_end"] - s["layer_start"]
+        work = stage_token_work(model, gpu, layers, dtype, s.get("tokens", 0), s.get("batches", 0))
+        out.append(utilization(work, s.get("compute_s", 0.0), gpu).to_json())
+    return out
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value * 100:.2f}"
 
 
 def print_run(run, measured: MeasuredMetrics) -> None:  # noqa: ANN001 (tessel.pipeline.run.PipelineRun)
@@ -35,6 +62,7 @@ def print_run(run, measured: MeasuredMetrics) -> None:  # noqa: ANN001 (tessel.p
     for column in STAGE_COLUMNS:
         table.add_column(column, justify="right")
     for s in run.stages:
+        util = s.get("utilization") or {}
         table.add_row(
             str(s.get("stage")),
             f"{s.get('layer_start')}-{s.get('layer_end', 0) - 1}",
@@ -44,6 +72,8 @@ def print_run(run, measured: MeasuredMetrics) -> None:  # noqa: ANN001 (tessel.p
             str(s.get("batches", "")),
             f"{s.get('compute_s', 0.0):.3f}",
             f"{s.get('emulation_sleep_s', 0.0):.3f}",
+            _percent(util.get("mfu")),
+            _percent(util.get("mbu")),
         )
     Console(stderr=True).print(table)
     Console(stderr=True).print(measured_table(measured))
