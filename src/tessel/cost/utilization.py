@@ -49,7 +49,11 @@ class Utilization:
 NO_WORK = Work(0.0, 0.0, 0.0)
 
 
-def _work(gpu: GpuSpec, dtype: str, weight_flops: float, attention_flops: float, n_bytes: float) -> Work:
+def work_at_peak(
+    gpu: GpuSpec, dtype: str, weight_flops: float, attention_flops: float, n_bytes: float
+) -> Work:
+    """Work of these FLOPs and bytes: weight GEMMs at `dtype`'s compute peak, the attention core at
+    its activation dtype's."""
     peak_s = weight_flops / gpu.peak_flops(L.compute_dtype(dtype))
     peak_s += attention_flops / gpu.peak_flops(L.activation_dtype(dtype))
     return Work(weight_flops + attention_flops, float(n_bytes), peak_s)
@@ -77,10 +81,10 @@ def stage_decode_work(
     work = NO_WORK
     for kind, dtype in zip(kinds, dtypes, strict=True):
         parts = unit_work(model, kind, batch_size, sum_context_tokens, sum_context_tokens, dtype, kv_dtype)
-        work += _work(gpu, dtype, *parts)
+        work += work_at_peak(gpu, dtype, *parts)
     if last and kinds:
         flops, n_bytes = lm_head_work(model, batch_size, dtypes[-1])
-        work += _work(gpu, L.activation_dtype(dtypes[-1]), flops, 0.0, n_bytes)
+        work += work_at_peak(gpu, L.activation_dtype(dtypes[-1]), flops, 0.0, n_bytes)
     return work
 
 
@@ -103,10 +107,10 @@ def stage_prefill_work(
     kv_tokens = batch_size * (offset_tokens + chunk_tokens)
     work = NO_WORK
     for kind, dtype in zip(kinds, dtypes, strict=True):
-        work += _work(gpu, dtype, *unit_work(model, kind, tokens, pairs, kv_tokens, dtype, kv_dtype))
+        work += work_at_peak(gpu, dtype, *unit_work(model, kind, tokens, pairs, kv_tokens, dtype, kv_dtype))
     if last and kinds:
         flops, n_bytes = lm_head_work(model, batch_size, dtypes[-1])
-        work += _work(gpu, L.activation_dtype(dtypes[-1]), flops, 0.0, n_bytes)
+        work += work_at_peak(gpu, L.activation_dtype(dtypes[-1]), flops, 0.0, n_bytes)
     return work
 
 
@@ -120,7 +124,7 @@ def stage_token_work(
     per_token = L.activation_elems_per_token(model, "layer") * L.dtype_bytes(L.activation_dtype(dtype))
     n_bytes = n_layers * (batches * L.weight_bytes_read(model, "layer", dtype, 1) + tokens * per_token)
     flops = n_layers * L.matmul_flops(model, "layer", tokens)
-    return _work(gpu, dtype, flops, 0.0, n_bytes)
+    return work_at_peak(gpu, dtype, flops, 0.0, n_bytes)
 
 
 def utilization(work: Work, seconds: float, gpu: GpuSpec) -> Utilization:

@@ -26,7 +26,7 @@ def print_simulation(console: Console, report: SimulationReport) -> None:
         highlight=False,
     )
     console.print(metrics_table(report.runs))
-    console.print(stage_table(report.runs[0]))
+    console.print(stage_table(report.runs[0], run_utilization(report.plan_file, report.runs[0])))
     if report.settings.compare:
         for name, reason in plan_file.infeasible.items():
             console.print(f"baseline {name}: not simulated ({reason})", highlight=False)
@@ -108,9 +108,20 @@ def _util_range(utilisation: tuple[float, ...]) -> str:
     return f"{min(utilisation):.0%}-{max(utilisation):.0%}"
 
 
-def stage_table(run: VariantRun) -> Table:
+def run_utilization(plan_file, run: VariantRun) -> list:  # noqa: ANN001 (PlanFile)
+    """Each stage's predicted MFU and MBU over its busy time (`tessel.sim.utilization`)."""
+    from tessel.sim.utilization import stage_utilization
+
+    return stage_utilization(plan_file, run.variant.stages, run.result, run.metrics.stage_busy_s)
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 100:.1f}"
+
+
+def stage_table(run: VariantRun, utilizations: list | None = None) -> Table:
     """Per stage: where it runs, its layers, how busy the simulation kept it; and the weight
-    precisions it was priced at when the plan gives them."""
+    precisions it was priced at when the plan gives them; with `utilizations`, MFU and MBU."""
     from tessel.plan.precision import stage_precision_text
 
     table = Table(title=f"Stages of {run.variant.name}")
@@ -124,12 +135,16 @@ def stage_table(run: VariantRun) -> Table:
         "busy (s)",
         "utilisation",
     )
+    if utilizations is not None:
+        names = (*names, "MFU %", "MBU %")
     for name in names:
-        table.add_column(name, justify="right" if name in ("busy (s)", "utilisation") else "left")
+        right = name in ("busy (s)", "utilisation", "MFU %", "MBU %")
+        table.add_column(name, justify="right" if right else "left")
     metrics = run.metrics
-    for stage, busy, use in zip(
-        run.variant.stages, metrics.stage_busy_s, metrics.stage_utilisation, strict=True
+    for index, (stage, busy, use) in enumerate(
+        zip(run.variant.stages, metrics.stage_busy_s, metrics.stage_utilisation, strict=True)
     ):
+        util = () if utilizations is None else (utilizations[index].mfu, utilizations[index].mbu)
         precisions = tuple(stage.precisions or ())
         table.add_row(
             str(stage.index),
@@ -139,5 +154,6 @@ def stage_table(run: VariantRun) -> Table:
             *((stage_precision_text(precisions, 0, len(precisions)),) if mixed else ()),
             f"{busy:,.3f}",
             f"{use:.1%}",
+            *(_percent(value) for value in util),
         )
     return table
