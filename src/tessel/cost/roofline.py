@@ -118,20 +118,10 @@ def unit_work(
 
 
 def _analytic_unit_s(
-    model: ModelSpec,
-    gpu: GpuSpec,
-    kind: str,
-    tokens: float,
-    attention_pairs: float,
-    kv_tokens: float,
-    dtype: str,
-    kv_dtype: str,
-    efficiency: Efficiency,
+    work: tuple[float, float, float], gpu: GpuSpec, kind: str, dtype: str, efficiency: Efficiency
 ) -> float:
-    """Roofline time of `tokens` passing one unit whose attention reads or writes `kv_tokens` KV entries."""
-    weight_flops, attention_flops, n_bytes = unit_work(
-        model, kind, tokens, attention_pairs, kv_tokens, dtype, kv_dtype
-    )
+    """Roofline time of one unit's `work` (`unit_work`: weight FLOPs, attention FLOPs, bytes)."""
+    weight_flops, attention_flops, n_bytes = work
     return roofline_time_s(
         weight_flops=weight_flops,
         attention_flops=attention_flops,
@@ -158,7 +148,8 @@ def _analytic_prefill_s(
     pairs = batch_size * L.prefill_query_key_pairs(chunk_tokens, offset_tokens)
     # read p cached tokens' KV, write c new ones
     kv_tokens = batch_size * (offset_tokens + chunk_tokens)
-    return _analytic_unit_s(model, gpu, kind, tokens, pairs, kv_tokens, dtype, kv_dtype, efficiency)
+    work = unit_work(model, kind, tokens, pairs, kv_tokens, dtype, kv_dtype)
+    return _analytic_unit_s(work, gpu, kind, dtype, efficiency)
 
 
 def _analytic_decode_s(
@@ -172,9 +163,8 @@ def _analytic_decode_s(
     efficiency: Efficiency,
 ) -> float:
     # read every sequence's context (the new token's KV included)
-    return _analytic_unit_s(
-        model, gpu, kind, batch_size, sum_context_tokens, sum_context_tokens, dtype, kv_dtype, efficiency
-    )
+    work = unit_work(model, kind, batch_size, sum_context_tokens, sum_context_tokens, dtype, kv_dtype)
+    return _analytic_unit_s(work, gpu, kind, dtype, efficiency)
 
 
 def _share(kind: str, attention_s: float, mlp_s: float) -> float:
