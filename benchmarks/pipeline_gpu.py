@@ -33,7 +33,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _harness
@@ -101,13 +100,12 @@ def single_row(model: Path, device: str, dtype: str, batch: list[list[int]], new
     llm.warm_up()
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     llm.generate(batch[:2], params, use_progress=False)
-    started = time.perf_counter()
-    outputs = llm.generate(batch, params, use_progress=False)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - started
+    with _harness.stopwatch() as elapsed:
+        outputs = llm.generate(batch, params, use_progress=False)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
     del llm
-    return {"tok_s": len(batch) * new / wall, "tokens": [o.token_ids for o in outputs]}
+    return {"tok_s": len(batch) * new / elapsed.wall_s, "tokens": [o.token_ids for o in outputs]}
 
 
 def pipeline_row(

@@ -27,7 +27,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _harness
@@ -66,10 +65,9 @@ def single(model: Path, batch: list[list[int]], new: int) -> dict:
     llm = LLM(model, dtype="float32", max_num_seqs=len(batch), max_model_len=512, kv_cache_gib=0.5)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     llm.generate(batch[:2], params, use_progress=False)
-    started = time.perf_counter()
-    outputs = llm.generate(batch, params, use_progress=False)
-    wall = time.perf_counter() - started
-    return {"tok_s": len(batch) * new / wall, "tokens": [o.token_ids for o in outputs]}
+    with _harness.stopwatch() as elapsed:
+        outputs = llm.generate(batch, params, use_progress=False)
+    return {"tok_s": len(batch) * new / elapsed.wall_s, "tokens": [o.token_ids for o in outputs]}
 
 
 def decode_step_s(model: Path, batch: list[list[int]], new: int) -> dict[int, float]:
