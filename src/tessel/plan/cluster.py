@@ -73,8 +73,17 @@ class EmulateModel(BaseModel):
 
     # at least plan_file.MIN_EMULATE_SPEED: a plan records it and its readers refuse slower stages
     speed: float = Field(
-        ge=MIN_EMULATE_SPEED, le=1, allow_inf_nan=False, description="fraction of the device type's speed"
+        default=1.0,
+        ge=MIN_EMULATE_SPEED,
+        le=1,
+        allow_inf_nan=False,
+        description="fraction of the device type's speed",
     )
+    # offload emulation on a CPU host: the device's memory cap and its host link (copies slowed to it)
+    memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory, GiB")
+    host_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="host link, GB/s")
+    # speed over time: [[seconds since start, speed], ...], ascending; `speed` holds before the first
+    schedule: list[tuple[float, float]] | None = Field(default=None, description="speed changes over time")
 
 
 class GpuGroupModel(BaseModel):
