@@ -80,6 +80,7 @@ def test_preemption_by_recompute_when_the_kv_pool_runs_out(checkpoints, prefix_c
         max_num_seqs=8,
         enable_prefix_caching=prefix_caching,
         max_num_batched_tokens=32,
+        preemption_mode="recompute",  # swap and auto: tests/engine/test_preemption.py
     )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = shared_prefix_prompts(llm, 5)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessel.engine.preemption import check_gbps, check_preemption_mode
 from tessel.errors import TesselError
 from tessel.models.quantized.lm_head import check_lm_head_mode
 
@@ -32,6 +33,12 @@ class EngineConfig:
     # (tessel.engine.step_plan)
     enforce_eager: bool = False
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the weights, the KV cache and the kernels run
+    # what a preempted request's KV blocks get: "swap" (to the host pool and back), "recompute", or
+    # "auto": the cheaper of the two for that request (tessel.engine.preemption)
+    preemption_mode: str = "auto"
+    host_kv_cache_gib: float | None = None  # None: as many blocks as the device pool, at most 4 GiB
+    # slow host <-> device copies to this bandwidth (GB/s): emulates a host link on a CPU-only machine
+    emulated_host_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -48,6 +55,13 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         check_lm_head_mode(self.lm_head)
+        check_preemption_mode(self.preemption_mode)
+        host = self.host_kv_cache_gib
+        if host is not None and not (
+            isinstance(host, int | float) and not isinstance(host, bool) and math.isfinite(host) and host > 0
+        ):
+            raise TesselError(f"host_kv_cache_gib must be a finite number > 0, got {host!r}")
+        self.emulated_host_gbps = check_gbps(self.emulated_host_gbps, "emulated_host_gbps")
         self.device = str(check_device(self.device))
 
 

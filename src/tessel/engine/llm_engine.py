@@ -25,10 +25,16 @@ from typing import Any
 
 from tessel.engine.block_manager import BlockManager
 from tessel.engine.detokenizer import IncrementalDetokenizer
-from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from tessel.engine.memory import check_kv_cache_fits
+from tessel.engine.engine_config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+)
+from tessel.engine.host_kv_pool import HostKvPool
+from tessel.engine.memory import check_host_kv_cache_fits, check_kv_cache_fits
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
+from tessel.engine.preemption import PreemptionStats, Preemptor, host_pool_blocks, measure_host_link
 from tessel.engine.sampling_params import SamplingParams, check_text
 from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence
@@ -75,6 +81,8 @@ class LLMEngine:
         self.config = EngineConfig(**kwargs)
         if self.config.kv_cache_gib is not None:
             check_kv_cache_fits(self.config.kv_cache_gib, self.config.device)
+        if self.config.host_kv_cache_gib is not None and self.config.preemption_mode != "recompute":
+            check_host_kv_cache_fits(self.config.host_kv_cache_gib)
         path = resolve_model_path(model_path)  # a .gguf file becomes a checkpoint directory
         if not path.is_dir():
             raise TesselError(
@@ -107,6 +115,8 @@ class LLMEngine:
             self.config.max_num_seqs,
             self.max_model_len,
         )
+        self.preemptor = self._build_preemptor()
+        self.scheduler.preemptor = self.preemptor
         eos = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -119,6 +129,23 @@ class LLMEngine:
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         """The whole model; a pipeline stage (`tessel.pipeline`) loads only its layers."""
         return load_model(path, self.dtype, self.config.device, lm_head=self.config.lm_head)
+
+    def _build_preemptor(self) -> Preemptor:
+        """The preemption policy; with swapping possible, a host pool and a measured host link."""
+        config = self.config
+        if config.preemption_mode == "recompute":
+            return Preemptor("recompute", self.block_manager)
+        per_block = kv_cache_bytes_per_block(self.model, config.block_size, self.dtype)
+        device_blocks = self.block_manager.num_total_blocks
+        blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks)
+        pool = HostKvPool(blocks, self.runner.kv_cache, config.emulated_host_gbps)
+        link = measure_host_link(self.runner.kv_cache.device, config.emulated_host_gbps)
+        return Preemptor(config.preemption_mode, self.block_manager, pool, link)
+
+    @property
+    def preemption_stats(self) -> PreemptionStats:
+        """Preemptions by mode and KV bytes moved to the host and back, since the engine started."""
+        return self.preemptor.stats
 
     # ---- sizing -------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -280,7 +307,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        started = time.perf_counter()
         result, failed = self._run_isolated(batch.scheduled())
+        if batch.prefills and not failed:  # what recomputing a context costs (tessel.engine.preemption)
+            self.preemptor.clock.record(batch.num_tokens, time.perf_counter() - started)
         if failed and not result.seqs and len(failed) > 1:
             raise failed[0][1]  # every request failed on its own: the engine, not a request
         return outputs + self._finish_step(batch, result, failed)

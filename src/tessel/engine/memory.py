@@ -38,3 +38,14 @@ def check_kv_cache_fits(kv_cache_gib: float, device: str = "cpu") -> None:
             f"kv_cache_gib={kv_cache_gib:g} asks for more memory than {device} has available "
             f"({available / 2**30:.2f} GiB); lower --kv-cache-gib"
         )
+
+
+def check_host_kv_cache_fits(host_kv_cache_gib: float) -> None:
+    """Raise a TesselError when the host KV pool (`host_kv_cache_gib`) exceeds the host's available
+    memory."""
+    available = available_memory_bytes("cpu")
+    if available is not None and host_kv_cache_gib * 2**30 > available:
+        raise TesselError(
+            f"host_kv_cache_gib={host_kv_cache_gib:g} asks for more host memory than is available "
+            f"({available / 2**30:.2f} GiB); lower --host-kv-cache-gib or use --preemption-mode recompute"
+        )

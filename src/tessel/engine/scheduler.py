@@ -6,7 +6,9 @@ what is left of the budget, with chunked prefill). Waiting sequences are then ad
 budget, `max_num_seqs` and the KV pool allow; a prompt longer than the remaining budget is cut
 into chunks. When a running sequence needs a block and none is free, the most recently admitted
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue,
-to be recomputed later (prefix caching usually makes that cheap).
+either to be recomputed later (prefix caching sometimes makes that cheap) or, when the engine's
+`Preemptor` swaps it, with its computed blocks in the host pool, copied back when it is admitted
+again (`tessel.engine.preemption` chooses, per sequence).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tessel.engine.block_manager import BlockManager
+from tessel.engine.preemption import Preemptor
 from tessel.engine.sequence import Sequence, SequenceStatus
 
 
@@ -47,9 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, preemptor: Preemptor | None = None
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.preemptor = preemptor  # None: preemption by recompute
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -101,6 +107,12 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.host_blocks:
+                n = self._swap_in(seq, out, budget)
+                if n == 0:
+                    break
+                budget -= n
+                continue
             # cached blocks are not computed, and prompt logprobs need every prompt position's logits
             hits = bm.num_prefix_hits(seq) if seq.params.prompt_logprobs is None else 0
             n = len(seq) - hits * bm.block_size
@@ -116,11 +128,32 @@ class Scheduler:
             self._add_to_output(out, seq, n)
             budget -= n
 
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """Admit a swapped-out `seq`: its blocks copied back, its remaining tokens scheduled;
+        -> how many (0: not admitted, the pool or the budget is short)."""
+        assert self.preemptor is not None
+        n = len(seq) - seq.num_computed_tokens
+        if n > budget and not self.config.enable_chunked_prefill:
+            return 0
+        if not self.preemptor.can_swap_in(seq):
+            return 0
+        self.waiting.popleft()
+        self.preemptor.swap_in(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        n = min(n, budget)
+        self._add_to_output(out, seq, n)
+        return n
+
     def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and queue it first, to be recomputed from scratch."""
-        self.block_manager.free(seq)
+        """Free `seq`'s blocks (swapped to the host pool or dropped, as the preemptor chooses) and
+        queue it first."""
         self.num_preemptions += 1
-        seq.num_computed_tokens = 0
+        if self.preemptor is not None:
+            self.preemptor.preempt(seq)
+        else:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -130,6 +163,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if self.preemptor is not None:
+                self.preemptor.release(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

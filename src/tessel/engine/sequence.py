@@ -32,7 +32,9 @@ class RequestMetrics:
 class Sequence:
     """`token_ids` = prompt + output so far; the first `num_computed_tokens` have k/v in the cache.
 
-    After a preemption `num_computed_tokens` is 0 again and everything is recomputed as a prompt.
+    After a preemption by recompute `num_computed_tokens` is 0 again and everything is recomputed as
+    a prompt; after one by swap the computed blocks wait in the host pool (`host_blocks`) and
+    `num_computed_tokens` stays (`tessel.engine.preemption`).
     """
 
     _ids = itertools.count()
@@ -60,6 +62,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []  # prefix-cache keys of full blocks
         self.num_registered_blocks = 0  # leading blocks whose key is in the prefix cache
+        self.host_blocks: list[int] = []  # host pool blocks of its computed tokens while swapped out
         self.finish_reason: str | None = None
         self.error: BaseException | None = None  # why it finished with finish_reason "error"
         self.logprobs: list = []  # TokenLogprobs per output token (when params.logprobs is set)

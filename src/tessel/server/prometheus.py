@@ -12,6 +12,12 @@ vLLM's names: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`. KV block counts have no
 vLLM gauge; they are `tessel:num_kv_blocks_total` and `tessel:num_kv_blocks_used`.
 
+Preemptions (an engine with `preemption_stats`, `tessel.engine.preemption.PreemptionStats`), read
+at scrape time: `tessel:num_preemptions_total{mode}` (mode "swap" or "recompute"; vLLM's
+`vllm:num_preemptions_total` has no mode), `tessel:kv_swap_bytes_total{direction}` ("to_host",
+"to_device") and `tessel:kv_swap_fallbacks_total` (swaps that found the host pool full and
+recomputed instead).
+
 An engine with `stage_gauges()` (a pipeline, `tessel serve --plan`) adds, per stage,
 `tessel:stage_up{stage,device}` (1 while its process runs) and
 `tessel:stage_heartbeat_age_seconds{stage}` (stages after the first: seconds since its heartbeat).
@@ -23,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "tessel:"
@@ -50,9 +56,30 @@ class _EngineGauges(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", used / total
         )
+        stats = getattr(self.engine, "preemption_stats", None)
+        if stats is not None:
+            yield from _preemption_families(stats)
         stage_gauges = getattr(self.engine, "stage_gauges", None)
         if stage_gauges is not None:
             yield from _stage_families(stage_gauges())
+
+
+def _preemption_families(stats: Any) -> Iterator[CounterMetricFamily]:
+    by_mode = CounterMetricFamily(
+        f"{PREFIX}num_preemptions", "Preemptions, by what the KV blocks got.", labels=["mode"]
+    )
+    by_mode.add_metric(["swap"], stats.swaps)
+    by_mode.add_metric(["recompute"], stats.recomputes)
+    moved = CounterMetricFamily(
+        f"{PREFIX}kv_swap_bytes", "KV bytes copied between device and host pool.", labels=["direction"]
+    )
+    moved.add_metric(["to_host"], stats.bytes_to_host)
+    moved.add_metric(["to_device"], stats.bytes_to_device)
+    yield by_mode
+    yield moved
+    yield CounterMetricFamily(
+        f"{PREFIX}kv_swap_fallbacks", "Swaps that found the host pool full.", stats.swap_fallbacks
+    )
 
 
 def _stage_families(stages: list[Any]) -> Iterator[GaugeMetricFamily]:

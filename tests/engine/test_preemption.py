@@ -1,0 +1,181 @@
+"""Preemption by swap or recompute (tessel.engine.preemption): a tiny KV pool gives an unconstrained
+run's greedy tokens under every mode (and HF's under swap), blocks round-trip exactly, auto follows
+the costs, a full host pool falls back to recompute, bad settings are refused before loading."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_oracle import hf_greedy
+from tessel import LLM, SamplingParams
+from tessel.engine import host_kv_pool
+from tessel.engine.block_manager import BlockManager
+from tessel.engine.engine_config import EngineConfig
+from tessel.engine.host_kv_pool import HostKvPool, emulate_copy_time
+from tessel.engine.preemption import HostLink, Preemptor, PrefillClock, measure_host_link
+from tessel.engine.sequence import Sequence
+from tessel.errors import TesselError
+from tessel.server.prometheus import ServerMetrics
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+TIGHT = {"max_model_len": 96, "block_size": 4, "num_kv_blocks": 26, "max_num_seqs": 8}
+TIGHT["max_num_batched_tokens"] = 32
+
+
+def prompts(vocab_size: int, n: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(4, vocab_size, (30 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """The unconstrained run's token ids (a pool large enough for every request at once)."""
+    path = checkpoints("qwen2")
+    llm = LLM(path, max_model_len=96, block_size=4, preemption_mode="recompute")
+    ids = prompts(llm.model_config.vocab_size)
+    outputs = llm.generate(ids, PARAMS, use_progress=False)
+    assert llm.scheduler.num_preemptions == 0
+    return path, ids, [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_a_tiny_pool_gives_the_unconstrained_tokens_under_every_mode(reference, mode: str) -> None:
+    path, ids, expected = reference
+    llm = LLM(path, preemption_mode=mode, **TIGHT)
+    outputs = llm.generate(ids, PARAMS, use_progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.preemption_stats
+    assert llm.scheduler.num_preemptions == stats.swaps + stats.recomputes > 0
+    if mode == "swap":
+        assert stats.swaps > 0 and stats.recomputes == 0
+        assert stats.bytes_to_host == stats.bytes_to_device > 0
+        for out in outputs[:2]:  # HF transformers, the oracle, for a few of them
+            assert out.token_ids == hf_greedy(path, out.prompt_token_ids, 40, ignore_eos=True)
+    if mode == "recompute":
+        assert stats.swaps == 0 and stats.bytes_to_host == 0
+    if mode == "auto":  # a memcpy of a few KiB beats prefilling tens of tokens, even on a loaded machine
+        assert stats.swaps > 0
+    assert llm.num_free_blocks == llm.num_total_blocks
+    pool = llm.preemptor.pool
+    assert pool is None or pool.num_free_blocks == pool.num_total_blocks
+
+
+def test_auto_recomputes_behind_a_very_slow_emulated_link(reference) -> None:
+    path, ids, expected = reference
+    llm = LLM(path, preemption_mode="auto", emulated_host_gbps=1e-9, **TIGHT)
+    assert llm.preemptor.link.to_host_gbps == 1e-9
+    outputs = llm.generate(ids, PARAMS, use_progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.preemption_stats.swaps == 0 and llm.preemption_stats.recomputes > 0
+
+
+def test_a_full_host_pool_falls_back_to_recompute(reference) -> None:
+    path, ids, expected = reference
+    one_block_gib = 2 * 2 * 4 * 1 * 16 * 4 / 2**30  # k and v, 2 layers, 4 tokens, 1 kv head of 16, fp32
+    llm = LLM(path, preemption_mode="swap", host_kv_cache_gib=one_block_gib, **TIGHT)
+    assert llm.preemptor.pool.num_total_blocks == 1
+    outputs = llm.generate(ids, PARAMS, use_progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.preemption_stats
+    assert stats.swap_fallbacks > 0 and stats.recomputes == stats.swap_fallbacks
+    assert llm.preemptor.pool.num_free_blocks == 1
+
+
+def test_metrics_count_preemptions_by_mode_and_bytes(reference) -> None:
+    path, ids, _ = reference
+    llm = LLM(path, preemption_mode="swap", **TIGHT)
+    before = ServerMetrics(llm).render().decode()
+    assert 'tessel:num_preemptions_total{mode="swap"} 0.0' in before
+    llm.generate(ids, PARAMS, use_progress=False)
+    text = ServerMetrics(llm).render().decode()
+    stats = llm.preemption_stats
+    assert f'tessel:num_preemptions_total{{mode="swap"}} {float(stats.swaps)}' in text
+    assert f'tessel:kv_swap_bytes_total{{direction="to_host"}} {float(stats.bytes_to_host)}' in text
+    assert "tessel:kv_swap_fallbacks_total 0.0" in text and stats.swaps > 0
+
+
+def test_the_host_pool_round_trips_blocks_exactly() -> None:
+    kv = torch.randn(2, 3, 11, 4, 2, 5)
+    original = kv.clone()
+    pool = HostKvPool(6, kv)
+    host = pool.allocate(3)
+    assert host is not None and pool.allocate(4) is None and pool.num_free_blocks == 3
+    moved = pool.swap_out([7, 2, 9], host)
+    assert moved.num_bytes == 3 * 2 * 3 * 4 * 2 * 5 * 4
+    kv[:, :, [7, 2, 9]] = float("nan")
+    pool.swap_in(host, [1, 10, 0])
+    assert torch.equal(kv[:, :, [1, 10, 0]], original[:, :, [7, 2, 9]])
+    pool.free(host)
+    assert pool.num_free_blocks == 6
+    with pytest.raises(AssertionError):
+        pool.free(host)
+
+
+def test_emulation_sleeps_for_the_missing_time(monkeypatch) -> None:
+    slept = []
+    monkeypatch.setattr(host_kv_pool.time, "sleep", slept.append)
+    assert emulate_copy_time(2_000_000, 0.001, 1.0) == pytest.approx(0.002)  # 2 MB at 1 GB/s
+    assert slept == [pytest.approx(0.001)]
+    assert emulate_copy_time(2_000_000, 0.005, 1.0) == 0.005 and len(slept) == 1  # already slower
+    assert emulate_copy_time(2_000_000, 0.001, None) == 0.001
+
+
+def _preemptor(to_host_gbps: float, seconds_per_token: float) -> tuple[Preemptor, Sequence]:
+    bm = BlockManager(8, 4)
+    kv = torch.zeros(2, 2, 8, 4, 2, 8)
+    clock = PrefillClock()
+    clock.record(100, 100 * seconds_per_token)
+    link = HostLink(to_host_gbps, to_host_gbps, 10.0, 10.0)
+    seq = Sequence("s", list(range(10)), SamplingParams(), 4)
+    bm.allocate(seq, 0)
+    seq.num_computed_tokens = 10
+    return Preemptor("auto", bm, HostKvPool(4, kv), link, clock), seq
+
+
+def test_auto_weighs_the_link_against_prefill_time() -> None:
+    # 3 blocks of 2*2*4*2*8*4 = 1 KiB: 6 KiB moved out and in
+    fast, seq = _preemptor(to_host_gbps=10.0, seconds_per_token=1e-3)  # ~0.6 us against 10 ms
+    assert fast.choose(seq) == "swap"
+    slow, seq = _preemptor(to_host_gbps=1e-6, seconds_per_token=1e-3)  # ~6 s against 10 ms
+    assert slow.choose(seq) == "recompute"
+    assert slow.preempt(seq) == "recompute" and seq.num_computed_tokens == 0
+    fast, seq = _preemptor(to_host_gbps=10.0, seconds_per_token=1e-3)
+    assert fast.preempt(seq) == "swap" and seq.num_computed_tokens == 10 and len(seq.host_blocks) == 3
+    assert fast.block_manager.num_free_blocks == 8
+    fresh = Preemptor("auto", fast.block_manager, fast.pool, fast.link)  # no prefill timed yet
+    assert fresh.choose(seq) == "recompute"
+
+
+def test_the_host_link_is_measured_and_capped_by_emulation() -> None:
+    link = measure_host_link(torch.device("cpu"), num_bytes=1 << 20)
+    assert link.to_host_gbps > 0 and link.to_device_gbps > 0 and link.emulated_gbps is None
+    slow = measure_host_link(torch.device("cpu"), emulated_gbps=1e-3, num_bytes=1 << 20)
+    assert slow.to_host_gbps == slow.to_device_gbps == 1e-3 and slow.measured_to_host_gbps > 1e-3
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"emulated_host_gbps": 0},
+        {"emulated_host_gbps": math.nan},
+        {"emulated_host_gbps": -2.0},
+        {"emulated_host_gbps": math.inf},
+        {"host_kv_cache_gib": 0},
+        {"host_kv_cache_gib": math.nan},
+        {"preemption_mode": "offload"},
+    ],
+)
+def test_bad_settings_are_refused_by_the_config(setting) -> None:
+    with pytest.raises(TesselError, match=next(iter(setting))):
+        EngineConfig(**setting)
+
+
+def test_bad_host_pools_are_refused_before_any_request(checkpoints) -> None:
+    path = checkpoints("qwen2")
+    with pytest.raises(TesselError, match="more host memory than is available"):
+        LLM(path, host_kv_cache_gib=1e7)
+    with pytest.raises(TesselError, match="holds no KV block"):
+        LLM(path, host_kv_cache_gib=1e-12, max_model_len=96)
