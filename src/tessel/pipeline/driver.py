@@ -90,6 +90,7 @@ class PipelineEngine(LLM):
         num_slots = micro_batches or plan.micro_batches
         self.scheduler = PinnedSchedulers(num_slots, self.scheduler.config, self.block_manager)
         self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
+        self.stage.emulate_schedule = plan.stages[0].emulate_schedule
         self.stage.weight_bytes = self._weight_bytes
         self._in_flight: deque[_InFlight] = deque()
         self._busy = [0] * num_slots  # micro-batches in flight per slot

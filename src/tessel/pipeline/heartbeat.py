@@ -78,6 +78,10 @@ class Progress:
     last_batch: int = -1  # the last micro-batch this stage handed on (stage 0: got the tokens of)
     owed_since: float | None = None  # stage 0: waiting for the tokens of `owed_batch` since
     owed_batch: int | None = None
+    # what the stage computed so far (`StageExecutor.account`): the remap watcher's step times
+    batches: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0  # compute + emulation sleep
 
 
 @dataclass(slots=True)

@@ -31,6 +31,8 @@ class RunStage:
     layer_precisions: tuple[tuple[str, str], ...] = ()
     weights_gib: float | None = None  # what the planner placed on the device (None: not given)
     kv_gib: float | None = None  # the KV cache the planner reserved on it
+    # (seconds since the stage started serving, emulated speed) changes: the cluster's schedule
+    emulate_schedule: tuple[tuple[float, float], ...] = ()
 
     @property
     def quantized_layers(self) -> dict[int, tuple[str, str]]:
@@ -97,6 +99,7 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
             _layer_precisions(s.precisions, s.unit_start, per_layer),
             s.weights_gib,
             s.kv_gib,
+            tuple((seconds, speed) for seconds, speed in s.emulate_schedule or ()),
         )
         for position, s in enumerate(plan_stages)
     )

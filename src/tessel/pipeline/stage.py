@@ -8,7 +8,11 @@ last stage's rows with the logprobs asked for. Sampling here keeps each seeded r
 `torch.Generator` on the last stage, where its logits are.
 
 A stage with an emulated speed s < 1 sleeps (1/s - 1) x its measured compute time after every
-micro-batch: emulation of a slower device on one CPU, not a model of one.
+micro-batch: emulation of a slower device on one CPU, not a model of one. With an emulated
+schedule, s is the schedule's speed at the seconds since the stage's first micro-batch
+(`tessel.plan.plan_file.emulated_speed_at`). `StageStats` and, where attached, the heartbeat's
+`Progress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
+watcher reads (`tessel.pipeline.remap_watch`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm import BatchMessage, KvLayout
+from tessel.pipeline.heartbeat import Progress
+from tessel.plan.plan_file import emulated_speed_at
 
 
 @dataclass(slots=True)
@@ -58,6 +64,9 @@ class StageExecutor:
     weight_bytes: int = 0  # parameters and buffers loaded for this stage
     stats: StageStats = field(default_factory=StageStats)
     _generators: dict[int, torch.Generator] = field(default_factory=dict)
+    emulate_schedule: tuple[tuple[float, float], ...] = ()  # (seconds since the first batch, speed)
+    progress: Progress | None = None  # the heartbeat's: counts batches, tokens and busy seconds too
+    _serving_since: float | None = None  # perf_counter at the first micro-batch
 
     @classmethod
     def load(
@@ -68,13 +77,15 @@ class StageExecutor:
         device: torch.device,
         speed: float,
         precisions: dict[int, tuple[str, str]] | None = None,
+        schedule: tuple[tuple[float, float], ...] = (),
     ):
         """The stage's layers from the checkpoint; `precisions`: layer -> (attention, MLP) weight
-        precisions of the plan, rounded here (`tessel.models.quantized.load_quantize`)."""
+        precisions of the plan, rounded here (`tessel.models.quantized.load_quantize`); `schedule`:
+        the plan's emulated speed changes."""
         model = load_model(path, dtype, device, layers=part)
         if precisions:
             quantize_layers(model, precisions, dtype)
-        return cls(model, part, speed, weight_bytes=tensor_bytes(model))
+        return cls(model, part, speed, weight_bytes=tensor_bytes(model), emulate_schedule=schedule)
 
     def attach_kv(self, layout: KvLayout, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate this stage's KV blocks (its layers only) on `device`, pack its CPU linears, size
@@ -119,14 +130,22 @@ class StageExecutor:
 
     def account(self, started_s: float, tokens: int) -> None:
         """Count a micro-batch that began at `started_s` (perf_counter) and emulate the slowdown."""
-        compute_s = time.perf_counter() - started_s
+        now = time.perf_counter()
+        compute_s = now - started_s
+        if self._serving_since is None:
+            self._serving_since = started_s
         self.stats.batches += 1
         self.stats.compute_s += compute_s
         self.stats.tokens += tokens
-        if self.emulate_speed < 1.0:
-            pause_s = (1.0 / self.emulate_speed - 1.0) * compute_s
+        speed = emulated_speed_at(self.emulate_speed, self.emulate_schedule, now - self._serving_since)
+        if speed < 1.0:
+            pause_s = (1.0 / speed - 1.0) * compute_s
             time.sleep(pause_s)
             self.stats.emulation_sleep_s += pause_s
+        if self.progress is not None:
+            self.progress.batches = self.stats.batches
+            self.progress.tokens = self.stats.tokens
+            self.progress.busy_s = self.stats.compute_s + self.stats.emulation_sleep_s
 
 
 @dataclass(frozen=True, slots=True)

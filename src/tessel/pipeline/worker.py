@@ -263,7 +263,13 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
     rss_before = rss_bytes()
     stage = plan.stages[rank]
     executor = StageExecutor.load(
-        args.model, part, dtype, comm.device, stage.emulate_speed, stage.quantized_layers
+        args.model,
+        part,
+        dtype,
+        comm.device,
+        stage.emulate_speed,
+        stage.quantized_layers,
+        stage.emulate_schedule,
     )
     layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
     executor.attach_kv(layout, dtype, comm.device)
@@ -288,6 +294,7 @@ def _capacity(args: argparse.Namespace, plan: RunPlan, rank: int, model, dtype, 
 
 def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     """Run micro-batches from the previous stage until stage 0 says stop."""
+    executor.progress = comm.progress  # the heartbeat carries its batches and busy seconds
     while (received := comm.recv_batch()) is not None:
         message, stream = received
         executor.adopt(message)

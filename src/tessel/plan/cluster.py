@@ -25,6 +25,10 @@ Links between two devices:
 `emulate: {speed: s}` (0.01 <= s <= 1, `plan_file.MIN_EMULATE_SPEED`) on a node makes its devices
 plan as s times their type's peak FLOP/s and memory bandwidth: a way to run an uneven plan on one
 host (several CPU devices, one of them "slower"). The plan records each stage's `emulate_speed`.
+`emulate: {schedule: [[seconds, speed], ...]}` changes that speed at the given seconds since the
+stage started serving (`speed` holds before the first change): the plan records it as the stage's
+`emulate_schedule`, the runtime's stage sleeps by it and the simulator slows the stage by it; the
+planner prices `speed` and the server's remap watcher never reads the schedule.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from tessel.catalog.gpus import GpuSpec, get_gpu
 from tessel.catalog.yaml_reader import bundled_names, parse_yaml, resolve_file, validate_data
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
-from tessel.plan.plan_file import MIN_EMULATE_SPEED
+from tessel.plan.plan_file import MIN_EMULATE_SPEED, check_emulate_schedule
 from tessel.units import GBPS, GIB, US_PER_S
 
 # One-way latency of a GPU-to-GPU copy: NVLink ~2 us and PCIe peer-to-peer ~10 us including the
@@ -84,6 +88,14 @@ class EmulateModel(BaseModel):
     host_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="host link, GB/s")
     # speed over time: [[seconds since start, speed], ...], ascending; `speed` holds before the first
     schedule: list[tuple[float, float]] | None = Field(default=None, description="speed changes over time")
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, schedule: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
+        problem = check_emulate_schedule(schedule)
+        if problem:
+            raise ValueError(problem)
+        return schedule
 
 
 class GpuGroupModel(BaseModel):
@@ -206,6 +218,8 @@ class Device:
     spec: GpuSpec  # the catalog's, scaled by emulate_speed
     local_index: int  # i within its node
     emulate_speed: float = 1.0  # the node's `emulate: {speed}`
+    # the node's `emulate: {schedule}`: (seconds since serving started, speed) changes, ascending
+    emulate_schedule: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,11 +331,12 @@ def _build(model: ClusterModel, source: str) -> Cluster:
     for node in model.nodes:
         names = []
         speed = 1.0 if node.emulate is None else node.emulate.speed
+        schedule = tuple(tuple(pair) for pair in (node.emulate.schedule or ())) if node.emulate else ()
         for group in node.gpus:
             for _ in range(group.count):
                 spec = group.spec().emulated(speed)
                 device = Device(
-                    f"{node.name}/gpu{len(names)}", group.type, node.name, spec, len(names), speed
+                    f"{node.name}/gpu{len(names)}", group.type, node.name, spec, len(names), speed, schedule
                 )
                 devices.append(device)
                 names.append(device.name)

@@ -67,12 +67,44 @@ MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels 
 # The slowest emulated stage: at speed s a stage sleeps (1/s - 1) x its compute, so 0.01 is a stage
 # 100x slower than measured; below it a run takes days (1e-9: a billion times its compute).
 MIN_EMULATE_SPEED = 0.01
+MAX_SCHEDULE_CHANGES = 1000  # speed changes in one emulated schedule: a scenario, not a trace
 # Workload keys a runtime sizes by (micro-batches in flight): at most what the planner accepts
 # (`tessel.plan.workload.MAX_MICRO_BATCHES`, a workload file's `max_micro_batch`).
 MICRO_BATCH_KEYS = ("m", "max_micro_batch")
 # A device written as a torch device ("cuda:0", "cpu", "node/cuda:1"): its kind must agree with gpu_type.
 TORCH_DEVICE = re.compile(r"(?:.*/)?(cuda|cpu|mps|xpu|hip)(?::\d+)?", re.IGNORECASE)
 CPU_TYPE = "cpu"  # the catalog's gpu_type of a CPU device
+
+
+def check_emulate_schedule(schedule: list | None) -> str | None:
+    """Why an emulated speed schedule ([[seconds, speed], ...]) is not one (None: it is): at most
+    MAX_SCHEDULE_CHANGES pairs, seconds >= 0 and strictly ascending, speeds in
+    [MIN_EMULATE_SPEED, 1]."""
+    if schedule is None:
+        return None
+    if len(schedule) > MAX_SCHEDULE_CHANGES:
+        return f"{len(schedule)} speed changes; at most {MAX_SCHEDULE_CHANGES}"
+    previous = -math.inf
+    for position, pair in enumerate(schedule):
+        if len(pair) != 2:
+            return f"schedule[{position}] must be [seconds, speed], got {len(pair)} numbers"
+        seconds, speed = pair
+        if not (math.isfinite(seconds) and seconds >= 0 and seconds > previous):
+            return f"schedule[{position}]: seconds {seconds:g} must be >= 0 and above the previous change's"
+        if not (math.isfinite(speed) and MIN_EMULATE_SPEED <= speed <= 1):
+            return f"schedule[{position}]: speed {speed:g} must be in [{MIN_EMULATE_SPEED:g}, 1]"
+        previous = seconds
+    return None
+
+
+def emulated_speed_at(speed: float, schedule, elapsed_s: float) -> float:
+    """The emulated speed `elapsed_s` seconds into serving: the last schedule change at or before
+    then, else `speed` (the runtime's stage and the simulator read the schedule through this)."""
+    for seconds, changed in schedule or ():
+        if seconds > elapsed_s:
+            break
+        speed = changed
+    return speed
 
 
 def units_per_layer(granularity: str) -> int:
@@ -133,6 +165,16 @@ class PlanStage(_Strict):
     link_to_next: Link | None = None
     emulate_speed: float = Field(default=1.0, gt=0, le=1)  # fraction of the host's speed (cluster `emulate`)
     precisions: list[str] | None = None  # weight precision of each unit, unit_start..unit_end (v2)
+    # emulated speed over serving time: [[seconds since the stage started serving, speed], ...]
+    emulate_schedule: list[list[float]] | None = None
+
+    @field_validator("emulate_schedule")
+    @classmethod
+    def _schedule(cls, schedule: list[list[float]] | None) -> list[list[float]] | None:
+        problem = check_emulate_schedule(schedule)
+        if problem:
+            raise ValueError(problem)
+        return schedule
 
     @field_validator("emulate_speed")
     @classmethod

@@ -80,6 +80,7 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
                 "decode_ms": se.time_decode_s * 1e3,
                 "link_to_next": link,
                 "emulate_speed": _emulate_speed(cluster, device.name),
+                "emulate_schedule": _emulate_schedule(cluster, device.name),
                 "precisions": None
                 if evaluation.precisions is None
                 else list(evaluation.precisions[se.stage.unit_start : se.stage.unit_end]),
@@ -114,6 +115,11 @@ def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str
 
 def _emulate_speed(cluster, device: str) -> float:
     return 1.0 if cluster is None else cluster.device(device).emulate_speed
+
+
+def _emulate_schedule(cluster, device: str) -> list[list[float]] | None:
+    schedule = () if cluster is None else cluster.device(device).emulate_schedule
+    return [list(pair) for pair in schedule] or None
 
 
 def _link_json(instance: PlanningInstance, a: int, b: int, cluster) -> dict:
