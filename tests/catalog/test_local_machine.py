@@ -45,11 +45,22 @@ def make_proc(root: Path, cpuinfo: str = CPUINFO, meminfo: str = MEMINFO) -> Pat
     return root
 
 
-def fake_smi(folder: Path, stdout: str, exit_code: int = 0) -> str:
-    """An executable that prints `stdout` and exits `exit_code`, as nvidia-smi would."""
-    (folder / "smi-out.txt").write_text(stdout)
+def fake_smi(
+    folder: Path, stdout: str, exit_code: int = 0, *, topo: str | None = None, nvlink: str | None = None
+) -> str:
+    """An executable that answers the GPU query with `stdout` and exit `exit_code`, as nvidia-smi
+    would; `topo -m` and `nvlink --status` print `topo` / `nvlink`, or fail as an old driver does."""
+    answers = {"query": stdout, "topo": topo, "nvlink": nvlink}
+    for name, text in answers.items():
+        if text is not None:
+            (folder / f"smi-{name}.txt").write_text(text)
+    lines = ["#!/bin/sh", 'case "$1" in', "  topo) name=topo ;;", "  nvlink) name=nvlink ;;"]
+    lines += ["  *) name=query ;;"]
+    lines += ["esac", f'file="{folder}/smi-$name.txt"']
+    lines += ['if [ ! -f "$file" ]; then echo "Invalid combination of input arguments." >&2; exit 2; fi']
+    lines += ['cat "$file"', f'if [ "$name" = query ]; then exit {exit_code}; fi', "exit 0"]
     script = folder / "nvidia-smi"
-    script.write_text(f"#!/bin/sh\ncat '{folder / 'smi-out.txt'}'\nexit {exit_code}\n")
+    script.write_text("\n".join(lines) + "\n")
     script.chmod(0o755)
     return str(script)
 

@@ -4,16 +4,20 @@
     data = cluster_data(machine)          # a mapping of the cluster-file shape (tessel.plan.cluster)
     text = cluster_yaml(machine)          # the same as a cluster file, with what was found in comments
 
-No torch: GPUs come from `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`
-(`TESSEL_NVIDIA_SMI` names another executable, e.g. a fake in tests). No `nvidia-smi`, or one that
-fails (no driver, no device), gives a machine without GPUs and a note saying why. Each GPU's name is
-mapped to a catalog type (`GPU_NAME_RULES`); a GPU no rule knows is refused, naming it.
+No torch: GPUs come from NVML (`nvidia-ml-py`, imported only here and only when installed) or else
+`nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits` (`TESSEL_NVIDIA_SMI`
+names another executable, e.g. a fake in tests, and then NVML is not tried). No `nvidia-smi`, or one
+that fails (no driver, no device), gives a machine without GPUs and a note saying why. Each GPU's
+name is mapped to a catalog type (`GPU_NAME_RULES`); a GPU no rule knows is refused, naming it.
+Their wiring comes from NVML, or `nvidia-smi topo -m` and `nvidia-smi nvlink --status`
+(`tessel.catalog.gpu_topology`); a topology nvidia-smi cannot give is a note, one it prints in a
+format tessel does not understand is refused, naming what was not understood.
 
 The cluster it describes (names as `tessel.plan.cluster` gives them):
 - node `localhost`: the GPUs in CUDA order, `localhost/gpu<K>` being `cuda:K` (the nvidia-smi index,
   or the position in `CUDA_VISIBLE_DEVICES` when that is set), each with the memory nvidia-smi
-  reports; linked by NVLink when every GPU's catalog type has it and none is a PCIe card, else PCIe
-  (an assumption: `nvidia-smi topo -m` is not read);
+  reports; linked by `nvlink` or `pcie` as the topology says (`GpuTopology.intra_link`); without a
+  topology, by NVLink when every GPU's catalog type has it and none is a PCIe card (an assumption);
 - node `localhost-cpu`: the CPU, catalog type `cpu`, with the DRAM free now (MemAvailable) as its
   memory; `localhost-cpu/gpu0` is the CPU's device name;
 - between them the `network`: PCIe at the fastest GPU's catalog host-to-device rate (the cluster
@@ -30,11 +34,12 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from tessel.catalog.gpu_topology import GpuTopology, nvml_topology, parse_nvlink_status, parse_topo_matrix
 from tessel.catalog.gpus import GB, get_gpu, known_gpus
 from tessel.errors import TesselError
 from tessel.units import GIB
@@ -45,6 +50,8 @@ CPU_NODE = "localhost-cpu"
 CPU_TYPE = "cpu"
 NVIDIA_SMI_ENV = "TESSEL_NVIDIA_SMI"  # another executable than `nvidia-smi` (a fake in tests)
 NVIDIA_SMI_QUERY = ("--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits")
+NVIDIA_SMI_TOPOLOGY = ("topo", "-m")
+NVIDIA_SMI_NVLINK = ("nvlink", "--status")
 NVIDIA_SMI_TIMEOUT_S = 30.0  # nvidia-smi answers in well under a second when the driver is healthy
 MIB = 2**20
 PROC_ROOT = Path("/proc")
@@ -103,6 +110,10 @@ class LocalMachine:
     gpus: tuple[LocalGpu, ...]
     cpu: LocalCpu
     notes: tuple[str, ...] = ()  # what discovery could not read, e.g. why there are no GPUs
+    topology: GpuTopology | None = None  # of `gpus`, in CUDA order; None when it could not be read
+    nvlink_gbs: tuple[float, ...] = ()  # per GPU (CUDA order): its active NVLinks' summed GB/s
+    nvlink_active: tuple[int, ...] = ()  # per GPU: active NVLinks
+    source: str = "nvidia-smi"  # "NVML" or "nvidia-smi": where the GPUs were read
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +123,38 @@ class SmiRow:
     memory_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class GpuReport:
+    """What NVML or nvidia-smi said about the GPUs, by nvidia-smi index."""
+
+    rows: list[SmiRow]
+    topology: GpuTopology | None = None
+    nvlink_gbs: dict[int, float] = field(default_factory=dict)
+    nvlink_active: dict[int, int] = field(default_factory=dict)
+    source: str = "nvidia-smi"
+
+
 def discover_machine(
-    *, nvidia_smi: str | None = None, proc_root: Path = PROC_ROOT, environ: Mapping[str, str] | None = None
+    *,
+    nvidia_smi: str | None = None,
+    nvml: object | None = None,
+    proc_root: Path = PROC_ROOT,
+    environ: Mapping[str, str] | None = None,
 ) -> LocalMachine:
-    """This machine's GPUs and CPU. `nvidia_smi`: the executable (default $TESSEL_NVIDIA_SMI or
+    """This machine's GPUs, their wiring and its CPU. `nvml`: an NVML module (default: pynvml when
+    installed and no nvidia-smi is named); `nvidia_smi`: the executable (default $TESSEL_NVIDIA_SMI or
     nvidia-smi); `proc_root`: where cpuinfo and meminfo are; `environ`: for CUDA_VISIBLE_DEVICES."""
     environ = os.environ if environ is None else environ
-    executable = nvidia_smi or environ.get(NVIDIA_SMI_ENV) or "nvidia-smi"
-    text, notes = run_nvidia_smi(executable)
-    rows = parse_nvidia_smi(text) if text is not None else []
+    named_smi = nvidia_smi or environ.get(NVIDIA_SMI_ENV)
+    report, notes = None, ()
+    if nvml is None and not named_smi:
+        nvml = _import_nvml()
+    if nvml is not None:
+        report, notes = read_nvml(nvml)
+    if report is None:
+        report, smi_notes = read_nvidia_smi(named_smi or "nvidia-smi")
+        notes += smi_notes
+    rows = report.rows
     if rows:
         rows, visible_notes = visible_rows(rows, environ.get("CUDA_VISIBLE_DEVICES"))
         notes += visible_notes
@@ -128,26 +162,96 @@ def discover_machine(
         LocalGpu(k, row.index, row.name, row.memory_bytes, catalog_gpu_type(row.name, row.memory_bytes))
         for k, row in enumerate(rows)
     )
+    position = {row.index: k for k, row in enumerate(report.rows)}
+    topology = None
+    if report.topology is not None and gpus:
+        topology = report.topology.subset(position[g.smi_index] for g in gpus)
     cpu = parse_cpu(_read_proc(proc_root, "cpuinfo"), _read_proc(proc_root, "meminfo"))
-    return LocalMachine(gpus, cpu, notes)
+    return LocalMachine(
+        gpus,
+        cpu,
+        notes,
+        topology,
+        tuple(report.nvlink_gbs.get(g.smi_index, 0.0) for g in gpus) if report.nvlink_gbs else (),
+        tuple(report.nvlink_active.get(g.smi_index, 0) for g in gpus) if report.nvlink_active else (),
+        report.source,
+    )
 
 
-def run_nvidia_smi(executable: str) -> tuple[str | None, tuple[str, ...]]:
-    """(stdout, notes) of the GPU query; stdout None with a note when there is no usable nvidia-smi."""
+def _import_nvml() -> object | None:
+    try:
+        import pynvml  # nvidia-ml-py: optional (`pip install nvidia-ml-py`)
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_nvml(nvml) -> tuple[GpuReport | None, tuple[str, ...]]:  # noqa: ANN001 (the pynvml module)
+    """GPUs and topology through NVML; (None, note) when NVML cannot start (no driver)."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as error:
+        return None, (f"NVML could not start ({error}); asked nvidia-smi instead",)
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        rows = [
+            SmiRow(i, _text(nvml.nvmlDeviceGetName(h)).strip(), int(nvml.nvmlDeviceGetMemoryInfo(h).total))
+            for i, h in enumerate(handles)
+        ]
+        if not rows:
+            return GpuReport([], source="NVML"), ("NVML found no GPU",)
+        topology, active = nvml_topology(nvml, handles)
+    except nvml.NVMLError as error:
+        raise TesselError(f"NVML failed while reading the GPUs ({error}); try `nvidia-smi topo -m`") from None
+    finally:
+        nvml.nvmlShutdown()
+    return GpuReport(rows, topology, nvlink_active=active, source="NVML"), ()
+
+
+def read_nvidia_smi(executable: str) -> tuple[GpuReport, tuple[str, ...]]:
+    """GPUs from the query, then their topology (`topo -m`) and NVLink status (`nvlink --status`)."""
+    text, notes = run_nvidia_smi(executable)
+    rows = parse_nvidia_smi(text) if text is not None else []
+    if not rows:
+        return GpuReport(rows), notes
+    topo_text, topo_notes = run_nvidia_smi(
+        executable, NVIDIA_SMI_TOPOLOGY, "GPU links assumed from the catalog types"
+    )
+    topology = parse_topo_matrix(topo_text) if topo_text is not None else None
+    if topology is not None and topology.gpu_count != len(rows):
+        raise TesselError(
+            f"nvidia-smi topo -m shows {topology.gpu_count} GPUs but the GPU query lists {len(rows)}; "
+            "tessel does not understand this machine's report"
+        )
+    link_text, link_notes = run_nvidia_smi(executable, NVIDIA_SMI_NVLINK, "NVLink status not read")
+    status = parse_nvlink_status(link_text) if link_text is not None else {}
+    gbs = {gpu: sum(speed for speed in links if speed) for gpu, links in status.items()}
+    active = {gpu: sum(1 for speed in links if speed) for gpu, links in status.items()}
+    return GpuReport(rows, topology, gbs, active), notes + topo_notes + link_notes
+
+
+def run_nvidia_smi(
+    executable: str, args: tuple[str, ...] = NVIDIA_SMI_QUERY, without: str = "no GPUs"
+) -> tuple[str | None, tuple[str, ...]]:
+    """(stdout, notes) of `nvidia-smi args`; stdout None with a note (ending in `without`) when there
+    is no usable nvidia-smi."""
     path = shutil.which(executable)
     if path is None:
-        return None, (f"{executable} not found: no NVIDIA driver here, so no GPUs",)
+        return None, (f"{executable} not found: no NVIDIA driver here, so {without}",)
+    command = f"{executable} {' '.join(args[:2])}" if args != NVIDIA_SMI_QUERY else executable
     try:
-        result = subprocess.run(
-            [path, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S
-        )
+        result = subprocess.run([path, *args], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return None, (f"{executable} gave no answer in {NVIDIA_SMI_TIMEOUT_S:g} s: no GPUs",)
+        return None, (f"{command} gave no answer in {NVIDIA_SMI_TIMEOUT_S:g} s: {without}",)
     except OSError as error:
-        return None, (f"{executable} could not run ({error.strerror or error}): no GPUs",)
+        return None, (f"{command} could not run ({error.strerror or error}): {without}",)
     if result.returncode != 0:
         said = (result.stderr.strip() or result.stdout.strip() or "no message").splitlines()[0]
-        return None, (f"{executable} exited {result.returncode} ({said}): no GPUs",)
+        return None, (f"{command} exited {result.returncode} ({said}): {without}",)
     return result.stdout, ()
 
 
@@ -259,7 +363,8 @@ def cluster_data(machine: LocalMachine) -> dict:
     }
     if not machine.gpus:
         return {"name": CLUSTER_NAME, "nodes": [cpu_node]}
-    gpu_node = {"name": GPU_NODE, "gpus": _gpu_groups(machine.gpus), "intra_link": _intra_link(machine.gpus)}
+    intra = _intra_link(machine.gpus) if machine.topology is None else machine.topology.intra_link()[0]
+    gpu_node = {"name": GPU_NODE, "gpus": _gpu_groups(machine.gpus), "intra_link": intra}
     pcie_bytes_per_s = max(get_gpu(gpu.gpu_type).pcie_h2d_bytes_per_s for gpu in machine.gpus)
     network = {"bandwidth_gbps": pcie_bytes_per_s * BITS_PER_BYTE / GB, "latency_us": HOST_LINK_LATENCY_US}
     return {"name": CLUSTER_NAME, "nodes": [gpu_node, cpu_node], "network": network}
@@ -277,12 +382,30 @@ def _gpu_groups(gpus: tuple[LocalGpu, ...]) -> list[dict]:
 
 
 def _intra_link(gpus: tuple[LocalGpu, ...]) -> str:
-    """nvlink when every GPU's catalog type has NVLink and none is a PCIe card; else pcie."""
+    """Without a topology: nvlink when every GPU's catalog type has NVLink and none is a PCIe card."""
     nvlink = all(
         get_gpu(gpu.gpu_type).nvlink_bytes_per_s is not None and "PCIE" not in gpu.name.upper()
         for gpu in gpus
     )
     return "nvlink" if nvlink and len(gpus) > 1 else "pcie"
+
+
+def topology_comments(machine: LocalMachine) -> list[str]:
+    """Comment lines on how the GPUs are wired and why intra_link is what it is."""
+    topology = machine.topology
+    if topology is None:
+        return ["# intra_link between GPUs from the catalog types (no topology could be read)"]
+    kind, why = topology.intra_link()
+    lines = [f"# intra_link {kind} from {topology.source}: {why}"]
+    for group in topology.nvlink_groups():
+        pairs = [(i, j) for i in group for j in group if i < j and topology.nvlinks(i, j)]
+        shown = ", ".join(f"{i}-{j}:NV{topology.nvlinks(i, j)}" for i, j in pairs[:12])
+        more = " ..." if len(pairs) > 12 else ""
+        lines.append(f"# NVLink group cuda {','.join(map(str, group))}: {shown}{more}")
+    if any(machine.nvlink_gbs):
+        per_gpu = sorted({f"{gbs:g}" for gbs in machine.nvlink_gbs})
+        lines.append(f"# nvidia-smi nvlink --status: {'/'.join(per_gpu)} GB/s of active NVLinks per GPU")
+    return lines
 
 
 def cluster_yaml(machine: LocalMachine) -> str:
@@ -307,6 +430,6 @@ def cluster_yaml(machine: LocalMachine) -> str:
         lines.append(
             "# network: GPU <-> CPU over PCIe at the catalog's achieved host-to-device rate (an assumption);"
         )
-        lines.append("# intra_link between GPUs from the catalog types (nvidia-smi topo -m is not read)")
+        lines += topology_comments(machine)
     lines += [f"# note: {note}" for note in machine.notes]
     return "\n".join(lines) + "\n" + yaml.safe_dump(cluster_data(machine), sort_keys=False)
