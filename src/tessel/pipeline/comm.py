@@ -53,6 +53,8 @@ class BatchMessage:
     sample: list[tuple[int, SamplingParams]]  # (sequence id, its params) per sampled row
     released: list[int] = field(default_factory=list)  # finished sequence ids: drop their generators
     prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt logprobs asked (last stage)
+    # seeded requests moved in from another pipeline: sequence id -> noise draws their generator made
+    resumed: dict[int, int] = field(default_factory=dict)
 
 
 def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:

@@ -99,6 +99,8 @@ class PipelineEngine(LLM):
         self._released: list[int] = []
         self._batch_ids = itertools.count()
         self._next_slot = 0
+        # seeded requests moved in from another pipeline (`tessel.pipeline.remap`): noise draws made
+        self.resume_draws: dict[int, int] = {}
         self.failure: BaseException | None = None  # set by a watcher when a stage died
         self.explain_peer_lost: Callable[[PeerLostError], BaseException] | None = None
 
@@ -218,6 +220,7 @@ class PipelineEngine(LLM):
             [(seq.seq_id, seq.params) for seq in sampled],
             self._released,
             [scoring for _, scoring in scorings],
+            {s.seq_id: self.resume_draws.pop(s.seq_id) for s in sampled if s.seq_id in self.resume_draws},
         )
         self._released = []
         started = time.perf_counter()

@@ -18,6 +18,7 @@ group and returns a new engine that the server drives from then on (see
 from __future__ import annotations
 
 import atexit
+import logging
 import tempfile
 import threading
 import time
@@ -34,11 +35,13 @@ from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.heartbeat import read_beat
 from tessel.pipeline.launcher import POLL_S, LocalStages, StageFailedError, free_port
 from tessel.pipeline.run import RunOptions
-from tessel.pipeline.run_plan import priced_pipeline
+from tessel.pipeline.run_plan import RunPlan, priced_pipeline
 from tessel.pipeline.worker import engine_kwargs, join_pipeline, parser, validate
 
 WATCH_INTERVAL_S = 0.5
 EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,20 @@ class ServedPipelineEngine(PipelineEngine):
     options: RunOptions  # what it was built from: `rebuilt` builds the same pipeline again
     _unwatched: threading.Event
 
+    def __init__(self, *args, preloaded: tuple | None = None, **kwargs) -> None:
+        self._preloaded = preloaded  # stage 0's layers, loaded beside the old pipeline (`PendingPipeline`)
+        super().__init__(*args, **kwargs)
+
+    def _load_model(self, path: Path):
+        if self._preloaded is None:
+            return super()._load_model(path)
+        from tessel.pipeline.stage import tensor_bytes
+
+        self._part, self.rss_before_load_bytes, model = self._preloaded
+        self._preloaded = None
+        self._weight_bytes = tensor_bytes(model)
+        return model
+
     def watch_stages(self, async_engine) -> threading.Thread:
         """Watch the stage processes; on a death, fail the engine and wake the server's engine thread."""
         wake = lambda: async_engine.submit(lambda: None)  # noqa: E731
@@ -69,12 +86,66 @@ class ServedPipelineEngine(PipelineEngine):
         self.watch_stages(async_engine)
 
     def rebuilt(self, async_engine) -> ServedPipelineEngine:
-        """Stop this pipeline and build the same one again (new stage processes, new process group),
-        watched for `async_engine`; raises (a `StageFailedError`, ...) when the new one fails to start."""
+        """Stop this pipeline and build a new one (new stage processes, new process group), watched
+        for `async_engine`: after a lost stage, on the surviving stages (`survivors_options`), else
+        the same one again; raises (`SurvivorsTooSmallError`, a `StageFailedError`, ...) when the new
+        one cannot be built. The server moves the requests in flight into it."""
+        self.close()
+        engine = pipeline_engine(self.survivors_options())
+        engine.watch_stages(async_engine)
+        return engine
+
+    def restarted(self, async_engine) -> ServedPipelineEngine:
+        """This pipeline's split built again (new stage processes; this one is closed), watched for
+        `async_engine`: where a failed remap rolls back to."""
         self.close()
         engine = pipeline_engine(self.options)
         engine.watch_stages(async_engine)
         return engine
+
+    def lost_stage(self) -> int | None:
+        """The stage whose failure broke this pipeline (its position), or None."""
+        failure = self.failure
+        stage = getattr(failure, "stage", None)
+        return stage if isinstance(stage, int) and 0 < stage < len(self.plan.stages) else None
+
+    def survivors_options(self) -> RunOptions:
+        """What to build after a failure: without the lost stage's device (the plan re-split over the
+        survivors by memory, `tessel.pipeline.remap.survivor_plan`, written to this run's directory),
+        or the same pipeline when no stage is to blame."""
+        from dataclasses import replace
+
+        from tessel.pipeline.remap import write_survivor_plan
+
+        lost = self.lost_stage()
+        if lost is None:
+            return self.options
+        path = self.stages.run_dir / f"plan-without-stage{lost}.json"
+        write_survivor_plan(self.plan.plan_file, {lost}, path)
+        log.warning(
+            "tessel: stage %d (%s) is lost; re-planned on the %d stages left: %s",
+            lost,
+            self.plan.stages[lost].device,
+            len(self.plan.stages) - 1,
+            path,
+        )
+        return replace(self.options, plan=path, replica=None)
+
+    def successor(self, plan: Path | RunPlan) -> PendingPipeline:
+        """Spawn the stage processes of `plan` (a plan file, or a `RunPlan` read from one) beside this
+        pipeline, with this one's options; call on the server's engine thread."""
+        from dataclasses import replace
+
+        path = plan.path if isinstance(plan, RunPlan) else Path(plan)
+        replica = plan.replica if isinstance(plan, RunPlan) else None
+        return PendingPipeline(replace(self.options, plan=path, replica=replica))
+
+    def drain(self) -> list:
+        """Finish the micro-batches in flight without launching more; -> their outputs."""
+        outputs, self._pending = self._pending, []
+        while self._in_flight:
+            outputs.extend(self._complete(self._in_flight.popleft()))
+        return outputs
 
     def stage_gauges(self) -> list[StageGauge]:
         """Per stage of this pipeline: its device, whether its process runs, its heartbeat's age."""
@@ -94,41 +165,97 @@ class ServedPipelineEngine(PipelineEngine):
             dist.destroy_process_group()
 
 
-def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedPipelineEngine:
-    args = parser().parse_args(options.worker_argv(Path("unused.json")))
-    plan, config = validate(args)
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="tessel-serve-"))
-    port = free_port()
-    argv = options.worker_argv(run_dir / "unused.json")
-    stages = LocalStages(argv, len(plan.stages), run_dir, port, options.heartbeat_timeout)
-    atexit.register(stages.stop)
-    try:
-        comm = None
-        if len(plan.stages) > 1:
-            _wait_for_first_beats(stages)
-            dtype = resolve_dtype(args.dtype, config)
-            comm = join_pipeline(plan, 0, args.transport, dtype, f"tcp://127.0.0.1:{port}")
-            stages.stage0_progress = comm.progress  # the watchdog sees stage 0 wait for tokens
-        cutter = None
-        if options.cpp and len(plan.stages) > 1:
-            cutter = ChunkCutter(priced_pipeline(plan, options.profiles), options.cpp_min_tokens)
-        engine = ServedPipelineEngine(
-            options.model,
-            plan,
-            comm,
-            micro_batches=options.micro_batches,
-            cutter=cutter,
-            **engine_kwargs(args),
-        )
-    except BaseException:
-        stages.stop()
-        atexit.unregister(stages.stop)
+class PendingPipeline:
+    """A pipeline being built beside the one that serves: its stage processes (spawned by
+    `spawn_pipeline`, on the server's engine thread so `PR_SET_PDEATHSIG` ties them to it) load their
+    layers and then wait to join; `load()` (any thread) loads stage 0's layers here and waits until
+    every stage has loaded; `join()` (the engine thread, once the old process group is gone) joins
+    the new group and returns the new engine; `abandon()` stops its processes."""
+
+    def __init__(self, options: RunOptions, run_dir: Path | None = None) -> None:
+        args = parser().parse_args(options.worker_argv(Path("unused.json")))
+        self.plan, self.config = validate(args)
+        self.options, self.args = options, args
+        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="tessel-serve-"))
+        self.port = free_port()
+        argv = options.worker_argv(self.run_dir / "unused.json")
+        timeout = options.heartbeat_timeout
+        self.stages = LocalStages(argv, len(self.plan.stages), self.run_dir, self.port, timeout)
+        atexit.register(self.stages.stop)
+        self.preloaded = None  # stage 0's (layer filter, resident bytes before, model), once `load` ran
+
+    def load(self, timeout_s: float | None = None) -> None:
+        """Load stage 0's layers in this process and wait until every other stage has loaded its own;
+        raises the `StageFailedError` of a stage that died (out of memory, ...) while loading."""
+        from tessel.models.loader import load_model
+        from tessel.models.quantized.load_quantize import quantize_layers
+        from tessel.pipeline.devices import stage_device
+        from tessel.pipeline.driver import layer_filter
+        from tessel.pipeline.stage import rss_bytes
+
+        part = layer_filter(self.plan, 0, self.config.tie_word_embeddings)
+        rss_before = rss_bytes()
+        dtype = resolve_dtype(self.args.dtype, self.config)
+        model = load_model(self.options.model, dtype, stage_device(self.plan.stages[0]), layers=part)
+        if self.plan.stages[0].quantized_layers:
+            quantize_layers(model, self.plan.stages[0].quantized_layers, dtype)
+        self.preloaded = (part, rss_before, model)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not all(_loaded(self.run_dir, rank) for rank in range(1, len(self.plan.stages))):
+            failure = self.stages.failure()
+            if failure is not None:
+                raise failure
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the new stages did not load their layers within {timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def join(self) -> ServedPipelineEngine:
+        """Join the new process group (none may be initialized) and build stage 0's engine."""
+        options, args, plan, stages = self.options, self.args, self.plan, self.stages
+        try:
+            comm = None
+            if len(plan.stages) > 1:
+                _wait_for_first_beats(stages)
+                dtype = resolve_dtype(args.dtype, self.config)
+                comm = join_pipeline(plan, 0, args.transport, dtype, f"tcp://127.0.0.1:{self.port}")
+                stages.stage0_progress = comm.progress  # the watchdog sees stage 0 wait for tokens
+            cutter = None
+            if options.cpp and len(plan.stages) > 1:
+                cutter = ChunkCutter(priced_pipeline(plan, options.profiles), options.cpp_min_tokens)
+            engine = ServedPipelineEngine(
+                options.model,
+                plan,
+                comm,
+                micro_batches=options.micro_batches,
+                cutter=cutter,
+                preloaded=self.preloaded,
+                **engine_kwargs(args),
+            )
+        except BaseException:
+            self.abandon()
+            raise
+        self.preloaded = None
+        engine.stages, engine.options, engine._unwatched = stages, options, threading.Event()
+        engine.explain_peer_lost = lambda error: _explain(stages, error)
+        return engine
+
+    def abandon(self) -> None:
+        """Stop its stage processes and leave any process group it joined."""
+        self.stages.stop()
+        atexit.unregister(self.stages.stop)
         if dist.is_initialized():
             dist.destroy_process_group()  # so a later build (a rebuild) can join a new group
-        raise
-    engine.stages, engine.options, engine._unwatched = stages, options, threading.Event()
-    engine.explain_peer_lost = lambda error: _explain(stages, error)
-    return engine
+
+
+def _loaded(run_dir: Path, rank: int) -> bool:
+    from tessel.pipeline.launcher import read_status
+
+    return read_status(run_dir, rank).get("state") in ("loaded", "ready")
+
+
+def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedPipelineEngine:
+    pending = PendingPipeline(options, run_dir)
+    return pending.join()
 
 
 def _wait_for_first_beats(stages: LocalStages) -> None:
@@ -183,4 +310,11 @@ def watch(
     return thread
 
 
-__all__ = ["StageFailedError", "StageGauge", "pipeline_engine", "pipeline_server_engine", "watch"]
+__all__ = [
+    "PendingPipeline",
+    "StageFailedError",
+    "StageGauge",
+    "pipeline_engine",
+    "pipeline_server_engine",
+    "watch",
+]

@@ -28,6 +28,7 @@ from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.kernels.paged_decode import decode_gather
+from tessel.layers.sampler import _exponential
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
@@ -118,6 +119,11 @@ class StageExecutor:
         asked for and the prompt logprobs of its chunks (`ModelRunner.sample_hidden`, as `run`)."""
         for seq_id in message.released:
             self._generators.pop(seq_id, None)
+        for seq_id, params in message.sample:
+            if seq_id in message.resumed and params.seed is not None:
+                self._generators[seq_id] = resumed_generator(
+                    params.seed, message.resumed[seq_id], self.model.config.vocab_size
+                )
         rows = [_Row(params, self._generator(seq_id, params)) for seq_id, params in message.sample]
         return self.runner.sample_hidden(hidden, message.sample_rows, rows, message.prompt_scorings)
 
@@ -146,6 +152,16 @@ class StageExecutor:
             self.progress.batches = self.stats.batches
             self.progress.tokens = self.stats.tokens
             self.progress.busy_s = self.stats.compute_s + self.stats.emulation_sleep_s
+
+
+def resumed_generator(seed: int, draws: int, vocab_size: int) -> torch.Generator:
+    """A seeded request's generator as it is after `draws` sampled tokens: the sampler draws one row
+    of `vocab_size` float32 Exp(1) noise per token (`tessel.layers.sampler`), so a request moved to
+    a new pipeline samples on as it would have on the old one."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(draws):
+        _exponential(vocab_size, torch.float32, generator)
+    return generator
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,7 +256,10 @@ def _result(out) -> dict:
     }
 
 
-def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, rank: int) -> None:
+def load_later_stage(args: argparse.Namespace, plan: RunPlan, rank: int) -> tuple[StageExecutor, int]:
+    """Stage `rank`'s layers from the checkpoint, before it joins the process group (so a pipeline
+    built beside a serving one, `tessel.pipeline.remap`, loads while the old one serves); -> the
+    executor and the resident memory before loading. Its status says `state: loaded`."""
     config = ModelConfig.from_dir(args.model)
     dtype = resolve_dtype(args.dtype, config)
     part = layer_filter(plan, rank, config.tie_word_embeddings)
@@ -266,11 +269,25 @@ def run_later_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm, ra
         args.model,
         part,
         dtype,
-        comm.device,
+        device_for(plan, rank),
         stage.emulate_speed,
         stage.quantized_layers,
         stage.emulate_schedule,
     )
+    write_status(rank, state="loaded", pid=os.getpid())
+    return executor, rss_before
+
+
+def run_later_stage(
+    args: argparse.Namespace,
+    plan: RunPlan,
+    comm: StageComm,
+    rank: int,
+    loaded: tuple[StageExecutor, int] | None = None,
+) -> None:
+    config = ModelConfig.from_dir(args.model)
+    dtype = resolve_dtype(args.dtype, config)
+    executor, rss_before = loaded or load_later_stage(args, plan, rank)
     layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
     executor.attach_kv(layout, dtype, comm.device)
     if args.warmup and executor.runner.cuda_graphs is not None:
@@ -346,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat = start_heartbeat(rank)
         plan, _ = validate(args, world_size, rank)
         torch.set_num_threads(args.threads)
+        loaded = load_later_stage(args, plan, rank) if rank > 0 else None  # load first, then join
         comm = None
         if world_size > 1:
             dtype = resolve_dtype(args.dtype, ModelConfig.from_dir(args.model))
@@ -355,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             run_first_stage(args, plan, comm)
         else:
-            run_later_stage(args, plan, comm, rank)
+            run_later_stage(args, plan, comm, rank, loaded)
         write_status(rank, state="done")
         return 0
     except KeyboardInterrupt:

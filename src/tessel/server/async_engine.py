@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -54,6 +55,26 @@ _JOIN_TIMEOUT_S = 30.0  # how long stop() waits for a step in progress to end
 REBUILD_RETRY_AFTER_S = 5  # Retry-After while the engine is being rebuilt, before one rebuild was timed
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RemapReport:
+    """What a remap (or a rebuild after a lost stage) did, for logs and for whoever asked for it."""
+
+    reason: str
+    plan: str  # the plan file of the pipeline asked for
+    ok: bool
+    error: str | None = None  # why it failed (`ok` False)
+    rolled_back: bool = False  # it failed and the old split serves (requests intact)
+    load_s: float = 0.0  # spawning the new stages until every stage had loaded its layers
+    switch_s: float = 0.0  # the engine thread's pause: old pipeline drained and stopped, new joined
+    moved: int = 0  # requests moved into the new pipeline (recomputed there)
+    max_gap_s: float | None = None  # the longest time between two tokens of a moved stream
+
+
+def _plan_name(engine: Any) -> str:
+    plan = getattr(engine, "plan", None)
+    return str(getattr(plan, "path", "?"))
 
 
 class Recovery(str, Enum):
@@ -169,6 +190,11 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}  # engine thread only
         self._pending_lock = threading.Lock()
         self._pending: set[str] = set()
+        self._remapping = False  # a remap is under way (one at a time)
+        self.last_recovery: RemapReport | None = None  # the last rebuild's figures
+        self._last_token_s: dict[str, float] = {}  # engine thread: when each stream got its last token
+        self._gap_watch: dict[str, float] = {}  # streams moved by the last switch, not yet resumed
+        self._gap_report: tuple[RemapReport, Future | None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -224,7 +250,7 @@ class AsyncEngine:
         """Run `fn` on the engine thread between two steps (callable from any thread)."""
         future: Future = Future()
         with self._cond:
-            refused = self.error is not None or self._stopping or self.rebuilding is not None
+            refused = self.error is not None or self._stopping  # while rebuilding: run on the new engine
             if not refused:
                 self._commands.append((fn, future))
                 self._cond.notify_all()
@@ -283,6 +309,8 @@ class AsyncEngine:
         self._queues[request_id] = (queue, loop)
 
     def _abort_now(self, request_id: str) -> None:
+        self._gap_watch.pop(request_id, None)
+        self._last_token_s.pop(request_id, None)
         if self._queues.pop(request_id, None) is None:
             return  # finished (or never added) before the abort came
         self.engine.abort_request(request_id)
@@ -315,6 +343,7 @@ class AsyncEngine:
                 self._die(error)
                 return
             self._observe(outputs)
+            self._track(outputs)
             for output in outputs:
                 self._deliver(output.request_id, output, finished=output.finished)
         stopped = EngineDeadError("the server is shutting down")
@@ -354,24 +383,23 @@ class AsyncEngine:
         return False
 
     def _rebuild(self, error: BaseException) -> bool:
-        """Fail what is in flight with 503, build a new engine in place of this one and go on; False
-        (the server stays up without an engine) when the rebuild fails."""
+        """Build a new engine in place of this one and move the requests in flight into it
+        (`tessel.pipeline.remap.migrate_requests`: they continue, recomputed); False (the server stays
+        up without an engine, what was in flight fails with 503 and the reason) when that fails."""
         with self._cond:
             self.num_restarts += 1
             self.rebuilding = error
-        refused = self.unavailable()
-        for request_id in list(self._queues):
-            self._deliver(request_id, refused, finished=True)
-        self._fail_commands(refused)
         log.warning(
-            "tessel: rebuilding the pipeline (%d of at most %d) after %s",
+            "tessel: rebuilding the pipeline (%d of at most %d) after %s; %d requests in flight wait",
             self.num_restarts,
             self.max_restarts,
             _describe(error),
+            len(self._queues),
         )
         started = time.monotonic()
+        old = self.engine
         try:
-            engine = self.rebuild(self.engine)
+            engine = self.rebuild(old)
         except Exception as rebuild_error:
             took_s = time.monotonic() - started
             failure = _describe(rebuild_error)
@@ -379,14 +407,180 @@ class AsyncEngine:
             self._dead_note = f" (rebuilding the pipeline after {_describe(error)})"
             self._die(rebuild_error, notify=False)
             return False
-        took_s = time.monotonic() - started
-        log.warning("tessel: the pipeline is back after %.1f s (cause: %s)", took_s, _describe(error))
+        report = RemapReport(f"rebuild after {_describe(error)}", _plan_name(engine), ok=True)
+        self._install(old, engine, report, started)
+        log.warning(
+            "tessel: the pipeline is back after %.1f s with %d requests moved into it (cause: %s)",
+            report.switch_s,
+            report.moved,
+            _describe(error),
+        )
+        with self._cond:
+            self.num_rebuilds += 1
+            self._retry_after_s = max(1, round(report.switch_s))
+            self.rebuilding = None
+            self.last_recovery = report
+        self._settle_gap()
+        return True
+
+    # ---- moving to a new pipeline ----------------------------------------------------------------
+
+    def remap(self, new_plan: Any, reason: str) -> Future[RemapReport]:
+        """Move serving to the pipeline of `new_plan` (a plan file path or a `RunPlan`) without
+        stopping: see the module's "Live remap". Callable from any thread; the future's result is a
+        `RemapReport` (`ok` False: the remap failed and rolled back, `error` says why); it raises
+        `TesselError` when the remap is refused before anything started (a bad plan, one already
+        under way, an engine that cannot remap)."""
+        done: Future = Future()
+        if not hasattr(self.engine, "successor"):
+            done.set_exception(TesselError("this engine cannot remap: it is not a pipeline (serve --plan)"))
+            return done
+        with self._cond:
+            busy = self._remapping
+            self._remapping = True
+        if busy:
+            done.set_exception(TesselError("a remap is already under way; wait for its future"))
+            return done
+        report = RemapReport(reason, str(getattr(new_plan, "path", new_plan)), ok=False)
+        spawned = self.submit(lambda: self.engine.successor(new_plan))  # spawned on the engine thread
+
+        def load(spawned: Future) -> None:
+            error = spawned.exception()
+            if error is not None:
+                self._remap_done(done, report, error=error, refused=True)
+                return
+            pending = spawned.result()
+            started = time.monotonic()
+            try:
+                pending.load()
+            except Exception as load_error:  # a new stage died, ran out of memory, ...
+                pending.abandon()
+                report.load_s = time.monotonic() - started
+                self._remap_done(done, report, error=load_error)
+                return
+            report.load_s = time.monotonic() - started
+            switched = self.submit(lambda: self._switch(pending, report, done))
+            switched.add_done_callback(lambda f: self._switch_failed(f, pending, done, report))
+
+        spawned.add_done_callback(lambda f: threading.Thread(target=load, args=(f,), daemon=True).start())
+        return done
+
+    def _switch(self, pending: Any, report: RemapReport, done: Future) -> None:
+        """Engine thread, between two steps: finish the old pipeline's micro-batches in flight, stop
+        it, join the new one and move the requests into it; when joining fails, rebuild the old split
+        and move them there (rolled back)."""
+        started = time.monotonic()
+        old = self.engine
+        try:
+            outputs = old.drain()
+        except Exception as error:  # the old pipeline broke meanwhile: its requests are recomputed
+            log.warning("tessel: remap: the old pipeline failed while draining: %s", _describe(error))
+            outputs = []
+        self._observe(outputs)
+        self._track(outputs)
+        for output in outputs:
+            self._deliver(output.request_id, output, finished=output.finished)
+        old.close()
+        try:
+            engine = pending.join()
+        except Exception as join_error:
+            report.error = f"joining the new pipeline failed: {_describe(join_error)}"
+            log.error("tessel: remap (%s) failed: %s; rolling back", report.reason, report.error)
+            try:
+                engine = old.restarted(self)
+            except Exception as rollback_error:
+                self._dead_note = f" (rolling back a failed remap: {report.error})"
+                self._die(rollback_error, notify=False)
+                self._remap_done(done, report, error=rollback_error)
+                return
+            report.rolled_back = True
+            self._install(old, engine, report, started)
+            self._remap_done(done, report, error=join_error)
+            return
+        engine.watch_stages(self)
+        self._install(old, engine, report, started)
+        report.ok = True
+        log.warning(
+            "tessel: remapped (%s) to %s: loaded beside in %.1f s, switched in %.2f s, %d requests moved",
+            report.reason,
+            report.plan,
+            report.load_s,
+            report.switch_s,
+            report.moved,
+        )
+        self._gap_report = (report, done)
+        self._settle_gap()
+
+    def _switch_failed(self, switched: Future, pending: Any, done: Future, report: RemapReport) -> None:
+        """The switch never ran (the engine is down) or raised: stop the new stages, say so."""
+        error = switched.exception()
+        if error is not None:
+            pending.abandon()
+            self._remap_done(done, report, error=error)
+
+    def _install(self, old: Any, engine: Any, report: RemapReport, started: float) -> None:
+        """Engine thread: `engine` serves from now on, with `old`'s unfinished requests moved in."""
+        from tessel.pipeline.remap import migrate_requests
+
+        moved = migrate_requests(old, engine)
         with self._cond:
             self.engine = engine
-            self.num_rebuilds += 1
-            self._retry_after_s = max(1, round(took_s))
-            self.rebuilding = None
-        return True
+        now = time.monotonic()
+        report.switch_s = now - started
+        report.moved = len(moved)
+        self._gap_watch = {rid: self._last_token_s.get(rid, now) for rid in moved if rid in self._queues}
+        report.max_gap_s = 0.0
+        self._gap_report = (report, None)
+
+    def _settle_gap(self) -> None:
+        """Resolve a remap's future once every moved stream has its next token (or ended)."""
+        if self._gap_report is None or self._gap_watch:
+            return
+        report, done = self._gap_report
+        self._gap_report = None
+        log.warning(
+            "tessel: %s: the longest gap between two tokens of a moved stream was %.2f s",
+            report.reason,
+            report.max_gap_s,
+        )
+        if done is not None:
+            self._remap_done(done, report)
+
+    def _track(self, outputs: list[Any]) -> None:
+        """Note when each stream got its last token; measure the gap of the streams a switch moved."""
+        if not outputs:
+            return
+        now = time.monotonic()
+        for output in outputs:
+            rid = output.request_id
+            since = self._gap_watch.pop(rid, None)
+            if since is not None and self._gap_report is not None:
+                report = self._gap_report[0]
+                report.max_gap_s = max(report.max_gap_s or 0.0, now - since)
+            if output.finished:
+                self._last_token_s.pop(rid, None)
+            else:
+                self._last_token_s[rid] = now
+        if self._gap_report is not None and not self._gap_watch:
+            self._settle_gap()
+
+    def _remap_done(
+        self, done: Future, report: RemapReport, error: BaseException | None = None, refused: bool = False
+    ) -> None:
+        with self._cond:
+            self._remapping = False
+        if done.done():
+            return
+        if refused:
+            done.set_exception(error)
+            return
+        if error is not None:
+            report.ok = False
+            report.error = report.error or _describe(error)
+            if not report.rolled_back:
+                report.rolled_back = self.error is None  # the old pipeline never stopped
+            log.error("tessel: remap (%s) failed and rolled back: %s", report.reason, report.error)
+        done.set_result(report)
 
     def _restart(self, error: BaseException) -> list[Any]:
         """Fail what is in flight with 503, clear the engine and go on; -> no outputs to deliver."""

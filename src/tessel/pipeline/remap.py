@@ -1,0 +1,261 @@
+"""Changing a serving pipeline's split: the plan on the surviving stages, and moving requests.
+
+`survivor_plan(plan, lost)` is the plan a pipeline falls back to when stages `lost` are gone: the
+same model on the other stages' devices, in the same order, the layers split over them in
+proportion to their memory (`split_by_memory`; the devices' memory comes from the plan's cluster
+file when it can be read, else from the catalog's entry for their GPU type). When the survivors
+cannot hold the weights, `SurvivorsTooSmallError` says how much they hold and how much is needed.
+
+`migrate_requests(old, new)` moves every unfinished request of one engine into another, between
+two steps: each request's `Sequence` keeps its prompt, the tokens generated so far, its sampling
+parameters, its remaining `max_tokens`, its stop rules and detokenizer, its logprobs so far and its
+metrics; its KV is not copied but rebuilt in the new pipeline by recomputation (the engine's
+preemption path: `num_computed_tokens = 0`, then prompt + output are prefilled again and the last
+position's logits give the next token). A seeded sampled request's generator lives on the last
+stage (`tessel.pipeline.stage`): the new last stage fast-forwards a fresh one past the noise draws
+its tokens so far consumed (`resume_draws`), so seeded outputs continue as an undisturbed run would.
+Outputs keep flowing to the same request ids, so a server's streams continue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.catalog.models import ModelSpec
+    from tessel.plan.plan_file import PlanFile, PlanStage
+
+
+class SurvivorsTooSmallError(TesselError):
+    """The stages left after a loss cannot hold the model: the pipeline cannot continue."""
+
+    recovery = "none"
+
+
+class RemapFailedError(TesselError):
+    """A remap failed before or during the switch; the message says what and that it rolled back."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageShare:
+    """One surviving device's share of the layers."""
+
+    device: str
+    usable_bytes: int
+    layer_start: int
+    layer_end: int
+    weight_bytes: float
+
+
+def device_usable_bytes(plan: PlanFile, stage: PlanStage) -> int:
+    """Memory the stage's device offers for weights and KV: its cluster entry when the plan's
+    cluster (file or bundled name) can be read, else the catalog's for its GPU type."""
+    from tessel.catalog.gpus import get_gpu
+    from tessel.plan.cluster import list_bundled_clusters, load_cluster
+
+    source = plan.cluster.source or plan.cluster.name
+    try:
+        if source in list_bundled_clusters() or Path(source).is_file():
+            return load_cluster(source).device(stage.device).spec.usable_bytes
+    except (TesselError, OSError):
+        pass  # a cluster that does not name this device (a hand-written plan): use the catalog
+    return get_gpu(stage.gpu_type).usable_bytes
+
+
+def _layer_bytes(spec: ModelSpec, plan: PlanFile) -> list[float]:
+    """Weight bytes of each decoder layer at the plan's precisions (its dtype where it gives none)."""
+    from tessel.cost.layer import weight_bytes
+
+    per_layer = plan.units_per_layer
+    precision = [plan.dtype] * (spec.num_layers * per_layer)
+    for stage in plan.stages:
+        precision[stage.unit_start : stage.unit_end] = stage.unit_precisions(plan.dtype)
+    if per_layer == 1:
+        return [weight_bytes(spec, "layer", p) for p in precision]
+    return [
+        weight_bytes(spec, "attention", precision[2 * i]) + weight_bytes(spec, "mlp", precision[2 * i + 1])
+        for i in range(spec.num_layers)
+    ]
+
+
+def split_by_memory(
+    layer_bytes: list[float], usable: list[int], first_bytes: float, last_bytes: float
+) -> list[tuple[int, int]] | None:
+    """Contiguous layer ranges, one per device in order, in proportion to `usable` (largest
+    remainder, at least one layer each), moved towards a split that fits when the proportional one
+    does not; `first_bytes` / `last_bytes`: the embedding and LM head. None when none fits."""
+    num_layers, n = len(layer_bytes), len(usable)
+    if n == 0 or num_layers < n:
+        return None
+    total = sum(usable)
+    quotas = [num_layers * u / total for u in usable]
+    counts = [max(1, math.floor(q)) for q in quotas]
+    by_remainder = sorted(range(n), key=lambda i: quotas[i] - math.floor(quotas[i]), reverse=True)
+    for i in by_remainder * num_layers:
+        if sum(counts) >= num_layers:
+            break
+        counts[i] += 1
+    while sum(counts) > num_layers:
+        i = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - quotas[i])
+        counts[i] -= 1
+    split = _ranges(counts)
+    if _fits(split, layer_bytes, usable, first_bytes, last_bytes):
+        return split
+    return _greedy_fit(layer_bytes, usable, first_bytes, last_bytes)
+
+
+def _ranges(counts: list[int]) -> list[tuple[int, int]]:
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def _held(split, layer_bytes, first_bytes, last_bytes) -> list[float]:
+    held = [sum(layer_bytes[a:b]) for a, b in split]
+    held[0] += first_bytes
+    held[-1] += last_bytes
+    return held
+
+
+def _fits(split, layer_bytes, usable, first_bytes, last_bytes) -> bool:
+    held = _held(split, layer_bytes, first_bytes, last_bytes)
+    return all(h <= u for h, u in zip(held, usable, strict=True))
+
+
+def _greedy_fit(layer_bytes, usable, first_bytes, last_bytes) -> list[tuple[int, int]] | None:
+    """Each device in order takes as many layers as it holds, leaving one for each later device."""
+    n, num_layers = len(usable), len(layer_bytes)
+    counts, start = [], 0
+    for k in range(n):
+        room = usable[k] - (first_bytes if k == 0 else 0.0) - (last_bytes if k == n - 1 else 0.0)
+        count = 0
+        while start + count < num_layers - (n - 1 - k) and layer_bytes[start + count] <= room:
+            room -= layer_bytes[start + count]
+            count += 1
+        if count == 0 or (k == n - 1 and start + count < num_layers):
+            return None
+        counts.append(count)
+        start += count
+    return _ranges(counts)
+
+
+def survivor_plan(plan: PlanFile, lost: set[int]) -> PlanFile:
+    """`plan` without the stages `lost` (pipeline positions): the survivors' devices in their order,
+    the layers split by memory (`split_by_memory`), links kept; raises `SurvivorsTooSmallError`."""
+    from tessel.cost.layer import embedding_bytes, lm_head_bytes
+
+    if plan.replicas and len(plan.replicas) > 1:
+        raise TesselError("re-planning on the surviving stages of a replica plan is not supported")
+    survivors = [s for s in plan.stages if s.index not in lost]
+    names = ", ".join(f"stage {s.index} ({s.device})" for s in plan.stages if s.index in lost)
+    if not survivors:
+        raise SurvivorsTooSmallError(f"no stage is left after losing {names}")
+    spec = plan.model_spec
+    layer_bytes = _layer_bytes(spec, plan)
+    usable = [device_usable_bytes(plan, s) for s in survivors]
+    first = float(embedding_bytes(spec, plan.dtype))
+    last = float(lm_head_bytes(spec, plan.dtype, on_first_stage=len(survivors) == 1))
+    split = split_by_memory(layer_bytes, usable, first, last)
+    if split is None:
+        need = sum(layer_bytes) + first + last
+        raise SurvivorsTooSmallError(
+            f"the stages left after losing {names} cannot hold the model: "
+            f"{len(survivors)} device(s) offer {sum(usable) / 2**30:.2f} GiB "
+            f"({', '.join(f'{s.device} {u / 2**30:.2f}' for s, u in zip(survivors, usable, strict=True))}), "
+            f"its {spec.num_layers} layers, embedding and head need {need / 2**30:.2f} GiB"
+        )
+    return _with_stages(plan, survivors, split)
+
+
+def _with_stages(plan: PlanFile, survivors: list[PlanStage], split: list[tuple[int, int]]) -> PlanFile:
+    per_layer = plan.units_per_layer
+    unit_precision = None
+    if any(s.precisions for s in plan.stages):
+        unit_precision = [plan.dtype] * (plan.num_layers * per_layer)
+        for stage in plan.stages:
+            unit_precision[stage.unit_start : stage.unit_end] = stage.unit_precisions(plan.dtype)
+    stages = []
+    for position, (stage, (a, b)) in enumerate(zip(survivors, split, strict=True)):
+        last = position == len(survivors) - 1
+        units = (a * per_layer, b * per_layer)
+        stages.append(
+            stage.model_copy(
+                update={
+                    "index": position,
+                    "layer_start": a,
+                    "layer_end": b,
+                    "unit_start": units[0],
+                    "unit_end": units[1],
+                    "weights_gib": None,
+                    "kv_gib": None,
+                    "offload_gib": 0.0,
+                    "prefill_ms": None,
+                    "decode_ms": None,
+                    "link_to_next": None if last else stage.link_to_next,
+                    "precisions": None if unit_precision is None else unit_precision[units[0] : units[1]],
+                }
+            )
+        )
+    return plan.model_copy(
+        update={"stages": stages, "replicas": [], "baselines": {}, "predicted": None, "objective": None}
+    )
+
+
+def write_survivor_plan(plan: PlanFile, lost: set[int], out: Path) -> Path:
+    """`survivor_plan` written next to the run's files (`out`); -> its path."""
+    survivor = survivor_plan(plan, lost)
+    survivor.write(out)
+    return out
+
+
+# ---- moving requests -----------------------------------------------------------------------------
+def migrate_requests(old: Any, new: Any) -> list[str]:
+    """Move every unfinished request of engine `old` into engine `new` (both `LLMEngine`s, neither
+    stepping), in arrival order, to be recomputed there; -> the request ids moved. Requests aborted
+    while their micro-batch was in flight (`PipelineEngine`'s deferred aborts) are dropped."""
+    deferred = getattr(old, "_deferred_aborts", set())
+    resume = getattr(new, "resume_draws", None)
+    moved = []
+    for request_id, seq in list(old._requests.items()):
+        if seq.is_finished or request_id in deferred:
+            continue
+        if request_id in new._requests:
+            raise TesselError(f"request id {request_id!r} is already in the new engine")
+        _reset(seq, new.config.block_size)
+        new._requests[request_id] = seq
+        new._detokenizers[request_id] = old._detokenizers.pop(request_id)
+        new._emitted[request_id] = old._emitted.pop(request_id)
+        del old._requests[request_id]
+        new.scheduler.add(seq)
+        if resume is not None and seq.params.seed is not None and seq.params.temperature > 0:
+            resume[seq.seq_id] = seq.num_output_tokens  # one noise draw per sampled token
+        moved.append(request_id)
+    return moved
+
+
+def _reset(seq: Any, block_size: int) -> None:
+    """The sequence as a preempted one: no KV anywhere, everything to compute again."""
+    from tessel.engine.sequence import SequenceStatus
+
+    seq.num_computed_tokens = 0
+    seq.block_table = []
+    seq.block_keys = []
+    seq.num_registered_blocks = 0
+    seq.block_size = block_size
+    seq.status = SequenceStatus.WAITING
+
+
+__all__ = [
+    "RemapFailedError",
+    "SurvivorsTooSmallError",
+    "migrate_requests",
+    "split_by_memory",
+    "survivor_plan",
+]
