@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -94,3 +95,17 @@ def test_run_plan_and_stage_executor_follow_the_schedule(tmp_path):
     assert stats.emulation_sleep_s == pytest.approx((1 / 0.5 - 1) * stats.compute_s)
     assert (executor.progress.batches, executor.progress.tokens) == (1, 3)
     assert executor.progress.busy_s == pytest.approx(stats.compute_s + stats.emulation_sleep_s)
+
+
+def test_a_later_stage_counts_its_schedule_from_the_published_epoch(monkeypatch):
+    from tessel.pipeline.stage import EMULATE_EPOCH_ENV, StageExecutor
+
+    monkeypatch.delenv(EMULATE_EPOCH_ENV, raising=False)
+    first = StageExecutor(None, None, 1.0, publish_epoch=True)
+    first.account(time.perf_counter(), tokens=1)
+    assert EMULATE_EPOCH_ENV in os.environ
+    # a stage of a pipeline built later (a remap) slows at once: its schedule's change is long past
+    later = StageExecutor(None, None, 1.0, emulate_schedule=((0.0, 0.5),))
+    later.account(time.perf_counter() - 0.002, tokens=1)
+    assert later._serving_since == pytest.approx(first._serving_since, abs=0.05)
+    assert later.stats.emulation_sleep_s == pytest.approx(later.stats.compute_s)

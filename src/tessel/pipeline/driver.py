@@ -91,6 +91,7 @@ class PipelineEngine(LLM):
         self.scheduler = PinnedSchedulers(num_slots, self.scheduler.config, self.block_manager)
         self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
         self.stage.emulate_schedule = plan.stages[0].emulate_schedule
+        self.stage.publish_epoch = any(s.emulate_schedule for s in plan.stages)
         self.stage.weight_bytes = self._weight_bytes
         self._in_flight: deque[_InFlight] = deque()
         self._busy = [0] * num_slots  # micro-batches in flight per slot

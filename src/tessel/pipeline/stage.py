@@ -9,8 +9,11 @@ last stage's rows with the logprobs asked for. Sampling here keeps each seeded r
 
 A stage with an emulated speed s < 1 sleeps (1/s - 1) x its measured compute time after every
 micro-batch: emulation of a slower device on one CPU, not a model of one. With an emulated
-schedule, s is the schedule's speed at the seconds since the stage's first micro-batch
-(`tessel.plan.plan_file.emulated_speed_at`). `StageStats` and, where attached, the heartbeat's
+schedule, s is the schedule's speed at the seconds since the pipeline's first micro-batch
+(`tessel.plan.plan_file.emulated_speed_at`): stage 0 of a plan with a schedule publishes when that
+was in `TESSEL_EMULATE_EPOCH` (wall-clock seconds), which stage processes spawned later (a remapped
+pipeline) inherit, so a device's schedule runs on through a remap; without it, a stage counts from
+its own first micro-batch. `StageStats` and, where attached, the heartbeat's
 `Progress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
 watcher reads (`tessel.pipeline.remap_watch`).
 """
@@ -36,6 +39,8 @@ from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm import BatchMessage, KvLayout
 from tessel.pipeline.heartbeat import Progress
 from tessel.plan.plan_file import emulated_speed_at
+
+EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from
 
 
 @dataclass(slots=True)
@@ -67,7 +72,8 @@ class StageExecutor:
     _generators: dict[int, torch.Generator] = field(default_factory=dict)
     emulate_schedule: tuple[tuple[float, float], ...] = ()  # (seconds since the first batch, speed)
     progress: Progress | None = None  # the heartbeat's: counts batches, tokens and busy seconds too
-    _serving_since: float | None = None  # perf_counter at the first micro-batch
+    _serving_since: float | None = None  # perf_counter at the pipeline's first micro-batch
+    publish_epoch: bool = False  # stage 0 of a plan with a schedule: set EMULATE_EPOCH_ENV
 
     @classmethod
     def load(
@@ -139,7 +145,7 @@ class StageExecutor:
         now = time.perf_counter()
         compute_s = now - started_s
         if self._serving_since is None:
-            self._serving_since = started_s
+            self._serving_since = self._emulation_origin(started_s)
         self.stats.batches += 1
         self.stats.compute_s += compute_s
         self.stats.tokens += tokens
@@ -152,6 +158,19 @@ class StageExecutor:
             self.progress.batches = self.stats.batches
             self.progress.tokens = self.stats.tokens
             self.progress.busy_s = self.stats.compute_s + self.stats.emulation_sleep_s
+
+    def _emulation_origin(self, started_s: float) -> float:
+        """perf_counter time the schedule counts from: the published epoch, else `started_s`."""
+        epoch = os.environ.get(EMULATE_EPOCH_ENV)
+        offset_s = time.time() - time.perf_counter()  # wall clock minus perf_counter
+        if epoch:
+            try:
+                return float(epoch) - offset_s
+            except ValueError:
+                pass
+        if self.publish_epoch:
+            os.environ[EMULATE_EPOCH_ENV] = repr(started_s + offset_s)
+        return started_s
 
 
 def resumed_generator(seed: int, draws: int, vocab_size: int) -> torch.Generator:
