@@ -8,9 +8,11 @@ import math
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from hf_oracle import hf_greedy
 from tessel import LLM, SamplingParams
+from tessel.cli import app
 from tessel.engine import host_kv_pool
 from tessel.engine.block_manager import BlockManager
 from tessel.engine.engine_config import EngineConfig
@@ -65,7 +67,7 @@ def test_a_tiny_pool_gives_the_unconstrained_tokens_under_every_mode(reference, 
 
 def test_auto_recomputes_behind_a_very_slow_emulated_link(reference) -> None:
     path, ids, expected = reference
-    llm = LLM(path, preemption_mode="auto", emulated_host_gbps=1e-9, **TIGHT)
+    llm = LLM(path, preemption_mode="auto", emulate_host_gbps=1e-9, **TIGHT)
     assert llm.preemptor.link.to_host_gbps == 1e-9
     outputs = llm.generate(ids, PARAMS, use_progress=False)
     assert [o.token_ids for o in outputs] == expected
@@ -117,9 +119,9 @@ def test_the_host_pool_round_trips_blocks_exactly() -> None:
 def test_emulation_sleeps_for_the_missing_time(monkeypatch) -> None:
     slept = []
     monkeypatch.setattr(host_kv_pool.time, "sleep", slept.append)
-    assert emulate_copy_time(2_000_000, 0.001, 1.0) == pytest.approx(0.002)  # 2 MB at 1 GB/s
+    assert emulate_copy_time(2_000_000, 0.001, 8.0) == pytest.approx(0.002)  # 2 MB at 8 Gbit/s (1 GB/s)
     assert slept == [pytest.approx(0.001)]
-    assert emulate_copy_time(2_000_000, 0.005, 1.0) == 0.005 and len(slept) == 1  # already slower
+    assert emulate_copy_time(2_000_000, 0.005, 8.0) == 0.005 and len(slept) == 1  # already slower
     assert emulate_copy_time(2_000_000, 0.001, None) == 0.001
 
 
@@ -137,9 +139,9 @@ def _preemptor(to_host_gbps: float, seconds_per_token: float) -> tuple[Preemptor
 
 def test_auto_weighs_the_link_against_prefill_time() -> None:
     # 3 blocks of 2*2*4*2*8*4 = 1 KiB: 6 KiB moved out and in
-    fast, seq = _preemptor(to_host_gbps=10.0, seconds_per_token=1e-3)  # ~0.6 us against 10 ms
+    fast, seq = _preemptor(to_host_gbps=10.0, seconds_per_token=1e-3)  # ~10 us against 10 ms
     assert fast.choose(seq) == "swap"
-    slow, seq = _preemptor(to_host_gbps=1e-6, seconds_per_token=1e-3)  # ~6 s against 10 ms
+    slow, seq = _preemptor(to_host_gbps=1e-6, seconds_per_token=1e-3)  # ~100 s against 10 ms
     assert slow.choose(seq) == "recompute"
     assert slow.preempt(seq) == "recompute" and seq.num_computed_tokens == 0
     fast, seq = _preemptor(to_host_gbps=10.0, seconds_per_token=1e-3)
@@ -159,10 +161,10 @@ def test_the_host_link_is_measured_and_capped_by_emulation() -> None:
 @pytest.mark.parametrize(
     "setting",
     [
-        {"emulated_host_gbps": 0},
-        {"emulated_host_gbps": math.nan},
-        {"emulated_host_gbps": -2.0},
-        {"emulated_host_gbps": math.inf},
+        {"emulate_host_gbps": 0},
+        {"emulate_host_gbps": math.nan},
+        {"emulate_host_gbps": -2.0},
+        {"emulate_host_gbps": math.inf},
         {"host_kv_cache_gib": 0},
         {"host_kv_cache_gib": math.nan},
         {"preemption_mode": "offload"},
@@ -179,3 +181,30 @@ def test_bad_host_pools_are_refused_before_any_request(checkpoints) -> None:
         LLM(path, host_kv_cache_gib=1e7)
     with pytest.raises(TesselError, match="holds no KV block"):
         LLM(path, host_kv_cache_gib=1e-12, max_model_len=96)
+
+
+def test_generate_takes_the_preemption_options(checkpoints) -> None:
+    path = checkpoints("qwen2")
+    args = ["generate", "--model", str(path), "--prompt", "Hello world", "--max-tokens", "4", "--ignore-eos"]
+    args += ["--preemption-mode", "swap", "--host-kv-cache-gib", "0.01", "--emulate-host-gbps", "100"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "finish_reason=length" in result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "value", "message"),
+    [
+        ("generate", "--emulate-host-gbps", "0", "--emulate-host-gbps must be a bandwidth > 0"),
+        ("generate", "--emulate-host-gbps", "-3", "--emulate-host-gbps must be a bandwidth > 0"),
+        ("serve", "--emulate-host-gbps", "nan", "--emulate-host-gbps"),
+        ("serve", "--host-kv-cache-gib", "0", "--host-kv-cache-gib must be > 0"),
+        ("generate", "--preemption-mode", "offload", "--preemption-mode"),
+    ],
+)
+def test_cli_refuses_bad_preemption_options(checkpoints, command, option, value, message) -> None:
+    args = [command, "--model", str(checkpoints("qwen2")), option, value]
+    args += ["--prompt", "x"] if command == "generate" else []
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0
+    assert message in str(result.exception) + result.output

@@ -12,10 +12,15 @@ import typer
 
 from tessel.commands.options import (
     DEVICE_OPTION,
+    EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
+    HOST_KV_CACHE_GIB_OPTION,
     LM_HEAD_OPTION,
+    PREEMPTION_MODE_OPTION,
     LMHeadMode,
+    PreemptionMode,
     check_model_path,
+    host_kv_options,
     runtime_dtype_option,
 )
 
@@ -35,9 +40,13 @@ def generate(
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
+    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
+    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
+    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
     checked = check_model_path(model, "--model")  # the one model reader, before anything loads
+    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     from rich.console import Console
 
     from tessel.engine.llm_engine import LLM
@@ -53,7 +62,7 @@ def generate(
         ignore_eos=ignore_eos,
     )  # the same validation as the HTTP API: a bad value stops here, before the model loads
     params.verify(checked.config.vocab_size)
-    kwargs = {} if max_model_len is None else {"max_model_len": max_model_len}
+    kwargs = host_kv if max_model_len is None else host_kv | {"max_model_len": max_model_len}
     llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
     console = Console(highlight=False)

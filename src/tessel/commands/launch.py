@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from tessel.commands.options import input_file, output_file, runtime_dtype_option
+from tessel.commands.options import (
+    EMULATE_HOST_GBPS_OPTION,
+    HOST_KV_CACHE_GIB_OPTION,
+    PREEMPTION_MODE_OPTION,
+    PreemptionMode,
+    host_kv_options,
+    input_file,
+    output_file,
+    runtime_dtype_option,
+)
 from tessel.errors import TesselError
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
@@ -69,6 +78,9 @@ def launch(
         "auto", help="How hidden states cross links: auto (NCCL between two GPUs, else pinned host "
         "buffers over gloo), nccl or host.",
     ),
+    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
+    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
+    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
 ) -> None:
     """Run PLAN on MODEL as one process per stage, each on its plan device, and print the outputs."""
     from tessel.commands.render.launch import print_run
@@ -78,6 +90,7 @@ def launch(
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
+    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     inputs = (plan, model, prompts_file, *profile)
     if json_out is not None:
         check_output_path(json_out, "--json", inputs)  # before the stages start
@@ -89,7 +102,7 @@ def launch(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
         micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
         threads=threads, run_dir=run_dir, replica=replica, heartbeat_timeout=heartbeat_timeout,
-        max_prompt_chars=max_prompt_chars, transport=transport,
+        max_prompt_chars=max_prompt_chars, transport=transport, **host_kv,
     )  # fmt: skip
     for line in describe_links(options):
         typer.echo(line, err=True)

@@ -30,6 +30,29 @@ ENFORCE_EAGER_OPTION = typer.Option(
     "at the first steps, slower steps after).",
 )
 
+# The engine's preemption modes (tessel.engine.preemption.PREEMPTION_MODES; the CLI may not import torch)
+PreemptionMode = Literal["auto", "swap", "recompute"]
+PREEMPTION_MODE_OPTION = typer.Option(
+    "auto",
+    "--preemption-mode",
+    help="When the KV cache is full, what a preempted request's KV blocks get: swap (copied to host memory "
+    "and back), recompute (dropped, prefilled again), or auto (the cheaper for that request: the host "
+    "link's bandwidth, measured at start, against the engine's measured prefill time).",
+)
+HOST_KV_CACHE_GIB_OPTION = typer.Option(
+    None,
+    "--host-kv-cache-gib",
+    max=1024.0,
+    help="Host memory for swapped KV blocks, GiB (default: as much as the KV cache, at most 4).",
+)
+EMULATE_HOST_GBPS_OPTION = typer.Option(
+    None,
+    "--emulate-host-gbps",
+    max=1e6,
+    help="Emulation on a CPU-only machine: slow KV copies to and from host memory to this bandwidth, "
+    "Gbit/s (a stand-in for a GPU's host link, never a GPU measurement).",
+)
+
 DEVICE_OPTION = typer.Option(
     "cpu",
     "--device",
@@ -117,3 +140,16 @@ def check_model_path(path: Path, option: str) -> ModelFiles:
 def optional_count(*names: str, limit: int, help: str | None = None, hidden: bool = False):  # noqa: A002, ANN201
     """A whole number in [1, limit], or None (the command's default)."""
     return typer.Option(None, *names, min=1, max=limit, help=help, hidden=hidden)
+
+
+def host_kv_options(
+    preemption_mode: str, host_kv_cache_gib: float | None, emulate_host_gbps: float | None
+) -> dict[str, object]:
+    """The engine's preemption settings from the options, sizes and bandwidths > 0 (typer's `max`
+    has refused nan and inf); the ones left out are not in the dict."""
+    if host_kv_cache_gib is not None and host_kv_cache_gib <= 0:
+        raise TesselError(f"--host-kv-cache-gib must be > 0, got {host_kv_cache_gib:g}")
+    if emulate_host_gbps is not None and emulate_host_gbps <= 0:
+        raise TesselError(f"--emulate-host-gbps must be a bandwidth > 0 (Gbit/s), got {emulate_host_gbps:g}")
+    options = {"host_kv_cache_gib": host_kv_cache_gib, "emulate_host_gbps": emulate_host_gbps}
+    return {"preemption_mode": preemption_mode} | {k: v for k, v in options.items() if v is not None}

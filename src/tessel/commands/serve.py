@@ -23,10 +23,15 @@ import typer
 from tessel.commands.embed import MATRYOSHKA_OPTION, EncoderServeOptions, is_encoder_dir, serve_encoder
 from tessel.commands.options import (
     DEVICE_OPTION,
+    EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
+    HOST_KV_CACHE_GIB_OPTION,
     LM_HEAD_OPTION,
+    PREEMPTION_MODE_OPTION,
     LMHeadMode,
+    PreemptionMode,
     check_model_path,
+    host_kv_options,
     runtime_dtype_option,
 )
 from tessel.errors import TesselError
@@ -116,6 +121,9 @@ def serve(
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
     matryoshka: bool = MATRYOSHKA_OPTION,
+    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
+    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
+    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health;
     an encoder (BERT, sentence-transformers) serves /v1/embeddings."""
@@ -127,6 +135,7 @@ def serve(
         serve_encoder(model, options, limits, plan=plan)
         return
     check_model_path(model, "--model")
+    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
         raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
     if replica is not None and plan is None:
@@ -159,6 +168,7 @@ def serve(
         body_timeout_s=body_timeout_s,
     )
     options = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
+    options |= {"host_kv_cache_gib": None, "emulate_host_gbps": None} | host_kv
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is not None and replica is None:
         from tessel.pipeline.heartbeat import heartbeat_timeout_s

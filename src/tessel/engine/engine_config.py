@@ -37,8 +37,8 @@ class EngineConfig:
     # "auto": the cheaper of the two for that request (tessel.engine.preemption)
     preemption_mode: str = "auto"
     host_kv_cache_gib: float | None = None  # None: as many blocks as the device pool, at most 4 GiB
-    # slow host <-> device copies to this bandwidth (GB/s): emulates a host link on a CPU-only machine
-    emulated_host_gbps: float | None = None
+    # slow host <-> device KV copies to this bandwidth (Gbit/s): emulates a host link on a CPU-only machine
+    emulate_host_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -61,7 +61,7 @@ class EngineConfig:
             isinstance(host, int | float) and not isinstance(host, bool) and math.isfinite(host) and host > 0
         ):
             raise TesselError(f"host_kv_cache_gib must be a finite number > 0, got {host!r}")
-        self.emulated_host_gbps = check_gbps(self.emulated_host_gbps, "emulated_host_gbps")
+        self.emulate_host_gbps = check_gbps(self.emulate_host_gbps, "emulate_host_gbps")
         self.device = str(check_device(self.device))
 
 

@@ -7,9 +7,10 @@ memory), with a free list of its own. `swap_out` copies device blocks into host 
 `swap_in` copies them back; both block until the copy is done and return the bytes moved and the
 seconds it took.
 
-Emulation: with `emulated_gbps` set, a copy that finished faster than `bytes / emulated_gbps`
-sleeps for the difference, so a CPU-only machine behaves like a device behind a link of that
-bandwidth. The time is then the emulated link's, never a measurement of a GPU's.
+Emulation: with `emulated_gbps` set (Gbit/s, as every bandwidth in tessel), a copy that finished
+faster than `bytes / emulated_gbps` sleeps for the difference, so a CPU-only machine behaves like a
+device behind a link of that bandwidth. The time is then the emulated link's, never a measurement
+of a GPU's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-GB = 1e9  # link bandwidths are in GB/s (10^9 bytes), as PCIe datasheets give them
+from tessel.units import GBPS
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ def emulate_copy_time(num_bytes: int, elapsed_s: float, emulated_gbps: float | N
     -> the copy's total seconds (`elapsed_s` unchanged without emulation, or when already slower)."""
     if emulated_gbps is None:
         return elapsed_s
-    target_s = num_bytes / (emulated_gbps * GB)
+    target_s = num_bytes / (emulated_gbps * GBPS)
     if target_s > elapsed_s:
         time.sleep(target_s - elapsed_s)
         return target_s

@@ -138,8 +138,8 @@ class LLMEngine:
         per_block = kv_cache_bytes_per_block(self.model, config.block_size, self.dtype)
         device_blocks = self.block_manager.num_total_blocks
         blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks)
-        pool = HostKvPool(blocks, self.runner.kv_cache, config.emulated_host_gbps)
-        link = measure_host_link(self.runner.kv_cache.device, config.emulated_host_gbps)
+        pool = HostKvPool(blocks, self.runner.kv_cache, config.emulate_host_gbps)
+        link = measure_host_link(self.runner.kv_cache.device, config.emulate_host_gbps)
         return Preemptor(config.preemption_mode, self.block_manager, pool, link)
 
     @property

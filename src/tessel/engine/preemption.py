@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from tessel.engine.block_manager import BlockManager
-from tessel.engine.host_kv_pool import GB, HostKvPool
+from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
+from tessel.units import GBPS
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 LINK_PROBE_BYTES = 16 * 2**20  # long enough for a stable copy time, short enough for every start
@@ -46,18 +47,18 @@ def check_preemption_mode(mode: str) -> str:
 
 
 def check_gbps(value: float | None, name: str) -> float | None:
-    """A bandwidth in GB/s: None, or a finite number > 0."""
+    """A bandwidth in Gbit/s (as every bandwidth in tessel): None, or a finite number > 0."""
     if value is None:
         return None
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and value > 0):
-        raise TesselError(f"{name} must be a finite bandwidth > 0 in GB/s, got {value!r}")
+        raise TesselError(f"{name} must be a finite bandwidth > 0 in Gbit/s, got {value!r}")
     return float(value)
 
 
 @dataclass(slots=True)
 class HostLink:
-    """GB/s each way between the device's KV cache and host memory: what the decision uses
+    """Gbit/s each way between the device's KV cache and host memory: what the decision uses
     (`to_host_gbps`, `to_device_gbps`: the measured ones, or the emulated one where slower)."""
 
     to_host_gbps: float
@@ -68,7 +69,7 @@ class HostLink:
 
     def swap_seconds(self, num_bytes: int) -> float:
         """Out and back in."""
-        return num_bytes / (self.to_host_gbps * GB) + num_bytes / (self.to_device_gbps * GB)
+        return num_bytes / (self.to_host_gbps * GBPS) + num_bytes / (self.to_device_gbps * GBPS)
 
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
@@ -97,7 +98,7 @@ def measure_host_link(
         a, b = torch.ones(count, dtype=torch.float32), torch.empty(count, dtype=torch.float32)
         to_device_s = _timed_copy(b, a)
         to_host_s = _timed_copy(a, b)
-    out_gbps, in_gbps = count * 4 / to_host_s / GB, count * 4 / to_device_s / GB
+    out_gbps, in_gbps = count * 4 / to_host_s / GBPS, count * 4 / to_device_s / GBPS
     if emulated_gbps is None:
         return HostLink(out_gbps, in_gbps, out_gbps, in_gbps)
     out, into = min(out_gbps, emulated_gbps), min(in_gbps, emulated_gbps)

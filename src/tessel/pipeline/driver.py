@@ -14,6 +14,10 @@
    update (`LLMEngine._finish_step`: computed tokens, logprobs, prefix cache, stop rules).
 
 Aborting a request whose micro-batch is in flight takes effect when that micro-batch is back.
+
+Preemption (`tessel.engine.preemption`): a one-stage plan swaps or recomputes as one process does
+(stage 0's emulated host link, from the plan, unless `emulate_host_gbps` is given); with several
+stages each holds its own layers' KV blocks, so `auto` recomputes and `swap` is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from tessel.engine.model_runner import (
     prompt_scorings,
 )
 from tessel.engine.outputs import RequestOutput
+from tessel.engine.preemption import Preemptor
 from tessel.engine.scheduler import SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
@@ -67,6 +72,15 @@ def stage_kv_budget(plan: RunPlan, rank: int, kv_cache_gib: float | None) -> KvB
     return KvBudget(kv_cache_gib, stage.kv_gib, stage.num_layers / total)
 
 
+def check_pipeline_preemption(mode: str, num_stages: int) -> None:
+    if mode == "swap" and num_stages > 1:
+        raise TesselError(
+            f"--preemption-mode swap: the plan has {num_stages} stages, each holding its own layers' KV "
+            "blocks, and tessel swaps KV blocks only in one process or a one-stage plan; use auto or "
+            "recompute (both recompute in a pipeline of several stages)"
+        )
+
+
 def layer_filter(plan: RunPlan, rank: int, tied: bool) -> LayerFilter:
     stage = plan.stages[rank]
     last = rank == len(plan.stages) - 1
@@ -86,9 +100,14 @@ class PipelineEngine(LLM):
     ) -> None:
         self.plan, self.comm, self.cutter = plan, comm, cutter
         engine_kwargs.setdefault("device", stage_device(plan.stages[0]))  # the plan's, not --device
+        check_pipeline_preemption(engine_kwargs.get("preemption_mode", "auto"), len(plan.stages))
+        if engine_kwargs.get("emulate_host_gbps") is None:
+            engine_kwargs["emulate_host_gbps"] = getattr(plan.stages[0], "emulate_host_gbps", None)
         super().__init__(model_path, **engine_kwargs)
         num_slots = micro_batches or plan.micro_batches
         self.scheduler = PinnedSchedulers(num_slots, self.scheduler.config, self.block_manager)
+        for slot in self.scheduler.slots:
+            slot.preemptor = self.preemptor
         self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
         self.stage.emulate_schedule = plan.stages[0].emulate_schedule
         self.stage.publish_epoch = any(s.emulate_schedule for s in plan.stages)
@@ -114,6 +133,11 @@ class PipelineEngine(LLM):
             quantize_layers(model, quantized, self.dtype)
         self._weight_bytes = tensor_bytes(model)
         return model
+
+    def _build_preemptor(self) -> Preemptor:
+        if len(self.plan.stages) > 1:  # the other stages' KV blocks are out of reach: recompute
+            return Preemptor("recompute", self.block_manager)
+        return super()._build_preemptor()
 
     def _num_kv_blocks(self) -> int:
         """Stage 0's KV blocks from its own budget (`KvBudget`); with other stages, the fewest any

@@ -34,6 +34,9 @@ class RunOptions:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     kv_cache_gib: float | None = None
+    preemption_mode: str = "auto"  # what preempted requests' KV blocks get (tessel.engine.preemption)
+    host_kv_cache_gib: float | None = None
+    emulate_host_gbps: float | None = None  # KV copies slowed to this host link, Gbit/s (emulation)
     max_num_batched_tokens: int | None = None
     micro_batches: int | None = None
     cpp: bool = True
@@ -57,6 +60,8 @@ class RunOptions:
             "--max-num-seqs": self.max_num_seqs,
             "--max-model-len": self.max_model_len,
             "--kv-cache-gib": self.kv_cache_gib,
+            "--host-kv-cache-gib": self.host_kv_cache_gib,
+            "--emulate-host-gbps": self.emulate_host_gbps,
             "--max-num-batched-tokens": self.max_num_batched_tokens,
             "--micro-batches": self.micro_batches,
             "--replica": self.replica,
@@ -68,7 +73,7 @@ class RunOptions:
         argv += ["--max-tokens", str(self.max_tokens), "--temperature", str(self.temperature)]
         argv += ["--top-p", str(self.top_p), "--top-k", str(self.top_k), "--dtype", self.dtype]
         argv += ["--cpp-min-tokens", str(self.cpp_min_tokens), "--threads", str(self.threads)]
-        argv += ["--transport", self.transport]
+        argv += ["--transport", self.transport, "--preemption-mode", self.preemption_mode]
         argv += ["--ignore-eos"] if self.ignore_eos else []
         argv += ["--warmup"] if self.warmup else []
         argv += [] if self.cpp else ["--no-cpp"]
@@ -88,12 +93,14 @@ class PipelineRun:
 def check_options(options: RunOptions) -> int:
     """Refuse what would fail in the workers (plan vs model, the requests against the tokenizer and
     max_model_len) before any starts; -> the number of stages."""
+    from tessel.pipeline.driver import check_pipeline_preemption
     from tessel.pipeline.request_checks import check_requests
     from tessel.pipeline.worker import engine_kwargs, parser, run_requests, validate
 
     heartbeat_timeout_s(options.heartbeat_timeout)
     args = parser().parse_args(options.worker_argv(Path("unused.json")))
     plan, config = validate(args)
+    check_pipeline_preemption(options.preemption_mode, len(plan.stages))
     check_requests(run_requests(args), args.model, config, engine_kwargs(args))
     return len(plan.stages)
 

@@ -272,6 +272,7 @@ def _wait_for_first_beats(stages: LocalStages) -> None:
 def pipeline_server_engine(model: Path, plan: Path, **engine_options) -> ServedPipelineEngine:
     """The engine `tessel serve --plan` drives; `engine.watch_stages(async_engine)` starts the watcher."""
     names = {"dtype", "max_num_seqs", "max_model_len", "kv_cache_gib", "replica", "heartbeat_timeout"}
+    names |= {"preemption_mode", "host_kv_cache_gib", "emulate_host_gbps"}
     unknown = set(engine_options) - names
     if unknown:
         raise TypeError(f"unexpected engine options {sorted(unknown)}")

@@ -81,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto")
+    p.add_argument("--host-kv-cache-gib", type=float)
+    p.add_argument("--emulate-host-gbps", type=float, help="emulated host link for KV swaps, Gbit/s")
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--micro-batches", type=int, help="micro-batches in flight (default: the plan's m)")
     p.add_argument("--cpp-min-tokens", type=int, default=DEFAULT_CPP_MIN_TOKENS)
@@ -109,6 +112,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "kv_cache_gib": args.kv_cache_gib,
+        "preemption_mode": args.preemption_mode,
+        "host_kv_cache_gib": args.host_kv_cache_gib,
+        "emulate_host_gbps": args.emulate_host_gbps,
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
     return {key: value for key, value in options.items() if value is not None}

@@ -1,0 +1,49 @@
+"""Preemption in a pipeline (tessel.pipeline.driver): a one-stage plan swaps KV blocks as one process
+does and gives the engine's tokens; a plan of several stages refuses `swap` before loading anything
+and recomputes under `auto`."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_plans import write_plan
+from tessel import LLM, SamplingParams
+from tessel.errors import TesselError
+from tessel.pipeline.driver import PipelineEngine, check_pipeline_preemption
+from tessel.pipeline.run import RunOptions, check_options
+from tessel.pipeline.run_plan import load_run_plan
+from tessel.pipeline.worker import engine_kwargs, parser
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Once upon a time " * 8, "One two three"]
+TIGHT = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}
+
+
+def test_a_one_stage_plan_swaps_and_matches_the_engine(tiny_dirs, tmp_path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plan = load_run_plan(write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 5)]))
+    engine = PipelineEngine(tiny_dirs["tied"], plan, None, micro_batches=2, preemption_mode="swap", **TIGHT)
+    got = [out.token_ids for out in engine.generate([p[:60] for p in PROMPTS], params, use_progress=False)]
+    stats = engine.preemption_stats
+    assert stats.swaps > 0 and stats.recomputes == 0 and stats.bytes_to_device == stats.bytes_to_host
+    llm = LLM(tiny_dirs["tied"], preemption_mode="recompute", max_model_len=64)
+    assert got == [o.token_ids for o in llm.generate([p[:60] for p in PROMPTS], params, use_progress=False)]
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_several_stages_refuse_swap_before_loading(tiny_dirs, tmp_path) -> None:
+    plan = load_run_plan(write_plan(tmp_path / "plan2.json", tiny_dirs["tied"], [(0, 2), (2, 5)]))
+    with pytest.raises(TesselError, match="plan has 2 stages"):
+        PipelineEngine(tiny_dirs["tied"], plan, None, preemption_mode="swap")
+    check_pipeline_preemption("auto", 2)
+    check_pipeline_preemption("swap", 1)
+
+
+def test_launch_refuses_swap_on_several_stages_before_any_worker(tiny_dirs, tmp_path) -> None:
+    plan = write_plan(tmp_path / "plan2.json", tiny_dirs["tied"], [(0, 2), (2, 5)])
+    options = RunOptions(plan, tiny_dirs["tied"], prompts=["x"], preemption_mode="swap")
+    with pytest.raises(TesselError, match="--preemption-mode swap"):
+        check_options(options)
+    given = RunOptions(plan, tiny_dirs["tied"], emulate_host_gbps=8.0, host_kv_cache_gib=0.5)
+    kwargs = engine_kwargs(parser().parse_args(given.worker_argv(tmp_path / "out.json")))
+    assert kwargs["preemption_mode"] == "auto"  # what the workers' engine gets
+    assert kwargs["emulate_host_gbps"] == 8.0 and kwargs["host_kv_cache_gib"] == 0.5
