@@ -15,14 +15,16 @@ from pathlib import Path
 from tessel.cost.profile import Profile, load_profile
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
+from tessel.plan.remap_decision import RemapSettings
 from tessel.sim.cpp import cpp_chunk_sizer
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.regime import REGIMES, regime_defaults
+from tessel.sim.remap import SimulatedRemap, simulated_remap
 from tessel.sim.request_trace import RequestSet, requests_for_workload
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimSchedulerConfig
 from tessel.sim.sim_metrics import Metrics, compute_metrics
-from tessel.sim.simulator import MIX_RULES, SimConfig, SimResult, simulate
+from tessel.sim.simulator import MIX_RULES, SimConfig, SimResult, simulate, slowdowns_for
 
 MAX_BATCH_TOKENS = 2**24  # token budget per micro-batch: beyond any prompt (tessel.chunk.planner)
 MAX_SEQUENCES = 1_000_000  # --max-num-seqs / --max-in-flight upper bound
@@ -45,6 +47,7 @@ class SimulationSettings:
     kv_limit: bool | None = None
     pinned: bool | None = None
     mix: str = "sum"
+    remap: RemapSettings | None = None  # also run the server's remap decision on the plan's run
 
     def __post_init__(self) -> None:
         _check_one_of("mix", self.mix, MIX_RULES)
@@ -78,9 +81,12 @@ class SimulationReport:
     options: dict  # the SimConfig fields the runs used
     runs: tuple[VariantRun, ...]  # the plan first, then the baselines
     profiles: tuple[str, ...] = ()
+    remap: SimulatedRemap | None = None  # the remap decisions on the plan's run (settings.remap)
 
     def to_json(self) -> dict:
+        remap = {} if self.remap is None else {"remap": self.remap.to_json()}
         return {
+            **remap,
             "version": 1,
             "plan": str(self.plan_file.path),
             "workload": self.workload,
@@ -140,7 +146,14 @@ def simulate_plan(
         runs[0] = _run_replicas(plan_file, trace.requests, scheduler, options, loaded, settings)
     runs = tuple(runs)
     names = tuple(str(p) for p in profiles if not isinstance(p, Profile))
-    return SimulationReport(plan_file, str(workload), trace, settings, scheduler, options, runs, names)
+    remap = None
+    if settings.remap is not None:
+        if plan_file.replicas:
+            raise TesselError(f"{plan_file.path}: --remap decides for one pipeline; this plan has replicas")
+        remap = simulated_remap(plan_file, runs[0].result, trace.requests, settings.remap)
+    return SimulationReport(
+        plan_file, str(workload), trace, settings, scheduler, options, runs, names, remap
+    )
 
 
 def _run_variant(
@@ -161,6 +174,7 @@ def _run_variant(
                 f"--kv-limit: {variant.name} in {plan_file.path} gives no kv_gib for its stages"
             )
     priced = pipeline_for(plan_file, variant, profiles)
+    slowdowns = tuple(slowdowns_for(s.emulate_speed, s.emulate_schedule) for s in variant.stages)
     chunk_sizes = None
     if scheduler["pipelined_prefill"]:  # --cpp
         chunk_sizes = cpp_chunk_sizer(priced.pipeline, max_chunk_tokens=scheduler["max_num_batched_tokens"])
@@ -170,6 +184,7 @@ def _run_variant(
         logits_time_s=priced.logits_time_s,
         offload_s=priced.offload_s,
         offload_overlap=priced.offload_overlap,
+        slowdowns=slowdowns if any(slowdowns) else (),
     )
     result = simulate(priced.pipeline, requests, config)
     return VariantRun(variant, result, compute_metrics(result))

@@ -21,6 +21,8 @@ chunk of n prompts: the LM head that only a prompt's last token needs (cost-mode
 out of `prefill_time_s`; their `decode_time_s` includes it). A stage whose weights partly live in
 host memory streams them in for every batch: `SimConfig.offload_s[s]` is added to each batch's
 time on stage s (or overlapped with it: max, under `offload_overlap`), as the planner counts it.
+A stage with an emulated speed schedule (`SimConfig.slowdowns`) has its compute times multiplied by
+the schedule's factor at the seconds since its first batch, as the runtime's stage sleeps by it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class SimConfig:
     offload_s: tuple[float, ...] = ()  # per stage: streaming its host-offloaded bytes, every batch
     offload_overlap: bool = False  # batch time = max(compute, offload) instead of the sum
     pinned: bool = False  # one virtual engine per in-flight slot, requests pinned to one (vLLM V0)
+    # per stage, (seconds since the stage's first batch, factor) changes: from then on its compute
+    # times are multiplied by the factor (an emulated speed schedule; `slowdowns_for`)
+    slowdowns: tuple[tuple[tuple[float, float], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.offload_s):
@@ -100,12 +105,28 @@ class SimResult:
 
 
 class _Stage:
-    __slots__ = ("arrived", "busy", "next_id")
+    __slots__ = ("arrived", "busy", "first_s", "next_id")
 
     def __init__(self) -> None:
         self.arrived: dict[int, MicroBatch] = {}
         self.busy = False
         self.next_id = 0  # the batch this stage must compute next
+        self.first_s: float | None = None  # when it started its first batch
+
+
+def slowdowns_for(speed: float, schedule) -> tuple[tuple[float, float], ...]:
+    """A stage's (seconds, compute-time factor) changes from its emulated `speed` (which its priced
+    times already include) and its speed `schedule` ([[seconds, speed], ...])."""
+    return tuple((seconds, speed / changed) for seconds, changed in schedule or ())
+
+
+def _slowdown(changes: tuple[tuple[float, float], ...], elapsed_s: float) -> float:
+    factor = 1.0
+    for seconds, changed in changes:
+        if seconds > elapsed_s:
+            break
+        factor = changed
+    return factor
 
 
 class Simulator:
@@ -152,6 +173,8 @@ class _Run:
         self.max_in_flight = config.max_in_flight or self.n_stages
         if config.offload_s and len(config.offload_s) != self.n_stages:
             raise ValueError(f"{len(config.offload_s)} offload times for {self.n_stages} stages")
+        if config.slowdowns and len(config.slowdowns) != self.n_stages:
+            raise ValueError(f"{len(config.slowdowns)} speed schedules for {self.n_stages} stages")
         self.requests = requests
         if config.pinned:
             config = replace(config, scheduler=replace(config.scheduler, groups=self.max_in_flight))
@@ -232,6 +255,10 @@ class _Run:
         config = self.config
         logits = config.logits_time_s if index == self.n_stages - 1 else None
         time = batch_compute_time_s(self.latency[index], batch, config.mix, logits)
+        if stage.first_s is None:
+            stage.first_s = now
+        if config.slowdowns:
+            time *= _slowdown(config.slowdowns[index], now - stage.first_s)
         offload = config.offload_s[index] if config.offload_s else 0.0
         end = now + (max(time, offload) if config.offload_overlap else time + offload)
         self.record(index, "compute", now, end, batch)
