@@ -5,7 +5,8 @@ on the first stage and the final norm + LM head on the last.
 the meta device, so those parts never get memory, and gives the model its part: its forward then
 runs this stage (`tessel.models.llama.LlamaModel.forward`); `holds(name)` tells the loader which
 checkpoint tensors to read. With tied embeddings the last stage holds the embedding matrix as its
-LM head.
+LM head. `host_layers` are layers of the stage whose weights the loader puts in host memory: the
+runtime streams them to the device before they run (`tessel.pipeline.weight_stream`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ class LayerFilter:
     embed: bool  # the token embedding (first stage)
     head: bool  # the final norm and the LM head (last stage)
     tied: bool = False  # the LM head is the embedding matrix (tie_word_embeddings)
+    host_layers: frozenset[int] = frozenset()  # layers loaded into host memory, streamed in to run
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"a stage needs layers [start, end) with 0 <= start < end, got {self}")
+        if not all(self.holds_layer(index) for index in self.host_layers):
+            raise ValueError(f"host layers {sorted(self.host_layers)} are not all layers of the stage {self}")
 
     @property
     def needs_embedding(self) -> bool:

@@ -62,7 +62,7 @@ def load_model(
                 "run it in one process (tessel generate / serve without --plan)"
             )
         module_swap.drop_linears(model)
-    model = model.to_empty(device=device)
+    model = _to_empty(model, device, layers.host_layers if layers is not None else frozenset())
     if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Identity):
         model.lm_head.tie(model.model.embed_tokens)  # to_empty gives each module its own tensor: tie again
     model.model.rotary.build_tables(device)
@@ -74,6 +74,17 @@ def load_model(
     if lm_head == "int8":
         model.lm_head = quantize_lm_head(model.lm_head, scheme, dtype, device)
     return model.eval().requires_grad_(False)
+
+
+def _to_empty(model: LlamaForCausalLM, device: str | torch.device, host_layers: frozenset[int]):
+    """Materialise the meta model on `device`, the decoder layers in `host_layers` in host memory."""
+    held = {index: model.model.layers[index] for index in sorted(host_layers)}
+    for index in held:
+        model.model.layers[index] = torch.nn.Identity()
+    model = model.to_empty(device=device)
+    for index, layer in held.items():
+        model.model.layers[index] = layer.to_empty(device="cpu")
+    return model
 
 
 def load_weights(

@@ -53,6 +53,7 @@ from tessel.pipeline.devices import stage_device
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.run_plan import RunPlan
 from tessel.pipeline.stage import KvBudget, StageExecutor, rss_bytes, tensor_bytes
+from tessel.pipeline.weight_stream import host_copy
 
 
 @dataclass(slots=True)
@@ -84,7 +85,14 @@ def check_pipeline_preemption(mode: str, num_stages: int) -> None:
 def layer_filter(plan: RunPlan, rank: int, tied: bool) -> LayerFilter:
     stage = plan.stages[rank]
     last = rank == len(plan.stages) - 1
-    return LayerFilter(stage.layer_start, stage.layer_end, embed=rank == 0, head=last, tied=tied)
+    return LayerFilter(
+        stage.layer_start,
+        stage.layer_end,
+        embed=rank == 0,
+        head=last,
+        tied=tied,
+        host_layers=frozenset(stage.offload_layers),  # streamed from host memory (weight_stream)
+    )
 
 
 class PipelineEngine(LLM):
@@ -100,6 +108,8 @@ class PipelineEngine(LLM):
     ) -> None:
         self.plan, self.comm, self.cutter = plan, comm, cutter
         engine_kwargs.setdefault("device", stage_device(plan.stages[0]))  # the plan's, not --device
+        if plan.stages[0].offload_layers:
+            engine_kwargs["enforce_eager"] = True  # streamed layers are copied in by forward hooks
         check_pipeline_preemption(engine_kwargs.get("preemption_mode", "auto"), len(plan.stages))
         if engine_kwargs.get("emulate_host_gbps") is None:
             engine_kwargs["emulate_host_gbps"] = getattr(plan.stages[0], "emulate_host_gbps", None)
@@ -112,6 +122,8 @@ class PipelineEngine(LLM):
         self.stage.emulate_schedule = plan.stages[0].emulate_schedule
         self.stage.publish_epoch = any(s.emulate_schedule for s in plan.stages)
         self.stage.weight_bytes = self._weight_bytes
+        self.stage.host_weights, self.stage.host_gbps = self._host_weights, plan.stages[0].emulate_host_gbps
+        self.stage.start_streaming(self.runner.device)
         self._in_flight: deque[_InFlight] = deque()
         self._busy = [0] * num_slots  # micro-batches in flight per slot
         self._seqs_in_flight: Counter[int] = Counter()
@@ -132,6 +144,8 @@ class PipelineEngine(LLM):
         if quantized:
             quantize_layers(model, quantized, self.dtype)
         self._weight_bytes = tensor_bytes(model)
+        # the streamed layers' host copy, taken before the runner packs them
+        self._host_weights = host_copy(model, self._part) if self._part.host_layers else None
         return model
 
     def _build_preemptor(self) -> Preemptor:

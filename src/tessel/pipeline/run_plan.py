@@ -33,6 +33,13 @@ class RunStage:
     kv_gib: float | None = None  # the KV cache the planner reserved on it
     # (seconds since the stage started serving, emulated speed) changes: the cluster's schedule
     emulate_schedule: tuple[tuple[float, float], ...] = ()
+    # layers whose weights stay in host memory and stream in before they run (the plan's
+    # `offload_layers`; `tessel.pipeline.weight_stream`), and what the plan says around them
+    offload_layers: tuple[int, ...] = ()
+    offload_gib: float = 0.0
+    host_gib: float | None = None  # host memory the device may offload into (None: not given)
+    emulate_memory_gib: float | None = None  # a CPU device's emulated memory cap (cluster `emulate`)
+    emulate_host_gbps: float | None = None  # ... and its emulated host link, Gbit/s
 
     @property
     def quantized_layers(self) -> dict[int, tuple[str, str]]:
@@ -100,6 +107,11 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
             s.weights_gib,
             s.kv_gib,
             tuple((seconds, speed) for seconds, speed in s.emulate_schedule or ()),
+            offload_layers=_offload_layers(plan, s),
+            offload_gib=s.offload_gib,
+            host_gib=s.host_gib,
+            emulate_memory_gib=s.emulate_memory_gib,
+            emulate_host_gbps=s.emulate_host_gbps,
         )
         for position, s in enumerate(plan_stages)
     )
@@ -140,6 +152,25 @@ def _replica_stages(plan: PlanFile, source: Path, replica: int | None) -> list:
     if not 0 <= replica < count:
         raise TesselError(f"--replica {replica}: the plan has {count} pipeline(s), numbered 0..{count - 1}")
     return plan.replicas[replica].stages if plan.replicas else plan.stages
+
+
+def _offload_layers(plan: PlanFile, stage) -> tuple[int, ...]:  # noqa: ANN001 (PlanStage)
+    """The stage's streamed layers: the plan's `offload_layers`, or for a plan that gives only the
+    offloaded GiB, the layers `tessel.plan.streamed` picks from the plan model's layer bytes."""
+    if stage.offload_layers is not None:
+        return tuple(stage.offload_layers)
+    if stage.offload_gib <= 0:
+        return ()
+    from tessel.cost.layer import weight_bytes
+    from tessel.plan.streamed import offload_layers
+
+    spec, per = plan.model_spec, plan.units_per_layer
+    precisions = stage.unit_precisions(plan.reference_dtype)
+    layer_bytes = [0.0] * (stage.layer_end - stage.layer_start)
+    for offset, precision in enumerate(precisions):
+        unit = stage.unit_start + offset
+        layer_bytes[unit // per - stage.layer_start] += weight_bytes(spec, plan.unit_kind(unit), precision)
+    return tuple(offload_layers(stage.layer_start, layer_bytes, stage.offload_gib * 2**30))
 
 
 def _layer_precisions(

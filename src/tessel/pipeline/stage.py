@@ -16,6 +16,10 @@ pipeline) inherit, so a device's schedule runs on through a remap; without it, a
 its own first micro-batch. `StageStats` and, where attached, the heartbeat's
 `Progress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
 watcher reads (`tessel.pipeline.remap_watch`).
+
+A stage whose plan offloads layers streams their weights from host memory
+(`tessel.pipeline.weight_stream`) and counts the copies' exposed and hidden seconds in its stats;
+the emulated slowdown scales its compute without the time it waited for copies.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm import BatchMessage, KvLayout
 from tessel.pipeline.heartbeat import Progress
+from tessel.pipeline.weight_stream import HostWeights, WeightStreamer, host_copy, start_streaming
 from tessel.plan.plan_file import emulated_speed_at
 
 EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from
@@ -59,6 +64,18 @@ class StageStats:
     tokens: int = 0
     cpp_prompts: int = 0  # prompts cut into CPP chunks (stage 0)
     cpp_chunks: int = 0
+    # streamed weights (`tessel.pipeline.weight_stream`; all 0 when the stage streams none)
+    stream_layers: int = 0  # layers whose weights stay in host memory
+    stream_host_bytes: int = 0  # their host copy
+    stream_buffer_bytes: int = 0  # the device buffers they are copied into
+    stream_copies: int = 0
+    stream_copy_bytes: int = 0
+    stream_copy_s: float = 0.0  # the copies' time (emulated: the emulated link's where longer)
+    stream_exposed_s: float = 0.0  # compute waiting for a copy
+    stream_hidden_s: float = 0.0  # copy time the compute did not wait for
+    stream_emulated_s: float = 0.0  # copied bytes / the emulated host link (0 on a real link)
+    stream_exposed_s_per_step: float = 0.0  # per micro-batch
+    stream_hidden_s_per_step: float = 0.0
 
 
 @dataclass(slots=True)
@@ -74,6 +91,9 @@ class StageExecutor:
     progress: Progress | None = None  # the heartbeat's: counts batches, tokens and busy seconds too
     _serving_since: float | None = None  # perf_counter at the pipeline's first micro-batch
     publish_epoch: bool = False  # stage 0 of a plan with a schedule: set EMULATE_EPOCH_ENV
+    host_weights: HostWeights | None = None  # streamed layers' host copy, until streaming starts
+    host_gbps: float | None = None  # a CPU stage's emulated host link (the plan's emulate_host_gbps)
+    streamer: WeightStreamer | None = None
 
     @classmethod
     def load(
@@ -92,23 +112,55 @@ class StageExecutor:
         model = load_model(path, dtype, device, layers=part)
         if precisions:
             quantize_layers(model, precisions, dtype)
-        return cls(model, part, speed, weight_bytes=tensor_bytes(model), emulate_schedule=schedule)
+        executor = cls(model, part, speed, weight_bytes=tensor_bytes(model), emulate_schedule=schedule)
+        executor.host_weights = host_copy(model, part) if part.host_layers else None  # before packing
+        return executor
 
     def attach_kv(self, layout: KvLayout, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate this stage's KV blocks (its layers only) on `device`, pack its CPU linears, size
-        its CUDA graphs as stage 0's engine (its max_num_seqs and max_model_len)."""
+        its CUDA graphs as stage 0's engine (its max_num_seqs and max_model_len); a stage with
+        streamed layers runs eager (the hooks that copy them in run in the model's forward)."""
         self.runner = ModelRunner(
             self.model,
             layout.num_blocks,
             layout.block_size,
             dtype,
             layout.pack_cpu_linears,
+            enforce_eager=self.host_weights is not None,
             device=device,
             max_num_seqs=layout.max_num_seqs,
             max_model_len=layout.max_model_len,
         )
+        self.start_streaming(device)
         if not self.part.embed and self.part.needs_embedding:
             self.model.model.embed_tokens = torch.nn.Identity()  # the packed head has its own copy
+
+    def start_streaming(self, device: torch.device) -> None:
+        """Once the runner is built: stream the part's host layers (`tessel.pipeline.weight_stream`)."""
+        if self.host_weights is None:
+            return
+        self.streamer = start_streaming(self.model, self.part, self.host_weights, device, self.host_gbps)
+        self.host_weights = None
+
+    def _account_stream(self) -> float:
+        """Add the copies since the last micro-batch to the stats; -> the seconds compute waited."""
+        streamer = self.streamer
+        if streamer is None:
+            return 0.0
+        taken, stats = streamer.mover.take(), self.stats
+        stats.stream_layers = len(streamer.layers)
+        stats.stream_host_bytes = streamer.host_bytes
+        stats.stream_buffer_bytes = streamer.buffer_bytes * streamer.schedule.buffers
+        stats.stream_copies += taken.copies
+        stats.stream_copy_bytes += taken.copy_bytes
+        stats.stream_copy_s += taken.copy_s
+        stats.stream_exposed_s += taken.exposed_s
+        stats.stream_hidden_s += taken.hidden_s
+        stats.stream_emulated_s += taken.emulated_s
+        steps = max(stats.batches, 1)
+        stats.stream_exposed_s_per_step = stats.stream_exposed_s / steps
+        stats.stream_hidden_s_per_step = stats.stream_hidden_s / steps
+        return taken.exposed_s
 
     def adopt(self, message: BatchMessage) -> None:
         """Give a received message's decode groups the CPU attention's batched gather where the
@@ -149,9 +201,10 @@ class StageExecutor:
         self.stats.batches += 1
         self.stats.compute_s += compute_s
         self.stats.tokens += tokens
+        waited_s = self._account_stream()  # the emulated slowdown scales compute, not copy waits
         speed = emulated_speed_at(self.emulate_speed, self.emulate_schedule, now - self._serving_since)
         if speed < 1.0:
-            pause_s = (1.0 / speed - 1.0) * compute_s
+            pause_s = (1.0 / speed - 1.0) * max(compute_s - waited_s, 0.0)
             time.sleep(pause_s)
             self.stats.emulation_sleep_s += pause_s
         if self.progress is not None:

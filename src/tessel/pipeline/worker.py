@@ -51,6 +51,7 @@ from tessel.pipeline.prompts_file import RunRequest, read_requests
 from tessel.pipeline.request_checks import check_prompt_chars
 from tessel.pipeline.run_plan import RunPlan, load_run_plan, priced_pipeline
 from tessel.pipeline.stage import StageExecutor, StageStats, rss_bytes
+from tessel.pipeline.weight_stream import check_offload
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 RUN_DIR_ENV = "TESSEL_RUN_DIR"
@@ -140,6 +141,7 @@ def validate(
             raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     link_transports(plan, args.transport)
     check_devices(plan, cuda_devices(), None if rank is None else [rank])
+    check_offload(plan.stages, config, resolve_dtype(args.dtype, config), None if rank is None else [rank])
     if args.cpp_min_tokens < 1:
         raise TesselError(f"--cpp-min-tokens must be >= 1, got {args.cpp_min_tokens}")
     return plan, config
@@ -280,6 +282,7 @@ def load_later_stage(args: argparse.Namespace, plan: RunPlan, rank: int) -> tupl
         stage.quantized_layers,
         stage.emulate_schedule,
     )
+    executor.host_gbps = stage.emulate_host_gbps  # a CPU stage's emulated host link for streamed layers
     write_status(rank, state="loaded", pid=os.getpid())
     return executor, rss_before
 

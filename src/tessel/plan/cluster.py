@@ -25,6 +25,10 @@ Links between two devices:
 `emulate: {speed: s}` (0.01 <= s <= 1, `plan_file.MIN_EMULATE_SPEED`) on a node makes its devices
 plan as s times their type's peak FLOP/s and memory bandwidth: a way to run an uneven plan on one
 host (several CPU devices, one of them "slower"). The plan records each stage's `emulate_speed`.
+`emulate: {memory_gib: g, host_gbps: b}` makes its devices plan with g GiB of usable memory and a
+host link of b Gbit/s each way, and the runtime (on a CPU device) keeps the layers the plan offloads
+in a separate host copy, copied in at b Gbit/s (`tessel.pipeline.weight_stream`): emulation of a
+small device with a slow host link on one CPU, never a GPU figure.
 `emulate: {schedule: [[seconds, speed], ...]}` changes that speed at the given seconds since the
 stage started serving (`speed` holds before the first change): the plan records it as the stage's
 `emulate_schedule`, the runtime's stage sleeps by it and the simulator slows the stage by it; the
@@ -85,7 +89,9 @@ class EmulateModel(BaseModel):
     )
     # offload emulation on a CPU host: the device's memory cap and its host link (copies slowed to it)
     memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory, GiB")
-    host_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="host link, GB/s")
+    host_gbps: float | None = Field(  # Gbit/s, as every bandwidth in the file
+        default=None, gt=0, allow_inf_nan=False, description="host link, Gbit/s"
+    )
     # speed over time: [[seconds since start, speed], ...], ascending; `speed` holds before the first
     schedule: list[tuple[float, float]] | None = Field(default=None, description="speed changes over time")
 
@@ -220,6 +226,8 @@ class Device:
     emulate_speed: float = 1.0  # the node's `emulate: {speed}`
     # the node's `emulate: {schedule}`: (seconds since serving started, speed) changes, ascending
     emulate_schedule: tuple[tuple[float, float], ...] = ()
+    emulate_memory_gib: float | None = None  # the node's `emulate: {memory_gib}` (usable memory cap)
+    emulate_host_gbps: float | None = None  # the node's `emulate: {host_gbps}` (host link, Gbit/s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,13 +342,32 @@ def _build(model: ClusterModel, source: str) -> Cluster:
         schedule = tuple(tuple(pair) for pair in (node.emulate.schedule or ())) if node.emulate else ()
         for group in node.gpus:
             for _ in range(group.count):
-                spec = group.spec().emulated(speed)
+                spec = _emulated_offload(group.spec().emulated(speed), node.emulate)
                 device = Device(
                     f"{node.name}/gpu{len(names)}", group.type, node.name, spec, len(names), speed, schedule
                 )
+                if node.emulate is not None:
+                    device = replace(
+                        device,
+                        emulate_memory_gib=node.emulate.memory_gib,
+                        emulate_host_gbps=node.emulate.host_gbps,
+                    )
                 devices.append(device)
                 names.append(device.name)
         intra = node.intra_link.spec() if isinstance(node.intra_link, LinkModel) else node.intra_link
         nodes.append(Node(node.name, tuple(names), int(node.host_memory_gib * GIB), intra))
     network = model.network.spec() if model.network is not None else None
     return Cluster(model.name, tuple(nodes), tuple(devices), network, source)
+
+
+def _emulated_offload(spec: GpuSpec, emulate: EmulateModel | None) -> GpuSpec:
+    """`spec` with the node's emulated memory cap (`memory_gib` usable, above what the type reserves)
+    and host link (`host_gbps`, both directions) where the cluster file gives them."""
+    if emulate is None:
+        return spec
+    if emulate.memory_gib is not None:
+        spec = replace(spec, memory_bytes=int(emulate.memory_gib * GIB) + spec.reserved_bytes)
+    if emulate.host_gbps is not None:
+        rate = emulate.host_gbps * GBPS
+        spec = replace(spec, pcie_h2d_bytes_per_s=rate, pcie_d2h_bytes_per_s=rate)
+    return spec

@@ -26,6 +26,23 @@ Version 3 changes what the top-level `predicted` of a replica plan means: it is 
 1 and 2 wrote replica 0's. Each replica keeps its own `predicted`. `_upgrade` recomputes the
 top-level figures of an older replica plan from its replicas' (null where a replica gives none).
 A plan without replicas is the same in every version.
+
+Stages may also carry, optional in version 3 (a file without them runs nothing from host memory):
+`offload_layers` (the decoder layers whose weights the runtime keeps in host memory and streams in,
+`tessel.plan.streamed`), `host_gib` (the host memory the device may offload into: `offload_gib`
+above it is refused) and a CPU device's emulation of a smaller device, `emulate_memory_gib` and
+`emulate_host_gbps` (cluster `emulate: {memory_gib, host_gbps}`).
+
+Version 4 adds `flow` (optional; older files read without it): a flow plan over placements
+(`tessel.plan.flow`). `flow.placements` gives each device's one range; `flow.edges` the share of
+all requests on each edge of the placement graph ("source" into a device whose range starts at
+unit 0, "sink" out of one whose range ends at the last unit, else device to device where one range
+ends and the next starts). The `replicas` are then the paths requests take (they may share
+devices; each stage's range is its device's placement) with their routing weights, micro-batches
+and, per stage, `time_shares`: the share of the device's time the path gets. Refused: edge weights
+out of the source or into the sink that do not sum to 1, a device whose edges in and out differ,
+edges that are not the paths' sums, and placements with no path from the first layer to the last
+(the message names the layer range).
 """
 
 from __future__ import annotations
@@ -43,6 +60,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -67,6 +85,7 @@ MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels 
 # The slowest emulated stage: at speed s a stage sleeps (1/s - 1) x its compute, so 0.01 is a stage
 # 100x slower than measured; below it a run takes days (1e-9: a billion times its compute).
 MIN_EMULATE_SPEED = 0.01
+OFFLOAD_RTOL = 1e-6  # offloaded GiB may exceed host GiB by rounding only
 MAX_SCHEDULE_CHANGES = 1000  # speed changes in one emulated schedule: a scenario, not a trace
 # Workload keys a runtime sizes by (micro-batches in flight): at most what the planner accepts
 # (`tessel.plan.workload.MAX_MICRO_BATCHES`, a workload file's `max_micro_batch`).
@@ -167,6 +186,42 @@ class PlanStage(_Strict):
     precisions: list[str] | None = None  # weight precision of each unit, unit_start..unit_end (v2)
     # emulated speed over serving time: [[seconds since the stage started serving, speed], ...]
     emulate_schedule: list[list[float]] | None = None
+    # offloading the runtime performs (optional; `tessel.plan.streamed`): the decoder layers whose
+    # weights stay in host memory and stream in before they run, the host memory the device may
+    # offload into, and a CPU device's emulated memory and host link (cluster `emulate`)
+    offload_layers: list[int] | None = None
+    host_gib: float | None = Field(default=None, ge=0)
+    emulate_memory_gib: float | None = None
+    emulate_host_gbps: float | None = None  # gigabits per second, as every bandwidth in the file
+
+    @field_validator("emulate_memory_gib", "emulate_host_gbps", mode="before")
+    @classmethod
+    def _positive_emulation(cls, value: Any, info: ValidationInfo) -> Any:
+        what = "GiB of emulated device memory" if info.field_name == "emulate_memory_gib" else "Gbit/s"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{info.field_name} is {_short_repr(value)}; it must be a positive number of {what}"
+            )
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _offload(self) -> PlanStage:
+        layers = self.offload_layers or []
+        outside = [layer for layer in layers if not self.layer_start <= layer < self.layer_end]
+        if outside:
+            raise ValueError(
+                f"stage {self.index}: offload_layers {outside[:3]} are not its layers "
+                f"[{self.layer_start}, {self.layer_end})"
+            )
+        if layers != sorted(set(layers)):
+            raise ValueError(f"stage {self.index}: offload_layers must ascend without repeats")
+        if self.host_gib is not None and self.offload_gib > self.host_gib * (1 + OFFLOAD_RTOL):
+            raise ValueError(
+                f"stage {self.index} ({self.device}) offloads {self.offload_gib:.3f} GiB but its host "
+                f"memory is {self.host_gib:.3f} GiB; give the node more host_memory_gib and plan again"
+            )
+        return self
 
     @field_validator("emulate_schedule")
     @classmethod

@@ -81,6 +81,7 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
                 "link_to_next": link,
                 "emulate_speed": _emulate_speed(cluster, device.name),
                 "emulate_schedule": _emulate_schedule(cluster, device.name),
+                **_offload_json(instance, evaluation, se, layer_start, cluster),
                 "precisions": None
                 if evaluation.precisions is None
                 else list(evaluation.precisions[se.stage.unit_start : se.stage.unit_end]),
@@ -115,6 +116,34 @@ def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str
 
 def _emulate_speed(cluster, device: str) -> float:
     return 1.0 if cluster is None else cluster.device(device).emulate_speed
+
+
+def _offload_json(instance: PlanningInstance, evaluation: Evaluation, se, layer_start: int, cluster) -> dict:
+    """A stage's offloading as the runtime performs it: the layers whose weights stream from host
+    memory (`tessel.plan.streamed`), the device's host memory and its emulated memory and host link."""
+    from tessel.plan.streamed import offload_layers
+
+    per_layer: dict[int, float] = {}
+    for u in range(se.stage.unit_start, se.stage.unit_end):
+        per_layer[instance.units[u].layer] = per_layer.get(instance.units[u].layer, 0.0) + _unit_bytes(
+            instance, evaluation, u
+        )
+    streamed = offload_layers(layer_start, list(per_layer.values()), se.offload_bytes)
+    device = instance.devices[se.stage.device]
+    found = None if cluster is None else cluster.device(device.name)
+    return {
+        "offload_layers": streamed or None,
+        "host_gib": device.host_bytes / GIB,
+        "emulate_memory_gib": None if found is None else found.emulate_memory_gib,
+        "emulate_host_gbps": None if found is None else found.emulate_host_gbps,
+    }
+
+
+def _unit_bytes(instance: PlanningInstance, evaluation: Evaluation, unit: int) -> float:
+    choice = instance.precision
+    if choice is None or evaluation.precisions is None:
+        return float(instance.weight_bytes[unit])
+    return float(choice.weight_bytes[unit, choice.names.index(evaluation.precisions[unit])])
 
 
 def _emulate_schedule(cluster, device: str) -> list[list[float]] | None:
