@@ -19,6 +19,7 @@ Outputs keep flowing to the same request ids, so a server's streams continue.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +88,9 @@ def split_by_memory(
     layer_bytes: list[float], usable: list[int], first_bytes: float, last_bytes: float
 ) -> list[tuple[int, int]] | None:
     """Contiguous layer ranges, one per device in order, in proportion to `usable` (largest
-    remainder, at least one layer each), moved towards a split that fits when the proportional one
-    does not; `first_bytes` / `last_bytes`: the embedding and LM head. None when none fits."""
+    remainder, at least one layer each); when that does not fit, the fitting split whose fullest
+    device is least full (`_balanced_fit`). `first_bytes` / `last_bytes`: the embedding and the LM
+    head. None when no split fits."""
     num_layers, n = len(layer_bytes), len(usable)
     if n == 0 or num_layers < n:
         return None
@@ -106,7 +108,7 @@ def split_by_memory(
     split = _ranges(counts)
     if _fits(split, layer_bytes, usable, first_bytes, last_bytes):
         return split
-    return _greedy_fit(layer_bytes, usable, first_bytes, last_bytes)
+    return _balanced_fit(layer_bytes, usable, first_bytes, last_bytes)
 
 
 def _ranges(counts: list[int]) -> list[tuple[int, int]]:
@@ -129,21 +131,35 @@ def _fits(split, layer_bytes, usable, first_bytes, last_bytes) -> bool:
     return all(h <= u for h, u in zip(held, usable, strict=True))
 
 
-def _greedy_fit(layer_bytes, usable, first_bytes, last_bytes) -> list[tuple[int, int]] | None:
-    """Each device in order takes as many layers as it holds, leaving one for each later device."""
+def _balanced_fit(layer_bytes, usable, first_bytes, last_bytes) -> list[tuple[int, int]] | None:
+    """The split (at least one layer per device) whose fullest device is least full, relative to its
+    memory, among those that fit: a DP over (device, first layer); None when none fits."""
     n, num_layers = len(usable), len(layer_bytes)
-    counts, start = [], 0
+    prefix = [0.0, *itertools.accumulate(layer_bytes)]
+
+    def fill(k: int, a: int, b: int) -> float:
+        held = prefix[b] - prefix[a] + (first_bytes if k == 0 else 0.0) + (last_bytes if k == n - 1 else 0.0)
+        return held / usable[k] if usable[k] > 0 else math.inf
+
+    best: dict[tuple[int, int], tuple[float, int]] = {}  # (device, start) -> (max fill, end)
+    for k in reversed(range(n)):
+        for a in range(k, num_layers - (n - 1 - k)):
+            ends = [num_layers] if k == n - 1 else range(a + 1, num_layers - (n - 2 - k))
+            options = [
+                (max(fill(k, a, b), best[k + 1, b][0] if k < n - 1 else 0.0), b)
+                for b in ends
+                if k == n - 1 or (k + 1, b) in best
+            ]
+            if options:
+                best[k, a] = min(options)
+    if (0, 0) not in best or best[0, 0][0] > 1.0:
+        return None
+    split, a = [], 0
     for k in range(n):
-        room = usable[k] - (first_bytes if k == 0 else 0.0) - (last_bytes if k == n - 1 else 0.0)
-        count = 0
-        while start + count < num_layers - (n - 1 - k) and layer_bytes[start + count] <= room:
-            room -= layer_bytes[start + count]
-            count += 1
-        if count == 0 or (k == n - 1 and start + count < num_layers):
-            return None
-        counts.append(count)
-        start += count
-    return _ranges(counts)
+        b = best[k, a][1]
+        split.append((a, b))
+        a = b
+    return split
 
 
 def survivor_plan(plan: PlanFile, lost: set[int]) -> PlanFile:
@@ -228,6 +244,7 @@ def migrate_requests(old: Any, new: Any) -> list[str]:
             continue
         if request_id in new._requests:
             raise TesselError(f"request id {request_id!r} is already in the new engine")
+        _forget(old, seq)
         _reset(seq, new.config.block_size)
         new._requests[request_id] = seq
         new._detokenizers[request_id] = old._detokenizers.pop(request_id)
@@ -238,6 +255,20 @@ def migrate_requests(old: Any, new: Any) -> list[str]:
             resume[seq.seq_id] = seq.num_output_tokens  # one noise draw per sampled token
         moved.append(request_id)
     return moved
+
+
+def _forget(engine: Any, seq: Any) -> None:
+    """Take `seq` out of `engine`'s scheduler (one, or a pipeline's per-slot ones) and free its
+    blocks there, without finishing it."""
+    scheduler = engine.scheduler
+    slots = getattr(scheduler, "slots", None)
+    if slots is not None:
+        scheduler._slot_of.pop(seq.seq_id, None)
+    for queue_owner in slots or [scheduler]:
+        for queue in (queue_owner.running, queue_owner.waiting):
+            if seq in queue:
+                queue.remove(seq)
+    engine.block_manager.free(seq)
 
 
 def _reset(seq: Any, block_size: int) -> None:

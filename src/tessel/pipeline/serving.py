@@ -68,11 +68,9 @@ class ServedPipelineEngine(PipelineEngine):
     def _load_model(self, path: Path):
         if self._preloaded is None:
             return super()._load_model(path)
-        from tessel.pipeline.stage import tensor_bytes
-
-        self._part, self.rss_before_load_bytes, model = self._preloaded
+        model, loaded = self._preloaded
         self._preloaded = None
-        self._weight_bytes = tensor_bytes(model)
+        vars(self).update(loaded)  # what `PipelineEngine._load_model` set besides the model
         return model
 
     def watch_stages(self, async_engine) -> threading.Thread:
@@ -182,24 +180,27 @@ class PendingPipeline:
         timeout = options.heartbeat_timeout
         self.stages = LocalStages(argv, len(self.plan.stages), self.run_dir, self.port, timeout)
         atexit.register(self.stages.stop)
-        self.preloaded = None  # stage 0's (layer filter, resident bytes before, model), once `load` ran
+        self.preloaded = None  # stage 0's (model, attributes its loading set), once `load` ran
+        self._joining = False
 
     def load(self, timeout_s: float | None = None) -> None:
         """Load stage 0's layers in this process and wait until every other stage has loaded its own;
         raises the `StageFailedError` of a stage that died (out of memory, ...) while loading."""
-        from tessel.models.loader import load_model
-        from tessel.models.quantized.load_quantize import quantize_layers
-        from tessel.pipeline.devices import stage_device
-        from tessel.pipeline.driver import layer_filter
-        from tessel.pipeline.stage import rss_bytes
+        from types import SimpleNamespace
 
-        part = layer_filter(self.plan, 0, self.config.tie_word_embeddings)
-        rss_before = rss_bytes()
-        dtype = resolve_dtype(self.args.dtype, self.config)
-        model = load_model(self.options.model, dtype, stage_device(self.plan.stages[0]), layers=part)
-        if self.plan.stages[0].quantized_layers:
-            quantize_layers(model, self.plan.stages[0].quantized_layers, dtype)
-        self.preloaded = (part, rss_before, model)
+        from tessel.engine.engine_config import EngineConfig
+        from tessel.pipeline.devices import stage_device
+
+        device = stage_device(self.plan.stages[0])
+        loader = SimpleNamespace(
+            plan=self.plan,
+            model_config=self.config,
+            dtype=resolve_dtype(self.args.dtype, self.config),
+            config=EngineConfig(**{**engine_kwargs(self.args), "device": device}),
+        )
+        given = set(vars(loader))
+        model = PipelineEngine._load_model(loader, self.options.model)  # stage 0's own loading
+        self.preloaded = (model, {key: value for key, value in vars(loader).items() if key not in given})
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not all(_loaded(self.run_dir, rank) for rank in range(1, len(self.plan.stages))):
             failure = self.stages.failure()
@@ -212,10 +213,14 @@ class PendingPipeline:
     def join(self) -> ServedPipelineEngine:
         """Join the new process group (none may be initialized) and build stage 0's engine."""
         options, args, plan, stages = self.options, self.args, self.plan, self.stages
+        self._joining = True  # from here on, a process group is this pipeline's
         try:
             comm = None
             if len(plan.stages) > 1:
                 _wait_for_first_beats(stages)
+                failure = stages.failure()  # a new stage that died after loading: do not wait for it
+                if failure is not None:
+                    raise failure
                 dtype = resolve_dtype(args.dtype, self.config)
                 comm = join_pipeline(plan, 0, args.transport, dtype, f"tcp://127.0.0.1:{self.port}")
                 stages.stage0_progress = comm.progress  # the watchdog sees stage 0 wait for tokens
@@ -243,7 +248,7 @@ class PendingPipeline:
         """Stop its stage processes and leave any process group it joined."""
         self.stages.stop()
         atexit.unregister(self.stages.stop)
-        if dist.is_initialized():
+        if self._joining and dist.is_initialized():  # never the serving pipeline's group
             dist.destroy_process_group()  # so a later build (a rebuild) can join a new group
 
 

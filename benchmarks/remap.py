@@ -1,0 +1,243 @@
+"""Serving through change: a `tessel serve --plan` pipeline under steady load while its split changes;
+print a table, write JSON (benchmarks/results/remap.jsonl).
+
+    python benchmarks/remap.py [--scenario kill] [--quick] [--model DIR] [--streams N] [--new-tokens N]
+
+The server is the one `tessel serve --plan` runs (`pipeline_server_engine` driven by an
+`AsyncEngine`, this process stage 0, the other stages child processes), fed by `--streams` clients
+that each stream greedy requests back to back (`SteadyLoad`: prompts taken in turn from `PROMPTS`,
+`--new-tokens` each, EOS ignored), SmolLM2-135M float32 (`tessel example-model`) by default. Every
+finished request's tokens are held against one process's engine (`LLM`) on the same prompt: the
+undisturbed run.
+
+Scenarios (`SCENARIOS`; each is a function of the parsed arguments and a scratch directory that
+returns its result, so another one plugs in beside them):
+
+    kill        3 stages (the layers in thirds); once the load runs (`--kill-after-s`), stage 2 is
+                killed (SIGKILL). Reported: failed requests (target 0), whether every request's
+                tokens equal the undisturbed run's, the seconds from the kill until a request sent
+                after it gets its first token (target <= 30 s) and until the server is healthy, the
+                longest gap between two tokens of any stream (and of the streams in flight at the
+                kill), the rebuild's own figures (`AsyncEngine.last_recovery`).
+
+Timings on a shared machine move with its load; the figures that matter here are counts (failed
+requests, equal tokens) and seconds against a 30 s target, not ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import _harness
+from rich.console import Console
+from rich.table import Table
+
+PROMPTS = (
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle gear works.",
+    "List three facts about the moon.",
+    "What is the capital of France, and why is it famous?",
+    "Describe the water cycle in simple words.",
+    "Give me a recipe for pancakes.",
+)
+DEADLINE_S = 600.0  # no request of a scenario may take longer: a hang fails the run
+
+
+@dataclass(slots=True)
+class Finished:
+    """One request of the load: what it got and when."""
+
+    prompt: int  # index into PROMPTS
+    sent_s: float  # monotonic
+    token_times_s: list[float] = field(default_factory=list)  # monotonic, per output token
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+class SteadyLoad:
+    """`streams` clients on their own event loop (a thread), each sending the next request as soon
+    as its previous one finished, until `stop()`."""
+
+    def __init__(self, async_engine, streams: int, new_tokens: int) -> None:
+        from tessel.engine.sampling_params import SamplingParams
+
+        self.async_engine, self.streams = async_engine, streams
+        self.params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        self.finished: list[Finished] = []
+        self.running: dict[str, Finished] = {}
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(DEADLINE_S)
+
+    async def _run(self) -> None:
+        await asyncio.gather(*(self._client(i) for i in range(self.streams)))
+
+    async def _client(self, client: int) -> None:
+        turn = client
+        while not self._stop.is_set():
+            request_id = f"load-{next(self._ids)}"
+            record = Finished(turn % len(PROMPTS), time.monotonic())
+            turn += 1
+            self.running[request_id] = record
+            try:
+                stream = await self.async_engine.add(request_id, PROMPTS[record.prompt], self.params)
+                async with asyncio.timeout(DEADLINE_S):
+                    async for out in stream:
+                        now = time.monotonic()
+                        record.tokens.extend(out.new_token_ids)
+                        record.token_times_s.extend([now] * len(out.new_token_ids))
+            except Exception as error:  # noqa: BLE001 - a failed request is what this counts
+                record.error = f"{type(error).__name__}: {error}"
+                await asyncio.sleep(0.5)  # a client's back-off after an error
+            self.running.pop(request_id, None)
+            self.finished.append(record)
+
+
+def reference_tokens(model: Path, new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from one process's engine: the undisturbed run."""
+    from tessel.engine.llm_engine import LLM
+    from tessel.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    return [out.token_ids for out in LLM(model).generate(list(PROMPTS), params, use_progress=False)]
+
+
+def serve(model: Path, plan: Path):
+    """The server's engine for `plan`, watched and driven as `tessel serve --plan` does."""
+    from tessel.pipeline.serving import pipeline_server_engine
+    from tessel.server.async_engine import AsyncEngine
+
+    engine = pipeline_server_engine(model, plan)
+    async_engine = AsyncEngine(engine, max_pending=64)
+    engine.serve_with(async_engine)
+    async_engine.start()
+    return async_engine
+
+
+def thirds_plan(model: Path, root: Path, stages: int = 3) -> Path:
+    import json
+
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    bounds = [round(k * layers / stages) for k in range(stages + 1)]
+    plans = _harness.tests_module("pipeline_plans")
+    return plans.write_plan(root / f"plan{stages}.json", model, list(itertools.pairwise(bounds)))
+
+
+def max_gap_s(records: list[Finished]) -> float:
+    gaps = [b - a for r in records for a, b in itertools.pairwise(r.token_times_s)]
+    return max(gaps, default=0.0)
+
+
+# ---- scenarios -------------------------------------------------------------------------------------
+def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
+    """3 stages under steady load; stage 2 is killed; the server re-plans on stages 0-1."""
+    model = _harness.example_model(args.model)
+    expected = reference_tokens(model, args.new_tokens)
+    async_engine = serve(model, thirds_plan(model, root))
+    first = async_engine.engine
+    load = SteadyLoad(async_engine, args.streams, args.new_tokens).start()
+    try:
+        time.sleep(args.kill_after_s)
+        in_flight_at_kill = dict(load.running)
+        killed_at = time.monotonic()
+        os.kill(first.stages.procs[-1].pid, signal.SIGKILL)  # stage 2, the last
+        healthy_s = None
+        while time.monotonic() - killed_at < DEADLINE_S:
+            if healthy_s is None and async_engine.engine is not first and async_engine.healthy:
+                healthy_s = time.monotonic() - killed_at
+            served = [r for r in load.finished if r.sent_s > killed_at and r.token_times_s]
+            if served and time.monotonic() - killed_at > args.after_kill_s:
+                break
+            time.sleep(0.1)
+        load.stop()
+    finally:
+        async_engine.stop()
+        async_engine.engine.close()
+    records = load.finished
+    after = [r for r in records if r.sent_s > killed_at and r.token_times_s]
+    first_served_s = min((r.token_times_s[0] - killed_at for r in after), default=None)
+    complete = [r for r in records if r.error is None]
+    recovery = async_engine.last_recovery
+    return {
+        "scenario": "kill",
+        "model": str(model),
+        "stages_before": [[s.layer_start, s.layer_end] for s in first.plan.stages],
+        "stages_after": [[s.layer_start, s.layer_end] for s in async_engine.engine.plan.stages],
+        "streams": args.streams,
+        "new_tokens": args.new_tokens,
+        "requests": len(records),
+        "failed_requests": len(records) - len(complete),
+        "failures": sorted({r.error for r in records if r.error})[:5],
+        "in_flight_at_kill": len(in_flight_at_kill),
+        "in_flight_at_kill_completed": sum(r.error is None for r in in_flight_at_kill.values()),
+        "tokens_equal_undisturbed": all(r.tokens == expected[r.prompt] for r in complete),
+        "unequal_requests": sum(r.tokens != expected[r.prompt] for r in complete),
+        "new_request_served_after_kill_s": first_served_s,
+        "healthy_after_kill_s": healthy_s,
+        "max_gap_s": max_gap_s(records),
+        "max_gap_in_flight_at_kill_s": max_gap_s(list(in_flight_at_kill.values())),
+        "rebuild": None if recovery is None else asdict(recovery),
+    }
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {"kill": kill_scenario}
+
+
+def show(console: Console, result: dict) -> None:
+    table = Table(title=f"remap scenario {result['scenario']}")
+    table.add_column("figure")
+    table.add_column("value")
+    for key, value in result.items():
+        if key in ("rebuild", "failures", "model"):
+            continue
+        table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if result.get("rebuild"):
+        rebuild = result["rebuild"]
+        console.print(
+            f"rebuild: {rebuild['switch_s']:.1f} s on the engine thread, {rebuild['moved']} requests moved, "
+            f"longest gap of a moved stream {rebuild['max_gap_s'] or 0:.2f} s"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="kill")
+    parser.add_argument("--quick", action="store_true", help="2 streams, 16 tokens: a smoke run")
+    parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--streams", type=int, default=4, help="concurrent streaming clients")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--kill-after-s", type=float, default=8.0, help="load before the kill")
+    parser.add_argument("--after-kill-s", type=float, default=10.0, help="load kept after recovery")
+    _harness.add_record_options(parser, "remap")
+    args = parser.parse_args()
+    if args.quick:
+        args.streams, args.new_tokens, args.kill_after_s, args.after_kill_s = 2, 16, 4.0, 3.0
+    console = Console(highlight=False)
+    console.print(_harness.machine_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        result = SCENARIOS[args.scenario](args, Path(tmp))
+    show(console, result)
+    _harness.append_record(args.out, "remap", result, args.label)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Serving through change (`tessel.pipeline.remap`, `AsyncEngine.remap`): the plan on the surviving
+stages, requests moved between engines by recomputation, and one served pipeline that loses a stage,
+is remapped live, and rolls back a remap whose new stage dies while loading.
+
+Oracles: a brute force over every contiguous split for `split_by_memory`; one process's engine
+(`LLM`, never disturbed) for the tokens of every moved request, greedy and seeded."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from pipeline_plans import write_plan
+from stage_processes import release
+from tessel.errors import TesselError
+from tessel.pipeline.remap import SurvivorsTooSmallError, split_by_memory, survivor_plan
+from tessel.plan.plan_file import load_plan
+
+DEADLINE_S = 120.0  # generous: a loaded 2-core machine spawning stage processes
+
+
+# ---- the plan on the survivors --------------------------------------------------------------------
+def _brute_fits(layer_bytes, usable, first, last) -> bool:
+    n, layers = len(usable), len(layer_bytes)
+    for cuts in itertools.combinations(range(1, layers), n - 1):
+        bounds = [0, *cuts, layers]
+        held = [sum(layer_bytes[bounds[k] : bounds[k + 1]]) for k in range(n)]
+        held[0] += first
+        held[-1] += last
+        if all(h <= u for h, u in zip(held, usable, strict=True)):
+            return True
+    return False
+
+
+def test_split_by_memory_finds_a_fitting_split_exactly_when_one_exists():
+    rng = random.Random(5)
+    for _ in range(300):
+        layers, n = rng.randint(1, 7), rng.randint(1, 4)
+        layer_bytes = [rng.randint(1, 5) for _ in range(layers)]
+        usable = [rng.randint(1, 14) for _ in range(n)]
+        first, last = rng.randint(0, 3), rng.randint(0, 3)
+        split = split_by_memory(layer_bytes, usable, first, last)
+        assert (split is not None) == (layers >= n and _brute_fits(layer_bytes, usable, first, last))
+        if split is None:
+            continue
+        assert [a for a, _ in split] == [0, *[b for _, b in split[:-1]]] and split[-1][1] == layers
+        held = [sum(layer_bytes[a:b]) for a, b in split]
+        held[0] += first
+        held[-1] += last
+        assert all(b > a for a, b in split) and all(h <= u for h, u in zip(held, usable, strict=True))
+
+
+def test_split_by_memory_is_proportional_when_that_fits():
+    assert split_by_memory([1.0] * 12, [100, 200, 100], 0, 0) == [(0, 3), (3, 9), (9, 12)]
+
+
+def _plan_on(path: Path, gpu_types: list[str], model: str, layers: int) -> Path:
+    per = layers // len(gpu_types)
+    stages = []
+    for i, gpu in enumerate(gpu_types):
+        a, b = i * per, layers if i == len(gpu_types) - 1 else (i + 1) * per
+        link = None if i == len(gpu_types) - 1 else {"bandwidth_gbps": 100.0, "latency_us": 5.0}
+        stages.append(
+            {"index": i, "device": f"n/gpu{i}", "gpu_type": gpu, "layer_start": a, "layer_end": b,
+             "unit_start": a, "unit_end": b, "link_to_next": link}
+        )  # fmt: skip
+    plan = {"version": 1, "model": {"name": model}, "dtype": "fp16", "stages": stages}
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def test_survivor_plan_keeps_the_order_and_splits_by_memory(tmp_path):
+    plan = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "A100-80G"], "llama-2-13b", 40))
+    survivor = survivor_plan(plan, {1})
+    assert [s.device for s in survivor.stages] == ["n/gpu0", "n/gpu2"]
+    assert [(s.layer_start, s.layer_end) for s in survivor.stages] == [(0, 20), (20, 40)]
+    assert [s.index for s in survivor.stages] == [0, 1]
+    assert survivor.stages[0].link_to_next is not None and survivor.stages[-1].link_to_next is None
+
+
+def test_survivor_plan_refuses_when_the_survivors_cannot_hold_the_model(tmp_path):
+    plan = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
+    with pytest.raises(SurvivorsTooSmallError) as caught:
+        survivor_plan(plan, {0})
+    message = str(caught.value)
+    assert "stage 0 (n/gpu0)" in message and "cannot hold the model" in message and "GiB" in message
+
+
+# ---- moving requests between engines --------------------------------------------------------------
+def _params():
+    from tessel.engine.sampling_params import SamplingParams
+
+    return [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.9, top_k=20, seed=11, max_tokens=20, ignore_eos=True),
+    ]
+
+
+PROMPTS = ["Once upon a time", "The quick brown fox jumps"]
+
+
+def test_requests_moved_between_engines_finish_as_undisturbed(tiny_dirs):
+    """Half-way through, the requests move from one engine to a fresh one (recomputed there): the
+    same tokens as an undisturbed run, logprobs included, and `max_tokens` counts from the start."""
+    from tessel.engine.llm_engine import LLM
+    from tessel.pipeline.remap import migrate_requests
+
+    model = tiny_dirs["untied"]
+    expected = LLM(model, max_num_seqs=4).generate(PROMPTS, _params(), use_progress=False)
+    old, new = LLM(model, max_num_seqs=4), LLM(model, max_num_seqs=4)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, _params(), strict=True)):
+        old.add_request(f"r{i}", prompt, params)
+    outputs: dict[str, list] = {"r0": [], "r1": []}
+    for _ in range(6):
+        for out in old.step():
+            outputs[out.request_id].append(out)
+    assert migrate_requests(old, new) == ["r0", "r1"]
+    assert not old.has_unfinished_requests()
+    while new.has_unfinished_requests():
+        for out in new.step():
+            outputs[out.request_id].append(out)
+    for rid, want in zip(["r0", "r1"], expected, strict=True):
+        got = outputs[rid]
+        assert [t for out in got for t in out.new_token_ids] == want.token_ids
+        assert got[-1].finish_reason == "length" and got[-1].num_output_tokens == len(want.token_ids)
+    assert [lp.token_id for lp in outputs["r0"][-1].logprobs] == expected[0].token_ids
+    for got, want in zip(outputs["r0"][-1].logprobs, expected[0].logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+# ---- one served pipeline: a lost stage, a live remap, a failed remap ---------------------------------
+async def _stream_all(async_engine, tag: str, on_token=None) -> dict[str, list[int]]:
+    pairs = enumerate(zip(PROMPTS, _params(), strict=True))
+    streams = [await async_engine.add(f"{tag}{i}", prompt, params) for i, (prompt, params) in pairs]
+    tokens: dict[str, list[int]] = {}
+
+    async def read(stream):
+        got = tokens.setdefault(stream.request_id, [])
+        async for out in stream:
+            got.extend(out.new_token_ids)
+            if on_token is not None:
+                on_token(stream.request_id, len(got))
+
+    await asyncio.wait_for(asyncio.gather(*(read(s) for s in streams)), DEADLINE_S)
+    return tokens
+
+
+def _when_all_started(count: int, action):
+    """An `on_token` that runs `action` once every stream has `count` tokens."""
+    seen: dict[str, int] = {}
+    fired = threading.Event()
+
+    def on_token(rid: str, n: int) -> None:
+        seen[rid] = n
+        if not fired.is_set() and len(seen) == len(PROMPTS) and min(seen.values()) >= count:
+            fired.set()
+            action()
+
+    return on_token
+
+
+def test_served_pipeline_survives_a_lost_stage_and_remaps_live(tiny_dirs, tmp_path):
+    """3 stages; stage 2 is killed while every request streams: the server re-plans on stages 0-1 and
+    the requests finish with an undisturbed run's tokens. A live remap to another split while they
+    stream moves them without a repeated or missing token. A remap whose new stage dies while
+    loading rolls back: the old pipeline keeps serving, its requests intact."""
+    from tessel.engine.llm_engine import LLM
+    from tessel.pipeline.serving import pipeline_server_engine
+    from tessel.server.async_engine import AsyncEngine
+
+    model = tiny_dirs["tied"]
+    expected = [out.token_ids for out in LLM(model).generate(PROMPTS, _params(), use_progress=False)]
+    plan3 = write_plan(tmp_path / "plan3.json", model, [(0, 2), (2, 4), (4, 5)])
+    plan2 = write_plan(tmp_path / "plan2.json", model, [(0, 2), (2, 5)])
+    engine = pipeline_server_engine(model, plan3, heartbeat_timeout=10.0)
+    async_engine = AsyncEngine(engine, max_pending=8)
+    engine.serve_with(async_engine)
+    async_engine.start()
+    pids = [proc.pid for proc in engine.stages.procs]
+    try:
+        # a lost stage
+        kill = lambda: os.kill(engine.stages.procs[1].pid, signal.SIGKILL)  # noqa: E731
+        lost = asyncio.run(_stream_all(async_engine, "lost", _when_all_started(4, kill)))
+        assert list(lost.values()) == expected
+        survivors = async_engine.engine
+        assert survivors is not engine and async_engine.last_recovery.moved == len(PROMPTS)
+        assert [(s.device, s.layer_start, s.layer_end) for s in survivors.plan.stages] == [
+            ("localhost/cpu0", 0, 3),
+            ("localhost/cpu1", 3, 5),
+        ]
+        pids += [proc.pid for proc in survivors.stages.procs]
+        assert list(asyncio.run(_stream_all(async_engine, "after")).values()) == expected
+
+        # a live remap to another split: it loads beside; the switch waits until every stream runs
+        loaded, go = threading.Event(), threading.Event()
+        successor = survivors.successor
+
+        def gated(plan):
+            pending = successor(plan)
+            load = pending.load
+            pending.load = lambda: (load(), loaded.set(), go.wait(DEADLINE_S))[0]
+            pids.extend(proc.pid for proc in pending.stages.procs)
+            return pending
+
+        survivors.successor = gated
+        future = async_engine.remap(plan2, "test: another split")
+        assert loaded.wait(DEADLINE_S)
+        remapped = asyncio.run(_stream_all(async_engine, "remap", _when_all_started(4, go.set)))
+        report = future.result(DEADLINE_S)
+        assert list(remapped.values()) == expected
+        assert report.ok and report.error is None and report.moved == len(PROMPTS)
+        assert report.max_gap_s is not None and report.max_gap_s > 0
+        third = async_engine.engine
+        assert [(s.layer_start, s.layer_end) for s in third.plan.stages] == [(0, 2), (2, 5)]
+        pids += [proc.pid for proc in third.stages.procs]
+
+        # a remap whose new stage dies while loading: rolled back, the old pipeline serves on
+        successor = third.successor
+
+        def dying(plan):
+            pending = successor(plan)
+            pids.extend(proc.pid for proc in pending.stages.procs)
+            os.kill(pending.stages.procs[0].pid, signal.SIGKILL)
+            return pending
+
+        third.successor = dying
+        failed = async_engine.remap(plan3, "test: a stage dies").result(DEADLINE_S)
+        assert not failed.ok and failed.rolled_back
+        assert "stage 1" in failed.error and "SIGKILL" in failed.error
+        assert async_engine.engine is third and async_engine.healthy
+        assert list(asyncio.run(_stream_all(async_engine, "rolled")).values()) == expected
+
+        with pytest.raises(TesselError, match="does not exist"):
+            async_engine.remap(tmp_path / "missing.json", "test: a bad plan").result(DEADLINE_S)
+        assert async_engine.engine is third and async_engine.num_restarts == 1
+    finally:
+        async_engine.stop()
+        async_engine.engine.close()
+        release(pids)
