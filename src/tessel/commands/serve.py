@@ -9,7 +9,9 @@ processes), each rebuild counting against `--max-engine-restarts`: meanwhile `/h
 request answer 503 naming the stage, with Retry-After. Past the budget, or when a rebuild fails,
 the server stays up without a pipeline, answering 503 with the cause, and never exits by itself.
 A `--plan` of several replicas without `--replica` runs one such server per replica behind a router
-that splits requests by the plan's weights (`tessel.pipeline.replica_router`).
+that splits requests by the plan's weights (`tessel.pipeline.replica_router`). With `--plan`, `/metrics`
+shows each stage's measured step time beside the plan's (`tessel.pipeline.remap_watch`); with
+`--remap auto` the server re-plans when they drift and moves to the new split live.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ from tessel.commands.options import (
     check_model_path,
     host_kv_options,
     runtime_dtype_option,
+)
+from tessel.commands.remap_options import (
+    REMAP_CONFIRM_OPTION,
+    REMAP_COOLDOWN_OPTION,
+    REMAP_HORIZON_OPTION,
+    REMAP_INTERVAL_OPTION,
+    REMAP_MIN_SLOWDOWN_OPTION,
+    REMAP_OPTION,
+    REMAP_THRESHOLD_OPTION,
+    REMAP_WINDOW_OPTION,
+    RemapMode,
+    remap_settings,
 )
 from tessel.errors import TesselError
 from tessel.server.limits import (
@@ -117,6 +131,14 @@ def serve(
         help="With --plan: seconds a stage may send no heartbeat before it counts as failed "
         "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
     ),
+    remap: RemapMode = REMAP_OPTION,
+    remap_threshold: float = REMAP_THRESHOLD_OPTION,
+    remap_horizon_s: float = REMAP_HORIZON_OPTION,
+    remap_interval_s: float = REMAP_INTERVAL_OPTION,
+    remap_window_s: float = REMAP_WINDOW_OPTION,
+    remap_min_slowdown: float = REMAP_MIN_SLOWDOWN_OPTION,
+    remap_cooldown_s: float = REMAP_COOLDOWN_OPTION,
+    remap_confirm: int = REMAP_CONFIRM_OPTION,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
@@ -149,6 +171,12 @@ def serve(
             f"--device {device} cannot be combined with --plan: each stage runs on the device its plan "
             "stage names (re-plan with `tessel plan --cluster local` for this machine's GPUs)"
         )
+    remap_config = remap_settings(
+        remap, remap_threshold, remap_horizon_s, remap_interval_s, remap_window_s, remap_min_slowdown,
+        remap_cooldown_s, remap_confirm,
+    )  # fmt: skip
+    if remap == "auto" and plan is None:
+        raise TesselError("--remap auto re-plans the pipeline of a --plan; give --plan too")
 
     import uvicorn
 
@@ -175,6 +203,8 @@ def serve(
         from tessel.pipeline.replica_router import RouterOptions, replica_specs, serve_replicas
 
         specs = replica_specs(plan)
+        if len(specs) > 1 and remap == "auto":
+            raise TesselError("--remap auto remaps one pipeline; serve one replica (--replica K)")
         if len(specs) > 1:  # one server per replica, and a router in front of them
             timeout_s = heartbeat_timeout_s(heartbeat_timeout)
             backend_options = _options_argv(
@@ -211,6 +241,11 @@ def serve(
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)
     if plan is not None:
         engine.serve_with(async_engine)  # watch the stages; rebuild the pipeline after a stage failure
+        from tessel.pipeline.remap_watch import start_remap_watch
+        from tessel.server.prometheus import RemapCollector
+
+        watch = start_remap_watch(async_engine, remap_config, remap, lambda line: typer.echo(line, err=True))
+        app.state.metrics.registry.register(RemapCollector(watch))  # measured beside predicted
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     try:
         server.run()

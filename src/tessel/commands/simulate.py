@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
 import typer
 
 from tessel.commands.options import input_file, optional_count, output_file
+from tessel.commands.remap_options import (
+    REMAP_CONFIRM_OPTION,
+    REMAP_COOLDOWN_OPTION,
+    REMAP_HORIZON_OPTION,
+    REMAP_INTERVAL_OPTION,
+    REMAP_MIN_SLOWDOWN_OPTION,
+    REMAP_OPTION,
+    REMAP_THRESHOLD_OPTION,
+    REMAP_WINDOW_OPTION,
+    RemapMode,
+    remap_settings,
+)
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
 from tessel.sim.measured import MeasuredComparison, compare_metrics
 from tessel.sim.request_trace import MAX_REQUESTS
@@ -74,6 +87,14 @@ def simulate(
     profile: list[Path] = input_file(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),
+    remap: RemapMode = REMAP_OPTION,
+    remap_threshold: float = REMAP_THRESHOLD_OPTION,
+    remap_horizon_s: float = REMAP_HORIZON_OPTION,
+    remap_interval_s: float = REMAP_INTERVAL_OPTION,
+    remap_window_s: float = REMAP_WINDOW_OPTION,
+    remap_min_slowdown: float = REMAP_MIN_SLOWDOWN_OPTION,
+    remap_cooldown_s: float = REMAP_COOLDOWN_OPTION,
+    remap_confirm: int = REMAP_CONFIRM_OPTION,
     measured: Path | None = input_file(
         None,
         "--measured",
@@ -81,7 +102,8 @@ def simulate(
         "micro-batches) and print predicted vs measured with the error.",
     ),
 ) -> None:
-    """Simulate serving a workload with a plan: TTFT, TPOT, throughput, stage use, bubbles."""
+    """Simulate serving a workload with a plan: TTFT, TPOT, throughput, stage use, bubbles; with
+    --remap auto, the remap decision `tessel serve --remap auto` would take on the run."""
     from rich.console import Console
 
     from tessel.commands.render.simulate import comparison_table, print_load, print_simulation, write_gantt
@@ -105,6 +127,14 @@ def simulate(
         max_num_batched_tokens or max_batch_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_in_flight, enable_chunked_prefill, cpp, kv_limit, pinned, mix,
     )  # fmt: skip
+    remap_config = remap_settings(
+        remap, remap_threshold, remap_horizon_s, remap_interval_s, remap_window_s, remap_min_slowdown,
+        remap_cooldown_s, remap_confirm,
+    )  # fmt: skip
+    if remap == "auto":
+        if measured is not None:
+            raise TesselError("--remap auto decides on a simulated serving run; drop --measured")
+        settings = replace(settings, remap=remap_config)
     console = Console()
     if measured is not None:
         given = {"--workload": workload != "default", "--requests": requests is not None, "--rate": rate,
@@ -125,6 +155,8 @@ def simulate(
         load = check_load(run.result, run.metrics, planned)
         print_simulation(console, report)
         print_load(console, load)
+        if report.remap is not None:  # the server's decision on this run (tessel.sim.remap)
+            console.print(f"remap: {report.remap.summary()}", highlight=False)
         document = {**report.to_json(), "load": None if load is None else load.to_json()}
     if gantt is not None:
         with staged_file(gantt, "--gantt", inputs) as staging:  # same suffix: the chart's format

@@ -21,6 +21,12 @@ recomputed instead).
 An engine with `stage_gauges()` (a pipeline, `tessel serve --plan`) adds, per stage,
 `tessel:stage_up{stage,device}` (1 while its process runs) and
 `tessel:stage_heartbeat_age_seconds{stage}` (stages after the first: seconds since its heartbeat).
+
+A pipeline server's remap watcher (`RemapCollector`, `tessel.pipeline.remap_watch`) adds
+`tessel:stage_step_seconds{stage,device,source}` (source "measured": mean busy seconds per
+micro-batch over the watch window; "predicted": the plan's), `tessel:workload{quantity,source}`
+(arrival_rate_per_s, mean_prompt_tokens, mean_output_tokens; measured or planned) and, with
+`--remap auto`, `tessel:remap_decisions_total{outcome}` (every evaluation, taken or not).
 """
 
 from __future__ import annotations
@@ -95,6 +101,41 @@ def _stage_families(stages: list[Any]) -> Iterator[GaugeMetricFamily]:
             age.add_metric([str(stage.stage)], stage.heartbeat_age_s)
     yield up
     yield age
+
+
+class RemapCollector(Collector):
+    """The remap watcher's measured-beside-predicted gauges and decision counts, read at scrape time."""
+
+    def __init__(self, watch: Any) -> None:
+        self.watch = watch
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        step = GaugeMetricFamily(
+            f"{PREFIX}stage_step_seconds",
+            "Seconds per micro-batch of a pipeline stage: measured over the watch window, or the plan's.",
+            labels=["stage", "device", "source"],
+        )
+        for stage in self.watch.stage_steps():
+            step.add_metric([str(stage.stage), stage.device, "predicted"], stage.predicted_s)
+            if stage.measured_s is not None:
+                step.add_metric([str(stage.stage), stage.device, "measured"], stage.measured_s)
+        yield step
+        load = GaugeMetricFamily(
+            f"{PREFIX}workload", "The workload: measured over the watch window, or the plan's.",
+            labels=["quantity", "source"],
+        )  # fmt: skip
+        for quantity, (measured, planned) in self.watch.workload().items():
+            for source, value in (("measured", measured), ("planned", planned)):
+                if value is not None:
+                    load.add_metric([quantity, source], value)
+        yield load
+        if self.watch.decider is not None:
+            decisions = CounterMetricFamily(
+                f"{PREFIX}remap_decisions", "Remap decisions by outcome.", labels=["outcome"]
+            )
+            for outcome, count in self.watch.decisions.items():
+                decisions.add_metric([outcome], count)
+            yield decisions
 
 
 class ServerMetrics:

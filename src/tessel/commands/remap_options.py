@@ -1,0 +1,83 @@
+"""The `--remap` options `tessel serve --plan` and `tessel simulate` share (one decision, one set of
+flags: `tessel.plan.remap_decision.RemapSettings`, which refuses NaN and out-of-range values
+naming the flag, for the Python API too)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import typer
+
+from tessel.errors import TesselError
+from tessel.plan.remap_decision import MAX_HORIZON_S, MAX_INTERVAL_S, RemapSettings
+
+RemapMode = Literal["off", "auto"]
+_DEFAULTS = RemapSettings()
+
+REMAP_OPTION = typer.Option(
+    "off",
+    "--remap",
+    help="auto: watch each stage's measured step times and the workload against the plan's, re-plan when "
+    "they drift and move to the new split live when its gain over --remap-horizon-s, after the cost of "
+    "moving the weights, reaches --remap-threshold; off: never remap.",
+)
+REMAP_THRESHOLD_OPTION = typer.Option(
+    _DEFAULTS.threshold, "--remap-threshold", min=0.0, max=1.0,
+    help="Least gain (a fraction of the plan's objective, in [0, 1)) that pays for a remap.",
+)  # fmt: skip
+REMAP_HORIZON_OPTION = typer.Option(
+    _DEFAULTS.horizon_s, "--remap-horizon-s", min=0.0, max=MAX_HORIZON_S,
+    help="Seconds of serving a remap's weight-moving cost is amortised over (> 0).",
+)  # fmt: skip
+REMAP_INTERVAL_OPTION = typer.Option(
+    _DEFAULTS.interval_s, "--remap-interval-s", min=0.0, max=MAX_INTERVAL_S,
+    help="Seconds between two remap decisions (> 0).",
+)  # fmt: skip
+REMAP_WINDOW_OPTION = typer.Option(
+    _DEFAULTS.window_s, "--remap-window-s", min=0.0, max=MAX_INTERVAL_S,
+    help="Seconds of measurements a decision reads (at least --remap-interval-s).",
+)  # fmt: skip
+REMAP_MIN_SLOWDOWN_OPTION = typer.Option(
+    _DEFAULTS.min_slowdown, "--remap-min-slowdown", min=1.0, max=100.0,
+    help="A stage this many times slower (or faster) than the plan assumed has drifted (> 1).",
+)  # fmt: skip
+REMAP_COOLDOWN_OPTION = typer.Option(
+    _DEFAULTS.cooldown_s, "--remap-cooldown-s", min=0.0, max=MAX_HORIZON_S,
+    help="No remap within this many seconds of the last one.",
+)  # fmt: skip
+REMAP_CONFIRM_OPTION = typer.Option(
+    _DEFAULTS.confirm, "--remap-confirm", min=1, max=1000,
+    help="Decisions in a row that must want the same new split before it is taken.",
+)  # fmt: skip
+
+
+def remap_settings(
+    mode: str,
+    threshold: float,
+    horizon_s: float,
+    interval_s: float,
+    window_s: float,
+    min_slowdown: float,
+    cooldown_s: float,
+    confirm: int,
+) -> RemapSettings:
+    """The settings the flags give (refused naming the flag); with --remap off, no --remap-* flag may
+    differ from its default."""
+    settings = RemapSettings(
+        threshold=threshold,
+        horizon_s=horizon_s,
+        interval_s=interval_s,
+        window_s=window_s,
+        min_slowdown=min_slowdown,
+        cooldown_s=cooldown_s,
+        confirm=confirm,
+    )
+    if mode == "off":
+        changed = [
+            f"--remap-{name.replace('_', '-')}"
+            for name in ("threshold", "horizon_s", "min_slowdown", "cooldown_s", "confirm")
+            if getattr(settings, name) != getattr(_DEFAULTS, name)
+        ]
+        if changed:
+            raise TesselError(f"{', '.join(changed)} set a remap decision; give --remap auto too")
+    return settings

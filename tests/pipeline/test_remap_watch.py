@@ -1,0 +1,120 @@
+"""The server's remap watcher on a stand-in engine: stage counters from stage 0 and heartbeats,
+the decision, the remap it asks for, and /metrics."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tessel.pipeline.heartbeat import Heartbeat, Progress
+from tessel.pipeline.remap_watch import RemapWatch
+from tessel.plan.api import PlanSettings, make_plan
+from tessel.plan.plan_file import load_plan
+from tessel.plan.remap_decision import RemapSettings, predicted_step_s
+from tessel.server.async_engine import RemapReport
+from tessel.server.prometheus import RemapCollector
+
+CLUSTER = """\
+name: two-a100
+nodes:
+  - name: a
+    gpus: {type: A100-80G}
+  - name: b
+    gpus: {type: A100-80G}
+network: {bandwidth_gbps: 100, latency_us: 10}
+"""
+
+
+class _Engine:
+    """What the watcher reads of a `ServedPipelineEngine`: its plan, stage 0's stats, the run dir."""
+
+    def __init__(self, plan_path: Path, run_dir: Path) -> None:
+        plan = load_plan(plan_path)
+        self.plan = SimpleNamespace(plan_file=plan, stages=plan.stages, path=plan_path)
+        self.stage = SimpleNamespace(stats=SimpleNamespace(batches=0, compute_s=0.0, emulation_sleep_s=0.0))
+        self.stages = SimpleNamespace(run_dir=run_dir)
+        run_dir.mkdir(exist_ok=True)
+
+    def run(self, batches: int, step_s: list[float]) -> None:
+        """Every stage computes `batches` more micro-batches of `step_s[k]` seconds each."""
+        stats = self.stage.stats
+        stats.batches += batches
+        stats.compute_s += batches * step_s[0]
+        for rank in range(1, len(step_s)):
+            progress = getattr(self, f"_p{rank}", None) or Progress()
+            progress.batches += batches
+            progress.busy_s += batches * step_s[rank]
+            setattr(self, f"_p{rank}", progress)
+            Heartbeat(self.stages.run_dir, rank, 1.0, progress).beat()
+
+
+class _Server:
+    """What the watcher calls on the `AsyncEngine`: the engine it drives, `on_outputs`, `remap`."""
+
+    def __init__(self, engine: _Engine, tmp: Path) -> None:
+        self.engine, self.on_outputs, self.asked, self.tmp = engine, None, [], tmp
+
+    def remap(self, path: Path, reason: str) -> Future:
+        self.asked.append((path, reason))
+        self.engine = _Engine(path, self.tmp / f"run{len(self.asked)}")  # the switch
+        done: Future = Future()
+        done.set_result(RemapReport(reason, str(path), ok=True, moved=3, max_gap_s=0.5))
+        return done
+
+
+@pytest.fixture
+def served(tmp_path):
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    outcome = make_plan("llama-2-7b", tmp_path / "cluster.yaml", "default", PlanSettings(solver="dp"))
+    outcome.plan_file().write(tmp_path / "plan.json")
+    return _Server(_Engine(tmp_path / "plan.json", tmp_path / "run0"), tmp_path)
+
+
+def test_a_slowed_stage_is_seen_in_its_step_times_and_remapped(served):
+    lines = []
+    settings = RemapSettings(interval_s=1.0, window_s=4.0, confirm=2, cooldown_s=60.0)
+    watch = RemapWatch(served, settings, "auto", echo=lines.append)
+    predicted = predicted_step_s(served.engine.plan.plan_file)
+    outcomes = []
+    for t in range(12):
+        slow = 1 / 0.3 if t >= 4 else 1.0
+        served.engine.run(10, [predicted[0], predicted[1] * slow])
+        decision = watch.tick(1000.0 + t)
+        outcomes.append(decision.outcome)
+        if decision.taken:
+            break
+    assert outcomes[0] == "insufficient" and "steady" in outcomes and outcomes[-1] == "remap"
+    assert len(served.asked) == 1
+    new_plan = load_plan(served.asked[0][0])
+    assert [(s.layer_start, s.layer_end) for s in new_plan.stages] != [
+        (s.layer_start, s.layer_end) for s in load_plan(served.tmp / "plan.json").stages
+    ]
+    assert any(line.startswith("tessel: remap decision") and "gain" in line for line in lines)
+    assert any(line.startswith("tessel: remapped (3 requests moved") for line in lines)
+    assert watch.decider.plan is not None and watch.decider.last_remap_s is not None
+
+    registry = CollectorRegistry()
+    registry.register(RemapCollector(watch))
+    text = generate_latest(registry).decode()
+    assert 'tessel:remap_decisions_total{outcome="remap"} 1.0' in text
+    assert 'source="predicted"' in text and "tessel:stage_step_seconds" in text
+
+
+def test_watching_without_remap_only_measures(served):
+    watch = RemapWatch(served, RemapSettings(interval_s=1.0, window_s=4.0), "off", echo=lambda _: None)
+    predicted = predicted_step_s(served.engine.plan.plan_file)
+    for t in range(6):
+        served.engine.run(10, [predicted[0], predicted[1] * 3])
+        assert watch.tick(1000.0 + t) is None
+    steps = watch.stage_steps()
+    assert steps[1].measured_s == pytest.approx(3 * predicted[1])
+    assert steps[0].measured_s == pytest.approx(predicted[0])
+    assert served.asked == []
+    registry = CollectorRegistry()
+    registry.register(RemapCollector(watch))
+    text = generate_latest(registry).decode()
+    assert 'source="measured"' in text and "remap_decisions" not in text
