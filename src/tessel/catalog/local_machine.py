@@ -23,8 +23,9 @@ The cluster it describes (names as `tessel.plan.cluster` gives them):
 - between them the `network`: PCIe at the fastest GPU's catalog host-to-device rate (the cluster
   caps each GPU's link at its own), 10 us. An assumption: hidden states cross PCIe through pinned
   host buffers as fast as the catalog's achieved copy rate, the same either way.
-Speeds (FLOP/s, memory bandwidth) are the catalog's figures for each type, not measured here;
-`tessel profile` measures a device. Host memory for offloading is 0: the CPU is a device instead.
+Speeds (FLOP/s, memory bandwidth) the planner reads are the catalog's figures for each type; what
+`tessel probe` measures goes into the file's comments and its profile JSON, and `tessel profile`
+times a layer on a device. Host memory for offloading is 0: the CPU is a device instead.
 """
 
 from __future__ import annotations
@@ -412,8 +413,9 @@ def cluster_yaml(machine: LocalMachine) -> str:
     """The cluster file of this machine, what was found and what was assumed in its comments."""
     lines = [
         "# This machine, as `tessel probe` found it (tessel/catalog/local_machine.py).",
-        "# Speeds (FLOP/s, memory and PCIe bandwidth) are the catalog's figures for each type",
-        "# (tessel/catalog/gpus.yaml), not measured here; `tessel profile` measures a device.",
+        "# The planner uses the catalog's figures for each type's speeds (FLOP/s, memory and PCIe",
+        "# bandwidth; tessel/catalog/gpus.yaml); what `tessel probe` measured, if anything, is listed",
+        "# at the end for comparison, and `tessel profile` measures a layer on a device.",
     ]
     for gpu in machine.gpus:
         lines.append(
