@@ -57,9 +57,10 @@ def _complete(client: TestClient | httpx.Client) -> str:
 
 
 def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
-    """SIGSTOP of stage 1 while a request runs (a deadlock looks the same): that request ends with
-    503 instead of hanging; while the pipeline is rebuilt /health names stage 1's silence and new
-    requests get 503 with Retry-After; then the new pipeline answers as the old one did."""
+    """SIGSTOP of stage 1 while a request runs (a deadlock looks the same): while the pipeline is
+    rebuilt on the stage left (stage 0 alone) /health names stage 1's silence with Retry-After and a
+    new request waits; then the running request, moved into the new pipeline, completes without an
+    error, and the waiting one answers as the old pipeline did."""
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)])
     engine = pipeline_server_engine(model, plan, heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
@@ -83,21 +84,30 @@ def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
             thread.start()
             _wait(lambda: engine.has_unfinished_requests() or not thread.is_alive(), "the request to start")
             os.kill(pids[0], signal.SIGSTOP)
-            thread.join(DEADLINE_S * 2)
-            assert "r" in running, "the running request hung on the stopped stage"
-            assert running["r"].status_code == 503, running["r"].text
+            _wait(lambda: client.get("/health").status_code == 503, "/health to report the silent stage")
             health = client.get("/health")
-            assert health.status_code == 503 and "restarting" in health.text
+            assert "restarting" in health.text and int(health.headers["Retry-After"]) >= 1
             assert "stage 1" in health.text and f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s" in health.text
-            later = _post_within_deadline(client, BODY)
-            assert later.status_code == 503 and "stage 1" in later.text
-            assert int(later.headers["Retry-After"]) >= 1
+            later: dict = {}
+            waiting = threading.Thread(
+                target=lambda: later.update(r=_post_within_deadline(client, BODY)), daemon=True
+            )
+            waiting.start()
             assert client.get("/v1/models").status_code == 200
+            assert "r" not in running and "r" not in later  # both wait for the new pipeline
             gate.set()
-            _wait(lambda: client.get("/health").status_code == 200, "the rebuilt pipeline")
+            thread.join(DEADLINE_S * 2)
+            waiting.join(DEADLINE_S * 2)
+            assert running["r"].status_code == 200, running["r"].text
+            answer = running["r"].json()
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert answer["usage"]["completion_tokens"] == 900
+            assert later["r"].status_code == 200 and later["r"].json()["choices"][0]["text"] == before
+            assert client.get("/health").status_code == 200
             assert _complete(client) == before
             assert not any(alive(pid) for pid in pids)  # the old stages
             assert async_engine.engine is not engine and async_engine.num_restarts == 1
+            assert len(async_engine.engine.plan.stages) == 1  # stage 0's device alone holds the model
         assert dead_calls == []
     finally:
         release(pids)
@@ -113,6 +123,15 @@ def _children(pid: int) -> set[int]:
     return children
 
 
+def _stage_pid(pids: set[int], rank: int) -> int:
+    """The stage process of `rank` among `pids` (its RANK environment variable)."""
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            if f"RANK={rank}".encode() in environ.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no stage {rank} among {sorted(pids)}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,12 +141,13 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the stage through /proc")
 def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tmp_path):
-    """`kill -9` of stage 1 under `tessel serve --plan --max-engine-restarts 1`: /health names the
-    stage, then the server is back with a new stage 1 and answers as before. A second kill is past
-    the budget: the server stays up (it used to exit: connection refused), /health and completions
-    answer 503 with the reason, /v1/models answers. No stage process outlives the server."""
+    """`kill -9` of stage 1 of 3 under `tessel serve --plan --max-engine-restarts 1`: /health names
+    the stage, then the server is back on the two stages left (a new stage 1) and answers as before.
+    A second kill is past the budget: the server stays up (it used to exit: connection refused),
+    /health and completions answer 503 with the reason, /v1/models answers. No stage process
+    outlives the server."""
     model = tiny_dirs["tied"]
-    plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)])
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 4), (4, 5)])
     port = _free_port()
     command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--plan", str(plan)]
     command += ["--port", str(port), "--log-level", "warning", "--max-engine-restarts", "1"]
@@ -147,8 +167,8 @@ def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tm
             before = _complete(client)
             first = _children(server.pid)
             stage_pids |= first
-            assert len(first) == 1
-            os.kill(first.pop(), signal.SIGKILL)
+            assert len(first) == 2
+            os.kill(_stage_pid(first, 1), signal.SIGKILL)
             _wait(lambda: health().status_code == 503, "/health to report the dead stage")
             failed = health()
             assert "stage 1" in failed.text and "SIGKILL" in failed.text, failed.text
