@@ -23,6 +23,10 @@ STAGE_KEYS = {
     "weights_gib",
     "kv_gib",
     "offload_gib",
+    "kv_preemption",  # optional: swap or recompute of evicted KV, with the host link it was priced on
+    "kv_evicted_gib",
+    "host_h2d_gbps",
+    "host_d2h_gbps",
     "prefill_ms",
     "decode_ms",
     "link_to_next",
@@ -31,6 +35,7 @@ STAGE_KEYS = {
 }
 TOP_KEYS = {
     "version",
+    "flow",  # version 4: null unless a flow plan
     "model",
     "cluster",
     "workload",
@@ -71,7 +76,7 @@ def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
     assert "VLLM_PP_LAYER_PARTITION=" in result.output and "vllm serve" in result.output
     assert "KV capacity" in result.output
     data = json.loads(out.read_text())
-    assert set(data) == TOP_KEYS and data["version"] == 3
+    assert set(data) == TOP_KEYS and data["version"] == 4
     assert data["precisions"] == [] and data["quality"] is None and data["replicas"] == []
     assert data["model"]["config"]["num_layers"] == 80 and data["granularity"] == granularity
     assert data["cluster"] == {"name": "mixed-a100-v100-t4", "source": "mixed-a100-v100-t4"}

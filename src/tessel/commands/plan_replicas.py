@@ -39,13 +39,15 @@ def plan_replicas(
     `problem` is `tessel.plan.api.prepare_plan`'s result, `settings` its `PlanSettings`."""
     from rich.table import Table
 
+    from tessel.commands.plan_flow import print_comparison, print_flow, write_and_export
     from tessel.plan.baselines import run_baselines
-    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
+    from tessel.plan.flow_choice import choose_with_flow
+    from tessel.plan.replicas import replica_gap, split_gap
     from tessel.plan.report import plan_json, replicas_json, stage_table
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
     b = workload_spec.micro_batch_size
-    chosen = choose_replicas(
+    choice = choose_with_flow(
         instance,
         b,
         replicas=count,
@@ -55,6 +57,14 @@ def plan_replicas(
         concurrency=concurrency,
         max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
     )
+    chosen = choice.replicas
+    if choice.flow is not None:  # a flow plan serves more than any pipeline or replica split
+        print_flow(console, instance, choice)
+        print_comparison(console, choice)
+        write_and_export(console, problem, choice, settings, json_path, export)
+        return choice
+    if choice.search is not None:
+        print_comparison(console, choice)
     for index, replica in enumerate(chosen.replicas):
         title = (
             f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs, "

@@ -154,3 +154,32 @@ def export_vllm(
         args += ["--distributed-executor-backend", "ray"]
     command = env + " " + " ".join(shlex.quote(a) for a in args)
     return VllmExport(command, counts, capacity, limiting, tokens_needed, warnings)
+
+
+def closest_disjoint_paths(plan) -> tuple[list[int], list[float], list[str]]:
+    """What vLLM can run of a flow plan (`tessel.plan.flow.FlowPlan`): pipelines that share no
+    device, each one vLLM instance behind a weighted load balancer. Paths are taken by routing
+    weight, skipping any that shares a device with one taken. Returns (path indices, their
+    load-balancer weights summing to 1, warnings saying what is lost)."""
+    taken, used = [], set()
+    for index in sorted(range(len(plan.paths)), key=lambda i: -plan.paths[i].weight):
+        devices = set(plan.paths[index].devices)
+        if devices & used:
+            continue
+        taken.append(index)
+        used |= devices
+    kept = sum(plan.paths[i].weight for i in taken)
+    weights = [plan.paths[i].weight / kept for i in taken]
+    warnings = []
+    if len(taken) < len(plan.paths):
+        warnings.append(
+            "vLLM cannot route requests over shared placements (one GPU serving several pipelines, "
+            f"flow weights per edge): exported {len(taken)} of the plan's {len(plan.paths)} paths, the ones "
+            f"sharing no GPU, as separate replicas; they carried {kept * 100:.1f}% of the requests, and "
+            "their load-balancer weights are rescaled to sum to 1"
+        )
+    warnings.append(
+        "each exported replica is a vLLM pipeline of its own: its GPUs' time is not shared with other "
+        "paths as in the plan, so its throughput is its own pipeline's, not the flow plan's"
+    )
+    return taken, weights, warnings

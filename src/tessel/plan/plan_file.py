@@ -74,10 +74,11 @@ if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
     from tessel.plan.cluster import Cluster
 
-PLAN_VERSION = 3
-SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+PLAN_VERSION = 4
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
 WHOLE_PREDICTED_VERSION = 3  # from it, a replica plan's top-level `predicted` is the whole plan's
 WEIGHT_RTOL = 1e-6  # replica weights must sum to 1 within this
+FLOW_WEIGHT_ATOL = 1e-5  # flow weights (written rounded to 9 digits) must balance within this
 MAIN_VARIANT = "plan"
 MAX_INDEX = 2**31 - 1  # unit, layer and stage indices: far above any model, far below overflow
 MAX_PLAN_BYTES = 64 * 2**20  # a plan of 10,000 stages is a few MB
@@ -337,6 +338,42 @@ def whole_predicted(replicas: list[Replica]) -> Predicted | None:
     figures = {}
     for key in Predicted.model_fields:
         values = [getattr(r.predicted, key) if r.predicted is not None else None for r in replicas]
+    # v4, a path of a flow plan: per stage, the share of its device's time this path gets
+    time_shares: list[float] | None = None
+
+    @field_validator("time_shares")
+    @classmethod
+    def _shares(cls, shares: list[float] | None) -> list[float] | None:
+        if shares is not None and any(not (0 < x <= 1 + WEIGHT_RTOL) for x in shares):
+            raise ValueError("time_shares must each be in (0, 1]")
+        return shares
+
+
+class Placement(_Strict):
+    """One device's range in a flow plan (v4)."""
+
+    device: str = Field(min_length=1)
+    gpu_type: str = ""
+    node: str = ""
+    layer_start: int = Field(ge=0, le=MAX_INDEX)
+    layer_end: int = Field(ge=0, le=MAX_INDEX)
+    unit_start: int = Field(ge=0, le=MAX_INDEX)
+    unit_end: int = Field(ge=0, le=MAX_INDEX)
+
+
+class FlowEdge(_Strict):
+    """An edge of the placement graph and the share of all requests on it (v4)."""
+
+    source: str = Field(min_length=1)  # "source" or a device
+    target: str = Field(min_length=1)  # "sink" or a device
+    weight: float = Field(gt=0, le=1 + WEIGHT_RTOL)
+
+
+class Flow(_Strict):
+    """A flow plan's placements and flow weights (v4)."""
+
+    placements: list[Placement] = Field(min_length=1)
+    edges: list[FlowEdge] = Field(min_length=1)
         if not replicas or any(value is None for value in values):
             figures[key] = None
         elif key == "throughput_tok_s":
@@ -409,6 +446,7 @@ class PlanFile(_Strict):
         _check_stages(self.stages, "stages", self.granularity)
         for name, baseline in self.baselines.items():
             if baseline.feasible and baseline.stages:
+    flow: Flow | None = None  # v4: placements and flow weights; `replicas` are then its paths
                 _check_stages(baseline.stages, f"baselines.{name}.stages", self.granularity)
         _check_replicas(self)
         return self
@@ -426,6 +464,7 @@ class PlanFile(_Strict):
 
     # ---- derived facts -------------------------------------------------------------------------
 
+        _check_flow(self)
     @property
     def source(self) -> str:
         return self._source
@@ -600,7 +639,7 @@ def _check_replicas(plan: PlanFile) -> None:
         if replica.stages[-1].unit_end != plan.stages[-1].unit_end:
             raise ValueError(f"replicas[{position}] covers {replica.stages[-1].unit_end} units, not all")
         for stage in replica.stages:
-            if stage.device in owner:
+            if stage.device in owner and plan.flow is None:
                 raise ValueError(
                     f"device {stage.device!r} serves replicas {owner[stage.device]} and {position}"
                 )
@@ -634,6 +673,103 @@ def _upgrade(data: dict) -> dict:
     version 1 or 2 replica plan's top-level `predicted` (replica 0's) becomes the whole plan's,
     recomputed from its replicas (`whole_predicted`)."""
     _check_nesting(data)
+def _check_flow(plan: PlanFile) -> None:
+    """A flow plan's placements, edges and paths agree (see the module docstring)."""
+    flow = plan.flow
+    if flow is None:
+        return
+    if not plan.replicas:
+        raise ValueError("a flow plan lists its paths under 'replicas'")
+    ranges: dict[str, Placement] = {}
+    for position, p in enumerate(flow.placements):
+        if p.unit_end <= p.unit_start or p.layer_end <= p.layer_start:
+            raise ValueError(f"flow.placements[{position}] holds no units")
+        if p.device in ranges:
+            raise ValueError(f"flow.placements: device {p.device!r} placed twice")
+        ranges[p.device] = p
+    n_units = plan.stages[-1].unit_end
+    _check_reaches_last_layer(list(ranges.values()), n_units, units_per_layer(plan.granularity))
+    out: dict[str, float] = {}
+    into: dict[str, float] = {}
+    for position, e in enumerate(flow.edges):
+        where = f"flow.edges[{position}] ({e.source} -> {e.target})"
+        start = 0
+        if e.source != "source":
+            if e.source not in ranges:
+                raise ValueError(f"{where}: {e.source!r} is not a placed device")
+            start = ranges[e.source].unit_end
+        if e.target == "sink":
+            if start != n_units:
+                raise ValueError(f"{where}: only a range ending at the last unit goes to the sink")
+        elif e.target not in ranges:
+            raise ValueError(f"{where}: {e.target!r} is not a placed device")
+        elif ranges[e.target].unit_start != start:
+            raise ValueError(
+                f"{where}: the ranges do not meet (one ends at unit {start}, the next starts at "
+                f"{ranges[e.target].unit_start})"
+            )
+        out[e.source] = out.get(e.source, 0.0) + e.weight
+        into[e.target] = into.get(e.target, 0.0) + e.weight
+    for end, total in (("source", out.get("source", 0.0)), ("sink", into.get("sink", 0.0))):
+        if abs(total - 1.0) > FLOW_WEIGHT_ATOL:
+            raise ValueError(f"flow weights at the {end} sum to {total:.6g}, not 1")
+    for device in ranges:
+        if abs(out.get(device, 0.0) - into.get(device, 0.0)) > FLOW_WEIGHT_ATOL:
+            raise ValueError(
+                f"flow weights into {device!r} ({into.get(device, 0.0):.6g}) and out of it "
+                f"({out.get(device, 0.0):.6g}) differ"
+            )
+    on_edges: dict[tuple[str, str], float] = {}
+    for position, replica in enumerate(plan.replicas):
+        hops = ["source", *(s.device for s in replica.stages), "sink"]
+        for a, b in zip(hops, hops[1:], strict=False):
+            on_edges[(a, b)] = on_edges.get((a, b), 0.0) + replica.weight
+        for stage in replica.stages:
+            placed = ranges.get(stage.device)
+            if placed is None or (placed.unit_start, placed.unit_end) != (stage.unit_start, stage.unit_end):
+                raise ValueError(f"replicas[{position}]: {stage.device!r} is not on its placement's range")
+        if replica.time_shares is not None and len(replica.time_shares) != len(replica.stages):
+            raise ValueError(
+                f"replicas[{position}]: {len(replica.time_shares)} time_shares for "
+                f"{len(replica.stages)} stages"
+            )
+    given = {(e.source, e.target): e.weight for e in flow.edges}
+    for key in sorted(set(given) | set(on_edges)):
+        if abs(given.get(key, 0.0) - on_edges.get(key, 0.0)) > FLOW_WEIGHT_ATOL:
+            raise ValueError(
+                f"flow weight {key[0]} -> {key[1]} is {given.get(key, 0.0):.6g} but the paths routed over "
+                f"it sum to {on_edges.get(key, 0.0):.6g}"
+            )
+
+
+def _check_reaches_last_layer(placements: list[Placement], n_units: int, per_layer: int) -> None:
+    """Refuse placements with no path from unit 0 to the last unit, naming the layers."""
+    starts: dict[int, list[int]] = {}
+    held: set[int] = set()
+    for p in placements:
+        starts.setdefault(p.unit_start, []).append(p.unit_end)
+        held.update(range(p.unit_start, p.unit_end))
+    reach, todo = {0}, [0]
+    while todo:
+        for end in starts.get(todo.pop(), ()):
+            if end not in reach:
+                reach.add(end)
+                todo.append(end)
+    if n_units in reach:
+        return
+    first = max(u for u in reach if u < n_units)
+    if first not in held:
+        last = first
+        while last + 1 < n_units and last + 1 not in held:
+            last += 1
+        why = "no GPU holds"
+    else:
+        last, why = n_units - 1, "no chain of GPU ranges reaches from layer 0 through"
+    a, b = first // per_layer, last // per_layer
+    span = f"layer {a}" if a == b else f"layers {a}-{b}"
+    raise ValueError(f"the placement graph has no path from the first layer to the last: {why} {span}")
+
+
     version = data.get("version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))

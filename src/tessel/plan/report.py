@@ -106,6 +106,58 @@ def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
 
 
 def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str) -> dict | None:
+def flow_json(instance: PlanningInstance, plan, cluster, micro_batch_size: int) -> tuple[list[dict], dict]:
+    """The plan file's `replicas` (the paths) and `flow` (version 4) from a `tessel.plan.flow.FlowPlan`;
+    each path's stages are evaluated at its micro-batches with the devices' full speed, its predicted
+    figures and `time_shares` are the flow plan's."""
+    from tessel.plan.flow import SINK, SOURCE
+    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.solution import Solution, Stage, evaluate
+
+    paths = []
+    for index, path in enumerate(plan.paths):
+        sub = with_micro_batches(gpu_memory_only(subset(instance, path.devices)), path.micro_batches)
+        ranges = [plan.stage_of(d) for d in path.devices]
+        local = Solution(tuple(Stage(i, s.unit_start, s.unit_end) for i, s in enumerate(ranges)))
+        evaluation = evaluate(sub, local)
+        paths.append(
+            {
+                "index": index,
+                "weight": path.weight,
+                "stages": stage_records(sub, evaluation, cluster),
+                "predicted": Predicted(path.ttft_s, path.tpot_s, path.throughput_tok_s).to_json(),
+                "objective": evaluation.objective,
+                "micro_batches": path.micro_batches,
+                "time_shares": list(path.time_shares),
+            }
+        )
+    placements = []
+    for s in plan.stages:
+        device = instance.devices[s.device]
+        layer_start, layer_end = layer_range(instance, s.unit_start, s.unit_end)
+        placements.append(
+            {
+                "device": device.name,
+                "gpu_type": device.gpu_type,
+                "node": device.node,
+                "layer_start": layer_start,
+                "layer_end": layer_end,
+                "unit_start": s.unit_start,
+                "unit_end": s.unit_end,
+            }
+        )
+    names = {SOURCE: "source", SINK: "sink"}
+    edges = [
+        {
+            "source": names.get(a) or instance.devices[a].name,
+            "target": names.get(b) or instance.devices[b].name,
+            "weight": weight,
+        }
+        for (a, b), weight in sorted(plan.edge_weights().items())
+    ]
+    return paths, {"placements": placements, "edges": edges}
+
+
     """The plan file's `quality` (version 2), None without a precision choice."""
     choice = instance.precision
     if choice is None:
@@ -237,6 +289,7 @@ def plan_json(
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "granularity": granularity,
+    flow: dict | None = None,
         "overlap": bool(instance.overlap),
         "swap_in": instance.swap_in,
         "stages": stage_records(instance, evaluation, cluster),
@@ -263,6 +316,7 @@ def decode_utilization(
     model,
     cluster,
     batch_size: int,
+        "flow": flow,
     decode_context: float,
     dtype: str = "fp16",
     kv_dtype: str = "fp16",

@@ -214,6 +214,7 @@ def _run_replicas(
     return VariantRun(
         PlanVariant(name="replicas", stages=stages, predicted=whole), merged, compute_metrics(merged)
     )
+        variant = _time_shared(variant, replica.time_shares)
 
 
 def _replica_settings(
@@ -225,6 +226,18 @@ def _replica_settings(
     k = replica.micro_batches
     if k is None or defaults.max_in_flight is None:
         return scheduler, options
+def _time_shared(variant: PlanVariant, shares: list[float] | None) -> PlanVariant:
+    """A flow plan's path (plan file v4): each stage runs at its share of its device's time, as a
+    device emulated at that fraction of its speed (a shared device simulated once per path)."""
+    if not shares:
+        return variant
+    stages = tuple(
+        s.model_copy(update={"emulate_speed": s.emulate_speed * share})
+        for s, share in zip(variant.stages, shares, strict=True)
+    )
+    return variant.model_copy(update={"stages": stages})
+
+
     b = defaults.max_num_seqs // defaults.max_in_flight
     scheduler, options = dict(scheduler), dict(options)
     if settings.max_num_seqs is None:

@@ -1,0 +1,138 @@
+"""`tessel plan --replicas auto` when a flow plan wins: its paths, placements and flow weights,
+its plan file (version 4, `flow`) and the closest vLLM export. The planning is
+`tessel.plan.flow_choice.choose_with_flow`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def print_flow(console, instance, choice) -> None:
+    from rich.table import Table
+
+    plan = choice.flow
+    table = Table(
+        title=f"flow plan: {len(plan.paths)} paths over {len(plan.stages)} GPUs", title_justify="left"
+    )
+    for column in ("path", "GPUs", "micro-batches", "tok/s", "routing weight", "devices"):
+        table.add_column(column, justify="right")
+    for index, path in enumerate(plan.paths):
+        names = " > ".join(instance.devices[d].name for d in path.devices)
+        table.add_row(
+            str(index),
+            str(len(path.devices)),
+            str(path.micro_batches),
+            f"{path.throughput_tok_s:.1f}",
+            f"{path.weight:.3f}",
+            names,
+        )
+    console.print(table)
+    placements = Table(title="placements (each GPU's layers)", title_justify="left")
+    for column in ("device", "type", "layers", "paths through it"):
+        placements.add_column(column, justify="right")
+    for s in plan.stages:
+        through = sum(s.device in p.devices for p in plan.paths)
+        placements.add_row(
+            instance.devices[s.device].name,
+            instance.devices[s.device].gpu_type,
+            f"{instance.units[s.unit_start].layer}-{instance.units[s.unit_end - 1].layer}",
+            str(through),
+        )
+    console.print(placements)
+
+
+def print_comparison(console, choice) -> None:
+    replicas, search = choice.replicas, choice.search
+    flow_tok = None if search is None or search.plan is None else search.plan.throughput_tok_s
+    gap = choice.gap
+    console.print(
+        f"chosen: {choice.kind}, {choice.throughput_tok_s:.1f} tok/s; one pipeline "
+        f"{replicas.single_tok_s:.1f}, disjoint replicas {replicas.throughput_tok_s:.1f}, best flow plan "
+        f"{'n/a' if flow_tok is None else f'{flow_tok:.1f}'} tok/s; memory bound "
+        f"{choice.bound_tok_s:.1f} tok/s (gap {'n/a' if gap is None else f'{gap * 100:.1f}%'}), "
+        f"{choice.time_s:.1f} s"
+    )
+
+
+def write_and_export(console, problem, choice, settings, json_path: Path | None, export: str | None) -> None:
+    from tessel.plan.baselines import run_baselines
+    from tessel.plan.report import flow_json, plan_json
+
+    instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
+    b = workload_spec.micro_batch_size
+    plan = choice.flow
+    paths, flow = flow_json(instance, plan, cluster_spec, b)
+    in_flight = plan.micro_batches
+    if in_flight > workload_spec.micro_batches:
+        workload_spec = workload_spec.model_copy(
+            update={
+                "batch_size": in_flight * b,
+                "arrival_rate_per_s": None,
+                "latency_estimate_s": None,
+                "max_micro_batch": in_flight,
+            }
+        )
+    if json_path is not None:
+        from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+        from tessel.plan.solution import Solution, Stage, evaluate
+
+        first = plan.paths[0]
+        sub = with_micro_batches(gpu_memory_only(subset(instance, first.devices)), first.micro_batches)
+        local = Solution(tuple(Stage(i, plan.stage_of(d).unit_start, plan.stage_of(d).unit_end)
+                               for i, d in enumerate(first.devices)))  # fmt: skip
+        plan_file = plan_json(
+            sub,
+            evaluate(sub, local),
+            model=problem.model,
+            cluster=cluster_spec,
+            cluster_source=problem.cluster_source,
+            workload=workload_spec,
+            solver={
+                "name": "flow-milp",
+                "status": "best of pipelines, replicas and flow",
+                "paths": len(paths),
+            },
+            baselines=run_baselines(instance),
+            dtype=settings.dtype,
+            kv_dtype=settings.kv_dtype,
+            granularity=settings.granularity,
+            replicas=paths,
+            quality_source=instance.labels.get("quality_source", "shape"),
+            baseline_instance=instance,
+            flow=flow,
+        )
+        plan_file.write(json_path)
+        console.print(f"wrote {json_path}")
+    if export == "vllm":
+        _export_vllm(console, problem, plan, settings, workload_spec)
+
+
+def _export_vllm(console, problem, plan, settings, workload_spec) -> None:
+    from tessel.plan.export_vllm import closest_disjoint_paths, export_vllm
+    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.solution import Solution, Stage, evaluate
+
+    instance = problem.instance
+    taken, weights, warnings = closest_disjoint_paths(plan)
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    for index, weight in zip(taken, weights, strict=True):
+        path = plan.paths[index]
+        sub = with_micro_batches(gpu_memory_only(subset(instance, path.devices)), path.micro_batches)
+        local = Solution(tuple(Stage(i, plan.stage_of(d).unit_start, plan.stage_of(d).unit_end)
+                               for i, d in enumerate(path.devices)))  # fmt: skip
+        exported = export_vllm(
+            sub,
+            evaluate(sub, local),
+            model=problem.model,
+            dtype=settings.dtype,
+            kv_dtype=settings.kv_dtype,
+            max_model_len=workload_spec.max_kv_tokens,
+        )
+        console.print(f"vLLM replica for path {index} (load-balancer weight {weight:.3f}):")
+        typer.echo(exported.command)
+        for warning in exported.warnings:
+            console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    typer.echo("load-balancer weights: " + ",".join(f"{w:.4f}" for w in weights))

@@ -1,0 +1,436 @@
+"""Flow over layer placements (Helix's idea): each GPU holds one contiguous range of units, and
+requests are routed over the graph of placements instead of down disjoint pipelines.
+
+The placement graph has a node per used device; an edge j -> k wherever j's range ends where k's
+starts, a source edge into every device whose range starts at unit 0 and a sink edge out of every
+device whose range ends at the last unit. A request follows one source-sink path, so a path is a
+pipeline whose devices may be shared with other paths.
+
+Cost model of a flow plan (`evaluate_flow`), the pipeline model of `tessel.plan.solution` with
+devices shared by time: path p keeps k_p micro-batches of b requests in flight; device j gives a
+share phi_jp of its time to path p (sum_p phi_jp = 1, in proportion to the work the routed rates
+bring it). With T_j its stage time on the path (prefill or decode, its send to the path's next
+device included, as `evaluate` prices them), the path is the pipeline formula with k_p micro-batches
+whose first micro-batch crosses at full speed and whose bottleneck delivers at its share,
+
+    P_p = max(sum_j T^pre_j + (k_p - 1) M^pre_p, k_p M^pre_p),   M_p = max_j T_j / phi_jp
+    D_p = the same for decode,      X_p = k_p b n_out / (P_p + n_out D_p),
+
+and the plan's throughput is sum_p X_p (routing weights X_p / sum X). Every device holds its range's
+weights (and the embedding / LM head where its range starts at 0 / ends at the last unit), its
+workspace and the KV of every micro-batch of every path through it, all in GPU memory (concurrency
+by memory, no offloading): sum_p k_p kv_j <= free_j. The k_p are chosen greedily by marginal
+throughput (each X_p is concave in k_p), at most `max_micro_batches` in all when given. Disjoint
+paths (phi = 1) are priced exactly as `tessel.plan.replicas` prices replicas by memory, so a replica
+plan is a flow plan with the same throughput (`from_pipelines`).
+
+So X_p <= phi_jp / W_j on every device of the path (W_j = T^pre_j + n_out T^dec_j): no device is
+busy more than all its time. The bound of `tessel.plan.memory_bound` holds for these plans too (busy
+time, Little's law X_p sum_j W_j <= k_p, memory). Links are charged as the sender's stage time
+(the additive form), which caps each edge's rate at 1 / its send time; a node's network interface
+shared by several senders is not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessel.errors import TesselError
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Solution, Stage, evaluate
+from tessel.plan.workload import MAX_MICRO_BATCHES
+
+SOURCE, SINK = -1, -2  # graph ends in edge lists
+FLOW_EPS = 1e-12  # rates below this are no flow
+SHARE_ROUNDS = 3  # time shares recomputed from the allocated rates this many times
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPath:
+    devices: tuple[int, ...]  # in path order; their ranges tile the units
+    micro_batches: int  # k_p in flight
+    throughput_tok_s: float
+    weight: float  # share of the requests routed to it (sums to 1 over the paths)
+    ttft_s: float  # prefill makespan of its k_p micro-batches, shared stage times
+    tpot_s: float  # decode makespan
+    time_shares: tuple[float, ...] = ()  # per device: the share of its time this path gets
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPlan:
+    stages: tuple[Stage, ...]  # each used device's range (one per device), sorted by unit_start
+    paths: tuple[FlowPath, ...]
+    throughput_tok_s: float
+
+    def stage_of(self, device: int) -> Stage:
+        return next(s for s in self.stages if s.device == device)
+
+    def edge_weights(self) -> dict[tuple[int, int], float]:
+        """Share of all requests on each edge (SOURCE / SINK at the ends): the flow weights."""
+        out: dict[tuple[int, int], float] = defaultdict(float)
+        for path in self.paths:
+            hops = (SOURCE, *path.devices, SINK)
+            for a, b in zip(hops, hops[1:], strict=False):
+                out[(a, b)] += path.weight
+        return dict(out)
+
+    @property
+    def micro_batches(self) -> int:
+        return sum(p.micro_batches for p in self.paths)
+
+    @property
+    def shared(self) -> bool:
+        """Whether some device serves several paths (not expressible as disjoint pipelines)."""
+        seen = [d for p in self.paths for d in p.devices]
+        return len(seen) != len(set(seen))
+
+
+def check_placements(instance: PlanningInstance, stages: tuple[Stage, ...] | list[Stage]) -> None:
+    """Refuse placements whose graph has no path from the first unit to the last, naming the
+    layer range no path crosses."""
+    n = instance.n_units
+    reach = reachable_boundaries(stages, n)
+    if n in reach:
+        return
+    held = np.zeros(n, dtype=bool)
+    for s in stages:
+        held[s.unit_start : s.unit_end] = True
+    first = max(reach)
+    if not held[first]:
+        last = first
+        while last + 1 < n and not held[last + 1]:
+            last += 1
+        why = "no GPU holds"
+    else:
+        last = n - 1
+        why = "no chain of GPU ranges reaches from layer 0 through"
+    a, b = instance.units[first].layer, instance.units[last].layer
+    span = f"layer {a}" if a == b else f"layers {a}-{b}"
+    raise TesselError(
+        f"the placement graph has no path from the first layer to the last: {why} {span} "
+        f"(ranges must meet: one GPU's range ends where the next one's starts)"
+    )
+
+
+def reachable_boundaries(stages, n_units: int) -> set[int]:
+    """Unit boundaries a request can reach from unit 0 following ranges that meet."""
+    starts: dict[int, list[int]] = defaultdict(list)
+    for s in stages:
+        starts[s.unit_start].append(s.unit_end)
+    reach, todo = {0}, [0]
+    while todo:
+        at = todo.pop()
+        for end in starts.get(at, ()):
+            if end not in reach and end <= n_units:
+                reach.add(end)
+                todo.append(end)
+    return reach
+
+
+def placement_edges(stages, n_units: int) -> list[tuple[int, int]]:
+    """Edges of the placement graph (device indices; SOURCE / SINK at the ends)."""
+    by_start: dict[int, list[int]] = defaultdict(list)
+    for s in stages:
+        by_start[s.unit_start].append(s.device)
+    edges = [(SOURCE, d) for d in by_start.get(0, ())]
+    for s in stages:
+        if s.unit_end == n_units:
+            edges.append((s.device, SINK))
+        else:
+            edges += [(s.device, d) for d in by_start.get(s.unit_end, ())]
+    return edges
+
+
+def max_flow(
+    edges: list[tuple[int, int]], node_capacity: dict[int, float], edge_capacity=None
+) -> tuple[float, dict[tuple[int, int], float]]:
+    """Max flow SOURCE -> SINK over `edges` with capacities on the nodes (and optionally edges),
+    by shortest augmenting paths on the node-split graph. Returns (value, flow per edge)."""
+    edge_capacity = edge_capacity or {}
+    # node-split: v_in = ("i", v), v_out = ("o", v); an edge (a, b) goes a_out -> b_in
+    cap: dict = defaultdict(float)
+    adj: dict = defaultdict(set)
+
+    def arc(a, b, c):
+        cap[(a, b)] += c
+        adj[a].add(b)
+        adj[b].add(a)
+
+    for v, c in node_capacity.items():
+        arc(("i", v), ("o", v), max(c, 0.0))
+    for a, b in edges:
+        tail = ("o", a) if a != SOURCE else "s"
+        head = ("i", b) if b != SINK else "t"
+        arc(tail, head, edge_capacity.get((a, b), math.inf))
+    flow: dict = defaultdict(float)
+    total = 0.0
+    while True:
+        parent = {"s": None}
+        queue = ["s"]
+        for u in queue:
+            if "t" in parent:
+                break
+            for v in adj[u]:
+                if v not in parent and cap[(u, v)] - flow[(u, v)] > FLOW_EPS:
+                    parent[v] = u
+                    queue.append(v)
+        if "t" not in parent:
+            break
+        path, v = [], "t"
+        while parent[v] is not None:
+            path.append((parent[v], v))
+            v = parent[v]
+        push = min(cap[e] - flow[e] for e in path)
+        if not math.isfinite(push):
+            raise ValueError("unbounded flow: a path without capacity")
+        for u, v in path:
+            flow[(u, v)] += push
+            flow[(v, u)] -= push
+        total += push
+    out = {}
+    for a, b in edges:
+        tail = ("o", a) if a != SOURCE else "s"
+        head = ("i", b) if b != SINK else "t"
+        if flow[(tail, head)] > FLOW_EPS:
+            out[(a, b)] = flow[(tail, head)]
+    return total, out
+
+
+def decompose(edge_flow: dict[tuple[int, int], float]) -> list[tuple[tuple[int, ...], float]]:
+    """Paths SOURCE -> SINK and their rates, from an acyclic edge flow."""
+    left = {e: f for e, f in edge_flow.items() if f > FLOW_EPS}
+    paths = []
+    while True:
+        starts = [e for e in left if e[0] == SOURCE]
+        if not starts:
+            break
+        hops, at = [], SOURCE
+        while at != SINK:
+            nxt = max((e for e in left if e[0] == at), key=lambda e: left[e], default=None)
+            if nxt is None:  # flow that does not reach the sink (rounding): drop it
+                break
+            hops.append(nxt)
+            at = nxt[1]
+        if at != SINK:
+            left.pop(hops[0] if hops else starts[0], None)
+            continue
+        rate = min(left[e] for e in hops)
+        for e in hops:
+            left[e] -= rate
+            if left[e] <= FLOW_EPS * 10:
+                del left[e]
+        paths.append((tuple(e[1] for e in hops[:-1]), rate))
+    return paths
+
+
+@dataclass(slots=True)
+class _PathCost:
+    devices: tuple[int, ...]
+    pre: np.ndarray  # stage times at full speed
+    dec: np.ndarray
+    kv: np.ndarray  # KV of one micro-batch per stage
+
+
+def _path_cost(one: PlanningInstance, stages_by_device: dict[int, Stage], devices) -> _PathCost:
+    solution = Solution(tuple(stages_by_device[d] for d in devices))
+    evaluation = evaluate(one, solution)
+    return _PathCost(
+        tuple(devices),
+        np.array([s.time_prefill_s for s in evaluation.stages]),
+        np.array([s.time_decode_s for s in evaluation.stages]),
+        np.array([s.kv_bytes for s in evaluation.stages]),
+    )
+
+
+def _fixed_bytes(one: PlanningInstance, stage: Stage) -> tuple[float, float]:
+    """(bytes a device holds whatever the concurrency, KV of one micro-batch) for its range."""
+    units = slice(stage.unit_start, stage.unit_end)
+    weights = float(np.sum(one.weight_bytes[units]))
+    weights += one.first_bytes if stage.unit_start == 0 else 0.0
+    weights += one.last_bytes if stage.unit_end == one.n_units else 0.0
+    return weights + float(one.workspace_bytes[stage.device]), float(np.sum(one.kv_bytes[units]))
+
+
+def evaluate_flow(
+    instance: PlanningInstance,
+    stages,
+    paths: list[tuple[tuple[int, ...], float]],
+    micro_batch_size: int,
+    max_micro_batches: int | None = None,
+) -> FlowPlan | None:
+    """The module docstring's throughput of placements `stages` with requests routed over `paths`
+    ((devices, planned rate) each); None when no path can hold one micro-batch."""
+    one = _one(instance)
+    n_out = one.decode_weight / one.prefill_weight
+    by_device = {s.device: s for s in stages}
+    costs = [_path_cost(one, by_device, devices) for devices, rate in paths if rate > FLOW_EPS]
+    rates = [rate for _, rate in paths if rate > FLOW_EPS]
+    free = {}
+    for s in stages:
+        fixed, _ = _fixed_bytes(one, s)
+        memory = one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
+        free[s.device] = memory - fixed
+    best = None
+    for _ in range(SHARE_ROUNDS):
+        if not costs:
+            break
+        shares = _time_shares(costs, rates, n_out)
+        ks = _allocate(costs, shares, free, micro_batch_size, n_out, max_micro_batches)
+        plan = _plan(stages, costs, shares, ks, micro_batch_size, n_out)
+        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s * (1 + 1e-12)):
+            best = plan
+        keep = [i for i, k in enumerate(ks) if k > 0]
+        if not keep:
+            break
+        new_rates = [_tok_s(costs[i], shares[i], ks[i], micro_batch_size, n_out) for i in keep]
+        if len(keep) == len(costs) and np.allclose(new_rates, rates, rtol=1e-9):
+            break
+        costs, rates = [costs[i] for i in keep], new_rates
+    return best
+
+
+def price_paths(
+    instance: PlanningInstance, stages, paths: list[tuple[tuple[int, ...], int]], micro_batch_size: int
+) -> FlowPlan | None:
+    """Placements with a fixed count of micro-batches per path ((devices, k) each), time shares in
+    proportion to the counts' work: the throughput of a routing someone else chose (a baseline's).
+    Refused (ValueError) when a device's memory does not hold its paths' KV."""
+    one = _one(instance)
+    n_out = one.decode_weight / one.prefill_weight
+    by_device = {s.device: s for s in stages}
+    kept = [(d, k) for d, k in paths if k > 0]
+    if not kept:
+        return None
+    costs = [_path_cost(one, by_device, d) for d, _ in kept]
+    ks = [k for _, k in kept]
+    held: dict[int, float] = defaultdict(float)
+    for cost, k in zip(costs, ks, strict=True):
+        for d, kv in zip(cost.devices, cost.kv, strict=True):
+            held[d] += k * kv
+    for s in stages:
+        fixed, _ = _fixed_bytes(one, s)
+        memory = one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
+        if fixed + held[s.device] > memory:
+            raise ValueError(f"device {one.devices[s.device].name} does not hold its paths' KV")
+    shares = _time_shares(costs, [float(k) for k in ks], n_out)
+    return _plan(stages, costs, shares, ks, micro_batch_size, n_out)
+
+
+def _one(instance: PlanningInstance) -> PlanningInstance:
+    from tessel.plan.replicas import gpu_memory_only, with_micro_batches
+
+    return gpu_memory_only(with_micro_batches(instance.relaxed() if instance.precision else instance, 1))
+
+
+def _time_shares(costs: list[_PathCost], rates: list[float], n_out: float) -> list[np.ndarray]:
+    """phi_jp: each device's time split over its paths in proportion to the work their rates bring."""
+    load: dict[int, float] = defaultdict(float)
+    work = []
+    for cost, rate in zip(costs, rates, strict=True):
+        w = rate * (cost.pre + n_out * cost.dec)
+        work.append(w)
+        for d, x in zip(cost.devices, w, strict=True):
+            load[d] += x
+    return [
+        np.array([x / load[d] if load[d] > 0 else 1.0 for d, x in zip(c.devices, w, strict=True)])
+        for c, w in zip(costs, work, strict=True)
+    ]
+
+
+def _makespans(cost: _PathCost, share: np.ndarray, k: int) -> tuple[float, float]:
+    """(prefill, decode) makespans of k micro-batches on a path (the module docstring's formula)."""
+    out = []
+    for times in (cost.pre, cost.dec):
+        bottleneck = float((times / share).max())
+        out.append(max(float(times.sum()) + (k - 1) * bottleneck, k * bottleneck))
+    return out[0], out[1]
+
+
+def _tok_s(cost: _PathCost, share: np.ndarray, k: int, b: int, n_out: float) -> float:
+    if k <= 0:
+        return 0.0
+    ttft, tpot = _makespans(cost, share, k)
+    total = ttft + n_out * tpot
+    return k * b * n_out / total if total > 0 else 0.0
+
+
+def _allocate(costs, shares, free, b, n_out, cap) -> list[int]:
+    """k_p by greedy marginal throughput within every device's free memory (and `cap` in all)."""
+    room = dict(free)
+    ks = [0] * len(costs)
+    gains = [_tok_s(c, s, 1, b, n_out) for c, s in zip(costs, shares, strict=True)]
+    total = 0
+    limit = cap if cap is not None else math.inf
+    while total < limit:
+        order = sorted(range(len(costs)), key=lambda i: -gains[i])
+        placed = False
+        for i in order:
+            if gains[i] <= 0 or ks[i] >= MAX_MICRO_BATCHES:
+                continue
+            cost = costs[i]
+            if all(room[d] >= kv for d, kv in zip(cost.devices, cost.kv, strict=True)):
+                for d, kv in zip(cost.devices, cost.kv, strict=True):
+                    room[d] -= kv
+                ks[i] += 1
+                now = _tok_s(cost, shares[i], ks[i], b, n_out)
+                gains[i] = _tok_s(cost, shares[i], ks[i] + 1, b, n_out) - now
+                placed = True
+                break
+        if not placed:
+            break
+        total += 1
+    return ks
+
+
+def _plan(stages, costs, shares, ks, b, n_out) -> FlowPlan | None:
+    paths = []
+    for cost, share, k in zip(costs, shares, ks, strict=True):
+        if k <= 0:
+            continue
+        ttft, tpot = _makespans(cost, share, k)
+        paths.append(
+            (cost.devices, k, _tok_s(cost, share, k, b, n_out), ttft, tpot, tuple(map(float, share)))
+        )
+    total = sum(p[2] for p in paths)
+    if total <= 0:
+        return None
+    used = {d for p in paths for d in p[0]}
+    kept = tuple(sorted((s for s in stages if s.device in used), key=lambda s: (s.unit_start, s.device)))
+    return FlowPlan(
+        kept,
+        tuple(FlowPath(d, k, x, x / total, ttft, tpot, sh) for d, k, x, ttft, tpot, sh in paths),
+        total,
+    )
+
+
+def from_pipelines(
+    instance: PlanningInstance,
+    pipelines: list[Solution],
+    micro_batch_size: int,
+    max_micro_batches: int | None = None,
+) -> FlowPlan | None:
+    """Disjoint pipelines (replicas) as a flow plan, concurrency by memory."""
+    stages = [s for p in pipelines for s in p.stages]
+    paths = [(p.devices, 1.0) for p in pipelines]
+    return evaluate_flow(instance, stages, paths, micro_batch_size, max_micro_batches)
+
+
+def route_placements(
+    instance: PlanningInstance,
+    stages,
+    rates: dict[int, float],
+    micro_batch_size: int,
+    max_micro_batches: int | None = None,
+) -> FlowPlan | None:
+    """Placements with a planned rate per device: max flow over the placement graph under those
+    rates (node capacities), decomposed into paths and evaluated."""
+    check_placements(instance, stages)
+    edges = placement_edges(stages, instance.n_units)
+    value, edge_flow = max_flow(edges, rates)
+    if value <= FLOW_EPS:
+        return None
+    return evaluate_flow(instance, stages, decompose(edge_flow), micro_batch_size, max_micro_batches)

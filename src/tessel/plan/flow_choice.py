@@ -1,0 +1,110 @@
+"""`tessel plan --replicas auto` with concurrency by memory: single pipelines, disjoint replicas and
+flow plans compared, the best returned (never worse than any of them).
+
+`choose_with_flow` runs the flow search (`tessel.plan.flow_milp.solve_flow`: the flow MILP and the
+Swarm-like plan) on `FLOW_SHARE` of the time limit, then the replica search
+(`tessel.plan.replicas.choose_replicas`, which keeps the whole cluster as one pipeline and the fixed
+shares as candidates) on the rest. The replica plan is itself a flow plan of the same throughput
+(disjoint paths are priced as replicas are), so the flow plan is taken only when it serves strictly
+more.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from tessel.plan.flow import FlowPlan
+from tessel.plan.flow_milp import FlowSearch, solve_flow
+from tessel.plan.instance import PlanningInstance
+from tessel.plan.replicas import ReplicaPlan, choose_replicas
+from tessel.plan.solution import Stage
+
+FLOW_SHARE = 0.35  # of the time limit for the flow search, run first; the replica search gets the rest
+MIN_FLOW_S = 2.0
+KINDS = ("single", "replicas", "flow")
+
+
+@dataclass(frozen=True, slots=True)
+class FlowChoice:
+    replicas: ReplicaPlan
+    search: FlowSearch | None  # None: not run (fixed concurrency, a replica count, no time)
+    time_s: float
+
+    @property
+    def flow(self) -> FlowPlan | None:
+        """The flow plan when it serves more than the replicas, else None."""
+        plan = None if self.search is None else self.search.plan
+        if plan is None or plan.throughput_tok_s <= self.replicas.throughput_tok_s * (1 + 1e-9):
+            return None
+        return plan
+
+    @property
+    def kind(self) -> str:
+        if self.flow is not None:
+            return "flow"
+        return "single" if len(self.replicas.replicas) == 1 else "replicas"
+
+    @property
+    def throughput_tok_s(self) -> float:
+        flow = self.flow
+        return self.replicas.throughput_tok_s if flow is None else flow.throughput_tok_s
+
+    @property
+    def bound_tok_s(self) -> float:
+        """The memory + requests-in-flight bound (`tessel.plan.memory_bound`): no flow plan, replica
+        split or pipeline served by memory exceeds it (inf: none)."""
+        return self.replicas.split_bound_tok_s if self.replicas.concurrency == "memory" else math.inf
+
+    @property
+    def gap(self) -> float | None:
+        bound = self.bound_tok_s
+        if not math.isfinite(bound) or bound <= 0:
+            return None
+        return max(bound - self.throughput_tok_s, 0.0) / bound
+
+
+def choose_with_flow(
+    instance: PlanningInstance,
+    micro_batch_size: int,
+    *,
+    replicas: int | None = None,
+    solver: str = "milp",
+    time_limit_s: float = 30.0,
+    mip_gap: float = 0.01,
+    concurrency: str = "fixed",
+    max_micro_batches: int | None = None,
+) -> FlowChoice:
+    """The best of one pipeline, disjoint replicas and (with `replicas` None and concurrency by
+    memory) flow plans."""
+    started = time.perf_counter()
+    flow = replicas is None and concurrency == "memory"
+    search = None
+    if flow and time_limit_s * FLOW_SHARE >= MIN_FLOW_S:
+        search = solve_flow(
+            instance,
+            micro_batch_size,
+            time_limit_s=FLOW_SHARE * time_limit_s,
+            max_micro_batches=max_micro_batches,
+        )
+    chosen = choose_replicas(
+        instance,
+        micro_batch_size,
+        replicas=replicas,
+        solver=solver,
+        time_limit_s=max(time_limit_s - (time.perf_counter() - started), MIN_FLOW_S),
+        mip_gap=mip_gap,
+        concurrency=concurrency,
+        max_micro_batches=max_micro_batches,
+    )
+    return FlowChoice(chosen, search, time.perf_counter() - started)
+
+
+def replica_stages(plan: ReplicaPlan) -> list[Stage]:
+    """The replicas' stages with the cluster's device indices."""
+    out = []
+    for replica in plan.replicas:
+        for s in replica.result.solution.stages:
+            out.append(Stage(replica.devices[s.device], s.unit_start, s.unit_end))
+    return out
