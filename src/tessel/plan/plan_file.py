@@ -322,22 +322,6 @@ class Replica(_Strict):
     objective: float | None = None
     # its share of the workload's m micro-batches in flight (None: written before shares, all m)
     micro_batches: int | None = Field(default=None, ge=1, le=MAX_MICRO_BATCHES)
-
-
-def whole_predicted(replicas: list[Replica]) -> Predicted | None:
-    """A replica plan's predicted figures for the whole plan (the top-level `predicted`, version 3).
-
-    - throughput_tok_s: what the replicas serve together when requests are routed by their
-      weights w_r: min_r X_r / w_r, the rate at which the first replica saturates. With the
-      planner's weights (w_r = X_r / sum X) that is sum_r X_r, the max flow `tessel plan
-      --replicas` reports as the total.
-    - ttft_s, tpot_s: request-weighted means over the replicas, sum_r w_r x_r (a share w_r of the
-      requests sees replica r's figure): what the mean request sees.
-
-    A figure that some replica does not give is None; None when no figure is known."""
-    figures = {}
-    for key in Predicted.model_fields:
-        values = [getattr(r.predicted, key) if r.predicted is not None else None for r in replicas]
     # v4, a path of a flow plan: per stage, the share of its device's time this path gets
     time_shares: list[float] | None = None
 
@@ -374,6 +358,22 @@ class Flow(_Strict):
 
     placements: list[Placement] = Field(min_length=1)
     edges: list[FlowEdge] = Field(min_length=1)
+
+
+def whole_predicted(replicas: list[Replica]) -> Predicted | None:
+    """A replica plan's predicted figures for the whole plan (the top-level `predicted`, version 3).
+
+    - throughput_tok_s: what the replicas serve together when requests are routed by their
+      weights w_r: min_r X_r / w_r, the rate at which the first replica saturates. With the
+      planner's weights (w_r = X_r / sum X) that is sum_r X_r, the max flow `tessel plan
+      --replicas` reports as the total.
+    - ttft_s, tpot_s: request-weighted means over the replicas, sum_r w_r x_r (a share w_r of the
+      requests sees replica r's figure): what the mean request sees.
+
+    A figure that some replica does not give is None; None when no figure is known."""
+    figures = {}
+    for key in Predicted.model_fields:
+        values = [getattr(r.predicted, key) if r.predicted is not None else None for r in replicas]
         if not replicas or any(value is None for value in values):
             figures[key] = None
         elif key == "throughput_tok_s":
@@ -430,6 +430,7 @@ class PlanFile(_Strict):
     precisions: list[str] = []  # v2: precisions the planner chose from (empty: `dtype` throughout)
     quality: Quality | None = None  # v2
     replicas: list[Replica] = []  # v2: several pipelines (empty: the one in `stages`)
+    flow: Flow | None = None  # v4: placements and flow weights; `replicas` are then its paths
     _source: str = PrivateAttr(default="<plan>")
 
     @model_validator(mode="before")
@@ -446,8 +447,8 @@ class PlanFile(_Strict):
         _check_stages(self.stages, "stages", self.granularity)
         for name, baseline in self.baselines.items():
             if baseline.feasible and baseline.stages:
-    flow: Flow | None = None  # v4: placements and flow weights; `replicas` are then its paths
                 _check_stages(baseline.stages, f"baselines.{name}.stages", self.granularity)
+        _check_flow(self)
         _check_replicas(self)
         return self
 
@@ -464,7 +465,6 @@ class PlanFile(_Strict):
 
     # ---- derived facts -------------------------------------------------------------------------
 
-        _check_flow(self)
     @property
     def source(self) -> str:
         return self._source
@@ -657,22 +657,6 @@ def _check_replicas(plan: PlanFile) -> None:
         )
 
 
-def _where(variant: PlanVariant) -> str:
-    if variant.name.startswith("replica") and variant.name[len("replica") :].isdigit():
-        return f"replicas[{variant.name[len('replica') :]}].stages"
-    return "stages" if variant.name == MAIN_VARIANT else f"baselines.{variant.name}.stages"
-
-
-def _predicted(predicted: Predicted | None) -> dict[str, float]:
-    return {} if predicted is None else predicted.as_dict()
-
-
-def _upgrade(data: dict) -> dict:
-    """The one place older plan versions become the current one: version 1 lacks only optional
-    version 2 fields (precisions, quality, replicas), so it reads as version 2 without them; a
-    version 1 or 2 replica plan's top-level `predicted` (replica 0's) becomes the whole plan's,
-    recomputed from its replicas (`whole_predicted`)."""
-    _check_nesting(data)
 def _check_flow(plan: PlanFile) -> None:
     """A flow plan's placements, edges and paths agree (see the module docstring)."""
     flow = plan.flow
@@ -770,6 +754,22 @@ def _check_reaches_last_layer(placements: list[Placement], n_units: int, per_lay
     raise ValueError(f"the placement graph has no path from the first layer to the last: {why} {span}")
 
 
+def _where(variant: PlanVariant) -> str:
+    if variant.name.startswith("replica") and variant.name[len("replica") :].isdigit():
+        return f"replicas[{variant.name[len('replica') :]}].stages"
+    return "stages" if variant.name == MAIN_VARIANT else f"baselines.{variant.name}.stages"
+
+
+def _predicted(predicted: Predicted | None) -> dict[str, float]:
+    return {} if predicted is None else predicted.as_dict()
+
+
+def _upgrade(data: dict) -> dict:
+    """The one place older plan versions become the current one: version 1 lacks only optional
+    version 2 fields (precisions, quality, replicas), so it reads as version 2 without them; a
+    version 1 or 2 replica plan's top-level `predicted` (replica 0's) becomes the whole plan's,
+    recomputed from its replicas (`whole_predicted`)."""
+    _check_nesting(data)
     version = data.get("version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))

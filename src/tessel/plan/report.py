@@ -105,7 +105,6 @@ def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
     ]
 
 
-def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str) -> dict | None:
 def flow_json(instance: PlanningInstance, plan, cluster, micro_batch_size: int) -> tuple[list[dict], dict]:
     """The plan file's `replicas` (the paths) and `flow` (version 4) from a `tessel.plan.flow.FlowPlan`;
     each path's stages are evaluated at its micro-batches with the devices' full speed, its predicted
@@ -158,6 +157,7 @@ def flow_json(instance: PlanningInstance, plan, cluster, micro_batch_size: int) 
     return paths, {"placements": placements, "edges": edges}
 
 
+def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str) -> dict | None:
     """The plan file's `quality` (version 2), None without a precision choice."""
     choice = instance.precision
     if choice is None:
@@ -275,6 +275,7 @@ def plan_json(
     replicas: list[dict] | None = None,
     quality_source: str = "shape",
     baseline_instance: PlanningInstance | None = None,
+    flow: dict | None = None,
 ) -> PlanFile:
     """The plan file that the simulator, chunk planner and runtime read. With `replicas`
     (`replicas_json`), `evaluation` is the first replica's and `instance` its group's (the top-level
@@ -289,7 +290,6 @@ def plan_json(
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "granularity": granularity,
-    flow: dict | None = None,
         "overlap": bool(instance.overlap),
         "swap_in": instance.swap_in,
         "stages": stage_records(instance, evaluation, cluster),
@@ -302,6 +302,7 @@ def plan_json(
         "precisions": list(instance.precision.names) if instance.precision is not None else [],
         "quality": quality_json(instance, evaluation, quality_source),
         "replicas": replicas or [],
+        "flow": flow,
     }
     plan = parse_plan(_finite_tree(data), source="tessel plan")
     if not plan.replicas:
@@ -316,7 +317,6 @@ def decode_utilization(
     model,
     cluster,
     batch_size: int,
-        "flow": flow,
     decode_context: float,
     dtype: str = "fp16",
     kv_dtype: str = "fp16",

@@ -205,6 +205,7 @@ def _run_replicas(
     routed = route(requests, [r.weight for r in plan_file.replicas])
     results = []
     for replica, variant, share in zip(plan_file.replicas, replicas, routed, strict=True):
+        variant = _time_shared(variant, replica.time_shares)
         if share:
             own = _replica_settings(plan_file, replica, scheduler, options, settings)
             results.append(_run_variant(plan_file, variant, share, *own, profiles).result)
@@ -214,18 +215,8 @@ def _run_replicas(
     return VariantRun(
         PlanVariant(name="replicas", stages=stages, predicted=whole), merged, compute_metrics(merged)
     )
-        variant = _time_shared(variant, replica.time_shares)
 
 
-def _replica_settings(
-    plan_file: PlanFile, replica, scheduler: dict, options: dict, settings: SimulationSettings
-) -> tuple[dict, dict]:
-    """(scheduler, options) for one replica: in the plan regime it keeps its own share of
-    the workload's micro-batches in flight (`Replica.micro_batches`), where no flag set them."""
-    defaults = regime_defaults(plan_file, settings.regime)
-    k = replica.micro_batches
-    if k is None or defaults.max_in_flight is None:
-        return scheduler, options
 def _time_shared(variant: PlanVariant, shares: list[float] | None) -> PlanVariant:
     """A flow plan's path (plan file v4): each stage runs at its share of its device's time, as a
     device emulated at that fraction of its speed (a shared device simulated once per path)."""
@@ -238,6 +229,15 @@ def _time_shared(variant: PlanVariant, shares: list[float] | None) -> PlanVarian
     return variant.model_copy(update={"stages": stages})
 
 
+def _replica_settings(
+    plan_file: PlanFile, replica, scheduler: dict, options: dict, settings: SimulationSettings
+) -> tuple[dict, dict]:
+    """(scheduler, options) for one replica: in the plan regime it keeps its own share of
+    the workload's micro-batches in flight (`Replica.micro_batches`), where no flag set them."""
+    defaults = regime_defaults(plan_file, settings.regime)
+    k = replica.micro_batches
+    if k is None or defaults.max_in_flight is None:
+        return scheduler, options
     b = defaults.max_num_seqs // defaults.max_in_flight
     scheduler, options = dict(scheduler), dict(options)
     if settings.max_num_seqs is None:
