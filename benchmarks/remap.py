@@ -13,6 +13,12 @@ undisturbed run.
 Scenarios (`SCENARIOS`; each is a function of the parsed arguments and a scratch directory that
 returns its result, so another one plugs in beside them):
 
+    slowdown    2 stages as the planner splits them on two local CPUs, the second slowing to
+                `--slow-speed` at `--slow-at-s` (its cluster's emulated schedule), served twice for
+                `--slowed-s` more seconds: `--remap off` and `--remap auto` (`RemapWatch`).
+                Reported: throughput over the slowed phase, auto / off (target >= 1.3x), failed
+                requests (target 0), the longest gap between two tokens (target <= 2 s), and the
+                simulator's decision on the same requests and schedule beside the server's.
     kill        3 stages (the layers in thirds); once the load runs (`--kill-after-s`), stage 2 is
                 killed (SIGKILL). Reported: failed requests (target 0), whether every request's
                 tokens equal the undisturbed run's, the seconds from the kill until a request sent
@@ -198,7 +204,162 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
     }
 
 
-SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {"kill": kill_scenario}
+SLOWDOWN_CLUSTER = """\
+name: local-cpu-slowing
+nodes:
+  - name: localhost
+    gpus: {{type: cpu}}
+  - name: localhost-slowing
+    gpus: {{type: cpu}}
+    emulate: {{speed: 1.0, schedule: [[{at_s}, {speed}]]}}
+network: {{bandwidth_gbps: 80, latency_us: 50}}
+"""
+SLOWDOWN_WORKLOAD = """\
+name: steady-streams
+prompt_tokens: {{mean: {prompt}, max: 64}}
+output_tokens: {{mean: {output}, max: {output}}}
+batch_size: {streams}
+max_micro_batch: 2
+"""
+
+
+def slowdown_plan(model: Path, root: Path, args: argparse.Namespace) -> Path:
+    """The planner's 2-stage split of `model` on two local CPUs, the second of which slows to
+    `--slow-speed` at `--slow-at-s` (its cluster's emulated schedule; the plan records it), for the
+    load `SteadyLoad` sends."""
+    from tessel.plan.api import PlanSettings, make_plan
+
+    cluster = root / "cluster.yaml"
+    cluster.write_text(SLOWDOWN_CLUSTER.format(at_s=args.slow_at_s, speed=args.slow_speed))
+    workload = root / "workload.yaml"
+    workload.write_text(SLOWDOWN_WORKLOAD.format(prompt=10, output=args.new_tokens, streams=args.streams))
+    settings = PlanSettings(solver="dp", dtype="fp32", kv_dtype="fp32")
+    make_plan(model, cluster, workload, settings).plan_file().write(root / "slowdown-plan.json")
+    return root / "slowdown-plan.json"
+
+
+def slowed_run(model: Path, plan: Path, settings, mode: str, args: argparse.Namespace) -> dict:
+    """Serve `plan` under steady load for `--slow-at-s` + `--slowed-s` seconds, watched with
+    `--remap <mode>`; the tokens' times, the failures and the server's decisions."""
+    from tessel.pipeline.remap_watch import RemapWatch
+    from tessel.pipeline.stage import EMULATE_EPOCH_ENV
+
+    os.environ.pop(EMULATE_EPOCH_ENV, None)  # the schedule counts from this run's first micro-batch
+    async_engine = serve(model, plan)
+    lines: list[str] = []
+    watch = RemapWatch(async_engine, settings, mode, echo=lines.append).start()
+    load = SteadyLoad(async_engine, args.streams, args.new_tokens).start()
+    origin, origin_wall = time.monotonic(), time.time()  # ~ the first micro-batch: the schedule's zero
+    try:
+        time.sleep(args.slow_at_s + args.slowed_s)
+        end = time.monotonic()
+        prompt_tokens = [len(async_engine.engine.tokenize(p)) for p in PROMPTS]
+        load.stop()
+    finally:
+        watch.stop()
+        async_engine.stop()
+        async_engine.engine.close()
+    records = load.finished
+    slowed_from = origin + args.slow_at_s
+
+    def rate(start: float, stop: float) -> float:
+        tokens = sum(start <= t <= stop for r in records for t in r.token_times_s)
+        return tokens / (stop - start)
+
+    taken = next((d for d in watch.history if d.taken), None)
+    before = [
+        d.speeds for d in watch.history if d.outcome == "steady" and d.time_s - origin_wall < args.slow_at_s
+    ]
+    return {
+        "mode": mode,
+        "tok_s_before_slowdown": rate(origin + min(2.0, args.slow_at_s / 2), slowed_from),
+        "tok_s_slowed_phase": rate(slowed_from, end),
+        "requests": len(records),
+        "failed_requests": sum(r.error is not None for r in records),
+        "failures": sorted({r.error for r in records if r.error})[:5],
+        "max_gap_s": max_gap_s(records),
+        "speeds_seen_before_slowdown": before[-1] if before else None,
+        "decision": None if taken is None else {
+            "time_s": taken.time_s - origin_wall,
+            "old_layers": [list(r) for r in taken.old_layers],
+            "new_layers": [list(r) for r in taken.new_layers],
+            "old_devices": list(taken.old_devices),
+            "new_devices": list(taken.new_devices),
+            "speeds": list(taken.speeds),
+            "gain": taken.gain,
+        },
+        "decisions": dict(watch.decisions),
+        "log": lines,
+        "trace": [(r.sent_s - origin, prompt_tokens[r.prompt]) for r in records],
+    }  # fmt: skip
+
+
+def simulated_decision(plan: Path, run: dict, settings, new_tokens: int) -> dict:
+    """The simulator's decision on the remap-off run's requests (sent times, prompt lengths) and the
+    plan's emulated schedule (`tessel simulate --remap auto`)."""
+    from tessel.sim.api import SimulationSettings, simulate_plan
+    from tessel.sim.request_trace import RequestSet
+    from tessel.sim.requests import Request
+
+    requests = [Request(i, max(t, 0.0), p, new_tokens) for i, (t, p) in enumerate(sorted(run["trace"]))]
+    report = simulate_plan(
+        plan, "steady-streams", SimulationSettings(remap=settings), trace=RequestSet(requests, "slowdown run")
+    )
+    taken = report.remap.taken
+    return {
+        "remap": taken is not None,
+        "time_s": None if taken is None else taken.time_s,
+        "new_layers": None if taken is None else [list(r) for r in taken.new_layers],
+        "new_devices": None if taken is None else list(taken.new_devices),
+        "speeds": None if taken is None else list(taken.speeds),
+        "summary": report.remap.summary(),
+    }
+
+
+def slowdown_scenario(args: argparse.Namespace, root: Path) -> dict:
+    """2 stages under steady load; stage 1's device slows to --slow-speed at --slow-at-s: the
+    slowed phase's throughput with --remap auto against off, failures, the longest gap between two
+    tokens, and the simulator's decision beside the server's."""
+    from tessel.plan.remap_decision import RemapSettings
+
+    model = _harness.example_model(args.model)
+    plan = slowdown_plan(model, root, args)
+    settings = RemapSettings(interval_s=1.0, window_s=4.0, confirm=2, cooldown_s=args.slowed_s)
+    runs = {mode: slowed_run(model, plan, settings, mode, args) for mode in ("off", "auto")}
+    simulated = simulated_decision(plan, runs["off"], settings, args.new_tokens)
+    off, auto = runs["off"], runs["auto"]
+    for run in runs.values():
+        run.pop("trace")
+    from tessel.plan.plan_file import load_plan
+
+    return {
+        "scenario": "slowdown",
+        "model": str(model),
+        "stages_planned": [[s.layer_start, s.layer_end] for s in load_plan(plan).stages],
+        "streams": args.streams,
+        "new_tokens": args.new_tokens,
+        "slow_at_s": args.slow_at_s,
+        "slowed_s": args.slowed_s,
+        "slow_speed": args.slow_speed,
+        "tok_s_slowed_off": off["tok_s_slowed_phase"],
+        "tok_s_slowed_auto": auto["tok_s_slowed_phase"],
+        "slowed_throughput_ratio": auto["tok_s_slowed_phase"] / off["tok_s_slowed_phase"],
+        "failed_requests": off["failed_requests"] + auto["failed_requests"],
+        "max_gap_auto_s": auto["max_gap_s"],
+        "max_gap_off_s": off["max_gap_s"],
+        "server_remapped": auto["decision"] is not None,
+        "simulator_remapped": simulated["remap"],
+        "same_decision": (auto["decision"] is not None) == simulated["remap"],
+        "server_decision": auto["decision"],
+        "simulator_decision": simulated,
+        "runs": runs,
+    }
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
+    "kill": kill_scenario,
+    "slowdown": slowdown_scenario,
+}
 
 
 def show(console: Console, result: dict) -> None:
@@ -206,7 +367,7 @@ def show(console: Console, result: dict) -> None:
     table.add_column("figure")
     table.add_column("value")
     for key, value in result.items():
-        if key in ("rebuild", "failures", "model"):
+        if key in ("rebuild", "failures", "model", "runs", "server_decision", "simulator_decision"):
             continue
         table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
     console.print(table)
@@ -227,10 +388,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--kill-after-s", type=float, default=8.0, help="load before the kill")
     parser.add_argument("--after-kill-s", type=float, default=10.0, help="load kept after recovery")
+    parser.add_argument("--slow-at-s", type=float, default=10.0, help="slowdown: when stage 1 slows")
+    parser.add_argument("--slowed-s", type=float, default=30.0, help="slowdown: seconds served slowed")
+    parser.add_argument("--slow-speed", type=float, default=0.3, help="slowdown: stage 1's speed then")
     _harness.add_record_options(parser, "remap")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.new_tokens, args.kill_after_s, args.after_kill_s = 2, 16, 4.0, 3.0
+        args.slow_at_s, args.slowed_s = 6.0, 15.0
     console = Console(highlight=False)
     console.print(_harness.machine_line())
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ from tessel.plan.remap_decision import (
 
 REMAP_MODES = ("off", "auto")
 QUIET_OUTCOMES = ("insufficient", "steady")  # counted, not logged
+HISTORY = 1000  # decisions kept for inspection (RemapWatch.history)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ class RemapWatch:
         self.async_engine, self.settings, self.mode, self.echo = async_engine, settings, mode, echo
         self.window = RemapWindow(settings.window_s)
         self.decisions: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
-        self.history: list[RemapDecision] = []  # decisions that re-planned (logged ones)
+        self.history: deque[RemapDecision] = deque(maxlen=HISTORY)  # the latest decisions, all outcomes
         self.last_stats: WindowStats | None = None
         self._plan_dir = plan_dir
         self._lock = threading.Lock()  # the window: the engine thread adds requests, this one samples
@@ -170,8 +171,8 @@ class RemapWatch:
             return None
         decision = self.decider.evaluate(now_s, stats)
         self.decisions[decision.outcome] += 1
+        self.history.append(decision)
         if decision.outcome not in QUIET_OUTCOMES:
-            self.history.append(decision)
             self.echo(f"tessel: {decision.describe()}")
         if decision.taken:
             self._ask(decision, now_s)
@@ -186,7 +187,7 @@ class RemapWatch:
 
     def _ask(self, decision: RemapDecision, now_s: float) -> None:
         directory = self._plan_dir or Path(tempfile.mkdtemp(prefix="tessel-remap-"))
-        path = directory / f"remap-{len(self.history)}.json"
+        path = directory / f"remap-{self.decisions['remap']}.json"
         decision.new_plan.write(path)
         self._pending = decision
         self._remap_future = future = self.async_engine.remap(path, decision.reason)

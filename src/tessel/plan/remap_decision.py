@@ -185,6 +185,8 @@ class RemapDecision:
     move_s: float | None = None
     old_layers: tuple[tuple[int, int], ...] = ()
     new_layers: tuple[tuple[int, int], ...] = ()  # the re-plan's split (kept or not)
+    old_devices: tuple[str, ...] = ()  # the stages' devices, in pipeline order
+    new_devices: tuple[str, ...] = ()
     new_plan: PlanFile | None = None  # set when outcome is "remap"
 
     @property
@@ -209,7 +211,8 @@ class RemapDecision:
                 f"move {self.move_bytes / 2**20:.1f} MiB in {self.move_s:.3g} s"
             )
         if self.new_layers:
-            parts.append(f"layers {_split(self.old_layers)} -> {_split(self.new_layers)}")
+            old, new = _split(self.old_layers, self.old_devices), _split(self.new_layers, self.new_devices)
+            parts.append(f"layers {old} -> {new}")
         return "; ".join(parts)
 
     def to_json(self) -> dict:
@@ -227,11 +230,16 @@ class RemapDecision:
             "move_s": self.move_s,
             "old_layers": [list(r) for r in self.old_layers],
             "new_layers": [list(r) for r in self.new_layers],
+            "old_devices": list(self.old_devices),
+            "new_devices": list(self.new_devices),
         }
 
 
-def _split(layers: Sequence[tuple[int, int]]) -> str:
-    return "/".join(f"{a}-{b - 1}" for a, b in layers)
+def _split(layers: Sequence[tuple[int, int]], devices: Sequence[str]) -> str:
+    named = devices if len(devices) == len(layers) else [""] * len(layers)
+    return " / ".join(
+        f"{a}-{b - 1}" + (f" on {d}" if d else "") for (a, b), d in zip(layers, named, strict=True)
+    )
 
 
 def predicted_step_s(plan: PlanFile) -> tuple[float, ...]:
@@ -289,7 +297,12 @@ class RemapDecider:
         predicted = predicted_step_s(plan)
         assumed = [self.assumed.get(s.device, 1.0) for s in plan.stages]
         speeds = estimated_speeds(stats.step_s, predicted, assumed)
-        numbers = {"measured_step_s": stats.step_s, "predicted_step_s": predicted, "old_layers": old_layers}
+        numbers = {
+            "measured_step_s": stats.step_s,
+            "predicted_step_s": predicted,
+            "old_layers": old_layers,
+            "old_devices": tuple(s.device for s in plan.stages),
+        }
         drifted = [k for k in range(len(speeds)) if _drifted(speeds[k], assumed[k], settings.min_slowdown)]
         workload, workload_note = self._workload(stats)
         if not drifted and workload is None:
@@ -407,6 +420,7 @@ class RemapDecider:
             "move_bytes": decision.move_bytes,
             "move_s": decision.move_s,
             "new_layers": tuple((s.layer_start, s.layer_end) for s in new_plan.stages),
+            "new_devices": tuple(s.device for s in new_plan.stages),
         }
         return _Replanned(decision.take_new, decision.reason, numbers, new_plan)
 
