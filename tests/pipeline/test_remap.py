@@ -94,6 +94,37 @@ def test_survivor_plan_refuses_when_the_survivors_cannot_hold_the_model(tmp_path
     assert "stage 0 (n/gpu0)" in message and "cannot hold the model" in message and "GiB" in message
 
 
+def _cpu_cluster(path: Path, devices: int) -> Path:
+    link = "{bandwidth_gbps: 80, latency_us: 50}"
+    path.write_text(
+        f"name: cpus\nnodes:\n  - name: localhost\n    gpus: {{type: cpu, count: {devices}}}\n"
+        f"    intra_link: {link}\nnetwork: {link}\n"
+    )
+    return path
+
+
+def test_survivor_plan_is_the_planners_when_the_cluster_is_at_hand(tiny_dirs, tmp_path):
+    """The plan's cluster file is readable: the survivors' plan is the planner's on a cluster of the
+    devices left (the oracle: `make_plan` on a cluster file that lists only those)."""
+    from tessel.plan.api import PlanSettings, make_plan
+
+    settings = PlanSettings(dtype="fp32", kv_dtype="fp32", time_limit_s=5)
+    model = tiny_dirs["untied"]
+    make_plan(model, _cpu_cluster(tmp_path / "c3.yaml", 3), "default", settings).plan_file().write(
+        tmp_path / "p3.json"
+    )
+    plan = load_plan(tmp_path / "p3.json")
+    survivor = survivor_plan(plan, {len(plan.stages) - 1})
+    lost = plan.stages[-1].device
+    assert lost not in {s.device for s in survivor.stages}
+    direct = make_plan(model, _cpu_cluster(tmp_path / "c2.yaml", 2), "default", settings).plan_file()
+    assert lost == "localhost/gpu2"  # so the two devices left are the 2-device cluster's
+    assert [(s.device, s.layer_start, s.layer_end) for s in survivor.stages] == [
+        (s.device, s.layer_start, s.layer_end) for s in direct.stages
+    ]
+    assert survivor.cluster.source == str(tmp_path / "c3.yaml")
+
+
 # ---- moving requests between engines --------------------------------------------------------------
 def _params():
     from tessel.engine.sampling_params import SamplingParams

@@ -1,10 +1,12 @@
 """Changing a serving pipeline's split: the plan on the surviving stages, and moving requests.
 
 `survivor_plan(plan, lost)` is the plan a pipeline falls back to when stages `lost` are gone: the
-same model on the other stages' devices, in the same order, the layers split over them in
-proportion to their memory (`split_by_memory`; the devices' memory comes from the plan's cluster
-file when it can be read, else from the catalog's entry for their GPU type). When the survivors
-cannot hold the weights, `SurvivorsTooSmallError` says how much they hold and how much is needed.
+same model on the other stages' devices. When the plan's cluster (a cluster file or a bundled name)
+and workload can be read back, the planner (`tessel.plan.api.make_plan`, `PLAN_TIME_LIMIT_S`) plans
+it on that cluster without the lost devices; otherwise the survivors keep their order and the
+layers are split over them in proportion to their memory (`split_by_memory`; a device's memory is
+its cluster entry's, else the catalog's for its GPU type). When the survivors cannot hold the
+model, `SurvivorsTooSmallError` says how much they hold and how much is needed.
 
 `migrate_requests(old, new)` moves every unfinished request of one engine into another, between
 two steps: each request's `Sequence` keeps its prompt, the tokens generated so far, its sampling
@@ -30,6 +32,9 @@ from tessel.errors import TesselError
 if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
     from tessel.plan.plan_file import PlanFile, PlanStage
+
+
+PLAN_TIME_LIMIT_S = 5.0  # the planner's time on the survivors: the pipeline is down meanwhile
 
 
 class SurvivorsTooSmallError(TesselError):
@@ -162,17 +167,75 @@ def _balanced_fit(layer_bytes, usable, first_bytes, last_bytes) -> list[tuple[in
     return split
 
 
-def survivor_plan(plan: PlanFile, lost: set[int]) -> PlanFile:
-    """`plan` without the stages `lost` (pipeline positions): the survivors' devices in their order,
-    the layers split by memory (`split_by_memory`), links kept; raises `SurvivorsTooSmallError`."""
-    from tessel.cost.layer import embedding_bytes, lm_head_bytes
-
+def survivor_plan(plan: PlanFile, lost: set[int], time_limit_s: float = PLAN_TIME_LIMIT_S) -> PlanFile:
+    """`plan` without the stages `lost` (pipeline positions): the planner's plan on the survivors'
+    devices (`planned_on_survivors`) when the plan's cluster and workload can be read, else the
+    survivors' devices in their order with the layers split by memory (`split_by_memory`), links
+    kept; raises `SurvivorsTooSmallError` when they cannot hold the model."""
     if plan.replicas and len(plan.replicas) > 1:
         raise TesselError("re-planning on the surviving stages of a replica plan is not supported")
     survivors = [s for s in plan.stages if s.index not in lost]
     names = ", ".join(f"stage {s.index} ({s.device})" for s in plan.stages if s.index in lost)
     if not survivors:
         raise SurvivorsTooSmallError(f"no stage is left after losing {names}")
+    planned = planned_on_survivors(plan, survivors, names, time_limit_s)
+    return planned if planned is not None else split_on_survivors(plan, survivors, names)
+
+
+def planned_on_survivors(
+    plan: PlanFile, survivors: list[PlanStage], names: str, time_limit_s: float
+) -> PlanFile | None:
+    """The planner (`tessel.plan.api.make_plan`) on the plan's cluster without the lost devices, under
+    the plan's workload and settings; None when the cluster or the workload cannot be read back, or
+    the plan chose weight precisions (the split by memory keeps those)."""
+    from dataclasses import replace
+
+    from tessel.plan.api import PlanSettings, make_plan
+    from tessel.plan.cluster import list_bundled_clusters, load_cluster
+    from tessel.plan.workload import Workload, parse_workload
+
+    source = plan.cluster.source or plan.cluster.name
+    if plan.precisions or not (source in list_bundled_clusters() or Path(source).is_file()):
+        return None
+    try:
+        cluster = load_cluster(source)
+        fields = {key: value for key, value in plan.workload.items() if key in Workload.model_fields}
+        workload = parse_workload(fields, source=f"{plan.source} workload")
+        keep = {s.device for s in survivors}
+        for device in keep:
+            cluster.device(device)  # a plan made for another cluster: fall back
+    except TesselError:
+        return None
+    nodes = tuple(
+        replace(node, device_names=tuple(d for d in node.device_names if d in keep))
+        for node in cluster.nodes
+        if any(d in keep for d in node.device_names)
+    )
+    devices = tuple(d for d in cluster.devices if d.name in keep)
+    without = replace(cluster, nodes=nodes, devices=devices, _by_name={}, _nodes_by_name={})
+    settings = PlanSettings(
+        granularity=plan.granularity,
+        overlap=plan.overlap,
+        swap_in=plan.swap_in,
+        time_limit_s=time_limit_s,
+        dtype=plan.dtype,
+        kv_dtype=plan.kv_dtype,
+    )
+    try:
+        outcome = make_plan(plan.model_spec, without, workload, settings)
+    except TesselError as error:
+        raise SurvivorsTooSmallError(
+            f"the stages left after losing {names} cannot hold the model: {error}"
+        ) from None
+    if outcome.result.evaluation is None:
+        raise SurvivorsTooSmallError(f"the planner found no plan on the stages left after losing {names}")
+    return replace(outcome, cluster_source=source).plan_file()  # the next loss reads the same cluster
+
+
+def split_on_survivors(plan: PlanFile, survivors: list[PlanStage], names: str) -> PlanFile:
+    """The survivors in their order, the layers split by their memory (`split_by_memory`)."""
+    from tessel.cost.layer import embedding_bytes, lm_head_bytes
+
     spec = plan.model_spec
     layer_bytes = _layer_bytes(spec, plan)
     usable = [device_usable_bytes(plan, s) for s in survivors]

@@ -17,9 +17,33 @@ error asks (`recovery_for`, `Recovery`):
 
 - RESTART (any error that says nothing): clear the engine's requests and step on;
 - REBUILD (`recovery = "rebuild"`: a pipeline stage died or fell silent, the process group is
-  broken): `rebuild(old_engine)` builds a new engine (a new pipeline) on the engine thread. While
-  it runs, `/health` and every request answer 503 naming the failure, with `Retry-After`;
+  broken): `rebuild(old_engine)` builds a new engine (a new pipeline: after a lost stage, on the
+  surviving stages, `ServedPipelineEngine.rebuilt`) on the engine thread, and the requests in flight
+  are moved into it (`tessel.pipeline.remap.migrate_requests`: recomputed there, their streams go
+  on without an error or a repeated token). While it runs, `/health` answers 503 naming the failure,
+  with `Retry-After`, and new requests wait for the new engine. When the rebuild fails (the
+  survivors cannot hold the model: `SurvivorsTooSmallError`), what was in flight fails with 503 and
+  the reason;
 - NONE: nothing this process can do.
+
+Live remap: `remap(new_plan: Path | RunPlan, reason: str) -> concurrent.futures.Future[RemapReport]`
+(any thread) moves a pipeline engine (`ServedPipelineEngine`) to another split while it serves:
+1. on the engine thread, between two steps, `engine.successor(new_plan)` spawns the new split's
+   stage processes (`PendingPipeline`), which load their layers and then wait to join;
+2. on a background thread, `PendingPipeline.load()` loads the new stage 0's layers here and waits
+   until every new stage has loaded; the old pipeline serves meanwhile;
+3. on the engine thread, between two steps (the switch): the old pipeline's micro-batches in
+   flight are finished and delivered, the old stages stopped, the new process group joined, and the
+   unfinished requests moved into the new engine (recomputed); commands (new requests) that came
+   meanwhile run right after, so a new request waits at most one switch.
+The future resolves once every moved stream has its next token: `RemapReport` gives `load_s`,
+`switch_s`, the requests `moved` and `max_gap_s`, the longest time between two tokens of a moved
+stream (also logged). A remap that fails halfway resolves with `ok=False`, `rolled_back=True` and
+the `error`: a new stage that dies or runs out of memory while loading leaves the old pipeline
+serving untouched (its stages are stopped); a failure while joining (after the old one stopped)
+builds the old split again and moves the requests there. A remap refused before anything started
+(a bad plan, one already under way, an engine that is not a pipeline) raises `TesselError` from the
+future. Remaps do not count against `max_restarts`.
 
 Each restart and each rebuild counts against `max_restarts`. A RESTART failure past the budget
 calls `on_dead` (`tessel serve` exits, so a supervisor can restart it). A REBUILD failure past
