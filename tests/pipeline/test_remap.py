@@ -276,3 +276,36 @@ def test_served_pipeline_survives_a_lost_stage_and_remaps_live(tiny_dirs, tmp_pa
         async_engine.stop()
         async_engine.engine.close()
         release(pids)
+
+
+def test_survivors_too_small_fails_the_requests_with_the_reason_naming_the_stage(tiny_dirs, tmp_path):
+    """A stage is lost and the survivors cannot hold the model: what was in flight ends with 503 and
+    that reason, and the server says so (naming the stage) instead of serving; a remap is refused."""
+    from tessel.engine.llm_engine import LLM
+    from tessel.pipeline.launcher import StageFailedError
+    from tessel.server.async_engine import AsyncEngine
+    from tessel.server.http_errors import EngineDeadError
+
+    class LosingEngine(LLM):
+        def step(self):
+            raise StageFailedError(2, "killed by signal SIGKILL")
+
+    too_small = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
+    async_engine = AsyncEngine(LosingEngine(tiny_dirs["tied"]), max_pending=4)
+    async_engine.rebuild = lambda broken: survivor_plan(too_small, {2})  # raises: 96 GiB left for 70B
+    async_engine.start()
+
+    async def run() -> None:
+        stream = await async_engine.add("r", PROMPTS[0], _params()[0])
+        with pytest.raises(EngineDeadError, match="cannot hold the model") as caught:
+            await stream.final()
+        assert "losing stage 2 (n/gpu2)" in str(caught.value) and "SIGKILL" in str(caught.value)
+
+    try:
+        asyncio.run(run())
+        reason = str(async_engine.unavailable())
+        assert "cannot hold the model" in reason and "pipeline stage 2 failed" in reason
+        with pytest.raises(TesselError, match="not a pipeline"):
+            AsyncEngine(async_engine.engine, max_pending=1).remap(tmp_path / "p.json", "test").result(5)
+    finally:
+        async_engine.stop()
