@@ -10,6 +10,12 @@ OPT uses `ffn_dim`, LayerNorm with bias, biased projections and learned position
 
 Mixtral is "dense-equivalent": each layer holds all `num_experts` expert MLPs (memory) but a
 token runs through `experts_per_token` of them (compute); the cost model counts both that way.
+
+BERT (`BertModel`, `BertForMaskedLM`, ...: sentence-transformers' encoders) is an encoder
+(`encoder=True`): post-norm layers of bidirectional attention, a GELU MLP (fc1/fc2 with biases)
+and LayerNorms; learned absolute positions and token types on the first stage; no KV cache, no
+decode, no LM head: one forward per request, whose hidden states are pooled into an embedding.
+Its config.json is read by `tessel.catalog.bert_config` (the engine's loader reads it there too).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessel.catalog.hf_config import HFConfig, parse_hf_config, read_hf_config
+from tessel.catalog.bert_config import BertConfig, encoder_architecture
+from tessel.catalog.hf_config import HFConfig, config_path, parse_hf_config, read_hf_config, read_json_object
 from tessel.errors import TesselError
 
 MLP_KINDS = ("gated", "plain")  # gated: gate/up/down with SiLU (Llama); plain: fc1/fc2 with ReLU (OPT)
@@ -49,6 +56,7 @@ class ModelSpec:
     learned_position_rows: int = 0  # rows of a learned position table on the first stage (OPT)
     rope_theta: float | None = None
     source: str = ""  # where the numbers come from (HF repo or file path)
+    encoder: bool = False  # BERT: bidirectional attention, one forward per request, no KV cache
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
@@ -91,6 +99,12 @@ _QWEN25 |= {"max_position_embeddings": 131072, "rope_theta": 1000000.0, "tie_wor
 _OPT = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": 50272}
 _OPT |= {"max_position_embeddings": 2048, "do_layer_norm_before": True, "activation_function": "relu"}
 _OPT |= {"enable_bias": True, "tie_word_embeddings": True}
+
+_BERT = {"attention_probs_dropout_prob": 0.1, "gradient_checkpointing": False, "hidden_act": "gelu"}
+_BERT |= {"hidden_dropout_prob": 0.1, "initializer_range": 0.02, "layer_norm_eps": 1e-12}
+_BERT |= {"model_type": "bert"}
+_BERT |= {"max_position_embeddings": 512, "num_attention_heads": 12, "pad_token_id": 0}
+_BERT |= {"position_embedding_type": "absolute", "type_vocab_size": 2, "use_cache": True, "vocab_size": 30522}
 
 PRESETS: dict[str, tuple[str, dict]] = {
     # name: (Hugging Face repo the config.json comes from, its fields)
@@ -158,6 +172,19 @@ PRESETS: dict[str, tuple[str, dict]] = {
         | {"hidden_size": 9216, "ffn_dim": 36864, "num_attention_heads": 72}
         | {"num_hidden_layers": 64, "word_embed_proj_dim": 9216},
     ),
+    "bert-base-uncased": (
+        "google-bert/bert-base-uncased",
+        _BERT
+        | {"architectures": ["BertForMaskedLM"], "hidden_size": 768, "intermediate_size": 3072}
+        | {"num_hidden_layers": 12, "transformers_version": "4.6.0.dev0"},
+    ),
+    "all-minilm-l6-v2": (
+        "sentence-transformers/all-MiniLM-L6-v2",
+        {"_name_or_path": "nreimers/MiniLM-L6-H384-uncased", "architectures": ["BertModel"]}
+        | _BERT
+        | {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6}
+        | {"transformers_version": "4.8.2"},
+    ),
 }
 
 
@@ -178,13 +205,45 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
             f"{name_or_path!r} is neither a model preset nor a config.json (looked for {path}); "
             f"presets: {', '.join(known_models())}"
         )
+    file = config_path(path)
+    fields = read_json_object(file)
+    if encoder_architecture(fields) is not None:
+        bert = BertConfig.from_dict(fields, source=str(file))
+        return spec_from_bert(bert, name=file.parent.name, source=str(file))
     config = read_hf_config(path)
     return spec_from_hf(config, name=Path(config.source).parent.name or config.source)
 
 
 def model_from_config(config: dict, *, name: str, source: str) -> ModelSpec:
-    """A ModelSpec from HF config.json fields (Llama/Mistral/Qwen2/Mixtral or OPT)."""
+    """A ModelSpec from HF config.json fields (Llama/Mistral/Qwen2/Mixtral, OPT or BERT)."""
+    if encoder_architecture(config) is not None:
+        return spec_from_bert(BertConfig.from_dict(config, source=source or name), name=name, source=source)
     return spec_from_hf(parse_hf_config(config, source=source or name), name=name)
+
+
+def spec_from_bert(config: BertConfig, *, name: str, source: str) -> ModelSpec:
+    """The cost model's view of a BERT encoder: q/k/v/o and fc1/fc2 with biases, two LayerNorms a layer,
+    word + position + token-type embeddings (and their LayerNorm) on the first stage, nothing after."""
+    return ModelSpec(
+        name=name,
+        architecture=config.architecture,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        tied_embeddings=True,  # no LM head: nothing to hold on the last stage
+        max_position_embeddings=config.max_position_embeddings,
+        mlp_kind="plain",
+        norm_kind="layernorm",
+        attention_bias="all",
+        mlp_bias=True,
+        learned_position_rows=config.max_position_embeddings + config.type_vocab_size,
+        source=source,
+        encoder=True,
+    )
 
 
 def spec_from_hf(config: HFConfig, *, name: str) -> ModelSpec:

@@ -15,6 +15,17 @@ For a Llama-family layer (hidden h, heads a, KV heads g, head dim d, FFN width f
 
 The 4*a*d term (QK^T and PV) belongs to the attention block; MLP blocks carry none.
 
+Encoders (BERT, `ModelSpec.encoder`): post-norm layers of the same parameters as a plain (OPT-like)
+layer with LayerNorms and biases (q/k/v/o, fc1/fc2 with a GELU between them); attention is
+bidirectional, so a sequence of n tokens has n^2 (query, key) pairs, not n(n+1)/2, and nothing is
+cached: no KV bytes, no decode. One forward of a sequence of n tokens:
+
+    FLOPs  L * (2*n*P_matmul + 4*a*d*n^2)          (`encoder_forward_flops`)
+
+Embeddings (word, position, token type) and their LayerNorm sit on the first stage; the last stage
+holds nothing (no LM head). Sentence pooling (a mean over the tokens, h additions per token, under
+1e-4 of a layer's FLOPs) is not counted.
+
 Mixture of experts (Mixtral) is counted dense-equivalent: a layer *holds* all E experts, a token
 *computes* through k of them, and a pass *reads* the experts its T tokens touch, E*(1-(1-k/E)^T)
 in expectation (each token picks k of E, treated as uniform and independent).
@@ -144,8 +155,10 @@ def weight_bytes(model: ModelSpec, kind: str, dtype: str) -> float:
 
 
 def embedding_bytes(model: ModelSpec, dtype: str) -> int:
-    """Token embedding (+ OPT's learned positions), held by the first stage."""
-    return embedding_params(model) * max(weight_param_bytes(dtype), UNQUANTISED_BYTES)
+    """Token embedding (+ OPT's learned positions; + BERT's positions, token types and their
+    LayerNorm), held by the first stage."""
+    norm = _norm_params(model) if model.encoder else 0
+    return (embedding_params(model) + norm) * max(weight_param_bytes(dtype), UNQUANTISED_BYTES)
 
 
 def lm_head_bytes(model: ModelSpec, dtype: str, *, on_first_stage: bool = False) -> int:
@@ -155,13 +168,17 @@ def lm_head_bytes(model: ModelSpec, dtype: str, *, on_first_stage: bool = False)
     first it still needs its own copy (V*h), so that copy is counted here; only when one stage holds
     both (`on_first_stage=True`) is it free.
     """
+    if model.encoder:
+        return 0  # no LM head and no final norm (BERT's LayerNorm after the embeddings is the first stage's)
     b = max(weight_param_bytes(dtype), UNQUANTISED_BYTES)
     head = 0 if (model.tied_embeddings and on_first_stage) else model.vocab_size * model.hidden_size
     return (head + _norm_params(model)) * b
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "fp16") -> int:
-    """KV cache of one token in one layer: 2*g*d*b_kv."""
+    """KV cache of one token in one layer: 2*g*d*b_kv (0 for an encoder: it caches nothing)."""
+    if model.encoder:
+        return 0
     return 2 * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
 
 
@@ -205,6 +222,24 @@ def attention_core_flops(model: ModelSpec, kind: str, query_key_pairs: float) ->
 def prefill_query_key_pairs(chunk_tokens: float, offset_tokens: float) -> float:
     """Causal pairs of a chunk of c tokens after p cached ones: c*(p + c/2)."""
     return chunk_tokens * (offset_tokens + chunk_tokens / 2)
+
+
+def query_key_pairs(model: ModelSpec, chunk_tokens: float, offset_tokens: float) -> float:
+    """(query, key) pairs a chunk attends over: causal for a decoder, every pair for an encoder
+    (which always sees its whole sequence at once: c^2)."""
+    if model.encoder:
+        return chunk_tokens * (offset_tokens + chunk_tokens)
+    return prefill_query_key_pairs(chunk_tokens, offset_tokens)
+
+
+def encoder_forward_flops(model: ModelSpec, sequence_tokens: float) -> float:
+    """FLOPs of one encoder forward over one sequence of n tokens: every layer's weight GEMMs
+    (2*n*P_matmul) and bidirectional attention (4*a*d*n^2)."""
+    if not model.encoder:
+        raise TesselError(f"model {model.name} is a decoder; encoder_forward_flops prices encoders")
+    n = sequence_tokens
+    layer = matmul_flops(model, "layer", n) + attention_core_flops(model, "layer", n * n)
+    return model.num_layers * layer
 
 
 # ---- bytes moved ----------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def _analytic_prefill_s(
     efficiency: Efficiency,
 ) -> float:
     tokens = batch_size * chunk_tokens
-    pairs = batch_size * L.prefill_query_key_pairs(chunk_tokens, offset_tokens)
+    pairs = batch_size * L.query_key_pairs(model, chunk_tokens, offset_tokens)
     # read p cached tokens' KV, write c new ones
     kv_tokens = batch_size * (offset_tokens + chunk_tokens)
     work = unit_work(model, kind, tokens, pairs, kv_tokens, dtype, kv_dtype)
@@ -258,7 +258,10 @@ def lm_head_time_s(
 
 
 def lm_head_work(model: ModelSpec, tokens: float, dtype: str = "fp16") -> tuple[float, float]:
-    """(FLOPs, bytes moved) of the final norm + LM head for `tokens` tokens (fp16 under int8)."""
+    """(FLOPs, bytes moved) of the final norm + LM head for `tokens` tokens (fp16 under int8); an
+    encoder has neither (its pooling is not counted: `tessel.cost.layer`)."""
+    if model.encoder:
+        return 0.0, 0.0
     b_act = L.dtype_bytes(L.activation_dtype(dtype))
     n_bytes = L.lm_head_bytes(model, dtype) + tokens * (3 * model.hidden_size + model.vocab_size) * b_act
     return 2.0 * tokens * model.hidden_size * model.vocab_size, n_bytes

@@ -103,7 +103,7 @@ def stage_prefill_work(
     """Prefill of `batch_size` chunks of c tokens at offset p (logits for one token per sequence)."""
     _check(kinds, dtypes)
     tokens = batch_size * chunk_tokens
-    pairs = batch_size * L.prefill_query_key_pairs(chunk_tokens, offset_tokens)
+    pairs = batch_size * L.query_key_pairs(model, chunk_tokens, offset_tokens)
     kv_tokens = batch_size * (offset_tokens + chunk_tokens)
     work = NO_WORK
     for kind, dtype in zip(kinds, dtypes, strict=True):

@@ -44,6 +44,7 @@ from tessel.cost.roofline import (
 )
 from tessel.errors import TesselError
 from tessel.plan.cluster import Cluster, load_cluster
+from tessel.plan.encoder import encoder_workload
 from tessel.plan.instance import (
     SWAP_IN_POLICIES,
     DeviceSlot,
@@ -79,6 +80,7 @@ def build_instance(
     model = model if isinstance(model, ModelSpec) else load_model(model)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     workload = workload if isinstance(workload, Workload) else load_workload(workload)
+    workload = encoder_workload(workload, model)  # an encoder reads at most its positions
     if granularity not in GRANULARITIES:
         raise TesselError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
     if swap_in not in SWAP_IN_POLICIES:
@@ -100,6 +102,10 @@ def build_instance(
     unit_kind_index = np.array([kinds.index(unit.kind) for unit in units])
 
     def pass_costs(prefill: bool) -> PassCosts:
+        if model.encoder and not prefill:  # an encoder has no decode step: that pass costs nothing
+            n = len(cluster.devices)
+            zeros = np.zeros(n)
+            return PassCosts(np.zeros((len(units), n)), zeros, zeros, np.zeros((n, n)))
         tokens = shape.prefill_tokens if prefill else shape.batch
         send_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
         send = np.array(
@@ -159,11 +165,13 @@ def build_instance(
         ),
         first_bytes=float(L.embedding_bytes(model, dtype)),
         last_bytes=float(
-            L.lm_head_bytes(model, dtype) + shape.batch * model.vocab_size * LOGITS_BYTES_PER_ELEMENT
+            L.lm_head_bytes(model, dtype)
+            + (0 if model.encoder else shape.batch * model.vocab_size * LOGITS_BYTES_PER_ELEMENT)
         ),
         micro_batches=workload.micro_batches,
         prefill_weight=1.0,
-        decode_weight=workload.output_tokens.mean_tokens,
+        # an encoder's one output per request is its embedding: throughput is then sequences/s
+        decode_weight=1.0 if model.encoder else workload.output_tokens.mean_tokens,
         overlap=overlap,
         swap_in=swap_in,
         precision=choice,

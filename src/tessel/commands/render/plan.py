@@ -6,7 +6,7 @@ import typer
 from rich.console import Console
 
 from tessel.plan.api import PlanOutcome
-from tessel.plan.report import comparison_table, decode_utilization, stage_table
+from tessel.plan.report import comparison_table, decode_utilization, kv_preemption_line, stage_table
 
 
 def print_plan(console: Console, outcome: PlanOutcome) -> None:
@@ -29,14 +29,43 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
         kv_dtype=outcome.settings.kv_dtype,
     )
     console.print(stage_table(instance, result.evaluation, title, utilizations))
+    kv_line = kv_preemption_line(result.evaluation)
+    if kv_line is not None:
+        console.print(kv_line, highlight=False)
     predicted = outcome.predicted
     gap = "n/a" if result.gap is None else f"{result.gap * 100:.2f}%"
-    console.print(
-        f"predicted: TTFT {predicted.ttft_s:.3f} s, TPOT {predicted.tpot_s * 1e3:.2f} ms, "
-        f"throughput {predicted.throughput_tok_s:.1f} tok/s; objective {result.evaluation.objective:.3f} s"
-    )
+    if outcome.model.encoder:
+        console.print(encoder_text(outcome), highlight=False)
+    else:
+        console.print(
+            f"predicted: TTFT {predicted.ttft_s:.3f} s, TPOT {predicted.tpot_s * 1e3:.2f} ms, "
+            f"throughput {predicted.throughput_tok_s:.1f} tok/s; "
+            f"objective {result.evaluation.objective:.3f} s"
+        )
     console.print(f"solver: {result.solver}, status {result.status}, gap {gap}, {result.time_s:.2f} s")
     console.print(comparison_table(instance, result.evaluation, outcome.baselines, b))
+
+
+def encoder_text(outcome: PlanOutcome) -> str:
+    """An encoder's prediction: embeddings per second, one pass per request (no TTFT/TPOT to give;
+    the tables' tok/s column is sequences/s for it)."""
+    from tessel.plan.encoder import encoder_prediction
+
+    evaluation = outcome.result.evaluation
+    found = encoder_prediction(
+        outcome.model,
+        outcome.workload,
+        outcome.instance.micro_batches,
+        evaluation.prefill_makespan_s,
+        sum(stage.time_prefill_s for stage in evaluation.stages),
+    )
+    truncated = f", prompts truncated at {outcome.model.max_position_embeddings}" if found.truncated else ""
+    return (
+        f"predicted (encoder, one forward per request): {found.sequences_per_s:.1f} sequences/s, "
+        f"{found.tokens_per_s:.0f} tokens/s at {found.mean_tokens:.0f} tokens each{truncated}; one "
+        f"micro-batch {found.batch_latency_s * 1e3:.1f} ms through the pipeline; objective "
+        f"{evaluation.objective:.3f} s (tok/s below: sequences/s)"
+    )
 
 
 def print_replan(console: Console, outcome: PlanOutcome) -> None:
