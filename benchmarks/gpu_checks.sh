@@ -61,4 +61,9 @@ step kernels_cuda "${KERNELS_S:-100}" $python benchmarks/kernels.py --device cud
 # the script skips what would start past its --budget-s).
 step cuda_linear "${LINEAR_S:-100}" $python benchmarks/cuda_linear.py --budget-s 80 \
   --label "$label" --out "$out/results/cuda_linear.jsonl"
+# Issue 31's streamed weights on Llama-3.2-1B's shapes: half the layers in pinned host memory against all
+# resident, HF accelerate's offload with the same max_memory (target: >= 2x its tok/s) and the decode
+# step against the planner's prediction (target: within 15%). Not yet run on a GPU.
+step offload_weights "${OFFLOAD_S:-300}" $python benchmarks/offload_weights.py --device cuda $quick \
+  --label "$label" --out "$out/results/offload_weights.jsonl"
 $python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"

@@ -278,8 +278,8 @@ def _rebind(layer: _Layer, buffer: torch.Tensor) -> None:
     """Point the layer's tensors at their views in `buffer` (what was on the device is freed)."""
     for tensor in layer.tensors:
         view = _view(buffer, tensor)
-        if tensor.name in tensor.module._parameters:
-            tensor.module._parameters[tensor.name].data = view
+        if tensor.name in tensor.module._parameters:  # a new Parameter: `.data` cannot change device
+            tensor.module._parameters[tensor.name] = nn.Parameter(view, requires_grad=False)
         else:
             tensor.module._buffers[tensor.name] = view
     for packed in layer.packed:
