@@ -23,6 +23,10 @@ STAGE_COLUMNS = (
     "MBU %",
 )
 
+# per stage with streamed weights (`tessel.pipeline.weight_stream`): its host layers, and per
+# micro-batch the transfer time its compute waited for and the time hidden under compute
+STREAM_COLUMNS = ("streamed layers", "transfer exposed ms/step", "transfer hidden ms/step")
+
 
 def stage_utilization(
     stages: list[dict], gpu_types: list[str], model, dtype: str  # noqa: ANN001 (ModelSpec)
@@ -59,10 +63,16 @@ def print_run(run, measured: MeasuredMetrics) -> None:  # noqa: ANN001 (tessel.p
             f"[dim]({request['num_output_tokens']} tokens, finish_reason={request['finish_reason']})[/dim]"
         )
     table = Table(title=f"pipeline stages ({run.wall_s:.2f} s)")
-    for column in STAGE_COLUMNS:
+    streams = any(s.get("stream_layers") for s in run.stages)  # streamed weights: their transfer
+    for column in STAGE_COLUMNS + (STREAM_COLUMNS if streams else ()):
         table.add_column(column, justify="right")
     for s in run.stages:
         util = s.get("utilization") or {}
+        stream = [
+            str(s.get("stream_layers", 0)),
+            f"{s.get('stream_exposed_s_per_step', 0.0) * 1e3:.2f}",
+            f"{s.get('stream_hidden_s_per_step', 0.0) * 1e3:.2f}",
+        ]
         table.add_row(
             str(s.get("stage")),
             f"{s.get('layer_start')}-{s.get('layer_end', 0) - 1}",
@@ -74,6 +84,7 @@ def print_run(run, measured: MeasuredMetrics) -> None:  # noqa: ANN001 (tessel.p
             f"{s.get('emulation_sleep_s', 0.0):.3f}",
             _percent(util.get("mfu")),
             _percent(util.get("mbu")),
+            *(stream if streams else []),
         )
     Console(stderr=True).print(table)
     Console(stderr=True).print(measured_table(measured))
