@@ -86,6 +86,21 @@ def test_a_full_host_pool_falls_back_to_recompute(reference) -> None:
     assert llm.preemptor.pool.num_free_blocks == 1
 
 
+def test_aborting_a_swapped_request_frees_its_host_blocks(reference) -> None:
+    path, ids, _ = reference
+    llm = LLM(path, preemption_mode="swap", **TIGHT)
+    for i, prompt in enumerate(ids):
+        llm.add_request(f"r{i}", prompt, PARAMS)
+    while llm.preemption_stats.swaps == 0:
+        llm.step()
+    swapped = [seq for seq in llm.scheduler.waiting if seq.host_blocks]
+    assert swapped and llm.preemptor.pool.num_free_blocks < llm.preemptor.pool.num_total_blocks
+    for seq in list(llm.scheduler.waiting) + list(llm.scheduler.running):
+        llm.abort_request(seq.request_id)
+    assert llm.preemptor.pool.num_free_blocks == llm.preemptor.pool.num_total_blocks
+    assert llm.num_free_blocks == llm.num_total_blocks
+
+
 def test_metrics_count_preemptions_by_mode_and_bytes(reference) -> None:
     path, ids, _ = reference
     llm = LLM(path, preemption_mode="swap", **TIGHT)
@@ -103,6 +118,7 @@ def test_the_host_pool_round_trips_blocks_exactly() -> None:
     kv = torch.randn(2, 3, 11, 4, 2, 5)
     original = kv.clone()
     pool = HostKvPool(6, kv)
+    assert not pool.cache.is_pinned()  # pinned only for a CUDA cache (tests/engine/test_cuda_preemption.py)
     host = pool.allocate(3)
     assert host is not None and pool.allocate(4) is None and pool.num_free_blocks == 3
     moved = pool.swap_out([7, 2, 9], host)
@@ -119,10 +135,10 @@ def test_the_host_pool_round_trips_blocks_exactly() -> None:
 def test_emulation_sleeps_for_the_missing_time(monkeypatch) -> None:
     slept = []
     monkeypatch.setattr(host_kv_pool.time, "sleep", slept.append)
-    assert emulate_copy_time(2_000_000, 0.001, 8.0) == pytest.approx(0.002)  # 2 MB at 8 Gbit/s (1 GB/s)
-    assert slept == [pytest.approx(0.001)]
-    assert emulate_copy_time(2_000_000, 0.005, 8.0) == 0.005 and len(slept) == 1  # already slower
-    assert emulate_copy_time(2_000_000, 0.001, None) == 0.001
+    assert emulate_copy_time(2_000_000, 0.0005, 8.0) == pytest.approx(0.0015)  # 2 MB at 8 Gbit/s: 2 ms
+    assert slept == [pytest.approx(0.0015)]
+    assert emulate_copy_time(2_000_000, 0.005, 8.0) == 0.0 and len(slept) == 1  # already slower
+    assert emulate_copy_time(2_000_000, 0.001, None) == 0.0
 
 
 def _preemptor(to_host_gbps: float, seconds_per_token: float) -> tuple[Preemptor, Sequence]:

@@ -26,19 +26,20 @@ from tessel.units import GBPS
 @dataclass(slots=True)
 class CopyResult:
     num_bytes: int
-    seconds: float
+    seconds: float  # the whole copy, the emulation's wait included
+    waited_s: float = 0.0  # of which slept to emulate a slower link
 
 
 def emulate_copy_time(num_bytes: int, elapsed_s: float, emulated_gbps: float | None) -> float:
     """Sleep so that a copy of `num_bytes` that took `elapsed_s` lasts `num_bytes / emulated_gbps`;
-    -> the copy's total seconds (`elapsed_s` unchanged without emulation, or when already slower)."""
+    -> the seconds slept (0 without emulation, or when the copy was already slower)."""
     if emulated_gbps is None:
-        return elapsed_s
-    target_s = num_bytes / (emulated_gbps * GBPS)
-    if target_s > elapsed_s:
-        time.sleep(target_s - elapsed_s)
-        return target_s
-    return elapsed_s
+        return 0.0
+    wait_s = num_bytes / (emulated_gbps * GBPS) - elapsed_s
+    if wait_s <= 0:
+        return 0.0
+    time.sleep(wait_s)
+    return wait_s
 
 
 class HostKvPool:
@@ -116,5 +117,6 @@ class HostKvPool:
 
     def _finish(self, num_blocks: int, start: float) -> CopyResult:
         num_bytes = num_blocks * self.bytes_per_block
-        seconds = emulate_copy_time(num_bytes, time.perf_counter() - start, self.emulated_gbps)
-        return CopyResult(num_bytes, seconds)
+        elapsed_s = time.perf_counter() - start
+        waited_s = emulate_copy_time(num_bytes, elapsed_s, self.emulated_gbps)
+        return CopyResult(num_bytes, elapsed_s + waited_s, waited_s)

@@ -134,6 +134,7 @@ class PreemptionStats:
     bytes_to_device: int = 0
     swap_out_s: float = 0.0
     swap_in_s: float = 0.0
+    emulated_wait_s: float = 0.0  # of the copies' seconds, slept to emulate `emulate_host_gbps`
 
 
 class Preemptor:
@@ -195,6 +196,7 @@ class Preemptor:
         copied = self.pool.swap_out(seq.block_table[:count], host)
         self.stats.bytes_to_host += copied.num_bytes
         self.stats.swap_out_s += copied.seconds
+        self.stats.emulated_wait_s += copied.waited_s
         seq.host_blocks = host
         return True
 
@@ -209,6 +211,7 @@ class Preemptor:
         copied = self.pool.swap_in(seq.host_blocks, seq.block_table[: len(seq.host_blocks)])
         self.stats.bytes_to_device += copied.num_bytes
         self.stats.swap_in_s += copied.seconds
+        self.stats.emulated_wait_s += copied.waited_s
         self.pool.free(seq.host_blocks)
         seq.host_blocks = []
         seq.num_computed_tokens = computed
