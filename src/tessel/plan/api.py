@@ -55,6 +55,7 @@ class PlanSettings:
     quality_budget: float | None = None
     theta: float | None = None
     sensitivity: Path | None = None  # measured per-layer quality costs (JSON)
+    kv_preemption: str = "auto"  # evicted KV priced by swap or recompute per stage ("off": streamed)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_limit_s) and 0 < self.time_limit_s <= MAX_TIME_LIMIT_S):
@@ -74,6 +75,7 @@ class PlanSettings:
             "kv_dtype": self.kv_dtype,
             "overlap": self.overlap,
             "swap_in": self.swap_in,
+            "kv_preemption": self.kv_preemption,
             **self.precision_options(model),
         }
 

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Evaluation, Solution, evaluate
+from tessel.plan.solution import (
+    FEASIBILITY_ATOL_BYTES,
+    FEASIBILITY_RTOL,
+    Evaluation,
+    Solution,
+    evaluate,
+    split_offload,
+)
 
 _INF = float("inf")
 GRID_RATIO = 1e-3  # bottleneck values are rounded down to powers of (1 + GRID_RATIO)
@@ -115,6 +122,10 @@ class _Relaxation:
                 ok &= off_b <= 0.0
             with np.errstate(divide="ignore", invalid="ignore"):
                 off_s = np.where(off_b > 0, off_b / bw[:, None], 0.0)
+            if inst.kv_restore is not None:  # evicted KV swapped or recomputed: the same split
+                kv_rate = np.array([inst.kv_rate_s_per_byte(j) for j in range(N)])[:, None]
+                kv_held = counts[None, :] * float(inst.kv_bytes[0])
+                off_s, _ = split_offload(held, kv_held, mem[:, None], bw[:, None], kv_rate)
             for costs, out in ((inst.prefill, self.tp), (inst.decode, self.td)):
                 compute = counts[None, :] * costs.unit_time_s[0][:, None]
                 compute = compute + (costs.first_time_s[:, None] if first else 0.0)

@@ -14,6 +14,10 @@ derives all three), for every unit u (a decoder layer, or its attention / MLP bl
 - workspace_bytes[j]: peak activations of the largest prefill pass (b prompts at max length);
 - memory_bytes: the GPU's memory less what CUDA reserves; host_bytes: the node's host memory
   split evenly over its GPUs;
+- kv_restore (`kv_preemption="auto"`, with swap_in "charged"): per device, swapping evicted KV out
+  and back costs 1/d2h + 1/h2d seconds per byte over its host link (cluster `pcie_gen` / `host_link`,
+  else the catalog's), recomputing it costs the device's prefill time of one micro-batch of contexts
+  at the mean decode context (when preemption strikes) per KV byte of that context (profile or roofline);
 - objective weights: prefill_weight = 1 and decode_weight = mean output tokens, so the objective is
   one request's latency: prefill makespan + output_tokens x decode makespan.
 - with `precisions` (more than one weight precision), every unit's bytes and times at each of them
@@ -39,6 +43,7 @@ from tessel.cost.roofline import (
     embed_time_s,
     lm_head_time_s,
     select_profile,
+    step_overhead_s,
     unit_decode_time_s,
     unit_prefill_time_s,
 )
@@ -48,6 +53,7 @@ from tessel.plan.encoder import encoder_workload
 from tessel.plan.instance import (
     SWAP_IN_POLICIES,
     DeviceSlot,
+    KvRestore,
     PassCosts,
     PlanningInstance,
     PrecisionChoice,
@@ -56,6 +62,8 @@ from tessel.plan.instance import (
 from tessel.plan.workload import Workload, load_workload
 
 GRANULARITIES = {"layer": ("layer",), "sublayer": ("attention", "mlp")}
+# "auto": evicted KV priced per device by the cheaper of swap and recompute; "off": streamed like weights
+KV_PREEMPTION_PRICING = ("auto", "off")
 LOGITS_BYTES_PER_ELEMENT = 4  # logits are upcast to float32 before sampling (vLLM, HF)
 
 
@@ -75,6 +83,7 @@ def build_instance(
     theta: float | None = None,
     checkpoint: Path | None = None,
     sensitivity: Path | None = None,
+    kv_preemption: str = "auto",
 ) -> PlanningInstance:
     """The planning problem of serving `model` on `cluster` under `workload` (names or objects)."""
     model = model if isinstance(model, ModelSpec) else load_model(model)
@@ -87,6 +96,9 @@ def build_instance(
         raise TesselError(f"unknown swap-in policy {swap_in!r}; use one of {', '.join(SWAP_IN_POLICIES)}")
     for name in (dtype, kv_dtype):
         L.dtype_bytes(name)  # an unknown dtype is a user error, raised here
+    if kv_preemption not in KV_PREEMPTION_PRICING:
+        known = ", ".join(KV_PREEMPTION_PRICING)
+        raise TesselError(f"unknown kv preemption {kv_preemption!r}; use one of {known}")
 
     precisions = tuple(precisions)
     if precisions:
@@ -153,6 +165,7 @@ def build_instance(
                 memory_bytes=float(device.spec.usable_bytes),
                 host_bytes=float(cluster.host_bytes(device)),
                 host_to_device_bytes_per_s=device.spec.pcie_h2d_bytes_per_s,
+                device_to_host_bytes_per_s=device.spec.pcie_d2h_bytes_per_s,
             )
             for device in cluster.devices
         ),
@@ -175,6 +188,9 @@ def build_instance(
         overlap=overlap,
         swap_in=swap_in,
         precision=choice,
+        kv_restore=kv_restore(model, cluster, shape, dtype, kv_dtype, tuple(profiles))
+        if kv_preemption == "auto" and swap_in == "charged" and not model.encoder  # encoders hold no KV
+        else None,
         labels={
             "model": model.name,
             "cluster": cluster.name,
@@ -185,6 +201,31 @@ def build_instance(
             **({"precisions": ",".join(precisions), "quality_source": quality_source} if choice else {}),
         },
     )
+
+
+def kv_restore(
+    model: ModelSpec,
+    cluster: Cluster,
+    shape: _PassShape,
+    dtype: str,
+    kv_dtype: str,
+    profiles: tuple[Profile, ...],
+) -> KvRestore:
+    """Seconds per evicted KV byte on every device of `cluster`, by swap and by recompute (module
+    docstring)."""
+    swap, recompute = [], []
+    context = max(round(shape.decode_context), 1)
+    kv_bytes = L.kv_bytes_per_token(model, kv_dtype) * context * shape.batch  # one layer's
+    for device in cluster.devices:
+        spec = device.spec
+        swap.append(1.0 / spec.pcie_d2h_bytes_per_s + 1.0 / spec.pcie_h2d_bytes_per_s)
+        profile = select_profile(profiles, model, spec, dtype)
+        layer_s = unit_prefill_time_s(
+            model, spec, "layer", context, 0, batch_size=shape.batch, dtype=dtype, kv_dtype=kv_dtype,
+            profile=profile,
+        )  # fmt: skip
+        recompute.append(layer_s / kv_bytes)
+    return KvRestore(np.array(swap), np.array(recompute))
 
 
 def _precision_choice(
@@ -318,8 +359,11 @@ class _TypeCosts:
                 unit_decode_time_s(model, spec, kind, b, b * shape.decode_context, **options)
                 for kind in kinds
             ],
-            embed_prefill_s=embed_time_s(model, spec, shape.prefill_tokens, dtype, profile=profile),
-            embed_decode_s=embed_time_s(model, spec, b, dtype, profile=profile),
+            # the first stage also runs the engine's per-step work (a profile's "step" fit, else 0)
+            embed_prefill_s=embed_time_s(model, spec, shape.prefill_tokens, dtype, profile=profile)
+            + step_overhead_s(spec, b, dtype, profile=profile),
+            embed_decode_s=embed_time_s(model, spec, b, dtype, profile=profile)
+            + step_overhead_s(spec, b, dtype, profile=profile),
             head_prefill_s=lm_head_time_s(model, spec, b, dtype, profile=profile),
             head_decode_s=lm_head_time_s(model, spec, b, dtype, profile=profile),
         )

@@ -8,6 +8,9 @@
                                               # not the catalog's (as `tessel probe` reads it)
         intra_link: nvlink                    # nvlink | pcie | {bandwidth_gbps: 300, latency_us: 5}
         host_memory_gib: 512                  # host DRAM for offloading (default 0: none)
+        pcie_gen: 4                           # optional: the slots' PCIe generation (3, 4, 5) caps each
+                                              # GPU's host link at that generation's achieved rate
+        host_link: {h2d_gbps: 200, d2h_gbps: 96}   # optional: measured host link per GPU, Gb/s
         emulate: {speed: 0.5}                 # optional: these devices run at half their type's speed
     network: {bandwidth_gbps: 25, latency_us: 20}   # between nodes (required with > 1 node)
 
@@ -21,6 +24,10 @@ Links between two devices:
   two (the catalog's slow device-to-host figure is FlexGen's KV offload to host, not P2P DMA);
 - same node, explicit `{bandwidth_gbps, latency_us}`: as given;
 - different nodes: the network, capped by either GPU's PCIe (the NIC sits behind it).
+
+Host link (GPU <-> host DRAM, for offloaded weights and swapped KV): the catalog's achieved PCIe
+figures of the GPU type, capped by the node's `pcie_gen` (a Gen4 card in a Gen3 slot runs at Gen3:
+`gpus.PCIE_GEN_ACHIEVED_GBS`), or the node's measured `host_link` when given.
 
 `emulate: {speed: s}` (0.01 <= s <= 1, `plan_file.MIN_EMULATE_SPEED`) on a node makes its devices
 plan as s times their type's peak FLOP/s and memory bandwidth: a way to run an uneven plan on one
@@ -40,11 +47,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tessel.catalog.gpus import GpuSpec, get_gpu
+from tessel.catalog.gpus import GpuSpec, get_gpu, with_host_link
 from tessel.catalog.yaml_reader import bundled_names, parse_yaml, resolve_file, validate_data
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
@@ -104,6 +111,13 @@ class EmulateModel(BaseModel):
         return schedule
 
 
+class HostLinkModel(BaseModel):
+    model_config = _FILE_MODEL
+
+    h2d_gbps: float = Field(gt=0, le=MAX_LINK_GBPS, description="host -> device, gigabits per second")
+    d2h_gbps: float = Field(gt=0, le=MAX_LINK_GBPS, description="device -> host, gigabits per second")
+
+
 class GpuGroupModel(BaseModel):
     model_config = _FILE_MODEL
 
@@ -143,6 +157,8 @@ class NodeModel(BaseModel):
     gpus: list[GpuGroupModel] = Field(min_length=1, max_length=MAX_CLUSTER_DEVICES)
     intra_link: Any = "pcie"
     host_memory_gib: float = Field(default=0.0, ge=0, le=MAX_HOST_MEMORY_GIB)
+    pcie_gen: Literal[3, 4, 5] | None = None  # caps each GPU's host link (gpus.PCIE_GEN_ACHIEVED_GBS)
+    host_link: HostLinkModel | None = None  # measured per-GPU host link; wins over pcie_gen
     emulate: EmulateModel | None = None
 
     @field_validator("gpus", mode="before")
@@ -334,6 +350,12 @@ def cap_gpu_memory(cluster: Cluster, usable_gib: float, what: str = "the GPU mem
     return Cluster(cluster.name, cluster.nodes, devices, cluster.network, cluster.source)
 
 
+def _host_link_bytes_per_s(node: NodeModel) -> tuple[float, float] | None:
+    if node.host_link is None:
+        return None
+    return node.host_link.h2d_gbps * GBPS, node.host_link.d2h_gbps * GBPS
+
+
 def _build(model: ClusterModel, source: str) -> Cluster:
     nodes, devices = [], []
     for node in model.nodes:
@@ -342,7 +364,8 @@ def _build(model: ClusterModel, source: str) -> Cluster:
         schedule = tuple(tuple(pair) for pair in (node.emulate.schedule or ())) if node.emulate else ()
         for group in node.gpus:
             for _ in range(group.count):
-                spec = _emulated_offload(group.spec().emulated(speed), node.emulate)
+                spec = with_host_link(group.spec(), node.pcie_gen, _host_link_bytes_per_s(node))
+                spec = _emulated_offload(spec.emulated(speed), node.emulate)
                 device = Device(
                     f"{node.name}/gpu{len(names)}", group.type, node.name, spec, len(names), speed, schedule
                 )

@@ -47,6 +47,7 @@ from tessel.plan.solution import (
     Solution,
     Stage,
     evaluate,
+    split_offload,
 )
 from tessel.plan.symmetry import interchangeable
 
@@ -98,12 +99,15 @@ class _OrderDP:
         self.send_p = instance.prefill.send_s[np.ix_(idx, idx)]
         self.send_d = instance.decode.send_s[np.ix_(idx, idx)]
         self.cum_bytes = np.concatenate([[0.0], np.cumsum(instance.weight_bytes + instance.kv_bytes)])
+        self.cum_kv = np.concatenate([[0.0], np.cumsum(instance.kv_bytes)])
         move = np.zeros((U, n)) if instance.move_s is None else instance.move_s[:, idx] * instance.move_weight
         self.cum_move = np.concatenate([zero, np.cumsum(move.T, axis=1)], axis=1)  # weighted, per order slot
         devices = [instance.devices[j] for j in order]
         self.mem = np.array([d.memory_bytes for d in devices], dtype=float)
         self.host = np.array([d.host_bytes for d in devices], dtype=float)
         self.bw = np.array([d.host_to_device_bytes_per_s for d in devices], dtype=float)
+        kv_rates = [instance.kv_rate_s_per_byte(j) for j in order]
+        self.kv_rate = None if instance.kv_restore is None else np.array(kv_rates, dtype=float)
         self.ws = np.asarray(instance.workspace_bytes, dtype=float)[idx]
         self.later = np.arange(n)[None, None, :] > np.arange(n)[:, None, None]  # [p, 1, q]: q after p
         self.size = (U + 1) * n * (U + 1)  # flat W / prefix-min arrays; index `size` is an inf sentinel
@@ -141,6 +145,9 @@ class _OrderDP:
         host_ok = off_b <= self.host[:, None] * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
         with np.errstate(divide="ignore", invalid="ignore"):
             off_s = np.where(off_b > 0, off_b / self.bw[:, None], 0.0)
+        if self.kv_rate is not None:  # evicted KV swapped or recomputed (hidden swap-in excluded)
+            kv = (self.cum_kv[es] - self.cum_kv[u])[None, :]
+            off_s, _ = split_offload(held, kv, self.mem[:, None], self.bw[:, None], self.kv_rate[:, None])
         if u == 0:
             self.first_ok = off_b <= 0.0 if inst.swap_in == "hidden" else np.ones_like(host_ok)
         move = self.cum_move[:, es] - self.cum_move[:, u : u + 1]

@@ -22,6 +22,21 @@ swap-in policies. `swap_in="charged"` (the default) stops there: a stage may off
 host allowance holds and pays the full transfer, as FlexGen does. `swap_in="hidden"` adds the
 seed's rule on top: a stage's swap-in must also fit under the upstream stage's work
 (compute + comm) in both passes, and the first stage, which has no upstream stage, may not offload.
+KV under memory pressure (`kv_restore`, optional): what a stage holds beyond its memory is either
+weights (streamed in every pass at host_to_device_bytes_per_s) or evicted KV cache. A pass works on
+one of the m micro-batches in flight, so it brings back its share of the evicted KV, 1/m of it, by
+the stage's preemption mode: `swap` (out to host and back: `swap_s_per_byte`, both PCIe directions)
+or `recompute` (prefill the evicted context again on the stage: `recompute_s_per_byte`, from the
+cost model). Per stage, with X the overflow, K its KV bytes and W = held - K the rest:
+
+    kv rate   c_j = min(swap, recompute)[j] / m        (the mode is the cheaper one)
+    evicted   e_j = min(X, K) when c_j < 1/B_j, else max(X - W, 0)   (the cheaper bytes leave first)
+    offload_j = (X - e_j) / B_j + c_j e_j              (the design's expected offloading latency A_j)
+
+which is the least A_j over every split of X into streamed weights (<= W) and evicted KV (<= K), so
+the MILP prices it with continuous variables. Without `kv_restore`, offload_j = X / B_j as above.
+`kv_restore` needs `swap_in="charged"`.
+
 Objective = prefill_weight * (sum_j T_j^pre + (micro_batches - 1) * max_j T_j^pre)
           + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec)
           + move_weight * sum_u move_s[u, device of u]      (re-planning only; 0 otherwise)
@@ -43,6 +58,7 @@ import numpy as np
 
 UNIT_KINDS = ("layer", "attention", "mlp")
 SWAP_IN_POLICIES = ("charged", "hidden")
+KV_PREEMPTION_MODES = ("swap", "recompute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +83,7 @@ class DeviceSlot:
     memory_bytes: float  # usable device memory after reserved (CUDA context etc.)
     host_bytes: float  # host DRAM this device may offload into (0 = no offloading)
     host_to_device_bytes_per_s: float  # the device's own PCIe bandwidth, host -> device
+    device_to_host_bytes_per_s: float = 0.0  # device -> host (0: not given; KvRestore prices swaps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +121,42 @@ class PrecisionChoice:
 
 
 @dataclass(frozen=True, slots=True)
+class KvRestore:
+    """Seconds to bring back one byte of evicted KV cache on each device, per preemption mode."""
+
+    swap_s_per_byte: np.ndarray  # [N]: 1 / device_to_host + 1 / host_to_device (out and back)
+    recompute_s_per_byte: np.ndarray  # [N]: prefill seconds of the evicted context per KV byte
+
+    def check(self, n_devices: int) -> None:
+        for name in ("swap_s_per_byte", "recompute_s_per_byte"):
+            rates = getattr(self, name)
+            _check_shape(f"kv_restore.{name}", rates, (n_devices,))
+            if not np.all(np.isfinite(rates)) or np.any(rates <= 0):
+                raise ValueError(f"kv_restore.{name} must be finite and > 0, got {rates}")
+
+    def subset(self, devices) -> KvRestore:
+        """The rates of the devices at these indices, in that order."""
+        idx = np.asarray(devices, dtype=int)
+        return KvRestore(self.swap_s_per_byte[idx], self.recompute_s_per_byte[idx])
+
+    def modes(self) -> tuple[str, ...]:
+        """The cheaper mode per device (swap on ties)."""
+        return tuple(
+            "recompute" if r < s else "swap"
+            for s, r in zip(self.swap_s_per_byte, self.recompute_s_per_byte, strict=True)
+        )
+
+    def rate_s_per_byte(self, device: int, mode: str | None) -> float:
+        """Seconds per evicted byte on `device` in `mode` (None: the cheaper mode)."""
+        swap, recompute = float(self.swap_s_per_byte[device]), float(self.recompute_s_per_byte[device])
+        if mode is None:
+            return min(swap, recompute)
+        if mode not in KV_PREEMPTION_MODES:
+            raise ValueError(f"kv preemption mode must be one of {KV_PREEMPTION_MODES}, got {mode!r}")
+        return swap if mode == "swap" else recompute
+
+
+@dataclass(frozen=True, slots=True)
 class PlanningInstance:
     units: tuple[Unit, ...]
     devices: tuple[DeviceSlot, ...]
@@ -124,6 +177,7 @@ class PlanningInstance:
     move_s: np.ndarray | None = None  # [U, N], or [U, N, P] with a precision choice
     move_weight: float = 0.0
     precision: PrecisionChoice | None = None  # a weight precision per unit, chosen by the solver
+    kv_restore: KvRestore | None = None  # evicted KV priced by swap or recompute (module docstring)
     labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
 
     def __post_init__(self) -> None:
@@ -149,6 +203,24 @@ class PlanningInstance:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.precision is not None:
             self.precision.check(n_units, n_devices)
+        if self.kv_restore is not None:
+            self.kv_restore.check(n_devices)
+            if self.swap_in != "charged":
+                raise ValueError("kv_restore (swap or recompute of evicted KV) needs swap_in='charged'")
+
+    def kv_rate_s_per_byte(self, device: int, mode: str | None = None) -> float | None:
+        """Seconds of one pass per byte of evicted KV on `device` (its micro-batch's 1/m share),
+        None without `kv_restore`."""
+        if self.kv_restore is None:
+            return None
+        return self.kv_restore.rate_s_per_byte(device, mode) / self.micro_batches
+
+    def offload_bytes_per_s_bound(self, device: int) -> float:
+        """The most overflow bytes per second of offload time any split achieves on `device`: a rate
+        that keeps `overflow / rate` a lower bound on its offload time."""
+        rate = self.devices[device].host_to_device_bytes_per_s
+        kv = self.kv_rate_s_per_byte(device)
+        return rate if kv is None else max(rate, 1.0 / kv)
 
     @property
     def n_units(self) -> int:

@@ -154,26 +154,33 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
         _precision_rows(mb, inst, x, z)
 
     # memory and offloading: held_j - o_j <= G_j
+    kv = inst.kv_restore is not None
+    ks, kr = (mb.cols((N,)), mb.cols((N,))) if kv else (None, None)  # GiB of KV evicted, per mode
     unit_gib = (inst.kv_bytes if z is not None else inst.weight_bytes + inst.kv_bytes) / GIB
     for j, device in enumerate(inst.devices):
-        cols = np.concatenate([x[:, j], b[:, j], [o[j]]])
-        vals = np.concatenate([unit_gib, np.full(U, inst.workspace_bytes[j] / GIB), [-1.0]])
+        cols = np.concatenate([x[:, j], b[:, j]])
+        vals = np.concatenate([unit_gib, np.full(U, inst.workspace_bytes[j] / GIB)])
         vals[0] += inst.first_bytes / GIB
         vals[U - 1] += inst.last_bytes / GIB
         if z is not None:
             cols = np.concatenate([cols, z[:, j, :].reshape(-1)])
             vals = np.concatenate([vals, (choice.weight_bytes / GIB).reshape(-1)])
-        mb.rows(cols[None, :], vals[None, :], -np.inf, device.memory_bytes / GIB)
-        host = device.host_bytes / GIB if device.host_to_device_bytes_per_s > 0 else 0.0
+        held_row = (np.append(cols, o[j])[None, :], np.append(vals, -1.0)[None, :])
+        mb.rows(*held_row, -np.inf, device.memory_bytes / GIB)
+        host = device.host_bytes / GIB if device.host_to_device_bytes_per_s > 0 or kv else 0.0
         mb.upper[o[j]] = host
         if hidden:  # the first stage may not offload: o_j <= host (1 - x[0, j])
             mb.rows(np.array([[o[j], x[0, j]]]), [[1.0, host]], -np.inf, host)
-        if host > 0:
+        if kv and host > 0:
+            _kv_rows(mb, inst, j, x[:, j], cols, vals, o[j], ks[j], kr[j], A[j], host)
+        elif host > 0:
             ms_per_gib = GIB / device.host_to_device_bytes_per_s * MS
             mb.rows(np.array([[A[j], o[j]]]), [[1.0, -ms_per_gib]], 0.0, np.inf)
             mb.upper[A[j]] = host * ms_per_gib
         else:
             mb.upper[A[j]] = 0.0
+            if kv:
+                mb.upper[ks[j]] = mb.upper[kr[j]] = 0.0
 
     # stage times
     compute = {}
@@ -227,7 +234,33 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
                 mb.rows(cols[None], vals[None], -np.inf, big_m)
 
     _symmetry_rows(mb, inst, x)
-    return mb, {"x": x, "b": b, "y": y, "o": o, "A": A, "Tp": Tp, "Td": Td, "Mp": Mp, "Md": Md, "z": z}
+    return mb, {
+        "x": x, "b": b, "y": y, "o": o, "A": A, "Tp": Tp, "Td": Td, "Mp": Mp, "Md": Md, "z": z,
+        "ks": ks, "kr": kr,
+    }
+
+
+def _kv_rows(mb, inst, j, xj, held_cols, held_vals, o, ks, kr, A, host) -> None:
+    """Evicted KV (ks swapped, kr recomputed, GiB) within the stage's KV, streamed weights o - ks - kr
+    within the rest it holds, and A >= streamed / B + (swap ks + recompute kr) / m (ms)."""
+    kv_gib = inst.kv_bytes / GIB
+    mb.rows(np.concatenate([[ks, kr], xj])[None], np.concatenate([[1.0, 1.0], -kv_gib])[None], -np.inf, 0.0)
+    rest = held_vals.copy()
+    rest[: inst.n_units] -= kv_gib  # held - KV: weights, workspace, embedding / LM head
+    cols = np.concatenate([[o, ks, kr], held_cols])
+    mb.rows(cols[None], np.concatenate([[1.0, -1.0, -1.0], -rest])[None], -np.inf, 0.0)
+    mb.rows(np.array([[o, ks, kr]]), [[1.0, -1.0, -1.0]], 0.0, np.inf)  # streamed >= 0
+    bw = inst.devices[j].host_to_device_bytes_per_s
+    ms_per_gib = GIB / bw * MS if bw > 0 else None
+    swap_ms = inst.kv_rate_s_per_byte(j, "swap") * GIB * MS
+    rec_ms = inst.kv_rate_s_per_byte(j, "recompute") * GIB * MS
+    if ms_per_gib is None:  # no host link for weights: only KV may leave
+        mb.rows(np.array([[o, ks, kr]]), [[1.0, -1.0, -1.0]], -np.inf, 0.0)
+        mb.rows(np.array([[A, ks, kr]]), [[1.0, -swap_ms, -rec_ms]], 0.0, np.inf)
+    else:
+        coefs = [[1.0, -ms_per_gib, ms_per_gib - swap_ms, ms_per_gib - rec_ms]]
+        mb.rows(np.array([[A, o, ks, kr]]), coefs, 0.0, np.inf)
+    mb.upper[A] = host * max(ms_per_gib or 0.0, swap_ms, rec_ms)
 
 
 def _precision_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray, z: np.ndarray) -> None:
@@ -297,6 +330,9 @@ def _start_values(instance: PlanningInstance, cols: dict, n_cols: int, solution:
             values[cols["y"][j, solution.stages[index + 1].device]] = 1.0
         se = ev.stages[index]
         values[cols["o"][j]] = se.offload_bytes / GIB
+        if cols["ks"] is not None:
+            mode_col = cols["ks"] if se.kv_preemption == "swap" else cols["kr"]
+            values[mode_col[j]] = se.kv_evicted_bytes / GIB
         values[cols["A"][j]] = se.offload_s * MS
         values[cols["Tp"][j]] = se.time_prefill_s * MS
         values[cols["Td"][j]] = se.time_decode_s * MS

@@ -180,6 +180,22 @@ class PlanStage(_Strict):
     weights_gib: float | None = Field(default=None, ge=0)
     kv_gib: float | None = Field(default=None, ge=0)  # KV the planner reserved (None: not given)
     offload_gib: float = Field(default=0.0, ge=0)  # held in host memory, streamed in every pass
+    # KV under memory pressure (optional; absent in older plans): how the stage brings back evicted KV
+    # ("swap": out to host and back; "recompute": prefill the context again), the part of offload_gib
+    # that is evicted KV, and the device's host link the planner priced a swap with (Gbit/s)
+    kv_preemption: Literal["swap", "recompute"] | None = None
+    kv_evicted_gib: float = Field(default=0.0, ge=0)
+    host_h2d_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    host_d2h_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _kv_evicted_within_offload(self) -> PlanStage:
+        if self.kv_evicted_gib > self.offload_gib * (1 + 1e-6) + 1e-9:
+            raise ValueError(
+                f"stage {self.index}: kv_evicted_gib {self.kv_evicted_gib:.3f} is more than its "
+                f"offload_gib {self.offload_gib:.3f} (evicted KV is part of what leaves the device)"
+            )
+        return self
     prefill_ms: float | None = Field(default=None, ge=0)
     decode_ms: float | None = Field(default=None, ge=0)
     link_to_next: Link | None = None

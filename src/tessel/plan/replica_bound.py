@@ -138,7 +138,7 @@ def _devices(instance: PlanningInstance) -> list[_Device]:
         spare = slot.memory_bytes - float(relaxed.workspace_bytes[j])  # offload starts past this
         host = slot.host_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
         cap = (spare + host) / beta if beta > 0 else math.inf
-        rate = slot.host_to_device_bytes_per_s
+        rate = relaxed.offload_bytes_per_s_bound(j)  # evicted KV may come back faster than weights
         if rate <= 0:  # no host link: nothing may be offloaded
             cap = min(cap, max(spare, 0.0) / beta) if beta > 0 else cap
             offload = (0.0, 0.0)

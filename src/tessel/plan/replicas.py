@@ -202,6 +202,7 @@ def subset(instance: PlanningInstance, devices: tuple[int, ...]) -> PlanningInst
         workspace_bytes=np.asarray(instance.workspace_bytes)[idx],
         move_s=None if instance.move_s is None else instance.move_s[:, idx],
         precision=choice,
+        kv_restore=None if instance.kv_restore is None else instance.kv_restore.subset(idx),
     )
 
 

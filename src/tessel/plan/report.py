@@ -76,6 +76,7 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
                 "weights_gib": se.weight_bytes / GIB,
                 "kv_gib": se.kv_bytes / GIB,
                 "offload_gib": se.offload_bytes / GIB,
+                **_kv_preemption_json(instance, se),
                 "prefill_ms": se.time_prefill_s * 1e3,
                 "decode_ms": se.time_decode_s * 1e3,
                 "link_to_next": link,
@@ -166,6 +167,19 @@ def quality_json(instance: PlanningInstance, evaluation: Evaluation, source: str
     return {"cost": evaluation.quality, "budget": budget, "theta": choice.theta, "source": source}
 
 
+def _kv_preemption_json(instance: PlanningInstance, se) -> dict:
+    """How the stage brings back evicted KV, how much it evicts, and the host link it was priced on
+    (None and 0 when the plan prices no KV restore)."""
+    device = instance.devices[se.stage.device]
+    h2d, d2h = device.host_to_device_bytes_per_s, device.device_to_host_bytes_per_s
+    return {
+        "kv_preemption": se.kv_preemption,
+        "kv_evicted_gib": se.kv_evicted_bytes / GIB,
+        "host_h2d_gbps": h2d / GBPS if h2d > 0 else None,
+        "host_d2h_gbps": d2h / GBPS if d2h > 0 else None,
+    }
+
+
 def _emulate_speed(cluster, device: str) -> float:
     return 1.0 if cluster is None else cluster.device(device).emulate_speed
 
@@ -180,7 +194,8 @@ def _offload_json(instance: PlanningInstance, evaluation: Evaluation, se, layer_
         per_layer[instance.units[u].layer] = per_layer.get(instance.units[u].layer, 0.0) + _unit_bytes(
             instance, evaluation, u
         )
-    streamed = offload_layers(layer_start, list(per_layer.values()), se.offload_bytes)
+    # evicted KV (swapped or recomputed) is not streamed weights
+    streamed = offload_layers(layer_start, list(per_layer.values()), se.offload_bytes - se.kv_evicted_bytes)
     device = instance.devices[se.stage.device]
     found = None if cluster is None else cluster.device(device.name)
     return {
@@ -365,6 +380,10 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, 
         "decode ms",
     ):
         table.add_column(column, justify="left" if column in ("device", "type") else "right")
+    kv = any(se.kv_evicted_bytes > 0 for se in evaluation.stages)  # else `kv_preemption_line` alone
+    if kv:
+        table.add_column("KV preemption", justify="left")
+        table.add_column("KV evicted GiB", justify="right")
     if utilizations is not None:
         table.add_column("decode MFU %", justify="right")
         table.add_column("decode MBU %", justify="right")
@@ -389,10 +408,24 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, 
             f"{se.offload_bytes / GIB:.1f}",
             f"{se.time_prefill_s * 1e3:.2f}",
             f"{se.time_decode_s * 1e3:.3f}",
+            *([se.kv_preemption or "-", f"{se.kv_evicted_bytes / GIB:.1f}"] if kv else []),
             *utilization_cells(utilizations, index),
             *precision_cells(evaluation, se.stage),
         )
     return table
+
+
+def kv_preemption_line(evaluation: Evaluation) -> str | None:
+    """Each stage's way back for evicted KV, in one line (None when the plan prices none)."""
+    modes = [se.kv_preemption for se in evaluation.stages]
+    if any(mode is None for mode in modes):
+        return None
+    evicted = sum(se.kv_evicted_bytes for se in evaluation.stages) / GIB
+    return (
+        "KV preemption per stage (evicted KV comes back by the cheaper way on its device): "
+        + ", ".join(f"{index} {mode}" for index, mode in enumerate(modes))
+        + f"; {evicted:.1f} GiB evicted in all"
+    )
 
 
 def utilization_cells(utilizations, index: int) -> list[str]:

@@ -11,6 +11,7 @@ quantities of `tessel.plan.instance`'s docstring:
     comm_j    = send_s[j, next] (0 on the last stage)
     held_j    = weights + KV of its units + workspace_bytes[j] (+ first_bytes / last_bytes)
     offload_j = max(held_j - memory_bytes[j], 0) / host_to_device_bytes_per_s[j]
+                (with `kv_restore`: streamed weights plus the evicted KV's swap or recompute)
     T_j       = compute + comm + offload        (overlap=False, the seed's additive form)
               = max(compute, comm, offload)     (overlap=True)
     objective = prefill_weight * (sum T^pre + (m - 1) max T^pre)
@@ -28,6 +29,9 @@ and feasibility:
   passes (same bytes). With the default `swap_in="charged"` the transfer is only paid in T_j.
 - with a precision choice, the plan's total quality cost is within the instance's budget.
 
+With `kv_restore`, each stage's preemption mode is the cheaper of swap and recompute on its device
+unless `Solution.kv_modes` fixes one per stage (the brute force tries both).
+
 With a precision choice, unit u's bytes and times are those of its precision (`Solution.precisions`,
 an index per unit; None means every unit at the reference precision, index 0).
 
@@ -40,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tessel.plan.instance import PassCosts, PlanningInstance
+from tessel.plan.instance import KV_PREEMPTION_MODES, PassCosts, PlanningInstance
 
 # Relative slack on feasibility checks, so a MILP solution that sits on a constraint within the
 # solver's feasibility tolerance (1e-7 on scaled rows) is not rejected.
@@ -64,9 +68,14 @@ class Stage:
 class Solution:
     stages: tuple[Stage, ...]
     precisions: tuple[int, ...] | None = None  # precision index per unit (None: the reference, 0)
+    kv_modes: tuple[str, ...] | None = None  # preemption mode per stage (None: the cheaper on each)
 
     def with_precisions(self, precisions) -> Solution:
-        return Solution(self.stages, None if precisions is None else tuple(int(q) for q in precisions))
+        q = None if precisions is None else tuple(int(q) for q in precisions)
+        return Solution(self.stages, q, self.kv_modes)
+
+    def with_kv_modes(self, modes) -> Solution:
+        return Solution(self.stages, self.precisions, None if modes is None else tuple(modes))
 
     @classmethod
     def from_counts(cls, devices: list[int] | tuple[int, ...], counts: list[int]) -> Solution:
@@ -100,6 +109,11 @@ class Solution:
                 raise ValueError(f"{len(self.precisions)} precisions for {instance.n_units} units")
             if any(not 0 <= q < instance.n_precisions for q in self.precisions):
                 raise ValueError(f"precision index out of range 0..{instance.n_precisions - 1}")
+        if self.kv_modes is not None:
+            if len(self.kv_modes) != len(self.stages):
+                raise ValueError(f"{len(self.kv_modes)} kv modes for {len(self.stages)} stages")
+            if any(mode not in KV_PREEMPTION_MODES for mode in self.kv_modes):
+                raise ValueError(f"kv modes must be in {KV_PREEMPTION_MODES}, got {self.kv_modes}")
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -127,7 +141,9 @@ class StageEval:
     kv_bytes: float
     workspace_bytes: float
     held_bytes: float
-    offload_bytes: float  # held beyond device memory, streamed from host
+    offload_bytes: float  # held beyond device memory: streamed from host, or evicted KV
+    kv_evicted_bytes: float = 0.0  # of offload_bytes, KV evicted and brought back by kv_preemption
+    kv_preemption: str | None = None  # "swap" or "recompute" (None: the instance prices no KV restore)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +190,22 @@ def offload_time_s(offload_bytes: float, bytes_per_s: float) -> float:
     return offload_bytes / bytes_per_s if bytes_per_s > 0 else float("inf")
 
 
+def split_offload(held, kv, memory, bytes_per_s, kv_s_per_byte):
+    """(offload seconds, evicted KV bytes) of a stage holding `held` bytes, `kv` of them KV, on a
+    device of `memory` bytes: the bytes that cost less per byte leave first, weights streamed at
+    `bytes_per_s` or KV brought back at `kv_s_per_byte` (instance docstring). numpy broadcasts."""
+    held, kv = np.asarray(held, dtype=float), np.asarray(kv, dtype=float)
+    over = np.maximum(held - memory, 0.0)
+    bw = np.asarray(bytes_per_s, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weight_s_per_byte = np.where(bw > 0, 1.0 / bw, np.inf)
+        kv_first = kv_s_per_byte < weight_s_per_byte
+        evicted = np.where(kv_first, np.minimum(over, kv), np.maximum(over - (held - kv), 0.0))
+        streamed = over - evicted
+        seconds = np.where(streamed > 0, streamed * weight_s_per_byte, 0.0) + evicted * kv_s_per_byte
+    return seconds, evicted
+
+
 def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
     """Stage times, memory, offloading, feasibility and the objective of one plan."""
     solution.validate(instance)
@@ -195,6 +227,14 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
         held = weights + kv + workspace
         offload_bytes = max(held - device.memory_bytes, 0.0)
         offload = offload_time_s(offload_bytes, device.host_to_device_bytes_per_s)
+        evicted, mode = 0.0, None
+        if instance.kv_restore is not None:
+            mode = instance.kv_restore.modes()[j] if solution.kv_modes is None else solution.kv_modes[index]
+            seconds, evicted = split_offload(
+                held, kv, device.memory_bytes, device.host_to_device_bytes_per_s,
+                instance.kv_rate_s_per_byte(j, mode),
+            )
+            offload, evicted = float(seconds), float(evicted)
         times = {}
         for name, costs in (("prefill", instance.prefill), ("decode", instance.decode)):
             compute = _stage_compute(costs, j, stage.unit_start, stage.unit_end, first, last)
@@ -221,6 +261,8 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
                 workspace_bytes=workspace,
                 held_bytes=held,
                 offload_bytes=offload_bytes,
+                kv_evicted_bytes=evicted,
+                kv_preemption=mode,
             )
         )
     if instance.swap_in == "hidden":
@@ -248,7 +290,7 @@ def _evaluate_precisions(instance: PlanningInstance, solution: Solution) -> Eval
     """The plan on the instance with its precisions fixed, plus the quality term and budget."""
     choice = instance.precision
     q = solution.precisions
-    base = evaluate(instance.fixed(q), Solution(solution.stages))
+    base = evaluate(instance.fixed(q), Solution(solution.stages, kv_modes=solution.kv_modes))
     quality = instance.quality_cost(q)
     reasons = list(base.reasons)
     if quality > choice.quality_budget * (1 + FEASIBILITY_RTOL) + 1e-12:

@@ -24,6 +24,8 @@ def interchangeable(instance: PlanningInstance, a: int, b: int) -> bool:
         return False
     if instance.workspace_bytes[a] != instance.workspace_bytes[b]:
         return False
+    if instance.kv_rate_s_per_byte(a) != instance.kv_rate_s_per_byte(b):
+        return False
     others = [k for k in range(instance.n_devices) if k not in (a, b)]
     for costs in (instance.prefill, instance.decode):
         if not np.array_equal(costs.unit_time_s[:, a], costs.unit_time_s[:, b]):

@@ -104,10 +104,18 @@ class SimulationReport:
                     "stages": [stage.label for stage in run.variant.stages],
                     "predicted": run.variant.predicted,
                     "metrics": run.metrics.to_json(),
+                    **_kv_restores_json(run.result),
                 }
                 for run in self.runs
             },
         }
+
+
+def _kv_restores_json(result: SimResult) -> dict:
+    """Per stage, the evicted KV it brought back and how (only when some stage evicts KV)."""
+    if not any(result.kv_restores):
+        return {}
+    return {"kv_restores": [None if stats is None else stats.to_json() for stats in result.kv_restores]}
 
 
 def simulate_plan(
@@ -184,6 +192,7 @@ def _run_variant(
         logits_time_s=priced.logits_time_s,
         offload_s=priced.offload_s,
         offload_overlap=priced.offload_overlap,
+        kv_pools=priced.kv_pools,
         slowdowns=slowdowns if any(slowdowns) else (),
     )
     result = simulate(priced.pipeline, requests, config)

@@ -17,6 +17,10 @@ finishes n prompts. Links: `link_to_next.bandwidth_gbps` in gigabits per second,
 A stage with `offload_gib` > 0 streams that much from host memory over its GPU's host-to-device
 PCIe in every batch (`SimConfig.offload_s`), added to the batch's compute time, or overlapped
 with it (max) when the plan says `overlap: true`: the planner's own stage-time rule.
+Of that, the stage's `kv_evicted_gib` is KV, not weights: it is left out of the streaming and kept
+off the device instead (`tessel.sim.kv_pool`): the stage holds `kv_gib - kv_evicted_gib` of KV and,
+when its sequences hold more, brings the excess back by its `kv_preemption` mode: a swap at the
+plan's `host_h2d_gbps` / `host_d2h_gbps` (else the catalog's figures), or its own prefill of it.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from dataclasses import dataclass
 
 from tessel.catalog.gpus import get_gpu
 from tessel.chunk.from_plan import plan_pipeline
-from tessel.chunk.latency import PipelineLatency
+from tessel.chunk.latency import PipelineLatency, StageLatency
 from tessel.cost.layer import kv_bytes_per_token
 from tessel.cost.profile import Profile
-from tessel.cost.roofline import lm_head_time_s
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PlanFile, PlanVariant
-from tessel.units import GIB
+from tessel.plan.plan_file import PlanFile, PlanStage, PlanVariant
+from tessel.sim.kv_pool import KvPool
+from tessel.units import GBPS, GIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class SimPipeline:
     logits_time_s: Callable[[int], float]  # LM head of n prompts' last tokens, on the last stage
     offload_s: tuple[float, ...]  # per stage, per batch: offload_gib over the GPU's host-to-device PCIe
     offload_overlap: bool  # the plan's `overlap`: offload hidden under compute (max) or added
+    kv_pools: tuple[KvPool | None, ...] = ()  # per stage that evicts KV: its resident KV and mode
 
 
 def pipeline_for(
@@ -61,12 +66,47 @@ def pipeline_for(
     last = priced.pipeline.stages[-1]
 
     def logits_time_s(prompts: int) -> float:
-        return lm_head_time_s(last.model, last.gpu, prompts, last.dtype, profile=last.profile)
+        return last.logits_time_s(prompts)
 
+    stages = variant.stages
     offload_s = tuple(
-        stage.offload_gib * GIB / get_gpu(stage.gpu_type).pcie_h2d_bytes_per_s for stage in variant.stages
+        max(stage.offload_gib - stage.kv_evicted_gib, 0.0) * GIB / _host_link(stage)[0] for stage in stages
     )
-    return SimPipeline(priced.pipeline, logits_time_s, offload_s, plan.overlap)
+    pools = tuple(
+        _kv_pool(plan, stage, latency) for stage, latency in zip(stages, priced.pipeline.stages, strict=True)
+    )
+    kv_pools = pools if any(pools) else ()
+    return SimPipeline(priced.pipeline, logits_time_s, offload_s, plan.overlap, kv_pools)
+
+
+def _host_link(stage: PlanStage) -> tuple[float, float]:
+    """(host -> device, device -> host) bytes/s of a stage's GPU: the plan's, else the catalog's."""
+    gpu = get_gpu(stage.gpu_type)
+    h2d = gpu.pcie_h2d_bytes_per_s if stage.host_h2d_gbps is None else stage.host_h2d_gbps * GBPS
+    d2h = gpu.pcie_d2h_bytes_per_s if stage.host_d2h_gbps is None else stage.host_d2h_gbps * GBPS
+    return h2d, d2h
+
+
+def _kv_pool(plan: PlanFile, stage: PlanStage, latency: StageLatency) -> KvPool | None:
+    """The stage's resident KV and how evicted KV comes back; None when it evicts none."""
+    if stage.kv_preemption is None or stage.kv_evicted_gib <= 0 or not stage.kv_gib:
+        return None
+    layers = sum(1 for u in range(stage.unit_start, stage.unit_end) if plan.unit_kind(u) != "mlp")
+    if layers == 0:
+        return None
+    token_bytes = kv_bytes_per_token(plan.model_spec, plan.kv_dtype) * layers
+    resident = int(max(stage.kv_gib - stage.kv_evicted_gib, 0.0) * GIB // token_bytes)
+    if stage.kv_preemption == "swap":
+        h2d, d2h = _host_link(stage)
+
+        def restore_s(tokens: int) -> float:
+            return tokens * token_bytes * (1.0 / h2d + 1.0 / d2h)
+    else:
+
+        def restore_s(tokens: int) -> float:
+            return latency.prefill_time_s(tokens, 0)
+
+    return KvPool(resident, stage.kv_preemption, restore_s)
 
 
 def kv_capacity_tokens(plan: PlanFile, variant: PlanVariant | None = None) -> int | None:

@@ -137,8 +137,11 @@ def stage_table(run: VariantRun, utilizations: list | None = None) -> Table:
     )
     if utilizations is not None:
         names = (*names, "MFU %", "MBU %")
+    restores = run.result.kv_restores
+    if any(restores):  # stages that evict KV: how it came back (tessel.sim.kv_pool)
+        names = (*names, "KV restored", "restore (s)")
     for name in names:
-        right = name in ("busy (s)", "utilisation", "MFU %", "MBU %")
+        right = name in ("busy (s)", "utilisation", "MFU %", "MBU %", "restore (s)")
         table.add_column(name, justify="right" if right else "left")
     metrics = run.metrics
     for index, (stage, busy, use) in enumerate(
@@ -155,5 +158,12 @@ def stage_table(run: VariantRun, utilizations: list | None = None) -> Table:
             f"{busy:,.3f}",
             f"{use:.1%}",
             *(_percent(value) for value in util),
+            *(_restore_cells(restores[index]) if any(restores) else ()),
         )
     return table
+
+
+def _restore_cells(stats) -> tuple[str, str]:  # noqa: ANN001 (KvRestoreStats | None)
+    if stats is None:
+        return "-", "-"
+    return f"{stats.mode} {stats.tokens:,} tok", f"{stats.seconds:,.3f}"
