@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tessel.chunk.latency import PipelineLatency, StageLatency
+from tessel.sim.kv_pool import KvPool, KvPoolCounter, KvRestoreStats
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import MicroBatch, SimScheduler, SimSchedulerConfig, SimSequence, Work
 
@@ -52,6 +53,7 @@ class SimConfig:
     offload_s: tuple[float, ...] = ()  # per stage: streaming its host-offloaded bytes, every batch
     offload_overlap: bool = False  # batch time = max(compute, offload) instead of the sum
     pinned: bool = False  # one virtual engine per in-flight slot, requests pinned to one (vLLM V0)
+    kv_pools: tuple[KvPool | None, ...] = ()  # per stage: its device-resident KV (tessel.sim.kv_pool)
     # per stage, (seconds since the stage's first batch, factor) changes: from then on its compute
     # times are multiplied by the factor (an emulated speed schedule; `slowdowns_for`)
     slowdowns: tuple[tuple[tuple[float, float], ...], ...] = ()
@@ -102,6 +104,7 @@ class SimResult:
     records: tuple[RequestRecord, ...]  # in request id order
     intervals: tuple[Interval, ...]  # in start order
     batches: int
+    kv_restores: tuple[KvRestoreStats | None, ...] = ()  # per stage with a KV pool (tessel.sim.kv_pool)
 
 
 class _Stage:
@@ -173,6 +176,9 @@ class _Run:
         self.max_in_flight = config.max_in_flight or self.n_stages
         if config.offload_s and len(config.offload_s) != self.n_stages:
             raise ValueError(f"{len(config.offload_s)} offload times for {self.n_stages} stages")
+        if config.kv_pools and len(config.kv_pools) != self.n_stages:
+            raise ValueError(f"{len(config.kv_pools)} KV pools for {self.n_stages} stages")
+        self.kv_pools = [None if pool is None else KvPoolCounter(pool) for pool in config.kv_pools]
         if config.slowdowns and len(config.slowdowns) != self.n_stages:
             raise ValueError(f"{len(config.slowdowns)} speed schedules for {self.n_stages} stages")
         self.requests = requests
@@ -218,7 +224,8 @@ class _Run:
             for s in sorted(self.sequences.values(), key=lambda s: s.request.id)
         )
         intervals = tuple(sorted(self.intervals, key=lambda i: (i.start_s, i.stage, i.kind)))
-        return SimResult(self.n_stages, records, intervals, self.scheduler.batches_formed)
+        restores = tuple(None if pool is None else pool.stats() for pool in self.kv_pools)
+        return SimResult(self.n_stages, records, intervals, self.scheduler.batches_formed, restores)
 
     def dispatch(self, now: float) -> None:
         """Form new micro-batches while stage 0 is idle and the pipeline has room."""
@@ -260,6 +267,9 @@ class _Run:
         if config.slowdowns:
             time *= _slowdown(config.slowdowns[index], now - stage.first_s)
         offload = config.offload_s[index] if config.offload_s else 0.0
+        if self.kv_pools and self.kv_pools[index] is not None:  # evicted KV comes back first
+            running = (s.scheduled_prompt + s.generated for s in self.scheduler.running)
+            offload += self.kv_pools[index].restore_s(running, sum(item.offset for item in batch.items))
         end = now + (max(time, offload) if config.offload_overlap else time + offload)
         self.record(index, "compute", now, end, batch)
         self.push(end, _COMPUTE_DONE, index, batch)
