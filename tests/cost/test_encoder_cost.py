@@ -86,7 +86,7 @@ def test_encoder_units_have_no_kv_and_no_decode() -> None:
     prefill = unit_prefill_time_s(model, gpu, "layer", 128, 0, batch_size=4)
     assert prefill > 0
     instance = build_instance(model, cluster, "default")
-    assert not instance.kv_bytes.any() and instance.kv_restore is None
+    assert not instance.kv_bytes.any() and getattr(instance, "kv_restore", None) is None  # no KV to restore
     assert not instance.decode.unit_time_s.any() and not instance.decode.send_s.any()
     assert instance.decode_weight == 1.0  # one output (its embedding) per request
     assert unit_decode_time_s(model, gpu, "layer", 1, 1) >= 0  # defined, but the planner never charges it
