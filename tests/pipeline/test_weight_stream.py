@@ -213,3 +213,31 @@ def _replace(stage, **fields):
     from dataclasses import replace
 
     return replace(stage, **fields)
+
+
+def test_older_plans_load_and_an_offload_without_layers_gets_the_planners_layers(tiny_dirs, tmp_path):
+    model = tiny_dirs["untied"]
+    plain = load_run_plan(write_plan(tmp_path / "v1.json", model, [(0, 2), (2, 6)]))
+    assert [s.offload_layers for s in plain.stages] == [(), ()] and plain.stages[1].emulate_host_gbps is None
+    document = _stage(tmp_path, model, offload_gib=1e-4)
+    del document["stages"][0]["offload_layers"]
+    path = tmp_path / "derived.json"
+    path.write_text(json.dumps(document))
+    derived = load_run_plan(path).stages[0]
+    spec = load_run_plan(path).plan_file.model_spec
+    from tessel.cost.layer import weight_bytes
+
+    per_layer = weight_bytes(spec, "layer", "fp32")
+    assert derived.offload_layers == tuple(offload_layers(0, [per_layer] * 6, 1e-4 * 2**30))
+    assert derived.offload_layers[-1] == 5
+
+
+def test_a_cluster_emulating_a_small_device_plans_its_memory_and_host_link():
+    data = {
+        "name": "x",
+        "nodes": [{"name": "n", "gpus": {"type": "cpu"}, "emulate": {"memory_gib": 0.25, "host_gbps": 8}}],
+    }
+    device = parse_cluster(data).devices[0]
+    assert device.spec.usable_bytes == int(0.25 * 2**30)
+    assert device.spec.pcie_h2d_bytes_per_s == device.spec.pcie_d2h_bytes_per_s == 8 * GBPS
+    assert (device.emulate_memory_gib, device.emulate_host_gbps) == (0.25, 8)
