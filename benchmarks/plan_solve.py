@@ -17,6 +17,9 @@ of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time lim
 also compared with Helix's own baseline, separate same-type pipelines with even layer splits
 (`tessel.plan.replica_baseline`), sharing the micro-batches the same way.
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
+Part 7 (flow, issue 33): `choose_with_flow` (one pipeline, disjoint replicas and flow plans over
+placements, the best kept) on the same two clusters, 60 s, against separate pipelines, a Swarm-like
+greedy router (`tessel.plan.swarm`) and the best single pipeline, with the memory bound.
 Part 6 (memory, issue 33): LLaMA-2-70B, `offline-batch`, concurrency set by memory, on `helix-like-42`
 and on a Helix-shaped 42-node / 64-GPU cluster built here (A100-40G, V100-16G, L4, T4; not a copy):
 `choose_replicas(concurrency="memory")` (never less than one pipeline), the memory + requests-in-flight
@@ -401,6 +404,88 @@ def memory_rows(quick: bool) -> dict:
     return {"model": "llama-2-70b", "workload": "offline-batch", "rows": rows}
 
 
+def flow_rows(quick: bool) -> dict:
+    """Issue 33 item 2: `tessel plan --replicas auto` (one pipeline, disjoint replicas and flow plans,
+    the best kept) on the two Helix-like clusters, against separate same-type pipelines, the
+    Swarm-like greedy router and the best single pipeline, with the memory bound; all by memory."""
+    import os
+    from dataclasses import replace
+
+    from tessel.plan.flow_choice import choose_with_flow
+    from tessel.plan.replica_baseline import separate_uniform
+    from tessel.plan.swarm import swarm_like
+
+    limit = 20.0 if quick else 60.0
+    workload = load_workload("offline-batch")
+    b = workload.micro_batch_size
+    rows = []
+    clusters = (("helix-like-42", "helix-like-42"), ("helix-shaped-64", parse_cluster(_helix_64())))
+    for name, cluster in clusters:
+        load_before = os.getloadavg()
+        with _harness.stopwatch() as elapsed:
+            instance = build_instance("llama-2-70b", cluster, workload)
+            choice = choose_with_flow(instance, b, time_limit_s=limit, concurrency="memory")
+        separate = separate_uniform(instance, b, "memory")
+        swarm = swarm_like(instance, b)
+        bound_source = "within the limit"
+        if not math.isfinite(choice.bound_tok_s):  # the bound's LP ran out of time: again, untimed
+            from tessel.plan.memory_bound import memory_flow_bound
+
+            bound_source = "after the timed run (LP, 300 s limit)"
+            again = memory_flow_bound(instance, b, time_limit_s=300.0).throughput_tok_s
+            choice = replace(choice, replicas=replace(choice.replicas, split_bound_tok_s=again))
+        search = choice.search
+        found = None if search is None or search.plan is None else search.plan
+        best, bound = choice.throughput_tok_s, choice.bound_tok_s
+        sep = None if separate is None else separate.throughput_tok_s
+        swarm_tok = None if swarm is None else swarm.throughput_tok_s
+        single = choice.replicas.single_tok_s
+
+        def ratio(a, b_):
+            return None if a is None or not b_ else a / b_
+
+        rows.append({
+            "cluster": name,
+            "devices": instance.n_devices,
+            "layers": instance.n_units,
+            "time_limit_s": limit,
+            "time_s": elapsed.wall_s,
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+            "chosen": choice.kind,
+            "best_tok_s": best,
+            "replicas_tok_s": choice.replicas.throughput_tok_s,
+            "single_pipeline_tok_s": single,
+            "flow_search_tok_s": None if found is None else found.throughput_tok_s,
+            "flow_search_from": None if search is None else search.source,
+            "flow_paths": None if found is None else len(found.paths),
+            "flow_shares_devices": None if found is None else found.shared,
+            "flow_micro_batches": None if found is None else found.micro_batches,
+            "flow_milps": [] if search is None else [
+                {"value": m.value, "bound": _finite(m.bound), "gap": _finite(m.gap), "status": m.status,
+                 "time_s": m.time_s} for m in search.milps],
+            "separate_pipelines_tok_s": sep,
+            "swarm_like_tok_s": swarm_tok,
+            "memory_bound_tok_s": _finite(bound),
+            "memory_bound_computed": bound_source,
+            "gap_to_bound": choice.gap,
+            "best_over_separate": ratio(best, sep),
+            "bound_over_separate": ratio(_finite(bound), sep),
+            "helix_target_over_separate": 2.9,
+            "best_over_swarm_like": ratio(best, swarm_tok),
+            "helix_target_over_swarm": 1.36,
+            "flow_search_over_swarm_like": ratio(found and found.throughput_tok_s, swarm_tok),
+            "best_over_single": ratio(best, single),
+        })  # fmt: skip
+    print(_harness.machine_line())  # CPU features beside the figures (the record has them in full)
+    return {
+        "model": "llama-2-70b",
+        "workload": "offline-batch",
+        "rows": rows,
+        "note": "shared 2-core machine, loaded by other sessions: times are wall-clock under that load",
+    }
+
+
 def _obj(evaluation) -> float | None:
     return None if evaluation is None else evaluation.objective
 
@@ -433,6 +518,7 @@ def main() -> None:
         ("replicas", replica_rows),
         ("scale", scale_rows),
         ("memory", memory_rows),
+        ("flow", flow_rows),
     )
     for name, run in runs:
         if name in parts:

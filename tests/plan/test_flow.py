@@ -158,13 +158,13 @@ def test_placements_without_a_path_are_refused_by_layer_range() -> None:
 # ---- never worse, plan file, simulate -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])
 def test_choice_is_never_worse_than_replicas_single_or_swarm(seed: int) -> None:
     from tessel.plan.flow_choice import choose_with_flow
     from tessel.plan.swarm import swarm_like
 
     instance = memory_instance(seed, 5, 4)
-    choice = choose_with_flow(instance, 2, time_limit_s=6.0, concurrency="memory")
+    choice = choose_with_flow(instance, 2, time_limit_s=4.0, concurrency="memory")
     assert choice.throughput_tok_s >= choice.replicas.throughput_tok_s * (1 - 1e-9)
     assert choice.throughput_tok_s >= choice.replicas.single_tok_s * (1 - 1e-9)
     swarm = swarm_like(instance, 2)
@@ -212,13 +212,13 @@ def flow_document():
         flow=flow,
     )
     assert first["micro_batches"] == plan.paths[0].micro_batches
-    return json.loads(document.dump()), plan
+    return json.loads(document.dump()), plan, problem
 
 
 def test_flow_plan_file_round_trips(flow_document) -> None:
     from tessel.plan.plan_file import PLAN_VERSION, parse_plan
 
-    document, plan = flow_document
+    document, plan, _ = flow_document
     parsed = parse_plan(document)
     assert parsed.version == PLAN_VERSION == 4
     assert parsed.flow is not None and len(parsed.flow.placements) == len(plan.stages)
@@ -262,7 +262,7 @@ def _halve_a_device_edge(doc):
 def test_bad_flow_plan_files_are_refused(flow_document, tmp_path, edit, message) -> None:
     from tessel.plan.plan_file import load_plan
 
-    document, _ = flow_document
+    document, _, _ = flow_document
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(_mutated(document, edit)))
     with pytest.raises(TesselError, match=message):
@@ -272,10 +272,42 @@ def test_bad_flow_plan_files_are_refused(flow_document, tmp_path, edit, message)
 def test_simulate_routes_requests_over_the_flow_paths(flow_document, tmp_path) -> None:
     from tessel.sim.api import simulate_plan
 
-    document, plan = flow_document
+    document, plan, _ = flow_document
     path = tmp_path / "flow.json"
     path.write_text(json.dumps(document))
     report = simulate_plan(path, "offline-batch")
     run = report.runs[0]
     assert run.metrics.requests == 64
     assert len(run.variant.stages) == sum(len(p.devices) for p in plan.paths)
+
+
+def test_plan_command_writes_the_flow_plan_and_its_closest_vllm_export(flow_document, tmp_path) -> None:
+    """The `tessel plan --replicas auto` rendering of a winning flow plan: tables, comparison line,
+    a version-4 plan file that loads, and a vLLM export of the paths sharing no GPU with a warning."""
+    import io
+
+    from rich.console import Console
+
+    from tessel.commands.plan_flow import print_comparison, print_flow, write_and_export
+    from tessel.plan.api import PlanSettings
+    from tessel.plan.flow_choice import FlowChoice
+    from tessel.plan.flow_milp import FlowSearch
+    from tessel.plan.plan_file import load_plan
+    from tessel.plan.replicas import ReplicaPlan
+
+    _, plan, problem = flow_document
+    choice = FlowChoice(
+        ReplicaPlan((), 0.0, 0.0, 0, False, 0.0), FlowSearch(plan, (), 0.0, "swarm-like"), 0.0
+    )
+    assert choice.kind == "flow" and choice.flow is plan
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    print_flow(console, problem.instance, choice)
+    print_comparison(console, choice)
+    path = tmp_path / "flow.json"
+    write_and_export(console, problem, choice, PlanSettings(), path, "vllm")
+    text = out.getvalue()
+    assert "chosen: flow" in text and "placements" in text
+    assert "vLLM cannot route requests over shared placements" in text
+    loaded = load_plan(path)
+    assert loaded.flow is not None and len(loaded.replicas) == len(plan.paths)

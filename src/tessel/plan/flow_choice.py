@@ -1,8 +1,8 @@
 """`tessel plan --replicas auto` with concurrency by memory: single pipelines, disjoint replicas and
 flow plans compared, the best returned (never worse than any of them).
 
-`choose_with_flow` runs the flow search (`tessel.plan.flow_milp.solve_flow`: the flow MILP and the
-Swarm-like plan) on `FLOW_SHARE` of the time limit, then the replica search
+`choose_with_flow` runs the flow search (`tessel.plan.flow_milp.search_flow`: cheap candidates,
+then the flow MILP seeded by them) on `FLOW_SHARE` of the time limit, then the replica search
 (`tessel.plan.replicas.choose_replicas`, which keeps the whole cluster as one pipeline and the fixed
 shares as candidates) on the rest. The replica plan is itself a flow plan of the same throughput
 (disjoint paths are priced as replicas are), so the flow plan is taken only when it serves strictly
@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 
 from tessel.plan.flow import FlowPlan
-from tessel.plan.flow_milp import FlowSearch, solve_flow
+from tessel.plan.flow_milp import FlowSearch, search_flow
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.replicas import ReplicaPlan, choose_replicas
 from tessel.plan.solution import Stage
 
-FLOW_SHARE = 0.35  # of the time limit for the flow search, run first; the replica search gets the rest
+FLOW_SHARE = 0.3  # of the time limit for the flow search, run first; the replica search gets the rest
 MIN_FLOW_S = 2.0
 KINDS = ("single", "replicas", "flow")
 
@@ -82,7 +82,7 @@ def choose_with_flow(
     flow = replicas is None and concurrency == "memory"
     search = None
     if flow and time_limit_s * FLOW_SHARE >= MIN_FLOW_S:
-        search = solve_flow(
+        search = search_flow(
             instance,
             micro_batch_size,
             time_limit_s=FLOW_SHARE * time_limit_s,

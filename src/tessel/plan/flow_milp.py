@@ -42,6 +42,7 @@ from tessel.plan.highs import highs_lp, new_highs
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.milp import _Builder
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
+from tessel.plan.swarm import greedy_routed
 
 PER_DEVICE_GROUPS = 8  # up to this many devices, one device per group
 MAX_BINARIES = 2000  # placement binaries h_ug: units are merged into blocks beyond it
@@ -94,7 +95,7 @@ class FlowSearch:
     plan: FlowPlan | None
     milps: tuple[FlowMILP, ...]
     time_s: float
-    source: str = "milp"  # which search gave `plan`: "milp" or "swarm-like" (a candidate too)
+    source: str = "milp"  # which search gave `plan`: "milp", "swarm-like", "swarm-placement-flow", "per-type"
 
 
 def device_groups(instance: PlanningInstance) -> tuple[tuple[int, ...], ...]:
@@ -449,8 +450,9 @@ def solve_flow(
     seeds=(),
     groups=None,
 ) -> FlowSearch:
-    """Flow plans for a few (lifetime, eta) pairs, each priced by `evaluate_flow`, and the Swarm-like
-    plan (`tessel.plan.swarm`); the best kept. `seeds`: placements (lists of Stage) handed to HiGHS
+    """Flow plans of the MILP for a few (lifetime, eta) pairs, each placement routed by the MILP's
+    max flow and, as Swarm routes, greedily (`tessel.plan.swarm.greedy_routed`), each priced by
+    `evaluate_flow`; the best kept. `seeds`: placements (lists of Stage) handed to HiGHS
     as warm starts where the groups allow."""
     started = time.perf_counter()
     groups = device_groups(instance) if groups is None else groups
@@ -471,18 +473,47 @@ def solve_flow(
         if not stages:
             continue
         try:
-            plan = route_placements(instance, stages, rates, micro_batch_size, max_micro_batches)
+            routed = route_placements(instance, stages, rates, micro_batch_size, max_micro_batches)
         except TesselError:  # placements the incumbent left without a full path
-            plan = None
-        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
-            best = plan
+            routed = None
+        greedy = greedy_routed(instance, stages, micro_batch_size, max_micro_batches)
+        for plan in (routed, greedy):
+            if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
+                best = plan
+    return FlowSearch(best, tuple(milps), time.perf_counter() - started, "milp")
+
+
+def search_flow(
+    instance: PlanningInstance,
+    micro_batch_size: int,
+    *,
+    time_limit_s: float = 30.0,
+    max_micro_batches: int | None = None,
+) -> FlowSearch:
+    """The best flow plan of the cheap candidates (`tessel.plan.flow_heuristics`: separate chains per
+    type, the better of those and a Swarm-like plan per type; the Swarm-like plan of all devices;
+    Swarm-like placements routed by max flow),
+    used as warm starts, and of the flow MILP (`solve_flow`) on the time left."""
+    from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed
     from tessel.plan.swarm import swarm_like
 
-    source = "milp"
-    swarm = swarm_like(instance, micro_batch_size, max_micro_batches)
-    if swarm is not None and (best is None or swarm.throughput_tok_s > best.throughput_tok_s):
-        best, source = swarm, "swarm-like"
-    return FlowSearch(best, tuple(milps), time.perf_counter() - started, source)
+    started = time.perf_counter()
+    candidates = {
+        "swarm-like": swarm_like(instance, micro_batch_size, max_micro_batches),
+        "swarm-placement-flow": swarm_placements_flow_routed(instance, micro_batch_size, max_micro_batches),
+    }
+    if max_micro_batches is None:  # per-type plans are not capped in all
+        candidates["per-type"] = per_type_best(instance, micro_batch_size)
+    seeds = [list(plan.stages) for plan in candidates.values() if plan is not None]
+    left = time_limit_s - (time.perf_counter() - started)
+    found = solve_flow(
+        instance, micro_batch_size, time_limit_s=left, max_micro_batches=max_micro_batches, seeds=seeds
+    )
+    best, source = found.plan, "milp"
+    for name, plan in candidates.items():
+        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
+            best, source = plan, name
+    return FlowSearch(best, found.milps, time.perf_counter() - started, source)
 
 
 def type_counts(instance: PlanningInstance, plan: FlowPlan) -> Counter:

@@ -24,7 +24,8 @@ from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
 from tessel.plan.workload import MAX_MICRO_BATCHES
 
-KV_FRACTIONS = (0.2, 0.35, 0.5, 0.65)
+KV_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+PLACEMENT_FRACTIONS = KV_FRACTIONS  # the flow search routes these placements by max flow too
 
 
 def swarm_like(
@@ -45,10 +46,22 @@ def swarm_plan(
     kv_fraction: float,
     max_micro_batches: int | None = None,
 ) -> FlowPlan | None:
+    stages = _placement(_one(instance), kv_fraction)
+    return greedy_routed(instance, stages, micro_batch_size, max_micro_batches) if stages else None
+
+
+def greedy_routed(
+    instance: PlanningInstance,
+    stages: list[Stage],
+    micro_batch_size: int,
+    max_micro_batches: int | None = None,
+) -> FlowPlan | None:
+    """Placements routed as Swarm routes (the module docstring), priced as flow plans are."""
     one = _one(instance)
-    stages = _placement(one, kv_fraction)
-    if not stages:
-        return None
+    for s in stages:
+        fixed, _ = _fixed_bytes(one, s)
+        if fixed > one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES:
+            return None
     counts = _route(one, stages, max_micro_batches)
     if not counts:
         return None
