@@ -60,6 +60,9 @@ def test_no_gpu_probes_the_cpu_and_measures_it(tmp_path: Path, monkeypatch) -> N
     assert [d.gpu_type for d in load_cluster(out).devices] == ["cpu"]
     (cpu,) = json.loads(profile.read_text())["measured"]
     assert cpu["device"] == "cpu" and cpu["gemm_tflops"] > 0 and cpu["memory_gbs"] > 0
+    assert (
+        cpu["catalog_type"] == "cpu" and cpu["gemm_of_catalog_peak"] > 0 and cpu["memory_of_catalog_peak"] > 0
+    )
     assert "# measured by tessel probe" in out.read_text() and "cpu: GEMM" in out.read_text()
 
 
@@ -102,3 +105,24 @@ def test_probe_refuses_what_it_cannot_do(tmp_path: Path, monkeypatch) -> None:  
     monkeypatch.setenv("TESSEL_NVIDIA_SMI", smi)
     message = user_error(["probe", "--no-measure"])
     assert "'P?B'" in message and "topo -m" in message
+
+
+def test_measured_gpus_are_set_against_their_own_catalog_type(tmp_path: Path) -> None:
+    from tests.catalog.test_local_machine import make_proc
+
+    from tessel.catalog.gpus import get_gpu
+    from tessel.catalog.local_machine import discover_machine
+    from tessel.commands.probe import versus_catalog
+    from tessel.models.device_bench import DeviceSpeeds
+
+    smi = fake_smi(tmp_path, "0, NVIDIA A100-SXM4-80GB, 81920\n1, Tesla T4, 15360\n")
+    machine = discover_machine(nvidia_smi=smi, proc_root=make_proc(tmp_path / "proc"), environ={})
+    t4 = get_gpu("T4")
+    speeds = DeviceSpeeds(
+        "cuda:1", t4.peak_flops_per_s["fp16"] / 2e12, "float16", t4.mem_bandwidth_bytes_per_s / 4e9
+    )
+    assert versus_catalog(machine, speeds) == {
+        "catalog_type": "T4",
+        "gemm_of_catalog_peak": pytest.approx(0.5),
+        "memory_of_catalog_peak": pytest.approx(0.25),
+    }

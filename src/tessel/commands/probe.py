@@ -100,6 +100,14 @@ def _probe_here(console, out: Path | None, json_path: Path | None, measure: bool
         console.print(f"note: {note}", highlight=False)
     if speeds:
         print_speeds(console, speeds)
+        for item in speeds:
+            ratio = versus_catalog(machine, item)
+            console.print(
+                f"{item.device}: GEMM {ratio['gemm_of_catalog_peak']:.1%} and memory "
+                f"{ratio['memory_of_catalog_peak']:.1%} of the catalog's {ratio['catalog_type']} peaks "
+                "(what the planner assumes)",
+                highlight=False,
+            )
     if out is not None:
         write_text_file(out, cluster_yaml(machine) + speeds_comments(speeds), "--out")
         console.print(f"wrote {out}; plan on it with `tessel plan --cluster {out}`")
@@ -198,9 +206,31 @@ def profile_json(machine, cluster: dict, speeds: list, notes: list[str]) -> dict
         "nvlink_gbs": list(machine.nvlink_gbs),
         "nvlink_active": list(machine.nvlink_active),
         "nccl_version": nccl,
-        "measured": [s.as_dict() for s in speeds],
+        "measured": [{**s.as_dict(), **versus_catalog(machine, s)} for s in speeds],
         "cluster": cluster,
         "notes": list(machine.notes) + list(notes),
+    }
+
+
+def catalog_type(machine, device: str) -> str:  # noqa: ANN001 (LocalMachine)
+    """The catalog type of a measured device ("cpu", or the type of GPU K for "cuda:K")."""
+    if device == "cpu":
+        return "cpu"
+    return machine.gpus[int(device.partition(":")[2])].gpu_type
+
+
+def versus_catalog(machine, speeds) -> dict:  # noqa: ANN001 (LocalMachine, DeviceSpeeds)
+    """The measured figures as fractions of the catalog's peaks for the device's type (what the
+    planner assumes): GEMM against the peak of its dtype, the copy against the memory bandwidth."""
+    from tessel.catalog.gpus import get_gpu
+
+    gpu_type = catalog_type(machine, speeds.device)
+    spec = get_gpu(gpu_type)
+    dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[speeds.gemm_dtype]
+    return {
+        "catalog_type": gpu_type,
+        "gemm_of_catalog_peak": speeds.gemm_tflops * 1e12 / spec.peak_flops_per_s[dtype],
+        "memory_of_catalog_peak": speeds.memory_gbs * 1e9 / spec.mem_bandwidth_bytes_per_s,
     }
 
 
