@@ -100,6 +100,11 @@ def test_probe_refuses_what_it_cannot_do(tmp_path: Path, monkeypatch) -> None:  
     ]
     for args, said in cases:
         assert said in user_error(args), args
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "--nproc-per-node 1" in user_error(["probe", "--no-measure"])
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     # an nvidia-smi whose topology tessel cannot read is refused, naming the cell
     smi = fake_smi(tmp_path, recorded("t4x4", "query"), topo=recorded("t4x4", "topo").replace("PHB", "P?B"))
     monkeypatch.setenv("TESSEL_NVIDIA_SMI", smi)

@@ -284,6 +284,11 @@ def _probe_torchrun(console, out: Path | None, json_path: Path | None) -> None: 
     from tessel.files import write_json_file, write_text_file
     from tessel.pipeline.link_bench import probe_over_torchrun
 
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise TesselError(
+            "tessel probe under torchrun runs one process per machine: give --nproc-per-node 1 "
+            f"(LOCAL_WORLD_SIZE is {os.environ['LOCAL_WORLD_SIZE']})"
+        )
     machine = discover_machine()
     merged, links, notes = probe_over_torchrun(cluster_data(machine))
     if merged is None:
