@@ -118,3 +118,61 @@ def test_watching_without_remap_only_measures(served):
     registry.register(RemapCollector(watch))
     text = generate_latest(registry).decode()
     assert 'source="measured"' in text and "remap_decisions" not in text
+
+
+@pytest.mark.parametrize("speed", [0.3, 0.8])
+def test_the_server_path_and_the_simulator_reach_the_same_decision(tmp_path, speed):
+    """A simulated run with a slowing stage, fed to the server's watcher as a live pipeline would be
+    (stage 0's stats, heartbeats, outputs) at the watcher's cadence, decides as `tessel simulate
+    --remap auto` does on the same run: remap (to the same split) or not."""
+    from tessel.sim.api import SimulationSettings, simulate_plan
+
+    cluster = CLUSTER.replace("gpus: {type: A100-80G}\nnetwork", "gpus: {type: A100-80G}\n    emulate: "
+                              f"{{speed: 1.0, schedule: [[10, {speed}]]}}\nnetwork")  # fmt: skip
+    (tmp_path / "cluster.yaml").write_text(cluster)
+    outcome = make_plan("llama-2-7b", tmp_path / "cluster.yaml", "default", PlanSettings(solver="dp"))
+    outcome.plan_file().write(tmp_path / "plan.json")
+    settings = RemapSettings(interval_s=2.0, window_s=6.0, confirm=2)
+    simulated_settings = SimulationSettings(requests=100, remap=settings)
+    report = simulate_plan(tmp_path / "plan.json", "default", simulated_settings)
+    result = report.runs[0].result
+
+    server = _Server(_Engine(tmp_path / "plan.json", tmp_path / "run0"), tmp_path)
+    watch = RemapWatch(server, settings, "auto", echo=lambda _: None)
+    boxes = [i for i in result.intervals if i.kind == "compute"]
+    started, finished = set(), set()
+    for tick in range(1, len(report.remap.decisions) + 1):
+        now = tick * settings.interval_s
+        done = [[i for i in boxes if i.stage == k and i.end_s <= now] for k in (0, 1)]
+        engine = server.engine
+        engine.stage.stats.batches = len(done[0])
+        engine.stage.stats.compute_s = sum(i.end_s - i.start_s for i in done[0])
+        progress = Progress(batches=len(done[1]), busy_s=sum(i.end_s - i.start_s for i in done[1]))
+        Heartbeat(engine.stages.run_dir, 1, 1.0, progress).beat()
+        outputs = []  # each request's first token, then its finish, once each
+        for record in result.records:
+            rid = record.request.id
+            if rid not in started and record.first_token_s <= now:
+                started.add(rid)
+                outputs.append(_output(record, finished=False))
+            if rid in started and rid not in finished and record.finish_s <= now:
+                finished.add(rid)
+                outputs.append(_output(record, finished=True))
+        watch.observe_outputs(outputs, now)
+        decision = watch.tick(now)
+        if decision.taken:
+            break
+    simulated = report.remap.taken
+    served = next((d for d in watch.history if d.taken), None)
+    assert (served is None) == (simulated is None) == (speed > 0.5)
+    if served is not None:
+        assert served.new_layers == simulated.new_layers and served.time_s == simulated.time_s
+
+
+def _output(record, finished: bool):
+    request = record.request
+    metrics = SimpleNamespace(arrival_time=request.arrival_s)
+    return SimpleNamespace(
+        request_id=str(request.id), new_token_ids=[0], metrics=metrics,
+        num_prompt_tokens=request.prompt_tokens, finished=finished, num_output_tokens=request.output_tokens,
+    )  # fmt: skip

@@ -315,7 +315,12 @@ class RemapDecider:
             reason = f"{'; '.join(notes)}; within {settings.cooldown_s:g} s of the last remap"
             return RemapDecision(now_s, "cooldown", reason, speeds=priced, **numbers)
         device_speeds = {**self.assumed, **{s.device: v for s, v in zip(plan.stages, priced, strict=True)}}
-        replanned = self._replan(device_speeds, workload)
+        try:
+            replanned = self._replan(device_speeds, workload)
+        except TesselError as error:  # no plan for what was measured (the model does not fit it, ...)
+            self._wanted, self._wanted_count = None, 0
+            reason = f"{'; '.join(notes)}; re-planning found no plan: {error}"
+            return RemapDecision(now_s, "kept", reason, speeds=priced, **numbers)
         numbers |= replanned.numbers
         if not replanned.take:
             self._wanted, self._wanted_count = None, 0
