@@ -66,6 +66,20 @@ KV_PREEMPTION_PRICING = ("auto", "off")
 LOGITS_BYTES_PER_ELEMENT = 4  # logits are upcast to float32 before sampling (vLLM, HF)
 
 
+def _check_emulated_memory(model: ModelSpec, cluster: Cluster, dtype: str) -> None:
+    """An emulated device memory (`emulate: {memory_gib}`) must hold one decoder layer's weights:
+    streamed layers are copied into it whole (`tessel.pipeline.weight_stream`)."""
+    layer_bytes = L.weight_bytes(model, "layer", dtype)
+    for device in cluster.devices:
+        cap = getattr(device, "emulate_memory_gib", None)
+        if cap is not None and cap * 2**30 < layer_bytes:
+            raise TesselError(
+                f"{device.name}: its emulated memory of {cap:g} GiB is below one decoder layer of "
+                f"{model.name} ({layer_bytes / 2**30:.4f} GiB at {dtype}); give emulate memory_gib at "
+                "least that"
+            )
+
+
 def build_instance(
     model: ModelSpec | str | Path,
     cluster: Cluster | str | Path,
@@ -102,6 +116,7 @@ def build_instance(
     precisions = tuple(precisions)
     if precisions:
         dtype = precisions[0]
+    _check_emulated_memory(model, cluster, dtype)
     kinds = GRANULARITIES[granularity]
     units = tuple(Unit(layer, kind) for layer in range(model.num_layers) for kind in kinds)
     shape = _PassShape.of(workload)
