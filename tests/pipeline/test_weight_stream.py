@@ -241,3 +241,15 @@ def test_a_cluster_emulating_a_small_device_plans_its_memory_and_host_link():
     assert device.spec.usable_bytes == int(0.25 * 2**30)
     assert device.spec.pcie_h2d_bytes_per_s == device.spec.pcie_d2h_bytes_per_s == 8 * GBPS
     assert (device.emulate_memory_gib, device.emulate_host_gbps) == (0.25, 8)
+
+
+def test_planning_on_an_emulated_memory_below_one_layer_is_refused(tiny_dirs, tmp_path):
+    from tessel.plan.api import PlanSettings, make_plan
+
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text(
+        "name: too-small\nnodes:\n  - name: n\n    gpus: {type: cpu}\n    host_memory_gib: 1\n"
+        "    emulate: {memory_gib: 0.00001, host_gbps: 8}\n"
+    )
+    with pytest.raises(TesselError, match="emulated memory of 1e-05 GiB is below one decoder layer"):
+        make_plan(str(tiny_dirs["untied"]), str(cluster), "default", PlanSettings(dtype="fp32"))
