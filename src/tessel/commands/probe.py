@@ -96,8 +96,7 @@ def _probe_here(console, out: Path | None, json_path: Path | None, measure: bool
     cluster = local_cluster(machine)
     print_cluster(console, machine, cluster)
     speeds, notes = measure_devices(machine) if measure else ([], ["--no-measure: nothing timed"])
-    for note in notes:
-        console.print(f"note: {note}", highlight=False)
+    _notes(notes)
     if speeds:
         print_speeds(console, speeds)
         for item in speeds:
@@ -114,6 +113,14 @@ def _probe_here(console, out: Path | None, json_path: Path | None, measure: bool
     if json_path is not None:
         write_json_file(json_path, profile_json(machine, cluster_data(machine), speeds, notes), "--json")
         console.print(f"wrote {json_path}")
+
+
+def _notes(notes: list[str]) -> None:
+    """What was not read or not measured, on stderr (stdout keeps the result)."""
+    from rich.console import Console
+
+    for note in notes:
+        Console(stderr=True).print(f"note: {note}", highlight=False)
 
 
 def measure_devices(machine) -> tuple[list, list[str]]:  # noqa: ANN001 (LocalMachine)
@@ -250,8 +257,7 @@ def _merge(console, files: list[Path], out, json_path, gbps, latency_us) -> None
     network = None if gbps is None else {"bandwidth_gbps": gbps, "latency_us": latency_us}
     merged, notes = merge_clusters(parts, network=network)
     cluster = parse_cluster(merged, source="merged")
-    for note in notes:
-        console.print(f"note: {note}", highlight=False)
+    _notes(notes)
     console.print(
         f"merged {len(files)} machines: "
         + ", ".join(f"{node.name} ({len(node.device_names)} devices)" for node in cluster.nodes)
