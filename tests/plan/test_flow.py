@@ -311,3 +311,17 @@ def test_plan_command_writes_the_flow_plan_and_its_closest_vllm_export(flow_docu
     assert "vLLM cannot route requests over shared placements" in text
     loaded = load_plan(path)
     assert loaded.flow is not None and len(loaded.replicas) == len(plan.paths)
+
+
+def test_tuned_placement_is_never_worse_than_swarm_like() -> None:
+    import time
+
+    from tessel.plan.flow_heuristics import tuned_placement
+    from tessel.plan.swarm import swarm_like
+
+    instance = memory_instance(13, 6, 5)
+    swarm = swarm_like(instance, 2)
+    tuned = tuned_placement(instance, 2, time.perf_counter() + 30.0)
+    if swarm is None:
+        return
+    assert tuned is not None and tuned.throughput_tok_s >= swarm.throughput_tok_s * (1 - 1e-12)

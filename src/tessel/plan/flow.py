@@ -323,7 +323,9 @@ def price_paths(
 def _one(instance: PlanningInstance) -> PlanningInstance:
     from tessel.plan.replicas import gpu_memory_only, with_micro_batches
 
-    return gpu_memory_only(with_micro_batches(instance.relaxed() if instance.precision else instance, 1))
+    if instance.precision is not None:
+        raise ValueError("flow plans take units at fixed precisions: fix them first (PlanningInstance.fixed)")
+    return gpu_memory_only(with_micro_batches(instance, 1))
 
 
 def _time_shares(costs: list[_PathCost], rates: list[float], n_out: float) -> list[np.ndarray]:

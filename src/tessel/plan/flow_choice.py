@@ -21,7 +21,7 @@ from tessel.plan.instance import PlanningInstance
 from tessel.plan.replicas import ReplicaPlan, choose_replicas
 from tessel.plan.solution import Stage
 
-FLOW_SHARE = 0.3  # of the time limit for the flow search, run first; the replica search gets the rest
+FLOW_SHARE = 0.5  # of the time limit for the flow search, run first; the replica search gets the rest
 MIN_FLOW_S = 2.0
 KINDS = ("single", "replicas", "flow")
 
@@ -76,10 +76,11 @@ def choose_with_flow(
     concurrency: str = "fixed",
     max_micro_batches: int | None = None,
 ) -> FlowChoice:
-    """The best of one pipeline, disjoint replicas and (with `replicas` None and concurrency by
-    memory) flow plans."""
+    """The best of one pipeline, disjoint replicas and (with `replicas` None, concurrency by memory
+    and no precision choice) flow plans."""
     started = time.perf_counter()
-    flow = replicas is None and concurrency == "memory"
+    # flow plans are priced at one precision per unit as given: with a precision choice, not searched
+    flow = replicas is None and concurrency == "memory" and instance.precision is None
     search = None
     if flow and time_limit_s * FLOW_SHARE >= MIN_FLOW_S:
         search = search_flow(

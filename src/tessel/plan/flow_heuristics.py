@@ -5,8 +5,13 @@
   with the most throughput per type; disjoint paths, so priced as those pipelines are.
 - `per_type_best`: per GPU type, the better of its separate chains and the Swarm-like plan of that
   type's devices alone (`tessel.plan.swarm`), the types' plans then served side by side.
+- `swarm_placements_flow_routed`: Swarm-like placements routed by max flow (compute, or compute and
+  memory by Little's law) instead of greedily.
+- `tuned_placement`: Petals' placement rule with a KV fraction per GPU type (Swarm-like uses one for
+  all), tuned by coordinate descent, routed greedily; it starts from the Swarm-like plan's fractions,
+  so it never serves less.
 
-Both are flow plans of `tessel.plan.flow`, so the search returns the best of them and the MILP's:
+All are flow plans of `tessel.plan.flow`, so the search returns the best of them and the MILP's:
 never less than the separate-pipelines baseline or the Swarm-like plan.
 """
 
@@ -144,4 +149,49 @@ def swarm_placements_flow_routed(
             plan = flow_routed(instance, stages, micro_batch_size, cap, natural * factor)
             if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
                 best = plan
+    return best
+
+
+def tuned_placement(
+    instance: PlanningInstance, micro_batch_size: int, deadline: float, cap: int | None = None
+) -> FlowPlan | None:
+    """Swarm-like placements with a KV fraction per GPU type instead of one for all, tuned by
+    coordinate descent (each type's fraction over `PLACEMENT_FRACTIONS` in turn, kept when the plan,
+    routed greedily and priced as flow plans are, serves more) until no change or `deadline`
+    (`time.perf_counter()` seconds). Starts from the best single fraction."""
+    import time
+
+    from tessel.plan.flow import _one
+    from tessel.plan.swarm import PLACEMENT_FRACTIONS, _placement, greedy_routed
+
+    one = _one(instance)
+    types = sorted({d.gpu_type for d in instance.devices})
+
+    def value(fractions: dict[str, float]):
+        stages = _placement(one, fractions)
+        return greedy_routed(instance, stages, micro_batch_size, cap) if stages else None
+
+    best, best_fractions = None, None
+    for f in PLACEMENT_FRACTIONS:
+        fractions = dict.fromkeys(types, f)
+        plan = value(fractions)
+        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
+            best, best_fractions = plan, fractions
+        if time.perf_counter() > deadline:
+            return best
+    if best is None:
+        return None
+    improved = True
+    while improved:
+        improved = False
+        for t in types:
+            for f in PLACEMENT_FRACTIONS:
+                if f == best_fractions[t]:
+                    continue
+                if time.perf_counter() > deadline:
+                    return best
+                trial = {**best_fractions, t: f}
+                plan = value(trial)
+                if plan is not None and plan.throughput_tok_s > best.throughput_tok_s * (1 + 1e-9):
+                    best, best_fractions, improved = plan, trial, True
     return best

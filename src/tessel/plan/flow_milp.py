@@ -49,6 +49,7 @@ MAX_BINARIES = 2000  # placement binaries h_ug: units are merged into blocks bey
 ETAS = (1.0,)
 LIFETIME_FACTORS = (0.25, 0.5, 1.0)  # times the lifetime at which all free memory is just full
 MIN_SOLVE_S = 0.5
+TUNED_SHARE = 0.6  # of the flow search's time: the cheap candidates and the tuned placement end there
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,7 @@ class FlowSearch:
     plan: FlowPlan | None
     milps: tuple[FlowMILP, ...]
     time_s: float
-    source: str = "milp"  # which search gave `plan`: "milp", "swarm-like", "swarm-placement-flow", "per-type"
+    source: str = "milp"  # which search gave `plan`: "milp" or a candidate's name
 
 
 def device_groups(instance: PlanningInstance) -> tuple[tuple[int, ...], ...]:
@@ -492,9 +493,10 @@ def search_flow(
 ) -> FlowSearch:
     """The best flow plan of the cheap candidates (`tessel.plan.flow_heuristics`: separate chains per
     type, the better of those and a Swarm-like plan per type; the Swarm-like plan of all devices;
-    Swarm-like placements routed by max flow),
+    Swarm-like placements routed by max flow; placements with a KV fraction per type tuned by
+    coordinate descent, until `TUNED_SHARE` of the time),
     used as warm starts, and of the flow MILP (`solve_flow`) on the time left."""
-    from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed
+    from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
     from tessel.plan.swarm import swarm_like
 
     started = time.perf_counter()
@@ -504,6 +506,9 @@ def search_flow(
     }
     if max_micro_batches is None:  # per-type plans are not capped in all
         candidates["per-type"] = per_type_best(instance, micro_batch_size)
+    candidates["tuned-placement"] = tuned_placement(
+        instance, micro_batch_size, started + TUNED_SHARE * time_limit_s, max_micro_batches
+    )
     seeds = [list(plan.stages) for plan in candidates.values() if plan is not None]
     left = time_limit_s - (time.perf_counter() - started)
     found = solve_flow(

@@ -73,7 +73,8 @@ def _work(one: PlanningInstance) -> np.ndarray:
     return one.prefill.unit_time_s + n_out * one.decode.unit_time_s  # [U, N]
 
 
-def _placement(one: PlanningInstance, kv_fraction: float) -> list[Stage]:
+def _placement(one: PlanningInstance, kv_fraction: float | dict[str, float]) -> list[Stage]:
+    """Petals' rule (the module docstring); `kv_fraction` one for all or one per GPU type."""
     n = one.n_units
     work = _work(one)
     order = sorted(range(one.n_devices), key=lambda j: float(work[:, j].sum()))
@@ -81,6 +82,7 @@ def _placement(one: PlanningInstance, kv_fraction: float) -> list[Stage]:
     boundaries, stages = {0}, []
     for j in order:
         memory = one.devices[j].memory_bytes - float(one.workspace_bytes[j])
+        fraction = kv_fraction[one.devices[j].gpu_type] if isinstance(kv_fraction, dict) else kv_fraction
         options = []
         for start in sorted(boundaries):
             if start >= n:
@@ -88,7 +90,7 @@ def _placement(one: PlanningInstance, kv_fraction: float) -> list[Stage]:
             end = start
             while end < n:
                 fixed, _ = _fixed_bytes(one, Stage(j, start, end + 1))
-                if fixed - float(one.workspace_bytes[j]) > (1 - kv_fraction) * memory:
+                if fixed - float(one.workspace_bytes[j]) > (1 - fraction) * memory:
                     break
                 end += 1
             if end > start:
