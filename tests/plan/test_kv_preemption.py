@@ -10,8 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from plan.random_instances import random_instance
+from plan.random_instances import random_instance, with_precision_choice
 from tessel.errors import TesselError
+from tessel.plan.bound import counts_search
 from tessel.plan.brute import brute_force
 from tessel.plan.build import build_instance
 from tessel.plan.cluster import list_bundled_clusters, load_cluster, parse_cluster
@@ -19,6 +20,7 @@ from tessel.plan.dp import solve_dp
 from tessel.plan.instance import KvRestore
 from tessel.plan.milp import solve_milp
 from tessel.plan.solution import Solution, evaluate, split_offload
+from tessel.plan.solve import solve
 from tessel.units import GBPS, GIB
 
 CLUSTER = "t4-gen3-a100-gen4"
@@ -37,24 +39,40 @@ def _with_kv_restore(rng: np.random.Generator, instance):
 @pytest.mark.parametrize("seed", range(6))
 def test_milp_and_dp_match_brute_force_with_kv_restore(seed):
     rng = np.random.default_rng(1000 + seed)
-    base = random_instance(rng, int(rng.integers(4, 7)), 3, offload=True, tight_memory=True,
-                           overlap=bool(seed % 2))  # fmt: skip
+    kind = ("layer", "sublayer", "precision")[seed % 3]
+    granularity = "sublayer" if kind == "sublayer" else "layer"
+    n_units = 4 if kind == "precision" else int(rng.integers(4, 7))  # brute force: P^U times the plans
+    base = random_instance(rng, n_units, 3, offload=True, tight_memory=True,
+                           overlap=bool(seed % 2), granularity=granularity)  # fmt: skip
+    if kind == "precision":
+        base = with_precision_choice(base, rng, 2, budget=True, theta=bool(seed % 2))
     instance = _with_kv_restore(rng, base)
     brute = brute_force(instance)
     milp = solve_milp(instance, mip_gap=0.0, time_limit_s=30)
-    dp = solve_dp(instance)
+    dp = solve_dp(instance) if instance.precision is None else milp  # the DP fixes precisions first
     if brute.solution is None:
         assert milp.solution is None and dp.solution is None
         return
     best = brute.evaluation.objective
     assert milp.evaluation.objective == pytest.approx(best, rel=1e-6)
-    assert dp.evaluation.objective == pytest.approx(best, rel=1e-9)
+    assert dp.evaluation.objective == pytest.approx(best, rel=1e-6)
     # the mode evaluate picks on each evicting stage is the one the explicit search found
     chosen = evaluate(instance, brute.solution.with_kv_modes(None))
     assert chosen.objective == pytest.approx(best, rel=1e-12)
     for forced, auto in zip(brute.evaluation.stages, chosen.stages, strict=True):
         if forced.kv_evicted_bytes > 0 and forced.kv_preemption != auto.kv_preemption:
             assert forced.offload_s == pytest.approx(auto.offload_s, rel=1e-12)  # a tie only
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_counts_bound_stays_below_brute_force_with_kv_restore(seed):
+    rng = np.random.default_rng(3000 + seed)
+    base = random_instance(rng, 6, 4, n_types=2, offload=True, tight_memory=True, alike=True)
+    instance = _with_kv_restore(rng, base)
+    brute = brute_force(instance)
+    assert any(stage.kv_evicted_bytes > 0 for stage in brute.evaluation.stages)
+    assert counts_search(instance, time_limit_s=20).bound <= brute.evaluation.objective * (1 + 1e-9)
+    assert solve(instance, time_limit_s=20).evaluation.objective == pytest.approx(brute.evaluation.objective)
 
 
 def test_split_is_the_cheapest_of_every_split():
