@@ -17,6 +17,7 @@ from tessel.plan.plan_file import load_plan
 from tessel.plan.remap_decision import RemapSettings, predicted_step_s
 from tessel.server.async_engine import RemapReport
 from tessel.server.prometheus import RemapCollector
+from tessel.sim.api import SimulationSettings, simulate_plan
 
 CLUSTER = """\
 name: two-a100
@@ -26,6 +27,12 @@ nodes:
   - name: b
     gpus: {type: A100-80G}
 network: {bandwidth_gbps: 100, latency_us: 10}
+"""
+WORKLOAD = """\
+name: short-chat
+prompt_tokens: {mean: 128, max: 512}
+output_tokens: {mean: 48, max: 128}
+arrival_rate_per_s: 4
 """
 
 
@@ -125,16 +132,16 @@ def test_the_server_path_and_the_simulator_reach_the_same_decision(tmp_path, spe
     """A simulated run with a slowing stage, fed to the server's watcher as a live pipeline would be
     (stage 0's stats, heartbeats, outputs) at the watcher's cadence, decides as `tessel simulate
     --remap auto` does on the same run: remap (to the same split) or not."""
-    from tessel.sim.api import SimulationSettings, simulate_plan
-
     cluster = CLUSTER.replace("gpus: {type: A100-80G}\nnetwork", "gpus: {type: A100-80G}\n    emulate: "
                               f"{{speed: 1.0, schedule: [[10, {speed}]]}}\nnetwork")  # fmt: skip
     (tmp_path / "cluster.yaml").write_text(cluster)
-    outcome = make_plan("llama-2-7b", tmp_path / "cluster.yaml", "default", PlanSettings(solver="dp"))
+    (tmp_path / "workload.yaml").write_text(WORKLOAD)
+    files = (tmp_path / "cluster.yaml", tmp_path / "workload.yaml")
+    outcome = make_plan("llama-2-7b", *files, PlanSettings(solver="dp"))
     outcome.plan_file().write(tmp_path / "plan.json")
     settings = RemapSettings(interval_s=2.0, window_s=6.0, confirm=2)
-    simulated_settings = SimulationSettings(requests=100, remap=settings)
-    report = simulate_plan(tmp_path / "plan.json", "default", simulated_settings)
+    simulated_settings = SimulationSettings(requests=120, remap=settings)
+    report = simulate_plan(tmp_path / "plan.json", str(tmp_path / "workload.yaml"), simulated_settings)
     result = report.runs[0].result
 
     server = _Server(_Engine(tmp_path / "plan.json", tmp_path / "run0"), tmp_path)

@@ -18,18 +18,27 @@ nodes:
     emulate: {{speed: 1.0, schedule: [[10, {speed}]]}}
 network: {{bandwidth_gbps: 100, latency_us: 10}}
 """
+WORKLOAD = """\
+name: short-chat
+prompt_tokens: {mean: 128, max: 512}
+output_tokens: {mean: 48, max: 128}
+arrival_rate_per_s: 4
+"""
 SETTINGS = RemapSettings(interval_s=2.0, window_s=6.0, confirm=2)
 
 
 def _plan(tmp_path, speed: float):
     (tmp_path / "cluster.yaml").write_text(CLUSTER.format(speed=speed))
-    outcome = make_plan("llama-2-7b", tmp_path / "cluster.yaml", "default", PlanSettings(solver="dp"))
+    (tmp_path / "workload.yaml").write_text(WORKLOAD)
+    files = (tmp_path / "cluster.yaml", tmp_path / "workload.yaml")
+    outcome = make_plan("llama-2-7b", *files, PlanSettings(solver="dp"))
     outcome.plan_file().write(tmp_path / "plan.json")
     return tmp_path / "plan.json"
 
 
 def _run(plan, remap: RemapSettings | None = SETTINGS):
-    return simulate_plan(plan, "default", SimulationSettings(requests=100, remap=remap))
+    settings = SimulationSettings(requests=120, remap=remap)
+    return simulate_plan(plan, str(plan.parent / "workload.yaml"), settings)
 
 
 def test_the_schedule_slows_its_stage_from_its_seconds(tmp_path):
