@@ -162,6 +162,11 @@ def test_bad_nvlink_status_and_a_failing_topo_command(tmp_path: Path) -> None:
     assert parse_nvlink_status("GPU 0: X (UUID: u)\n\t Link 0: <inactive>\n\t Link 1: 25 GB/s\n") == {
         0: (None, 25.0)
     }
+    down = "GPU 0: NVIDIA A100 80GB PCIe (UUID: u)\n"
+    down += "\t NVML: Unable to retrieve NVLink information as all links are inActive\n"
+    assert parse_nvlink_status(down) == {0: ()}
+    one = parse_topo_matrix("\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-63\t0\t\tN/A\n")
+    assert one.pairs == (("X",),) and one.intra_link() == ("pcie", "one GPU: no GPU-to-GPU link")
     # an nvidia-smi whose topo fails: GPUs found, links from the catalog, and a note naming the command
     smi = fake_smi(tmp_path, recorded("t4x4", "query"))
     found = discover_machine(nvidia_smi=smi, proc_root=make_proc(tmp_path / "proc"), environ={})

@@ -41,6 +41,8 @@ NVML_LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 NVML_DEVICE_TYPE_GPU = 0  # NVML_NVLINK_DEVICE_TYPE_GPU
 NVML_DEVICE_TYPE_SWITCH = 2  # NVML_NVLINK_DEVICE_TYPE_SWITCH
 NVML_FEATURE_ENABLED = 1
+# what newer drivers print under a GPU whose NVLinks are all down (no bridge, a PCIe card)
+NO_ACTIVE_LINKS = re.compile(r"all links are inactive", re.IGNORECASE)
 MAX_PATH_SEARCH_GPUS = 10  # Hamiltonian path by brute force: 10! orders at most (nodes hold <= 8 GPUs)
 
 
@@ -235,6 +237,8 @@ def parse_nvlink_status(text: str) -> dict[int, tuple[float | None, ...]]:
             current = int(gpu.group(1))
             status[current] = []
             continue
+        if current is not None and NO_ACTIVE_LINKS.search(stripped):
+            continue  # "NVML: Unable to retrieve NVLink information as all links are inActive"
         link = re.fullmatch(r"Link (\d+): (.+)", stripped)
         if link is None or current is None:
             raise TesselError(
