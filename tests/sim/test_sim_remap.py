@@ -71,3 +71,17 @@ def test_a_slowdown_remaps_only_when_it_pays(tmp_path, speed, remaps):
         # never a stage seen as drifted (the arrival rate falls as the trace ends: kept, no gain)
         assert {d.outcome for d in remap.decisions} <= {"insufficient", "steady", "kept"}
         assert all("stage" not in d.reason for d in remap.decisions if d.outcome == "kept")
+
+
+def test_remap_flags_without_remap_auto_are_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+
+    plan = _plan(tmp_path, 0.3)
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(plan), "--remap-threshold", "0.5"])
+    message = f"{result.output} {result.exception}"
+    assert result.exit_code != 0 and "--remap-threshold" in message and "--remap auto" in message
+    short_window = ["--remap", "auto", "--remap-window-s", "1"]  # below the 2 s interval
+    result = CliRunner().invoke(app, ["simulate", "--plan", str(plan), *short_window])
+    assert result.exit_code != 0 and "--remap-window-s" in f"{result.output} {result.exception}"
