@@ -21,8 +21,9 @@ returns its result, so another one plugs in beside them):
                 simulator's decision on the same requests and schedule beside the server's.
     kill        3 stages (the layers in thirds); once the load runs (`--kill-after-s`), stage 2 is
                 killed (SIGKILL). Reported: failed requests (target 0), whether every request's
-                tokens equal the undisturbed run's, the seconds from the kill until a request sent
-                after it gets its first token (target <= 30 s) and until the server is healthy, the
+                tokens equal the undisturbed run's, the seconds from the kill until a new request
+                sent right after it (`Probe`) gets its first token (target <= 30 s) and until the
+                server is healthy, the
                 longest gap between two tokens of any stream (and of the streams in flight at the
                 kill), the rebuild's own figures (`AsyncEngine.last_recovery`).
 
@@ -117,6 +118,41 @@ class SteadyLoad:
             self.finished.append(record)
 
 
+class Probe:
+    """One new request sent at `since_s` (monotonic), again after each error, until one gets its first
+    token: `served_s` is that token's time from `since_s`, `errors` the errors before it."""
+
+    def __init__(self, async_engine, since_s: float) -> None:
+        self.async_engine, self.since_s = async_engine, since_s
+        self.served_s: float | None = None
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        self._thread.join(DEADLINE_S)
+
+    async def _run(self) -> None:
+        from tessel.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for attempt in itertools.count():
+            if time.monotonic() - self.since_s > DEADLINE_S:
+                return
+            try:
+                stream = await self.async_engine.add(f"probe-{attempt}", PROMPTS[0], params)
+                async for out in stream:
+                    if out.new_token_ids and self.served_s is None:
+                        self.served_s = time.monotonic() - self.since_s
+                return
+            except Exception as error:  # noqa: BLE001 - counted, then sent again
+                self.errors.append(f"{type(error).__name__}: {error}")
+                await asyncio.sleep(0.5)
+
+
 def reference_tokens(model: Path, new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens from one process's engine: the undisturbed run."""
     from tessel.engine.llm_engine import LLM
@@ -165,15 +201,17 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
         in_flight_at_kill = dict(load.running)
         killed_at = time.monotonic()
         os.kill(first.stages.procs[-1].pid, signal.SIGKILL)  # stage 2, the last
+        probe = Probe(async_engine, killed_at).start()  # a new request sent right after the kill
         healthy_s = None
         while time.monotonic() - killed_at < DEADLINE_S:
             if healthy_s is None and async_engine.engine is not first and async_engine.healthy:
                 healthy_s = time.monotonic() - killed_at
             served = [r for r in load.finished if r.sent_s > killed_at and r.token_times_s]
-            if served and time.monotonic() - killed_at > args.after_kill_s:
+            if served and probe.served_s is not None and time.monotonic() - killed_at > args.after_kill_s:
                 break
             time.sleep(0.1)
         load.stop()
+        probe.join()
     finally:
         async_engine.stop()
         async_engine.engine.close()
@@ -196,7 +234,9 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
         "in_flight_at_kill_completed": sum(r.error is None for r in in_flight_at_kill.values()),
         "tokens_equal_undisturbed": all(r.tokens == expected[r.prompt] for r in complete),
         "unequal_requests": sum(r.tokens != expected[r.prompt] for r in complete),
-        "new_request_served_after_kill_s": first_served_s,
+        "new_request_served_after_kill_s": probe.served_s,  # its first token, from the kill
+        "new_request_errors": probe.errors,
+        "load_request_sent_after_kill_served_s": first_served_s,
         "healthy_after_kill_s": healthy_s,
         "max_gap_s": max_gap_s(records),
         "max_gap_in_flight_at_kill_s": max_gap_s(list(in_flight_at_kill.values())),
