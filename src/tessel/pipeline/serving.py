@@ -259,7 +259,13 @@ def _loaded(run_dir: Path, rank: int) -> bool:
 
 
 def pipeline_engine(options: RunOptions, run_dir: Path | None = None) -> ServedPipelineEngine:
+    """Spawn the plan's stages, load stage 0's layers here while they load theirs, join them."""
     pending = PendingPipeline(options, run_dir)
+    try:
+        pending.load()
+    except BaseException:
+        pending.abandon()
+        raise
     return pending.join()
 
 
