@@ -17,7 +17,7 @@ from tessel.engine import host_kv_pool
 from tessel.engine.block_manager import BlockManager
 from tessel.engine.engine_config import EngineConfig
 from tessel.engine.host_kv_pool import HostKvPool, emulate_copy_time
-from tessel.engine.preemption import HostLink, Preemptor, PrefillClock, measure_host_link
+from tessel.engine.preemption import HostLink, Preemptor, PrefillClock, host_pool_blocks, measure_host_link
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.server.prometheus import ServerMetrics
@@ -165,6 +165,13 @@ def test_auto_weighs_the_link_against_prefill_time() -> None:
     assert fast.block_manager.num_free_blocks == 8
     fresh = Preemptor("auto", fast.block_manager, fast.pool, fast.link)  # no prefill timed yet
     assert fresh.choose(seq) == "recompute"
+
+
+def test_the_host_pool_is_sized_by_the_setting_or_capped_by_default() -> None:
+    assert host_pool_blocks(0.5, 2**20, 10, None) == 512  # as asked, larger than the device pool
+    assert host_pool_blocks(None, 1000, 50, None) == 50  # as many blocks as the device pool
+    assert host_pool_blocks(None, 2**20, 10**9, None) == 4096  # at most 4 GiB
+    assert host_pool_blocks(None, 1000, 10**9, 2 * 10**6) == 1000  # at most half the available memory
 
 
 def test_the_host_link_is_measured_and_capped_by_emulation() -> None:

@@ -31,7 +31,7 @@ from tessel.engine.engine_config import (
     EngineConfig,
 )
 from tessel.engine.host_kv_pool import HostKvPool
-from tessel.engine.memory import check_host_kv_cache_fits, check_kv_cache_fits
+from tessel.engine.memory import available_memory_bytes, check_host_kv_cache_fits, check_kv_cache_fits
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.preemption import PreemptionStats, Preemptor, host_pool_blocks, measure_host_link
@@ -136,8 +136,8 @@ class LLMEngine:
         if config.preemption_mode == "recompute":
             return Preemptor("recompute", self.block_manager)
         per_block = kv_cache_bytes_per_block(self.model, config.block_size, self.dtype)
-        device_blocks = self.block_manager.num_total_blocks
-        blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks)
+        device_blocks, host_bytes = self.block_manager.num_total_blocks, available_memory_bytes()
+        blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks, host_bytes)
         pool = HostKvPool(blocks, self.runner.kv_cache, config.emulate_host_gbps)
         link = measure_host_link(self.runner.kv_cache.device, config.emulate_host_gbps)
         return Preemptor(config.preemption_mode, self.block_manager, pool, link)

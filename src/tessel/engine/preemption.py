@@ -227,15 +227,16 @@ class Preemptor:
 
 
 def host_pool_blocks(
-    host_kv_cache_gib: float | None,
-    bytes_per_block: int,
-    device_blocks: int,
-    default_bytes: int = DEFAULT_HOST_KV_CACHE_BYTES,
+    host_kv_cache_gib: float | None, bytes_per_block: int, device_blocks: int, host_available: int | None
 ) -> int:
-    """Blocks of the host pool: `host_kv_cache_gib` of them, or as many as the device pool holds, at
-    most `default_bytes`; refused when the size holds no block."""
+    """Blocks of the host pool: `host_kv_cache_gib` of them, or by default as many as the device pool
+    holds, at most DEFAULT_HOST_KV_CACHE_BYTES and half the host's available memory (where known);
+    refused when an explicit size holds no block."""
     if host_kv_cache_gib is None:
-        return max(1, min(device_blocks, default_bytes // bytes_per_block))
+        cap = DEFAULT_HOST_KV_CACHE_BYTES
+        if host_available is not None:  # bytes
+            cap = min(cap, host_available // 2)
+        return max(1, min(device_blocks, cap // bytes_per_block))
     blocks = int(host_kv_cache_gib * 2**30 // bytes_per_block)
     if blocks < 1:
         raise TesselError(
