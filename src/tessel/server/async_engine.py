@@ -355,6 +355,8 @@ class AsyncEngine:
                         future.set_result(fn())
                     except BaseException as error:  # handed to the awaiting coroutine
                         future.set_exception(error)
+            if self.error is not None:
+                return  # a command left the server without an engine (a remap that could not roll back)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
