@@ -106,6 +106,9 @@ def test_plan_an_encoder_from_a_preset_and_a_directory(tmp_path: Path) -> None:
         assert "prompts truncated at 512" in said  # the chat workload's prompts run to 2048 tokens
         plan = json.loads(out.read_text())
         assert plan["stages"] and all(stage["kv_gib"] == 0 for stage in plan["stages"])
+        simulated = runner.invoke(app, ["simulate", "--plan", str(out)])
+        assert simulated.exit_code != 0  # no decode steps to simulate: refused, not decoded
+        assert "is an encoder" in str(simulated.exception)
 
 
 @pytest.mark.parametrize("n", [1, 7, 512])

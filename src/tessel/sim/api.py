@@ -131,6 +131,11 @@ def simulate_plan(
     settings = settings or SimulationSettings()
     plan_file = plan if isinstance(plan, PlanFile) else load_plan(plan)
     plan_file.check_named_cluster()
+    if plan_file.model_spec.encoder:  # one forward per request: no decode steps to schedule
+        raise TesselError(
+            f"{plan_file.model_name} is an encoder (one forward per request, no decode): `tessel simulate` "
+            "schedules decoder requests; the plan's sequences/s is the encoder's prediction"
+        )
     loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
     if trace is None:
         trace = requests_for_workload(workload, settings.requests, settings.seed, settings.rate_per_s)
