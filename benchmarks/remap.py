@@ -281,10 +281,13 @@ def slowdown_plan(model: Path, root: Path, args: argparse.Namespace) -> Path:
 def slowed_run(model: Path, plan: Path, settings, mode: str, args: argparse.Namespace) -> dict:
     """Serve `plan` under steady load for `--slow-at-s` + `--slowed-s` seconds, watched with
     `--remap <mode>`; the tokens' times, the failures and the server's decisions."""
+    import torch
+
     from tessel.pipeline.remap_watch import RemapWatch
     from tessel.pipeline.stage import EMULATE_EPOCH_ENV
 
     os.environ.pop(EMULATE_EPOCH_ENV, None)  # the schedule counts from this run's first micro-batch
+    torch.set_num_threads(1)  # stage 0 as the stage processes (`--threads 1`): like devices, like threads
     async_engine = serve(model, plan)
     lines: list[str] = []
     watch = RemapWatch(async_engine, settings, mode, echo=lines.append).start()
@@ -364,7 +367,8 @@ def slowdown_scenario(args: argparse.Namespace, root: Path) -> dict:
 
     model = _harness.example_model(args.model)
     plan = slowdown_plan(model, root, args)
-    settings = RemapSettings(interval_s=1.0, window_s=4.0, confirm=2, cooldown_s=args.slowed_s)
+    # a short window and few batches in it: on a loaded CPU a micro-batch takes a good part of a second
+    settings = RemapSettings(interval_s=1.0, window_s=6.0, min_batches=4, confirm=2, cooldown_s=args.slowed_s)
     runs = {mode: slowed_run(model, plan, settings, mode, args) for mode in ("off", "auto")}
     simulated = simulated_decision(plan, runs["off"], settings, args.new_tokens)
     off, auto = runs["off"], runs["auto"]
@@ -384,10 +388,17 @@ def slowdown_scenario(args: argparse.Namespace, root: Path) -> dict:
         "tok_s_slowed_off": off["tok_s_slowed_phase"],
         "tok_s_slowed_auto": auto["tok_s_slowed_phase"],
         "slowed_throughput_ratio": auto["tok_s_slowed_phase"] / off["tok_s_slowed_phase"],
+        # each run's slowed phase over its own first seconds: what the machine's load between the two
+        # runs does to both phases of one run cancels
+        "slowed_over_before_off": off["tok_s_slowed_phase"] / off["tok_s_before_slowdown"],
+        "slowed_over_before_auto": auto["tok_s_slowed_phase"] / auto["tok_s_before_slowdown"],
         "failed_requests": off["failed_requests"] + auto["failed_requests"],
         "max_gap_auto_s": auto["max_gap_s"],
         "max_gap_off_s": off["max_gap_s"],
         "server_remapped": auto["decision"] is not None,
+        # a decision before the schedule's change answered something else (a stage starved of CPU)
+        "server_decided_before_slowdown": auto["decision"] is not None
+        and auto["decision"]["time_s"] < args.slow_at_s,
         "simulator_remapped": simulated["remap"],
         "same_decision": (auto["decision"] is not None) == simulated["remap"],
         "server_decision": auto["decision"],
