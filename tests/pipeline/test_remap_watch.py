@@ -183,3 +183,18 @@ def _output(record, finished: bool):
         request_id=str(request.id), new_token_ids=[0], metrics=metrics,
         num_prompt_tokens=request.prompt_tokens, finished=finished, num_output_tokens=request.output_tokens,
     )  # fmt: skip
+
+
+def test_a_replica_server_watches_its_own_replicas_stages(tmp_path):
+    from pipeline_plans import write_replica_plan
+    from tessel.pipeline.remap_watch import served_plan
+    from tessel.pipeline.run_plan import load_run_plan
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 4}')
+    path = write_replica_plan(tmp_path / "plan.json", model)
+    for replica, devices in ((0, ["localhost/cpu0", "localhost/cpu1"]), (1, ["localhost/cpu2"])):
+        engine = SimpleNamespace(plan=load_run_plan(path, replica))
+        assert [s.device for s in served_plan(engine).stages] == devices
+    assert served_plan(SimpleNamespace(plan=load_run_plan(tmp_path / "plan.json", 0))).replicas == []

@@ -81,7 +81,7 @@ class RemapWatch:
         self._pending: RemapDecision | None = None
         self.decider = None
         if mode == "auto":
-            plan = self._engine.plan.plan_file
+            plan = served_plan(self._engine)
             cluster = load_cluster(plan.cluster.source or plan.cluster.name)
             self.decider = RemapDecider(plan, cluster, settings)
         previous = async_engine.on_outputs
@@ -130,8 +130,7 @@ class RemapWatch:
 
     # ---- what /metrics reads ---------------------------------------------------------------------
     def stage_steps(self) -> list[StageStep]:
-        engine, stats = self._engine, self.last_stats
-        plan = engine.plan.plan_file
+        plan, stats = served_plan(self._engine), self.last_stats
         predicted = predicted_step_s(plan)
         measured = stats.step_s if stats is not None and len(stats.step_s) == len(predicted) else None
         return [
@@ -142,7 +141,7 @@ class RemapWatch:
     def workload(self) -> dict[str, tuple[float | None, float | None]]:
         """quantity -> (measured over the window, the plan's)."""
         stats = self.last_stats
-        planned = plan_workload(self._engine.plan.plan_file)
+        planned = plan_workload(served_plan(self._engine))
         return {
             "arrival_rate_per_s": (stats and stats.arrival_rate_per_s, planned.arrival_rate_per_s),
             "mean_prompt_tokens": (stats and stats.mean_prompt_tokens, planned.prompt_tokens.mean_tokens),
@@ -183,7 +182,7 @@ class RemapWatch:
         with self._lock:
             self.window.reset()
         if self.decider is not None and self._pending is None:
-            self.decider.plan = engine.plan.plan_file  # rebuilt on survivors: hold its plan
+            self.decider.plan = served_plan(engine)  # rebuilt on survivors: hold its plan
 
     def _ask(self, decision: RemapDecision, now_s: float) -> None:
         directory = self._plan_dir or Path(tempfile.mkdtemp(prefix="tessel-remap-"))
@@ -211,6 +210,17 @@ class RemapWatch:
         with self._lock:
             self.window.reset()
         self._pending, self._remap_future = None, None
+
+
+def served_plan(engine: Any):
+    """The plan file of the pipeline `engine` runs: its plan's, with one replica's stages when it
+    serves one replica of a replica plan (`--replica K`)."""
+    run_plan = engine.plan
+    plan = run_plan.plan_file
+    replica = getattr(run_plan, "replica", None)
+    if replica is None or not plan.replicas:
+        return plan
+    return plan.model_copy(update={"stages": list(plan.replicas[replica].stages), "replicas": []})
 
 
 def start_remap_watch(
