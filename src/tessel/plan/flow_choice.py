@@ -4,7 +4,9 @@ flow plans compared, the best returned (never worse than any of them).
 `choose_with_flow` runs the flow search (`tessel.plan.flow_milp.search_flow`: cheap candidates,
 then the flow MILP seeded by them) on `FLOW_SHARE` of the time limit, then the replica search
 (`tessel.plan.replicas.choose_replicas`, which keeps the whole cluster as one pipeline and the fixed
-shares as candidates) on the rest. The replica plan is itself a flow plan of the same throughput
+shares as candidates) on the rest (`FLOW_SHARE_LARGE` for the flow search on clusters beyond
+`EXHAUSTIVE_DEVICES`, where the replica search only screens candidate splits). The replica plan is
+itself a flow plan of the same throughput
 (disjoint paths are priced as replicas are), so the flow plan is taken only when it serves strictly
 more.
 """
@@ -18,10 +20,11 @@ from dataclasses import dataclass
 from tessel.plan.flow import FlowPlan
 from tessel.plan.flow_milp import FlowSearch, search_flow
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas import ReplicaPlan, choose_replicas
+from tessel.plan.replicas import EXHAUSTIVE_DEVICES, ReplicaPlan, choose_replicas
 from tessel.plan.solution import Stage
 
 FLOW_SHARE = 0.5  # of the time limit for the flow search, run first; the replica search gets the rest
+FLOW_SHARE_LARGE = 0.7  # beyond EXHAUSTIVE_DEVICES (the replica search then screens candidate splits)
 MIN_FLOW_S = 2.0
 KINDS = ("single", "replicas", "flow")
 
@@ -82,11 +85,12 @@ def choose_with_flow(
     # flow plans are priced at one precision per unit as given: with a precision choice, not searched
     flow = replicas is None and concurrency == "memory" and instance.precision is None
     search = None
-    if flow and time_limit_s * FLOW_SHARE >= MIN_FLOW_S:
+    share = FLOW_SHARE if instance.n_devices <= EXHAUSTIVE_DEVICES else FLOW_SHARE_LARGE
+    if flow and time_limit_s * share >= MIN_FLOW_S:
         search = search_flow(
             instance,
             micro_batch_size,
-            time_limit_s=FLOW_SHARE * time_limit_s,
+            time_limit_s=share * time_limit_s,
             max_micro_batches=max_micro_batches,
         )
     chosen = choose_replicas(

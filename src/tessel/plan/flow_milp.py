@@ -500,15 +500,16 @@ def search_flow(
     from tessel.plan.swarm import swarm_like
 
     started = time.perf_counter()
+    deadline = started + TUNED_SHARE * time_limit_s
     candidates = {
         "swarm-like": swarm_like(instance, micro_batch_size, max_micro_batches),
-        "swarm-placement-flow": swarm_placements_flow_routed(instance, micro_batch_size, max_micro_batches),
+        "tuned-placement": tuned_placement(instance, micro_batch_size, deadline, max_micro_batches),
     }
     if max_micro_batches is None:  # per-type plans are not capped in all
         candidates["per-type"] = per_type_best(instance, micro_batch_size)
-    candidates["tuned-placement"] = tuned_placement(
-        instance, micro_batch_size, started + TUNED_SHARE * time_limit_s, max_micro_batches
-    )
+    if time.perf_counter() < deadline:
+        routed = swarm_placements_flow_routed(instance, micro_batch_size, max_micro_batches)
+        candidates["swarm-placement-flow"] = routed
     seeds = [list(plan.stages) for plan in candidates.values() if plan is not None]
     left = time_limit_s - (time.perf_counter() - started)
     found = solve_flow(
