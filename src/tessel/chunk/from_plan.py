@@ -9,7 +9,11 @@ model on a GPU of type g, with link L_s to the next stage:
     send_s(c)       = link_time_s(L_s, hidden_bytes(model, c, activation dtype))   (0 on the last stage)
 
 The final norm + LM head of prefill runs once, for the last token of the last chunk: it is the
-pipeline's `tail_s` (added to TTFT), not part of every chunk. A measured `Profile` of a stage's
+pipeline's `tail_s` (added to TTFT), not part of every chunk. With a profile's components: the
+first stage's batches add the engine's per-step work (`step_time_s`), and a hop between two stages
+of one host costs the profiled message (`transport`) instead of the cluster link. CPU stages on one
+host share its cores: their compute times are multiplied by max(1, stages x threads / cores)
+(`core_share`: every stage computing at once, as in a full pipeline). A measured `Profile` of a stage's
 device type replaces the roofline as `tessel.cost` decides (same device type, shape and dtype:
 the fit; same device type only: its efficiencies).
 
@@ -71,6 +75,8 @@ class CostModelStage:
     link: LinkSpec | None = None  # to the next stage; None on the last
     profile: Profile | None = None
     profiles: tuple[Profile, ...] = ()  # candidates for units at other precisions
+    core_share: float = 1.0  # compute times x this: CPU stages sharing one host's cores (see build_pipeline)
+    transport: str | None = None  # the hop to the next stage within one host ("host", "nccl"): profiled
     twin_ok: bool = field(default=True, compare=False)
     _precision_profiles: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -132,18 +138,30 @@ class CostModelStage:
         if chunk_tokens <= 0:
             return 0.0
         time = self._units_time_s(R.unit_prefill_time_s, chunk_tokens, offset_tokens)
-        return time + self._ends_time_s(chunk_tokens, lm_head=False)
+        return (time + self._ends_time_s(chunk_tokens, lm_head=False)) * self.core_share
 
     def decode_time_s(self, batch_size: int, sum_context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
         time = self._units_time_s(R.unit_decode_time_s, batch_size, sum_context_tokens)
-        return time + self._ends_time_s(batch_size, lm_head=True)
+        return (time + self._ends_time_s(batch_size, lm_head=True)) * self.core_share
+
+    def step_time_s(self, sequences: int) -> float:
+        """The engine's work outside the model for a batch of `sequences` sequences (scheduling,
+        inputs, appending the tokens): on the first stage, where the runtime's scheduler runs."""
+        if not self.first:
+            return 0.0
+        return R.step_overhead_s(self.gpu, sequences, self.dtype, profile=self.profile) * self.core_share
 
     def send_time_s(self, tokens: int) -> float:
         if self.link is None or tokens <= 0:
             return 0.0
-        return link_time_s(self.link, L.hidden_bytes(self.model, tokens, L.activation_dtype(self.dtype)))
+        n_bytes = L.hidden_bytes(self.model, tokens, L.activation_dtype(self.dtype))
+        if self.transport is not None:
+            measured = R.transport_time_s(self.profile, self.transport, self.gpu, self.dtype, n_bytes)
+            if measured is not None:
+                return measured
+        return link_time_s(self.link, n_bytes)
 
     # ---- vectorised --------------------------------------------------------------------------
 
@@ -163,6 +181,7 @@ class CostModelStage:
             self.kv_dtype,
             profile,
             profiles,
+            self.core_share,
         )
 
     def send_signature(self) -> tuple:
@@ -181,14 +200,19 @@ class CostModelStage:
             total = total + count * self._unit_prefill(kind, precision, c, p)
         if self.first:
             total = total + _c_only(self._embed_time_s, c)
-        return np.where(c > 0, total, 0.0)
+        return np.where(c > 0, total * self.core_share, 0.0)
 
     def _embed_time_s(self, tokens: int) -> float:
         return R.embed_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
 
     def tail_s(self) -> float:
         """Final norm + LM head for one token (the last prompt token's logits), on this stage."""
-        return R.lm_head_time_s(self.model, self.gpu, 1, self.dtype, profile=self.profile)
+        return self.logits_time_s(1)
+
+    def logits_time_s(self, prompts: int) -> float:
+        """Final norm + LM head + sampling of `prompts` rows on this stage (its cores shared)."""
+        time = R.lm_head_time_s(self.model, self.gpu, prompts, self.dtype, profile=self.profile)
+        return time * self.core_share
 
     def _unit_prefill(self, kind: str, precision: str, c: np.ndarray, p: np.ndarray) -> np.ndarray:
         profile = self.profile_for(precision)
@@ -283,6 +307,7 @@ class StageSpec:
     link: LinkSpec | None
     emulate_speed: float = 1.0  # the device runs at this fraction of its type's speed (cluster `emulate`)
     precisions: tuple[str, ...] | None = None  # weight precision per unit (None: the pipeline's dtype)
+    node: str = ""  # the cluster node (host) the device is on
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,11 +357,16 @@ def build_pipeline(
     if expected != n_units:
         raise TesselError(f"the stages cover {expected} units, the model has {n_units} ({granularity})")
     built = []
+    hosts = stage_hosts(stages)
     for position, stage in enumerate(stages):
         gpu = get_gpu(stage.gpu_type).emulated(stage.emulate_speed)
         last = position == len(stages) - 1
         if not last and stage.link is None:
             raise TesselError(f"stage {position} ({stage.device}) has no link to the next stage")
+        profile = R.select_profile(list(profiles), model, gpu, dtype)
+        transport = None
+        if not last and hosts[position] == hosts[position + 1]:
+            transport = hop_transport(stage, stages[position + 1])
         built.append(
             CostModelStage.build(
                 model=model,
@@ -347,11 +377,47 @@ def build_pipeline(
                 dtype=dtype,
                 kv_dtype=kv_dtype,
                 link=None if last else stage.link,
-                profile=R.select_profile(list(profiles), model, gpu, dtype),
+                profile=profile,
                 profiles=tuple(profiles),
+                core_share=core_share(stages, hosts, position, profile),
+                transport=transport,
             )
         )
     return PlanPipeline(PipelineLatency(tuple(built)), built[-1].tail_s(), model, tuple(stages), labels or {})
+
+
+def is_cpu(stage: StageSpec) -> bool:
+    return get_gpu(stage.gpu_type).base_name.lower() == "cpu"
+
+
+def stage_hosts(stages: Sequence[StageSpec]) -> list[str]:
+    """The host each stage runs on: its node; an emulated device (cluster `emulate`) runs on the host
+    that runs the plan, taken to be the first stage's that is not emulated."""
+    real = [stage.node for stage in stages if stage.emulate_speed == 1.0]
+    local = real[0] if real else ""
+    return [local if stage.emulate_speed != 1.0 else stage.node for stage in stages]
+
+
+def hop_transport(sender: StageSpec, receiver: StageSpec) -> str:
+    """How hidden states cross a hop within one host, as `tessel.pipeline.devices.link_transport`
+    decides: GPU to GPU over NCCL between two GPUs, else through host buffers over gloo."""
+    gpus = not is_cpu(sender) and not is_cpu(receiver) and sender.device != receiver.device
+    return "nccl" if gpus else "host"
+
+
+def core_share(
+    stages: Sequence[StageSpec], hosts: list[str], position: int, profile: Profile | None
+) -> float:
+    """How much slower a CPU stage computes because the CPU stages of its host share its cores:
+    max(1, stages on the host x threads per stage / cores), with the cores and threads of the host's
+    profile. It assumes the host's stages compute at the same time (a full pipeline: every stage
+    busy with its own micro-batch; an upper bound when bubbles leave some idle, and where an emulated
+    slow stage sleeps part of its time). 1 for a GPU, and without a profile that knows the cores."""
+    stage = stages[position]
+    if not is_cpu(stage) or profile is None or not profile.cpu_cores:
+        return 1.0
+    sharing = sum(1 for s, host in zip(stages, hosts, strict=True) if is_cpu(s) and host == hosts[position])
+    return max(1.0, sharing * (profile.threads or 1) / profile.cpu_cores)
 
 
 def _unit_counts(stage: StageSpec, granularity: str, dtype: str) -> tuple[UnitGroup, ...]:
@@ -402,6 +468,7 @@ def stage_spec(stage: PlanStage, dtype: str = "fp16") -> StageSpec:
         link,
         stage.emulate_speed,
         stage.unit_precisions(dtype),
+        stage.node,
     )
 
 
@@ -429,7 +496,7 @@ def even_split_pipeline(
     for i, device in enumerate(devices):
         end = start + base + (1 if i < extra else 0)
         link = cluster.link(device, devices[i + 1]) if i < n - 1 else None
-        stages.append(StageSpec(device.name, device.gpu_type, start, end, link))
+        stages.append(StageSpec(device.name, device.gpu_type, start, end, link, node=device.node))
         start = end
     labels = {"model": model.name, "cluster": cluster.name, "source": "even layer split"}
     return build_pipeline(model, stages, dtype=dtype, kv_dtype=kv_dtype, profiles=profiles, labels=labels)

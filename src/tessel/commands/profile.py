@@ -13,6 +13,9 @@ from tessel.errors import TesselError
 CPU_DEFAULT_SCALE = 4  # a full-width 8B layer takes seconds per point on a few CPU cores
 DEFAULT_OUT = Path("profile.json")
 MAX_TINY_WIDTH = 2**16  # --tiny-shape sizes: above any real layer (Llama-3-405B: h=16384, f=53248)
+# Layer copies timed in sequence hold at most this many weight bytes: past any CPU's last-level
+# cache (hundreds of MiB on server parts), so the weights stream from memory as in the engine.
+MAX_COPY_BYTES = 2 * 2**30
 
 
 def profile(
@@ -54,19 +57,28 @@ def profile(
     max_offset: int = typer.Option(
         4096, "--max-offset", min=0, max=2**20, help="Largest prefill offset (tokens)."
     ),
+    components: Literal["all", "layer"] = typer.Option(
+        "all",
+        "--components",
+        help="all: also the embedding, LM head + sampling, step overhead (model directory) and "
+        "transport; layer: the decoder layer only.",
+    ),
 ) -> None:
-    """Time a decoder layer over (chunk, offset) and decode grids, fit the profile forms, write JSON."""
+    """Time a decoder layer over (chunk, offset) and decode grids, and the embedding, LM head +
+    sampling, engine step overhead and stage-to-stage transport; fit each, write JSON."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tessel.commands.render.profile import print_profile
     from tessel.files import check_output_path, write_json_file
+    from tessel.models.component_profiler import transports_for
     from tessel.models.profiler import ProfileSettings, profile_layer
 
     out, option = _json_path(json_path, out)
     check_output_path(out, option, inputs=(model,))  # before the timing runs, not after
-    shape, meta = _layer_shape(model, tiny_shape, scale, device)
+    shape, meta, ends, checkpoint = _layer_shape(model, tiny_shape, scale, device)
     settings = ProfileSettings(
+        layer_copies=_layer_copies(shape, meta, dtype),
         device=device,
         dtype=dtype,
         budget_s=budget_s,
@@ -88,9 +100,22 @@ def profile(
             settings,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             meta=meta,
+            ends=ends if components == "all" else None,
+            checkpoint=checkpoint if components == "all" else None,
+            transports=transports_for(device) if components == "all" and ends is not None else (),
+            note=lambda what: bar.update(task, description=f"timing {what}"),
         )
     write_json_file(out, result.to_json(), option, inputs=(model,))
     print_profile(console, result, report, data, out)
+
+
+def _layer_copies(shape, meta: dict[str, str], dtype: str) -> int:  # noqa: ANN001
+    """The model's layer count (a `--tiny-shape` layer: 1), within `MAX_COPY_BYTES` of weights."""
+    from tessel.dtypes import parse_dtype
+
+    layers = int(meta.get("layers", "1"))
+    itemsize = 4 if parse_dtype(dtype, runtime=True) == "fp32" else 2
+    return max(1, min(layers, MAX_COPY_BYTES // max(1, shape.matmul_params * itemsize)))
 
 
 def _json_path(json_path: Path | None, out: Path | None) -> tuple[Path, str]:
@@ -104,23 +129,36 @@ def _json_path(json_path: Path | None, out: Path | None) -> tuple[Path, str]:
 
 
 def _layer_shape(model: str, tiny_shape: str | None, scale: int | None, device: str):  # noqa: ANN202
-    """(LayerShape, meta) of `--tiny-shape`, or of the model's layer divided by `--scale`."""
+    """(LayerShape, meta, EndsShape or None, checkpoint directory or None) of `--tiny-shape` (the
+    layer alone: no other component), or of the model's layer divided by `--scale` (its embedding
+    and LM head at the scaled width)."""
+    from tessel.models.component_profiler import EndsShape
     from tessel.models.profiler import LayerShape, parse_tiny_shape
 
     if tiny_shape is not None:
         shape = parse_tiny_shape(tiny_shape)
         if not all(0 < size <= MAX_TINY_WIDTH for size in shape.as_dict().values()):
             raise TesselError(f"--tiny-shape sizes must be from 1 to {MAX_TINY_WIDTH}, got {tiny_shape!r}")
-        return shape, {"source": f"--tiny-shape {tiny_shape}"}
+        return shape, {"source": f"--tiny-shape {tiny_shape}"}, None, None
     from tessel.catalog.models import load_model
     from tessel.models.reader import is_checkpoint, read_model
 
+    checkpoint = None
     if is_checkpoint(model):  # a model's files, not a preset or a config.json: checked by the model reader
         model = str(read_model(model).path)
+        checkpoint = Path(model)
     spec = load_model(model)
     factor = scale if scale is not None else (CPU_DEFAULT_SCALE if device == "cpu" else 1)
     full = LayerShape(
         spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     )
-    meta = {"source": f"{spec.name} layer / {factor}", "model": spec.name, "scale": str(factor)}
-    return full.scaled(factor), meta
+    meta = {
+        "source": f"{spec.name} layer / {factor}",
+        "model": spec.name,
+        "scale": str(factor),
+        "layers": str(spec.num_layers),
+    }
+    layer = full.scaled(factor)
+    ends = EndsShape(layer.hidden_size, spec.vocab_size)
+    # the engine's step overhead is timed on the checkpoint itself, so only at its own width
+    return layer, meta, ends, checkpoint if factor == 1 else None

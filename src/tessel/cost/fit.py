@@ -9,16 +9,19 @@ squared *relative* residuals, sum ((pred - t) / t)^2, so that a 2 ms point count
 by t. Columns are rescaled to unit norm first (nnls is invariant to positive column scaling, and
 the c*(p + c/2) column is ~1e6 times the constant one). Held-out points, chosen by
 `heldout_split` before fitting and never seen by it, give the reported error.
+
+The other priced components (embedding, LM head + sampling, per-step overhead, a transport's
+message time) are affine in one size, `t(x) = c0 + c1*x`, fitted the same way (`fit_component`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import nnls
 
-from tessel.cost.profile import DecodeFit, PrefillFit
+from tessel.cost.profile import ComponentFit, DecodeFit, PrefillFit
 
 HELDOUT_FRACTION = 0.25
 
@@ -129,3 +132,32 @@ def fit_measurements(
         n_prefill_points=len(pre),
         n_decode_points=len(dec),
     )
+
+
+def fit_component(
+    sizes: np.ndarray,
+    times_s: np.ndarray,
+    unit: str,
+    shape: dict[str, int] | None = None,
+    *,
+    table: bool = False,
+    seed: int = 2,
+) -> ComponentFit:
+    """`t(x) = c0 + c1*x` (c0, c1 >= 0) on the non-held-out points, or with `table` the line through
+    them (`ComponentFit.knots`); its error on the held-out ones. The held-out points are interior
+    ones (never the smallest or largest size), so a table interpolates them."""
+    x = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times_s, dtype=np.float64)
+    if len(x) != len(t) or len(np.unique(x)) != len(x):
+        raise ValueError("need one time per size, and distinct sizes")
+    order = np.argsort(x)
+    x, t = x[order], t[order]
+    inner_fit, inner_held = heldout_split(len(x) - 2, seed=seed)
+    fit_i = np.sort(np.concatenate([[0, len(x) - 1], inner_fit + 1]))
+    held_i = inner_held + 1
+    design = np.stack([np.ones_like(x), x], axis=1)
+    c0, c1 = nnls_relative(design[fit_i], t[fit_i])
+    knots = [(float(a), float(b)) for a, b in zip(x[fit_i], t[fit_i], strict=True)] if table else []
+    fit = ComponentFit(float(c0), float(c1), unit, 0.0, len(x), dict(shape or {}), knots)
+    held = mean_relative_error(np.array([fit.time_s(v) for v in x[held_i]]), t[held_i])
+    return replace(fit, heldout_rel_error=held)

@@ -8,21 +8,40 @@
 and writes them as JSON (`PROFILE_VERSION`). The cost model uses a profile for the device type
 and model shape it was measured on; for another model shape it falls back to the efficiencies
 the fit implies (`compute_efficiency`, `memory_efficiency`), or to the catalog defaults.
+
+Version 2 adds the other things the planner prices, each an affine fit `t(x) = c0 + c1*x` with its
+held-out error (`ComponentFit`, keyed in `Profile.components`):
+
+    "embed"           the embedding gather of x tokens (first stage)
+    "head"            final norm + LM head + greedy sampling of x rows (last stage)
+    "step"            the engine's per-step work outside the model (scheduling, input preparation,
+                      appending tokens and the stop checks) for a step of x sequences
+    "transport:host"  one stage-to-stage message (header, metadata, x bytes of hidden states) over
+                      gloo between two processes of one host ("transport:nccl" on CUDA)
+
+and the host's usable cores (`cpu_cores`) and the threads it was timed with (`threads`): CPU stages
+on one host share those cores (`tessel.chunk.from_plan`). A version-1 file still loads (no
+components: the roofline prices them); any other version is refused.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tessel.catalog.yaml_reader import validate_data
 from tessel.errors import TesselError
 from tessel.files import read_json_file
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: the decoder-layer fits alone
+COMPONENTS = ("embed", "head", "step")
+TRANSPORT_PREFIX = "transport:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +67,38 @@ class DecodeFit:
 
 
 @dataclass(frozen=True, slots=True)
+class ComponentFit:
+    """t(x) = c0 + c1 * x for one priced component; x counts `unit` (tokens, rows, sequences, bytes).
+    With `knots` (sorted (x, seconds) points), t is instead the line through them, extended by the
+    end segments (a component whose cost per unit changes with size, as a gather once its rows
+    leave the cache); c0, c1 then summarise it. `shape` names the sizes it was timed at
+    (hidden_size, vocab_size): it prices only those."""
+
+    c0: float
+    c1: float
+    unit: str
+    heldout_rel_error: float  # mean |pred - meas| / meas on points left out of the fit
+    n_points: int
+    shape: dict[str, int] = field(default_factory=dict)
+    knots: list[tuple[float, float]] = field(default_factory=list)
+
+    def time_s(self, x: float) -> float:
+        if len(self.knots) < 2:
+            return self.c0 + self.c1 * x
+        i = bisect.bisect_left(self.knots, (x, -math.inf))
+        (x0, t0), (x1, t1) = self.knots[min(max(i - 1, 0), len(self.knots) - 2) :][:2]
+        return max(t0 + (t1 - t0) * (x - x0) / (x1 - x0), 0.0)
+
+    def matches(self, shape: dict[str, int]) -> bool:
+        return all(self.shape.get(key) == value for key, value in shape.items())
+
+
+def transport_key(transport: str) -> str:
+    """The `components` key of a transport ("host", "nccl")."""
+    return TRANSPORT_PREFIX + transport
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     device_type: str  # catalog name ("cpu", "A100-80G", ...)
     model_shape: dict[str, int]  # hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim
@@ -58,6 +109,14 @@ class Profile:
     compute_efficiency: float | None = None  # achieved / peak FLOP/s implied by the fit
     memory_efficiency: float | None = None  # achieved / peak bytes/s implied by the fit
     meta: dict[str, str] = field(default_factory=dict)  # host, torch version, threads, date
+    components: dict[str, ComponentFit] = field(default_factory=dict)  # see the module docstring
+    cpu_cores: int | None = None  # cores this host gave the profiling process (CPU profiles)
+    threads: int | None = None  # torch threads the timings ran with
+
+    def component(self, name: str, shape: dict[str, int] | None = None) -> ComponentFit | None:
+        """The fit of `name` when the profile has one timed at `shape` (None: price it otherwise)."""
+        fit = self.components.get(name)
+        return fit if fit is not None and fit.matches(shape or {}) else None
 
     def matches(self, device_type: str, model_shape: dict[str, int]) -> bool:
         return self.device_type == device_type and all(
@@ -88,6 +147,28 @@ class _DecodeFitModel(BaseModel):
     b2: float
 
 
+class _ComponentModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    c0: float = Field(ge=0)
+    c1: float = Field(ge=0)
+    unit: str = Field(min_length=1)
+    heldout_rel_error: float = Field(ge=0)
+    n_points: int = Field(ge=1)
+    shape: dict[str, int] = {}
+    knots: list[list[float]] = []
+
+    @field_validator("knots")
+    @classmethod
+    def _increasing(cls, knots: list[list[float]]) -> list[list[float]]:
+        if any(len(knot) != 2 for knot in knots):
+            raise ValueError("each knot is [size, seconds]")
+        xs = [x for x, _ in knots]
+        if any(b <= a for a, b in zip(xs[:-1], xs[1:], strict=True)) or any(t < 0 for _, t in knots):
+            raise ValueError("knots need strictly increasing sizes and non-negative times")
+        return knots
+
+
 class _ProfileModel(BaseModel):
     """The profile file as written by `Profile.to_json`, checked field by field."""
 
@@ -103,6 +184,9 @@ class _ProfileModel(BaseModel):
     compute_efficiency: float | None = Field(default=None, gt=0)
     memory_efficiency: float | None = Field(default=None, gt=0)
     meta: dict[str, str | int | float | bool | None] = {}
+    components: dict[str, _ComponentModel] = {}
+    cpu_cores: int | None = Field(default=None, ge=1)
+    threads: int | None = Field(default=None, ge=1)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -113,9 +197,19 @@ def load_profile(path: str | Path) -> Profile:
     data = read_json_file(path, "profile file")
     if not isinstance(data, dict):
         raise TesselError(f"{path}: a profile file holds a JSON object")
-    if data.get("version") != PROFILE_VERSION:
-        raise TesselError(f"{path}: profile version {data.get('version')!r:.40}, expected {PROFILE_VERSION}")
+    version = data.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise TesselError(
+            f"{path}: profile version {version!r:.40}; this tessel reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} (profile again with `tessel profile`)"
+        )
     model = validate_data(data, str(path), _ProfileModel)
+    unknown = sorted(set(model.components) - set(COMPONENTS) - {k for k in model.components if _transport(k)})
+    if unknown:
+        raise TesselError(
+            f"{path}: unknown profile component {unknown[0]!r:.60}; known: {', '.join(COMPONENTS)}, "
+            f"{TRANSPORT_PREFIX}<name>"
+        )
     return Profile(
         device_type=model.device_type,
         model_shape=dict(model.model_shape),
@@ -126,4 +220,14 @@ def load_profile(path: str | Path) -> Profile:
         compute_efficiency=model.compute_efficiency,
         memory_efficiency=model.memory_efficiency,
         meta={key: str(value) for key, value in model.meta.items()},
+        components={
+            name: ComponentFit(**fit.model_dump() | {"knots": [tuple(k) for k in fit.knots]})
+            for name, fit in model.components.items()
+        },
+        cpu_cores=model.cpu_cores,
+        threads=model.threads,
     )
+
+
+def _transport(key: str) -> bool:
+    return key.startswith(TRANSPORT_PREFIX) and len(key) > len(TRANSPORT_PREFIX)

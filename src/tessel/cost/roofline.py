@@ -7,6 +7,12 @@ of the activation dtype (fp16 under int8 W8A8). A measured `Profile` for the sam
 model shape and dtype replaces the analytic time of the whole layer (its fit is per decoder
 layer; an attention or MLP block gets the analytic share of it). A profile of the same device
 type but another model shape contributes only its measured efficiencies.
+
+The profile's other components (`Profile.components`) price, when timed on the same device type
+and dtype at the model's sizes: the embedding (`embed_time_s`), the final norm + LM head +
+sampling (`lm_head_time_s`), the engine's per-step work outside the model (`step_overhead_s`;
+0 without a profile: the roofline has no term for it) and a message between two stages of one
+host (`transport_time_s`; without one, the link's latency + bytes / bandwidth prices it).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 from tessel.catalog.gpus import GpuSpec
 from tessel.catalog.models import ModelSpec
 from tessel.cost import layer as L
-from tessel.cost.profile import Profile
+from tessel.cost.profile import ComponentFit, Profile, transport_key
 
 # Fraction of peak FLOP/s a whole layer reaches when compute-bound. cuBLAS fp16 GEMMs of LLM
 # shapes reach 70-80% of tensor-core peak on A100; norms, RoPE, softmax and smaller attention
@@ -239,6 +245,9 @@ def embed_time_s(
     """Embedding lookup of `tokens` tokens on the first stage: a memory-bound gather."""
     if tokens <= 0:
         return 0.0
+    measured = _component(profile, "embed", model, gpu, dtype)
+    if measured is not None:
+        return measured.time_s(tokens) / gpu.emulate_speed
     table_rows_bytes = L.embedding_bytes(model, dtype) // (model.vocab_size + model.learned_position_rows)
     rows = 2 if model.learned_position_rows else 1  # token row (+ position row)
     out_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
@@ -253,8 +262,39 @@ def lm_head_time_s(
     token of each sequence needs logits). The LM head stays fp16 under int8."""
     if tokens <= 0:
         return 0.0
+    measured = _component(profile, "head", model, gpu, dtype)
+    if measured is not None:
+        return measured.time_s(tokens) / gpu.emulate_speed
     flops, n_bytes = lm_head_work(model, tokens, dtype)
     return _no_attention_time_s(flops, n_bytes, gpu, L.activation_dtype(dtype), profile, KERNELS_LM_HEAD)
+
+
+def step_overhead_s(gpu: GpuSpec, sequences: int, dtype: str, *, profile: Profile | None = None) -> float:
+    """The engine's work outside the model in one step of `sequences` sequences (scheduling, the
+    step's inputs, appending tokens): the profile's "step" fit, 0 without one. Host work: not
+    scaled by an emulated device's speed (the runtime's emulation stretches compute only)."""
+    measured = _component(profile, "step", None, gpu, dtype)
+    return 0.0 if measured is None or sequences <= 0 else measured.time_s(sequences)
+
+
+def transport_time_s(
+    profile: Profile | None, transport: str, gpu: GpuSpec, dtype: str, n_bytes: float
+) -> float | None:
+    """One stage-to-stage message carrying `n_bytes` of hidden states over `transport` ("host",
+    "nccl"), from the profile of the sending device type; None when it has no such fit."""
+    measured = _component(profile, transport_key(transport), None, gpu, dtype)
+    return None if measured is None else measured.time_s(n_bytes)
+
+
+def _component(
+    profile: Profile | None, name: str, model: ModelSpec | None, gpu: GpuSpec, dtype: str
+) -> ComponentFit | None:
+    """The profile's `name` fit when it was timed on this device type and dtype (and, with a
+    model, at its hidden and vocabulary sizes)."""
+    if profile is None or not _same_device(profile, gpu) or profile.dtype != dtype:
+        return None
+    shape = {} if model is None else {"hidden_size": model.hidden_size, "vocab_size": model.vocab_size}
+    return profile.component(name, shape)
 
 
 def lm_head_work(model: ModelSpec, tokens: float, dtype: str = "fp16") -> tuple[float, float]:

@@ -26,12 +26,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
 from tessel.cost.fit import FitReport, fit_measurements
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
+from tessel.models.component_profiler import EndsShape, host_cores, profile_components
 
 DTYPE_NAMES = {
     "float32": "fp32",
@@ -122,6 +124,9 @@ class ProfileSettings:
     max_decode_context: int = 4096
     min_point_s: float = 0.05  # keep timing a point until its runs add up to this
     seed: int = 0
+    # distinct copies of the layer run in sequence per timed run (the time is divided by it): with a
+    # model's layer count, the weights stream from memory as in the engine instead of staying in cache
+    layer_copies: int = 1
 
 
 def prefill_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
@@ -183,10 +188,8 @@ class _Layer:
     ) -> None:
         import torch
 
-        from tessel.layers.linear import pack_linears
         from tessel.layers.rotary import RotaryEmbedding
         from tessel.models.config import ModelConfig
-        from tessel.models.llama import LlamaDecoderLayer
 
         self.torch = torch
         self.shape = shape
@@ -207,28 +210,43 @@ class _Layer:
         )
         gen = torch.Generator(device="cpu").manual_seed(settings.seed)
         rotary = RotaryEmbedding(shape.head_dim, max_tokens, ROPE_THETA)
-        self.module = LlamaDecoderLayer(config, rotary)
         self.rotary = rotary
-        with torch.no_grad():
-            for param in self.module.parameters():
-                if param.dim() == 2:  # linears; the norms keep their ones
-                    param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
-        self.module.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.copies = [
+            self._copy(config, rotary, gen, pack_cpu_linears) for _ in range(settings.layer_copies)
+        ]
+        self.module = self.copies[0]
         rotary.build_tables(self.device)
-        if pack_cpu_linears and self.device.type == "cpu":
-            pack_linears(self.module)
         self.blocks_per_seq = -(-max_tokens // BLOCK_SIZE)
         num_blocks = max_batch * self.blocks_per_seq
         g, d = shape.num_kv_heads, shape.head_dim
         cache = torch.randn(2, num_blocks, BLOCK_SIZE, g, d, generator=gen).to(self.device, self.dtype)
-        self.module.self_attn.attn.k_cache, self.module.self_attn.attn.v_cache = cache[0], cache[1]
+        for module in self.copies:  # one KV pool for every copy (memory); each copy's own weights
+            module.self_attn.attn.k_cache, module.self_attn.attn.v_cache = cache[0], cache[1]
         order = torch.randperm(num_blocks, generator=gen).view(max_batch, self.blocks_per_seq)
         self.block_tables = order.to(self.device)
 
+    def _copy(self, config, rotary, gen, pack_cpu_linears: bool):  # noqa: ANN001, ANN202
+        """One decoder layer with its own random weights."""
+        import torch
+
+        from tessel.layers.linear import pack_linears
+        from tessel.models.llama import LlamaDecoderLayer
+
+        module = LlamaDecoderLayer(config, rotary)
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.dim() == 2:  # linears; the norms keep their ones
+                    param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+        module.to(self.device, self.dtype).eval().requires_grad_(False)
+        if pack_cpu_linears and self.device.type == "cpu":
+            pack_linears(module)
+        return module
+
     def forward(self, positions, hidden, residual, meta):
-        """One step of the layer as the engine runs it; -> the layer's output (its residual stream)."""
-        out, residual = self.module(positions, hidden, residual, meta)
-        return out + residual
+        """One step of every copy in turn, as the engine runs a model's layers; -> the residual stream."""
+        for module in self.copies:
+            hidden, residual = module(positions, hidden, residual, meta)
+        return hidden + residual
 
     def _slots(self, seq: int, start: int, end: int):
         torch = self.torch
@@ -340,7 +358,8 @@ def _timer(settings: ProfileSettings) -> Clock:
 
 def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock) -> float:
     """Median of at least `repeats` timed runs, and of more while they add up to less than
-    `min_point_s` (cheap points get enough runs for a median that shrugs off preemption)."""
+    `min_point_s` (cheap points get enough runs for a median that shrugs off preemption); seconds
+    per layer (a run of all the layer's copies divided by their number)."""
     (times,) = time_runs(
         [lambda: layer.forward(*inputs)],
         clock,
@@ -348,7 +367,7 @@ def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock) -> 
         repeats=settings.repeats,
         min_total_s=settings.min_point_s,
     )
-    return statistics.median(times)
+    return statistics.median(times) / len(layer.copies)
 
 
 def resolve_clock(settings: ProfileSettings) -> ProfileSettings:
@@ -406,7 +425,8 @@ def measure_layer(
         dec_s = _measure(layer, layer.decode_inputs(dec_cal[0], dec_cal[1] // dec_cal[0]), settings, clock)
         dec_rate = dec_s / shape.decode_flops(*dec_cal)
 
-        def point_cost(seconds: float) -> float:
+        def point_cost(layer_s: float) -> float:
+            seconds = layer_s * settings.layer_copies
             return settings.warmup * seconds + max(settings.repeats * seconds, settings.min_point_s)
 
         def pre_cost(c: int, p: int) -> float:
@@ -487,8 +507,13 @@ def profile_layer(
     *,
     progress: Callable[[int, int], None] | None = None,
     meta: dict[str, str] | None = None,
+    ends: EndsShape | None = None,
+    checkpoint: Path | None = None,
+    transports: tuple[str, ...] = (),
+    note: Callable[[str], None] | None = None,
 ) -> tuple[Profile, FitReport, Measurements]:
-    """Measure, fit and package a `Profile` (device type named as in the catalog)."""
+    """Measure, fit and package a `Profile` (device type named as in the catalog); with `ends`, a
+    `checkpoint` or `transports`, the other priced components too (`component_profiler`)."""
     import torch
 
     settings = replace(settings, dtype=DTYPE_NAMES.get(settings.dtype, settings.dtype))
@@ -500,6 +525,8 @@ def profile_layer(
     )
     device_type = device_type_name(settings.device)
     compute, memory = implied_efficiencies(shape, report, device_type, settings.dtype)
+    resolved = resolve_clock(settings)
+    components = profile_components(resolved, _timer(resolved), ends, checkpoint, transports, note)
     info = {
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
@@ -511,6 +538,7 @@ def profile_layer(
         "prefill_heldout_rel_error": f"{report.prefill_heldout_error:.4f}",
         "decode_heldout_rel_error": f"{report.decode_heldout_error:.4f}",
         "repeats": str(settings.repeats),
+        "layer_copies": str(settings.layer_copies),
         "clock": resolve_clock(settings).clock,
         "warmup": str(settings.warmup),
     }
@@ -524,5 +552,8 @@ def profile_layer(
         compute_efficiency=compute,
         memory_efficiency=memory,
         meta=info | (meta or {}),
+        components=components,
+        cpu_cores=host_cores() if settings.device == "cpu" else None,
+        threads=torch.get_num_threads() if settings.device == "cpu" else None,
     )
     return profile, report, data

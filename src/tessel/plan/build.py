@@ -43,6 +43,7 @@ from tessel.cost.roofline import (
     embed_time_s,
     lm_head_time_s,
     select_profile,
+    step_overhead_s,
     unit_decode_time_s,
     unit_prefill_time_s,
 )
@@ -373,8 +374,11 @@ class _TypeCosts:
                 unit_decode_time_s(model, spec, kind, b, b * shape.decode_context, **options)
                 for kind in kinds
             ],
-            embed_prefill_s=embed_time_s(model, spec, shape.prefill_tokens, dtype, profile=profile),
-            embed_decode_s=embed_time_s(model, spec, b, dtype, profile=profile),
+            # the first stage also runs the engine's per-step work (a profile's "step" fit, else 0)
+            embed_prefill_s=embed_time_s(model, spec, shape.prefill_tokens, dtype, profile=profile)
+            + step_overhead_s(spec, b, dtype, profile=profile),
+            embed_decode_s=embed_time_s(model, spec, b, dtype, profile=profile)
+            + step_overhead_s(spec, b, dtype, profile=profile),
             head_prefill_s=lm_head_time_s(model, spec, b, dtype, profile=profile),
             head_decode_s=lm_head_time_s(model, spec, b, dtype, profile=profile),
         )

@@ -18,7 +18,9 @@ as its own pass over the weights: an upper bound), `mix="max"` takes the larger 
 reading: compute-bound prefill hides memory-bound decode when they share the weight reads).
 `SimConfig.logits_time_s(n)`, when set, is added on the last stage to a batch holding the last
 chunk of n prompts: the LM head that only a prompt's last token needs (cost-model stages leave it
-out of `prefill_time_s`; their `decode_time_s` includes it). A stage whose weights partly live in
+out of `prefill_time_s`; their `decode_time_s` includes it). A stage with a `step_time_s(n)` (the
+cost model's: the engine's scheduling and input work for a batch of n sequences, on the first
+stage) adds it to every batch it computes. A stage whose weights partly live in
 host memory streams them in for every batch: `SimConfig.offload_s[s]` is added to each batch's
 time on stage s (or overlapped with it: max, under `offload_overlap`), as the planner counts it.
 A stage with an emulated speed schedule (`SimConfig.slowdowns`) has its compute times multiplied by
@@ -159,6 +161,9 @@ def batch_compute_time_s(
     decodes = [item for item in batch.items if item.kind == "decode"]
     decode = stage.decode_time_s(len(decodes), sum(item.offset + 1 for item in decodes)) if decodes else 0.0
     time = prefill + decode if mix == "sum" else max(prefill, decode)
+    step_time_s = getattr(stage, "step_time_s", None)  # the engine's per-step work (cost-model stages)
+    if step_time_s is not None:
+        time += step_time_s(len({item.request_id for item in batch.items}))
     if logits_time_s is not None:  # last stage: LM head for the prompts this batch finishes
         finished = sum(1 for item in batch.items if item.kind == "prefill" and item.samples)
         time += logits_time_s(finished) if finished else 0.0

@@ -8,7 +8,7 @@ from rich.table import Table
 
 def print_profile(console: Console, result, report, data, out) -> None:  # noqa: ANN001 (profiler types)
     """`result` a Profile, `report` its FitReport, `data` the Measurements, `out` where it was written."""
-    table = Table(title=f"profile of one decoder layer on {result.device_type}")
+    table = Table(title=f"profile on {result.device_type}: one decoder layer, and the other priced parts")
     table.add_column("fit")
     table.add_column("coefficients")
     table.add_column("points", justify="right")
@@ -26,7 +26,16 @@ def print_profile(console: Console, result, report, data, out) -> None:  # noqa:
         str(len(data.decode_times_s)),
         f"{report.decode_heldout_error:.1%}",
     )
+    for name, fit in result.components.items():
+        table.add_row(
+            f"{name} t({fit.unit})",
+            f"c0={fit.c0:.3e} c1={fit.c1:.3e}",
+            str(fit.n_points),
+            f"{fit.heldout_rel_error:.1%}",
+        )
     console.print(table)
+    if result.cpu_cores is not None:
+        console.print(f"host: {result.cpu_cores} usable cores, timed with {result.threads} thread(s)")
     efficiencies = []
     if result.compute_efficiency is not None:
         efficiencies.append(f"compute {result.compute_efficiency:.1%} of catalog peak")

@@ -1,0 +1,318 @@
+"""Time what the cost model prices besides the decoder layers, as the engine and the runtime run it.
+
+    embed      `VocabEmbedding` of n token ids (the first stage's gather)
+    head       final `RMSNorm` + `LMHead` (oneDNN-packed on CPU, as `ModelRunner` packs it) + the
+               greedy sampler and the copy of the tokens to the host, for n rows
+    step       the engine's per-step work outside the model: `LLMEngine.step` on a real checkpoint
+               with B running sequences, minus the time of its model forward and its sampling
+               (measured in the same step, so the load of the machine cancels)
+    transport  one stage-to-stage message as `tessel.pipeline.comm` sends it (a 4-int64 header, a
+               pickled metadata blob, the hidden-state tensor of n bytes), one way between two
+               processes over gloo: half the round trip of a ping-pong ("host"; on CUDA the hidden
+               states go through pinned host buffers, and GPU to GPU over NCCL for "nccl")
+
+Each is fitted `t(x) = c0 + c1*x` with its held-out error (`tessel.cost.fit.fit_component`). The
+embedding and head are timed with the profile's clock (process CPU time for one CPU thread); the
+step and the transport with wall time (the step's subtraction is within one step; a message's
+time is spent in two processes).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tessel.cost.fit import fit_component
+from tessel.cost.profile import ComponentFit, transport_key
+from tessel.errors import TesselError
+
+EMBED_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+HEAD_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STEP_SEQUENCES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+STEP_PROMPT_TOKENS = 16
+STEP_TIMED = 10  # decode steps timed per batch size (after one untimed)
+COMPONENT_MIN_REPEATS = 9  # rounds of timed runs of the embedding and head sizes
+TRANSPORT_BYTES = tuple(2**k for k in range(8, 25, 2))  # 256 B .. 16 MiB
+TRANSPORT_ROUNDS = 20  # ping-pongs per size (median kept)
+METADATA_BYTES = 2048  # the pickled BatchMessage of a small decode batch is of this order
+HEADER_LEN = 4  # tessel.pipeline.comm.HEADER_LEN (not imported: that module needs torch.distributed)
+
+
+@dataclass(frozen=True, slots=True)
+class EndsShape:
+    """The sizes the embedding and the LM head are timed at."""
+
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its CPU affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def transports_for(device: str) -> tuple[str, ...]:
+    """The transports the runtime uses between stages of this device kind
+    (`tessel.pipeline.devices.link_transport`): host buffers over gloo everywhere, NCCL between GPUs."""
+    return ("host",) if device == "cpu" else ("host", "nccl")
+
+
+def _interleaved_medians(fns: list[Callable[[], object]], clock, settings) -> np.ndarray:
+    """Median seconds of each of `fns`, timed in rounds of one run of each (a load change on a shared
+    machine hits every size alike, so it shifts the fit less than it bends it)."""
+    from tessel.models.profiler import time_runs
+
+    repeats = max(settings.repeats, COMPONENT_MIN_REPEATS)
+    runs = time_runs(fns, clock, warmup=settings.warmup, repeats=repeats, min_total_s=settings.min_point_s)
+    return np.array([statistics.median(times) for times in runs], float)
+
+
+def measure_ends(shape: EndsShape, settings, clock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(sizes, median seconds) of the embedding and of the head + sampling, keyed "embed" / "head"."""
+    import torch
+
+    from tessel.layers.embedding import LMHead, VocabEmbedding
+    from tessel.layers.linear import pack_linears
+    from tessel.layers.norm import RMSNorm
+
+    device = torch.device(settings.device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[settings.dtype]
+    gen = torch.Generator(device="cpu").manual_seed(settings.seed)
+    h, v = shape.hidden_size, shape.vocab_size
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device, dtype)
+    embed = VocabEmbedding(v, h).to(device, dtype)
+    embed.weight = torch.nn.Parameter(weight, requires_grad=False)
+    ends = torch.nn.Module()
+    ends.norm = RMSNorm(h, shape.rms_norm_eps).to(device, dtype)
+    ends.lm_head = LMHead(v, h).to(device, dtype)
+    ends.lm_head.tie(embed)
+    ends.requires_grad_(False)
+    if device.type == "cpu":
+        pack_linears(ends)  # ModelRunner packs the LM head the same way (a tied head gets its own copy)
+
+    def embed_fn(n: int) -> Callable[[], object]:
+        ids = torch.randint(0, v, (n,), generator=gen).to(device)
+        return lambda: embed(ids)
+
+    def head_fn(n: int) -> Callable[[], object]:
+        hidden = torch.randn(n, h, generator=gen).to(device, dtype)
+        residual = torch.randn(n, h, generator=gen).to(device, dtype)
+
+        def head() -> list[int]:
+            normed, _ = ends.norm(hidden, residual)
+            return ends.lm_head(normed).float().argmax(dim=-1).tolist()  # ModelRunner.sample, greedy
+
+        return head
+
+    with torch.inference_mode():
+        embed_s = _interleaved_medians([embed_fn(n) for n in EMBED_TOKENS], clock, settings)
+        head_s = _interleaved_medians([head_fn(n) for n in HEAD_ROWS], clock, settings)
+    sizes = {"embed": np.array(EMBED_TOKENS, float), "head": np.array(HEAD_ROWS, float)}
+    return sizes, {"embed": embed_s, "head": head_s}
+
+
+def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.ndarray]:
+    """(sequences per step, median seconds of the engine's step outside the model) on `checkpoint`.
+    Process CPU time under the profile's `cpu` clock (one thread: the model's time is its CPU time
+    too), else wall time."""
+    import torch
+
+    from tessel.engine.llm_engine import LLMEngine
+    from tessel.engine.sampling_params import SamplingParams
+
+    most = max(STEP_SEQUENCES)
+    tokens = STEP_PROMPT_TOKENS + STEP_TIMED + 2
+    engine = LLMEngine(
+        checkpoint,
+        dtype={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[settings.dtype],
+        device=settings.device,
+        max_num_seqs=most,
+        max_model_len=tokens + 1,
+        num_kv_blocks=most * (-(-(tokens + 1) // 16)) + 1,
+        enable_prefix_caching=False,
+        enforce_eager=True,  # no graph compiles per batch size: the model's time is subtracted anyway
+    )
+    runner = engine.runner
+    read = time.process_time if settings.clock == "cpu" else time.perf_counter
+    model_s = [0.0]
+
+    def timed(fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if settings.device == "cuda":
+                torch.cuda.synchronize()
+            begin = read()
+            out = fn(*args, **kwargs)
+            if settings.device == "cuda":
+                torch.cuda.synchronize()
+            model_s[0] += read() - begin
+            return out
+
+        return wrapper
+
+    runner._forward = timed(runner._forward)
+    runner.sample_hidden = timed(runner.sample_hidden)
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(settings.seed)
+    sizes, medians = [], []
+    params = SamplingParams(temperature=0.0, max_tokens=STEP_TIMED + 2, ignore_eos=True)
+    for batch in STEP_SEQUENCES:
+        for i in range(batch):
+            prompt = [int(t) for t in rng.integers(100, vocab, STEP_PROMPT_TOKENS)]
+            engine.add_request(f"b{batch}-{i}", prompt, params)
+        engine.step()  # the prompts
+        engine.step()  # first decode step (untimed)
+        overheads = []
+        for _ in range(STEP_TIMED):
+            model_s[0] = 0.0
+            begin = read()
+            engine.step()
+            overheads.append(max(read() - begin - model_s[0], 1e-7))
+        while engine.has_unfinished_requests():
+            engine.step()
+        sizes.append(batch)
+        medians.append(statistics.median(overheads))
+    return np.array(sizes, float), np.array(medians, float)
+
+
+def measure_transport(
+    transport: str, settings, sizes: tuple[int, ...] = TRANSPORT_BYTES, rounds: int = TRANSPORT_ROUNDS
+) -> tuple[np.ndarray, np.ndarray]:
+    """(hidden-state bytes per message, median one-way seconds) between two processes of this host."""
+    import torch.multiprocessing as mp
+
+    if transport not in transports_for(settings.device):
+        raise TesselError(f"transport {transport!r} is not one the runtime uses on {settings.device}")
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="tessel-transport-") as tmp:
+        queue = context.SimpleQueue()
+        store = str(Path(tmp) / "store")
+        procs = [
+            context.Process(
+                target=_transport_worker,
+                args=(rank, store, transport, settings.device, sizes, rounds, queue),
+            )
+            for rank in (0, 1)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=300)
+        failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
+        result = queue.get() if not queue.empty() else None
+    if failed or not isinstance(result, list):
+        raise TesselError(f"timing the {transport} transport between two processes failed (exit {failed})")
+    sizes = np.array([n for n, _ in result], float)
+    return sizes, np.array([t for _, t in result], float)
+
+
+def _transport_worker(  # noqa: PLR0913
+    rank: int,
+    store: str,
+    transport: str,
+    device: str,
+    sizes: tuple[int, ...],
+    rounds: int,
+    queue,  # noqa: ANN001
+) -> None:
+    """Rank 0 sends a message and waits for the same message back, for every size; rank 1 echoes."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    backend = "cpu:gloo,cuda:nccl" if transport == "nccl" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
+    gpu = device == "cuda"
+    if gpu:
+        torch.cuda.set_device(0 if transport == "host" else rank)
+    blob = torch.frombuffer(bytearray(pickle.dumps(bytes(METADATA_BYTES))), dtype=torch.uint8)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    results = []
+    where = "cuda" if gpu else "cpu"
+    for n_bytes in sizes:
+        stream = torch.zeros(n_bytes // 4, dtype=torch.float32, device=where)
+        pinned = None
+        if gpu and transport == "host":  # the runtime's host path: GPU -> pinned buffer -> gloo -> GPU
+            pinned = torch.zeros(n_bytes // 4, dtype=torch.float32, pin_memory=True)
+        message = (header, blob, stream, pinned)
+        one_way = []
+        for i in range(rounds + 2):
+            begin = time.perf_counter()
+            for receiving in (False, True) if rank == 0 else (True, False):
+                _message(message, 1 - rank, receiving)
+            if rank == 0 and i >= 2:  # two untimed rounds
+                one_way.append((time.perf_counter() - begin) / 2)
+        if rank == 0:
+            results.append((n_bytes, statistics.median(one_way)))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(results)
+
+
+def _message(message: tuple, peer: int, receiving: bool) -> None:
+    """Send or receive one message: header, metadata, hidden states (through `pinned` when set)."""
+    import torch
+    import torch.distributed as dist
+
+    header, blob, stream, pinned = message
+    op = dist.recv if receiving else dist.send
+    op(header, peer)
+    op(blob, peer)
+    if pinned is None:
+        op(stream, peer)
+        if stream.is_cuda:
+            torch.cuda.synchronize()
+    elif receiving:
+        dist.recv(pinned, peer)
+        stream.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+    else:
+        pinned.copy_(stream)
+        dist.send(pinned, peer)
+
+
+def profile_components(
+    settings,
+    clock,
+    ends: EndsShape | None,
+    checkpoint: Path | None,
+    transports: tuple[str, ...],
+    progress: Callable[[str], None] | None = None,
+    transport_sizes: tuple[int, ...] = TRANSPORT_BYTES,
+    transport_rounds: int = TRANSPORT_ROUNDS,
+) -> dict[str, ComponentFit]:
+    """Fits of every component that applies: the embedding and head when `ends` is known, the step
+    overhead on a `checkpoint`, each of `transports`."""
+    fits: dict[str, ComponentFit] = {}
+    if ends is not None:
+        if progress:
+            progress("embedding, LM head + sampling")
+        sizes, times = measure_ends(ends, settings, clock)
+        fits["embed"] = fit_component(sizes["embed"], times["embed"], "tokens", ends.as_dict(), table=True)
+        fits["head"] = fit_component(sizes["head"], times["head"], "rows", ends.as_dict())
+    if checkpoint is not None:
+        if progress:
+            progress("engine step overhead")
+        sizes, times = measure_step_overhead(checkpoint, settings)
+        fits["step"] = fit_component(sizes, times, "sequences")
+    for transport in transports:
+        if progress:
+            progress(f"{transport} transport between two processes")
+        sizes, times = measure_transport(transport, settings, transport_sizes, transport_rounds)
+        fits[transport_key(transport)] = fit_component(sizes, times, "bytes")
+    return fits
