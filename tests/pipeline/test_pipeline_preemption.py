@@ -47,3 +47,25 @@ def test_launch_refuses_swap_on_several_stages_before_any_worker(tiny_dirs, tmp_
     kwargs = engine_kwargs(parser().parse_args(given.worker_argv(tmp_path / "out.json")))
     assert kwargs["preemption_mode"] == "auto"  # what the workers' engine gets
     assert kwargs["emulate_host_gbps"] == 8.0 and kwargs["host_kv_cache_gib"] == 0.5
+
+
+def test_a_swapped_request_moves_to_another_engine_and_is_recomputed_there(tiny_dirs) -> None:
+    from tessel.pipeline.remap import migrate_requests
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [p[:60] for p in PROMPTS]
+    expected = LLM(tiny_dirs["tied"], max_model_len=64).generate(prompts, params, use_progress=False)
+    old = LLM(tiny_dirs["tied"], preemption_mode="swap", **TIGHT)
+    new = LLM(tiny_dirs["tied"], preemption_mode="swap", max_model_len=64)
+    for i, prompt in enumerate(prompts):
+        old.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while not any(seq.host_blocks for seq in old.scheduler.waiting):
+        for out in old.step():
+            tokens[out.request_id] += out.new_token_ids
+    migrate_requests(old, new)
+    assert old.preemptor.pool.num_free_blocks == old.preemptor.pool.num_total_blocks
+    while new.has_unfinished_requests():
+        for out in new.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in expected]

@@ -332,6 +332,9 @@ def _forget(engine: Any, seq: Any) -> None:
             if seq in queue:
                 queue.remove(seq)
     engine.block_manager.free(seq)
+    preemptor = getattr(engine, "preemptor", None)
+    if preemptor is not None:  # a swapped-out request: its KV in the old engine's host pool
+        preemptor.release(seq)
 
 
 def _reset(seq: Any, block_size: int) -> None:
@@ -340,6 +343,7 @@ def _reset(seq: Any, block_size: int) -> None:
 
     seq.num_computed_tokens = 0
     seq.block_table = []
+    seq.host_blocks = []
     seq.block_keys = []
     seq.num_registered_blocks = 0
     seq.block_size = block_size
