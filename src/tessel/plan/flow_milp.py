@@ -22,9 +22,11 @@ the model's two knobs: the pipeline formula that prices the plan (`evaluate_flow
 With placements fixed, the MILP's F is a max flow over the placement graph with node capacities
 min(eta n_g / W_g, n_g free_g / (lifetime kv_g)) (W_g: the group's time per micro-batch on its
 range, free_g / kv_g: its memory after weights / its KV per micro-batch), which is what the tests'
-brute force computes. Identical groups are ordered by rate (symmetry). Warm starts: placements
-(pipelines of the DP, replicas) handed to HiGHS as a full solution; on the time limit the best
-incumbent is used and its gap to HiGHS's dual bound reported.
+brute force computes. Identical groups are ordered by rate (symmetry). Warm starts: the best of the
+placements given (`search_flow` gives its candidates' where every GPU of a group holds one range on
+block boundaries) and same-type chains (`chain_seeds`), handed to HiGHS as a full solution; on the
+time limit the best incumbent is used and its gap to HiGHS's dual bound reported. Beyond
+`MAX_BINARIES` placement binaries, units are merged into near-equal blocks (`block_cuts`).
 """
 
 from __future__ import annotations
