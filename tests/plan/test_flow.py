@@ -325,3 +325,13 @@ def test_tuned_placement_is_never_worse_than_swarm_like() -> None:
     if swarm is None:
         return
     assert tuned is not None and tuned.throughput_tok_s >= swarm.throughput_tok_s * (1 - 1e-12)
+
+
+def test_pipeline_runtime_refuses_a_flow_plan(flow_document, tmp_path) -> None:
+    from tessel.pipeline.run_plan import load_run_plan
+
+    document, _, _ = flow_document
+    path = tmp_path / "flow.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(TesselError, match="a flow plan's paths share GPUs"):
+        load_run_plan(path, replica=0)

@@ -138,6 +138,12 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
 def _replica_stages(plan: PlanFile, source: Path, replica: int | None) -> list:
     """The stages of the pipeline to run: the plan's own, or replica `replica`'s (one process group
     runs one pipeline; a load balancer splits requests by the replicas' weights)."""
+    if plan.flow is not None:
+        raise TesselError(
+            f"{source}: a flow plan's paths share GPUs, which the pipeline runtime cannot serve (it runs "
+            "pipelines on disjoint GPUs); use `tessel plan --export vllm` for the paths that share none, "
+            "or plan with --replicas N"
+        )
     if replica is None:
         if len(plan.replicas) > 1:
             listed = ", ".join(
