@@ -92,7 +92,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(path)
         self.dtype = resolve_dtype(self.config.dtype, self.model_config)
         self.max_model_len = self._max_model_len()
-        self.tokenizer = _load_tokenizer(path)
+        self.tokenizer = self._load_tokenizer(path)
         self.model = self._load_model(path)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(
@@ -125,6 +125,10 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text already returned per request
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
+
+    def _load_tokenizer(self, path: Path) -> Any:
+        """The checkpoint's tokenizer (a pipeline built beside a serving one has it loaded already)."""
+        return _load_tokenizer(path)
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         """The whole model; a pipeline stage (`tessel.pipeline`) loads only its layers."""

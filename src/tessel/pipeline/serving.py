@@ -64,14 +64,19 @@ class ServedPipelineEngine(PipelineEngine):
     def __init__(self, *args, preloaded: tuple | None = None, **kwargs) -> None:
         self._preloaded = preloaded  # stage 0's layers, loaded beside the old pipeline (`PendingPipeline`)
         super().__init__(*args, **kwargs)
+        self._preloaded = None
 
     def _load_model(self, path: Path):
         if self._preloaded is None:
             return super()._load_model(path)
-        model, loaded = self._preloaded
-        self._preloaded = None
+        model, loaded, _ = self._preloaded
         vars(self).update(loaded)  # what `PipelineEngine._load_model` set besides the model
         return model
+
+    def _load_tokenizer(self, path: Path):
+        if self._preloaded is None:
+            return super()._load_tokenizer(path)
+        return self._preloaded[2]
 
     def watch_stages(self, async_engine) -> threading.Thread:
         """Watch the stage processes; on a death, fail the engine and wake the server's engine thread."""
@@ -180,7 +185,7 @@ class PendingPipeline:
         timeout = options.heartbeat_timeout
         self.stages = LocalStages(argv, len(self.plan.stages), self.run_dir, self.port, timeout)
         atexit.register(self.stages.stop)
-        self.preloaded = None  # stage 0's (model, attributes its loading set), once `load` ran
+        self.preloaded = None  # stage 0's (model, attributes its loading set, tokenizer), once `load` ran
         self._joining = False
 
     def load(self, timeout_s: float | None = None) -> None:
@@ -188,7 +193,11 @@ class PendingPipeline:
         raises the `StageFailedError` of a stage that died (out of memory, ...) while loading."""
         from types import SimpleNamespace
 
+        import torch
+
         from tessel.engine.engine_config import EngineConfig
+        from tessel.engine.llm_engine import _load_tokenizer as load_tokenizer
+        from tessel.layers.linear import pack_linears
         from tessel.pipeline.devices import stage_device
 
         device = stage_device(self.plan.stages[0])
@@ -200,7 +209,10 @@ class PendingPipeline:
         )
         given = set(vars(loader))
         model = PipelineEngine._load_model(loader, self.options.model)  # stage 0's own loading
-        self.preloaded = (model, {key: value for key, value in vars(loader).items() if key not in given})
+        if loader.config.pack_cpu_linears and torch.device(device).type == "cpu":
+            pack_linears(model)  # now, not in the switch (the `ModelRunner` then finds them packed)
+        loaded = {key: value for key, value in vars(loader).items() if key not in given}
+        self.preloaded = (model, loaded, load_tokenizer(self.options.model))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not all(_loaded(self.run_dir, rank) for rank in range(1, len(self.plan.stages))):
             failure = self.stages.failure()

@@ -32,6 +32,7 @@ from tessel.engine.llm_engine import max_model_len
 from tessel.engine.model_runner import kv_cache_bytes_per_block
 from tessel.engine.sampling_params import SamplingParams
 from tessel.errors import TesselError
+from tessel.layers.linear import pack_linears
 from tessel.layers.linear.tuning import tune_linears
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.reader import read_model
@@ -283,6 +284,8 @@ def load_later_stage(args: argparse.Namespace, plan: RunPlan, rank: int) -> tupl
         stage.emulate_schedule,
     )
     executor.host_gbps = stage.emulate_host_gbps  # a CPU stage's emulated host link for streamed layers
+    if EngineConfig(**engine_kwargs(args)).pack_cpu_linears and device_for(plan, rank).type == "cpu":
+        pack_linears(executor.model)  # now, not after joining (its `ModelRunner` then finds them packed)
     write_status(rank, state="loaded", pid=os.getpid())
     return executor, rss_before
 
