@@ -4,10 +4,12 @@ torch, fastapi and uvicorn are imported inside the command, so the planner side 
 without the runtime extra. Every option is checked before the model loads. When the engine fails
 more often than `--max-engine-restarts` allows, the server shuts down and exits with status 3, so
 a supervisor (systemd, Kubernetes) restarts it. With `--plan`, a stage that dies or sends no
-heartbeat for `--heartbeat-timeout` seconds makes the server rebuild the pipeline (new stage
-processes), each rebuild counting against `--max-engine-restarts`: meanwhile `/health` and every
-request answer 503 naming the stage, with Retry-After. Past the budget, or when a rebuild fails,
-the server stays up without a pipeline, answering 503 with the cause, and never exits by itself.
+heartbeat for `--heartbeat-timeout` seconds makes the server rebuild the pipeline on the stages
+left (new stage processes) and move the requests in flight into it (`tessel.pipeline.remap`), each
+rebuild counting against `--max-engine-restarts`: meanwhile `/health` answers 503 naming the stage,
+with Retry-After, and new requests wait. Past the budget, or when a rebuild fails (the stages left
+cannot hold the model), the server stays up without a pipeline, answering 503 with the cause, and
+never exits by itself.
 A `--plan` of several replicas without `--replica` runs one such server per replica behind a router
 that splits requests by the plan's weights (`tessel.pipeline.replica_router`). With `--plan`, `/metrics`
 shows each stage's measured step time beside the plan's (`tessel.pipeline.remap_watch`); with
