@@ -16,6 +16,7 @@ from tessel.pipeline.worker import engine_kwargs, parser
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Once upon a time " * 8, "One two three"]
 TIGHT = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}
+SIXTEEN_TOKEN_BLOCK_BYTES = 2 * 5 * 16 * 2 * 16 * 4  # k and v, 5 layers, 16 tokens, 2 KV heads of 16, fp32
 
 
 def test_a_one_stage_plan_swaps_and_matches_the_engine(tiny_dirs, tmp_path) -> None:
@@ -69,3 +70,22 @@ def test_a_swapped_request_moves_to_another_engine_and_is_recomputed_there(tiny_
         for out in new.step():
             tokens[out.request_id] += out.new_token_ids
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in expected]
+
+
+def test_launch_passes_the_mode_to_stage_0(tiny_dirs, tmp_path) -> None:
+    """One worker process: the option reaches stage 0's engine, which swaps, and its status says so."""
+    from tessel.pipeline.run import run_pipeline
+
+    plan = write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 5)])
+    prompts = [p[:60] for p in PROMPTS]
+    options = RunOptions(plan, tiny_dirs["tied"], prompts=prompts, max_tokens=24, ignore_eos=True,
+                         preemption_mode="swap", kv_cache_gib=6 * SIXTEEN_TOKEN_BLOCK_BYTES / 2**30,
+                         max_model_len=64, run_dir=tmp_path / "run")  # fmt: skip
+    run = run_pipeline(options)
+    status = run.stages[0]
+    assert status["kv_swaps"] > 0 and status["kv_recomputes"] == 0 and status["kv_swap_bytes"] > 0
+    llm = LLM(tiny_dirs["tied"], preemption_mode="recompute", max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert [r["token_ids"] for r in run.requests] == [
+        o.token_ids for o in llm.generate(prompts, params, use_progress=False)
+    ]

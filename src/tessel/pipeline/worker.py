@@ -225,7 +225,11 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     finally:
         engine.shutdown()
     wall_s = time.time() - started
-    write_status(0, **asdict(engine.stage.stats), wall_s=wall_s, preemptions=engine.scheduler.num_preemptions)
+    kv = engine.preemption_stats  # by mode, and the bytes swapped out and back (tessel.engine.preemption)
+    write_status(
+        0, **asdict(engine.stage.stats), wall_s=wall_s, preemptions=engine.scheduler.num_preemptions,
+        kv_swaps=kv.swaps, kv_recomputes=kv.recomputes, kv_swap_bytes=kv.bytes_to_host + kv.bytes_to_device,
+    )  # fmt: skip
     results = [_result(out) for out in outputs]
     if args.json is not None:
         args.json.write_text(json.dumps({"wall_s": wall_s, "requests": results}, indent=1))
