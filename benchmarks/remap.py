@@ -19,6 +19,11 @@ returns its result, so another one plugs in beside them):
                 Reported: throughput over the slowed phase, auto / off (target >= 1.3x), failed
                 requests (target 0), the longest gap between two tokens (target <= 2 s), and the
                 simulator's decision on the same requests and schedule beside the server's.
+    switch      2 stages (halves); after `--switch-after-s` the server is asked to remap live to
+                another split (`AsyncEngine.remap`): failed requests (target 0), equal tokens, the
+                time the new split loaded beside the old, the switch's pause, the requests moved
+                and the longest gap between two tokens of a stream (the server's and the clients').
+
     kill        3 stages (the layers in thirds); once the load runs (`--kill-after-s`), stage 2 is
                 killed (SIGKILL). Reported: failed requests (target 0), whether every request's
                 tokens equal the undisturbed run's, the seconds from the kill until a new request
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import signal
 import tempfile
@@ -407,9 +413,56 @@ def slowdown_scenario(args: argparse.Namespace, root: Path) -> dict:
     }
 
 
+def switch_scenario(args: argparse.Namespace, root: Path) -> dict:
+    """2 stages (halves) under steady load; after `--switch-after-s` the server is asked to remap to
+    another split (a third and two thirds) on the same devices: the live switch alone, no decision."""
+    model = _harness.example_model(args.model)
+    expected = reference_tokens(model, args.new_tokens)
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    plans = _harness.tests_module("pipeline_plans")
+    halves = plans.write_plan(root / "halves.json", model, [(0, layers // 2), (layers // 2, layers)])
+    third = plans.write_plan(root / "third.json", model, [(0, layers // 3), (layers // 3, layers)])
+    async_engine = serve(model, halves)
+    load = SteadyLoad(async_engine, args.streams, args.new_tokens).start()
+    try:
+        time.sleep(args.switch_after_s)
+        asked_at = time.monotonic()
+        future = async_engine.remap(third, "benchmark: another split")
+        report = future.result(DEADLINE_S)
+        time.sleep(args.after_kill_s)
+        load.stop()
+    finally:
+        async_engine.stop()
+        async_engine.engine.close()
+    records = load.finished
+    complete = [r for r in records if r.error is None]
+    switch_at = asked_at + report.load_s  # the switch began within a step of this
+    across = [r for r in records if r.token_times_s and r.token_times_s[0] < switch_at < r.token_times_s[-1]]
+    return {
+        "scenario": "switch",
+        "model": str(model),
+        "stages_after": [[s.layer_start, s.layer_end] for s in async_engine.engine.plan.stages],
+        "streams": args.streams,
+        "new_tokens": args.new_tokens,
+        "requests": len(records),
+        "failed_requests": len(records) - len(complete),
+        "failures": sorted({r.error for r in records if r.error})[:5],
+        "tokens_equal_undisturbed": all(r.tokens == expected[r.prompt] for r in complete),
+        "unequal_requests": sum(r.tokens != expected[r.prompt] for r in complete),
+        "remap_ok": report.ok,
+        "load_beside_s": report.load_s,
+        "switch_s": report.switch_s,
+        "requests_moved": report.moved,
+        "max_gap_moved_s": report.max_gap_s,  # the server's own measure over the moved streams
+        "max_gap_s": max_gap_s(records),  # every stream, as its client saw it
+        "max_gap_streams_across_switch_s": max_gap_s(across),
+    }
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "kill": kill_scenario,
     "slowdown": slowdown_scenario,
+    "switch": switch_scenario,
 }
 
 
@@ -439,6 +492,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--kill-after-s", type=float, default=8.0, help="load before the kill")
     parser.add_argument("--after-kill-s", type=float, default=10.0, help="load kept after recovery")
+    parser.add_argument("--switch-after-s", type=float, default=8.0, help="switch: load before the remap")
     parser.add_argument("--slow-at-s", type=float, default=10.0, help="slowdown: when stage 1 slows")
     parser.add_argument("--slowed-s", type=float, default=30.0, help="slowdown: seconds served slowed")
     parser.add_argument("--slow-speed", type=float, default=0.3, help="slowdown: stage 1's speed then")
