@@ -89,3 +89,12 @@ def test_launch_passes_the_mode_to_stage_0(tiny_dirs, tmp_path) -> None:
     assert [r["token_ids"] for r in run.requests] == [
         o.token_ids for o in llm.generate(prompts, params, use_progress=False)
     ]
+
+
+def test_serve_refuses_swap_on_several_stages_before_any_process(tiny_dirs, tmp_path) -> None:
+    from tessel.pipeline.serving import PendingPipeline
+
+    plan = write_plan(tmp_path / "plan2.json", tiny_dirs["tied"], [(0, 2), (2, 5)])
+    with pytest.raises(TesselError, match="--preemption-mode swap"):
+        PendingPipeline(RunOptions(plan, tiny_dirs["tied"], preemption_mode="swap"), tmp_path / "run")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
