@@ -24,8 +24,8 @@ Two movers copy:
 - CPU (emulation): a separate host copy of the layer, copied by a side thread into the buffer; with
   an emulated host link (`emulate_host_gbps`) the copy then sleeps until bytes / bandwidth has
   passed, so a CPU stage behaves like a device behind that link. A float32 linear the runner packed
-  for oneDNN is "copied" by packing it again from the host copy (the same reorder the runner does,
-  so outputs are bit-identical). Emulation on one CPU, never a GPU figure.
+  for oneDNN keeps its packed weight as the host copy and is copied in by cloning it (outputs
+  bit-identical to the resident run). Emulation on one CPU, never a GPU figure.
 
 Per micro-batch the stage counts (`StreamStats`): copies, bytes, copy seconds, exposed seconds (the
 compute waiting for a copy) and hidden seconds (copy seconds the compute did not wait for), plus,
@@ -197,10 +197,11 @@ class _Tensor:
 
 @dataclass(slots=True)
 class _Packed:
-    """A float32 CPU linear the runner packed for oneDNN: re-packed from its host weight on copy."""
+    """A float32 CPU linear the runner packed for oneDNN: its packed weight is the host copy, cloned
+    (a copy of the packed bytes, bit-identical) into the layer when it is copied in."""
 
     module: nn.Module
-    weight: torch.Tensor  # host copy, dense
+    weight: torch.Tensor  # host copy, in oneDNN's layout
     bias: _Tensor | None
 
 
@@ -250,7 +251,7 @@ def _bind_layer(layer: nn.Module, host: dict[str, torch.Tensor]) -> _Layer:
         if getattr(module, "_packed", None) is not None:
             bias = host.get(f"{prefix}bias")
             bias_tensor = None if bias is None else _Tensor(module, "", bias)
-            packed.append(_Packed(module, host[f"{prefix}weight"], bias_tensor))
+            packed.append(_Packed(module, module._packed.weight, bias_tensor))
             continue
         own = [*module._parameters.items(), *module._buffers.items()]
         tensors += [_Tensor(module, name, host[f"{prefix}{name}"]) for name, t in own if t is not None]
@@ -315,7 +316,7 @@ def _copy_into(layer: _Layer, buffer: torch.Tensor, non_blocking: bool) -> None:
 
         for packed in layer.packed:
             bias = None if packed.bias is None else _view(buffer, packed.bias)
-            packed.module._packed = dense._Packed(dense.onednn_weight(packed.weight), bias)
+            packed.module._packed = dense._Packed(packed.weight.clone(), bias)
 
 
 def _evict(layer: _Layer | None) -> None:
