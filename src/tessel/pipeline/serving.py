@@ -9,10 +9,19 @@ receive stage 0 is blocked in) and `wake()` makes the server's engine thread tak
 which raises the failure. A restart of the engine loop cannot bring a stage back; a new pipeline
 can (`StageFailedError.recovery` is "rebuild"): `engine.serve_with(async_engine)` starts the
 watcher and lets the server's `AsyncEngine` call `engine.rebuilt(async_engine)`, which stops the
-old stages, destroys the process group, spawns new stages on a new port, joins them in a new
-group and returns a new engine that the server drives from then on (see
-`tessel.server.async_engine`). The new stages are spawned from the server's engine thread, and
-`PR_SET_PDEATHSIG` ends them when that thread ends: when the server stops, or gives up the engine.
+old stages, destroys the process group, re-plans on the stages left (`survivors_options`,
+`tessel.pipeline.remap.survivor_plan`), spawns their new processes on a new port, joins them in a
+new group and returns a new engine that the server drives from then on, with the requests in flight
+moved into it (see `tessel.server.async_engine`). The new stages are spawned from the server's
+engine thread, and `PR_SET_PDEATHSIG` ends them when that thread ends: when the server stops, or
+gives up the engine.
+
+A pipeline is built in three steps (`PendingPipeline`): its stage processes are spawned (they load
+their layers, pack their linears, then wait to join), stage 0's layers and tokenizer are loaded in
+this process (`load`, any thread, while an old pipeline may still serve), and the process group is
+joined and stage 0's engine built (`join`, the engine thread, once no other group is up). A live
+remap (`engine.successor(plan)`, `AsyncEngine.remap`) runs `load` beside the serving pipeline and
+`join` at the switch; `pipeline_engine` runs all three at once.
 """
 
 from __future__ import annotations
