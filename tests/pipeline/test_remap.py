@@ -167,6 +167,35 @@ def test_requests_moved_between_engines_finish_as_undisturbed(tiny_dirs):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
 
 
+def test_a_swapped_out_request_moves_too(tiny_dirs):
+    """A request preempted by swap (its KV in the old engine's host pool) moves like the others: the
+    old pool's blocks are given back and the new engine recomputes it; tokens as undisturbed."""
+    from tessel.engine.llm_engine import LLM
+    from tessel.engine.sampling_params import SamplingParams
+    from tessel.pipeline.remap import migrate_requests
+
+    model = tiny_dirs["tied"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [*PROMPTS, "hello world again", "a b c d e f"]
+    expected = [o.token_ids for o in LLM(model, max_num_seqs=4).generate(prompts, params, use_progress=False)]
+    small = dict(num_kv_blocks=20, block_size=4, max_model_len=64, preemption_mode="swap")
+    small["host_kv_cache_gib"] = 0.001
+    old, new = LLM(model, max_num_seqs=4, **small), LLM(model, max_num_seqs=4)
+    for i, prompt in enumerate(prompts):
+        old.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while not any(seq.host_blocks for seq in old._requests.values()):
+        assert old.has_unfinished_requests(), "no request was swapped out"
+        for out in old.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    migrate_requests(old, new)
+    assert old.preemptor.pool.num_free_blocks == old.preemptor.pool.num_total_blocks
+    while new.has_unfinished_requests():
+        for out in new.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert list(tokens.values()) == expected
+
+
 # ---- one served pipeline: a lost stage, a live remap, a failed remap ---------------------------------
 async def _stream_all(async_engine, tag: str, on_token=None) -> dict[str, list[int]]:
     pairs = enumerate(zip(PROMPTS, _params(), strict=True))

@@ -331,6 +331,9 @@ def _forget(engine: Any, seq: Any) -> None:
         for queue in (queue_owner.running, queue_owner.waiting):
             if seq in queue:
                 queue.remove(seq)
+    preemptor = getattr(engine, "preemptor", None)
+    if preemptor is not None and getattr(seq, "host_blocks", None):
+        preemptor.release(seq)  # swapped out: its KV in the old engine's host pool is dropped too
     engine.block_manager.free(seq)
     preemptor = getattr(engine, "preemptor", None)
     if preemptor is not None:  # a swapped-out request: its KV in the old engine's host pool
@@ -342,6 +345,7 @@ def _reset(seq: Any, block_size: int) -> None:
     from tessel.engine.sequence import SequenceStatus
 
     seq.num_computed_tokens = 0
+    seq.host_blocks = []  # nothing swapped out in the new engine's host pool
     seq.block_table = []
     seq.host_blocks = []
     seq.block_keys = []
