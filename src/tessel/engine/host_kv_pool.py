@@ -115,6 +115,10 @@ class HostKvPool:
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
         return self._finish(len(device_blocks), start)
 
+    def repeat(self, direction: str, source: list[int], target: list[int]) -> CopyResult:
+        """A copy that stage 0 of a pipeline made, on this stage's layers (`Preemptor.copies`)."""
+        return self.swap_out(source, target) if direction == "out" else self.swap_in(source, target)
+
     def _finish(self, num_blocks: int, start: float) -> CopyResult:
         num_bytes = num_blocks * self.bytes_per_block
         elapsed_s = time.perf_counter() - start

@@ -34,6 +34,7 @@ from tessel.errors import TesselError
 from tessel.units import GBPS
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+KvCopy = tuple[str, list[int], list[int]]  # ("out", device blocks, host blocks) or ("in", host, device)
 LINK_PROBE_BYTES = 16 * 2**20  # long enough for a stable copy time, short enough for every start
 LINK_PROBE_REPEATS = 3  # the fastest of a few copies: the first may pay page faults
 DEFAULT_HOST_KV_CACHE_BYTES = 4 * 2**30  # cap on the default host pool (vLLM's default swap space)
@@ -157,6 +158,16 @@ class Preemptor:
         self.link = link
         self.clock = clock or PrefillClock()
         self.stats = PreemptionStats()
+        # a pipeline's stage 0: every copy made here, for the other stages to repeat on their own
+        # layers' KV (`KvCopy`: "out" device -> host blocks, "in" host -> device blocks), in order
+        self.copies: list[KvCopy] | None = None
+
+    def take_copies(self) -> list[KvCopy]:
+        """The copies recorded since the last call (none unless recording)."""
+        if not self.copies:
+            return []
+        taken, self.copies = self.copies, []
+        return taken
 
     def swap_bytes(self, seq: Sequence) -> int:
         assert self.pool is not None
@@ -194,6 +205,8 @@ class Preemptor:
             self.stats.swap_fallbacks += 1
             return False
         copied = self.pool.swap_out(seq.block_table[:count], host)
+        if self.copies is not None:
+            self.copies.append(("out", seq.block_table[:count], host))
         self.stats.bytes_to_host += copied.num_bytes
         self.stats.swap_out_s += copied.seconds
         self.stats.emulated_wait_s += copied.waited_s
@@ -209,6 +222,8 @@ class Preemptor:
         computed, cached = seq.num_computed_tokens, seq.metrics.num_cached_tokens
         self.block_manager.allocate(seq, 0)
         copied = self.pool.swap_in(seq.host_blocks, seq.block_table[: len(seq.host_blocks)])
+        if self.copies is not None:
+            self.copies.append(("in", seq.host_blocks, seq.block_table[: len(seq.host_blocks)]))
         self.stats.bytes_to_device += copied.num_bytes
         self.stats.swap_in_s += copied.seconds
         self.stats.emulated_wait_s += copied.waited_s

@@ -55,6 +55,10 @@ class BatchMessage:
     prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt logprobs asked (last stage)
     # seeded requests moved in from another pipeline: sequence id -> noise draws their generator made
     resumed: dict[int, int] = field(default_factory=dict)
+    # KV copies stage 0 made to or from its host pool before this batch (`Preemptor.copies`): every
+    # stage repeats them on its own layers first, in a host pool of `host_kv_blocks` blocks
+    kv_copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    host_kv_blocks: int = 0
 
 
 def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:

@@ -15,9 +15,12 @@
 
 Aborting a request whose micro-batch is in flight takes effect when that micro-batch is back.
 
-Preemption (`tessel.engine.preemption`): a one-stage plan swaps or recomputes as one process does
-(stage 0's emulated host link, from the plan, unless `emulate_host_gbps` is given); with several
-stages each holds its own layers' KV blocks, so `auto` recomputes and `swap` is refused.
+Preemption (`tessel.engine.preemption`): stage 0 swaps or recomputes as one process does (its
+emulated host link from the plan unless `emulate_host_gbps` is given; auto weighs its own layers'
+KV bytes against its own prefill seconds). Every stage holds its own layers' KV blocks, so stage 0's
+copies to and from its host pool travel with the next micro-batch (`BatchMessage.kv_copies`) and
+each stage repeats them on its layers before computing it: stages take micro-batches in order, so
+a block is copied out before a later batch reuses it and copied in before the batch that reads it.
 """
 
 from __future__ import annotations
@@ -73,15 +76,6 @@ def stage_kv_budget(plan: RunPlan, rank: int, kv_cache_gib: float | None) -> KvB
     return KvBudget(kv_cache_gib, stage.kv_gib, stage.num_layers / total)
 
 
-def check_pipeline_preemption(mode: str, num_stages: int) -> None:
-    if mode == "swap" and num_stages > 1:
-        raise TesselError(
-            f"--preemption-mode swap: the plan has {num_stages} stages, each holding its own layers' KV "
-            "blocks, and tessel swaps KV blocks only in one process or a one-stage plan; use auto or "
-            "recompute (both recompute in a pipeline of several stages)"
-        )
-
-
 def layer_filter(plan: RunPlan, rank: int, tied: bool) -> LayerFilter:
     stage = plan.stages[rank]
     last = rank == len(plan.stages) - 1
@@ -110,7 +104,6 @@ class PipelineEngine(LLM):
         engine_kwargs.setdefault("device", stage_device(plan.stages[0]))  # the plan's, not --device
         if plan.stages[0].offload_layers:
             engine_kwargs["enforce_eager"] = True  # streamed layers are copied in by forward hooks
-        check_pipeline_preemption(engine_kwargs.get("preemption_mode", "auto"), len(plan.stages))
         if engine_kwargs.get("emulate_host_gbps") is None:
             engine_kwargs["emulate_host_gbps"] = getattr(plan.stages[0], "emulate_host_gbps", None)
         super().__init__(model_path, **engine_kwargs)
@@ -149,9 +142,10 @@ class PipelineEngine(LLM):
         return model
 
     def _build_preemptor(self) -> Preemptor:
-        if len(self.plan.stages) > 1:  # the other stages' KV blocks are out of reach: recompute
-            return Preemptor("recompute", self.block_manager)
-        return super()._build_preemptor()
+        preemptor = super()._build_preemptor()
+        if len(self.plan.stages) > 1 and preemptor.pool is not None:
+            preemptor.copies = []  # the other stages repeat them (BatchMessage.kv_copies)
+        return preemptor
 
     def _num_kv_blocks(self) -> int:
         """Stage 0's KV blocks from its own budget (`KvBudget`); with other stages, the fewest any
@@ -260,10 +254,14 @@ class PipelineEngine(LLM):
             self._released,
             [scoring for _, scoring in scorings],
             {s.seq_id: self.resume_draws.pop(s.seq_id) for s in sampled if s.seq_id in self.resume_draws},
+            kv_copies=self.preemptor.take_copies(),
+            host_kv_blocks=self.preemptor.pool.num_total_blocks if self.preemptor.pool is not None else 0,
         )
         self._released = []
         started = time.perf_counter()
         hidden = self.runner.run_stage(positions, meta, input_ids=input_ids)
+        if batch.prefills:  # what recomputing a context costs on this stage (tessel.engine.preemption)
+            self.preemptor.clock.record(batch.num_tokens, time.perf_counter() - started)
         seq_ids = [s.seq_id for s, _ in batch.scheduled()]
         record = _InFlight(message.batch_id, slot, apply, sampled, scorings, seq_ids=seq_ids)
         if self.comm is None:

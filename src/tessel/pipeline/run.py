@@ -93,14 +93,12 @@ class PipelineRun:
 def check_options(options: RunOptions) -> int:
     """Refuse what would fail in the workers (plan vs model, the requests against the tokenizer and
     max_model_len) before any starts; -> the number of stages."""
-    from tessel.pipeline.driver import check_pipeline_preemption
     from tessel.pipeline.request_checks import check_requests
     from tessel.pipeline.worker import engine_kwargs, parser, run_requests, validate
 
     heartbeat_timeout_s(options.heartbeat_timeout)
     args = parser().parse_args(options.worker_argv(Path("unused.json")))
     plan, config = validate(args)
-    check_pipeline_preemption(options.preemption_mode, len(plan.stages))
     check_requests(run_requests(args), args.model, config, engine_kwargs(args))
     return len(plan.stages)
 

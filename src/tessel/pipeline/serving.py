@@ -40,7 +40,7 @@ import torch.distributed as dist
 from tessel.models.config import resolve_dtype
 from tessel.pipeline.chunk_cutter import ChunkCutter
 from tessel.pipeline.comm import PeerLostError
-from tessel.pipeline.driver import PipelineEngine, check_pipeline_preemption
+from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.heartbeat import read_beat
 from tessel.pipeline.launcher import POLL_S, LocalStages, StageFailedError, free_port
 from tessel.pipeline.run import RunOptions
@@ -187,7 +187,6 @@ class PendingPipeline:
     def __init__(self, options: RunOptions, run_dir: Path | None = None) -> None:
         args = parser().parse_args(options.worker_argv(Path("unused.json")))
         self.plan, self.config = validate(args)
-        check_pipeline_preemption(options.preemption_mode, len(self.plan.stages))  # before any process
         self.options, self.args = options, args
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="tessel-serve-"))
         self.port = free_port()

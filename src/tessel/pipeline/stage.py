@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES
+from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.kernels.paged_decode import decode_gather
@@ -94,6 +95,8 @@ class StageExecutor:
     host_weights: HostWeights | None = None  # streamed layers' host copy, until streaming starts
     host_gbps: float | None = None  # a CPU stage's emulated host link (the plan's emulate_host_gbps)
     streamer: WeightStreamer | None = None
+    host_kv: HostKvPool | None = None  # swapped KV of this stage's layers, made at the first copy
+    kv_host_gbps: float | None = None  # its copies' emulated link (--emulate-host-gbps, else the plan's)
 
     @classmethod
     def load(
@@ -163,9 +166,15 @@ class StageExecutor:
         return taken.exposed_s
 
     def adopt(self, message: BatchMessage) -> None:
-        """Give a received message's decode groups the CPU attention's batched gather where the
+        """Repeat the KV copies stage 0 made before this batch (`BatchMessage.kv_copies`) on this
+        stage's layers, and give the decode groups the CPU attention's batched gather where the
         sender (a GPU stage) could not build it."""
         cache = self.runner.kv_cache
+        if message.kv_copies:  # stage 0 swapped KV blocks before this batch: the same on these layers
+            if self.host_kv is None:
+                self.host_kv = HostKvPool(message.host_kv_blocks, cache, self.kv_host_gbps)
+            for direction, source, target in message.kv_copies:
+                self.host_kv.repeat(direction, source, target)
         if cache.is_cuda or not cache.shape[1]:
             return
         for group in message.meta.decode_groups:

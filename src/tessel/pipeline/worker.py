@@ -288,6 +288,7 @@ def load_later_stage(args: argparse.Namespace, plan: RunPlan, rank: int) -> tupl
         stage.emulate_schedule,
     )
     executor.host_gbps = stage.emulate_host_gbps  # a CPU stage's emulated host link for streamed layers
+    executor.kv_host_gbps = args.emulate_host_gbps or stage.emulate_host_gbps  # and for swapped KV
     if EngineConfig(**engine_kwargs(args)).pack_cpu_linears and device_for(plan, rank).type == "cpu":
         pack_linears(executor.model)  # now, not after joining (its `ModelRunner` then finds them packed)
     write_status(rank, state="loaded", pid=os.getpid())
