@@ -172,6 +172,8 @@ def test_the_host_pool_is_sized_by_the_setting_or_capped_by_default() -> None:
     assert host_pool_blocks(None, 1000, 50, None) == 50  # as many blocks as the device pool
     assert host_pool_blocks(None, 2**20, 10**9, None) == 4096  # at most 4 GiB
     assert host_pool_blocks(None, 1000, 10**9, 2 * 10**6) == 1000  # at most half the available memory
+    # a pipeline stage with half the layers: half the bytes, blocks of half the size, as many blocks
+    assert host_pool_blocks(0.5, 2**19, 10, None, layer_share=0.5) == 512
 
 
 def test_the_host_link_is_measured_and_capped_by_emulation() -> None:

@@ -141,10 +141,15 @@ class LLMEngine:
             return Preemptor("recompute", self.block_manager)
         per_block = kv_cache_bytes_per_block(self.model, config.block_size, self.dtype)
         device_blocks, host_bytes = self.block_manager.num_total_blocks, available_memory_bytes()
-        blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks, host_bytes)
+        share = self._kv_layer_share()
+        blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks, host_bytes, share)
         pool = HostKvPool(blocks, self.runner.kv_cache, config.emulate_host_gbps)
         link = measure_host_link(self.runner.kv_cache.device, config.emulate_host_gbps)
         return Preemptor(config.preemption_mode, self.block_manager, pool, link)
+
+    def _kv_layer_share(self) -> float:
+        """The share of the model's attention layers whose KV this process holds (a pipeline: stage 0's)."""
+        return 1.0
 
     @property
     def preemption_stats(self) -> PreemptionStats:

@@ -242,17 +242,22 @@ class Preemptor:
 
 
 def host_pool_blocks(
-    host_kv_cache_gib: float | None, bytes_per_block: int, device_blocks: int, host_available: int | None
+    host_kv_cache_gib: float | None,
+    bytes_per_block: int,
+    device_blocks: int,
+    host_available: int | None,
+    layer_share: float = 1.0,
 ) -> int:
     """Blocks of the host pool: `host_kv_cache_gib` of them, or by default as many as the device pool
     holds, at most DEFAULT_HOST_KV_CACHE_BYTES and half the host's available memory (where known);
-    refused when an explicit size holds no block."""
+    refused when an explicit size holds no block. A pipeline stage holding `layer_share` of the
+    layers gets that share of the bytes (every stage then holds the same number of blocks)."""
     if host_kv_cache_gib is None:
         cap = DEFAULT_HOST_KV_CACHE_BYTES
         if host_available is not None:  # bytes
             cap = min(cap, host_available // 2)
-        return max(1, min(device_blocks, cap // bytes_per_block))
-    blocks = int(host_kv_cache_gib * 2**30 // bytes_per_block)
+        return max(1, min(device_blocks, int(cap * layer_share) // bytes_per_block))
+    blocks = int(host_kv_cache_gib * layer_share * 2**30 // bytes_per_block)
     if blocks < 1:
         raise TesselError(
             f"host_kv_cache_gib={host_kv_cache_gib:g} holds no KV block ({bytes_per_block} bytes each); "

@@ -141,6 +141,11 @@ class PipelineEngine(LLM):
         self._host_weights = host_copy(model, self._part) if self._part.host_layers else None
         return model
 
+    def _kv_layer_share(self) -> float:
+        """--host-kv-cache-gib is the whole pipeline's, as --kv-cache-gib: stage 0 sizes its pool by
+        its layers' share, and every stage holds that many blocks of its own layers."""
+        return stage_kv_budget(self.plan, 0, None).layer_share
+
     def _build_preemptor(self) -> Preemptor:
         preemptor = super()._build_preemptor()
         if len(self.plan.stages) > 1 and preemptor.pool is not None:
