@@ -26,6 +26,9 @@ from tessel.plan.solution import Stage
 FLOW_SHARE = 0.5  # of the time limit for the flow search, run first; the replica search gets the rest
 FLOW_SHARE_LARGE = 0.7  # beyond EXHAUSTIVE_DEVICES (the replica search then screens candidate splits)
 MIN_FLOW_S = 2.0
+# of the time left after the flow search, kept back from the replica search: its solves may run past
+# their shares (a HiGHS or DP pass ends after its limit), so the whole call ends within the limit
+REPLICA_RESERVE = 0.25
 KINDS = ("single", "replicas", "flow")
 
 
@@ -93,12 +96,15 @@ def choose_with_flow(
             time_limit_s=share * time_limit_s,
             max_micro_batches=max_micro_batches,
         )
+    left = time_limit_s - (time.perf_counter() - started)
+    if search is not None:
+        left *= 1 - REPLICA_RESERVE
     chosen = choose_replicas(
         instance,
         micro_batch_size,
         replicas=replicas,
         solver=solver,
-        time_limit_s=max(time_limit_s - (time.perf_counter() - started), MIN_FLOW_S),
+        time_limit_s=max(left, MIN_FLOW_S),
         mip_gap=mip_gap,
         concurrency=concurrency,
         max_micro_batches=max_micro_batches,

@@ -63,14 +63,16 @@ def memory_flow_bound(
     max_micro_batches: int | None = None,
     integral: bool = False,
     time_limit_s: float = 30.0,
+    aggregate: bool = True,
 ) -> MemoryBound:
-    """The module docstring's bound on the summed throughput (tokens/s)."""
+    """The module docstring's bound on the summed throughput (tokens/s). `aggregate` (relaxed
+    program only): devices alike in every coefficient share one set of columns, weighted by their
+    count (`_alike`), which leaves the optimum unchanged and the program a type's size."""
     import highspy
 
     relaxed = instance.relaxed()
     n_out = relaxed.decode_weight / relaxed.prefill_weight
     work = relaxed.prefill.unit_time_s + n_out * relaxed.decode.unit_time_s  # [U, N]
-    n_units, n_devices = work.shape
     if np.any(work <= 0):
         return MemoryBound(math.inf, math.inf, integral, "a unit costs no time")
     kv = np.asarray(relaxed.kv_bytes, dtype=float) / relaxed.micro_batches  # one micro-batch
@@ -79,6 +81,12 @@ def memory_flow_bound(
     memory = memory + FEASIBILITY_ATOL_BYTES
     workspace = np.asarray(relaxed.workspace_bytes, dtype=float)
     spare = float(memory.sum() - weights.sum() - relaxed.first_bytes - relaxed.last_bytes)
+    if aggregate and not integral:
+        keep, count = _alike(work, memory, workspace)
+        work, memory, workspace = work[:, keep], memory[keep], workspace[keep]
+    else:
+        count = np.ones(work.shape[1])
+    n_units, n_devices = work.shape
     if spare < 0:
         return MemoryBound(0.0, 0.0, integral, "the model's weights exceed all GPU memory")
     k_max = spare / kv.sum() if kv.sum() > 0 else math.inf
@@ -106,11 +114,12 @@ def memory_flow_bound(
 
     inf = np.inf
     # sum_j a_uj - Y = 0 and sum_j c_uj - K = 0
+    counted = count[j_of]  # a column of alike devices stands for `count` of them in the sums
     for block, total in ((A, Y_col), (C, K_col)):
         add(
             np.concatenate([u_of, np.arange(n_units)]),
             np.concatenate([block + flat, np.full(n_units, total)]),
-            np.concatenate([np.ones(UN), -np.ones(n_units)]),
+            np.concatenate([counted, -np.ones(n_units)]),
             [0.0] * n_units,
             [0.0] * n_units,
         )
@@ -118,7 +127,7 @@ def memory_flow_bound(
     add(
         np.concatenate([np.zeros(UN, int), [0]]),
         np.concatenate([A + flat, [K_col]]),
-        np.concatenate([w, [-1.0]]),
+        np.concatenate([w * counted, [-1.0]]),
         [-inf],
         [0.0],
     )  # Little's law
@@ -151,7 +160,7 @@ def memory_flow_bound(
         [-inf] * UN,
         [0.0] * UN,
     )  # z <= y
-    add(u_of, Z + flat, np.ones(UN), [1.0] * n_units, [inf] * n_units)  # every unit held
+    add(u_of, Z + flat, counted, [1.0] * n_units, [inf] * n_units)  # every unit held
     extras = weights[u_of].copy()
     extras[u_of == 0] += relaxed.first_bytes
     extras[u_of == n_units - 1] += relaxed.last_bytes
@@ -207,3 +216,20 @@ def memory_flow_bound(
     k = float(solution[K_col]) if len(solution) == n_cols else math.nan
     tok_s = micro_batch_size * n_out * best * (1 + LP_SLACK)
     return MemoryBound(tok_s, k, integral, h.modelStatusToString(status))
+
+
+def _alike(work: np.ndarray, memory: np.ndarray, workspace: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first device of each class, class sizes) for devices equal in every coefficient of the
+    program. Swapping two such devices maps solutions to solutions, and the program is convex, so
+    averaging an optimum over those swaps is an optimum that treats them alike: the program over
+    one column set per class, its sums counting each class's size, has the same optimum."""
+    keys: dict[bytes, int] = {}
+    first, sizes = [], []
+    for j in range(work.shape[1]):
+        key = np.concatenate([work[:, j], [memory[j], workspace[j]]]).tobytes()
+        if key not in keys:
+            keys[key] = len(first)
+            first.append(j)
+            sizes.append(0)
+        sizes[keys[key]] += 1
+    return np.array(first, dtype=int), np.array(sizes, dtype=float)

@@ -67,7 +67,7 @@ SPREAD_REPLICAS = (2, 4, 8)  # mixed splits tried: k replicas, each with a share
 CONCURRENCY_MODES = ("fixed", "memory")
 SINGLE_TIME_SHARE = 0.3  # of the time limit: the whole cluster as one pipeline, planned first
 MEMORY_TRIES = (1.0, 0.9, 0.75, 0.5)  # memory mode: fractions of a group's memory limit planned at
-MEMORY_BOUND_S = 30.0  # HiGHS time for the memory bound's LP (about 8 s at 80 layers x 42 GPUs)
+MEMORY_BOUND_S = 30.0  # HiGHS time for the memory bound's LP at most (never beyond the time limit)
 MEMORY_SEARCH_SHARE = 0.6  # memory mode: its splits end there, the fixed shares get the rest
 EVERY_K_UP_TO = 8  # memory mode, exhaustive search: every k up to this, then MEMORY_TRIES fractions
 
@@ -447,7 +447,10 @@ def choose_replicas(
     if _single and replicas in (None, 1):
         seconds = SINGLE_TIME_SHARE * time_limit_s
         single = _single_pipeline(instance, micro_batch_size, solver, seconds, mip_gap)
-    memory_bound = _memory_bound(instance, micro_batch_size, max_micro_batches) if memory else math.inf
+    memory_bound = math.inf
+    if memory:
+        left = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
+        memory_bound = _memory_bound(instance, micro_batch_size, max_micro_batches, min(MEMORY_BOUND_S, left))
     time_limit_s = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
     started_splits = time.perf_counter()
     exhaustive = n <= EXHAUSTIVE_DEVICES
@@ -578,12 +581,12 @@ def _refuse_unheld_layers(instance: PlanningInstance) -> None:
     )
 
 
-def _memory_bound(instance: PlanningInstance, b: int, cap: int | None) -> float:
+def _memory_bound(instance: PlanningInstance, b: int, cap: int | None, seconds: float) -> float:
     """The memory-and-requests-in-flight bound over every split held in GPU memory
-    (`tessel.plan.memory_bound`, its LP; inf when HiGHS gives none)."""
+    (`tessel.plan.memory_bound`, its LP; inf when HiGHS gives none within `seconds`)."""
     from tessel.plan.memory_bound import memory_flow_bound
 
-    return memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=MEMORY_BOUND_S).throughput_tok_s
+    return memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=seconds).throughput_tok_s
 
 
 def _single_pipeline(instance: PlanningInstance, b: int, solver: str, seconds: float, gap: float):

@@ -17,7 +17,7 @@ from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.plan.remap_decision import RemapSettings
 from tessel.sim.cpp import cpp_chunk_sizer
-from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
+from tessel.sim.plan_pipeline import SimPipeline, kv_capacity_tokens, pipeline_for
 from tessel.sim.regime import REGIMES, regime_defaults
 from tessel.sim.remap import SimulatedRemap, simulated_remap
 from tessel.sim.request_trace import RequestSet, requests_for_workload
@@ -177,6 +177,15 @@ def _run_variant(
     options: dict,
     profiles: list[Profile],
 ) -> VariantRun:
+    priced, config = _variant_config(plan_file, variant, scheduler, options, profiles)
+    result = simulate(priced.pipeline, requests, config)
+    return VariantRun(variant, result, compute_metrics(result))
+
+
+def _variant_config(
+    plan_file: PlanFile, variant: PlanVariant, scheduler: dict, options: dict, profiles: list[Profile]
+) -> tuple[SimPipeline, SimConfig]:
+    """The variant's priced pipeline and the simulator's settings for it."""
     options = dict(options)
     capacity = None
     kv_limit = options.pop("kv_limit")
@@ -200,8 +209,7 @@ def _run_variant(
         kv_pools=priced.kv_pools,
         slowdowns=slowdowns if any(slowdowns) else (),
     )
-    result = simulate(priced.pipeline, requests, config)
-    return VariantRun(variant, result, compute_metrics(result))
+    return priced, config
 
 
 def _run_replicas(
@@ -212,35 +220,26 @@ def _run_replicas(
     profiles: list[Profile],
     settings: SimulationSettings,
 ) -> VariantRun:
-    """Each replica simulated with the requests routed to it (`tessel.sim.routing`), merged."""
+    """Each replica simulated with the requests routed to it (`tessel.sim.routing`), merged; a flow
+    plan's paths that share a device queue on its one timeline (`tessel.sim.shared_devices`)."""
     from tessel.sim.routing import merge_results, route
+    from tessel.sim.shared_devices import SharedPath, simulate_shared
 
     replicas = plan_file.replica_variants
     routed = route(requests, [r.weight for r in plan_file.replicas])
-    results = []
+    paths = []
     for replica, variant, share in zip(plan_file.replicas, replicas, routed, strict=True):
-        variant = _time_shared(variant, replica.time_shares)
         if share:
             own = _replica_settings(plan_file, replica, scheduler, options, settings)
-            results.append(_run_variant(plan_file, variant, share, *own, profiles).result)
-    merged = merge_results(results)
+            priced, config = _variant_config(plan_file, variant, *own, profiles)
+            devices = tuple(stage.device for stage in variant.stages)
+            paths.append(SharedPath(priced.pipeline, config, share, devices))
+    merged = merge_results(simulate_shared(paths))
     stages = tuple(stage for variant in replicas for stage in variant.stages)
     whole = {} if plan_file.predicted is None else plan_file.predicted.as_dict()  # the whole plan's
     return VariantRun(
         PlanVariant(name="replicas", stages=stages, predicted=whole), merged, compute_metrics(merged)
     )
-
-
-def _time_shared(variant: PlanVariant, shares: list[float] | None) -> PlanVariant:
-    """A flow plan's path (plan file v4): each stage runs at its share of its device's time, as a
-    device emulated at that fraction of its speed (a shared device simulated once per path)."""
-    if not shares:
-        return variant
-    stages = tuple(
-        s.model_copy(update={"emulate_speed": s.emulate_speed * share})
-        for s, share in zip(variant.stages, shares, strict=True)
-    )
-    return variant.model_copy(update={"stages": stages})
 
 
 def _replica_settings(

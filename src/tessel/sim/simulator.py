@@ -214,13 +214,19 @@ class _Run:
             now = self.events[0][0]
             while self.events and self.events[0][0] == now:
                 _, kind, _, stage, payload = heapq.heappop(self.events)
-                if kind == _ARRIVAL:
-                    self.sequences[payload.id] = self.scheduler.add(payload)
-                elif kind == _COMPUTE_DONE:
-                    self.compute_done(now, stage, payload)
-                else:
-                    self.send_done(now, stage, payload)
+                self.handle(now, kind, stage, payload)
             self.dispatch(now)
+        return self.result()
+
+    def handle(self, now: float, kind: int, stage: int, payload) -> None:
+        if kind == _ARRIVAL:
+            self.sequences[payload.id] = self.scheduler.add(payload)
+        elif kind == _COMPUTE_DONE:
+            self.compute_done(now, stage, payload)
+        else:
+            self.send_done(now, stage, payload)
+
+    def result(self) -> SimResult:
         unfinished = [s.request.id for s in self.sequences.values() if s.finish_s is None]
         if unfinished or self.in_flight:
             raise RuntimeError(f"simulation ended with unfinished requests {unfinished[:10]}")
@@ -259,7 +265,7 @@ class _Run:
 
     def try_start(self, now: float, index: int) -> None:
         stage = self.stages[index]
-        if stage.busy or stage.next_id not in stage.arrived:
+        if stage.busy or stage.next_id not in stage.arrived or not self.acquire(index):
             return
         batch = stage.arrived.pop(stage.next_id)
         stage.next_id += 1
@@ -279,8 +285,16 @@ class _Run:
         self.record(index, "compute", now, end, batch)
         self.push(end, _COMPUTE_DONE, index, batch)
 
+    def acquire(self, index: int) -> bool:
+        """Whether stage `index`'s device is free for it now (always: a device per stage)."""
+        return True
+
+    def release(self, now: float, index: int) -> None:
+        """Stage `index` finished computing: its device is free (nothing else waits for it)."""
+
     def compute_done(self, now: float, index: int, batch: MicroBatch) -> None:
         self.stages[index].busy = False
+        self.release(now, index)
         if index == self.n_stages - 1:
             self.in_flight -= 1
             if self.groups > 1:
