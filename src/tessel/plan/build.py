@@ -18,6 +18,10 @@ derives all three), for every unit u (a decoder layer, or its attention / MLP bl
   and back costs 1/d2h + 1/h2d seconds per byte over its host link (cluster `pcie_gen` / `host_link`,
   else the catalog's), recomputing it costs the device's prefill time of one micro-batch of contexts
   at the mean decode context (when preemption strikes) per KV byte of that context (profile or roofline);
+- offloaded weights stream as whole layers (`stream_layers`, with swap_in "charged"), as the runtime
+  streams them, and a CPU device's copies take its compute's cores (`copies_share_compute`) at no
+  more than half its achieved memory bandwidth (the profile's memory efficiency; a copy reads and
+  writes each byte), below its emulated host link when that is faster;
 - objective weights: prefill_weight = 1 and decode_weight = mean output tokens, so the objective is
   one request's latency: prefill makespan + output_tokens x decode makespan.
 - with `precisions` (more than one weight precision), every unit's bytes and times at each of them
@@ -40,6 +44,7 @@ from tessel.cost import layer as L
 from tessel.cost.link import link_time_s
 from tessel.cost.profile import Profile
 from tessel.cost.roofline import (
+    efficiency_for,
     embed_time_s,
     lm_head_time_s,
     select_profile,
@@ -179,8 +184,9 @@ def build_instance(
                 node=device.node,
                 memory_bytes=float(device.spec.usable_bytes),
                 host_bytes=float(cluster.host_bytes(device)),
-                host_to_device_bytes_per_s=device.spec.pcie_h2d_bytes_per_s,
+                host_to_device_bytes_per_s=_host_copy_rate(model, device, dtype, tuple(profiles)),
                 device_to_host_bytes_per_s=device.spec.pcie_d2h_bytes_per_s,
+                copies_share_compute=_is_cpu(device),  # a CPU copies with its cores
             )
             for device in cluster.devices
         ),
@@ -202,6 +208,7 @@ def build_instance(
         decode_weight=1.0 if model.encoder else workload.output_tokens.mean_tokens,
         overlap=overlap,
         swap_in=swap_in,
+        stream_layers=swap_in == "charged",  # the runtime streams whole layers (tessel.plan.streamed)
         precision=choice,
         kv_restore=kv_restore(model, cluster, shape, dtype, kv_dtype, tuple(profiles))
         if kv_preemption == "auto" and swap_in == "charged" and not model.encoder  # encoders hold no KV
@@ -216,6 +223,23 @@ def build_instance(
             **({"precisions": ",".join(precisions), "quality_source": quality_source} if choice else {}),
         },
     )
+
+
+def _is_cpu(device) -> bool:
+    return device.gpu_type.lower() == "cpu"
+
+
+def _host_copy_rate(model: ModelSpec, device, dtype: str, profiles: tuple[Profile, ...]) -> float:
+    """Bytes/s a streamed weight arrives at over the device's host link. A CPU copies with its own
+    cores and memory: no faster than its link (emulated or its DRAM) nor than its achieved memory
+    bandwidth (the profile's, else the catalog default efficiency) over two, as a copy reads and
+    writes every byte."""
+    spec = device.spec
+    if not _is_cpu(device):
+        return spec.pcie_h2d_bytes_per_s
+    profile = select_profile(profiles, model, spec, dtype)
+    copy_rate = spec.mem_bandwidth_bytes_per_s * efficiency_for(profile, spec).memory / 2
+    return min(spec.pcie_h2d_bytes_per_s, copy_rate)
 
 
 def kv_restore(

@@ -10,7 +10,9 @@ stage's prefill time and `tau_d` on its decode time, a backward DP minimises the
                                                              under stage (p, u, e)'s work }
 
 (host limits, both bounds and, with `swap_in="hidden"`, the swap-in rule are masks; `evaluate`'s
-rules, same tolerances).
+rules, same tolerances). With `stream_layers` a stage's streamed weights are priced as the whole
+layers the runtime copies, exactly as `evaluate` does, from a table of the bytes streaming units
+[s, e) frees (`_stream_table`).
 The objective has two bottlenecks, max T^pre and max T^dec, so the bounds are searched as a
 staircase: a row fixes tau_d, steps tighten tau_p strictly below the bottleneck of the last
 optimum, the next row tightens tau_d strictly below the largest decode bottleneck of the row. Every
@@ -49,6 +51,7 @@ from tessel.plan.solution import (
     evaluate,
     split_offload,
 )
+from tessel.plan.streamed import STREAM_BUFFERS
 from tessel.plan.symmetry import interchangeable
 
 MAX_TYPE_ORDERS = 120  # 5 device types: 5! orders
@@ -86,8 +89,9 @@ class _OrderDP:
     Everything that does not depend on the bounds (stage times, which successor ranges the swap-in
     rule admits) is computed once per order and kept when it fits `CACHE_ELEMENTS`."""
 
-    def __init__(self, instance: PlanningInstance, order: tuple[int, ...]) -> None:
+    def __init__(self, instance: PlanningInstance, order: tuple[int, ...], stream=None) -> None:
         self.instance = instance
+        self.stream = (stream or _stream_table(instance)) if instance.stream_layers else None
         self.order = np.asarray(order, dtype=int)
         idx = self.order
         n, U = len(order), instance.n_units
@@ -106,6 +110,7 @@ class _OrderDP:
         self.mem = np.array([d.memory_bytes for d in devices], dtype=float)
         self.host = np.array([d.host_bytes for d in devices], dtype=float)
         self.bw = np.array([d.host_to_device_bytes_per_s for d in devices], dtype=float)
+        self.shared = np.array([d.copies_share_compute for d in devices], dtype=bool)
         kv_rates = [instance.kv_rate_s_per_byte(j) for j in order]
         self.kv_rate = None if instance.kv_restore is None else np.array(kv_rates, dtype=float)
         self.ws = np.asarray(instance.workspace_bytes, dtype=float)[idx]
@@ -118,10 +123,33 @@ class _OrderDP:
         U1 = self.instance.n_units + 1
         return (e * len(self.order) + q) * U1 + f
 
-    def _combine(self, compute, comm, offload):
-        if self.instance.overlap:
-            return np.maximum(np.maximum(compute, comm), offload)
-        return compute + comm + offload
+    def _combine(self, compute, comm, offload, shared):
+        """`evaluate`'s T_j; `shared` (per stage device): copies take the compute's cores."""
+        if not self.instance.overlap:
+            return compute + comm + offload
+        apart = np.maximum(np.maximum(compute, comm), offload)
+        return np.where(shared, np.maximum(compute + offload, comm), apart) if self.shared.any() else apart
+
+    def _streamed_s(self, u: int, es: np.ndarray, streamed: np.ndarray) -> np.ndarray:
+        """Seconds to copy in the whole layers that stream `streamed` bytes ([device, e]) of stages
+        [u, e): the fewest last layers whose streaming frees them (`tessel.plan.streamed`)."""
+        freed, starts, cum_w = self.stream
+        U = self.instance.n_units
+        seconds = np.zeros_like(streamed)
+        dev, col = np.nonzero(streamed > 0)
+        if dev.size == 0:
+            return seconds
+        e, need = es[col], streamed[dev, col]
+        candidate = starts[u:U].copy()
+        candidate[0] = True  # the stage's first unit starts its first piece
+        ok = (freed[u:U][:, e] >= need[None, :]) & candidate[:, None]
+        last = (U - u - 1) - np.argmax(ok[::-1], axis=0)
+        s = np.where(ok.any(axis=0), u + last, u)
+        copied = cum_w[e] - cum_w[s] + np.maximum(need - freed[s, e], 0.0)
+        bw = self.bw[dev]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            seconds[dev, col] = np.where(bw > 0, copied / bw, _INF)
+        return seconds
 
     def _layer(self, u: int) -> tuple:
         """Bound-independent arrays for stages that start at unit u."""
@@ -145,22 +173,28 @@ class _OrderDP:
         host_ok = off_b <= self.host[:, None] * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
         with np.errstate(divide="ignore", invalid="ignore"):
             off_s = np.where(off_b > 0, off_b / self.bw[:, None], 0.0)
+        evicted = np.zeros_like(off_b)
         if self.kv_rate is not None:  # evicted KV swapped or recomputed (hidden swap-in excluded)
             kv = (self.cum_kv[es] - self.cum_kv[u])[None, :]
-            off_s, _ = split_offload(held, kv, self.mem[:, None], self.bw[:, None], self.kv_rate[:, None])
+            rates = self.kv_rate[:, None]
+            off_s, evicted = split_offload(held, kv, self.mem[:, None], self.bw[:, None], rates)
+        if self.stream is not None:  # whole streamed layers (evicted KV priced as above)
+            kv_s = 0.0 if self.kv_rate is None else evicted * self.kv_rate[:, None]
+            off_s = self._streamed_s(u, es, off_b - evicted) + kv_s
         if u == 0:
             self.first_ok = off_b <= 0.0 if inst.swap_in == "hidden" else np.ones_like(host_ok)
         move = self.cum_move[:, es] - self.cum_move[:, u : u + 1]
         # last stage (e == U)
-        tp_last = self._combine(comp_p[:, -1], 0.0, off_s[:, -1])
-        td_last = self._combine(comp_d[:, -1], 0.0, off_s[:, -1])
+        tp_last = self._combine(comp_p[:, -1], 0.0, off_s[:, -1], self.shared)
+        td_last = self._combine(comp_d[:, -1], 0.0, off_s[:, -1], self.shared)
         last = (tp_last, td_last, host_ok[:, -1], move[:, -1])
         inner = None
         if u < U - 1:
             es = es[:-1]
             cp, cd, off = comp_p[:, :-1, None], comp_d[:, :-1, None], off_s[:, :-1, None]
             sp, sd = self.send_p[:, None, :], self.send_d[:, None, :]
-            tp, td = self._combine(cp, sp, off), self._combine(cd, sd, off)
+            shared = self.shared[:, None, None]
+            tp, td = self._combine(cp, sp, off, shared), self._combine(cd, sd, off, shared)
             if inst.swap_in == "hidden":
                 threshold = np.minimum(cp + sp, cd + sd) * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_S
                 allowance = threshold * self.bw[None, None, :]  # bytes q may stream in under stage p
@@ -250,6 +284,28 @@ class _OrderDP:
         return _Path(cost, float(max_p), float(max_d), tuple(stages))
 
 
+def _stream_table(instance: PlanningInstance) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(freed[s, e]: device bytes freed by streaming units [s, e), grouped by decoder layer, as
+    `tessel.plan.streamed.freed_bytes` counts them (-inf where s >= e); starts[s]: unit s starts a
+    layer; cumulative weight bytes)."""
+    U = instance.n_units
+    w = np.asarray(instance.weight_bytes, dtype=float)
+    layer = [unit.layer for unit in instance.units]
+    freed = np.full((U + 1, U + 1), -_INF)
+    for e in range(1, U + 1):
+        done: list[float] = []  # the largest STREAM_BUFFERS whole pieces after the first, descending
+        first = total = 0.0
+        for s in range(e - 1, -1, -1):
+            if s < e - 1 and layer[s] != layer[s + 1]:  # the piece at s + 1 is complete
+                done = sorted([*done, first], reverse=True)[:STREAM_BUFFERS]
+                first = 0.0
+            first += float(w[s])
+            total += float(w[s])
+            freed[s, e] = total - sum(sorted([*done, first], reverse=True)[:STREAM_BUFFERS])
+    starts = np.array([s == 0 or layer[s] != layer[s - 1] for s in range(U)] + [False])
+    return freed, starts, np.concatenate([[0.0], np.cumsum(w)])
+
+
 def bottleneck_lower_bounds(instance: PlanningInstance) -> tuple[float, float]:
     """Lower bounds on max_j T_j^pre and max_j T_j^dec of any plan.
 
@@ -324,6 +380,7 @@ class _Search:
         self.best: _Path | None = None
         self.best_obj = _INF
         self.lb_p, self.lb_d = bottleneck_lower_bounds(instance)
+        self.stream = _stream_table(instance) if instance.stream_layers else None
         self.open_bound = _INF  # least lower bound left unexplored (over all orders searched)
         self.last_run_s = 0.0  # a DP pass cannot stop halfway: the next is started only if it can end in time
         self._seq = itertools.count()
@@ -348,7 +405,7 @@ class _Search:
 
     def dive(self, order: tuple[int, ...]) -> None:
         """Quick incumbents: both bottlenecks bounded a little above their lower bounds."""
-        dp = _OrderDP(self.instance, order)
+        dp = _OrderDP(self.instance, order, self.stream)
         for slack in DIVE_SLACKS:
             if self.out_of_budget():
                 return
@@ -361,7 +418,7 @@ class _Search:
 
     def search(self, order: tuple[int, ...]) -> None:
         inst = self.instance
-        dp = _OrderDP(inst, order)
+        dp = _OrderDP(inst, order, self.stream)
         m1 = inst.micro_batches - 1
         queue = [
             _Box(

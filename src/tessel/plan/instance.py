@@ -37,6 +37,21 @@ which is the least A_j over every split of X into streamed weights (<= W) and ev
 the MILP prices it with continuous variables. Without `kv_restore`, offload_j = X / B_j as above.
 `kv_restore` needs `swap_in="charged"`.
 
+Whole streamed layers (`stream_layers`, what tessel's runtime does; `build_instance` sets it with
+`swap_in="charged"`): the runtime frees device memory only by streaming whole decoder layers, the
+stage's last ones, keeping two of them on the device as buffers, and copies every streamed layer in
+on each pass (`tessel.plan.streamed`). So the streamed weights S_j = X - e_j cost
+`copied_bytes(layers of the stage, S_j) / B_j` instead of S_j / B_j: about S_j plus two layers,
+rounded up to whole layers. `evaluate`, the DP and the brute force price it exactly; the MILP keeps
+A_j >= S_j / B_j, a lower bound (whole-layer rounding is not linear in its variables), so its
+objective and dual bound are bounds on the exact price and the plan it returns is re-priced by
+`evaluate`. Needs `swap_in="charged"`.
+
+Copies that share the compute's cores (`DeviceSlot.copies_share_compute`, set by `build_instance` on a
+CPU device): a CPU copies streamed weights with its own cores (under emulation, a side thread copies
+and then sleeps out the emulated link), so on such a device the transfer does not overlap compute:
+T_j = max(compute + offload, comm) with `overlap=True` (compute + comm + offload without, as for all).
+
 Objective = prefill_weight * (sum_j T_j^pre + (micro_batches - 1) * max_j T_j^pre)
           + decode_weight  * (sum_j T_j^dec + (micro_batches - 1) * max_j T_j^dec)
           + move_weight * sum_u move_s[u, device of u]      (re-planning only; 0 otherwise)
@@ -84,6 +99,7 @@ class DeviceSlot:
     host_bytes: float  # host DRAM this device may offload into (0 = no offloading)
     host_to_device_bytes_per_s: float  # the device's own PCIe bandwidth, host -> device
     device_to_host_bytes_per_s: float = 0.0  # device -> host (0: not given; KvRestore prices swaps)
+    copies_share_compute: bool = False  # host copies take the compute's cores (a CPU): never overlapped
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +194,7 @@ class PlanningInstance:
     move_weight: float = 0.0
     precision: PrecisionChoice | None = None  # a weight precision per unit, chosen by the solver
     kv_restore: KvRestore | None = None  # evicted KV priced by swap or recompute (module docstring)
+    stream_layers: bool = False  # offloaded weights stream as whole layers (module docstring)
     labels: dict[str, str] = field(default_factory=dict)  # model, cluster, workload names for reports
 
     def __post_init__(self) -> None:
@@ -207,6 +224,8 @@ class PlanningInstance:
             self.kv_restore.check(n_devices)
             if self.swap_in != "charged":
                 raise ValueError("kv_restore (swap or recompute of evicted KV) needs swap_in='charged'")
+        if self.stream_layers and self.swap_in != "charged":
+            raise ValueError("stream_layers (whole streamed layers) needs swap_in='charged'")
 
     def kv_rate_s_per_byte(self, device: int, mode: str | None = None) -> float | None:
         """Seconds of one pass per byte of evicted KV on `device` (its micro-batch's 1/m share),

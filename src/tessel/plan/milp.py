@@ -7,7 +7,9 @@ Variables (u a unit, j, k devices; times in ms, bytes in GiB to keep coefficient
     y[j, k] in [0, 1]   k follows j in the pipeline           y[j, k] >= x[u, j] + x[u+1, k] - 1
     o[j] >= 0           GiB offloaded to host     o[j] >= held_j - G_j, o[j] <= host_j
     A[j] >= 0           offload time                          A[j] >= o[j] / B_j
-    T^p[j], T^d[j]      stage times                           T >= compute + comm + A  (or >= each, overlap)
+    T^p[j], T^d[j]      stage times                           T >= compute + comm + A  (or >= each, overlap;
+                                                              >= compute + A and >= comm on a device
+                                                              whose copies share the compute's cores)
     M^p, M^d            bottlenecks                           M >= T[j]
 
 with used_j = sum_u b[u, j] (1 on a used device, so the workspace is counted once), the first stage
@@ -17,6 +19,11 @@ comm_j = sum_k send[j, k] y[j, k]. With `swap_in="hidden"` also the swap-in rule
 the first stage may not offload (`o[j] <= host_j (1 - x[0, j])`); both are `evaluate`'s rules.
 b's sum-to-one makes runs contiguous without b being integral, and y needs no integrality either:
 x forces it to 1 where k follows j and the objective pushes it to 0 elsewhere.
+
+With `stream_layers` the MILP keeps A[j] >= o[j] / B_j: the whole layers the runtime copies are at
+least the streamed bytes, so this is a lower bound on `evaluate`'s price (whole-layer rounding is
+not linear in x), the MILP's objective and dual bound are bounds, and the plan it returns is priced
+by `evaluate` (`solve` keeps the better of it and the DP's exact plan).
 
 Objective: pw (sum T^p + (m-1) M^p) + dw (sum T^d + (m-1) M^d) (+ move_weight sum move_s[u, j]
 x[u, j] when re-planning), exactly `evaluate`'s.
@@ -199,7 +206,20 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
             s_cols, s_vals = y[j], send[j].copy()
             s_vals[j] = 0.0
             compute[name, j] = (c_cols, c_vals, s_cols, s_vals)
-            if inst.overlap:
+            if inst.overlap and inst.devices[j].copies_share_compute:  # T >= compute + A, T >= comm
+                mb.rows(
+                    np.concatenate([[T[j], A[j]], c_cols])[None],
+                    np.concatenate([[1.0, -1.0], -c_vals])[None],
+                    0.0,
+                    np.inf,
+                )
+                mb.rows(
+                    np.concatenate([[T[j]], s_cols])[None],
+                    np.concatenate([[1.0], -s_vals])[None],
+                    0.0,
+                    np.inf,
+                )
+            elif inst.overlap:
                 mb.rows(
                     np.concatenate([[T[j]], c_cols])[None],
                     np.concatenate([[1.0], -c_vals])[None],

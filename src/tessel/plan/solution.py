@@ -11,9 +11,13 @@ quantities of `tessel.plan.instance`'s docstring:
     comm_j    = send_s[j, next] (0 on the last stage)
     held_j    = weights + KV of its units + workspace_bytes[j] (+ first_bytes / last_bytes)
     offload_j = max(held_j - memory_bytes[j], 0) / host_to_device_bytes_per_s[j]
-                (with `kv_restore`: streamed weights plus the evicted KV's swap or recompute)
+                (with `kv_restore`: streamed weights plus the evicted KV's swap or recompute;
+                with `stream_layers`: the streamed weights rounded up to the whole layers the
+                runtime copies, `tessel.plan.streamed.copied_bytes`)
     T_j       = compute + comm + offload        (overlap=False, the seed's additive form)
               = max(compute, comm, offload)     (overlap=True)
+              = max(compute + offload, comm)    (overlap=True on a device whose copies share the
+                                                 compute's cores, `copies_share_compute`: a CPU)
     objective = prefill_weight * (sum T^pre + (m - 1) max T^pre)
               + decode_weight  * (sum T^dec + (m - 1) max T^dec)
               + move_weight * move_s        (re-planning: seconds of weight movement the plan needs)
@@ -45,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tessel.plan.instance import KV_PREEMPTION_MODES, PassCosts, PlanningInstance
+from tessel.plan.streamed import copied_bytes
 
 # Relative slack on feasibility checks, so a MILP solution that sits on a constraint within the
 # solver's feasibility tolerance (1e-7 on scaled rows) is not rejected.
@@ -144,6 +149,7 @@ class StageEval:
     offload_bytes: float  # held beyond device memory: streamed from host, or evicted KV
     kv_evicted_bytes: float = 0.0  # of offload_bytes, KV evicted and brought back by kv_preemption
     kv_preemption: str | None = None  # "swap" or "recompute" (None: the instance prices no KV restore)
+    streamed_bytes: float = 0.0  # weight bytes copied in per pass (whole layers with stream_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +186,26 @@ def _stage_compute(costs: PassCosts, device: int, start: int, end: int, first: b
     return time
 
 
-def _combine(compute: float, comm: float, offload: float, overlap: bool) -> float:
-    return max(compute, comm, offload) if overlap else compute + comm + offload
+def _combine(compute: float, comm: float, offload: float, overlap: bool, shared: bool = False) -> float:
+    """T_j; `shared`: the device's copies take the compute's cores, so they never overlap it."""
+    if not overlap:
+        return compute + comm + offload
+    return max(compute + offload, comm) if shared else max(compute, comm, offload)
+
+
+def stage_layer_bytes(instance: PlanningInstance, start: int, end: int) -> list[float]:
+    """Weight bytes of each decoder layer among units [start, end), in order (a layer's attention and
+    MLP units add up): the pieces the runtime streams."""
+    pieces: list[float] = []
+    previous = None
+    for u in range(start, end):
+        layer = instance.units[u].layer
+        if layer == previous:
+            pieces[-1] += float(instance.weight_bytes[u])
+        else:
+            pieces.append(float(instance.weight_bytes[u]))
+        previous = layer
+    return pieces
 
 
 def offload_time_s(offload_bytes: float, bytes_per_s: float) -> float:
@@ -235,11 +259,18 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
                 instance.kv_rate_s_per_byte(j, mode),
             )
             offload, evicted = float(seconds), float(evicted)
+        streamed = offload_bytes - evicted
+        if instance.stream_layers and streamed > 0:
+            layers = stage_layer_bytes(instance, stage.unit_start, stage.unit_end)
+            streamed = copied_bytes(layers, streamed)
+            kv_s = 0.0 if mode is None else evicted * instance.kv_rate_s_per_byte(j, mode)
+            offload = offload_time_s(streamed, device.host_to_device_bytes_per_s) + kv_s
         times = {}
         for name, costs in (("prefill", instance.prefill), ("decode", instance.decode)):
             compute = _stage_compute(costs, j, stage.unit_start, stage.unit_end, first, last)
             comm = 0.0 if nxt is None else float(costs.send_s[j, nxt])
-            times[name] = (compute, comm, _combine(compute, comm, offload, instance.overlap))
+            total = _combine(compute, comm, offload, instance.overlap, device.copies_share_compute)
+            times[name] = (compute, comm, total)
         if offload_bytes > device.host_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES:
             reasons.append(
                 f"{device.name}: holds {held / 2**30:.2f} GiB, {offload_bytes / 2**30:.2f} GiB over its "
@@ -263,6 +294,7 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
                 offload_bytes=offload_bytes,
                 kv_evicted_bytes=evicted,
                 kv_preemption=mode,
+                streamed_bytes=streamed,
             )
         )
     if instance.swap_in == "hidden":

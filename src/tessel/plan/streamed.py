@@ -12,6 +12,12 @@ stage frees
 and a stage streams the fewest last layers whose `freed(n)` covers its offloaded bytes (all of its
 layers when none does: the rest is KV or activations, which do not stream). The streamed layers are
 the stage's last ones, so the first copy overlaps the compute of the resident layers before it.
+
+Every pass copies each streamed layer in whole, so a stage's swap-in per pass is `copied_bytes`: the
+weight bytes of its streamed layers (about the offloaded bytes plus STREAM_BUFFERS layers), not just
+the offloaded bytes. What even streaming every layer cannot free is priced per byte on top, so the
+cost keeps growing with the overflow (the runtime cannot hold such a stage: `check_offload` refuses
+it). The planner prices this with `PlanningInstance.stream_layers` (`tessel.plan.solution`).
 """
 
 from __future__ import annotations
@@ -44,3 +50,13 @@ def offload_layers(layer_start: int, layer_bytes: Sequence[float], offload_bytes
     n = streamed_count(layer_bytes, offload_bytes)
     layer_end = layer_start + len(layer_bytes)
     return list(range(layer_end - n, layer_end))
+
+
+def copied_bytes(layer_bytes: Sequence[float], offload_bytes: float) -> float:
+    """Bytes a stage copies in per pass to hold `offload_bytes` less: the weight bytes of the layers
+    `streamed_count` picks, plus whatever streaming all of them does not free."""
+    if offload_bytes <= 0:
+        return 0.0
+    n = streamed_count(layer_bytes, offload_bytes)
+    streamed = layer_bytes[len(layer_bytes) - n :]
+    return float(sum(streamed)) + max(offload_bytes - freed_bytes(streamed), 0.0)
