@@ -31,6 +31,11 @@ STAGE_KEYS = {
     "decode_ms",
     "link_to_next",
     "emulate_speed",
+    "emulate_schedule",  # optional: the cluster's speed changes over time
+    "emulate_memory_gib",  # optional: an emulated device memory cap
+    "emulate_host_gbps",  # optional: an emulated host link
+    "host_gib",  # the node's host memory for offloading
+    "offload_layers",  # the layers streamed from host memory (whole layers)
     "precisions",  # version 2: null without a precision choice
 }
 TOP_KEYS = {

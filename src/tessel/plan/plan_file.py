@@ -233,12 +233,17 @@ class PlanStage(_Strict):
             )
         if layers != sorted(set(layers)):
             raise ValueError(f"stage {self.index}: offload_layers must ascend without repeats")
+        return self
+
+    def host_overflow(self) -> str | None:
+        """Why this stage's offload does not fit its host memory (checked on runnable stages only:
+        an infeasible baseline is recorded as it was priced), or None."""
         if self.host_gib is not None and self.offload_gib > self.host_gib * (1 + OFFLOAD_RTOL):
-            raise ValueError(
+            return (
                 f"stage {self.index} ({self.device}) offloads {self.offload_gib:.3f} GiB but its host "
                 f"memory is {self.host_gib:.3f} GiB; give the node more host_memory_gib and plan again"
             )
-        return self
+        return None
 
     @field_validator("emulate_schedule")
     @classmethod
@@ -839,6 +844,9 @@ def _check_stages(stages: list[PlanStage], where: str, granularity: str) -> None
     expected_unit = 0
     for position, stage in enumerate(stages):
         key = f"{where}[{position}]"
+        overflow = stage.host_overflow()
+        if overflow:
+            raise ValueError(f"{key}: {overflow}")
         if stage.unit_end <= stage.unit_start:
             raise ValueError(f"{key} holds no units ({stage.unit_start}..{stage.unit_end})")
         if stage.layer_end <= stage.layer_start:
