@@ -198,3 +198,26 @@ def test_transports_follow_the_runtime_rule() -> None:
                        (("n/gpu0", "cpu"), ("n/gpu0", "A100-80G"), ("n/gpu1", "A100-80G")))  # fmt: skip
     assert hop_transport(gpu0, gpu1) == "nccl"
     assert hop_transport(gpu0, gpu0) == "host" and hop_transport(cpu, gpu1) == "host"
+
+
+def test_planner_prices_shared_cores_and_the_profiled_hop(tmp_path) -> None:
+    from tessel.plan.build import build_instance
+
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(
+        "name: local\nnodes:\n"
+        "  - {name: host, gpus: {type: cpu, count: 2}, intra_link: {bandwidth_gbps: 80, latency_us: 50}}\n"
+        "  - {name: host-slow, gpus: {type: cpu, count: 1}, emulate: {speed: 0.5}}\n"
+        "network: {bandwidth_gbps: 80, latency_us: 50}\n"
+    )
+    hop = _fit(3e-4, 1e-9, "bytes")
+    shared = _profile(**{"transport:host": hop})
+    apart = replace(shared, cpu_cores=None, components={})
+    options = {"dtype": "fp32", "kv_dtype": "fp32"}
+    a = build_instance("llama-2-7b", cluster, "default", profiles=[shared], **options)
+    b = build_instance("llama-2-7b", cluster, "default", profiles=[apart], **options)
+    np.testing.assert_allclose(a.decode.unit_time_s, 1.5 * b.decode.unit_time_s)  # 3 stages, 2 cores
+    np.testing.assert_allclose(a.prefill.last_time_s, 1.5 * b.prefill.last_time_s)
+    # the emulated node runs on the same host: its hop is the profiled message, not the network link
+    n_bytes = (b.decode.send_s[0, 2] - 50e-6) * 10e9  # without the transport fit: the link's 80 Gbit/s
+    assert n_bytes > 0 and a.decode.send_s[0, 2] == pytest.approx(hop.time_s(n_bytes))

@@ -417,7 +417,7 @@ def core_share(
     if not is_cpu(stage) or profile is None or not profile.cpu_cores:
         return 1.0
     sharing = sum(1 for s, host in zip(stages, hosts, strict=True) if is_cpu(s) and host == hosts[position])
-    return max(1.0, sharing * (profile.threads or 1) / profile.cpu_cores)
+    return R.core_share_factor(sharing, profile)
 
 
 def _unit_counts(stage: StageSpec, granularity: str, dtype: str) -> tuple[UnitGroup, ...]:

@@ -286,6 +286,15 @@ def transport_time_s(
     return None if measured is None else measured.time_s(n_bytes)
 
 
+def core_share_factor(sharing_stages: int, profile: Profile | None) -> float:
+    """How much slower each of `sharing_stages` CPU stages on one host computes when they all run at
+    once on its cores: max(1, stages x threads per stage / cores), with the cores and threads of the
+    host's profile (1 without a profile that knows them)."""
+    if profile is None or not profile.cpu_cores:
+        return 1.0
+    return max(1.0, sharing_stages * (profile.threads or 1) / profile.cpu_cores)
+
+
 def _component(
     profile: Profile | None, name: str, model: ModelSpec | None, gpu: GpuSpec, dtype: str
 ) -> ComponentFit | None:

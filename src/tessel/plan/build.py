@@ -44,11 +44,13 @@ from tessel.cost import layer as L
 from tessel.cost.link import link_time_s
 from tessel.cost.profile import Profile
 from tessel.cost.roofline import (
+    core_share_factor,
     efficiency_for,
     embed_time_s,
     lm_head_time_s,
     select_profile,
     step_overhead_s,
+    transport_time_s,
     unit_decode_time_s,
     unit_prefill_time_s,
 )
@@ -141,18 +143,37 @@ def build_instance(
         tokens = shape.prefill_tokens if prefill else shape.batch
         send_bytes = L.hidden_bytes(model, tokens, L.activation_dtype(dtype))
         send = np.array(
-            [
-                [0.0 if a is b else link_time_s(cluster.link(a, b), send_bytes) for b in cluster.devices]
-                for a in cluster.devices
-            ]
+            [[0.0 if a is b else hop_s(a, b, send_bytes) for b in cluster.devices] for a in cluster.devices]
         )
-        times = np.array([t.prefill_s if prefill else t.decode_s for t in types]).T  # [kinds, N]
+        times = np.array([t.prefill_s if prefill else t.decode_s for t in types]).T * shares  # [kinds, N]
+        first = np.array([t.embed_prefill_s if prefill else t.embed_decode_s for t in types])
+        last = np.array([t.head_prefill_s if prefill else t.head_decode_s for t in types])
         return PassCosts(
             unit_time_s=times[unit_kind_index],
-            first_time_s=np.array([t.embed_prefill_s if prefill else t.embed_decode_s for t in types]),
-            last_time_s=np.array([t.head_prefill_s if prefill else t.head_decode_s for t in types]),
+            first_time_s=first * shares,
+            last_time_s=last * shares,
             send_s=send,
         )
+
+    # CPU devices of one host share its cores (an emulated node runs on the cluster's first CPU
+    # node): priced as if every one of them computes at once (`core_share_factor`), and a hop
+    # within a host costs the profiled message where the profile has one, as `tessel.chunk.from_plan`
+    device_profiles = [select_profile(tuple(profiles), model, d.spec, dtype) for d in cluster.devices]
+    hosts = _device_hosts(cluster)
+    shares = np.array(
+        [
+            core_share_factor(sum(1 for h in hosts if h == host), profile) if host is not None else 1.0
+            for host, profile in zip(hosts, device_profiles, strict=True)
+        ]
+    )
+
+    def hop_s(a, b, n_bytes: float) -> float:  # noqa: ANN001
+        i, j = cluster.devices.index(a), cluster.devices.index(b)
+        if hosts[i] is not None and hosts[i] == hosts[j]:
+            measured = transport_time_s(device_profiles[i], "host", a.spec, dtype, n_bytes)
+            if measured is not None:
+                return measured
+        return link_time_s(cluster.link(a, b), n_bytes)
 
     choice, quality_source = None, None
     if len(precisions) > 1:
@@ -322,6 +343,18 @@ def _precision_choice(
         theta=float(theta or 0.0),
     )
     return choice, source
+
+
+def _device_hosts(cluster: Cluster) -> list[str | None]:
+    """The host of each CPU device (its node; an emulated node: the first CPU node that is not
+    emulated), None for a GPU."""
+    cpus = [d for d in cluster.devices if d.spec.base_name.lower() == "cpu"]
+    real = [d.node for d in cpus if d.emulate_speed == 1.0]
+    local = real[0] if real else (cpus[0].node if cpus else None)
+    return [
+        None if d.spec.base_name.lower() != "cpu" else (d.node if d.emulate_speed == 1.0 else local)
+        for d in cluster.devices
+    ]
 
 
 def capacity_shortfall_bytes(instance: PlanningInstance) -> float:
