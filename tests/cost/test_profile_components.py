@@ -221,3 +221,10 @@ def test_planner_prices_shared_cores_and_the_profiled_hop(tmp_path) -> None:
     # the emulated node runs on the same host: its hop is the profiled message, not the network link
     n_bytes = (b.decode.send_s[0, 2] - 50e-6) * 10e9  # without the transport fit: the link's 80 Gbit/s
     assert n_bytes > 0 and a.decode.send_s[0, 2] == pytest.approx(hop.time_s(n_bytes))
+
+
+def test_planner_refuses_a_profile_of_a_device_the_cluster_lacks() -> None:
+    from tessel.plan.build import build_instance
+
+    with pytest.raises(TesselError, match="measured on 'cpu'.*a100-8x80g has A100-80G"):
+        build_instance("llama-2-7b", "a100-8x80g", "default", profiles=[_profile()])

@@ -125,6 +125,7 @@ def build_instance(
     if precisions:
         dtype = precisions[0]
     _check_emulated_memory(model, cluster, dtype)
+    _check_profiles_apply(profiles, cluster)
     kinds = GRANULARITIES[granularity]
     units = tuple(Unit(layer, kind) for layer in range(model.num_layers) for kind in kinds)
     shape = _PassShape.of(workload)
@@ -343,6 +344,18 @@ def _precision_choice(
         theta=float(theta or 0.0),
     )
     return choice, source
+
+
+def _check_profiles_apply(profiles: Sequence[Profile], cluster: Cluster) -> None:
+    """A profile measured on a device type the cluster does not have prices nothing: refused, naming
+    both (a user who passed it expects it used)."""
+    types = sorted({device.spec.base_name for device in cluster.devices})
+    for profile in profiles:
+        if profile.device_type.strip().lower() not in {t.lower() for t in types}:
+            raise TesselError(
+                f"a profile measured on {profile.device_type!r} was given, but cluster {cluster.name} has "
+                f"{', '.join(types)}; profile one of its device types (`tessel profile`) or drop it"
+            )
 
 
 def _device_hosts(cluster: Cluster) -> list[str | None]:
