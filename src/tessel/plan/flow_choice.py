@@ -28,7 +28,7 @@ FLOW_SHARE_LARGE = 0.7  # beyond EXHAUSTIVE_DEVICES (the replica search then scr
 MIN_FLOW_S = 2.0
 # of the time left after the flow search, kept back from the replica search: its solves may run past
 # their shares (a HiGHS or DP pass ends after its limit), so the whole call ends within the limit
-REPLICA_RESERVE = 0.25
+REPLICA_RESERVE = 0.4
 KINDS = ("single", "replicas", "flow")
 
 

@@ -467,15 +467,22 @@ def choose_replicas(
     planner.seconds = screen_s
     planner.proxy = not exhaustive and instance.precision is not None
     best, evaluated, largest = None, 0, 0
+    split_deadline = started_splits + time_limit_s
     for split in splits:
         spent = time.perf_counter() - started_splits
-        if best is not None and (
-            spent > time_limit_s or (planner.proxy and spent > SCREEN_STOP * time_limit_s)
-        ):
+        fallback = best is not None or single is not None  # a plan to return when time runs out
+        if fallback and (spent > time_limit_s or (planner.proxy and spent > SCREEN_STOP * time_limit_s)):
             exhaustive = False
             break
         split = [canonical_group(instance, g) for g in split]
-        curves = [planner.curve(g) for g in split]
+        curves = []
+        for g in split:  # planned one by one: none starts that its solve's time would carry past the limit
+            if fallback and time.perf_counter() + planner.seconds > split_deadline:
+                break
+            curves.append(planner.curve(g))
+        if len(curves) < len(split):
+            exhaustive = False
+            break
         served = sum(bool(c) for c in curves)
         largest = max(largest, served if budget is None else min(budget, served))
         values = [{k: p[1] for k, p in c.items()} for c in curves]
@@ -491,8 +498,9 @@ def choose_replicas(
         deadline = started_splits + (MEMORY_SEARCH_SHARE if memory else REFINE_END) * time_limit_s
         best = _refine(planner, best, deadline, screen_s)
     fixed_plan = None
-    if memory:  # the fixed shares (offloading allowed) are candidates too: never worse than them
-        left = time_limit_s - (time.perf_counter() - started_splits)
+    left = time_limit_s - (time.perf_counter() - started_splits)
+    # the fixed shares (offloading allowed) are candidates too: never worse than them, time allowing
+    if memory and (left >= MIN_REPLICA_TIME_S or (best is None and single is None)):
         try:
             fixed_plan = choose_replicas(
                 instance,

@@ -233,6 +233,9 @@ def _run_replicas(
             own = _replica_settings(plan_file, replica, scheduler, options, settings)
             priced, config = _variant_config(plan_file, variant, *own, profiles)
             devices = tuple(stage.device for stage in variant.stages)
+            if len(set(devices)) < len(devices):
+                names = ", ".join(devices)
+                raise TesselError(f"{plan_file.path}: {variant.name} visits a device twice: {names}")
             paths.append(SharedPath(priced.pipeline, config, share, devices))
     merged = merge_results(simulate_shared(paths))
     stages = tuple(stage for variant in replicas for stage in variant.stages)
