@@ -3,11 +3,14 @@
     config = BertConfig.from_dir("/models/all-MiniLM-L6-v2")
     model = load_bert(read_encoder(path), torch.float32)
     hidden = model(input_ids, attention_mask)            # [batch, tokens, hidden]
+    packed = model.forward_packed(ids, lengths)          # [sum(lengths), hidden], no padding at all
 
 Each layer is post-norm (the LayerNorm after the residual add, unlike the pre-norm Llama decoders):
 `x = LN(x + O(attn(x)))`, `x = LN(x + W2 gelu(W1 x))`; the embeddings are word + learned absolute
-position + token type (all type 0 here), then a LayerNorm. Attention is bidirectional
-(`scaled_dot_product_attention` with a key padding mask); q, k and v are one fused linear.
+position + token type (all type 0 here), then a LayerNorm. Attention is bidirectional; q, k and v
+are one fused linear. Everything but attention runs on packed tokens [tokens, hidden]: the padded
+`forward` pads only around attention (`scaled_dot_product_attention` with a key padding mask);
+`forward_packed` pads nowhere, attending per run of equal-length inputs (`Runs`).
 
 Checkpoints name tensors as `BertModel` saves them (`embeddings.word_embeddings.weight`,
 `encoder.layer.{i}.attention.self.query.weight`, ...), optionally under a `bert.` prefix (the
@@ -16,6 +19,7 @@ Checkpoints name tensors as `BertModel` saves them (`embeddings.word_embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,6 +123,63 @@ class Packing:
         flat = padded.reshape(self.batch * self.longest, -1)
         return flat if self.index is None else flat[self.index]
 
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Each packed token's position (its column in the padded layout) [tokens]."""
+        columns = torch.arange(self.longest, device=device).expand(self.batch, -1)
+        return self.unpad(columns.unsqueeze(-1)).squeeze(-1)
+
+    def attention(self, qkv: torch.Tensor, bias: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """Packed fused qkv without its bias [tokens, 3 * hidden] -> attention output [tokens, hidden]."""
+        b, t = self.batch, self.longest
+        qkv = self.pad(qkv.add_(bias)).view(b, t, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=self.key_mask)
+        return self.unpad(attn.transpose(1, 2))
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Inputs packed end to end with no padding anywhere: `runs` are (count, length) groups of
+    consecutive inputs of one length (sorting inputs by length makes few, large runs). Attention runs
+    per run, as a batch of equal-length inputs, so it needs no mask and no padded copy."""
+
+    runs: tuple[tuple[int, int], ...]
+    positions_: torch.Tensor
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], device: torch.device | str = "cpu") -> Runs:
+        if not lengths or min(lengths) < 1:
+            raise TesselError(f"every input needs at least one token; got lengths {list(lengths)[:8]}")
+        runs: list[list[int]] = []
+        for length in lengths:
+            if runs and runs[-1][1] == length:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, length])
+        positions = torch.cat([torch.arange(length).repeat(count) for count, length in runs])
+        return cls(tuple((c, n) for c, n in runs), positions.to(device))
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return self.positions_.to(device)
+
+    def attention(self, qkv: torch.Tensor, bias: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """Packed fused qkv without its bias [tokens, 3 * hidden] -> attention output [tokens, hidden]."""
+        out = qkv.new_empty(qkv.shape[0], heads * head_dim)
+        scale, start, bias = head_dim**-0.5, 0, bias.view(3, heads, head_dim)
+        for count, length in self.runs:
+            rows = count * length
+            # one pass adds the bias and regroups to [3, inputs * heads, length, head_dim]; bmm reads
+            # k transposed in place; baddbmm's input is ignored (beta=0), a scalar expanded
+            grouped = qkv.new_empty(3, count, heads, length, head_dim)
+            run = qkv[start : start + rows].view(count, length, 3, heads, head_dim)
+            torch.add(run, bias, out=grouped.permute(1, 3, 0, 2, 4))
+            q, k, v = grouped.view(3, count * heads, length, head_dim)
+            ignored = q.new_empty(()).expand(count * heads, length, length)
+            scores = torch.baddbmm(ignored, q, k.transpose(1, 2), beta=0, alpha=scale)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), v).view(count, heads, length, head_dim)
+            out[start : start + rows].view(count, length, heads, head_dim).copy_(attn.transpose(1, 2))
+            start += rows
+        return out
+
 
 class BertEmbeddings(nn.Module):
     def __init__(self, c: BertConfig) -> None:
@@ -128,11 +189,9 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """[batch, longest] token ids -> packed [tokens, hidden]."""
-        positions = self.position_embeddings.weight[: input_ids.shape[1]]
-        ids = packing.unpad(input_ids.unsqueeze(-1)).squeeze(-1)
-        x = self.word_embeddings(ids) + packing.unpad(positions.expand(packing.batch, -1, -1))
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Packed token ids and their positions [tokens] -> packed [tokens, hidden]."""
+        x = self.word_embeddings(ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
 
@@ -151,14 +210,15 @@ class BertLayer(nn.Module):
         self.down = nn.Linear(c.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packing: Packing | Runs) -> torch.Tensor:
         """Packed [tokens, hidden] -> packed [tokens, hidden]."""
-        b, t, heads, d = packing.batch, packing.longest, self.num_heads, self.head_dim
-        qkv = packing.pad(self.qkv(x)).view(b, t, 3, heads, d).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=packing.key_mask)
-        attn = packing.unpad(attn.transpose(1, 2))
-        x = self.attn_norm(x + self.attn_out(attn))
-        return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)))
+        # biases join in passes made anyway (the regrouping for attention; the residual adds, made in
+        # place on x, which each LayerNorm then replaces), so no linear's output is written twice
+        qkv = torch.mm(x, self.qkv.weight.t())
+        attn = packing.attention(qkv, self.qkv.bias, self.num_heads, self.head_dim)
+        x = self.attn_norm(torch.addmm(x, attn, self.attn_out.weight.t(), out=x).add_(self.attn_out.bias))
+        up = torch.ops.aten.gelu_(self.up(x), approximate=self.gelu_approximate)
+        return self.out_norm(torch.addmm(x, up, self.down.weight.t(), out=x).add_(self.down.bias))
 
 
 class BertEncoder(nn.Module):
@@ -173,10 +233,22 @@ class BertEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         packing = Packing.from_mask(attention_mask)
-        x = self.embeddings(input_ids, packing)
+        ids = packing.unpad(input_ids.unsqueeze(-1)).squeeze(-1)
+        return packing.pad(self.run(ids, packing))
+
+    def forward_packed(self, ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Inputs packed end to end (token ids [sum(lengths)], `lengths` in order) -> hidden states
+        [sum(lengths), hidden], with no padding anywhere; inputs sorted by length run fastest."""
+        if ids.shape != (sum(lengths),):
+            total = sum(lengths)
+            raise TesselError(f"packed ids have shape {tuple(ids.shape)}; the lengths add up to {total}")
+        return self.run(ids, Runs.from_lengths(lengths, ids.device))
+
+    def run(self, ids: torch.Tensor, packing: Packing | Runs) -> torch.Tensor:
+        x = self.embeddings(ids, packing.positions(ids.device))
         for layer in self.layers:
             x = layer(x, packing)
-        return packing.pad(x)
+        return x
 
 
 # ---- loading -----------------------------------------------------------------------------------

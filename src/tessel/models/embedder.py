@@ -10,8 +10,12 @@ add_special_tokens=False)` gives); [CLS] and [SEP] are added around them. An inp
 `max_tokens` (the model's `max_seq_length`, else its positions) is refused naming the limit, or
 cut to it with `truncate=True` (sentence-transformers always cuts).
 
-Inputs are sorted by token count and run `batch_size` at a time, each batch padded to its longest
-input only, then returned in the order given. `threads` sets torch's CPU threads (process-wide).
+Inputs are sorted by token count and run `batch_size` at a time, then returned in the order given.
+A batch runs packed, with no padding: its inputs' tokens end to end (`BertEncoder.forward_packed`),
+so the linears, GELU, LayerNorms and residual adds see only real tokens, and attention runs once per
+run of equal-length inputs (sorting makes those runs long). Batches larger than the default 32 bring
+nothing on a CPU (bigger activations fall out of cache); `batch_size` stays the unit the server
+interleaves requests by. `threads` sets torch's CPU threads (process-wide).
 `dimensions` shortens vectors (first d values, renormalised where the model normalises): allowed
 only for a model trained for it (Matryoshka; `matryoshka=True`), or d equal to the full size.
 """
@@ -25,7 +29,7 @@ import torch
 
 from tessel.dtypes import AUTO, runtime_dtype_name
 from tessel.errors import TesselError
-from tessel.models.bert import load_bert
+from tessel.models.bert import Packing, load_bert
 from tessel.models.config import DTYPES
 from tessel.models.reader import read_encoder
 from tessel.models.sentence_pooling import PoolingConfig, pool, read_pooling
@@ -105,15 +109,14 @@ class Embedder:
 
     def run_batch(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Pooled (and normalised) float32 vectors of one batch, on the CPU."""
-        longest = max(len(row) for row in ids)
-        input_ids = torch.full((len(ids), longest), self.config.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), longest), dtype=torch.long)
-        for row, tokens in enumerate(ids):
-            input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, : len(tokens)] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        lengths = [len(row) for row in ids]
+        packed = torch.tensor([token for row in ids for token in row], dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(ids), max(lengths)), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, :length] = 1
+        mask = mask.to(self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, mask)
+            hidden = Packing.from_mask(mask).pad(self.model.forward_packed(packed, lengths))
             return pool(hidden, mask, self.pooling).cpu()
 
     def embed_ids(self, ids: Sequence[Sequence[int]], dimensions: int | None = None) -> torch.Tensor:
