@@ -388,7 +388,7 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, 
         table.add_column("decode MFU %", justify="right")
         table.add_column("decode MBU %", justify="right")
     if evaluation.precisions is not None:
-        table.add_column("precisions", justify="left")
+        table.add_column("precisions", justify="left", min_width=len("precisions"))  # never cut to "precisi…"
     per = instance.n_units // len({unit.layer for unit in instance.units})
     for index, se in enumerate(evaluation.stages):
         device = instance.devices[se.stage.device]
