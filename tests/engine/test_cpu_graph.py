@@ -40,6 +40,7 @@ def _count_calls(llm: LLM) -> list[int]:
     return counting.rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama", "llama31_tied", "qwen2", "mistral_head_dim"])
 def test_decode_steps_match_hf_forward(checkpoints, variant: str) -> None:
     """80 tokens at block size 8: the attention graph's bucket grows from 8 to 16 blocks on the way."""

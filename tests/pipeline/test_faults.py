@@ -25,6 +25,8 @@ from tessel.pipeline import launcher
 from tessel.pipeline.launcher import StageFailedError
 from tessel.pipeline.run import RunOptions, check_options, run_pipeline
 
+pytestmark = pytest.mark.slow  # processes started and killed: the slow pass of CI runs these
+
 READY_TIMEOUT_S = 240  # three stage processes importing torch on a loaded machine
 FAULT_DEADLINE_S = 30  # the bound: everything stops within 30 s of the death
 

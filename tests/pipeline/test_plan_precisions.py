@@ -124,6 +124,7 @@ def test_one_stage_with_mixed_precisions_matches_transformers(tiny_dirs, tmp_pat
     assert float((got - plain).abs().max()) > 1e-3 * scale  # it really is quantised
 
 
+@pytest.mark.slow
 def test_two_stage_processes_run_their_precisions(tiny_dirs, tmp_path):
     """Stage 0 (int8 layers) and stage 1 (int4 + fp32) in their own processes: the tokens of the
     one-stage pipeline with the same precisions (held to transformers above)."""

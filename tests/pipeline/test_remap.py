@@ -227,6 +227,7 @@ def _when_all_started(count: int, action):
     return on_token
 
 
+@pytest.mark.slow
 def test_served_pipeline_survives_a_lost_stage_and_remaps_live(tiny_dirs, tmp_path):
     """3 stages; stage 2 is killed while every request streams: the server re-plans on stages 0-1 and
     the requests finish with an undisturbed run's tokens. A live remap to another split while they

@@ -25,6 +25,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from tessel.pipeline.serving import pipeline_server_engine  # noqa: E402
 from tessel.server.app import create_app  # noqa: E402
 
+pytestmark = pytest.mark.slow  # processes started and killed: the slow pass of CI runs these
+
 HEARTBEAT_TIMEOUT_S = 3.0  # short, so the test stays cheap (the default is 30 s)
 DEADLINE_S = 60.0  # generous: a loaded 2-core machine
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}

@@ -283,6 +283,7 @@ async def _complete_all(url: str, prompts: list[str], max_tokens: int) -> list[h
         return await asyncio.gather(*(client.post("/v1/completions", json=body) for body in bodies))
 
 
+@pytest.mark.slow
 def test_both_replicas_serve_token_exact_in_the_weights_split(served, oracle):
     prompts = [f"Request {i}: the quick brown fox number {i * 7}" for i in range(NUM_ROUTED)]
     before = _scrape(served.url)
@@ -361,6 +362,7 @@ def test_metrics_label_replica_and_stage(served):
         assert f'tessel:num_kv_blocks_total{{replica="{replica}"}}' in samples
 
 
+@pytest.mark.slow
 def test_a_client_leaving_a_stream_frees_its_tokens_and_its_backend(served):
     """The backend is held (SIGSTOP) while its stream is open, so the request cannot finish first."""
     body = {"prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0}
@@ -401,6 +403,7 @@ def test_stopping_the_server_leaves_no_process(served):
     assert not [pid for pid in served.children if _running(pid)]
 
 
+@pytest.mark.slow
 def test_killed_backends_are_named_and_nothing_hangs(replica_model_plan, tmp_path):
     """SIGKILL of the backend a stream runs on: the stream ends with an error event naming it and
     the signal, /health says degraded, the other replica serves on; SIGKILL of that one too: every
@@ -437,6 +440,7 @@ def test_killed_backends_are_named_and_nothing_hangs(replica_model_plan, tmp_pat
         assert router.proc.wait(DEADLINE_S) == -signal.SIGTERM  # uvicorn ends by the signal it caught
 
 
+@pytest.mark.slow
 def test_a_silent_backend_is_killed_and_named(tmp_path):
     """A backend that stops answering /health (SIGSTOP) for the timeout is failed for good, named,
     and killed (a real process answering /health: the watcher's part needs no model)."""

@@ -299,7 +299,8 @@ def serve_router(engine: ReplicaPlanEngine, *, max_pending: int) -> Iterator[Ser
                 proc.wait()
 
 
-@pytest.fixture(scope="module", params=ENGINE_KINDS)
+# the replicas kind starts two pipelines per module: the slow pass of CI runs it
+@pytest.fixture(scope="module", params=[*ENGINE_KINDS[:2], pytest.param("replicas", marks=pytest.mark.slow)])
 def engine_kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
