@@ -40,7 +40,7 @@ import numpy as np
 
 from tessel.errors import TesselError
 from tessel.plan.flow import FlowPlan, max_flow, placement_edges, route_placements
-from tessel.plan.highs import highs_lp, new_highs
+from tessel.plan.highs import highs_lp, new_highs, run_until
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.milp import _Builder
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
@@ -232,19 +232,7 @@ def solve_flow_milp(
         start.col_value = _start_values(model, cols, len(mb.lower), best_start[1], best_start[0][1])
         start.value_valid = True
         h.setSolution(start)
-    deadline = started + time_limit_s
-
-    def stop_at_deadline(event) -> None:
-        if time.perf_counter() > deadline:
-            event.interrupt()
-
-    h.cbMipInterrupt += stop_at_deadline
-    h.cbSimplexInterrupt += stop_at_deadline
-    h.cbIpmInterrupt += stop_at_deadline
-    h.run()
-    status = h.modelStatusToString(h.getModelStatus())
-    if h.getModelStatus() == highspy.HighsModelStatus.kInterrupt:
-        status = "Time limit reached"
+    status = run_until(h, started + time_limit_s)
     info = h.getInfo()
     elapsed = time.perf_counter() - started
     bound = -float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else math.inf

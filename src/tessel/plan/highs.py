@@ -12,6 +12,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,6 +36,25 @@ def new_highs(verbose: bool = False):
             _banner_silenced = True
     h.setOptionValue("output_flag", bool(verbose))
     return h
+
+
+def run_until(h, deadline_s: float) -> str:
+    """Run `h` until it ends or `time.perf_counter()` passes `deadline_s`; its status in words
+    ("Time limit reached" when interrupted). HiGHS checks its own time limit only between phases, so
+    long root LPs and cut loops overrun it: its interrupt callbacks check the deadline too."""
+    import highspy
+
+    def stop_at_deadline(event) -> None:
+        if time.perf_counter() > deadline_s:
+            event.interrupt()
+
+    h.cbMipInterrupt += stop_at_deadline
+    h.cbSimplexInterrupt += stop_at_deadline
+    h.cbIpmInterrupt += stop_at_deadline
+    h.run()
+    if h.getModelStatus() == highspy.HighsModelStatus.kInterrupt:
+        return "Time limit reached"
+    return h.modelStatusToString(h.getModelStatus())
 
 
 @contextmanager

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.highs import highs_lp, new_highs
+from tessel.plan.highs import highs_lp, new_highs, run_until
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
@@ -500,20 +500,7 @@ def _solve_milp(
         start.col_value = _start_values(instance, cols, n_cols, canonical(instance, warm_start))
         start.value_valid = True
         warm = h.setSolution(start) == highspy.HighsStatus.kOk
-    deadline = started + time_limit_s
-
-    def stop_at_deadline(event) -> None:
-        # HiGHS checks its own time limit only between phases; long root LPs and cut loops overrun it
-        if time.perf_counter() > deadline:
-            event.interrupt()
-
-    h.cbMipInterrupt += stop_at_deadline
-    h.cbSimplexInterrupt += stop_at_deadline
-    h.cbIpmInterrupt += stop_at_deadline
-    h.run()
-    status = h.modelStatusToString(h.getModelStatus())
-    if h.getModelStatus() == highspy.HighsModelStatus.kInterrupt:
-        status = "Time limit reached"
+    status = run_until(h, started + time_limit_s)
     info = h.getInfo()
     elapsed = time.perf_counter() - started
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
