@@ -109,6 +109,9 @@ def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> 
         **overrides,
     )
     run = run_pipeline(options)
+    from tessel.commands.launch import add_stage_utilization
+
+    add_stage_utilization(run.stages, options)  # each stage's measured MFU and MBU, as `tessel launch`
     ttft = [r["ttft_s"] for r in run.requests]
     tpot = [r["tpot_s"] for r in run.requests if r["tpot_s"] is not None]
     tokens = sum(r["num_output_tokens"] for r in run.requests)
@@ -118,6 +121,7 @@ def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> 
         "throughput_tok_s": tokens / run.wall_s,
         "wall_s": run.wall_s,
         "stages": run.stages,
+        "stage_utilization": [status.get("utilization") for status in run.stages],
     }
 
 
@@ -128,8 +132,10 @@ def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: in
     from tessel.sim.cpp import cpp_chunk_sizer
     from tessel.sim.plan_pipeline import pipeline_for
     from tessel.sim.requests import Request
+    from tessel.sim.utilization import stage_utilization
 
-    priced = pipeline_for(load_plan(plan), profiles=[load_profile(p) for p in profiles])
+    plan_file = load_plan(plan)
+    priced = pipeline_for(plan_file, profiles=[load_profile(p) for p in profiles])
     chunk_sizes = cpp_chunk_sizer(priced.pipeline) if cpp else None
     scheduler = SimSchedulerConfig(
         max_num_seqs=256,
@@ -146,10 +152,12 @@ def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: in
     result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
     metrics = compute_metrics(result)
     tpot = metrics.tpot_s.mean
+    utilizations = stage_utilization(plan_file, plan_file.main.stages, result, metrics.stage_busy_s)
     return {
         "ttft_s": metrics.ttft_s.mean,
         "tpot_s": None if tpot != tpot else tpot,
         "throughput_tok_s": metrics.throughput_tok_s,
+        "stage_utilization": [u.to_json() for u in utilizations],  # predicted MFU and MBU per stage
     }
 
 
@@ -244,10 +252,21 @@ def speedups(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _mfu_cells(predicted: list | None, measured: list | None) -> str:
+    """Each stage's decode-inclusive MFU, predicted (simulator) / measured (`tessel launch`'s rule)."""
+    if not predicted or not measured:
+        return "-"
+
+    def pct(u):  # noqa: ANN001
+        return "-" if u is None else f"{u['mfu'] * 100:.1f}"
+
+    return " ".join(f"{pct(a)}/{pct(b)}" for a, b in zip(predicted, measured, strict=False))
+
+
 def render(result: dict, console: Console) -> None:
     table = Table(title="pipeline runtime: simulator prediction vs measured (means over requests)")
     for column in ("cluster", "split", "layers", "TTFT ms pred/meas", "TPOT ms pred/meas", "tok/s pred/meas",
-                   "err TTFT", "err TPOT", "err tok/s"):  # fmt: skip
+                   "err TTFT", "err TPOT", "err tok/s", "MFU % per stage pred/meas"):  # fmt: skip
         table.add_column(column, justify="right")
 
     def ms(v):
@@ -264,6 +283,7 @@ def render(result: dict, console: Console) -> None:
             f"{p['throughput_tok_s']:.1f} / {m['throughput_tok_s']:.1f}",
             pct(rel_error(p["ttft_s"], m["ttft_s"])), pct(rel_error(p["tpot_s"], m["tpot_s"])),
             pct(rel_error(p["throughput_tok_s"], m["throughput_tok_s"])),
+            _mfu_cells(p.get("stage_utilization"), m.get("stage_utilization")),
         )  # fmt: skip
     console.print(table)
     speed = Table(title="planned split over uniform split (throughput)")
