@@ -153,12 +153,12 @@ def max_flow(
     edge_capacity = edge_capacity or {}
     # node-split: v_in = ("i", v), v_out = ("o", v); an edge (a, b) goes a_out -> b_in
     cap: dict = defaultdict(float)
-    adj: dict = defaultdict(set)
+    adj: dict = defaultdict(dict)  # an ordered set: the same augmenting paths in every process
 
     def arc(a, b, c):
         cap[(a, b)] += c
-        adj[a].add(b)
-        adj[b].add(a)
+        adj[a][b] = None
+        adj[b][a] = None
 
     for v, c in node_capacity.items():
         arc(("i", v), ("o", v), max(c, 0.0))
