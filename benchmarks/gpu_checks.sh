@@ -2,7 +2,9 @@
 # The checks that need a CUDA GPU, in one go: the CUDA tests (tests/*/test_cuda_*.py, skipped on a
 # machine without a GPU), pipelines with GPU stages (benchmarks/pipeline_gpu.py), the engine on CUDA
 # against HF (benchmarks/cuda_engine.py), the kernels against their torch baselines
-# (benchmarks/kernels.py --device cuda) and the quantised linears per path (benchmarks/cuda_linear.py).
+# (benchmarks/kernels.py --device cuda), the quantised linears per path (benchmarks/cuda_linear.py),
+# the engine against the simulator (benchmarks/fidelity_cuda.py) and streamed weights
+# (benchmarks/offload_weights.py --device cuda).
 # SKIP_STEPS="cuda_engine kernels_cuda" leaves steps out. Logs go to OUT_DIR; records to
 # OUT_DIR/results/<benchmark>.jsonl, the same files as benchmarks/results/ (cuda_engine, kernels, and
 # gpu_checks: one record per step with its log). To keep them, append them to the repository's:
@@ -45,6 +47,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
     --seconds "$((SECONDS - start))" --label "$label" --out "$out/results/gpu_checks.jsonl"
 }
 
+# Issue 30's GPU target: the single-GPU engine's TPOT and throughput against the simulator priced
+# from `tessel profile --device cuda` (decode timed as CUDA graphs for the graph-replaying engine,
+# eagerly for enforce_eager), SmolLM2's shape in both modes, then Llama-3.2-1B's with graphs.
+step fidelity_cuda "${FIDELITY_S:-300}" bash -c "$python benchmarks/fidelity_cuda.py --shapes smollm2 \
+  --label '$label' --out '$out/results/fidelity.jsonl' && $python benchmarks/fidelity_cuda.py \
+  --shapes llama-1b --modes graphs --label '$label' --out '$out/results/fidelity.jsonl'"
 # The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
 TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-150}" $python -m pytest -q -p no:cacheprovider -rfE \
   --junitxml "$out/cuda_tests.xml" tests/*/test_cuda_*.py
@@ -65,5 +73,6 @@ step cuda_linear "${LINEAR_S:-100}" $python benchmarks/cuda_linear.py --budget-s
 # resident, HF accelerate's offload with the same max_memory (target: >= 2x its tok/s) and the decode
 # step against the planner's prediction (target: within 15%). Not yet run on a GPU.
 step offload_weights "${OFFLOAD_S:-300}" $python benchmarks/offload_weights.py --device cuda $quick \
+  ${OFFLOAD_BUDGET:+--profile-budget-s $OFFLOAD_BUDGET} \
   --label "$label" --out "$out/results/offload_weights.jsonl"
 $python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"

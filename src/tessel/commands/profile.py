@@ -57,6 +57,12 @@ def profile(
     max_offset: int = typer.Option(
         4096, "--max-offset", min=0, max=2**20, help="Largest prefill offset (tokens)."
     ),
+    cuda_graphs: bool | None = typer.Option(
+        None,
+        "--cuda-graphs/--eager",
+        help="cuda: time decode as replayed CUDA graphs, as the engine runs it (default), or eagerly "
+        "(for an engine run with enforce_eager).",
+    ),
     components: Literal["all", "layer"] = typer.Option(
         "all",
         "--components",
@@ -89,7 +95,11 @@ def profile(
         max_chunk_tokens=max_chunk,
         max_offset_tokens=max_offset,
         max_decode_context=max(max_offset, 128),
+        cuda_graphs=device == "cuda" and cuda_graphs is not False,
     )
+    if device == "cuda":
+        meta["decode_timing"] = "cuda-graph" if settings.cuda_graphs else "eager"
+
     console = Console()
     console.print(f"profiling {shape.as_dict()} on {device} ({dtype}), budget {budget_s:g} s")
     columns = (TextColumn("timing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -67,9 +67,15 @@ def host_cores() -> int:
 
 
 def transports_for(device: str) -> tuple[str, ...]:
-    """The transports the runtime uses between stages of this device kind
-    (`tessel.pipeline.devices.link_transport`): host buffers over gloo everywhere, NCCL between GPUs."""
-    return ("host",) if device == "cpu" else ("host", "nccl")
+    """The transports the runtime uses between stages of this device kind here
+    (`tessel.pipeline.devices.link_transport`): host buffers over gloo everywhere, NCCL between GPUs
+    (profiled where this machine has two)."""
+    if device == "cpu":
+        return ("host",)
+    import torch
+
+    # NCCL joins two stages on two GPUs; stages sharing one GPU go through host buffers
+    return ("host", "nccl") if torch.cuda.device_count() >= 2 else ("host",)
 
 
 def _interleaved_medians(fns: list[Callable[[], object]], clock, settings) -> np.ndarray:

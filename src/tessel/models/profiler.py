@@ -127,6 +127,7 @@ class ProfileSettings:
     # distinct copies of the layer run in sequence per timed run (the time is divided by it): with a
     # model's layer count, the weights stream from memory as in the engine instead of staying in cache
     layer_copies: int = 1
+    cuda_graphs: bool = False  # time decode points as replayed CUDA graphs (as the engine runs them)
 
 
 def prefill_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
@@ -356,12 +357,15 @@ def _timer(settings: ProfileSettings) -> Clock:
     return make_clock("cuda" if settings.device == "cuda" else "cpu" if settings.clock == "cpu" else "wall")
 
 
-def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock) -> float:
+def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock, graph: bool = False) -> float:
     """Median of at least `repeats` timed runs, and of more while they add up to less than
     `min_point_s` (cheap points get enough runs for a median that shrugs off preemption); seconds
-    per layer (a run of all the layer's copies divided by their number)."""
+    per layer (a run of all the layer's copies divided by their number). `graph`: the runs replay
+    one CUDA graph of the copies (`tessel.models.cuda_graph_timing`)."""
+    from tessel.models.cuda_graph_timing import decode_step
+
     (times,) = time_runs(
-        [lambda: layer.forward(*inputs)],
+        [decode_step(lambda: layer.forward(*inputs), graph)],
         clock,
         warmup=settings.warmup,
         repeats=settings.repeats,
@@ -446,7 +450,8 @@ def measure_layer(
             if progress:
                 progress(len(pre_t), total)
         for b, s in dec:
-            dec_t.append(_measure(layer, layer.decode_inputs(b, s // b), settings, clock))
+            graph = settings.cuda_graphs and settings.device == "cuda"
+            dec_t.append(_measure(layer, layer.decode_inputs(b, s // b), settings, clock, graph))
             if progress:
                 progress(len(pre_t) + len(dec_t), total)
     return Measurements(np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t))

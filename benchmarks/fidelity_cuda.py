@@ -1,0 +1,255 @@
+"""The single-GPU engine against the simulator: predicted vs measured TPOT and throughput on CUDA.
+
+    python benchmarks/fidelity_cuda.py [--shapes smollm2 llama-1b] [--modes graphs eager] \
+        [--concurrency 1 8 32] [--quick] [--label NAME] [--out benchmarks/results/fidelity.jsonl]
+
+The GPU counterpart of `benchmarks/fidelity.py` (issue 30, item 5 and the target "single-GPU engine
+TPOT within 10%"). For each model shape (random weights with SmolLM2-135M's or Llama-3.2-1B's
+sizes, `benchmarks/cuda_engine.py`'s SHAPES: the GPU machine has no network, and speed does not
+depend on the weights' values) and each engine mode:
+
+1. `tessel profile --device cuda --model DIR --scale 1 --dtype bfloat16`: the decoder layer (decode
+   points replayed as CUDA graphs for the `graphs` mode, `--eager` for the `eager` one), embedding,
+   LM head + sampling, engine step overhead and transport, with held-out errors.
+2. For each concurrency n: n requests of the same prompt and output length (`ignore_eos`, greedy)
+   arrive at once at one `LLMEngine` on the GPU (bfloat16; CUDA graphs on, or `enforce_eager`),
+   after `warm_up()` and an untimed run; TTFT, TPOT and throughput as `fidelity.py` measures them.
+3. The same requests simulated on a one-stage pipeline of the GPU's catalog type priced from that
+   profile (`tessel.chunk.from_plan.build_pipeline`, `tessel.sim.simulate`).
+
+`--device cpu` runs the script's logic on the CPU with a tiny shape (a smoke test, not a
+measurement). Prints a table and appends a record to benchmarks/results/fidelity.jsonl; the rows so
+far are kept beside it after each shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import _harness
+import fidelity
+from rich.console import Console
+from rich.table import Table
+
+FULL = {"prompt": 128, "output": 64, "profile_budget_s": 20, "repeats": 2}
+QUICK = {"prompt": 16, "output": 4, "profile_budget_s": 4, "repeats": 1}
+SMOKE_SHAPE = {  # --device cpu: the script's logic on a layer the CPU times in seconds
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+}  # fmt: skip
+DTYPE = {"cuda": ("bfloat16", "bf16"), "cpu": ("float32", "fp32")}  # engine / profile name, cost name
+
+
+def build_checkpoint(root: Path, shape_name: str, device: str) -> Path:
+    import cuda_engine
+
+    tiny_models = _harness.tests_module("tiny_models")
+    if device == "cpu":
+        sizes, kv_heads = SMOKE_SHAPE, 2
+    else:
+        sizes, kv_heads = cuda_engine.SHAPES[shape_name]
+    return tiny_models.make_tiny_checkpoint(
+        root / shape_name, "llama", tie_word_embeddings=True, num_kv_heads=kv_heads, seed=0, **sizes
+    )
+
+
+def make_profile(model: Path, device: str, mode: str, cfg: dict, out: Path) -> dict:
+    command = [
+        sys.executable, "-m", "tessel.cli", "profile", "--device", device, "--model", str(model),
+        "--scale", "1", "--dtype", DTYPE[device][0], "--threads", "1",
+        "--budget-s", str(cfg["profile_budget_s"]), "--max-offset", str(cfg["prompt"] + cfg["output"] + 64),
+        "--max-chunk", str(max(256, cfg["prompt"])), "--json", str(out),
+    ]  # fmt: skip
+    if device == "cuda":
+        command.append("--eager" if mode == "eager" else "--cuda-graphs")
+    done = subprocess.run(command, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    print(done.stderr, file=sys.stderr, end="")  # a failed graph capture warns here
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[-300:]}")
+    return json.loads(out.read_text())
+
+
+def measure(model: Path, device: str, mode: str, n: int, cfg: dict, vocab: int) -> dict:
+    import statistics
+
+    from tessel.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        model,
+        device=device,
+        dtype=DTYPE[device][0],
+        enforce_eager=mode == "eager",
+        max_num_seqs=max(n, 1),
+        max_model_len=cfg["prompt"] + cfg["output"] + 8,
+        enable_prefix_caching=False,
+    )
+    engine.warm_up()
+    warm = fidelity.prompts(n, cfg["prompt"], vocab, 99)
+    fidelity.measure_once(engine, warm, min(cfg["output"], 4), "warm")  # untimed
+    runs = [
+        fidelity.measure_once(engine, fidelity.prompts(n, cfg["prompt"], vocab, r), cfg["output"], f"r{r}")
+        for r in range(cfg["repeats"])
+    ]
+    keys = ("ttft_s", "tpot_s", "throughput_tok_s", "wall_s")
+    median = {k: statistics.median(run[k] for run in runs) if runs[0][k] is not None else None for k in keys}
+    del engine
+    _free(device)
+    return median | {"runs": runs}
+
+
+def _free(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def predict(model: Path, profile_path: Path, device: str, n: int, cfg: dict) -> dict:
+    from tessel.catalog.models import load_model
+    from tessel.chunk.from_plan import StageSpec, build_pipeline
+    from tessel.cost.profile import load_profile
+    from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
+    from tessel.sim.requests import Request
+
+    spec = load_model(str(model))
+    profile = load_profile(profile_path)
+    stage = StageSpec("localhost/gpu0", profile.device_type, 0, spec.num_layers, None, node="localhost")
+    cost_dtype = DTYPE[device][1]
+    priced = build_pipeline(spec, [stage], dtype=cost_dtype, kv_dtype=cost_dtype, profiles=[profile])
+    last = priced.pipeline.stages[-1]
+    budget = fidelity.MAX_NUM_BATCHED_TOKENS
+    scheduler = SimSchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=budget)
+    config = SimConfig(scheduler, max_in_flight=1, logits_time_s=last.logits_time_s)
+    requests = [Request(i, 0.0, cfg["prompt"], cfg["output"]) for i in range(n)]
+    metrics = compute_metrics(simulate(priced.pipeline, requests, config))
+    tpot = metrics.tpot_s.mean
+    return {
+        "gpu_type": profile.device_type,
+        "ttft_s": metrics.ttft_s.mean,
+        "tpot_s": None if tpot != tpot else tpot,
+        "throughput_tok_s": metrics.throughput_tok_s,
+        "step_parts_s": {
+            "embed": last._embed_time_s(n),
+            "head": last.logits_time_s(n),
+            "step": last.step_time_s(n),
+        },
+    }
+
+
+def run_shape(shape: str, args, cfg: dict, work: Path, console: Console) -> list[dict]:  # noqa: ANN001
+    from tessel.models.config import ModelConfig
+
+    model = build_checkpoint(work, shape, args.device)
+    vocab = ModelConfig.from_dir(model).vocab_size
+    rows = []
+    for mode in args.modes:
+        profile_path = work / f"profile-{shape}-{mode}.json"
+        console.print(f"{shape}, {mode}: profiling ({cfg['profile_budget_s']} s budget for the layer) ...")
+        try:
+            profile = make_profile(model, args.device, mode, cfg, profile_path)
+        except Exception as error:  # noqa: BLE001 (one failed profile: the other modes still run)
+            rows.append({"shape": shape, "mode": mode, "error": f"profile: {error}"})
+            continue
+        heldout = {"layer_prefill": float(profile["meta"]["prefill_heldout_rel_error"]),
+                   "layer_decode": float(profile["meta"]["decode_heldout_rel_error"])}  # fmt: skip
+        heldout |= {name: fit["heldout_rel_error"] for name, fit in profile["components"].items()}
+        for n in args.concurrency:
+            console.print(f"{shape}, {mode}: {n} concurrent requests ...")
+            row = {"shape": shape, "mode": mode, "concurrency": n, "heldout_rel_error": heldout,
+                   "decode_timing": profile["meta"].get("decode_timing")}  # fmt: skip
+            try:
+                row["measured"] = measure(model, args.device, mode, n, cfg, vocab)
+                row["predicted"] = predict(model, profile_path, args.device, n, cfg)
+            except Exception as error:  # noqa: BLE001 (kept in the record; the next row still runs)
+                row["error"] = f"{type(error).__name__}: {error}"
+                console.print(traceback.format_exc())
+                rows.append(row)
+                continue
+            row["rel_error"] = {
+                k: fidelity.rel_error(row["predicted"][k], row["measured"][k])
+                for k in ("ttft_s", "tpot_s", "throughput_tok_s")
+            }
+            rows.append(row)
+    return rows
+
+
+def render(rows: list[dict], console: Console) -> None:
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
+    def pct(v):
+        return "-" if v is None else f"{v * 100:+.1f}%"
+
+    table = Table(title="single-GPU engine: simulator prediction vs measured (medians of repeats)")
+    for column in ("shape", "mode", "requests", "TPOT ms pred/meas", "err TPOT", "tok/s pred/meas",
+                   "err tok/s", "TTFT ms pred/meas", "err TTFT"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["shape"], r["mode"], str(r.get("concurrency", "-")), r["error"][:60], *["-"] * 5)
+            continue
+        p, m, e = r["predicted"], r["measured"], r["rel_error"]
+        table.add_row(
+            r["shape"], r["mode"], str(r["concurrency"]), f"{ms(p['tpot_s'])} / {ms(m['tpot_s'])}",
+            pct(e["tpot_s"]), f"{p['throughput_tok_s']:.0f} / {m['throughput_tok_s']:.0f}",
+            pct(e["throughput_tok_s"]), f"{ms(p['ttft_s'])} / {ms(m['ttft_s'])}", pct(e["ttft_s"]),
+        )  # fmt: skip
+    console.print(table)
+    seen = set()
+    for r in rows:
+        if "heldout_rel_error" in r and (r["shape"], r["mode"]) not in seen:
+            seen.add((r["shape"], r["mode"]))
+            errors = ", ".join(f"{k} {v:.1%}" for k, v in r["heldout_rel_error"].items())
+            console.print(f"profile held-out error, {r['shape']} {r['mode']}: {errors}")
+
+
+def main() -> None:
+    import cuda_engine
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(cuda_engine.SHAPES), default=["smollm2"])
+    parser.add_argument("--modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(fidelity.CONCURRENCY))
+    _harness.add_record_options(parser, "fidelity")
+    for key in FULL:
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override (full: {FULL[key]})")
+    args = parser.parse_args()
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in FULL:
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    console = Console(highlight=False, width=150)
+    console.print(_harness.machine_line())
+    rows: list[dict] = []
+    with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-fidelity-cuda-") as tmp:
+        for shape in args.shapes:
+            rows += run_shape(shape, args, cfg, Path(tmp), console)
+            _harness.save_partial(args.out, "fidelity", {"config": cfg, "rows": rows}, args.label)
+    render(rows, console)
+    result = {"config": cfg, "device": args.device, "gpu": _gpu_name(args.device), "rows": rows,
+              "quick": args.quick, "wall_s": elapsed.wall_s}  # fmt: skip
+    _harness.append_record(args.out, "fidelity", result, args.label)
+
+
+def _gpu_name(device: str) -> str | None:
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+
+    return torch.cuda.get_device_name(0)
+
+
+if __name__ == "__main__":
+    main()
