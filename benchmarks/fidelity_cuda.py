@@ -159,6 +159,7 @@ def run_shape(shape: str, args, cfg: dict, work: Path, console: Console) -> list
         except Exception as error:  # noqa: BLE001 (one failed profile: the other modes still run)
             rows.append({"shape": shape, "mode": mode, "error": f"profile: {error}"})
             continue
+        rows.append({"shape": shape, "mode": mode, "profile": profile})  # kept for offline analysis
         heldout = {"layer_prefill": float(profile["meta"]["prefill_heldout_rel_error"]),
                    "layer_decode": float(profile["meta"]["decode_heldout_rel_error"])}  # fmt: skip
         heldout |= {name: fit["heldout_rel_error"] for name, fit in profile["components"].items()}
@@ -194,6 +195,8 @@ def render(rows: list[dict], console: Console) -> None:
                    "err tok/s", "TTFT ms pred/meas", "err TTFT"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in rows:
+        if "profile" in r:
+            continue
         if "error" in r:
             table.add_row(r["shape"], r["mode"], str(r.get("concurrency", "-")), r["error"][:60], *["-"] * 5)
             continue

@@ -41,6 +41,8 @@ from rich.console import Console
 from rich.table import Table
 
 PROMPT_TOKENS = 64
+MAX_NUM_SEQS = 256  # the scheduler settings `benchmarks/pipeline.py`'s predict simulates
+MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def prompts(count: int, vocab: int) -> list[list[int]]:
@@ -116,14 +118,53 @@ def pipeline_row(
     options = RunOptions(
         plan, model, prompts_file=prompts_file, max_tokens=new, ignore_eos=True, dtype=dtype,
         max_model_len=512, micro_batches=m, threads=threads, warmup=True, cpp=False,
+        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
     )  # fmt: skip
     run = run_pipeline(options)
+    tpot = [r["tpot_s"] for r in run.requests if r["tpot_s"] is not None]
     stages = [
         {k: s.get(k) for k in ("layer_start", "layer_end", "batches", "compute_s", "weight_bytes")}
         for s in run.stages
     ]
     tokens = [r["token_ids"] for r in run.requests]
-    return {"tok_s": sum(len(t) for t in tokens) / run.wall_s, "tokens": tokens, "stages": stages}
+    return {
+        "tok_s": sum(len(t) for t in tokens) / run.wall_s,
+        "ttft_s": sum(r["ttft_s"] for r in run.requests) / len(run.requests),
+        "tpot_s": sum(tpot) / len(tpot) if tpot else None,
+        "tokens": tokens,
+        "stages": stages,
+    }
+
+
+def make_profiles(model: Path, device: str, dtype: str, threads: int, budget_s: int, root: Path) -> dict:
+    """`tessel profile` of the GPU (decode as CUDA graphs, as the stages replay it) and of the CPU
+    (`threads` threads, as the CPU stage runs) on the model, in the runs' dtype -> {device type: path}."""
+    paths = {}
+    for where, extra in (
+        ("cuda" if device.startswith("cuda") else None, []),
+        ("cpu", ["--threads", str(threads)]),
+    ):
+        if where is None:
+            continue
+        out = root / f"profile-{where}.json"
+        command = [
+            sys.executable, "-m", "tessel.cli", "profile", "--device", where, "--model", str(model),
+            "--scale", "1", "--dtype", dtype, "--budget-s", str(budget_s), "--max-offset", "256",
+            "--max-chunk", "2048", "--json", str(out), *extra,
+        ]  # fmt: skip
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        paths[json.loads(out.read_text())["device_type"]] = out
+    return paths
+
+
+def predict_row(plan: Path, profiles: dict, requests: int, new: int, m: int) -> dict:
+    """The run simulated on the plan priced from the profiles (`benchmarks/pipeline.py`'s predict:
+    the same scheduler settings and micro-batches in flight as the run)."""
+    import pipeline
+
+    cfg = {"slots": m}
+    predicted = pipeline.predict(plan, list(profiles.values()), cfg, PROMPT_TOKENS, new, requests, False)
+    return {k: predicted[k] for k in ("ttft_s", "tpot_s", "throughput_tok_s")}
 
 
 def accelerate_row(model: Path, cap_gib: float, batch: list[list[int]], new: int, dtype: str) -> dict:
@@ -169,6 +210,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--dtype", default="float32", help="every configuration's dtype")
     parser.add_argument("--skip", action="append", default=[], help="configurations to skip (by name)")
+    parser.add_argument("--no-predict", action="store_true", help="no profiles, no predicted columns")
+    parser.add_argument("--profile-budget-s", type=int, default=20, help="each profile's layer budget")
     _harness.add_record_options(parser, "pipeline_gpu")
     args = parser.parse_args()
     print(_harness.machine_line())
@@ -193,7 +236,17 @@ def main() -> None:
         result["workload"] = {"requests": requests, "prompt_tokens": PROMPT_TOKENS, "new_tokens": new}
         refs: dict[str, list] = {}
 
-        def step(name: str, fn, ref: str | None = None) -> None:
+        profiles: dict = {}
+        if not args.no_predict:
+            try:
+                profiles = make_profiles(
+                    model, args.device, args.dtype, args.threads, args.profile_budget_s, root
+                )
+            except Exception as error:  # noqa: BLE001 - the runs still go on, unpredicted
+                result["profile_error"] = f"{type(error).__name__}: {error}"[:500]
+            result["profiles"] = {kind: json.loads(path.read_text()) for kind, path in profiles.items()}
+
+        def step(name: str, fn, ref: str | None = None, plan_path: Path | None = None, m: int = 1) -> None:
             if name in args.skip:
                 return
             print(f"-- {name}", flush=True)
@@ -210,6 +263,19 @@ def main() -> None:
             if tokens is not None and ref is None:
                 refs[name] = tokens
             row["seconds"] = elapsed.wall_s
+            if plan_path is not None and profiles:
+                try:
+                    row["predicted"] = predict_row(plan_path, profiles, requests, new, m)
+                    row["rel_error"] = {
+                        k: _rel(row["predicted"][p], row[k])
+                        for k, p in (
+                            ("tok_s", "throughput_tok_s"),
+                            ("ttft_s", "ttft_s"),
+                            ("tpot_s", "tpot_s"),
+                        )
+                    }
+                except Exception as error:  # noqa: BLE001 - the measured row stands without its prediction
+                    row["predicted"] = {"error": f"{type(error).__name__}: {error}"[:500]}
             rows[name] = row
             print(f"   {json.dumps(_harness_safe(row))[:400]}", flush=True)
             _harness.save_partial(args.out, "pipeline_gpu", result, args.label)
@@ -219,9 +285,15 @@ def main() -> None:
         threads, dtype = args.threads, args.dtype
         step("single", lambda: single_row(model, args.device, dtype, batch, new, threads))
         one = plan("one", [(gpu, kind, 0, layers)])
-        step("1-stage", lambda: pipeline_row(one, model, dtype, prompts_file, new, 1, threads), "single")
+        step("1-stage", lambda: pipeline_row(one, model, dtype, prompts_file, new, 1, threads), "single", one)
         two = plan("two", [(gpu, kind, 0, half), (f"{gpu}#2", kind, half, layers)], 2)
-        step("2 on one GPU", lambda: pipeline_row(two, model, dtype, prompts_file, new, 2, threads), "single")
+        step(
+            "2 on one GPU",
+            lambda: pipeline_row(two, model, dtype, prompts_file, new, 2, threads),
+            "single",
+            two,
+            2,
+        )
         if cuda:
             mixed = planner_split(model, args.cap_gib, root / "mixed.json")
         else:
@@ -229,7 +301,13 @@ def main() -> None:
         stages = json.loads(mixed.read_text())["stages"]
         split = [(s["device"], s["gpu_type"], s["layer_start"], s["layer_end"]) for s in stages]
         result["cpu_gpu_plan"] = {"cap_gib": args.cap_gib, "stages": split}
-        step("CPU + GPU", lambda: pipeline_row(mixed, model, dtype, prompts_file, new, 2, threads), "single")
+        step(
+            "CPU + GPU",
+            lambda: pipeline_row(mixed, model, dtype, prompts_file, new, 2, threads),
+            "single",
+            mixed,
+            2,
+        )
         step("CPU alone", lambda: single_row(model, "cpu", dtype, batch, new, threads), "single")
         if cuda:
             step("accelerate offload", lambda: accelerate_row(model, args.cap_gib, batch, new, dtype))
@@ -256,16 +334,45 @@ def _print(result: dict) -> None:
     rows = result["rows"]
     base = rows.get("single", {}).get("tok_s")
     table = Table(title=f"pipelines with GPU stages ({result['device']})")
-    for column in ("configuration", "tok/s", "vs single", "same tokens", "note"):
+    columns = ("configuration", "tok/s", "vs single", "same tokens", "tok/s pred (err)",
+               "TPOT ms meas / pred (err)", "TTFT ms meas / pred (err)", "note")  # fmt: skip
+    for column in columns:
         table.add_column(column)
     for name, row in rows.items():
         if "error" in row:
-            table.add_row(name, "-", "-", "-", row["error"][:80])
+            table.add_row(name, "-", "-", "-", "-", "-", "-", row["error"][:80])
             continue
         ratio = f"{row['tok_s'] / base:.2f}x" if base else "-"
         same = f"{row['same']}/{row['of']}" if "same" in row else "-"
-        table.add_row(name, f"{row['tok_s']:.1f}", ratio, same, str(row.get("placement", ""))[:60])
-    Console().print(table)
+        pred, err = row.get("predicted") or {}, row.get("rel_error") or {}
+        note = pred.get("error") or str(row.get("placement", ""))
+
+        predicted_tok_s = (
+            f"{pred['throughput_tok_s']:.1f} ({_pct(err.get('tok_s'))})"
+            if "throughput_tok_s" in pred
+            else "-"
+        )
+        table.add_row(
+            name, f"{row['tok_s']:.1f}", ratio, same, predicted_tok_s, _both(row, "tpot_s"),
+            _both(row, "ttft_s"), note[:60],
+        )  # fmt: skip
+    Console(width=180).print(table)
+
+
+def _both(row: dict, key: str) -> str:
+    """Measured / predicted milliseconds (error) of `key`."""
+    pred, err = row.get("predicted") or {}, row.get("rel_error") or {}
+    if row.get(key) is None or pred.get(key) is None:
+        return "-"
+    return f"{row[key] * 1e3:.2f} / {pred[key] * 1e3:.2f} ({_pct(err.get(key))})"
+
+
+def _rel(predicted: float | None, measured: float | None) -> float | None:
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:+.1f}%"
 
 
 if __name__ == "__main__":
