@@ -91,7 +91,11 @@ def parse_json_text(text: str, label: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise TesselError(f"{label}: not valid JSON (line {error.lineno}: {error.msg})") from None
+        unclosed = text.rstrip()[-1:] not in ("}", "]")  # an object or array file cut short
+        last = text.rstrip().count("\n") + 1
+        ends = f"; it ends unclosed at line {last}: truncated?" if unclosed else ""
+        where = f"line {error.lineno}: {error.msg} at column {error.colno}{ends}"
+        raise TesselError(f"{label}: not valid JSON ({where})") from None
     except (RecursionError, ValueError) as error:  # ValueError: an integer of > 4300 digits
         raise TesselError(f"{label}: not valid JSON ({str(error)[:200]})") from None
 

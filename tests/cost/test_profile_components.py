@@ -81,7 +81,7 @@ def test_profile_v2_round_trips_and_v1_still_loads(tmp_path) -> None:
     )
     path = tmp_path / "p.json"
     profile.save(path)
-    assert load_profile(path) == profile
+    assert load_profile(path) == replace(profile, meta=profile.to_json()["meta"])  # + the writer's version
     data = json.loads(path.read_text())
     for key in ("components", "cpu_cores", "threads"):
         data.pop(key)
@@ -226,5 +226,5 @@ def test_planner_prices_shared_cores_and_the_profiled_hop(tmp_path) -> None:
 def test_planner_refuses_a_profile_of_a_device_the_cluster_lacks() -> None:
     from tessel.plan.build import build_instance
 
-    with pytest.raises(TesselError, match="measured on 'cpu'.*a100-8x80g has A100-80G"):
+    with pytest.raises(TesselError, match=r"device type .cpu. not in cluster a100-8x80g \(A100-80G\)"):
         build_instance("llama-2-7b", "a100-8x80g", "default", profiles=[_profile()])

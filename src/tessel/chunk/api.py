@@ -21,7 +21,9 @@ from tessel.chunk.baselines import baseline_plans
 from tessel.chunk.bounds import lower_bound_s
 from tessel.chunk.from_plan import PlanPipeline, even_split_pipeline, load_plan_pipeline
 from tessel.chunk.planner import ChunkPlan, ChunkProblem, check_problem_size, plan_chunks
-from tessel.cost.profile import Profile, load_profile
+from tessel.cost.layer import profile_shape
+from tessel.cost.profile import Profile
+from tessel.cost.profile_check import checked_profiles
 from tessel.errors import TesselError
 from tessel.plan.cluster import Cluster, load_cluster
 
@@ -82,16 +84,22 @@ def chunk_prompts(
     max_chunk_tokens: int | None = None,
     profiles: Sequence[str | Path | Profile] = (),
     exact: bool | None = None,
+    force_profile: bool = False,
 ) -> ChunkOutcome:
-    """Plan CPP chunks for one prompt (or a batch, run one after the other) and the baselines."""
+    """Plan CPP chunks for one prompt (or a batch, run one after the other) and the baselines; a
+    profile of another device type, model shape or tessel is refused unless `force_profile`."""
     lengths = tuple(int(n) for n in seq_lens)
     check_problem_size(lengths, grid_tokens, max_chunk_tokens)  # before reading or pricing anything
-    loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
     if plan is not None:
-        priced = load_plan_pipeline(plan, loaded)
+        priced = load_plan_pipeline(plan, profiles, force_profile)
     elif model is not None:
         spec = model if isinstance(model, ModelSpec) else load_model(model)
         cluster_spec = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+        types = {device.spec.base_name for device in cluster_spec.devices}
+        loaded = checked_profiles(
+            profiles, types, profile_shape(spec), force=force_profile, model_name=spec.name,
+            cluster_name=cluster_spec.name,
+        )  # fmt: skip
         priced = even_split_pipeline(spec, cluster_spec, stages, dtype=dtype, profiles=loaded)
     else:
         raise TesselError("give --plan PLAN.json, or --model (with --cluster) for an even layer split")

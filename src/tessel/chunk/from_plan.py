@@ -379,7 +379,7 @@ def build_pipeline(
                 link=None if last else stage.link,
                 profile=profile,
                 profiles=tuple(profiles),
-                core_share=core_share(stages, hosts, position, profile),
+                core_share=core_share(stages, hosts, position, R.cores_profile(profiles, gpu, profile)),
                 transport=transport,
             )
         )
@@ -428,10 +428,30 @@ def _unit_counts(stage: StageSpec, granularity: str, dtype: str) -> tuple[UnitGr
     return tuple((kind, q, count) for (kind, q), count in sorted(counted.items()))
 
 
-def load_plan_pipeline(path: str | Path, profiles: Sequence[Profile] = ()) -> PlanPipeline:
-    """The priced pipeline of a `tessel plan --json` file, checked against its named cluster."""
+def plan_profiles(
+    plan: PlanFile, profiles: Sequence[str | Path | Profile], force: bool = False
+) -> list[Profile]:
+    """`profiles` loaded and checked against the plan's device types (every pipeline it holds) and
+    model shape (`tessel.cost.profile_check`): another device's, model's or tessel's is refused,
+    or used with a warning when `force`."""
+    from tessel.cost.profile_check import checked_profiles
+
+    stages = [stage for variant in (*plan.variants, *plan.replica_variants) for stage in variant.stages]
+    types = {get_gpu(stage.gpu_type).base_name for stage in stages}
+    return checked_profiles(
+        profiles, types, L.profile_shape(plan.model_spec), force=force, model_name=plan.model_name,
+        cluster_name=plan.cluster_name,
+    )  # fmt: skip
+
+
+def load_plan_pipeline(
+    path: str | Path, profiles: Sequence[str | Path | Profile] = (), force_profile: bool = False
+) -> PlanPipeline:
+    """The priced pipeline of a `tessel plan --json` file, checked against its named cluster; the
+    profiles checked against the plan (`plan_profiles`)."""
     plan = load_plan(path)
     plan.check_named_cluster()
+    profiles = plan_profiles(plan, profiles, force_profile)
     labels = {"model": plan.model_spec.name, "cluster": plan.cluster_name, "source": str(path)}
     return plan_pipeline(plan, plan.stages, profiles=profiles, labels=labels)
 

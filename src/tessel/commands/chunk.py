@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from tessel.chunk.planner import MAX_PROMPT_TOKENS
-from tessel.commands.options import input_file, output_file, plan_dtype_option
+from tessel.commands.options import FORCE_PROFILE_OPTION, input_file, output_file, plan_dtype_option
 
 
 class SeqLens(tuple):
@@ -46,6 +46,7 @@ def chunk(
         None, "--max-chunk-tokens", min=1, max=MAX_PROMPT_TOKENS, help="Memory cap per chunk."
     ),
     profiles: list[Path] = input_file([], "--profile", help="Profile JSON(s) from `tessel profile`."),
+    force_profile: bool = FORCE_PROFILE_OPTION,
     exact: bool | None = typer.Option(
         None, "--exact/--no-exact", help="Force (or skip) the exact search; default: small grids only."
     ),
@@ -71,6 +72,7 @@ def chunk(
         max_chunk_tokens=max_chunk_tokens,
         profiles=profiles,
         exact=exact,
+        force_profile=force_profile,
     )
     console = Console()
     print_chunks(console, outcome)

@@ -14,6 +14,7 @@ import typer
 
 from tessel.commands.options import (
     EMULATE_HOST_GBPS_OPTION,
+    FORCE_PROFILE_OPTION,
     HOST_KV_CACHE_GIB_OPTION,
     PREEMPTION_MODE_OPTION,
     PreemptionMode,
@@ -59,6 +60,7 @@ def launch(
     cpp: bool = typer.Option(True, help="Cut long prompts into the CPP planner's chunks."),
     cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
     profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
+    force_profile: bool = FORCE_PROFILE_OPTION,
     threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
     replica: int | None = typer.Option(
         None, min=0, help="Replica plans: which pipeline to run (route requests by the plan's weights)."
@@ -96,6 +98,11 @@ def launch(
         check_output_path(json_out, "--json", inputs)  # before the stages start
     if run_dir is not None:  # new, empty, or a run folder of tessel's: never a folder of the user's
         claim_directory(run_dir, "--run-dir", inputs=inputs)
+    if profile:  # another device's, model's or tessel's profile: refused (or warned) before any stage starts
+        from tessel.chunk.from_plan import plan_profiles
+        from tessel.plan.plan_file import load_plan
+
+        plan_profiles(load_plan(plan), profile, force_profile)
     options = RunOptions(
         plan, model, prompts=list(prompt), prompts_file=prompts_file, max_tokens=max_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos, dtype=dtype,

@@ -52,6 +52,12 @@ EMULATE_HOST_GBPS_OPTION = typer.Option(
     help="Emulation on a CPU-only machine: slow KV copies to and from host memory to this bandwidth, "
     "Gbit/s (a stand-in for a GPU's host link, never a GPU measurement).",
 )
+FORCE_PROFILE_OPTION = typer.Option(
+    False,
+    "--force-profile",
+    help="Use a --profile measured on another device type, model shape or tessel version anyway "
+    "(a warning lists what differs); without it such a profile is refused.",
+)
 
 DEVICE_OPTION = typer.Option(
     "cpu",

@@ -12,7 +12,7 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import input_file, output_file, plan_dtype_option
+from tessel.commands.options import FORCE_PROFILE_OPTION, input_file, output_file, plan_dtype_option
 from tessel.errors import TesselError
 from tessel.plan.api import MAX_TIME_LIMIT_S
 
@@ -64,6 +64,7 @@ def plan(
     profile: list[Path] = input_file(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),
+    force_profile: bool = FORCE_PROFILE_OPTION,
     json_path: Path | None = output_file(
         None, "--json", help="Write the plan file (tessel.plan.plan_file) here."
     ),
@@ -143,6 +144,7 @@ def plan(
         theta,
         sensitivity,
         kv_preemption,
+        force_profile,
     )
     console = Console(width=None if sys.stdout.isatty() else 150)
     if concurrency == "memory" and replicas is None:

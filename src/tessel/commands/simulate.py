@@ -8,7 +8,7 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import input_file, optional_count, output_file
+from tessel.commands.options import FORCE_PROFILE_OPTION, input_file, optional_count, output_file
 from tessel.commands.remap_options import (
     REMAP_CONFIRM_OPTION,
     REMAP_COOLDOWN_OPTION,
@@ -87,6 +87,7 @@ def simulate(
     profile: list[Path] = input_file(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),
+    force_profile: bool = FORCE_PROFILE_OPTION,
     remap: RemapMode = REMAP_OPTION,
     remap_threshold: float = REMAP_THRESHOLD_OPTION,
     remap_horizon_s: float = REMAP_HORIZON_OPTION,
@@ -144,12 +145,12 @@ def simulate(
             raise TesselError(
                 f"--measured simulates the run's own requests; drop {', '.join(clashing)}"
             )
-        report, comparison = simulate_measured(plan, measured, mix, profile)
+        report, comparison = simulate_measured(plan, measured, mix, profile, force_profile)
         print_simulation(console, report)
         console.print(comparison_table(comparison.rows, f"Predicted vs measured ({measured})"))
         document = {**report.to_json(), "measured": comparison.to_json()}
     else:
-        report = simulate_plan(plan, workload, settings, profiles=profile)
+        report = simulate_plan(plan, workload, settings, profiles=profile, force_profile=force_profile)
         run = report.runs[0]
         planned = run.variant.predicted.get("throughput_tok_s")
         load = check_load(run.result, run.metrics, planned)
@@ -171,7 +172,9 @@ def simulate(
         console.print(f"metrics written to {json_out}", highlight=False)
 
 
-def simulate_measured(plan: Path, run_file: Path, mix: str, profiles: list[Path]):  # noqa: ANN201
+def simulate_measured(  # noqa: ANN201
+    plan: Path, run_file: Path, mix: str, profiles: list[Path], force_profile: bool = False
+):
     """Simulate the requests of a `tessel launch --json` run of PLAN as launch ran them: all at
     t = 0, its micro-batches in flight (pinned slots), its per-slot sequence limit and token budget,
     no KV limit (the runtime sizes its own pool). -> (report, comparison)."""
@@ -197,5 +200,7 @@ def simulate_measured(plan: Path, run_file: Path, mix: str, profiles: list[Path]
     )  # fmt: skip
     n = len(run.requests)
     trace = RequestSet(run.requests, f"the {n} requests of {run_file}, all at t=0")
-    report = simulate_plan(plan_file, str(run_file), settings, profiles=profiles, trace=trace)
+    report = simulate_plan(
+        plan_file, str(run_file), settings, profiles=profiles, trace=trace, force_profile=force_profile
+    )
     return report, MeasuredComparison(run, compare_metrics(report.runs[0].metrics, run.metrics))

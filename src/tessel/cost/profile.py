@@ -7,7 +7,9 @@
 
 and writes them as JSON (`PROFILE_VERSION`). The cost model uses a profile for the device type
 and model shape it was measured on; for another model shape it falls back to the efficiencies
-the fit implies (`compute_efficiency`, `memory_efficiency`), or to the catalog defaults.
+the fit implies (`compute_efficiency`, `memory_efficiency`), or to the catalog defaults; the
+commands refuse such a profile unless forced (`tessel.cost.profile_check`). `meta.tessel_version`
+records the tessel that wrote the file.
 
 Version 2 adds the other things the planner prices, each an affine fit `t(x) = c0 + c1*x` with its
 held-out error (`ComponentFit`, keyed in `Profile.components`):
@@ -42,6 +44,7 @@ PROFILE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: the decoder-layer fits alone
 COMPONENTS = ("embed", "head", "step")
 TRANSPORT_PREFIX = "transport:"
+VERSION_KEY = "tessel_version"  # meta: the tessel that wrote the file (`tessel.cost.profile_check`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,12 @@ class Profile:
         )
 
     def to_json(self) -> dict:
-        return {"version": PROFILE_VERSION, **asdict(self)}
+        """The file's JSON; `meta` gains this tessel's version unless the profile records one."""
+        from tessel import __version__
+
+        data = asdict(self)
+        data["meta"] = {VERSION_KEY: __version__} | data["meta"]
+        return {"version": PROFILE_VERSION, **data}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")

@@ -6,7 +6,8 @@ Weight GEMM FLOPs run at the peak of the weight dtype; the attention core (QK^T,
 of the activation dtype (fp16 under int8 W8A8). A measured `Profile` for the same device type,
 model shape and dtype replaces the analytic time of the whole layer (its fit is per decoder
 layer; an attention or MLP block gets the analytic share of it). A profile of the same device
-type but another model shape contributes only its measured efficiencies.
+type but another model shape contributes only its measured efficiencies (the commands refuse such
+a profile unless forced: `tessel.cost.profile_check`).
 
 The profile's other components (`Profile.components`) price, when timed on the same device type
 and dtype at the model's sizes: the embedding (`embed_time_s`), the final norm + LM head +
@@ -284,6 +285,17 @@ def transport_time_s(
     "nccl"), from the profile of the sending device type; None when it has no such fit."""
     measured = _component(profile, transport_key(transport), None, gpu, dtype)
     return None if measured is None else measured.time_s(n_bytes)
+
+
+def cores_profile(
+    profiles: tuple[Profile, ...] | list[Profile], gpu: GpuSpec, preferred: Profile | None
+) -> Profile | None:
+    """The profile whose host cores and threads price core sharing on `gpu`: `preferred` (the one
+    chosen for the reference precision) when it knows the cores, else any profile of the device type
+    that does (a host's cores do not depend on the precision a profile timed)."""
+    if preferred is not None and preferred.cpu_cores:
+        return preferred
+    return next((p for p in profiles if _same_device(p, gpu) and p.cpu_cores), preferred)
 
 
 def core_share_factor(sharing_stages: int, profile: Profile | None) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tessel.catalog.models import ModelSpec, load_model
-from tessel.cost.profile import Profile, load_profile
+from tessel.cost.profile import Profile
 from tessel.errors import TesselError
 from tessel.plan.baselines import BaselineResult, run_baselines
 from tessel.plan.build import build_instance, capacity_shortfall_bytes
@@ -56,6 +56,7 @@ class PlanSettings:
     theta: float | None = None
     sensitivity: Path | None = None  # measured per-layer quality costs (JSON)
     kv_preemption: str = "auto"  # evicted KV priced by swap or recompute per stage ("off": streamed)
+    force_profile: bool = False  # use a profile of another device, model shape or tessel (warned)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_limit_s) and 0 < self.time_limit_s <= MAX_TIME_LIMIT_S):
@@ -76,6 +77,7 @@ class PlanSettings:
             "overlap": self.overlap,
             "swap_in": self.swap_in,
             "kv_preemption": self.kv_preemption,
+            "force_profile": self.force_profile,
             **self.precision_options(model),
         }
 
@@ -189,9 +191,8 @@ def prepare_plan(
     model_spec = model if isinstance(model, ModelSpec) else load_model(model)
     cluster_spec = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     workload_spec = workload if isinstance(workload, Workload) else load_workload(workload)
-    loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
-    instance = build_instance(
-        model_spec, cluster_spec, workload_spec, profiles=loaded, **settings.instance_options(model)
+    instance = build_instance(  # profiles loaded and checked there (their paths named)
+        model_spec, cluster_spec, workload_spec, profiles=list(profiles), **settings.instance_options(model)
     )
     _check_capacity(instance)
     source = (

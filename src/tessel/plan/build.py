@@ -43,8 +43,10 @@ from tessel.catalog.models import ModelSpec, load_model
 from tessel.cost import layer as L
 from tessel.cost.link import link_time_s
 from tessel.cost.profile import Profile
+from tessel.cost.profile_check import checked_profiles
 from tessel.cost.roofline import (
     core_share_factor,
+    cores_profile,
     efficiency_for,
     embed_time_s,
     lm_head_time_s,
@@ -105,8 +107,10 @@ def build_instance(
     checkpoint: Path | None = None,
     sensitivity: Path | None = None,
     kv_preemption: str = "auto",
+    force_profile: bool = False,
 ) -> PlanningInstance:
-    """The planning problem of serving `model` on `cluster` under `workload` (names or objects)."""
+    """The planning problem of serving `model` on `cluster` under `workload` (names or objects); a
+    profile of another device type, model shape or tessel is refused unless `force_profile`."""
     model = model if isinstance(model, ModelSpec) else load_model(model)
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     workload = workload if isinstance(workload, Workload) else load_workload(workload)
@@ -125,7 +129,7 @@ def build_instance(
     if precisions:
         dtype = precisions[0]
     _check_emulated_memory(model, cluster, dtype)
-    _check_profiles_apply(profiles, cluster)
+    profiles = _check_profiles_apply(profiles, cluster, model, force_profile)
     kinds = GRANULARITIES[granularity]
     units = tuple(Unit(layer, kind) for layer in range(model.num_layers) for kind in kinds)
     shape = _PassShape.of(workload)
@@ -163,8 +167,10 @@ def build_instance(
     hosts = _device_hosts(cluster)
     shares = np.array(
         [
-            core_share_factor(sum(1 for h in hosts if h == host), profile) if host is not None else 1.0
-            for host, profile in zip(hosts, device_profiles, strict=True)
+            core_share_factor(sum(1 for h in hosts if h == host), cores_profile(profiles, d.spec, profile))
+            if host is not None
+            else 1.0
+            for host, profile, d in zip(hosts, device_profiles, cluster.devices, strict=True)
         ]
     )
 
@@ -187,6 +193,7 @@ def build_instance(
             precisions,
             kv_dtype,
             tuple(profiles),
+            shares,
             quality_budget=quality_budget,
             theta=theta,
             checkpoint=checkpoint,
@@ -298,6 +305,7 @@ def _precision_choice(
     precisions: tuple[str, ...],
     kv_dtype: str,
     profiles: tuple[Profile, ...],
+    shares: np.ndarray,
     *,
     quality_budget: float | None,
     theta: float | None,
@@ -305,7 +313,7 @@ def _precision_choice(
     sensitivity: Path | None,
 ) -> tuple[PrecisionChoice, str]:
     """Bytes, times and quality cost of every unit at every precision (see the module docstring),
-    and where the quality costs came from."""
+    and where the quality costs came from; the times x each device's core share, as at one precision."""
     from tessel.plan.precision import default_budget
     from tessel.plan.quality import quality_costs
 
@@ -317,8 +325,8 @@ def _precision_choice(
             t: _TypeCosts.of(model, spec, kinds, shape, name, kv_dtype, profiles) for t, spec in specs.items()
         }
         types = [per_type[device.spec.name] for device in cluster.devices]
-        prefill.append(np.array([t.prefill_s for t in types]).T[kind_index])  # [U, N]
-        decode.append(np.array([t.decode_s for t in types]).T[kind_index])
+        prefill.append(np.array([t.prefill_s for t in types]).T[kind_index] * shares)  # [U, N]
+        decode.append(np.array([t.decode_s for t in types]).T[kind_index] * shares)
     weight = np.array(
         [[float(L.weight_bytes(model, unit.kind, name)) for name in precisions] for unit in units]
     )
@@ -346,16 +354,16 @@ def _precision_choice(
     return choice, source
 
 
-def _check_profiles_apply(profiles: Sequence[Profile], cluster: Cluster) -> None:
-    """A profile measured on a device type the cluster does not have prices nothing: refused, naming
-    both (a user who passed it expects it used)."""
-    types = sorted({device.spec.base_name for device in cluster.devices})
-    for profile in profiles:
-        if profile.device_type.strip().lower() not in {t.lower() for t in types}:
-            raise TesselError(
-                f"a profile measured on {profile.device_type!r} was given, but cluster {cluster.name} has "
-                f"{', '.join(types)}; profile one of its device types (`tessel profile`) or drop it"
-            )
+def _check_profiles_apply(
+    profiles: Sequence[Profile | str | Path], cluster: Cluster, model: ModelSpec, force: bool
+) -> list[Profile]:
+    """A profile measured on a device type the cluster does not have, on another model shape or by
+    another tessel prices nothing it was meant to: refused, naming each difference (a user who
+    passed it expects it used), or used with a warning when forced (`tessel.cost.profile_check`)."""
+    types = {device.spec.base_name for device in cluster.devices}
+    return checked_profiles(
+        profiles, types, L.profile_shape(model), force=force, model_name=model.name, cluster_name=cluster.name
+    )
 
 
 def _device_hosts(cluster: Cluster) -> list[str | None]:

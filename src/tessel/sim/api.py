@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessel.cost.profile import Profile, load_profile
+from tessel.chunk.from_plan import plan_profiles
+from tessel.cost.profile import Profile
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
 from tessel.plan.remap_decision import RemapSettings
@@ -125,9 +126,11 @@ def simulate_plan(
     *,
     profiles: tuple[str | Path, ...] | list = (),
     trace: RequestSet | None = None,
+    force_profile: bool = False,
 ) -> SimulationReport:
     """Serve a workload (bundled name, workload YAML or trace file) with a plan and its baselines;
-    `trace`, when given, is served instead of the workload's requests (`workload` then only names it)."""
+    `trace`, when given, is served instead of the workload's requests (`workload` then only names it).
+    A profile of another device type, model shape or tessel is refused unless `force_profile`."""
     settings = settings or SimulationSettings()
     plan_file = plan if isinstance(plan, PlanFile) else load_plan(plan)
     plan_file.check_named_cluster()
@@ -136,7 +139,7 @@ def simulate_plan(
             f"{plan_file.model_name} is an encoder (one forward per request, no decode): `tessel simulate` "
             "schedules decoder requests; the plan's sequences/s is the encoder's prediction"
         )
-    loaded = [p if isinstance(p, Profile) else load_profile(p) for p in profiles]
+    loaded = plan_profiles(plan_file, profiles, force_profile)
     if trace is None:
         trace = requests_for_workload(workload, settings.requests, settings.seed, settings.rate_per_s)
     defaults = regime_defaults(plan_file, settings.regime)
@@ -208,6 +211,7 @@ def _variant_config(
         offload_overlap=priced.offload_overlap,
         kv_pools=priced.kv_pools,
         slowdowns=slowdowns if any(slowdowns) else (),
+        cores=priced.cores,
     )
     return priced, config
 
