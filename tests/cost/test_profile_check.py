@@ -244,3 +244,33 @@ def test_simulator_stages_of_a_mixed_plan_share_the_cores_from_any_precisions_pr
     for s, a in zip(shared, alone, strict=True):
         assert s.prefill_time_s(64, 32) == pytest.approx(2.0 * a.prefill_time_s(64, 32), rel=1e-12)
         assert s.decode_time_s(3, 300) == pytest.approx(2.0 * a.decode_time_s(3, 300), rel=1e-12)
+
+
+def test_planner_and_simulator_agree_on_a_mixed_plans_shared_cores(tmp_path: Path) -> None:
+    """Oracle: the planner's own evaluation of a mixed-precision split over two CPU stages of one
+    host (1 core, 1 thread each: share 2) is the simulator's stage time for the same plan file."""
+    from tessel.plan.build import build_instance
+    from tessel.plan.cluster import load_cluster
+    from tessel.plan.plan_file import parse_plan
+    from tessel.plan.report import plan_json
+    from tessel.plan.solution import Solution, Stage, evaluate
+    from tessel.plan.workload import Workload
+    from tessel.sim.plan_pipeline import pipeline_for
+
+    cluster = load_cluster(_two_cpus(tmp_path))
+    lengths = {"prompt_tokens": {"mean": 96, "max": 192}, "output_tokens": {"mean": 8, "max": 16}}
+    workload = Workload(name="w", batch_size=4, **lengths)
+    profile = _profile("cpu", cpu_cores=1, threads=1)
+    options = {"precisions": ("fp16", "int8"), "theta": 0.0, "profiles": [profile]}
+    instance = build_instance(TINY, cluster, workload, **options)
+    solution = Solution((Stage(0, 0, 3), Stage(1, 3, 8))).with_precisions([1, 0, 1, 1, 0, 0, 1, 0])
+    evaluation = evaluate(instance, solution)
+    document = plan_json(instance, evaluation, model=TINY, cluster=cluster, cluster_source=cluster.name,
+                         workload=workload, solver={"name": "test"}, baselines={})  # fmt: skip
+    plan = parse_plan(json.loads(document.dump()))
+    shared = pipeline_for(plan, profiles=[profile]).pipeline.stages
+    alone = pipeline_for(plan, profiles=[replace(profile, cpu_cores=None)]).pipeline.stages
+    b, context = workload.micro_batch_size, workload.mean_decode_context_tokens
+    for stage, apart, expected in zip(shared, alone, evaluation.stages, strict=True):
+        assert stage.decode_time_s(b, b * context) == pytest.approx(expected.compute_decode_s, rel=1e-9)
+        assert stage.decode_time_s(b, b * context) == pytest.approx(2.0 * apart.decode_time_s(b, b * context))
