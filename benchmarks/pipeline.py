@@ -148,6 +148,7 @@ def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: in
         max_in_flight=cfg["slots"],
         pinned=cfg["slots"] > 1,
         logits_time_s=priced.logits_time_s,
+        cores=priced.cores,  # stages of one host share its cores (processor sharing)
     )
     result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
     metrics = compute_metrics(result)
@@ -158,6 +159,7 @@ def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: in
         "tpot_s": None if tpot != tpot else tpot,
         "throughput_tok_s": metrics.throughput_tok_s,
         "stage_utilization": [u.to_json() for u in utilizations],  # predicted MFU and MBU per stage
+        "stage_busy_s": list(metrics.stage_busy_s),  # per stage: its batches' compute time
     }
 
 
@@ -263,6 +265,31 @@ def _mfu_cells(predicted: list | None, measured: list | None) -> str:
     return " ".join(f"{pct(a)}/{pct(b)}" for a, b in zip(predicted, measured, strict=False))
 
 
+def stage_table(rows: list[dict]) -> Table:
+    """Per stage: the simulator's busy time next to the measured one, as wall time (compute +
+    emulation sleep) and as the process's CPU time over the same spans; CPU well under wall means
+    the stage waited for a core (time-sharing with the other stages or other load)."""
+    table = Table(title="per stage: busy s predicted / measured wall (compute + sleep), CPU s in compute, "
+                  "process CPU s while serving, wall s of the run")  # fmt: skip
+    for column in ("cluster", "split", "stage", "pred busy", "meas busy", "compute wall", "compute CPU",
+                   "process CPU", "run wall"):  # fmt: skip
+        table.add_column(column, justify="right")
+
+    def s(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    for r in rows:
+        busy = r["predicted"].get("stage_busy_s") or []
+        for i, stage in enumerate(r["measured"]["stages"]):
+            table.add_row(
+                r["cluster"], r["variant"], str(i), s(busy[i] if i < len(busy) else None),
+                s(stage.get("compute_s", 0.0) + stage.get("emulation_sleep_s", 0.0)),
+                s(stage.get("compute_s")),
+                s(stage.get("compute_cpu_s")), s(stage.get("process_cpu_s")), s(r["measured"]["wall_s"]),
+            )  # fmt: skip
+    return table
+
+
 def render(result: dict, console: Console) -> None:
     table = Table(title="pipeline runtime: simulator prediction vs measured (means over requests)")
     for column in ("cluster", "split", "layers", "TTFT ms pred/meas", "TPOT ms pred/meas", "tok/s pred/meas",
@@ -286,6 +313,7 @@ def render(result: dict, console: Console) -> None:
             _mfu_cells(p.get("stage_utilization"), m.get("stage_utilization")),
         )  # fmt: skip
     console.print(table)
+    console.print(stage_table(result["rows"]))
     speed = Table(title="planned split over uniform split (throughput)")
     for column in ("cluster", "predicted", "measured", "rel. error"):
         speed.add_column(column, justify="right")

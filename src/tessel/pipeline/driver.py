@@ -263,7 +263,7 @@ class PipelineEngine(LLM):
             host_kv_blocks=self.preemptor.pool.num_total_blocks if self.preemptor.pool is not None else 0,
         )
         self._released = []
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         hidden = self.runner.run_stage(positions, meta, input_ids=input_ids)
         if batch.prefills:  # what recomputing a context costs on this stage (tessel.engine.preemption)
             self.preemptor.clock.record(batch.num_tokens, time.perf_counter() - started)
@@ -271,7 +271,7 @@ class PipelineEngine(LLM):
         record = _InFlight(message.batch_id, slot, apply, sampled, scorings, seq_ids=seq_ids)
         if self.comm is None:
             record.result = self.stage.sample(hidden, message)
-        self.stage.account(started, batch.num_tokens)
+        self.stage.account(started, batch.num_tokens, cpu_started)
         if self.comm is not None:
             self.comm.send_batch(message, hidden)
         self._in_flight.append(record)

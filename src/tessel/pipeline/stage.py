@@ -62,6 +62,8 @@ class StageStats:
     batches: int = 0
     compute_s: float = 0.0  # wall time in this stage's layers (+ sampling on the last)
     emulation_sleep_s: float = 0.0
+    compute_cpu_s: float = 0.0  # process CPU seconds (time.process_time) over the compute_s spans
+    process_cpu_s: float = 0.0  # process CPU seconds (all threads) while serving the timed requests
     tokens: int = 0
     cpp_prompts: int = 0  # prompts cut into CPP chunks (stage 0)
     cpp_chunks: int = 0
@@ -201,10 +203,13 @@ class StageExecutor:
             self._generators[seq_id] = torch.Generator().manual_seed(params.seed)
         return self._generators[seq_id]
 
-    def account(self, started_s: float, tokens: int) -> None:
-        """Count a micro-batch that began at `started_s` (perf_counter) and emulate the slowdown."""
+    def account(self, started_s: float, tokens: int, cpu_started_s: float | None = None) -> None:
+        """Count a micro-batch that began at `started_s` (perf_counter; `cpu_started_s`: process_time)
+        and emulate the slowdown."""
         now = time.perf_counter()
         compute_s = now - started_s
+        if cpu_started_s is not None:
+            self.stats.compute_cpu_s += time.process_time() - cpu_started_s
         if self._serving_since is None:
             self._serving_since = self._emulation_origin(started_s)
         self.stats.batches += 1

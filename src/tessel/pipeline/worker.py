@@ -217,7 +217,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     if args.warmup:
         warm_up(engine, requests)
         engine.stage.stats = StageStats()  # stage 0 counts the timed requests only
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     try:
         outputs = engine.generate(
             [r.prompt for r in requests], [r.params for r in requests], use_progress=False
@@ -225,6 +225,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     finally:
         engine.shutdown()
     wall_s = time.time() - started
+    engine.stage.stats.process_cpu_s = time.process_time() - cpu_started
     kv = engine.preemption_stats  # by mode, and the bytes swapped out and back (tessel.engine.preemption)
     write_status(
         0, **asdict(engine.stage.stats), wall_s=wall_s, preemptions=engine.scheduler.num_preemptions,
@@ -329,19 +330,21 @@ def _capacity(args: argparse.Namespace, plan: RunPlan, rank: int, model, dtype, 
 def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     """Run micro-batches from the previous stage until stage 0 says stop."""
     executor.progress = comm.progress  # the heartbeat carries its batches and busy seconds
+    serving_cpu = time.process_time()
     while (received := comm.recv_batch()) is not None:
         message, stream = received
         executor.adopt(message)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         out = executor.runner.run_stage(message.positions, message.meta, stream=stream)
         sampled = executor.sample(out, message) if last else None  # tokens and the logprobs asked for
-        executor.account(started, stream.shape[0])
+        executor.account(started, stream.shape[0], cpu_started)
         if last:
             comm.send_tokens(message.batch_id, sampled)
         else:
             comm.send_batch(message, out)
     comm.send_stop()
     comm.flush()
+    executor.stats.process_cpu_s = time.process_time() - serving_cpu
 
 
 def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: int, kv_blocks: int) -> None:

@@ -21,21 +21,29 @@ Of that, the stage's `kv_evicted_gib` is KV, not weights: it is left out of the 
 off the device instead (`tessel.sim.kv_pool`): the stage holds `kv_gib - kv_evicted_gib` of KV and,
 when its sequences hold more, brings the excess back by its `kv_preemption` mode: a swap at the
 plan's `host_h2d_gbps` / `host_d2h_gbps` (else the catalog's figures), or its own prefill of it.
+CPU stages of one host (`tessel.chunk.from_plan.stage_hosts`; an emulated node runs on the host
+that runs the plan) share its cores in the simulator by processor sharing (`SimPipeline.cores`, a
+`tessel.sim.simulator.CoreSharing`): the host runs cores / threads of them at full speed (its
+profile's `cpu_cores` and `threads`), and an emulated stage of speed s holds a core for s of its
+priced time (the runtime sleeps the rest). The stage times keep the cost model's static factor
+(every stage computing at once) for the chunk planner; the simulator divides it out.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tessel.catalog.gpus import get_gpu
-from tessel.chunk.from_plan import plan_pipeline
+from tessel.chunk.from_plan import PlanPipeline, is_cpu, plan_pipeline, stage_hosts
 from tessel.chunk.latency import PipelineLatency, StageLatency
 from tessel.cost.layer import kv_bytes_per_token
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
 from tessel.plan.plan_file import PlanFile, PlanStage, PlanVariant
 from tessel.sim.kv_pool import KvPool
+from tessel.sim.simulator import CoreSharing
 from tessel.units import GBPS, GIB
 
 
@@ -46,6 +54,7 @@ class SimPipeline:
     offload_s: tuple[float, ...]  # per stage, per batch: offload_gib over the GPU's host-to-device PCIe
     offload_overlap: bool  # the plan's `overlap`: offload hidden under compute (max) or added
     kv_pools: tuple[KvPool | None, ...] = ()  # per stage that evicts KV: its resident KV and mode
+    cores: CoreSharing | None = None  # CPU stages sharing a host's cores (None: none share)
 
 
 def pipeline_for(
@@ -76,7 +85,33 @@ def pipeline_for(
         _kv_pool(plan, stage, latency) for stage, latency in zip(stages, priced.pipeline.stages, strict=True)
     )
     kv_pools = pools if any(pools) else ()
-    return SimPipeline(priced.pipeline, logits_time_s, offload_s, plan.overlap, kv_pools)
+    cores = core_sharing(priced)
+    return SimPipeline(priced.pipeline, logits_time_s, offload_s, plan.overlap, kv_pools, cores)
+
+
+def core_sharing(priced: PlanPipeline) -> CoreSharing | None:
+    """The CPU stages that share a host's cores, with what the simulator needs to share them (module
+    docstring); None when no two stages share a host or no profile gives the host's cores."""
+    hosts: list[str | None] = []
+    slots: dict[str, float] = {}
+    stages = priced.pipeline.stages
+    for spec, host, stage in zip(priced.stages, stage_hosts(priced.stages), stages, strict=True):
+        profile = getattr(stage, "profile", None)
+        if not is_cpu(spec) or profile is None or not profile.cpu_cores:
+            hosts.append(None)
+            continue
+        hosts.append(host)
+        slots.setdefault(host, profile.cpu_cores / (profile.threads or 1))
+    counts = Counter(host for host in hosts if host is not None)
+    hosts = [host if host is not None and counts[host] > 1 else None for host in hosts]
+    if all(host is None for host in hosts):
+        return None
+    return CoreSharing(
+        tuple(hosts),
+        {host: slots[host] for host in hosts if host is not None},
+        tuple(getattr(stage, "core_share", 1.0) for stage in priced.pipeline.stages),
+        tuple(min(1.0, spec.emulate_speed) for spec in priced.stages),
+    )
 
 
 def _host_link(stage: PlanStage) -> tuple[float, float]:

@@ -25,13 +25,22 @@ host memory streams them in for every batch: `SimConfig.offload_s[s]` is added t
 time on stage s (or overlapped with it: max, under `offload_overlap`), as the planner counts it.
 A stage with an emulated speed schedule (`SimConfig.slowdowns`) has its compute times multiplied by
 the schedule's factor at the seconds since its first batch, as the runtime's stage sleeps by it.
+
+CPU stages that share one host's cores (`SimConfig.cores`, a `CoreSharing`) share them as the OS
+does, by processor sharing: a host whose cores run `slots` stages at full speed (cores / threads
+per stage) gives each of its n computing stages the rate min(1, slots / n), re-rated whenever one
+starts or ends. A stage's batch holds the host's cores for its CPU work only: a stage emulating
+speed s computes (s of its priced time, at the shared rate) and then sleeps (1/s - 1) x the wall
+time that took, off the cores, as the runtime's emulation does (`tessel.pipeline.stage`). The
+stage times priced for sharing (the cost model's static `core_share`, every stage computing at
+once) are divided by that factor first, so that sharing is counted once.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 from tessel.chunk.latency import PipelineLatency, StageLatency
@@ -42,7 +51,44 @@ from tessel.sim.scheduler import MicroBatch, SimScheduler, SimSchedulerConfig, S
 MIX_RULES = ("sum", "max")
 
 # Events at one instant are handled in this order, then the scheduler runs.
-_COMPUTE_DONE, _SEND_DONE, _ARRIVAL = 0, 1, 2
+_COMPUTE_DONE, _SEND_DONE, _ARRIVAL, _CPU_DONE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSharing:
+    """Stages that share a host's cores (module docstring). Per stage: `hosts` (None: a device of
+    its own), `priced_share` (the static sharing factor its priced times include, divided out) and
+    `cpu_fraction` (the share of its priced time spent computing: its emulated speed; the rest it
+    sleeps); per host, `slots`: how many of its stages compute at full speed at once."""
+
+    hosts: tuple[Hashable | None, ...]
+    slots: dict[Hashable, float]
+    priced_share: tuple[float, ...]
+    cpu_fraction: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.hosts)
+        if len(self.priced_share) != n or len(self.cpu_fraction) != n:
+            raise ValueError(f"core sharing: {n} hosts, {len(self.priced_share)} shares, "
+                             f"{len(self.cpu_fraction)} CPU fractions")  # fmt: skip
+        if any(h is not None and self.slots.get(h, 0) <= 0 for h in self.hosts):
+            raise ValueError(f"core sharing: every host needs slots > 0, got {self.slots}")
+        if any(not 0 < f <= 1 for f in self.cpu_fraction) or any(x <= 0 for x in self.priced_share):
+            raise ValueError("core sharing: CPU fractions must be in (0, 1] and shares > 0")
+
+
+@dataclass(slots=True)
+class _CpuJob:
+    """A batch's CPU work on a shared host: `remaining` seconds at full speed, at `rate` since `since_s`."""
+
+    batch: MicroBatch
+    start_s: float
+    remaining: float
+    sleep_per_wall: float  # seconds slept per wall second of CPU work (emulated speed)
+    offload_s: float
+    rate: float = 1.0
+    since_s: float = 0.0
+    version: int = 0
 
 
 @dataclass(slots=True)
@@ -59,6 +105,7 @@ class SimConfig:
     # per stage, (seconds since the stage's first batch, factor) changes: from then on its compute
     # times are multiplied by the factor (an emulated speed schedule; `slowdowns_for`)
     slowdowns: tuple[tuple[tuple[float, float], ...], ...] = ()
+    cores: CoreSharing | None = None  # CPU stages sharing a host's cores (processor sharing)
 
     def __post_init__(self) -> None:
         if any(t < 0 for t in self.offload_s):
@@ -202,6 +249,9 @@ class _Run:
         self.counter = 0
         self.intervals: list[Interval] = []
         self.sequences: dict[int, SimSequence] = {}
+        if config.cores is not None and len(config.cores.hosts) != self.n_stages:
+            raise ValueError(f"core sharing of {len(config.cores.hosts)} stages for {self.n_stages} stages")
+        self.cpu_jobs: dict[Hashable, dict[int, _CpuJob]] = {}  # per shared host: stage -> its CPU work
 
     def push(self, time_s: float, kind: int, stage: int, payload: object) -> None:
         heapq.heappush(self.events, (time_s, kind, self.counter, stage, payload))
@@ -223,6 +273,8 @@ class _Run:
             self.sequences[payload.id] = self.scheduler.add(payload)
         elif kind == _COMPUTE_DONE:
             self.compute_done(now, stage, payload)
+        elif kind == _CPU_DONE:
+            self.cpu_done(now, stage, payload)
         else:
             self.send_done(now, stage, payload)
 
@@ -275,15 +327,63 @@ class _Run:
         time = batch_compute_time_s(self.latency[index], batch, config.mix, logits)
         if stage.first_s is None:
             stage.first_s = now
-        if config.slowdowns:
-            time *= _slowdown(config.slowdowns[index], now - stage.first_s)
+        factor = _slowdown(config.slowdowns[index], now - stage.first_s) if config.slowdowns else 1.0
+        time *= factor
         offload = config.offload_s[index] if config.offload_s else 0.0
         if self.kv_pools and self.kv_pools[index] is not None:  # evicted KV comes back first
             running = (s.scheduled_prompt + s.generated for s in self.scheduler.running)
             offload += self.kv_pools[index].restore_s(running, sum(item.offset for item in batch.items))
+        cores = config.cores
+        if cores is not None and cores.hosts[index] is not None:
+            self.start_cpu(now, index, batch, time, factor, offload)
+            return
         end = now + (max(time, offload) if config.offload_overlap else time + offload)
         self.record(index, "compute", now, end, batch)
         self.push(end, _COMPUTE_DONE, index, batch)
+
+    # ---- CPU stages sharing a host's cores (processor sharing) --------------------------------
+
+    def start_cpu(
+        self, now: float, index: int, batch: MicroBatch, time: float, factor: float, offload: float
+    ) -> None:
+        """Stage `index` starts `batch` on its host's shared cores: `time` is its priced time (with
+        the static share and the speed schedule's `factor` in it)."""
+        cores = self.config.cores
+        base = time / cores.priced_share[index] / factor  # on a core of its own, at its plan speed
+        fraction = cores.cpu_fraction[index]
+        job = _CpuJob(batch, now, base * fraction, factor / fraction - 1.0, offload)
+        host = cores.hosts[index]
+        self.advance(now, host)
+        self.cpu_jobs.setdefault(host, {})[index] = job
+        self.rerate(now, host)
+
+    def advance(self, now: float, host: Hashable) -> None:
+        for job in self.cpu_jobs.get(host, {}).values():
+            job.remaining = max(job.remaining - (now - job.since_s) * job.rate, 0.0)
+            job.since_s = now
+
+    def rerate(self, now: float, host: Hashable) -> None:
+        """Each computing stage of `host` at rate min(1, slots / n); their ends rescheduled."""
+        jobs = self.cpu_jobs.get(host, {})
+        rate = min(1.0, self.config.cores.slots[host] / len(jobs)) if jobs else 1.0
+        for index, job in jobs.items():
+            job.rate, job.since_s, job.version = rate, now, job.version + 1
+            self.push(now + job.remaining / rate, _CPU_DONE, index, (job, job.version))
+
+    def cpu_done(self, now: float, index: int, payload: tuple[_CpuJob, int]) -> None:
+        job, version = payload
+        host = self.config.cores.hosts[index]
+        jobs = self.cpu_jobs.get(host, {})
+        if jobs.get(index) is not job or job.version != version:
+            return  # re-rated since: a later event ends it
+        self.advance(now, host)
+        del jobs[index]
+        self.rerate(now, host)
+        time = (now - job.start_s) * (1.0 + job.sleep_per_wall)  # its CPU work, then the emulation's sleep
+        offload = job.offload_s
+        end = job.start_s + (max(time, offload) if self.config.offload_overlap else time + offload)
+        self.record(index, "compute", job.start_s, end, job.batch)
+        self.push(end, _COMPUTE_DONE, index, job.batch)
 
     def acquire(self, index: int) -> bool:
         """Whether stage `index`'s device is free for it now (always: a device per stage)."""

@@ -1,0 +1,86 @@
+"""CPU stages of one host share its cores in the simulator by processor sharing: hand-counted
+timelines (bubbles leave the cores to the computing stages; an emulated slow stage sleeps off the
+cores, for (1/s - 1) x the wall time its shared compute took, as the runtime's emulation does)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tessel.catalog.models import load_model
+from tessel.chunk.from_plan import PlanPipeline, StageSpec, build_pipeline
+from tessel.chunk.latency import PipelineLatency
+from tessel.cost import roofline as R
+from tessel.cost.link import LinkSpec
+from tessel.cost.profile import DecodeFit, PrefillFit, Profile
+from tessel.sim.linear import LinearStage
+from tessel.sim.plan_pipeline import core_sharing
+from tessel.sim.requests import Request
+from tessel.sim.scheduler import SimSchedulerConfig
+from tessel.sim.simulator import CoreSharing, SimConfig, simulate
+
+T = 0.1  # a prompt's prefill on each stage, on a core of its own
+
+
+def _finishes(times: list[float], cores: CoreSharing | None, requests: int) -> list[float]:
+    """Finish times of `requests` one-token prompts, one per micro-batch (pinned slots), on stages
+    whose prefill takes times[s] as priced."""
+    pipeline = PipelineLatency(tuple(LinearStage(prefill_base_s=t) for t in times))
+    config = SimConfig(SimSchedulerConfig(), max_in_flight=requests, pinned=requests > 1, cores=cores)
+    result = simulate(pipeline, [Request(i, 0.0, 16, 1) for i in range(requests)], config)
+    return [r.finish_s for r in result.records]
+
+
+def test_one_prompt_has_the_cores_to_itself() -> None:
+    # 3 stages on 2 cores, priced with the static factor 1.5: only one stage computes at a time
+    cores = CoreSharing(("h",) * 3, {"h": 2.0}, (1.5,) * 3, (1.0,) * 3)
+    assert _finishes([1.5 * T] * 3, cores, 1) == pytest.approx([3 * T])
+    assert _finishes([1.5 * T] * 3, None, 1) == pytest.approx([4.5 * T])  # the static factor alone
+
+
+def test_two_stages_computing_at_once_share_one_core() -> None:
+    # A: stage 0 alone [0, T]; then A on stage 1 and B on stage 0 at half speed each until 3T;
+    # B on stage 1 alone until 4T
+    cores = CoreSharing(("h", "h"), {"h": 1.0}, (1.0, 1.0), (1.0, 1.0))
+    assert _finishes([T, T], cores, 2) == pytest.approx([3 * T, 4 * T])
+    assert _finishes([T, T], None, 2) == pytest.approx([2 * T, 3 * T])
+
+
+def test_an_emulated_stage_sleeps_off_the_core() -> None:
+    # stage 1 emulates speed 0.5 (priced 2T, computes T of it): A computes on stage 1 beside B on
+    # stage 0 at half speed [T, 3T], then sleeps that 2T wall x (1/0.5 - 1) until 5T; B waits for
+    # stage 1, computes alone [5T, 6T] and sleeps T
+    cores = CoreSharing(("h", "h"), {"h": 1.0}, (1.0, 1.0), (1.0, 0.5))
+    assert _finishes([T, 2 * T], cores, 2) == pytest.approx([5 * T, 7 * T])
+    # on cores of their own the sleep is what the price says: A at 3T, B at 5T
+    assert _finishes([T, 2 * T], None, 2) == pytest.approx([3 * T, 5 * T])
+
+
+def _priced(nodes: list[tuple[str, float]], profile: Profile) -> PlanPipeline:
+    model = load_model("llama-2-7b")
+    bounds = np.linspace(0, model.num_layers, len(nodes) + 1).astype(int)
+    link = LinkSpec(10e9, 50e-6)
+    stages = [
+        StageSpec(f"{node}/cpu{i}", "cpu", int(bounds[i]), int(bounds[i + 1]),
+                  link if i < len(nodes) - 1 else None, speed, node=node)
+        for i, (node, speed) in enumerate(nodes)
+    ]  # fmt: skip
+    return build_pipeline(model, stages, dtype="fp32", kv_dtype="fp32", profiles=[profile])
+
+
+def test_a_plans_cpu_stages_share_their_hosts_cores() -> None:
+    profile = Profile(
+        device_type="cpu",
+        model_shape=R.L.profile_shape(load_model("llama-2-7b")),
+        dtype="fp32",
+        prefill=PrefillFit(1e-3, 1e-5, 1e-8, 1e-10),
+        decode=DecodeFit(2e-3, 1e-4, 1e-8),
+        heldout_rel_error=0.02,
+        cpu_cores=2,
+        threads=1,
+    )
+    cores = core_sharing(_priced([("a", 1.0), ("a", 1.0), ("a-slow", 0.5)], profile))
+    assert cores == CoreSharing(("a", "a", "a"), {"a": 2.0}, (1.5, 1.5, 1.5), (1.0, 1.0, 0.5))
+    assert core_sharing(_priced([("a", 1.0), ("b", 1.0)], profile)) is None  # a host each
+    partly = core_sharing(_priced([("a", 1.0), ("a", 1.0), ("b", 1.0)], profile))
+    assert partly is not None and partly.hosts == ("a", "a", None)
