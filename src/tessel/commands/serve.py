@@ -203,8 +203,11 @@ def serve(
     if plan is not None and replica is None:
         from tessel.pipeline.heartbeat import heartbeat_timeout_s
         from tessel.pipeline.replica_router import RouterOptions, replica_specs, serve_replicas
+        from tessel.pipeline.run_plan import load_run_plan
 
         specs = replica_specs(plan)
+        if remap == "auto" and load_run_plan(plan).paths:
+            raise TesselError("--remap auto re-plans one pipeline; a flow plan is served as planned")
         if len(specs) > 1 and remap == "auto":
             raise TesselError("--remap auto remaps one pipeline; serve one replica (--replica K)")
         if len(specs) > 1:  # one server per replica, and a router in front of them

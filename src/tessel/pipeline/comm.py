@@ -59,6 +59,7 @@ class BatchMessage:
     # stage repeats them on its own layers first, in a host pool of `host_kv_blocks` blocks
     kv_copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     host_kv_blocks: int = 0
+    path: tuple[int, ...] = ()  # a flow plan's: the ranks of the placements it runs on, in order
 
 
 def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:

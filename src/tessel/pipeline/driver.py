@@ -72,17 +72,20 @@ class _InFlight:
 
 def stage_kv_budget(plan: RunPlan, rank: int, kv_cache_gib: float | None) -> KvBudget:
     stage = plan.stages[rank]
-    total = plan.num_layers or sum(s.num_layers for s in plan.stages)
+    total = plan.num_layers or max(s.layer_end for s in plan.stages)
     return KvBudget(kv_cache_gib, stage.kv_gib, stage.num_layers / total)
 
 
 def layer_filter(plan: RunPlan, rank: int, tied: bool) -> LayerFilter:
     stage = plan.stages[rank]
     last = rank == len(plan.stages) - 1
+    embed = rank == 0
+    if plan.paths:  # a flow plan's placements: a range from layer 0 embeds, one to the last layer samples
+        embed, last = stage.layer_start == 0, stage.layer_end == max(s.layer_end for s in plan.stages)
     return LayerFilter(
         stage.layer_start,
         stage.layer_end,
-        embed=rank == 0,
+        embed=embed,
         head=last,
         tied=tied,
         host_layers=frozenset(stage.offload_layers),  # streamed from host memory (weight_stream)
@@ -107,8 +110,8 @@ class PipelineEngine(LLM):
         if engine_kwargs.get("emulate_host_gbps") is None:
             engine_kwargs["emulate_host_gbps"] = getattr(plan.stages[0], "emulate_host_gbps", None)
         super().__init__(model_path, **engine_kwargs)
-        num_slots = micro_batches or plan.micro_batches
-        self.scheduler = PinnedSchedulers(num_slots, self.scheduler.config, self.block_manager)
+        self.scheduler = self._make_schedulers(micro_batches)
+        num_slots = len(self.scheduler.slots)
         for slot in self.scheduler.slots:
             slot.preemptor = self.preemptor
         self.stage = StageExecutor(self.model, self._part, plan.stages[0].emulate_speed, self.runner)
@@ -128,6 +131,11 @@ class PipelineEngine(LLM):
         self.resume_draws: dict[int, int] = {}
         self.failure: BaseException | None = None  # set by a watcher when a stage died
         self.explain_peer_lost: Callable[[PeerLostError], BaseException] | None = None
+
+    def _make_schedulers(self, micro_batches: int | None) -> PinnedSchedulers:
+        """One scheduler per in-flight slot (a flow plan's engine groups them by path)."""
+        slots = micro_batches or self.plan.micro_batches
+        return PinnedSchedulers(slots, self.scheduler.config, self.block_manager)
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         self._part = layer_filter(self.plan, 0, self.model_config.tie_word_embeddings)

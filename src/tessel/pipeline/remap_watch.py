@@ -130,6 +130,8 @@ class RemapWatch:
 
     # ---- what /metrics reads ---------------------------------------------------------------------
     def stage_steps(self) -> list[StageStep]:
+        if getattr(self._engine.plan, "paths", ()):
+            return []  # a flow plan's placements have no per-stage prediction to set beside them yet
         plan, stats = served_plan(self._engine), self.last_stats
         predicted = predicted_step_s(plan)
         measured = stats.step_s if stats is not None and len(stats.step_s) == len(predicted) else None

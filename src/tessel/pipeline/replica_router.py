@@ -528,10 +528,14 @@ def router_families(loads: Sequence[ReplicaLoad]) -> list[Any]:
 
 
 def replica_specs(plan: Path) -> list[ReplicaSpec]:
-    """The plan's replicas (index, weight); empty for a plan of one pipeline."""
+    """The plan's replicas (index, weight); empty for a plan of one pipeline, and for a flow plan
+    (one process group over its placements routes by the flow weights, `tessel.pipeline.flow_routing`)."""
     from tessel.plan.plan_file import load_plan
 
-    return [ReplicaSpec(r.index, r.weight) for r in load_plan(plan).replicas]
+    document = load_plan(plan)
+    if document.flow is not None:
+        return []
+    return [ReplicaSpec(r.index, r.weight) for r in document.replicas]
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,6 +110,10 @@ def describe_links(options: RunOptions) -> list[str]:
     from tessel.pipeline.run_plan import load_run_plan
 
     plan = load_run_plan(options.plan, options.replica)
+    if plan.paths:
+        from tessel.pipeline.flow_routing import describe
+
+        return describe(plan)
     if len(plan.stages) == 1:
         return [f"one stage on {stage_device(plan.stages[0])}"]
     return lines(plan, link_transports(plan, options.transport))

@@ -68,6 +68,9 @@ class RunPlan:
     micro_batches: int  # micro-batches in flight (the plan workload's m, or the replica's share)
     plan_file: PlanFile  # the plan-file model itself, for pricing
     replica: int | None = None  # which pipeline of a replica plan these stages are
+    # a flow plan's paths over the stages (`tessel.pipeline.flow_routing`); the stages are then its
+    # placements, one process each
+    paths: tuple = ()
 
     def check_model(self, name: str, num_layers: int) -> None:
         """Refuse a plan made for another model: its name and the layers its stages and its model
@@ -85,7 +88,15 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
     TesselError says what is wrong."""
     plan = load_plan(path)
     source = Path(plan.source)
-    plan_stages = _replica_stages(plan, source, replica)
+    paths = ()
+    if plan.flow is not None:
+        from tessel.pipeline.flow_routing import flow_stages, refuse_replica
+
+        if replica is not None:
+            raise refuse_replica(source)
+        plan_stages, paths = flow_stages(plan, source)
+    else:
+        plan_stages = _replica_stages(plan, source, replica)
     if plan.granularity != "layer":
         split = [s for s in plan_stages if s.unit_start % 2 or s.unit_end % 2]
         if split:
@@ -124,6 +135,8 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
         m = max(PIPELINE_MIN_MICRO_BATCHES, len(stages))
     if len(stages) == 1:
         m = 1  # nothing to overlap with: every row in one micro-batch, as one process runs them
+    if paths:
+        m = sum(p.micro_batches for p in paths)  # every path's slots
     return RunPlan(
         source,
         plan.model_name,
@@ -132,18 +145,13 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
         m,
         plan,
         replica,
+        paths,
     )
 
 
 def _replica_stages(plan: PlanFile, source: Path, replica: int | None) -> list:
     """The stages of the pipeline to run: the plan's own, or replica `replica`'s (one process group
     runs one pipeline; a load balancer splits requests by the replicas' weights)."""
-    if plan.flow is not None:
-        raise TesselError(
-            f"{source}: a flow plan's paths share GPUs, which the pipeline runtime cannot serve (it runs "
-            "pipelines on disjoint GPUs); use `tessel plan --export vllm` for the paths that share none, "
-            "or plan with --replicas N"
-        )
     if replica is None:
         if len(plan.replicas) > 1:
             listed = ", ".join(

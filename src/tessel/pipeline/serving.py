@@ -41,6 +41,7 @@ from tessel.models.config import resolve_dtype
 from tessel.pipeline.chunk_cutter import ChunkCutter
 from tessel.pipeline.comm import PeerLostError
 from tessel.pipeline.driver import PipelineEngine
+from tessel.pipeline.flow_routing import FlowEngineMixin
 from tessel.pipeline.heartbeat import read_beat
 from tessel.pipeline.launcher import POLL_S, LocalStages, StageFailedError, free_port
 from tessel.pipeline.run import RunOptions
@@ -119,6 +120,8 @@ class ServedPipelineEngine(PipelineEngine):
         """The stage whose failure broke this pipeline (its position), or None."""
         failure = self.failure
         stage = getattr(failure, "stage", None)
+        if self.plan.paths:
+            return None  # a flow plan is rebuilt as it is (no re-plan over the placements left yet)
         return stage if isinstance(stage, int) and 0 < stage < len(self.plan.stages) else None
 
     def survivors_options(self) -> RunOptions:
@@ -175,6 +178,10 @@ class ServedPipelineEngine(PipelineEngine):
         atexit.unregister(self.stages.stop)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class ServedFlowPipelineEngine(FlowEngineMixin, ServedPipelineEngine):
+    """Rank 0 of a flow plan's placements, served (`tessel.pipeline.flow_routing`)."""
 
 
 class PendingPipeline:
@@ -246,9 +253,9 @@ class PendingPipeline:
                 comm = join_pipeline(plan, 0, args.transport, dtype, f"tcp://127.0.0.1:{self.port}")
                 stages.stage0_progress = comm.progress  # the watchdog sees stage 0 wait for tokens
             cutter = None
-            if options.cpp and len(plan.stages) > 1:
+            if options.cpp and len(plan.stages) > 1 and not plan.paths:
                 cutter = ChunkCutter(priced_pipeline(plan, options.profiles), options.cpp_min_tokens)
-            engine = ServedPipelineEngine(
+            engine = (ServedFlowPipelineEngine if plan.paths else ServedPipelineEngine)(
                 options.model,
                 plan,
                 comm,

@@ -179,7 +179,7 @@ def join_pipeline(
     device = device_for(plan, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    transports = link_transports(plan, transport)
+    transports = [] if plan.paths else link_transports(plan, transport)  # a flow plan's: gloo, host
     dist.init_process_group(
         process_group_backend(transports),
         init_method=init_method,
@@ -187,6 +187,10 @@ def join_pipeline(
         world_size=len(plan.stages),
         timeout=COMM_TIMEOUT,
     )
+    if plan.paths:
+        from tessel.pipeline.flow_routing import FlowComm
+
+        return FlowComm(plan.paths, rank, len(plan.stages), device, dtype)
     return StageComm(rank, len(plan.stages), device, dtype, transports)
 
 
@@ -205,10 +209,12 @@ def write_status(rank: int, **fields) -> None:
 # ---- the stages ------------------------------------------------------------------------------------
 def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | None) -> None:
     requests = run_requests(args)
-    cutter = None
-    if not args.no_cpp and len(plan.stages) > 1:
+    cutter, engine_class = None, PipelineEngine
+    if not args.no_cpp and len(plan.stages) > 1 and not plan.paths:
         cutter = ChunkCutter(priced_pipeline(plan, args.profile), args.cpp_min_tokens)
-    engine = PipelineEngine(
+    if plan.paths:
+        from tessel.pipeline.flow_routing import FlowPipelineEngine as engine_class
+    engine = engine_class(
         args.model, plan, comm, micro_batches=args.micro_batches, cutter=cutter, **engine_kwargs(args)
     )
     if args.warmup and engine.runner.cuda_graphs is not None:
@@ -231,6 +237,9 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
         0, **asdict(engine.stage.stats), wall_s=wall_s, preemptions=engine.scheduler.num_preemptions,
         kv_swaps=kv.swaps, kv_recomputes=kv.recomputes, kv_swap_bytes=kv.bytes_to_host + kv.bytes_to_device,
     )  # fmt: skip
+    if plan.paths:  # requests per path, in the plan's path order
+        counts = engine.requests_per_path
+        write_status(0, path_requests={str(p.index): n for p, n in zip(plan.paths, counts, strict=True)})
     results = [_result(out) for out in outputs]
     if args.json is not None:
         args.json.write_text(json.dumps({"wall_s": wall_s, "requests": results}, indent=1))
@@ -313,7 +322,12 @@ def run_later_stage(
         tune_linears(executor.model, max_rows, dtype)
         executor.runner.cuda_graphs.capture_all()
     report_loaded(rank, plan, executor.weight_bytes, rss_before, layout.num_blocks)
-    serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
+    if plan.paths:
+        from tessel.pipeline.flow_routing import serve_flow_stage
+
+        serve_flow_stage(comm, executor)
+    else:
+        serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
     write_status(rank, **asdict(executor.stats))
 
 

@@ -1,0 +1,403 @@
+"""A flow plan (plan file v4) on the pipeline runtime: one process per placement, requests routed
+over the paths by the flow weights.
+
+A flow plan places one layer range on each device and routes requests over paths through the
+placement graph; paths share devices (GPU X holds layers 0-19 and feeds both Y and Z). The runtime
+runs one process per placement that some path uses, so a placement's weights are loaded once and
+its KV pool serves every path through it:
+
+- rank 0 is a first placement (layers from 0), the one the most flow leaves from; it runs the
+  scheduler (`FlowSchedulers`) and its own layers, as stage 0 of a pipeline does;
+- each request is assigned a path on arrival (`PathAssigner`: deterministic, request n goes to the
+  path furthest below its share w_p x n, so after n requests each path holds within one of
+  w_p x n) and pinned to one of that path's in-flight slots (its `micro_batches`);
+- each micro-batch carries its path (`BatchMessage.path`, ranks in order): a placement computes it
+  and sends it to the path's next placement; the path's last placement samples and sends the
+  tokens to rank 0. A path that does not start on rank 0 gets its micro-batches' token ids from
+  rank 0 (`IDS` messages: the metadata and the ids, no stream), and its first placement embeds;
+- a placement with several predecessors takes micro-batches from any of them (gloo's receive from
+  any source): a sequence stays on one path, so only a path's own order matters, and that order
+  each link keeps. Tokens reach rank 0 out of order where paths share a last placement: rank 0
+  keeps those that arrive before the ones it waits for. A placement stops once every predecessor
+  sent STOP, and then passes STOP on.
+
+What is shared and what is not: block tables are rank 0's (one `BlockManager` for all paths), so
+every placement's KV pool is indexed by the same block ids and holds the agreed (smallest) pool.
+Links use gloo through host memory (no NCCL), prompts are not cut into CPP chunks, and preempted
+requests are recomputed (a swap's KV copies would have to follow the request's path).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tessel.engine.block_manager import BlockManager
+from tessel.engine.model_runner import SampledRows, prompt_scorings
+from tessel.engine.preemption import Preemptor
+from tessel.engine.scheduler import SchedulerConfig, SchedulerOutput
+from tessel.engine.sequence import Sequence
+from tessel.errors import TesselError
+from tessel.pipeline.comm import BATCH, HEADER_LEN, STOP, BatchMessage, PeerLostError, StageComm, message_on
+from tessel.pipeline.driver import PipelineEngine, _InFlight
+from tessel.pipeline.pinned_schedulers import PinnedSchedulers
+from tessel.pipeline.sampled import from_wire
+
+IDS = 3  # a micro-batch's token ids for a path's first placement (no residual stream)
+TOKENS_HEAD = 3  # micro-batch id, payload bytes, tokens
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPath:
+    """One path of a flow plan as the runtime runs it: the ranks of its placements, in order."""
+
+    index: int  # the plan's replica index
+    ranks: tuple[int, ...]
+    weight: float  # its share of the requests
+    micro_batches: int  # its in-flight slots
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+def flow_stages(plan, source: Path) -> tuple[list, tuple[FlowPath, ...]]:  # noqa: ANN001 (PlanFile)
+    """The placements to run, in rank order (each a `PlanStage` of a path through it, its KV the
+    paths' together), and the paths over their ranks. Rank 0 is the first placement most flow
+    leaves from; the others follow by where their layers start, then as the plan lists them."""
+    first_stage: dict[str, object] = {}
+    kv: dict[str, list[float | None]] = {}
+    out_of_source: dict[str, float] = {}
+    for replica in plan.replicas:
+        for stage in replica.stages:
+            first_stage.setdefault(stage.device, stage)
+            kv.setdefault(stage.device, []).append(stage.kv_gib)
+        first = replica.stages[0].device
+        out_of_source[first] = out_of_source.get(first, 0.0) + replica.weight
+    listed = [p.device for p in plan.flow.placements]
+    order = {device: position for position, device in enumerate(listed)}
+    root = max(out_of_source, key=lambda d: (out_of_source[d], -order.get(d, len(order))))
+    others = sorted(
+        (d for d in first_stage if d != root),
+        key=lambda d: (first_stage[d].unit_start, order.get(d, len(order))),
+    )
+    devices = [root, *others]
+    rank = {device: r for r, device in enumerate(devices)}
+    stages = []
+    for device in devices:
+        stage = first_stage[device]
+        shares = kv[device]
+        total_kv = None if any(x is None for x in shares) else sum(shares)
+        stages.append(stage.model_copy(update={"kv_gib": total_kv}))
+    paths = tuple(
+        FlowPath(
+            r.index,
+            tuple(rank[s.device] for s in r.stages),
+            r.weight,
+            r.micro_batches or max(2, len(r.stages)),
+        )
+        for r in plan.replicas
+    )
+    return stages, paths
+
+
+def with_micro_batches(paths: tuple[FlowPath, ...], total: int) -> tuple[FlowPath, ...]:
+    """`--micro-batches N` for a flow plan: N slots shared by the paths by their weights (at least
+    one each; the paths' shares as `PathAssigner` deals them)."""
+    if total < len(paths):
+        raise TesselError(
+            f"--micro-batches {total}: a flow plan of {len(paths)} paths needs at least one slot per path"
+        )
+    assigner = PathAssigner([p.weight for p in paths])
+    counts = [1] * len(paths)
+    assigner.counts = list(counts)
+    for _ in range(total - len(paths)):
+        counts[assigner.next()] += 1
+    return tuple(
+        FlowPath(p.index, p.ranks, p.weight, count) for p, count in zip(paths, counts, strict=True)
+    )
+
+
+def refuse_replica(source: Path) -> TesselError:
+    return TesselError(
+        f"{source}: a flow plan's paths share GPUs, so one path cannot run alone: serve or launch the "
+        "whole plan (drop --replica); its requests are routed over the paths by the flow weights"
+    )
+
+
+def describe(plan) -> list[str]:  # noqa: ANN001 (RunPlan)
+    """One line per placement process and one per path (printed at start)."""
+    lines = [
+        f"placement {r}: {s.device} layers {s.layer_start}-{s.layer_end - 1} (one process)"
+        for r, s in enumerate(plan.stages)
+    ]
+    for path in plan.paths:
+        hops = " -> ".join(plan.stages[r].device for r in path.ranks)
+        lines.append(f"path {path.index} (weight {path.weight:.3f}, {path.micro_batches} slots): {hops}")
+    return lines
+
+
+def neighbours(paths: tuple[FlowPath, ...]) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """(successors, predecessors) of each rank over the paths' hops; rank 0 hands a path that does
+    not start on it its token ids, so it precedes that path's first placement."""
+    succ: dict[int, set[int]] = {}
+    pred: dict[int, set[int]] = {}
+    for path in paths:
+        hops = path.ranks if path.ranks[0] == 0 else (0, *path.ranks)
+        for a, b in zip(hops, hops[1:], strict=False):
+            succ.setdefault(a, set()).add(b)
+            pred.setdefault(b, set()).add(a)
+    return succ, pred
+
+
+# ---- requests to paths ----------------------------------------------------------------------------
+class PathAssigner:
+    """Deterministic weighted assignment: the next request goes to the path p with the largest
+    w_p x (n + 1) - count_p (ties: the lower index), n the requests assigned so far."""
+
+    def __init__(self, weights: list[float]) -> None:
+        total = sum(weights)
+        self.weights = [w / total for w in weights]
+        self.counts = [0] * len(weights)
+
+    def next(self) -> int:
+        n = sum(self.counts) + 1
+        path = max(range(len(self.weights)), key=lambda p: (self.weights[p] * n - self.counts[p], -p))
+        self.counts[path] += 1
+        return path
+
+
+class FlowSchedulers(PinnedSchedulers):
+    """In-flight slots grouped by path: a request is assigned a path (`PathAssigner`), then the
+    path's slot with the fewest unfinished requests."""
+
+    def __init__(
+        self, paths: tuple[FlowPath, ...], config: SchedulerConfig, block_manager: BlockManager
+    ) -> None:
+        super().__init__(sum(p.micro_batches for p in paths), config, block_manager)
+        self.paths = paths
+        self.path_of_slot = [i for i, p in enumerate(paths) for _ in range(p.micro_batches)]
+        self.assigner = PathAssigner([p.weight for p in paths])
+
+    @property
+    def requests_per_path(self) -> list[int]:
+        return list(self.assigner.counts)
+
+    def add(self, seq: Sequence) -> None:
+        path = self.assigner.next()
+        mine = [s for s, p in enumerate(self.path_of_slot) if p == path]
+        slot = min(mine, key=lambda i: (self.slots[i].num_unfinished, i))
+        self._slot_of[seq.seq_id] = slot
+        self.slots[slot].add(seq)
+
+    def route(self, slot: int) -> tuple[int, ...]:
+        return self.paths[self.path_of_slot[slot]].ranks
+
+
+# ---- the links ------------------------------------------------------------------------------------
+class FlowComm(StageComm):
+    """A placement's links: micro-batches to the next placement of their path, from any
+    predecessor; tokens from a path's last placement to rank 0. gloo through host memory."""
+
+    def __init__(self, paths: tuple[FlowPath, ...], rank: int, world_size: int, device, dtype) -> None:  # noqa: ANN001
+        super().__init__(rank, world_size, device, dtype)
+        succ, pred = neighbours(paths)
+        self.successors = sorted(succ.get(rank, ()))
+        self.predecessors = sorted(pred.get(rank, ()))
+        self._token_source: dict[int, int] = {}  # rank 0: micro-batch -> the placement that samples it
+        self._early: dict[int, SampledRows] = {}  # rank 0: tokens that came before the ones awaited
+        self._stops = 0
+
+    def _next_of(self, path: tuple[int, ...]) -> int:
+        if self.rank == 0 and path[0] != 0:
+            return path[0]
+        return path[path.index(self.rank) + 1]
+
+    def send_batch(self, message: BatchMessage, hidden: torch.Tensor | None, input_ids=None) -> None:  # noqa: ANN001
+        """`hidden` to the next placement of the message's path; rank 0 with `hidden` None sends the
+        token ids instead (to a path's first placement)."""
+        dst = self._next_of(message.path)
+        if self.rank == 0:
+            self._token_source[message.batch_id] = message.path[-1]
+        host = message_on(message, torch.device("cpu"))
+        payload = torch.frombuffer(bytearray(pickle.dumps(host)), dtype=torch.uint8)
+        if hidden is None:
+            ids = input_ids.to("cpu", torch.int64).contiguous()
+            header = torch.tensor([IDS, payload.numel(), ids.numel(), 0], dtype=torch.int64)
+            self._isend((header, payload, ids), dst)
+        else:
+            rows, cols = hidden.shape
+            header = torch.tensor([BATCH, payload.numel(), rows, cols], dtype=torch.int64)
+            self._isend((header, payload, self._outgoing(hidden.to(self.dtype))), dst)
+        if self.rank == 0:
+            self.progress.last_s = time.time()
+        else:
+            self._handed_on(message.batch_id)
+
+    def send_stop(self) -> None:
+        for dst in self.successors:
+            self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64),), dst)
+
+    def recv_flow(self) -> tuple[BatchMessage, torch.Tensor | None, torch.Tensor | None] | None:
+        """The next micro-batch from any predecessor: (message, stream or None, token ids or None);
+        None once every predecessor said stop."""
+        try:
+            while True:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64)
+                src = dist.recv(header)  # from any source
+                kind, size, rows, cols = (int(v) for v in header.tolist())
+                if kind != STOP:
+                    break
+                self._stops += 1
+                if self._stops >= len(self.predecessors):
+                    self.progress.last_s = time.time()
+                    return None
+            payload = torch.empty(size, dtype=torch.uint8)
+            dist.recv(payload, src)
+            stream = ids = None
+            if kind == IDS:
+                ids = torch.empty(rows, dtype=torch.int64)
+                dist.recv(ids, src)
+                ids = ids.to(self.device)
+            else:
+                stream = self._incoming_from(src, rows, cols)
+        except RuntimeError as error:
+            raise PeerLostError(f"stage {self.rank}: receiving a micro-batch failed: {error}") from error
+        self.progress.active_since = self.progress.last_s = time.time()
+        return message_on(pickle.loads(payload.numpy().tobytes()), self.device), stream, ids
+
+    def _incoming_from(self, src: int, rows: int, cols: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            hidden = torch.empty(rows, cols, dtype=self.dtype)
+            dist.recv(hidden, src)
+            return hidden
+        staged = torch.empty(rows, cols, dtype=self.dtype, pin_memory=True)
+        dist.recv(staged, src)
+        return staged.to(self.device, non_blocking=True)
+
+    def send_tokens(self, batch_id: int, sampled: SampledRows) -> None:
+        payload = pickle.dumps((sampled.logprobs, sampled.prompt_logprobs)) if sampled.has_logprobs else b""
+        head = torch.tensor([batch_id, len(payload), len(sampled.tokens)], dtype=torch.int64)
+        tensors = [head]
+        if sampled.tokens:
+            tensors.append(torch.tensor(sampled.tokens, dtype=torch.int64))
+        if payload:
+            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self._isend(tuple(tensors), 0)
+        self._handed_on(batch_id)
+
+    def recv_tokens(self, batch_id: int, count: int) -> SampledRows:
+        """Rank 0: micro-batch `batch_id`'s tokens, from the last placement of its path (keeping any
+        of its other micro-batches that come first)."""
+        src = self._token_source.pop(batch_id)
+        self.progress.owed_batch, self.progress.owed_since = batch_id, time.time()
+        try:
+            while batch_id not in self._early:
+                head = torch.empty(TOKENS_HEAD, dtype=torch.int64)
+                dist.recv(head, src)
+                got, size, n = head.tolist()
+                tokens = torch.empty(n, dtype=torch.int64)
+                if n:
+                    dist.recv(tokens, src)
+                payload = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    dist.recv(payload, src)
+                self._early[got] = from_wire(tokens.tolist(), payload.numpy().tobytes())
+        except RuntimeError as error:
+            raise PeerLostError(f"stage 0: receiving tokens from stage {src} failed: {error}") from error
+        self.progress.owed_since = None
+        self._handed_on(batch_id)
+        rows = self._early.pop(batch_id)
+        if len(rows.tokens) != count:
+            raise PeerLostError(
+                f"stage 0: micro-batch {batch_id} came back with {len(rows.tokens)} tokens, not {count}"
+            )
+        return rows
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------------
+class FlowEngineMixin:
+    """What a `PipelineEngine` does differently on a flow plan: slots by path, each micro-batch sent
+    along its slot's path, recompute-only preemption, no CPP chunks, and no prefix cache (a cached
+    block's KV is only on the placements of the path that computed it)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        kwargs["enable_prefix_caching"] = False
+        super().__init__(*args, **kwargs)
+
+    def _make_schedulers(self, micro_batches: int | None) -> FlowSchedulers:
+        paths = self.plan.paths
+        if micro_batches is not None:
+            paths = with_micro_batches(paths, micro_batches)
+        return FlowSchedulers(paths, self.scheduler.config, self.block_manager)
+
+    def _build_preemptor(self) -> Preemptor:
+        if self.config.preemption_mode == "swap":
+            raise TesselError(
+                "preemption mode swap is not served on a flow plan yet (the KV copies would have to follow "
+                "each request's path); use --preemption-mode recompute or auto"
+            )
+        return Preemptor("recompute", self.block_manager)
+
+    @property
+    def requests_per_path(self) -> list[int]:
+        return self.scheduler.requests_per_path
+
+    def _send(self, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None) -> None:
+        input_ids, positions, meta, sample_rows = self.runner.prepare(batch)
+        sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        scorings = prompt_scorings(batch)
+        path = self.scheduler.route(slot)
+        message = BatchMessage(
+            next(self._batch_ids),
+            positions,
+            meta,
+            sample_rows,
+            [(seq.seq_id, seq.params) for seq in sampled],
+            self._released,
+            [scoring for _, scoring in scorings],
+            {s.seq_id: self.resume_draws.pop(s.seq_id) for s in sampled if s.seq_id in self.resume_draws},
+            path=path,
+        )
+        self._released = []
+        seq_ids = [s.seq_id for s, _ in batch.scheduled()]
+        record = _InFlight(message.batch_id, slot, apply, sampled, scorings, seq_ids=seq_ids)
+        if path[0] == 0:
+            started = time.perf_counter()
+            hidden = self.runner.run_stage(positions, meta, input_ids=input_ids)
+            if path == (0,):
+                record.result = self.stage.sample(hidden, message)
+            self.stage.account(started, batch.num_tokens)
+            if path != (0,):
+                self.comm.send_batch(message, hidden)
+        else:
+            self.comm.send_batch(message, None, input_ids)
+        self._in_flight.append(record)
+        self._busy[slot] += 1
+        self._seqs_in_flight.update(record.seq_ids)
+
+
+class FlowPipelineEngine(FlowEngineMixin, PipelineEngine):
+    """Rank 0 of a flow plan under `tessel launch`."""
+
+
+# ---- the other placements -------------------------------------------------------------------------
+def serve_flow_stage(comm: FlowComm, executor) -> None:  # noqa: ANN001 (StageExecutor)
+    """Run micro-batches from any predecessor until every one said stop."""
+    executor.progress = comm.progress
+    while (received := comm.recv_flow()) is not None:
+        message, stream, ids = received
+        executor.adopt(message)
+        started = time.perf_counter()
+        out = executor.runner.run_stage(message.positions, message.meta, input_ids=ids, stream=stream)
+        last = message.path[-1] == comm.rank
+        sampled = executor.sample(out, message) if last else None
+        executor.account(started, out.shape[0])
+        if last:
+            comm.send_tokens(message.batch_id, sampled)
+        else:
+            comm.send_batch(message, out)
+    comm.send_stop()
+    comm.flush()

@@ -1,0 +1,154 @@
+"""A flow plan (plan file v4, paths sharing placements) on the pipeline runtime: one process per
+placement, requests routed over the paths by the flow weights, outputs equal to HF transformers'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_oracle import hf_greedy
+from tessel.errors import TesselError
+from tessel.pipeline.flow_routing import PathAssigner, with_micro_batches
+from tessel.pipeline.run_plan import load_run_plan
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a small model",
+    "Paged attention stores keys and values in blocks.",
+    "Digits 12345 and punctuation!",
+]
+
+
+def _stage(index: int, device: str, a: int, b: int, last: bool) -> dict:
+    return {
+        "index": index,
+        "device": device,
+        "gpu_type": "cpu",
+        "layer_start": a,
+        "layer_end": b,
+        "unit_start": a,
+        "unit_end": b,
+        "link_to_next": None if last else {"bandwidth_gbps": 80.0, "latency_us": 50.0},
+    }
+
+
+def write_flow_plan(path: Path, model_dir: Path, placements: dict, paths: list, **edits) -> Path:
+    """A version-4 flow plan on local CPUs: `placements` device -> (first layer, end layer); `paths`
+    (devices in order, weight, micro-batches)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    replicas = []
+    for index, (devices, weight, slots) in enumerate(paths):
+        stages = [
+            _stage(i, d, *placements[d], last=i == len(devices) - 1) for i, d in enumerate(devices)
+        ]
+        replicas.append({"index": index, "weight": weight, "stages": stages, "micro_batches": slots})
+    edges: dict[tuple[str, str], float] = {}
+    for devices, weight, _ in paths:
+        hops = ["source", *devices, "sink"]
+        for a, b in zip(hops, hops[1:], strict=False):
+            edges[(a, b)] = edges.get((a, b), 0.0) + weight
+    flow = {
+        "placements": [
+            {"device": d, "gpu_type": "cpu", "node": "localhost", "layer_start": a, "layer_end": b,
+             "unit_start": a, "unit_end": b}
+            for d, (a, b) in placements.items()
+        ],  # fmt: skip
+        "edges": [{"source": a, "target": b, "weight": w} for (a, b), w in edges.items()],
+    }
+    plan = {
+        "version": 4,
+        "model": {"name": model_dir.name, "config": config},
+        "workload": {"m": sum(slots for _, _, slots in paths)},
+        "dtype": "fp32",
+        "kv_dtype": "fp32",
+        "granularity": "layer",
+        "stages": replicas[0]["stages"],
+        "replicas": replicas,
+        "flow": flow,
+        **edits,
+    }
+    path.write_text(json.dumps(plan))
+    return path
+
+
+# X holds layers 0-1 and feeds Y and Z (2-5); W (0-1) feeds Y too: a shared first placement (X), a
+# shared last one (Y), and a path (W -> Y) that does not start where the scheduler runs.
+PLACEMENTS = {
+    "localhost/cpu0": (0, 2),
+    "localhost/cpu1": (2, 6),
+    "localhost/cpu2": (2, 6),
+    "localhost/cpu3": (0, 2),
+}
+PATHS = [
+    (["localhost/cpu0", "localhost/cpu1"], 0.5, 2),
+    (["localhost/cpu0", "localhost/cpu2"], 0.3, 1),
+    (["localhost/cpu3", "localhost/cpu1"], 0.2, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "weights", [[0.5, 0.3, 0.2], [0.7, 0.3], [0.1, 0.2, 0.3, 0.4], [1 / 3] * 3, [0.9, 0.05, 0.05]]
+)
+def test_requests_follow_the_weights_within_one(weights) -> None:
+    """After every n requests, each path holds within one of weight x n (the exact share)."""
+    assigner = PathAssigner(weights)
+    for n in range(1, 200):
+        assigner.next()
+        counts = assigner.counts
+        assert all(abs(c - w * n) < 1 for c, w in zip(counts, weights, strict=True)), (n, counts)
+
+
+def test_the_runtime_reads_a_flow_plan_as_placements_and_paths(tiny_dirs, tmp_path) -> None:
+    plan_path = write_flow_plan(tmp_path / "flow.json", tiny_dirs["untied"], PLACEMENTS, PATHS)
+    plan = load_run_plan(plan_path)
+    assert [s.device for s in plan.stages] == [
+        "localhost/cpu0", "localhost/cpu3", "localhost/cpu1", "localhost/cpu2"
+    ]  # fmt: skip
+    assert [p.ranks for p in plan.paths] == [(0, 2), (0, 3), (1, 2)]
+    assert plan.micro_batches == 4
+    slots = [p.micro_batches for p in with_micro_batches(plan.paths, 7)]  # 7 x weights: 3.5, 2.1, 1.4
+    assert sum(slots) == 7 and all(abs(n - 7 * p.weight) < 1 for n, p in zip(slots, plan.paths, strict=True))
+    with pytest.raises(TesselError, match="one path cannot run alone"):
+        load_run_plan(plan_path, replica=1)
+    skewed = [(d, w * 1.1, s) for d, w, s in PATHS]
+    bad = write_flow_plan(tmp_path / "bad.json", tiny_dirs["untied"], PLACEMENTS, skewed)
+    with pytest.raises(TesselError, match="sum to"):
+        load_run_plan(bad)
+
+
+def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tmp_path) -> None:
+    """Four placement processes, three paths; 10 greedy requests: each equals HF transformers'
+    greedy continuation, the paths get 5/3/2 of them (weight x 10), each placement loaded its layers
+    once and every path's last placement sampled."""
+    from tessel.engine.llm_engine import _load_tokenizer
+    from tessel.models.layer_filter import LayerFilter
+    from tessel.models.loader import load_model
+    from tessel.pipeline.run import RunOptions, run_pipeline
+    from tessel.pipeline.stage import tensor_bytes
+
+    model = tiny_dirs["untied"]
+    plan_path = write_flow_plan(tmp_path / "flow.json", model, PLACEMENTS, PATHS)
+    # a shared prefix of several KV blocks: a block one path computed must not serve another's request
+    prefix = "Paged attention stores keys and values in blocks of sixteen tokens. " * 3
+    prompts = [(prefix if i % 2 else "") + PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(10)]
+    options = RunOptions(plan_path, model, prompts=prompts, max_tokens=6, ignore_eos=True, max_num_seqs=1)
+    run = run_pipeline(options)
+    tokenizer = _load_tokenizer(model)
+    for prompt, result in zip(prompts, run.requests, strict=True):
+        ids = list(tokenizer(prompt)["input_ids"])
+        assert result["token_ids"] == hf_greedy(model, ids, 6, ignore_eos=True), prompt
+    assert len(run.stages) == 4 and [s["state"] for s in run.stages] == ["done"] * 4
+    assert run.stages[0]["path_requests"] == {"0": 5, "1": 3, "2": 2}
+    # each placement's process holds its range once: its weights are one load of that range
+    import torch
+
+    for status, (device, (a, b)) in zip(run.stages, [(d, PLACEMENTS[d]) for d in
+                                                     ["localhost/cpu0", "localhost/cpu3", "localhost/cpu1",
+                                                      "localhost/cpu2"]], strict=True):  # fmt: skip
+        assert (status["layer_start"], status["layer_end"]) == (a, b), device
+        part = LayerFilter(a, b, embed=a == 0, head=b == 6, tied=False)
+        assert status["weight_bytes"] == tensor_bytes(load_model(model, torch.float32, "cpu", layers=part))
+    assert all(s["batches"] > 0 for s in run.stages[1:])  # W, Y and Z each ran micro-batches
