@@ -120,9 +120,11 @@ def test_the_runtime_reads_a_flow_plan_as_placements_and_paths(tiny_dirs, tmp_pa
 
 
 def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tmp_path) -> None:
-    """Four placement processes, three paths; 10 greedy requests: each equals HF transformers'
-    greedy continuation, the paths get 5/3/2 of them (weight x 10), each placement loaded its layers
-    once and every path's last placement sampled."""
+    """Four placement processes, three paths; 10 greedy requests (half with a shared prefix of
+    several KV blocks) and a seeded one: each greedy one equals HF transformers' greedy continuation,
+    the seeded one the single-process engine's; each path gets within one of weight x 11 requests,
+    each placement loaded its layers once and W, Y and Z each ran micro-batches."""
+    from tessel import LLM, SamplingParams
     from tessel.engine.llm_engine import _load_tokenizer
     from tessel.models.layer_filter import LayerFilter
     from tessel.models.loader import load_model
@@ -134,14 +136,24 @@ def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tm
     # a shared prefix of several KV blocks: a block one path computed must not serve another's request
     prefix = "Paged attention stores keys and values in blocks of sixteen tokens. " * 3
     prompts = [(prefix if i % 2 else "") + PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(10)]
-    options = RunOptions(plan_path, model, prompts=prompts, max_tokens=6, ignore_eos=True, max_num_seqs=1)
+    lines = [{"prompt": p, "max_tokens": 6} for p in prompts]
+    lines.append({"prompt": PROMPTS[1], "temperature": 0.8, "top_k": 30, "seed": 5, "max_tokens": 6})
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    options = RunOptions(plan_path, model, prompts_file=requests, ignore_eos=True, max_num_seqs=1)
     run = run_pipeline(options)
     tokenizer = _load_tokenizer(model)
-    for prompt, result in zip(prompts, run.requests, strict=True):
+    for prompt, result in zip(prompts, run.requests[:-1], strict=True):
         ids = list(tokenizer(prompt)["input_ids"])
         assert result["token_ids"] == hf_greedy(model, ids, 6, ignore_eos=True), prompt
+    # the seeded request samples on its path's last placement as one process samples it
+    seeded = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=6, ignore_eos=True)
+    one_process = LLM(model).generate([PROMPTS[1]], seeded, use_progress=False)[0]
+    assert run.requests[-1]["token_ids"] == one_process.token_ids
     assert len(run.stages) == 4 and [s["state"] for s in run.stages] == ["done"] * 4
-    assert run.stages[0]["path_requests"] == {"0": 5, "1": 3, "2": 2}
+    split = run.stages[0]["path_requests"]
+    assert sum(split.values()) == 11
+    assert all(abs(split[str(i)] - w * 11) < 1 for i, (_, w, _) in enumerate(PATHS)), split
     # each placement's process holds its range once: its weights are one load of that range
     import torch
 

@@ -180,6 +180,7 @@ class FlowSchedulers(PinnedSchedulers):
         self.paths = paths
         self.path_of_slot = [i for i, p in enumerate(paths) for _ in range(p.micro_batches)]
         self.assigner = PathAssigner([p.weight for p in paths])
+        self.path_of_seq: dict[int, int] = {}  # until its release reaches its path's last placement
 
     @property
     def requests_per_path(self) -> list[int]:
@@ -187,6 +188,7 @@ class FlowSchedulers(PinnedSchedulers):
 
     def add(self, seq: Sequence) -> None:
         path = self.assigner.next()
+        self.path_of_seq[seq.seq_id] = path
         mine = [s for s, p in enumerate(self.path_of_slot) if p == path]
         slot = min(mine, key=lambda i: (self.slots[i].num_unfinished, i))
         self._slot_of[seq.seq_id] = slot
@@ -194,6 +196,15 @@ class FlowSchedulers(PinnedSchedulers):
 
     def route(self, slot: int) -> tuple[int, ...]:
         return self.paths[self.path_of_slot[slot]].ranks
+
+    def releases_for(self, slot: int, released: list[int]) -> tuple[list[int], list[int]]:
+        """(the finished sequences of `slot`'s path, to send with its micro-batch; the others, kept
+        for a micro-batch of theirs): a seeded request's generator lives on its path's last placement."""
+        path = self.path_of_slot[slot]
+        mine = [s for s in released if self.path_of_seq.get(s, path) == path]
+        for seq_id in mine:
+            self.path_of_seq.pop(seq_id, None)
+        return mine, [s for s in released if s not in set(mine)]
 
 
 # ---- the links ------------------------------------------------------------------------------------
@@ -350,18 +361,18 @@ class FlowEngineMixin:
         sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
         scorings = prompt_scorings(batch)
         path = self.scheduler.route(slot)
+        released, self._released = self.scheduler.releases_for(slot, self._released)
         message = BatchMessage(
             next(self._batch_ids),
             positions,
             meta,
             sample_rows,
             [(seq.seq_id, seq.params) for seq in sampled],
-            self._released,
+            released,
             [scoring for _, scoring in scorings],
             {s.seq_id: self.resume_draws.pop(s.seq_id) for s in sampled if s.seq_id in self.resume_draws},
             path=path,
         )
-        self._released = []
         seq_ids = [s.seq_id for s, _ in batch.scheduled()]
         record = _InFlight(message.batch_id, slot, apply, sampled, scorings, seq_ids=seq_ids)
         if path[0] == 0:

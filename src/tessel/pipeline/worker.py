@@ -140,6 +140,8 @@ def validate(
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if plan.paths and args.transport == "nccl":
+        raise TesselError("--transport nccl: a flow plan's placements pass micro-batches over gloo (host)")
     link_transports(plan, args.transport)
     check_devices(plan, cuda_devices(), None if rank is None else [rank])
     check_offload(plan.stages, config, resolve_dtype(args.dtype, config), None if rank is None else [rank])
