@@ -29,6 +29,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -145,21 +146,27 @@ def predict(model: Path, profile_path: Path, device: str, n: int, cfg: dict) -> 
     }
 
 
-def run_shape(shape: str, args, cfg: dict, work: Path, console: Console) -> list[dict]:  # noqa: ANN001
+def run_shape(shape: str, args, cfg: dict, work: Path, console: Console, rows: list, started: float) -> None:  # noqa: ANN001
+    """Append `shape`'s rows to `rows`, the record so far saved beside `--out` after each (a step cut
+    short by its time limit keeps what it measured)."""
     from tessel.models.config import ModelConfig
 
     model = build_checkpoint(work, shape, args.device)
     vocab = ModelConfig.from_dir(model).vocab_size
-    rows = []
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        _harness.save_partial(args.out, "fidelity", {"config": cfg, "rows": rows}, args.label)
+
     for mode in args.modes:
         profile_path = work / f"profile-{shape}-{mode}.json"
         console.print(f"{shape}, {mode}: profiling ({cfg['profile_budget_s']} s budget for the layer) ...")
         try:
             profile = make_profile(model, args.device, mode, cfg, profile_path)
         except Exception as error:  # noqa: BLE001 (one failed profile: the other modes still run)
-            rows.append({"shape": shape, "mode": mode, "error": f"profile: {error}"})
+            keep({"shape": shape, "mode": mode, "error": f"profile: {error}"})
             continue
-        rows.append({"shape": shape, "mode": mode, "profile": profile})  # kept for offline analysis
+        keep({"shape": shape, "mode": mode, "profile": profile})  # kept for offline analysis
         heldout = {"layer_prefill": float(profile["meta"]["prefill_heldout_rel_error"]),
                    "layer_decode": float(profile["meta"]["decode_heldout_rel_error"])}  # fmt: skip
         heldout |= {name: fit["heldout_rel_error"] for name, fit in profile["components"].items()}
@@ -173,14 +180,27 @@ def run_shape(shape: str, args, cfg: dict, work: Path, console: Console) -> list
             except Exception as error:  # noqa: BLE001 (kept in the record; the next row still runs)
                 row["error"] = f"{type(error).__name__}: {error}"
                 console.print(traceback.format_exc())
-                rows.append(row)
+                keep(row)
                 continue
             row["rel_error"] = {
                 k: fidelity.rel_error(row["predicted"][k], row["measured"][k])
                 for k in ("ttft_s", "tpot_s", "throughput_tok_s")
             }
-            rows.append(row)
-    return rows
+            keep(row)
+            console.print(f"   {_summary(row)} ({time.perf_counter() - started:.0f} s so far)")
+
+
+def _summary(row: dict) -> str:
+    """One line per measured row for the log: a run cut short still shows what it measured."""
+    p, m = row["predicted"], row["measured"]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
+    return (
+        f"TPOT ms pred {ms(p['tpot_s'])} / meas {ms(m['tpot_s'])}, "
+        f"tok/s pred {p['throughput_tok_s']:.0f} / meas {m['throughput_tok_s']:.0f}"
+    )
 
 
 def render(rows: list[dict], console: Console) -> None:
@@ -237,8 +257,7 @@ def main() -> None:
     rows: list[dict] = []
     with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-fidelity-cuda-") as tmp:
         for shape in args.shapes:
-            rows += run_shape(shape, args, cfg, Path(tmp), console)
-            _harness.save_partial(args.out, "fidelity", {"config": cfg, "rows": rows}, args.label)
+            run_shape(shape, args, cfg, Path(tmp), console, rows, time.perf_counter())
     render(rows, console)
     result = {"config": cfg, "device": args.device, "gpu": _gpu_name(args.device), "rows": rows,
               "quick": args.quick, "wall_s": elapsed.wall_s}  # fmt: skip

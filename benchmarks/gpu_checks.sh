@@ -12,6 +12,12 @@
 #   bash benchmarks/gpu_checks.sh OUT_DIR [--quick]
 #   for f in OUT_DIR/results/*.jsonl; do cat "$f" >> "benchmarks/results/$(basename "$f")"; done
 #
+# Timing on an H100 (2026-11-26, record issue30_gpu in benchmarks/results/gpu_checks.jsonl): with
+# FIDELITY_S=160 TEST_S=90 PIPELINE_S=200 FIDELITY_1B_S=90 every one of those steps hit its limit (the
+# SmolLM2 fidelity step had reached its last row; the CUDA tests were past 56%; pipeline_gpu was still
+# profiling), so the defaults are above those; the whole script no longer fits one 10-minute device
+# call: run it in two (SKIP_STEPS).
+#
 # Run from the repo root with tessel importable (installed, or PYTHONPATH=src). Each step has its
 # own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others;
 # a step cut short leaves its figures so far in OUT_DIR/results/<benchmark>.jsonl.partial.tmp.
@@ -51,15 +57,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 # from `tessel profile --device cuda` (decode timed as CUDA graphs for the graph-replaying engine,
 # eagerly for enforce_eager), SmolLM2's shape in both modes (Llama-3.2-1B's with graphs: the last step).
 fidelity_budget="--profile-budget-s ${FIDELITY_BUDGET:-20}"
-step fidelity_cuda "${FIDELITY_S:-200}" $python benchmarks/fidelity_cuda.py --shapes smollm2 $fidelity_budget \
+step fidelity_cuda "${FIDELITY_S:-260}" $python benchmarks/fidelity_cuda.py --shapes smollm2 $fidelity_budget \
   --label "$label" --out "$out/results/fidelity.jsonl"
 # The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
-TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-150}" $python -m pytest -q -p no:cacheprovider -rfE \
+TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-180}" $python -m pytest -q -p no:cacheprovider -rfE \
   --junitxml "$out/cuda_tests.xml" tests/*/test_cuda_*.py
 # Pipelines with GPU stages (issue 29): two stages on one GPU, the planner's CPU + GPU split, each
 # against one process on the GPU; CPU alone and accelerate offload as baselines.
 # With each row's prediction from this machine's GPU and CPU profiles (PIPELINE_ARGS: more options).
-step pipeline_gpu "${PIPELINE_S:-240}" $python benchmarks/pipeline_gpu.py ${PIPELINE_ARGS:-} \
+step pipeline_gpu "${PIPELINE_S:-320}" $python benchmarks/pipeline_gpu.py ${PIPELINE_ARGS:-} \
   --label "$label" --out "$out/results/pipeline_gpu.jsonl"
 step cuda_engine "${ENGINE_S:-200}" $python benchmarks/cuda_engine.py --repeats 2 $quick \
   --label "$label" --out "$out/results/cuda_engine.jsonl"
@@ -76,6 +82,6 @@ step cuda_linear "${LINEAR_S:-100}" $python benchmarks/cuda_linear.py --budget-s
 step offload_weights "${OFFLOAD_S:-300}" $python benchmarks/offload_weights.py --device cuda $quick \
   ${OFFLOAD_BUDGET:+--profile-budget-s $OFFLOAD_BUDGET} \
   --label "$label" --out "$out/results/offload_weights.jsonl"
-step fidelity_cuda_1b "${FIDELITY_1B_S:-150}" $python benchmarks/fidelity_cuda.py --shapes llama-1b --modes graphs \
+step fidelity_cuda_1b "${FIDELITY_1B_S:-240}" $python benchmarks/fidelity_cuda.py --shapes llama-1b --modes graphs \
   $fidelity_budget --label "$label" --out "$out/results/fidelity.jsonl"
 $python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"

@@ -152,7 +152,10 @@ def make_profiles(model: Path, device: str, dtype: str, threads: int, budget_s: 
             "--scale", "1", "--dtype", dtype, "--budget-s", str(budget_s), "--max-offset", "256",
             "--max-chunk", "2048", "--json", str(out), *extra,
         ]  # fmt: skip
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        print(f"-- profiling {where} ({budget_s} s budget for the layer)", flush=True)
+        with _harness.stopwatch() as elapsed:
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        print(f"   {elapsed.wall_s:.0f} s", flush=True)  # a run cut short shows where its time went
         paths[json.loads(out.read_text())["device_type"]] = out
     return paths
 

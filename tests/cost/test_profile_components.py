@@ -191,8 +191,13 @@ def test_simulator_adds_the_step_overhead_once_per_batch_on_the_first_stage() ->
     assert math.isclose(slow.ttft_s.mean - fast.ttft_s.mean, step.time_s(1), rel_tol=1e-9)
 
 
-def test_transports_follow_the_runtime_rule() -> None:
-    assert transports_for("cpu") == ("host",) and transports_for("cuda") == ("host", "nccl")
+def test_transports_follow_the_runtime_rule(monkeypatch) -> None:
+    import torch
+
+    assert transports_for("cpu") == ("host",)
+    for gpus, profiled in ((1, ("host",)), (2, ("host", "nccl"))):  # NCCL needs a second GPU to time
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert transports_for("cuda") == profiled
     link = LinkSpec(1e9)
     cpu, gpu0, gpu1 = (StageSpec(d, t, 0, 1, link) for d, t in
                        (("n/gpu0", "cpu"), ("n/gpu0", "A100-80G"), ("n/gpu1", "A100-80G")))  # fmt: skip
