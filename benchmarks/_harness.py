@@ -245,6 +245,20 @@ def add_record_options(parser: argparse.ArgumentParser, benchmark: str, flag: st
     parser.add_argument("--label", default="", help="a name for this run's record (the machine, the change)")
 
 
+def add_size_options(parser: argparse.ArgumentParser, full: dict[str, int]) -> None:
+    """An integer option per key of a benchmark's full settings (`--profile-budget-s` for
+    `profile_budget_s`), to override one setting of a run; `sizes` reads them back."""
+    for key, value in full.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override (full: {value})")
+
+
+def sizes(args: argparse.Namespace, base: dict[str, int]) -> dict[str, int]:
+    """`base` (the full or quick settings) with the `add_size_options` the command line gave."""
+    return {
+        key: value if getattr(args, key, None) is None else getattr(args, key) for key, value in base.items()
+    }
+
+
 def record(benchmark: str, result: object, label: str = "") -> dict:
     """A record of this run (see the module docstring)."""
     sha, dirty = git_state()

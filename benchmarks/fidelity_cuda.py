@@ -245,13 +245,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(fidelity.CONCURRENCY))
     _harness.add_record_options(parser, "fidelity")
-    for key in FULL:
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override (full: {FULL[key]})")
+    _harness.add_size_options(parser, FULL)
     args = parser.parse_args()
-    cfg = dict(QUICK if args.quick else FULL)
-    for key in FULL:
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
+    cfg = _harness.sizes(args, QUICK if args.quick else FULL)
     console = Console(highlight=False, width=150)
     console.print(_harness.machine_line())
     rows: list[dict] = []

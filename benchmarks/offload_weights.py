@@ -299,13 +299,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--gpu-type", help="catalog type of the GPU (default: from its name)")
     _harness.add_record_options(parser, "offload_weights")
-    for key in FULL:
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override (full: {FULL[key]})")
+    _harness.add_size_options(parser, FULL)
     args = parser.parse_args()
-    cfg = dict(QUICK if args.quick else CUDA if args.device == "cuda" else FULL)
-    for key in FULL:
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
+    cfg = _harness.sizes(args, QUICK if args.quick else CUDA if args.device == "cuda" else FULL)
     cfg.update(device=args.device, dtype="fp32" if args.device == "cpu" else "fp16")
     cfg["torch_dtype"] = "float32" if args.device == "cpu" else "float16"
     console = Console(highlight=False)
