@@ -10,7 +10,7 @@ import pytest
 
 from hf_oracle import hf_greedy
 from tessel.errors import TesselError
-from tessel.pipeline.flow_routing import PathAssigner, with_micro_batches
+from tessel.pipeline.flow_routing import FlowBlocks, PathAssigner, path_block_ranges, with_micro_batches
 from tessel.pipeline.run_plan import load_run_plan
 
 PROMPTS = [
@@ -119,6 +119,40 @@ def test_the_runtime_reads_a_flow_plan_as_placements_and_paths(tiny_dirs, tmp_pa
         load_run_plan(bad)
 
 
+def test_each_path_gets_the_blocks_its_placements_shares_hold(tiny_dirs, tmp_path) -> None:
+    """Path block ranges against a hand count, and a placement's view of them: its pool is its paths'
+    ranges back to back, and block ids in the metadata map to its own."""
+    import torch
+
+    from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+
+    plan_path = write_flow_plan(tmp_path / "flow.json", tiny_dirs["untied"], PLACEMENTS, PATHS)
+    paths = load_run_plan(plan_path).paths
+    # ranks: X 0, W 1, Y 2, Z 3; shares by weight: X 5/8 and 3/8, Y 5/7 and 2/7, Z and W all
+    capacities = [80, 100, 70, 40]
+    ranges = path_block_ranges(paths, capacities, blocks_per_seq=4, max_num_seqs=100)
+    # path 0: min(80 x 5/8, 70 x 5/7); path 1: min(80 x 3/8, 40); path 2: min(100, 70 x 2/7)
+    assert ranges == [(0, 50), (50, 80), (80, 100)]
+    capped = path_block_ranges(paths, capacities, 4, max_num_seqs=3)  # slots x 3 sequences x 4 blocks
+    assert capped == [(0, 24), (24, 36), (36, 48)]
+    with pytest.raises(TesselError, match="flow path 2: its share of placement 2"):
+        path_block_ranges(paths, capacities, blocks_per_seq=21, max_num_seqs=100)
+    assert FlowBlocks.for_rank(paths, ranges, 0, 16).local_of is None  # rank 0: ids 0..79, as they are
+    y = FlowBlocks.for_rank(paths, ranges, 2, 16)  # paths 0 and 2: global 0..49 and 80..99
+    assert y.local_blocks == 70
+    table = torch.tensor([[3, 85, 0], [99, 0, 0]], dtype=torch.int32)
+    meta = AttentionMetadata(
+        torch.tensor([3 * 16 + 5, 85 * 16 + 15, -1]), 2,
+        [DecodeGroup(0, 2, table, torch.tensor([20, 3], dtype=torch.int32))],
+        [PrefillChunk(2, 1, 30, torch.tensor([81, 82]))],
+    )  # fmt: skip
+    local = y.local_meta(meta)
+    assert local.slot_mapping.tolist() == [3 * 16 + 5, 55 * 16 + 15, -1]
+    assert local.decode_groups[0].block_tables.tolist() == [[3, 55, 0], [69, 0, 0]]
+    assert local.decode_groups[0].block_tables.dtype == torch.int32
+    assert local.prefills[0].block_table.tolist() == [51, 52]
+
+
 def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tmp_path) -> None:
     """Four placement processes, three paths; 10 greedy requests (half with a shared prefix of
     several KV blocks) and a seeded one: each greedy one equals HF transformers' greedy continuation,
@@ -164,3 +198,6 @@ def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tm
         part = LayerFilter(a, b, embed=a == 0, head=b == 6, tied=False)
         assert status["weight_bytes"] == tensor_bytes(load_model(model, torch.float32, "cpu", layers=part))
     assert all(s["batches"] > 0 for s in run.stages[1:])  # W, Y and Z each ran micro-batches
+    # each pool holds the block ranges of the paths through it: X paths 0+1, W 2, Y 0+2, Z 1
+    x, w, y, z = (s["kv_blocks"] for s in run.stages)
+    assert y == x - z + w and z < x and w < y

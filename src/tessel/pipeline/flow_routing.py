@@ -21,30 +21,46 @@ its KV pool serves every path through it:
   keeps those that arrive before the ones it waits for. A placement stops once every predecessor
   sent STOP, and then passes STOP on.
 
-What is shared and what is not: block tables are rank 0's (one `BlockManager` for all paths), so
-every placement's KV pool is indexed by the same block ids and holds the agreed (smallest) pool.
-Links use gloo through host memory (no NCCL), prompts are not cut into CPP chunks, and preempted
-requests are recomputed (a swap's KV copies would have to follow the request's path).
+KV blocks: rank 0's block tables use one id space cut into a range per path
+(`path_block_ranges`): a path gets the fewest blocks its share of any of its placements' pools holds
+(the plan's `kv_gib` for the path there over the placement's, else its weight over theirs), and no
+more than its slots can fill. Rank 0 allocates a sequence's blocks from its path's range
+(`PathBlockManagers`); each placement's pool holds the ranges of the paths through it, back to back,
+and maps the ids of a micro-batch's metadata to its own (`FlowBlocks`) before computing it.
+Links use gloo through host memory (no NCCL), prompts are not cut into CPP chunks, preempted
+requests are recomputed (a swap's KV copies would have to follow the request's path), and the prefix
+cache is off (a cached block's KV is only on the placements of the path that computed it).
 """
 
 from __future__ import annotations
 
 import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tessel.engine.block_manager import BlockManager
-from tessel.engine.model_runner import SampledRows, prompt_scorings
+from tessel.engine.model_runner import SampledRows, kv_cache_bytes_per_block, prompt_scorings
 from tessel.engine.preemption import Preemptor
 from tessel.engine.scheduler import SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
-from tessel.pipeline.comm import BATCH, HEADER_LEN, STOP, BatchMessage, PeerLostError, StageComm, message_on
-from tessel.pipeline.driver import PipelineEngine, _InFlight
+from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from tessel.pipeline.comm import (
+    BATCH,
+    HEADER_LEN,
+    STOP,
+    BatchMessage,
+    KvLayout,
+    PeerLostError,
+    StageComm,
+    agree_kv_layout,
+    message_on,
+)
+from tessel.pipeline.driver import PipelineEngine, _InFlight, stage_kv_budget
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.sampled import from_wire
 
@@ -60,6 +76,7 @@ class FlowPath:
     ranks: tuple[int, ...]
     weight: float  # its share of the requests
     micro_batches: int  # its in-flight slots
+    kv_gib: tuple[float | None, ...] = ()  # per placement of the path: the plan's KV for this path
 
 
 # ---- the plan -------------------------------------------------------------------------------------
@@ -97,6 +114,7 @@ def flow_stages(plan, source: Path) -> tuple[list, tuple[FlowPath, ...]]:  # noq
             tuple(rank[s.device] for s in r.stages),
             r.weight,
             r.micro_batches or max(2, len(r.stages)),
+            tuple(s.kv_gib for s in r.stages),
         )
         for r in plan.replicas
     )
@@ -116,7 +134,7 @@ def with_micro_batches(paths: tuple[FlowPath, ...], total: int) -> tuple[FlowPat
     for _ in range(total - len(paths)):
         counts[assigner.next()] += 1
     return tuple(
-        FlowPath(p.index, p.ranks, p.weight, count) for p, count in zip(paths, counts, strict=True)
+        FlowPath(p.index, p.ranks, p.weight, count, p.kv_gib) for p, count in zip(paths, counts, strict=True)
     )
 
 
@@ -152,6 +170,198 @@ def neighbours(paths: tuple[FlowPath, ...]) -> tuple[dict[int, set[int]], dict[i
     return succ, pred
 
 
+# ---- KV blocks per path ---------------------------------------------------------------------------
+def path_shares(paths: tuple[FlowPath, ...]) -> dict[tuple[int, int], float]:
+    """(path position, rank) -> the share of the placement's KV pool the path gets: its `kv_gib`
+    there over all paths' through it, or, where the plan gives none, its weight over theirs."""
+    through: dict[int, list[tuple[int, float | None, float]]] = {}
+    for i, path in enumerate(paths):
+        kv = path.kv_gib or (None,) * len(path.ranks)
+        for rank, gib in zip(path.ranks, kv, strict=True):
+            through.setdefault(rank, []).append((i, gib, path.weight))
+    shares = {}
+    for rank, entries in through.items():
+        use_kv = all(gib is not None and gib > 0 for _, gib, _ in entries)
+        total = sum((gib if use_kv else w) for _, gib, w in entries)
+        for i, gib, w in entries:
+            shares[(i, rank)] = (gib if use_kv else w) / total
+    return shares
+
+
+def path_block_ranges(
+    paths: tuple[FlowPath, ...], capacities: list[int], blocks_per_seq: int, max_num_seqs: int
+) -> list[tuple[int, int]]:
+    """Each path's block ids [start, end) in the one id space rank 0's block tables use: a path gets
+    the fewest blocks its share of any of its placements' pools holds (`capacities`: blocks per
+    rank), and no more than its slots' sequences (`max_num_seqs` each) can fill; the paths through
+    rank 0 come first, so rank 0's own ids need no translation."""
+    shares = path_shares(paths)
+    sizes = []
+    for i, path in enumerate(paths):
+        size = min(int(capacities[r] * shares[(i, r)] + 1e-9) for r in path.ranks)
+        size = min(size, path.micro_batches * max_num_seqs * blocks_per_seq)
+        if size < blocks_per_seq:
+            tight = min(path.ranks, key=lambda r: capacities[r] * shares[(i, r)])
+            raise TesselError(
+                f"flow path {path.index}: its share of placement {tight}'s KV pool holds {size} blocks, "
+                f"fewer than one sequence of max_model_len needs ({blocks_per_seq}); raise --kv-cache-gib "
+                "or lower --max-model-len"
+            )
+        sizes.append(size)
+    order = sorted(range(len(paths)), key=lambda i: (paths[i].ranks[0] != 0, i))
+    ranges: list[tuple[int, int]] = [(0, 0)] * len(paths)
+    start = 0
+    for i in order:
+        ranges[i] = (start, start + sizes[i])
+        start += sizes[i]
+    return ranges
+
+
+@dataclass(slots=True)
+class FlowBlocks:
+    """One placement's view of the paths' block ranges: its pool holds the ranges of the paths
+    through it, back to back, and `local_of` maps a global block id to its own (None: the same)."""
+
+    ranges: list[tuple[int, int]]
+    local_blocks: int
+    local_of: torch.Tensor | None
+    block_size: int
+
+    @classmethod
+    def for_rank(
+        cls, paths: tuple[FlowPath, ...], ranges: list[tuple[int, int]], rank: int, block_size: int
+    ) -> FlowBlocks:
+        mine = sorted(ranges[i] for i, p in enumerate(paths) if rank in p.ranks)
+        local = sum(b - a for a, b in mine)
+        if mine and mine[0][0] == 0 and all(x[1] == y[0] for x, y in zip(mine, mine[1:], strict=False)):
+            return cls(ranges, local, None, block_size)
+        table = torch.zeros(max(b for _, b in ranges), dtype=torch.int64)  # ids not its own: block 0
+        at = 0
+        for a, b in mine:
+            table[a:b] = torch.arange(at, at + b - a)
+            at += b - a
+        return cls(ranges, local, table, block_size)
+
+    def local_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """`meta` with this placement's block ids (slots, block tables); decode groups lose the
+        gather built for the global ids (`StageExecutor.adopt` builds it again)."""
+        if self.local_of is None:
+            return meta
+        table = self.local_of.to(meta.slot_mapping.device)
+
+        def ids(x: torch.Tensor) -> torch.Tensor:
+            mapped = table[x.to(torch.int64).clamp(min=0)]
+            return torch.where(x >= 0, mapped, x.to(torch.int64)).to(x.dtype)
+
+        bs = self.block_size
+        slots = meta.slot_mapping
+        slot_mapping = torch.where(slots >= 0, ids(slots // bs) * bs + slots % bs, slots)
+        groups = [
+            DecodeGroup(g.start, g.end, ids(g.block_tables), g.context_lens) for g in meta.decode_groups
+        ]
+        prefills = [
+            PrefillChunk(p.start, p.num_tokens, p.context_len, _or_none(p.block_table, ids))
+            for p in meta.prefills
+        ]
+        return AttentionMetadata(slot_mapping, meta.num_decode_tokens, groups, prefills)
+
+
+def _or_none(x: torch.Tensor | None, f):  # noqa: ANN001, ANN202
+    return None if x is None else f(x)
+
+
+def agree_flow_blocks(
+    paths: tuple[FlowPath, ...], rank: int, capacity: int, layout: KvLayout
+) -> FlowBlocks:
+    """A collective at start, after `agree_kv_layout`: every placement offers the blocks its own
+    budget holds; all compute the same path ranges (`path_block_ranges`)."""
+    try:
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, torch.tensor([capacity], dtype=torch.int64))
+    except RuntimeError as error:
+        raise PeerLostError(f"stage {rank}: the flow plan's KV handshake failed: {error}") from error
+    bs = layout.block_size
+    blocks_per_seq = -(-layout.max_model_len // bs)
+    ranges = path_block_ranges(paths, [int(t.item()) for t in gathered], blocks_per_seq, layout.max_num_seqs)
+    return FlowBlocks.for_rank(paths, ranges, rank, bs)
+
+
+def flow_max_seqs(paths: tuple[FlowPath, ...], max_num_seqs: int) -> int:
+    """The most sequences every path's slots run together: what a placement's pool is capped at."""
+    return sum(p.micro_batches for p in paths) * max_num_seqs
+
+
+class PathBlockManagers:
+    """Rank 0's block manager over the paths: one `BlockManager` per path over its id range, each
+    sequence served by its path's (`assign` first); what the engine reads of one block manager."""
+
+    def __init__(self, ranges: list[tuple[int, int]], block_size: int) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = False
+        self.managers = [_RangeBlocks(a, b, block_size) for a, b in ranges]
+        self._path_of: dict[int, int] = {}
+        self._default = min(range(len(ranges)), key=lambda i: ranges[i][0])  # ids from 0: rank 0 holds them
+
+    def assign(self, seq: Sequence, path: int) -> None:
+        self._path_of[seq.seq_id] = path
+
+    def forget(self, seq: Sequence) -> None:
+        self._path_of.pop(seq.seq_id, None)
+
+    def _of(self, seq: Sequence) -> BlockManager:
+        return self.managers[self._path_of.get(seq.seq_id, self._default)]
+
+    @property
+    def num_total_blocks(self) -> int:
+        return sum(m.num_total_blocks for m in self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(m.num_free_blocks for m in self.managers)
+
+    def free_blocks_of(self, seq: Sequence) -> int:
+        return self._of(seq).num_free_blocks
+
+    def num_prefix_hits(self, seq: Sequence) -> int:
+        return 0
+
+    def can_allocate(self, seq: Sequence, hits: int) -> bool:
+        return self._of(seq).can_allocate(seq, hits)
+
+    def allocate(self, seq: Sequence, hits: int) -> None:
+        self._of(seq).allocate(seq, hits)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        return self._of(seq).reserve(seq, num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        self._of(seq).free(seq)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        return None
+
+
+class _RangeBlocks(BlockManager):
+    """A `BlockManager` whose block ids are [start, end) (no prefix cache)."""
+
+    def __init__(self, start: int, end: int, block_size: int) -> None:
+        super().__init__(end - start, block_size, enable_prefix_caching=False)
+        self.start = start
+        self.free_blocks = type(self.free_blocks)((start + i, None) for i in range(end - start))
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self.blocks[block_id - self.start].ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id - self.start]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+
+
 # ---- requests to paths ----------------------------------------------------------------------------
 class PathAssigner:
     """Deterministic weighted assignment: the next request goes to the path p with the largest
@@ -177,6 +387,7 @@ class FlowSchedulers(PinnedSchedulers):
         self, paths: tuple[FlowPath, ...], config: SchedulerConfig, block_manager: BlockManager
     ) -> None:
         super().__init__(sum(p.micro_batches for p in paths), config, block_manager)
+        self.block_manager = block_manager
         self.paths = paths
         self.path_of_slot = [i for i, p in enumerate(paths) for _ in range(p.micro_batches)]
         self.assigner = PathAssigner([p.weight for p in paths])
@@ -189,10 +400,17 @@ class FlowSchedulers(PinnedSchedulers):
     def add(self, seq: Sequence) -> None:
         path = self.assigner.next()
         self.path_of_seq[seq.seq_id] = path
+        if isinstance(self.block_manager, PathBlockManagers):
+            self.block_manager.assign(seq, path)
         mine = [s for s, p in enumerate(self.path_of_slot) if p == path]
         slot = min(mine, key=lambda i: (self.slots[i].num_unfinished, i))
         self._slot_of[seq.seq_id] = slot
         self.slots[slot].add(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        super().finish(seq, reason)
+        if isinstance(self.block_manager, PathBlockManagers):
+            self.block_manager.forget(seq)
 
     def route(self, slot: int) -> tuple[int, ...]:
         return self.paths[self.path_of_slot[slot]].ranks
@@ -336,13 +554,39 @@ class FlowEngineMixin:
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         kwargs["enable_prefix_caching"] = False
+        self._micro_batches = kwargs.get("micro_batches")
         super().__init__(*args, **kwargs)
 
-    def _make_schedulers(self, micro_batches: int | None) -> FlowSchedulers:
+    def _flow_paths(self) -> tuple[FlowPath, ...]:
+        micro_batches = self._micro_batches
         paths = self.plan.paths
-        if micro_batches is not None:
-            paths = with_micro_batches(paths, micro_batches)
-        return FlowSchedulers(paths, self.scheduler.config, self.block_manager)
+        return paths if micro_batches is None else with_micro_batches(paths, micro_batches)
+
+    def _num_kv_blocks(self) -> int:
+        """Rank 0's pool: the block ranges of the paths through it (`path_block_ranges`, agreed with
+        every placement, each offering what its own budget holds)."""
+        config, bs = self.config, self.config.block_size
+        blocks_per_seq = -(-self.max_model_len // bs)
+        capacity = config.num_kv_blocks
+        paths = self._flow_paths()
+        if capacity is None:
+            per_block = kv_cache_bytes_per_block(self.model, bs, self.dtype)
+            budget = stage_kv_budget(self.plan, 0, config.kv_cache_gib)
+            capacity = budget.blocks(per_block, blocks_per_seq, flow_max_seqs(paths, config.max_num_seqs))
+        layout = KvLayout(capacity, bs, config.pack_cpu_linears, config.max_num_seqs, self.max_model_len)
+        if self.comm is None:
+            ranges = path_block_ranges(paths, [capacity], blocks_per_seq, config.max_num_seqs)
+            self._flow_blocks = FlowBlocks.for_rank(paths, ranges, 0, bs)
+        else:
+            agree_kv_layout(capacity, layout)
+            self._flow_blocks = agree_flow_blocks(paths, 0, capacity, layout)
+        return self._flow_blocks.local_blocks
+
+    def _make_schedulers(self, micro_batches: int | None) -> FlowSchedulers:
+        """Slots by path, over one block manager per path's id range (recompute-only preemption)."""
+        self.block_manager = PathBlockManagers(self._flow_blocks.ranges, self.config.block_size)
+        self.preemptor = self._build_preemptor()
+        return FlowSchedulers(self._flow_paths(), self.scheduler.config, self.block_manager)
 
     def _build_preemptor(self) -> Preemptor:
         if self.config.preemption_mode == "swap":
@@ -395,14 +639,16 @@ class FlowPipelineEngine(FlowEngineMixin, PipelineEngine):
 
 
 # ---- the other placements -------------------------------------------------------------------------
-def serve_flow_stage(comm: FlowComm, executor) -> None:  # noqa: ANN001 (StageExecutor)
-    """Run micro-batches from any predecessor until every one said stop."""
+def serve_flow_stage(comm: FlowComm, executor, blocks: FlowBlocks) -> None:  # noqa: ANN001 (StageExecutor)
+    """Run micro-batches from any predecessor until every one said stop; each runs on this
+    placement's block ids (`blocks`) and goes on with the global ones."""
     executor.progress = comm.progress
     while (received := comm.recv_flow()) is not None:
         message, stream, ids = received
-        executor.adopt(message)
+        local = replace(message, meta=blocks.local_meta(message.meta))
+        executor.adopt(local)
         started = time.perf_counter()
-        out = executor.runner.run_stage(message.positions, message.meta, input_ids=ids, stream=stream)
+        out = executor.runner.run_stage(local.positions, local.meta, input_ids=ids, stream=stream)
         last = message.path[-1] == comm.rank
         sampled = executor.sample(out, message) if last else None
         executor.account(started, out.shape[0])

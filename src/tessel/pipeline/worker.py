@@ -221,7 +221,8 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     )
     if args.warmup and engine.runner.cuda_graphs is not None:
         engine.warm_up()  # the GEMM tiles tuned and every bucket's graph captured, before timing
-    report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes, engine.num_total_blocks)
+    kv_blocks = engine._flow_blocks.local_blocks if plan.paths else engine.num_total_blocks  # its own pool
+    report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes, kv_blocks)
     if args.warmup:
         warm_up(engine, requests)
         engine.stage.stats = StageStats()  # stage 0 counts the timed requests only
@@ -317,7 +318,16 @@ def run_later_stage(
     config = ModelConfig.from_dir(args.model)
     dtype = resolve_dtype(args.dtype, config)
     executor, rss_before = loaded or load_later_stage(args, plan, rank)
-    layout = agree_kv_layout(_capacity(args, plan, rank, executor.model, dtype, config), None)
+    capacity = _capacity(args, plan, rank, executor.model, dtype, config)
+    layout = agree_kv_layout(capacity, None)
+    blocks = None
+    if plan.paths:  # its pool holds the block ranges of the flow paths through it
+        from dataclasses import replace
+
+        from tessel.pipeline.flow_routing import agree_flow_blocks
+
+        blocks = agree_flow_blocks(plan.paths, rank, capacity, layout)
+        layout = replace(layout, num_blocks=blocks.local_blocks)
     executor.attach_kv(layout, dtype, comm.device)
     if args.warmup and executor.runner.cuda_graphs is not None:
         max_rows = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, layout.max_model_len)
@@ -327,7 +337,7 @@ def run_later_stage(
     if plan.paths:
         from tessel.pipeline.flow_routing import serve_flow_stage
 
-        serve_flow_stage(comm, executor)
+        serve_flow_stage(comm, executor, blocks)
     else:
         serve_stage(comm, executor, last=rank == len(plan.stages) - 1)
     write_status(rank, **asdict(executor.stats))
@@ -340,7 +350,15 @@ def _capacity(args: argparse.Namespace, plan: RunPlan, rank: int, model, dtype, 
     bs = engine.block_size
     per_block = kv_cache_bytes_per_block(model, bs, dtype)
     budget = stage_kv_budget(plan, rank, args.kv_cache_gib)
-    return budget.blocks(per_block, -(-max_model_len(engine, config) // bs), engine.max_num_seqs)
+    max_seqs = engine.max_num_seqs
+    if plan.paths:
+        from tessel.pipeline.flow_routing import flow_max_seqs, with_micro_batches
+
+        paths = plan.paths
+        if args.micro_batches is not None:
+            paths = with_micro_batches(paths, args.micro_batches)
+        max_seqs = flow_max_seqs(paths, max_seqs)
+    return budget.blocks(per_block, -(-max_model_len(engine, config) // bs), max_seqs)
 
 
 def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
