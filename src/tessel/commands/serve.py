@@ -11,7 +11,9 @@ with Retry-After, and new requests wait. Past the budget, or when a rebuild fail
 cannot hold the model), the server stays up without a pipeline, answering 503 with the cause, and
 never exits by itself.
 A `--plan` of several replicas without `--replica` runs one such server per replica behind a router
-that splits requests by the plan's weights (`tessel.pipeline.replica_router`). With `--plan`, `/metrics`
+that splits requests by the plan's weights (`tessel.pipeline.replica_router`); a flow plan (paths
+sharing GPUs) runs as one process per placement with requests split over its paths by the flow
+weights (`tessel.pipeline.flow_routing`). With `--plan`, `/metrics`
 shows each stage's measured step time beside the plan's (`tessel.pipeline.remap_watch`); with
 `--remap auto` the server re-plans when they drift and moves to the new split live.
 """

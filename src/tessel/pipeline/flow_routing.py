@@ -247,7 +247,10 @@ class FlowBlocks:
         gather built for the global ids (`StageExecutor.adopt` builds it again)."""
         if self.local_of is None:
             return meta
-        table = self.local_of.to(meta.slot_mapping.device)
+        device = meta.slot_mapping.device
+        if self.local_of.device != device:
+            self.local_of = self.local_of.to(device)  # once: the placement's device
+        table = self.local_of
 
         def ids(x: torch.Tensor) -> torch.Tensor:
             mapped = table[x.to(torch.int64).clamp(min=0)]

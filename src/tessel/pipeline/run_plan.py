@@ -3,7 +3,8 @@
 `load_run_plan(path)` is the only place `tessel.pipeline` reads a plan file. It returns the stages in
 pipeline order (layer range, device, emulated speed), the model the plan was made for and how many
 micro-batches to keep in flight, and `check_model` refuses a plan that does not fit the checkpoint
-before any process starts.
+before any process starts. A flow plan (v4) runs one process per placement: its `stages` are then the
+placements and `paths` the routes over them (`tessel.pipeline.flow_routing`).
 """
 
 from __future__ import annotations
