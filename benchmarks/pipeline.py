@@ -13,8 +13,12 @@
    micro-batch vs the chunk planner's cut) next to the chunk planner's predicted TTFTs.
 
 Prints a table and appends a record to benchmarks/results/pipeline.jsonl. Every stage runs 1 torch
-thread: on a machine with fewer free cores than stages, the stages time-share the cores and the
-measured numbers say more about the machine's load than about the plan (the record has the load
+thread; the simulator shares a host's cores among its stages (processor sharing, `tessel.sim`).
+Other programs' load is not in the prediction: each stage reports the CPU seconds of its compute
+(`compute_cpu_s`, process time) beside its wall seconds (`compute_s`), so the per-stage table
+compares the priced compute with CPU time (load-free) and the row's "replay" re-simulates it with
+each stage's measured CPU availability (CPU / wall of its compute): when the replay matches and
+the prediction does not, the gap is the machine's load, not the model (the record has the load
 average before and after).
 """
 
@@ -122,16 +126,34 @@ def measure(plan: Path, model: Path, requests: Path, cfg: dict, **overrides) -> 
         "wall_s": run.wall_s,
         "stages": run.stages,
         "stage_utilization": [status.get("utilization") for status in run.stages],
+        # CPU seconds over wall seconds of the stages' compute: under 1 where a stage waited for a core
+        # (other stages of this run on the same cores, or other programs' load)
+        "compute_cpu_over_wall": sum(s.get("compute_cpu_s", 0.0) for s in run.stages)
+        / max(sum(s.get("compute_s", 0.0) for s in run.stages), 1e-9),
     }
 
 
-def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: int, n: int, cpp: bool) -> dict:
+def predict(
+    plan: Path,
+    profiles: list[Path],
+    cfg: dict,
+    prompt: int,
+    output: int,
+    n: int,
+    cpp: bool,
+    availability: list[float] | None = None,
+) -> dict:
+    """The simulator's prediction; with `availability` (per stage, the measured CPU seconds per wall
+    second of its compute), a replay instead: each stage's priced time on a core of its own divided by
+    its availability, no core sharing modelled (the measured availability holds it, and the load)."""
     from tessel.cost.profile import load_profile
     from tessel.plan.plan_file import load_plan
     from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
     from tessel.sim.cpp import cpp_chunk_sizer
     from tessel.sim.plan_pipeline import pipeline_for
     from tessel.sim.requests import Request
+    from tessel.sim.scheduler import MicroBatch
+    from tessel.sim.simulator import batch_compute_time_s
     from tessel.sim.utilization import stage_utilization
 
     plan_file = load_plan(plan)
@@ -143,23 +165,39 @@ def predict(plan: Path, profiles: list[Path], cfg: dict, prompt: int, output: in
         pipelined_prefill=cpp,
         chunk_sizes=chunk_sizes,
     )
+    shares = [getattr(stage, "core_share", 1.0) for stage in priced.pipeline.stages]  # static, priced in
+    fractions = [min(1.0, stage.emulate_speed) for stage in plan_file.main.stages]  # the rest is asleep
+    slowdowns = ()
+    if availability is not None:
+        slowdowns = tuple(((0.0, 1.0 / (a * x)),) for a, x in zip(availability, shares, strict=True))
     config = SimConfig(
         scheduler,
         max_in_flight=cfg["slots"],
         pinned=cfg["slots"] > 1,
         logits_time_s=priced.logits_time_s,
-        cores=priced.cores,  # stages of one host share its cores (processor sharing)
+        cores=priced.cores if availability is None else None,  # one host's stages share its cores
+        slowdowns=slowdowns,
     )
     result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
     metrics = compute_metrics(result)
     tpot = metrics.tpot_s.mean
     utilizations = stage_utilization(plan_file, plan_file.main.stages, result, metrics.stage_busy_s)
+    cpu = [0.0] * priced.pipeline.n_stages  # each stage's compute on a core of its own, asleep excluded
+    for interval in result.intervals:
+        if interval.kind == "compute":
+            i = interval.stage
+            last = i == priced.pipeline.n_stages - 1
+            batch = MicroBatch(interval.batch_id, interval.items, interval.group)
+            time = batch_compute_time_s(priced.pipeline.stages[i], batch, config.mix,
+                                        config.logits_time_s if last else None)  # fmt: skip
+            cpu[i] += time / shares[i] * fractions[i]
     return {
         "ttft_s": metrics.ttft_s.mean,
         "tpot_s": None if tpot != tpot else tpot,
         "throughput_tok_s": metrics.throughput_tok_s,
         "stage_utilization": [u.to_json() for u in utilizations],  # predicted MFU and MBU per stage
         "stage_busy_s": list(metrics.stage_busy_s),  # per stage: its batches' compute time
+        "stage_cpu_s": cpu,  # per stage: the CPU seconds of that compute
     }
 
 
@@ -202,11 +240,21 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
             stages = [(s["layer_start"], s["layer_end"]) for s in json.loads(path.read_text())["stages"]]
             console.print(f"running {name} {variant} {stages} ...")
             measured = measure(path, model, requests, cfg)
-            predicted = predict(path, profiles, cfg, cfg["prompt"], cfg["output"], cfg["requests"], cpp=False)
+            args = (path, profiles, cfg, cfg["prompt"], cfg["output"], cfg["requests"])
+            predicted = predict(*args, cpp=False)
+            availability = [cpu_availability(s) for s in measured["stages"]]
+            replayed = predict(*args, cpp=False, availability=availability)
             rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
-                         "predicted": predicted})  # fmt: skip
+                         "predicted": predicted, "replayed": replayed,
+                         "availability": availability})  # fmt: skip
     cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console)
     return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
+
+
+def cpu_availability(stage: dict) -> float:
+    """CPU seconds per wall second of a stage's compute (1: it never waited for a core)."""
+    wall = stage.get("compute_s") or 0.0
+    return min(1.0, stage.get("compute_cpu_s", wall) / wall) if wall > 0 else 1.0
 
 
 def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: int, console: Console) -> dict:
@@ -250,7 +298,11 @@ def speedups(rows: list[dict]) -> list[dict]:
         if "plan" in by and "uniform" in by:
             m = by["plan"]["measured"]["throughput_tok_s"] / by["uniform"]["measured"]["throughput_tok_s"]
             p = by["plan"]["predicted"]["throughput_tok_s"] / by["uniform"]["predicted"]["throughput_tok_s"]
-            out.append({"cluster": cluster, "measured": m, "predicted": p, "rel_error": rel_error(p, m)})
+            row = {"cluster": cluster, "measured": m, "predicted": p, "rel_error": rel_error(p, m)}
+            if "replayed" in by["plan"] and "replayed" in by["uniform"]:
+                r = by["plan"]["replayed"]["throughput_tok_s"] / by["uniform"]["replayed"]["throughput_tok_s"]
+                row.update(replayed=r, replayed_rel_error=rel_error(r, m))
+            out.append(row)
     return out
 
 
@@ -271,8 +323,8 @@ def stage_table(rows: list[dict]) -> Table:
     the stage waited for a core (time-sharing with the other stages or other load)."""
     table = Table(title="per stage: busy s predicted / measured wall (compute + sleep), CPU s in compute, "
                   "process CPU s while serving, wall s of the run")  # fmt: skip
-    for column in ("cluster", "split", "stage", "pred busy", "meas busy", "compute wall", "compute CPU",
-                   "process CPU", "run wall"):  # fmt: skip
+    for column in ("cluster", "split", "stage", "pred busy", "meas busy", "compute wall", "pred CPU",
+                   "compute CPU", "process CPU", "run wall"):  # fmt: skip
         table.add_column(column, justify="right")
 
     def s(v):
@@ -280,20 +332,30 @@ def stage_table(rows: list[dict]) -> Table:
 
     for r in rows:
         busy = r["predicted"].get("stage_busy_s") or []
+        cpu = r["predicted"].get("stage_cpu_s") or []
         for i, stage in enumerate(r["measured"]["stages"]):
             table.add_row(
                 r["cluster"], r["variant"], str(i), s(busy[i] if i < len(busy) else None),
                 s(stage.get("compute_s", 0.0) + stage.get("emulation_sleep_s", 0.0)),
-                s(stage.get("compute_s")),
+                s(stage.get("compute_s")), s(cpu[i] if i < len(cpu) else None),
                 s(stage.get("compute_cpu_s")), s(stage.get("process_cpu_s")), s(r["measured"]["wall_s"]),
             )  # fmt: skip
     return table
 
 
+def _replay_cell(replayed: dict | None, measured: dict) -> str:
+    """The replay's errors (the prediction with each stage's measured CPU availability)."""
+    if not replayed:
+        return "-"
+    errors = (rel_error(replayed[k], measured[k]) for k in ("ttft_s", "tpot_s", "throughput_tok_s"))
+    return " ".join("-" if e is None else f"{e * 100:+.0f}%" for e in errors)
+
+
 def render(result: dict, console: Console) -> None:
     table = Table(title="pipeline runtime: simulator prediction vs measured (means over requests)")
     for column in ("cluster", "split", "layers", "TTFT ms pred/meas", "TPOT ms pred/meas", "tok/s pred/meas",
-                   "err TTFT", "err TPOT", "err tok/s", "MFU % per stage pred/meas"):  # fmt: skip
+                   "err TTFT", "err TPOT", "err tok/s", "replay err TTFT/TPOT/tok/s", "CPU/wall per stage",
+                   "MFU % per stage pred/meas"):  # fmt: skip
         table.add_column(column, justify="right")
 
     def ms(v):
@@ -310,15 +372,19 @@ def render(result: dict, console: Console) -> None:
             f"{p['throughput_tok_s']:.1f} / {m['throughput_tok_s']:.1f}",
             pct(rel_error(p["ttft_s"], m["ttft_s"])), pct(rel_error(p["tpot_s"], m["tpot_s"])),
             pct(rel_error(p["throughput_tok_s"], m["throughput_tok_s"])),
+            _replay_cell(r.get("replayed"), m),
+            " ".join(f"{a:.2f}" for a in r.get("availability") or []) or "-",
             _mfu_cells(p.get("stage_utilization"), m.get("stage_utilization")),
         )  # fmt: skip
     console.print(table)
     console.print(stage_table(result["rows"]))
     speed = Table(title="planned split over uniform split (throughput)")
-    for column in ("cluster", "predicted", "measured", "rel. error"):
+    for column in ("cluster", "predicted", "measured", "rel. error", "replayed", "replay error"):
         speed.add_column(column, justify="right")
     for s in result["speedups"]:
-        speed.add_row(s["cluster"], f"{s['predicted']:.2f}x", f"{s['measured']:.2f}x", pct(s["rel_error"]))
+        replayed = f"{s['replayed']:.2f}x" if "replayed" in s else "-"
+        speed.add_row(s["cluster"], f"{s['predicted']:.2f}x", f"{s['measured']:.2f}x", pct(s["rel_error"]),
+                      replayed, pct(s.get("replayed_rel_error")))  # fmt: skip
     console.print(speed)
     c = result["cpp"]
     console.print(
@@ -344,7 +410,7 @@ def main() -> None:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     args.model = _harness.example_model(args.model)
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=200)
     console.print(_harness.machine_line())
     load_before = os.getloadavg()
     with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:

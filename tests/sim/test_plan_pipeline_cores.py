@@ -44,6 +44,10 @@ def test_two_stages_computing_at_once_share_one_core() -> None:
     cores = CoreSharing(("h", "h"), {"h": 1.0}, (1.0, 1.0), (1.0, 1.0))
     assert _finishes([T, T], cores, 2) == pytest.approx([3 * T, 4 * T])
     assert _finishes([T, T], None, 2) == pytest.approx([2 * T, 3 * T])
+    # one other program's thread wants the core all along: A alone at 1/2 until 2T; A and B at 1/3
+    # until 5T; B alone at 1/2 until 7T
+    loaded = CoreSharing(("h", "h"), {"h": 1.0}, (1.0, 1.0), (1.0, 1.0), {"h": 1.0})
+    assert _finishes([T, T], loaded, 2) == pytest.approx([5 * T, 7 * T])
 
 
 def test_an_emulated_stage_sleeps_off_the_core() -> None:
@@ -84,3 +88,5 @@ def test_a_plans_cpu_stages_share_their_hosts_cores() -> None:
     assert core_sharing(_priced([("a", 1.0), ("b", 1.0)], profile)) is None  # a host each
     partly = core_sharing(_priced([("a", 1.0), ("a", 1.0), ("b", 1.0)], profile))
     assert partly is not None and partly.hosts == ("a", "a", None)
+    loaded = core_sharing(_priced([("a", 1.0), ("b", 1.0)], profile), background_threads=1.5)
+    assert loaded is not None and loaded.hosts == ("a", "b") and loaded.background == {"a": 1.5, "b": 1.5}

@@ -26,7 +26,9 @@ that runs the plan) share its cores in the simulator by processor sharing (`SimP
 `tessel.sim.simulator.CoreSharing`): the host runs cores / threads of them at full speed (its
 profile's `cpu_cores` and `threads`), and an emulated stage of speed s holds a core for s of its
 priced time (the runtime sleeps the rest). The stage times keep the cost model's static factor
-(every stage computing at once) for the chunk planner; the simulator divides it out.
+(every stage computing at once) for the chunk planner; the simulator divides it out. With
+`background_threads` (other programs' runnable threads on the plan's host, measured), the simulator
+shares the cores with them too, a lone stage on its host included.
 """
 
 from __future__ import annotations
@@ -58,9 +60,13 @@ class SimPipeline:
 
 
 def pipeline_for(
-    plan: PlanFile, variant: PlanVariant | None = None, profiles: Sequence[Profile] = ()
+    plan: PlanFile,
+    variant: PlanVariant | None = None,
+    profiles: Sequence[Profile] = (),
+    background_threads: float = 0.0,
 ) -> SimPipeline:
-    """The priced pipeline of the plan's stages, or of one of its baselines."""
+    """The priced pipeline of the plan's stages, or of one of its baselines (`background_threads`:
+    module docstring)."""
     variant = variant or plan.main
     for stage in variant.stages[:-1]:
         if stage.link_bytes_per_s is None:
@@ -85,13 +91,14 @@ def pipeline_for(
         _kv_pool(plan, stage, latency) for stage, latency in zip(stages, priced.pipeline.stages, strict=True)
     )
     kv_pools = pools if any(pools) else ()
-    cores = core_sharing(priced)
+    cores = core_sharing(priced, background_threads)
     return SimPipeline(priced.pipeline, logits_time_s, offload_s, plan.overlap, kv_pools, cores)
 
 
-def core_sharing(priced: PlanPipeline) -> CoreSharing | None:
+def core_sharing(priced: PlanPipeline, background_threads: float = 0.0) -> CoreSharing | None:
     """The CPU stages that share a host's cores, with what the simulator needs to share them (module
-    docstring); None when no two stages share a host or no profile gives the host's cores."""
+    docstring); None when no two stages share a host (and no background threads are given) or no
+    profile gives the host's cores."""
     hosts: list[str | None] = []
     slots: dict[str, float] = {}
     stages = priced.pipeline.stages
@@ -103,7 +110,8 @@ def core_sharing(priced: PlanPipeline) -> CoreSharing | None:
         hosts.append(host)
         slots.setdefault(host, profile.cpu_cores / (profile.threads or 1))
     counts = Counter(host for host in hosts if host is not None)
-    hosts = [host if host is not None and counts[host] > 1 else None for host in hosts]
+    alone = 0 if background_threads > 0 else 1  # a lone stage shares its host with the background only
+    hosts = [host if host is not None and counts[host] > alone else None for host in hosts]
     if all(host is None for host in hosts):
         return None
     return CoreSharing(
@@ -111,6 +119,7 @@ def core_sharing(priced: PlanPipeline) -> CoreSharing | None:
         {host: slots[host] for host in hosts if host is not None},
         tuple(getattr(stage, "core_share", 1.0) for stage in priced.pipeline.stages),
         tuple(min(1.0, spec.emulate_speed) for spec in priced.stages),
+        {host: background_threads for host in hosts if host is not None and background_threads > 0},
     )
 
 

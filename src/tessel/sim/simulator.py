@@ -33,7 +33,9 @@ starts or ends. A stage's batch holds the host's cores for its CPU work only: a 
 speed s computes (s of its priced time, at the shared rate) and then sleeps (1/s - 1) x the wall
 time that took, off the cores, as the runtime's emulation does (`tessel.pipeline.stage`). The
 stage times priced for sharing (the cost model's static `core_share`, every stage computing at
-once) are divided by that factor first, so that sharing is counted once.
+once) are divided by that factor first, so that sharing is counted once. Other work on the host
+(`CoreSharing.background`: threads of other programs that want a core all along) takes its fair
+share too: each of the n stages then runs at min(1, slots / (n + background)).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class CoreSharing:
     slots: dict[Hashable, float]
     priced_share: tuple[float, ...]
     cpu_fraction: tuple[float, ...]
+    background: dict[Hashable, float] = field(default_factory=dict)  # per host: other runnable threads
 
     def __post_init__(self) -> None:
         n = len(self.hosts)
@@ -75,6 +78,8 @@ class CoreSharing:
             raise ValueError(f"core sharing: every host needs slots > 0, got {self.slots}")
         if any(not 0 < f <= 1 for f in self.cpu_fraction) or any(x <= 0 for x in self.priced_share):
             raise ValueError("core sharing: CPU fractions must be in (0, 1] and shares > 0")
+        if any(b < 0 for b in self.background.values()):
+            raise ValueError(f"core sharing: background threads must be >= 0, got {self.background}")
 
 
 @dataclass(slots=True)
@@ -363,9 +368,11 @@ class _Run:
             job.since_s = now
 
     def rerate(self, now: float, host: Hashable) -> None:
-        """Each computing stage of `host` at rate min(1, slots / n); their ends rescheduled."""
+        """Each computing stage of `host` at rate min(1, slots / (n + background)); their ends
+        rescheduled."""
+        cores = self.config.cores
         jobs = self.cpu_jobs.get(host, {})
-        rate = min(1.0, self.config.cores.slots[host] / len(jobs)) if jobs else 1.0
+        rate = min(1.0, cores.slots[host] / (len(jobs) + cores.background.get(host, 0.0))) if jobs else 1.0
         for index, job in jobs.items():
             job.rate, job.since_s, job.version = rate, now, job.version + 1
             self.push(now + job.remaining / rate, _CPU_DONE, index, (job, job.version))
