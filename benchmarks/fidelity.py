@@ -16,7 +16,9 @@
 Beside the wall-clock figures the record keeps the run's process CPU seconds: the profile is timed
 in process CPU time (immune to other processes taking the core), so `cpu_share` = CPU s / wall s
 under 1 says the run waited for a core, and the CPU-time TPOT says what the prediction gives on an
-unloaded core. Prints a table and appends a record to benchmarks/results/fidelity.jsonl.
+unloaded core. `tpot_ratio` compares each row's TPOT over the first row's, predicted and measured (in
+CPU time): the batch dependence, free of a load that slows every run alike. Prints a table and
+appends a record to benchmarks/results/fidelity.jsonl.
 """
 
 from __future__ import annotations
@@ -190,7 +192,22 @@ def run(model: Path, cfg: dict, concurrency: list[int], work: Path, console: Con
         errors = {k: rel_error(predicted[k], measured[k]) for k in ("ttft_s", "tpot_s", "throughput_tok_s")}
         errors["tpot_vs_cpu_time"] = rel_error(predicted["tpot_s"], measured["tpot_cpu_s"])
         rows.append({"concurrency": n, "measured": measured, "predicted": predicted, "rel_error": errors})
+    add_shape_errors(rows)
     return {"config": cfg, "profile": profile, "heldout_rel_error": heldout, "rows": rows}
+
+
+def add_shape_errors(rows: list[dict]) -> None:
+    """Each row's TPOT over the first row's, predicted vs measured in CPU time (`tpot_ratio`): how the
+    step time grows with the batch, which a load that slows every run alike leaves unchanged."""
+    first = rows[0]
+    for r in rows:
+        predicted = _ratio(r["predicted"]["tpot_s"], first["predicted"]["tpot_s"])
+        measured = _ratio(r["measured"]["tpot_cpu_s"], first["measured"]["tpot_cpu_s"])
+        r["rel_error"]["tpot_ratio"] = rel_error(predicted, measured)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def render(result: dict, console: Console) -> None:
@@ -202,7 +219,8 @@ def render(result: dict, console: Console) -> None:
 
     table = Table(title="single-process engine: simulator prediction vs measured (medians of repeats)")
     for column in ("requests", "TPOT ms pred/meas", "err TPOT", "tok/s pred/meas", "err tok/s",
-                   "TTFT ms pred/meas", "err TTFT", "cpu share", "err TPOT vs CPU-time TPOT"):  # fmt: skip
+                   "TTFT ms pred/meas", "err TTFT", "cpu share", "err TPOT vs CPU-time TPOT",
+                   f"err TPOT/TPOT({result['rows'][0]['concurrency']})"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in result["rows"]:
         p, m, e = r["predicted"], r["measured"], r["rel_error"]
@@ -210,7 +228,7 @@ def render(result: dict, console: Console) -> None:
             str(r["concurrency"]), f"{ms(p['tpot_s'])} / {ms(m['tpot_s'])}", pct(e["tpot_s"]),
             f"{p['throughput_tok_s']:.1f} / {m['throughput_tok_s']:.1f}", pct(e["throughput_tok_s"]),
             f"{ms(p['ttft_s'])} / {ms(m['ttft_s'])}", pct(e["ttft_s"]), f"{m['cpu_share']:.2f}",
-            pct(e["tpot_vs_cpu_time"]),
+            pct(e["tpot_vs_cpu_time"]), pct(e.get("tpot_ratio")),
         )  # fmt: skip
     console.print(table)
     held = Table(title="profile: held-out mean relative error per component")

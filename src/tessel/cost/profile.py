@@ -4,6 +4,7 @@
 
     prefill:  t(c, p) = a0 + a1*c + a2*p + a3*c*(p + c/2)          (c chunk tokens at offset p)
     decode:   t(B, S) = b0 + b1*B + b2*S                             (B sequences, S = sum of contexts)
+              (or g(B) + b2*S, g piecewise-linear through `DecodeFit.knots`: `tessel.cost.fit`)
 
 and writes them as JSON (`PROFILE_VERSION`). The cost model uses a profile for the device type
 and model shape it was measured on; for another model shape it falls back to the efficiencies
@@ -61,12 +62,26 @@ class PrefillFit:
 
 @dataclass(frozen=True, slots=True)
 class DecodeFit:
+    """b0 + b1*B + b2*S; with `knots` ((batch, seconds) points), g(B) + b2*S where g is the line
+    through them (a GEMM's time is a staircase in its rows: `tessel.cost.fit`), b0 + b1*B then only
+    summarising g. Files without knots (older profiles) read as the affine form."""
+
     b0: float
     b1: float
     b2: float
+    knots: list[tuple[float, float]] = field(default_factory=list)
 
     def time_s(self, batch_size: float, sum_context_tokens: float) -> float:
-        return self.b0 + self.b1 * batch_size + self.b2 * sum_context_tokens
+        if len(self.knots) < 2:
+            return self.b0 + self.b1 * batch_size + self.b2 * sum_context_tokens
+        return _through(self.knots, batch_size) + self.b2 * sum_context_tokens
+
+
+def _through(knots: list[tuple[float, float]], x: float) -> float:
+    """The line through sorted `knots` at x, extended by the end segments, floored at 0."""
+    i = bisect.bisect_left(knots, (x, -math.inf))
+    (x0, t0), (x1, t1) = knots[min(max(i - 1, 0), len(knots) - 2) :][:2]
+    return max(t0 + (t1 - t0) * (x - x0) / (x1 - x0), 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +103,7 @@ class ComponentFit:
     def time_s(self, x: float) -> float:
         if len(self.knots) < 2:
             return self.c0 + self.c1 * x
-        i = bisect.bisect_left(self.knots, (x, -math.inf))
-        (x0, t0), (x1, t1) = self.knots[min(max(i - 1, 0), len(self.knots) - 2) :][:2]
-        return max(t0 + (t1 - t0) * (x - x0) / (x1 - x0), 0.0)
+        return _through(self.knots, x)
 
     def matches(self, shape: dict[str, int]) -> bool:
         return all(self.shape.get(key) == value for key, value in shape.items())
@@ -153,6 +166,12 @@ class _DecodeFitModel(BaseModel):
     b0: float
     b1: float
     b2: float
+    knots: list[list[float]] = []
+
+    @field_validator("knots")
+    @classmethod
+    def _increasing(cls, knots: list[list[float]]) -> list[list[float]]:
+        return _ComponentModel._increasing(knots)
 
 
 class _ComponentModel(BaseModel):
@@ -223,7 +242,7 @@ def load_profile(path: str | Path) -> Profile:
         model_shape=dict(model.model_shape),
         dtype=model.dtype,
         prefill=PrefillFit(**model.prefill.model_dump()),
-        decode=DecodeFit(**model.decode.model_dump()),
+        decode=DecodeFit(**model.decode.model_dump() | {"knots": [tuple(k) for k in model.decode.knots]}),
         heldout_rel_error=model.heldout_rel_error,
         compute_efficiency=model.compute_efficiency,
         memory_efficiency=model.memory_efficiency,

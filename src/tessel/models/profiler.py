@@ -8,7 +8,8 @@ call over block tables. A prefill point (c, p) runs one sequence's chunk of c to
 cached ones; a decode point (B, S) runs B sequences of S/B cached tokens each, one new token each.
 So the cost model's fits and the engine time the same code.
 
-Each point: `warmup` untimed runs, then the median of `repeats` timed runs, under
+Each point: `warmup` untimed runs, then the median of `repeats` timed runs (decode points in rounds
+of one run of each, so that a load change on a shared machine hits them alike), under
 `torch.inference_mode()` with a fixed thread count; on CUDA, CUDA events around the run after a
 synchronize (`make_clock`, `time_runs`: the timer benchmarks/_harness.py uses too). Points are
 chosen from a grid to fit the time budget (cost estimated from FLOPs and one calibration run). The
@@ -137,11 +138,33 @@ def prefill_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
     return [(c, p) for c in chunks for p in offsets]
 
 
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 96, 128)
+SHORT_DECODE_CONTEXT = 32
+
+
 def decode_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
-    """(B, S) candidates: batch sizes 1.. and per-sequence contexts 128.. (S = B * context)."""
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= settings.max_decode_batch]
-    contexts = _ladder(128, settings.max_decode_context)
+    """(B, S) candidates (S = B * context): batch sizes on both sides of each GEMM tile edge
+    (`tessel.cost.fit.ROW_BLOCK`: 16 and 17, 32 and 33, ...) and between them, up to
+    `max_decode_batch` (always included); per-sequence contexts a short one and 128.. (two contexts
+    at least, so the context term is told apart from the batch's)."""
+    batches = [b for b in DECODE_BATCHES if b < settings.max_decode_batch] + [settings.max_decode_batch]
+    contexts = sorted({SHORT_DECODE_CONTEXT, *_ladder(128, max(settings.max_decode_context, 128))})
     return [(b, b * s) for b in batches for s in contexts]
+
+
+def decode_anchor_points(points: list[tuple[int, int]]) -> set[int]:
+    """Indices of the decode points a thinned grid keeps: every batch at the shortest context, and
+    the anchor batches (`row_anchors`: the tile edges, the smallest and largest) at the longest."""
+    from tessel.cost.fit import row_anchors
+
+    batches = np.array([b for b, _ in points], float)
+    contexts = [s // b for b, s in points]
+    anchor = row_anchors(batches)
+    return {
+        i
+        for i in range(len(points))
+        if contexts[i] == min(contexts) or (anchor[i] and contexts[i] == max(contexts))
+    }
 
 
 def _ladder(low: int, high: int) -> list[int]:
@@ -155,10 +178,15 @@ def _ladder(low: int, high: int) -> list[int]:
 
 
 def choose_points(
-    points: list[tuple[int, int]], cost_s: Callable[[int, int], float], budget_s: float, minimum: int
+    points: list[tuple[int, int]],
+    cost_s: Callable[[int, int], float],
+    budget_s: float,
+    minimum: int,
+    keep: set[int] = frozenset(),
 ) -> list[tuple[int, int]]:
     """Keep the cheapest points whose estimated total fits the budget (at least `minimum`), in a
-    spread-out order: thinning the grid evenly rather than dropping its expensive corner first."""
+    spread-out order: thinning the grid evenly rather than dropping its expensive corner first.
+    The points at indices `keep` stay whatever they cost."""
     costs = np.array([cost_s(c, p) for c, p in points])
     order = np.argsort(costs, kind="stable")
     total = np.cumsum(costs[order])
@@ -170,8 +198,9 @@ def choose_points(
     chosen = {int(order[min(len(points) - 1, int(i * step))]) for i in range(n_fit)}
     # and always the cheapest few so that the small-chunk end is well covered
     chosen |= {int(i) for i in order[: max(2, n_fit // 4)]}
-    while sum(costs[i] for i in chosen) > budget_s and len(chosen) > minimum:
-        chosen.remove(max(chosen, key=lambda i: costs[i]))
+    chosen |= set(keep)
+    while sum(costs[i] for i in chosen) > budget_s and len(chosen) > max(minimum, len(keep)):
+        chosen.remove(max(chosen - set(keep), key=lambda i: costs[i]))
     return [points[i] for i in sorted(chosen)]
 
 
@@ -374,6 +403,17 @@ def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock, gra
     return statistics.median(times) / len(layer.copies)
 
 
+def _measure_rounds(layer: _Layer, inputs: list, settings: ProfileSettings, clock: Clock) -> list[float]:
+    """Like `_measure` for many points at once, timed in rounds of one run of each (`time_runs`): a
+    load change on a shared machine then hits every point alike instead of bending the fit at the
+    points it happened to hit; the median of each point's runs, seconds per layer."""
+    fns = [lambda point=point: layer.forward(*point) for point in inputs]
+    runs = time_runs(
+        fns, clock, warmup=settings.warmup, repeats=settings.repeats, min_total_s=settings.min_point_s
+    )
+    return [statistics.median(times) / len(layer.copies) for times in runs]
+
+
 def resolve_clock(settings: ProfileSettings) -> ProfileSettings:
     """`auto`: process CPU time for a one-thread CPU run (immune to other processes taking the core
     mid-run, which inflates wall time on a shared machine), wall time otherwise; CUDA uses events."""
@@ -441,7 +481,11 @@ def measure_layer(
 
         pre = choose_points(pre_grid, pre_cost, PREFILL_BUDGET_SHARE * settings.budget_s, MIN_PREFILL_POINTS)
         dec = choose_points(
-            dec_grid, dec_cost, (1 - PREFILL_BUDGET_SHARE) * settings.budget_s, MIN_DECODE_POINTS
+            dec_grid,
+            dec_cost,
+            (1 - PREFILL_BUDGET_SHARE) * settings.budget_s,
+            MIN_DECODE_POINTS,
+            decode_anchor_points(dec_grid),
         )
         total = len(pre) + len(dec)
         pre_t, dec_t = [], []
@@ -449,11 +493,16 @@ def measure_layer(
             pre_t.append(_measure(layer, layer.prefill_inputs(c, p), settings, clock))
             if progress:
                 progress(len(pre_t), total)
-        for b, s in dec:
-            graph = settings.cuda_graphs and settings.device == "cuda"
-            dec_t.append(_measure(layer, layer.decode_inputs(b, s // b), settings, clock, graph))
+        graph = settings.cuda_graphs and settings.device == "cuda"
+        if graph:  # one captured graph per point at a time
+            for b, s in dec:
+                dec_t.append(_measure(layer, layer.decode_inputs(b, s // b), settings, clock, graph))
+                if progress:
+                    progress(len(pre_t) + len(dec_t), total)
+        else:
+            dec_t = _measure_rounds(layer, [layer.decode_inputs(b, s // b) for b, s in dec], settings, clock)
             if progress:
-                progress(len(pre_t) + len(dec_t), total)
+                progress(total, total)
     return Measurements(np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t))
 
 

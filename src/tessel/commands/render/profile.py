@@ -22,14 +22,16 @@ def print_profile(console: Console, result, report, data, out) -> None:  # noqa:
     )
     table.add_row(
         "decode t(B,S)",
-        f"b0={dec.b0:.3e} b1={dec.b1:.3e} b2={dec.b2:.3e}",
+        f"g(B) through {len(dec.knots)} batch knots, b2={dec.b2:.3e}"
+        if dec.knots
+        else f"b0={dec.b0:.3e} b1={dec.b1:.3e} b2={dec.b2:.3e}",
         str(len(data.decode_times_s)),
         f"{report.decode_heldout_error:.1%}",
     )
     for name, fit in result.components.items():
         table.add_row(
             f"{name} t({fit.unit})",
-            f"c0={fit.c0:.3e} c1={fit.c1:.3e}",
+            f"through {len(fit.knots)} knots" if fit.knots else f"c0={fit.c0:.3e} c1={fit.c1:.3e}",
             str(fit.n_points),
             f"{fit.heldout_rel_error:.1%}",
         )
