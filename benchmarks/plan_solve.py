@@ -19,7 +19,10 @@ also compared with Helix's own baseline, separate same-type pipelines with even 
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
 Part 7 (flow, issue 33): `choose_with_flow` (one pipeline, disjoint replicas and flow plans over
 placements, the best kept) on the same two clusters, 60 s, against separate pipelines, a Swarm-like
-greedy router (`tessel.plan.swarm`) and the best single pipeline, with the memory bound.
+greedy router (`tessel.plan.swarm`) and the best single pipeline, with the memory bound; on
+`helix-like-42` the chosen flow plan is also written as a plan file and served by `tessel simulate`
+with `--flow-sim-requests` requests (default 1000, 0: not), its tokens/s beside the planner's steady
+state and its figure for that finite batch (`simulated`; `--flow-clusters` picks the clusters).
 Part 6 (memory, issue 33): LLaMA-2-70B, `offline-batch`, concurrency set by memory, on `helix-like-42`
 and on a Helix-shaped 42-node / 64-GPU cluster built here (A100-40G, V100-16G, L4, T4; not a copy):
 `choose_replicas(concurrency="memory")` (never less than one pipeline), the memory + requests-in-flight
@@ -420,6 +423,8 @@ def flow_rows(quick: bool) -> dict:
     b = workload.micro_batch_size
     rows = []
     clusters = (("helix-like-42", "helix-like-42"), ("helix-shaped-64", parse_cluster(_helix_64())))
+    wanted = FLOW_OPTIONS["clusters"]
+    clusters = tuple(c for c in clusters if wanted is None or c[0] in wanted)
     for name, cluster in clusters:
         load_before = os.getloadavg()
         with _harness.stopwatch() as elapsed:
@@ -477,12 +482,57 @@ def flow_rows(quick: bool) -> dict:
             "flow_search_over_swarm_like": ratio(found and found.throughput_tok_s, swarm_tok),
             "best_over_single": ratio(best, single),
         })  # fmt: skip
+        requests = FLOW_OPTIONS["sim_requests"]
+        if requests and choice.flow is not None and name == "helix-like-42":
+            rows[-1]["simulated"] = flow_simulated(name, cluster, choice.flow, requests)
     print(_harness.machine_line())  # CPU features beside the figures (the record has them in full)
     return {
         "model": "llama-2-70b",
         "workload": "offline-batch",
         "rows": rows,
         "note": "shared 2-core machine, loaded by other sessions: times are wall-clock under that load",
+    }
+
+
+FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the command line
+
+
+def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
+    """Issue 33: the flow plan's prediction against `tessel simulate` of its plan file: the
+    steady state (`throughput_tok_s`), the planner's figure for this finite batch (fill and drain:
+    `tessel.plan.flow.batch_throughput_tok_s`) and the simulator's tokens/s over `requests` requests
+    of the workload, all at t=0; process CPU time of the simulation (the machine is shared)."""
+    import tempfile
+    import time
+    import types
+    from pathlib import Path
+
+    from tessel.commands.plan_flow import write_and_export
+    from tessel.plan.api import PlanSettings, prepare_plan
+    from tessel.plan.flow import batch_throughput_tok_s
+    from tessel.sim.api import SimulationSettings, simulate_plan
+
+    workload = load_workload("offline-batch")
+    settings = PlanSettings()
+    problem = prepare_plan("llama-2-70b", cluster, workload, settings)
+    n_out = problem.instance.decode_weight / problem.instance.prefill_weight
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{name}.json"
+        write_and_export(Console(quiet=True), problem, types.SimpleNamespace(flow=plan), settings, path, None)
+        started = time.process_time()
+        report = simulate_plan(path, "offline-batch", SimulationSettings(requests=requests))
+        cpu_s = time.process_time() - started
+    simulated = report.runs[0].metrics.throughput_tok_s
+    batch = batch_throughput_tok_s(plan, requests, workload.micro_batch_size, n_out)
+    return {
+        "requests": requests,
+        "slots": plan.micro_batches * workload.micro_batch_size,
+        "predicted_steady_tok_s": plan.throughput_tok_s,
+        "predicted_batch_tok_s": batch,
+        "simulated_tok_s": simulated,
+        "sim_over_steady": simulated / plan.throughput_tok_s,
+        "sim_over_batch": simulated / batch,
+        "sim_cpu_s": cpu_s,
     }
 
 
@@ -509,7 +559,16 @@ def main() -> None:
         default="solve,quality,precision,replicas,scale,memory",
         help="comma-separated parts to run",
     )
+    parser.add_argument(
+        "--flow-sim-requests",
+        type=int,
+        default=1000,
+        help="flow part: simulate helix-like-42's flow plan with this many requests (0: no simulation)",
+    )
+    parser.add_argument("--flow-clusters", help="flow part: only these clusters (comma-separated)")
     args = parser.parse_args()
+    FLOW_OPTIONS["sim_requests"] = args.flow_sim_requests
+    FLOW_OPTIONS["clusters"] = None if args.flow_clusters is None else set(args.flow_clusters.split(","))
     parts = set(args.parts.split(","))
     console = Console(width=160)
     extra = {}

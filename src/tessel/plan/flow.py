@@ -16,13 +16,27 @@ whose first micro-batch crosses at full speed and whose bottleneck delivers at i
     P_p = max(sum_j T^pre_j + (k_p - 1) M^pre_p, k_p M^pre_p),   M_p = max_j T_j / phi_jp
     D_p = the same for decode,      X_p = k_p b n_out / (P_p + n_out D_p),
 
-and the plan's throughput is sum_p X_p (routing weights X_p / sum X). Every device holds its range's
-weights (and the embedding / LM head where its range starts at 0 / ends at the last unit), its
-workspace and the KV of every micro-batch of every path through it, all in GPU memory (concurrency
-by memory, no offloading): sum_p k_p kv_j <= free_j. The k_p are chosen greedily by marginal
-throughput (each X_p is concave in k_p), at most `max_micro_batches` in all when given. Disjoint
-paths (phi = 1) are priced exactly as `tessel.plan.replicas` prices replicas by memory, so a replica
-plan is a flow plan with the same throughput (`from_pipelines`).
+capped by the queueing the shares leave out (`queueing_rates`): a path's micro-batches wait at a
+shared device for the ones other paths put there first, which the shares' formula counts only where
+one device is the bottleneck (with k_p = 1 it says sum_j T_j, no wait at all). Mean value analysis of
+the closed network of the paths' circulating micro-batches (first come first served, fixed service
+times) gives each path's rate X^q_p; X_p = min(the formula above, X^q_p), so a path alone on its
+devices keeps the pipeline formula (alone, the queueing rate is not below it), and the plan's
+throughput is sum_p X_p (routing weights X_p / sum X). Without the cap, a plan of many long paths
+sharing GPUs was priced above what `tessel simulate` serves in steady state, and routing by those
+rates sent the slowest paths too many requests (they drained last).
+
+A finite batch all at once (`batch_throughput_tok_s`) ends with its last path: routing rounds each
+path's share to whole requests, and a path given fewer than one micro-batch still takes a full pass
+per token; `throughput_tok_s` is the steady state.
+
+Every device holds its range's weights (and the embedding / LM head where its range starts at 0 /
+ends at the last unit), its workspace and the KV of every micro-batch of every path through it,
+all in GPU memory (concurrency by memory, no offloading): sum_p k_p kv_j <= free_j. The k_p are
+chosen greedily by the formula's marginal throughput (each X_p is concave in k_p), at most
+`max_micro_batches` in all when given. Disjoint paths (phi = 1) are priced exactly as
+`tessel.plan.replicas` prices replicas by memory, so a replica plan is a flow plan with the same
+throughput (`from_pipelines`).
 
 So X_p <= phi_jp / W_j on every device of the path (W_j = T^pre_j + n_out T^dec_j): no device is
 busy more than all its time. The bound of `tessel.plan.memory_bound` holds for these plans too (busy
@@ -47,6 +61,8 @@ from tessel.plan.workload import MAX_MICRO_BATCHES
 SOURCE, SINK = -1, -2  # graph ends in edge lists
 FLOW_EPS = 1e-12  # rates below this are no flow
 SHARE_ROUNDS = 3  # time shares recomputed from the allocated rates this many times
+QUEUE_ITERATIONS = 400  # mean value analysis fixed-point steps (`queueing_rates`), at most
+QUEUE_RTOL = 1e-7
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,15 +404,53 @@ def _allocate(costs, shares, free, b, n_out, cap) -> list[int]:
     return ks
 
 
+def queueing_rates(costs: list[_PathCost], ks: list[int], n_out: float) -> np.ndarray:
+    """Micro-batch rounds per second of each path (k_p > 0) when its k_p micro-batches circulate and
+    wait for one another at the devices they share, first come first served, as the simulator runs
+    them (`tessel.sim.shared_devices`): mean value analysis of the closed network (Schweitzer's
+    approximation). A round visits the path's devices once, for S = T_dec + T_pre / n_out (the
+    prefill spread over the decode steps), and an arriving micro-batch waits for the ones queued
+    ahead of it, the one in service counted for half its time (service times are fixed, not
+    exponential); its own path's others are seen as (k_p - 1) / k_p of them."""
+    index = [p for p, k in enumerate(ks) if k > 0]
+    if not index:
+        return np.zeros(len(ks))
+    path = np.concatenate([np.full(len(costs[p].devices), i) for i, p in enumerate(index)])
+    names = {d: n for n, d in enumerate(sorted({d for p in index for d in costs[p].devices}))}
+    device = np.array([names[d] for p in index for d in costs[p].devices])
+    service = np.concatenate([costs[p].dec + costs[p].pre / n_out for p in index])
+    k = np.array([float(ks[p]) for p in index])
+    kv = k[path]
+    queue = kv / np.bincount(path)[path]
+    rate = np.zeros(len(index))
+    for _ in range(QUEUE_ITERATIONS):
+        busy = np.minimum(rate[path] * service, queue)  # chance it is in service: at most its queue
+        ahead = np.bincount(device, service * queue)[device] - service * queue / kv
+        serving = np.bincount(device, service * busy)[device] - service * busy / kv
+        response = service + np.maximum(ahead - 0.5 * serving, 0.0)
+        new = k / np.bincount(path, response)
+        queue = 0.5 * queue + 0.5 * new[path] * response
+        if np.allclose(new, rate, rtol=QUEUE_RTOL, atol=0.0):
+            rate = new
+            break
+        rate = new
+    out = np.zeros(len(ks))
+    out[index] = rate
+    return out
+
+
 def _plan(stages, costs, shares, ks, b, n_out) -> FlowPlan | None:
     paths = []
-    for cost, share, k in zip(costs, shares, ks, strict=True):
+    queued = queueing_rates(costs, ks, n_out) * b
+    for cost, share, k, waits in zip(costs, shares, ks, queued, strict=True):
         if k <= 0:
             continue
         ttft, tpot = _makespans(cost, share, k)
-        paths.append(
-            (cost.devices, k, _tok_s(cost, share, k, b, n_out), ttft, tpot, tuple(map(float, share)))
-        )
+        rate = _tok_s(cost, share, k, b, n_out)
+        if waits < rate:  # the queueing at shared devices costs more than the shares' bottleneck
+            rate = float(waits)
+            tpot = max((k * b * n_out / rate - ttft) / n_out, tpot)
+        paths.append((cost.devices, k, rate, ttft, tpot, tuple(map(float, share))))
     total = sum(p[2] for p in paths)
     if total <= 0:
         return None
@@ -436,3 +490,39 @@ def route_placements(
     if value <= FLOW_EPS:
         return None
     return evaluate_flow(instance, stages, decompose(edge_flow), micro_batch_size, max_micro_batches)
+
+
+def routed_counts(weights: list[float] | tuple[float, ...], n_requests: int) -> list[int]:
+    """How many of `n_requests` each path gets when they are routed in order by smooth weighted
+    round-robin over `weights`, as `tessel.sim.routing.route` and the runtime's router send them."""
+    total = float(sum(weights))
+    shares = [w / total for w in weights]
+    credit = [0.0] * len(shares)
+    counts = [0] * len(shares)
+    for _ in range(n_requests):
+        credit = [c + s for c, s in zip(credit, shares, strict=True)]
+        target = max(range(len(credit)), key=credit.__getitem__)
+        credit[target] -= 1.0
+        counts[target] += 1
+    return counts
+
+
+def batch_throughput_tok_s(plan: FlowPlan, n_requests: int, micro_batch_size: int, n_out: float) -> float:
+    """Tokens/s over a batch of `n_requests` requests that all arrive at once, routed by the plan's
+    weights (`routed_counts`): the batch ends with its last path.
+
+    Path p serves its n_p requests at its steady rate X_p, n_p n_out / X_p, but never in less than
+    one micro-batch's lifetime b n_out / X_p (a path given fewer requests than one micro-batch holds
+    still takes a full pass per token). With weights X_p / sum X and many requests every path ends
+    together and this is `plan.throughput_tok_s`; with few, the paths' rounding and the floor show.
+    Waves are not modelled: a path given a few more requests than its k_p b slots is priced as
+    finishing them at its full rate, where the simulator serves the last few in a thinner wave."""
+    if n_requests < 1:
+        raise ValueError(f"a batch needs at least one request, got {n_requests}")
+    counts = routed_counts([p.weight for p in plan.paths], n_requests)
+    makespan = max(
+        max(n, micro_batch_size) * n_out / path.throughput_tok_s
+        for path, n in zip(plan.paths, counts, strict=True)
+        if n > 0
+    )
+    return n_requests * n_out / makespan
