@@ -8,12 +8,12 @@ the planner's cost model, not a forced one:
 - each device's emulated memory holds its planner workspace, the embedding or the LM head and three
   of the model's six layers, plus KV room of 0.8 of a layer, never four layers. So no device holds
   the whole model, and the only disjoint plans are one pipeline through two or all three devices.
-In one pipeline every request crosses both slow devices in turn, and they hold at least a third of
-the layers between them at their low speed. In the flow plan `slow` and `mid` each hold layers 0-2
-and serve different requests side by side (each takes the share of requests its speed allows, so
-the two paths get unequal weights), and both feed `fast`, which holds layers 3-5 for every request:
-the slow devices' work per request is split between them instead of added, and the fast device,
-which has time to spare, takes the second half for both paths.
+In one pipeline the slowest stage sets every request's pace: `slow` and `mid` must hold at least
+half of the layers between them, in whole layers, each stage paying its own hop, and `fast` waits on
+them. In the flow plan `slow` and `mid` each hold layers 0-2 and serve different requests side by
+side, so their rates add (each path gets the share of requests its first device's speed allows:
+unequal weights), and both feed `fast`, which holds layers 3-5 for every request and is kept busy.
+The planner prices all three kinds (one pipeline, disjoint replicas, flow) and returns the best.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_planned_flow_plan_launches_and_matches_hf(flow_model, tmp_path) -> None
     plan_path = tmp_path / "plan.json"
     out = _invoke([
         "plan", "--model", flow_model, "--cluster", cluster, "--workload", workload, "--replicas", "auto",
-        "--dtype", "fp32", "--kv-dtype", "fp32", "--time-limit", 8, "--json", plan_path,
+        "--dtype", "fp32", "--kv-dtype", "fp32", "--time-limit", 7, "--json", plan_path,
     ])  # fmt: skip
     line = r"chosen: (\w+), ([\d.]+) tok/s; one pipeline ([\d.]+), disjoint replicas ([\d.]+)"
     chosen = re.search(line, " ".join(out.split()))
@@ -132,7 +132,7 @@ def test_planned_flow_plan_launches_and_matches_hf(flow_model, tmp_path) -> None
     paths = [[s.device for s in r.stages] for r in plan.replicas]
     visits = [d for devices in paths for d in devices]
     shared = {d for d in visits if visits.count(d) > 1}
-    assert len(paths) >= 2 and shared, paths  # paths that share a placement: no disjoint replicas
+    assert len(paths) >= 2 and shared == {"fast/gpu0"}, paths  # the fast device serves every path
     assert all(len(set(devices)) == len(devices) for devices in paths)
     weights = [r.weight for r in plan.replicas]
     assert sum(weights) == pytest.approx(1.0)
