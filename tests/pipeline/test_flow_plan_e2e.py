@@ -168,3 +168,20 @@ def test_planned_flow_plan_launches_and_matches_hf(flow_model, tmp_path) -> None
     assert result["metrics"]["requests"] == 64
     assert result["metrics"]["output_tokens"] == 64 * MAX_OUTPUT
     assert len(result["stages"]) == len(visits)  # each path's stages, the shared placement in each
+
+
+def test_a_time_limit_too_short_for_the_flow_search_says_so(flow_model, tmp_path) -> None:
+    """On this cluster, where flow wins, `--replicas auto` with a time limit below the flow search's
+    share compares no flow plan: the output says so and why, instead of looking like a full search."""
+    workload = tmp_path / "offline-tiny.yaml"
+    workload.write_text(WORKLOAD)
+    cluster = tmp_path / "flow-cpu.yaml"
+    cluster.write_text(_cluster_yaml(_half_model_memory_gib(flow_model, workload, tmp_path)))
+    out = _invoke([
+        "plan", "--model", flow_model, "--cluster", cluster, "--workload", workload, "--replicas", "auto",
+        "--dtype", "fp32", "--kv-dtype", "fp32", "--time-limit", 1,
+    ])  # fmt: skip
+    text = " ".join(out.split())
+    assert "chosen: flow" not in text
+    left = re.search(r"flow plans not searched: ([\d.]+) s of the time limit .* needs ([\d.]+) s", text)
+    assert left is not None and float(left[1]) < float(left[2]), text

@@ -47,12 +47,13 @@ def plan_replicas(
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
     b = workload_spec.micro_batch_size
+    solver_s = problem.solver_time_s(settings)
     choice = choose_with_flow(
         instance,
         b,
         replicas=count,
         solver=settings.solver,
-        time_limit_s=problem.solver_time_s(settings),
+        time_limit_s=solver_s,
         mip_gap=settings.mip_gap,
         concurrency=concurrency,
         max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
@@ -65,6 +66,8 @@ def plan_replicas(
         return choice
     if choice.search is not None:
         print_comparison(console, choice)
+    elif count is None and concurrency == "memory" and instance.precision is None:
+        console.print(_flow_not_searched(instance, solver_s))
     for index, replica in enumerate(chosen.replicas):
         title = (
             f"replica {index}: weight {replica.weight:.3f}, {len(replica.devices)} GPUs, "
@@ -159,3 +162,15 @@ def plan_replicas(
         weights = ",".join(f"{replica.weight:.4f}" for replica in chosen.replicas)
         typer.echo(f"load-balancer weights (replica 0..{len(chosen.replicas) - 1}): {weights}")
     return chosen
+
+
+def _flow_not_searched(instance, solver_s: float) -> str:
+    """Why `--replicas auto` compared no flow plan: the solvers' time was below the flow search's."""
+    from tessel.plan.flow_choice import FLOW_SHARE, FLOW_SHARE_LARGE, MIN_FLOW_S
+    from tessel.plan.replicas import EXHAUSTIVE_DEVICES
+
+    share = FLOW_SHARE if instance.n_devices <= EXHAUSTIVE_DEVICES else FLOW_SHARE_LARGE
+    return (
+        f"flow plans not searched: {solver_s:.1f} s of the time limit were left for the solvers, the "
+        f"flow search needs {MIN_FLOW_S / share:.1f} s; raise --time-limit to compare them"
+    )
