@@ -1,7 +1,7 @@
 """The single-GPU engine against the simulator: predicted vs measured TPOT and throughput on CUDA.
 
     python benchmarks/fidelity_cuda.py [--shapes smollm2 llama-1b] [--modes graphs eager] \
-        [--concurrency 1 8 32] [--quick] [--label NAME] [--out benchmarks/results/fidelity.jsonl]
+        [--concurrency 1 8 32] [--quick] [--label NAME] [--out benchmarks/results/fidelity_cuda.jsonl]
 
 The GPU counterpart of `benchmarks/fidelity.py` (issue 30, item 5 and the target "single-GPU engine
 TPOT within 10%"). For each model shape (random weights with SmolLM2-135M's or Llama-3.2-1B's
@@ -18,7 +18,7 @@ depend on the weights' values) and each engine mode:
    profile (`tessel.chunk.from_plan.build_pipeline`, `tessel.sim.simulate`).
 
 `--device cpu` runs the script's logic on the CPU with a tiny shape (a smoke test, not a
-measurement). Prints a table and appends a record to benchmarks/results/fidelity.jsonl; the rows so
+measurement). Prints a table and appends a record to benchmarks/results/fidelity_cuda.jsonl; the rows so
 far are kept beside it after each shape.
 """
 
@@ -156,7 +156,7 @@ def run_shape(shape: str, args, cfg: dict, work: Path, console: Console, rows: l
 
     def keep(row: dict) -> None:
         rows.append(row)
-        _harness.save_partial(args.out, "fidelity", {"config": cfg, "rows": rows}, args.label)
+        _harness.save_partial(args.out, "fidelity_cuda", {"config": cfg, "rows": rows}, args.label)
 
     for mode in args.modes:
         profile_path = work / f"profile-{shape}-{mode}.json"
@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(cuda_engine.SHAPES), default=["smollm2"])
     parser.add_argument("--modes", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(fidelity.CONCURRENCY))
-    _harness.add_record_options(parser, "fidelity")
+    _harness.add_record_options(parser, "fidelity_cuda")
     _harness.add_size_options(parser, FULL)
     args = parser.parse_args()
     cfg = _harness.sizes(args, QUICK if args.quick else FULL)
@@ -257,7 +257,7 @@ def main() -> None:
     render(rows, console)
     result = {"config": cfg, "device": args.device, "gpu": _gpu_name(args.device), "rows": rows,
               "quick": args.quick, "wall_s": elapsed.wall_s}  # fmt: skip
-    _harness.append_record(args.out, "fidelity", result, args.label)
+    _harness.append_record(args.out, "fidelity_cuda", result, args.label)
 
 
 def _gpu_name(device: str) -> str | None:

@@ -58,7 +58,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 # eagerly for enforce_eager), SmolLM2's shape in both modes (Llama-3.2-1B's with graphs: the last step).
 fidelity_budget="--profile-budget-s ${FIDELITY_BUDGET:-20}"
 step fidelity_cuda "${FIDELITY_S:-260}" $python benchmarks/fidelity_cuda.py --shapes smollm2 $fidelity_budget \
-  --label "$label" --out "$out/results/fidelity.jsonl"
+  --label "$label" --out "$out/results/fidelity_cuda.jsonl"
 # The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
 TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-180}" $python -m pytest -q -p no:cacheprovider -rfE \
   --junitxml "$out/cuda_tests.xml" tests/*/test_cuda_*.py
@@ -83,5 +83,5 @@ step offload_weights "${OFFLOAD_S:-300}" $python benchmarks/offload_weights.py -
   ${OFFLOAD_BUDGET:+--profile-budget-s $OFFLOAD_BUDGET} \
   --label "$label" --out "$out/results/offload_weights.jsonl"
 step fidelity_cuda_1b "${FIDELITY_1B_S:-240}" $python benchmarks/fidelity_cuda.py --shapes llama-1b --modes graphs \
-  $fidelity_budget --label "$label" --out "$out/results/fidelity.jsonl"
+  $fidelity_budget --label "$label" --out "$out/results/fidelity_cuda.jsonl"
 $python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"
