@@ -56,8 +56,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 # Issue 30's GPU target: the single-GPU engine's TPOT and throughput against the simulator priced
 # from `tessel profile --device cuda` (decode timed as CUDA graphs for the graph-replaying engine,
 # eagerly for enforce_eager), SmolLM2's shape in both modes (Llama-3.2-1B's with graphs: the last step).
-fidelity_budget="--profile-budget-s ${FIDELITY_BUDGET:-20}"
-step fidelity_cuda "${FIDELITY_S:-260}" $python benchmarks/fidelity_cuda.py --shapes smollm2 $fidelity_budget \
+fidelity_budget="--profile-budget-s ${FIDELITY_BUDGET:-20}"  # FIDELITY_ARGS: more options (e.g. --modes graphs)
+step fidelity_cuda "${FIDELITY_S:-260}" $python benchmarks/fidelity_cuda.py --shapes smollm2 $fidelity_budget ${FIDELITY_ARGS:-} \
   --label "$label" --out "$out/results/fidelity_cuda.jsonl"
 # The tests with the default tiles (TESSEL_AUTOTUNE=0): they check results, not speed.
 TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-180}" $python -m pytest -q -p no:cacheprovider -rfE \
