@@ -140,6 +140,34 @@ class CostModelStage:
         time = self._units_time_s(R.unit_prefill_time_s, chunk_tokens, offset_tokens)
         return (time + self._ends_time_s(chunk_tokens, lm_head=False)) * self.core_share
 
+    def prefill_pass_time_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """One pass over several sequences' prefill chunks ((tokens, offset) each): every chunk's
+        time, less what the pass pays once (`roofline.prefill_shared_s`) for each chunk past the first."""
+        chunks = [(c, p) for c, p in chunks if c > 0]
+        times = [self.prefill_time_s(c, p) for c, p in chunks]
+        if len(times) <= 1:
+            return sum(times)
+        shared_s = self._pass_shared_s(*chunks[0]) * self.core_share
+        return max(sum(times) - (len(times) - 1) * shared_s, max(times))
+
+    def _pass_shared_s(self, chunk_tokens: int, offset_tokens: int) -> float:
+        """Per pass, the seconds of the profiled units' prefill paid once (analytic units: none)."""
+        total = 0.0
+        for kind, precision, count in self.unit_counts:
+            profile = self.profile_for(precision)
+            exact = R.exact_profile(profile, self.model, self.gpu, precision)
+            if exact is None:
+                continue
+            share = 1.0
+            if kind != "layer":
+                c, p = np.float64(chunk_tokens), np.float64(offset_tokens)
+                efficiency = R.efficiency_for(profile, self.gpu)
+                attention = self._analytic("attention", precision, c, p, efficiency)
+                mlp = self._analytic("mlp", precision, c, p, efficiency)
+                share = float((attention if kind == "attention" else mlp) / (attention + mlp))
+            total += count * R.prefill_shared_s(exact, self.gpu) * share
+        return total
+
     def decode_time_s(self, batch_size: int, sum_context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0

@@ -19,6 +19,9 @@ held-out error (`ComponentFit`, keyed in `Profile.components`):
     "head"            final norm + LM head + greedy sampling of x rows (last stage)
     "step"            the engine's per-step work outside the model (scheduling, input preparation,
                       appending tokens and the stop checks) for a step of x sequences
+    "prefill_batch"   one pass of one decoder layer over x sequences' prefill chunks of
+                      `shape["chunk_tokens"]` tokens each: its intercept c0 is what a pass pays once
+                      (`tessel.cost.roofline.prefill_shared_s`)
     "transport:host"  one stage-to-stage message (header, metadata, x bytes of hidden states) over
                       gloo between two processes of one host ("transport:nccl" on CUDA)
 
@@ -43,7 +46,8 @@ from tessel.files import read_json_file
 
 PROFILE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: the decoder-layer fits alone
-COMPONENTS = ("embed", "head", "step")
+COMPONENTS = ("embed", "head", "step", "prefill_batch")
+PREFILL_BATCH = "prefill_batch"
 TRANSPORT_PREFIX = "transport:"
 VERSION_KEY = "tessel_version"  # meta: the tessel that wrote the file (`tessel.cost.profile_check`)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from tessel.catalog.gpus import GpuSpec
 from tessel.catalog.models import ModelSpec
 from tessel.cost import layer as L
-from tessel.cost.profile import ComponentFit, Profile, transport_key
+from tessel.cost.profile import PREFILL_BATCH, ComponentFit, Profile, transport_key
 
 # Fraction of peak FLOP/s a whole layer reaches when compute-bound. cuBLAS fp16 GEMMs of LLM
 # shapes reach 70-80% of tensor-core peak on A100; norms, RoPE, softmax and smaller attention
@@ -204,13 +204,24 @@ def unit_prefill_time_s(
     exact = exact_profile(profile, model, gpu, dtype)
     if exact is None:
         return _analytic_prefill_s(model, gpu, kind, *args, efficiency)
-    # The fit is one sequence through one layer; more sequences repeat everything but its intercept.
-    fit = exact.prefill
-    layer_s = fit.a0 + batch_size * max(fit.time_s(chunk_tokens, offset_tokens) - fit.a0, 0.0)
-    layer_s /= gpu.emulate_speed
+    # The fit is one sequence through one layer; more sequences in the pass repeat all of it but
+    # what a pass pays once (`prefill_shared_s`).
+    one_s = max(exact.prefill.time_s(chunk_tokens, offset_tokens), 0.0) / gpu.emulate_speed
+    shared_s = min(prefill_shared_s(exact, gpu), one_s)
+    layer_s = batch_size * one_s - (batch_size - 1) * shared_s
     attention_s = _analytic_prefill_s(model, gpu, "attention", *args, efficiency)
     mlp_s = _analytic_prefill_s(model, gpu, "mlp", *args, efficiency)
     return max(layer_s, 0.0) * _share(kind, attention_s, mlp_s)
+
+
+def prefill_shared_s(exact: Profile, gpu: GpuSpec) -> float:
+    """Seconds of one layer's prefill that a pass pays once however many sequences it holds (each
+    more sequence costs its own chunk's time less this): the intercept of the profile's
+    `prefill_batch` fit (passes of n sequences' chunks, `tessel.models.profiler`), or, for a profile
+    without one, the prefill fit's intercept a0."""
+    batch = exact.components.get(PREFILL_BATCH)
+    shared_s = batch.c0 if batch is not None else exact.prefill.a0
+    return max(shared_s, 0.0) / gpu.emulate_speed
 
 
 def unit_decode_time_s(

@@ -5,7 +5,9 @@ run as the engine runs it: float32 linears packed for oneDNN on CPU (as `ModelRu
 k/v written into a paged KV cache through a slot mapping, prefill chunks through
 `flash_attention` over their cached prefix, decode rows through one `paged_decode_attention`
 call over block tables. A prefill point (c, p) runs one sequence's chunk of c tokens after p
-cached ones; a decode point (B, S) runs B sequences of S/B cached tokens each, one new token each.
+cached ones; a decode point (B, S) runs B sequences of S/B cached tokens each, one new token each;
+a prefill-batch point n runs n sequences' first PREFILL_BATCH_TOKENS tokens in one pass (the
+`prefill_batch` component: what a pass pays once, however many prompts it holds).
 So the cost model's fits and the engine time the same code.
 
 Each point: `warmup` untimed runs, then the median of `repeats` timed runs (decode points in rounds
@@ -31,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tessel.cost.fit import FitReport, fit_measurements
-from tessel.cost.profile import Profile
+from tessel.cost.fit import FitReport, fit_component, fit_measurements
+from tessel.cost.profile import PREFILL_BATCH, Profile
 from tessel.errors import TesselError
 from tessel.models.component_profiler import EndsShape, host_cores, profile_components
 
@@ -51,6 +53,10 @@ PREFILL_BUDGET_SHARE = 0.7  # of the timing budget; decode gets the rest
 MIN_PREFILL_POINTS = 8
 MIN_DECODE_POINTS = 6
 MAX_RUNS = 200  # timed runs of one point at most
+# Passes over several prompts' chunks (the `prefill_batch` component: what a pass pays once)
+PREFILL_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+MIN_PREFILL_BATCH_POINTS = 7  # `fit_component` holds interior points out
+PREFILL_BATCH_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +305,19 @@ class _Layer:
         residual = self.torch.zeros_like(x) if residual is None else residual
         return torch.arange(p, p + c, device=self.device), x, residual, meta
 
+    def prefill_batch_inputs(self, sequences: int, c: int):
+        """One pass over the first c tokens of sequences 0..sequences-1 (nothing cached), as the
+        engine batches several prompts: (positions, hidden, residual, meta)."""
+        from tessel.layers.attention import AttentionMetadata, PrefillChunk
+
+        torch = self.torch
+        slots = torch.cat([self._slots(seq, 0, c) for seq in range(sequences)])
+        meta = AttentionMetadata(slot_mapping=slots)
+        meta.prefills.extend(PrefillChunk(seq * c, c, c, None) for seq in range(sequences))
+        x = self._hidden(sequences * c)
+        positions = torch.arange(c, device=self.device).repeat(sequences)
+        return positions, x, torch.zeros_like(x), meta
+
     def decode_inputs(self, batch: int, context: int, x=None, residual=None):
         """One new token for each of sequences 0..batch-1 after `context` cached tokens."""
         from tessel.layers.attention import AttentionMetadata, DecodeGroup
@@ -443,6 +462,8 @@ class Measurements:
     prefill_times_s: np.ndarray
     decode_points: np.ndarray  # [m, 2]: batch size, sum of contexts
     decode_times_s: np.ndarray
+    prefill_batch_sizes: np.ndarray  # sequences of PREFILL_BATCH_TOKENS tokens in one pass
+    prefill_batch_times_s: np.ndarray
 
 
 def measure_layer(
@@ -503,7 +524,14 @@ def measure_layer(
             dec_t = _measure_rounds(layer, [layer.decode_inputs(b, s // b) for b, s in dec], settings, clock)
             if progress:
                 progress(total, total)
-    return Measurements(np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t))
+        sizes = [n for n in PREFILL_BATCH_SIZES if n <= max_batch and PREFILL_BATCH_TOKENS <= max_tokens]
+        batch_t = _measure_rounds(
+            layer, [layer.prefill_batch_inputs(n, PREFILL_BATCH_TOKENS) for n in sizes], settings, clock
+        )
+    return Measurements(
+        np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t),
+        np.array(sizes, float), np.array(batch_t),
+    )  # fmt: skip
 
 
 def implied_efficiencies(
@@ -581,6 +609,11 @@ def profile_layer(
     compute, memory = implied_efficiencies(shape, report, device_type, settings.dtype)
     resolved = resolve_clock(settings)
     components = profile_components(resolved, _timer(resolved), ends, checkpoint, transports, note)
+    if len(data.prefill_batch_sizes) >= MIN_PREFILL_BATCH_POINTS:
+        components[PREFILL_BATCH] = fit_component(
+            data.prefill_batch_sizes, data.prefill_batch_times_s, "sequences",
+            {"chunk_tokens": PREFILL_BATCH_TOKENS},
+        )  # fmt: skip
     info = {
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),

@@ -12,7 +12,9 @@ in the pipeline (default: one per stage); with `pinned`, each in-flight slot is 
 with its own requests (vLLM V0), else every batch draws from one pool (vLLM V1). All events at one
 instant are handled before the scheduler runs, so requests that arrive together share a batch.
 
-Compute time of a micro-batch on a stage: each prefill chunk costs `prefill_time_s(c, p)`; the
+Compute time of a micro-batch on a stage: each prefill chunk costs `prefill_time_s(c, p)` (a
+stage with `prefill_pass_time_s`, the cost model's, prices the chunks as one pass: what a pass pays
+once is counted once); the
 decode steps together cost `decode_time_s(B, sum of contexts)`; `mix="sum"` adds them (each priced
 as its own pass over the weights: an upper bound), `mix="max"` takes the larger part (a roofline
 reading: compute-bound prefill hides memory-bound decode when they share the weight reads).
@@ -207,9 +209,12 @@ def batch_compute_time_s(
     mix: str = "sum",
     logits_time_s: Callable[[int], float] | None = None,
 ) -> float:
-    prefill = sum(
-        stage.prefill_time_s(item.tokens, item.offset) for item in batch.items if item.kind == "prefill"
-    )
+    chunks = [(item.tokens, item.offset) for item in batch.items if item.kind == "prefill"]
+    pass_time_s = getattr(stage, "prefill_pass_time_s", None)  # cost-model stages: one pass, shared costs once
+    if pass_time_s is not None:
+        prefill = pass_time_s(chunks)
+    else:
+        prefill = sum(stage.prefill_time_s(c, p) for c, p in chunks)
     decodes = [item for item in batch.items if item.kind == "decode"]
     decode = stage.decode_time_s(len(decodes), sum(item.offset + 1 for item in decodes)) if decodes else 0.0
     time = prefill + decode if mix == "sum" else max(prefill, decode)
