@@ -19,7 +19,8 @@ depend on the weights' values) and each engine mode:
 
 `--device cpu` runs the script's logic on the CPU with a tiny shape (a smoke test, not a
 measurement). Prints a table and appends a record to benchmarks/results/fidelity_cuda.jsonl; the rows so
-far are kept beside it after each shape.
+far are kept beside it after each shape. `--repredict LABEL` prices a recorded run again with this
+tessel (its kept profiles; no GPU).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def measure(model: Path, device: str, mode: str, n: int, cfg: dict, vocab: int) 
     keys = ("ttft_s", "tpot_s", "throughput_tok_s", "wall_s")
     median = {k: statistics.median(run[k] for run in runs) if runs[0][k] is not None else None for k in keys}
     try:  # after the timed runs: synchronising perturbs them
-        median["step_split"] = split_steps(engine, fidelity.prompts(n, cfg["prompt"], vocab, 7), cfg["output"])
+        median["step_split"] = split_steps(
+            engine, fidelity.prompts(n, cfg["prompt"], vocab, 7), cfg["output"]
+        )
     except Exception as error:  # noqa: BLE001 - a diagnostic only
         median["step_split"] = {"error": f"{type(error).__name__}: {error}"[:300]}
     del engine
@@ -287,6 +290,40 @@ def render(rows: list[dict], console: Console) -> None:
             console.print(f"profile held-out error, {r['shape']} {r['mode']}: {errors}")
 
 
+def repredict(label: str, out: Path, console: Console) -> None:
+    """The last record labelled `label` in `out`, its measured rows predicted again by this tessel
+    from the profiles it kept (no GPU: after a change to the cost model or the simulator); appends a
+    record `<label>_repredicted`."""
+    records = [r for r in _harness.read_records(out) if r.get("label") == label]
+    if not records:
+        raise SystemExit(f"no record labelled {label!r} in {out}")
+    source = records[-1]["result"]
+    cfg, device, rows = source["config"], source["device"], []
+    with tempfile.TemporaryDirectory(prefix="tessel-fidelity-cuda-") as tmp:
+        work, models, profiles = Path(tmp), {}, {}
+        for row in source["rows"]:
+            key = (row["shape"], row["mode"])
+            if "profile" in row:
+                profiles[key] = work / f"profile-{row['shape']}-{row['mode']}.json"
+                profiles[key].write_text(json.dumps(row["profile"]))
+                continue
+            if "measured" not in row or key not in profiles:
+                continue
+            if row["shape"] not in models:
+                models[row["shape"]] = build_checkpoint(work, row["shape"], device)
+            row = dict(
+                row, predicted=predict(models[row["shape"]], profiles[key], device, row["concurrency"], cfg)
+            )
+            row["rel_error"] = {
+                k: fidelity.rel_error(row["predicted"][k], row["measured"][k])
+                for k in ("ttft_s", "tpot_s", "throughput_tok_s")
+            }
+            rows.append(row)
+    render(rows, console)
+    result = dict(source, rows=rows, repredicted_from={"label": label, "git_sha": records[-1].get("git_sha")})
+    _harness.append_record(out, "fidelity_cuda", result, f"{label}_repredicted")
+
+
 def main() -> None:
     import cuda_engine
 
@@ -298,9 +335,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(fidelity.CONCURRENCY))
     _harness.add_record_options(parser, "fidelity_cuda")
     _harness.add_size_options(parser, FULL)
+    parser.add_argument(
+        "--repredict", metavar="LABEL", help="predict a recorded run again (no GPU): see repredict"
+    )
     args = parser.parse_args()
     cfg = _harness.sizes(args, QUICK if args.quick else FULL)
     console = Console(highlight=False, width=150)
+    if args.repredict:
+        repredict(args.repredict, args.out, console)
+        return
     console.print(_harness.machine_line())
     rows: list[dict] = []
     with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-fidelity-cuda-") as tmp:

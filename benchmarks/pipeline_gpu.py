@@ -22,7 +22,8 @@ GPU's). `same` counts requests whose tokens equal the single process's (a CPU's 
 GPU's, or another batch shape's, may flip a greedy token at a near-tie; the first differing
 positions are recorded). `--device cpu` runs the GPU configurations on the CPU (a smoke test of the
 script, not a measurement). The record goes to benchmarks/results/pipeline_gpu.jsonl; the figures so
-far are kept beside it after each row.
+far are kept beside it after each row. `--repredict LABEL` prices a recorded run again with this
+tessel (its kept profiles; no GPU): how a change to the cost model moves the recorded errors.
 """
 
 from __future__ import annotations
@@ -203,6 +204,56 @@ def compare(got: list[list[int]], want: list[list[int]]) -> dict:
     return {"same": same, "of": len(want), "first_diff": [f for f in first if f is not None][:8]}
 
 
+def repredict(label: str, out: Path) -> None:
+    """Each measured row of the last record labelled `label` in `out`, predicted again by this
+    tessel from the profiles the record kept (after a change to the cost model or the simulator: no
+    GPU needed); the plans are rebuilt from the record's stages. Appends a record `<label>_repredicted`."""
+    records = [r for r in _harness.read_records(out) if r.get("label") == label]
+    if not records:
+        raise SystemExit(f"no record labelled {label!r} in {out}")
+    source = records[-1]
+    result = json.loads(json.dumps(source["result"]))
+    rows = result["rows"]
+    layers = rows["1-stage"]["stages"][-1]["layer_end"]
+    kind = next(k for k in result["profiles"] if k != "cpu")
+    gpu = "localhost/gpu0"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tiny_models = _harness.tests_module("tiny_models")
+        shape = dict(SMOLLM2_SHAPE, num_hidden_layers=layers)
+        model = tiny_models.make_tiny_checkpoint(
+            root / "smollm2-shape", "llama", tie_word_embeddings=True, num_kv_heads=3, seed=0, **shape
+        )
+        profiles = {}
+        for name, data in result["profiles"].items():
+            profiles[name] = root / f"profile-{name}.json"
+            profiles[name].write_text(json.dumps(data))
+        half = layers // 2
+        plans = {
+            "1-stage": ([(gpu, kind, 0, layers)], 1),
+            "2 on one GPU": ([(gpu, kind, 0, half), (f"{gpu}#2", kind, half, layers)], 2),
+            "CPU + GPU": ([tuple(stage) for stage in result.get("cpu_gpu_plan", {}).get("stages", [])], 2),
+        }
+        workload = result["workload"]
+        for name, (stages, m) in plans.items():
+            row = rows.get(name)
+            if row is None or "error" in row or not stages:
+                continue
+            plan = write_plan(root / f"{name}.json", model, stages, m)
+            row["predicted"] = predict_row(plan, profiles, workload["requests"], workload["new_tokens"], m)
+            row["rel_error"] = {
+                k: _rel(row["predicted"][p], row[k])
+                for k, p in (("tok_s", "throughput_tok_s"), ("ttft_s", "ttft_s"), ("tpot_s", "tpot_s"))
+            }
+    result["repredicted_from"] = {
+        "label": label,
+        "git_sha": source.get("git_sha"),
+        "time_utc": source.get("time_utc"),
+    }
+    _print(result)
+    _harness.append_record(out, "pipeline_gpu", result, f"{label}_repredicted")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0", help="the GPU (cpu: a smoke run of the script)")
@@ -215,8 +266,14 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[], help="configurations to skip (by name)")
     parser.add_argument("--no-predict", action="store_true", help="no profiles, no predicted columns")
     parser.add_argument("--profile-budget-s", type=int, default=20, help="each profile's layer budget")
+    parser.add_argument(
+        "--repredict", metavar="LABEL", help="predict a recorded run again (no GPU): see repredict"
+    )
     _harness.add_record_options(parser, "pipeline_gpu")
     args = parser.parse_args()
+    if args.repredict:
+        repredict(args.repredict, args.out)
+        return
     print(_harness.machine_line())
     cuda = args.device.startswith("cuda")
     kind = gpu_type(args.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from tessel.chunk.planner import ChunkProblem, plan_chunks
 from tessel.chunk.schedule import evaluate_chunks
 from tessel.cost import LinkSpec, hidden_bytes, link_time_s, unit_decode_time_s, unit_prefill_time_s
 from tessel.cost.layer import profile_shape
-from tessel.cost.profile import DecodeFit, PrefillFit, Profile
+from tessel.cost.profile import PREFILL_BATCH, ComponentFit, DecodeFit, PrefillFit, Profile
 from tessel.errors import TesselError
 from tessel.plan.cluster import load_cluster
 
@@ -249,3 +250,30 @@ def test_unknown_precision_in_a_stage_is_a_user_error() -> None:
     stages = [StageSpec("a", "T4", 0, 32, None, precisions=("int8",) * 31)]
     with pytest.raises(TesselError, match="31 precisions for 32 units"):
         build_pipeline(model, stages)
+
+
+def test_a_pass_over_several_prompts_pays_the_shared_part_once() -> None:
+    """n prompts' chunks in one pass: every chunk's time less (n - 1) x what a pass pays once (the
+    profile's `prefill_batch` intercept, per layer), never less than the longest chunk alone; without
+    that component, the prefill fit's intercept a0; in the planner's batched price (unit_prefill_time_s)
+    the same."""
+    model, gpu = load_model("llama-3-8b"), get_gpu("A100-80G")
+    fit = PrefillFit(1e-3, 2e-7, 1e-10, 3e-11)
+    batch = ComponentFit(4e-4, 9e-4, "sequences", 0.01, 10, {"chunk_tokens": 32})
+    plain = Profile("A100-80G", profile_shape(model), "fp16", fit, DecodeFit(1e-4, 1e-6, 1e-9), 0.05)
+    timed = replace(plain, components={PREFILL_BATCH: batch})
+    chunks = [(100, 0), (30, 50), (7, 0)]
+    for profile, shared_s in ((timed, 4e-4), (plain, 1e-3)):
+        stage = CostModelStage.build(
+            model=model, gpu=gpu, unit_counts=(("layer", 4),), first=False, last=True, profile=profile
+        )
+        alone = sum(4 * fit.time_s(c, p) for c, p in chunks)
+        assert stage.prefill_pass_time_s(chunks) == pytest.approx(alone - 2 * 4 * shared_s, rel=1e-9)
+        assert stage.prefill_pass_time_s(chunks[:1]) == pytest.approx(stage.prefill_time_s(100, 0), rel=1e-12)
+        batched = unit_prefill_time_s(model, gpu, "layer", 64, 0, batch_size=5, dtype="fp16", profile=profile)
+        assert batched == pytest.approx(5 * fit.time_s(64, 0) - 4 * shared_s, rel=1e-9)
+    huge = replace(plain, components={PREFILL_BATCH: replace(batch, c0=1.0)})  # never below one chunk
+    stage = CostModelStage.build(
+        model=model, gpu=gpu, unit_counts=(("layer", 4),), first=False, last=True, profile=huge
+    )
+    assert stage.prefill_pass_time_s(chunks) == pytest.approx(stage.prefill_time_s(100, 0), rel=1e-12)

@@ -50,7 +50,7 @@ def test_profile_stores_every_component_fit(checkpoints, tmp_path, monkeypatch) 
     profile, _, _ = profile_layer(
         LayerShape(64, 128, 4, 2, 16), FAST, ends=C.EndsShape(64, 384), checkpoint=checkpoints("llama")
     )
-    assert set(profile.components) == {"embed", "head", "step"}
+    assert set(profile.components) == {"embed", "head", "step", "prefill_batch"}
     for name, fit in profile.components.items():
         assert fit.c0 >= 0 and fit.c1 >= 0 and np.isfinite(fit.heldout_rel_error), name
     assert profile.components["embed"].knots and profile.components["head"].shape == {
@@ -59,3 +59,15 @@ def test_profile_stores_every_component_fit(checkpoints, tmp_path, monkeypatch) 
     path = tmp_path / "p.json"
     profile.save(path)
     assert load_profile(path) == replace(profile, meta=profile.to_json()["meta"])  # + the writer's version
+
+
+def test_the_step_is_timed_on_the_engine_the_decode_points_model() -> None:
+    """A CUDA profile of graph replays times the step on a graph-replaying engine (its inputs are
+    prepared for the graph); every other profile on an eager one."""
+    from types import SimpleNamespace
+
+    from tessel.models.component_profiler import step_engine_eager
+
+    assert not step_engine_eager(SimpleNamespace(device="cuda", cuda_graphs=True))
+    assert step_engine_eager(SimpleNamespace(device="cuda", cuda_graphs=False))
+    assert step_engine_eager(SimpleNamespace(device="cpu", cuda_graphs=True))

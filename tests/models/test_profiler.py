@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tessel.cost.profile import load_profile  # noqa: E402
+from tessel.cost.profile import PREFILL_BATCH, load_profile  # noqa: E402
 from tessel.errors import TesselError  # noqa: E402
 from tessel.layers.linear import Linear  # noqa: E402
 from tessel.models.llama import LlamaDecoderLayer  # noqa: E402
@@ -102,6 +102,21 @@ def test_decode_step_equals_last_row_of_the_reference() -> None:
             torch.testing.assert_close(step[seq].double(), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_pass_over_several_prompts_equals_each_prompt_alone() -> None:
+    """The prefill-batch point (n prompts' chunks in one pass) computes what n separate causal
+    passes of the float64 reference do."""
+    shape = LayerShape(64, 96, 4, 2, 16)
+    with torch.inference_mode():
+        layer = _Layer(shape, ProfileSettings(seed=5), max_tokens=32, max_batch=3, pack_cpu_linears=False)
+        positions, x, residual, meta = layer.prefill_batch_inputs(3, 7)
+        assert positions.tolist() == list(range(7)) * 3 and len(meta.prefills) == 3
+        out = layer.forward(positions, x, residual, meta)
+        for seq in range(3):
+            rows = slice(7 * seq, 7 * seq + 7)
+            expected = reference(layer, x[rows].clone(), residual[rows].clone())
+            torch.testing.assert_close(out[rows].double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_choose_points_fits_the_budget_and_spreads() -> None:
     rng = np.random.default_rng(0)
     points = prefill_grid(ProfileSettings(max_chunk_tokens=1024, max_offset_tokens=4096))
@@ -140,6 +155,9 @@ def test_tiny_profile_end_to_end(tmp_path) -> None:
     assert np.isfinite(result.heldout_rel_error) and result.heldout_rel_error == report.heldout_error
     assert min(result.prefill.a0, result.prefill.a1, result.prefill.a2, result.prefill.a3) >= 0
     assert result.meta["clock"] == "cpu" and result.meta["threads"] == "1"
+    batch = result.components[PREFILL_BATCH]  # passes of 1..16 prompts' 32-token chunks
+    assert batch.unit == "sequences" and batch.n_points == len(data.prefill_batch_sizes) >= 7
+    assert batch.c1 > 0 and np.isfinite(batch.heldout_rel_error)
     path = tmp_path / "profile.json"
     result.save(path)
     assert load_profile(path) == replace(result, meta=result.to_json()["meta"])  # + the writer's version

@@ -4,6 +4,8 @@ cores, for (1/s - 1) x the wall time its shared compute took, as the runtime's e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,39 @@ def test_a_plans_cpu_stages_share_their_hosts_cores() -> None:
     assert partly is not None and partly.hosts == ("a", "a", None)
     loaded = core_sharing(_priced([("a", 1.0), ("b", 1.0)], profile), background_threads=1.5)
     assert loaded is not None and loaded.hosts == ("a", "b") and loaded.background == {"a": 1.5, "b": 1.5}
+
+
+def _gpu_priced(devices: list[str]) -> PlanPipeline:
+    model = load_model("llama-2-7b")
+    bounds = np.linspace(0, model.num_layers, len(devices) + 1).astype(int)
+    link = LinkSpec(10e9, 50e-6)
+    stages = [
+        StageSpec(device, "H100", int(bounds[i]), int(bounds[i + 1]), link if i < len(devices) - 1 else None,
+                  node=device.split("/")[0])
+        for i, device in enumerate(devices)
+    ]  # fmt: skip
+    return build_pipeline(model, stages, dtype="fp16", kv_dtype="fp16")
+
+
+def test_two_names_of_one_gpu_share_it() -> None:
+    """`<node>/gpu<K>` and `<node>/gpu<K>#2` are one GPU: its stages share it as one full-speed slot
+    (two computing at once each at half speed); two GPUs, or one GPU per node, share nothing; a lone
+    GPU stage shares nothing with a CPU host's background threads."""
+    shared = core_sharing(_gpu_priced(["n/gpu0", "n/gpu0#2", "n/gpu1"]), background_threads=2.0)
+    key = ("gpu", "n", 0)
+    assert shared is not None and shared.hosts == (key, key, None) and shared.slots == {key: 1.0}
+    assert shared.background == {}
+    assert core_sharing(_gpu_priced(["n/gpu0", "n/gpu1"])) is None
+    assert core_sharing(_gpu_priced(["n/gpu0", "m/gpu0"])) is None
+    # 8 prompts in flight through two stages on one GPU take as long as the GPU computing every
+    # stage's batches one after another (processor sharing of one slot), transfers aside
+    priced = _gpu_priced(["n/gpu0", "n/gpu0#2"])
+    scheduler = SimSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)  # a prompt per batch
+    config = SimConfig(scheduler, max_in_flight=2, cores=core_sharing(priced))
+    requests = [Request(i, 0.0, 512, 1) for i in range(8)]
+    one_by_one = sum(stage.prefill_time_s(512, 0) for stage in priced.pipeline.stages) * 8
+    finish = max(r.finish_s for r in simulate(priced.pipeline, requests, config).records)
+    sends = sum(stage.send_time_s(512) for stage in priced.pipeline.stages) * 8
+    assert one_by_one <= finish <= one_by_one + sends + 1e-9
+    apart = max(r.finish_s for r in simulate(priced.pipeline, requests, replace(config, cores=None)).records)
+    assert apart < 0.75 * finish  # on two GPUs the stages overlap

@@ -77,7 +77,8 @@ def launch(
         DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt, refused before it is tokenized."
     ),
     transport: str = typer.Option(
-        "auto", help="How hidden states cross links: auto (NCCL between two GPUs, else pinned host "
+        "auto",
+        help="How hidden states cross links: auto (NCCL between two GPUs, else pinned host "
         "buffers over gloo), nccl or host.",
     ),
     preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,

@@ -96,7 +96,9 @@ def plan_dtype_option(default: str, *names: str, help: str):  # noqa: A002, ANN2
 
 
 def runtime_dtype_option(  # noqa: ANN201 (typer's OptionInfo)
-    default: str = "float32", help: str = "Weight and activation dtype", auto: bool = True  # noqa: A002
+    default: str = "float32",
+    help: str = "Weight and activation dtype",
+    auto: bool = True,  # noqa: A002
 ):
     """A dtype the engine computes in, either spelling (or auto), passed on as the torch one (`bfloat16`)."""
     return typer.Option(

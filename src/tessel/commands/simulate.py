@@ -142,9 +142,7 @@ def simulate(
                  "--compare": compare, "--seed": seed != 0}  # fmt: skip
         clashing = [flag for flag, set_ in given.items() if set_]
         if clashing:
-            raise TesselError(
-                f"--measured simulates the run's own requests; drop {', '.join(clashing)}"
-            )
+            raise TesselError(f"--measured simulates the run's own requests; drop {', '.join(clashing)}")
         report, comparison = simulate_measured(plan, measured, mix, profile, force_profile)
         print_simulation(console, report)
         console.print(comparison_table(comparison.rows, f"Predicted vs measured ({measured})"))
@@ -162,9 +160,13 @@ def simulate(
     if gantt is not None:
         with staged_file(gantt, "--gantt", inputs) as staging:  # same suffix: the chart's format
             cut_s = write_gantt(report, staging, gantt_until_s)
-        window = "" if cut_s is None or gantt_until_s is not None else (
-            f" (its first {cut_s:,.3f} s of {report.runs[0].metrics.makespan_s:,.3f} s; "
-            "--gantt-until-s draws more)"
+        window = (
+            ""
+            if cut_s is None or gantt_until_s is not None
+            else (
+                f" (its first {cut_s:,.3f} s of {report.runs[0].metrics.makespan_s:,.3f} s; "
+                "--gantt-until-s draws more)"
+            )
         )
         console.print(f"Gantt chart written to {gantt}{window}", highlight=False)
     if json_out is not None:

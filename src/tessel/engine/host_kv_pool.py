@@ -43,9 +43,7 @@ def emulate_copy_time(num_bytes: int, elapsed_s: float, emulated_gbps: float | N
 
 
 class HostKvPool:
-    def __init__(
-        self, num_blocks: int, kv_cache: torch.Tensor, emulated_gbps: float | None = None
-    ) -> None:
+    def __init__(self, num_blocks: int, kv_cache: torch.Tensor, emulated_gbps: float | None = None) -> None:
         """`kv_cache` is the device cache `[2, layers, blocks, block_size, kv_heads, head_dim]`; the pool
         holds `num_blocks` of its blocks."""
         if num_blocks < 1:

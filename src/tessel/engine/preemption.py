@@ -174,7 +174,7 @@ class Preemptor:
         return seq.num_blocks_for(seq.num_computed_tokens) * self.pool.bytes_per_block
 
     def choose(self, seq: Sequence) -> str:
-        """"swap" or "recompute" for `seq` (its computed tokens are what either would bring back)."""
+        """ "swap" or "recompute" for `seq` (its computed tokens are what either would bring back)."""
         if self.mode == "recompute" or seq.num_computed_tokens == 0:
             return "recompute"
         if self.mode == "swap":
@@ -264,4 +264,3 @@ def host_pool_blocks(
             "raise it, or use preemption_mode recompute"
         )
     return blocks
-

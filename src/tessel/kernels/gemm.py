@@ -19,7 +19,6 @@ from tessel.kernels._utils import dot_acc, grouped_tile, tl, triton
 from tessel.kernels.autotune import Autotuner, TileConfig, launch_tuned
 
 if triton is not None:
-
     # M (the rows: a step's tokens) is not specialised on: Triton would otherwise compile each tile
     # again for M == 1 and for M a multiple of 16, so a step whose row count is new to the process
     # would wait for compiles; the kernel reads M only in `rows % M`, the grid and the store mask.

@@ -53,8 +53,10 @@ def checkpoint_prefix(names: list[str]) -> str:
 def is_ignored(name: str, prefix: str) -> bool:
     """A checkpoint tensor the encoder does not load (a task head, the pooler, position ids)."""
     bare = name.removeprefix(prefix)
-    return name.startswith(IGNORED_PREFIXES) or bare.startswith(IGNORED_PREFIXES) or bare.endswith(
-        IGNORED_SUFFIXES
+    return (
+        name.startswith(IGNORED_PREFIXES)
+        or bare.startswith(IGNORED_PREFIXES)
+        or bare.endswith(IGNORED_SUFFIXES)
     )
 
 
@@ -307,4 +309,3 @@ def load_bert(checked: EncoderFiles, dtype: torch.dtype, device: str | torch.dev
             f"{checked.path}: the checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}"
         )
     return model.eval().requires_grad_(False)
-

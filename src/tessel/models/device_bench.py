@@ -75,7 +75,7 @@ def settings_for(device: str) -> BenchSettings:
 
 
 def device_kind(device: str) -> str:
-    """"cpu" or "cuda" of a device string; anything else is refused."""
+    """ "cpu" or "cuda" of a device string; anything else is refused."""
     head, _, index = device.partition(":")
     if head == "cpu" and not index:
         return "cpu"

@@ -478,7 +478,7 @@ def measure_layer(
         torch.set_num_threads(settings.threads)
     pre_grid, dec_grid = prefill_grid(settings), decode_grid(settings)
     max_tokens = max(max(c + p for c, p in pre_grid), max(s // b + 1 for b, s in dec_grid))
-    max_batch = max(b for b, _ in dec_grid)
+    max_batch = max(max(b for b, _ in dec_grid), max(PREFILL_BATCH_SIZES))
     with torch.inference_mode():
         layer = _Layer(shape, settings, max_tokens, max_batch)
         clock = _timer(settings)
@@ -524,7 +524,7 @@ def measure_layer(
             dec_t = _measure_rounds(layer, [layer.decode_inputs(b, s // b) for b, s in dec], settings, clock)
             if progress:
                 progress(total, total)
-        sizes = [n for n in PREFILL_BATCH_SIZES if n <= max_batch and PREFILL_BATCH_TOKENS <= max_tokens]
+        sizes = list(PREFILL_BATCH_SIZES) if PREFILL_BATCH_TOKENS <= max_tokens else []
         batch_t = _measure_rounds(
             layer, [layer.prefill_batch_inputs(n, PREFILL_BATCH_TOKENS) for n in sizes], settings, clock
         )

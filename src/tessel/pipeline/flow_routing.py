@@ -273,9 +273,7 @@ def _or_none(x: torch.Tensor | None, f):  # noqa: ANN001, ANN202
     return None if x is None else f(x)
 
 
-def agree_flow_blocks(
-    paths: tuple[FlowPath, ...], rank: int, capacity: int, layout: KvLayout
-) -> FlowBlocks:
+def agree_flow_blocks(paths: tuple[FlowPath, ...], rank: int, capacity: int, layout: KvLayout) -> FlowBlocks:
     """A collective at start, after `agree_kv_layout`: every placement offers the blocks its own
     budget holds; all compute the same path ranges (`path_block_ranges`)."""
     try:

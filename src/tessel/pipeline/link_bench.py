@@ -57,7 +57,11 @@ def _synchronize(tensor) -> None:  # noqa: ANN001
 
 
 def measure_links(
-    device: str = "cpu", *, bandwidth_bytes: int = BANDWIDTH_BYTES, repeats: int = REPEATS, group=None  # noqa: ANN001
+    device: str = "cpu",
+    *,
+    bandwidth_bytes: int = BANDWIDTH_BYTES,
+    repeats: int = REPEATS,
+    group=None,  # noqa: ANN001
 ) -> list[LinkMeasure]:
     """Rank 0's links to every other rank of the initialised process group (`group`: another group
     over the same ranks, e.g. NCCL's); rank 0 gets them, other ranks an empty list."""

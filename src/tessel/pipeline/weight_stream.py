@@ -231,9 +231,7 @@ def host_copy(model: nn.Module, part: LayerFilter) -> HostWeights:
     for index in sorted(part.host_layers):
         layer = model.model.layers[index]
         tensors = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
-        weights[index] = {
-            name: _host(tensor, pin) for name, tensor in tensors.items() if tensor is not None
-        }
+        weights[index] = {name: _host(tensor, pin) for name, tensor in tensors.items() if tensor is not None}
     return weights
 
 

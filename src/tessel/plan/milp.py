@@ -255,8 +255,18 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
 
     _symmetry_rows(mb, inst, x)
     return mb, {
-        "x": x, "b": b, "y": y, "o": o, "A": A, "Tp": Tp, "Td": Td, "Mp": Mp, "Md": Md, "z": z,
-        "ks": ks, "kr": kr,
+        "x": x,
+        "b": b,
+        "y": y,
+        "o": o,
+        "A": A,
+        "Tp": Tp,
+        "Td": Td,
+        "Mp": Mp,
+        "Md": Md,
+        "z": z,
+        "ks": ks,
+        "kr": kr,
     }
 
 

@@ -196,6 +196,7 @@ class PlanStage(_Strict):
                 f"offload_gib {self.offload_gib:.3f} (evicted KV is part of what leaves the device)"
             )
         return self
+
     prefill_ms: float | None = Field(default=None, ge=0)
     decode_ms: float | None = Field(default=None, ge=0)
     link_to_next: Link | None = None

@@ -255,7 +255,10 @@ def evaluate(instance: PlanningInstance, solution: Solution) -> Evaluation:
         if instance.kv_restore is not None:
             mode = instance.kv_restore.modes()[j] if solution.kv_modes is None else solution.kv_modes[index]
             seconds, evicted = split_offload(
-                held, kv, device.memory_bytes, device.host_to_device_bytes_per_s,
+                held,
+                kv,
+                device.memory_bytes,
+                device.host_to_device_bytes_per_s,
                 instance.kv_rate_s_per_byte(j, mode),
             )
             offload, evicted = float(seconds), float(evicted)

@@ -167,9 +167,7 @@ def simulate_plan(
         if plan_file.replicas:
             raise TesselError(f"{plan_file.path}: --remap decides for one pipeline; this plan has replicas")
         remap = simulated_remap(plan_file, runs[0].result, trace.requests, settings.remap)
-    return SimulationReport(
-        plan_file, str(workload), trace, settings, scheduler, options, runs, names, remap
-    )
+    return SimulationReport(plan_file, str(workload), trace, settings, scheduler, options, runs, names, remap)
 
 
 def _run_variant(

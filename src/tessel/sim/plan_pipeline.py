@@ -28,13 +28,16 @@ profile's `cpu_cores` and `threads`), and an emulated stage of speed s holds a c
 priced time (the runtime sleeps the rest). The stage times keep the cost model's static factor
 (every stage computing at once) for the chunk planner; the simulator divides it out. With
 `background_threads` (other programs' runnable threads on the plan's host, measured), the simulator
-shares the cores with them too, a lone stage on its host included.
+shares the cores with them too, a lone stage on its host included. GPU stages that the plan puts
+on one GPU under two names (`<node>/gpu<K>`, `<node>/gpu<K>#2`) share it the same way, one at full
+speed (the runtime's two processes time-share the GPU).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from tessel.catalog.gpus import get_gpu
@@ -99,19 +102,29 @@ def core_sharing(priced: PlanPipeline, background_threads: float = 0.0) -> CoreS
     """The CPU stages that share a host's cores, with what the simulator needs to share them (module
     docstring); None when no two stages share a host (and no background threads are given) or no
     profile gives the host's cores."""
-    hosts: list[str | None] = []
-    slots: dict[str, float] = {}
+    hosts: list[Hashable | None] = []
+    slots: dict[Hashable, float] = {}
     stages = priced.pipeline.stages
     for spec, host, stage in zip(priced.stages, stage_hosts(priced.stages), stages, strict=True):
         profile = getattr(stage, "profile", None)
-        if not is_cpu(spec) or profile is None or not profile.cpu_cores:
+        if not is_cpu(spec):
+            gpu = shared_gpu(spec.device, host)
+            hosts.append(gpu)
+            if gpu is not None:
+                slots[gpu] = 1.0
+            continue
+        if profile is None or not profile.cpu_cores:
             hosts.append(None)
             continue
         hosts.append(host)
         slots.setdefault(host, profile.cpu_cores / (profile.threads or 1))
     counts = Counter(host for host in hosts if host is not None)
-    alone = 0 if background_threads > 0 else 1  # a lone stage shares its host with the background only
-    hosts = [host if host is not None and counts[host] > alone else None for host in hosts]
+
+    def shared(host: Hashable | None) -> bool:  # a lone CPU stage shares its host with the background
+        alone = 0 if background_threads > 0 and not isinstance(host, tuple) else 1
+        return host is not None and counts[host] > alone
+
+    hosts = [host if shared(host) else None for host in hosts]
     if all(host is None for host in hosts):
         return None
     return CoreSharing(
@@ -119,8 +132,23 @@ def core_sharing(priced: PlanPipeline, background_threads: float = 0.0) -> CoreS
         {host: slots[host] for host in hosts if host is not None},
         tuple(getattr(stage, "core_share", 1.0) for stage in priced.pipeline.stages),
         tuple(min(1.0, spec.emulate_speed) for spec in priced.stages),
-        {host: background_threads for host in hosts if host is not None and background_threads > 0},
+        {
+            host: background_threads
+            for host in hosts
+            if host is not None and not isinstance(host, tuple) and background_threads > 0
+        },
     )
+
+
+_GPU_INDEX = re.compile(r"/\D*(\d+)[^/]*$")  # as `tessel.pipeline.devices` reads a stage's GPU index
+
+
+def shared_gpu(device: str, host: str) -> tuple[str, str, int] | None:
+    """("gpu", host, K) for a GPU stage on `<node>/gpu<K>`: a plan's two names of one GPU
+    (`<node>/gpu<K>` and `<node>/gpu<K>#2`) give one key, so their stages share the GPU as the
+    runtime's processes time-share it; None when the device names no index."""
+    found = _GPU_INDEX.search(device)
+    return None if found is None else ("gpu", host, int(found.group(1)))
 
 
 def _host_link(stage: PlanStage) -> tuple[float, float]:

@@ -210,7 +210,9 @@ def batch_compute_time_s(
     logits_time_s: Callable[[int], float] | None = None,
 ) -> float:
     chunks = [(item.tokens, item.offset) for item in batch.items if item.kind == "prefill"]
-    pass_time_s = getattr(stage, "prefill_pass_time_s", None)  # cost-model stages: one pass, shared costs once
+    pass_time_s = getattr(
+        stage, "prefill_pass_time_s", None
+    )  # cost-model stages: one pass, shared costs once
     if pass_time_s is not None:
         prefill = pass_time_s(chunks)
     else:

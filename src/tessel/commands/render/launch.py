@@ -29,7 +29,10 @@ STREAM_COLUMNS = ("streamed layers", "transfer exposed ms/step", "transfer hidde
 
 
 def stage_utilization(
-    stages: list[dict], gpu_types: list[str], model, dtype: str  # noqa: ANN001 (ModelSpec)
+    stages: list[dict],
+    gpu_types: list[str],
+    model,
+    dtype: str,  # noqa: ANN001 (ModelSpec)
 ) -> list[dict]:
     """Measured MFU and MBU of each stage: its tokens and batches through its layers
     (`tessel.cost.utilization.stage_token_work`, a lower bound) over its compute seconds, against
