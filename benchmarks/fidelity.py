@@ -118,7 +118,57 @@ def measure(model: Path, n: int, cfg: dict, vocab: int) -> dict:
     ]
     keys = ("ttft_s", "tpot_s", "throughput_tok_s", "wall_s", "cpu_share", "tpot_cpu_s")
     median = {k: statistics.median(run[k] for run in runs) if runs[0][k] is not None else None for k in keys}
+    median["step_split"] = split_steps(engine, prompts(n, cfg["prompt"], vocab, 7), cfg["output"])
     return median | {"runs": runs}
+
+
+def split_steps(engine, batch: list[list[int]], output: int) -> dict:  # noqa: ANN001
+    """Where a step's time goes, as a diagnostic beside the prediction's parts: the median over
+    decode steps of the model's forward, the sampling (each synchronised on CUDA) and the rest, in
+    seconds (a run after the timed ones: the timers perturb it)."""
+    import statistics
+
+    import torch
+
+    from tessel.engine.sampling_params import SamplingParams
+
+    runner, spent = engine.runner, {"forward": 0.0, "sample": 0.0}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(fn, key: str):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            sync()
+            begin = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[key] += time.perf_counter() - begin
+            return out
+
+        return wrapper
+
+    forward, sample = runner._forward, runner.sample_hidden
+    runner._forward, runner.sample_hidden = timed(forward, "forward"), timed(sample, "sample")
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"split-{i}", prompt, params)
+    steps = []
+    try:
+        while engine.has_unfinished_requests():
+            spent.update(forward=0.0, sample=0.0)
+            begin = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - begin, spent["forward"], spent["sample"]))
+    finally:
+        runner._forward, runner.sample_hidden = forward, sample
+    decode = steps[2:] or steps  # past the prompts' passes
+    return {
+        "steps": len(steps),
+        "step_s": statistics.median(s[0] for s in decode),
+        "forward_s": statistics.median(s[1] for s in decode),
+        "sample_s": statistics.median(s[2] for s in decode),
+        "other_s": statistics.median(s[0] - s[1] - s[2] for s in decode),
+        "prefill_steps_s": [s[0] for s in steps[:2]],
+    }
 
 
 def predict(model: Path, profile_path: Path, n: int, cfg: dict) -> dict:
@@ -243,6 +293,13 @@ def render(result: dict, console: Console) -> None:
             f"predicted decode step of {r['concurrency']}: "
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in parts.items())
         )
+        split = r["measured"].get("step_split") or {}
+        if "forward_s" in split:
+            ms = {k: f"{split[k + '_s'] * 1e3:.2f}" for k in ("step", "forward", "sample", "other")}
+            console.print(
+                f"measured decode step of {r['concurrency']}: {ms['step']} ms: forward {ms['forward']}, "
+                f"sample {ms['sample']}, other {ms['other']}"
+            )
 
 
 def main() -> None:

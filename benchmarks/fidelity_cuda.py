@@ -39,7 +39,7 @@ import fidelity
 from rich.console import Console
 from rich.table import Table
 
-FULL = {"prompt": 128, "output": 64, "profile_budget_s": 20, "repeats": 2}
+FULL = {"prompt": 128, "output": 64, "profile_budget_s": 20, "repeats": 3}  # 3: a median past one outlier run
 QUICK = {"prompt": 16, "output": 4, "profile_budget_s": 4, "repeats": 1}
 SMOKE_SHAPE = {  # --device cpu: the script's logic on a layer the CPU times in seconds
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -101,7 +101,7 @@ def measure(model: Path, device: str, mode: str, n: int, cfg: dict, vocab: int) 
     keys = ("ttft_s", "tpot_s", "throughput_tok_s", "wall_s")
     median = {k: statistics.median(run[k] for run in runs) if runs[0][k] is not None else None for k in keys}
     try:  # after the timed runs: synchronising perturbs them
-        median["step_split"] = split_steps(
+        median["step_split"] = fidelity.split_steps(
             engine, fidelity.prompts(n, cfg["prompt"], vocab, 7), cfg["output"]
         )
     except Exception as error:  # noqa: BLE001 - a diagnostic only
@@ -109,54 +109,6 @@ def measure(model: Path, device: str, mode: str, n: int, cfg: dict, vocab: int) 
     del engine
     _free(device)
     return median | {"runs": runs}
-
-
-def split_steps(engine, batch: list[list[int]], output: int) -> dict:  # noqa: ANN001
-    """Where a step's time goes, as a diagnostic beside the prediction's parts: the median over
-    decode steps of the model's forward, the sampling (each synchronised) and the rest, in seconds."""
-    import statistics
-
-    import torch
-
-    from tessel.engine.sampling_params import SamplingParams
-
-    runner, spent = engine.runner, {"forward": 0.0, "sample": 0.0}
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def timed(fn, key: str):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            sync()
-            begin = time.perf_counter()
-            out = fn(*args, **kwargs)
-            sync()
-            spent[key] += time.perf_counter() - begin
-            return out
-
-        return wrapper
-
-    forward, sample = runner._forward, runner.sample_hidden
-    runner._forward, runner.sample_hidden = timed(forward, "forward"), timed(sample, "sample")
-    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
-    for i, prompt in enumerate(batch):
-        engine.add_request(f"split-{i}", prompt, params)
-    steps = []
-    try:
-        while engine.has_unfinished_requests():
-            spent.update(forward=0.0, sample=0.0)
-            begin = time.perf_counter()
-            engine.step()
-            steps.append((time.perf_counter() - begin, spent["forward"], spent["sample"]))
-    finally:
-        runner._forward, runner.sample_hidden = forward, sample
-    decode = steps[2:] or steps  # past the prompts' passes
-    return {
-        "steps": len(steps),
-        "step_s": statistics.median(s[0] for s in decode),
-        "forward_s": statistics.median(s[1] for s in decode),
-        "sample_s": statistics.median(s[2] for s in decode),
-        "other_s": statistics.median(s[0] - s[1] - s[2] for s in decode),
-        "prefill_steps_s": [s[0] for s in steps[:2]],
-    }
 
 
 def _free(device: str) -> None:

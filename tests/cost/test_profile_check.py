@@ -116,6 +116,20 @@ def test_the_version_is_written_and_a_file_without_one_is_warned_about(tmp_path:
         checked_profiles([recorded], PLAN_TYPES, profile_shape(TINY))
 
 
+def test_a_profile_timed_before_passes_of_several_prompts_is_warned_about(tmp_path: Path) -> None:
+    step = ComponentFit(4e-4, 3e-5, "sequences", 0.01, 12)
+    older = _save(_profile(components={"step": step}), tmp_path / "older.json")
+    warnings: list[str] = []
+    checked_profiles([older], PLAN_TYPES, profile_shape(TINY), warn=warnings.append)
+    assert len(warnings) == 1 and f"profile {older} has no prefill_batch fit" in warnings[0]
+    batch = ComponentFit(7e-4, 2e-4, "sequences", 0.01, 10, {"chunk_tokens": 32})
+    newer = _save(_profile(components={"step": step, "prefill_batch": batch}), tmp_path / "newer.json")
+    warnings.clear()
+    checked_profiles([newer], PLAN_TYPES, profile_shape(TINY), warn=warnings.append)
+    assert warnings == []
+    assert load_profile(newer).components["prefill_batch"] == batch
+
+
 def test_truncated_and_non_finite_files_are_refused_naming_where(tmp_path: Path) -> None:
     profile = _profile(components={"step": ComponentFit(4e-4, 3e-5, "sequences", 0.01, 12)})
     text = json.dumps(profile.to_json(), indent=2)

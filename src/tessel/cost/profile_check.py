@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tessel import __version__
-from tessel.cost.profile import VERSION_KEY, Profile, load_profile
+from tessel.cost.profile import PREFILL_BATCH, VERSION_KEY, Profile, load_profile
 from tessel.errors import TesselError
 
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
@@ -108,6 +108,11 @@ def checked_profiles(
             warn(f"profile {name} used as forced, though {'; '.join(differences)}")
         if not isinstance(item, Profile) and VERSION_KEY not in profile.meta:
             warn(f"profile {name} records no tessel version (an older tessel wrote it); profile again")
+        if not isinstance(item, Profile) and profile.components and PREFILL_BATCH not in profile.components:
+            warn(
+                f"profile {name} has no {PREFILL_BATCH} fit (an older tessel wrote it): a pass over several "
+                "prompts is priced as paying the layer's intercept once; profile again to time it"
+            )
         loaded.append(profile)
     if refused:
         raise TesselError(
