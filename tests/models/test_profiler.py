@@ -96,7 +96,9 @@ def test_decode_step_equals_last_row_of_the_reference() -> None:
         x, residual = torch.randn(2, 20, 64), torch.randn(2, 20, 64)
         for seq in range(2):
             layer.forward(*layer.prefill_inputs(19, 0, seq=seq, x=x[seq, :19], residual=residual[seq, :19]))
-        step = layer.forward(*layer.decode_inputs(2, 19, x=x[:, 19], residual=residual[:, 19]))
+        inputs = layer.decode_inputs(2, 19, x=x[:, 19], residual=residual[:, 19])
+        assert inputs[3].decode_groups[0].gather is not None  # the engine's batched CPU form, timed
+        step = layer.forward(*inputs)
         for seq in range(2):
             expected = reference(layer, x[seq], residual[seq])[19]
             torch.testing.assert_close(step[seq].double(), expected, rtol=1e-4, atol=1e-4)

@@ -4,7 +4,8 @@ The layer is `tessel.models.llama.LlamaDecoderLayer` with random weights in the 
 run as the engine runs it: float32 linears packed for oneDNN on CPU (as `ModelRunner` does),
 k/v written into a paged KV cache through a slot mapping, prefill chunks through
 `flash_attention` over their cached prefix, decode rows through one `paged_decode_attention`
-call over block tables. A prefill point (c, p) runs one sequence's chunk of c tokens after p
+call over block tables (on CPU with the batched form's gather where it applies, as `ModelRunner`
+builds it). A prefill point (c, p) runs one sequence's chunk of c tokens after p
 cached ones; a decode point (B, S) runs B sequences of S/B cached tokens each, one new token each;
 a prefill-batch point n runs n sequences' first PREFILL_BATCH_TOKENS tokens in one pass (the
 `prefill_batch` component: what a pass pays once, however many prompts it holds).
@@ -258,6 +259,7 @@ class _Layer:
         cache = torch.randn(2, num_blocks, BLOCK_SIZE, g, d, generator=gen).to(self.device, self.dtype)
         for module in self.copies:  # one KV pool for every copy (memory); each copy's own weights
             module.self_attn.attn.k_cache, module.self_attn.attn.v_cache = cache[0], cache[1]
+        self.k_cache = cache[0]
         order = torch.randperm(num_blocks, generator=gen).view(max_batch, self.blocks_per_seq)
         self.block_tables = order.to(self.device)
 
@@ -320,6 +322,7 @@ class _Layer:
 
     def decode_inputs(self, batch: int, context: int, x=None, residual=None):
         """One new token for each of sequences 0..batch-1 after `context` cached tokens."""
+        from tessel.kernels.paged_decode import decode_gather
         from tessel.layers.attention import AttentionMetadata, DecodeGroup
 
         torch = self.torch
@@ -328,7 +331,10 @@ class _Layer:
         tables = self.block_tables[:batch, :width].to(torch.int32)
         lens = torch.full((batch,), context + 1, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch)
-        meta.decode_groups.append(DecodeGroup(0, batch, tables, lens))
+        group = DecodeGroup(0, batch, tables, lens)
+        if not self.k_cache.is_cuda:  # the CPU's batched form where it applies, as `ModelRunner` builds it
+            group.gather = decode_gather(tables, lens, self.k_cache)
+        meta.decode_groups.append(group)
         x = self._hidden(batch) if x is None else x
         residual = torch.zeros_like(x) if residual is None else residual
         return torch.full((batch,), context, device=self.device), x, residual, meta
