@@ -16,7 +16,9 @@
 # FIDELITY_S=160 TEST_S=90 PIPELINE_S=200 FIDELITY_1B_S=90 every one of those steps hit its limit (the
 # SmolLM2 fidelity step had reached its last row; the CUDA tests were past 56%; pipeline_gpu was still
 # profiling), so the defaults are above those; the whole script no longer fits one 10-minute device
-# call: run it in two (SKIP_STEPS).
+# call: run it in two (SKIP_STEPS). On an H200 (2026-11-26, records issue30_gpu_h200 and
+# issue30_gpu_h200_pass) with FIDELITY_BUDGET=12: fidelity_cuda took 166 and 178 s (2 repeats; now 3),
+# pipeline_gpu 294 s with PIPELINE_ARGS="--profile-budget-s 12".
 #
 # Run from the repo root with tessel importable (installed, or PYTHONPATH=src). Each step has its
 # own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others;
