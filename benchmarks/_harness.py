@@ -26,7 +26,8 @@ Run a benchmark as `python benchmarks/NAME.py`: its folder is then on the import
   it), `time_utc` of that commit, and null `git_sha` / `command` / `machine`. A run log is a
   record of `gpu_checks` with `result: {"step": ..., "exit_code": ..., "seconds": ..., "log":
   "<text>"}` (`python benchmarks/_harness.py LOG --step NAME --out FILE`, as gpu_checks.sh does).
-  `read_records(path)` reads a file back. Outside a git checkout (a GPU machine given a copy of
+  `read_records(path)` reads a file back, `last_record(path, label)` its newest record of a
+  label. Outside a git checkout (a GPU machine given a copy of
   the tree) set `TESSEL_GIT_SHA`.
 - Real model: `example_model()` is SmolLM2-135M-Instruct from `tessel example-model`
   (`tessel.models.example_model`), `example_gguf()` its GGUF file; `tests_module(name)` loads a
@@ -316,6 +317,14 @@ def read_records(path: Path) -> list[dict]:
     """The records of a JSON-lines results file, oldest first."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def last_record(path: Path, label: str) -> dict:
+    """The newest record labelled `label` in a results file (exits naming both when there is none)."""
+    records = [r for r in read_records(path) if r.get("label") == label]
+    if not records:
+        raise SystemExit(f"no record labelled {label!r} in {path}")
+    return records[-1]
 
 
 def _partial_path(path: Path) -> Path:

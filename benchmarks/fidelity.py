@@ -131,23 +131,9 @@ def split_steps(engine, batch: list[list[int]], output: int) -> dict:  # noqa: A
     import torch
 
     from tessel.engine.sampling_params import SamplingParams
+    from tessel.models.component_profiler import time_model_calls
 
-    runner, spent = engine.runner, {"forward": 0.0, "sample": 0.0}
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def timed(fn, key: str):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            sync()
-            begin = time.perf_counter()
-            out = fn(*args, **kwargs)
-            sync()
-            spent[key] += time.perf_counter() - begin
-            return out
-
-        return wrapper
-
-    forward, sample = runner._forward, runner.sample_hidden
-    runner._forward, runner.sample_hidden = timed(forward, "forward"), timed(sample, "sample")
+    spent, restore = time_model_calls(engine.runner, time.perf_counter, torch.cuda.is_available())
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     for i, prompt in enumerate(batch):
         engine.add_request(f"split-{i}", prompt, params)
@@ -159,7 +145,7 @@ def split_steps(engine, batch: list[list[int]], output: int) -> dict:  # noqa: A
             engine.step()
             steps.append((time.perf_counter() - begin, spent["forward"], spent["sample"]))
     finally:
-        runner._forward, runner.sample_hidden = forward, sample
+        restore()
     decode = steps[2:] or steps  # past the prompts' passes
     return {
         "steps": len(steps),

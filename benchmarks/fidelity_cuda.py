@@ -246,10 +246,8 @@ def repredict(label: str, out: Path, console: Console) -> None:
     """The last record labelled `label` in `out`, its measured rows predicted again by this tessel
     from the profiles it kept (no GPU: after a change to the cost model or the simulator); appends a
     record `<label>_repredicted`."""
-    records = [r for r in _harness.read_records(out) if r.get("label") == label]
-    if not records:
-        raise SystemExit(f"no record labelled {label!r} in {out}")
-    source = records[-1]["result"]
+    record = _harness.last_record(out, label)
+    source = record["result"]
     cfg, device, rows = source["config"], source["device"], []
     with tempfile.TemporaryDirectory(prefix="tessel-fidelity-cuda-") as tmp:
         work, models, profiles = Path(tmp), {}, {}
@@ -272,7 +270,7 @@ def repredict(label: str, out: Path, console: Console) -> None:
             }
             rows.append(row)
     render(rows, console)
-    result = dict(source, rows=rows, repredicted_from={"label": label, "git_sha": records[-1].get("git_sha")})
+    result = dict(source, rows=rows, repredicted_from={"label": label, "git_sha": record.get("git_sha")})
     _harness.append_record(out, "fidelity_cuda", result, f"{label}_repredicted")
 
 

@@ -36,18 +36,14 @@ def _layer_runs():  # noqa: ANN202
     """{work: run function} on SmolLM2's layer, 1 thread, timed by process CPU time."""
     import torch
 
-    from tessel.models.profiler import LayerShape, ProfileSettings, _Layer
+    from tessel.models.profiler import LayerShape, ProfileSettings, _Layer, make_clock
 
     torch.set_num_threads(1)
     layer = _Layer(LayerShape(*SHAPE), ProfileSettings(layer_copies=COPIES), max_tokens=256, max_batch=2)
     inputs = {"decode": layer.decode_inputs(1, 64), "prefill": layer.prefill_inputs(PREFILL_TOKENS, 0)}
 
-    def run(work: str) -> float:
-        begin = time.process_time()
-        layer.forward(*inputs[work])
-        return time.process_time() - begin
-
-    return run
+    clock = make_clock("cpu")
+    return lambda work: clock(lambda: layer.forward(*inputs[work]))
 
 
 def _co_runner(stop) -> None:  # noqa: ANN001

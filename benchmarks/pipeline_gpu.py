@@ -208,10 +208,7 @@ def repredict(label: str, out: Path) -> None:
     """Each measured row of the last record labelled `label` in `out`, predicted again by this
     tessel from the profiles the record kept (after a change to the cost model or the simulator: no
     GPU needed); the plans are rebuilt from the record's stages. Appends a record `<label>_repredicted`."""
-    records = [r for r in _harness.read_records(out) if r.get("label") == label]
-    if not records:
-        raise SystemExit(f"no record labelled {label!r} in {out}")
-    source = records[-1]
+    source = _harness.last_record(out, label)
     result = json.loads(json.dumps(source["result"]))
     rows = result["rows"]
     layers = rows["1-stage"]["stages"][-1]["layer_end"]

@@ -71,3 +71,20 @@ def test_the_step_is_timed_on_the_engine_the_decode_points_model() -> None:
     assert not step_engine_eager(SimpleNamespace(device="cuda", cuda_graphs=True))
     assert step_engine_eager(SimpleNamespace(device="cuda", cuda_graphs=False))
     assert step_engine_eager(SimpleNamespace(device="cpu", cuda_graphs=True))
+
+
+def test_model_calls_are_timed_apart_and_put_back() -> None:
+    """`time_model_calls` adds each forward's and each sampling's seconds to its own entry (a fake
+    clock: 1 s per read pair), and `restore` puts the runner's own methods back."""
+    from types import SimpleNamespace
+
+    from tessel.models.component_profiler import time_model_calls
+
+    forward, sample = (lambda *a: "h"), (lambda *a: "t")
+    runner = SimpleNamespace(_forward=forward, sample_hidden=sample)
+    ticks = iter(range(100))
+    spent, restore = time_model_calls(runner, lambda: float(next(ticks)), cuda=False)
+    assert runner._forward(1) == "h" and runner._forward(2) == "h" and runner.sample_hidden() == "t"
+    assert spent == {"forward": 2.0, "sample": 1.0}
+    restore()
+    assert runner._forward is forward and runner.sample_hidden is sample

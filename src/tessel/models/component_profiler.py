@@ -146,12 +146,44 @@ def step_engine_eager(settings) -> bool:  # noqa: ANN001
     return not (settings.device == "cuda" and getattr(settings, "cuda_graphs", False))
 
 
+def time_model_calls(
+    runner,
+    read: Callable[[], float],
+    cuda: bool,  # noqa: ANN001
+) -> tuple[dict[str, float], Callable[[], None]]:
+    """Wrap `runner`'s model forward and sampling so that each call adds its seconds (by `read`,
+    synchronised before and after on CUDA) to the dict's "forward" and "sample" (the caller resets
+    them) -> (that dict, a function that puts the originals back)."""
+    import torch
+
+    spent = {"forward": 0.0, "sample": 0.0}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    originals = {"_forward": runner._forward, "sample_hidden": runner.sample_hidden}
+
+    def timed(fn, key: str):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            sync()
+            begin = read()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[key] += read() - begin
+            return out
+
+        return wrapper
+
+    def restore() -> None:
+        for name, fn in originals.items():
+            setattr(runner, name, fn)
+
+    runner._forward = timed(originals["_forward"], "forward")
+    runner.sample_hidden = timed(originals["sample_hidden"], "sample")
+    return spent, restore
+
+
 def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.ndarray]:
     """(sequences per step, seconds of the engine's step outside the model: `clean_statistic` of the
     timed steps) on `checkpoint`. Process CPU time under the profile's `cpu` clock (one thread: the
     model's time is its CPU time too), else wall time."""
-    import torch
-
     from tessel.engine.llm_engine import LLMEngine
     from tessel.engine.sampling_params import SamplingParams
 
@@ -167,25 +199,8 @@ def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.nd
         enable_prefix_caching=False,
         enforce_eager=step_engine_eager(settings),
     )
-    runner = engine.runner
     read = time.process_time if settings.clock == "cpu" else time.perf_counter
-    model_s = [0.0]
-
-    def timed(fn):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            if settings.device == "cuda":
-                torch.cuda.synchronize()
-            begin = read()
-            out = fn(*args, **kwargs)
-            if settings.device == "cuda":
-                torch.cuda.synchronize()
-            model_s[0] += read() - begin
-            return out
-
-        return wrapper
-
-    runner._forward = timed(runner._forward)
-    runner.sample_hidden = timed(runner.sample_hidden)
+    spent, _ = time_model_calls(engine.runner, read, settings.device == "cuda")  # for the engine's life
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(settings.seed)
     sizes, medians = [], []
@@ -198,10 +213,10 @@ def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.nd
         engine.step()  # first decode step (untimed)
         overheads = []
         for _ in range(STEP_TIMED):
-            model_s[0] = 0.0
+            spent.update(forward=0.0, sample=0.0)
             begin = read()
             engine.step()
-            overheads.append(max(read() - begin - model_s[0], 1e-7))
+            overheads.append(max(read() - begin - spent["forward"] - spent["sample"], 1e-7))
         while engine.has_unfinished_requests():
             engine.step()
         sizes.append(batch)

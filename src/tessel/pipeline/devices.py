@@ -45,17 +45,23 @@ def node_of(stage: RunStage) -> str:
     return stage.device.split("/", 1)[0] if "/" in stage.device else ""
 
 
+def gpu_index(device: str) -> int | None:
+    """K of a plan's device name `<node>/gpu<K>` (or `<node>/gpu<K>#2`); None when it names none."""
+    found = _INDEX.search(device)
+    return None if found is None else int(found.group(1))
+
+
 def stage_device(stage: RunStage) -> str:
     """The stage's torch device: "cpu", or "cuda:K" for the GPU the plan names `<node>/gpu<K>`."""
     if not stage.is_cuda:
         return "cpu"
-    found = _INDEX.search(stage.device)
-    if found is None:
+    index = gpu_index(stage.device)
+    if index is None:
         raise TesselError(
             f"stage {stage.index}: device {stage.device!r} ({stage.gpu_type}) names no GPU index; "
             "a GPU stage's device is <node>/gpu<K>"
         )
-    return f"cuda:{int(found.group(1))}"
+    return f"cuda:{index}"
 
 
 def link_transport(sender: RunStage, receiver: RunStage, forced: str = "auto") -> str:

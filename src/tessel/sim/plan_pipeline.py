@@ -35,7 +35,6 @@ speed (the runtime's two processes time-share the GPU).
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from tessel.chunk.latency import PipelineLatency, StageLatency
 from tessel.cost.layer import kv_bytes_per_token
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
+from tessel.pipeline.devices import gpu_index
 from tessel.plan.plan_file import PlanFile, PlanStage, PlanVariant
 from tessel.sim.kv_pool import KvPool
 from tessel.sim.simulator import CoreSharing
@@ -140,15 +140,12 @@ def core_sharing(priced: PlanPipeline, background_threads: float = 0.0) -> CoreS
     )
 
 
-_GPU_INDEX = re.compile(r"/\D*(\d+)[^/]*$")  # as `tessel.pipeline.devices` reads a stage's GPU index
-
-
 def shared_gpu(device: str, host: str) -> tuple[str, str, int] | None:
     """("gpu", host, K) for a GPU stage on `<node>/gpu<K>`: a plan's two names of one GPU
     (`<node>/gpu<K>` and `<node>/gpu<K>#2`) give one key, so their stages share the GPU as the
     runtime's processes time-share it; None when the device names no index."""
-    found = _GPU_INDEX.search(device)
-    return None if found is None else ("gpu", host, int(found.group(1)))
+    index = gpu_index(device)
+    return None if index is None else ("gpu", host, index)
 
 
 def _host_link(stage: PlanStage) -> tuple[float, float]:
