@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from loopback_stage import two_stages
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
 from tessel.chunk.latency import PipelineLatency
@@ -119,3 +120,24 @@ def test_a_one_stage_plan_runs_one_micro_batch(tiny_dirs, tmp_path):
     """One stage has nothing to overlap with: the plan's m does not split its rows."""
     plan_path = write_plan(tmp_path / "plan1.json", tiny_dirs["tied"], [(0, 5)], micro_batches=4)
     assert load_run_plan(plan_path).micro_batches == 1
+
+
+@pytest.mark.parametrize("arrived", [False, True])
+def test_tokens_back_before_a_launch_are_taken_first(tiny_dirs, tmp_path, monkeypatch, arrived):
+    """Two stages in this process: tokens that came back while stage 0 computed are completed before
+    its next launch (a request's first token out, its slot free); tokens not yet back are waited for
+    after the launches. Either way the tokens are the engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine, _ = two_stages(tiny_dirs["tied"], tmp_path, monkeypatch, slots=2, arrived=arrived)
+    in_flight = []
+    original = engine._complete
+
+    def complete(record):
+        in_flight.append(len(engine._in_flight) + 1)
+        return original(record)
+
+    engine._complete = complete
+    got = [out.token_ids for out in engine.generate(PROMPTS[:4], params, use_progress=False)]
+    assert got == reference(tiny_dirs["tied"], PROMPTS[:4], params)
+    # back at once: each micro-batch is completed before the next launch, never two in flight
+    assert max(in_flight) == (1 if arrived else 2)

@@ -62,6 +62,20 @@ def test_simulate_routes_across_replicas(replica_plan, tmp_path) -> None:
     assert len(metrics["stage_busy_s"]) == sum(len(r.stages) for r in plan.replicas)
 
 
+def test_a_replica_dealt_no_request_is_simulated_idle(replica_plan, tmp_path) -> None:
+    path, _ = replica_plan
+    plan = load_plan(path)
+    assert len(plan.replicas) >= 2  # one request: every replica but one is dealt none
+    out = tmp_path / "one.json"
+    result = _run_cli("simulate", "--plan", str(path), "--requests", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(out.read_text())["results"]["replicas"]["metrics"]
+    assert metrics["requests"] == 1
+    busy = metrics["stage_busy_s"]
+    assert len(busy) == sum(len(r.stages) for r in plan.replicas) and sum(b > 0 for b in busy) > 0
+    assert sum(b == 0 for b in busy) >= min(len(r.stages) for r in plan.replicas)
+
+
 MIN_ROUTED_REQUESTS = 100  # a replica routed fewer is a handful of long requests, not a rate
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -332,3 +333,33 @@ def test_pinned_requests_stay_in_their_virtual_engine() -> None:
     early = [r.request.id for r in result.records if r.request.arrival_s < first_finish]
     counts = np.bincount([group_of[r] for r in early], minlength=n_stages)
     assert counts.max() - counts.min() <= 1
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_tokens_reach_the_scheduler_when_stage_0_is_between_batches(trial: int) -> None:
+    """The scheduler runs in stage 0's process: a batch's tokens count when the last stage finishes
+    it, or, if stage 0 computes then, when stage 0 finishes that batch (the runtime's rule)."""
+    rng = np.random.default_rng(trial)
+    n_stages = int(rng.integers(2, 5))
+    stages = _random_pipeline(rng, n_stages).stages
+    slowest = max(stage.prefill_per_token_s for stage in stages)  # stage 0 the slowest: it is busy
+    pipeline = PipelineLatency((replace(stages[0], prefill_per_token_s=2 * slowest), *stages[1:]))
+    requests = [Request(i, 0.0, int(rng.integers(64, 600)), 4) for i in range(2 * n_stages)]
+    config = SimConfig(SimSchedulerConfig(max_num_batched_tokens=4096), pinned=True)
+    result = simulate(pipeline, requests, config)
+    computes = [i for i in result.intervals if i.kind == "compute"]
+    stage0 = [i for i in computes if i.stage == 0]
+    seen = 0
+    for record in result.records:
+        rid = record.request.id
+        first = min(  # the last stage's end of the batch that held the prompt's last chunk
+            i.end_s
+            for i in computes
+            if i.stage == n_stages - 1
+            and any(w.request_id == rid and w.kind == "prefill" and w.samples for w in i.items)
+        )
+        busy = [i for i in stage0 if i.start_s < first < i.end_s]
+        want = busy[0].end_s if busy else first
+        seen += bool(busy)
+        assert record.first_token_s == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert seen > 0  # some tokens came back while stage 0 computed

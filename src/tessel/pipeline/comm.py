@@ -2,12 +2,14 @@
 
 A micro-batch travels from stage k to k+1 as three tensors: a fixed-size header
 `[kind, payload bytes, rows, cols]`, the pickled `BatchMessage` (positions, attention metadata
-with the block tables stage 0 decided, what to sample) and the residual stream [rows, cols] in the
+with the block tables stage 0 decided, what to sample; `pack_message` pickles its tensors as numpy
+arrays, much cheaper than torch's own tensor pickling) and the residual stream [rows, cols] in the
 activation dtype. Header and message are host tensors over gloo; the stream crosses each link as
 `tessel.pipeline.devices` chose for it: GPU to GPU over NCCL, or through a pinned host buffer over
 gloo (copied off and onto a GPU with non-blocking copies). The
 last stage sends the sampled tokens (and the logprobs asked for) back to stage 0, a
-`tessel.engine.model_runner.SampledRows` (wire format: `tessel.pipeline.sampled`). Sends are
+`tessel.engine.model_runner.SampledRows` (wire format: `tessel.pipeline.sampled`), on a process
+group of their own that stage 0 receives on with a thread (`tessel.pipeline.token_receiver`). Sends are
 non-blocking (`isend`); the next header is received with a pre-posted `irecv` so a stage's receive
 overlaps its compute. Any failure of the process
 group becomes `PeerLostError`. As messages move, the stage's `Progress` is updated for its
@@ -17,6 +19,8 @@ when stage 0 waits for tokens.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import time
 from collections import deque
@@ -31,6 +35,7 @@ from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from tessel.pipeline.devices import HOST, NCCL
 from tessel.pipeline.heartbeat import Progress
 from tessel.pipeline.sampled import HEAD_LEN, from_wire, to_wire
+from tessel.pipeline.token_receiver import TokenReceiver
 
 BATCH, STOP = 1, 2
 HEADER_LEN = 4
@@ -82,6 +87,33 @@ def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:
     return replace(message, positions=on(message.positions), meta=moved)
 
 
+def _tensor_as_array(tensor: torch.Tensor):  # noqa: ANN202
+    """A host tensor pickled as its numpy array: a message's small index tensors cost far less
+    this way than through torch's storage pickling (dtypes numpy lacks keep torch's way)."""
+    try:
+        return torch.from_numpy, (tensor.detach().numpy(),)
+    except TypeError:  # bfloat16 and other dtypes numpy has no match for
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+_WIRE_TABLE = copyreg.dispatch_table.copy()
+_WIRE_TABLE[torch.Tensor] = _tensor_as_array
+
+
+def pack_message(message: BatchMessage) -> torch.Tensor:
+    """The message as uint8 bytes to send (its tensors moved to the host first)."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _WIRE_TABLE
+    pickler.dump(message_on(message, torch.device("cpu")))
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def unpack_message(payload: torch.Tensor, device: torch.device) -> BatchMessage:
+    """The message `pack_message` sent, its tensors on `device`."""
+    return message_on(pickle.loads(payload.numpy().tobytes()), device)
+
+
 @dataclass(slots=True)
 class KvLayout:
     """What every stage's KV pool and step graphs are sized by, agreed at start."""
@@ -122,9 +154,16 @@ class StageComm:
         device: torch.device,
         dtype: torch.dtype,
         transports: list[str] | None = None,
+        token_group=None,  # noqa: ANN001
     ) -> None:
-        """`transports`: per link k -> k + 1, NCCL or host (default: host for every link)."""
+        """`transports`: per link k -> k + 1, NCCL or host (default: host for every link);
+        `token_group`: stage 0 and the last stage's own group, for the tokens coming back (stage 0
+        then receives them on a thread, `tessel.pipeline.token_receiver`; default: on the main
+        group, when the engine asks)."""
         self.rank, self.world_size = rank, world_size
+        self.token_group = token_group
+        last = world_size - 1
+        self.receiver = TokenReceiver(last, token_group) if token_group is not None and rank == 0 else None
         self.device, self.dtype = torch.device(device), dtype
         links = transports or [HOST] * (world_size - 1)
         self.send_nccl = rank < world_size - 1 and links[rank] == NCCL
@@ -146,9 +185,9 @@ class StageComm:
         return (self.rank + 1) % self.world_size
 
     # ---- sending -------------------------------------------------------------------------------
-    def _isend(self, tensors: tuple[torch.Tensor, ...], dst: int) -> None:
+    def _isend(self, tensors: tuple[torch.Tensor, ...], dst: int, group=None) -> None:  # noqa: ANN001
         try:
-            works = [dist.isend(t, dst) for t in tensors]
+            works = [dist.isend(t, dst, group=group) for t in tensors]
         except RuntimeError as error:
             raise PeerLostError(f"stage {self.rank}: sending to stage {dst} failed: {error}") from error
         for work in works:
@@ -160,8 +199,7 @@ class StageComm:
             self._sends.popleft()
 
     def send_batch(self, message: BatchMessage, hidden: torch.Tensor) -> None:
-        host = message_on(message, torch.device("cpu"))
-        payload = torch.frombuffer(bytearray(pickle.dumps(host)), dtype=torch.uint8)
+        payload = pack_message(message)
         rows, cols = hidden.shape
         header = torch.tensor([BATCH, payload.numel(), rows, cols], dtype=torch.int64)
         self._isend((header, payload, self._outgoing(hidden.to(self.dtype))), self.next)
@@ -186,7 +224,7 @@ class StageComm:
             self._isend((torch.tensor([STOP, 0, 0, 0], dtype=torch.int64),), self.next)
 
     def send_tokens(self, batch_id: int, sampled: SampledRows) -> None:
-        self._isend(tuple(to_wire(sampled, batch_id)), 0)
+        self._isend(tuple(to_wire(sampled, batch_id)), 0, self.token_group)
         self._handed_on(batch_id)
 
     def flush(self) -> None:
@@ -223,7 +261,7 @@ class StageComm:
                 f"stage {self.rank}: receiving from stage {self.prev} failed: {error}"
             ) from error
         self.progress.active_since = self.progress.last_s = time.time()
-        return message_on(pickle.loads(payload.numpy().tobytes()), self.device), hidden
+        return unpack_message(payload, self.device), hidden
 
     def _incoming(self, rows: int, cols: int) -> torch.Tensor:
         """Receive the stream [rows, cols] as the link sends it, onto this stage's device."""
@@ -235,16 +273,25 @@ class StageComm:
         dist.recv(staged, self.prev)
         return staged.to(self.device, non_blocking=True)
 
+    def expect_tokens(self, count: int) -> None:
+        """Stage 0, after sending a micro-batch: it samples `count` rows (its tokens are received
+        as they come when a receiver thread runs)."""
+        if self.receiver is not None:
+            self.receiver.expect(count)
+
+    def tokens_ready(self) -> bool:
+        """Stage 0: whether the oldest owed micro-batch's tokens are here (False when only asking
+        would tell)."""
+        return self.receiver is not None and self.receiver.ready()
+
     def recv_tokens(self, batch_id: int, count: int) -> SampledRows:
         """Stage 0: the `count` tokens (and logprobs) the last stage sampled for micro-batch `batch_id`."""
-        buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64)
         self.progress.owed_batch, self.progress.owed_since = batch_id, time.time()
         try:
-            dist.recv(buffer, self.world_size - 1)
-            values = buffer.tolist()
-            payload = torch.empty(values[1], dtype=torch.uint8)
-            if values[1]:
-                dist.recv(payload, self.world_size - 1)
+            if self.receiver is not None:
+                values, payload = self.receiver.take()
+            else:
+                values, payload = self._recv_tokens_here(count)
         except RuntimeError as error:
             raise PeerLostError(
                 f"stage 0: receiving tokens from stage {self.world_size - 1} failed: {error}"
@@ -253,4 +300,19 @@ class StageComm:
         self._handed_on(batch_id)
         if values[0] != batch_id:
             raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
-        return from_wire(values[HEAD_LEN:], payload.numpy().tobytes())
+        return from_wire(values[HEAD_LEN:], payload)
+
+    def _recv_tokens_here(self, count: int) -> tuple[list[int], bytes]:
+        buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64)
+        dist.recv(buffer, self.world_size - 1)
+        values = buffer.tolist()
+        payload = torch.empty(values[1], dtype=torch.uint8)
+        if values[1]:
+            dist.recv(payload, self.world_size - 1)
+        return values, payload.numpy().tobytes()
+
+    def close(self) -> None:
+        """Stage 0, after its last tokens: stop the receiver thread."""
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None

@@ -11,7 +11,11 @@
    stage has already computed since stages take micro-batches in order);
 2. the oldest micro-batch's sampled tokens, with the logprobs its requests asked for
    (`tessel.pipeline.sampled`), are received from the last stage and applied with the engine's own
-   update (`LLMEngine._finish_step`: computed tokens, logprobs, prefix cache, stop rules).
+   update (`LLMEngine._finish_step`: computed tokens, logprobs, prefix cache, stop rules). A thread
+   takes tokens off the wire as they come (`tessel.pipeline.token_receiver`), so before each launch
+   of step 1 the micro-batches whose tokens came back while stage 0 computed are applied first (their
+   requests' tokens out, their slots free for this step); after the launches, the oldest still out
+   is waited for.
 
 Aborting a request whose micro-batch is in flight takes effect when that micro-batch is back.
 
@@ -202,7 +206,7 @@ class PipelineEngine(LLM):
             raise self.failure
         try:
             outputs, self._pending = self._pending, []
-            self._launch()
+            self._launch(outputs)
             if self._in_flight:
                 outputs.extend(self._complete(self._in_flight.popleft()))
             return outputs
@@ -215,19 +219,29 @@ class PipelineEngine(LLM):
         while self._in_flight:
             self._complete(self._in_flight.popleft())
         if self.comm is not None:
+            self.comm.close()
             self.comm.send_stop()
             self.comm.flush()
 
     # ---- launching micro-batches -----------------------------------------------------------------
-    def _launch(self) -> None:
+    def _launch(self, outputs: list[RequestOutput]) -> None:
+        """A micro-batch on every idle slot, in turn from the slot after the last launched; before
+        each, the micro-batches whose tokens came back while stage 0 computed are completed (into
+        `outputs`), and a slot that frees is launched in the same pass (each slot once a step)."""
         slots = len(self._busy)
-        order = [(self._next_slot + offset) % slots for offset in range(slots)]  # fixed before launching
-        for slot in order:
-            if self._busy[slot]:
-                continue
+        launched: set[int] = set()
+        nothing_to_run: set[int] = set()  # idle slots whose scheduler had no work
+        while True:
+            if self._take_arrived(outputs):
+                nothing_to_run.clear()  # finished requests free blocks and slots
+            slot = self._idle_slot(launched | nothing_to_run)
+            if slot is None:
+                return
             batch = self.scheduler.schedule(slot)
             if batch.is_empty:
+                nothing_to_run.add(slot)
                 continue
+            launched.add(slot)
             self._next_slot = (slot + 1) % slots
             cut = [(seq, n) for seq, n in batch.prefills if self._cut(seq)]
             normal = SchedulerOutput(batch.decodes, [p for p in batch.prefills if p not in cut])
@@ -235,6 +249,21 @@ class PipelineEngine(LLM):
                 self._send(slot, normal, normal)
             for seq, _ in cut:
                 self._send_chunks(slot, seq)
+
+    def _idle_slot(self, skip: set[int]) -> int | None:
+        """The first idle slot from the one after the last launched, `skip` left out."""
+        slots = len(self._busy)
+        turn = ((self._next_slot + k) % slots for k in range(slots))
+        return next((slot for slot in turn if not self._busy[slot] and slot not in skip), None)
+
+    def _take_arrived(self, outputs: list[RequestOutput]) -> bool:
+        """Complete the oldest micro-batches while the last stage's tokens for them are already here
+        -> any completed. (Tokens sampled here, by a one-stage plan, wait for the step's end.)"""
+        taken = False
+        while self._in_flight and self._in_flight[0].result is None and self.comm.tokens_ready():
+            outputs.extend(self._complete(self._in_flight.popleft()))
+            taken = True
+        return taken
 
     def _cut(self, seq: Sequence) -> bool:
         return self.cutter is not None and self.cutter.wants(len(seq) - seq.num_computed_tokens)
@@ -282,6 +311,7 @@ class PipelineEngine(LLM):
         self.stage.account(started, batch.num_tokens, cpu_started)
         if self.comm is not None:
             self.comm.send_batch(message, hidden)
+            self.comm.expect_tokens(len(sampled))
         self._in_flight.append(record)
         self._busy[slot] += 1
         self._seqs_in_flight.update(record.seq_ids)

@@ -8,9 +8,9 @@ its KV pool serves every path through it:
 
 - rank 0 is a first placement (layers from 0), the one the most flow leaves from; it runs the
   scheduler (`FlowSchedulers`) and its own layers, as stage 0 of a pipeline does;
-- each request is assigned a path on arrival (`PathAssigner`: deterministic, request n goes to the
-  path furthest below its share w_p x n, so after n requests each path holds within one of
-  w_p x n) and pinned to one of that path's in-flight slots (its `micro_batches`);
+- each request is assigned a path on arrival (`tessel.plan.weighted_turns`: deterministic, after n
+  requests each path holds within one of w_p x n, as the planner and the simulator deal them) and
+  pinned to one of that path's in-flight slots (its `micro_batches`);
 - each micro-batch carries its path (`BatchMessage.path`, ranks in order): a placement computes it
   and sends it to the path's next placement; the path's last placement samples and sends the
   tokens to rank 0. A path that does not start on rank 0 gets its micro-batches' token ids from
@@ -58,11 +58,13 @@ from tessel.pipeline.comm import (
     PeerLostError,
     StageComm,
     agree_kv_layout,
-    message_on,
+    pack_message,
+    unpack_message,
 )
 from tessel.pipeline.driver import PipelineEngine, _InFlight, stage_kv_budget
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.sampled import from_wire
+from tessel.plan.weighted_turns import WeightedTurns
 
 IDS = 3  # a micro-batch's token ids for a path's first placement (no residual stream)
 TOKENS_HEAD = 3  # micro-batch id, payload bytes, tokens
@@ -123,16 +125,15 @@ def flow_stages(plan, source: Path) -> tuple[list, tuple[FlowPath, ...]]:  # noq
 
 def with_micro_batches(paths: tuple[FlowPath, ...], total: int) -> tuple[FlowPath, ...]:
     """`--micro-batches N` for a flow plan: N slots shared by the paths by their weights (at least
-    one each; the paths' shares as `PathAssigner` deals them)."""
+    one each; the paths' shares as `WeightedTurns` deals them)."""
     if total < len(paths):
         raise TesselError(
             f"--micro-batches {total}: a flow plan of {len(paths)} paths needs at least one slot per path"
         )
-    assigner = PathAssigner([p.weight for p in paths])
-    counts = [1] * len(paths)
-    assigner.counts = list(counts)
+    assigner = WeightedTurns([p.weight for p in paths], dealt=[1] * len(paths))
     for _ in range(total - len(paths)):
-        counts[assigner.next()] += 1
+        assigner.next()
+    counts = assigner.counts
     return tuple(
         FlowPath(p.index, p.ranks, p.weight, count, p.kv_gib) for p, count in zip(paths, counts, strict=True)
     )
@@ -364,24 +365,8 @@ class _RangeBlocks(BlockManager):
 
 
 # ---- requests to paths ----------------------------------------------------------------------------
-class PathAssigner:
-    """Deterministic weighted assignment: the next request goes to the path p with the largest
-    w_p x (n + 1) - count_p (ties: the lower index), n the requests assigned so far."""
-
-    def __init__(self, weights: list[float]) -> None:
-        total = sum(weights)
-        self.weights = [w / total for w in weights]
-        self.counts = [0] * len(weights)
-
-    def next(self) -> int:
-        n = sum(self.counts) + 1
-        path = max(range(len(self.weights)), key=lambda p: (self.weights[p] * n - self.counts[p], -p))
-        self.counts[path] += 1
-        return path
-
-
 class FlowSchedulers(PinnedSchedulers):
-    """In-flight slots grouped by path: a request is assigned a path (`PathAssigner`), then the
+    """In-flight slots grouped by path: a request is assigned a path (`WeightedTurns`), then the
     path's slot with the fewest unfinished requests."""
 
     def __init__(
@@ -391,7 +376,7 @@ class FlowSchedulers(PinnedSchedulers):
         self.block_manager = block_manager
         self.paths = paths
         self.path_of_slot = [i for i, p in enumerate(paths) for _ in range(p.micro_batches)]
-        self.assigner = PathAssigner([p.weight for p in paths])
+        self.assigner = WeightedTurns([p.weight for p in paths])
         self.path_of_seq: dict[int, int] = {}  # until its release reaches its path's last placement
 
     @property
@@ -451,8 +436,7 @@ class FlowComm(StageComm):
         dst = self._next_of(message.path)
         if self.rank == 0:
             self._token_source[message.batch_id] = message.path[-1]
-        host = message_on(message, torch.device("cpu"))
-        payload = torch.frombuffer(bytearray(pickle.dumps(host)), dtype=torch.uint8)
+        payload = pack_message(message)
         if hidden is None:
             ids = input_ids.to("cpu", torch.int64).contiguous()
             header = torch.tensor([IDS, payload.numel(), ids.numel(), 0], dtype=torch.int64)
@@ -496,7 +480,7 @@ class FlowComm(StageComm):
         except RuntimeError as error:
             raise PeerLostError(f"stage {self.rank}: receiving a micro-batch failed: {error}") from error
         self.progress.active_since = self.progress.last_s = time.time()
-        return message_on(pickle.loads(payload.numpy().tobytes()), self.device), stream, ids
+        return unpack_message(payload, self.device), stream, ids
 
     def _incoming_from(self, src: int, rows: int, cols: int) -> torch.Tensor:
         if self.device.type == "cpu":

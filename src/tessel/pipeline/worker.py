@@ -193,7 +193,11 @@ def join_pipeline(
         from tessel.pipeline.flow_routing import FlowComm
 
         return FlowComm(plan.paths, rank, len(plan.stages), device, dtype)
-    return StageComm(rank, len(plan.stages), device, dtype, transports)
+    world_size = len(plan.stages)
+    token_group = None
+    if world_size > 1:  # every rank takes part in making it; stage 0 receives tokens on a thread
+        token_group = dist.new_group([0, world_size - 1], timeout=COMM_TIMEOUT, backend="gloo")
+    return StageComm(rank, world_size, device, dtype, transports, token_group)
 
 
 def write_status(rank: int, **fields) -> None:

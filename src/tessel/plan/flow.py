@@ -56,6 +56,7 @@ import numpy as np
 from tessel.errors import TesselError
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Solution, Stage, evaluate
+from tessel.plan.weighted_turns import dealt_counts
 from tessel.plan.workload import MAX_MICRO_BATCHES
 
 SOURCE, SINK = -1, -2  # graph ends in edge lists
@@ -493,18 +494,9 @@ def route_placements(
 
 
 def routed_counts(weights: list[float] | tuple[float, ...], n_requests: int) -> list[int]:
-    """How many of `n_requests` each path gets when they are routed in order by smooth weighted
-    round-robin over `weights`, as `tessel.sim.routing.route` and the runtime's router send them."""
-    total = float(sum(weights))
-    shares = [w / total for w in weights]
-    credit = [0.0] * len(shares)
-    counts = [0] * len(shares)
-    for _ in range(n_requests):
-        credit = [c + s for c, s in zip(credit, shares, strict=True)]
-        target = max(range(len(credit)), key=credit.__getitem__)
-        credit[target] -= 1.0
-        counts[target] += 1
-    return counts
+    """How many of `n_requests` each path gets when they are dealt in order by `weights`
+    (`tessel.plan.weighted_turns`), as `tessel.sim.routing.route` and the runtime's router send them."""
+    return dealt_counts(weights, n_requests)
 
 
 def batch_throughput_tok_s(plan: FlowPlan, n_requests: int, micro_batch_size: int, n_out: float) -> float:

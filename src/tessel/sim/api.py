@@ -223,9 +223,11 @@ def _run_replicas(
     settings: SimulationSettings,
 ) -> VariantRun:
     """Each replica simulated with the requests routed to it (`tessel.sim.routing`), merged; a flow
-    plan's paths that share a device queue on its one timeline (`tessel.sim.shared_devices`)."""
+    plan's paths that share a device queue on its one timeline (`tessel.sim.shared_devices`). A
+    replica dealt no request (a short trace, a small weight) is in the result with its stages idle."""
     from tessel.sim.routing import merge_results, route
     from tessel.sim.shared_devices import SharedPath, simulate_shared
+    from tessel.sim.simulator import SimResult
 
     replicas = plan_file.replica_variants
     routed = route(requests, [r.weight for r in plan_file.replicas])
@@ -239,7 +241,12 @@ def _run_replicas(
                 names = ", ".join(devices)
                 raise TesselError(f"{plan_file.path}: {variant.name} visits a device twice: {names}")
             paths.append(SharedPath(priced.pipeline, config, share, devices))
-    merged = merge_results(simulate_shared(paths))
+    simulated = iter(simulate_shared(paths))
+    results = [
+        next(simulated) if share else SimResult(len(variant.stages), (), (), 0)
+        for variant, share in zip(replicas, routed, strict=True)
+    ]
+    merged = merge_results(results)
     stages = tuple(stage for variant in replicas for stage in variant.stages)
     whole = {} if plan_file.predicted is None else plan_file.predicted.as_dict()  # the whole plan's
     return VariantRun(

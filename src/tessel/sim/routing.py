@@ -1,9 +1,9 @@
 """Requests routed across replica pipelines, and the merged result of simulating each.
 
-`route` sends requests, in arrival order, to replicas by smooth weighted round-robin (nginx's
-upstream algorithm): each request raises every replica's credit by its weight and goes to the one
-with the most credit, which then pays 1. After any n requests replica r has received n * w_r of
-them within one, so a trace splits in the plan's routing weights without randomness.
+`route` sends requests, in arrival order, to replicas by their weights in turn, without randomness
+(`tessel.plan.weighted_turns`, Tijdeman's chairman assignment): after any n requests replica r has
+received n * w_r of them within 1 - 1/(2m - 2) (m replicas), so a trace splits in the plan's routing
+weights; on a short trace a replica of small weight may get none.
 
 `merge_results` joins the replicas' simulations into one `SimResult` (stages numbered replica after
 replica), so the usual metrics read the whole cluster: latency percentiles over every request,
@@ -14,23 +14,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tessel.plan.weighted_turns import WeightedTurns
 from tessel.sim.requests import Request
 from tessel.sim.simulator import SimResult
 
 
 def route(requests: list[Request], weights: list[float]) -> list[list[Request]]:
     """The requests each replica gets (see the module docstring)."""
-    if not weights or min(weights) <= 0:
-        raise ValueError("routing weights must be positive")
-    total = float(sum(weights))
-    shares = [w / total for w in weights]
-    credit = [0.0] * len(shares)
-    routed: list[list[Request]] = [[] for _ in shares]
+    turns = WeightedTurns(weights)  # refuses weights that are not all positive
+    routed: list[list[Request]] = [[] for _ in weights]
     for request in sorted(requests, key=lambda r: (r.arrival_s, r.id)):
-        credit = [c + s for c, s in zip(credit, shares, strict=True)]
-        target = max(range(len(credit)), key=credit.__getitem__)
-        credit[target] -= 1.0
-        routed[target].append(request)
+        routed[turns.next()].append(request)
     return routed
 
 

@@ -5,7 +5,10 @@ order they entered the pipeline (a permutation flow shop, so chunk i of a prompt
 chunk i-1). After computing, stage s sends the batch's hidden states to stage s+1 over its link
 (`StageLatency.send_time_s(tokens)`); the stage is free to compute again while it sends. A link
 carries one transfer at a time (`link_contention`) or any number at once (the flow-shop model).
-The last stage's output is the batch's tokens: the scheduler learns of them when it finishes.
+The last stage's output is the batch's tokens. The scheduler runs in stage 0's process, between
+its batches: it learns of the tokens when the last stage finishes, or, if stage 0 is computing
+then, when stage 0 finishes that batch (as the runtime's stage 0 takes them,
+`tessel.pipeline.token_receiver`); only then is the batch's slot free again.
 
 A new micro-batch is formed when stage 0 is idle and fewer than `max_in_flight` micro-batches are
 in the pipeline (default: one per stage); with `pinned`, each in-flight slot is a virtual engine
@@ -254,6 +257,7 @@ class _Run:
         self.group_busy = [False] * self.groups  # pinned: a group has at most one batch in flight
         self.next_group = 0
         self.stages = [_Stage() for _ in range(self.n_stages)]
+        self.unseen: list[MicroBatch] = []  # finished on the last stage while stage 0 computed
         self.link_busy = [False] * self.n_stages
         self.link_queue: list[deque[MicroBatch]] = [deque() for _ in range(self.n_stages)]
         self.in_flight = 0
@@ -409,11 +413,15 @@ class _Run:
     def compute_done(self, now: float, index: int, batch: MicroBatch) -> None:
         self.stages[index].busy = False
         self.release(now, index)
+        if index == 0:  # stage 0 is between batches: the tokens that came back meanwhile are taken
+            for done in self.unseen:
+                self.tokens_back(now, done)
+            self.unseen.clear()
         if index == self.n_stages - 1:
-            self.in_flight -= 1
-            if self.groups > 1:
-                self.group_busy[batch.group] = False
-            self.scheduler.complete(batch, now)
+            if self.stages[0].busy:
+                self.unseen.append(batch)
+            else:
+                self.tokens_back(now, batch)
         elif self.config.link_contention:
             self.link_queue[index].append(batch)
             self.try_send(now, index)
@@ -421,6 +429,13 @@ class _Run:
             self.send(now, index, batch)
         if index > 0:
             self.try_start(now, index)
+
+    def tokens_back(self, now: float, batch: MicroBatch) -> None:
+        """The scheduler takes `batch`'s tokens: its requests advance, its slot is free."""
+        self.in_flight -= 1
+        if self.groups > 1:
+            self.group_busy[batch.group] = False
+        self.scheduler.complete(batch, now)
 
     def try_send(self, now: float, index: int) -> None:
         if not self.link_busy[index] and self.link_queue[index]:
