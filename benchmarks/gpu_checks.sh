@@ -18,7 +18,9 @@
 # profiling), so the defaults are above those; the whole script no longer fits one 10-minute device
 # call: run it in two (SKIP_STEPS). On an H200 (2026-11-26, records issue30_gpu_h200 and
 # issue30_gpu_h200_pass) with FIDELITY_BUDGET=12: fidelity_cuda took 166 and 178 s (2 repeats; now 3),
-# pipeline_gpu 294 s with PIPELINE_ARGS="--profile-budget-s 12".
+# pipeline_gpu 294 s with PIPELINE_ARGS="--profile-budget-s 12". On an H100 (2026-11-27, record
+# issue30_gpu_tokens_back) the same settings took 185 s for fidelity_cuda, and pipeline_gpu passed
+# PIPELINE_S=320 (its two profiles alone took 168 + 67 s): give it 420 s there, in a call of its own.
 #
 # Run from the repo root with tessel importable (installed, or PYTHONPATH=src). Each step has its
 # own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others;
