@@ -41,6 +41,9 @@ def test_two_uneven_stages_tied_embeddings(tiny_dirs, tmp_path):
     assert [r["token_ids"] for r in run.requests] == expected
     assert [s["state"] for s in run.stages] == ["done", "done"]
     assert [(s["layer_start"], s["layer_end"]) for s in run.stages] == [(0, 1), (1, 5)]
+    # after the warm-up every stage counts the timed requests only: the same micro-batches and tokens
+    assert run.stages[0]["batches"] == run.stages[1]["batches"] > 0
+    assert run.stages[0]["tokens"] == run.stages[1]["tokens"]
 
 
 def test_three_stages_with_cpp(tiny_dirs, tmp_path):

@@ -65,6 +65,7 @@ class BatchMessage:
     kv_copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     host_kv_blocks: int = 0
     path: tuple[int, ...] = ()  # a flow plan's: the ranks of the placements it runs on, in order
+    fresh_stats: bool = False  # stage 0 counts anew from this batch (after a warm-up): so does each stage
 
 
 def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:

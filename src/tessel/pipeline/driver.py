@@ -59,7 +59,7 @@ from tessel.pipeline.comm import BatchMessage, KvLayout, PeerLostError, StageCom
 from tessel.pipeline.devices import stage_device
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.run_plan import RunPlan
-from tessel.pipeline.stage import KvBudget, StageExecutor, rss_bytes, tensor_bytes
+from tessel.pipeline.stage import KvBudget, StageExecutor, StageStats, rss_bytes, tensor_bytes
 from tessel.pipeline.weight_stream import host_copy
 
 
@@ -131,6 +131,7 @@ class PipelineEngine(LLM):
         self._released: list[int] = []
         self._batch_ids = itertools.count()
         self._next_slot = 0
+        self._fresh_stats = False  # the next micro-batch tells the other stages to count anew
         # seeded requests moved in from another pipeline (`tessel.pipeline.remap`): noise draws made
         self.resume_draws: dict[int, int] = {}
         self.failure: BaseException | None = None  # set by a watcher when a stage died
@@ -213,6 +214,12 @@ class PipelineEngine(LLM):
         except PeerLostError as error:
             self.failure = error if self.explain_peer_lost is None else self.explain_peer_lost(error)
             raise self.failure from error
+
+    def count_from_here(self) -> None:
+        """Start every stage's counts anew (after a warm-up): stage 0's now, the others' with the
+        next micro-batch (`BatchMessage.fresh_stats`)."""
+        self.stage.stats = StageStats()
+        self._fresh_stats = True
 
     def shutdown(self) -> None:
         """Finish what is in flight and tell the other stages to stop."""
@@ -298,8 +305,9 @@ class PipelineEngine(LLM):
             {s.seq_id: self.resume_draws.pop(s.seq_id) for s in sampled if s.seq_id in self.resume_draws},
             kv_copies=self.preemptor.take_copies(),
             host_kv_blocks=self.preemptor.pool.num_total_blocks if self.preemptor.pool is not None else 0,
+            fresh_stats=self._fresh_stats,
         )
-        self._released = []
+        self._released, self._fresh_stats = [], False
         started, cpu_started = time.perf_counter(), time.process_time()
         hidden = self.runner.run_stage(positions, meta, input_ids=input_ids)
         if batch.prefills:  # what recomputing a context costs on this stage (tessel.engine.preemption)

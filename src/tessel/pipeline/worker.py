@@ -229,7 +229,7 @@ def run_first_stage(args: argparse.Namespace, plan: RunPlan, comm: StageComm | N
     report_loaded(0, plan, engine.stage.weight_bytes, engine.rss_before_load_bytes, kv_blocks)
     if args.warmup:
         warm_up(engine, requests)
-        engine.stage.stats = StageStats()  # stage 0 counts the timed requests only
+        engine.count_from_here()  # every stage counts the timed requests only
     started, cpu_started = time.time(), time.process_time()
     try:
         outputs = engine.generate(
@@ -371,6 +371,8 @@ def serve_stage(comm: StageComm, executor: StageExecutor, last: bool) -> None:
     serving_cpu = time.process_time()
     while (received := comm.recv_batch()) is not None:
         message, stream = received
+        if message.fresh_stats:  # stage 0's warm-up is over: count from this batch
+            executor.stats, serving_cpu = StageStats(), time.process_time()
         executor.adopt(message)
         started, cpu_started = time.perf_counter(), time.process_time()
         out = executor.runner.run_stage(message.positions, message.meta, stream=stream)
