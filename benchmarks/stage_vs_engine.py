@@ -136,11 +136,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
     parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
     _harness.add_record_options(parser, "stage_vs_engine")
-    for key in FULL:
-        parser.add_argument(f"--{key}", type=int, help=f"override (full: {FULL[key]})")
+    _harness.add_size_options(parser, FULL)
     args = parser.parse_args()
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg.update({key: getattr(args, key) for key in FULL if getattr(args, key) is not None})
+    cfg = _harness.sizes(args, QUICK if args.quick else FULL)
     args.model = _harness.example_model(args.model)
     console = Console(highlight=False)
     console.print(_harness.machine_line())
