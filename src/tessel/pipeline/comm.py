@@ -159,8 +159,8 @@ class StageComm:
     ) -> None:
         """`transports`: per link k -> k + 1, NCCL or host (default: host for every link);
         `token_group`: stage 0 and the last stage's own group, for the tokens coming back (stage 0
-        then receives them on a thread, `tessel.pipeline.token_receiver`; default: on the main
-        group, when the engine asks)."""
+        receives them on a thread, `tessel.pipeline.token_receiver`); None for a subclass that
+        moves tokens its own way (`tessel.pipeline.flow_routing.FlowComm`)."""
         self.rank, self.world_size = rank, world_size
         self.token_group = token_group
         last = world_size - 1
@@ -275,24 +275,20 @@ class StageComm:
         return staged.to(self.device, non_blocking=True)
 
     def expect_tokens(self, count: int) -> None:
-        """Stage 0, after sending a micro-batch: it samples `count` rows (its tokens are received
-        as they come when a receiver thread runs)."""
+        """Stage 0, after sending a micro-batch: it samples `count` rows (the receiver thread
+        takes its tokens as they come)."""
         if self.receiver is not None:
             self.receiver.expect(count)
 
     def tokens_ready(self) -> bool:
-        """Stage 0: whether the oldest owed micro-batch's tokens are here (False when only asking
-        would tell)."""
+        """Stage 0: whether the oldest owed micro-batch's tokens are here."""
         return self.receiver is not None and self.receiver.ready()
 
     def recv_tokens(self, batch_id: int, count: int) -> SampledRows:
         """Stage 0: the `count` tokens (and logprobs) the last stage sampled for micro-batch `batch_id`."""
         self.progress.owed_batch, self.progress.owed_since = batch_id, time.time()
         try:
-            if self.receiver is not None:
-                values, payload = self.receiver.take()
-            else:
-                values, payload = self._recv_tokens_here(count)
+            values, payload = self.receiver.take()
         except RuntimeError as error:
             raise PeerLostError(
                 f"stage 0: receiving tokens from stage {self.world_size - 1} failed: {error}"
@@ -302,15 +298,6 @@ class StageComm:
         if values[0] != batch_id:
             raise PeerLostError(f"stage 0: expected the tokens of micro-batch {batch_id}, got {values[0]}")
         return from_wire(values[HEAD_LEN:], payload)
-
-    def _recv_tokens_here(self, count: int) -> tuple[list[int], bytes]:
-        buffer = torch.empty(HEAD_LEN + count, dtype=torch.int64)
-        dist.recv(buffer, self.world_size - 1)
-        values = buffer.tolist()
-        payload = torch.empty(values[1], dtype=torch.uint8)
-        if values[1]:
-            dist.recv(payload, self.world_size - 1)
-        return values, payload.numpy().tobytes()
 
     def close(self) -> None:
         """Stage 0, after its last tokens: stop the receiver thread."""
