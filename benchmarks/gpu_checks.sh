@@ -20,7 +20,8 @@
 # issue30_gpu_h200_pass) with FIDELITY_BUDGET=12: fidelity_cuda took 166 and 178 s (2 repeats; now 3),
 # pipeline_gpu 294 s with PIPELINE_ARGS="--profile-budget-s 12". On an H100 (2026-11-27, record
 # issue30_gpu_tokens_back) the same settings took 185 s for fidelity_cuda, and pipeline_gpu passed
-# PIPELINE_S=320 (its two profiles alone took 168 + 67 s): give it 420 s there, in a call of its own.
+# PIPELINE_S=320 (its two profiles alone took 168 + 67 s): its default is now 420 s; run it in a
+# call of its own there.
 #
 # Run from the repo root with tessel importable (installed, or PYTHONPATH=src). Each step has its
 # own time limit (seconds: TEST_S, ENGINE_S, KERNELS_S), so one slow step cannot starve the others;
@@ -69,7 +70,7 @@ TESSEL_AUTOTUNE=0 step cuda_tests "${TEST_S:-180}" $python -m pytest -q -p no:ca
 # Pipelines with GPU stages (issue 29): two stages on one GPU, the planner's CPU + GPU split, each
 # against one process on the GPU; CPU alone and accelerate offload as baselines.
 # With each row's prediction from this machine's GPU and CPU profiles (PIPELINE_ARGS: more options).
-step pipeline_gpu "${PIPELINE_S:-320}" $python benchmarks/pipeline_gpu.py ${PIPELINE_ARGS:-} \
+step pipeline_gpu "${PIPELINE_S:-420}" $python benchmarks/pipeline_gpu.py ${PIPELINE_ARGS:-} \
   --label "$label" --out "$out/results/pipeline_gpu.jsonl"
 step cuda_engine "${ENGINE_S:-200}" $python benchmarks/cuda_engine.py --repeats 2 $quick \
   --label "$label" --out "$out/results/cuda_engine.jsonl"
