@@ -258,6 +258,49 @@ def test_stopped_stage_ends_the_run_named(tiny_dirs, tmp_path):
     assert not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["at spawn", "after its first beat"])
+def test_a_stage_stopped_while_starting_ends_the_run_named(tiny_dirs, tmp_path, monkeypatch, when):
+    """SIGSTOP of stage 1 before it has loaded (issue 42, finding 4): at spawn, before Python has
+    even run, or once it beats while importing torch. The run fails within the fault bound naming
+    stage 1, where the old start-up allowance waited 300 s."""
+    from tessel.pipeline.heartbeat import read_beat
+
+    spawn = launcher.spawn_worker
+    stopped: list[int] = []
+
+    def spawn_and_stop(rank, world_size, port, run_dir, argv, timeout):  # noqa: ANN001, ANN202
+        proc = spawn(rank, world_size, port, run_dir, argv, timeout)
+        if rank == 1:
+            while when != "at spawn" and read_beat(run_dir, 1) is None and proc.poll() is None:
+                time.sleep(0.005)
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(launcher, "spawn_worker", spawn_and_stop)
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    options = RunOptions(
+        plan,
+        model,
+        prompts=["Hello"],
+        max_tokens=4,
+        run_dir=tmp_path / "run",
+        heartbeat_timeout=HEARTBEAT_TIMEOUT_S,
+    )
+    thread, outcome = _run_in_thread(options)
+    try:
+        thread.join(timeout=FAULT_DEADLINE_S + 30)  # the 30 s allowance of a stage importing torch
+        assert not thread.is_alive(), "the launcher did not notice the stage stopped while starting"
+    finally:
+        release(stopped)
+    error = outcome.get("error")
+    assert isinstance(error, StageFailedError), outcome
+    assert error.stage == 1 and ("is stopped" in error.cause or "no heartbeat" in error.cause), error.cause
+    assert not any(alive(pid) for pid in stopped)
+
+
 def test_cli_refuses_a_bad_heartbeat_timeout(tiny_dirs, tmp_path, monkeypatch):
     _no_spawn(monkeypatch)
     model = tiny_dirs["tied"]

@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tessel.errors import TesselError
 from tessel.pipeline.heartbeat import (
+    JOIN_STALL_S,
+    STARTING_SILENCE_S,
     Heartbeat,
     Progress,
     Watchdog,
     beat_interval_s,
     beat_path,
     heartbeat_timeout_s,
+    process_stopped,
     read_beat,
 )
 
@@ -123,6 +130,65 @@ def test_stage_0_in_process_counts_in_the_stuck_rule(tmp_path):
     assert watchdog.check(_all_running)[0] == 2
     progress[0].owed_since = None
     assert watchdog.check(_all_running) is None
+
+
+@pytest.mark.parametrize(
+    ("phase", "where"),
+    [("loading", "while loading its layers"), ("joining", "while joining"), ("serving", "while serving")],
+)
+def test_silence_names_the_phase(tmp_path, phase, where):
+    _beat(tmp_path, 1, Progress(phase=phase), age_s=TIMEOUT_S + 1)
+    stage, cause = _watchdog(tmp_path, ranks=(1,)).check(_all_running)
+    assert stage == 1 and where in cause
+
+
+def test_a_stage_importing_torch_has_a_longer_silence_allowance(tmp_path):
+    """An extension module's import may hold the interpreter lock for seconds: while `starting`, the
+    silence allowed is at least STARTING_SILENCE_S, never unbounded."""
+    _beat(tmp_path, 1, Progress(phase="starting"), age_s=TIMEOUT_S + 1)
+    assert _watchdog(tmp_path, ranks=(1,)).check(_all_running) is None
+    _beat(tmp_path, 1, Progress(phase="starting"), age_s=STARTING_SILENCE_S + 1)
+    stage, cause = _watchdog(tmp_path, ranks=(1,)).check(_all_running)
+    assert stage == 1 and "while starting" in cause
+
+
+def test_a_stuck_join_is_named_once_every_stage_has_loaded(tmp_path):
+    """The beat thread goes on while the main thread waits in the rendezvous: once every stage is
+    past loading, a join older than JOIN_STALL_S is a stuck rendezvous or NCCL init."""
+    long_ago = time.time() - JOIN_STALL_S - 5
+    _beat(tmp_path, 1, Progress(phase="joining", phase_since=long_ago))
+    _beat(tmp_path, 2, Progress(phase="loading", phase_since=long_ago))
+    assert _watchdog(tmp_path, ranks=(1, 2)).check(_all_running) is None  # stage 2 still loads
+    _beat(tmp_path, 2, Progress(phase="joining", phase_since=long_ago))
+    stage, cause = _watchdog(tmp_path, ranks=(1, 2)).check(_all_running)
+    assert stage == 1 and "joining the process group" in cause
+    _beat(tmp_path, 2, Progress(phase="joining", phase_since=time.time()))  # the last just got there
+    assert _watchdog(tmp_path, ranks=(1, 2)).check(_all_running) is None
+
+
+def _until(condition, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "the process never reached the state"
+        time.sleep(0.01)
+
+
+def test_a_stopped_process_is_found_before_its_first_beat(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        _until(lambda: process_stopped(proc.pid))  # the signal is delivered asynchronously
+        watchdog = _watchdog(tmp_path, ranks=(1,))
+        assert watchdog.check(_all_running, lambda rank: proc.pid) is None  # seen stopped: the clock starts
+        watchdog._stopped_since[1] -= TIMEOUT_S + 1
+        stage, cause = watchdog.check(_all_running, lambda rank: proc.pid)
+        assert stage == 1 and "is stopped" in cause and "before its first heartbeat" in cause
+        os.kill(proc.pid, signal.SIGCONT)
+        _until(lambda: not process_stopped(proc.pid))
+        assert watchdog.check(_all_running, lambda rank: proc.pid) is None
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_timeout_from_option_env_and_default(monkeypatch):

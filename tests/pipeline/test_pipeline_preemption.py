@@ -9,7 +9,7 @@ from tessel import LLM, SamplingParams
 from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run import RunOptions
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.worker import engine_kwargs, parser
+from tessel.pipeline.stage_process import engine_kwargs, parser
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Once upon a time " * 8, "One two three"]
 TIGHT = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}
@@ -26,8 +26,6 @@ def test_a_one_stage_plan_swaps_and_matches_the_engine(tiny_dirs, tmp_path) -> N
     llm = LLM(tiny_dirs["tied"], preemption_mode="recompute", max_model_len=64)
     assert got == [o.token_ids for o in llm.generate([p[:60] for p in PROMPTS], params, use_progress=False)]
     assert engine.num_free_blocks == engine.num_total_blocks
-
-
 
 
 def test_launch_passes_the_options_to_the_workers(tiny_dirs, tmp_path) -> None:

@@ -1,13 +1,22 @@
 """Stage liveness: a heartbeat thread in every stage process, and the watchdog that reads them.
 
 A stage the launcher spawns runs a daemon thread that rewrites `stage<k>.beat` in the run
-directory every `beat_interval_s(timeout)` with the time and the stage's `Progress`. The
-launcher's `Watchdog` fails the run when
+directory every `beat_interval_s(timeout)` with the time and the stage's `Progress`, from the
+first lines of the process (`tessel.pipeline.worker` starts it before importing torch) to its end.
+The progress names the stage's phase: `starting` (importing torch and the runtime), `loading` (its
+layers), `joining` (the process group) and `serving`. The launcher's `Watchdog` fails the run when
 
-- a stage sent no heartbeat for `timeout_s` ("stage 1 sent no heartbeat for 30 s"): the process is
-  stopped (SIGSTOP, a debugger), frozen or starved. A stopped process stops all its threads, so the
-  beat stops with it; a process that died is found by its exit code first. Before its first beat a
-  stage has `STARTUP_TIMEOUT_S` (Python and torch importing on a loaded machine);
+- a stage sent no heartbeat for `timeout_s` ("stage 1 sent no heartbeat for 30 s while loading"):
+  the process is stopped (SIGSTOP, a debugger), frozen or starved. A stopped process stops all its
+  threads, so the beat stops with it; a process that died is found by its exit code first. While a
+  stage is `starting` the allowance is at least `STARTING_SILENCE_S` (an extension module's import
+  may hold the interpreter's lock for seconds on a loaded machine), and before its first beat it has
+  `STARTUP_TIMEOUT_S` (the interpreter starting);
+- a stage's process is stopped (state `T` in `/proc/<pid>/stat`: SIGSTOP, a debugger) for
+  `timeout_s`, whatever its beats say: a stage stopped before its first beat is found too;
+- every stage has loaded and one has been joining the process group for `JOIN_STALL_S` (or the
+  timeout, if longer) since the last one got there: a stuck rendezvous or NCCL init, which the
+  beat alone cannot see (the thread beats on while the main thread waits in the join);
 - the pipeline made no progress for `timeout_s` while work is owed: stage 0 has waited that long
   for a micro-batch's tokens and no stage has computed or moved anything since. That is a deadlock
   or a stuck collective, which a thread heartbeat alone cannot see (the thread beats on while the
@@ -35,11 +44,15 @@ from pathlib import Path
 from tessel.errors import TesselError
 
 HEARTBEAT_TIMEOUT_ENV = "TESSEL_HEARTBEAT_TIMEOUT_S"
+RUN_DIR_ENV = "TESSEL_RUN_DIR"  # where a launched stage writes its status, beat and log
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 MIN_HEARTBEAT_TIMEOUT_S = 0.5  # several beats must fit in it
 MAX_BEAT_INTERVAL_S = 1.0
 BEATS_PER_TIMEOUT = 5
-STARTUP_TIMEOUT_S = 300.0  # before a stage's first beat: interpreter + torch import, loaded machine
+STARTUP_TIMEOUT_S = 60.0  # before a stage's first beat: the interpreter starting, on a loaded machine
+STARTING_SILENCE_S = 30.0  # least silence allowed while a stage imports torch (the import may hold the GIL)
+PHASES = ("starting", "loading", "joining", "serving")
+JOIN_STALL_S = 120.0  # joining is a handshake once every stage has loaded: seconds, never minutes
 
 
 def heartbeat_timeout_s(value: float | None = None) -> float:
@@ -71,8 +84,11 @@ def beat_path(run_dir: Path, rank: int) -> Path:
 
 @dataclass(slots=True)
 class Progress:
-    """What a stage's main thread is doing, set by its `StageComm` as messages move (wall times)."""
+    """What a stage's main thread is doing: its phase (`PHASES`), and, once serving, what its
+    `StageComm` sets as messages move (wall times)."""
 
+    phase: str = "serving"  # a stage process starts its heartbeat with "starting" (`tessel.pipeline.worker`)
+    phase_since: float = field(default_factory=time.time)
     last_s: float = field(default_factory=time.time)  # the last time work moved through this stage
     active_since: float | None = None  # computing a received micro-batch since (stages >= 1)
     last_batch: int = -1  # the last micro-batch this stage handed on (stage 0: got the tokens of)
@@ -123,6 +139,30 @@ class Heartbeat:
             self.beat()
 
 
+def _while(beat: Beat | None) -> str:
+    """Where the stage was, as its last beat said ("while loading its layers")."""
+    if beat is None:
+        return "before its first heartbeat"
+    return {
+        "starting": "while starting (importing torch)",
+        "loading": "while loading its layers",
+        "joining": "while joining the process group",
+        "serving": "while serving",
+    }.get(beat.progress.phase, f"in phase {beat.progress.phase!r}")
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T, or t: traced) as Linux's /proc says; False where
+    it cannot be read (gone, another OS)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return False
+    state = text.rpartition(")")[2].split()[:1]  # the name may hold spaces and parentheses
+    return state in (["T"], ["t"])
+
+
 def read_beat(run_dir: Path, rank: int) -> Beat | None:
     try:
         data = json.loads(beat_path(run_dir, rank).read_text())
@@ -145,30 +185,70 @@ class Watchdog:
     started_s: float
     stage0: Callable[[], Progress | None] | None = None
 
-    def check(self, running: Callable[[int], bool]) -> tuple[int, str] | None:
-        """(stage, cause) of the first stage found silent or stuck among those `running`, or None."""
+    _stopped_since: dict[int, float] = field(default_factory=dict)  # rank -> first seen stopped
+
+    def check(
+        self, running: Callable[[int], bool], pid_of: Callable[[int], int | None] | None = None
+    ) -> tuple[int, str] | None:
+        """(stage, cause) of the first stage found stopped, silent or stuck among those `running`, or
+        None; `pid_of`: a stage's process id, to read its state (None: beats alone)."""
         now = time.time()
         beats: dict[int, Beat | None] = {}
         for rank in self.ranks:
             if not running(rank):
                 continue
             beat = beats[rank] = read_beat(self.run_dir, rank)
-            silent = self._silent(beat, now)
-            if silent is not None:
-                return rank, silent
-        return self._stuck(beats, now)
+            cause = self._stopped(rank, pid_of(rank) if pid_of else None, beat, now)
+            cause = cause or self._silent(beat, now)
+            if cause is not None:
+                return rank, cause
+        return self._joining_stalled(beats, now) or self._stuck(beats, now)
+
+    def _stopped(self, rank: int, pid: int | None, beat: Beat | None, now: float) -> str | None:
+        if pid is None or not process_stopped(pid):
+            self._stopped_since.pop(rank, None)
+            return None
+        since = self._stopped_since.setdefault(rank, now)
+        if now - since <= self.timeout_s:
+            return None
+        return f"is stopped (SIGSTOP or a debugger) for {self.timeout_s:g} s {_while(beat)}"
 
     def _silent(self, beat: Beat | None, now: float) -> str | None:
         if beat is None:
             if now - self.started_s > max(STARTUP_TIMEOUT_S, self.timeout_s):
                 return f"sent no heartbeat in the {now - self.started_s:.0f} s since it started"
             return None
-        if now - beat.time_s > self.timeout_s:
+        allowed_s = self.timeout_s
+        if beat.progress.phase == "starting":
+            allowed_s = max(allowed_s, STARTING_SILENCE_S)
+        if now - beat.time_s > allowed_s:
             return (
-                f"sent no heartbeat for {self.timeout_s:g} s (the process is stopped, frozen or starved "
-                "of CPU; a SIGSTOP, a debugger)"
+                f"sent no heartbeat for {allowed_s:g} s {_while(beat)} (the process is stopped, frozen or "
+                "starved of CPU; a SIGSTOP, a debugger)"
             )
         return None
+
+    def _joining_stalled(self, beats: dict[int, Beat | None], now: float) -> tuple[int, str] | None:
+        """(stage, cause) when every stage is past loading and one has joined for too long."""
+        progress = [beat.progress for beat in beats.values() if beat is not None]
+        if self.stage0 is not None:
+            progress.append(self.stage0() or Progress(phase="loading"))  # unknown: not past loading
+        if len(progress) < len(beats) + (self.stage0 is not None) or any(
+            p.phase not in ("joining", "serving") for p in progress
+        ):
+            return None
+        joining = [(rank, b.progress) for rank, b in beats.items() if b and b.progress.phase == "joining"]
+        if not joining:
+            return None
+        since = max(p.phase_since for p in progress if p.phase == "joining")
+        allowed_s = max(self.timeout_s, JOIN_STALL_S)
+        if now - since <= allowed_s:
+            return None
+        rank, stalled = joining[0]
+        return rank, (
+            f"has been joining the process group for {now - stalled.phase_since:.0f} s, {allowed_s:g} s "
+            "after every stage had loaded (a stuck rendezvous or NCCL init)"
+        )
 
     def _stuck(self, beats: dict[int, Beat | None], now: float) -> tuple[int, str] | None:
         progress = {rank: beat.progress for rank, beat in beats.items() if beat is not None}

@@ -21,12 +21,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.pipeline.heartbeat import HEARTBEAT_TIMEOUT_ENV, Progress, Watchdog, heartbeat_timeout_s
+from tessel.pipeline.heartbeat import (
+    HEARTBEAT_TIMEOUT_ENV,
+    RUN_DIR_ENV,
+    Progress,
+    Watchdog,
+    heartbeat_timeout_s,
+)
 
 POLL_S = 0.05
 WATCHDOG_INTERVAL_S = 0.25  # how often the heartbeat files are read
@@ -34,7 +41,6 @@ SETTLE_S = 1.0  # after a first failure, how long the others get to report their
 TERMINATE_GRACE_S = 5.0
 DONE_GRACE_S = 30.0  # after stage 0 finishes, how long the others get to exit
 PR_SET_PDEATHSIG = 1
-RUN_DIR_ENV = "TESSEL_RUN_DIR"
 
 
 class StageFailedError(TesselError):
@@ -169,7 +175,10 @@ def supervise(
                 _fail(procs, run_dir, first_rank)
             if watchdog is not None and time.monotonic() - watched_at >= WATCHDOG_INTERVAL_S:
                 watched_at = time.monotonic()
-                silent = watchdog.check(lambda rank: procs[rank - first_rank].poll() is None)
+                silent = watchdog.check(
+                    lambda rank: procs[rank - first_rank].poll() is None,
+                    lambda rank: procs[rank - first_rank].pid,
+                )
                 if silent is not None:
                     terminate(procs)
                     raise StageFailedError(*silent)
@@ -227,6 +236,8 @@ class LocalStages:
             run_dir, list(range(1, num_stages)), timeout_s, time.time(), lambda: self.stage0_progress
         )
         self._failure: StageFailedError | None = None
+        self._stopped = False
+        self._lock = threading.Lock()  # the watcher and the engine thread both ask `failure()`
         try:
             for rank in range(1, num_stages):
                 self.procs.append(spawn_worker(rank, num_stages, port, run_dir, argv, timeout_s))
@@ -236,27 +247,42 @@ class LocalStages:
 
     def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
         """The failure of a stage that exited (waiting up to `settle_s` for one to) or fell silent, or
-        None."""
-        if self._failure is None:
-            self._failure = self._find_failure(settle_s)
-        return self._failure
-
-    def _find_failure(self, settle_s: float) -> StageFailedError | None:
+        None. Callable from several threads (the watcher, the engine explaining a lost peer): the first
+        failure found is the one every caller gets, and a stage this object stopped (`stop`) is never
+        a cause."""
         deadline = time.monotonic() + settle_s
         while True:
-            dead = [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
-            if dead or time.monotonic() >= deadline:
-                break
+            with self._lock:
+                if self._failure is None and not self._stopped:
+                    self._failure = self._find_failure()
+                found = self._failure
+            if found is not None or time.monotonic() >= deadline:
+                return found
             time.sleep(POLL_S)
-        if dead:
+
+    def _find_failure(self) -> StageFailedError | None:
+        dead = self._exited()
+        if dead:  # a stage that lost its peer exits a moment after the one that died: the root cause
+            settle = time.monotonic() + SETTLE_S
+            while time.monotonic() < settle and len(dead) < len(self.procs):
+                time.sleep(POLL_S)
+                dead = self._exited()
             causes = [(*failure_cause(self.run_dir, rank, code), rank) for rank, code in dead]
             _, cause, stage = min(causes, key=lambda c: (c[0], c[2]))
             return StageFailedError(stage, cause)
-        silent = self.watchdog.check(lambda rank: self.procs[rank - 1].poll() is None)
+        silent = self.watchdog.check(
+            lambda rank: self.procs[rank - 1].poll() is None, lambda rank: self.procs[rank - 1].pid
+        )
         return None if silent is None else StageFailedError(*silent)
 
+    def _exited(self) -> list[tuple[int, int]]:
+        return [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+
     def stop(self) -> None:
-        terminate(self.procs)
+        """Terminate every stage process; their exits are not failures to report."""
+        with self._lock:
+            self._stopped = True
+            terminate(self.procs)
 
 
 def launch(

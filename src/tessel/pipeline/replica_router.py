@@ -554,7 +554,7 @@ class RouterOptions:
 def check_replicas(options: RouterOptions, specs: list[ReplicaSpec]) -> None:
     """Every replica's pipeline against the model and this machine, before any process starts."""
     from tessel.pipeline.run import RunOptions
-    from tessel.pipeline.worker import parser, validate
+    from tessel.pipeline.stage_process import parser, validate
 
     for spec in specs:
         run = RunOptions(options.plan, options.model, replica=spec.index)

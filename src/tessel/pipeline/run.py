@@ -94,7 +94,7 @@ def check_options(options: RunOptions) -> int:
     """Refuse what would fail in the workers (plan vs model, the requests against the tokenizer and
     max_model_len) before any starts; -> the number of stages."""
     from tessel.pipeline.request_checks import check_requests
-    from tessel.pipeline.worker import engine_kwargs, parser, run_requests, validate
+    from tessel.pipeline.stage_process import engine_kwargs, parser, run_requests, validate
 
     heartbeat_timeout_s(options.heartbeat_timeout)
     args = parser().parse_args(options.worker_argv(Path("unused.json")))

@@ -46,7 +46,7 @@ from tessel.pipeline.heartbeat import read_beat
 from tessel.pipeline.launcher import POLL_S, LocalStages, StageFailedError, free_port
 from tessel.pipeline.run import RunOptions
 from tessel.pipeline.run_plan import RunPlan, priced_pipeline
-from tessel.pipeline.worker import engine_kwargs, join_pipeline, parser, validate
+from tessel.pipeline.stage_process import engine_kwargs, join_pipeline, parser, validate
 
 WATCH_INTERVAL_S = 0.5
 EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit
