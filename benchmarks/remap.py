@@ -289,8 +289,8 @@ def slowed_run(model: Path, plan: Path, settings, mode: str, args: argparse.Name
     `--remap <mode>`; the tokens' times, the failures and the server's decisions."""
     import torch
 
-    from tessel.pipeline.remap_watch import RemapWatch
-    from tessel.pipeline.stage import EMULATE_EPOCH_ENV
+    from tessel.pipeline.supervision.remap_watch import RemapWatch
+    from tessel.pipeline.stage.runner import EMULATE_EPOCH_ENV
 
     os.environ.pop(EMULATE_EPOCH_ENV, None)  # the schedule counts from this run's first micro-batch
     torch.set_num_threads(1)  # stage 0 as the stage processes (`--threads 1`): like devices, like threads

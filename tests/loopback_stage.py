@@ -1,4 +1,4 @@
-"""Two pipeline stages in one process: stage 0's `PipelineEngine` and stage 1's `StageExecutor`
+"""Two pipeline stages in one process: stage 0's `PipelineEngine` and stage 1's `StageRunner`
 behind a loopback in place of the process group (each message through the wire format)."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from tessel.models.config import ModelConfig
 from tessel.pipeline import driver
 from tessel.pipeline.comm import KvLayout, pack_message, unpack_message
 from tessel.pipeline.driver import PipelineEngine, layer_filter
-from tessel.pipeline.heartbeat import Progress
+from tessel.pipeline.supervision.heartbeat import Progress
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.stage import StageExecutor
+from tessel.pipeline.stage.runner import StageRunner
 
 
 class Loopback:
     """Stage 1 run where stage 0 would send to it. `arrived`: a micro-batch's tokens count as back
     before stage 0 asks for them (a receiver thread has them), else only when it asks."""
 
-    def __init__(self, executor: StageExecutor, arrived: bool = False) -> None:
+    def __init__(self, executor: StageRunner, arrived: bool = False) -> None:
         self.executor, self.arrived = executor, arrived
         self.results, self.progress = deque(), Progress()
 
@@ -52,7 +52,7 @@ def two_stages(model: Path, tmp_path: Path, monkeypatch, slots: int, arrived: bo
     monkeypatch.setattr(driver, "agree_kv_layout", lambda blocks, mine: mine)  # one stage 0 decides
     plan = load_run_plan(write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)]))
     config = ModelConfig.from_dir(model)
-    later = StageExecutor.load(
+    later = StageRunner.load(
         model, layer_filter(plan, 1, config.tie_word_embeddings), torch.float32, "cpu", 1.0
     )
     engine = PipelineEngine(model, plan, Loopback(later, arrived), micro_batches=slots, **options)

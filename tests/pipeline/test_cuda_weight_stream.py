@@ -16,7 +16,7 @@ from tessel import LLM, SamplingParams
 from tessel.models.config import ModelConfig
 from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.weight_stream import CudaMover, layer_weight_bytes
+from tessel.engine.weight_stream import CudaMover, layer_weight_bytes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time", "1 2 3 4"]

@@ -18,7 +18,7 @@ from tessel.pipeline.devices import (
     stage_device,
 )
 from tessel.pipeline.run_plan import RunPlan, RunStage
-from tessel.pipeline.stage import KvBudget
+from tessel.pipeline.stage.runner import KvBudget
 
 GIB = 2**30
 H100 = CudaDevice(0, "NVIDIA H100 80GB HBM3", 80 * GIB)

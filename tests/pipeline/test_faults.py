@@ -21,8 +21,8 @@ from pipeline_plans import write_plan
 from stage_processes import alive, release
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.pipeline import launcher
-from tessel.pipeline.launcher import StageFailedError
+from tessel.pipeline.supervision import launcher
+from tessel.pipeline.supervision.launcher import StageFailedError
 from tessel.pipeline.run import RunOptions, check_options, run_pipeline
 
 pytestmark = pytest.mark.slow  # processes started and killed: the slow pass of CI runs these
@@ -264,7 +264,7 @@ def test_a_stage_stopped_while_starting_ends_the_run_named(tiny_dirs, tmp_path, 
     """SIGSTOP of stage 1 before it has loaded (issue 42, finding 4): at spawn, before Python has
     even run, or once it beats while importing torch. The run fails within the fault bound naming
     stage 1, where the old start-up allowance waited 300 s."""
-    from tessel.pipeline.heartbeat import read_beat
+    from tessel.pipeline.supervision.heartbeat import read_beat
 
     spawn = launcher.spawn_worker
     stopped: list[int] = []

@@ -156,7 +156,7 @@ def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tm
     from tessel.models.layer_filter import LayerFilter
     from tessel.models.loader import load_model
     from tessel.pipeline.run import RunOptions, run_pipeline
-    from tessel.pipeline.stage import tensor_bytes
+    from tessel.pipeline.stage.runner import tensor_bytes
 
     model = tiny_dirs["untied"]
     plan_path = write_flow_plan(tmp_path / "flow.json", model, PLACEMENTS, PATHS)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tessel.errors import TesselError
-from tessel.pipeline.heartbeat import (
+from tessel.pipeline.supervision.heartbeat import (
     JOIN_STALL_S,
     STARTING_SILENCE_S,
     Heartbeat,

@@ -8,8 +8,8 @@ import json
 import signal
 import threading
 
-from tessel.pipeline import launcher
-from tessel.pipeline.launcher import LocalStages
+from tessel.pipeline.supervision import launcher
+from tessel.pipeline.supervision.launcher import LocalStages
 
 
 class FakeProc:

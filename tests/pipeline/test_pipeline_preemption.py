@@ -9,7 +9,7 @@ from tessel import LLM, SamplingParams
 from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run import RunOptions
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.stage_process import engine_kwargs, parser
+from tessel.pipeline.stage.process import engine_kwargs, parser
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Once upon a time " * 8, "One two three"]
 TIGHT = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}

@@ -312,7 +312,7 @@ def test_survivors_too_small_fails_the_requests_with_the_reason_naming_the_stage
     """A stage is lost and the survivors cannot hold the model: what was in flight ends with 503 and
     that reason, and the server says so (naming the stage) instead of serving; a remap is refused."""
     from tessel.engine.llm_engine import LLM
-    from tessel.pipeline.launcher import StageFailedError
+    from tessel.pipeline.supervision.launcher import StageFailedError
     from tessel.server.async_engine import AsyncEngine
     from tessel.server.http_errors import EngineDeadError
 

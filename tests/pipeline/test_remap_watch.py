@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tessel.pipeline.heartbeat import Heartbeat, Progress
-from tessel.pipeline.remap_watch import RemapWatch
+from tessel.pipeline.supervision.heartbeat import Heartbeat, Progress
+from tessel.pipeline.supervision.remap_watch import RemapWatch
 from tessel.plan.api import PlanSettings, make_plan
 from tessel.plan.plan_file import load_plan
 from tessel.plan.remap_decision import RemapSettings, predicted_step_s
@@ -187,7 +187,7 @@ def _output(record, finished: bool):
 
 def test_a_replica_server_watches_its_own_replicas_stages(tmp_path):
     from pipeline_plans import write_replica_plan
-    from tessel.pipeline.remap_watch import served_plan
+    from tessel.pipeline.supervision.remap_watch import served_plan
     from tessel.pipeline.run_plan import load_run_plan
 
     model = tmp_path / "model"

@@ -95,7 +95,7 @@ def _launch_refuses(monkeypatch, tmp_path, model, extra: list[str]):
 
     from pipeline_plans import write_plan
     from tessel.cli import app
-    from tessel.pipeline import launcher
+    from tessel.pipeline.supervision import launcher
 
     def refuse(*args, **kwargs):
         raise AssertionError("a stage process was spawned for a bad request")

@@ -43,8 +43,8 @@ from tessel import LLM, SamplingParams
 pytest.importorskip("fastapi")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from tessel.pipeline.launcher import free_port  # noqa: E402
-from tessel.pipeline.replica_router import (  # noqa: E402
+from tessel.pipeline.supervision.launcher import free_port  # noqa: E402
+from tessel.server.replica_router import (  # noqa: E402
     ReplicaLoad,
     lease,
     merged_families,
@@ -444,8 +444,8 @@ def test_killed_backends_are_named_and_nothing_hangs(replica_model_plan, tmp_pat
 def test_a_silent_backend_is_killed_and_named(tmp_path):
     """A backend that stops answering /health (SIGSTOP) for the timeout is failed for good, named,
     and killed (a real process answering /health: the watcher's part needs no model)."""
-    from tessel.pipeline.replica_backends import Backend, ReplicaSpec
-    from tessel.pipeline.replica_router import ReplicaRouter, watch_backend
+    from tessel.server.replica_backends import Backend, ReplicaSpec
+    from tessel.server.replica_router import ReplicaRouter, watch_backend
 
     port = free_port()
     code = (
@@ -518,8 +518,8 @@ def test_a_busy_or_rebuilding_backend_has_the_request_sent_on(tmp_path, statuses
     stand-in HTTP servers (the router's part needs no model)."""
     from fastapi.testclient import TestClient
 
-    from tessel.pipeline.replica_backends import Backend, ReplicaSpec
-    from tessel.pipeline.replica_router import ReplicaRouter, create_router_app
+    from tessel.server.replica_backends import Backend, ReplicaSpec
+    from tessel.server.replica_router import ReplicaRouter, create_router_app
 
     backends = []
     for index, (weight, status) in enumerate(zip(WEIGHTS, statuses, strict=True)):

@@ -1,4 +1,4 @@
-"""Streamed weights (`tessel.pipeline.weight_stream`): which layers stream, the double buffer's
+"""Streamed weights (`tessel.engine.weight_stream`): which layers stream, the double buffer's
 rotation and sizes (the CUDA path's logic, checked on the CPU), greedy outputs with half the layers
 streamed against the in-memory engine (the oracle), the emulated host link's accounted seconds (byte
 counts and bytes / bandwidth, never wall time), the planner marking offload on an emulated small
@@ -18,7 +18,7 @@ from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.weight_stream import (
+from tessel.engine.weight_stream import (
     ALIGN_BYTES,
     StreamSchedule,
     buffer_layout,

@@ -12,7 +12,7 @@ per engine kind:
   0, stage 1 a child process over gloo, two micro-batches in flight), its app in this process;
 - `replicas`: `tessel serve --plan` of a plan of two replicas of the same checkpoint (replica 0 the
   2-stage pipeline above, replica 1 a 1-stage one), run as a user starts it: a child process, the
-  router (`tessel.pipeline.replica_router`) in front of one server process per replica. The
+  router (`tessel.server.replica_router`) in front of one server process per replica. The
   `engine` is then the description the router is started from, with the model's tokenizer; the
   router starts once per module (in `serve_engine`, which knows the module's `max_pending`).
 The same tests, with the same oracles, hold for all three (test_server_batching runs the first two
@@ -170,7 +170,7 @@ def build_engine(
         yield LLMEngine(str(model), max_num_seqs=max_num_seqs, **options)
         return
     if kind == "replicas":
-        from tessel.pipeline.replica_router import load_tokenizer
+        from tessel.server.replica_router import load_tokenizer
 
         assert max_num_seqs % PIPELINE_SLOTS == 0, max_num_seqs
         plan = write_replica_plan(work_dir / "replicas.json", model)
@@ -266,7 +266,7 @@ def serve_router(engine: ReplicaPlanEngine, *, max_pending: int) -> Iterator[Ser
     SIGTERM (it stops its replica servers, which stop their stages), its session killed if it hangs."""
     import httpx
 
-    from tessel.pipeline.launcher import free_port
+    from tessel.pipeline.supervision.launcher import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -88,7 +88,8 @@ def launch(
     """Run PLAN on MODEL as one process per stage, each on its plan device, and print the outputs."""
     from tessel.commands.render.launch import print_run
     from tessel.files import check_output_path, claim_directory, write_text_file
-    from tessel.pipeline.run import RunOptions, describe_links, run_pipeline
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.run import describe_links, run_pipeline
     from tessel.sim.measured import RUN_FILE_VERSION, measured_metrics
 
     if not prompt and prompts_file is None:
@@ -148,7 +149,7 @@ def add_stage_utilization(stages: list[dict], options) -> None:  # noqa: ANN001 
         status["utilization"] = util
 
 
-def run_identity(options) -> RunIdentity:  # noqa: ANN001 (tessel.pipeline.run.RunOptions)
+def run_identity(options) -> RunIdentity:  # noqa: ANN001 (tessel.pipeline.options.RunOptions)
     """The plan and scheduler settings a run used, with the runtime's defaults filled in."""
     from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
     from tessel.pipeline.run_plan import load_run_plan

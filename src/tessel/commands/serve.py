@@ -5,17 +5,18 @@ without the runtime extra. Every option is checked before the model loads. When 
 more often than `--max-engine-restarts` allows, the server shuts down and exits with status 3, so
 a supervisor (systemd, Kubernetes) restarts it. With `--plan`, a stage that dies or sends no
 heartbeat for `--heartbeat-timeout` seconds makes the server rebuild the pipeline on the stages
-left (new stage processes) and move the requests in flight into it (`tessel.pipeline.remap`), each
+left (new stage processes) and move the requests in flight into it
+(`tessel.pipeline.supervision.supervisor`), each
 rebuild counting against `--max-engine-restarts`: meanwhile `/health` answers 503 naming the stage,
 with Retry-After, and new requests wait. Past the budget, or when a rebuild fails (the stages left
 cannot hold the model), the server stays up without a pipeline, answering 503 with the cause, and
 never exits by itself.
 A `--plan` of several replicas without `--replica` runs one such server per replica behind a router
-that splits requests by the plan's weights (`tessel.pipeline.replica_router`); a flow plan (paths
+that splits requests by the plan's weights (`tessel.server.replica_router`); a flow plan (paths
 sharing GPUs) runs as one process per placement with requests split over its paths by the flow
-weights (`tessel.pipeline.flow_routing`). With `--plan`, `/metrics`
-shows each stage's measured step time beside the plan's (`tessel.pipeline.remap_watch`); with
-`--remap auto` the server re-plans when they drift and moves to the new split live.
+weights (`tessel.pipeline.flow`). With `--plan`, `/metrics` shows each stage's measured step
+time beside the plan's (`tessel.pipeline.supervision.remap_watch`); with `--remap auto` the server
+re-plans when they drift and moves to the new split live.
 """
 
 from __future__ import annotations
@@ -203,12 +204,13 @@ def serve(
     options |= {"host_kv_cache_gib": None, "emulate_host_gbps": None} | host_kv
     kwargs = {k: v for k, v in options.items() if v is not None}
     if plan is not None and replica is None:
-        from tessel.pipeline.heartbeat import heartbeat_timeout_s
-        from tessel.pipeline.replica_router import RouterOptions, replica_specs, serve_replicas
+        from tessel.pipeline.flow import is_flow
         from tessel.pipeline.run_plan import load_run_plan
+        from tessel.pipeline.supervision.heartbeat import heartbeat_timeout_s
+        from tessel.server.replica_router import RouterOptions, replica_specs, serve_replicas
 
         specs = replica_specs(plan)
-        if remap == "auto" and load_run_plan(plan).paths:
+        if remap == "auto" and is_flow(load_run_plan(plan)):
             raise TesselError("--remap auto re-plans one pipeline; a flow plan is served as planned")
         if len(specs) > 1 and remap == "auto":
             raise TesselError("--remap auto remaps one pipeline; serve one replica (--replica K)")
@@ -230,13 +232,13 @@ def serve(
         )
         engine.warm_up()  # the compiled decode step, before the first request would wait for it
     else:
-        from tessel.pipeline.heartbeat import heartbeat_timeout_s
-        from tessel.pipeline.serving import pipeline_server_engine
+        from tessel.pipeline.options import RunOptions
+        from tessel.pipeline.supervision.heartbeat import heartbeat_timeout_s
+        from tessel.pipeline.supervision.supervisor import Supervisor
 
         timeout_s = heartbeat_timeout_s(heartbeat_timeout)
-        engine = pipeline_server_engine(
-            model, plan, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s, **kwargs
-        )
+        run = RunOptions(plan, model, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s, **kwargs)
+        engine = Supervisor.serve(run, max_engine_restarts)  # rebuilds count against the restarts
     app = create_app(
         engine,
         max_pending=engine.config.max_num_seqs + max_queue,
@@ -247,8 +249,7 @@ def serve(
     async_engine = app.state.async_engine
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)
     if plan is not None:
-        engine.serve_with(async_engine)  # watch the stages; rebuild the pipeline after a stage failure
-        from tessel.pipeline.remap_watch import start_remap_watch
+        from tessel.pipeline.supervision.remap_watch import start_remap_watch
         from tessel.server.prometheus import RemapCollector
 
         watch = start_remap_watch(async_engine, remap_config, remap, lambda line: typer.echo(line, err=True))
@@ -258,7 +259,7 @@ def serve(
         server.run()
     finally:
         if plan is not None:
-            async_engine.engine.close()  # the stages of the pipeline last built
+            engine.supervisor.close()  # the stages of the pipeline last built
     if async_engine.error is not None and recovery_for(async_engine.error) is not Recovery.RESTART:
         raise TesselError(
             f"stopped without a pipeline: {async_engine.error}", exit_code=ENGINE_DEAD_EXIT_CODE

@@ -121,3 +121,73 @@ class BlockManager:
                 self.cached[key] = block.block_id
                 block.key = key
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+
+class RangeBlockManager(BlockManager):
+    """A `BlockManager` whose block ids are [start, end) (no prefix cache)."""
+
+    def __init__(self, start: int, end: int, block_size: int) -> None:
+        super().__init__(end - start, block_size, enable_prefix_caching=False)
+        self.start = start
+        self.free_blocks = OrderedDict((start + i, None) for i in range(end - start))
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self.blocks[block_id - self.start].ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id - self.start]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+
+
+class PathBlockManagers:
+    """The block manager of an engine whose executor runs several paths (a flow plan): one id range
+    per path (`ranges`), each sequence's blocks from its path's range (`assign` first); what the
+    engine reads of one block manager. No prefix cache: a cached block's KV is only on the
+    placements of the path that computed it."""
+
+    def __init__(self, ranges: list[tuple[int, int]], block_size: int) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = False
+        self.managers = [RangeBlockManager(a, b, block_size) for a, b in ranges]
+        self._path_of: dict[int, int] = {}
+        self._default = min(range(len(ranges)), key=lambda i: ranges[i][0])  # ids from 0: rank 0 holds them
+
+    def assign(self, seq: Sequence, path: int) -> None:
+        self._path_of[seq.seq_id] = path
+
+    def forget(self, seq: Sequence) -> None:
+        self._path_of.pop(seq.seq_id, None)
+
+    def _of(self, seq: Sequence) -> BlockManager:
+        return self.managers[self._path_of.get(seq.seq_id, self._default)]
+
+    @property
+    def num_total_blocks(self) -> int:
+        return sum(m.num_total_blocks for m in self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(m.num_free_blocks for m in self.managers)
+
+    def num_prefix_hits(self, seq: Sequence) -> int:
+        return 0
+
+    def can_allocate(self, seq: Sequence, hits: int) -> bool:
+        return self._of(seq).can_allocate(seq, hits)
+
+    def allocate(self, seq: Sequence, hits: int) -> None:
+        self._of(seq).allocate(seq, hits)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        return self._of(seq).reserve(seq, num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        self._of(seq).free(seq)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        return None

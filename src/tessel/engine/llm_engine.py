@@ -1,15 +1,31 @@
 """The engine loop (`LLMEngine`: add_request / step / abort_request) and the `LLM` front end.
 
-`LLMEngine.step()` schedules one batch, runs it, appends the sampled tokens, applies the stop
-rules (EOS, stop token ids, stop strings, max_tokens, max_model_len) and returns one
-`RequestOutput` per request that changed. `LLM.generate` drives it to completion; `LLM.stream`
-yields the outputs of one request as they come.
+`LLMEngine` owns the requests, their scheduling and their outputs; an executor
+(`tessel.engine.executor`) runs what it schedules: the whole model in this process
+(`LocalExecutor`, the default) or a plan's pipeline stages (`tessel.pipeline.executor`). A step:
+
+1. every idle in-flight slot (`tessel.engine.slots`: one for one process, several for a pipeline)
+   is scheduled by the engine's scheduler and its micro-batch launched on the executor; a prefill
+   the executor wants cut into pipeline chunks (CPP, `Executor.chunk_sizes`) is launched as those
+   chunks, back to back (chunk i needs only chunks < i, which every stage computes first). Before
+   each launch the micro-batches whose tokens are already back are applied (their requests' tokens
+   out, their slots free for this step);
+2. the oldest micro-batch still out is waited for and applied: computed tokens counted, sampled
+   tokens appended, logprobs kept, the prefix cache fed, the stop rules (EOS, stop token ids, stop
+   strings, max_tokens, max_model_len) applied. `step()` returns one `RequestOutput` per request
+   that changed. `LLM.generate` drives it to completion; `LLM.stream` yields one request's outputs.
+
+With one process and one slot this is: schedule, run, apply. Aborting a request whose micro-batch
+is in flight takes effect when that micro-batch is back.
 
 One bad request never takes the others down: requests are validated when added, and when a
-batched step raises, the batch is bisected (`_run_isolated`) until the failing request is found;
-it finishes with `finish_reason="error"` (its `RequestOutput.error` holds the exception) and the
-others get their tokens. Only a failure that every request of a multi-request batch hits alone
-(the model, not a request) escapes `step()`; `reset()` then fails everything in flight.
+batched step raises, the executor bisects the batch (`tessel.engine.executor.run_isolated`) until
+the failing request is found; it finishes with `finish_reason="error"` (its `RequestOutput.error`
+holds the exception) and the others get their tokens. Only a failure that every request of a
+multi-request batch hits alone (the model, not a request) escapes `step()`; `reset()` then fails
+everything in flight. A lost pipeline stage escapes `step()` too, unless a supervisor stands behind
+the engine (`tessel serve --plan`, `tessel.pipeline.supervision.supervisor`): it then builds a new
+executor and `replace_executor` moves the unfinished requests into it, to be recomputed there.
 """
 
 from __future__ import annotations
@@ -17,38 +33,36 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from tessel.engine.block_manager import BlockManager
+from tessel.engine.block_manager import BlockManager, PathBlockManagers
 from tessel.engine.detokenizer import IncrementalDetokenizer
-from tessel.engine.engine_config import (
-    DEFAULT_KV_CACHE_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    EngineConfig,
-)
+from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from tessel.engine.executor import EngineSetup, Executor, ExecutorLayout, KvCopies, LocalExecutor, MicroBatch
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.memory import available_memory_bytes, check_host_kv_cache_fits, check_kv_cache_fits
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.preemption import PreemptionStats, Preemptor, host_pool_blocks, measure_host_link
 from tessel.engine.sampling_params import SamplingParams, check_text
-from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tessel.engine.sequence import RequestMetrics, Sequence
+from tessel.engine.scheduler import SchedulerConfig, SchedulerOutput
+from tessel.engine.sequence import RequestMetrics, Sequence, SequenceStatus
+from tessel.engine.slots import SlotSchedulers
 from tessel.errors import TesselError
 from tessel.layers.linear.tuning import tune_linears
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.gguf import resolve_model_path
 from tessel.models.llama import LlamaForCausalLM
-from tessel.models.loader import load_model
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
-def _load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
@@ -76,9 +90,26 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     return config.max_model_len
 
 
+def max_num_batched_tokens(config: EngineConfig, max_len: int) -> int:
+    """The step's token budget: `max_num_batched_tokens`, or the default (at least max_model_len
+    without chunked prefill)."""
+    tokens = config.max_num_batched_tokens
+    if tokens is None:
+        tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return tokens if config.enable_chunked_prefill else max(tokens, max_len)
+    if not config.enable_chunked_prefill and tokens < max_len:
+        raise TesselError(
+            f"max_num_batched_tokens={tokens} < max_model_len={max_len} needs chunked "
+            "prefill; enable it or raise max_num_batched_tokens"
+        )
+    return tokens
+
+
 class LLMEngine:
-    def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
-        self.config = EngineConfig(**kwargs)
+    def __init__(self, model_path: str | Path, executor: Executor | None = None, **kwargs: Any) -> None:
+        self.executor: Executor = executor if executor is not None else LocalExecutor()
+        self._user_config = EngineConfig(**kwargs)  # as given: each executor adapts it (`configure`)
+        self.config = self.executor.configure(self._user_config)
         if self.config.kv_cache_gib is not None:
             check_kv_cache_fits(self.config.kv_cache_gib, self.config.device)
         if self.config.host_kv_cache_gib is not None and self.config.preemption_mode != "recompute":
@@ -91,32 +122,12 @@ class LLMEngine:
         self.model_name = path.resolve().name
         self.model_config = ModelConfig.from_dir(path)
         self.dtype = resolve_dtype(self.config.dtype, self.model_config)
-        self.max_model_len = self._max_model_len()
-        self.tokenizer = self._load_tokenizer(path)
-        self.model = self._load_model(path)
-        num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                self.config.max_num_seqs, self._max_num_batched_tokens(), self.config.enable_chunked_prefill
-            ),
-            self.block_manager,
-        )
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            self.config.block_size,
-            self.dtype,
-            self.config.pack_cpu_linears,
-            self.config.enforce_eager,
-            self.config.device,
-            self.config.max_num_seqs,
-            self.max_model_len,
-        )
-        self.preemptor = self._build_preemptor()
-        self.scheduler.preemptor = self.preemptor
+        self.max_model_len = max_model_len(self.config, self.model_config)
+        self.tokenizer = load_tokenizer(path)
+        self.model_path = path
+        self.setup = EngineSetup(path, self.config, self.model_config, self.dtype, self.max_model_len)
+        self.preemption_stats = PreemptionStats()  # by mode, since the engine started (every executor)
+        self._schedule_on(self.executor.start(self.setup))
         eos = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -125,70 +136,67 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text already returned per request
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
+        self._batch_ids = itertools.count()
+        self._deferred_aborts: set[str] = set()
+        self.supervisor: Any = None  # a pipeline's supervisor steps the engine (`step`) when set
+        self.wake: Callable[[], object] | None = None  # the thread that steps it, woken (a server sets it)
 
-    def _load_tokenizer(self, path: Path) -> Any:
-        """The checkpoint's tokenizer (a pipeline built beside a serving one has it loaded already)."""
-        return _load_tokenizer(path)
-
-    def _load_model(self, path: Path) -> LlamaForCausalLM:
-        """The whole model; a pipeline stage (`tessel.pipeline`) loads only its layers."""
-        return load_model(path, self.dtype, self.config.device, lm_head=self.config.lm_head)
-
-    def _build_preemptor(self) -> Preemptor:
-        """The preemption policy; with swapping possible, a host pool and a measured host link."""
+    def _schedule_on(self, layout: ExecutorLayout) -> None:
+        """The block manager, the slots' schedulers and the preemption policy for `layout`; nothing in
+        flight."""
         config = self.config
-        if config.preemption_mode == "recompute":
-            return Preemptor("recompute", self.block_manager)
+        if layout.block_ranges is None:
+            self.block_manager = BlockManager(
+                layout.num_blocks, config.block_size, config.enable_prefix_caching
+            )
+        else:
+            self.block_manager = PathBlockManagers(layout.block_ranges, config.block_size)
+        budget = max_num_batched_tokens(config, self.max_model_len)
+        scheduler_config = SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill)
+        self.scheduler = SlotSchedulers(layout.paths, scheduler_config, self.block_manager)
+        self.preemptor = self._build_preemptor(layout)
+        for slot in self.scheduler.slots:
+            slot.preemptor = self.preemptor
+        self._in_flight: deque[MicroBatch] = deque()
+        self._busy = [0] * len(self.scheduler.slots)  # micro-batches in flight per slot
+        self._seqs_in_flight: Counter[int] = Counter()
+        self._next_slot = 0
+
+    def _build_preemptor(self, layout: ExecutorLayout) -> Preemptor:
+        """The preemption policy; with swapping possible, a host pool on stage 0's KV cache and a
+        measured host link."""
+        config = self.config
+        if config.preemption_mode == "swap" and layout.swap_refused is not None:
+            raise TesselError(layout.swap_refused)
+        if config.preemption_mode == "recompute" or layout.swap_refused is not None:
+            return Preemptor("recompute", self.block_manager, stats=self.preemption_stats)
         per_block = kv_cache_bytes_per_block(self.model, config.block_size, self.dtype)
         device_blocks, host_bytes = self.block_manager.num_total_blocks, available_memory_bytes()
-        share = self._kv_layer_share()
-        blocks = host_pool_blocks(config.host_kv_cache_gib, per_block, device_blocks, host_bytes, share)
-        pool = HostKvPool(blocks, self.runner.kv_cache, config.emulate_host_gbps)
-        link = measure_host_link(self.runner.kv_cache.device, config.emulate_host_gbps)
-        return Preemptor(config.preemption_mode, self.block_manager, pool, link)
+        blocks = host_pool_blocks(
+            config.host_kv_cache_gib, per_block, device_blocks, host_bytes, layout.kv_layer_share
+        )
+        pool = HostKvPool(blocks, layout.kv_cache, config.emulate_host_gbps)
+        link = measure_host_link(layout.kv_cache.device, config.emulate_host_gbps)
+        preemptor = Preemptor(
+            config.preemption_mode, self.block_manager, pool, link, stats=self.preemption_stats
+        )
+        if layout.records_kv_copies:
+            preemptor.copies = []  # the other stages repeat them (`KvCopies`)
+        return preemptor
 
-    def _kv_layer_share(self) -> float:
-        """The share of the model's attention layers whose KV this process holds (a pipeline: stage 0's)."""
-        return 1.0
+    # ---- what the executor runs ------------------------------------------------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        """Stage 0's model runner (the whole model's for one process)."""
+        return self.executor.runner
 
     @property
-    def preemption_stats(self) -> PreemptionStats:
-        """Preemptions by mode and KV bytes moved to the host and back, since the engine started."""
-        return self.preemptor.stats
+    def model(self) -> LlamaForCausalLM:
+        return self.executor.model
 
     # ---- sizing -------------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        return max_model_len(self.config, self.model_config)
-
     def _max_num_batched_tokens(self) -> int:
-        tokens = self.config.max_num_batched_tokens
-        if tokens is None:
-            tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-            return tokens if self.config.enable_chunked_prefill else max(tokens, self.max_model_len)
-        if not self.config.enable_chunked_prefill and tokens < self.max_model_len:
-            raise TesselError(
-                f"max_num_batched_tokens={tokens} < max_model_len={self.max_model_len} needs chunked "
-                "prefill; enable it or raise max_num_batched_tokens"
-            )
-        return tokens
-
-    def _num_kv_blocks(self) -> int:
-        bs = self.config.block_size
-        per_block = kv_cache_bytes_per_block(self.model, bs, self.dtype)
-        blocks_per_seq = -(-self.max_model_len // bs)
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
-        elif self.config.kv_cache_gib is not None:
-            num_blocks = int(self.config.kv_cache_gib * 2**30 // per_block)
-        else:
-            wanted = self.config.max_num_seqs * blocks_per_seq
-            num_blocks = max(blocks_per_seq, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))
-        if num_blocks < blocks_per_seq:
-            raise TesselError(
-                f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than "
-                f"max_model_len={self.max_model_len}; raise kv_cache_gib or lower max_model_len"
-            )
-        return num_blocks
+        return max_num_batched_tokens(self.config, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
     @property
@@ -207,19 +215,19 @@ class LLMEngine:
         """Build the decode step's graphs now, so the first requests do not wait for them; -> whether
         the engine has any. On CUDA: tune the linears' GEMM tiles for every row bucket a step can
         have (`tessel.layers.linear.tuning.tune_linears`, up to max_num_batched_tokens rows), then
-        capture every bucket of rows (`tessel.engine.cuda_graph`, on dummy rows). On CPU: one decode
-        step per bucket of rows the compiled graph takes
+        capture every bucket of rows (`tessel.engine.cuda_graph`, on dummy rows). On CPU, in one
+        process: one decode step per bucket of rows the compiled graph takes
         (`StepPlan.warm_up_rows`: one row where the linears have one-row forms, with its first
         attention bucket; every bucket up to `max_num_seqs` where some linear is split), each row a
         two-token dummy sequence on a block freed afterwards, outside the scheduler and the prefix
         cache. A one-row step's longer attention buckets compile when a context first reaches them
-        (docs/engine.md)."""
+        (docs/engine.md). A pipeline's CPU stages compile as their steps come."""
         plan = self.runner.plan
         if plan.cuda_graphs is not None:
             tune_linears(self.model, self._max_num_batched_tokens(), self.dtype)
             return plan.cuda_graphs.capture_all()
         rows = plan.warm_up_rows(self.config.max_num_seqs)
-        if not rows:
+        if not rows or not isinstance(self.executor, LocalExecutor):
             return False
         params = SamplingParams(temperature=0, max_tokens=1)
         seq = Sequence("warm-up", [0, 0], params, self.config.block_size)
@@ -234,7 +242,15 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        # a known failure counts as work: the next step() raises it (a server then answers 503), and
+        # a supervisor with something to do (a remap to switch to) gets its step
+        return (
+            self.scheduler.num_unfinished > 0
+            or bool(self._pending)
+            or bool(self._in_flight)
+            or self.executor.failure is not None
+            or (self.supervisor is not None and self.supervisor.has_work())
+        )
 
     def tokenize(self, prompt: str | list[int], tokenizer: Any = None) -> list[int]:
         """Token ids of a text prompt, or token ids checked against the vocabulary.
@@ -294,13 +310,18 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; the next `step()` reports it as "abort"."""
+        """Stop a request now and free its KV blocks; the next `step()` reports it as "abort". A
+        request in a micro-batch in flight stops when that micro-batch is back."""
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
+            return
+        if self._seqs_in_flight[seq.seq_id]:
+            self._deferred_aborts.add(request_id)
             return
         self.scheduler.finish(seq, "abort")
         self._detokenizers[request_id].finish()
         self._pending.append(self._output(seq, []))
+        self.executor.release([seq.seq_id])
 
     def reset(self, error: BaseException) -> list[RequestOutput]:
         """Finish every unfinished request with `error` (after a step failed for all of them)."""
@@ -312,20 +333,148 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.supervisor is not None:
+            return self.supervisor.step(self)
+        return self.run_step()
+
+    def run_step(self) -> list[RequestOutput]:
+        """One step on the executor (what `step` runs; a supervisor runs it inside its recovery)."""
+        failure = self.executor.failure
+        if failure is not None:
+            raise failure
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return outputs
-        started = time.perf_counter()
-        result, failed = self._run_isolated(batch.scheduled())
-        if batch.prefills and not failed:  # what recomputing a context costs (tessel.engine.preemption)
-            self.preemptor.clock.record(batch.num_tokens, time.perf_counter() - started)
-        if failed and not result.seqs and len(failed) > 1:
-            raise failed[0][1]  # every request failed on its own: the engine, not a request
-        return outputs + self._finish_step(batch, result, failed)
+        try:
+            self._launch(outputs)
+            if self._in_flight:
+                outputs.extend(self._complete(self._in_flight.popleft()))
+        except BaseException:
+            self._pending = outputs + self._pending  # what was applied still reaches its streams
+            raise
+        return outputs
+
+    def drain_pending(self) -> list[RequestOutput]:
+        """The outputs waiting for the next step (aborts, a failed step's), now."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the micro-batches in flight without launching more; -> their outputs."""
+        outputs, self._pending = self._pending, []
+        while self._in_flight:
+            outputs.extend(self._complete(self._in_flight.popleft()))
+        return outputs
+
+    def shutdown(self) -> None:
+        """Finish what is in flight and stop the executor."""
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+        self.executor.shutdown()
+
+    def count_from_here(self) -> None:
+        """Start the executor's counts anew (after a warm-up)."""
+        self.executor.count_from_here()
+
+    # ---- launching micro-batches -----------------------------------------------------------------
+    def _launch(self, outputs: list[RequestOutput]) -> None:
+        """A micro-batch on every idle slot, in turn from the slot after the last launched; before
+        each, the micro-batches whose tokens came back meanwhile are completed (into `outputs`), and a
+        slot that frees is launched in the same pass (each slot once a step)."""
+        slots = len(self._busy)
+        launched: set[int] = set()
+        nothing_to_run: set[int] = set()  # idle slots whose scheduler had no work
+        while True:
+            if self._take_arrived(outputs):
+                nothing_to_run.clear()  # finished requests free blocks and slots
+            slot = self._idle_slot(launched | nothing_to_run)
+            if slot is None:
+                return
+            batch = self.scheduler.schedule(slot)
+            if batch.is_empty:
+                nothing_to_run.add(slot)
+                continue
+            launched.add(slot)
+            self._next_slot = (slot + 1) % slots
+            cut = [(seq, sizes) for seq, n in batch.prefills if (sizes := self._chunks(seq))]
+            cut_seqs = {id(seq) for seq, _ in cut}
+            normal = SchedulerOutput(batch.decodes, [p for p in batch.prefills if id(p[0]) not in cut_seqs])
+            if not normal.is_empty:
+                self._send(slot, normal, normal)
+            for seq, sizes in cut:
+                self._send_chunks(slot, seq, sizes)
+
+    def _idle_slot(self, skip: set[int]) -> int | None:
+        """The first idle slot from the one after the last launched, `skip` left out."""
+        slots = len(self._busy)
+        turn = ((self._next_slot + k) % slots for k in range(slots))
+        return next((slot for slot in turn if not self._busy[slot] and slot not in skip), None)
+
+    def _take_arrived(self, outputs: list[RequestOutput]) -> bool:
+        """Complete the oldest micro-batches while their tokens are already here -> any completed.
+        (One computed in this process, by a one-stage executor, waits for the step's end.)"""
+        taken = False
+        while (
+            self._in_flight and self._in_flight[0].result is None and self.executor.ready(self._in_flight[0])
+        ):
+            outputs.extend(self._complete(self._in_flight.popleft()))
+            taken = True
+        return taken
+
+    def _arrived(self, micro: MicroBatch) -> bool:
+        return micro.result is None and self.executor.ready(micro)
+
+    def _chunks(self, seq: Sequence) -> list[int] | None:
+        """The CPP chunks the executor cuts `seq`'s remaining prompt into (None: not cut)."""
+        return self.executor.chunk_sizes(len(seq) - seq.num_computed_tokens)
+
+    def _send_chunks(self, slot: int, seq: Sequence, sizes: list[int]) -> None:
+        start = seq.num_computed_tokens
+        total = sum(sizes)
+        done = 0
+        for index, size in enumerate(sizes):
+            seq.num_computed_tokens = start + done  # where this chunk starts, for `prepare`
+            last = index == len(sizes) - 1
+            apply = SchedulerOutput(prefills=[(seq, total)]) if last else None
+            self._send(slot, SchedulerOutput(prefills=[(seq, size)]), apply)
+            done += size
+        seq.num_computed_tokens = start  # counted when the last chunk is back
+
+    def _send(self, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None) -> None:
+        micro = MicroBatch.of(next(self._batch_ids), slot, batch, apply)
+        pool = self.preemptor.pool
+        copies = KvCopies(self.preemptor.take_copies(), pool.num_total_blocks if pool is not None else 0)
+        self.executor.launch(micro, copies)
+        if batch.prefills and not micro.failed:  # what recomputing a context costs (tessel.engine.preemption)
+            self.preemptor.clock.record(batch.num_tokens, micro.compute_s)
+        self._in_flight.append(micro)
+        self._busy[slot] += 1
+        self._seqs_in_flight.update(micro.seq_ids)
+
+    # ---- results -------------------------------------------------------------------------------
+    def _complete(self, micro: MicroBatch) -> list[RequestOutput]:
+        result = micro.result if micro.result is not None else self.executor.collect(micro)
+        self._busy[micro.slot] -= 1
+        self._seqs_in_flight.subtract(micro.seq_ids)
+        outputs: list[RequestOutput] = []
+        if micro.apply is None:  # a CPP chunk before the last: only its prompt logprobs to keep
+            for seq, first, logprobs in result.prompt_logprobs:
+                seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
+        else:
+            failed = micro.failed
+            if failed and not result.seqs and len(failed) > 1:
+                raise failed[0][1]  # every request failed on its own: the engine, not a request
+            outputs = self._finish_step(micro.apply, result, failed)
+            finished = [seq.seq_id for seq, _ in micro.apply.scheduled() if seq.is_finished]
+            if finished:
+                self.executor.release(finished)
+        for request_id in list(self._deferred_aborts):
+            seq = self._requests.get(request_id)
+            if seq is None or not self._seqs_in_flight[seq.seq_id]:
+                self._deferred_aborts.discard(request_id)
+                self.abort_request(request_id)
+        return outputs
 
     def _finish_step(
-        self, batch: SchedulerOutput, result: StepResult, failed: list[tuple[Sequence, BaseException]]
+        self, batch: SchedulerOutput, result: StepResult, failed: list[tuple[Sequence, Exception]]
     ) -> list[RequestOutput]:
         """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
         outputs = []
@@ -349,24 +498,6 @@ class LLMEngine:
                 continue
             outputs.append(self._output(seq, [token]))
         return outputs
-
-    def _run_isolated(
-        self, parts: list[tuple[Sequence, int]]
-    ) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
-        """Run `parts`; if that raises, bisect -> (what ran, (seq, its error) for each failing seq).
-
-        Re-running a part is safe: its k/v land in the same slots with the same values.
-        """
-        try:
-            return self.runner.run(_batch_of(parts)), []
-        except Exception as error:
-            if len(parts) == 1:
-                return StepResult(), [(parts[0][0], error)]
-        half = len(parts) // 2
-        result, failed = self._run_isolated(parts[:half])
-        right, right_failed = self._run_isolated(parts[half:])
-        result.extend(right)
-        return result, failed + right_failed
 
     def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
         seq.error = error
@@ -417,12 +548,76 @@ class LLMEngine:
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )
 
+    # ---- another executor ------------------------------------------------------------------------
+    def setup_for(self, executor: Executor) -> EngineSetup:
+        """What `executor` is started from: the engine's settings as it adapts them."""
+        config = executor.configure(self._user_config)
+        return EngineSetup(self.model_path, config, self.model_config, self.dtype, self.max_model_len)
 
-def _batch_of(parts: list[tuple[Sequence, int]]) -> SchedulerOutput:
-    """The scheduler output that runs exactly `parts` (in `SchedulerOutput.scheduled()` order)."""
-    return SchedulerOutput(
-        decodes=[seq for seq, n in parts if n == 1], prefills=[(seq, n) for seq, n in parts if n != 1]
-    )
+    def replace_executor(self, executor: Executor, layout: ExecutorLayout) -> list[str]:
+        """Serve from `executor` (started, with `layout`) from now on: the old executor's micro-batches
+        in flight are dropped (`drain` first to keep them), its requests move to the new one in
+        arrival order, to be recomputed there; -> the request ids moved. The old executor is the
+        caller's to shut down.
+
+        Each request keeps its prompt, the tokens generated so far, its sampling parameters, its
+        remaining max_tokens, its stop rules and detokenizer, its logprobs and its metrics; its KV
+        is rebuilt by recomputation (the preemption path). A seeded sampled request's generator
+        lives on the last stage: the new executor fast-forwards one past the draws its tokens so far
+        consumed (`Executor.resume`), so its outputs continue as an undisturbed run would. Requests
+        aborted while in flight are finished as aborted (their outputs come with the next step)."""
+        moved = []
+        waiting = [seq for seq in self._requests.values() if not seq.is_finished]
+        for seq in waiting:
+            self.preemptor.release(seq)  # swapped out: its copy in the old host pool is dropped
+            self.scheduler.remove(seq)
+            _reset(seq, self.config.block_size)
+        self._seqs_in_flight.clear()
+        for request_id in list(self._deferred_aborts):
+            self._deferred_aborts.discard(request_id)
+            seq = self._requests.get(request_id)
+            if seq is not None:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                seq.metrics.finish_time = time.time()
+                self._detokenizers[request_id].finish()
+                self._pending.append(self._output(seq, []))
+        self.executor = executor
+        self.setup = self.setup_for(executor)
+        self.config = self.setup.config
+        self._schedule_on(layout)
+        for seq in waiting:
+            if seq.is_finished:
+                continue
+            self.scheduler.add(seq)
+            if seq.params.seed is not None and seq.params.temperature > 0:
+                executor.resume(seq.seq_id, seq.num_output_tokens)  # one noise draw per sampled token
+            moved.append(seq.request_id)
+        return moved
+
+    def remap(self, plan: Any, reason: str) -> Future:
+        """Move serving to the pipeline of `plan` while it serves (a supervisor's; see
+        `tessel.pipeline.supervision.supervisor`); -> a future of its `RemapReport`."""
+        if self.supervisor is None:
+            done: Future = Future()
+            done.set_exception(TesselError("this engine cannot remap: it is not a pipeline (serve --plan)"))
+            return done
+        return self.supervisor.remap(plan, reason)
+
+    @property
+    def recovering(self) -> BaseException | None:
+        """The failure a supervisor is recovering from (a new pipeline being built), or None."""
+        return None if self.supervisor is None else self.supervisor.recovering
+
+
+def _reset(seq: Sequence, block_size: int) -> None:
+    """The sequence as a preempted one: no KV anywhere, everything to compute again."""
+    seq.num_computed_tokens = 0
+    seq.host_blocks = []
+    seq.block_table = []
+    seq.block_keys = []
+    seq.num_registered_blocks = 0
+    seq.block_size = block_size
+    seq.status = SequenceStatus.WAITING
 
 
 def _as_prompt_list(prompts: str | list[int] | SequenceABC[str | list[int]]) -> list[str | list[int]]:

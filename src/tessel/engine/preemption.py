@@ -148,6 +148,7 @@ class Preemptor:
         pool: HostKvPool | None = None,
         link: HostLink | None = None,
         clock: PrefillClock | None = None,
+        stats: PreemptionStats | None = None,
     ) -> None:
         check_preemption_mode(mode)
         if mode != "recompute" and (pool is None or link is None):
@@ -157,7 +158,7 @@ class Preemptor:
         self.pool = pool
         self.link = link
         self.clock = clock or PrefillClock()
-        self.stats = PreemptionStats()
+        self.stats = stats if stats is not None else PreemptionStats()  # an engine's, across executors
         # a pipeline's stage 0: every copy made here, for the other stages to repeat on their own
         # layers' KV (`KvCopy`: "out" device -> host blocks, "in" host -> device blocks), in order
         self.copies: list[KvCopy] | None = None

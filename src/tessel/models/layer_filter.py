@@ -6,7 +6,7 @@ the meta device, so those parts never get memory, and gives the model its part: 
 runs this stage (`tessel.models.llama.LlamaModel.forward`); `holds(name)` tells the loader which
 checkpoint tensors to read. With tied embeddings the last stage holds the embedding matrix as its
 LM head. `host_layers` are layers of the stage whose weights the loader puts in host memory: the
-runtime streams them to the device before they run (`tessel.pipeline.weight_stream`).
+runtime streams them to the device before they run (`tessel.engine.weight_stream`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 `load_run_plan(path)` is the only place `tessel.pipeline` reads a plan file. It returns the stages in
 pipeline order (layer range, device, emulated speed), the model the plan was made for and how many
 micro-batches to keep in flight, and `check_model` refuses a plan that does not fit the checkpoint
-before any process starts. A flow plan (v4) runs one process per placement: its `stages` are then the
-placements and `paths` the routes over them (`tessel.pipeline.flow_routing`).
+before any process starts. Every plan runs as paths over its stage processes (`tessel.pipeline.flow`):
+a pipeline plan is one path through its stages; a flow plan (v4) runs one process per placement, its
+`stages` the placements and its paths the routes over them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class RunStage:
     # (seconds since the stage started serving, emulated speed) changes: the cluster's schedule
     emulate_schedule: tuple[tuple[float, float], ...] = ()
     # layers whose weights stay in host memory and stream in before they run (the plan's
-    # `offload_layers`; `tessel.pipeline.weight_stream`), and what the plan says around them
+    # `offload_layers`; `tessel.engine.weight_stream`), and what the plan says around them
     offload_layers: tuple[int, ...] = ()
     offload_gib: float = 0.0
     host_gib: float | None = None  # host memory the device may offload into (None: not given)
@@ -69,8 +70,8 @@ class RunPlan:
     micro_batches: int  # micro-batches in flight (the plan workload's m, or the replica's share)
     plan_file: PlanFile  # the plan-file model itself, for pricing
     replica: int | None = None  # which pipeline of a replica plan these stages are
-    # a flow plan's paths over the stages (`tessel.pipeline.flow_routing`); the stages are then its
-    # placements, one process each
+    # the paths micro-batches take over the stages (`tessel.pipeline.flow`): a pipeline's one, or a
+    # flow plan's routes over its placements (one process each)
     paths: tuple = ()
 
     def check_model(self, name: str, num_layers: int) -> None:
@@ -91,7 +92,7 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
     source = Path(plan.source)
     paths = ()
     if plan.flow is not None:
-        from tessel.pipeline.flow_routing import flow_stages, refuse_replica
+        from tessel.pipeline.flow import flow_stages, refuse_replica
 
         if replica is not None:
             raise refuse_replica(source)
@@ -138,6 +139,10 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
         m = 1  # nothing to overlap with: every row in one micro-batch, as one process runs them
     if paths:
         m = sum(p.micro_batches for p in paths)  # every path's slots
+    else:
+        from tessel.pipeline.flow import pipeline_path
+
+        paths = pipeline_path(stages, m)
     return RunPlan(
         source,
         plan.model_name,

@@ -78,7 +78,7 @@ LOGITS_BYTES_PER_ELEMENT = 4  # logits are upcast to float32 before sampling (vL
 
 def _check_emulated_memory(model: ModelSpec, cluster: Cluster, dtype: str) -> None:
     """An emulated device memory (`emulate: {memory_gib}`) must hold one decoder layer's weights:
-    streamed layers are copied into it whole (`tessel.pipeline.weight_stream`)."""
+    streamed layers are copied into it whole (`tessel.engine.weight_stream`)."""
     layer_bytes = L.weight_bytes(model, "layer", dtype)
     for device in cluster.devices:
         cap = getattr(device, "emulate_memory_gib", None)

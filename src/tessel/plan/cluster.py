@@ -34,7 +34,7 @@ plan as s times their type's peak FLOP/s and memory bandwidth: a way to run an u
 host (several CPU devices, one of them "slower"). The plan records each stage's `emulate_speed`.
 `emulate: {memory_gib: g, host_gbps: b}` makes its devices plan with g GiB of usable memory and a
 host link of b Gbit/s each way, and the runtime (on a CPU device) keeps the layers the plan offloads
-in a separate host copy, copied in at b Gbit/s (`tessel.pipeline.weight_stream`): emulation of a
+in a separate host copy, copied in at b Gbit/s (`tessel.engine.weight_stream`): emulation of a
 small device with a slow host link on one CPU, never a GPU figure.
 `emulate: {schedule: [[seconds, speed], ...]}` changes that speed at the given seconds since the
 stage started serving (`speed` holds before the first change): the plan records it as the stage's

@@ -1,7 +1,8 @@
 """When to remap a serving pipeline: a sliding window of what it measures, and the decision.
 
-One pure decision, run at one cadence by the pipeline server (`tessel.pipeline.remap_watch`) and by
-the simulator (`tessel.sim.remap`), so both reach the same decision from the same measurements.
+One pure decision, run at one cadence by the pipeline server
+(`tessel.pipeline.supervision.remap_watch`) and by the simulator (`tessel.sim.remap`), so both
+reach the same decision from the same measurements.
 
 The window (`RemapWindow`) holds samples of each stage's cumulative counters (micro-batches, busy
 seconds = compute + any emulated slowdown) and the requests seen (arrival time, prompt tokens; output

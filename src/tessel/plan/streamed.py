@@ -2,7 +2,7 @@
 
 The planner decides how many bytes a stage holds beyond its device memory (`offload_bytes`,
 `tessel.plan.solution`); the runtime can free device memory only by keeping whole decoder layers'
-weights in host memory and copying each in before it runs (`tessel.pipeline.weight_stream`). The
+weights in host memory and copying each in before it runs (`tessel.engine.weight_stream`). The
 device then still holds `STREAM_BUFFERS` layers' worth of buffers: the layer running and the copy of
 the next one (double buffering, as FlexGen and accelerate do). So streaming the last n layers of a
 stage frees

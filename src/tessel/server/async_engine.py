@@ -12,44 +12,21 @@ the steps of the requests already running nor the tokenizing of a short one on a
 
 A request that fails alone comes back as an output with finish_reason "error" and raises from its
 stream (400 for a `TesselError`, else 500). A step that fails for every request (the engine, not
-a request) fails the requests in flight with `EngineDeadError` (503) and recovers the way the
-error asks (`recovery_for`, `Recovery`):
+a request) fails the requests in flight with `EngineDeadError` (503), and the error says what can
+bring the engine back (`recovery_for`, `Recovery`):
 
-- RESTART (any error that says nothing): clear the engine's requests and step on;
-- REBUILD (`recovery = "rebuild"`: a pipeline stage died or fell silent, the process group is
-  broken): `rebuild(old_engine)` builds a new engine (a new pipeline: after a lost stage, on the
-  surviving stages, `ServedPipelineEngine.rebuilt`) on the engine thread, and the requests in flight
-  are moved into it (`tessel.pipeline.remap.migrate_requests`: recomputed there, their streams go
-  on without an error or a repeated token). While it runs, `/health` answers 503 naming the failure,
-  with `Retry-After`, and new requests wait for the new engine. When the rebuild fails (the
-  survivors cannot hold the model: `SurvivorsTooSmallError`), what was in flight fails with 503 and
-  the reason;
-- NONE: nothing this process can do.
+- RESTART (any error that says nothing): clear the engine's requests and step on, up to
+  `max_restarts` times; past that, `on_dead` is called (`tessel serve` exits, so a supervisor can
+  restart it);
+- NONE (a pipeline lost for good: no rebuild left, or the stages left cannot hold the model): the
+  server stays up without an engine, answering 503 with the cause on `/health` and to every
+  request, instead of exiting and leaving its clients with refused connections.
 
-Live remap: `remap(new_plan: Path | RunPlan, reason: str) -> concurrent.futures.Future[RemapReport]`
-(any thread) moves a pipeline engine (`ServedPipelineEngine`) to another split while it serves:
-1. on the engine thread, between two steps, `engine.successor(new_plan)` spawns the new split's
-   stage processes (`PendingPipeline`), which load their layers and then wait to join;
-2. on a background thread, `PendingPipeline.load()` loads the new stage 0's layers here and waits
-   until every new stage has loaded; the old pipeline serves meanwhile;
-3. on the engine thread, between two steps (the switch): the old pipeline's micro-batches in
-   flight are finished and delivered, the old stages stopped, the new process group joined, and the
-   unfinished requests moved into the new engine (recomputed); commands (new requests) that came
-   meanwhile run right after, so a new request waits at most one switch.
-The future resolves once every moved stream has its next token: `RemapReport` gives `load_s`,
-`switch_s`, the requests `moved` and `max_gap_s`, the longest time between two tokens of a moved
-stream (also logged). A remap that fails halfway resolves with `ok=False`, `rolled_back=True` and
-the `error`: a new stage that dies or runs out of memory while loading leaves the old pipeline
-serving untouched (its stages are stopped); a failure while joining (after the old one stopped)
-builds the old split again and moves the requests there. A remap refused before anything started
-(a bad plan, one already under way, an engine that is not a pipeline) raises `TesselError` from the
-future. Remaps do not count against `max_restarts`.
-
-Each restart and each rebuild counts against `max_restarts`. A RESTART failure past the budget
-calls `on_dead` (`tessel serve` exits, so a supervisor can restart it). A REBUILD failure past
-the budget, one with no `rebuild`, a rebuild that fails and a NONE failure leave the server up
-for good without an engine, answering 503 with the cause on `/health` and to every request,
-instead of exiting and leaving its clients with refused connections.
+A lost pipeline stage never reaches this loop as a failure: the supervisor behind a pipeline engine
+(`engine.supervisor`, `tessel serve --plan`) rebuilds the pipeline inside the engine's step and
+moves the requests into it. While it does, `engine.recovering` names the failure and `/health`
+answers 503 with `Retry-After`; new requests wait for the step to end. A live remap is the engine's
+too (`remap` here only hands it on and wakes the engine's thread).
 
 The server holds at most `max_pending` unfinished requests (running plus waiting); one more is
 refused with `QueueFullError` (HTTP 429) instead of queueing without bound.
@@ -59,13 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -76,36 +51,13 @@ from tessel.server.limits import DEFAULT_MAX_ENGINE_RESTARTS, DEFAULT_TOKENIZER_
 T = TypeVar("T")
 
 _JOIN_TIMEOUT_S = 30.0  # how long stop() waits for a step in progress to end
-REBUILD_RETRY_AFTER_S = 5  # Retry-After while the engine is being rebuilt, before one rebuild was timed
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RemapReport:
-    """What a remap (or a rebuild after a lost stage) did, for logs and for whoever asked for it."""
-
-    reason: str
-    plan: str  # the plan file of the pipeline asked for
-    ok: bool
-    error: str | None = None  # why it failed (`ok` False)
-    rolled_back: bool = False  # it failed and the old split serves (requests intact)
-    load_s: float = 0.0  # spawning the new stages until every stage had loaded its layers
-    switch_s: float = 0.0  # the engine thread's pause: old pipeline drained and stopped, new joined
-    moved: int = 0  # requests moved into the new pipeline (recomputed there)
-    max_gap_s: float | None = None  # the longest time between two tokens of a moved stream
-
-
-def _plan_name(engine: Any) -> str:
-    plan = getattr(engine, "plan", None)
-    return str(getattr(plan, "path", "?"))
 
 
 class Recovery(str, Enum):
     """What brings the engine back after a step failed for every request."""
 
     RESTART = "restart"  # fail the requests in flight, clear the engine and step on
-    REBUILD = "rebuild"  # the engine is broken (a pipeline lost a stage): build a new one
+    REBUILD = "rebuild"  # a pipeline lost a stage: its supervisor builds a new one (never seen here)
     NONE = "none"  # nothing this process can do
 
 
@@ -196,12 +148,6 @@ class AsyncEngine:
         self.max_restarts = max_restarts
         self.num_restarts = 0
         self.on_dead: Callable[[], None] | None = None  # called once the engine cannot restart
-        # builds a new engine in place of the broken one it is given (which it closes first)
-        self.rebuild: Callable[[Any], Any] | None = None
-        self.rebuilding: BaseException | None = None  # the failure being recovered from by a rebuild
-        self.num_rebuilds = 0
-        self._dead_note = ""  # why the engine stays down, after the cause
-        self._retry_after_s = REBUILD_RETRY_AFTER_S
         self.on_outputs: Callable[[list[Any], float], None] | None = None  # each step's outputs (metrics)
         self.num_aborted = 0  # requests aborted before they finished (clients that went away)
         self.error: BaseException | None = None
@@ -214,11 +160,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}  # engine thread only
         self._pending_lock = threading.Lock()
         self._pending: set[str] = set()
-        self._remapping = False  # a remap is under way (one at a time)
-        self.last_recovery: RemapReport | None = None  # the last rebuild's figures
-        self._last_token_s: dict[str, float] = {}  # engine thread: when each stream got its last token
-        self._gap_watch: dict[str, float] = {}  # streams moved by the last switch, not yet resumed
-        self._gap_report: tuple[RemapReport, Future | None] | None = None
+        engine.wake = self._wake  # a pipeline's supervisor wakes the engine thread when it has work
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -244,15 +186,17 @@ class AsyncEngine:
     def unavailable(self) -> EngineDeadError | None:
         """Why the engine cannot take requests now (503, with Retry-After while it is rebuilt), or None."""
         with self._cond:
-            rebuilding, error, stopping = self.rebuilding, self.error, self._stopping
+            error, stopping = self.error, self._stopping
+        supervisor = getattr(self.engine, "supervisor", None)
+        rebuilding = getattr(self.engine, "recovering", None)
         if rebuilding is not None:
             return EngineDeadError(
                 f"the engine failed: {_describe(rebuilding)}; the pipeline is restarting (rebuild "
-                f"{self.num_restarts} of at most {self.max_restarts}); retry the request",
-                retry_after_s=self._retry_after_s,
+                f"{supervisor.num_rebuilds} of at most {supervisor.max_rebuilds}); retry the request",
+                retry_after_s=supervisor.retry_after_s,
             )
         if error is not None:
-            return EngineDeadError(f"the engine failed: {_describe(error)}{self._dead_note}")
+            return EngineDeadError(f"the engine failed: {_describe(error)}")
         if stopping:
             return EngineDeadError("the server is shutting down")
         if self._thread is None or not self._thread.is_alive():
@@ -270,11 +214,25 @@ class AsyncEngine:
         """Run `fn` on the engine thread (between two steps) and return its result."""
         return await asyncio.wrap_future(self.submit(fn))
 
+    def _wake(self) -> None:
+        self.submit(lambda: None)
+
+    def remap(self, new_plan: Any, reason: str) -> Future:
+        """Move serving to the pipeline of `new_plan` without stopping (the engine's supervisor does;
+        see `tessel.pipeline.supervision.supervisor`); callable from any thread."""
+        return self.engine.remap(new_plan, reason)
+
+    @property
+    def last_recovery(self) -> Any:
+        """The last rebuild's figures (a pipeline engine's supervisor's), or None."""
+        supervisor = getattr(self.engine, "supervisor", None)
+        return None if supervisor is None else supervisor.last_recovery
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` on the engine thread between two steps (callable from any thread)."""
         future: Future = Future()
         with self._cond:
-            refused = self.error is not None or self._stopping  # while rebuilding: run on the new engine
+            refused = self.error is not None or self._stopping
             if not refused:
                 self._commands.append((fn, future))
                 self._cond.notify_all()
@@ -333,8 +291,6 @@ class AsyncEngine:
         self._queues[request_id] = (queue, loop)
 
     def _abort_now(self, request_id: str) -> None:
-        self._gap_watch.pop(request_id, None)
-        self._last_token_s.pop(request_id, None)
         if self._queues.pop(request_id, None) is None:
             return  # finished (or never added) before the abort came
         self.engine.abort_request(request_id)
@@ -355,8 +311,6 @@ class AsyncEngine:
                         future.set_result(fn())
                     except BaseException as error:  # handed to the awaiting coroutine
                         future.set_exception(error)
-            if self.error is not None:
-                return  # a command left the server without an engine (a remap that could not roll back)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -369,7 +323,6 @@ class AsyncEngine:
                 self._die(error)
                 return
             self._observe(outputs)
-            self._track(outputs)
             for output in outputs:
                 self._deliver(output.request_id, output, finished=output.finished)
         stopped = EngineDeadError("the server is shutting down")
@@ -390,223 +343,11 @@ class AsyncEngine:
 
     def _recover(self, error: BaseException) -> bool:
         """Recover from a step that failed for every request; False: the engine stays down."""
-        recovery = recovery_for(error)
-        spent = self.num_restarts >= self.max_restarts
-        if recovery is Recovery.RESTART and not spent:
+        if recovery_for(error) is Recovery.RESTART and self.num_restarts < self.max_restarts:
             self._restart(error)
             return True
-        if recovery is Recovery.RESTART:
-            self._die(error)
-            return False
-        if recovery is Recovery.REBUILD and self.rebuild is not None and not spent:
-            return self._rebuild(error)
-        if recovery is Recovery.REBUILD and self.rebuild is not None:
-            self._dead_note = (
-                f"; the pipeline was rebuilt {self.num_rebuilds} times and no restarts are left "
-                f"(--max-engine-restarts {self.max_restarts}): it stays down until the server restarts"
-            )
-        self._die(error, notify=False)
+        self._die(error, notify=recovery_for(error) is Recovery.RESTART)
         return False
-
-    def _rebuild(self, error: BaseException) -> bool:
-        """Build a new engine in place of this one and move the requests in flight into it
-        (`tessel.pipeline.remap.migrate_requests`: they continue, recomputed); False (the server stays
-        up without an engine, what was in flight fails with 503 and the reason) when that fails."""
-        with self._cond:
-            self.num_restarts += 1
-            self.rebuilding = error
-        log.warning(
-            "tessel: rebuilding the pipeline (%d of at most %d) after %s; %d requests in flight wait",
-            self.num_restarts,
-            self.max_restarts,
-            _describe(error),
-            len(self._queues),
-        )
-        started = time.monotonic()
-        old = self.engine
-        try:
-            engine = self.rebuild(old)
-        except Exception as rebuild_error:
-            took_s = time.monotonic() - started
-            failure = _describe(rebuild_error)
-            log.error("tessel: the pipeline rebuild failed after %.1f s: %s", took_s, failure)
-            self._dead_note = f" (rebuilding the pipeline after {_describe(error)})"
-            self._die(rebuild_error, notify=False)
-            return False
-        report = RemapReport(f"rebuild after {_describe(error)}", _plan_name(engine), ok=True)
-        self._install(old, engine, report, started)
-        log.warning(
-            "tessel: the pipeline is back after %.1f s with %d requests moved into it (cause: %s)",
-            report.switch_s,
-            report.moved,
-            _describe(error),
-        )
-        with self._cond:
-            self.num_rebuilds += 1
-            self._retry_after_s = max(1, round(report.switch_s))
-            self.rebuilding = None
-            self.last_recovery = report
-        self._settle_gap()
-        return True
-
-    # ---- moving to a new pipeline ----------------------------------------------------------------
-
-    def remap(self, new_plan: Any, reason: str) -> Future[RemapReport]:
-        """Move serving to the pipeline of `new_plan` (a plan file path or a `RunPlan`) without
-        stopping: see the module's "Live remap". Callable from any thread; the future's result is a
-        `RemapReport` (`ok` False: the remap failed and rolled back, `error` says why); it raises
-        `TesselError` when the remap is refused before anything started (a bad plan, one already
-        under way, an engine that cannot remap)."""
-        done: Future = Future()
-        if not hasattr(self.engine, "successor"):
-            done.set_exception(TesselError("this engine cannot remap: it is not a pipeline (serve --plan)"))
-            return done
-        with self._cond:
-            busy = self._remapping
-            self._remapping = True
-        if busy:
-            done.set_exception(TesselError("a remap is already under way; wait for its future"))
-            return done
-        report = RemapReport(reason, str(getattr(new_plan, "path", new_plan)), ok=False)
-        spawned = self.submit(lambda: self.engine.successor(new_plan))  # spawned on the engine thread
-
-        def load(spawned: Future) -> None:
-            error = spawned.exception()
-            if error is not None:
-                self._remap_done(done, report, error=error, refused=True)
-                return
-            pending = spawned.result()
-            started = time.monotonic()
-            try:
-                pending.load()
-            except Exception as load_error:  # a new stage died, ran out of memory, ...
-                pending.abandon()
-                report.load_s = time.monotonic() - started
-                self._remap_done(done, report, error=load_error)
-                return
-            report.load_s = time.monotonic() - started
-            switched = self.submit(lambda: self._switch(pending, report, done))
-            switched.add_done_callback(lambda f: self._switch_failed(f, pending, done, report))
-
-        spawned.add_done_callback(lambda f: threading.Thread(target=load, args=(f,), daemon=True).start())
-        return done
-
-    def _switch(self, pending: Any, report: RemapReport, done: Future) -> None:
-        """Engine thread, between two steps: finish the old pipeline's micro-batches in flight, stop
-        it, join the new one and move the requests into it; when joining fails, rebuild the old split
-        and move them there (rolled back)."""
-        started = time.monotonic()
-        old = self.engine
-        try:
-            outputs = old.drain()
-        except Exception as error:  # the old pipeline broke meanwhile: its requests are recomputed
-            log.warning("tessel: remap: the old pipeline failed while draining: %s", _describe(error))
-            outputs = []
-        self._observe(outputs)
-        self._track(outputs)
-        for output in outputs:
-            self._deliver(output.request_id, output, finished=output.finished)
-        old.close()
-        try:
-            engine = pending.join()
-        except Exception as join_error:
-            report.error = f"joining the new pipeline failed: {_describe(join_error)}"
-            log.error("tessel: remap (%s) failed: %s; rolling back", report.reason, report.error)
-            try:
-                engine = old.restarted(self)
-            except Exception as rollback_error:
-                self._dead_note = f" (rolling back a failed remap: {report.error})"
-                self._die(rollback_error, notify=False)
-                self._remap_done(done, report, error=rollback_error)
-                return
-            report.rolled_back = True
-            self._install(old, engine, report, started)
-            self._remap_done(done, report, error=join_error)
-            return
-        engine.watch_stages(self)
-        self._install(old, engine, report, started)
-        report.ok = True
-        log.warning(
-            "tessel: remapped (%s) to %s: loaded beside in %.1f s, switched in %.2f s, %d requests moved",
-            report.reason,
-            report.plan,
-            report.load_s,
-            report.switch_s,
-            report.moved,
-        )
-        self._gap_report = (report, done)
-        self._settle_gap()
-
-    def _switch_failed(self, switched: Future, pending: Any, done: Future, report: RemapReport) -> None:
-        """The switch never ran (the engine is down) or raised: stop the new stages, say so."""
-        error = switched.exception()
-        if error is not None:
-            pending.abandon()
-            self._remap_done(done, report, error=error)
-
-    def _install(self, old: Any, engine: Any, report: RemapReport, started: float) -> None:
-        """Engine thread: `engine` serves from now on, with `old`'s unfinished requests moved in."""
-        from tessel.pipeline.remap import migrate_requests
-
-        moved = migrate_requests(old, engine)
-        with self._cond:
-            self.engine = engine
-        now = time.monotonic()
-        report.switch_s = now - started
-        report.moved = len(moved)
-        self._gap_watch = {rid: self._last_token_s.get(rid, now) for rid in moved if rid in self._queues}
-        report.max_gap_s = 0.0
-        self._gap_report = (report, None)
-
-    def _settle_gap(self) -> None:
-        """Resolve a remap's future once every moved stream has its next token (or ended)."""
-        if self._gap_report is None or self._gap_watch:
-            return
-        report, done = self._gap_report
-        self._gap_report = None
-        log.warning(
-            "tessel: %s: the longest gap between two tokens of a moved stream was %.2f s",
-            report.reason,
-            report.max_gap_s,
-        )
-        if done is not None:
-            self._remap_done(done, report)
-
-    def _track(self, outputs: list[Any]) -> None:
-        """Note when each stream got its last token; measure the gap of the streams a switch moved."""
-        if not outputs:
-            return
-        now = time.monotonic()
-        for output in outputs:
-            rid = output.request_id
-            since = self._gap_watch.pop(rid, None)
-            if since is not None and self._gap_report is not None:
-                report = self._gap_report[0]
-                report.max_gap_s = max(report.max_gap_s or 0.0, now - since)
-            if output.finished:
-                self._last_token_s.pop(rid, None)
-            else:
-                self._last_token_s[rid] = now
-        if self._gap_report is not None and not self._gap_watch:
-            self._settle_gap()
-
-    def _remap_done(
-        self, done: Future, report: RemapReport, error: BaseException | None = None, refused: bool = False
-    ) -> None:
-        with self._cond:
-            self._remapping = False
-        if done.done():
-            return
-        if refused:
-            done.set_exception(error)
-            return
-        if error is not None:
-            report.ok = False
-            report.error = report.error or _describe(error)
-            if not report.rolled_back:
-                report.rolled_back = self.error is None  # the old pipeline never stopped
-            log.error("tessel: remap (%s) failed and rolled back: %s", report.reason, report.error)
-        done.set_result(report)
 
     def _restart(self, error: BaseException) -> list[Any]:
         """Fail what is in flight with 503, clear the engine and go on; -> no outputs to deliver."""
@@ -628,8 +369,7 @@ class AsyncEngine:
         """Fail everything with 503 and stop the loop; `notify`: call `on_dead` (the server exits)."""
         with self._cond:
             self.error = error
-            self.rebuilding = None
-        dead = EngineDeadError(f"the engine failed: {_describe(error)}{self._dead_note}")
+        dead = EngineDeadError(f"the engine failed: {_describe(error)}")
         for request_id in list(self._queues):
             self._deliver(request_id, dead, finished=True)
         self._fail_commands(dead)

@@ -18,11 +18,11 @@ at scrape time: `tessel:num_preemptions_total{mode}` (mode "swap" or "recompute"
 "to_device") and `tessel:kv_swap_fallbacks_total` (swaps that found the host pool full and
 recomputed instead).
 
-An engine with `stage_gauges()` (a pipeline, `tessel serve --plan`) adds, per stage,
+A pipeline engine's supervisor (`tessel serve --plan`) adds, per stage,
 `tessel:stage_up{stage,device}` (1 while its process runs) and
 `tessel:stage_heartbeat_age_seconds{stage}` (stages after the first: seconds since its heartbeat).
 
-A pipeline server's remap watcher (`RemapCollector`, `tessel.pipeline.remap_watch`) adds
+A pipeline server's remap watcher (`RemapCollector`, `tessel.pipeline.supervision.remap_watch`) adds
 `tessel:stage_step_seconds{stage,device,source}` (source "measured": mean busy seconds per
 micro-batch over the watch window; "predicted": the plan's), `tessel:workload{quantity,source}`
 (arrival_rate_per_s, mean_prompt_tokens, mean_output_tokens; measured or planned) and, with
@@ -65,9 +65,9 @@ class _EngineGauges(Collector):
         stats = getattr(self.engine, "preemption_stats", None)
         if stats is not None:
             yield from _preemption_families(stats)
-        stage_gauges = getattr(self.engine, "stage_gauges", None)
-        if stage_gauges is not None:
-            yield from _stage_families(stage_gauges())
+        supervisor = getattr(self.engine, "supervisor", None)
+        if supervisor is not None:
+            yield from _stage_families(supervisor.stage_gauges())
 
 
 def _preemption_families(stats: Any) -> Iterator[CounterMetricFamily]:

@@ -1,7 +1,7 @@
 """The remap decision in the simulator: the server's decision function, at its cadence.
 
 A simulated run (with the plan's emulated speed schedules, `SimConfig.slowdowns`) is read back as
-the pipeline server's watcher reads a live one (`tessel.pipeline.remap_watch`): every `interval_s`
+the pipeline server's watcher reads a live one (`tessel.pipeline.supervision.remap_watch`): every `interval_s`
 each stage's cumulative micro-batches and busy seconds (its compute boxes that ended by then), the
 requests that arrived (prompt tokens) and finished (output tokens) go into a `RemapWindow`, and
 `RemapDecider.evaluate` decides. The replay stops at the first remap the decision takes: the

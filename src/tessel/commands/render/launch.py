@@ -23,7 +23,7 @@ STAGE_COLUMNS = (
     "MBU %",
 )
 
-# per stage with streamed weights (`tessel.pipeline.weight_stream`): its host layers, and per
+# per stage with streamed weights (`tessel.engine.weight_stream`): its host layers, and per
 # micro-batch the transfer time its compute waited for and the time hidden under compute
 STREAM_COLUMNS = ("streamed layers", "transfer exposed ms/step", "transfer hidden ms/step")
 

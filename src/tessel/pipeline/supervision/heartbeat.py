@@ -2,7 +2,7 @@
 
 A stage the launcher spawns runs a daemon thread that rewrites `stage<k>.beat` in the run
 directory every `beat_interval_s(timeout)` with the time and the stage's `Progress`, from the
-first lines of the process (`tessel.pipeline.worker` starts it before importing torch) to its end.
+first lines of the process (`tessel.pipeline.stage.worker` starts it before importing torch) to its end.
 The progress names the stage's phase: `starting` (importing torch and the runtime), `loading` (its
 layers), `joining` (the process group) and `serving`. The launcher's `Watchdog` fails the run when
 
@@ -87,14 +87,16 @@ class Progress:
     """What a stage's main thread is doing: its phase (`PHASES`), and, once serving, what its
     `StageComm` sets as messages move (wall times)."""
 
-    phase: str = "serving"  # a stage process starts its heartbeat with "starting" (`tessel.pipeline.worker`)
+    phase: str = (
+        "serving"  # a stage process starts its heartbeat with "starting" (`tessel.pipeline.stage.worker`)
+    )
     phase_since: float = field(default_factory=time.time)
     last_s: float = field(default_factory=time.time)  # the last time work moved through this stage
     active_since: float | None = None  # computing a received micro-batch since (stages >= 1)
     last_batch: int = -1  # the last micro-batch this stage handed on (stage 0: got the tokens of)
     owed_since: float | None = None  # stage 0: waiting for the tokens of `owed_batch` since
     owed_batch: int | None = None
-    # what the stage computed so far (`StageExecutor.account`): the remap watcher's step times
+    # what the stage computed so far (`StageRunner.account`): the remap watcher's step times
     batches: int = 0
     tokens: int = 0
     busy_s: float = 0.0  # compute + emulation sleep

@@ -2,7 +2,7 @@
 `--remap auto`'s decisions.
 
 Every `interval_s` a daemon thread samples the serving pipeline (whichever engine the server drives
-now): stage 0's own counters (`StageExecutor.stats`) and every other stage's heartbeat (its
+now): stage 0's own counters (`StageRunner.stats`) and every other stage's heartbeat (its
 `Progress` carries its micro-batches and busy seconds, compute + any emulated slowdown). The
 server's outputs give the requests (arrival time and prompt tokens at the first token, output tokens
 at the finish). A `RemapWindow` turns them into per-stage seconds per micro-batch and the workload
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessel.pipeline.heartbeat import read_beat
+from tessel.pipeline.flow import is_flow
+from tessel.pipeline.supervision.heartbeat import read_beat
 from tessel.plan.cluster import load_cluster
 from tessel.plan.remap_decision import (
     OUTCOMES,
@@ -77,11 +78,12 @@ class RemapWatch:
         self._lock = threading.Lock()  # the window: the engine thread adds requests, this one samples
         self._stop = threading.Event()
         self._engine = async_engine.engine
+        self._executor = self._engine.executor
         self._remap_future = None
         self._pending: RemapDecision | None = None
         self.decider = None
         if mode == "auto":
-            plan = served_plan(self._engine)
+            plan = served_plan(self._executor)
             cluster = load_cluster(plan.cluster.source or plan.cluster.name)
             self.decider = RemapDecider(plan, cluster, settings)
         previous = async_engine.on_outputs
@@ -117,12 +119,14 @@ class RemapWatch:
                     self._seen.discard(rid)
                     self.window.observe_finish(now_s, out.num_output_tokens)
 
-    def sample(self, engine: Any) -> list[StageCounters] | None:
+    def sample(self, executor: Any) -> list[StageCounters] | None:
         """Each stage's cumulative counters now (None while a stage has not beaten yet)."""
-        stats = engine.stage.stats
+        if executor.stage is None or executor.stages is None:
+            return None  # not started yet
+        stats = executor.stage.stats
         counters = [StageCounters(stats.batches, stats.compute_s + stats.emulation_sleep_s)]
-        for rank in range(1, len(engine.plan.stages)):
-            beat = read_beat(engine.stages.run_dir, rank)
+        for rank in range(1, len(executor.plan.stages)):
+            beat = read_beat(executor.stages.run_dir, rank)
             if beat is None:
                 return None
             counters.append(StageCounters(beat.progress.batches, beat.progress.busy_s))
@@ -130,9 +134,9 @@ class RemapWatch:
 
     # ---- what /metrics reads ---------------------------------------------------------------------
     def stage_steps(self) -> list[StageStep]:
-        if getattr(self._engine.plan, "paths", ()):
+        if is_flow(self._executor.plan):
             return []  # a flow plan's placements have no per-stage prediction to set beside them yet
-        plan, stats = served_plan(self._engine), self.last_stats
+        plan, stats = served_plan(self._executor), self.last_stats
         predicted = predicted_step_s(plan)
         measured = stats.step_s if stats is not None and len(stats.step_s) == len(predicted) else None
         return [
@@ -143,7 +147,7 @@ class RemapWatch:
     def workload(self) -> dict[str, tuple[float | None, float | None]]:
         """quantity -> (measured over the window, the plan's)."""
         stats = self.last_stats
-        planned = plan_workload(served_plan(self._engine))
+        planned = plan_workload(served_plan(self._executor))
         return {
             "arrival_rate_per_s": (stats and stats.arrival_rate_per_s, planned.arrival_rate_per_s),
             "mean_prompt_tokens": (stats and stats.mean_prompt_tokens, planned.prompt_tokens.mean_tokens),
@@ -159,10 +163,10 @@ class RemapWatch:
                 self.echo(f"tessel: remap watch: {type(error).__name__}: {error}")
 
     def tick(self, now_s: float) -> RemapDecision | None:
-        engine = self.async_engine.engine
-        if engine is not self._engine:  # a remap or a rebuild: its stages count afresh
-            self._follow(engine, now_s)
-        counters = self.sample(engine) if hasattr(engine, "stages") else None
+        executor = self._engine.executor
+        if executor is not self._executor:  # a remap or a rebuild: its stages count afresh
+            self._follow(executor, now_s)
+        counters = self.sample(executor)
         with self._lock:
             if counters is not None:
                 self.window.observe_stages(now_s, counters)
@@ -179,12 +183,12 @@ class RemapWatch:
             self._ask(decision, now_s)
         return decision
 
-    def _follow(self, engine: Any, now_s: float) -> None:
-        self._engine = engine
+    def _follow(self, executor: Any, now_s: float) -> None:
+        self._executor = executor
         with self._lock:
             self.window.reset()
         if self.decider is not None and self._pending is None:
-            self.decider.plan = served_plan(engine)  # rebuilt on survivors: hold its plan
+            self.decider.plan = served_plan(executor)  # rebuilt on survivors: hold its plan
 
     def _ask(self, decision: RemapDecision, now_s: float) -> None:
         directory = self._plan_dir or Path(tempfile.mkdtemp(prefix="tessel-remap-"))
@@ -214,10 +218,10 @@ class RemapWatch:
         self._pending, self._remap_future = None, None
 
 
-def served_plan(engine: Any):
-    """The plan file of the pipeline `engine` runs: its plan's, with one replica's stages when it
+def served_plan(executor: Any):
+    """The plan file of the pipeline `executor` runs: its plan's, with one replica's stages when it
     serves one replica of a replica plan (`--replica K`)."""
-    run_plan = engine.plan
+    run_plan = executor.plan
     plan = run_plan.plan_file
     replica = getattr(run_plan, "replica", None)
     if replica is None or not plan.replicas:

@@ -4,7 +4,7 @@ Each worker gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_AD
 a free port) and `TESSEL_RUN_DIR`, where it writes its status (`stage<k>.json`), its heartbeat
 (`stage<k>.beat`) and its stderr (`stage<k>.log`). The launcher polls them: when one exits with an
 error, sends no heartbeat for the heartbeat timeout, or the pipeline is stuck
-(`tessel.pipeline.heartbeat`), the others are terminated (SIGTERM and SIGCONT, then SIGKILL after
+(`tessel.pipeline.supervision.heartbeat`), the others are terminated (SIGTERM and SIGCONT, then SIGKILL after
 `TERMINATE_GRACE_S`) and a `StageFailedError` names the stage and the cause: the exception it
 reported, the signal that killed it, or its silence. A stage whose only error is a lost peer is a
 consequence, not a cause, and is named only if nothing else failed. Workers die with the launcher
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.pipeline.heartbeat import (
+from tessel.pipeline.supervision.heartbeat import (
     HEARTBEAT_TIMEOUT_ENV,
     RUN_DIR_ENV,
     Progress,
@@ -66,7 +66,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -91,18 +91,18 @@ def spawn_worker(
     world_size: int,
     port: int,
     run_dir: Path,
-    argv: list[str],
+    options_file: Path,
     heartbeat_timeout: float | None = None,
 ) -> subprocess.Popen:
     """Stage `rank` as a child process; `heartbeat_timeout`: seconds (None: the env's or 30 s)."""
     log = open(run_dir / f"stage{rank}.log", "wb")  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "tessel.pipeline.worker", *argv],
+            [sys.executable, "-m", "tessel.pipeline.stage.worker", "--options", str(options_file)],
             env=worker_env(rank, world_size, port, run_dir, heartbeat_timeout),
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
         )
     finally:
         log.close()
@@ -221,7 +221,7 @@ class LocalStages:
 
     def __init__(
         self,
-        argv: list[str],
+        options_file: Path,
         num_stages: int,
         run_dir: Path,
         port: int,
@@ -240,7 +240,7 @@ class LocalStages:
         self._lock = threading.Lock()  # the watcher and the engine thread both ask `failure()`
         try:
             for rank in range(1, num_stages):
-                self.procs.append(spawn_worker(rank, num_stages, port, run_dir, argv, timeout_s))
+                self.procs.append(spawn_worker(rank, num_stages, port, run_dir, options_file, timeout_s))
         except BaseException:
             terminate(self.procs)
             raise
@@ -278,6 +278,23 @@ class LocalStages:
     def _exited(self) -> list[tuple[int, int]]:
         return [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
 
+    def wait_loaded(self, timeout_s: float | None = None) -> None:
+        """Wait until every stage has loaded its layers (its status says so); raises the
+        `StageFailedError` of a stage that died (out of memory, ...) or fell silent meanwhile, and a
+        TimeoutError after `timeout_s` (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not all(read_status(self.run_dir, r).get("state") in ("loaded", "ready") for r in self.ranks):
+            failure = self.failure()
+            if failure is not None:
+                raise failure
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the new stages did not load their layers within {timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    @property
+    def ranks(self) -> range:
+        return range(1, len(self.procs) + 1)
+
     def stop(self) -> None:
         """Terminate every stage process; their exits are not failures to report."""
         with self._lock:
@@ -286,9 +303,9 @@ class LocalStages:
 
 
 def launch(
-    argv: list[str], num_stages: int, run_dir: Path, heartbeat_timeout: float | None = None
+    options_file: Path, num_stages: int, run_dir: Path, heartbeat_timeout: float | None = None
 ) -> LaunchResult:
-    """Run `python -m tessel.pipeline.worker ARGV` as `num_stages` stages; -> their statuses.
+    """Run `python -m tessel.pipeline.stage.worker ARGV` as `num_stages` stages; -> their statuses.
 
     `heartbeat_timeout`: seconds a stage may stay silent (None: `TESSEL_HEARTBEAT_TIMEOUT_S` or 30)."""
     timeout_s = heartbeat_timeout_s(heartbeat_timeout)
@@ -298,7 +315,7 @@ def launch(
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(num_stages):
-            procs.append(spawn_worker(rank, num_stages, port, run_dir, argv, timeout_s))
+            procs.append(spawn_worker(rank, num_stages, port, run_dir, options_file, timeout_s))
     except BaseException:
         terminate(procs)
         raise

@@ -15,10 +15,10 @@ was in `TESSEL_EMULATE_EPOCH` (wall-clock seconds), which stage processes spawne
 pipeline) inherit, so a device's schedule runs on through a remap; without it, a stage counts from
 its own first micro-batch. `StageStats` and, where attached, the heartbeat's
 `Progress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
-watcher reads (`tessel.pipeline.remap_watch`).
+watcher reads (`tessel.pipeline.supervision.remap_watch`).
 
 A stage whose plan offloads layers streams their weights from host memory
-(`tessel.pipeline.weight_stream`) and counts the copies' exposed and hidden seconds in its stats;
+(`tessel.engine.weight_stream`) and counts the copies' exposed and hidden seconds in its stats;
 the emulated slowdown scales its compute without the time it waited for copies.
 """
 
@@ -35,15 +35,15 @@ from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
+from tessel.engine.weight_stream import HostWeights, WeightStreamer, host_copy, start_streaming
 from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.sampler import _exponential
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
-from tessel.pipeline.comm import BatchMessage, KvLayout
-from tessel.pipeline.heartbeat import Progress
-from tessel.pipeline.weight_stream import HostWeights, WeightStreamer, host_copy, start_streaming
+from tessel.pipeline.comm.messages import BatchMessage, KvLayout
+from tessel.pipeline.supervision.heartbeat import Progress
 from tessel.plan.plan_file import emulated_speed_at
 
 EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from
@@ -67,7 +67,7 @@ class StageStats:
     tokens: int = 0
     cpp_prompts: int = 0  # prompts cut into CPP chunks (stage 0)
     cpp_chunks: int = 0
-    # streamed weights (`tessel.pipeline.weight_stream`; all 0 when the stage streams none)
+    # streamed weights (`tessel.engine.weight_stream`; all 0 when the stage streams none)
     stream_layers: int = 0  # layers whose weights stay in host memory
     stream_host_bytes: int = 0  # their host copy
     stream_buffer_bytes: int = 0  # the device buffers they are copied into
@@ -82,7 +82,7 @@ class StageStats:
 
 
 @dataclass(slots=True)
-class StageExecutor:
+class StageRunner:
     model: LlamaForCausalLM
     part: LayerFilter
     emulate_speed: float = 1.0
@@ -141,7 +141,7 @@ class StageExecutor:
             self.model.model.embed_tokens = torch.nn.Identity()  # the packed head has its own copy
 
     def start_streaming(self, device: torch.device) -> None:
-        """Once the runner is built: stream the part's host layers (`tessel.pipeline.weight_stream`)."""
+        """Once the runner is built: stream the part's host layers (`tessel.engine.weight_stream`)."""
         if self.host_weights is None:
             return
         self.streamer = start_streaming(self.model, self.part, self.host_weights, device, self.host_gbps)

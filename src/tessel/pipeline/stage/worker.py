@@ -1,9 +1,9 @@
-"""A pipeline stage process: `python -m tessel.pipeline.worker --plan plan.json --model DIR ...`.
+"""A pipeline stage process: `python -m tessel.pipeline.stage.worker --plan plan.json --model DIR ...`.
 
-The entry point starts the stage's heartbeat (`tessel.pipeline.heartbeat`) before anything heavy is
-imported, so a stage stopped or stuck while Python imports torch, while it loads its layers or
-while it joins the process group is seen by the launcher's watchdog like one stopped while serving;
-then it runs the stage (`tessel.pipeline.stage_process`). This module imports no torch.
+The entry point starts the stage's heartbeat (`tessel.pipeline.supervision.heartbeat`) before
+anything heavy is imported, so a stage stopped or stuck while Python imports torch, while it loads
+its layers or while it joins the process group is seen by the watchdog like one stopped while
+serving; then it runs the stage (`tessel.pipeline.stage.process`). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ import sys
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.pipeline.heartbeat import RUN_DIR_ENV, Heartbeat, Progress, beat_interval_s, heartbeat_timeout_s
+from tessel.pipeline.supervision.heartbeat import (
+    RUN_DIR_ENV,
+    Heartbeat,
+    Progress,
+    beat_interval_s,
+    heartbeat_timeout_s,
+)
 
 
 def start_heartbeat(rank: int) -> Heartbeat | None:
@@ -32,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except TesselError as error:  # a bad TESSEL_HEARTBEAT_TIMEOUT_S
         print(f"tessel stage {rank}: error: {error}", file=sys.stderr)
         return error.exit_code
-    from tessel.pipeline.stage_process import run_stage_process  # torch: after the first beat
+    from tessel.pipeline.stage.process import run_stage_process  # torch: after the first beat
 
     return run_stage_process(argv, heartbeat)
 

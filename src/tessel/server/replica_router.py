@@ -1,7 +1,7 @@
 """One OpenAI endpoint over every replica of a plan: `tessel serve --plan P` when P has several.
 
 A process group runs one pipeline, so each replica runs as its own server (`tessel serve --plan P
---replica K`, `tessel.pipeline.replica_backends`) and this router, a FastAPI app, forwards each
+--replica K`, `tessel.server.replica_backends`) and this router, a FastAPI app, forwards each
 request to one of them: `/v1/completions` and `/v1/chat/completions`, streamed or not, with the
 backend's status code, body and `Retry-After` passed through, plus an `x-tessel-replica` header
 naming the replica that answered.
@@ -49,16 +49,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from tessel.errors import TesselError
-from tessel.pipeline.launcher import POLL_S
-from tessel.pipeline.replica_backends import (
+from tessel.pipeline.supervision.launcher import POLL_S
+from tessel.server.disconnect import unless_disconnected
+from tessel.server.replica_backends import (
     PROBE_TIMEOUT_S,
     Backend,
     ReplicaSpec,
     start_backends,
     stop_backends,
 )
-from tessel.server.disconnect import unless_disconnected
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RESEND_STATUSES = (429, 503)  # the backend took no work: the next replica may
@@ -553,26 +552,18 @@ class RouterOptions:
 
 def check_replicas(options: RouterOptions, specs: list[ReplicaSpec]) -> None:
     """Every replica's pipeline against the model and this machine, before any process starts."""
-    from tessel.pipeline.run import RunOptions
-    from tessel.pipeline.stage_process import parser, validate
+    from tessel.pipeline.checks import check_run
+    from tessel.pipeline.options import RunOptions
 
     for spec in specs:
-        run = RunOptions(options.plan, options.model, replica=spec.index)
-        validate(parser().parse_args(run.worker_argv(Path("unused.json"))))
-
-
-def load_tokenizer(model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model))
-    except (OSError, ValueError) as error:
-        raise TesselError(f"cannot load the tokenizer from {model}: {error}") from error
+        check_run(RunOptions(options.plan, options.model, replica=spec.index))
 
 
 def serve_replicas(options: RouterOptions, specs: list[ReplicaSpec], echo=print) -> None:
     """Start every replica's server, serve the router until it is stopped, then stop them all."""
     import uvicorn
+
+    from tessel.engine.llm_engine import load_tokenizer
 
     check_replicas(options, specs)
     tokenizer = load_tokenizer(options.model)

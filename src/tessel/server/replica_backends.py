@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from tessel.errors import TesselError
-from tessel.pipeline.launcher import POLL_S, _die_with_parent, free_port, terminate
+from tessel.pipeline.supervision.launcher import POLL_S, die_with_parent, free_port, terminate
 
 # Loading a model's weights before the backend answers: 140 GB (a 70B model in bf16) at 200 MB/s
 # from disk is 700 s; the rest is margin.
@@ -104,7 +104,7 @@ def spawn_backend(spec: ReplicaSpec, model: Path, plan: Path, options: list[str]
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
         )
     return Backend(spec, proc, port, log_path)
 

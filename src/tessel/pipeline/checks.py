@@ -1,4 +1,5 @@
-"""A run's requests checked against the model before any stage process starts.
+"""Everything checkable before a stage process starts: the plan against the model, the world and this
+machine's devices (`check_run`), and a run's requests against the model.
 
 Stage 0's engine checks a request when it is added, which is after every stage has loaded: a bad
 one would end the run with exit 1 once the stages are up. `check_prompt_chars` and
@@ -18,11 +19,64 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessel.engine.engine_config import EngineConfig
-from tessel.engine.llm_engine import _load_tokenizer, max_model_len
-from tessel.engine.sampling_params import check_text
+from tessel.engine.llm_engine import load_tokenizer, max_model_len
+from tessel.engine.sampling_params import SamplingParams, check_text
+from tessel.engine.weight_stream import check_offload
 from tessel.errors import TesselError
-from tessel.models.config import ModelConfig
-from tessel.pipeline.prompts_file import RunRequest
+from tessel.models.config import ModelConfig, resolve_dtype
+from tessel.models.reader import read_model
+from tessel.pipeline.devices import check_devices, cuda_devices, link_transports
+from tessel.pipeline.flow import PathFeatures
+from tessel.pipeline.options import RunOptions
+from tessel.pipeline.prompts_file import RunRequest, read_requests
+from tessel.pipeline.run_plan import RunPlan, load_run_plan
+from tessel.pipeline.supervision.heartbeat import heartbeat_timeout_s
+
+
+def check_run(
+    options: RunOptions, world_size: int | None = None, rank: int | None = None
+) -> tuple[RunPlan, ModelConfig]:
+    """The plan against the model, the world and this machine's devices (every stage's; under
+    torchrun, `rank`'s own); -> the plan and the model's config."""
+    if not options.model.is_dir():
+        raise TesselError(
+            f"--model {options.model} is not a directory; give a local Hugging Face model directory"
+        )
+    plan = load_run_plan(options.plan, options.replica)
+    config = read_model(options.model).config  # the one model reader: config and weights agree
+    plan.check_model(options.model.resolve().name, config.num_hidden_layers)
+    if world_size is not None and world_size != len(plan.stages):
+        raise TesselError(f"WORLD_SIZE is {world_size} but the plan has {len(plan.stages)} stages")
+    for name in ("micro_batches", "threads", "cpp_min_tokens"):
+        value = getattr(options, name)
+        if value is not None and value < 1:
+            raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not PathFeatures.of(plan).nccl and options.transport == "nccl":
+        raise TesselError("--transport nccl: a flow plan's placements pass micro-batches over gloo (host)")
+    link_transports(plan, options.transport)
+    check_devices(plan, cuda_devices(), None if rank is None else [rank])
+    dtype = resolve_dtype(options.dtype, config)
+    check_offload(plan.stages, config, dtype, None if rank is None else [rank])
+    return plan, config
+
+
+def run_requests(options: RunOptions) -> list[RunRequest]:
+    """The requests of a run (`--prompt`s, then the prompts file's), each checked for length."""
+    defaults = SamplingParams(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        max_tokens=options.max_tokens,
+        seed=options.seed,
+        ignore_eos=options.ignore_eos,
+    )
+    requests = [RunRequest(p, defaults, f"--prompt {i + 1}") for i, p in enumerate(options.prompts)]
+    if options.prompts_file is not None:
+        requests += read_requests(options.prompts_file, defaults)
+    if not requests:
+        raise TesselError("give at least one --prompt or a --prompts-file")
+    check_prompt_chars(requests, options.max_prompt_chars)
+    return requests
 
 
 def check_prompt_chars(requests: list[RunRequest], max_prompt_chars: int) -> None:
@@ -33,6 +87,15 @@ def check_prompt_chars(requests: list[RunRequest], max_prompt_chars: int) -> Non
                 f"{request.where}: the prompt has {len(request.prompt)} characters; at most "
                 f"{max_prompt_chars} are accepted (--max-prompt-chars)"
             )
+
+
+def check_options(options: RunOptions) -> int:
+    """Refuse what would fail in the stage processes (plan vs model, the requests against the
+    tokenizer and max_model_len) before any starts; -> the number of stages."""
+    heartbeat_timeout_s(options.heartbeat_timeout)
+    plan, config = check_run(options)
+    check_requests(run_requests(options), options.model, config, options.engine_kwargs())
+    return len(plan.stages)
 
 
 def check_requests(
@@ -75,7 +138,7 @@ def _prompt_lengths(requests: list[RunRequest], model: Path, vocab: int) -> list
                 )
     encoded = {}
     if texts:
-        ids = _load_tokenizer(model)(list(texts.values()))["input_ids"]
+        ids = load_tokenizer(model)(list(texts.values()))["input_ids"]
         encoded = dict(zip(texts, ids, strict=True))
     lengths = []
     for index, request in enumerate(requests):

@@ -1,0 +1,226 @@
+"""Where the engine's steps run: one interface, one executor per place to run.
+
+`LLMEngine` owns the requests, the scheduling and the outputs; an executor runs what it schedules,
+as vLLM's engine core hands steps to `UniProcExecutor`, `MultiprocExecutor` or
+`RayDistributedExecutor`. The engine never learns where the model lives:
+
+- `start(setup)` loads what the executor runs (the whole model, or stage 0's layers and the other
+  stages wherever they live) and returns the `ExecutorLayout` the engine schedules against: the
+  KV blocks every stage holds, the in-flight slots per path, the block id ranges of several paths,
+  stage 0's KV cache (the host pool of swapped blocks copies to and from it);
+- `launch(micro_batch)` runs a scheduled micro-batch (here at once; a pipeline computes stage 0's
+  layers and sends it on), `ready(micro_batch)` says whether its tokens are back without waiting,
+  `collect(micro_batch)` waits for them and returns the `StepResult`;
+- `release`, `resume` and `count_from_here` pass on what the stages after the first must know of
+  the requests; `failure` is set when a stage is lost; `shutdown` ends it.
+
+`LocalExecutor` runs the whole model in this process with the engine's `ModelRunner`: one path, one
+slot, each micro-batch computed and sampled when launched. A batch whose step raises is bisected
+until the failing request is found (`run_isolated`): one bad request never takes the others down.
+The pipeline's executor is `tessel.pipeline.executor.ProcessExecutor`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from tessel.engine.model_runner import (
+    ModelRunner,
+    PromptScoring,
+    StepResult,
+    kv_cache_bytes_per_block,
+    prompt_scorings,
+)
+from tessel.engine.preemption import KvCopy
+from tessel.engine.scheduler import SchedulerOutput
+from tessel.engine.sequence import Sequence
+from tessel.engine.slots import SlotPath
+from tessel.errors import TesselError
+from tessel.models.config import ModelConfig
+from tessel.models.llama import LlamaForCausalLM
+from tessel.models.loader import load_model
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """What an executor is started from: the engine's settings and what it read of the model."""
+
+    model_path: Path
+    config: EngineConfig
+    model_config: ModelConfig
+    dtype: torch.dtype
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class ExecutorLayout:
+    """What the engine schedules against once the executor has started (every stage agreed)."""
+
+    num_blocks: int  # KV blocks of the engine's block tables
+    paths: tuple[SlotPath, ...] = (SlotPath(1.0, 1),)
+    block_ranges: list[tuple[int, int]] | None = None  # per path, with several paths (no prefix cache)
+    kv_cache: torch.Tensor | None = None  # stage 0's: swapped blocks are copied to and from it
+    kv_layer_share: float = 1.0  # stage 0's share of the model's attention layers (host pool size)
+    records_kv_copies: bool = False  # later stages repeat stage 0's host copies (`Preemptor.copies`)
+    swap_refused: str | None = None  # why preemption by swapping cannot run here (None: it can)
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """A scheduled batch on its way through the executor, until its tokens are applied."""
+
+    batch_id: int
+    slot: int
+    batch: SchedulerOutput  # what runs
+    apply: SchedulerOutput | None  # what to count when it is back (None: a CPP chunk before the last)
+    sampled: list[Sequence]  # sequences whose next token it samples, in row order
+    scorings: list[tuple[Sequence, PromptScoring]]  # chunks whose prompt logprobs come back
+    seq_ids: list[int] = field(default_factory=list)
+    compute_s: float = 0.0  # this process's compute seconds for it (prefill pricing)
+    result: StepResult | None = None  # set once its tokens are here
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # requests that failed alone
+
+    @classmethod
+    def of(
+        cls, batch_id: int, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None
+    ) -> MicroBatch:
+        sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        seq_ids = [seq.seq_id for seq, _ in batch.scheduled()]
+        return cls(batch_id, slot, batch, apply, sampled, prompt_scorings(batch), seq_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class KvCopies:
+    """The copies stage 0 made to and from its host KV pool before a micro-batch (in order), which
+    every later stage repeats on its own layers, and the host pool's size in blocks."""
+
+    copies: list[KvCopy]
+    host_blocks: int
+
+
+class Executor(Protocol):
+    """What the engine calls to run its steps (see the module docstring)."""
+
+    runner: ModelRunner  # stage 0's: prepares a batch's tensors, holds stage 0's KV cache and graphs
+    model: LlamaForCausalLM  # stage 0's layers (the whole model for one process)
+    failure: BaseException | None  # set (by a watcher thread) once a stage is lost
+
+    def configure(self, config: EngineConfig) -> EngineConfig: ...
+    def start(self, setup: EngineSetup) -> ExecutorLayout: ...
+    def launch(self, micro_batch: MicroBatch, kv_copies: KvCopies) -> None: ...
+    def ready(self, micro_batch: MicroBatch) -> bool: ...
+    def collect(self, micro_batch: MicroBatch) -> StepResult: ...
+    def release(self, seq_ids: list[int]) -> None: ...
+    def resume(self, seq_id: int, draws: int) -> None: ...
+    def count_from_here(self) -> None: ...
+    def chunk_sizes(self, num_tokens: int) -> list[int] | None: ...
+    def shutdown(self) -> None: ...
+
+
+def local_kv_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:
+    """KV blocks of one process's pool: `num_kv_blocks`, else `kv_cache_gib`, else room for
+    max_num_seqs full-length sequences capped at `DEFAULT_KV_CACHE_BYTES`; refused when it holds
+    fewer tokens than one full-length sequence."""
+    bs = config.block_size
+    blocks_per_seq = -(-max_model_len // bs)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_gib is not None:
+        num_blocks = int(config.kv_cache_gib * 2**30 // bytes_per_block)
+    else:
+        wanted = config.max_num_seqs * blocks_per_seq
+        num_blocks = max(blocks_per_seq, min(wanted, DEFAULT_KV_CACHE_BYTES // bytes_per_block))
+    if num_blocks < blocks_per_seq:
+        raise TesselError(
+            f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than "
+            f"max_model_len={max_model_len}; raise kv_cache_gib or lower max_model_len"
+        )
+    return num_blocks
+
+
+def run_isolated(
+    runner: ModelRunner, parts: list[tuple[Sequence, int]]
+) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
+    """Run `parts`; if that raises, bisect -> (what ran, (seq, its error) for each failing seq).
+
+    Re-running a part is safe: its k/v land in the same slots with the same values.
+    """
+    try:
+        return runner.run(batch_of(parts)), []
+    except Exception as error:
+        if len(parts) == 1:
+            return StepResult(), [(parts[0][0], error)]
+    half = len(parts) // 2
+    result, failed = run_isolated(runner, parts[:half])
+    right, right_failed = run_isolated(runner, parts[half:])
+    result.extend(right)
+    return result, failed + right_failed
+
+
+def batch_of(parts: list[tuple[Sequence, int]]) -> SchedulerOutput:
+    """The scheduler output that runs exactly `parts` (in `SchedulerOutput.scheduled()` order)."""
+    return SchedulerOutput(
+        decodes=[seq for seq, n in parts if n == 1], prefills=[(seq, n) for seq, n in parts if n != 1]
+    )
+
+
+class LocalExecutor:
+    """The whole model in this process: each micro-batch computed and sampled when launched."""
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+
+    def configure(self, config: EngineConfig) -> EngineConfig:
+        return config
+
+    def start(self, setup: EngineSetup) -> ExecutorLayout:
+        config = setup.config
+        self.model = load_model(setup.model_path, setup.dtype, config.device, lm_head=config.lm_head)
+        per_block = kv_cache_bytes_per_block(self.model, config.block_size, setup.dtype)
+        num_blocks = local_kv_blocks(config, setup.max_model_len, per_block)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            config.block_size,
+            setup.dtype,
+            config.pack_cpu_linears,
+            config.enforce_eager,
+            config.device,
+            config.max_num_seqs,
+            setup.max_model_len,
+        )
+        return ExecutorLayout(num_blocks, kv_cache=self.runner.kv_cache)
+
+    def launch(self, micro_batch: MicroBatch, kv_copies: KvCopies) -> None:
+        started = time.perf_counter()
+        result, failed = run_isolated(self.runner, micro_batch.batch.scheduled())
+        micro_batch.compute_s = time.perf_counter() - started
+        micro_batch.result, micro_batch.failed = result, failed
+
+    def ready(self, micro_batch: MicroBatch) -> bool:
+        return micro_batch.result is not None
+
+    def collect(self, micro_batch: MicroBatch) -> StepResult:
+        assert micro_batch.result is not None, "a local micro-batch is computed when launched"
+        return micro_batch.result
+
+    def release(self, seq_ids: list[int]) -> None:
+        return None  # a sequence's generator lives on the sequence itself here
+
+    def resume(self, seq_id: int, draws: int) -> None:
+        return None
+
+    def count_from_here(self) -> None:
+        return None
+
+    def chunk_sizes(self, num_tokens: int) -> list[int] | None:
+        return None  # nothing to pipeline: a prompt is never cut into chunks here
+
+    def shutdown(self) -> None:
+        return None
