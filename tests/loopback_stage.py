@@ -1,5 +1,6 @@
-"""Two pipeline stages in one process: stage 0's `PipelineEngine` and stage 1's `StageRunner`
-behind a loopback in place of the process group (each message through the wire format)."""
+"""Two pipeline stages in one process: stage 0's engine on a `ProcessExecutor` and stage 1's
+`StageRunner` behind a loopback in place of the process group (each message through the wire
+format), and stage 0 alone in this process (`pipeline_llm`)."""
 
 from __future__ import annotations
 
@@ -9,37 +10,49 @@ from pathlib import Path
 import torch
 
 from pipeline_plans import write_plan
+from tessel import LLM
 from tessel.models.config import ModelConfig
-from tessel.pipeline import driver
-from tessel.pipeline.comm import KvLayout, pack_message, unpack_message
-from tessel.pipeline.driver import PipelineEngine, layer_filter
-from tessel.pipeline.supervision.heartbeat import Progress
+from tessel.pipeline import executor as executor_module
+from tessel.pipeline.comm.messages import KvLayout, pack_message, unpack_message
+from tessel.pipeline.executor import ProcessExecutor, layer_filter
+from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import load_run_plan
 from tessel.pipeline.stage.runner import StageRunner
+from tessel.pipeline.supervision.heartbeat import Progress
+
+
+def pipeline_llm(
+    model: Path, plan: Path, *, slots: int | None = None, cutter=None, comm=None, **engine
+) -> LLM:
+    """An engine on `plan`'s executor with every stage of the plan in this process: a one-stage plan,
+    or `comm` standing in for the others."""
+    options = RunOptions(plan, model, micro_batches=slots)
+    return LLM(model, executor=ProcessExecutor(options, comm=comm, cutter=cutter), **engine)
 
 
 class Loopback:
     """Stage 1 run where stage 0 would send to it. `arrived`: a micro-batch's tokens count as back
     before stage 0 asks for them (a receiver thread has them), else only when it asks."""
 
-    def __init__(self, executor: StageRunner, arrived: bool = False) -> None:
-        self.executor, self.arrived = executor, arrived
-        self.results, self.progress = deque(), Progress()
+    def __init__(self, runner: StageRunner, arrived: bool = False) -> None:
+        self.runner, self.arrived = runner, arrived
+        self.results, self.progress = {}, Progress()
+        self.order: deque[int] = deque()
 
-    def send_batch(self, message, hidden) -> None:
+    def send_batch(self, message, hidden, input_ids=None) -> None:
         received = unpack_message(pack_message(message), torch.device("cpu"))
-        self.executor.adopt(received)
-        out = self.executor.runner.run_stage(received.positions, received.meta, stream=hidden.clone())
-        self.results.append(self.executor.sample(out, received))
+        self.runner.adopt(received)
+        out = self.runner.runner.run_stage(received.positions, received.meta, stream=hidden.clone())
+        self.results[message.batch_id] = self.runner.sample(out, received)
 
-    def expect_tokens(self, count: int) -> None:
+    def expect_tokens(self, batch_id: int, source: int) -> None:
         pass
 
-    def tokens_ready(self) -> bool:
-        return self.arrived and bool(self.results)
+    def tokens_ready(self, batch_id: int) -> bool:
+        return self.arrived and batch_id in self.results
 
     def recv_tokens(self, batch_id: int, count: int):
-        return self.results.popleft()
+        return self.results.pop(batch_id)
 
     def close(self) -> None:
         pass
@@ -48,14 +61,16 @@ class Loopback:
 
 
 def two_stages(model: Path, tmp_path: Path, monkeypatch, slots: int, arrived: bool = False, **options):
-    """(stage 0's engine, stage 1's executor) for layers [0, 2) and [2, 5) of a tiny `model`."""
-    monkeypatch.setattr(driver, "agree_kv_layout", lambda blocks, mine: mine)  # one stage 0 decides
-    plan = load_run_plan(write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)]))
+    """(stage 0's engine, stage 1's runner) for layers [0, 2) and [2, 5) of a tiny `model`."""
+    monkeypatch.setattr(executor_module, "agree_kv_layout", lambda blocks, mine: mine)  # stage 0 decides
+    plan_path = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    plan = load_run_plan(plan_path)
     config = ModelConfig.from_dir(model)
     later = StageRunner.load(
         model, layer_filter(plan, 1, config.tie_word_embeddings), torch.float32, "cpu", 1.0
     )
-    engine = PipelineEngine(model, plan, Loopback(later, arrived), micro_batches=slots, **options)
+    loopback = Loopback(later, arrived)
+    engine = pipeline_llm(model, plan_path, slots=slots, comm=loopback, **options)
     layout = KvLayout(
         engine.num_total_blocks,
         engine.config.block_size,

@@ -1,11 +1,11 @@
-"""A micro-batch's message on the wire (`tessel.pipeline.comm.pack_message`) comes back whole."""
+"""A micro-batch's message on the wire (`tessel.pipeline.comm.messages.pack_message`) comes back whole."""
 
 import torch
 
 from tessel.engine.sampling_params import SamplingParams
 from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from tessel.pipeline.comm import BatchMessage, pack_message, unpack_message
+from tessel.pipeline.comm.messages import BatchMessage, pack_message, unpack_message
 
 
 def _message() -> BatchMessage:

@@ -11,12 +11,11 @@ import json
 import pytest
 import torch
 
+from loopback_stage import pipeline_llm
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
-from tessel.models.config import ModelConfig
-from tessel.pipeline.driver import PipelineEngine
-from tessel.pipeline.run_plan import load_run_plan
 from tessel.engine.weight_stream import CudaMover, layer_weight_bytes
+from tessel.models.config import ModelConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time", "1 2 3 4"]
@@ -38,10 +37,10 @@ def test_half_the_layers_streamed_on_cuda_give_the_resident_tokens(tiny_dirs, tm
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     resident = LLM(model, device="cuda:0", dtype=dtype, enforce_eager=True, max_model_len=256)
     expected = [o.token_ids for o in resident.generate(PROMPTS, params, use_progress=False)]
-    engine = PipelineEngine(model, load_run_plan(plan), None, dtype=dtype, max_model_len=256)
+    engine = pipeline_llm(model, plan, dtype=dtype, max_model_len=256)
     got = [o.token_ids for o in engine.generate(PROMPTS, params, use_progress=False)]
     assert got == expected
-    streamer, stats = engine.stage.streamer, engine.stage.stats
+    streamer, stats = engine.executor.stage.streamer, engine.executor.stage.stats
     assert isinstance(streamer.mover, CudaMover)
     for index, layer in streamer.layers.items():
         assert all(t.host.is_pinned() and t.host.device.type == "cpu" for t in layer.tensors)

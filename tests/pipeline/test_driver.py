@@ -1,16 +1,16 @@
-"""Stage 0's driver in one process (a one-stage plan): several in-flight slots, CPP chunks, aborts
-and preemption must give exactly the single-process engine's tokens (the oracle: `LLM`)."""
+"""Stage 0's engine on a plan's executor in one process (a one-stage plan): several in-flight slots,
+CPP chunks, aborts and preemption must give exactly the single-process engine's tokens (the oracle:
+`LLM`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loopback_stage import two_stages
+from loopback_stage import pipeline_llm, two_stages
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
 from tessel.chunk.latency import PipelineLatency
 from tessel.pipeline.chunk_cutter import ChunkCutter
-from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run_plan import load_run_plan
 from tessel.sim.linear import LinearStage
 
@@ -34,9 +34,7 @@ def pipeline(model_dir, tmp_path, *, slots, cutter_min=None, **kwargs):
     if cutter_min is not None:  # two stages whose time is all per token: the planner cuts finely
         stage = LinearStage(prefill_base_s=1e-4, prefill_per_token_s=1e-4)
         cutter = ChunkCutter(PipelineLatency((stage, stage)), min_tokens=cutter_min, grid_tokens=16)
-    return PipelineEngine(
-        model_dir, load_run_plan(plan_path), None, micro_batches=slots, cutter=cutter, **kwargs
-    )
+    return pipeline_llm(model_dir, plan_path, slots=slots, cutter=cutter, **kwargs)
 
 
 @pytest.mark.parametrize(("slots", "cutter_min"), [(1, None), (3, None), (2, 16)])
@@ -46,8 +44,8 @@ def test_greedy_equals_engine(tiny_dirs, tmp_path, slots, cutter_min):
     got = [out.token_ids for out in engine.generate(PROMPTS, params, use_progress=False)]
     assert got == reference(tiny_dirs["tied"], PROMPTS, params)
     if cutter_min is not None:
-        assert engine.stage.stats.cpp_prompts >= 2
-        assert engine.stage.stats.cpp_chunks > engine.stage.stats.cpp_prompts
+        assert engine.executor.stage.stats.cpp_prompts >= 2
+        assert engine.executor.stage.stats.cpp_chunks > engine.executor.stage.stats.cpp_prompts
 
 
 def test_seeded_sampling_equals_engine(tiny_dirs, tmp_path):
@@ -89,9 +87,9 @@ def test_abort_frees_blocks(tiny_dirs, tmp_path):
 def test_emulated_speed_sleeps_in_proportion(tiny_dirs, tmp_path):
     """A stage at speed 0.25 sleeps 3x its measured compute after every micro-batch (emulation)."""
     plan_path = write_plan(tmp_path / "slow.json", tiny_dirs["tied"], [(0, 5)], speeds=[0.25])
-    engine = PipelineEngine(tiny_dirs["tied"], load_run_plan(plan_path), None, micro_batches=1)
+    engine = pipeline_llm(tiny_dirs["tied"], plan_path, slots=1)
     engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4), use_progress=False)
-    stats = engine.stage.stats
+    stats = engine.executor.stage.stats
     assert stats.batches > 0
     assert stats.emulation_sleep_s == pytest.approx(3.0 * stats.compute_s, rel=1e-9)
 

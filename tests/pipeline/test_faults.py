@@ -21,9 +21,9 @@ from pipeline_plans import write_plan
 from stage_processes import alive, release
 from tessel.cli import app
 from tessel.errors import TesselError
+from tessel.pipeline.run import RunOptions, check_options, run_pipeline
 from tessel.pipeline.supervision import launcher
 from tessel.pipeline.supervision.launcher import StageFailedError
-from tessel.pipeline.run import RunOptions, check_options, run_pipeline
 
 pytestmark = pytest.mark.slow  # processes started and killed: the slow pass of CI runs these
 

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tessel.pipeline.flow_routing import FlowBlocks, path_block_ranges, with_micro_batches
 
 from hf_oracle import hf_greedy
 from tessel.errors import TesselError
-from tessel.pipeline.flow_routing import FlowBlocks, path_block_ranges, with_micro_batches
 from tessel.pipeline.run_plan import load_run_plan
 
 PROMPTS = [

@@ -1,15 +1,14 @@
-"""Preemption in a pipeline (tessel.pipeline.driver): stage 0 swaps KV blocks as one process does,
+"""Preemption in a pipeline (tessel.pipeline.executor): stage 0 swaps KV blocks as one process does,
 the other stages repeat its copies on their layers, and the tokens are the engine's; a swapped
-request moved to another engine (remap) gives back its host blocks."""
+request moved to another executor (remap) gives back its host blocks."""
 
 from __future__ import annotations
 
+from loopback_stage import pipeline_llm
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
-from tessel.pipeline.driver import PipelineEngine
-from tessel.pipeline.run import RunOptions
-from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.stage.process import engine_kwargs, parser
+from tessel.engine.executor import LocalExecutor
+from tessel.pipeline.options import RunOptions
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Once upon a time " * 8, "One two three"]
 TIGHT = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}
@@ -18,8 +17,8 @@ SIXTEEN_TOKEN_BLOCK_BYTES = 2 * 5 * 16 * 2 * 16 * 4  # k and v, 5 layers, 16 tok
 
 def test_a_one_stage_plan_swaps_and_matches_the_engine(tiny_dirs, tmp_path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plan = load_run_plan(write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 5)]))
-    engine = PipelineEngine(tiny_dirs["tied"], plan, None, micro_batches=2, preemption_mode="swap", **TIGHT)
+    plan = write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 5)])
+    engine = pipeline_llm(tiny_dirs["tied"], plan, slots=2, preemption_mode="swap", **TIGHT)
     got = [out.token_ids for out in engine.generate([p[:60] for p in PROMPTS], params, use_progress=False)]
     stats = engine.preemption_stats
     assert stats.swaps > 0 and stats.recomputes == 0 and stats.bytes_to_device == stats.bytes_to_host
@@ -31,29 +30,31 @@ def test_a_one_stage_plan_swaps_and_matches_the_engine(tiny_dirs, tmp_path) -> N
 def test_launch_passes_the_options_to_the_workers(tiny_dirs, tmp_path) -> None:
     plan = write_plan(tmp_path / "plan2.json", tiny_dirs["tied"], [(0, 2), (2, 5)])
     given = RunOptions(plan, tiny_dirs["tied"], emulate_host_gbps=8.0, host_kv_cache_gib=0.5)
-    kwargs = engine_kwargs(parser().parse_args(given.worker_argv(tmp_path / "out.json")))
+    read = RunOptions.read(given.write(tmp_path / "options.json"))  # what the workers read
+    assert read == given
+    kwargs = read.engine_kwargs()
     assert kwargs["preemption_mode"] == "auto"  # what the workers' engine gets
     assert kwargs["emulate_host_gbps"] == 8.0 and kwargs["host_kv_cache_gib"] == 0.5
 
 
-def test_a_swapped_request_moves_to_another_engine_and_is_recomputed_there(tiny_dirs) -> None:
-    from tessel.pipeline.remap import migrate_requests
-
+def test_a_swapped_request_moves_to_another_executor_and_is_recomputed_there(tiny_dirs) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [p[:60] for p in PROMPTS]
     expected = LLM(tiny_dirs["tied"], max_model_len=64).generate(prompts, params, use_progress=False)
-    old = LLM(tiny_dirs["tied"], preemption_mode="swap", **TIGHT)
-    new = LLM(tiny_dirs["tied"], preemption_mode="swap", max_model_len=64)
+    engine = LLM(tiny_dirs["tied"], preemption_mode="swap", **TIGHT)
     for i, prompt in enumerate(prompts):
-        old.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while not any(seq.host_blocks for seq in old.scheduler.waiting):
-        for out in old.step():
+    while not any(seq.host_blocks for seq in engine.scheduler.waiting):
+        for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    migrate_requests(old, new)
-    assert old.preemptor.pool.num_free_blocks == old.preemptor.pool.num_total_blocks
-    while new.has_unfinished_requests():
-        for out in new.step():
+    old_pool = engine.preemptor.pool
+    executor = LocalExecutor()
+    moved = engine.replace_executor(executor, executor.start(engine.setup_for(executor)))
+    assert moved and set(moved) <= set(tokens) and engine.executor is executor
+    assert old_pool.num_free_blocks == old_pool.num_total_blocks
+    while engine.has_unfinished_requests():
+        for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in expected]
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ct_oracle import fake_quant
+from loopback_stage import pipeline_llm
 from pipeline_plans import write_plan, write_replica_plan
 from tessel import LLM, SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
@@ -23,7 +24,6 @@ from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear
 from tessel.models.quantized.load_quantize import int4_group, quantized_linear
-from tessel.pipeline.driver import PipelineEngine
 from tessel.pipeline.run import RunOptions, run_pipeline
 from tessel.pipeline.run_plan import load_run_plan, priced_pipeline
 
@@ -80,7 +80,7 @@ def hf_oracle(model_dir, layer_precisions: dict[int, str]) -> torch.nn.Module:
     return model
 
 
-def pipeline_logits(engine: PipelineEngine, ids: list[int]) -> torch.Tensor:
+def pipeline_logits(engine: LLM, ids: list[int]) -> torch.Tensor:
     seq = Sequence("x", ids, SamplingParams(temperature=0), block_size=8)
     engine.block_manager.allocate(seq, 0)
     return engine.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(ids))]))
@@ -105,8 +105,8 @@ def test_run_plan_reads_layer_and_sublayer_precisions(tiny_dirs, tmp_path):
 
 def test_one_stage_with_mixed_precisions_matches_transformers(tiny_dirs, tmp_path):
     model = tiny_dirs["tied"]
-    plan = load_run_plan(plan_with_precisions(tmp_path / "p.json", model, [(0, 5)], [PRECISIONS]))
-    engine = PipelineEngine(model, plan, None, max_model_len=128, block_size=8)
+    plan = plan_with_precisions(tmp_path / "p.json", model, [(0, 5)], [PRECISIONS])
+    engine = pipeline_llm(model, plan, max_model_len=128, block_size=8)
     layers = engine.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, W8A8Linear) and isinstance(
         layers[3].mlp.down_proj, W8A8Linear
@@ -134,8 +134,8 @@ def test_two_stage_processes_run_their_precisions(tiny_dirs, tmp_path):
         tmp_path / "two.json", model, [(0, 2), (2, 5)], [PRECISIONS[:2], PRECISIONS[2:]]
     )
     run = run_pipeline(RunOptions(two, model, prompts=prompts, max_tokens=8, ignore_eos=True))
-    one = load_run_plan(plan_with_precisions(tmp_path / "one.json", model, [(0, 5)], [PRECISIONS]))
-    engine = PipelineEngine(model, one, None)
+    one = plan_with_precisions(tmp_path / "one.json", model, [(0, 5)], [PRECISIONS])
+    engine = pipeline_llm(model, one)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [out.token_ids for out in engine.generate(prompts, params, use_progress=False)]
     assert [r["token_ids"] for r in run.requests] == expected
@@ -184,18 +184,20 @@ def test_serve_runs_one_replica_and_needs_a_plan_for_it(tiny_dirs, tmp_path):
     from typer.testing import CliRunner
 
     from tessel.cli import app
-    from tessel.pipeline.serving import pipeline_server_engine
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.supervision.supervisor import Supervisor
 
     model = tiny_dirs["tied"]
     result = CliRunner().invoke(app, ["serve", "--model", str(model), "--replica", "1"])
     assert isinstance(result.exception, TesselError) and "give --plan too" in str(result.exception)
-    engine = pipeline_server_engine(model, replica_plan(tmp_path / "replicas.json", model), replica=1)
+    options = RunOptions(replica_plan(tmp_path / "replicas.json", model), model, replica=1)
+    engine = Supervisor.serve(options, max_rebuilds=0)
     try:
-        assert [(s.device, s.layer_start, s.layer_end) for s in engine.plan.stages] == [
+        assert [(s.device, s.layer_start, s.layer_end) for s in engine.executor.plan.stages] == [
             ("localhost/cpu2", 0, 5)
         ]
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         got = engine.generate(["Hello world"], params, use_progress=False)[0].token_ids
         assert got == LLM(model).generate(["Hello world"], params, use_progress=False)[0].token_ids
     finally:
-        engine.close()
+        engine.supervisor.close()

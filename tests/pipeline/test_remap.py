@@ -1,6 +1,6 @@
-"""Serving through change (`tessel.pipeline.remap`, `AsyncEngine.remap`): the plan on the surviving
-stages, requests moved between engines by recomputation, and one served pipeline that loses a stage,
-is remapped live, and rolls back a remap whose new stage dies while loading.
+"""Serving through change (`tessel.pipeline.remap`, `tessel.pipeline.supervision.supervisor`): the plan
+on the surviving stages, requests moved between executors by recomputation, and one served pipeline
+that loses a stage, is remapped live, and rolls back a remap whose new stage dies while loading.
 
 Oracles: a brute force over every contiguous split for `split_by_memory`; one process's engine
 (`LLM`, never disturbed) for the tokens of every moved request, greedy and seeded."""
@@ -138,25 +138,26 @@ def _params():
 PROMPTS = ["Once upon a time", "The quick brown fox jumps"]
 
 
-def test_requests_moved_between_engines_finish_as_undisturbed(tiny_dirs):
-    """Half-way through, the requests move from one engine to a fresh one (recomputed there): the
-    same tokens as an undisturbed run, logprobs included, and `max_tokens` counts from the start."""
+def test_requests_moved_to_another_executor_finish_as_undisturbed(tiny_dirs):
+    """Half-way through, the requests move from the engine's executor to a fresh one (recomputed
+    there): the same tokens as an undisturbed run, logprobs included, and `max_tokens` counts from
+    the start."""
+    from tessel.engine.executor import LocalExecutor
     from tessel.engine.llm_engine import LLM
-    from tessel.pipeline.remap import migrate_requests
 
     model = tiny_dirs["untied"]
     expected = LLM(model, max_num_seqs=4).generate(PROMPTS, _params(), use_progress=False)
-    old, new = LLM(model, max_num_seqs=4), LLM(model, max_num_seqs=4)
+    engine = LLM(model, max_num_seqs=4)
     for i, (prompt, params) in enumerate(zip(PROMPTS, _params(), strict=True)):
-        old.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params)
     outputs: dict[str, list] = {"r0": [], "r1": []}
     for _ in range(6):
-        for out in old.step():
+        for out in engine.step():
             outputs[out.request_id].append(out)
-    assert migrate_requests(old, new) == ["r0", "r1"]
-    assert not old.has_unfinished_requests()
-    while new.has_unfinished_requests():
-        for out in new.step():
+    fresh = LocalExecutor()
+    assert engine.replace_executor(fresh, fresh.start(engine.setup_for(fresh))) == ["r0", "r1"]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
             outputs[out.request_id].append(out)
     for rid, want in zip(["r0", "r1"], expected, strict=True):
         got = outputs[rid]
@@ -168,11 +169,11 @@ def test_requests_moved_between_engines_finish_as_undisturbed(tiny_dirs):
 
 
 def test_a_swapped_out_request_moves_too(tiny_dirs):
-    """A request preempted by swap (its KV in the old engine's host pool) moves like the others: the
-    old pool's blocks are given back and the new engine recomputes it; tokens as undisturbed."""
+    """A request preempted by swap (its KV in the old executor's host pool) moves like the others: the
+    old pool's blocks are given back and the new executor recomputes it; tokens as undisturbed."""
+    from tessel.engine.executor import LocalExecutor
     from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
-    from tessel.pipeline.remap import migrate_requests
 
     model = tiny_dirs["tied"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -180,18 +181,20 @@ def test_a_swapped_out_request_moves_too(tiny_dirs):
     expected = [o.token_ids for o in LLM(model, max_num_seqs=4).generate(prompts, params, use_progress=False)]
     small = dict(num_kv_blocks=20, block_size=4, max_model_len=64, preemption_mode="swap")
     small["host_kv_cache_gib"] = 0.001
-    old, new = LLM(model, max_num_seqs=4, **small), LLM(model, max_num_seqs=4)
+    engine = LLM(model, max_num_seqs=4, **small)
     for i, prompt in enumerate(prompts):
-        old.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while not any(seq.host_blocks for seq in old._requests.values()):
-        assert old.has_unfinished_requests(), "no request was swapped out"
-        for out in old.step():
+    while not any(seq.host_blocks for seq in engine._requests.values()):
+        assert engine.has_unfinished_requests(), "no request was swapped out"
+        for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
-    migrate_requests(old, new)
-    assert old.preemptor.pool.num_free_blocks == old.preemptor.pool.num_total_blocks
-    while new.has_unfinished_requests():
-        for out in new.step():
+    old_pool = engine.preemptor.pool
+    fresh = LocalExecutor()
+    engine.replace_executor(fresh, fresh.start(engine.setup_for(fresh)))
+    assert old_pool.num_free_blocks == old_pool.num_total_blocks
+    while engine.has_unfinished_requests():
+        for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
     assert list(tokens.values()) == expected
 
@@ -234,25 +237,26 @@ def test_served_pipeline_survives_a_lost_stage_and_remaps_live(tiny_dirs, tmp_pa
     stream moves them without a repeated or missing token. A remap whose new stage dies while
     loading rolls back: the old pipeline keeps serving, its requests intact."""
     from tessel.engine.llm_engine import LLM
-    from tessel.pipeline.serving import pipeline_server_engine
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.supervision.supervisor import Supervisor
     from tessel.server.async_engine import AsyncEngine
 
     model = tiny_dirs["tied"]
     expected = [out.token_ids for out in LLM(model).generate(PROMPTS, _params(), use_progress=False)]
     plan3 = write_plan(tmp_path / "plan3.json", model, [(0, 2), (2, 4), (4, 5)])
     plan2 = write_plan(tmp_path / "plan2.json", model, [(0, 2), (2, 5)])
-    engine = pipeline_server_engine(model, plan3, heartbeat_timeout=10.0)
+    engine = Supervisor.serve(RunOptions(plan3, model, heartbeat_timeout=10.0), max_rebuilds=3)
+    supervisor, first = engine.supervisor, engine.executor
     async_engine = AsyncEngine(engine, max_pending=8)
-    engine.serve_with(async_engine)
     async_engine.start()
-    pids = [proc.pid for proc in engine.stages.procs]
+    pids = [proc.pid for proc in first.stages.procs]
     try:
         # a lost stage
-        kill = lambda: os.kill(engine.stages.procs[1].pid, signal.SIGKILL)  # noqa: E731
+        kill = lambda: os.kill(first.stages.procs[1].pid, signal.SIGKILL)  # noqa: E731
         lost = asyncio.run(_stream_all(async_engine, "lost", _when_all_started(4, kill)))
         assert list(lost.values()) == expected
-        survivors = async_engine.engine
-        assert survivors is not engine and async_engine.last_recovery.moved == len(PROMPTS)
+        survivors = engine.executor
+        assert survivors is not first and async_engine.last_recovery.moved == len(PROMPTS)
         assert [(s.device, s.layer_start, s.layer_end) for s in survivors.plan.stages] == [
             ("localhost/cpu0", 0, 3),
             ("localhost/cpu1", 3, 5),
@@ -262,16 +266,16 @@ def test_served_pipeline_survives_a_lost_stage_and_remaps_live(tiny_dirs, tmp_pa
 
         # a live remap to another split: it loads beside; the switch waits until every stream runs
         loaded, go = threading.Event(), threading.Event()
-        successor = survivors.successor
+        replacement = supervisor._replacement
 
-        def gated(plan):
-            pending = successor(plan)
-            load = pending.load
-            pending.load = lambda: (load(), loaded.set(), go.wait(DEADLINE_S))[0]
-            pids.extend(proc.pid for proc in pending.stages.procs)
-            return pending
+        def gated(options):
+            executor = replacement(options)
+            wait = executor.wait_for_stages
+            executor.wait_for_stages = lambda: (wait(), loaded.set(), go.wait(DEADLINE_S))[0]
+            pids.extend(proc.pid for proc in executor.stages.procs)
+            return executor
 
-        survivors.successor = gated
+        supervisor._replacement = gated
         future = async_engine.remap(plan2, "test: another split")
         assert loaded.wait(DEADLINE_S)
         remapped = asyncio.run(_stream_all(async_engine, "remap", _when_all_started(4, go.set)))
@@ -279,50 +283,53 @@ def test_served_pipeline_survives_a_lost_stage_and_remaps_live(tiny_dirs, tmp_pa
         assert list(remapped.values()) == expected
         assert report.ok and report.error is None and report.moved == len(PROMPTS)
         assert report.max_gap_s is not None and report.max_gap_s > 0
-        third = async_engine.engine
+        third = engine.executor
         assert [(s.layer_start, s.layer_end) for s in third.plan.stages] == [(0, 2), (2, 5)]
-        pids += [proc.pid for proc in third.stages.procs]
 
         # a remap whose new stage dies while loading: rolled back, the old pipeline serves on
-        successor = third.successor
+        def dying(options):
+            executor = replacement(options)
+            pids.extend(proc.pid for proc in executor.stages.procs)
+            os.kill(executor.stages.procs[0].pid, signal.SIGKILL)
+            return executor
 
-        def dying(plan):
-            pending = successor(plan)
-            pids.extend(proc.pid for proc in pending.stages.procs)
-            os.kill(pending.stages.procs[0].pid, signal.SIGKILL)
-            return pending
-
-        third.successor = dying
+        supervisor._replacement = dying
         failed = async_engine.remap(plan3, "test: a stage dies").result(DEADLINE_S)
         assert not failed.ok and failed.rolled_back
         assert "stage 1" in failed.error and "SIGKILL" in failed.error
-        assert async_engine.engine is third and async_engine.healthy
+        assert engine.executor is third and async_engine.healthy
         assert list(asyncio.run(_stream_all(async_engine, "rolled")).values()) == expected
 
         with pytest.raises(TesselError, match="does not exist"):
             async_engine.remap(tmp_path / "missing.json", "test: a bad plan").result(DEADLINE_S)
-        assert async_engine.engine is third and async_engine.num_restarts == 1
+        assert engine.executor is third and supervisor.num_rebuilds == 1
     finally:
         async_engine.stop()
-        async_engine.engine.close()
+        supervisor.close()
         release(pids)
 
 
 def test_survivors_too_small_fails_the_requests_with_the_reason_naming_the_stage(tiny_dirs, tmp_path):
     """A stage is lost and the survivors cannot hold the model: what was in flight ends with 503 and
     that reason, and the server says so (naming the stage) instead of serving; a remap is refused."""
+    from tessel.engine.executor import LocalExecutor
     from tessel.engine.llm_engine import LLM
+    from tessel.pipeline.options import RunOptions
     from tessel.pipeline.supervision.launcher import StageFailedError
+    from tessel.pipeline.supervision.supervisor import Supervisor
     from tessel.server.async_engine import AsyncEngine
     from tessel.server.http_errors import EngineDeadError
 
-    class LosingEngine(LLM):
-        def step(self):
+    class LosingExecutor(LocalExecutor):
+        def launch(self, micro_batch, kv_copies):
             raise StageFailedError(2, "killed by signal SIGKILL")
 
     too_small = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
-    async_engine = AsyncEngine(LosingEngine(tiny_dirs["tied"]), max_pending=4)
-    async_engine.rebuild = lambda broken: survivor_plan(too_small, {2})  # raises: 96 GiB left for 70B
+    engine = LLM(tiny_dirs["tied"], executor=LosingExecutor())
+    supervisor = Supervisor(RunOptions(tmp_path / "p.json", tiny_dirs["tied"]), max_rebuilds=3)
+    supervisor.attach(engine)
+    supervisor._survivors_options = lambda old, error: survivor_plan(too_small, {2})  # 96 GiB left for 70B
+    async_engine = AsyncEngine(engine, max_pending=4)
     async_engine.start()
 
     async def run() -> None:
@@ -336,6 +343,6 @@ def test_survivors_too_small_fails_the_requests_with_the_reason_naming_the_stage
         reason = str(async_engine.unavailable())
         assert "cannot hold the model" in reason and "pipeline stage 2 failed" in reason
         with pytest.raises(TesselError, match="not a pipeline"):
-            AsyncEngine(async_engine.engine, max_pending=1).remap(tmp_path / "p.json", "test").result(5)
+            AsyncEngine(LLM(tiny_dirs["tied"]), max_pending=1).remap(tmp_path / "p.json", "test").result(5)
     finally:
         async_engine.stop()

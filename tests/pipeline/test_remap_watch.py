@@ -187,8 +187,8 @@ def _output(record, finished: bool):
 
 def test_a_replica_server_watches_its_own_replicas_stages(tmp_path):
     from pipeline_plans import write_replica_plan
-    from tessel.pipeline.supervision.remap_watch import served_plan
     from tessel.pipeline.run_plan import load_run_plan
+    from tessel.pipeline.supervision.remap_watch import served_plan
 
     model = tmp_path / "model"
     model.mkdir()

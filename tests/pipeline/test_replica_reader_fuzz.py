@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from pipeline_plans import write_plan
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.pipeline.supervision import launcher
 from tessel.pipeline.run_plan import load_run_plan
+from tessel.pipeline.supervision import launcher
 
 PRECISION_NAMES = st.sampled_from(["fp32", "fp16", "bf16", "int8", "int4", "int3", "", "INT8", "fp8"])
 

@@ -17,7 +17,8 @@ from tessel import LLM, SamplingParams
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tessel.pipeline.serving import pipeline_server_engine  # noqa: E402
+from tessel.pipeline.options import RunOptions  # noqa: E402
+from tessel.pipeline.supervision.supervisor import Supervisor  # noqa: E402
 from tessel.server.app import create_app  # noqa: E402
 
 DEADLINE_S = 60.0
@@ -34,10 +35,9 @@ def _wait(condition, what: str) -> None:
 def test_serve_through_a_pipeline(tiny_dirs, tmp_path):
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)], micro_batches=2)
-    engine = pipeline_server_engine(model, plan)
+    engine = Supervisor.serve(RunOptions(plan, model), max_rebuilds=0)  # a lost stage stays lost
     try:
         app = create_app(engine, max_pending=16)
-        engine.watch_stages(app.state.async_engine)
         prompt = "Once upon a time"
         expected = LLM(model).generate(
             [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -57,13 +57,13 @@ def test_serve_through_a_pipeline(tiny_dirs, tmp_path):
             assert "".join(pieces) == expected[0].text
             assert client.get("/health").status_code == 200
 
-            os.kill(engine.stages.procs[0].pid, signal.SIGKILL)  # stage 1
+            os.kill(engine.executor.stages.procs[0].pid, signal.SIGKILL)  # stage 1
             _wait(lambda: client.get("/health").status_code == 503, "/health to report the dead stage")
             health = client.get("/health").text
             assert "stage 1" in health and "SIGKILL" in health
             assert client.post("/v1/completions", json=body).status_code == 503
     finally:
-        engine.close()
+        engine.supervisor.close()
 
 
 LONG_PROMPT = "Paged attention stores keys and values in blocks; a table maps positions to blocks. " * 12
@@ -75,8 +75,6 @@ def test_logprobs_of_cpp_chunks_equal_one_process(tiny_dirs, tmp_path):
     micro-batch), and each sampled token's, equal the single-process engine's."""
     from tessel.chunk.latency import PipelineLatency
     from tessel.pipeline.chunk_cutter import ChunkCutter
-    from tessel.pipeline.run import RunOptions
-    from tessel.pipeline.serving import pipeline_engine
     from tessel.sim.linear import LinearStage
 
     model = tiny_dirs["untied"]
@@ -86,14 +84,15 @@ def test_logprobs_of_cpp_chunks_equal_one_process(tiny_dirs, tmp_path):
         SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True, logprobs=0),
     ]
     prompts = [LONG_PROMPT, "Once upon a time"]
-    engine = pipeline_engine(RunOptions(plan, model))
+    engine = Supervisor.serve(RunOptions(plan, model), max_rebuilds=0)
     stage = LinearStage(prefill_base_s=1e-4, prefill_per_token_s=1e-4)  # all per token: cut finely
-    engine.cutter = ChunkCutter(PipelineLatency((stage, stage)), min_tokens=16, grid_tokens=16)
+    engine.executor.cutter = ChunkCutter(PipelineLatency((stage, stage)), min_tokens=16, grid_tokens=16)
     try:
         got = engine.generate(prompts, params, use_progress=False)
-        assert engine.stage.stats.cpp_chunks > engine.stage.stats.cpp_prompts == 1  # the long prompt was cut
+        stats = engine.executor.stage.stats
+        assert stats.cpp_chunks > stats.cpp_prompts == 1  # the long prompt was cut
     finally:
-        engine.close()
+        engine.supervisor.close()
     expected = LLM(model).generate(prompts, params, use_progress=False)
     for out, want in zip(got, expected, strict=True):
         assert out.token_ids == want.token_ids

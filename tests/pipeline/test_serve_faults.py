@@ -22,7 +22,8 @@ from stage_processes import alive, release
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tessel.pipeline.serving import pipeline_server_engine  # noqa: E402
+from tessel.pipeline.options import RunOptions  # noqa: E402
+from tessel.pipeline.supervision.supervisor import Supervisor  # noqa: E402
 from tessel.server.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow  # processes started and killed: the slow pass of CI runs these
@@ -65,17 +66,18 @@ def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
     error, and the waiting one answers as the old pipeline did."""
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)])
-    engine = pipeline_server_engine(model, plan, heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
-    pids = [proc.pid for proc in engine.stages.procs]
+    options = RunOptions(plan, model, heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
+    engine = Supervisor.serve(options, max_rebuilds=1)
+    first = engine.executor
+    pids = [proc.pid for proc in first.stages.procs]
     app = create_app(engine, max_pending=8)
     async_engine = app.state.async_engine
     try:
         dead_calls: list[bool] = []
         async_engine.on_dead = lambda: dead_calls.append(True)
-        engine.serve_with(async_engine)
         gate = threading.Event()  # holds the rebuild, so the test sees the server while it rebuilds
-        rebuild = async_engine.rebuild
-        async_engine.rebuild = lambda broken: (gate.wait(DEADLINE_S), rebuild(broken))[1]
+        replacement = engine.supervisor._replacement
+        engine.supervisor._replacement = lambda options: (gate.wait(DEADLINE_S), replacement(options))[1]
         with TestClient(app) as client:
             before = _complete(client)
             running: dict = {}
@@ -108,12 +110,12 @@ def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
             assert client.get("/health").status_code == 200
             assert _complete(client) == before
             assert not any(alive(pid) for pid in pids)  # the old stages
-            assert async_engine.engine is not engine and async_engine.num_restarts == 1
-            assert len(async_engine.engine.plan.stages) == 1  # stage 0's device alone holds the model
+            assert engine.executor is not first and engine.supervisor.num_rebuilds == 1
+            assert len(engine.executor.plan.stages) == 1  # stage 0's device alone holds the model
         assert dead_calls == []
     finally:
         release(pids)
-        async_engine.engine.close()
+        engine.supervisor.close()
 
 
 def _children(pid: int) -> set[int]:

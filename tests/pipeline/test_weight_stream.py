@@ -12,12 +12,9 @@ import math
 import pytest
 import torch
 
+from loopback_stage import pipeline_llm
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
-from tessel.errors import TesselError
-from tessel.models.config import ModelConfig
-from tessel.pipeline.driver import PipelineEngine
-from tessel.pipeline.run_plan import load_run_plan
 from tessel.engine.weight_stream import (
     ALIGN_BYTES,
     StreamSchedule,
@@ -25,6 +22,9 @@ from tessel.engine.weight_stream import (
     check_offload,
     layer_weight_bytes,
 )
+from tessel.errors import TesselError
+from tessel.models.config import ModelConfig
+from tessel.pipeline.run_plan import load_run_plan
 from tessel.plan.cluster import parse_cluster
 from tessel.plan.plan_file import parse_plan
 from tessel.plan.streamed import STREAM_BUFFERS, freed_bytes, offload_layers, streamed_count
@@ -95,10 +95,10 @@ def _streaming_plan(tmp_path, model, streamed, host_gbps, name="plan.json"):
     return plan
 
 
-def _run(model, plan) -> tuple[list[list[int]], PipelineEngine]:
-    engine = PipelineEngine(model, load_run_plan(plan), None)
+def _run(model, plan) -> tuple[list[list[int]], LLM]:
+    engine = pipeline_llm(model, plan)
     out = engine.generate(PROMPTS, GREEDY, use_progress=False)
-    engine.stage.streamer.close()
+    engine.executor.stage.streamer.close()
     return [o.token_ids for o in out], engine
 
 
@@ -109,7 +109,7 @@ def test_half_the_layers_streamed_give_the_in_memory_tokens_and_count_their_copi
     for gbps in (2.0, 8.0):
         tokens, engine = _run(model, _streaming_plan(tmp_path, model, [3, 4, 5], gbps, f"p{gbps}.json"))
         assert tokens == expected
-        runs[gbps] = engine.stage
+        runs[gbps] = engine.executor.stage
     stage = runs[8.0]
     stats, streamer = stage.stats, stage.streamer
     assert streamer.schedule.streamed == (3, 4, 5) and stats.stream_layers == 3

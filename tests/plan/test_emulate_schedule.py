@@ -80,9 +80,9 @@ def test_plan_stage_schedule_round_trips_and_older_plans_load():
 
 
 def test_run_plan_and_stage_executor_follow_the_schedule(tmp_path):
-    from tessel.pipeline.supervision.heartbeat import Progress
     from tessel.pipeline.run_plan import load_run_plan
     from tessel.pipeline.stage.runner import StageRunner
+    from tessel.pipeline.supervision.heartbeat import Progress
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(_plan({"emulate_schedule": [[0.0, 0.5]]})))

@@ -178,8 +178,9 @@ def build_engine(
         argv = [f"--{name.replace('_', '-')}={value}" for name, value in named.items()]
         yield ReplicaPlanEngine(model, plan, work_dir, tuple(argv), load_tokenizer(model))
         return
-    from pipeline_plans import write_plan
     from tessel.pipeline.serving import pipeline_server_engine
+
+    from pipeline_plans import write_plan
 
     assert kind == "pipeline" and max_num_seqs % PIPELINE_SLOTS == 0, (kind, max_num_seqs)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]

@@ -96,18 +96,26 @@ class Stage0:
 
 class ProcessExecutor:
     def __init__(
-        self, options: RunOptions, stages: LocalStages | None = None, init_method: str | None = None
+        self,
+        options: RunOptions,
+        stages: LocalStages | None = None,
+        init_method: str | None = None,
+        *,
+        comm: StageComm | None = None,
+        cutter: ChunkCutter | None = None,
     ) -> None:
         """`stages`: the other stages as this process's children (`spawn`), or None when someone else
-        started them; `init_method`: the process group's rendezvous (None: torchrun's environment)."""
+        started them; `init_method`: the process group's rendezvous (None: torchrun's environment);
+        `comm`: links already made (a test's loopback) instead of joining; `cutter`: the CPP cut to use
+        instead of the plan's."""
         self.options, self.stages, self.init_method = options, stages, init_method
         self.plan = load_run_plan(options.plan, options.replica)
         self.paths = plan_paths(self.plan, options.micro_batches)
         self.features = PathFeatures.of(self.plan)
         self.failure: BaseException | None = None
-        self.comm: StageComm | None = None
+        self.comm: StageComm | None = comm
         self.stage: StageRunner | None = None
-        self.cutter: ChunkCutter | None = None
+        self.cutter: ChunkCutter | None = cutter
         self._loaded: Stage0 | None = None
         self._path_of_slot = path_of_slots(self.paths)
         self._path_of_seq: dict[int, int] = {}  # until its release reaches its path's last stage
@@ -176,7 +184,7 @@ class ProcessExecutor:
         self.wait_for_stages()
         config, loaded = setup.config, self._loaded
         device = torch.device(config.device)
-        if len(self.plan.stages) > 1:
+        if len(self.plan.stages) > 1 and self.comm is None:
             if self.on_phase is not None:
                 self.on_phase("joining")
             options = self.options
@@ -204,7 +212,7 @@ class ProcessExecutor:
             )
         self.kv_blocks = blocks.local_blocks
         self._build_stage(setup, loaded, blocks.local_blocks, device)
-        if self.options.cpp and self.features.cpp and len(self.plan.stages) > 1:
+        if self.cutter is None and self.options.cpp and self.features.cpp and len(self.plan.stages) > 1:
             self.cutter = ChunkCutter(
                 priced_pipeline(self.plan, self.options.profiles), self.options.cpp_min_tokens
             )

@@ -123,12 +123,12 @@ class Supervisor:
     def serve(cls, options: RunOptions, max_rebuilds: int) -> Any:
         """The engine `tessel serve --plan` drives: the plan's stages spawned, stage 0 loaded here while
         they load theirs, joined, and this supervisor behind it."""
-        from tessel.engine.llm_engine import LLMEngine
+        from tessel.engine.llm_engine import LLM
 
         supervisor = cls(options, max_rebuilds)
         executor = ProcessExecutor.spawn(options, _run_dir())
         try:
-            engine = LLMEngine(options.model, executor=executor, **options.engine_kwargs())
+            engine = LLM(options.model, executor=executor, **options.engine_kwargs())
         except BaseException:
             executor.shutdown()
             raise
@@ -168,7 +168,7 @@ class Supervisor:
     def _watch(self, executor: ProcessExecutor) -> None:
         """A daemon thread that, once a stage dies or falls silent, marks `executor` failed, stops its
         stage processes and wakes the engine's thread."""
-        stages = executor.stages
+        stages = getattr(executor, "stages", None)
         if stages is None:
             return
         stop = threading.Event()
@@ -222,7 +222,7 @@ class Supervisor:
         old.shutdown()
         try:
             options = self._survivors_options(old, error)
-            moved = self._install(engine, ProcessExecutor.spawn(options, _run_dir()))
+            moved = self._install(engine, self._replacement(options))
         except Exception as rebuild_error:
             self.recovering = None
             log.error("tessel: the pipeline rebuild failed: %s", _describe(rebuild_error))
@@ -245,6 +245,10 @@ class Supervisor:
         self.recovering = None
         self.last_recovery = report
         return engine.drain_pending()
+
+    def _replacement(self, options: RunOptions) -> ProcessExecutor:
+        """The stage processes of the pipeline that replaces a broken one, spawned."""
+        return ProcessExecutor.spawn(options, _run_dir())
 
     def _install(self, engine: Any, executor: ProcessExecutor) -> list[str]:
         """Start `executor` (join it), move the engine's requests into it and watch it; -> moved ids.
@@ -308,7 +312,7 @@ class Supervisor:
         """Engine thread (the children's parent-death signal follows it): the new stages spawned; their
         loading, and stage 0's here, on a background thread."""
         try:
-            executor = ProcessExecutor.spawn(remap.options, _run_dir())
+            executor = self._replacement(remap.options)
         except Exception as error:  # a bad plan, refused before anything started
             self._remap = None
             remap.done.set_exception(error)
@@ -351,7 +355,7 @@ class Supervisor:
             report.error = f"joining the new pipeline failed: {_describe(join_error)}"
             log.error("tessel: remap (%s) failed: %s; rolling back", report.reason, report.error)
             try:
-                moved = self._install(engine, ProcessExecutor.spawn(self.options, _run_dir()))
+                moved = self._install(engine, self._replacement(self.options))
             except Exception as rollback_error:
                 engine.executor.failure = PipelineDown(
                     f"{_describe(rollback_error)} (rolling back a failed remap: {report.error})"
