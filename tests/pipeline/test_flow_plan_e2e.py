@@ -146,9 +146,9 @@ def test_planned_flow_plan_launches_and_matches_hf(flow_model, tmp_path) -> None
         "--max-model-len", MAX_PROMPT + MAX_OUTPUT, "--json", outputs,
     ])  # fmt: skip
     run = json.loads(outputs.read_text())
-    from tessel.engine.llm_engine import _load_tokenizer
+    from tessel.engine.llm_engine import load_tokenizer
 
-    tokenizer = _load_tokenizer(flow_model)
+    tokenizer = load_tokenizer(flow_model)
     assert len(run["requests"]) == len(PROMPTS)
     for prompt, result in zip(PROMPTS, run["requests"], strict=True):
         ids = list(tokenizer(prompt)["input_ids"])

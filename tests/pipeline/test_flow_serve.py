@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from tessel.pipeline.flow_routing import FlowBlocks, path_block_ranges, with_micro_batches
 
 from hf_oracle import hf_greedy
 from tessel.errors import TesselError
+from tessel.pipeline.flow import FlowBlocks, path_block_ranges, with_micro_batches
 from tessel.pipeline.run_plan import load_run_plan
 
 PROMPTS = [
@@ -152,7 +152,7 @@ def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tm
     the seeded one the single-process engine's; each path gets within one of weight x 11 requests,
     each placement loaded its layers once and W, Y and Z each ran micro-batches."""
     from tessel import LLM, SamplingParams
-    from tessel.engine.llm_engine import _load_tokenizer
+    from tessel.engine.llm_engine import load_tokenizer
     from tessel.models.layer_filter import LayerFilter
     from tessel.models.loader import load_model
     from tessel.pipeline.run import RunOptions, run_pipeline
@@ -169,7 +169,7 @@ def test_flow_plan_launch_matches_hf_and_splits_requests_by_weight(tiny_dirs, tm
     requests.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     options = RunOptions(plan_path, model, prompts_file=requests, ignore_eos=True, max_num_seqs=1)
     run = run_pipeline(options)
-    tokenizer = _load_tokenizer(model)
+    tokenizer = load_tokenizer(model)
     for prompt, result in zip(prompts, run.requests[:-1], strict=True):
         ids = list(tokenizer(prompt)["input_ids"])
         assert result["token_ids"] == hf_greedy(model, ids, 6, ignore_eos=True), prompt

@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tessel.pipeline.supervision.heartbeat import Heartbeat, Progress
 from tessel.pipeline.supervision.remap_watch import RemapWatch
+from tessel.pipeline.supervision.supervisor import RemapReport
 from tessel.plan.api import PlanSettings, make_plan
 from tessel.plan.plan_file import load_plan
 from tessel.plan.remap_decision import RemapSettings, predicted_step_s
-from tessel.server.async_engine import RemapReport
 from tessel.server.prometheus import RemapCollector
 from tessel.sim.api import SimulationSettings, simulate_plan
 
@@ -37,14 +37,19 @@ arrival_rate_per_s: 4
 
 
 class _Engine:
-    """What the watcher reads of a `ServedPipelineEngine`: its plan, stage 0's stats, the run dir."""
+    """What the watcher reads of a served pipeline engine's executor (`ProcessExecutor`): its plan,
+    stage 0's stats, the stages' run dir. The stand-in is its own executor."""
 
     def __init__(self, plan_path: Path, run_dir: Path) -> None:
         plan = load_plan(plan_path)
-        self.plan = SimpleNamespace(plan_file=plan, stages=plan.stages, path=plan_path)
+        self.plan = SimpleNamespace(plan_file=plan, stages=plan.stages, path=plan_path, paths=())
         self.stage = SimpleNamespace(stats=SimpleNamespace(batches=0, compute_s=0.0, emulation_sleep_s=0.0))
         self.stages = SimpleNamespace(run_dir=run_dir)
         run_dir.mkdir(exist_ok=True)
+
+    @property
+    def executor(self) -> _Engine:
+        return self
 
     def run(self, batches: int, step_s: list[float]) -> None:
         """Every stage computes `batches` more micro-batches of `step_s[k]` seconds each."""

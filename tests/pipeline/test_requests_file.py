@@ -140,12 +140,12 @@ def test_launch_refuses_bad_requests_before_any_stage(
 
 def test_a_huge_line_is_refused_by_characters_before_tokenizing(tiny_dirs, tmp_path, monkeypatch):
     """A line over --max-prompt-chars (default 1,000,000) is refused without being tokenized."""
-    from tessel.pipeline import request_checks
+    from tessel.pipeline import checks
 
     def no_tokenizer(*args, **kwargs):
         raise AssertionError("the prompt was tokenized")
 
-    monkeypatch.setattr(request_checks, "_load_tokenizer", no_tokenizer)
+    monkeypatch.setattr(checks, "load_tokenizer", no_tokenizer)
     path = tmp_path / "huge.jsonl"
     path.write_text(json.dumps("a" * 1_000_001) + "\n")
     error = _launch_refuses(monkeypatch, tmp_path, tiny_dirs["tied"], ["--prompts-file", str(path)])

@@ -170,7 +170,7 @@ def build_engine(
         yield LLMEngine(str(model), max_num_seqs=max_num_seqs, **options)
         return
     if kind == "replicas":
-        from tessel.server.replica_router import load_tokenizer
+        from tessel.engine.llm_engine import load_tokenizer
 
         assert max_num_seqs % PIPELINE_SLOTS == 0, max_num_seqs
         plan = write_replica_plan(work_dir / "replicas.json", model)
@@ -178,19 +178,20 @@ def build_engine(
         argv = [f"--{name.replace('_', '-')}={value}" for name, value in named.items()]
         yield ReplicaPlanEngine(model, plan, work_dir, tuple(argv), load_tokenizer(model))
         return
-    from tessel.pipeline.serving import pipeline_server_engine
-
     from pipeline_plans import write_plan
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.supervision.supervisor import Supervisor
 
     assert kind == "pipeline" and max_num_seqs % PIPELINE_SLOTS == 0, (kind, max_num_seqs)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     split = [(0, layers // 2), (layers // 2, layers)]
     plan = write_plan(work_dir / "plan.json", model, split, micro_batches=PIPELINE_SLOTS)
-    engine = pipeline_server_engine(model, plan, max_num_seqs=max_num_seqs // PIPELINE_SLOTS, **options)
+    run = RunOptions(plan, model, max_num_seqs=max_num_seqs // PIPELINE_SLOTS, **options)
+    engine = Supervisor.serve(run, max_rebuilds=0)
     try:
         yield engine
     finally:
-        engine.close()
+        engine.supervisor.close()
 
 
 @dataclass(frozen=True)

@@ -136,28 +136,42 @@ def test_failure_a_restart_cannot_fix_keeps_the_server_up(broken_engine: Any, se
 
 
 class _StageGone(RuntimeError):
-    """A failure only a new engine mends (as a dead pipeline stage's `StageFailedError`)."""
+    """A failure only a new pipeline mends (as a dead pipeline stage's `StageFailedError`)."""
 
     recovery = "rebuild"
 
 
-def test_failure_that_needs_a_rebuild_gets_a_new_engine(
-    broken_engine: Any, serve_in_thread: Any, tiny_model: Path
-) -> None:
-    """The broken engine is handed to `rebuild`; the request in flight moves into the new one and
-    completes as an undisturbed run would; the rebuild counts as a restart."""
-    from tessel.server.app import create_app
+def _supervise(engine: Any, model: Path, replacement: Any) -> Any:
+    """A pipeline's supervisor behind `engine` (`tessel.pipeline.supervision.supervisor`), whose new
+    executors come from `replacement(options)`; the engine's executor then loses a stage."""
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.supervision.supervisor import Supervisor
 
-    app = create_app(broken_engine, max_pending=4)
-    async_engine = app.state.async_engine
-    handed: list[Any] = []
-    fresh = type(broken_engine)(str(tiny_model), max_num_seqs=2, max_model_len=256, kv_cache_gib=0.01)
-    async_engine.rebuild = lambda broken: (handed.append(broken), fresh)[1]
+    supervisor = Supervisor(RunOptions(model / "plan.json", model), max_rebuilds=3)
+    supervisor.attach(engine)
+    supervisor._survivors_options = lambda old, error: supervisor.options
+    supervisor._replacement = replacement
 
-    def step() -> list:
+    def launch(micro_batch: Any, kv_copies: Any) -> None:
         raise _StageGone("pipeline stage 1 is gone")
 
-    broken_engine.step = step
+    engine.executor.launch = launch
+    return supervisor
+
+
+def test_failure_that_needs_a_rebuild_gets_a_new_executor(
+    broken_engine: Any, serve_in_thread: Any, tiny_model: Path
+) -> None:
+    """The supervisor replaces the executor that lost a stage; the request in flight moves into the
+    new one and completes as an undisturbed run would; the rebuild counts against the budget."""
+    from tessel.engine.executor import LocalExecutor
+    from tessel.server.app import create_app
+
+    fresh = LocalExecutor()
+    asked: list[Any] = []
+    broken = broken_engine.executor
+    supervisor = _supervise(broken_engine, tiny_model, lambda options: (asked.append(options), fresh)[1])
+    app = create_app(broken_engine, max_pending=4)
     body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
         moved = client.post("/v1/completions", json=body)
@@ -166,27 +180,25 @@ def test_failure_that_needs_a_rebuild_gets_a_new_engine(
         assert again.status_code == 200
         assert again.json()["choices"][0]["text"] == moved.json()["choices"][0]["text"]
         assert client.get("/health").json() == {"status": "ok"}
-    assert handed == [broken_engine] and async_engine.engine is fresh and async_engine.num_restarts == 1
+    assert asked == [supervisor.options] and broken_engine.executor is fresh is not broken
+    assert supervisor.num_rebuilds == 1 and supervisor.last_recovery.moved == 1
 
 
-def test_rebuild_that_fails_leaves_the_server_up(broken_engine: Any, serve_in_thread: Any) -> None:
+def test_rebuild_that_fails_leaves_the_server_up(
+    broken_engine: Any, serve_in_thread: Any, tiny_model: Path
+) -> None:
     """A rebuild that raises (a stage that dies again while loading): 503 for good with that reason,
     no `on_dead` (the server would exit: connection refused)."""
     from tessel.server.app import create_app
 
+    def replacement(options: Any) -> Any:
+        raise _StageGone("pipeline stage 1 failed while loading")
+
+    supervisor = _supervise(broken_engine, tiny_model, replacement)
     app = create_app(broken_engine, max_pending=4)
     async_engine = app.state.async_engine
     dead_calls: list[bool] = []
     async_engine.on_dead = lambda: dead_calls.append(True)
-
-    def rebuild(broken: Any) -> Any:
-        raise _StageGone("pipeline stage 1 failed while loading")
-
-    def step() -> list:
-        raise _StageGone("pipeline stage 1 is gone")
-
-    async_engine.rebuild = rebuild
-    broken_engine.step = step
     body = {"prompt": "hello", "max_tokens": 3}
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
         assert client.post("/v1/completions", json=body).status_code == 503
@@ -196,4 +208,4 @@ def test_rebuild_that_fails_leaves_the_server_up(broken_engine: Any, serve_in_th
             assert "Retry-After" not in health.headers
             assert client.post("/v1/completions", json=body).status_code == 503
         assert client.get("/v1/models").status_code == 200
-    assert dead_calls == [] and async_engine.num_restarts == 1
+    assert dead_calls == [] and supervisor.num_rebuilds == 1

@@ -271,7 +271,8 @@ def plan_paths(plan: RunPlan, micro_batches: int | None = None) -> tuple[FlowPat
 
 def is_flow(plan: RunPlan) -> bool:
     """Whether the plan routes over several paths (a flow plan) rather than one pipeline."""
-    return len(plan.paths) > 1 or plan.paths[0].ranks != tuple(range(len(plan.stages)))
+    paths = plan.paths
+    return len(paths) > 1 or (len(paths) == 1 and paths[0].ranks != tuple(range(len(plan.stages))))
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,8 +77,7 @@ class RemapWatch:
         self._plan_dir = plan_dir
         self._lock = threading.Lock()  # the window: the engine thread adds requests, this one samples
         self._stop = threading.Event()
-        self._engine = async_engine.engine
-        self._executor = self._engine.executor
+        self._executor = async_engine.engine.executor
         self._remap_future = None
         self._pending: RemapDecision | None = None
         self.decider = None
@@ -163,7 +162,7 @@ class RemapWatch:
                 self.echo(f"tessel: remap watch: {type(error).__name__}: {error}")
 
     def tick(self, now_s: float) -> RemapDecision | None:
-        executor = self._engine.executor
+        executor = self.async_engine.engine.executor
         if executor is not self._executor:  # a remap or a rebuild: its stages count afresh
             self._follow(executor, now_s)
         counters = self.sample(executor)
