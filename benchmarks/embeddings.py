@@ -127,7 +127,9 @@ def main() -> None:
     rates = {name: len(texts) / t.median_s for name, t in timed.items()}
     print(f"{'provider':<24}{'median s':>10}{'min s':>10}{'sentences/s':>14}{'median CPU s':>14}")
     for name, timing in timed.items():
-        print(f"{name:<24}{timing.median_s:>10.3f}{timing.min_s:>10.3f}{rates[name]:>14.1f}{cpu_median[name]:>14.3f}")
+        print(
+            f"{name:<24}{timing.median_s:>10.3f}{timing.min_s:>10.3f}{rates[name]:>14.1f}{cpu_median[name]:>14.3f}"
+        )
     ratios = {f"tessel_over_{name}": rates["tessel"] / rates[name] for name in rates if name != "tessel"}
     cpu_ratios = {f"tessel_over_{name}": cpu_median[name] / cpu_median["tessel"] for name in cpu_median}
     del cpu_ratios["tessel_over_tessel"]

@@ -48,6 +48,7 @@ AUTO_OVER_WORSE = 1.2  # ... and at least 1.2x faster than the worse
 FULL = {"requests": 4, "prompt_tokens": 384, "max_tokens": 4, "kv_cache_gib": 0.03365, "rounds": 1}
 QUICK = {"requests": 3, "prompt_tokens": 64, "max_tokens": 4, "kv_cache_gib": 0.00618, "rounds": 1}
 
+
 @dataclass(slots=True)
 class KvRun:
     mode: str
@@ -200,8 +201,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller workload, for a smoke run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier when shared)")
     parser.add_argument("--kv-cache-gib", type=float, help="KV cache of the preempting runs, GiB")
-    parser.add_argument("--host-gbps", type=float, nargs="+",
-                        help="emulated host links, Gbit/s (default: 64 and a quarter of break-even)")
+    parser.add_argument(
+        "--host-gbps",
+        type=float,
+        nargs="+",
+        help="emulated host links, Gbit/s (default: 64 and a quarter of break-even)",
+    )
     _harness.add_record_options(parser, "offload")
     args = parser.parse_args()
     import torch

@@ -11,11 +11,11 @@ for each `--host-gbps` b the planner plans the model on a one-CPU cluster file e
 `memory_gib` g with a host link of b Gbit/s (`emulate: {memory_gib, host_gbps}`, `--overlap`: a
 stage's time is the larger of its compute and its transfer, as the runtime overlaps them); g is
 searched so the plan streams half the layers. The resident row plans the same cluster without the
-memory cap. Each plan runs in process (`PipelineEngine`, the stage 0 of `tessel launch`): a closed
-batch of `--requests` prompts of `--prompt` random tokens, `--new-tokens` each, greedy. Every engine
-step is timed, wall and process CPU time (every thread's: "cpu ms", the figure a loaded shared
-machine distorts least; the emulated link's sleeps are not in it); the first step is the prefill,
-the rest decode steps (their median is "decode ms").
+memory cap. Each plan runs in process (an engine on the plan's `ProcessExecutor`, as stage 0 of
+`tessel launch`): a closed batch of `--requests` prompts of `--prompt` random tokens, `--new-tokens`
+each, greedy. Every engine step is timed, wall and process CPU time (every thread's: "cpu ms", the
+figure a loaded shared machine distorts least; the emulated link's sleeps are not in it); the first
+step is the prefill, the rest decode steps (their median is "decode ms").
 Per decode step: transfer seconds exposed (compute waiting for a copy) and hidden (the rest of the
 copy time), from the stage's stats. "pred ms" is the plan's `decode_ms` for the stage; "err" and
 "err cpu" = (predicted - measured) / measured against the wall and the CPU time. The planner prices
@@ -137,12 +137,12 @@ def measure(model: Path, plan_path: Path, cfg: dict, batch: list[list[int]]) -> 
     """Run the plan's one stage in process; time every step."""
     import torch
 
-    from tessel import SamplingParams
-    from tessel.pipeline.driver import PipelineEngine
-    from tessel.pipeline.run_plan import load_run_plan
+    from tessel import LLM, SamplingParams
+    from tessel.pipeline.executor import ProcessExecutor
+    from tessel.pipeline.options import RunOptions
 
-    run_plan = load_run_plan(plan_path)
-    engine = PipelineEngine(model, run_plan, None, dtype=cfg["torch_dtype"], max_model_len=512)
+    executor = ProcessExecutor(RunOptions(plan_path, model))
+    engine = LLM(model, executor=executor, dtype=cfg["torch_dtype"], max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=cfg["new_tokens"], ignore_eos=True)
     engine.generate([batch[0][:8]], SamplingParams(temperature=0.0, max_tokens=2), use_progress=False)
     ids = [f"r{i}" for i in range(len(batch))]
@@ -150,7 +150,7 @@ def measure(model: Path, plan_path: Path, cfg: dict, batch: list[list[int]]) -> 
         engine.add_request(rid, prompt, params)
     steps, cpu_steps, exposed, hidden, tokens = [], [], [], [], {}
     while engine.has_unfinished_requests():
-        before = (engine.stage.stats.stream_exposed_s, engine.stage.stats.stream_hidden_s)
+        before = (executor.stage.stats.stream_exposed_s, executor.stage.stats.stream_hidden_s)
         started, cpu_started = time.perf_counter(), time.process_time()
         for out in engine.step():
             if out.finished:
@@ -159,11 +159,11 @@ def measure(model: Path, plan_path: Path, cfg: dict, batch: list[list[int]]) -> 
             torch.cuda.synchronize()
         steps.append(time.perf_counter() - started)
         cpu_steps.append(time.process_time() - cpu_started)
-        exposed.append(engine.stage.stats.stream_exposed_s - before[0])
-        hidden.append(engine.stage.stats.stream_hidden_s - before[1])
-    stats = engine.stage.stats
-    if engine.stage.streamer is not None:
-        engine.stage.streamer.close()
+        exposed.append(executor.stage.stats.stream_exposed_s - before[0])
+        hidden.append(executor.stage.stats.stream_hidden_s - before[1])
+    stats = executor.stage.stats
+    if executor.stage.streamer is not None:
+        executor.stage.streamer.close()
     decode = steps[1:]
     return {
         "prefill_ms": steps[0] * 1e3,

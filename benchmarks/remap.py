@@ -3,7 +3,7 @@ print a table, write JSON (benchmarks/results/remap.jsonl).
 
     python benchmarks/remap.py [--scenario kill] [--quick] [--model DIR] [--streams N] [--new-tokens N]
 
-The server is the one `tessel serve --plan` runs (`pipeline_server_engine` driven by an
+The server is the one `tessel serve --plan` runs (`Supervisor.serve`'s engine driven by an
 `AsyncEngine`, this process stage 0, the other stages child processes), fed by `--streams` clients
 that each stream greedy requests back to back (`SteadyLoad`: prompts taken in turn from `PROMPTS`,
 `--new-tokens` each, EOS ignored), SmolLM2-135M float32 (`tessel example-model`) by default. Every
@@ -170,12 +170,13 @@ def reference_tokens(model: Path, new_tokens: int) -> list[list[int]]:
 
 def serve(model: Path, plan: Path):
     """The server's engine for `plan`, watched and driven as `tessel serve --plan` does."""
-    from tessel.pipeline.serving import pipeline_server_engine
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.supervision.supervisor import Supervisor
     from tessel.server.async_engine import AsyncEngine
+    from tessel.server.limits import DEFAULT_MAX_ENGINE_RESTARTS
 
-    engine = pipeline_server_engine(model, plan)
+    engine = Supervisor.serve(RunOptions(plan, model), DEFAULT_MAX_ENGINE_RESTARTS)
     async_engine = AsyncEngine(engine, max_pending=64)
-    engine.serve_with(async_engine)
     async_engine.start()
     return async_engine
 
@@ -200,7 +201,7 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
     model = _harness.example_model(args.model)
     expected = reference_tokens(model, args.new_tokens)
     async_engine = serve(model, thirds_plan(model, root))
-    first = async_engine.engine
+    first = async_engine.engine.executor
     load = SteadyLoad(async_engine, args.streams, args.new_tokens).start()
     try:
         time.sleep(args.kill_after_s)
@@ -210,7 +211,7 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
         probe = Probe(async_engine, killed_at).start()  # a new request sent right after the kill
         healthy_s = None
         while time.monotonic() - killed_at < DEADLINE_S:
-            if healthy_s is None and async_engine.engine is not first and async_engine.healthy:
+            if healthy_s is None and async_engine.engine.executor is not first and async_engine.healthy:
                 healthy_s = time.monotonic() - killed_at
             served = [r for r in load.finished if r.sent_s > killed_at and r.token_times_s]
             if served and probe.served_s is not None and time.monotonic() - killed_at > args.after_kill_s:
@@ -220,7 +221,7 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
         probe.join()
     finally:
         async_engine.stop()
-        async_engine.engine.close()
+        async_engine.engine.supervisor.close()
     records = load.finished
     after = [r for r in records if r.sent_s > killed_at and r.token_times_s]
     first_served_s = min((r.token_times_s[0] - killed_at for r in after), default=None)
@@ -230,7 +231,7 @@ def kill_scenario(args: argparse.Namespace, root: Path) -> dict:
         "scenario": "kill",
         "model": str(model),
         "stages_before": [[s.layer_start, s.layer_end] for s in first.plan.stages],
-        "stages_after": [[s.layer_start, s.layer_end] for s in async_engine.engine.plan.stages],
+        "stages_after": [[s.layer_start, s.layer_end] for s in async_engine.engine.executor.plan.stages],
         "streams": args.streams,
         "new_tokens": args.new_tokens,
         "requests": len(records),
@@ -289,8 +290,8 @@ def slowed_run(model: Path, plan: Path, settings, mode: str, args: argparse.Name
     `--remap <mode>`; the tokens' times, the failures and the server's decisions."""
     import torch
 
+    from tessel.engine.emulation import EMULATE_EPOCH_ENV
     from tessel.pipeline.supervision.remap_watch import RemapWatch
-    from tessel.pipeline.stage.runner import EMULATE_EPOCH_ENV
 
     os.environ.pop(EMULATE_EPOCH_ENV, None)  # the schedule counts from this run's first micro-batch
     torch.set_num_threads(1)  # stage 0 as the stage processes (`--threads 1`): like devices, like threads
@@ -307,7 +308,7 @@ def slowed_run(model: Path, plan: Path, settings, mode: str, args: argparse.Name
     finally:
         watch.stop()
         async_engine.stop()
-        async_engine.engine.close()
+        async_engine.engine.supervisor.close()
     records = load.finished
     slowed_from = origin + args.slow_at_s
 
@@ -433,7 +434,7 @@ def switch_scenario(args: argparse.Namespace, root: Path) -> dict:
         load.stop()
     finally:
         async_engine.stop()
-        async_engine.engine.close()
+        async_engine.engine.supervisor.close()
     records = load.finished
     complete = [r for r in records if r.error is None]
     switch_at = asked_at + report.load_s  # the switch began within a step of this
@@ -441,7 +442,7 @@ def switch_scenario(args: argparse.Namespace, root: Path) -> dict:
     return {
         "scenario": "switch",
         "model": str(model),
-        "stages_after": [[s.layer_start, s.layer_end] for s in async_engine.engine.plan.stages],
+        "stages_after": [[s.layer_start, s.layer_end] for s in async_engine.engine.executor.plan.stages],
         "streams": args.streams,
         "new_tokens": args.new_tokens,
         "requests": len(records),

@@ -11,6 +11,7 @@ import torch
 
 from pipeline_plans import write_plan
 from tessel import LLM
+from tessel.engine.emulation import SlowDevice
 from tessel.models.config import ModelConfig
 from tessel.pipeline import executor as executor_module
 from tessel.pipeline.comm.messages import KvLayout, pack_message, unpack_message
@@ -66,9 +67,8 @@ def two_stages(model: Path, tmp_path: Path, monkeypatch, slots: int, arrived: bo
     plan_path = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
     plan = load_run_plan(plan_path)
     config = ModelConfig.from_dir(model)
-    later = StageRunner.load(
-        model, layer_filter(plan, 1, config.tie_word_embeddings), torch.float32, "cpu", 1.0
-    )
+    part = layer_filter(plan, 1, config.tie_word_embeddings)
+    later = StageRunner.load(model, part, torch.float32, "cpu", SlowDevice())
     loopback = Loopback(later, arrived)
     engine = pipeline_llm(model, plan_path, slots=slots, comm=loopback, **options)
     layout = KvLayout(

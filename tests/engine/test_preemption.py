@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 from hf_oracle import hf_greedy
 from tessel import LLM, SamplingParams
 from tessel.cli import app
-from tessel.engine import host_kv_pool
+from tessel.engine import emulation
 from tessel.engine.block_manager import BlockManager
+from tessel.engine.emulation import hold_link
 from tessel.engine.engine_config import EngineConfig
-from tessel.engine.host_kv_pool import HostKvPool, emulate_copy_time
+from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.preemption import HostLink, Preemptor, PrefillClock, host_pool_blocks, measure_host_link
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
@@ -134,11 +135,11 @@ def test_the_host_pool_round_trips_blocks_exactly() -> None:
 
 def test_emulation_sleeps_for_the_missing_time(monkeypatch) -> None:
     slept = []
-    monkeypatch.setattr(host_kv_pool.time, "sleep", slept.append)
-    assert emulate_copy_time(2_000_000, 0.0005, 8.0) == pytest.approx(0.0015)  # 2 MB at 8 Gbit/s: 2 ms
+    monkeypatch.setattr(emulation.time, "sleep", slept.append)
+    assert hold_link(2_000_000, 0.0005, 8.0) == pytest.approx(0.0015)  # 2 MB at 8 Gbit/s: 2 ms
     assert slept == [pytest.approx(0.0015)]
-    assert emulate_copy_time(2_000_000, 0.005, 8.0) == 0.0 and len(slept) == 1  # already slower
-    assert emulate_copy_time(2_000_000, 0.001, None) == 0.0
+    assert hold_link(2_000_000, 0.005, 8.0) == 0.0 and len(slept) == 1  # already slower
+    assert hold_link(2_000_000, 0.001, None) == 0.0
 
 
 def _preemptor(to_host_gbps: float, seconds_per_token: float) -> tuple[Preemptor, Sequence]:

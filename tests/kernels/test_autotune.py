@@ -179,7 +179,6 @@ def test_launch_tuned_on_cpu_uses_the_default_without_benchmarking(tmp_cache: Pa
     assert not (tmp_cache / "autotune").exists()
 
 
-
 def test_tuning_totals_count_benchmarks_not_memory_hits(tmp_cache: Path) -> None:
     """A benchmark compares two readings of `tuning_totals`: only a shape key's benchmark adds to them."""
     tuner = Autotuner("tuning_totals_test", CONFIGS, default=CONFIGS[0])
@@ -223,6 +222,7 @@ def test_gemm_kernel_is_not_specialised_on_the_rows() -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "['M']"
+
 
 # ---- the kernels compile for real GPUs (Triton's CUDA backend runs on this CPU-only machine) ----
 

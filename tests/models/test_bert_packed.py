@@ -28,9 +28,7 @@ def test_packed_forward_matches_transformers_per_input(tiny):
     ids = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=generator)
     with torch.inference_mode():
         ours = model.forward_packed(ids, lengths)
-        expected = torch.cat(
-            [oracle(input_ids=row[None]).last_hidden_state[0] for row in ids.split(lengths)]
-        )
+        expected = torch.cat([oracle(input_ids=row[None]).last_hidden_state[0] for row in ids.split(lengths)])
         padded = model(*_padded(ids, lengths))  # the masked path agrees too
     assert ours.shape == (sum(lengths), model.config.hidden_size)
     assert (ours - expected).abs().max() < 1e-5

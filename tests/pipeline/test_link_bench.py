@@ -7,8 +7,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from tessel.pipeline.link_bench import LinkMeasure, probe_over_torchrun, slowest
-
+from tessel.pipeline.comm.link_bench import LinkMeasure, probe_over_torchrun, slowest
 from tessel.plan.cluster import parse_cluster
 
 CPU_MACHINE = {

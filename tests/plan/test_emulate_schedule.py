@@ -80,6 +80,7 @@ def test_plan_stage_schedule_round_trips_and_older_plans_load():
 
 
 def test_run_plan_and_stage_executor_follow_the_schedule(tmp_path):
+    from tessel.engine.emulation import SlowDevice
     from tessel.pipeline.run_plan import load_run_plan
     from tessel.pipeline.stage.runner import StageRunner
     from tessel.pipeline.supervision.heartbeat import Progress
@@ -88,7 +89,7 @@ def test_run_plan_and_stage_executor_follow_the_schedule(tmp_path):
     path.write_text(json.dumps(_plan({"emulate_schedule": [[0.0, 0.5]]})))
     stage = load_run_plan(path).stages[1]
     assert stage.emulate_schedule == ((0.0, 0.5),)
-    executor = StageRunner(None, None, stage.emulate_speed, emulate_schedule=stage.emulate_schedule)
+    executor = StageRunner(None, None, SlowDevice(stage.emulate_speed, stage.emulate_schedule))
     executor.progress = Progress()
     executor.account(time.perf_counter() - 0.002, tokens=3)
     stats = executor.stats
@@ -98,14 +99,15 @@ def test_run_plan_and_stage_executor_follow_the_schedule(tmp_path):
 
 
 def test_a_later_stage_counts_its_schedule_from_the_published_epoch(monkeypatch):
-    from tessel.pipeline.stage.runner import EMULATE_EPOCH_ENV, StageRunner
+    from tessel.engine.emulation import EMULATE_EPOCH_ENV, SlowDevice
+    from tessel.pipeline.stage.runner import StageRunner
 
     monkeypatch.delenv(EMULATE_EPOCH_ENV, raising=False)
-    first = StageRunner(None, None, 1.0, publish_epoch=True)
+    first = StageRunner(None, None, SlowDevice(1.0, publish_epoch=True))
     first.account(time.perf_counter(), tokens=1)
     assert EMULATE_EPOCH_ENV in os.environ
     # a stage of a pipeline built later (a remap) slows at once: its schedule's change is long past
-    later = StageRunner(None, None, 1.0, emulate_schedule=((0.0, 0.5),))
+    later = StageRunner(None, None, SlowDevice(1.0, ((0.0, 0.5),)))
     later.account(time.perf_counter() - 0.002, tokens=1)
-    assert later._serving_since == pytest.approx(first._serving_since, abs=0.05)
+    assert later.slow.origin_s == pytest.approx(first.slow.origin_s, abs=0.05)
     assert later.stats.emulation_sleep_s == pytest.approx(later.stats.compute_s)

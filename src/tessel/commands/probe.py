@@ -6,7 +6,7 @@
 
 Discovery is `tessel.catalog.local_machine` (GPUs, topology, CPU), measurement
 `tessel.models.device_bench` (needs torch; `--no-measure` skips it), joining `tessel.plan.cluster_merge`
-and the network under torchrun `tessel.pipeline.link_bench`. `tessel plan --cluster local` plans on
+and the network under torchrun `tessel.pipeline.comm.link_bench`. `tessel plan --cluster local` plans on
 the same cluster without writing it. The cluster file keeps the datasheet vocabulary (types, counts,
 nvlink / pcie); what was measured goes into its comments and the profile JSON.
 """
@@ -288,7 +288,7 @@ def _probe_torchrun(console, out: Path | None, json_path: Path | None) -> None: 
 
     from tessel.catalog.local_machine import cluster_data, discover_machine
     from tessel.files import write_json_file, write_text_file
-    from tessel.pipeline.link_bench import probe_over_torchrun
+    from tessel.pipeline.comm.link_bench import probe_over_torchrun
 
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         raise TesselError(

@@ -7,10 +7,10 @@ memory), with a free list of its own. `swap_out` copies device blocks into host 
 `swap_in` copies them back; both block until the copy is done and return the bytes moved and the
 seconds it took.
 
-Emulation: with `emulated_gbps` set (Gbit/s, as every bandwidth in tessel), a copy that finished
-faster than `bytes / emulated_gbps` sleeps for the difference, so a CPU-only machine behaves like a
-device behind a link of that bandwidth. The time is then the emulated link's, never a measurement
-of a GPU's.
+Emulation (`tessel.engine.emulation.hold_link`): with `emulated_gbps` set (Gbit/s, as every
+bandwidth in tessel), a copy that finished faster than `bytes / emulated_gbps` sleeps for the
+difference, so a CPU-only machine behaves like a device behind a link of that bandwidth. The time
+is then the emulated link's, never a measurement of a GPU's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessel.units import GBPS
+from tessel.engine.emulation import hold_link
 
 
 @dataclass(slots=True)
@@ -28,18 +28,6 @@ class CopyResult:
     num_bytes: int
     seconds: float  # the whole copy, the emulation's wait included
     waited_s: float = 0.0  # of which slept to emulate a slower link
-
-
-def emulate_copy_time(num_bytes: int, elapsed_s: float, emulated_gbps: float | None) -> float:
-    """Sleep so that a copy of `num_bytes` that took `elapsed_s` lasts `num_bytes / emulated_gbps`;
-    -> the seconds slept (0 without emulation, or when the copy was already slower)."""
-    if emulated_gbps is None:
-        return 0.0
-    wait_s = num_bytes / (emulated_gbps * GBPS) - elapsed_s
-    if wait_s <= 0:
-        return 0.0
-    time.sleep(wait_s)
-    return wait_s
 
 
 class HostKvPool:
@@ -120,5 +108,5 @@ class HostKvPool:
     def _finish(self, num_blocks: int, start: float) -> CopyResult:
         num_bytes = num_blocks * self.bytes_per_block
         elapsed_s = time.perf_counter() - start
-        waited_s = emulate_copy_time(num_bytes, elapsed_s, self.emulated_gbps)
+        waited_s = hold_link(num_bytes, elapsed_s, self.emulated_gbps)
         return CopyResult(num_bytes, elapsed_s + waited_s, waited_s)

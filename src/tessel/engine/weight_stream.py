@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tessel.engine.emulation import hold_link
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
@@ -176,12 +177,12 @@ def check_offload(stages, config: ModelConfig, dtype: torch.dtype, local: list[i
 
 
 def check_host_link(gbps: float | None) -> float | None:
-    """An emulated host link in bytes/s (None: copies run at the real speed)."""
+    """An emulated host link in Gbit/s (None: copies run at the real speed)."""
     if gbps is None:
         return None
     if not (math.isfinite(gbps) and gbps > 0):
         raise TesselError(f"emulate host_gbps must be a positive number of Gbit/s, got {gbps!r}")
-    return gbps * GBPS
+    return gbps
 
 
 # ---- host copies and device buffers ------------------------------------------------------------------
@@ -323,10 +324,11 @@ def _evict(layer: _Layer | None) -> None:
 
 
 class ThreadMover:
-    """CPU stages: copies on a side thread, slowed to `bytes_per_s` where given (emulation)."""
+    """CPU stages: copies on a side thread, slowed to an emulated host link of `gbps` where given
+    (`tessel.engine.emulation.hold_link`)."""
 
-    def __init__(self, buffers: list[torch.Tensor], bytes_per_s: float | None) -> None:
-        self.buffers, self.bytes_per_s = buffers, bytes_per_s
+    def __init__(self, buffers: list[torch.Tensor], gbps: float | None) -> None:
+        self.buffers, self.gbps = buffers, gbps
         # the copy thread takes the stage's thread count (an OpenMP team is per thread: its default
         # would be every core, fighting the stage's compute)
         self._pool = ThreadPoolExecutor(
@@ -348,9 +350,8 @@ class ThreadMover:
         _copy_into(layer, self.buffers[buffer], non_blocking=False)
         real_s = time.perf_counter() - started
         nbytes = layer.host_bytes
-        emulated_s = 0.0 if self.bytes_per_s is None else nbytes / self.bytes_per_s
-        if emulated_s > real_s:
-            time.sleep(emulated_s - real_s)
+        hold_link(nbytes, real_s, self.gbps)
+        emulated_s = 0.0 if self.gbps is None else nbytes / (self.gbps * GBPS)
         with self._lock:
             self.stats.add(StreamStats(1, nbytes, max(real_s, emulated_s), 0.0, emulated_s))
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tessel.engine.emulation import SlowDevice
 from tessel.engine.engine_config import EngineConfig
 from tessel.engine.executor import EngineSetup, ExecutorLayout, KvCopies, MicroBatch
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
@@ -254,9 +255,9 @@ class ProcessExecutor:
             setup.max_model_len,
         )
         self.model = loaded.model
-        self.stage = StageRunner(loaded.model, loaded.part, stage.emulate_speed, self.runner)
-        self.stage.emulate_schedule = stage.emulate_schedule
-        self.stage.publish_epoch = any(s.emulate_schedule for s in self.plan.stages)
+        publish = any(s.emulate_schedule for s in self.plan.stages)  # later stages count from stage 0's
+        slow = SlowDevice(stage.emulate_speed, stage.emulate_schedule, publish_epoch=publish)
+        self.stage = StageRunner(loaded.model, loaded.part, slow, self.runner)
         self.stage.weight_bytes = loaded.weight_bytes
         self.stage.host_weights, self.stage.host_gbps = loaded.host_weights, stage.emulate_host_gbps
         self.stage.start_streaming(device)

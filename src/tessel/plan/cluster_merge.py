@@ -8,7 +8,7 @@ any other node -> `<label>-<node>`): node names must be unique in a cluster, and
 `<label>/gpu<K>`. A cluster file has one `network` for every pair of nodes, so the CPU node of a
 machine with GPUs is left out (its PCIe link to its own GPUs is not the network between machines);
 a machine without GPUs keeps its CPU node. The network between machines is given (the NIC's rate,
-e.g. 100 Gb/s InfiniBand EDR) or measured under torchrun (`tessel.pipeline.link_bench`). Pure Python.
+e.g. 100 Gb/s InfiniBand EDR) or measured under torchrun (`tessel.pipeline.comm.link_bench`). Pure Python.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tessel.engine.emulation import SlowDevice
 from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tessel.engine.llm_engine import LLM, max_model_len
 from tessel.engine.model_runner import kv_cache_bytes_per_block
@@ -211,15 +212,8 @@ def load_later_stage(options: RunOptions, plan: RunPlan, rank: int) -> tuple[Sta
     rss_before = rss_bytes()
     stage = plan.stages[rank]
     device = torch.device(stage_device(stage))
-    runner = StageRunner.load(
-        options.model,
-        part,
-        dtype,
-        device,
-        stage.emulate_speed,
-        stage.quantized_layers,
-        stage.emulate_schedule,
-    )
+    slow = SlowDevice(stage.emulate_speed, stage.emulate_schedule)
+    runner = StageRunner.load(options.model, part, dtype, device, slow, stage.quantized_layers)
     runner.host_gbps = stage.emulate_host_gbps  # a CPU stage's emulated host link for streamed layers
     runner.kv_host_gbps = options.emulate_host_gbps or stage.emulate_host_gbps  # and for swapped KV
     if EngineConfig(**options.engine_kwargs()).pack_cpu_linears and device.type == "cpu":

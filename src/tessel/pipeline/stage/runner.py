@@ -7,13 +7,9 @@ runs its model (eager or the compiled decode graphs), and `ModelRunner.sample_hi
 last stage's rows with the logprobs asked for. Sampling here keeps each seeded request's
 `torch.Generator` on the last stage, where its logits are.
 
-A stage with an emulated speed s < 1 sleeps (1/s - 1) x its measured compute time after every
-micro-batch: emulation of a slower device on one CPU, not a model of one. With an emulated
-schedule, s is the schedule's speed at the seconds since the pipeline's first micro-batch
-(`tessel.plan.plan_file.emulated_speed_at`): stage 0 of a plan with a schedule publishes when that
-was in `TESSEL_EMULATE_EPOCH` (wall-clock seconds), which stage processes spawned later (a remapped
-pipeline) inherit, so a device's schedule runs on through a remap; without it, a stage counts from
-its own first micro-batch. `StageStats` and, where attached, the heartbeat's
+A stage of an emulated slower device (`tessel.engine.emulation.SlowDevice`: a speed, or a speed
+schedule) sleeps (1/s - 1) x its measured compute time after every micro-batch: emulation of a
+slower device on one CPU, not a model of one. `StageStats` and, where attached, the heartbeat's
 `Progress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
 watcher reads (`tessel.pipeline.supervision.remap_watch`).
 
@@ -31,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tessel.engine.emulation import SlowDevice
 from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.model_runner import ModelRunner, SampledRows
@@ -44,9 +41,6 @@ from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm.messages import BatchMessage, KvLayout
 from tessel.pipeline.supervision.heartbeat import Progress
-from tessel.plan.plan_file import emulated_speed_at
-
-EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from
 
 
 @dataclass(slots=True)
@@ -85,15 +79,12 @@ class StageStats:
 class StageRunner:
     model: LlamaForCausalLM
     part: LayerFilter
-    emulate_speed: float = 1.0
+    slow: SlowDevice = field(default_factory=SlowDevice)  # its emulated speed (1: none)
     runner: ModelRunner | None = None  # set once the KV pool size is known
     weight_bytes: int = 0  # parameters and buffers loaded for this stage
     stats: StageStats = field(default_factory=StageStats)
     _generators: dict[int, torch.Generator] = field(default_factory=dict)
-    emulate_schedule: tuple[tuple[float, float], ...] = ()  # (seconds since the first batch, speed)
     progress: Progress | None = None  # the heartbeat's: counts batches, tokens and busy seconds too
-    _serving_since: float | None = None  # perf_counter at the pipeline's first micro-batch
-    publish_epoch: bool = False  # stage 0 of a plan with a schedule: set EMULATE_EPOCH_ENV
     host_weights: HostWeights | None = None  # streamed layers' host copy, until streaming starts
     host_gbps: float | None = None  # a CPU stage's emulated host link (the plan's emulate_host_gbps)
     streamer: WeightStreamer | None = None
@@ -107,19 +98,18 @@ class StageRunner:
         part: LayerFilter,
         dtype: torch.dtype,
         device: torch.device,
-        speed: float,
+        slow: SlowDevice,
         precisions: dict[int, tuple[str, str]] | None = None,
-        schedule: tuple[tuple[float, float], ...] = (),
     ):
         """The stage's layers from the checkpoint; `precisions`: layer -> (attention, MLP) weight
-        precisions of the plan, rounded here (`tessel.models.quantized.load_quantize`); `schedule`:
-        the plan's emulated speed changes."""
+        precisions of the plan, rounded here (`tessel.models.quantized.load_quantize`); `slow`: the
+        plan's emulated speed for its device."""
         model = load_model(path, dtype, device, layers=part)
         if precisions:
             quantize_layers(model, precisions, dtype)
-        executor = cls(model, part, speed, weight_bytes=tensor_bytes(model), emulate_schedule=schedule)
-        executor.host_weights = host_copy(model, part) if part.host_layers else None  # before packing
-        return executor
+        runner = cls(model, part, slow, weight_bytes=tensor_bytes(model))
+        runner.host_weights = host_copy(model, part) if part.host_layers else None  # before packing
+        return runner
 
     def attach_kv(self, layout: KvLayout, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate this stage's KV blocks (its layers only) on `device`, pack its CPU linears, size
@@ -210,34 +200,15 @@ class StageRunner:
         compute_s = now - started_s
         if cpu_started_s is not None:
             self.stats.compute_cpu_s += time.process_time() - cpu_started_s
-        if self._serving_since is None:
-            self._serving_since = self._emulation_origin(started_s)
         self.stats.batches += 1
         self.stats.compute_s += compute_s
         self.stats.tokens += tokens
         waited_s = self._account_stream()  # the emulated slowdown scales compute, not copy waits
-        speed = emulated_speed_at(self.emulate_speed, self.emulate_schedule, now - self._serving_since)
-        if speed < 1.0:
-            pause_s = (1.0 / speed - 1.0) * max(compute_s - waited_s, 0.0)
-            time.sleep(pause_s)
-            self.stats.emulation_sleep_s += pause_s
+        self.stats.emulation_sleep_s += self.slow.pause(started_s, compute_s - waited_s)
         if self.progress is not None:
             self.progress.batches = self.stats.batches
             self.progress.tokens = self.stats.tokens
             self.progress.busy_s = self.stats.compute_s + self.stats.emulation_sleep_s
-
-    def _emulation_origin(self, started_s: float) -> float:
-        """perf_counter time the schedule counts from: the published epoch, else `started_s`."""
-        epoch = os.environ.get(EMULATE_EPOCH_ENV)
-        offset_s = time.time() - time.perf_counter()  # wall clock minus perf_counter
-        if epoch:
-            try:
-                return float(epoch) - offset_s
-            except ValueError:
-                pass
-        if self.publish_epoch:
-            os.environ[EMULATE_EPOCH_ENV] = repr(started_s + offset_s)
-        return started_s
 
 
 def resumed_generator(seed: int, draws: int, vocab_size: int) -> torch.Generator:
