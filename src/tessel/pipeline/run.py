@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tessel.engine.limits import check_emulate_host_gbps, check_kv_cache_gib
 from tessel.errors import TesselError
 from tessel.pipeline.heartbeat import heartbeat_timeout_s
 from tessel.pipeline.launcher import launch
@@ -97,6 +98,9 @@ def check_options(options: RunOptions) -> int:
     from tessel.pipeline.worker import engine_kwargs, parser, run_requests, validate
 
     heartbeat_timeout_s(options.heartbeat_timeout)
+    for name in ("kv_cache_gib", "host_kv_cache_gib"):
+        check_kv_cache_gib(getattr(options, name), name)
+    check_emulate_host_gbps(options.emulate_host_gbps, "emulate_host_gbps")
     args = parser().parse_args(options.worker_argv(Path("unused.json")))
     plan, config = validate(args)
     check_requests(run_requests(args), args.model, config, engine_kwargs(args))
