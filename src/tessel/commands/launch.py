@@ -28,9 +28,10 @@ from tessel.commands.options import (
     output_file,
     runtime_dtype_option,
 )
-from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
+from tessel.engine.limits import MAX_KV_CACHE_GIB, MAX_TORCH_THREADS, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
 from tessel.pipeline.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
+from tessel.plan.workload import MAX_MICRO_BATCHES
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 if TYPE_CHECKING:
@@ -65,13 +66,13 @@ def launch(
         help="KV pool size (all stages' share), GiB.",
     ),
     micro_batches: int | None = typer.Option(
-        None, min=1, help="Micro-batches in flight (default: the plan's m)."
+        None, min=1, max=MAX_MICRO_BATCHES, help="Micro-batches in flight (default: the plan's m)."
     ),
     cpp: bool = typer.Option(True, help="Cut long prompts into the CPP planner's chunks."),
     cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
     profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
     force_profile: bool = FORCE_PROFILE_OPTION,
-    threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
+    threads: int = typer.Option(1, min=1, max=MAX_TORCH_THREADS, help="torch threads per stage process."),
     replica: int | None = typer.Option(
         None, min=0, help="Replica plans: which pipeline to run (route requests by the plan's weights)."
     ),

@@ -16,6 +16,8 @@ from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
 MIN_KV_CACHE_GIB = 1e-6
 # The CLI's bound: a TiB is more than any one machine frees for KV; the engine then checks what is free.
 MAX_KV_CACHE_GIB = 1024.0
+# torch threads per process: more than any machine's cores (torch.set_num_threads overflows past 2**63)
+MAX_TORCH_THREADS = 4096
 
 
 def _finite_at_least(value: object, floor: float) -> bool:

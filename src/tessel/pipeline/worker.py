@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from tessel.engine.limits import MAX_TORCH_THREADS
 from tessel.engine.llm_engine import max_model_len
 from tessel.engine.model_runner import kv_cache_bytes_per_block
 from tessel.engine.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ from tessel.pipeline.request_checks import check_prompt_chars
 from tessel.pipeline.run_plan import RunPlan, load_run_plan, priced_pipeline
 from tessel.pipeline.stage import StageExecutor, StageStats, rss_bytes
 from tessel.pipeline.weight_stream import check_offload
+from tessel.plan.workload import MAX_MICRO_BATCHES
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 RUN_DIR_ENV = "TESSEL_RUN_DIR"
@@ -136,10 +138,10 @@ def validate(
     plan.check_model(args.model.resolve().name, config.num_hidden_layers)
     if world_size is not None and world_size != len(plan.stages):
         raise TesselError(f"WORLD_SIZE is {world_size} but the plan has {len(plan.stages)} stages")
-    for name in ("micro_batches", "threads"):
+    for name, most in (("micro_batches", MAX_MICRO_BATCHES), ("threads", MAX_TORCH_THREADS)):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not 1 <= value <= most:
+            raise TesselError(f"--{name.replace('_', '-')} must be in [1, {most}], got {value}")
     if plan.paths and args.transport == "nccl":
         raise TesselError("--transport nccl: a flow plan's placements pass micro-batches over gloo (host)")
     link_transports(plan, args.transport)
