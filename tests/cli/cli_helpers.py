@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -67,3 +71,21 @@ def succeeds_or_user_error(args: list, *, guard_s: float = 60.0) -> int:
         result.output[-2000:],
     )
     return 2
+
+
+def run_tessel_process(
+    args: list, *, timeout_s: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python -m tessel.cli ARGS` in a session of its own; past `timeout_s` the whole session (the
+    command and any stage process it started) is killed and the test fails, naming the command."""
+    command = [sys.executable, "-m", "tessel.cli", *map(str, args)]
+    process = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise Timeout(f"tessel {' '.join(map(str, args))} ran more than {timeout_s} s") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

@@ -18,9 +18,11 @@ from tessel.engine.block_manager import BlockManager
 from tessel.engine.emulation import hold_link
 from tessel.engine.engine_config import EngineConfig
 from tessel.engine.host_kv_pool import HostKvPool
+from tessel.engine.limits import MIN_KV_CACHE_GIB
 from tessel.engine.preemption import HostLink, Preemptor, PrefillClock, host_pool_blocks, measure_host_link
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
+from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
 from tessel.server.prometheus import ServerMetrics
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -66,10 +68,10 @@ def test_a_tiny_pool_gives_the_unconstrained_tokens_under_every_mode(reference, 
     assert pool is None or pool.num_free_blocks == pool.num_total_blocks
 
 
-def test_auto_recomputes_behind_a_very_slow_emulated_link(reference) -> None:
+def test_auto_recomputes_behind_the_slowest_emulated_link(reference) -> None:
     path, ids, expected = reference
-    llm = LLM(path, preemption_mode="auto", emulate_host_gbps=1e-9, **TIGHT)
-    assert llm.preemptor.link.to_host_gbps == 1e-9
+    llm = LLM(path, preemption_mode="auto", emulate_host_gbps=MIN_EMULATE_HOST_GBPS, **TIGHT)
+    assert llm.preemptor.link.to_host_gbps == MIN_EMULATE_HOST_GBPS
     outputs = llm.generate(ids, PARAMS, use_progress=False)
     assert [o.token_ids for o in outputs] == expected
     assert llm.preemption_stats.swaps == 0 and llm.preemption_stats.recomputes > 0
@@ -77,8 +79,9 @@ def test_auto_recomputes_behind_a_very_slow_emulated_link(reference) -> None:
 
 def test_a_full_host_pool_falls_back_to_recompute(reference) -> None:
     path, ids, expected = reference
-    one_block_gib = 2 * 2 * 4 * 1 * 16 * 4 / 2**30  # k and v, 2 layers, 4 tokens, 1 kv head of 16, fp32
-    llm = LLM(path, preemption_mode="swap", host_kv_cache_gib=one_block_gib, **TIGHT)
+    one_block_bytes = 2 * 2 * 4 * 1 * 16 * 4  # k and v, 2 layers, 4 tokens, 1 kv head of 16, fp32
+    assert one_block_bytes <= MIN_KV_CACHE_GIB * 2**30 < 2 * one_block_bytes  # the floor holds one block
+    llm = LLM(path, preemption_mode="swap", host_kv_cache_gib=MIN_KV_CACHE_GIB, **TIGHT)
     assert llm.preemptor.pool.num_total_blocks == 1
     outputs = llm.generate(ids, PARAMS, use_progress=False)
     assert [o.token_ids for o in outputs] == expected
@@ -191,8 +194,14 @@ def test_the_host_link_is_measured_and_capped_by_emulation() -> None:
         {"emulate_host_gbps": math.nan},
         {"emulate_host_gbps": -2.0},
         {"emulate_host_gbps": math.inf},
+        {"emulate_host_gbps": 1e-12},  # issue 42: each swap waited years of emulated link time
         {"host_kv_cache_gib": 0},
         {"host_kv_cache_gib": math.nan},
+        {"host_kv_cache_gib": 1e-12},
+        {"kv_cache_gib": 0},
+        {"kv_cache_gib": -1.0},
+        {"kv_cache_gib": math.nan},
+        {"kv_cache_gib": 1e-9},
         {"preemption_mode": "offload"},
     ],
 )
@@ -205,8 +214,8 @@ def test_bad_host_pools_are_refused_before_any_request(checkpoints) -> None:
     path = checkpoints("qwen2")
     with pytest.raises(TesselError, match="more host memory than is available"):
         LLM(path, host_kv_cache_gib=1e7)
-    with pytest.raises(TesselError, match="holds no KV block"):
-        LLM(path, host_kv_cache_gib=1e-12, max_model_len=96)
+    with pytest.raises(TesselError, match="holds no KV block"):  # the floor: one 4-token block, not 16
+        LLM(path, host_kv_cache_gib=MIN_KV_CACHE_GIB, max_model_len=96)
 
 
 def test_generate_takes_the_preemption_options(checkpoints) -> None:
@@ -221,10 +230,11 @@ def test_generate_takes_the_preemption_options(checkpoints) -> None:
 @pytest.mark.parametrize(
     ("command", "option", "value", "message"),
     [
-        ("generate", "--emulate-host-gbps", "0", "--emulate-host-gbps must be a bandwidth > 0"),
-        ("generate", "--emulate-host-gbps", "-3", "--emulate-host-gbps must be a bandwidth > 0"),
-        ("serve", "--emulate-host-gbps", "nan", "--emulate-host-gbps"),
-        ("serve", "--host-kv-cache-gib", "0", "--host-kv-cache-gib must be > 0"),
+        ("generate", "--emulate-host-gbps", "0", "'--emulate-host-gbps': 0 is below 0.001"),
+        ("generate", "--emulate-host-gbps", "-3", "'--emulate-host-gbps': -3 is below 0.001"),
+        ("generate", "--emulate-host-gbps", "1e-12", "'--emulate-host-gbps': 1e-12 is below 0.001"),
+        ("serve", "--emulate-host-gbps", "nan", "'--emulate-host-gbps': NaN is not a number"),
+        ("serve", "--host-kv-cache-gib", "0", "'--host-kv-cache-gib': 0 is below 1e-06"),
         ("generate", "--preemption-mode", "offload", "--preemption-mode"),
     ],
 )
@@ -232,5 +242,5 @@ def test_cli_refuses_bad_preemption_options(checkpoints, command, option, value,
     args = [command, "--model", str(checkpoints("qwen2")), option, value]
     args += ["--prompt", "x"] if command == "generate" else []
     result = CliRunner().invoke(app, args)
-    assert result.exit_code != 0
-    assert message in str(result.exception) + result.output
+    assert result.exit_code == 2
+    assert message in " ".join((str(result.exception) + result.output).replace("\u2502", " ").split())

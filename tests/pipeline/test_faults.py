@@ -307,9 +307,24 @@ def test_cli_refuses_a_bad_heartbeat_timeout(tiny_dirs, tmp_path, monkeypatch):
     plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
     args = ["launch", "--plan", str(plan), "--model", str(model), "--prompt", "x"]
     result = CliRunner().invoke(app, [*args, "--heartbeat-timeout", "0"])
-    assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2
-    assert "--heartbeat-timeout must be" in str(result.exception)
+    message = " ".join(result.output.replace("\u2502", " ").split())
+    assert result.exit_code == 2 and "'--heartbeat-timeout': 0 is below 0.5" in message, message
     monkeypatch.setenv("TESSEL_HEARTBEAT_TIMEOUT_S", "soon")
     result = CliRunner().invoke(app, args)
     assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2
     assert "TESSEL_HEARTBEAT_TIMEOUT_S='soon'" in str(result.exception)
+
+
+@pytest.mark.parametrize(("field", "flag"), [("micro_batches", "--micro-batches"), ("threads", "--threads")])
+def test_a_huge_count_is_refused_before_any_stage_starts(tiny_dirs, tmp_path, monkeypatch, field, flag):
+    """Issue 42's fuzz: 1e30 micro-batches filled stage 0's memory until the kernel killed it, and 1e30
+    threads overflowed torch.set_num_threads in the stage."""
+    _no_spawn(monkeypatch)
+    plan = write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 5)])
+    options = RunOptions(plan, tiny_dirs["tied"], prompts=["x"], **{field: 10**30})
+    with pytest.raises(TesselError, match=rf"{flag} must be in \[1, "):
+        run_pipeline(options)
+    result = CliRunner().invoke(
+        app, ["launch", "--plan", str(plan), "--model", str(tiny_dirs["tied"]), flag, "10" * 15]
+    )
+    assert result.exit_code == 2 and flag in result.output

@@ -197,7 +197,7 @@ def test_timeout_from_option_env_and_default(monkeypatch):
     monkeypatch.setenv("TESSEL_HEARTBEAT_TIMEOUT_S", "2.5")
     assert heartbeat_timeout_s() == 2.5 and heartbeat_timeout_s(7) == 7.0
     assert beat_interval_s(2.5) == 0.5 and beat_interval_s(30) == 1.0
-    for bad in ("nan", "0.1", "-3", "inf"):
+    for bad in ("nan", "0.1", "-3", "inf", "1e300"):
         monkeypatch.setenv("TESSEL_HEARTBEAT_TIMEOUT_S", bad)
         with pytest.raises(TesselError, match="TESSEL_HEARTBEAT_TIMEOUT_S"):
             heartbeat_timeout_s()

@@ -4,11 +4,17 @@ request moved to another executor (remap) gives back its host blocks."""
 
 from __future__ import annotations
 
+import pytest
+from typer.testing import CliRunner
+
 from loopback_stage import pipeline_llm
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
+from tessel.cli import app
 from tessel.engine.executor import LocalExecutor
+from tessel.errors import TesselError
 from tessel.pipeline.options import RunOptions
+from tessel.pipeline.supervision import launcher
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Once upon a time " * 8, "One two three"]
 TIGHT = {"num_kv_blocks": 16, "block_size": 4, "max_model_len": 64}
@@ -77,3 +83,44 @@ def test_two_stages_swap_and_match_the_engine(tiny_dirs, tmp_path) -> None:
     assert [r["token_ids"] for r in run.requests] == [
         o.token_ids for o in llm.generate(prompts, params, use_progress=False)
     ]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [
+        ("--emulate-host-gbps", "1e-12", "1e-12 is below 0.001"),  # issue 42, item 2: swaps waited years
+        ("--kv-cache-gib", "0", "0 is below 1e-06"),  # issue 42, item 8: refused after every stage started
+        ("--kv-cache-gib", "nan", "NaN is not a number"),
+    ],
+)
+def test_launch_refuses_an_unbounded_preemption_before_any_stage_starts(
+    tiny_dirs, tmp_path, monkeypatch, option, value, said
+) -> None:
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a stage process started")
+
+    monkeypatch.setattr(launcher, "spawn_worker", refuse)
+    plan = write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 2), (2, 5)])
+    args = ["launch", "--plan", str(plan), "--model", str(tiny_dirs["tied"]), "--ignore-eos"]
+    args += [arg for prompt in PROMPTS * 3 for arg in ("--prompt", prompt)][:16]  # eight prompts
+    args += ["--kv-cache-gib", "0.0004", "--preemption-mode", "swap", option, value]
+    result = CliRunner().invoke(app, args)
+    message = " ".join(result.output.replace("\u2502", " ").split())
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), repr(result.exception)
+    assert f"'{option}': {said}" in message
+
+
+def test_run_options_refuse_an_unbounded_preemption_before_any_stage_starts(tiny_dirs, tmp_path, monkeypatch):
+    """The Python API (`run_pipeline`) refuses what the CLI does, with the same floors."""
+    from tessel.pipeline.run import run_pipeline
+
+    monkeypatch.setattr(launcher, "spawn_worker", lambda *a, **k: pytest.fail("a stage process started"))
+    plan = write_plan(tmp_path / "plan.json", tiny_dirs["tied"], [(0, 5)])
+    for field, value in (
+        ("emulate_host_gbps", 1e-12),
+        ("kv_cache_gib", 0.0),
+        ("host_kv_cache_gib", float("nan")),
+    ):
+        options = RunOptions(plan, tiny_dirs["tied"], prompts=["x"], preemption_mode="swap", **{field: value})
+        with pytest.raises(TesselError, match=field):
+            run_pipeline(options)

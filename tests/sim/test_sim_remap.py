@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tessel.errors import TesselError
 from tessel.plan.api import PlanSettings, make_plan
 from tessel.plan.remap_decision import RemapSettings
 from tessel.sim.api import SimulationSettings, simulate_plan
@@ -85,3 +86,113 @@ def test_remap_flags_without_remap_auto_are_refused(tmp_path):
     short_window = ["--remap", "auto", "--remap-window-s", "1"]  # below the 2 s interval
     result = CliRunner().invoke(app, ["simulate", "--plan", str(plan), *short_window])
     assert result.exit_code != 0 and "--remap-window-s" in f"{result.output} {result.exception}"
+
+
+# ---- issue 42, item 1: a decision every nanosecond of simulated time ---------------------------------
+def _decisions_at_every_tick(plan_path, report, settings: RemapSettings) -> list:
+    """The oracle: the server's watcher replayed at every tick of the run, idle or not (the replay
+    before issue 42, which took a decision per tick however long the run)."""
+    import bisect
+    import itertools
+
+    from tessel.plan.cluster import load_cluster
+    from tessel.plan.plan_file import load_plan
+    from tessel.plan.remap_decision import RemapDecider, RemapWindow, StageCounters
+    from tessel.sim.remap import _stage_boxes
+
+    plan = load_plan(plan_path)
+    result = report.runs[0].result
+    decider = RemapDecider(plan, load_cluster(plan.cluster.source), settings)
+    window = RemapWindow(settings.window_s)
+    ends, busy = _stage_boxes(result)
+    arrivals = sorted((r.request.arrival_s, r.request.prompt_tokens) for r in result.records)
+    finishes = sorted((r.finish_s, r.request.output_tokens) for r in result.records)
+    end_s = max(r.finish_s for r in result.records)
+    decisions, a, f = [], 0, 0
+    for tick in itertools.count(1):
+        now = tick * settings.interval_s
+        if now > end_s:
+            break
+        counts = [bisect.bisect_right(stage_ends, now) for stage_ends in ends]
+        window.observe_stages(now, [StageCounters(n, b[n]) for n, b in zip(counts, busy, strict=True)])
+        while a < len(arrivals) and arrivals[a][0] <= now:
+            window.observe_arrival(*arrivals[a])
+            a += 1
+        while f < len(finishes) and finishes[f][0] <= now:
+            window.observe_finish(*finishes[f])
+            f += 1
+        decisions.append(decider.evaluate(now, window.stats(now)))
+        if decisions[-1].taken:
+            break
+    return decisions
+
+
+def _sparse_workload(tmp_path, rate: float):
+    (tmp_path / "sparse.yaml").write_text(
+        WORKLOAD.replace("arrival_rate_per_s: 4", f"arrival_rate_per_s: {rate}")
+    )
+    return str(tmp_path / "sparse.yaml")
+
+
+@pytest.mark.parametrize(
+    ("speed", "rate", "interval_s", "window_s"),
+    [(0.3, 4.0, 0.5, 3.0), (0.3, 0.05, 0.5, 3.0), (0.8, 0.2, 1.0, 1.0), (0.3, 1.0, 0.1, 0.1)],
+)
+def test_the_replay_takes_the_decisions_of_every_tick(tmp_path, speed, rate, interval_s, window_s):
+    """Skipping the ticks far from any micro-batch changes no decision: the same outcomes, reasons and
+    times as a replay of every tick, and as many evaluations counted."""
+    plan = _plan(tmp_path, speed)
+    settings = RemapSettings(interval_s=interval_s, window_s=window_s, confirm=2)
+    report = simulate_plan(
+        plan, _sparse_workload(tmp_path, rate), SimulationSettings(requests=40, remap=settings)
+    )
+    every = _decisions_at_every_tick(plan, report, settings)
+    replayed = report.remap
+    assert replayed.evaluations == len(every)
+    assert [(d.time_s, d.outcome, d.reason) for d in replayed.decisions if d.outcome != "insufficient"] == [
+        (d.time_s, d.outcome, d.reason) for d in every if d.outcome != "insufficient"
+    ]
+    skipped = {d.time_s for d in every} - {d.time_s for d in replayed.decisions}
+    assert all(d.outcome == "insufficient" for d in every if d.time_s in skipped)
+
+
+@pytest.mark.timeout(300)  # a hang, not a speed: before issue 42 this replay took ten million decisions
+def test_remap_decisions_are_bounded_by_the_work_not_the_simulated_time(tmp_path):
+    plan = _plan(tmp_path, 0.3)
+    settings = RemapSettings(interval_s=0.1, window_s=0.1)  # the floor, over a run of months
+    report = simulate_plan(
+        plan, _sparse_workload(tmp_path, 1e-6), SimulationSettings(requests=3, remap=settings)
+    )
+    from tessel.sim.remap import TICK_MARGIN
+
+    remap, result = report.remap, report.runs[0].result
+    end_s = max(r.finish_s for r in result.records)
+    assert end_s > 1e5 and remap.evaluations == pytest.approx(end_s / settings.interval_s, abs=1)
+    boxes = sum(1 for box in result.intervals if box.kind == "compute")
+    per_box = 2 * settings.window_s / settings.interval_s + 2 * TICK_MARGIN + 1
+    assert len(remap.decisions) <= boxes * per_box < remap.evaluations / 100
+
+
+@pytest.mark.timeout(300)  # a hang: before issue 42 this ran for ever
+def test_a_decision_per_nanosecond_is_refused_naming_the_floor(tmp_path):
+    """Issue 42, item 1, verbatim: --remap-interval-s 1e-9 was accepted (only > 0 was checked)."""
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+
+    plan = _plan(tmp_path, 0.3)
+    args = ["simulate", "--plan", str(plan), "--requests", "2", "--remap", "auto"]
+    result = CliRunner().invoke(app, [*args, "--remap-interval-s", "1e-9", "--remap-window-s", "1e-9"])
+    message = " ".join(result.output.replace("\u2502", " ").split())
+    assert result.exit_code == 2 and "--remap-interval-s" in message and "below 0.1 (" in message
+    with pytest.raises(TesselError, match=r"--remap-interval-s must be .* \[0\.1, "):
+        RemapSettings(interval_s=1e-9, window_s=1e-9)
+
+
+@pytest.mark.timeout(300)  # a hang: before issue 42 this replay took a decision every 0.1 s of a day
+def test_more_decisions_than_a_replay_takes_are_refused(tmp_path):
+    """A day-long window at the floor interval puts every micro-batch in 1.7 million decisions."""
+    plan = _plan(tmp_path, 0.3)
+    settings = RemapSettings(interval_s=0.1, window_s=86400.0)
+    with pytest.raises(TesselError, match="more than the 100,000 a simulation replays"):
+        simulate_plan(plan, _sparse_workload(tmp_path, 1e-4), SimulationSettings(requests=2, remap=settings))

@@ -15,15 +15,23 @@ import typer
 from tessel.commands.options import (
     EMULATE_HOST_GBPS_OPTION,
     FORCE_PROFILE_OPTION,
+    HEARTBEAT_FLOOR,
     HOST_KV_CACHE_GIB_OPTION,
+    KV_FLOOR,
     PREEMPTION_MODE_OPTION,
+    TEMPERATURE_OPTION,
+    TOP_P_OPTION,
     PreemptionMode,
+    float_option,
     host_kv_options,
     input_file,
     output_file,
     runtime_dtype_option,
 )
+from tessel.engine.limits import MAX_KV_CACHE_GIB, MAX_TORCH_THREADS, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
+from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
+from tessel.plan.workload import MAX_MICRO_BATCHES
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 if TYPE_CHECKING:
@@ -38,10 +46,8 @@ def launch(
         None, "--prompts-file", help="JSONL: one request per line (a string, or {prompt, sampling fields})."
     ),
     max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per prompt."),
-    temperature: float = typer.Option(
-        0.0, min=0.0, max=100.0, help="0 is greedy; higher samples more freely."
-    ),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass (1 = off)."),
+    temperature: float = TEMPERATURE_OPTION,
+    top_p: float = TOP_P_OPTION,
     top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
     seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
@@ -51,25 +57,34 @@ def launch(
     dtype: str = runtime_dtype_option(),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = typer.Option(
-        None, min=0.0, max=1024.0, help="KV pool size (all stages' share), GiB."
+    kv_cache_gib: float | None = float_option(
+        None,
+        "--kv-cache-gib",
+        low=MIN_KV_CACHE_GIB,
+        high=MAX_KV_CACHE_GIB,
+        floor_reason=KV_FLOOR,
+        help="KV pool size (all stages' share), GiB.",
     ),
     micro_batches: int | None = typer.Option(
-        None, min=1, help="Micro-batches in flight (default: the plan's m)."
+        None, min=1, max=MAX_MICRO_BATCHES, help="Micro-batches in flight (default: the plan's m)."
     ),
     cpp: bool = typer.Option(True, help="Cut long prompts into the CPP planner's chunks."),
     cpp_min_tokens: int = typer.Option(512, min=1, help="Cut only prompts longer than this."),
     profile: list[Path] = typer.Option([], "--profile", help="`tessel profile` JSON to price CPP chunks."),
     force_profile: bool = FORCE_PROFILE_OPTION,
-    threads: int = typer.Option(1, min=1, help="torch threads per stage process."),
+    threads: int = typer.Option(1, min=1, max=MAX_TORCH_THREADS, help="torch threads per stage process."),
     replica: int | None = typer.Option(
         None, min=0, help="Replica plans: which pipeline to run (route requests by the plan's weights)."
     ),
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
     ),
-    heartbeat_timeout: float | None = typer.Option(
+    heartbeat_timeout: float | None = float_option(
         None,
+        "--heartbeat-timeout",
+        low=MIN_HEARTBEAT_TIMEOUT_S,
+        high=MAX_HEARTBEAT_TIMEOUT_S,
+        floor_reason=HEARTBEAT_FLOOR,
         help="Seconds a stage may send no heartbeat (stopped, hung) before the run fails "
         "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
     ),

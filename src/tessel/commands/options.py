@@ -1,22 +1,74 @@
-"""Path and count options the commands share, checked by typer before the command body runs.
+"""Path, count and number options the commands share, checked by typer before the command body runs.
 
-A bad value is a usage error: exit code 2 and a message naming the option. Ranges are typer's own
-`min=` / `max=` (a float option always gets a `max`, which also refuses nan and inf), choices are
-`Literal` types.
+A bad value is a usage error: exit code 2 and a message naming the option. Every float option is a
+`float_option`: both bounds in --help, NaN and inf refused as such, a value below the floor refused
+naming it (and why it is there). Int ranges are typer's own `min=` / `max=`; choices are `Literal`
+types.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import typer
 
 from tessel.dtypes import PLAN_DTYPE_HELP, RUNTIME_DTYPE_HELP, parse_dtype, runtime_dtype_name
+from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
+from tessel.plan.cluster import MAX_LINK_GBPS
+from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
 
 if TYPE_CHECKING:
     from tessel.models.reader import ModelFiles
+
+
+def float_option(  # noqa: ANN201 (typer's OptionInfo)
+    default: float | None,
+    *names: str,
+    low: float,
+    high: float,
+    help: str,  # noqa: A002
+    floor_reason: str = "",
+    hidden: bool = False,
+):
+    """A number in [low, high], checked as typer parses it, before the command body: NaN is refused as
+    NaN, inf as not finite, a value below `low` naming that floor and `floor_reason` (why it is there).
+    --help shows both bounds ([low<=x<=high]); typer's `min=`/`max=` only show them, the parser checks."""
+    return typer.Option(
+        default,
+        *names,
+        min=low,
+        max=high,
+        parser=_float_in(low, high, floor_reason),
+        help=help,
+        hidden=hidden,
+    )
+
+
+def _float_in(low: float, high: float, floor_reason: str) -> Callable[[str | float], float]:
+    span = f"[{low:g}, {high:g}]"
+
+    def parse(value: str | float) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise typer.BadParameter(f"{str(value)[:40]!r} is not a number; give one in {span}") from None
+        if math.isnan(number):
+            raise typer.BadParameter(f"NaN is not a number; give one in {span}")
+        if math.isinf(number):
+            raise typer.BadParameter(f"{number} is not finite; give a number in {span}")
+        if number < low:
+            why = f" ({floor_reason})" if floor_reason else ""
+            raise typer.BadParameter(f"{number:g} is below {low:g}{why}; give a number in {span}")
+        if number > high:
+            raise typer.BadParameter(f"{number:g} is above {high:g}; give a number in {span}")
+        return number
+
+    return parse
+
 
 # The engine's `lm_head` modes (tessel.models.quantized.lm_head.LM_HEAD_MODES; the CLI may not import torch)
 LMHeadMode = Literal["float", "int8"]
@@ -39,19 +91,25 @@ PREEMPTION_MODE_OPTION = typer.Option(
     "and back), recompute (dropped, prefilled again), or auto (the cheaper for that request: the host "
     "link's bandwidth, measured at start, against the engine's measured prefill time).",
 )
-HOST_KV_CACHE_GIB_OPTION = typer.Option(
-    None,
-    "--host-kv-cache-gib",
-    max=1024.0,
+KV_FLOOR = "less holds no KV block"
+HEARTBEAT_FLOOR = "several heartbeats must fit in it"
+HOST_KV_CACHE_GIB_OPTION = float_option(
+    None, "--host-kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR,
     help="Host memory for swapped KV blocks, GiB (default: as much as the KV cache, at most 4).",
-)
-EMULATE_HOST_GBPS_OPTION = typer.Option(
-    None,
-    "--emulate-host-gbps",
-    max=1e6,
+)  # fmt: skip
+EMULATE_HOST_GBPS_OPTION = float_option(
+    None, "--emulate-host-gbps", low=MIN_EMULATE_HOST_GBPS, high=MAX_LINK_GBPS,
+    floor_reason="slower, each KV copy waits for hours",
     help="Emulation on a CPU-only machine: slow KV copies to and from host memory to this bandwidth, "
     "Gbit/s (a stand-in for a GPU's host link, never a GPU measurement).",
+)  # fmt: skip
+# Sampling, as `tessel generate` and `tessel launch` take it (tessel.engine.sampling_params checks the
+# rest: top_p 0 is refused there, with the HTTP API's message)
+MAX_TEMPERATURE = 100.0  # logits / 100 are near-uniform: a higher temperature samples no differently
+TEMPERATURE_OPTION = float_option(
+    0.0, "--temperature", low=0.0, high=MAX_TEMPERATURE, help="0 is greedy; higher samples more freely."
 )
+TOP_P_OPTION = float_option(1.0, "--top-p", low=0.0, high=1.0, help="Nucleus sampling mass (1 = off).")
 FORCE_PROFILE_OPTION = typer.Option(
     False,
     "--force-profile",
@@ -153,11 +211,7 @@ def optional_count(*names: str, limit: int, help: str | None = None, hidden: boo
 def host_kv_options(
     preemption_mode: str, host_kv_cache_gib: float | None, emulate_host_gbps: float | None
 ) -> dict[str, object]:
-    """The engine's preemption settings from the options, sizes and bandwidths > 0 (typer's `max`
-    has refused nan and inf); the ones left out are not in the dict."""
-    if host_kv_cache_gib is not None and host_kv_cache_gib <= 0:
-        raise TesselError(f"--host-kv-cache-gib must be > 0, got {host_kv_cache_gib:g}")
-    if emulate_host_gbps is not None and emulate_host_gbps <= 0:
-        raise TesselError(f"--emulate-host-gbps must be a bandwidth > 0 (Gbit/s), got {emulate_host_gbps:g}")
+    """The engine's preemption settings from the options (their ranges checked as they were parsed);
+    the ones left out are not in the dict."""
     options = {"host_kv_cache_gib": host_kv_cache_gib, "emulate_host_gbps": emulate_host_gbps}
     return {"preemption_mode": preemption_mode} | {k: v for k, v in options.items() if v is not None}

@@ -12,9 +12,16 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import FORCE_PROFILE_OPTION, input_file, output_file, plan_dtype_option
+from tessel.commands.options import (
+    FORCE_PROFILE_OPTION,
+    float_option,
+    input_file,
+    output_file,
+    plan_dtype_option,
+)
 from tessel.errors import TesselError
-from tessel.plan.api import MAX_TIME_LIMIT_S
+from tessel.plan.api import MAX_TIME_LIMIT_S, MIN_TIME_LIMIT_S
+from tessel.plan.build import MAX_QUALITY_BUDGET, MAX_THETA
 
 
 def plan(
@@ -24,11 +31,11 @@ def plan(
         help="Bundled cluster name, a cluster YAML file, or 'local': this machine's GPUs and CPU "
         "(what `tessel probe` finds).",
     ),
-    gpu_memory_gib: float | None = typer.Option(
+    gpu_memory_gib: float | None = float_option(
         None,
         "--gpu-memory-gib",
-        min=0.01,
-        max=2.0**20,
+        low=0.01,
+        high=2.0**20,
         help="Use at most this many GiB of each GPU for the model (weights, KV cache, activations); "
         "with --cluster local the rest goes to the CPU.",
     ),
@@ -55,10 +62,15 @@ def plan(
         "on its device (printed per stage); off: it streams in like offloaded weights. "
         "Priced with --swap-in charged only.",
     ),
-    time_limit: float = typer.Option(
-        10.0, "--time-limit", min=0, max=MAX_TIME_LIMIT_S, help="Seconds for the whole command (> 0)."
+    time_limit: float = float_option(
+        10.0,
+        "--time-limit",
+        low=MIN_TIME_LIMIT_S,
+        high=MAX_TIME_LIMIT_S,
+        floor_reason="the solver always gets that long",
+        help="Seconds for the whole command.",
     ),
-    mip_gap: float = typer.Option(0.01, "--mip-gap", min=0, max=0.999, help="Relative gap to stop at."),
+    mip_gap: float = float_option(0.01, "--mip-gap", low=0.0, high=0.999, help="Relative gap to stop at."),
     dtype: str = plan_dtype_option("fp16", "--dtype", help="Weight dtype"),
     kv_dtype: str = plan_dtype_option("fp16", "--kv-dtype", help="KV cache dtype"),
     profile: list[Path] = input_file(
@@ -76,8 +88,12 @@ def plan(
         "--replan-from",
         help="A plan JSON now serving: re-plan for this workload, counting the weights a new plan moves.",
     ),
-    replan_threshold: float = typer.Option(
-        0.05, "--replan-threshold", min=0, max=1, help="Take a new plan only when it gains this fraction."
+    replan_threshold: float = float_option(
+        0.05,
+        "--replan-threshold",
+        low=0.0,
+        high=1.0,
+        help="Take a new plan only when it gains this fraction.",
     ),
     precisions: str | None = typer.Option(
         None,
@@ -85,11 +101,19 @@ def plan(
         help="Weight precisions a layer may take, e.g. fp16,int8,int4 (int8 = W8A8, int4 = W4A16); "
         "the planner picks one per layer. Default: --dtype for every layer.",
     ),
-    quality_budget: float | None = typer.Option(
-        None, "--quality-budget", help="Most total quality cost the precisions may have (docs/planner.md)."
+    quality_budget: float | None = float_option(
+        None,
+        "--quality-budget",
+        low=0.0,
+        high=MAX_QUALITY_BUDGET,
+        help="Most total quality cost the precisions may have (docs/planner.md).",
     ),
-    theta: float | None = typer.Option(
-        None, "--theta", help="Seconds of objective per unit of quality cost (LLM-PQ's trade-off weight)."
+    theta: float | None = float_option(
+        None,
+        "--theta",
+        low=0.0,
+        high=MAX_THETA,
+        help="Seconds of objective per unit of quality cost (LLM-PQ's trade-off weight).",
     ),
     sensitivity: Path | None = input_file(
         None, "--sensitivity", help="Measured per-layer quality costs (JSON) instead of the indicator."
@@ -100,8 +124,12 @@ def plan(
         help="auto or N: split the GPUs into several pipelines and route requests among them "
         "(docs/planner.md).",
     ),
-    replan_horizon_s: float = typer.Option(
-        3600.0, "--replan-horizon-s", min=1, max=1e9, help="Seconds the new plan serves (amortises its move)."
+    replan_horizon_s: float = float_option(
+        3600.0,
+        "--replan-horizon-s",
+        low=1.0,
+        high=1e9,
+        help="Seconds the new plan serves (amortises its move).",
     ),
     concurrency: Literal["auto", "fixed", "memory"] = typer.Option(
         "auto",

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import output_file
+from tessel.commands.options import float_option, output_file
 from tessel.errors import TesselError
+from tessel.plan.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
 from tessel.units import GIB
 
 LOCAL_CLUSTER = "local"  # `tessel plan --cluster local`: this machine, discovered when planning
 PROFILE_FORMAT = 1  # the profile JSON's "format"
+MIN_NETWORK_GBPS = 0.001  # 1 Mbit/s: below any network a pipeline's hidden states could cross
 
 
 def probe(
@@ -45,11 +47,19 @@ def probe(
     merge: bool = typer.Option(
         False, "--merge", help="Join the cluster files FILES into one cluster (one node per machine)."
     ),
-    network_gbps: float | None = typer.Option(
-        None, "--network-gbps", min=0.001, max=1e6, help="With --merge: the link between machines, Gb/s."
+    network_gbps: float | None = float_option(
+        None,
+        "--network-gbps",
+        low=MIN_NETWORK_GBPS,
+        high=MAX_LINK_GBPS,
+        help="With --merge: the link between machines, Gb/s.",
     ),
-    network_latency_us: float | None = typer.Option(
-        None, "--network-latency-us", min=0, max=1e9, help="With --merge: that link's one-way latency, us."
+    network_latency_us: float | None = float_option(
+        None,
+        "--network-latency-us",
+        low=0.0,
+        high=MAX_LINK_LATENCY_US,
+        help="With --merge: that link's one-way latency, us.",
     ),
     measure: bool = typer.Option(
         True, "--measure/--no-measure", help="Time GEMM, memory bandwidth and copies on every device (torch)."

@@ -7,7 +7,7 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import runtime_dtype_option
+from tessel.commands.options import float_option, runtime_dtype_option
 from tessel.errors import TesselError
 
 CPU_DEFAULT_SCALE = 4  # a full-width 8B layer takes seconds per point on a few CPU cores
@@ -42,8 +42,8 @@ def profile(
     out: Path | None = typer.Option(
         None, "--out", dir_okay=False, writable=True, hidden=True, help="Deprecated spelling of --json."
     ),
-    budget_s: float = typer.Option(
-        60.0, "--budget-s", min=0.01, max=86400, help="Seconds for the timing runs."
+    budget_s: float = float_option(
+        60.0, "--budget-s", low=0.01, high=86400.0, help="Seconds for the timing runs."
     ),
     threads: int = typer.Option(1, "--threads", min=0, max=4096, help="CPU threads; 0: PyTorch's default."),
     clock: Literal["auto", "wall", "cpu"] = typer.Option(

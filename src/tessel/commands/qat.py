@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import MODEL_ARGUMENT, MODEL_OPTION, check_model_path, one_model
+from tessel.commands.options import MODEL_ARGUMENT, MODEL_OPTION, check_model_path, float_option, one_model
+from tessel.quant.limits import MAX_QAT_LR, MAX_QAT_STEPS, MIN_QAT_LR
 
 
 def qat(
@@ -26,9 +27,14 @@ def qat(
     ),
     train: Path = typer.Option(..., "--train", help="UTF-8 text to fine-tune on."),
     scheme: str = typer.Option("w4a16", help="w8a8, w8a16 or w4a16."),
-    steps: int = typer.Option(50, min=1, help="Optimizer steps."),
-    lr: float = typer.Option(
-        1e-5, min=0.0, help="AdamW learning rate (a run whose loss turns inf / nan stops)."
+    steps: int = typer.Option(50, min=1, max=MAX_QAT_STEPS, help="Optimizer steps."),
+    lr: float = float_option(
+        1e-5,
+        "--lr",
+        low=MIN_QAT_LR,
+        high=MAX_QAT_LR,
+        floor_reason="an AdamW step that small moves no weight",
+        help="AdamW learning rate (a run whose loss turns inf / nan stops).",
     ),
     seq_len: int = typer.Option(256, min=2, help="Tokens per training window."),
     batch_size: int = typer.Option(1, min=1, help="Windows per step."),

@@ -8,8 +8,15 @@ from typing import Literal
 
 import typer
 
+from tessel.commands.options import float_option
 from tessel.errors import TesselError
-from tessel.plan.remap_decision import MAX_HORIZON_S, MAX_INTERVAL_S, RemapSettings
+from tessel.plan.remap_decision import (
+    MAX_HORIZON_S,
+    MAX_INTERVAL_S,
+    MIN_HORIZON_S,
+    MIN_INTERVAL_S,
+    RemapSettings,
+)
 
 RemapMode = Literal["off", "auto"]
 _DEFAULTS = RemapSettings()
@@ -21,28 +28,31 @@ REMAP_OPTION = typer.Option(
     "they drift and move to the new split live when its gain over --remap-horizon-s, after the cost of "
     "moving the weights, reaches --remap-threshold; off: never remap.",
 )
-REMAP_THRESHOLD_OPTION = typer.Option(
-    _DEFAULTS.threshold, "--remap-threshold", min=0.0, max=1.0,
+REMAP_THRESHOLD_OPTION = float_option(
+    _DEFAULTS.threshold, "--remap-threshold", low=0.0, high=1.0,
     help="Least gain (a fraction of the plan's objective, in [0, 1)) that pays for a remap.",
 )  # fmt: skip
-REMAP_HORIZON_OPTION = typer.Option(
-    _DEFAULTS.horizon_s, "--remap-horizon-s", min=0.0, max=MAX_HORIZON_S,
-    help="Seconds of serving a remap's weight-moving cost is amortised over (> 0).",
+REMAP_HORIZON_OPTION = float_option(
+    _DEFAULTS.horizon_s, "--remap-horizon-s", low=MIN_HORIZON_S, high=MAX_HORIZON_S,
+    floor_reason="moving weights takes seconds: a remap amortised over less never pays",
+    help="Seconds of serving a remap's weight-moving cost is amortised over.",
 )  # fmt: skip
-REMAP_INTERVAL_OPTION = typer.Option(
-    _DEFAULTS.interval_s, "--remap-interval-s", min=0.0, max=MAX_INTERVAL_S,
-    help="Seconds between two remap decisions (> 0).",
+_INTERVAL_FLOOR = "the stages' counters arrive with their heartbeats, at most every 0.1 s"
+REMAP_INTERVAL_OPTION = float_option(
+    _DEFAULTS.interval_s, "--remap-interval-s", low=MIN_INTERVAL_S, high=MAX_INTERVAL_S,
+    floor_reason=_INTERVAL_FLOOR, help="Seconds between two remap decisions.",
 )  # fmt: skip
-REMAP_WINDOW_OPTION = typer.Option(
-    _DEFAULTS.window_s, "--remap-window-s", min=0.0, max=MAX_INTERVAL_S,
+REMAP_WINDOW_OPTION = float_option(
+    _DEFAULTS.window_s, "--remap-window-s", low=MIN_INTERVAL_S, high=MAX_INTERVAL_S,
+    floor_reason=_INTERVAL_FLOOR,
     help="Seconds of measurements a decision reads (at least --remap-interval-s).",
 )  # fmt: skip
-REMAP_MIN_SLOWDOWN_OPTION = typer.Option(
-    _DEFAULTS.min_slowdown, "--remap-min-slowdown", min=1.0, max=100.0,
+REMAP_MIN_SLOWDOWN_OPTION = float_option(
+    _DEFAULTS.min_slowdown, "--remap-min-slowdown", low=1.0, high=100.0,
     help="A stage this many times slower (or faster) than the plan assumed has drifted (> 1).",
 )  # fmt: skip
-REMAP_COOLDOWN_OPTION = typer.Option(
-    _DEFAULTS.cooldown_s, "--remap-cooldown-s", min=0.0, max=MAX_HORIZON_S,
+REMAP_COOLDOWN_OPTION = float_option(
+    _DEFAULTS.cooldown_s, "--remap-cooldown-s", low=0.0, high=MAX_HORIZON_S,
     help="No remap within this many seconds of the last one.",
 )  # fmt: skip
 REMAP_CONFIRM_OPTION = typer.Option(

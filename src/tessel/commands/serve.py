@@ -21,7 +21,6 @@ re-plans when they drift and moves to the new split live.
 
 from __future__ import annotations
 
-import math
 from enum import Enum
 from pathlib import Path
 
@@ -32,12 +31,15 @@ from tessel.commands.options import (
     DEVICE_OPTION,
     EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
+    HEARTBEAT_FLOOR,
     HOST_KV_CACHE_GIB_OPTION,
+    KV_FLOOR,
     LM_HEAD_OPTION,
     PREEMPTION_MODE_OPTION,
     LMHeadMode,
     PreemptionMode,
     check_model_path,
+    float_option,
     host_kv_options,
     runtime_dtype_option,
 )
@@ -53,12 +55,16 @@ from tessel.commands.remap_options import (
     RemapMode,
     remap_settings,
 )
+from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
+from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_ENGINE_RESTARTS,
     DEFAULT_MAX_PROMPT_CHARS,
+    MAX_BODY_TIMEOUT_S,
+    MIN_BODY_TIMEOUT_S,
 )
 
 DEFAULT_MAX_QUEUE = 128  # requests that may wait for a free sequence slot before the server answers 429
@@ -90,8 +96,13 @@ def serve(
     dtype: str = runtime_dtype_option(),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences batched in one step."),
     max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = typer.Option(
-        None, help="Memory for the paged KV cache, in GiB (> 0, at most what the machine has free)."
+    kv_cache_gib: float | None = float_option(
+        None,
+        "--kv-cache-gib",
+        low=MIN_KV_CACHE_GIB,
+        high=MAX_KV_CACHE_GIB,
+        floor_reason=KV_FLOOR,
+        help="Memory for the paged KV cache, in GiB (at most what the machine has free).",
     ),
     max_queue: int = typer.Option(
         DEFAULT_MAX_QUEUE, min=0, help="Requests that may wait beyond the running ones; more get HTTP 429."
@@ -99,11 +110,11 @@ def serve(
     max_body_bytes: int = typer.Option(
         DEFAULT_MAX_BODY_BYTES, min=1, help="Largest request body; a larger one gets HTTP 413."
     ),
-    body_timeout_s: float = typer.Option(
+    body_timeout_s: float = float_option(
         DEFAULT_BODY_TIMEOUT_S,
         "--body-timeout-s",
-        min=0.001,
-        max=86400,
+        low=MIN_BODY_TIMEOUT_S,
+        high=MAX_BODY_TIMEOUT_S,
         help="Seconds a request body may take to arrive after its headers; slower gets HTTP 408 and a close.",
     ),
     max_prompt_chars: int = typer.Option(
@@ -131,8 +142,12 @@ def serve(
         help="With --plan of several replicas: which pipeline this server runs (default: all of them, "
         "one server each, behind a router that splits requests by the plan's weights).",
     ),
-    heartbeat_timeout: float | None = typer.Option(
+    heartbeat_timeout: float | None = float_option(
         None,
+        "--heartbeat-timeout",
+        low=MIN_HEARTBEAT_TIMEOUT_S,
+        high=MAX_HEARTBEAT_TIMEOUT_S,
+        floor_reason=HEARTBEAT_FLOOR,
         help="With --plan: seconds a stage may send no heartbeat before it counts as failed "
         "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
     ),
@@ -163,8 +178,6 @@ def serve(
         return
     check_model_path(model, "--model")
     host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
-    if kv_cache_gib is not None and not (math.isfinite(kv_cache_gib) and kv_cache_gib > 0):
-        raise TesselError(f"--kv-cache-gib must be a finite number > 0, got {kv_cache_gib}")
     if replica is not None and plan is None:
         raise TesselError("--replica picks a pipeline of a --plan; give --plan too")
     if heartbeat_timeout is not None and plan is None:

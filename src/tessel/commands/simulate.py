@@ -8,7 +8,13 @@ from typing import Literal
 
 import typer
 
-from tessel.commands.options import FORCE_PROFILE_OPTION, input_file, optional_count, output_file
+from tessel.commands.options import (
+    FORCE_PROFILE_OPTION,
+    float_option,
+    input_file,
+    optional_count,
+    output_file,
+)
 from tessel.commands.remap_options import (
     REMAP_CONFIRM_OPTION,
     REMAP_COOLDOWN_OPTION,
@@ -21,10 +27,15 @@ from tessel.commands.remap_options import (
     RemapMode,
     remap_settings,
 )
+from tessel.plan.workload import MAX_ARRIVAL_RATE_PER_S
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
 from tessel.sim.measured import MeasuredComparison, compare_metrics
 from tessel.sim.request_trace import MAX_REQUESTS
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+# A request every 30 years at the slowest: the simulator's time is events, not seconds, so a slow
+# arrival rate costs nothing (the remap replay skips the idle stretches, tessel.sim.remap)
+MIN_RATE_PER_S = 1e-9
 
 
 def simulate(
@@ -36,12 +47,16 @@ def simulate(
         "--requests", limit=MAX_REQUESTS, help="Number of requests (default 200; a trace: its first N rows)."
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Seed of the arrivals and lengths."),
-    rate: float | None = typer.Option(
-        None, "--rate", min=1e-9, max=1e6, help="Override the workload's arrival rate (req/s)."
+    rate: float | None = float_option(
+        None,
+        "--rate",
+        low=MIN_RATE_PER_S,
+        high=MAX_ARRIVAL_RATE_PER_S,
+        help="Override the workload's arrival rate (req/s).",
     ),
     gantt: Path | None = output_file(None, "--gantt", help="Write a Gantt chart of the plan (.png/.svg)."),
-    gantt_until_s: float | None = typer.Option(
-        None, "--gantt-until-s", min=0, max=1e12, help="Cut the chart at this time."
+    gantt_until_s: float | None = float_option(
+        None, "--gantt-until-s", low=0.0, high=1e12, help="Cut the chart at this time."
     ),
     json_out: Path | None = output_file(None, "--json", help="Write all metrics as JSON."),
     compare: bool = typer.Option(False, "--compare", help="Also simulate the plan's feasible baselines."),

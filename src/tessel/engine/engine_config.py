@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from tessel.engine.preemption import check_gbps, check_preemption_mode
+from tessel.engine.limits import check_emulate_host_gbps, check_kv_cache_gib
+from tessel.engine.preemption import check_preemption_mode
 from tessel.errors import TesselError
 from tessel.models.quantized.lm_head import check_lm_head_mode
 
@@ -47,21 +47,15 @@ class EngineConfig:
             raise TesselError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise TesselError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        gib = self.kv_cache_gib
-        if gib is not None and not (isinstance(gib, int | float) and math.isfinite(gib) and gib > 0):
-            raise TesselError(f"kv_cache_gib must be a finite number > 0, got {self.kv_cache_gib}")
+        self.kv_cache_gib = check_kv_cache_gib(self.kv_cache_gib, "kv_cache_gib")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise TesselError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         check_lm_head_mode(self.lm_head)
         check_preemption_mode(self.preemption_mode)
-        host = self.host_kv_cache_gib
-        if host is not None and not (
-            isinstance(host, int | float) and not isinstance(host, bool) and math.isfinite(host) and host > 0
-        ):
-            raise TesselError(f"host_kv_cache_gib must be a finite number > 0, got {host!r}")
-        self.emulate_host_gbps = check_gbps(self.emulate_host_gbps, "emulate_host_gbps")
+        self.host_kv_cache_gib = check_kv_cache_gib(self.host_kv_cache_gib, "host_kv_cache_gib")
+        self.emulate_host_gbps = check_emulate_host_gbps(self.emulate_host_gbps, "emulate_host_gbps")
         self.device = str(check_device(self.device))
 
 

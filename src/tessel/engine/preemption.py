@@ -47,16 +47,6 @@ def check_preemption_mode(mode: str) -> str:
     return mode
 
 
-def check_gbps(value: float | None, name: str) -> float | None:
-    """A bandwidth in Gbit/s (as every bandwidth in tessel): None, or a finite number > 0."""
-    if value is None:
-        return None
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and value > 0):
-        raise TesselError(f"{name} must be a finite bandwidth > 0 in Gbit/s, got {value!r}")
-    return float(value)
-
-
 @dataclass(slots=True)
 class HostLink:
     """Gbit/s each way between the device's KV cache and host memory: what the decision uses

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessel.engine.engine_config import EngineConfig
+from tessel.engine.limits import MAX_TORCH_THREADS, check_emulate_host_gbps, check_kv_cache_gib
 from tessel.engine.llm_engine import load_tokenizer, max_model_len
 from tessel.engine.sampling_params import SamplingParams, check_text
 from tessel.engine.weight_stream import check_offload
@@ -31,6 +32,7 @@ from tessel.pipeline.options import RunOptions
 from tessel.pipeline.prompts_file import RunRequest, read_requests
 from tessel.pipeline.run_plan import RunPlan, load_run_plan
 from tessel.pipeline.supervision.heartbeat import heartbeat_timeout_s
+from tessel.plan.workload import MAX_MICRO_BATCHES
 
 
 def check_run(
@@ -47,10 +49,12 @@ def check_run(
     plan.check_model(options.model.resolve().name, config.num_hidden_layers)
     if world_size is not None and world_size != len(plan.stages):
         raise TesselError(f"WORLD_SIZE is {world_size} but the plan has {len(plan.stages)} stages")
-    for name in ("micro_batches", "threads", "cpp_min_tokens"):
+    limits = (("micro_batches", MAX_MICRO_BATCHES), ("threads", MAX_TORCH_THREADS), ("cpp_min_tokens", None))
+    for name, most in limits:
         value = getattr(options, name)
-        if value is not None and value < 1:
-            raise TesselError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not (1 <= value and (most is None or value <= most)):
+            bound = f"in [1, {most}]" if most is not None else ">= 1"
+            raise TesselError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
     if not PathFeatures.of(plan).nccl and options.transport == "nccl":
         raise TesselError("--transport nccl: a flow plan's placements pass micro-batches over gloo (host)")
     link_transports(plan, options.transport)
@@ -93,6 +97,9 @@ def check_options(options: RunOptions) -> int:
     """Refuse what would fail in the stage processes (plan vs model, the requests against the
     tokenizer and max_model_len) before any starts; -> the number of stages."""
     heartbeat_timeout_s(options.heartbeat_timeout)
+    for name in ("kv_cache_gib", "host_kv_cache_gib"):
+        check_kv_cache_gib(getattr(options, name), name)
+    check_emulate_host_gbps(options.emulate_host_gbps, "emulate_host_gbps")
     plan, config = check_run(options)
     check_requests(run_requests(options), options.model, config, options.engine_kwargs())
     return len(plan.stages)

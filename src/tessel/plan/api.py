@@ -37,6 +37,7 @@ Profiles = list[str | Path | Profile] | tuple
 
 MAX_TIME_LIMIT_S = 24 * 3600.0  # a day: longer solver runs are a typo
 MIN_SOLVER_S = 0.5  # the solver always gets this much, so a slow set-up still yields a plan
+MIN_TIME_LIMIT_S = MIN_SOLVER_S  # a shorter limit could not be kept: the solver gets MIN_SOLVER_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +60,13 @@ class PlanSettings:
     force_profile: bool = False  # use a profile of another device, model shape or tessel (warned)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.time_limit_s) and 0 < self.time_limit_s <= MAX_TIME_LIMIT_S):
-            raise TesselError(f"time limit must be in (0, {MAX_TIME_LIMIT_S:g}] s, got {self.time_limit_s}")
+        if not (
+            math.isfinite(self.time_limit_s) and MIN_TIME_LIMIT_S <= self.time_limit_s <= MAX_TIME_LIMIT_S
+        ):
+            raise TesselError(
+                f"time limit must be in [{MIN_TIME_LIMIT_S:g}, {MAX_TIME_LIMIT_S:g}] s, "
+                f"got {self.time_limit_s}"
+            )
         if not (math.isfinite(self.mip_gap) and 0 <= self.mip_gap < 1):
             raise TesselError(f"MIP gap must be in [0, 1), got {self.mip_gap}")
         if self.precisions is None and (

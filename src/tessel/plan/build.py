@@ -74,6 +74,10 @@ GRANULARITIES = {"layer": ("layer",), "sublayer": ("attention", "mlp")}
 # "auto": evicted KV priced per device by the cheaper of swap and recompute; "off": streamed like weights
 KV_PREEMPTION_PRICING = ("auto", "off")
 LOGITS_BYTES_PER_ELEMENT = 4  # logits are upcast to float32 before sampling (vLLM, HF)
+# Quality costs are nats per token summed over the layers (an int4 layer costs well under one): a
+# budget of a million is no budget, a theta of a million seconds per nat makes quality all that counts.
+MAX_QUALITY_BUDGET = 1e6
+MAX_THETA = 1e6
 
 
 def _check_emulated_memory(model: ModelSpec, cluster: Cluster, dtype: str) -> None:
@@ -331,10 +335,12 @@ def _precision_choice(
         [[float(L.weight_bytes(model, unit.kind, name)) for name in precisions] for unit in units]
     )
     quality, source = quality_costs(model, precisions, kinds, checkpoint=checkpoint, sensitivity=sensitivity)
-    if quality_budget is not None and (not np.isfinite(quality_budget) or quality_budget < 0):
-        raise TesselError(f"--quality-budget must be a finite number >= 0, got {quality_budget}")
-    if theta is not None and (not np.isfinite(theta) or theta < 0):
-        raise TesselError(f"--theta must be a finite number >= 0, got {theta}")
+    if quality_budget is not None and not 0 <= quality_budget <= MAX_QUALITY_BUDGET:
+        raise TesselError(
+            f"--quality-budget must be a number in [0, {MAX_QUALITY_BUDGET:g}], got {quality_budget}"
+        )
+    if theta is not None and not 0 <= theta <= MAX_THETA:
+        raise TesselError(f"--theta must be a number in [0, {MAX_THETA:g}], got {theta}")
     budget = quality_budget
     if budget is None and theta is None:
         reference_int8 = (precisions[0], "int8")

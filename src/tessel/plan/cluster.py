@@ -55,7 +55,7 @@ from tessel.catalog.gpus import GpuSpec, get_gpu, with_host_link
 from tessel.catalog.yaml_reader import bundled_names, parse_yaml, resolve_file, validate_data
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
-from tessel.plan.plan_file import MIN_EMULATE_SPEED, check_emulate_schedule
+from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS, MIN_EMULATE_SPEED, check_emulate_schedule
 from tessel.units import GBPS, GIB, US_PER_S
 
 # One-way latency of a GPU-to-GPU copy: NVLink ~2 us and PCIe peer-to-peer ~10 us including the
@@ -96,8 +96,8 @@ class EmulateModel(BaseModel):
     )
     # offload emulation on a CPU host: the device's memory cap and its host link (copies slowed to it)
     memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory, GiB")
-    host_gbps: float | None = Field(  # Gbit/s, as every bandwidth in the file
-        default=None, gt=0, allow_inf_nan=False, description="host link, Gbit/s"
+    host_gbps: float | None = Field(  # Gbit/s, as every bandwidth in the file; plan_file's floor
+        default=None, ge=MIN_EMULATE_HOST_GBPS, allow_inf_nan=False, description="host link, Gbit/s"
     )
     # speed over time: [[seconds since start, speed], ...], ascending; `speed` holds before the first
     schedule: list[tuple[float, float]] | None = Field(default=None, description="speed changes over time")

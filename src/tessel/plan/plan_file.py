@@ -86,6 +86,11 @@ MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels 
 # The slowest emulated stage: at speed s a stage sleeps (1/s - 1) x its compute, so 0.01 is a stage
 # 100x slower than measured; below it a run takes days (1e-9: a billion times its compute).
 MIN_EMULATE_SPEED = 0.01
+# The slowest emulated host link (Gbit/s), for streamed weights and swapped KV alike: 1 Mbit/s, a
+# thousand times below PCIe 1.0 x1, leaves room for a CPU standing in for a GPU at the CPU's own
+# break-even (benchmarks/offload.py's slow link is about 0.05); below it every copy waits for hours
+# (1e-12: years per KiB).
+MIN_EMULATE_HOST_GBPS = 1e-3
 OFFLOAD_RTOL = 1e-6  # offloaded GiB may exceed host GiB by rounding only
 MAX_SCHEDULE_CHANGES = 1000  # speed changes in one emulated schedule: a scenario, not a trace
 # Workload keys a runtime sizes by (micro-batches in flight): at most what the planner accepts
@@ -215,9 +220,11 @@ class PlanStage(_Strict):
     @field_validator("emulate_memory_gib", "emulate_host_gbps", mode="before")
     @classmethod
     def _positive_emulation(cls, value: Any, info: ValidationInfo) -> Any:
-        what = "GiB of emulated device memory" if info.field_name == "emulate_memory_gib" else "Gbit/s"
+        memory = info.field_name == "emulate_memory_gib"
+        what = "GiB of emulated device memory" if memory else f"Gbit/s, at least {MIN_EMULATE_HOST_GBPS:g}"
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if value is not None and not (number and math.isfinite(value) and value > 0):
+        floor_ok = memory or (number and value >= MIN_EMULATE_HOST_GBPS)
+        if value is not None and not (number and math.isfinite(value) and value > 0 and floor_ok):
             raise ValueError(
                 f"{info.field_name} is {_short_repr(value)}; it must be a positive number of {what}"
             )

@@ -42,7 +42,13 @@ from tessel.plan.plan_file import PlanFile
 
 OUTCOMES = ("insufficient", "steady", "cooldown", "kept", "unconfirmed", "remap")
 MAX_HORIZON_S = 365 * 24 * 3600.0  # a year of serving: beyond it the move cost is nil anyway
+# A second of serving: moving weights takes seconds, so a remap amortised over less never pays.
+MIN_HORIZON_S = 1.0
 MAX_INTERVAL_S = 24 * 3600.0
+# The stages' counters arrive with their heartbeats, at most every 0.1 s (tessel.pipeline.supervision.heartbeat:
+# MIN_HEARTBEAT_TIMEOUT_S / BEATS_PER_TIMEOUT); deciding more often re-reads the same numbers, and a
+# simulated run of seconds would take billions of decisions (1e-9 s: one per simulated nanosecond).
+MIN_INTERVAL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +68,8 @@ class RemapSettings:
 
     def __post_init__(self) -> None:
         _in_range("--remap-threshold", self.threshold, 0.0, 1.0, high_open=True)
-        _in_range("--remap-horizon-s", self.horizon_s, 0.0, MAX_HORIZON_S, low_open=True)
-        _in_range("--remap-interval-s", self.interval_s, 0.0, MAX_INTERVAL_S, low_open=True)
+        _in_range("--remap-horizon-s", self.horizon_s, MIN_HORIZON_S, MAX_HORIZON_S)
+        _in_range("--remap-interval-s", self.interval_s, MIN_INTERVAL_S, MAX_INTERVAL_S)
         _in_range("--remap-window-s", self.window_s, self.interval_s, MAX_INTERVAL_S)
         _in_range("--remap-min-slowdown", self.min_slowdown, 1.0, 100.0, low_open=True)
         _in_range("--remap-workload-drift", self.workload_drift, 1.0, 1e6, low_open=True)

@@ -10,7 +10,7 @@ more than one (shares 5 : 6.89 : 6.89 : 0.31 : 0.31 at n = 279).
 
 The simulator's replica routing (`tessel.sim.routing`), the planner's batch throughput of a flow
 plan (`tessel.plan.flow.routed_counts`) and the runtime's path assignment
-(`tessel.pipeline.flow_routing`) all deal by this one rule, so they agree request for request.
+(`tessel.pipeline.flow`) all deal by this one rule, so they agree request for request.
 """
 
 from __future__ import annotations

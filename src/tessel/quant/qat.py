@@ -24,6 +24,7 @@ from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
 from tessel.models.quantized.observers import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
+from tessel.quant.limits import MAX_QAT_LR, MAX_QAT_STEPS, MIN_QAT_LR
 
 ACT_RANGE = QuantRange(8, symmetric=True)
 
@@ -108,9 +109,12 @@ class QATOptions:
         make_scheme(self.scheme, "dynamic", self.group_size)
         if self.train is None:
             raise TesselError("tessel qat trains on text: give --train FILE")
-        lr_ok = math.isfinite(self.lr) and self.lr > 0
-        if self.steps < 1 or not lr_ok or self.batch_size < 1 or self.seq_len < 2:
-            raise TesselError("--steps and --batch-size must be >= 1, --lr > 0 (finite) and --seq-len >= 2")
+        lr_ok = math.isfinite(self.lr) and MIN_QAT_LR <= self.lr <= MAX_QAT_LR
+        if not 1 <= self.steps <= MAX_QAT_STEPS or not lr_ok or self.batch_size < 1 or self.seq_len < 2:
+            raise TesselError(
+                f"--steps must be in [1, {MAX_QAT_STEPS:,}], --lr in [{MIN_QAT_LR:g}, {MAX_QAT_LR:g}], "
+                "--batch-size >= 1 and --seq-len >= 2"
+            )
 
 
 @dataclass(slots=True)

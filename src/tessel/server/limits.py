@@ -27,6 +27,8 @@ DEFAULT_MAX_ENGINE_RESTARTS = 3  # engine failures not pinned on a request befor
 # A whole request body within 30 s of its headers: 8 MiB (the body limit) at 2.2 Mbit/s; a client
 # still sending after that is stuck or trickling on purpose, and holds a connection meanwhile.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+MIN_BODY_TIMEOUT_S = 1e-3  # a millisecond: less is gone before any body could arrive
+MAX_BODY_TIMEOUT_S = 24 * 3600.0  # a day: a connection held longer is held on purpose
 
 
 @dataclass(slots=True)
@@ -48,8 +50,11 @@ class ServerLimits:
             raise TesselError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.max_engine_restarts < 0:
             raise TesselError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
-        if not (math.isfinite(self.body_timeout_s) and self.body_timeout_s > 0):
-            raise TesselError(f"body_timeout_s must be a finite number > 0, got {self.body_timeout_s}")
+        if not (math.isfinite(self.body_timeout_s) and MIN_BODY_TIMEOUT_S <= self.body_timeout_s):
+            raise TesselError(
+                f"body_timeout_s must be a finite number of seconds >= {MIN_BODY_TIMEOUT_S:g}, "
+                f"got {self.body_timeout_s}"
+            )
 
     def check_prompt_chars(self, num_chars: int) -> None:
         if num_chars > self.max_prompt_chars:

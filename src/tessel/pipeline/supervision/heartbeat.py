@@ -47,6 +47,7 @@ HEARTBEAT_TIMEOUT_ENV = "TESSEL_HEARTBEAT_TIMEOUT_S"
 RUN_DIR_ENV = "TESSEL_RUN_DIR"  # where a launched stage writes its status, beat and log
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 MIN_HEARTBEAT_TIMEOUT_S = 0.5  # several beats must fit in it
+MAX_HEARTBEAT_TIMEOUT_S = 24 * 3600.0  # a day: a stage silent for longer is not coming back
 MAX_BEAT_INTERVAL_S = 1.0
 BEATS_PER_TIMEOUT = 5
 STARTUP_TIMEOUT_S = 60.0  # before a stage's first beat: the interpreter starting, on a loaded machine
@@ -56,7 +57,8 @@ JOIN_STALL_S = 120.0  # joining is a handshake once every stage has loaded: seco
 
 
 def heartbeat_timeout_s(value: float | None = None) -> float:
-    """`value` (an option), else `TESSEL_HEARTBEAT_TIMEOUT_S`, else 30 s; a finite number >= 0.5."""
+    """`value` (an option), else `TESSEL_HEARTBEAT_TIMEOUT_S`, else 30 s; a number of seconds in
+    [MIN_HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_TIMEOUT_S]."""
     source = "--heartbeat-timeout"
     if value is None:
         text = os.environ.get(HEARTBEAT_TIMEOUT_ENV)
@@ -67,9 +69,10 @@ def heartbeat_timeout_s(value: float | None = None) -> float:
             value = float(text)
         except ValueError:
             raise TesselError(f"{source}={text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value >= MIN_HEARTBEAT_TIMEOUT_S):
+    if not (math.isfinite(value) and MIN_HEARTBEAT_TIMEOUT_S <= value <= MAX_HEARTBEAT_TIMEOUT_S):
         raise TesselError(
-            f"{source} must be a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}, got {value}"
+            f"{source} must be a number of seconds in [{MIN_HEARTBEAT_TIMEOUT_S:g}, "
+            f"{MAX_HEARTBEAT_TIMEOUT_S:g}], got {value}"
         )
     return float(value)
 
