@@ -46,8 +46,9 @@ MAX_HORIZON_S = 365 * 24 * 3600.0  # a year of serving: beyond it the move cost 
 MIN_HORIZON_S = 1.0
 MAX_INTERVAL_S = 24 * 3600.0
 # The stages' counters arrive with their heartbeats, at most every 0.1 s
-# (tessel.pipeline.supervision.heartbeat: MIN_HEARTBEAT_TIMEOUT_S / BEATS_PER_TIMEOUT); deciding more often re-reads the same numbers, and a
-# simulated run of seconds would take billions of decisions (1e-9 s: one per simulated nanosecond).
+# (tessel.pipeline.supervision.heartbeat: MIN_HEARTBEAT_TIMEOUT_S / BEATS_PER_TIMEOUT); deciding more
+# often re-reads the same numbers, and a simulated run of seconds would take billions of decisions
+# (1e-9 s: one per simulated nanosecond).
 MIN_INTERVAL_S = 0.1
 
 
