@@ -40,9 +40,8 @@ import numpy as np
 
 from tessel.errors import TesselError
 from tessel.plan.flow import FlowPlan, max_flow, placement_edges, route_placements
-from tessel.plan.highs import highs_lp, new_highs, run_until
+from tessel.plan.highs import ModelBuilder, solve_mip
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.milp import _Builder
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
 from tessel.plan.swarm import greedy_routed
 
@@ -203,57 +202,43 @@ def solve_flow_milp(
     mip_gap: float = 1e-4,
     max_flow_rate: float | None = None,
 ) -> FlowMILP:
-    import highspy
-
     started = time.perf_counter()
     mb, cols = _build(model, max_flow_rate)
-    lp = highs_lp(
-        np.asarray(mb.cost),
-        np.asarray(mb.lower),
-        np.asarray(mb.upper),
-        np.concatenate(mb.r),
-        np.concatenate(mb.c),
-        np.concatenate(mb.v),
-        np.asarray(mb.rows_lo),
-        np.asarray(mb.rows_hi),
-        np.asarray(mb.integer),
-    )
-    h = new_highs()
-    h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
-    h.setOptionValue("mip_rel_gap", float(mip_gap))
-    h.passModel(lp)
     best_start = None
     for ranges in starts:
         found = placement_value(model, ranges)
         if found is not None and (best_start is None or found[0] > best_start[0][0]):
             best_start = (found, ranges)
+    start = None
     if best_start is not None:
-        start = highspy.HighsSolution()
-        start.col_value = _start_values(model, cols, len(mb.lower), best_start[1], best_start[0][1])
-        start.value_valid = True
-        h.setSolution(start)
-    status = run_until(h, started + time_limit_s)
-    info = h.getInfo()
+        start = _start_values(model, cols, mb.n_cols, best_start[1], best_start[0][1])
+    solved = solve_mip(mb, started=started, time_limit_s=time_limit_s, mip_gap=mip_gap, start=start)
     elapsed = time.perf_counter() - started
-    bound = -float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else math.inf
-    if info.primal_solution_status != 2:
+    bound = -solved.dual_bound if math.isfinite(solved.dual_bound) else math.inf
+    if solved.values is None:
         return FlowMILP(
-            (None,) * len(model.groups), np.zeros(len(model.groups)), 0.0, bound, math.inf, status, elapsed
+            (None,) * len(model.groups),
+            np.zeros(len(model.groups)),
+            0.0,
+            bound,
+            math.inf,
+            solved.status,
+            elapsed,
         )
-    values = np.asarray(h.getSolution().col_value)
+    values = solved.values
     held = values[cols["h"]] > 0.5
     ranges = []
     for g in range(len(model.groups)):
         units = np.flatnonzero(held[g])
         ranges.append((int(units[0]), int(units[-1]) + 1) if len(units) else None)
-    value = -float(info.objective_function_value)
+    value = -solved.objective
     gap = max(bound - value, 0.0) / bound if bound > 0 and math.isfinite(bound) else 0.0
-    return FlowMILP(tuple(ranges), values[cols["x"]], value, bound, gap, status, elapsed)
+    return FlowMILP(tuple(ranges), values[cols["x"]], value, bound, gap, solved.status, elapsed)
 
 
 def _build(model: FlowModel, max_flow_rate: float | None):
     G, U = model.work.shape
-    mb = _Builder()
+    mb = ModelBuilder()
     h = mb.cols((G, U), 0.0, 1.0, integer=True)
     a = mb.cols((G, U))
     c = mb.cols((G, U))
