@@ -19,7 +19,8 @@ from plan.test_memory_concurrency import memory_instance
 from tessel.errors import TesselError
 from tessel.plan.flow import SINK, SOURCE, check_placements, evaluate_flow, from_pipelines, max_flow
 from tessel.plan.flow_milp import device_groups, flow_model, solve_flow_milp
-from tessel.plan.replicas import memory_micro_batches, subset, with_micro_batches
+from tessel.plan.instance import subset, with_micro_batches
+from tessel.plan.replicas import memory_micro_batches
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, Stage, evaluate
 
@@ -189,7 +190,7 @@ def flow_document():
     assert plan is not None and plan.shared
     paths, flow = flow_json(instance, plan, problem.cluster, b)
     first = paths[0]
-    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
 
     devices = plan.paths[0].devices
     sub = with_micro_batches(gpu_memory_only(subset(instance, devices)), plan.paths[0].micro_batches)

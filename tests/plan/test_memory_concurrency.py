@@ -20,9 +20,10 @@ from plan.random_instances import random_instance
 from plan.test_replicas import _oracle as brute_fixed_shares
 from tessel.errors import TesselError
 from tessel.plan.brute import brute_force
+from tessel.plan.instance import subset
 from tessel.plan.memory_bound import memory_flow_bound
 from tessel.plan.replica_baseline import separate_uniform
-from tessel.plan.replicas import choose_replicas, subset
+from tessel.plan.replicas import choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solve import solve
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from plan.random_instances import flagged_instance, random_instance
 from plan.test_replicas import _oracle, group_share
 from tessel.plan.baselines import uniform
+from tessel.plan.instance import subset
 from tessel.plan.replica_baseline import separate_uniform
-from tessel.plan.replicas import subset
 from tessel.plan.report import predict
 
 

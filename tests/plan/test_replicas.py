@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from plan.random_instances import flagged_instance, random_instance
 from tessel.errors import TesselError
 from tessel.plan.brute import brute_force
-from tessel.plan.replicas import choose_replicas, routing_weights, subset
+from tessel.plan.instance import subset
+from tessel.plan.replicas import choose_replicas, routing_weights
 from tessel.plan.report import predict
 
 RTOL = 1e-6

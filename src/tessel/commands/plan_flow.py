@@ -75,7 +75,7 @@ def write_and_export(console, problem, choice, settings, json_path: Path | None,
             }
         )
     if json_path is not None:
-        from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+        from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
         from tessel.plan.solution import Solution, Stage, evaluate
 
         first = plan.paths[0]
@@ -111,7 +111,7 @@ def write_and_export(console, problem, choice, settings, json_path: Path | None,
 
 def _export_vllm(console, problem, plan, settings, workload_spec) -> None:
     from tessel.plan.export_vllm import closest_disjoint_paths, export_vllm
-    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
     from tessel.plan.solution import Solution, Stage, evaluate
 
     instance = problem.instance

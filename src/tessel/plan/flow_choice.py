@@ -1,12 +1,12 @@
 """`tessel plan --replicas auto` with concurrency by memory: single pipelines, disjoint replicas and
 flow plans compared, the best returned (never worse than any of them).
 
-`choose_with_flow` runs the flow search (`tessel.plan.flow_milp.search_flow`: cheap candidates,
-then the flow MILP seeded by them) on `FLOW_SHARE` of the time limit, then the replica search
-(`tessel.plan.replicas.choose_replicas`, which keeps the whole cluster as one pipeline and the fixed
-shares as candidates) on the rest (`FLOW_SHARE_LARGE` for the flow search on clusters beyond
-`EXHAUSTIVE_DEVICES`, where the replica search only screens candidate splits). The replica plan is
-itself a flow plan of the same throughput
+`choose_with_flow` runs the flow search (`search_flow`: the cheap candidates of
+`tessel.plan.flow_heuristics`, then the flow MILP of `tessel.plan.flow_milp` seeded by them) on
+`FLOW_SHARE` of the time limit, then the replica search (`tessel.plan.replicas.choose_replicas`,
+which keeps the whole cluster as one pipeline and the fixed shares as candidates) on the rest
+(`FLOW_SHARE_LARGE` for the flow search on clusters beyond `EXHAUSTIVE_DEVICES`, where the replica
+search only screens candidate splits). The replica plan is itself a flow plan of the same throughput
 (disjoint paths are priced as replicas are), so the flow plan is taken only when it serves strictly
 more.
 """
@@ -18,10 +18,12 @@ import time
 from dataclasses import dataclass
 
 from tessel.plan.flow import FlowPlan
-from tessel.plan.flow_milp import FlowSearch, search_flow
+from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
+from tessel.plan.flow_milp import FlowSearch, solve_flow
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.replicas import EXHAUSTIVE_DEVICES, ReplicaPlan, choose_replicas
 from tessel.plan.solution import Stage
+from tessel.plan.swarm import swarm_like
 
 FLOW_SHARE = 0.5  # of the time limit for the flow search, run first; the replica search gets the rest
 FLOW_SHARE_LARGE = 0.7  # beyond EXHAUSTIVE_DEVICES (the replica search then screens candidate splits)
@@ -30,6 +32,7 @@ MIN_FLOW_S = 2.0
 # their shares (a HiGHS or DP pass ends after its limit), so the whole call ends within the limit
 REPLICA_RESERVE = 0.4
 KINDS = ("single", "replicas", "flow")
+TUNED_SHARE = 0.6  # of the flow search's time: the cheap candidates and the tuned placement end there
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,41 @@ class FlowChoice:
         if not math.isfinite(bound) or bound <= 0:
             return None
         return max(bound - self.throughput_tok_s, 0.0) / bound
+
+
+def search_flow(
+    instance: PlanningInstance,
+    micro_batch_size: int,
+    *,
+    time_limit_s: float = 30.0,
+    max_micro_batches: int | None = None,
+) -> FlowSearch:
+    """The best flow plan of the cheap candidates (`tessel.plan.flow_heuristics`: separate chains per
+    type, the better of those and a Swarm-like plan per type; the Swarm-like plan of all devices;
+    Swarm-like placements routed by max flow; placements with a KV fraction per type tuned by
+    coordinate descent, until `TUNED_SHARE` of the time),
+    used as warm starts, and of the flow MILP (`solve_flow`) on the time left."""
+    started = time.perf_counter()
+    deadline = started + TUNED_SHARE * time_limit_s
+    candidates = {
+        "swarm-like": swarm_like(instance, micro_batch_size, max_micro_batches),
+        "tuned-placement": tuned_placement(instance, micro_batch_size, deadline, max_micro_batches),
+    }
+    if max_micro_batches is None:  # per-type plans are not capped in all
+        candidates["per-type"] = per_type_best(instance, micro_batch_size)
+    if time.perf_counter() < deadline:
+        routed = swarm_placements_flow_routed(instance, micro_batch_size, max_micro_batches)
+        candidates["swarm-placement-flow"] = routed
+    seeds = [list(plan.stages) for plan in candidates.values() if plan is not None]
+    left = time_limit_s - (time.perf_counter() - started)
+    found = solve_flow(
+        instance, micro_batch_size, time_limit_s=left, max_micro_batches=max_micro_batches, seeds=seeds
+    )
+    best, source = found.plan, "milp"
+    for name, plan in candidates.items():
+        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
+            best, source = plan, name
+    return FlowSearch(best, found.milps, time.perf_counter() - started, source)
 
 
 def choose_with_flow(

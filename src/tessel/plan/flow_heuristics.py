@@ -1,4 +1,5 @@
-"""Cheap flow-plan candidates beside the flow MILP (`tessel.plan.flow_milp.solve_flow`).
+"""Cheap flow-plan candidates beside the flow MILP (`tessel.plan.flow_milp.solve_flow`); the search
+over both is `tessel.plan.flow_choice.search_flow`.
 
 - `separate_chains`: each GPU type's devices in same-type pipelines of one size with even layer
   splits (Helix's separate-pipelines baseline, `tessel.plan.replica_baseline`, by memory), the size
@@ -17,11 +18,23 @@ never less than the separate-pipelines baseline or the Swarm-like plan.
 
 from __future__ import annotations
 
+import time
+
+from tessel.errors import TesselError
 from tessel.plan.baselines import uniform
-from tessel.plan.flow import FlowPlan, from_pipelines, price_paths
-from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas import gpu_memory_only, holds_model, subset, with_micro_batches
+from tessel.plan.flow import (
+    FlowPlan,
+    fixed_bytes,
+    flow_instance,
+    from_pipelines,
+    price_paths,
+    route_placements,
+)
+from tessel.plan.flow_milp import LIFETIME_FACTORS, natural_lifetime_s
+from tessel.plan.instance import PlanningInstance, gpu_memory_only, subset, with_micro_batches
+from tessel.plan.replicas import holds_model
 from tessel.plan.solution import Solution, Stage
+from tessel.plan.swarm import PLACEMENT_FRACTIONS, greedy_routed, petals_placement, swarm_like
 
 
 def by_type(instance: PlanningInstance) -> dict[str, list[int]]:
@@ -67,8 +80,6 @@ def _local_to_global(
 
 def per_type_best(instance: PlanningInstance, micro_batch_size: int) -> FlowPlan | None:
     """Per GPU type the better of separate chains and its own Swarm-like plan, served together."""
-    from tessel.plan.swarm import swarm_like
-
     stages: list[Stage] = []
     paths: list[tuple[tuple[int, ...], int]] = []
     for members in by_type(instance).values():
@@ -106,16 +117,13 @@ def flow_routed(
     the micro-batches its free memory holds per `lifetime_s` (Little's law); the max flow is
     decomposed into paths and priced (`tessel.plan.flow.route_placements`). None when no path
     reaches the last unit or a device cannot hold its range."""
-    from tessel.errors import TesselError
-    from tessel.plan.flow import _fixed_bytes, _one, route_placements
-
-    one = _one(instance)
+    one = flow_instance(instance)
     n_out = one.decode_weight / one.prefill_weight
     work = one.prefill.unit_time_s + n_out * one.decode.unit_time_s
     rates = {}
     for s in stages:
         rate = 1.0 / float(work[s.unit_start : s.unit_end, s.device].sum())
-        fixed, kv = _fixed_bytes(one, s)
+        fixed, kv = fixed_bytes(one, s)
         free = one.devices[s.device].memory_bytes - fixed
         if free < 0:
             return None
@@ -134,15 +142,11 @@ def swarm_placements_flow_routed(
     """Swarm-like placements (`tessel.plan.swarm`) at several KV fractions, each routed by max flow
     with capacities by compute alone and by compute and memory (`LIFETIME_FACTORS` of the natural
     lifetime, `tessel.plan.flow_milp.natural_lifetime_s`)."""
-    from tessel.plan.flow import _one
-    from tessel.plan.flow_milp import LIFETIME_FACTORS, natural_lifetime_s
-    from tessel.plan.swarm import PLACEMENT_FRACTIONS, _placement
-
-    one = _one(instance)
+    one = flow_instance(instance)
     natural = natural_lifetime_s(instance, tuple((j,) for j in range(instance.n_devices)))
     best = None
     for fraction in PLACEMENT_FRACTIONS:
-        stages = _placement(one, fraction)
+        stages = petals_placement(one, fraction)
         if not stages:
             continue
         for factor in (0.0, *LIFETIME_FACTORS):
@@ -159,16 +163,11 @@ def tuned_placement(
     coordinate descent (each type's fraction over `PLACEMENT_FRACTIONS` in turn, kept when the plan,
     routed greedily and priced as flow plans are, serves more) until no change or `deadline`
     (`time.perf_counter()` seconds). Starts from the best single fraction."""
-    import time
-
-    from tessel.plan.flow import _one
-    from tessel.plan.swarm import PLACEMENT_FRACTIONS, _placement, greedy_routed
-
-    one = _one(instance)
+    one = flow_instance(instance)
     types = sorted({d.gpu_type for d in instance.devices})
 
     def value(fractions: dict[str, float]):
-        stages = _placement(one, fractions)
+        stages = petals_placement(one, fractions)
         return greedy_routed(instance, stages, micro_batch_size, cap) if stages else None
 
     best, best_fractions = None, None

@@ -23,10 +23,11 @@ With placements fixed, the MILP's F is a max flow over the placement graph with 
 min(eta n_g / W_g, n_g free_g / (lifetime kv_g)) (W_g: the group's time per micro-batch on its
 range, free_g / kv_g: its memory after weights / its KV per micro-batch), which is what the tests'
 brute force computes. Identical groups are ordered by rate (symmetry). Warm starts: the best of the
-placements given (`search_flow` gives its candidates' where every GPU of a group holds one range on
-block boundaries) and same-type chains (`chain_seeds`), handed to HiGHS as a full solution; on the
-time limit the best incumbent is used and its gap to HiGHS's dual bound reported. Beyond
-`MAX_BINARIES` placement binaries, units are merged into near-equal blocks (`block_cuts`).
+placements given (`tessel.plan.flow_choice.search_flow` gives its candidates' where every GPU of a
+group holds one range on block boundaries) and same-type chains (`chain_seeds`), handed to HiGHS as
+a full solution; on the time limit the best incumbent is used and its gap to HiGHS's dual bound
+reported. Beyond `MAX_BINARIES` placement binaries, units are merged into near-equal blocks
+(`block_cuts`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.errors import TesselError
-from tessel.plan.flow import FlowPlan, max_flow, placement_edges, route_placements
+from tessel.plan.flow import FlowPlan, flow_instance, max_flow, placement_edges, route_placements
 from tessel.plan.highs import ModelBuilder, solve_mip
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
@@ -50,7 +51,6 @@ MAX_BINARIES = 2000  # placement binaries h_ug: units are merged into blocks bey
 ETAS = (1.0,)
 LIFETIME_FACTORS = (0.25, 0.5, 1.0)  # times the lifetime at which all free memory is just full
 MIN_SOLVE_S = 0.5
-TUNED_SHARE = 0.6  # of the flow search's time: the cheap candidates and the tuned placement end there
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +120,7 @@ def block_cuts(n_units: int, n_groups: int) -> np.ndarray:
 def flow_model(
     instance: PlanningInstance, groups, lifetime_s: float, eta: float = 1.0, cuts: np.ndarray | None = None
 ) -> FlowModel:
-    from tessel.plan.flow import _one
-
-    one = _one(instance)
+    one = flow_instance(instance)
     n_out = one.decode_weight / one.prefill_weight
     rep = np.array([g[0] for g in groups])
     cuts = np.arange(one.n_units + 1) if cuts is None else np.asarray(cuts, dtype=int)
@@ -457,44 +455,6 @@ def solve_flow(
             if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
                 best = plan
     return FlowSearch(best, tuple(milps), time.perf_counter() - started, "milp")
-
-
-def search_flow(
-    instance: PlanningInstance,
-    micro_batch_size: int,
-    *,
-    time_limit_s: float = 30.0,
-    max_micro_batches: int | None = None,
-) -> FlowSearch:
-    """The best flow plan of the cheap candidates (`tessel.plan.flow_heuristics`: separate chains per
-    type, the better of those and a Swarm-like plan per type; the Swarm-like plan of all devices;
-    Swarm-like placements routed by max flow; placements with a KV fraction per type tuned by
-    coordinate descent, until `TUNED_SHARE` of the time),
-    used as warm starts, and of the flow MILP (`solve_flow`) on the time left."""
-    from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
-    from tessel.plan.swarm import swarm_like
-
-    started = time.perf_counter()
-    deadline = started + TUNED_SHARE * time_limit_s
-    candidates = {
-        "swarm-like": swarm_like(instance, micro_batch_size, max_micro_batches),
-        "tuned-placement": tuned_placement(instance, micro_batch_size, deadline, max_micro_batches),
-    }
-    if max_micro_batches is None:  # per-type plans are not capped in all
-        candidates["per-type"] = per_type_best(instance, micro_batch_size)
-    if time.perf_counter() < deadline:
-        routed = swarm_placements_flow_routed(instance, micro_batch_size, max_micro_batches)
-        candidates["swarm-placement-flow"] = routed
-    seeds = [list(plan.stages) for plan in candidates.values() if plan is not None]
-    left = time_limit_s - (time.perf_counter() - started)
-    found = solve_flow(
-        instance, micro_batch_size, time_limit_s=left, max_micro_batches=max_micro_batches, seeds=seeds
-    )
-    best, source = found.plan, "milp"
-    for name, plan in candidates.items():
-        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
-            best, source = plan, name
-    return FlowSearch(best, found.milps, time.perf_counter() - started, source)
 
 
 def type_counts(instance: PlanningInstance, plan: FlowPlan) -> Counter:

@@ -21,16 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessel.plan.baselines import uniform
-from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas import (
-    allocate,
-    gpu_memory_only,
-    memory_micro_batches,
-    share,
-    smallest_group,
-    subset,
-    with_micro_batches,
-)
+from tessel.plan.instance import PlanningInstance, gpu_memory_only, share, subset, with_micro_batches
+from tessel.plan.replicas import allocate, memory_micro_batches, smallest_group
 from tessel.plan.report import predict
 
 

@@ -52,7 +52,14 @@ import numpy as np
 
 from tessel.errors import TesselError
 from tessel.plan.build import capacity_shortfall_bytes
-from tessel.plan.instance import PassCosts, PlanningInstance
+from tessel.plan.instance import (
+    PassCosts,
+    PlanningInstance,
+    gpu_memory_only,
+    share,
+    subset,
+    with_micro_batches,
+)
 from tessel.plan.report import predict
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, evaluate
 from tessel.plan.solve import PlanResult, solve
@@ -107,29 +114,6 @@ def routing_weights(capacities: list[float]) -> list[float]:
     return [c / total for c in capacities]
 
 
-def share(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
-    """The problem of a replica that holds `micro_batches` of the workload's m micro-batches in flight:
-    same micro-batch size and pass costs, the KV of its own micro-batches only."""
-    if not 1 <= micro_batches <= instance.micro_batches:
-        raise ValueError(f"a share is 1..{instance.micro_batches} micro-batches, got {micro_batches}")
-    scale = micro_batches / instance.micro_batches
-    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
-
-
-def with_micro_batches(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
-    """The instance with `micro_batches` of b requests in flight (any count >= 1): same pass costs,
-    the KV of that many micro-batches."""
-    if micro_batches < 1:
-        raise ValueError(f"micro-batches in flight must be >= 1, got {micro_batches}")
-    scale = micro_batches / instance.micro_batches
-    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
-
-
-def gpu_memory_only(instance: PlanningInstance) -> PlanningInstance:
-    """The instance with no host memory to offload into: every plan holds all in GPU memory."""
-    return replace(instance, devices=tuple(replace(d, host_bytes=0.0) for d in instance.devices))
-
-
 def memory_micro_batches(instance: PlanningInstance, evaluation) -> float:
     """The most micro-batches a plan's stages hold in device memory (weights, extras and workspace
     fixed, KV growing with the count): min over stages of free memory / KV of one micro-batch
@@ -178,32 +162,6 @@ def allocate(curves: list[dict[int, float]], budget: int, count: int | None = No
         states = nxt
     found = [v for (_, served), v in states.items() if served > 0 and (count is None or served == count)]
     return max(found, key=lambda v: v[0]) if found else None
-
-
-def subset(instance: PlanningInstance, devices: tuple[int, ...]) -> PlanningInstance:
-    """The planning problem restricted to some devices (indices re-numbered 0..k-1)."""
-    idx = np.asarray(devices, dtype=int)
-
-    def costs(c: PassCosts) -> PassCosts:
-        return PassCosts(
-            c.unit_time_s[:, idx], c.first_time_s[idx], c.last_time_s[idx], c.send_s[np.ix_(idx, idx)]
-        )
-
-    choice = instance.precision
-    if choice is not None:
-        choice = replace(
-            choice, prefill_time_s=choice.prefill_time_s[:, idx], decode_time_s=choice.decode_time_s[:, idx]
-        )
-    return replace(
-        instance,
-        devices=tuple(instance.devices[j] for j in devices),
-        prefill=costs(instance.prefill),
-        decode=costs(instance.decode),
-        workspace_bytes=np.asarray(instance.workspace_bytes)[idx],
-        move_s=None if instance.move_s is None else instance.move_s[:, idx],
-        precision=choice,
-        kv_restore=None if instance.kv_restore is None else instance.kv_restore.subset(idx),
-    )
 
 
 def holds_model(instance: PlanningInstance, devices: tuple[int, ...], gpu_only: bool = False) -> bool:
@@ -383,16 +341,16 @@ def _upper(throughput: float, objective: float, bound: float | None) -> float:
 
 
 def averaged_precisions(instance: PlanningInstance) -> PlanningInstance:
-    """A fast stand-in for ranking splits: the budget filled on one stage (`_fill_budget`), then every
+    """A fast stand-in for ranking splits: the budget filled on one stage (`fill_budget`), then every
     unit given the mean bytes and times of that precision vector, so the units are alike and the
     counts relaxation plans it. Not a plan of the instance and not a bound; the chosen split is
     planned for real afterwards."""
-    from tessel.plan.precision_search import _fill_budget
+    from tessel.plan.precision_search import fill_budget
     from tessel.plan.solution import Solution, Stage
 
     if instance.precision is None:
         return instance
-    vector = _fill_budget(instance, Solution((Stage(0, 0, instance.n_units),)))
+    vector = fill_budget(instance, Solution((Stage(0, 0, instance.n_units),)))
     fixed = instance.fixed(vector)
 
     def mean(costs: PassCosts) -> PassCosts:

@@ -111,7 +111,7 @@ def flow_json(instance: PlanningInstance, plan, cluster, micro_batch_size: int) 
     each path's stages are evaluated at its micro-batches with the devices' full speed, its predicted
     figures and `time_shares` are the flow plan's."""
     from tessel.plan.flow import SINK, SOURCE
-    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
     from tessel.plan.solution import Solution, Stage, evaluate
 
     paths = []
