@@ -10,7 +10,8 @@ import pytest
 
 from tessel.errors import TesselError
 from tessel.plan.cluster import parse_cluster
-from tessel.plan.plan_file import emulated_speed_at, parse_plan
+from tessel.plan.plan_file import parse_plan
+from tessel.plan.plan_parts import emulated_speed_at
 
 
 def _cluster(schedule) -> dict:

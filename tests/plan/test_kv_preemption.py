@@ -187,7 +187,7 @@ def test_bad_network_bandwidth_names_line_and_field(tmp_path):
 
 
 def test_plan_stages_carry_the_mode_and_older_stages_load_without_it():
-    from tessel.plan.plan_file import PlanStage
+    from tessel.plan.plan_parts import PlanStage
     from tessel.plan.report import stage_records
 
     instance = _pressure_instance()

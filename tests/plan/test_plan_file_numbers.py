@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.plan.cluster import parse_cluster
-from tessel.plan.plan_file import MIN_EMULATE_SPEED, PlanFile, load_plan, parse_plan
+from tessel.plan.plan_file import PlanFile, load_plan, parse_plan
+from tessel.plan.plan_parts import MIN_EMULATE_SPEED
 from tessel.plan.workload import MAX_MICRO_BATCHES
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -23,7 +23,7 @@ from tessel.plan.build import build_instance
 from tessel.plan.cluster import load_cluster
 from tessel.plan.dp import solve_dp
 from tessel.plan.milp import solve_milp
-from tessel.plan.plan_file import PlanStage
+from tessel.plan.plan_parts import PlanStage
 from tessel.plan.replan import move_costs, previous_solution, replan
 from tessel.plan.solution import Solution, evaluate
 from tessel.plan.solve import solve

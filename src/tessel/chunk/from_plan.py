@@ -48,7 +48,8 @@ from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec, link_time_s
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PlanFile, PlanStage, load_plan, unit_kind, units_per_layer
+from tessel.plan.plan_file import PlanFile, load_plan
+from tessel.plan.plan_parts import PlanStage, unit_kind, units_per_layer
 
 TWIN_CHECK_POINTS = 24  # (c, p) samples the numpy twin is checked on
 TWIN_RTOL = 1e-9

@@ -31,7 +31,8 @@ from tessel.errors import TesselError
 
 if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
-    from tessel.plan.plan_file import PlanFile, PlanStage
+    from tessel.plan.plan_file import PlanFile
+    from tessel.plan.plan_parts import PlanStage
 
 
 PLAN_TIME_LIMIT_S = 5.0  # the planner's time on the survivors: the pipeline is down meanwhile

@@ -44,7 +44,7 @@ from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm import BatchMessage, KvLayout
 from tessel.pipeline.heartbeat import Progress
 from tessel.pipeline.weight_stream import HostWeights, WeightStreamer, host_copy, start_streaming
-from tessel.plan.plan_file import emulated_speed_at
+from tessel.plan.plan_parts import emulated_speed_at
 
 EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from
 

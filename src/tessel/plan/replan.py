@@ -43,7 +43,7 @@ from tessel.cost.link import link_time_s
 from tessel.errors import TesselError
 from tessel.plan.cluster import Cluster
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.plan_file import PlanStage
+from tessel.plan.plan_parts import PlanStage
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
 from tessel.plan.solve import PlanResult, solve
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from tessel.plan.baselines import BaselineResult
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.plan_file import PLAN_VERSION, PlanFile, parse_plan, whole_predicted
+from tessel.plan.plan_file import PLAN_VERSION, PlanFile, parse_plan
+from tessel.plan.plan_parts import whole_predicted
 from tessel.plan.solution import Evaluation
 from tessel.units import GBPS, GIB, US_PER_S
 
