@@ -22,7 +22,7 @@ from pipeline_plans import write_plan
 from stage_processes import release
 from tessel.errors import TesselError
 from tessel.pipeline.remap import SurvivorsTooSmallError, split_by_memory, survivor_plan
-from tessel.plan.plan_file import load_plan
+from tessel.plan.files.plan_file import load_plan
 
 DEADLINE_S = 120.0  # generous: a loaded 2-core machine spawning stage processes
 

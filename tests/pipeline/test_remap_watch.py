@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tessel.pipeline.heartbeat import Heartbeat, Progress
 from tessel.pipeline.remap_watch import RemapWatch
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.plan_file import load_plan
-from tessel.plan.remap_decision import RemapSettings, predicted_step_s
+from tessel.plan.files.plan_file import load_plan
+from tessel.plan.remap.remap_decision import RemapSettings, predicted_step_s
 from tessel.server.async_engine import RemapReport
 from tessel.server.prometheus import RemapCollector
 from tessel.sim.api import SimulationSettings, simulate_plan

@@ -25,8 +25,8 @@ from tessel.pipeline.weight_stream import (
     check_offload,
     layer_weight_bytes,
 )
-from tessel.plan.cluster import parse_cluster
-from tessel.plan.plan_file import parse_plan
+from tessel.plan.files.cluster import parse_cluster
+from tessel.plan.files.plan_file import parse_plan
 from tessel.plan.streamed import STREAM_BUFFERS, freed_bytes, offload_layers, streamed_count
 from tessel.units import GBPS
 

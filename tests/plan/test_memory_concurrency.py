@@ -2,7 +2,7 @@
 
 Oracles: brute force over every partition of the devices, every count k of micro-batches per group
 and every pipeline of each group (written out here, independent of the planner's search); the
-memory bound (`tessel.plan.memory_bound`) against the same brute force; never worse than the whole
+memory bound (`tessel.plan.solvers.memory_bound`) against the same brute force; never worse than the whole
 cluster as one pipeline at the workload's m."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from plan.random_instances import random_instance
 from plan.test_replicas import _oracle as brute_fixed_shares
 from tessel.errors import TesselError
-from tessel.plan.brute import brute_force
 from tessel.plan.instance import subset
-from tessel.plan.memory_bound import memory_flow_bound
-from tessel.plan.replica_baseline import separate_uniform
-from tessel.plan.replicas import choose_replicas
+from tessel.plan.replicas.replica_baseline import separate_uniform
+from tessel.plan.replicas.replicas import choose_replicas
 from tessel.plan.report import predict
-from tessel.plan.solve import solve
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.memory_bound import memory_flow_bound
+from tessel.plan.solvers.solve import solve
 
 RTOL = 1e-6
 MOST_K = 6  # the instances below hold at most this many micro-batches on all devices together
@@ -174,7 +174,7 @@ def test_cli_memory_concurrency_writes_a_plan_the_runtime_reads(tmp_path) -> Non
     import sys
 
     from tessel.pipeline.run_plan import load_run_plan
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
 
     path = tmp_path / "memory.json"
     result = subprocess.run(

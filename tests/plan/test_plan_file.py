@@ -1,4 +1,4 @@
-"""The plan file contract (`tessel.plan.plan_file`): round trip, version-1 files, every refusal."""
+"""The plan file contract (`tessel.plan.files.plan_file`): round trip, version-1 files, every refusal."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from tessel.catalog.gpus import get_gpu
 from tessel.catalog.models import load_model
 from tessel.errors import TesselError
-from tessel.plan.cluster import load_cluster, parse_cluster
-from tessel.plan.plan_file import PLAN_VERSION, SUPPORTED_VERSIONS, PlanFile, load_plan, parse_plan
-from tessel.plan.plan_parts import gpu_index, unit_kind
+from tessel.plan.files.cluster import load_cluster, parse_cluster
+from tessel.plan.files.plan_file import PLAN_VERSION, SUPPORTED_VERSIONS, PlanFile, load_plan, parse_plan
+from tessel.plan.files.plan_parts import gpu_index, unit_kind
 from tessel.units import GBPS
 
 FIXTURES = Path(__file__).parent / "fixtures"

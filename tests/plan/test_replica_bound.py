@@ -1,4 +1,4 @@
-"""The bound over every replica split (`tessel.plan.replica_bound`) against brute force: every
+"""The bound over every replica split (`tessel.plan.replicas.replica_bound`) against brute force: every
 partition of the devices, every group planned by brute force, never more throughput than the bound."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, with_precision_choice
 from plan.test_replicas import best_over_partitions
-from tessel.plan.replica_bound import split_upper_bound_tok_s
-from tessel.plan.replicas import choose_replicas
+from tessel.plan.replicas.replica_bound import split_upper_bound_tok_s
+from tessel.plan.replicas.replicas import choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, evaluate
 
@@ -122,7 +122,7 @@ def test_flow_bound_is_tight_where_requests_in_flight_limit(
 ) -> None:
     """Too few micro-batches in flight to keep every device busy: the best split (brute force) is
     exactly the flow bound's, while the fluid bound (every device busy at once) is looser."""
-    from tessel.plan.replica_bound import _fluid_bound_tok_s, flow_bound_tok_s
+    from tessel.plan.replicas.replica_bound import _fluid_bound_tok_s, flow_bound_tok_s
 
     instance = _one_stage_instance(slowdowns, micro_batches)
     best = _best_split_tok_s(instance, 2)
@@ -132,7 +132,7 @@ def test_flow_bound_is_tight_where_requests_in_flight_limit(
 
 
 def test_flow_bound_is_infinite_when_a_unit_costs_nothing() -> None:
-    from tessel.plan.replica_bound import flow_bound_tok_s
+    from tessel.plan.replicas.replica_bound import flow_bound_tok_s
 
     assert flow_bound_tok_s(_one_stage_instance([0, 1], 2), 2) == math.inf
 

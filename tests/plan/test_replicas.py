@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, random_instance
 from tessel.errors import TesselError
-from tessel.plan.brute import brute_force
 from tessel.plan.instance import subset
-from tessel.plan.replicas import choose_replicas, routing_weights
+from tessel.plan.replicas.replicas import choose_replicas, routing_weights
 from tessel.plan.report import predict
+from tessel.plan.solvers.brute import brute_force
 
 RTOL = 1e-6
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.remap_decision import RemapSettings
+from tessel.plan.remap.remap_decision import RemapSettings
 from tessel.sim.api import SimulationSettings, simulate_plan
 
 CLUSTER = """\

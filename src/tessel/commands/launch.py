@@ -101,7 +101,7 @@ def launch(
         claim_directory(run_dir, "--run-dir", inputs=inputs)
     if profile:  # another device's, model's or tessel's profile: refused (or warned) before any stage starts
         from tessel.chunk.from_plan import plan_profiles
-        from tessel.plan.plan_file import load_plan
+        from tessel.plan.files.plan_file import load_plan
 
         plan_profiles(load_plan(plan), profile, force_profile)
     options = RunOptions(

@@ -1,5 +1,5 @@
 """The `--remap` options `tessel serve --plan` and `tessel simulate` share (one decision, one set of
-flags: `tessel.plan.remap_decision.RemapSettings`, which refuses NaN and out-of-range values
+flags: `tessel.plan.remap.remap_decision.RemapSettings`, which refuses NaN and out-of-range values
 naming the flag, for the Python API too)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Literal
 import typer
 
 from tessel.errors import TesselError
-from tessel.plan.remap_decision import MAX_HORIZON_S, MAX_INTERVAL_S, RemapSettings
+from tessel.plan.remap.remap_decision import MAX_HORIZON_S, MAX_INTERVAL_S, RemapSettings
 
 RemapMode = Literal["off", "auto"]
 _DEFAULTS = RemapSettings()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tessel.errors import TesselError
 from tessel.pipeline.run_plan import RunPlan, RunStage
-from tessel.plan.plan_parts import gpu_index
+from tessel.plan.files.plan_parts import gpu_index
 
 NCCL, HOST = "nccl", "host"
 TRANSPORTS = ("auto", NCCL, HOST)

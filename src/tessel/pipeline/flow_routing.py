@@ -8,7 +8,7 @@ its KV pool serves every path through it:
 
 - rank 0 is a first placement (layers from 0), the one the most flow leaves from; it runs the
   scheduler (`FlowSchedulers`) and its own layers, as stage 0 of a pipeline does;
-- each request is assigned a path on arrival (`tessel.plan.weighted_turns`: deterministic, after n
+- each request is assigned a path on arrival (`tessel.plan.replicas.weighted_turns`: deterministic, after n
   requests each path holds within one of w_p x n, as the planner and the simulator deal them) and
   pinned to one of that path's in-flight slots (its `micro_batches`);
 - each micro-batch carries its path (`BatchMessage.path`, ranks in order): a placement computes it
@@ -64,7 +64,7 @@ from tessel.pipeline.comm import (
 from tessel.pipeline.driver import PipelineEngine, _InFlight, stage_kv_budget
 from tessel.pipeline.pinned_schedulers import PinnedSchedulers
 from tessel.pipeline.sampled import from_wire
-from tessel.plan.weighted_turns import WeightedTurns
+from tessel.plan.replicas.weighted_turns import WeightedTurns
 
 IDS = 3  # a micro-batch's token ids for a path's first placement (no residual stream)
 TOKENS_HEAD = 3  # micro-batch id, payload bytes, tokens

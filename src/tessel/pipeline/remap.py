@@ -31,8 +31,8 @@ from tessel.errors import TesselError
 
 if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
-    from tessel.plan.plan_file import PlanFile
-    from tessel.plan.plan_parts import PlanStage
+    from tessel.plan.files.plan_file import PlanFile
+    from tessel.plan.files.plan_parts import PlanStage
 
 
 PLAN_TIME_LIMIT_S = 5.0  # the planner's time on the survivors: the pipeline is down meanwhile
@@ -63,7 +63,7 @@ def device_usable_bytes(plan: PlanFile, stage: PlanStage) -> int:
     """Memory the stage's device offers for weights and KV: its cluster entry when the plan's
     cluster (file or bundled name) can be read, else the catalog's for its GPU type."""
     from tessel.catalog.gpus import get_gpu
-    from tessel.plan.cluster import list_bundled_clusters, load_cluster
+    from tessel.plan.files.cluster import list_bundled_clusters, load_cluster
 
     source = plan.cluster.source or plan.cluster.name
     try:
@@ -192,8 +192,8 @@ def planned_on_survivors(
     from dataclasses import replace
 
     from tessel.plan.api import PlanSettings, make_plan
-    from tessel.plan.cluster import list_bundled_clusters, load_cluster
-    from tessel.plan.workload import Workload, parse_workload
+    from tessel.plan.files.cluster import list_bundled_clusters, load_cluster
+    from tessel.plan.files.workload import Workload, parse_workload
 
     source = plan.cluster.source or plan.cluster.name
     if plan.precisions or not (source in list_bundled_clusters() or Path(source).is_file()):

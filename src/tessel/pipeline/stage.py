@@ -10,7 +10,7 @@ last stage's rows with the logprobs asked for. Sampling here keeps each seeded r
 A stage with an emulated speed s < 1 sleeps (1/s - 1) x its measured compute time after every
 micro-batch: emulation of a slower device on one CPU, not a model of one. With an emulated
 schedule, s is the schedule's speed at the seconds since the pipeline's first micro-batch
-(`tessel.plan.plan_file.emulated_speed_at`): stage 0 of a plan with a schedule publishes when that
+(`tessel.plan.files.plan_file.emulated_speed_at`): stage 0 of a plan with a schedule publishes when that
 was in `TESSEL_EMULATE_EPOCH` (wall-clock seconds), which stage processes spawned later (a remapped
 pipeline) inherit, so a device's schedule runs on through a remap; without it, a stage counts from
 its own first micro-batch. `StageStats` and, where attached, the heartbeat's
@@ -44,7 +44,7 @@ from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm import BatchMessage, KvLayout
 from tessel.pipeline.heartbeat import Progress
 from tessel.pipeline.weight_stream import HostWeights, WeightStreamer, host_copy, start_streaming
-from tessel.plan.plan_parts import emulated_speed_at
+from tessel.plan.files.plan_parts import emulated_speed_at
 
 EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from
 

@@ -189,7 +189,7 @@ class PlanningInstance:
     overlap: bool = False
     swap_in: str = "charged"  # "charged" or "hidden" (see the module docstring)
     # re-planning: seconds to bring unit u's weights onto device j (0 where they already are), and
-    # the weight of that one-time cost against the objective (see tessel.plan.replan)
+    # the weight of that one-time cost against the objective (see tessel.plan.remap.replan)
     move_s: np.ndarray | None = None  # [U, N], or [U, N, P] with a precision choice
     move_weight: float = 0.0
     precision: PrecisionChoice | None = None  # a weight precision per unit, chosen by the solver

@@ -1,5 +1,5 @@
 """The plan file (`tessel plan --json`): one model that writes it and reads it (its parts, a stage, a
-replica, a flow's placements, are in `tessel.plan.plan_parts`).
+replica, a flow's placements, are in `tessel.plan.files.plan_parts`).
 
 `tessel plan` writes it; `tessel chunk`, `tessel simulate`, `tessel plan --replan-from` and the
 pipeline runtime read it, all through `load_plan`. A plan holds the chosen pipeline's stages (in
@@ -35,7 +35,7 @@ above it is refused) and a CPU device's emulation of a smaller device, `emulate_
 `emulate_host_gbps` (cluster `emulate: {memory_gib, host_gbps}`).
 
 Version 4 adds `flow` (optional; older files read without it): a flow plan over placements
-(`tessel.plan.flow`). `flow.placements` gives each device's one range; `flow.edges` the share of
+(`tessel.plan.flow.flow`). `flow.placements` gives each device's one range; `flow.edges` the share of
 all requests on each edge of the placement graph ("source" into a device whose range starts at
 unit 0, "sink" out of one whose range ends at the last unit, else device to device where one range
 ends and the next starts). The `replicas` are then the paths requests take (they may share
@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from tessel.errors import TesselError
-from tessel.plan.plan_parts import (
+from tessel.plan.files.plan_parts import (
     WEIGHT_RTOL,
     Baseline,
     ClusterRef,
@@ -77,11 +77,11 @@ from tessel.plan.plan_parts import (
     unknown_precision,
     whole_predicted,
 )
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 
 if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
-    from tessel.plan.cluster import Cluster
+    from tessel.plan.files.cluster import Cluster
 
 PLAN_VERSION = 4
 SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
@@ -91,7 +91,7 @@ MAIN_VARIANT = "plan"
 MAX_PLAN_BYTES = 64 * 2**20  # a plan of 10,000 stages is a few MB
 MAX_NESTING = 32  # a plan's deepest part (a baseline's stage link) is 5 levels down
 # Workload keys a runtime sizes by (micro-batches in flight): at most what the planner accepts
-# (`tessel.plan.workload.MAX_MICRO_BATCHES`, a workload file's `max_micro_batch`).
+# (`tessel.plan.files.workload.MAX_MICRO_BATCHES`, a workload file's `max_micro_batch`).
 MICRO_BATCH_KEYS = ("m", "max_micro_batch")
 
 
@@ -275,7 +275,7 @@ class PlanFile(StrictModel):
     def check_named_cluster(self) -> None:
         """`check_cluster` against the cluster the plan names, when that can be found (a bundled
         name or a cluster file); a hand-written plan naming no known cluster is not checked."""
-        from tessel.plan.cluster import list_bundled_clusters, load_cluster
+        from tessel.plan.files.cluster import list_bundled_clusters, load_cluster
 
         source = self.cluster.source or self.cluster.name
         try:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tessel.cost.layer import WEIGHT_SCHEMES, weight_param_bytes
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 from tessel.units import GBPS, US_PER_S
 
 WEIGHT_RTOL = 1e-6  # replica weights must sum to 1 within this

@@ -35,11 +35,11 @@ ends at the last unit), its workspace and the KV of every micro-batch of every p
 all in GPU memory (concurrency by memory, no offloading): sum_p k_p kv_j <= free_j. The k_p are
 chosen greedily by the formula's marginal throughput (each X_p is concave in k_p), at most
 `max_micro_batches` in all when given. Disjoint paths (phi = 1) are priced exactly as
-`tessel.plan.replicas` prices replicas by memory, so a replica plan is a flow plan with the same
+`tessel.plan.replicas.replicas` prices replicas by memory, so a replica plan is a flow plan with the same
 throughput (`from_pipelines`).
 
 So X_p <= phi_jp / W_j on every device of the path (W_j = T^pre_j + n_out T^dec_j): no device is
-busy more than all its time. The bound of `tessel.plan.memory_bound` holds for these plans too (busy
+busy more than all its time. The bound of `tessel.plan.solvers.memory_bound` holds for these plans too (busy
 time, Little's law X_p sum_j W_j <= k_p, memory). Links are charged as the sender's stage time
 (the additive form), which caps each edge's rate at 1 / its send time; a node's network interface
 shared by several senders is not modelled.
@@ -54,10 +54,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.errors import TesselError
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 from tessel.plan.instance import PlanningInstance, gpu_memory_only, with_micro_batches
+from tessel.plan.replicas.weighted_turns import dealt_counts
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Solution, Stage, evaluate
-from tessel.plan.weighted_turns import dealt_counts
-from tessel.plan.workload import MAX_MICRO_BATCHES
 
 SOURCE, SINK = -1, -2  # graph ends in edge lists
 FLOW_EPS = 1e-12  # rates below this are no flow
@@ -495,7 +495,8 @@ def route_placements(
 
 def routed_counts(weights: list[float] | tuple[float, ...], n_requests: int) -> list[int]:
     """How many of `n_requests` each path gets when they are dealt in order by `weights`
-    (`tessel.plan.weighted_turns`), as `tessel.sim.routing.route` and the runtime's router send them."""
+    (`tessel.plan.replicas.weighted_turns`), as `tessel.sim.routing.route` and the runtime's router
+    send them."""
     return dealt_counts(weights, n_requests)
 
 

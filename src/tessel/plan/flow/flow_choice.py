@@ -2,8 +2,8 @@
 flow plans compared, the best returned (never worse than any of them).
 
 `choose_with_flow` runs the flow search (`search_flow`: the cheap candidates of
-`tessel.plan.flow_heuristics`, then the flow MILP of `tessel.plan.flow_milp` seeded by them) on
-`FLOW_SHARE` of the time limit, then the replica search (`tessel.plan.replicas.choose_replicas`,
+`tessel.plan.flow.flow_heuristics`, then the flow MILP of `tessel.plan.flow.flow_milp` seeded by them) on
+`FLOW_SHARE` of the time limit, then the replica search (`tessel.plan.replicas.replicas.choose_replicas`,
 which keeps the whole cluster as one pipeline and the fixed shares as candidates) on the rest
 (`FLOW_SHARE_LARGE` for the flow search on clusters beyond `EXHAUSTIVE_DEVICES`, where the replica
 search only screens candidate splits). The replica plan is itself a flow plan of the same throughput
@@ -17,13 +17,13 @@ import math
 import time
 from dataclasses import dataclass
 
-from tessel.plan.flow import FlowPlan
-from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
-from tessel.plan.flow_milp import FlowSearch, solve_flow
+from tessel.plan.flow.flow import FlowPlan
+from tessel.plan.flow.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
+from tessel.plan.flow.flow_milp import FlowSearch, solve_flow
+from tessel.plan.flow.swarm import swarm_like
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas import EXHAUSTIVE_DEVICES, ReplicaPlan, choose_replicas
+from tessel.plan.replicas.replicas import EXHAUSTIVE_DEVICES, ReplicaPlan, choose_replicas
 from tessel.plan.solution import Stage
-from tessel.plan.swarm import swarm_like
 
 FLOW_SHARE = 0.5  # of the time limit for the flow search, run first; the replica search gets the rest
 FLOW_SHARE_LARGE = 0.7  # beyond EXHAUSTIVE_DEVICES (the replica search then screens candidate splits)
@@ -62,7 +62,7 @@ class FlowChoice:
 
     @property
     def bound_tok_s(self) -> float:
-        """The memory + requests-in-flight bound (`tessel.plan.memory_bound`): no flow plan, replica
+        """The memory + requests-in-flight bound (`tessel.plan.solvers.memory_bound`): no flow plan, replica
         split or pipeline served by memory exceeds it (inf: none)."""
         return self.replicas.split_bound_tok_s if self.replicas.concurrency == "memory" else math.inf
 
@@ -81,7 +81,7 @@ def search_flow(
     time_limit_s: float = 30.0,
     max_micro_batches: int | None = None,
 ) -> FlowSearch:
-    """The best flow plan of the cheap candidates (`tessel.plan.flow_heuristics`: separate chains per
+    """The best flow plan of the cheap candidates (`tessel.plan.flow.flow_heuristics`: separate chains per
     type, the better of those and a Swarm-like plan per type; the Swarm-like plan of all devices;
     Swarm-like placements routed by max flow; placements with a KV fraction per type tuned by
     coordinate descent, until `TUNED_SHARE` of the time),

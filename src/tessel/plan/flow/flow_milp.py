@@ -1,4 +1,4 @@
-"""Placements and flow chosen together in one MILP (HiGHS), the search behind `tessel.plan.flow`.
+"""Placements and flow chosen together in one MILP (HiGHS), the search behind `tessel.plan.flow.flow`.
 
 Devices are grouped (`device_groups`): a group is devices of one GPU type on one node (or one
 device per group on small clusters); the devices of a group hold the same range and share its flow
@@ -23,7 +23,7 @@ With placements fixed, the MILP's F is a max flow over the placement graph with 
 min(eta n_g / W_g, n_g free_g / (lifetime kv_g)) (W_g: the group's time per micro-batch on its
 range, free_g / kv_g: its memory after weights / its KV per micro-batch), which is what the tests'
 brute force computes. Identical groups are ordered by rate (symmetry). Warm starts: the best of the
-placements given (`tessel.plan.flow_choice.search_flow` gives its candidates' where every GPU of a
+placements given (`tessel.plan.flow.flow_choice.search_flow` gives its candidates' where every GPU of a
 group holds one range on block boundaries) and same-type chains (`chain_seeds`), handed to HiGHS as
 a full solution; on the time limit the best incumbent is used and its gap to HiGHS's dual bound
 reported. Beyond `MAX_BINARIES` placement binaries, units are merged into near-equal blocks
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.errors import TesselError
-from tessel.plan.flow import FlowPlan, flow_instance, max_flow, placement_edges, route_placements
-from tessel.plan.highs import ModelBuilder, solve_mip
+from tessel.plan.flow.flow import FlowPlan, flow_instance, max_flow, placement_edges, route_placements
+from tessel.plan.flow.swarm import greedy_routed
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
-from tessel.plan.swarm import greedy_routed
+from tessel.plan.solvers.highs import ModelBuilder, solve_mip
 
 PER_DEVICE_GROUPS = 8  # up to this many devices, one device per group
 MAX_BINARIES = 2000  # placement binaries h_ug: units are merged into blocks beyond it
@@ -425,7 +425,7 @@ def solve_flow(
     groups=None,
 ) -> FlowSearch:
     """Flow plans of the MILP for a few (lifetime, eta) pairs, each placement routed by the MILP's
-    max flow and, as Swarm routes, greedily (`tessel.plan.swarm.greedy_routed`), each priced by
+    max flow and, as Swarm routes, greedily (`tessel.plan.flow.swarm.greedy_routed`), each priced by
     `evaluate_flow`; the best kept. `seeds`: placements (lists of Stage) handed to HiGHS
     as warm starts where the groups allow."""
     started = time.perf_counter()

@@ -1,5 +1,5 @@
 """A Swarm / Petals-like baseline for flow plans: greedy placement by coverage and greedy routing
-by least load, priced in the same cost model as flow plans (`tessel.plan.flow.price_paths`).
+by least load, priced in the same cost model as flow plans (`tessel.plan.flow.flow.price_paths`).
 
 Placement (Petals' rule, on ranges that meet): devices join fastest first; each takes the most
 layers its memory holds with a fraction `kv_fraction` of its free memory left for KV, starting at
@@ -19,10 +19,10 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from tessel.plan.flow import FlowPlan, fixed_bytes, flow_instance, price_paths
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
+from tessel.plan.flow.flow import FlowPlan, fixed_bytes, flow_instance, price_paths
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
-from tessel.plan.workload import MAX_MICRO_BATCHES
 
 KV_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 PLACEMENT_FRACTIONS = KV_FRACTIONS  # the flow search routes these placements by max flow too

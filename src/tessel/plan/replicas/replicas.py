@@ -36,7 +36,7 @@ Which split (`choose_replicas`):
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
   The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
-  `split_bound_tok_s` bounds every split there is (`tessel.plan.replica_bound`: the lesser of a fluid
+  `split_bound_tok_s` bounds every split there is (`tessel.plan.replicas.replica_bound`: the lesser of a fluid
   bound and a requests-in-flight bound, loose but proven), so `split_gap` is a proven gap to the best
   split at any cluster size.
 """
@@ -52,6 +52,7 @@ import numpy as np
 
 from tessel.errors import TesselError
 from tessel.plan.build import capacity_shortfall_bytes
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 from tessel.plan.instance import (
     PassCosts,
     PlanningInstance,
@@ -62,8 +63,7 @@ from tessel.plan.instance import (
 )
 from tessel.plan.report import predict
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, evaluate
-from tessel.plan.solve import PlanResult, solve
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.solvers.solve import PlanResult, solve
 
 EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
 MIN_REPLICA_TIME_S = 0.5
@@ -101,7 +101,7 @@ class ReplicaPlan:
     splits_evaluated: int
     exhaustive: bool  # every partition of the devices was tried
     time_s: float
-    split_bound_tok_s: float = math.inf  # over every split of the devices (`tessel.plan.replica_bound`)
+    split_bound_tok_s: float = math.inf  # over every split of the devices (`replica_bound`)
     concurrency: str = "fixed"  # "fixed": shares of the workload's m; "memory": as memory holds
     single_tok_s: float = 0.0  # the whole cluster as one pipeline at the workload's m (a candidate)
 
@@ -345,8 +345,8 @@ def averaged_precisions(instance: PlanningInstance) -> PlanningInstance:
     unit given the mean bytes and times of that precision vector, so the units are alike and the
     counts relaxation plans it. Not a plan of the instance and not a bound; the chosen split is
     planned for real afterwards."""
-    from tessel.plan.precision_search import fill_budget
     from tessel.plan.solution import Solution, Stage
+    from tessel.plan.solvers.precision_search import fill_budget
 
     if instance.precision is None:
         return instance
@@ -495,7 +495,7 @@ def choose_replicas(
         _refuse_unheld_layers(base)
     if best is None:
         raise TesselError("no group of these devices can hold the model; add GPUs or host memory")
-    from tessel.plan.replica_bound import split_upper_bound_tok_s
+    from tessel.plan.replicas.replica_bound import split_upper_bound_tok_s
 
     return ReplicaPlan(
         chosen,
@@ -549,8 +549,8 @@ def _refuse_unheld_layers(instance: PlanningInstance) -> None:
 
 def _memory_bound(instance: PlanningInstance, b: int, cap: int | None, seconds: float) -> float:
     """The memory-and-requests-in-flight bound over every split held in GPU memory
-    (`tessel.plan.memory_bound`, its LP; inf when HiGHS gives none within `seconds`)."""
-    from tessel.plan.memory_bound import memory_flow_bound
+    (`tessel.plan.solvers.memory_bound`, its LP; inf when HiGHS gives none within `seconds`)."""
+    from tessel.plan.solvers.memory_bound import memory_flow_bound
 
     return memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=seconds).throughput_tok_s
 

@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessel.plan.highs import solve_lp
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.precision_search import MAX_ENUMERATED, enumerate_dp, local_search
 from tessel.plan.solution import (
     FEASIBILITY_ATOL_BYTES,
     FEASIBILITY_ATOL_S,
@@ -52,8 +50,10 @@ from tessel.plan.solution import (
     evaluate,
     split_offload,
 )
+from tessel.plan.solvers.highs import solve_lp
+from tessel.plan.solvers.precision_search import MAX_ENUMERATED, enumerate_dp, local_search
+from tessel.plan.solvers.symmetry import interchangeable
 from tessel.plan.streamed import STREAM_BUFFERS
-from tessel.plan.symmetry import interchangeable
 
 MAX_TYPE_ORDERS = 120  # 5 device types: 5! orders
 ALL_ORDERS_MAX_DEVICES = 5  # `orders="auto"` tries every device permutation up to this many devices

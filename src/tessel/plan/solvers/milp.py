@@ -46,11 +46,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.highs import ModelBuilder, solve_mip
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.precision import same_precision_costs
+from tessel.plan.precision.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
-from tessel.plan.symmetry import interchangeable
+from tessel.plan.solvers.highs import ModelBuilder, solve_mip
+from tessel.plan.solvers.symmetry import interchangeable
 from tessel.units import GIB
 
 MS = 1e3  # seconds -> ms
@@ -359,7 +359,7 @@ def solve_milp(
     callback fires), on some instances of this model. In a child, a crash or a hang costs only the
     MILP's answer (status "solver crashed" / "solver hung"): the child is killed at the time limit
     plus a short grace, and `solve` keeps the DP's plan. `solve` always isolates for that reason.
-    The child is a fresh interpreter (`python -m tessel.plan.milp`), sharing no HiGHS state."""
+    The child is a fresh interpreter (`python -m tessel.plan.solvers.milp`), sharing no HiGHS state."""
     kwargs = dict(
         time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads, verbose=verbose
     )
@@ -373,7 +373,7 @@ def solve_milp(
     # a fresh interpreter, not a fork: a child forked after HiGHS ran in this process (the DP's LP
     # bound does) can deadlock on HiGHS's inherited threads; `python -m` imports no user script
     child = subprocess.Popen(
-        [sys.executable, "-m", "tessel.plan.milp"],
+        [sys.executable, "-m", "tessel.plan.solvers.milp"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -408,14 +408,14 @@ def solve_milp(
 
 
 def _child_main() -> None:
-    """`python -m tessel.plan.milp`: (instance, options, wall-clock time sent) pickled on stdin, the
-    MILPResult on stdout. HiGHS's own prints (C level, fd 1) go to stderr so they cannot mix with the
-    result."""
+    """`python -m tessel.plan.solvers.milp`: (instance, options, wall-clock time sent) pickled on
+    stdin, the MILPResult on stdout. HiGHS's own prints (C level, fd 1) go to stderr so they cannot
+    mix with the result."""
     import os
     import pickle
     import sys
 
-    from tessel.plan import milp  # the module by its own name: results pickle as tessel.plan.milp.*
+    from tessel.plan.solvers import milp  # by its own name: results pickle as tessel.plan.solvers.milp.*
 
     result_fd = os.dup(1)
     os.dup2(2, 1)

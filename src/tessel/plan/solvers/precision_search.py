@@ -212,7 +212,7 @@ def smallest_feasible_budget(instance: PlanningInstance, time_limit_s: float = 1
     plan fits at any budget. A MILP whose objective is the quality cost alone."""
     from dataclasses import replace
 
-    from tessel.plan.milp import solve_milp
+    from tessel.plan.solvers.milp import solve_milp
 
     choice = replace(instance.precision, quality_budget=_INF, theta=1.0)
     only_quality = replace(instance, precision=choice, prefill_weight=0.0, decode_weight=0.0, move_weight=0.0)
