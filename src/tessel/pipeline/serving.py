@@ -10,7 +10,7 @@ which raises the failure. A restart of the engine loop cannot bring a stage back
 can (`StageFailedError.recovery` is "rebuild"): `engine.serve_with(async_engine)` starts the
 watcher and lets the server's `AsyncEngine` call `engine.rebuilt(async_engine)`, which stops the
 old stages, destroys the process group, re-plans on the stages left (`survivors_options`,
-`tessel.pipeline.remap.survivor_plan`), spawns their new processes on a new port, joins them in a
+`tessel.plan.remap.survivors.survivor_plan`), spawns their new processes on a new port, joins them in a
 new group and returns a new engine that the server drives from then on, with the requests in flight
 moved into it (see `tessel.server.async_engine`). The new stages are spawned from the server's
 engine thread, and `PR_SET_PDEATHSIG` ends them when that thread ends: when the server stops, or
@@ -126,11 +126,11 @@ class ServedPipelineEngine(PipelineEngine):
 
     def survivors_options(self) -> RunOptions:
         """What to build after a failure: without the lost stage's device (the plan re-split over the
-        survivors by memory, `tessel.pipeline.remap.survivor_plan`, written to this run's directory),
+        survivors by memory, `tessel.plan.remap.survivors.survivor_plan`, written to this run's directory),
         or the same pipeline when no stage is to blame."""
         from dataclasses import replace
 
-        from tessel.pipeline.remap import write_survivor_plan
+        from tessel.plan.remap.survivors import write_survivor_plan
 
         lost = self.lost_stage()
         if lost is None:
