@@ -270,14 +270,14 @@ def replica_rows(quick: bool) -> dict:
 
 def _replicas_vs_single(workload, limit: float) -> dict:
     from tessel.plan.replicas.replica_baseline import separate_uniform
-    from tessel.plan.replicas.replicas import choose_replicas, replica_gap, split_gap
+    from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, replica_gap, split_gap
 
     b = workload.micro_batch_size
     instance = build_instance("llama-2-70b", "helix-like-42", workload)
     single = solve(instance, time_limit_s=limit)
     single_tok = predict(instance, single.evaluation, b).throughput_tok_s
     uniform = predict(instance, run_baselines(instance)["uniform"].evaluation, b).throughput_tok_s
-    chosen = choose_replicas(instance, b, time_limit_s=limit)
+    chosen = choose_replicas(instance, b, ReplicaSettings(time_limit_s=limit))
     separate = separate_uniform(instance, b)  # Helix's baseline: same-type pipelines, even split
     separate_tok = None if separate is None else separate.throughput_tok_s
     return {
@@ -325,7 +325,7 @@ def _cluster_64() -> dict:
 def scale_rows(quick: bool) -> dict:
     """80 layers x 64 GPUs, three precisions, replicas: time and gap to the split's bound."""
     from tessel.plan.precision.precision import parse_precisions
-    from tessel.plan.replicas.replicas import choose_replicas, replica_gap, split_gap
+    from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, replica_gap, split_gap
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("default")
@@ -333,7 +333,7 @@ def scale_rows(quick: bool) -> dict:
         instance = build_instance(
             MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4")
         )
-        chosen = choose_replicas(instance, workload.micro_batch_size, time_limit_s=limit)
+        chosen = choose_replicas(instance, workload.micro_batch_size, ReplicaSettings(time_limit_s=limit))
     return {
         "devices": instance.n_devices,
         "layers": instance.n_units,
@@ -367,7 +367,7 @@ def _helix_64() -> dict:
 def memory_rows(quick: bool) -> dict:
     """Concurrency by memory on two Helix-like clusters: best plan, bound, baselines, ratios."""
     from tessel.plan.replicas.replica_baseline import separate_uniform
-    from tessel.plan.replicas.replicas import choose_replicas, split_gap
+    from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, split_gap
     from tessel.plan.solvers.memory_bound import memory_flow_bound
 
     limit = 20.0 if quick else 60.0
@@ -378,7 +378,7 @@ def memory_rows(quick: bool) -> dict:
     for name, cluster in clusters:
         with _harness.stopwatch() as elapsed:
             instance = build_instance("llama-2-70b", cluster, workload)
-            chosen = choose_replicas(instance, b, time_limit_s=limit, concurrency="memory")
+            chosen = choose_replicas(instance, b, ReplicaSettings(time_limit_s=limit, concurrency="memory"))
         bound = memory_flow_bound(instance, b)
         separate = separate_uniform(instance, b, "memory")
         separate_tok = None if separate is None else separate.throughput_tok_s
@@ -417,6 +417,7 @@ def flow_rows(quick: bool) -> dict:
     from tessel.plan.flow.flow_choice import choose_with_flow
     from tessel.plan.flow.swarm import swarm_like
     from tessel.plan.replicas.replica_baseline import separate_uniform
+    from tessel.plan.replicas.replicas import ReplicaSettings
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("offline-batch")
@@ -429,7 +430,7 @@ def flow_rows(quick: bool) -> dict:
         load_before = os.getloadavg()
         with _harness.stopwatch() as elapsed:
             instance = build_instance("llama-2-70b", cluster, workload)
-            choice = choose_with_flow(instance, b, time_limit_s=limit, concurrency="memory")
+            choice = choose_with_flow(instance, b, ReplicaSettings(time_limit_s=limit, concurrency="memory"))
         separate = separate_uniform(instance, b, "memory")
         swarm = swarm_like(instance, b)
         bound_source = "within the limit"

@@ -20,7 +20,7 @@ from tessel.errors import TesselError
 from tessel.plan.flow.flow import SINK, SOURCE, check_placements, evaluate_flow, from_pipelines, max_flow
 from tessel.plan.flow.flow_milp import device_groups, flow_model, solve_flow_milp
 from tessel.plan.instance import subset, with_micro_batches
-from tessel.plan.replicas.replicas import memory_micro_batches
+from tessel.plan.replicas.replicas import ReplicaSettings, memory_micro_batches
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, Stage, evaluate
 
@@ -166,7 +166,7 @@ def test_choice_is_never_worse_than_replicas_single_or_swarm(seed: int) -> None:
     from tessel.plan.flow.swarm import swarm_like
 
     instance = memory_instance(seed, 5, 4)
-    choice = choose_with_flow(instance, 2, time_limit_s=4.0, concurrency="memory")
+    choice = choose_with_flow(instance, 2, ReplicaSettings(time_limit_s=4.0, concurrency="memory"))
     assert choice.throughput_tok_s >= choice.replicas.throughput_tok_s * (1 - 1e-9)
     assert choice.throughput_tok_s >= choice.replicas.single_tok_s * (1 - 1e-9)
     swarm = swarm_like(instance, 2)

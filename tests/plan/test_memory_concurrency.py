@@ -21,7 +21,7 @@ from plan.test_replicas import _oracle as brute_fixed_shares
 from tessel.errors import TesselError
 from tessel.plan.instance import subset
 from tessel.plan.replicas.replica_baseline import separate_uniform
-from tessel.plan.replicas.replicas import choose_replicas
+from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solvers.brute import brute_force
 from tessel.plan.solvers.memory_bound import memory_flow_bound
@@ -104,9 +104,13 @@ def test_memory_concurrency_equals_brute_force_and_bound_holds(
     fixed = brute_fixed_shares(instance)  # the fixed shares of m (offloading allowed) are candidates
     if expected == 0.0 and single_tok_s == 0.0 and fixed == 0.0:
         with pytest.raises(TesselError):
-            choose_replicas(instance, 1, solver="brute", concurrency="memory", max_micro_batches=cap)
+            choose_replicas(
+                instance, 1, ReplicaSettings(solver="brute", concurrency="memory", max_micro_batches=cap)
+            )
         return
-    chosen = choose_replicas(instance, 1, solver="brute", concurrency="memory", max_micro_batches=cap)
+    chosen = choose_replicas(
+        instance, 1, ReplicaSettings(solver="brute", concurrency="memory", max_micro_batches=cap)
+    )
     # the best of memory splits, fixed-share splits and the whole cluster at the workload's m
     assert chosen.throughput_tok_s == pytest.approx(max(expected, single_tok_s, fixed), rel=RTOL)
     assert chosen.throughput_tok_s >= single_tok_s * (1 - RTOL)
@@ -131,8 +135,8 @@ def test_memory_mode_carries_more_than_the_fixed_share() -> None:
     """Two devices that each hold the model and several micro-batches: fixed mode shares m = 2, memory
     mode lets each replica carry what its memory holds."""
     instance = memory_instance(3, 2, 2)
-    fixed = choose_replicas(instance, 1, solver="brute")
-    memory = choose_replicas(instance, 1, solver="brute", concurrency="memory")
+    fixed = choose_replicas(instance, 1, ReplicaSettings(solver="brute"))
+    memory = choose_replicas(instance, 1, ReplicaSettings(solver="brute", concurrency="memory"))
     assert memory.throughput_tok_s >= fixed.throughput_tok_s * (1 - RTOL)
     assert memory.concurrency == "memory"
 
@@ -144,7 +148,9 @@ def test_never_worse_than_one_pipeline_on_a_larger_cluster() -> None:
     single = solve(instance, solver="dp", time_limit_s=3)
     single_tok_s = predict(instance, single.evaluation, 2).throughput_tok_s
     for concurrency in ("fixed", "memory"):
-        chosen = choose_replicas(instance, 2, solver="dp", time_limit_s=6, concurrency=concurrency)
+        chosen = choose_replicas(
+            instance, 2, ReplicaSettings(solver="dp", time_limit_s=6, concurrency=concurrency)
+        )
         assert chosen.throughput_tok_s >= min(single_tok_s, chosen.single_tok_s) * (1 - RTOL)
         assert chosen.throughput_tok_s >= chosen.single_tok_s * (1 - RTOL)
 
@@ -152,9 +158,11 @@ def test_never_worse_than_one_pipeline_on_a_larger_cluster() -> None:
 def test_bad_concurrency_is_refused() -> None:
     instance = memory_instance(1, 2, 2)
     with pytest.raises(TesselError, match="unknown concurrency"):
-        choose_replicas(instance, 1, solver="brute", concurrency="lots")
+        choose_replicas(instance, 1, ReplicaSettings(solver="brute", concurrency="lots"))
     with pytest.raises(TesselError, match=">= 1"):
-        choose_replicas(instance, 1, solver="brute", concurrency="memory", max_micro_batches=0)
+        choose_replicas(
+            instance, 1, ReplicaSettings(solver="brute", concurrency="memory", max_micro_batches=0)
+        )
 
 
 def test_a_layer_no_gpu_holds_is_named() -> None:
@@ -163,7 +171,7 @@ def test_a_layer_no_gpu_holds_is_named() -> None:
     weights[2] = 10 * max(d.memory_bytes for d in instance.devices)
     instance = replace(instance, weight_bytes=weights)
     with pytest.raises(TesselError, match="layer 2"):
-        choose_replicas(instance, 1, solver="brute", concurrency="memory")
+        choose_replicas(instance, 1, ReplicaSettings(solver="brute", concurrency="memory"))
     assert memory_flow_bound(instance, 1).throughput_tok_s == 0.0
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from plan.random_instances import flagged_instance, with_precision_choice
 from plan.test_replicas import best_over_partitions
 from tessel.plan.replicas.replica_bound import split_upper_bound_tok_s
-from tessel.plan.replicas.replicas import choose_replicas
+from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, evaluate
 
@@ -141,7 +141,7 @@ def test_bound_covers_the_chosen_split_on_a_bundled_cluster() -> None:
     from tessel.plan.build import build_instance
 
     instance = build_instance("llama-2-7b", "llmpq-t4-v100", "default")
-    chosen = choose_replicas(instance, 7, solver="dp", time_limit_s=6)
+    chosen = choose_replicas(instance, 7, ReplicaSettings(solver="dp", time_limit_s=6))
     bound = split_upper_bound_tok_s(instance, 7)
     assert chosen.throughput_tok_s <= bound < math.inf
 
@@ -166,7 +166,7 @@ def test_a_share_of_the_kv_is_covered() -> None:
     )
     slot = replace(instance.devices[0], memory_bytes=7e9, host_bytes=1e12, host_to_device_bytes_per_s=1e8)
     instance = replace(instance, devices=(slot,))
-    one = choose_replicas(instance, 2, solver="brute")
+    one = choose_replicas(instance, 2, ReplicaSettings(solver="brute"))
     assert [r.micro_batches for r in one.replicas] == [1]
     best = _best_split_tok_s(instance, 2)
     assert best == pytest.approx(one.throughput_tok_s, rel=1e-9)

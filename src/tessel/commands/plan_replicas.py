@@ -41,7 +41,7 @@ def plan_replicas(
 
     from tessel.commands.plan_flow import print_comparison, print_flow, write_and_export
     from tessel.plan.flow.flow_choice import choose_with_flow
-    from tessel.plan.replicas.replicas import replica_gap, split_gap
+    from tessel.plan.replicas.replicas import ReplicaSettings, replica_gap, split_gap
     from tessel.plan.report import plan_json, replicas_json, stage_table
     from tessel.plan.solvers.baselines import run_baselines
 
@@ -51,12 +51,14 @@ def plan_replicas(
     choice = choose_with_flow(
         instance,
         b,
-        replicas=count,
-        solver=settings.solver,
-        time_limit_s=solver_s,
-        mip_gap=settings.mip_gap,
-        concurrency=concurrency,
-        max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
+        ReplicaSettings(
+            replicas=count,
+            solver=settings.solver,
+            time_limit_s=solver_s,
+            mip_gap=settings.mip_gap,
+            concurrency=concurrency,
+            max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
+        ),
     )
     chosen = choice.replicas
     if choice.flow is not None:  # a flow plan serves more than any pipeline or replica split

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessel.plan.flow.flow import FlowPlan
 from tessel.plan.flow.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
 from tessel.plan.flow.flow_milp import FlowSearch, solve_flow
 from tessel.plan.flow.swarm import swarm_like
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas.replicas import EXHAUSTIVE_DEVICES, ReplicaPlan, choose_replicas
+from tessel.plan.replicas.replicas import EXHAUSTIVE_DEVICES, ReplicaPlan, ReplicaSettings, choose_replicas
 from tessel.plan.solution import Stage
 
 FLOW_SHARE = 0.5  # of the time limit for the flow search, run first; the replica search gets the rest
@@ -110,21 +110,14 @@ def search_flow(
 
 
 def choose_with_flow(
-    instance: PlanningInstance,
-    micro_batch_size: int,
-    *,
-    replicas: int | None = None,
-    solver: str = "milp",
-    time_limit_s: float = 30.0,
-    mip_gap: float = 0.01,
-    concurrency: str = "fixed",
-    max_micro_batches: int | None = None,
+    instance: PlanningInstance, micro_batch_size: int, settings: ReplicaSettings = ReplicaSettings()
 ) -> FlowChoice:
-    """The best of one pipeline, disjoint replicas and (with `replicas` None, concurrency by memory
-    and no precision choice) flow plans."""
+    """The best of one pipeline, disjoint replicas and (with `settings.replicas` None, concurrency by
+    memory and no precision choice) flow plans."""
     started = time.perf_counter()
+    time_limit_s, max_micro_batches = settings.time_limit_s, settings.max_micro_batches
     # flow plans are priced at one precision per unit as given: with a precision choice, not searched
-    flow = replicas is None and concurrency == "memory" and instance.precision is None
+    flow = settings.replicas is None and settings.concurrency == "memory" and instance.precision is None
     search = None
     share = FLOW_SHARE if instance.n_devices <= EXHAUSTIVE_DEVICES else FLOW_SHARE_LARGE
     if flow and time_limit_s * share >= MIN_FLOW_S:
@@ -138,14 +131,7 @@ def choose_with_flow(
     if search is not None:
         left *= 1 - REPLICA_RESERVE
     chosen = choose_replicas(
-        instance,
-        micro_batch_size,
-        replicas=replicas,
-        solver=solver,
-        time_limit_s=max(left, MIN_FLOW_S),
-        mip_gap=mip_gap,
-        concurrency=concurrency,
-        max_micro_batches=max_micro_batches,
+        instance, micro_batch_size, replace(settings, time_limit_s=max(left, MIN_FLOW_S))
     )
     return FlowChoice(chosen, search, time.perf_counter() - started)
 

@@ -80,6 +80,19 @@ EVERY_K_UP_TO = 8  # memory mode, exhaustive search: every k up to this, then ME
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    """How to split a cluster into replicas: the options of `tessel plan --replicas`, taken by
+    `choose_replicas` and by `tessel.plan.flow.flow_choice.choose_with_flow`, which passes them on."""
+
+    replicas: int | None = None  # how many pipelines (None: the best count)
+    solver: str = "milp"  # each replica's pipeline: "milp", "dp" or "brute"
+    time_limit_s: float = 30.0
+    mip_gap: float = 0.01
+    concurrency: str = "fixed"  # one of CONCURRENCY_MODES
+    max_micro_batches: int | None = None  # with concurrency by memory: at most this many in flight
+
+
+@dataclass(frozen=True, slots=True)
 class Replica:
     devices: tuple[int, ...]  # indices into the cluster's devices
     instance: PlanningInstance  # the group's planning problem (device indices local to the group)
@@ -378,25 +391,22 @@ def canonical_group(instance: PlanningInstance, devices) -> tuple[int, ...]:
 def choose_replicas(
     instance: PlanningInstance,
     micro_batch_size: int,
+    settings: ReplicaSettings = ReplicaSettings(),
     *,
-    replicas: int | None = None,
-    solver: str = "milp",
-    time_limit_s: float = 30.0,
-    mip_gap: float = 0.01,
-    concurrency: str = "fixed",
-    max_micro_batches: int | None = None,
     _single: bool = True,
 ) -> ReplicaPlan:
-    """The split of the devices into `replicas` pipelines (None: the best count) and of the requests
-    in flight among them (`concurrency`: shares of the workload's m micro-batches, or as many as each
-    replica's memory holds, at most `max_micro_batches` in all) with the most summed throughput, each
-    replica planned as a pipeline, and the routing weights. Never less than the whole cluster as one
-    pipeline at the workload's m when that is allowed (`replicas` None or 1)."""
+    """The split of the devices into `settings.replicas` pipelines (None: the best count) and of the
+    requests in flight among them (`concurrency`: shares of the workload's m micro-batches, or as many
+    as each replica's memory holds, at most `max_micro_batches` in all) with the most summed
+    throughput, each replica planned as a pipeline, and the routing weights. Never less than the whole
+    cluster as one pipeline at the workload's m when that is allowed (`replicas` None or 1)."""
+    replicas, solver, time_limit_s = settings.replicas, settings.solver, settings.time_limit_s
+    mip_gap, concurrency, cap = settings.mip_gap, settings.concurrency, settings.max_micro_batches
     started = time.perf_counter()
     if concurrency not in CONCURRENCY_MODES:
         raise TesselError(f"unknown concurrency {concurrency!r}; use one of {', '.join(CONCURRENCY_MODES)}")
-    if max_micro_batches is not None and max_micro_batches < 1:
-        raise TesselError(f"the most micro-batches in flight must be >= 1, got {max_micro_batches}")
+    if cap is not None and cap < 1:
+        raise TesselError(f"the most micro-batches in flight must be >= 1, got {cap}")
     if replicas is not None and replicas < 1:
         raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
     memory = concurrency == "memory"
@@ -408,7 +418,7 @@ def choose_replicas(
     memory_bound = math.inf
     if memory:
         left = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
-        memory_bound = _memory_bound(instance, micro_batch_size, max_micro_batches, min(MEMORY_BOUND_S, left))
+        memory_bound = _memory_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left))
     time_limit_s = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
     started_splits = time.perf_counter()
     exhaustive = n <= EXHAUSTIVE_DEVICES
@@ -418,8 +428,8 @@ def choose_replicas(
     planner.every_share = exhaustive
     planner.memory = memory
     if memory:
-        planner.cap = min(MAX_MICRO_BATCHES, max_micro_batches or MAX_MICRO_BATCHES)
-    budget = m if not memory else max_micro_batches
+        planner.cap = min(MAX_MICRO_BATCHES, cap or MAX_MICRO_BATCHES)
+    budget = m if not memory else cap
     kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
     screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
     planner.seconds = screen_s
@@ -460,15 +470,8 @@ def choose_replicas(
     # the fixed shares (offloading allowed) are candidates too: never worse than them, time allowing
     if memory and (left >= MIN_REPLICA_TIME_S or (best is None and single is None)):
         try:
-            fixed_plan = choose_replicas(
-                instance,
-                micro_batch_size,
-                replicas=replicas,
-                solver=solver,
-                time_limit_s=left,
-                mip_gap=mip_gap,
-                _single=False,
-            )
+            fixed = replace(settings, time_limit_s=left, concurrency="fixed", max_micro_batches=None)
+            fixed_plan = choose_replicas(instance, micro_batch_size, fixed, _single=False)
         except TesselError:
             fixed_plan = None
         if fixed_plan is not None and (best is None or fixed_plan.throughput_tok_s > best[0] * (1 + 1e-9)):
