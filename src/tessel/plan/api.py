@@ -68,6 +68,20 @@ class PlanSettings:
         ):
             raise TesselError("--quality-budget, --theta and --sensitivity need --precisions")
 
+    @classmethod
+    def of_plan(cls, plan: PlanFile, *, time_limit_s: float, solver: str = "milp") -> PlanSettings:
+        """The settings a plan file records (granularity, overlap, swap-in, dtypes), to plan again
+        like it with `solver` in `time_limit_s`."""
+        return cls(
+            solver=solver,
+            granularity=plan.granularity,
+            overlap=plan.overlap,
+            swap_in=plan.swap_in,
+            time_limit_s=time_limit_s,
+            dtype=plan.dtype,
+            kv_dtype=plan.kv_dtype,
+        )
+
     def instance_options(self, model: str | Path | ModelSpec) -> dict:
         """build_instance's keyword arguments: granularity, dtypes, overlap, swap-in and precisions."""
         return {

@@ -383,15 +383,7 @@ class RemapDecider:
         plan = self.plan
         workload = workload or plan_workload(plan)
         cluster = repriced_cluster(self.cluster, device_speeds)
-        settings = PlanSettings(
-            solver=self.solver,
-            granularity=plan.granularity,
-            overlap=plan.overlap,
-            swap_in=plan.swap_in,
-            time_limit_s=self.time_limit_s,
-            dtype=plan.dtype,
-            kv_dtype=plan.kv_dtype,
-        )
+        settings = PlanSettings.of_plan(plan, time_limit_s=self.time_limit_s, solver=self.solver)
         settings = inherited_precisions(settings, plan)
         problem = prepare_plan(plan.model_spec, cluster, workload, settings)
         previous = previous_solution(problem.instance, plan.stages, plan.source, plan.reference_dtype)

@@ -179,14 +179,7 @@ def planned_on_survivors(
     )
     devices = tuple(d for d in cluster.devices if d.name in keep)
     without = replace(cluster, nodes=nodes, devices=devices, _by_name={}, _nodes_by_name={})
-    settings = PlanSettings(
-        granularity=plan.granularity,
-        overlap=plan.overlap,
-        swap_in=plan.swap_in,
-        time_limit_s=time_limit_s,
-        dtype=plan.dtype,
-        kv_dtype=plan.kv_dtype,
-    )
+    settings = PlanSettings.of_plan(plan, time_limit_s=time_limit_s)
     try:
         outcome = make_plan(plan.model_spec, without, workload, settings)
     except TesselError as error:
