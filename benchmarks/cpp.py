@@ -24,7 +24,7 @@ from tessel.chunk.baselines import baseline_plans
 from tessel.chunk.bounds import lower_bound_s
 from tessel.chunk.from_plan import even_split_pipeline
 from tessel.chunk.planner import ChunkProblem, plan_chunks
-from tessel.plan.cluster import load_cluster
+from tessel.plan.files.cluster import load_cluster
 
 FULL = {
     "clusters": [

@@ -26,10 +26,10 @@ import _harness
 from rich.console import Console
 from rich.table import Table
 
-from tessel.plan.brute import brute_force
 from tessel.plan.build import build_instance
 from tessel.plan.instance import KvRestore
-from tessel.plan.milp import solve_milp
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.milp import solve_milp
 from tessel.units import GIB
 
 CLUSTER = "t4-gen3-a100-gen4"

@@ -147,7 +147,7 @@ def predict(
     second of its compute), a replay instead: each stage's priced time on a core of its own divided by
     its availability, no core sharing modelled (the measured availability holds it, and the load)."""
     from tessel.cost.profile import load_profile
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
     from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
     from tessel.sim.cpp import cpp_chunk_sizer
     from tessel.sim.plan_pipeline import pipeline_for
@@ -261,7 +261,7 @@ def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: in
     from tessel.chunk.schedule import evaluate_chunks
     from tessel.cost.profile import load_profile
     from tessel.pipeline.chunk_cutter import ChunkCutter
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
     from tessel.sim.plan_pipeline import pipeline_for
 
     plan = work / "2-stage-plan.json"

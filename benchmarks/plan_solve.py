@@ -15,18 +15,18 @@ Part 4 (replicas): on `helix-like-42` (LLaMA-2-70B, Helix's model), the best sin
 against `--replicas auto`, the replicas sharing the workload's requests in flight (8 micro-batches
 of 7); also with 24 and 64 micro-batches of 7 in flight (a third of the time limit each). Both are
 also compared with Helix's own baseline, separate same-type pipelines with even layer splits
-(`tessel.plan.replica_baseline`), sharing the micro-batches the same way.
+(`tessel.plan.replicas.replica_baseline`), sharing the micro-batches the same way.
 Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 60 s limit.
 Part 7 (flow, issue 33): `choose_with_flow` (one pipeline, disjoint replicas and flow plans over
 placements, the best kept) on the same two clusters, 60 s, against separate pipelines, a Swarm-like
-greedy router (`tessel.plan.swarm`) and the best single pipeline, with the memory bound; on
+greedy router (`tessel.plan.flow.swarm`) and the best single pipeline, with the memory bound; on
 `helix-like-42` the chosen flow plan is also written as a plan file and served by `tessel simulate`
 with `--flow-sim-requests` requests (default 1000, 0: not), its tokens/s beside the planner's steady
 state and its figure for that finite batch (`simulated`; `--flow-clusters` picks the clusters).
 Part 6 (memory, issue 33): LLaMA-2-70B, `offline-batch`, concurrency set by memory, on `helix-like-42`
 and on a Helix-shaped 42-node / 64-GPU cluster built here (A100-40G, V100-16G, L4, T4; not a copy):
 `choose_replicas(concurrency="memory")` (never less than one pipeline), the memory + requests-in-flight
-bound (`tessel.plan.memory_bound`, LP), the separate-pipelines baseline by memory, and the ratios.
+bound (`tessel.plan.solvers.memory_bound`, LP), the separate-pipelines baseline by memory, and the ratios.
 
     python benchmarks/plan_solve.py            # full: time limits 10 s (8, 16) and 120 s (42)
     python benchmarks/plan_solve.py --quick    # smoke run: 3 s limits, fewer clusters
@@ -47,13 +47,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tessel.errors import TesselError
-from tessel.plan.baselines import run_baselines
 from tessel.plan.build import build_instance, capacity_shortfall_bytes
-from tessel.plan.cluster import list_bundled_clusters, load_cluster, parse_cluster
-from tessel.plan.dp import solve_dp
+from tessel.plan.files.cluster import list_bundled_clusters, load_cluster, parse_cluster
+from tessel.plan.files.workload import load_workload
 from tessel.plan.report import predict
-from tessel.plan.solve import solve
-from tessel.plan.workload import load_workload
+from tessel.plan.solvers.baselines import run_baselines
+from tessel.plan.solvers.dp import solve_dp
+from tessel.plan.solvers.solve import solve
 
 MODEL = "llama-3-70b"
 
@@ -195,7 +195,7 @@ def quality_rows(quick: bool) -> list[dict]:
 
 def precision_rows(quick: bool) -> dict:
     """Uniform fp16 vs a precision per layer on llmpq-t4-v100; mixed vs all-int8 at equal cost."""
-    from tessel.plan.precision import parse_precisions
+    from tessel.plan.precision.precision import parse_precisions
 
     limit = 5.0 if quick else 30.0
     workload = load_workload("default")
@@ -269,15 +269,15 @@ def replica_rows(quick: bool) -> dict:
 
 
 def _replicas_vs_single(workload, limit: float) -> dict:
-    from tessel.plan.replica_baseline import separate_uniform
-    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
+    from tessel.plan.replicas.replica_baseline import separate_uniform
+    from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, replica_gap, split_gap
 
     b = workload.micro_batch_size
     instance = build_instance("llama-2-70b", "helix-like-42", workload)
     single = solve(instance, time_limit_s=limit)
     single_tok = predict(instance, single.evaluation, b).throughput_tok_s
     uniform = predict(instance, run_baselines(instance)["uniform"].evaluation, b).throughput_tok_s
-    chosen = choose_replicas(instance, b, time_limit_s=limit)
+    chosen = choose_replicas(instance, b, ReplicaSettings(time_limit_s=limit))
     separate = separate_uniform(instance, b)  # Helix's baseline: same-type pipelines, even split
     separate_tok = None if separate is None else separate.throughput_tok_s
     return {
@@ -324,8 +324,8 @@ def _cluster_64() -> dict:
 
 def scale_rows(quick: bool) -> dict:
     """80 layers x 64 GPUs, three precisions, replicas: time and gap to the split's bound."""
-    from tessel.plan.precision import parse_precisions
-    from tessel.plan.replicas import choose_replicas, replica_gap, split_gap
+    from tessel.plan.precision.precision import parse_precisions
+    from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, replica_gap, split_gap
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("default")
@@ -333,7 +333,7 @@ def scale_rows(quick: bool) -> dict:
         instance = build_instance(
             MODEL, parse_cluster(_cluster_64()), workload, precisions=parse_precisions("fp16,int8,int4")
         )
-        chosen = choose_replicas(instance, workload.micro_batch_size, time_limit_s=limit)
+        chosen = choose_replicas(instance, workload.micro_batch_size, ReplicaSettings(time_limit_s=limit))
     return {
         "devices": instance.n_devices,
         "layers": instance.n_units,
@@ -366,9 +366,9 @@ def _helix_64() -> dict:
 
 def memory_rows(quick: bool) -> dict:
     """Concurrency by memory on two Helix-like clusters: best plan, bound, baselines, ratios."""
-    from tessel.plan.memory_bound import memory_flow_bound
-    from tessel.plan.replica_baseline import separate_uniform
-    from tessel.plan.replicas import choose_replicas, split_gap
+    from tessel.plan.replicas.replica_baseline import separate_uniform
+    from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, split_gap
+    from tessel.plan.solvers.memory_bound import memory_flow_bound
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("offline-batch")
@@ -378,7 +378,7 @@ def memory_rows(quick: bool) -> dict:
     for name, cluster in clusters:
         with _harness.stopwatch() as elapsed:
             instance = build_instance("llama-2-70b", cluster, workload)
-            chosen = choose_replicas(instance, b, time_limit_s=limit, concurrency="memory")
+            chosen = choose_replicas(instance, b, ReplicaSettings(time_limit_s=limit, concurrency="memory"))
         bound = memory_flow_bound(instance, b)
         separate = separate_uniform(instance, b, "memory")
         separate_tok = None if separate is None else separate.throughput_tok_s
@@ -414,9 +414,10 @@ def flow_rows(quick: bool) -> dict:
     import os
     from dataclasses import replace
 
-    from tessel.plan.flow_choice import choose_with_flow
-    from tessel.plan.replica_baseline import separate_uniform
-    from tessel.plan.swarm import swarm_like
+    from tessel.plan.flow.flow_choice import choose_with_flow
+    from tessel.plan.flow.swarm import swarm_like
+    from tessel.plan.replicas.replica_baseline import separate_uniform
+    from tessel.plan.replicas.replicas import ReplicaSettings
 
     limit = 20.0 if quick else 60.0
     workload = load_workload("offline-batch")
@@ -429,12 +430,12 @@ def flow_rows(quick: bool) -> dict:
         load_before = os.getloadavg()
         with _harness.stopwatch() as elapsed:
             instance = build_instance("llama-2-70b", cluster, workload)
-            choice = choose_with_flow(instance, b, time_limit_s=limit, concurrency="memory")
+            choice = choose_with_flow(instance, b, ReplicaSettings(time_limit_s=limit, concurrency="memory"))
         separate = separate_uniform(instance, b, "memory")
         swarm = swarm_like(instance, b)
         bound_source = "within the limit"
         if not math.isfinite(choice.bound_tok_s):  # the bound's LP ran out of time: again, untimed
-            from tessel.plan.memory_bound import memory_flow_bound
+            from tessel.plan.solvers.memory_bound import memory_flow_bound
 
             bound_source = "after the timed run (LP, 300 s limit)"
             again = memory_flow_bound(instance, b, time_limit_s=300.0).throughput_tok_s
@@ -500,7 +501,7 @@ FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the comma
 def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
     """Issue 33: the flow plan's prediction against `tessel simulate` of its plan file: the
     steady state (`throughput_tok_s`), the planner's figure for this finite batch (fill and drain:
-    `tessel.plan.flow.batch_throughput_tok_s`) and the simulator's tokens/s over `requests` requests
+    `tessel.plan.flow.flow.batch_throughput_tok_s`) and the simulator's tokens/s over `requests` requests
     of the workload, all at t=0; process CPU time of the simulation (the machine is shared)."""
     import tempfile
     import time
@@ -509,7 +510,7 @@ def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
 
     from tessel.commands.plan_flow import write_and_export
     from tessel.plan.api import PlanSettings, prepare_plan
-    from tessel.plan.flow import batch_throughput_tok_s
+    from tessel.plan.flow.flow import batch_throughput_tok_s
     from tessel.sim.api import SimulationSettings, simulate_plan
 
     workload = load_workload("offline-batch")

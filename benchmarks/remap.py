@@ -370,7 +370,7 @@ def slowdown_scenario(args: argparse.Namespace, root: Path) -> dict:
     """2 stages under steady load; stage 1's device slows to --slow-speed at --slow-at-s: the
     slowed phase's throughput with --remap auto against off, failures, the longest gap between two
     tokens, and the simulator's decision beside the server's."""
-    from tessel.plan.remap_decision import RemapSettings
+    from tessel.plan.remap.remap_decision import RemapSettings
 
     model = _harness.example_model(args.model)
     plan = slowdown_plan(model, root, args)
@@ -381,7 +381,7 @@ def slowdown_scenario(args: argparse.Namespace, root: Path) -> dict:
     off, auto = runs["off"], runs["auto"]
     for run in runs.values():
         run.pop("trace")
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
 
     return {
         "scenario": "slowdown",

@@ -3,7 +3,7 @@
 On a local checkpoint (default: SmolLM2-135M-Instruct, from `tessel example-model`):
 
 1. per-layer costs from `tessel quantize --sensitivity` (or a file it wrote: --sensitivity FILE);
-2. the weights indicator `tessel plan` uses without that file (`tessel.plan.quality.weight_costs`),
+2. the weights indicator `tessel plan` uses without that file (`tessel.plan.precision.quality.weight_costs`),
    and the Spearman rank correlation of the two per precision;
 3. additivity: the KL of the model with every layer at int8 (and at int4) against the sum of the
    per-layer costs the planner adds up (on the calibration windows);
@@ -35,7 +35,7 @@ from scipy.stats import spearmanr
 
 from tessel.catalog.models import load_model
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.quality import SensitivityFile, weight_costs
+from tessel.plan.precision.quality import SensitivityFile, weight_costs
 from tessel.quant.calibrate import calibration_windows, load_hf_model
 from tessel.quant.sensitivity import SensitivityOptions, measure_kl, measure_sensitivity, write_sensitivity
 

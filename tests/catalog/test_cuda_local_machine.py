@@ -11,7 +11,7 @@ import torch
 
 from tessel.catalog.gpus import get_gpu
 from tessel.catalog.local_machine import cluster_data, discover_machine
-from tessel.plan.cluster import cap_gpu_memory, parse_cluster
+from tessel.plan.files.cluster import cap_gpu_memory, parse_cluster
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

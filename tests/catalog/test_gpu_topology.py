@@ -16,7 +16,7 @@ from tests.catalog.test_local_machine import fake_smi, make_proc
 from tessel.catalog.gpu_topology import parse_nvlink_status, parse_topo_matrix
 from tessel.catalog.local_machine import cluster_data, cluster_yaml, discover_machine
 from tessel.errors import TesselError
-from tessel.plan.cluster import load_cluster
+from tessel.plan.files.cluster import load_cluster
 
 DATA = Path(__file__).parent / "data"
 GIB = 2**30

@@ -19,7 +19,7 @@ from tessel.catalog.local_machine import (
     parse_nvidia_smi,
 )
 from tessel.errors import TesselError
-from tessel.plan.cluster import load_cluster, parse_cluster
+from tessel.plan.files.cluster import load_cluster, parse_cluster
 from tessel.units import GIB
 
 CPUINFO = """processor\t: 0

@@ -14,7 +14,7 @@ from tests.cli.cli_helpers import user_error
 from typer.testing import CliRunner
 
 from tessel.cli import app
-from tessel.plan.cluster import load_cluster
+from tessel.plan.files.cluster import load_cluster
 
 
 def probe_recorded(tmp_path: Path, name: str, monkeypatch, *extra: str) -> tuple[Path, Path]:  # noqa: ANN001

@@ -153,7 +153,7 @@ def test_profile_feeds_the_chunk_planner(tmp_path) -> None:
     from tessel.chunk.from_plan import even_split_pipeline
     from tessel.chunk.schedule import evaluate_chunks
     from tessel.cost.profile import load_profile
-    from tessel.plan.cluster import load_cluster
+    from tessel.plan.files.cluster import load_cluster
 
     priced = even_split_pipeline(
         load_model(str(tmp_path)),

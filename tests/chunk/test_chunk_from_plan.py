@@ -23,7 +23,7 @@ from tessel.cost import LinkSpec, hidden_bytes, link_time_s, unit_decode_time_s,
 from tessel.cost.layer import profile_shape
 from tessel.cost.profile import PREFILL_BATCH, ComponentFit, DecodeFit, PrefillFit, Profile
 from tessel.errors import TesselError
-from tessel.plan.cluster import load_cluster
+from tessel.plan.files.cluster import load_cluster
 
 
 def _random_points(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:

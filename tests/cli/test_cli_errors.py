@@ -71,8 +71,8 @@ def test_model_directory_or_config_that_is_not_text(tmp_path: Path, kind: str) -
 def test_python_api_readers_raise_tessel_error(tmp_path: Path) -> None:
     from tessel.catalog.models import load_model
     from tessel.cost.profile import load_profile
-    from tessel.plan.cluster import load_cluster
-    from tessel.plan.workload import load_workload
+    from tessel.plan.files.cluster import load_cluster
+    from tessel.plan.files.workload import load_workload
     from tessel.sim.requests import load_trace
 
     binary = tmp_path / "b.yaml"

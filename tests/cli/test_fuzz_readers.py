@@ -18,9 +18,9 @@ from tessel.catalog.models import load_model
 from tessel.chunk.from_plan import load_plan_pipeline
 from tessel.cost.profile import load_profile
 from tessel.errors import TesselError
-from tessel.plan.cluster import load_cluster
-from tessel.plan.plan_file import load_plan
-from tessel.plan.workload import load_workload
+from tessel.plan.files.cluster import load_cluster
+from tessel.plan.files.plan_file import load_plan
+from tessel.plan.files.workload import load_workload
 from tessel.sim.requests import load_trace
 
 READER_SETTINGS = settings(

@@ -23,7 +23,7 @@ from tessel.cli import app
 from tessel.cost import layer as L
 from tessel.cost.roofline import unit_decode_time_s, unit_prefill_time_s
 from tessel.plan.build import build_instance
-from tessel.plan.cluster import load_cluster
+from tessel.plan.files.cluster import load_cluster
 
 H, F, LAYERS, VOCAB, POSITIONS, TYPES = 768, 3072, 12, 30522, 512, 2
 

@@ -264,11 +264,11 @@ def test_planner_and_simulator_agree_on_a_mixed_plans_shared_cores(tmp_path: Pat
     """Oracle: the planner's own evaluation of a mixed-precision split over two CPU stages of one
     host (1 core, 1 thread each: share 2) is the simulator's stage time for the same plan file."""
     from tessel.plan.build import build_instance
-    from tessel.plan.cluster import load_cluster
-    from tessel.plan.plan_file import parse_plan
+    from tessel.plan.files.cluster import load_cluster
+    from tessel.plan.files.plan_file import parse_plan
+    from tessel.plan.files.workload import Workload
     from tessel.plan.report import plan_json
     from tessel.plan.solution import Solution, Stage, evaluate
-    from tessel.plan.workload import Workload
     from tessel.sim.plan_pipeline import pipeline_for
 
     cluster = load_cluster(_two_cpus(tmp_path))

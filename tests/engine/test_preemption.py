@@ -22,7 +22,7 @@ from tessel.engine.limits import MIN_KV_CACHE_GIB
 from tessel.engine.preemption import HostLink, Preemptor, PrefillClock, host_pool_blocks, measure_host_link
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
-from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
+from tessel.plan.files.plan_parts import MIN_EMULATE_HOST_GBPS
 from tessel.server.prometheus import ServerMetrics
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -110,7 +110,7 @@ def test_planned_flow_plan_launches_and_matches_hf(flow_model, tmp_path) -> None
     """plan -> a flow plan with a shared placement, predicted above one pipeline and disjoint
     replicas -> launch: each greedy output equals HF's, requests split by the path weights within
     one -> simulate: every request served over the paths."""
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
 
     workload = tmp_path / "offline-tiny.yaml"
     workload.write_text(WORKLOAD)

@@ -8,7 +8,7 @@ import multiprocessing
 from pathlib import Path
 
 from tessel.pipeline.comm.link_bench import LinkMeasure, probe_over_torchrun, slowest
-from tessel.plan.cluster import parse_cluster
+from tessel.plan.files.cluster import parse_cluster
 
 CPU_MACHINE = {
     "name": "local",

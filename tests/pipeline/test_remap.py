@@ -1,17 +1,16 @@
-"""Serving through change (`tessel.pipeline.remap`, `tessel.pipeline.supervision.supervisor`): the plan
-on the surviving stages, requests moved between executors by recomputation, and one served pipeline
-that loses a stage, is remapped live, and rolls back a remap whose new stage dies while loading.
+"""Serving through change (`tessel.pipeline.supervision.supervisor`): the planner's plan on the
+surviving stages of a model the runtime loads (the rest of survivor planning: tests/plan/
+test_survivors.py), requests moved between executors by recomputation, and one served pipeline that
+loses a stage, is remapped live, and rolls back a remap whose new stage dies while loading.
 
-Oracles: a brute force over every contiguous split for `split_by_memory`; one process's engine
-(`LLM`, never disturbed) for the tokens of every moved request, greedy and seeded."""
+Oracles: `make_plan` on the cluster of the devices left; one process's engine (`LLM`, never
+disturbed) for the tokens of every moved request, greedy and seeded."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
-import random
 import signal
 import threading
 from pathlib import Path
@@ -21,47 +20,13 @@ import pytest
 from pipeline_plans import write_plan
 from stage_processes import release
 from tessel.errors import TesselError
-from tessel.pipeline.remap import SurvivorsTooSmallError, split_by_memory, survivor_plan
-from tessel.plan.plan_file import load_plan
+from tessel.plan.files.plan_file import load_plan
+from tessel.plan.remap.survivors import survivor_plan
 
 DEADLINE_S = 120.0  # generous: a loaded 2-core machine spawning stage processes
 
 
-# ---- the plan on the survivors --------------------------------------------------------------------
-def _brute_fits(layer_bytes, usable, first, last) -> bool:
-    n, layers = len(usable), len(layer_bytes)
-    for cuts in itertools.combinations(range(1, layers), n - 1):
-        bounds = [0, *cuts, layers]
-        held = [sum(layer_bytes[bounds[k] : bounds[k + 1]]) for k in range(n)]
-        held[0] += first
-        held[-1] += last
-        if all(h <= u for h, u in zip(held, usable, strict=True)):
-            return True
-    return False
-
-
-def test_split_by_memory_finds_a_fitting_split_exactly_when_one_exists():
-    rng = random.Random(5)
-    for _ in range(300):
-        layers, n = rng.randint(1, 7), rng.randint(1, 4)
-        layer_bytes = [rng.randint(1, 5) for _ in range(layers)]
-        usable = [rng.randint(1, 14) for _ in range(n)]
-        first, last = rng.randint(0, 3), rng.randint(0, 3)
-        split = split_by_memory(layer_bytes, usable, first, last)
-        assert (split is not None) == (layers >= n and _brute_fits(layer_bytes, usable, first, last))
-        if split is None:
-            continue
-        assert [a for a, _ in split] == [0, *[b for _, b in split[:-1]]] and split[-1][1] == layers
-        held = [sum(layer_bytes[a:b]) for a, b in split]
-        held[0] += first
-        held[-1] += last
-        assert all(b > a for a, b in split) and all(h <= u for h, u in zip(held, usable, strict=True))
-
-
-def test_split_by_memory_is_proportional_when_that_fits():
-    assert split_by_memory([1.0] * 12, [100, 200, 100], 0, 0) == [(0, 3), (3, 9), (9, 12)]
-
-
+# ---- the plan on the survivors (the planning half: tests/plan/test_survivors.py) ----------------
 def _plan_on(path: Path, gpu_types: list[str], model: str, layers: int) -> Path:
     per = layers // len(gpu_types)
     stages = []
@@ -75,23 +40,6 @@ def _plan_on(path: Path, gpu_types: list[str], model: str, layers: int) -> Path:
     plan = {"version": 1, "model": {"name": model}, "dtype": "fp16", "stages": stages}
     path.write_text(json.dumps(plan))
     return path
-
-
-def test_survivor_plan_keeps_the_order_and_splits_by_memory(tmp_path):
-    plan = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "A100-80G"], "llama-2-13b", 40))
-    survivor = survivor_plan(plan, {1})
-    assert [s.device for s in survivor.stages] == ["n/gpu0", "n/gpu2"]
-    assert [(s.layer_start, s.layer_end) for s in survivor.stages] == [(0, 20), (20, 40)]
-    assert [s.index for s in survivor.stages] == [0, 1]
-    assert survivor.stages[0].link_to_next is not None and survivor.stages[-1].link_to_next is None
-
-
-def test_survivor_plan_refuses_when_the_survivors_cannot_hold_the_model(tmp_path):
-    plan = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
-    with pytest.raises(SurvivorsTooSmallError) as caught:
-        survivor_plan(plan, {0})
-    message = str(caught.value)
-    assert "stage 0 (n/gpu0)" in message and "cannot hold the model" in message and "GiB" in message
 
 
 def _cpu_cluster(path: Path, devices: int) -> Path:

@@ -14,8 +14,8 @@ from tessel.pipeline.supervision.heartbeat import Heartbeat, Progress
 from tessel.pipeline.supervision.remap_watch import RemapWatch
 from tessel.pipeline.supervision.supervisor import RemapReport
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.plan_file import load_plan
-from tessel.plan.remap_decision import RemapSettings, predicted_step_s
+from tessel.plan.files.plan_file import load_plan
+from tessel.plan.remap.remap_decision import RemapSettings, predicted_step_s
 from tessel.server.prometheus import RemapCollector
 from tessel.sim.api import SimulationSettings, simulate_plan
 

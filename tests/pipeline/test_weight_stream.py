@@ -25,8 +25,8 @@ from tessel.engine.weight_stream import (
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.plan.cluster import parse_cluster
-from tessel.plan.plan_file import parse_plan
+from tessel.plan.files.cluster import parse_cluster
+from tessel.plan.files.plan_file import parse_plan
 from tessel.plan.streamed import STREAM_BUFFERS, freed_bytes, offload_layers, streamed_count
 from tessel.units import GBPS
 

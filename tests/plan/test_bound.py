@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, random_instance
-from tessel.plan.bound import counts_search, plan_from_picks, units_alike
-from tessel.plan.brute import brute_force
 from tessel.plan.solution import evaluate
+from tessel.plan.solvers.bound import counts_search, plan_from_picks, units_alike
+from tessel.plan.solvers.brute import brute_force
 
 RTOL = 1e-9
 
@@ -79,7 +79,7 @@ def test_plan_from_picks_orders_first_and_last() -> None:
 def test_solve_keeps_its_proven_gap(seed: int, n_units: int, n_devices: int) -> None:
     """`solve` may stop on the counts bound alone: its plan is then within the gap of the optimum."""
     from tessel.errors import TesselError
-    from tessel.plan.solve import solve
+    from tessel.plan.solvers.solve import solve
 
     instance = _instance(seed, n_units, n_devices, seed % 8)
     oracle = brute_force(instance).evaluation

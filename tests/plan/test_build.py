@@ -25,8 +25,8 @@ from tessel.cost import (
 )
 from tessel.errors import TesselError
 from tessel.plan.build import build_instance, capacity_shortfall_bytes
-from tessel.plan.cluster import load_cluster
-from tessel.plan.workload import load_workload, parse_workload
+from tessel.plan.files.cluster import load_cluster
+from tessel.plan.files.workload import load_workload, parse_workload
 from tessel.units import GIB
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tessel.catalog import get_gpu, known_gpus
 from tessel.errors import TesselError
-from tessel.plan.cluster import (
+from tessel.plan.files.cluster import (
     NVLINK_LATENCY_S,
     PCIE_P2P_LATENCY_S,
     list_bundled_clusters,

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from tessel.errors import TesselError
-from tessel.plan.cluster import parse_cluster
-from tessel.plan.plan_file import emulated_speed_at, parse_plan
+from tessel.plan.files.cluster import parse_cluster
+from tessel.plan.files.plan_file import parse_plan
+from tessel.plan.files.plan_parts import emulated_speed_at
 
 
 def _cluster(schedule) -> dict:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from plan.random_instances import GIB, random_instance
-from tessel.plan.baselines import proportional_counts, run_baselines, vllm_uniform_counts
 from tessel.plan.instance import DeviceSlot, PassCosts, PlanningInstance, Unit
 from tessel.plan.solution import Solution, Stage, evaluate
+from tessel.plan.solvers.baselines import proportional_counts, run_baselines, vllm_uniform_counts
 
 
 def _two_device_instance(

@@ -17,9 +17,10 @@ import pytest
 
 from plan.test_memory_concurrency import memory_instance
 from tessel.errors import TesselError
-from tessel.plan.flow import SINK, SOURCE, check_placements, evaluate_flow, from_pipelines, max_flow
-from tessel.plan.flow_milp import device_groups, flow_model, solve_flow_milp
-from tessel.plan.replicas import memory_micro_batches, subset, with_micro_batches
+from tessel.plan.flow.flow import SINK, SOURCE, check_placements, evaluate_flow, from_pipelines, max_flow
+from tessel.plan.flow.flow_milp import device_groups, flow_model, solve_flow_milp
+from tessel.plan.instance import subset, with_micro_batches
+from tessel.plan.replicas.replicas import ReplicaSettings, memory_micro_batches
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, Stage, evaluate
 
@@ -161,11 +162,11 @@ def test_placements_without_a_path_are_refused_by_layer_range() -> None:
 
 @pytest.mark.parametrize("seed", [11])
 def test_choice_is_never_worse_than_replicas_single_or_swarm(seed: int) -> None:
-    from tessel.plan.flow_choice import choose_with_flow
-    from tessel.plan.swarm import swarm_like
+    from tessel.plan.flow.flow_choice import choose_with_flow
+    from tessel.plan.flow.swarm import swarm_like
 
     instance = memory_instance(seed, 5, 4)
-    choice = choose_with_flow(instance, 2, time_limit_s=4.0, concurrency="memory")
+    choice = choose_with_flow(instance, 2, ReplicaSettings(time_limit_s=4.0, concurrency="memory"))
     assert choice.throughput_tok_s >= choice.replicas.throughput_tok_s * (1 - 1e-9)
     assert choice.throughput_tok_s >= choice.replicas.single_tok_s * (1 - 1e-9)
     swarm = swarm_like(instance, 2)
@@ -179,9 +180,9 @@ def flow_document():
     """A flow plan file (version 4) for LLaMA-2-13B on llmpq-t4-v100: the Swarm-like plan, whose
     paths share GPUs."""
     from tessel.plan.api import PlanSettings, prepare_plan
-    from tessel.plan.baselines import run_baselines
+    from tessel.plan.flow.swarm import swarm_like
     from tessel.plan.report import flow_json, plan_json
-    from tessel.plan.swarm import swarm_like
+    from tessel.plan.solvers.baselines import run_baselines
 
     problem = prepare_plan("llama-2-13b", "llmpq-t4-v100", "offline-batch", PlanSettings())
     instance, b = problem.instance, problem.workload.micro_batch_size
@@ -189,7 +190,7 @@ def flow_document():
     assert plan is not None and plan.shared
     paths, flow = flow_json(instance, plan, problem.cluster, b)
     first = paths[0]
-    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
 
     devices = plan.paths[0].devices
     sub = with_micro_batches(gpu_memory_only(subset(instance, devices)), plan.paths[0].micro_batches)
@@ -217,7 +218,7 @@ def flow_document():
 
 
 def test_flow_plan_file_round_trips(flow_document) -> None:
-    from tessel.plan.plan_file import PLAN_VERSION, parse_plan
+    from tessel.plan.files.plan_file import PLAN_VERSION, parse_plan
 
     document, plan, _ = flow_document
     parsed = parse_plan(document)
@@ -261,7 +262,7 @@ def _halve_a_device_edge(doc):
     ],
 )
 def test_bad_flow_plan_files_are_refused(flow_document, tmp_path, edit, message) -> None:
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
 
     document, _, _ = flow_document
     path = tmp_path / "bad.json"
@@ -291,10 +292,10 @@ def test_plan_command_writes_the_flow_plan_and_its_closest_vllm_export(flow_docu
 
     from tessel.commands.plan_flow import print_comparison, print_flow, write_and_export
     from tessel.plan.api import PlanSettings
-    from tessel.plan.flow_choice import FlowChoice
-    from tessel.plan.flow_milp import FlowSearch
-    from tessel.plan.plan_file import load_plan
-    from tessel.plan.replicas import ReplicaPlan
+    from tessel.plan.files.plan_file import load_plan
+    from tessel.plan.flow.flow_choice import FlowChoice
+    from tessel.plan.flow.flow_milp import FlowSearch
+    from tessel.plan.replicas.replicas import ReplicaPlan
 
     _, plan, problem = flow_document
     choice = FlowChoice(
@@ -317,8 +318,8 @@ def test_plan_command_writes_the_flow_plan_and_its_closest_vllm_export(flow_docu
 def test_tuned_placement_is_never_worse_than_swarm_like() -> None:
     import time
 
-    from tessel.plan.flow_heuristics import tuned_placement
-    from tessel.plan.swarm import swarm_like
+    from tessel.plan.flow.flow_heuristics import tuned_placement
+    from tessel.plan.flow.swarm import swarm_like
 
     instance = memory_instance(13, 6, 5)
     swarm = swarm_like(instance, 2)

@@ -15,8 +15,10 @@ import pytest
 from rich.console import Console
 
 from tessel.plan.api import PlanSettings, prepare_plan
-from tessel.plan.cluster import parse_cluster
-from tessel.plan.flow import (
+from tessel.plan.files.cluster import parse_cluster
+from tessel.plan.files.plan_file import load_plan
+from tessel.plan.files.workload import load_workload
+from tessel.plan.flow.flow import (
     FlowPath,
     FlowPlan,
     _PathCost,
@@ -26,9 +28,7 @@ from tessel.plan.flow import (
     queueing_rates,
     routed_counts,
 )
-from tessel.plan.plan_file import load_plan
 from tessel.plan.solution import Stage
-from tessel.plan.workload import load_workload
 from tessel.sim.api import SimulationSettings, simulate_plan
 from tessel.sim.requests import Request
 from tessel.sim.routing import route

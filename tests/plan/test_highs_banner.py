@@ -44,7 +44,7 @@ def test_a_failing_plan_prints_its_error_alone(tmp_path: Path) -> None:
 
 def test_the_first_solver_of_a_process_is_silent_and_stdout_comes_back() -> None:
     code = (
-        "from tessel.plan.highs import new_highs, solve_lp\n"
+        "from tessel.plan.solvers.highs import new_highs, solve_lp\n"
         "print('before', flush=True)\n"
         "new_highs(); new_highs(verbose=False)\n"
         "print('value', solve_lp([1.0], [1.0], [2.0], [0], [0], [1.0], [0.0], [5.0]))\n"

@@ -12,15 +12,15 @@ import pytest
 
 from plan.random_instances import random_instance, with_precision_choice
 from tessel.errors import TesselError
-from tessel.plan.bound import counts_search
-from tessel.plan.brute import brute_force
 from tessel.plan.build import build_instance
-from tessel.plan.cluster import list_bundled_clusters, load_cluster, parse_cluster
-from tessel.plan.dp import solve_dp
+from tessel.plan.files.cluster import list_bundled_clusters, load_cluster, parse_cluster
 from tessel.plan.instance import KvRestore
-from tessel.plan.milp import solve_milp
 from tessel.plan.solution import Solution, evaluate, split_offload
-from tessel.plan.solve import solve
+from tessel.plan.solvers.bound import counts_search
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.dp import solve_dp
+from tessel.plan.solvers.milp import solve_milp
+from tessel.plan.solvers.solve import solve
 from tessel.units import GBPS, GIB
 
 CLUSTER = "t4-gen3-a100-gen4"
@@ -187,7 +187,7 @@ def test_bad_network_bandwidth_names_line_and_field(tmp_path):
 
 
 def test_plan_stages_carry_the_mode_and_older_stages_load_without_it():
-    from tessel.plan.plan_file import PlanStage
+    from tessel.plan.files.plan_parts import PlanStage
     from tessel.plan.report import stage_records
 
     instance = _pressure_instance()

@@ -2,7 +2,7 @@
 
 The GPU is a fake nvidia-smi (an executable named by $TESSEL_NVIDIA_SMI or passed to discovery); the
 model is SmolLM2-135M's shape (its config.json, no weights). The oracle for the split is the brute
-force over every plan of the two devices (tessel.plan.brute).
+force over every plan of the two devices (tessel.plan.solvers.brute).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tessel.catalog.local_machine import cluster_data, discover_machine
 from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.plan.api import PlanSettings, make_plan, prepare_plan
-from tessel.plan.brute import brute_force
-from tessel.plan.cluster import cap_gpu_memory, parse_cluster
+from tessel.plan.files.cluster import cap_gpu_memory, parse_cluster
+from tessel.plan.solvers.brute import brute_force
 from tessel.units import GIB
 
 # SmolLM2-135M-Instruct's config.json (the shape fields the planner reads)
@@ -212,7 +212,7 @@ def test_a_probed_gpu_file_plans_as_cluster_local(tmp_path, smollm2_shape, monke
 
 
 def test_memory_gib_in_a_cluster_file_and_the_cap_on_a_mixed_cluster(tmp_path) -> None:
-    from tessel.plan.cluster import load_cluster
+    from tessel.plan.files.cluster import load_cluster
 
     path = tmp_path / "c.yaml"
     path.write_text("name: c\nnodes:\n  - name: n\n    gpus: {type: H100, count: 1, memory_gib: 0.5}\n")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tessel.plan.build import build_instance
-from tessel.plan.memory_bound import memory_flow_bound
-from tessel.plan.workload import load_workload
+from tessel.plan.files.workload import load_workload
+from tessel.plan.solvers.memory_bound import memory_flow_bound
 
 
 @pytest.mark.parametrize(

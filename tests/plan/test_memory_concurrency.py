@@ -2,7 +2,7 @@
 
 Oracles: brute force over every partition of the devices, every count k of micro-batches per group
 and every pipeline of each group (written out here, independent of the planner's search); the
-memory bound (`tessel.plan.memory_bound`) against the same brute force; never worse than the whole
+memory bound (`tessel.plan.solvers.memory_bound`) against the same brute force; never worse than the whole
 cluster as one pipeline at the workload's m."""
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 from plan.random_instances import random_instance
 from plan.test_replicas import _oracle as brute_fixed_shares
 from tessel.errors import TesselError
-from tessel.plan.brute import brute_force
-from tessel.plan.memory_bound import memory_flow_bound
-from tessel.plan.replica_baseline import separate_uniform
-from tessel.plan.replicas import choose_replicas, subset
+from tessel.plan.instance import subset
+from tessel.plan.replicas.replica_baseline import separate_uniform
+from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
 from tessel.plan.report import predict
-from tessel.plan.solve import solve
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.memory_bound import memory_flow_bound
+from tessel.plan.solvers.solve import solve
 
 RTOL = 1e-6
 MOST_K = 6  # the instances below hold at most this many micro-batches on all devices together
@@ -103,9 +104,13 @@ def test_memory_concurrency_equals_brute_force_and_bound_holds(
     fixed = brute_fixed_shares(instance)  # the fixed shares of m (offloading allowed) are candidates
     if expected == 0.0 and single_tok_s == 0.0 and fixed == 0.0:
         with pytest.raises(TesselError):
-            choose_replicas(instance, 1, solver="brute", concurrency="memory", max_micro_batches=cap)
+            choose_replicas(
+                instance, 1, ReplicaSettings(solver="brute", concurrency="memory", max_micro_batches=cap)
+            )
         return
-    chosen = choose_replicas(instance, 1, solver="brute", concurrency="memory", max_micro_batches=cap)
+    chosen = choose_replicas(
+        instance, 1, ReplicaSettings(solver="brute", concurrency="memory", max_micro_batches=cap)
+    )
     # the best of memory splits, fixed-share splits and the whole cluster at the workload's m
     assert chosen.throughput_tok_s == pytest.approx(max(expected, single_tok_s, fixed), rel=RTOL)
     assert chosen.throughput_tok_s >= single_tok_s * (1 - RTOL)
@@ -130,8 +135,8 @@ def test_memory_mode_carries_more_than_the_fixed_share() -> None:
     """Two devices that each hold the model and several micro-batches: fixed mode shares m = 2, memory
     mode lets each replica carry what its memory holds."""
     instance = memory_instance(3, 2, 2)
-    fixed = choose_replicas(instance, 1, solver="brute")
-    memory = choose_replicas(instance, 1, solver="brute", concurrency="memory")
+    fixed = choose_replicas(instance, 1, ReplicaSettings(solver="brute"))
+    memory = choose_replicas(instance, 1, ReplicaSettings(solver="brute", concurrency="memory"))
     assert memory.throughput_tok_s >= fixed.throughput_tok_s * (1 - RTOL)
     assert memory.concurrency == "memory"
 
@@ -143,7 +148,9 @@ def test_never_worse_than_one_pipeline_on_a_larger_cluster() -> None:
     single = solve(instance, solver="dp", time_limit_s=3)
     single_tok_s = predict(instance, single.evaluation, 2).throughput_tok_s
     for concurrency in ("fixed", "memory"):
-        chosen = choose_replicas(instance, 2, solver="dp", time_limit_s=6, concurrency=concurrency)
+        chosen = choose_replicas(
+            instance, 2, ReplicaSettings(solver="dp", time_limit_s=6, concurrency=concurrency)
+        )
         assert chosen.throughput_tok_s >= min(single_tok_s, chosen.single_tok_s) * (1 - RTOL)
         assert chosen.throughput_tok_s >= chosen.single_tok_s * (1 - RTOL)
 
@@ -151,9 +158,11 @@ def test_never_worse_than_one_pipeline_on_a_larger_cluster() -> None:
 def test_bad_concurrency_is_refused() -> None:
     instance = memory_instance(1, 2, 2)
     with pytest.raises(TesselError, match="unknown concurrency"):
-        choose_replicas(instance, 1, solver="brute", concurrency="lots")
+        choose_replicas(instance, 1, ReplicaSettings(solver="brute", concurrency="lots"))
     with pytest.raises(TesselError, match=">= 1"):
-        choose_replicas(instance, 1, solver="brute", concurrency="memory", max_micro_batches=0)
+        choose_replicas(
+            instance, 1, ReplicaSettings(solver="brute", concurrency="memory", max_micro_batches=0)
+        )
 
 
 def test_a_layer_no_gpu_holds_is_named() -> None:
@@ -162,7 +171,7 @@ def test_a_layer_no_gpu_holds_is_named() -> None:
     weights[2] = 10 * max(d.memory_bytes for d in instance.devices)
     instance = replace(instance, weight_bytes=weights)
     with pytest.raises(TesselError, match="layer 2"):
-        choose_replicas(instance, 1, solver="brute", concurrency="memory")
+        choose_replicas(instance, 1, ReplicaSettings(solver="brute", concurrency="memory"))
     assert memory_flow_bound(instance, 1).throughput_tok_s == 0.0
 
 
@@ -173,7 +182,7 @@ def test_cli_memory_concurrency_writes_a_plan_the_runtime_reads(tmp_path) -> Non
     import sys
 
     from tessel.pipeline.run_plan import load_run_plan
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
 
     path = tmp_path / "memory.json"
     result = subprocess.run(

@@ -1,4 +1,4 @@
-"""The plan file contract (`tessel.plan.plan_file`): round trip, version-1 files, every refusal."""
+"""The plan file contract (`tessel.plan.files.plan_file`): round trip, version-1 files, every refusal."""
 
 from __future__ import annotations
 
@@ -16,15 +16,9 @@ from hypothesis import strategies as st
 from tessel.catalog.gpus import get_gpu
 from tessel.catalog.models import load_model
 from tessel.errors import TesselError
-from tessel.plan.cluster import load_cluster, parse_cluster
-from tessel.plan.plan_file import (
-    PLAN_VERSION,
-    SUPPORTED_VERSIONS,
-    PlanFile,
-    load_plan,
-    parse_plan,
-    unit_kind,
-)
+from tessel.plan.files.cluster import load_cluster, parse_cluster
+from tessel.plan.files.plan_file import PLAN_VERSION, SUPPORTED_VERSIONS, PlanFile, load_plan, parse_plan
+from tessel.plan.files.plan_parts import gpu_index, unit_kind
 from tessel.units import GBPS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -399,3 +393,12 @@ def mutated(document: dict, path: tuple, value, delete: bool) -> dict:
 
 def test_gbps_is_bits() -> None:
     assert GBPS * 8 == 1e9
+
+
+def test_gpu_index_reads_a_devices_gpu() -> None:
+    """`<node>/gpu<K>` names GPU K of its node; `<node>/gpu<K>#2`, the second name of one GPU two
+    stages share, names the same GPU; a name with no number after the node names none."""
+    assert gpu_index("node-a/gpu0") == 0 and gpu_index("node-a/gpu13") == 13
+    assert gpu_index("box7/gpu3#2") == 3
+    assert gpu_index("a100-box/cuda:1") == 1
+    assert gpu_index("localhost/cpu") is None and gpu_index("gpu2") is None

@@ -19,9 +19,10 @@ from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.plan.cluster import parse_cluster
-from tessel.plan.plan_file import MIN_EMULATE_SPEED, PlanFile, load_plan, parse_plan
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.files.cluster import parse_cluster
+from tessel.plan.files.plan_file import PlanFile, load_plan, parse_plan
+from tessel.plan.files.plan_parts import MIN_EMULATE_SPEED
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V1_LAYER = FIXTURES / "plan_v1_llama2_7b.json"  # llama-2-7b on llmpq-t4-v100, 32 layers
@@ -99,7 +100,7 @@ def test_micro_batches_beyond_the_planners_cap_are_refused(key: str, value) -> N
 
 
 def test_the_cap_is_what_a_workload_file_accepts() -> None:
-    from tessel.plan.workload import Workload
+    from tessel.plan.files.workload import Workload
 
     workload = {"name": "w", "prompt_tokens": 8, "output_tokens": 8, "batch_size": 4096}
     assert Workload.model_validate({**workload, "max_micro_batch": MAX_MICRO_BATCHES}).micro_batches == 1024
@@ -164,7 +165,7 @@ def test_replan_from_a_plan_for_another_model_exits_2_naming_both() -> None:
 
 def test_check_same_model_accepts_the_plans_own_model() -> None:
     from tessel.catalog.models import load_model
-    from tessel.plan.replan import check_same_model
+    from tessel.plan.remap.replan import check_same_model
 
     plan = load_plan(V1_LAYER)
     check_same_model(plan, load_model("llama-2-7b"))

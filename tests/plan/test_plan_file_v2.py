@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PLAN_VERSION, Predicted, Replica, load_plan, parse_plan, whole_predicted
+from tessel.plan.files.plan_file import PLAN_VERSION, load_plan, parse_plan
+from tessel.plan.files.plan_parts import Predicted, Replica, whole_predicted
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:

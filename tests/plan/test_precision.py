@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, random_instance, with_precision_choice
 from tessel.errors import TesselError
-from tessel.plan.brute import brute_force
-from tessel.plan.dp import solve_dp
-from tessel.plan.milp import solve_milp
-from tessel.plan.precision import parse_precisions
-from tessel.plan.solve import solve
+from tessel.plan.precision.precision import parse_precisions
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.dp import solve_dp
+from tessel.plan.solvers.milp import solve_milp
+from tessel.plan.solvers.solve import solve
 
 RTOL = 1e-6
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,7 +17,7 @@ from tessel.catalog.models import load_model
 from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.plan.build import build_instance
-from tessel.plan.quality import quality_costs, relative_error, shape_costs, weight_costs
+from tessel.plan.precision.quality import quality_costs, relative_error, shape_costs, weight_costs
 
 
 def test_shape_costs_grow_as_bits_drop() -> None:

@@ -8,9 +8,9 @@ import pytest
 
 from tessel.errors import TesselError
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.cluster import load_cluster
-from tessel.plan.plan_file import load_plan
-from tessel.plan.remap_decision import (
+from tessel.plan.files.cluster import load_cluster
+from tessel.plan.files.plan_file import load_plan
+from tessel.plan.remap.remap_decision import (
     RemapDecider,
     RemapSettings,
     RemapWindow,

@@ -18,15 +18,15 @@ from plan.random_instances import random_instance, with_precision_choice
 from tessel.cli import app
 from tessel.cost.link import link_time_s
 from tessel.errors import TesselError
-from tessel.plan.brute import brute_force
 from tessel.plan.build import build_instance
-from tessel.plan.cluster import load_cluster
-from tessel.plan.dp import solve_dp
-from tessel.plan.milp import solve_milp
-from tessel.plan.plan_file import PlanStage
-from tessel.plan.replan import move_costs, previous_solution, replan
+from tessel.plan.files.cluster import load_cluster
+from tessel.plan.files.plan_parts import PlanStage
+from tessel.plan.remap.replan import move_costs, previous_solution, replan
 from tessel.plan.solution import Solution, evaluate
-from tessel.plan.solve import solve
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.dp import solve_dp
+from tessel.plan.solvers.milp import solve_milp
+from tessel.plan.solvers.solve import solve
 
 MODEL, CLUSTER = "llama-2-13b", "llmpq-t4-v100"
 
@@ -318,7 +318,7 @@ def test_replanning_inherits_the_previous_precisions_and_budget() -> None:
     plan made from measured sensitivities needs them again."""
     from plan.test_plan_file_v2 import V2
     from tessel.plan.api import PlanSettings, inherited_precisions
-    from tessel.plan.plan_file import parse_plan
+    from tessel.plan.files.plan_file import parse_plan
 
     previous = parse_plan(V2)  # precisions fp16,int8; budget 1.0, theta 0
     settings = inherited_precisions(PlanSettings(), previous)

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, random_instance
 from plan.test_replicas import _oracle, group_share
-from tessel.plan.baselines import uniform
-from tessel.plan.replica_baseline import separate_uniform
-from tessel.plan.replicas import subset
+from tessel.plan.instance import subset
+from tessel.plan.replicas.replica_baseline import separate_uniform
 from tessel.plan.report import predict
+from tessel.plan.solvers.baselines import uniform
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""The bound over every replica split (`tessel.plan.replica_bound`) against brute force: every
+"""The bound over every replica split (`tessel.plan.replicas.replica_bound`) against brute force: every
 partition of the devices, every group planned by brute force, never more throughput than the bound."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, with_precision_choice
 from plan.test_replicas import best_over_partitions
-from tessel.plan.replica_bound import split_upper_bound_tok_s
-from tessel.plan.replicas import choose_replicas
+from tessel.plan.replicas.replica_bound import split_upper_bound_tok_s
+from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solution import Solution, evaluate
 
@@ -122,7 +122,7 @@ def test_flow_bound_is_tight_where_requests_in_flight_limit(
 ) -> None:
     """Too few micro-batches in flight to keep every device busy: the best split (brute force) is
     exactly the flow bound's, while the fluid bound (every device busy at once) is looser."""
-    from tessel.plan.replica_bound import _fluid_bound_tok_s, flow_bound_tok_s
+    from tessel.plan.replicas.replica_bound import _fluid_bound_tok_s, flow_bound_tok_s
 
     instance = _one_stage_instance(slowdowns, micro_batches)
     best = _best_split_tok_s(instance, 2)
@@ -132,7 +132,7 @@ def test_flow_bound_is_tight_where_requests_in_flight_limit(
 
 
 def test_flow_bound_is_infinite_when_a_unit_costs_nothing() -> None:
-    from tessel.plan.replica_bound import flow_bound_tok_s
+    from tessel.plan.replicas.replica_bound import flow_bound_tok_s
 
     assert flow_bound_tok_s(_one_stage_instance([0, 1], 2), 2) == math.inf
 
@@ -141,7 +141,7 @@ def test_bound_covers_the_chosen_split_on_a_bundled_cluster() -> None:
     from tessel.plan.build import build_instance
 
     instance = build_instance("llama-2-7b", "llmpq-t4-v100", "default")
-    chosen = choose_replicas(instance, 7, solver="dp", time_limit_s=6)
+    chosen = choose_replicas(instance, 7, ReplicaSettings(solver="dp", time_limit_s=6))
     bound = split_upper_bound_tok_s(instance, 7)
     assert chosen.throughput_tok_s <= bound < math.inf
 
@@ -166,7 +166,7 @@ def test_a_share_of_the_kv_is_covered() -> None:
     )
     slot = replace(instance.devices[0], memory_bytes=7e9, host_bytes=1e12, host_to_device_bytes_per_s=1e8)
     instance = replace(instance, devices=(slot,))
-    one = choose_replicas(instance, 2, solver="brute")
+    one = choose_replicas(instance, 2, ReplicaSettings(solver="brute"))
     assert [r.micro_batches for r in one.replicas] == [1]
     best = _best_split_tok_s(instance, 2)
     assert best == pytest.approx(one.throughput_tok_s, rel=1e-9)

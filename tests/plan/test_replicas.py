@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, random_instance
 from tessel.errors import TesselError
-from tessel.plan.brute import brute_force
-from tessel.plan.replicas import choose_replicas, routing_weights, subset
+from tessel.plan.instance import subset
+from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas, routing_weights
 from tessel.plan.report import predict
+from tessel.plan.solvers.brute import brute_force
 
 RTOL = 1e-6
 
@@ -76,9 +77,9 @@ def test_chosen_split_equals_brute_force_over_partitions(seed, n_units, n_device
     expected = _oracle(instance)
     if expected == 0.0:
         with pytest.raises(TesselError):
-            choose_replicas(instance, 1, solver="brute")
+            choose_replicas(instance, 1, ReplicaSettings(solver="brute"))
         return
-    chosen = choose_replicas(instance, 1, solver="brute")
+    chosen = choose_replicas(instance, 1, ReplicaSettings(solver="brute"))
     assert chosen.exhaustive
     assert chosen.throughput_tok_s == pytest.approx(expected, rel=RTOL)
     weights = [r.weight for r in chosen.replicas]
@@ -120,9 +121,9 @@ def test_too_many_replicas_names_the_largest_feasible_count() -> None:
         for labels in _labelings(4)
     )
     with pytest.raises(TesselError, match="largest feasible count tessel found is"):
-        choose_replicas(instance, 1, replicas=5, solver="brute")
+        choose_replicas(instance, 1, ReplicaSettings(replicas=5, solver="brute"))
     assert largest < 5
     with pytest.raises(TesselError, match=f"largest feasible count tessel found is {largest}"):
-        choose_replicas(instance, 1, replicas=largest + 1, solver="brute")
-    fixed = choose_replicas(instance, 1, replicas=largest, solver="brute")
+        choose_replicas(instance, 1, ReplicaSettings(replicas=largest + 1, solver="brute"))
+    fixed = choose_replicas(instance, 1, ReplicaSettings(replicas=largest, solver="brute"))
     assert len(fixed.replicas) == largest

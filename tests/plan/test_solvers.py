@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance, random_instance
-from tessel.plan.brute import brute_force, count_plans
-from tessel.plan.dp import solve_dp
-from tessel.plan.milp import solve_milp
 from tessel.plan.solution import Solution, evaluate
+from tessel.plan.solvers.brute import brute_force, count_plans
+from tessel.plan.solvers.dp import solve_dp
+from tessel.plan.solvers.milp import solve_milp
 
 RTOL = 1e-6
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from plan.random_instances import random_instance
-from tessel.plan.brute import brute_force
-from tessel.plan.dp import solve_dp
-from tessel.plan.milp import solve_milp
 from tessel.plan.solution import Solution, evaluate, stage_layer_bytes
+from tessel.plan.solvers.brute import brute_force
+from tessel.plan.solvers.dp import solve_dp
+from tessel.plan.solvers.milp import solve_milp
 from tessel.plan.streamed import copied_bytes, offload_layers, streamed_count
 
 

@@ -1,4 +1,4 @@
-"""Requests dealt in turn by weights (`tessel.plan.weighted_turns`): every prefix within Tijdeman's
+"""Requests dealt in turn by weights (`tessel.plan.replicas.weighted_turns`): every prefix within Tijdeman's
 bound of its exact share, where smooth weighted round-robin is not."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessel.plan.weighted_turns import WeightedTurns, dealt_counts
+from tessel.plan.replicas.weighted_turns import WeightedTurns, dealt_counts
 
 # shares hypothesis found smooth weighted round-robin 1.02 requests off at n = 279
 SWRR_MISS = [5.0, 6.890625, 6.890625, 0.3125, 0.3125]

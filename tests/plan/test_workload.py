@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tessel.errors import TesselError
-from tessel.plan.workload import NOMINAL_TPOT_S, list_bundled_workloads, load_workload, parse_workload
+from tessel.plan.files.workload import NOMINAL_TPOT_S, list_bundled_workloads, load_workload, parse_workload
 
 
 def test_bundled_workloads() -> None:

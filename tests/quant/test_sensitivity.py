@@ -24,7 +24,7 @@ from tessel.cli import app
 from tessel.errors import TesselError
 from tessel.models.quantized.schemes import make_scheme, quantize_weight
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.quality import SensitivityFile
+from tessel.plan.precision.quality import SensitivityFile
 from tessel.quant.calibrate import calibration_windows, load_hf_model
 from tessel.quant.sensitivity import (
     SENSITIVITY_PRECISIONS,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessel.plan.weighted_turns import dealt_counts
+from tessel.plan.replicas.weighted_turns import dealt_counts
 from tessel.sim.requests import Request
 from tessel.sim.routing import route
 

@@ -162,7 +162,7 @@ def test_simulator_ranks_the_plan_as_the_planner_does(tmp_path: Path) -> None:
 
 
 def test_regime_defaults_come_from_the_plan_workload(tmp_path: Path) -> None:
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
     from tessel.sim.regime import regime_defaults
 
     path = write_plan(tmp_path)

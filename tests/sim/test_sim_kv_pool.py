@@ -11,7 +11,7 @@ import pytest
 from sim.sim_plans import TINY_LLAMA, plan_stage
 from tessel.chunk.latency import PipelineLatency
 from tessel.cost.layer import kv_bytes_per_token
-from tessel.plan.plan_file import load_plan
+from tessel.plan.files.plan_file import load_plan
 from tessel.sim.kv_pool import KvPool
 from tessel.sim.linear import LinearStage
 from tessel.sim.plan_pipeline import pipeline_for

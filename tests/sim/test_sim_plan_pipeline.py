@@ -13,7 +13,7 @@ from tessel.catalog.gpus import get_gpu
 from tessel.catalog.models import model_from_config
 from tessel.cost import embed_time_s, lm_head_time_s, unit_decode_time_s, unit_prefill_time_s
 from tessel.errors import TesselError
-from tessel.plan.plan_file import load_plan
+from tessel.plan.files.plan_file import load_plan
 from tessel.sim.plan_pipeline import kv_capacity_tokens, pipeline_for
 from tessel.sim.requests import Request
 from tessel.sim.scheduler import SimSchedulerConfig

@@ -24,11 +24,11 @@ from tessel.cli import app
 from tessel.cost import layer as L
 from tessel.errors import TesselError
 from tessel.plan.build import build_instance
-from tessel.plan.cluster import load_cluster
-from tessel.plan.plan_file import load_plan, parse_plan
+from tessel.plan.files.cluster import load_cluster
+from tessel.plan.files.plan_file import load_plan, parse_plan
+from tessel.plan.files.workload import Workload
 from tessel.plan.report import plan_json
 from tessel.plan.solution import Solution, Stage, evaluate
-from tessel.plan.workload import Workload
 from tessel.sim.api import SimulationSettings, simulate_plan
 from tessel.sim.plan_pipeline import pipeline_for
 from tessel.units import GIB
@@ -90,7 +90,7 @@ def test_random_mixed_plans_simulate_at_the_planners_stage_times(seed, names, ba
     """Random tiny plans with random precisions per layer: each stage's weights in the plan file are
     the cost model's bytes at its precisions, each simulated stage's decode step is the planner's stage
     compute time, its prefill too when one request fills a micro-batch, and a short simulation runs."""
-    from tessel.plan.precision import parse_precisions
+    from tessel.plan.precision.precision import parse_precisions
 
     rng = np.random.default_rng(seed)
     model, cluster = _tiny_model(), load_cluster(CLUSTER)

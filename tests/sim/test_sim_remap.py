@@ -6,7 +6,7 @@ import pytest
 
 from tessel.errors import TesselError
 from tessel.plan.api import PlanSettings, make_plan
-from tessel.plan.remap_decision import RemapSettings
+from tessel.plan.remap.remap_decision import RemapSettings
 from tessel.sim.api import SimulationSettings, simulate_plan
 
 CLUSTER = """\
@@ -95,9 +95,9 @@ def _decisions_at_every_tick(plan_path, report, settings: RemapSettings) -> list
     import bisect
     import itertools
 
-    from tessel.plan.cluster import load_cluster
-    from tessel.plan.plan_file import load_plan
-    from tessel.plan.remap_decision import RemapDecider, RemapWindow, StageCounters
+    from tessel.plan.files.cluster import load_cluster
+    from tessel.plan.files.plan_file import load_plan
+    from tessel.plan.remap.remap_decision import RemapDecider, RemapWindow, StageCounters
     from tessel.sim.remap import _stage_boxes
 
     plan = load_plan(plan_path)

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from tessel.errors import TesselError
-from tessel.plan.workload import TokenDistribution, parse_workload
+from tessel.plan.files.workload import TokenDistribution, parse_workload
 from tessel.sim.request_trace import (
     length_distribution,
     lognormal_sigma,

@@ -1,7 +1,7 @@
 """What hardware and models exist: GPU specs (`gpus.yaml`) and model shapes (HF config.json).
 
 Cluster and workload files bundled with tessel live in `clusters/` and `workloads/` here; they are
-loaded by `tessel.plan.cluster.load_cluster` and `tessel.plan.workload.load_workload`.
+loaded by `tessel.plan.files.cluster.load_cluster` and `tessel.plan.files.workload.load_workload`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessel.catalog.hf_config import MAX_LAYERS, read_json_object
-from tessel.catalog.hf_config import _Fields as Fields
+from tessel.catalog.hf_config import MAX_LAYERS, ConfigFields, read_json_object
 from tessel.errors import TesselError
 
 ENCODER_ARCHITECTURES = (
@@ -60,7 +59,7 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config.json") -> BertConfig:
-        fields = Fields(data, source)
+        fields = ConfigFields(data, source)
         kind = fields.text("position_embedding_type", "absolute")
         if kind != "absolute":
             raise TesselError(

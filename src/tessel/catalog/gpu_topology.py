@@ -12,7 +12,7 @@ A pair of GPUs is joined by one of (nvidia-smi's legend, fastest first):
     PHB   a PCIe host bridge (the CPU)       NODE  host bridges within one NUMA node
     SYS   PCIe and the SMP link between NUMA nodes (QPI/UPI); older drivers print SOC
 
-The cluster file gives one link kind per node (tessel.plan.cluster), so `intra_link` decides:
+The cluster file gives one link kind per node (tessel.plan.files.cluster), so `intra_link` decides:
 - every pair NV#: `nvlink`;
 - NVLink on a path through all GPUs (a DGX-1's hybrid cube-mesh of V100s, where some pairs have
   no direct NVLink but a pipeline can go from GPU to GPU over NVLink): `nvlink`, the pairs without

@@ -140,7 +140,7 @@ def parse_hf_config(data: dict, *, source: str) -> HFConfig:
     """Validate config.json fields (Llama/Qwen2/Mistral, Mixtral, OPT); errors name `source` and the field."""
     if not isinstance(data, dict):
         raise TesselError(f"{source}: expected a JSON object of config fields, got {_json_type(data)}")
-    fields = _Fields(data, source)
+    fields = ConfigFields(data, source)
     architecture, family = _architecture(fields)
     common = {
         "source": source,
@@ -158,7 +158,7 @@ def parse_hf_config(data: dict, *, source: str) -> HFConfig:
     return HFConfig(**common, **(_opt(fields, common) if family == "opt" else _llama(fields, common)))
 
 
-def _llama(fields: _Fields, common: dict) -> dict:
+def _llama(fields: ConfigFields, common: dict) -> dict:
     """The Llama family's own fields (Qwen2, Mistral and Mixtral spell them alike)."""
     hidden, heads, source = common["hidden_size"], common["num_attention_heads"], fields.source
     kv_heads = fields.count("num_key_value_heads", default=heads)
@@ -197,7 +197,7 @@ def _llama(fields: _Fields, common: dict) -> dict:
     }
 
 
-def _opt(fields: _Fields, common: dict) -> dict:
+def _opt(fields: ConfigFields, common: dict) -> dict:
     """OPT: LayerNorm, ReLU MLP of `ffn_dim`, biases (`enable_bias`), learned positions, no GQA."""
     hidden, heads = common["hidden_size"], common["num_attention_heads"]
     if fields.count("word_embed_proj_dim", default=hidden) != hidden:
@@ -222,7 +222,7 @@ def _opt(fields: _Fields, common: dict) -> dict:
     }
 
 
-class _Fields:
+class ConfigFields:
     """Typed getters over the raw mapping; each error names the source and the field."""
 
     def __init__(self, data: dict, source: str) -> None:
@@ -326,7 +326,7 @@ def _whole(value: object, low: int, high: int, error) -> int:
     return int(value)
 
 
-def _architecture(fields: _Fields) -> tuple[str, str]:
+def _architecture(fields: ConfigFields) -> tuple[str, str]:
     """(architecture, family): the first architecture tessel knows, else the `model_type`'s."""
     names = fields.get("architectures")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
@@ -349,7 +349,7 @@ def _architecture(fields: _Fields) -> tuple[str, str]:
     )
 
 
-def _derived_head_dim(fields: _Fields, hidden: int, heads: int) -> int:
+def _derived_head_dim(fields: ConfigFields, hidden: int, heads: int) -> int:
     if hidden % heads:
         raise TesselError(
             f"{fields.source}: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
@@ -358,7 +358,7 @@ def _derived_head_dim(fields: _Fields, hidden: int, heads: int) -> int:
     return hidden // heads
 
 
-def _rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
+def _rope(fields: ConfigFields) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
     scaling, params = fields.settings("rope_scaling"), fields.settings("rope_parameters")
     merged = scaling | params  # rope_parameters wins where both name a value
@@ -386,7 +386,7 @@ def _rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
         raise TesselError(f"{fields.source}: {error}") from None
 
 
-def _dtype(fields: _Fields) -> str | None:
+def _dtype(fields: ConfigFields) -> str | None:
     value = fields.get("torch_dtype") if fields.get("torch_dtype") is not None else fields.get("dtype")
     if value is not None and not isinstance(value, str):
         raise fields.fail("torch_dtype", "a dtype name such as bfloat16", value)
@@ -418,4 +418,4 @@ def _show(value: object) -> str:
 
 def read_generation_eos(path: Path) -> tuple[int, ...]:
     """`eos_token_id` of a generation_config.json: HF `generate` stops at these too."""
-    return _Fields(read_json_object(path), str(path)).token_ids("eos_token_id")
+    return ConfigFields(read_json_object(path), str(path)).token_ids("eos_token_id")

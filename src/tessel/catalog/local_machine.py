@@ -1,7 +1,7 @@
 """This machine as a cluster: its CUDA GPUs (from `nvidia-smi`) plus its CPU as one more device.
 
     machine = discover_machine()          # nvidia-smi, /proc/cpuinfo, /proc/meminfo
-    data = cluster_data(machine)          # a mapping of the cluster-file shape (tessel.plan.cluster)
+    data = cluster_data(machine)          # a mapping of the cluster-file shape (tessel.plan.files.cluster)
     text = cluster_yaml(machine)          # the same as a cluster file, with what was found in comments
 
 No torch: GPUs come from NVML (`nvidia-ml-py`, imported only here and only when installed) or else
@@ -13,7 +13,7 @@ Their wiring comes from NVML, or `nvidia-smi topo -m` and `nvidia-smi nvlink --s
 (`tessel.catalog.gpu_topology`); a topology nvidia-smi cannot give is a note, one it prints in a
 format tessel does not understand is refused, naming what was not understood.
 
-The cluster it describes (names as `tessel.plan.cluster` gives them):
+The cluster it describes (names as `tessel.plan.files.cluster` gives them):
 - node `localhost`: the GPUs in CUDA order, `localhost/gpu<K>` being `cuda:K` (the nvidia-smi index,
   or the position in `CUDA_VISIBLE_DEVICES` when that is set), each with the memory nvidia-smi
   reports; linked by `nvlink` or `pcie` as the topology says (`GpuTopology.intra_link`); without a
@@ -350,7 +350,7 @@ def _read_proc(proc_root: Path, name: str) -> str:
 
 
 def cluster_data(machine: LocalMachine) -> dict:
-    """The machine as a mapping of the cluster-file shape (`tessel.plan.cluster.parse_cluster`)."""
+    """The machine as a mapping of the cluster-file shape (`tessel.plan.files.cluster.parse_cluster`)."""
     cpu_reserved_gib = get_gpu(CPU_TYPE).reserved_bytes / GIB
     if machine.cpu.memory_gib <= cpu_reserved_gib:
         raise TesselError(

@@ -90,10 +90,21 @@ _LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
     "rope_type": "llama3",
 }
-_L8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32}
-_L8B |= {"num_hidden_layers": 32, "num_key_value_heads": 8}
-_L70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64}
-_L70B |= {"num_hidden_layers": 80, "num_key_value_heads": 8}
+
+
+def _shape(*, hidden: int, intermediate: int, heads: int, layers: int, kv_heads: int) -> dict:
+    """A decoder's size fields of config.json, in its order."""
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+    }
+
+
+_L8B = _shape(hidden=4096, intermediate=14336, heads=32, layers=32, kv_heads=8)
+_L70B = _shape(hidden=8192, intermediate=28672, heads=64, layers=80, kv_heads=8)
 _QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064}
 _QWEN25 |= {"max_position_embeddings": 131072, "rope_theta": 1000000.0, "tie_word_embeddings": False}
 _OPT = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": 50272}
@@ -110,15 +121,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
     # name: (Hugging Face repo the config.json comes from, its fields)
     "llama-2-7b": (
         "meta-llama/Llama-2-7b-hf",
-        _LLAMA2
-        | {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}
-        | {"num_hidden_layers": 32, "num_key_value_heads": 32},
+        _LLAMA2 | _shape(hidden=4096, intermediate=11008, heads=32, layers=32, kv_heads=32),
     ),
     "llama-2-13b": (
         "meta-llama/Llama-2-13b-hf",
-        _LLAMA2
-        | {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40}
-        | {"num_hidden_layers": 40, "num_key_value_heads": 40},
+        _LLAMA2 | _shape(hidden=5120, intermediate=13824, heads=40, layers=40, kv_heads=40),
     ),
     "llama-2-70b": (
         "meta-llama/Llama-2-70b-hf",
@@ -137,14 +144,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "qwen2.5-7b": (
         "Qwen/Qwen2.5-7B",
         _QWEN25
-        | {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28}
-        | {"num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06},
+        | _shape(hidden=3584, intermediate=18944, heads=28, layers=28, kv_heads=4)
+        | {"rms_norm_eps": 1e-06},
     ),
     "qwen2.5-72b": (
         "Qwen/Qwen2.5-72B",
         _QWEN25
-        | {"hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64}
-        | {"num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-05},
+        | _shape(hidden=8192, intermediate=29568, heads=64, layers=80, kv_heads=8)
+        | {"rms_norm_eps": 1e-05},
     ),
     "mistral-7b": (
         "mistralai/Mistral-7B-v0.1",

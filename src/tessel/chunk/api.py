@@ -25,7 +25,7 @@ from tessel.cost.layer import profile_shape
 from tessel.cost.profile import Profile
 from tessel.cost.profile_check import checked_profiles
 from tessel.errors import TesselError
-from tessel.plan.cluster import Cluster, load_cluster
+from tessel.plan.files.cluster import Cluster, load_cluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,8 @@ from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec, link_time_s
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PlanFile, PlanStage, load_plan, unit_kind, units_per_layer
+from tessel.plan.files.plan_file import PlanFile, load_plan
+from tessel.plan.files.plan_parts import PlanStage, unit_kind, units_per_layer
 
 TWIN_CHECK_POINTS = 24  # (c, p) samples the numpy twin is checked on
 TWIN_RTOL = 1e-9
@@ -529,7 +530,7 @@ def even_split_pipeline(
     kv_dtype: str = "fp16",
     profiles: Sequence[Profile] = (),
 ) -> PlanPipeline:
-    """The first `n_stages` devices of a `tessel.plan.cluster.Cluster` in file order, layers split
+    """The first `n_stages` devices of a `tessel.plan.files.cluster.Cluster` in file order, layers split
     evenly (the earlier stages take one more when they don't divide), links from the cluster."""
     devices = list(cluster.devices)
     n = len(devices) if n_stages is None else n_stages

@@ -31,7 +31,7 @@ from tessel.commands.options import (
 from tessel.engine.limits import MAX_KV_CACHE_GIB, MAX_TORCH_THREADS, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
 from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def launch(
         claim_directory(run_dir, "--run-dir", inputs=inputs)
     if profile:  # another device's, model's or tessel's profile: refused (or warned) before any stage starts
         from tessel.chunk.from_plan import plan_profiles
-        from tessel.plan.plan_file import load_plan
+        from tessel.plan.files.plan_file import load_plan
 
         plan_profiles(load_plan(plan), profile, force_profile)
     options = RunOptions(

@@ -18,8 +18,8 @@ import typer
 from tessel.dtypes import PLAN_DTYPE_HELP, RUNTIME_DTYPE_HELP, parse_dtype, runtime_dtype_name
 from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
-from tessel.plan.cluster import MAX_LINK_GBPS
-from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
+from tessel.plan.files.cluster import MAX_LINK_GBPS
+from tessel.plan.files.plan_parts import MIN_EMULATE_HOST_GBPS
 
 if TYPE_CHECKING:
     from tessel.models.reader import ModelFiles

@@ -78,7 +78,7 @@ def plan(
     ),
     force_profile: bool = FORCE_PROFILE_OPTION,
     json_path: Path | None = output_file(
-        None, "--json", help="Write the plan file (tessel.plan.plan_file) here."
+        None, "--json", help="Write the plan file (tessel.plan.files.plan_file) here."
     ),
     export: Literal["vllm"] | None = typer.Option(
         None, "--export", help="'vllm': print a vLLM launch command."
@@ -218,7 +218,7 @@ def planning_cluster(cluster: str, gpu_memory_gib: float | None):  # noqa: ANN20
     """What `make_plan` gets for --cluster: the name or path as given, this machine for 'local', and a
     loaded cluster with each GPU's memory capped under --gpu-memory-gib."""
     from tessel.commands.probe import LOCAL_CLUSTER, local_cluster
-    from tessel.plan.cluster import cap_gpu_memory, load_cluster
+    from tessel.plan.files.cluster import cap_gpu_memory, load_cluster
 
     if cluster != LOCAL_CLUSTER and gpu_memory_gib is None:
         return cluster

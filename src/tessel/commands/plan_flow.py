@@ -1,6 +1,6 @@
 """`tessel plan --replicas auto` when a flow plan wins: its paths, placements and flow weights,
 its plan file (version 4, `flow`) and the closest vLLM export. The planning is
-`tessel.plan.flow_choice.choose_with_flow`."""
+`tessel.plan.flow.flow_choice.choose_with_flow`."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def print_comparison(console, choice) -> None:
 
 
 def write_and_export(console, problem, choice, settings, json_path: Path | None, export: str | None) -> None:
-    from tessel.plan.baselines import run_baselines
     from tessel.plan.report import flow_json, plan_json
+    from tessel.plan.solvers.baselines import run_baselines
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
     b = workload_spec.micro_batch_size
@@ -75,7 +75,7 @@ def write_and_export(console, problem, choice, settings, json_path: Path | None,
             }
         )
     if json_path is not None:
-        from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+        from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
         from tessel.plan.solution import Solution, Stage, evaluate
 
         first = plan.paths[0]
@@ -110,8 +110,8 @@ def write_and_export(console, problem, choice, settings, json_path: Path | None,
 
 
 def _export_vllm(console, problem, plan, settings, workload_spec) -> None:
-    from tessel.plan.export_vllm import closest_disjoint_paths, export_vllm
-    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.files.export_vllm import closest_disjoint_paths, export_vllm
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
     from tessel.plan.solution import Solution, Stage, evaluate
 
     instance = problem.instance

@@ -1,5 +1,5 @@
 """`tessel plan --replicas auto|N`: several pipelines, the routing weights, their plan file and
-one vLLM command per replica. The planning is `tessel.plan.replicas.choose_replicas`."""
+one vLLM command per replica. The planning is `tessel.plan.replicas.replicas.choose_replicas`."""
 
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ def plan_replicas(
     from rich.table import Table
 
     from tessel.commands.plan_flow import print_comparison, print_flow, write_and_export
-    from tessel.plan.baselines import run_baselines
-    from tessel.plan.flow_choice import choose_with_flow
-    from tessel.plan.replicas import replica_gap, split_gap
+    from tessel.plan.flow.flow_choice import choose_with_flow
+    from tessel.plan.replicas.replicas import ReplicaSettings, replica_gap, split_gap
     from tessel.plan.report import plan_json, replicas_json, stage_table
+    from tessel.plan.solvers.baselines import run_baselines
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
     b = workload_spec.micro_batch_size
@@ -51,12 +51,14 @@ def plan_replicas(
     choice = choose_with_flow(
         instance,
         b,
-        replicas=count,
-        solver=settings.solver,
-        time_limit_s=solver_s,
-        mip_gap=settings.mip_gap,
-        concurrency=concurrency,
-        max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
+        ReplicaSettings(
+            replicas=count,
+            solver=settings.solver,
+            time_limit_s=solver_s,
+            mip_gap=settings.mip_gap,
+            concurrency=concurrency,
+            max_micro_batches=None if max_concurrency is None else max(1, max_concurrency // b),
+        ),
     )
     chosen = choice.replicas
     if choice.flow is not None:  # a flow plan serves more than any pipeline or replica split
@@ -144,7 +146,7 @@ def plan_replicas(
         plan_file.write(json_path)
         console.print(f"wrote {json_path}")
     if export == "vllm":
-        from tessel.plan.export_vllm import export_vllm
+        from tessel.plan.files.export_vllm import export_vllm
 
         for index, replica in enumerate(chosen.replicas):
             exported = export_vllm(
@@ -166,8 +168,8 @@ def plan_replicas(
 
 def _flow_not_searched(instance, solver_s: float) -> str:
     """Why `--replicas auto` compared no flow plan: the solvers' time was below the flow search's."""
-    from tessel.plan.flow_choice import FLOW_SHARE, FLOW_SHARE_LARGE, MIN_FLOW_S
-    from tessel.plan.replicas import EXHAUSTIVE_DEVICES
+    from tessel.plan.flow.flow_choice import FLOW_SHARE, FLOW_SHARE_LARGE, MIN_FLOW_S
+    from tessel.plan.replicas.replicas import EXHAUSTIVE_DEVICES
 
     share = FLOW_SHARE if instance.n_devices <= EXHAUSTIVE_DEVICES else FLOW_SHARE_LARGE
     return (

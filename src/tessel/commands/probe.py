@@ -5,7 +5,7 @@
     torchrun --nnodes 2 --nproc-per-node 1 ... -m tessel.cli probe --out c.yaml   # measures the network
 
 Discovery is `tessel.catalog.local_machine` (GPUs, topology, CPU), measurement
-`tessel.models.device_bench` (needs torch; `--no-measure` skips it), joining `tessel.plan.cluster_merge`
+`tessel.models.device_bench` (needs torch; `--no-measure` skips it), joining `tessel.plan.files.cluster_merge`
 and the network under torchrun `tessel.pipeline.comm.link_bench`. `tessel plan --cluster local` plans on
 the same cluster without writing it. The cluster file keeps the datasheet vocabulary (types, counts,
 nvlink / pcie); what was measured goes into its comments and the profile JSON.
@@ -23,7 +23,7 @@ import typer
 
 from tessel.commands.options import float_option, output_file
 from tessel.errors import TesselError
-from tessel.plan.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
+from tessel.plan.files.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
 from tessel.units import GIB
 
 LOCAL_CLUSTER = "local"  # `tessel plan --cluster local`: this machine, discovered when planning
@@ -255,8 +255,8 @@ def _merge(console, files: list[Path], out, json_path, gbps, latency_us) -> None
     import yaml
 
     from tessel.files import read_text_file, write_json_file, write_text_file
-    from tessel.plan.cluster import load_cluster, parse_cluster
-    from tessel.plan.cluster_merge import merge_clusters
+    from tessel.plan.files.cluster import load_cluster, parse_cluster
+    from tessel.plan.files.cluster_merge import merge_clusters
 
     if (gbps is None) != (latency_us is None):
         raise TesselError("give both --network-gbps and --network-latency-us (the link between machines)")
@@ -328,7 +328,7 @@ def local_cluster(machine=None):  # noqa: ANN001, ANN201 (LocalMachine -> Cluste
     from rich.console import Console
 
     from tessel.catalog.local_machine import cluster_data, discover_machine
-    from tessel.plan.cluster import parse_cluster
+    from tessel.plan.files.cluster import parse_cluster
 
     machine = discover_machine() if machine is None else machine
     for note in machine.notes:

@@ -1,5 +1,5 @@
 """The `--remap` options `tessel serve --plan` and `tessel simulate` share (one decision, one set of
-flags: `tessel.plan.remap_decision.RemapSettings`, which refuses NaN and out-of-range values
+flags: `tessel.plan.remap.remap_decision.RemapSettings`, which refuses NaN and out-of-range values
 naming the flag, for the Python API too)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import typer
 
 from tessel.commands.options import float_option
 from tessel.errors import TesselError
-from tessel.plan.remap_decision import (
+from tessel.plan.remap.remap_decision import (
     MAX_HORIZON_S,
     MAX_INTERVAL_S,
     MIN_HORIZON_S,

@@ -27,7 +27,7 @@ from tessel.commands.remap_options import (
     RemapMode,
     remap_settings,
 )
-from tessel.plan.workload import MAX_ARRIVAL_RATE_PER_S
+from tessel.plan.files.workload import MAX_ARRIVAL_RATE_PER_S
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
 from tessel.sim.measured import MeasuredComparison, compare_metrics
 from tessel.sim.request_trace import MAX_REQUESTS
@@ -196,7 +196,7 @@ def simulate_measured(  # noqa: ANN201
     t = 0, its micro-batches in flight (pinned slots), its per-slot sequence limit and token budget,
     no KV limit (the runtime sizes its own pool). -> (report, comparison)."""
     from tessel.errors import TesselError
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
     from tessel.sim.api import SimulationSettings, simulate_plan
     from tessel.sim.measured import check_same_plan, load_run
     from tessel.sim.request_trace import RequestSet

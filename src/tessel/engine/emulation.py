@@ -1,14 +1,14 @@
 """Slow-device emulation: on one CPU, a slower device or a slower host link, by sleeping.
 
 tessel runs uneven plans on a machine that has only CPUs by making parts of it slower, never by
-modelling them: what a plan's cluster file says under `emulate` (`tessel.plan.cluster`; the plan
+modelling them: what a plan's cluster file says under `emulate` (`tessel.plan.files.cluster`; the plan
 file carries it per stage) the runtime turns into sleeps here, and the simulator into the same
 slowdowns. Every figure measured under emulation is the emulated device's, never a GPU's.
 
 - `SlowDevice`: a stage at speed s < 1 sleeps (1/s - 1) x its measured compute after each
   micro-batch. With a speed schedule, s is the schedule's speed at the seconds since the pipeline's
-  first micro-batch (`tessel.plan.plan_file.emulated_speed_at`); stage 0 of a plan with a schedule
-  publishes when that was in `EMULATE_EPOCH_ENV` (wall-clock seconds), which stage processes
+  first micro-batch (`tessel.plan.files.plan_parts.emulated_speed_at`); stage 0 of a plan with a
+  schedule publishes when that was in `EMULATE_EPOCH_ENV` (wall-clock seconds), which stage processes
   spawned later (a remapped pipeline) inherit, so a device's schedule runs on through a remap.
 - `hold_link`: a copy over an emulated host link (KV blocks swapped to the host pool, streamed
   weights) that finished faster than bytes / bandwidth sleeps for the difference.
@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from tessel.plan.plan_file import emulated_speed_at
+from tessel.plan.files.plan_parts import emulated_speed_at
 from tessel.units import GBPS
 
 EMULATE_EPOCH_ENV = "TESSEL_EMULATE_EPOCH"  # wall-clock seconds the emulated schedules count from

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from tessel.errors import TesselError
-from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
+from tessel.plan.files.plan_parts import MIN_EMULATE_HOST_GBPS
 
 # A KV pool (device or host) of at least about a KiB: one 4-token block of the tests' 2-layer toy
 # model (1 KiB in fp32); a real model's block is tens of KiB or more, and the engine refuses a pool that

@@ -8,7 +8,7 @@ is scheduled again only when its previous micro-batch has come back. One process
 model is one path of one slot.
 
 With several paths (a flow plan's routes through shared GPUs) a request is first dealt a path by
-the paths' weights (`tessel.plan.weighted_turns`: after n requests each path holds within one of
+the paths' weights (`tessel.plan.replicas.weighted_turns`: after n requests each path holds within one of
 its share), then the path's slot with the fewest unfinished requests; its KV blocks come from its
 path's id range (`tessel.engine.block_manager.PathBlockManagers`). `add`, `finish` and
 `num_unfinished` are what the engine calls; `running` and `waiting` (every slot's, slot by slot) are
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tessel.engine.block_manager import BlockManager, PathBlockManagers
 from tessel.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import Sequence
-from tessel.plan.weighted_turns import WeightedTurns
+from tessel.plan.replicas.weighted_turns import WeightedTurns
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from tessel.pipeline.options import RunOptions
 from tessel.pipeline.prompts_file import RunRequest, read_requests
 from tessel.pipeline.run_plan import RunPlan, load_run_plan
 from tessel.pipeline.supervision.heartbeat import heartbeat_timeout_s
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
 
 
 def check_run(

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from tessel.errors import TesselError
 from tessel.pipeline.run_plan import RunPlan, RunStage
+from tessel.plan.files.plan_parts import gpu_index
 
 NCCL, HOST = "nccl", "host"
 TRANSPORTS = ("auto", NCCL, HOST)
-_INDEX = re.compile(r"/\D*(\d+)[^/]*$")  # the GPU index: the first number after the node
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +43,6 @@ class CudaDevice:
 
 def node_of(stage: RunStage) -> str:
     return stage.device.split("/", 1)[0] if "/" in stage.device else ""
-
-
-def gpu_index(device: str) -> int | None:
-    """K of a plan's device name `<node>/gpu<K>` (or `<node>/gpu<K>#2`); None when it names none."""
-    found = _INDEX.search(device)
-    return None if found is None else int(found.group(1))
 
 
 def stage_device(stage: RunStage) -> str:

@@ -39,7 +39,7 @@ import torch
 
 from tessel.errors import TesselError
 from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from tessel.plan.weighted_turns import WeightedTurns
+from tessel.plan.replicas.weighted_turns import WeightedTurns
 
 if TYPE_CHECKING:
     from tessel.pipeline.run_plan import RunPlan

@@ -16,7 +16,7 @@ from pathlib import Path
 from tessel.chunk.latency import PipelineLatency
 from tessel.cost.layer import FLOAT_WEIGHTS
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PlanFile, load_plan
+from tessel.plan.files.plan_file import PlanFile, load_plan
 
 PIPELINE_MIN_MICRO_BATCHES = 2  # without a plan workload: enough to keep two stages busy
 

@@ -19,15 +19,15 @@ from pathlib import Path
 from tessel.catalog.models import ModelSpec, load_model
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
-from tessel.plan.baselines import BaselineResult, run_baselines
 from tessel.plan.build import build_instance, capacity_shortfall_bytes
-from tessel.plan.cluster import Cluster, load_cluster
+from tessel.plan.files.cluster import Cluster, load_cluster
+from tessel.plan.files.plan_file import PlanFile, load_plan
+from tessel.plan.files.workload import Workload, load_workload
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.plan_file import PlanFile, load_plan
-from tessel.plan.replan import ReplanDecision, check_same_model, previous_solution, replan
+from tessel.plan.remap.replan import ReplanDecision, check_same_model, previous_solution, replan
 from tessel.plan.report import Predicted, plan_json, predict
-from tessel.plan.solve import PlanResult, solve
-from tessel.plan.workload import Workload, load_workload
+from tessel.plan.solvers.baselines import BaselineResult, run_baselines
+from tessel.plan.solvers.solve import PlanResult, solve
 
 # What the API accepts for each input: a bundled name, a file path, or the loaded spec.
 ModelArg = str | Path | ModelSpec
@@ -74,6 +74,20 @@ class PlanSettings:
         ):
             raise TesselError("--quality-budget, --theta and --sensitivity need --precisions")
 
+    @classmethod
+    def of_plan(cls, plan: PlanFile, *, time_limit_s: float, solver: str = "milp") -> PlanSettings:
+        """The settings a plan file records (granularity, overlap, swap-in, dtypes), to plan again
+        like it with `solver` in `time_limit_s`."""
+        return cls(
+            solver=solver,
+            granularity=plan.granularity,
+            overlap=plan.overlap,
+            swap_in=plan.swap_in,
+            time_limit_s=time_limit_s,
+            dtype=plan.dtype,
+            kv_dtype=plan.kv_dtype,
+        )
+
     def instance_options(self, model: str | Path | ModelSpec) -> dict:
         """build_instance's keyword arguments: granularity, dtypes, overlap, swap-in and precisions."""
         return {
@@ -89,7 +103,7 @@ class PlanSettings:
 
     def precision_options(self, model: str | Path | ModelSpec) -> dict:
         """build_instance's precision arguments (none: --dtype for every layer)."""
-        from tessel.plan.precision import parse_precisions
+        from tessel.plan.precision.precision import parse_precisions
 
         if self.precisions is None:
             return {}
@@ -143,7 +157,7 @@ class PlanOutcome:
         return predict(self.instance, self.result.evaluation, self.workload.micro_batch_size)
 
     def plan_file(self) -> PlanFile:
-        """The plan file that `chunk`, `simulate` and the runtime read (`tessel.plan.plan_file`)."""
+        """The plan file that `chunk`, `simulate` and the runtime read (`tessel.plan.files.plan_file`)."""
         result = self.result
         return plan_json(
             self.instance,
@@ -165,9 +179,9 @@ class PlanOutcome:
             quality_source=self.instance.labels.get("quality_source", "shape"),
         )
 
-    def vllm_export(self):  # -> tessel.plan.export_vllm.VllmExport
+    def vllm_export(self):  # -> tessel.plan.files.export_vllm.VllmExport
         """The launch command of unmodified vLLM for this plan, with its KV capacity check."""
-        from tessel.plan.export_vllm import export_vllm
+        from tessel.plan.files.export_vllm import export_vllm
 
         return export_vllm(
             self.instance,

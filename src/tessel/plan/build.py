@@ -26,8 +26,8 @@ derives all three), for every unit u (a decoder layer, or its attention / MLP bl
   one request's latency: prefill makespan + output_tokens x decode makespan.
 - with `precisions` (more than one weight precision), every unit's bytes and times at each of them
   (the cost model at that dtype: `tessel.cost.layer.WEIGHT_SCHEMES`) and its quality cost
-  (`tessel.plan.quality`); the budget is `quality_budget`, else `theta` alone, else the default
-  (`tessel.plan.precision.default_budget`).
+  (`tessel.plan.precision.quality`); the budget is `quality_budget`, else `theta` alone, else the default
+  (`tessel.plan.precision.precision.default_budget`).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ from tessel.cost.roofline import (
     unit_prefill_time_s,
 )
 from tessel.errors import TesselError
-from tessel.plan.cluster import Cluster, load_cluster
 from tessel.plan.encoder import encoder_workload
+from tessel.plan.files.cluster import Cluster, load_cluster
+from tessel.plan.files.workload import Workload, load_workload
 from tessel.plan.instance import (
     SWAP_IN_POLICIES,
     DeviceSlot,
@@ -68,7 +69,6 @@ from tessel.plan.instance import (
     PrecisionChoice,
     Unit,
 )
-from tessel.plan.workload import Workload, load_workload
 
 GRANULARITIES = {"layer": ("layer",), "sublayer": ("attention", "mlp")}
 # "auto": evicted KV priced per device by the cheaper of swap and recompute; "off": streamed like weights
@@ -318,8 +318,8 @@ def _precision_choice(
 ) -> tuple[PrecisionChoice, str]:
     """Bytes, times and quality cost of every unit at every precision (see the module docstring),
     and where the quality costs came from; the times x each device's core share, as at one precision."""
-    from tessel.plan.precision import default_budget
-    from tessel.plan.quality import quality_costs
+    from tessel.plan.precision.precision import default_budget
+    from tessel.plan.precision.quality import quality_costs
 
     specs = {device.spec.name: device.spec for device in cluster.devices}
     kind_index = np.array([kinds.index(unit.kind) for unit in units])

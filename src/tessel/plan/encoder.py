@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessel.catalog.models import ModelSpec
-from tessel.plan.workload import Workload
+from tessel.plan.files.workload import Workload
 
 
 def encoder_workload(workload: Workload, model: ModelSpec) -> Workload:

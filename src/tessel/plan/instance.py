@@ -189,7 +189,7 @@ class PlanningInstance:
     overlap: bool = False
     swap_in: str = "charged"  # "charged" or "hidden" (see the module docstring)
     # re-planning: seconds to bring unit u's weights onto device j (0 where they already are), and
-    # the weight of that one-time cost against the objective (see tessel.plan.replan)
+    # the weight of that one-time cost against the objective (see tessel.plan.remap.replan)
     move_s: np.ndarray | None = None  # [U, N], or [U, N, P] with a precision choice
     move_weight: float = 0.0
     precision: PrecisionChoice | None = None  # a weight precision per unit, chosen by the solver
@@ -310,6 +310,57 @@ class PlanningInstance:
             return 0.0
         q = np.zeros(self.n_units, dtype=int) if precisions is None else np.asarray(precisions, dtype=int)
         return float(self.precision.quality[np.arange(self.n_units), q].sum())
+
+
+# ---- the problem of a part of the cluster, or of another concurrency ------------------------------
+
+
+def share(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
+    """The problem of a replica that holds `micro_batches` of the workload's m micro-batches in flight:
+    same micro-batch size and pass costs, the KV of its own micro-batches only."""
+    if not 1 <= micro_batches <= instance.micro_batches:
+        raise ValueError(f"a share is 1..{instance.micro_batches} micro-batches, got {micro_batches}")
+    return with_micro_batches(instance, micro_batches)
+
+
+def with_micro_batches(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
+    """The instance with `micro_batches` of b requests in flight (any count >= 1): same pass costs,
+    the KV of that many micro-batches."""
+    if micro_batches < 1:
+        raise ValueError(f"micro-batches in flight must be >= 1, got {micro_batches}")
+    scale = micro_batches / instance.micro_batches
+    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
+
+
+def gpu_memory_only(instance: PlanningInstance) -> PlanningInstance:
+    """The instance with no host memory to offload into: every plan holds all in GPU memory."""
+    return replace(instance, devices=tuple(replace(d, host_bytes=0.0) for d in instance.devices))
+
+
+def subset(instance: PlanningInstance, devices: tuple[int, ...]) -> PlanningInstance:
+    """The planning problem restricted to some devices (indices re-numbered 0..k-1)."""
+    idx = np.asarray(devices, dtype=int)
+
+    def costs(c: PassCosts) -> PassCosts:
+        return PassCosts(
+            c.unit_time_s[:, idx], c.first_time_s[idx], c.last_time_s[idx], c.send_s[np.ix_(idx, idx)]
+        )
+
+    choice = instance.precision
+    if choice is not None:
+        choice = replace(
+            choice, prefill_time_s=choice.prefill_time_s[:, idx], decode_time_s=choice.decode_time_s[:, idx]
+        )
+    return replace(
+        instance,
+        devices=tuple(instance.devices[j] for j in devices),
+        prefill=costs(instance.prefill),
+        decode=costs(instance.decode),
+        workspace_bytes=np.asarray(instance.workspace_bytes)[idx],
+        move_s=None if instance.move_s is None else instance.move_s[:, idx],
+        precision=choice,
+        kv_restore=None if instance.kv_restore is None else instance.kv_restore.subset(idx),
+    )
 
 
 def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:

@@ -1,4 +1,4 @@
-"""What a plan predicts, the plan file it writes (`tessel.plan.plan_file`) and the rich tables
+"""What a plan predicts, the plan file it writes (`tessel.plan.files.plan_file`) and the rich tables
 `tessel plan` prints.
 
 Predicted metrics, from the pipeline of m micro-batches of b requests each (b from the workload):
@@ -19,10 +19,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tessel.plan.baselines import BaselineResult
+from tessel.plan.files.plan_file import PLAN_VERSION, PlanFile, parse_plan
+from tessel.plan.files.plan_parts import whole_predicted
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.plan_file import PLAN_VERSION, PlanFile, parse_plan, whole_predicted
 from tessel.plan.solution import Evaluation
+from tessel.plan.solvers.baselines import BaselineResult
 from tessel.units import GBPS, GIB, US_PER_S
 
 
@@ -92,7 +93,7 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
 
 
 def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
-    """The plan file's `replicas` (version 2) from a `tessel.plan.replicas.ReplicaPlan`."""
+    """The plan file's `replicas` (version 2) from a `tessel.plan.replicas.replicas.ReplicaPlan`."""
     return [
         {
             "index": index,
@@ -107,11 +108,11 @@ def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
 
 
 def flow_json(instance: PlanningInstance, plan, cluster, micro_batch_size: int) -> tuple[list[dict], dict]:
-    """The plan file's `replicas` (the paths) and `flow` (version 4) from a `tessel.plan.flow.FlowPlan`;
+    """The plan file's `replicas` (the paths) and `flow` (version 4) from a `tessel.plan.flow.flow.FlowPlan`;
     each path's stages are evaluated at its micro-batches with the devices' full speed, its predicted
     figures and `time_shares` are the flow plan's."""
-    from tessel.plan.flow import SINK, SOURCE
-    from tessel.plan.replicas import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.flow.flow import SINK, SOURCE
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
     from tessel.plan.solution import Solution, Stage, evaluate
 
     paths = []
@@ -436,7 +437,7 @@ def utilization_cells(utilizations, index: int) -> list[str]:
 
 def precision_cells(evaluation: Evaluation, stage) -> list[str]:
     """The stage's precisions ('fp16 x6, int8 x4') as a table cell, when the plan chose them."""
-    from tessel.plan.precision import stage_precision_text
+    from tessel.plan.precision.precision import stage_precision_text
 
     if evaluation.precisions is None:
         return []

@@ -6,7 +6,7 @@ For each decoder layer i and each precision q, the linear maps of layer i alone 
     cost[q][i] = mean over the calibration tokens of KL(P_float || P_q)   [nats per token]
 
 where P is the model's next-token distribution at that position. The file is the one
-`tessel plan --sensitivity` reads (`tessel.plan.quality.SensitivityFile`), with `model` set to the
+`tessel plan --sensitivity` reads (`tessel.plan.precision.quality.SensitivityFile`), with `model` set to the
 name the planner gives the same checkpoint (`tessel.catalog.models.load_model`: its directory's
 name).
 
@@ -261,7 +261,7 @@ def write_sensitivity(
     from tessel.catalog.models import load_model
     from tessel.files import check_output_path, write_json_file
     from tessel.models.gguf import resolve_model_path
-    from tessel.plan.quality import SensitivityFile
+    from tessel.plan.precision.quality import SensitivityFile
     from tessel.quant.calibrate import calibration_windows, load_hf_model, read_calibration_text
 
     start = time.perf_counter()

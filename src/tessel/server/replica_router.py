@@ -529,7 +529,7 @@ def router_families(loads: Sequence[ReplicaLoad]) -> list[Any]:
 def replica_specs(plan: Path) -> list[ReplicaSpec]:
     """The plan's replicas (index, weight); empty for a plan of one pipeline, and for a flow plan
     (one process group over its placements routes by the flow weights, `tessel.pipeline.flow`)."""
-    from tessel.plan.plan_file import load_plan
+    from tessel.plan.files.plan_file import load_plan
 
     document = load_plan(plan)
     if document.flow is not None:

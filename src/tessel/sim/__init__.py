@@ -3,7 +3,7 @@
 One concern per module: `requests` (Poisson, batch, traces), `scheduler` (continuous batching with
 chunked prefill), `simulator` (event heap, stages, links), `metrics`, `gantt`, `linear` (a stage given
 by coefficients), `cpp` (prompt cuts from `tessel.chunk`), `plan_pipeline` (a plan file's stages,
-read by `tessel.plan.plan_file`, priced by the cost model), `workload` (requests for `--workload`).
+read by `tessel.plan.files.plan_file`, priced by the cost model), `workload` (requests for `--workload`).
 Pure Python and numpy: never imports torch. `gantt` imports matplotlib only when called.
 """
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from tessel.chunk.from_plan import plan_profiles
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
-from tessel.plan.plan_file import PlanFile, PlanVariant, load_plan
-from tessel.plan.remap_decision import RemapSettings
+from tessel.plan.files.plan_file import PlanFile, load_plan
+from tessel.plan.files.plan_parts import PlanVariant
+from tessel.plan.remap.remap_decision import RemapSettings
 from tessel.sim.cpp import cpp_chunk_sizer
 from tessel.sim.plan_pipeline import SimPipeline, kv_capacity_tokens, pipeline_for
 from tessel.sim.regime import REGIMES, regime_defaults

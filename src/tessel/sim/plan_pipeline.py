@@ -45,8 +45,8 @@ from tessel.chunk.latency import PipelineLatency, StageLatency
 from tessel.cost.layer import kv_bytes_per_token
 from tessel.cost.profile import Profile
 from tessel.errors import TesselError
-from tessel.pipeline.devices import gpu_index
-from tessel.plan.plan_file import PlanFile, PlanStage, PlanVariant
+from tessel.plan.files.plan_file import PlanFile
+from tessel.plan.files.plan_parts import PlanStage, PlanVariant, gpu_index
 from tessel.sim.kv_pool import KvPool
 from tessel.sim.simulator import CoreSharing
 from tessel.units import GBPS, GIB

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessel.plan.plan_file import PlanFile
+from tessel.plan.files.plan_file import PlanFile
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_SEQS
 
 REGIMES = ("plan", "continuous")

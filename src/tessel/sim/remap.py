@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tessel.errors import TesselError
-from tessel.plan.cluster import Cluster, load_cluster
-from tessel.plan.plan_file import PlanFile
-from tessel.plan.remap_decision import (
+from tessel.plan.files.cluster import Cluster, load_cluster
+from tessel.plan.files.plan_file import PlanFile
+from tessel.plan.remap.remap_decision import (
     RemapDecider,
     RemapDecision,
     RemapSettings,

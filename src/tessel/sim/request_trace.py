@@ -1,6 +1,6 @@
 """The requests of `tessel simulate --workload W`: a trace file, or draws from a workload file.
 
-A workload (`tessel.plan.workload`, bundled name or YAML) gives length distributions and either an
+A workload (`tessel.plan.files.workload`, bundled name or YAML) gives length distributions and either an
 arrival rate (Poisson arrivals) or a batch size (that many requests at t = 0). Its lengths become:
 
 - `samples`: drawn uniformly from the samples;
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.plan.workload import TokenDistribution, Workload, load_workload
+from tessel.plan.files.workload import TokenDistribution, Workload, load_workload
 from tessel.sim.requests import (
     LengthDistribution,
     Request,

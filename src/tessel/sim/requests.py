@@ -18,7 +18,7 @@ import numpy as np
 
 from tessel.errors import TesselError
 from tessel.files import parse_json_text, read_text_file
-from tessel.plan.workload import MAX_TOKENS
+from tessel.plan.files.workload import MAX_TOKENS
 
 TRACE_FIELDS = ("arrival_s", "prompt_tokens", "output_tokens")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal", "samples")

@@ -1,7 +1,7 @@
 """Requests routed across replica pipelines, and the merged result of simulating each.
 
 `route` sends requests, in arrival order, to replicas by their weights in turn, without randomness
-(`tessel.plan.weighted_turns`, Tijdeman's chairman assignment): after any n requests replica r has
+(`tessel.plan.replicas.weighted_turns`, Tijdeman's chairman assignment): after any n requests replica r has
 received n * w_r of them within 1 - 1/(2m - 2) (m replicas), so a trace splits in the plan's routing
 weights; on a short trace a replica of small weight may get none.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tessel.plan.weighted_turns import WeightedTurns
+from tessel.plan.replicas.weighted_turns import WeightedTurns
 from tessel.sim.requests import Request
 from tessel.sim.simulator import SimResult
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tessel.chunk.latency import PipelineLatency
 from tessel.sim.requests import Request
-from tessel.sim.simulator import _ARRIVAL, SimConfig, SimResult, _Run
+from tessel.sim.simulator import PipelineRun, SimConfig, SimResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +60,7 @@ class _Devices:
             run.try_start(now, index)
 
 
-class _PathRun(_Run):
+class _PathRun(PipelineRun):
     def __init__(self, path: SharedPath, shared: _Devices, heap: list, counter) -> None:
         super().__init__(path.pipeline, path.config, path.requests)
         self.devices = path.devices
@@ -89,8 +89,7 @@ def simulate_shared(paths: Sequence[SharedPath]) -> list[SimResult]:
     shared, counter = _Devices(), itertools.count()
     runs = [_PathRun(path, shared, heap, counter) for path in paths]
     for run in runs:
-        for request in run.requests:
-            run.push(request.arrival_s, _ARRIVAL, 0, request)
+        run.arrive()
     while heap:
         now = heap[0][0]
         while heap and heap[0][0] == now:

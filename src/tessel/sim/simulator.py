@@ -197,7 +197,7 @@ class Simulator:
         self.config = config or SimConfig()
 
     def run(self, requests: list[Request]) -> SimResult:
-        return _Run(self.pipeline, self.config, requests).run()
+        return PipelineRun(self.pipeline, self.config, requests).run()
 
 
 def simulate(
@@ -232,7 +232,11 @@ def batch_compute_time_s(
     return time
 
 
-class _Run:
+class PipelineRun:
+    """One pipeline serving its requests: the event loop (`run`) and what each event does; the
+    simulator of devices shared by several pipelines (`tessel.sim.shared_devices`) runs several
+    of these on one event heap."""
+
     def __init__(self, pipeline: PipelineLatency, config: SimConfig, requests: list[Request]) -> None:
         ids = [request.id for request in requests]
         if len(set(ids)) != len(ids):
@@ -273,9 +277,13 @@ class _Run:
         heapq.heappush(self.events, (time_s, kind, self.counter, stage, payload))
         self.counter += 1
 
-    def run(self) -> SimResult:
+    def arrive(self) -> None:
+        """Every request's arrival, as an event."""
         for request in self.requests:
             self.push(request.arrival_s, _ARRIVAL, 0, request)
+
+    def run(self) -> SimResult:
+        self.arrive()
         while self.events:
             now = self.events[0][0]
             while self.events and self.events[0][0] == now:

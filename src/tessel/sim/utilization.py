@@ -21,7 +21,8 @@ from tessel.cost.utilization import (
     utilization,
     work_at_peak,
 )
-from tessel.plan.plan_file import PlanFile, PlanStage
+from tessel.plan.files.plan_file import PlanFile
+from tessel.plan.files.plan_parts import PlanStage
 from tessel.sim.simulator import SimResult
 
 

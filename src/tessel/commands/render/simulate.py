@@ -122,7 +122,7 @@ def _percent(value: float) -> str:
 def stage_table(run: VariantRun, utilizations: list | None = None) -> Table:
     """Per stage: where it runs, its layers, how busy the simulation kept it; and the weight
     precisions it was priced at when the plan gives them; with `utilizations`, MFU and MBU."""
-    from tessel.plan.precision import stage_precision_text
+    from tessel.plan.precision.precision import stage_precision_text
 
     table = Table(title=f"Stages of {run.variant.name}")
     mixed = any(stage.precisions is not None for stage in run.variant.stages)

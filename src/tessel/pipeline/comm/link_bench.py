@@ -104,7 +104,7 @@ def probe_over_torchrun(
     import torch
     import torch.distributed as dist
 
-    from tessel.plan.cluster_merge import merge_clusters
+    from tessel.plan.files.cluster_merge import merge_clusters
 
     has_gpu = torch.cuda.is_available()
     device = "cpu"

@@ -6,7 +6,7 @@ now): stage 0's own counters (`StageRunner.stats`) and every other stage's heart
 `Progress` carries its micro-batches and busy seconds, compute + any emulated slowdown). The
 server's outputs give the requests (arrival time and prompt tokens at the first token, output tokens
 at the finish). A `RemapWindow` turns them into per-stage seconds per micro-batch and the workload
-over the last `window_s` seconds (`tessel.plan.remap_decision`); `/metrics` shows them beside the
+over the last `window_s` seconds (`tessel.plan.remap.remap_decision`); `/metrics` shows them beside the
 plan's predictions. It never reads an emulated speed schedule: a slowed stage shows in its times.
 
 With `--remap auto` the same thread runs `RemapDecider.evaluate` on each window: every decision is
@@ -30,8 +30,8 @@ from typing import Any
 
 from tessel.pipeline.flow import is_flow
 from tessel.pipeline.supervision.heartbeat import read_beat
-from tessel.plan.cluster import load_cluster
-from tessel.plan.remap_decision import (
+from tessel.plan.files.cluster import load_cluster
+from tessel.plan.remap.remap_decision import (
     OUTCOMES,
     RemapDecider,
     RemapDecision,

@@ -265,7 +265,7 @@ class Supervisor:
     def _survivors_options(self, old: ProcessExecutor, error: BaseException) -> RunOptions:
         """What to build after a failure: without the lost stage's device (the plan re-split over the
         survivors, written to a new run directory), or the same pipeline when no stage is to blame."""
-        from tessel.pipeline.remap import write_survivor_plan
+        from tessel.plan.remap.survivors import write_survivor_plan
 
         lost = _lost_stage(old.plan, error)
         if lost is None:

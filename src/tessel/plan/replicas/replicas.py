@@ -36,7 +36,7 @@ Which split (`choose_replicas`):
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
   The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
-  `split_bound_tok_s` bounds every split there is (`tessel.plan.replica_bound`: the lesser of a fluid
+  `split_bound_tok_s` bounds every split there is (`tessel.plan.replicas.replica_bound`: the lesser of a fluid
   bound and a requests-in-flight bound, loose but proven), so `split_gap` is a proven gap to the best
   split at any cluster size.
 """
@@ -52,11 +52,18 @@ import numpy as np
 
 from tessel.errors import TesselError
 from tessel.plan.build import capacity_shortfall_bytes
-from tessel.plan.instance import PassCosts, PlanningInstance
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
+from tessel.plan.instance import (
+    PassCosts,
+    PlanningInstance,
+    gpu_memory_only,
+    share,
+    subset,
+    with_micro_batches,
+)
 from tessel.plan.report import predict
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, evaluate
-from tessel.plan.solve import PlanResult, solve
-from tessel.plan.workload import MAX_MICRO_BATCHES
+from tessel.plan.solvers.solve import PlanResult, solve
 
 EXHAUSTIVE_DEVICES = 6  # Bell(6) = 203 partitions
 MIN_REPLICA_TIME_S = 0.5
@@ -70,6 +77,19 @@ MEMORY_TRIES = (1.0, 0.9, 0.75, 0.5)  # memory mode: fractions of a group's memo
 MEMORY_BOUND_S = 30.0  # HiGHS time for the memory bound's LP at most (never beyond the time limit)
 MEMORY_SEARCH_SHARE = 0.6  # memory mode: its splits end there, the fixed shares get the rest
 EVERY_K_UP_TO = 8  # memory mode, exhaustive search: every k up to this, then MEMORY_TRIES fractions
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    """How to split a cluster into replicas: the options of `tessel plan --replicas`, taken by
+    `choose_replicas` and by `tessel.plan.flow.flow_choice.choose_with_flow`, which passes them on."""
+
+    replicas: int | None = None  # how many pipelines (None: the best count)
+    solver: str = "milp"  # each replica's pipeline: "milp", "dp" or "brute"
+    time_limit_s: float = 30.0
+    mip_gap: float = 0.01
+    concurrency: str = "fixed"  # one of CONCURRENCY_MODES
+    max_micro_batches: int | None = None  # with concurrency by memory: at most this many in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +114,7 @@ class ReplicaPlan:
     splits_evaluated: int
     exhaustive: bool  # every partition of the devices was tried
     time_s: float
-    split_bound_tok_s: float = math.inf  # over every split of the devices (`tessel.plan.replica_bound`)
+    split_bound_tok_s: float = math.inf  # over every split of the devices (`replica_bound`)
     concurrency: str = "fixed"  # "fixed": shares of the workload's m; "memory": as memory holds
     single_tok_s: float = 0.0  # the whole cluster as one pipeline at the workload's m (a candidate)
 
@@ -105,29 +125,6 @@ def routing_weights(capacities: list[float]) -> list[float]:
     if total <= 0:
         raise ValueError("no replica has capacity")
     return [c / total for c in capacities]
-
-
-def share(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
-    """The problem of a replica that holds `micro_batches` of the workload's m micro-batches in flight:
-    same micro-batch size and pass costs, the KV of its own micro-batches only."""
-    if not 1 <= micro_batches <= instance.micro_batches:
-        raise ValueError(f"a share is 1..{instance.micro_batches} micro-batches, got {micro_batches}")
-    scale = micro_batches / instance.micro_batches
-    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
-
-
-def with_micro_batches(instance: PlanningInstance, micro_batches: int) -> PlanningInstance:
-    """The instance with `micro_batches` of b requests in flight (any count >= 1): same pass costs,
-    the KV of that many micro-batches."""
-    if micro_batches < 1:
-        raise ValueError(f"micro-batches in flight must be >= 1, got {micro_batches}")
-    scale = micro_batches / instance.micro_batches
-    return replace(instance, micro_batches=micro_batches, kv_bytes=np.asarray(instance.kv_bytes) * scale)
-
-
-def gpu_memory_only(instance: PlanningInstance) -> PlanningInstance:
-    """The instance with no host memory to offload into: every plan holds all in GPU memory."""
-    return replace(instance, devices=tuple(replace(d, host_bytes=0.0) for d in instance.devices))
 
 
 def memory_micro_batches(instance: PlanningInstance, evaluation) -> float:
@@ -178,32 +175,6 @@ def allocate(curves: list[dict[int, float]], budget: int, count: int | None = No
         states = nxt
     found = [v for (_, served), v in states.items() if served > 0 and (count is None or served == count)]
     return max(found, key=lambda v: v[0]) if found else None
-
-
-def subset(instance: PlanningInstance, devices: tuple[int, ...]) -> PlanningInstance:
-    """The planning problem restricted to some devices (indices re-numbered 0..k-1)."""
-    idx = np.asarray(devices, dtype=int)
-
-    def costs(c: PassCosts) -> PassCosts:
-        return PassCosts(
-            c.unit_time_s[:, idx], c.first_time_s[idx], c.last_time_s[idx], c.send_s[np.ix_(idx, idx)]
-        )
-
-    choice = instance.precision
-    if choice is not None:
-        choice = replace(
-            choice, prefill_time_s=choice.prefill_time_s[:, idx], decode_time_s=choice.decode_time_s[:, idx]
-        )
-    return replace(
-        instance,
-        devices=tuple(instance.devices[j] for j in devices),
-        prefill=costs(instance.prefill),
-        decode=costs(instance.decode),
-        workspace_bytes=np.asarray(instance.workspace_bytes)[idx],
-        move_s=None if instance.move_s is None else instance.move_s[:, idx],
-        precision=choice,
-        kv_restore=None if instance.kv_restore is None else instance.kv_restore.subset(idx),
-    )
 
 
 def holds_model(instance: PlanningInstance, devices: tuple[int, ...], gpu_only: bool = False) -> bool:
@@ -383,16 +354,16 @@ def _upper(throughput: float, objective: float, bound: float | None) -> float:
 
 
 def averaged_precisions(instance: PlanningInstance) -> PlanningInstance:
-    """A fast stand-in for ranking splits: the budget filled on one stage (`_fill_budget`), then every
+    """A fast stand-in for ranking splits: the budget filled on one stage (`fill_budget`), then every
     unit given the mean bytes and times of that precision vector, so the units are alike and the
     counts relaxation plans it. Not a plan of the instance and not a bound; the chosen split is
     planned for real afterwards."""
-    from tessel.plan.precision_search import _fill_budget
     from tessel.plan.solution import Solution, Stage
+    from tessel.plan.solvers.precision_search import fill_budget
 
     if instance.precision is None:
         return instance
-    vector = _fill_budget(instance, Solution((Stage(0, 0, instance.n_units),)))
+    vector = fill_budget(instance, Solution((Stage(0, 0, instance.n_units),)))
     fixed = instance.fixed(vector)
 
     def mean(costs: PassCosts) -> PassCosts:
@@ -420,25 +391,22 @@ def canonical_group(instance: PlanningInstance, devices) -> tuple[int, ...]:
 def choose_replicas(
     instance: PlanningInstance,
     micro_batch_size: int,
+    settings: ReplicaSettings = ReplicaSettings(),
     *,
-    replicas: int | None = None,
-    solver: str = "milp",
-    time_limit_s: float = 30.0,
-    mip_gap: float = 0.01,
-    concurrency: str = "fixed",
-    max_micro_batches: int | None = None,
     _single: bool = True,
 ) -> ReplicaPlan:
-    """The split of the devices into `replicas` pipelines (None: the best count) and of the requests
-    in flight among them (`concurrency`: shares of the workload's m micro-batches, or as many as each
-    replica's memory holds, at most `max_micro_batches` in all) with the most summed throughput, each
-    replica planned as a pipeline, and the routing weights. Never less than the whole cluster as one
-    pipeline at the workload's m when that is allowed (`replicas` None or 1)."""
+    """The split of the devices into `settings.replicas` pipelines (None: the best count) and of the
+    requests in flight among them (`concurrency`: shares of the workload's m micro-batches, or as many
+    as each replica's memory holds, at most `max_micro_batches` in all) with the most summed
+    throughput, each replica planned as a pipeline, and the routing weights. Never less than the whole
+    cluster as one pipeline at the workload's m when that is allowed (`replicas` None or 1)."""
+    replicas, solver, time_limit_s = settings.replicas, settings.solver, settings.time_limit_s
+    mip_gap, concurrency, cap = settings.mip_gap, settings.concurrency, settings.max_micro_batches
     started = time.perf_counter()
     if concurrency not in CONCURRENCY_MODES:
         raise TesselError(f"unknown concurrency {concurrency!r}; use one of {', '.join(CONCURRENCY_MODES)}")
-    if max_micro_batches is not None and max_micro_batches < 1:
-        raise TesselError(f"the most micro-batches in flight must be >= 1, got {max_micro_batches}")
+    if cap is not None and cap < 1:
+        raise TesselError(f"the most micro-batches in flight must be >= 1, got {cap}")
     if replicas is not None and replicas < 1:
         raise TesselError(f"--replicas must be 'auto' or a count >= 1, got {replicas}")
     memory = concurrency == "memory"
@@ -450,7 +418,7 @@ def choose_replicas(
     memory_bound = math.inf
     if memory:
         left = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
-        memory_bound = _memory_bound(instance, micro_batch_size, max_micro_batches, min(MEMORY_BOUND_S, left))
+        memory_bound = _memory_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left))
     time_limit_s = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
     started_splits = time.perf_counter()
     exhaustive = n <= EXHAUSTIVE_DEVICES
@@ -460,8 +428,8 @@ def choose_replicas(
     planner.every_share = exhaustive
     planner.memory = memory
     if memory:
-        planner.cap = min(MAX_MICRO_BATCHES, max_micro_batches or MAX_MICRO_BATCHES)
-    budget = m if not memory else max_micro_batches
+        planner.cap = min(MAX_MICRO_BATCHES, cap or MAX_MICRO_BATCHES)
+    budget = m if not memory else cap
     kinds = {planner.signature(canonical_group(instance, g)) for split in splits for g in split}
     screen_s = max(MIN_REPLICA_TIME_S, SCREEN_TIME_SHARE * time_limit_s / max(1, len(kinds)))
     planner.seconds = screen_s
@@ -502,15 +470,8 @@ def choose_replicas(
     # the fixed shares (offloading allowed) are candidates too: never worse than them, time allowing
     if memory and (left >= MIN_REPLICA_TIME_S or (best is None and single is None)):
         try:
-            fixed_plan = choose_replicas(
-                instance,
-                micro_batch_size,
-                replicas=replicas,
-                solver=solver,
-                time_limit_s=left,
-                mip_gap=mip_gap,
-                _single=False,
-            )
+            fixed = replace(settings, time_limit_s=left, concurrency="fixed", max_micro_batches=None)
+            fixed_plan = choose_replicas(instance, micro_batch_size, fixed, _single=False)
         except TesselError:
             fixed_plan = None
         if fixed_plan is not None and (best is None or fixed_plan.throughput_tok_s > best[0] * (1 + 1e-9)):
@@ -537,7 +498,7 @@ def choose_replicas(
         _refuse_unheld_layers(base)
     if best is None:
         raise TesselError("no group of these devices can hold the model; add GPUs or host memory")
-    from tessel.plan.replica_bound import split_upper_bound_tok_s
+    from tessel.plan.replicas.replica_bound import split_upper_bound_tok_s
 
     return ReplicaPlan(
         chosen,
@@ -591,8 +552,8 @@ def _refuse_unheld_layers(instance: PlanningInstance) -> None:
 
 def _memory_bound(instance: PlanningInstance, b: int, cap: int | None, seconds: float) -> float:
     """The memory-and-requests-in-flight bound over every split held in GPU memory
-    (`tessel.plan.memory_bound`, its LP; inf when HiGHS gives none within `seconds`)."""
-    from tessel.plan.memory_bound import memory_flow_bound
+    (`tessel.plan.solvers.memory_bound`, its LP; inf when HiGHS gives none within `seconds`)."""
+    from tessel.plan.solvers.memory_bound import memory_flow_bound
 
     return memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=seconds).throughput_tok_s
 

@@ -1,4 +1,6 @@
-"""Small HiGHS helpers shared by the MILP and the DP's bounds: an LP from COO entries, and its value.
+"""The HiGHS helpers every solver goes through: a model built from column blocks and COO rows
+(`ModelBuilder`), its build-solve-read sequence under a deadline (`solve_mip`, the planning MILP's and
+the flow MILP's), an LP from COO entries (`highs_lp`) and a small LP's value (`solve_lp`).
 
 `highspy` is imported inside the functions, so importing the planner stays cheap. Every solver is
 made by `new_highs`: HiGHS prints its banner ("Running HiGHS ...") to the process's stdout from C
@@ -15,8 +17,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
+
+FEASIBLE = 2  # HiGHS's primal_solution_status when it holds a feasible solution (kSolutionStatusFeasible)
 
 _banner_lock = threading.Lock()
 _banner_silenced = False  # the banner is printed once per process, by the first Highs()
@@ -120,3 +125,106 @@ def solve_lp(cost, col_lower, col_upper, rows, cols, vals, row_lower, row_upper)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
     return float(h.getInfo().objective_function_value)
+
+
+class ModelBuilder:
+    """Columns and COO rows of a MILP, in the order they are added."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[bool] = []
+        self.rows_lo: list[float] = []
+        self.rows_hi: list[float] = []
+        self.r: list[np.ndarray] = []
+        self.c: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        self.n_rows = 0
+
+    @property
+    def n_cols(self) -> int:
+        return len(self.lower)
+
+    def cols(self, shape, lo=0.0, hi=np.inf, integer=False) -> np.ndarray:
+        count = int(np.prod(shape))
+        start = len(self.lower)
+        self.lower += [lo] * count
+        self.upper += [hi] * count
+        self.cost += [0.0] * count
+        self.integer += [integer] * count
+        return np.arange(start, start + count).reshape(shape)
+
+    def rows(self, cols: np.ndarray, vals: np.ndarray, lo, hi) -> None:
+        """Rows given as [n_rows, k] column / value arrays (dense per row; zero values dropped)."""
+        cols = np.atleast_2d(np.asarray(cols))
+        vals = np.broadcast_to(np.asarray(vals, dtype=float), cols.shape)
+        n = cols.shape[0]
+        rows = np.broadcast_to(np.arange(self.n_rows, self.n_rows + n)[:, None], cols.shape)
+        keep = vals != 0.0
+        self.r.append(rows[keep])
+        self.c.append(cols[keep])
+        self.v.append(vals[keep])
+        self.rows_lo += list(np.broadcast_to(np.asarray(lo, dtype=float), (n,)))
+        self.rows_hi += list(np.broadcast_to(np.asarray(hi, dtype=float), (n,)))
+        self.n_rows += n
+
+    def lp(self, cost_divisor: float = 1.0):
+        """The model as a HighsLp, its costs divided by `cost_divisor` (built in other units)."""
+        return highs_lp(
+            np.asarray(self.cost) / cost_divisor,
+            np.asarray(self.lower),
+            np.asarray(self.upper),
+            np.concatenate(self.r),
+            np.concatenate(self.c),
+            np.concatenate(self.v),
+            np.asarray(self.rows_lo),
+            np.asarray(self.rows_hi),
+            np.asarray(self.integer),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MipOutcome:
+    """What HiGHS found for a `ModelBuilder`'s MILP (minimised)."""
+
+    status: str  # HiGHS's model status in words, "Time limit reached" when the deadline stopped it
+    values: np.ndarray | None  # every column's value in the best solution found; None: none found
+    objective: float  # of `values` (meaningless when there are none)
+    dual_bound: float  # HiGHS's MIP dual bound (may be infinite)
+    warm_started: bool  # HiGHS accepted the start values
+
+
+def solve_mip(
+    model: ModelBuilder,
+    *,
+    started: float,
+    time_limit_s: float,
+    mip_gap: float,
+    cost_divisor: float = 1.0,
+    start: np.ndarray | None = None,
+    threads: int | None = None,
+    verbose: bool = False,
+) -> MipOutcome:
+    """Build, solve and read `model` with HiGHS until `started + time_limit_s` (`time.perf_counter()`
+    seconds): HiGHS's own time limit is what is left of it (at least 0.1 s); `start` (a value per
+    column) is handed to it as a warm start."""
+    import highspy
+
+    lp = model.lp(cost_divisor)
+    h = new_highs(verbose)
+    h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    if threads is not None:
+        h.setOptionValue("threads", int(threads))
+    h.passModel(lp)
+    warm = False
+    if start is not None:
+        solution = highspy.HighsSolution()
+        solution.col_value = start
+        solution.value_valid = True
+        warm = h.setSolution(solution) == highspy.HighsStatus.kOk
+    status = run_until(h, started + time_limit_s)
+    info = h.getInfo()
+    values = np.asarray(h.getSolution().col_value) if info.primal_solution_status == FEASIBLE else None
+    return MipOutcome(status, values, float(info.objective_function_value), float(info.mip_dual_bound), warm)

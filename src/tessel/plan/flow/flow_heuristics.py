@@ -1,27 +1,40 @@
-"""Cheap flow-plan candidates beside the flow MILP (`tessel.plan.flow_milp.solve_flow`).
+"""Cheap flow-plan candidates beside the flow MILP (`tessel.plan.flow.flow_milp.solve_flow`); the search
+over both is `tessel.plan.flow.flow_choice.search_flow`.
 
 - `separate_chains`: each GPU type's devices in same-type pipelines of one size with even layer
-  splits (Helix's separate-pipelines baseline, `tessel.plan.replica_baseline`, by memory), the size
+  splits (Helix's separate-pipelines baseline, `tessel.plan.replicas.replica_baseline`, by memory), the size
   with the most throughput per type; disjoint paths, so priced as those pipelines are.
 - `per_type_best`: per GPU type, the better of its separate chains and the Swarm-like plan of that
-  type's devices alone (`tessel.plan.swarm`), the types' plans then served side by side.
+  type's devices alone (`tessel.plan.flow.swarm`), the types' plans then served side by side.
 - `swarm_placements_flow_routed`: Swarm-like placements routed by max flow (compute, or compute and
   memory by Little's law) instead of greedily.
 - `tuned_placement`: Petals' placement rule with a KV fraction per GPU type (Swarm-like uses one for
   all), tuned by coordinate descent, routed greedily; it starts from the Swarm-like plan's fractions,
   so it never serves less.
 
-All are flow plans of `tessel.plan.flow`, so the search returns the best of them and the MILP's:
+All are flow plans of `tessel.plan.flow.flow`, so the search returns the best of them and the MILP's:
 never less than the separate-pipelines baseline or the Swarm-like plan.
 """
 
 from __future__ import annotations
 
-from tessel.plan.baselines import uniform
-from tessel.plan.flow import FlowPlan, from_pipelines, price_paths
-from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas import gpu_memory_only, holds_model, subset, with_micro_batches
+import time
+
+from tessel.errors import TesselError
+from tessel.plan.flow.flow import (
+    FlowPlan,
+    fixed_bytes,
+    flow_instance,
+    from_pipelines,
+    price_paths,
+    route_placements,
+)
+from tessel.plan.flow.flow_milp import LIFETIME_FACTORS, natural_lifetime_s
+from tessel.plan.flow.swarm import PLACEMENT_FRACTIONS, greedy_routed, petals_placement, swarm_like
+from tessel.plan.instance import PlanningInstance, gpu_memory_only, subset, with_micro_batches
+from tessel.plan.replicas.replicas import holds_model
 from tessel.plan.solution import Solution, Stage
+from tessel.plan.solvers.baselines import uniform
 
 
 def by_type(instance: PlanningInstance) -> dict[str, list[int]]:
@@ -67,8 +80,6 @@ def _local_to_global(
 
 def per_type_best(instance: PlanningInstance, micro_batch_size: int) -> FlowPlan | None:
     """Per GPU type the better of separate chains and its own Swarm-like plan, served together."""
-    from tessel.plan.swarm import swarm_like
-
     stages: list[Stage] = []
     paths: list[tuple[tuple[int, ...], int]] = []
     for members in by_type(instance).values():
@@ -104,18 +115,15 @@ def flow_routed(
     """Placements routed by max flow instead of greedily (Helix over Swarm on one placement): each
     device's capacity is one micro-batch per its time on its range and, with `lifetime_s`, at most
     the micro-batches its free memory holds per `lifetime_s` (Little's law); the max flow is
-    decomposed into paths and priced (`tessel.plan.flow.route_placements`). None when no path
+    decomposed into paths and priced (`tessel.plan.flow.flow.route_placements`). None when no path
     reaches the last unit or a device cannot hold its range."""
-    from tessel.errors import TesselError
-    from tessel.plan.flow import _fixed_bytes, _one, route_placements
-
-    one = _one(instance)
+    one = flow_instance(instance)
     n_out = one.decode_weight / one.prefill_weight
     work = one.prefill.unit_time_s + n_out * one.decode.unit_time_s
     rates = {}
     for s in stages:
         rate = 1.0 / float(work[s.unit_start : s.unit_end, s.device].sum())
-        fixed, kv = _fixed_bytes(one, s)
+        fixed, kv = fixed_bytes(one, s)
         free = one.devices[s.device].memory_bytes - fixed
         if free < 0:
             return None
@@ -131,18 +139,14 @@ def flow_routed(
 def swarm_placements_flow_routed(
     instance: PlanningInstance, micro_batch_size: int, cap: int | None = None
 ) -> FlowPlan | None:
-    """Swarm-like placements (`tessel.plan.swarm`) at several KV fractions, each routed by max flow
+    """Swarm-like placements (`tessel.plan.flow.swarm`) at several KV fractions, each routed by max flow
     with capacities by compute alone and by compute and memory (`LIFETIME_FACTORS` of the natural
-    lifetime, `tessel.plan.flow_milp.natural_lifetime_s`)."""
-    from tessel.plan.flow import _one
-    from tessel.plan.flow_milp import LIFETIME_FACTORS, natural_lifetime_s
-    from tessel.plan.swarm import PLACEMENT_FRACTIONS, _placement
-
-    one = _one(instance)
+    lifetime, `tessel.plan.flow.flow_milp.natural_lifetime_s`)."""
+    one = flow_instance(instance)
     natural = natural_lifetime_s(instance, tuple((j,) for j in range(instance.n_devices)))
     best = None
     for fraction in PLACEMENT_FRACTIONS:
-        stages = _placement(one, fraction)
+        stages = petals_placement(one, fraction)
         if not stages:
             continue
         for factor in (0.0, *LIFETIME_FACTORS):
@@ -159,16 +163,11 @@ def tuned_placement(
     coordinate descent (each type's fraction over `PLACEMENT_FRACTIONS` in turn, kept when the plan,
     routed greedily and priced as flow plans are, serves more) until no change or `deadline`
     (`time.perf_counter()` seconds). Starts from the best single fraction."""
-    import time
-
-    from tessel.plan.flow import _one
-    from tessel.plan.swarm import PLACEMENT_FRACTIONS, _placement, greedy_routed
-
-    one = _one(instance)
+    one = flow_instance(instance)
     types = sorted({d.gpu_type for d in instance.devices})
 
     def value(fractions: dict[str, float]):
-        stages = _placement(one, fractions)
+        stages = petals_placement(one, fractions)
         return greedy_routed(instance, stages, micro_batch_size, cap) if stages else None
 
     best, best_fractions = None, None

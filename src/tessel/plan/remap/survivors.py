@@ -1,4 +1,4 @@
-"""Changing a serving pipeline's split: the plan on the surviving stages, and moving requests.
+"""The plan on the surviving stages of a serving pipeline (torch-free: the runtime's remap calls it).
 
 `survivor_plan(plan, lost)` is the plan a pipeline falls back to when stages `lost` are gone: the
 same model on the other stages' devices. When the plan's cluster (a cluster file or a bundled name)
@@ -7,23 +7,24 @@ it on that cluster without the lost devices; otherwise the survivors keep their 
 layers are split over them in proportion to their memory (`split_by_memory`; a device's memory is
 its cluster entry's, else the catalog's for its GPU type). When the survivors cannot hold the
 model, `SurvivorsTooSmallError` says how much they hold and how much is needed.
-
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from tessel.catalog.gpus import get_gpu
+from tessel.catalog.models import ModelSpec
+from tessel.cost.layer import embedding_bytes, lm_head_bytes, weight_bytes
 from tessel.errors import TesselError
-
-if TYPE_CHECKING:
-    from tessel.catalog.models import ModelSpec
-    from tessel.plan.plan_file import PlanFile, PlanStage
-
+from tessel.plan.api import PlanSettings, make_plan
+from tessel.plan.files.cluster import list_bundled_clusters, load_cluster
+from tessel.plan.files.plan_file import PlanFile
+from tessel.plan.files.plan_parts import PlanStage
+from tessel.plan.files.workload import Workload, parse_workload
 
 PLAN_TIME_LIMIT_S = 5.0  # the planner's time on the survivors: the pipeline is down meanwhile
 
@@ -34,27 +35,9 @@ class SurvivorsTooSmallError(TesselError):
     recovery = "none"
 
 
-class RemapFailedError(TesselError):
-    """A remap failed before or during the switch; the message says what and that it rolled back."""
-
-
-@dataclass(frozen=True, slots=True)
-class StageShare:
-    """One surviving device's share of the layers."""
-
-    device: str
-    usable_bytes: int
-    layer_start: int
-    layer_end: int
-    weight_bytes: float
-
-
 def device_usable_bytes(plan: PlanFile, stage: PlanStage) -> int:
     """Memory the stage's device offers for weights and KV: its cluster entry when the plan's
     cluster (file or bundled name) can be read, else the catalog's for its GPU type."""
-    from tessel.catalog.gpus import get_gpu
-    from tessel.plan.cluster import list_bundled_clusters, load_cluster
-
     source = plan.cluster.source or plan.cluster.name
     try:
         if source in list_bundled_clusters() or Path(source).is_file():
@@ -66,8 +49,6 @@ def device_usable_bytes(plan: PlanFile, stage: PlanStage) -> int:
 
 def _layer_bytes(spec: ModelSpec, plan: PlanFile) -> list[float]:
     """Weight bytes of each decoder layer at the plan's precisions (its dtype where it gives none)."""
-    from tessel.cost.layer import weight_bytes
-
     per_layer = plan.units_per_layer
     precision = [plan.dtype] * (spec.num_layers * per_layer)
     for stage in plan.stages:
@@ -179,12 +160,6 @@ def planned_on_survivors(
     """The planner (`tessel.plan.api.make_plan`) on the plan's cluster without the lost devices, under
     the plan's workload and settings; None when the cluster or the workload cannot be read back, or
     the plan chose weight precisions (the split by memory keeps those)."""
-    from dataclasses import replace
-
-    from tessel.plan.api import PlanSettings, make_plan
-    from tessel.plan.cluster import list_bundled_clusters, load_cluster
-    from tessel.plan.workload import Workload, parse_workload
-
     source = plan.cluster.source or plan.cluster.name
     if plan.precisions or not (source in list_bundled_clusters() or Path(source).is_file()):
         return None
@@ -204,14 +179,7 @@ def planned_on_survivors(
     )
     devices = tuple(d for d in cluster.devices if d.name in keep)
     without = replace(cluster, nodes=nodes, devices=devices, _by_name={}, _nodes_by_name={})
-    settings = PlanSettings(
-        granularity=plan.granularity,
-        overlap=plan.overlap,
-        swap_in=plan.swap_in,
-        time_limit_s=time_limit_s,
-        dtype=plan.dtype,
-        kv_dtype=plan.kv_dtype,
-    )
+    settings = PlanSettings.of_plan(plan, time_limit_s=time_limit_s)
     try:
         outcome = make_plan(plan.model_spec, without, workload, settings)
     except TesselError as error:
@@ -225,8 +193,6 @@ def planned_on_survivors(
 
 def split_on_survivors(plan: PlanFile, survivors: list[PlanStage], names: str) -> PlanFile:
     """The survivors in their order, the layers split by their memory (`split_by_memory`)."""
-    from tessel.cost.layer import embedding_bytes, lm_head_bytes
-
     spec = plan.model_spec
     layer_bytes = _layer_bytes(spec, plan)
     usable = [device_usable_bytes(plan, s) for s in survivors]
@@ -283,11 +249,3 @@ def write_survivor_plan(plan: PlanFile, lost: set[int], out: Path) -> Path:
     survivor = survivor_plan(plan, lost)
     survivor.write(out)
     return out
-
-
-__all__ = [
-    "RemapFailedError",
-    "SurvivorsTooSmallError",
-    "split_by_memory",
-    "survivor_plan",
-]

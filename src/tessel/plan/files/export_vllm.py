@@ -157,7 +157,7 @@ def export_vllm(
 
 
 def closest_disjoint_paths(plan) -> tuple[list[int], list[float], list[str]]:
-    """What vLLM can run of a flow plan (`tessel.plan.flow.FlowPlan`): pipelines that share no
+    """What vLLM can run of a flow plan (`tessel.plan.flow.flow.FlowPlan`): pipelines that share no
     device, each one vLLM instance behind a weighted load balancer. Paths are taken by routing
     weight, skipping any that shares a device with one taken. Returns (path indices, their
     load-balancer weights summing to 1, warnings saying what is lost)."""

@@ -1,6 +1,6 @@
 """One entry point over the solvers: `solve(instance, solver=...)` -> `PlanResult`.
 
-- `milp` (default): first the counts relaxation (`tessel.plan.bound`, when all units are alike:
+- `milp` (default): first the counts relaxation (`tessel.plan.solvers.bound`, when all units are alike:
   whole layers) gives a lower bound on every plan and the plans it meets; when its bound proves
   the requested gap for the best of those plans and the baselines, that plan is returned
   (status "gap reached", HiGHS not run). Otherwise the DP runs for a share of the time left
@@ -11,7 +11,7 @@
 - `brute`: every plan (tiny instances only).
 
 With a precision choice (`instance.precision`), `milp` first picks the precisions
-(`tessel.plan.precision_search`: every precision vector on small instances, a local search over
+(`tessel.plan.solvers.precision_search`: every precision vector on small instances, a local search over
 plans of the fixed-precision instances, each solved as above, at scale), then hands the best plan to
 HiGHS's precision MILP as a warm start when that model is small enough (`MAX_PRECISION_MILP_COLS`).
 """
@@ -85,7 +85,7 @@ def solve(
 
 
 def _brute(instance: PlanningInstance, started: float) -> PlanResult:
-    from tessel.plan.brute import brute_force
+    from tessel.plan.solvers.brute import brute_force
 
     try:
         result = brute_force(instance)
@@ -106,7 +106,7 @@ def _brute(instance: PlanningInstance, started: float) -> PlanResult:
 
 
 def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: float) -> PlanResult:
-    from tessel.plan.dp import solve_dp
+    from tessel.plan.solvers.dp import solve_dp
 
     result = solve_dp(instance, time_limit_s=time_limit_s, rel_gap=0.0 if gap <= 0 else gap)
     if result.solution is None:
@@ -139,10 +139,10 @@ def _dp(instance: PlanningInstance, started: float, time_limit_s: float, gap: fl
 def _milp(
     instance: PlanningInstance, started: float, time_limit_s: float, gap: float, incumbent: Solution | None
 ) -> PlanResult:
-    from tessel.plan.baselines import run_baselines
-    from tessel.plan.bound import counts_search
-    from tessel.plan.dp import solve_dp
-    from tessel.plan.milp import solve_milp
+    from tessel.plan.solvers.baselines import run_baselines
+    from tessel.plan.solvers.bound import counts_search
+    from tessel.plan.solvers.dp import solve_dp
+    from tessel.plan.solvers.milp import solve_milp
 
     if instance.precision is not None:
         return _milp_precisions(instance, started, time_limit_s, gap, incumbent)
@@ -213,8 +213,8 @@ def _milp(
 def _milp_precisions(
     instance: PlanningInstance, started: float, time_limit_s: float, gap: float, incumbent: Solution | None
 ) -> PlanResult:
-    from tessel.plan.milp import solve_milp
-    from tessel.plan.precision_search import MAX_ENUMERATED, enumerate_dp, local_search
+    from tessel.plan.solvers.milp import solve_milp
+    from tessel.plan.solvers.precision_search import MAX_ENUMERATED, enumerate_dp, local_search
 
     binaries = instance.n_units * instance.n_devices * instance.n_precisions
     run_highs = binaries <= MAX_PRECISION_MILP_BINARIES
@@ -222,8 +222,8 @@ def _milp_precisions(
 
     def solve_fixed(fixed: PlanningInstance, seconds: float):
         """The counts relaxation and its plans when the units are alike, else the DP with a gap."""
-        from tessel.plan.bound import counts_search, units_alike
-        from tessel.plan.dp import solve_dp
+        from tessel.plan.solvers.bound import counts_search, units_alike
+        from tessel.plan.solvers.dp import solve_dp
 
         if units_alike(fixed):
             counts = counts_search(fixed, rel_gap=gap * COUNTS_GAP_SHARE, time_limit_s=seconds)
@@ -232,7 +232,7 @@ def _milp_precisions(
         return result.solution, result.bound, result.exact
 
     if instance.n_precisions**instance.n_units <= MAX_ENUMERATED:
-        from tessel.plan.dp import solve_dp
+        from tessel.plan.solvers.dp import solve_dp
 
         def solve_small(fixed: PlanningInstance, seconds: float):
             result = solve_dp(fixed, time_limit_s=seconds)
@@ -284,7 +284,7 @@ def _budget_error(instance: PlanningInstance) -> TesselError | None:
     choice = instance.precision
     if choice is None or not math.isfinite(choice.quality_budget):
         return None
-    from tessel.plan.precision_search import smallest_feasible_budget
+    from tessel.plan.solvers.precision_search import smallest_feasible_budget
 
     least, proven = smallest_feasible_budget(instance)
     if not math.isfinite(least) or least <= choice.quality_budget * (1 + 1e-6):

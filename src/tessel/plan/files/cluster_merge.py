@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from tessel.errors import TesselError
-from tessel.plan.cluster import parse_cluster
+from tessel.plan.files.cluster import parse_cluster
 
 CPU_TYPE = "cpu"
 LABEL_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")

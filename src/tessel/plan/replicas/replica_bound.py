@@ -5,7 +5,7 @@ This bound covers every split (any number of replicas, idle devices allowed, any
 so the best split found is within a proven gap of the best split there is.
 
 Per replica (group G of devices, plan with n_j units on device j, its share of k_G of the workload's
-m micro-batches of b requests, 1 <= k_G <= m, KV of its k_G micro-batches: `replicas.share`,
+m micro-batches of b requests, 1 <= k_G <= m, KV of its k_G micro-batches: `instance.share`,
 n_out = decode_weight / prefill_weight), `tessel.plan.report.predict` gives
 
     throughput(G) = k b n_out / (P + n_out D),   P = sum_j T^pre_j + (k-1) max_j T^pre_j
@@ -62,9 +62,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.highs import solve_lp
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL
+from tessel.plan.solvers.highs import solve_lp
 
 BISECTION_STEPS = 200
 LP_SLACK = 1e-6  # relative: HiGHS's optimum is exact only to its tolerances

@@ -18,7 +18,7 @@ The decision (`RemapDecider.evaluate`), every `interval_s`:
    (either way), or, over a full window with `min_requests` arrivals, an arrival rate or mean prompt
    length `workload_drift` times the plan's or less (output lengths, known only as requests finish,
    re-price a drifted workload but do not trigger). No drift: "steady".
-3. Re-plan (`tessel.plan.replan.replan`) on the cluster re-priced with the estimated speeds of the
+3. Re-plan (`tessel.plan.remap.replan.replan`) on the cluster re-priced with the estimated speeds of the
    drifted stages (their devices' FLOP/s and bandwidth scaled) and the measured workload: migration
    cost = weight bytes moved / link bandwidth, amortised over `horizon_s`, taken when the gain
    reaches `threshold`.
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tessel.errors import TesselError
-from tessel.plan.cluster import Cluster
-from tessel.plan.plan_file import PlanFile
+from tessel.plan.files.cluster import Cluster
+from tessel.plan.files.plan_file import PlanFile
 
 OUTCOMES = ("insufficient", "steady", "cooldown", "kept", "unconfirmed", "remap")
 MAX_HORIZON_S = 365 * 24 * 3600.0  # a year of serving: beyond it the move cost is nil anyway
@@ -356,7 +356,7 @@ class RemapDecider:
     def _workload(self, stats: WindowStats):
         """(the measured workload, why) when it drifted from the plan's by `workload_drift`; else
         (None, "")."""
-        from tessel.plan.workload import parse_workload
+        from tessel.plan.files.workload import parse_workload
 
         if stats.requests < self.settings.min_requests or stats.span_s < self.settings.window_s:
             return None, ""  # too few requests, or a window not yet full
@@ -385,21 +385,13 @@ class RemapDecider:
 
     def _replan(self, device_speeds: dict[str, float], workload) -> _Replanned:
         from tessel.plan.api import PlanSettings, inherited_precisions, prepare_plan
-        from tessel.plan.replan import previous_solution, replan
+        from tessel.plan.remap.replan import previous_solution, replan
         from tessel.plan.report import plan_json
 
         plan = self.plan
         workload = workload or plan_workload(plan)
         cluster = repriced_cluster(self.cluster, device_speeds)
-        settings = PlanSettings(
-            solver=self.solver,
-            granularity=plan.granularity,
-            overlap=plan.overlap,
-            swap_in=plan.swap_in,
-            time_limit_s=self.time_limit_s,
-            dtype=plan.dtype,
-            kv_dtype=plan.kv_dtype,
-        )
+        settings = PlanSettings.of_plan(plan, time_limit_s=self.time_limit_s, solver=self.solver)
         settings = inherited_precisions(settings, plan)
         problem = prepare_plan(plan.model_spec, cluster, workload, settings)
         previous = previous_solution(problem.instance, plan.stages, plan.source, plan.reference_dtype)
@@ -440,7 +432,7 @@ class RemapDecider:
 
 def plan_workload(plan: PlanFile):
     """The workload the plan was made for (its file's fields; the bundled default when it has none)."""
-    from tessel.plan.workload import Workload, load_workload, parse_workload
+    from tessel.plan.files.workload import Workload, load_workload, parse_workload
 
     fields = {k: v for k, v in plan.workload.items() if k in Workload.model_fields}
     if not fields:

@@ -55,7 +55,7 @@ from tessel.catalog.gpus import GpuSpec, get_gpu, with_host_link
 from tessel.catalog.yaml_reader import bundled_names, parse_yaml, resolve_file, validate_data
 from tessel.cost.link import LinkSpec
 from tessel.errors import TesselError
-from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS, MIN_EMULATE_SPEED, check_emulate_schedule
+from tessel.plan.files.plan_parts import MIN_EMULATE_HOST_GBPS, MIN_EMULATE_SPEED, check_emulate_schedule
 from tessel.units import GBPS, GIB, US_PER_S
 
 # One-way latency of a GPU-to-GPU copy: NVLink ~2 us and PCIe peer-to-peer ~10 us including the

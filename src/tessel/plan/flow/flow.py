@@ -35,11 +35,11 @@ ends at the last unit), its workspace and the KV of every micro-batch of every p
 all in GPU memory (concurrency by memory, no offloading): sum_p k_p kv_j <= free_j. The k_p are
 chosen greedily by the formula's marginal throughput (each X_p is concave in k_p), at most
 `max_micro_batches` in all when given. Disjoint paths (phi = 1) are priced exactly as
-`tessel.plan.replicas` prices replicas by memory, so a replica plan is a flow plan with the same
+`tessel.plan.replicas.replicas` prices replicas by memory, so a replica plan is a flow plan with the same
 throughput (`from_pipelines`).
 
 So X_p <= phi_jp / W_j on every device of the path (W_j = T^pre_j + n_out T^dec_j): no device is
-busy more than all its time. The bound of `tessel.plan.memory_bound` holds for these plans too (busy
+busy more than all its time. The bound of `tessel.plan.solvers.memory_bound` holds for these plans too (busy
 time, Little's law X_p sum_j W_j <= k_p, memory). Links are charged as the sender's stage time
 (the additive form), which caps each edge's rate at 1 / its send time; a node's network interface
 shared by several senders is not modelled.
@@ -54,10 +54,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.errors import TesselError
-from tessel.plan.instance import PlanningInstance
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
+from tessel.plan.instance import PlanningInstance, gpu_memory_only, with_micro_batches
+from tessel.plan.replicas.weighted_turns import dealt_counts
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Solution, Stage, evaluate
-from tessel.plan.weighted_turns import dealt_counts
-from tessel.plan.workload import MAX_MICRO_BATCHES
 
 SOURCE, SINK = -1, -2  # graph ends in edge lists
 FLOW_EPS = 1e-12  # rates below this are no flow
@@ -263,7 +263,7 @@ def _path_cost(one: PlanningInstance, stages_by_device: dict[int, Stage], device
     )
 
 
-def _fixed_bytes(one: PlanningInstance, stage: Stage) -> tuple[float, float]:
+def fixed_bytes(one: PlanningInstance, stage: Stage) -> tuple[float, float]:
     """(bytes a device holds whatever the concurrency, KV of one micro-batch) for its range."""
     units = slice(stage.unit_start, stage.unit_end)
     weights = float(np.sum(one.weight_bytes[units]))
@@ -281,14 +281,14 @@ def evaluate_flow(
 ) -> FlowPlan | None:
     """The module docstring's throughput of placements `stages` with requests routed over `paths`
     ((devices, planned rate) each); None when no path can hold one micro-batch."""
-    one = _one(instance)
+    one = flow_instance(instance)
     n_out = one.decode_weight / one.prefill_weight
     by_device = {s.device: s for s in stages}
     costs = [_path_cost(one, by_device, devices) for devices, rate in paths if rate > FLOW_EPS]
     rates = [rate for _, rate in paths if rate > FLOW_EPS]
     free = {}
     for s in stages:
-        fixed, _ = _fixed_bytes(one, s)
+        fixed, _ = fixed_bytes(one, s)
         memory = one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
         free[s.device] = memory - fixed
     best = None
@@ -316,7 +316,7 @@ def price_paths(
     """Placements with a fixed count of micro-batches per path ((devices, k) each), time shares in
     proportion to the counts' work: the throughput of a routing someone else chose (a baseline's).
     Refused (ValueError) when a device's memory does not hold its paths' KV."""
-    one = _one(instance)
+    one = flow_instance(instance)
     n_out = one.decode_weight / one.prefill_weight
     by_device = {s.device: s for s in stages}
     kept = [(d, k) for d, k in paths if k > 0]
@@ -329,7 +329,7 @@ def price_paths(
         for d, kv in zip(cost.devices, cost.kv, strict=True):
             held[d] += k * kv
     for s in stages:
-        fixed, _ = _fixed_bytes(one, s)
+        fixed, _ = fixed_bytes(one, s)
         memory = one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
         if fixed + held[s.device] > memory:
             raise ValueError(f"device {one.devices[s.device].name} does not hold its paths' KV")
@@ -337,9 +337,9 @@ def price_paths(
     return _plan(stages, costs, shares, ks, micro_batch_size, n_out)
 
 
-def _one(instance: PlanningInstance) -> PlanningInstance:
-    from tessel.plan.replicas import gpu_memory_only, with_micro_batches
-
+def flow_instance(instance: PlanningInstance) -> PlanningInstance:
+    """The instance flow plans are priced on: one micro-batch in flight (a path's count scales its
+    KV), everything in GPU memory; units at fixed precisions (a choice is refused)."""
     if instance.precision is not None:
         raise ValueError("flow plans take units at fixed precisions: fix them first (PlanningInstance.fixed)")
     return gpu_memory_only(with_micro_batches(instance, 1))
@@ -495,7 +495,8 @@ def route_placements(
 
 def routed_counts(weights: list[float] | tuple[float, ...], n_requests: int) -> list[int]:
     """How many of `n_requests` each path gets when they are dealt in order by `weights`
-    (`tessel.plan.weighted_turns`), as `tessel.sim.routing.route` and the runtime's router send them."""
+    (`tessel.plan.replicas.weighted_turns`), as `tessel.sim.routing.route` and the runtime's router
+    send them."""
     return dealt_counts(weights, n_requests)
 
 

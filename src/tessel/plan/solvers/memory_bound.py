@@ -4,10 +4,10 @@ memory and requests in flight in one linear program (HiGHS).
 Plans covered: any split of the devices into replicas (disjoint pipelines, idle devices allowed),
 replica G holding k_G micro-batches of b requests with every stage's weights, extras, workspace and
 the KV of its k_G micro-batches at full length in its GPU memory (no offloading: `concurrency=
-"memory"` in `tessel.plan.replicas`), any k_G, at most `max_micro_batches` in all when given.
+"memory"` in `tessel.plan.replicas.replicas`), any k_G, at most `max_micro_batches` in all when given.
 
 With x_G = throughput(G) / (b n_out) (micro-batch completions per second), W_j = T^pre_j + n_out
-T^dec_j and R_G = P + n_out D >= sum_j W_j + (k_G - 1) max_j W_j (`tessel.plan.replica_bound`),
+T^dec_j and R_G = P + n_out D >= sum_j W_j + (k_G - 1) max_j W_j (`tessel.plan.replicas.replica_bound`),
 x_G = k_G / R_G, and for unit u on device j of replica G:
 
     a_uj = x_G (rate of unit-u crossings on j),  c_uj = k_G (micro-batches whose unit-u KV is on j),
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.highs import highs_lp, new_highs
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL
+from tessel.plan.solvers.highs import highs_lp, new_highs
 
 LP_SLACK = 1e-6  # relative: HiGHS's optimum is exact only to its tolerances
 

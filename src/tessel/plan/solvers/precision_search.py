@@ -8,7 +8,7 @@ that the DP and the counts relaxation solve; the quality term theta * cost is th
   instances, and what the tests hold against brute force.
 - `local_search` (larger instances): a placement from the relaxed instance (every unit at its least
   bytes and time, `PlanningInstance.relaxed`), then two starts: on it, units put at their fewest
-  bytes slowest stage first while the budget allows (`_fill_budget`); and every unit at the
+  bytes slowest stage first while the budget allows (`fill_budget`); and every unit at the
   reference on the reference instance's own plan. Each
   start is then improved one move at a time (one unit's precision, or one unit across a stage
   boundary; best first), re-placed by the fixed-instance solver, and improved again. The relaxed
@@ -94,7 +94,7 @@ def local_search(
     if relaxed_plan is None:
         return PrecisionSearch(None, None, _INF if relaxed_bound == _INF else bound, False, 0)
     reference = solve_fixed(instance.fixed(None), 0.2 * time_limit_s)[0]
-    starts = [(relaxed_plan, _fill_budget(instance, relaxed_plan))]
+    starts = [(relaxed_plan, fill_budget(instance, relaxed_plan))]
     if reference is not None:
         starts.append((reference, np.zeros(instance.n_units, dtype=int)))
     best: tuple[Solution, Evaluation] | None = None
@@ -120,7 +120,7 @@ def local_search(
     return PrecisionSearch(best[0], best[1], min(bound, best[1].objective), False, count)
 
 
-def _fill_budget(instance: PlanningInstance, placement: Solution) -> np.ndarray:
+def fill_budget(instance: PlanningInstance, placement: Solution) -> np.ndarray:
     """Units at their fewest bytes, slowest stages (decode, then prefill) first and inside a stage
     the units that cost least quality first, while the budget allows; the rest at the reference."""
     choice = instance.precision
@@ -207,41 +207,12 @@ def _improve(instance: PlanningInstance, placement: Solution, vector: np.ndarray
     return placement, vector
 
 
-def solve_dp_precisions(instance: PlanningInstance, *, orders: str, time_limit_s: float, rel_gap: float):
-    """`solve_dp` for an instance with a precision choice (a `DPResult`)."""
-    from tessel.plan.dp import DPResult, solve_dp
-
-    started = time.perf_counter()
-    calls = [0]
-
-    def solve_fixed(fixed: PlanningInstance, seconds: float):
-        result = solve_dp(fixed, orders=orders, time_limit_s=seconds, rel_gap=rel_gap)
-        calls[0] += result.dp_calls
-        return result.solution, result.bound, result.exact
-
-    if instance.n_precisions**instance.n_units <= MAX_ENUMERATED:
-        search = enumerate_dp(instance, solve_fixed, time_limit_s)
-    else:
-        search = local_search(instance, lambda fixed, s: solve_fixed(fixed, s)[:2], time_limit_s)
-    exact = search.exact and rel_gap == 0.0
-    return DPResult(
-        search.solution,
-        search.evaluation,
-        exact,
-        search.bound,
-        search.vectors,
-        search.vectors,
-        calls[0],
-        time.perf_counter() - started,
-    )
-
-
 def smallest_feasible_budget(instance: PlanningInstance, time_limit_s: float = 10.0) -> tuple[float, float]:
     """(least quality cost of a feasible plan found, proven lower bound on it); (inf, inf) when no
     plan fits at any budget. A MILP whose objective is the quality cost alone."""
     from dataclasses import replace
 
-    from tessel.plan.milp import solve_milp
+    from tessel.plan.solvers.milp import solve_milp
 
     choice = replace(instance.precision, quality_budget=_INF, theta=1.0)
     only_quality = replace(instance, precision=choice, prefill_weight=0.0, decode_weight=0.0, move_weight=0.0)

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessel.plan.highs import solve_lp
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import (
     FEASIBILITY_ATOL_BYTES,
@@ -51,8 +50,10 @@ from tessel.plan.solution import (
     evaluate,
     split_offload,
 )
+from tessel.plan.solvers.highs import solve_lp
+from tessel.plan.solvers.precision_search import MAX_ENUMERATED, enumerate_dp, local_search
+from tessel.plan.solvers.symmetry import interchangeable
 from tessel.plan.streamed import STREAM_BUFFERS
-from tessel.plan.symmetry import interchangeable
 
 MAX_TYPE_ORDERS = 120  # 5 device types: 5! orders
 ALL_ORDERS_MAX_DEVICES = 5  # `orders="auto"` tries every device permutation up to this many devices
@@ -532,8 +533,6 @@ def solve_dp(
     `rel_gap` > 0 stops the bound search once no box can improve the incumbent by more than that
     fraction; `bound` in the result is then a proven lower bound over the orders searched."""
     if instance.precision is not None:
-        from tessel.plan.precision_search import solve_dp_precisions
-
         return solve_dp_precisions(instance, orders=orders, time_limit_s=time_limit_s, rel_gap=rel_gap)
     started = time.perf_counter()
     order_list, complete_orders = device_orders(instance, orders)
@@ -559,4 +558,31 @@ def solve_dp(
     solution = Solution(search.best.stages)
     return DPResult(
         solution, evaluate(instance, solution), exact, bound, searched, len(order_list), search.calls, elapsed
+    )
+
+
+def solve_dp_precisions(instance: PlanningInstance, *, orders: str, time_limit_s: float, rel_gap: float):
+    """`solve_dp` for an instance with a precision choice (a `DPResult`)."""
+    started = time.perf_counter()
+    calls = [0]
+
+    def solve_fixed(fixed: PlanningInstance, seconds: float):
+        result = solve_dp(fixed, orders=orders, time_limit_s=seconds, rel_gap=rel_gap)
+        calls[0] += result.dp_calls
+        return result.solution, result.bound, result.exact
+
+    if instance.n_precisions**instance.n_units <= MAX_ENUMERATED:
+        search = enumerate_dp(instance, solve_fixed, time_limit_s)
+    else:
+        search = local_search(instance, lambda fixed, s: solve_fixed(fixed, s)[:2], time_limit_s)
+    exact = search.exact and rel_gap == 0.0
+    return DPResult(
+        search.solution,
+        search.evaluation,
+        exact,
+        search.bound,
+        search.vectors,
+        search.vectors,
+        calls[0],
+        time.perf_counter() - started,
     )

@@ -41,15 +41,15 @@ import numpy as np
 
 from tessel.cost.link import link_time_s
 from tessel.errors import TesselError
-from tessel.plan.cluster import Cluster
+from tessel.plan.files.cluster import Cluster
+from tessel.plan.files.plan_parts import PlanStage
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.plan_file import PlanStage
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
-from tessel.plan.solve import PlanResult, solve
+from tessel.plan.solvers.solve import PlanResult, solve
 
 if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
-    from tessel.plan.plan_file import PlanFile
+    from tessel.plan.files.plan_file import PlanFile
 
 # ModelSpec fields that fix the weights' shapes: two models that differ in one hold different weights
 WEIGHT_SHAPE_FIELDS = (
@@ -127,7 +127,7 @@ def check_same_model(previous: PlanFile, model: ModelSpec) -> None:
 def previous_solution(
     instance: PlanningInstance, stages: Sequence[PlanStage], source: str, default_precision: str | None = None
 ) -> Solution:
-    """The stages of a plan file (`tessel.plan.plan_file.load_plan`) as a solution of `instance`
+    """The stages of a plan file (`tessel.plan.files.plan_file.load_plan`) as a solution of `instance`
     (devices by name), with its units' precisions when `instance` chooses them. A stage without
     precisions holds `default_precision` (the plan's `reference_dtype`; None: the instance's dtype)."""
     index = {device.name: j for j, device in enumerate(instance.devices)}

@@ -9,7 +9,7 @@ bound that holds for all shares. Smooth weighted round-robin (the largest n s_r 
 more than one (shares 5 : 6.89 : 6.89 : 0.31 : 0.31 at n = 279).
 
 The simulator's replica routing (`tessel.sim.routing`), the planner's batch throughput of a flow
-plan (`tessel.plan.flow.routed_counts`) and the runtime's path assignment
+plan (`tessel.plan.flow.flow.routed_counts`) and the runtime's path assignment
 (`tessel.pipeline.flow`) all deal by this one rule, so they agree request for request.
 """
 

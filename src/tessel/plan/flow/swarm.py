@@ -1,5 +1,5 @@
 """A Swarm / Petals-like baseline for flow plans: greedy placement by coverage and greedy routing
-by least load, priced in the same cost model as flow plans (`tessel.plan.flow.price_paths`).
+by least load, priced in the same cost model as flow plans (`tessel.plan.flow.flow.price_paths`).
 
 Placement (Petals' rule, on ranges that meet): devices join fastest first; each takes the most
 layers its memory holds with a fraction `kv_fraction` of its free memory left for KV, starting at
@@ -19,10 +19,10 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from tessel.plan.flow import FlowPlan, _fixed_bytes, _one, price_paths
+from tessel.plan.files.workload import MAX_MICRO_BATCHES
+from tessel.plan.flow.flow import FlowPlan, fixed_bytes, flow_instance, price_paths
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
-from tessel.plan.workload import MAX_MICRO_BATCHES
 
 KV_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 PLACEMENT_FRACTIONS = KV_FRACTIONS  # the flow search routes these placements by max flow too
@@ -46,7 +46,7 @@ def swarm_plan(
     kv_fraction: float,
     max_micro_batches: int | None = None,
 ) -> FlowPlan | None:
-    stages = _placement(_one(instance), kv_fraction)
+    stages = petals_placement(flow_instance(instance), kv_fraction)
     return greedy_routed(instance, stages, micro_batch_size, max_micro_batches) if stages else None
 
 
@@ -57,9 +57,9 @@ def greedy_routed(
     max_micro_batches: int | None = None,
 ) -> FlowPlan | None:
     """Placements routed as Swarm routes (the module docstring), priced as flow plans are."""
-    one = _one(instance)
+    one = flow_instance(instance)
     for s in stages:
-        fixed, _ = _fixed_bytes(one, s)
+        fixed, _ = fixed_bytes(one, s)
         if fixed > one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES:
             return None
     counts = _route(one, stages, max_micro_batches)
@@ -73,7 +73,7 @@ def _work(one: PlanningInstance) -> np.ndarray:
     return one.prefill.unit_time_s + n_out * one.decode.unit_time_s  # [U, N]
 
 
-def _placement(one: PlanningInstance, kv_fraction: float | dict[str, float]) -> list[Stage]:
+def petals_placement(one: PlanningInstance, kv_fraction: float | dict[str, float]) -> list[Stage]:
     """Petals' rule (the module docstring); `kv_fraction` one for all or one per GPU type."""
     n = one.n_units
     work = _work(one)
@@ -89,7 +89,7 @@ def _placement(one: PlanningInstance, kv_fraction: float | dict[str, float]) -> 
                 continue
             end = start
             while end < n:
-                fixed, _ = _fixed_bytes(one, Stage(j, start, end + 1))
+                fixed, _ = fixed_bytes(one, Stage(j, start, end + 1))
                 if fixed - float(one.workspace_bytes[j]) > (1 - fraction) * memory:
                     break
                 end += 1
@@ -116,7 +116,7 @@ def _route(one: PlanningInstance, stages: list[Stage], cap: int | None) -> Count
             reach.add(s.unit_start)
     room, kv, busy, per = {}, {}, defaultdict(float), {}
     for s in stages:
-        fixed, kv[s.device] = _fixed_bytes(one, s)
+        fixed, kv[s.device] = fixed_bytes(one, s)
         memory = one.devices[s.device].memory_bytes * (1 + FEASIBILITY_RTOL) + FEASIBILITY_ATOL_BYTES
         room[s.device] = memory - fixed
         per[s.device] = float(work[s.unit_start : s.unit_end, s.device].sum())

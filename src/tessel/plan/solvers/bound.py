@@ -10,7 +10,7 @@ with exactly one first and one last, whose relaxed stage times are no larger tha
 For bounds (P, D) on every relaxed prefill / decode stage time, a knapsack over devices with state
 (units placed, first taken, last taken) gives the least weighted sum F(P, D). The relaxed objective
 `F + (m - 1)(pw P + dw D)` is then searched over (P, D) with the same branch and bound as the DP
-(`tessel.plan.dp._Search`): a box's knapsack gives its least sum and a relaxed plan with
+(`tessel.plan.solvers.dp._Search`): a box's knapsack gives its least sum and a relaxed plan with
 bottlenecks (p, d); the rest of the box splits into {max T^pre < p} and
 {max T^pre >= p, max T^dec < d}. The least bound left open, or the relaxed optimum, bounds every
 real plan from below. Host limits count; the swap-in-hidden rule is dropped (a relaxation).
@@ -310,7 +310,7 @@ def counts_search(
     Pieces whose bound reaches `(1 - rel_gap)` times the best objective known are left: they cannot
     show a larger gap. Every relaxed plan met becomes a real pipeline (`plan_from_picks`) and is
     offered as the incumbent. Units that differ give bound -inf and only the incumbent given."""
-    from tessel.plan.dp import bottleneck_lower_bounds
+    from tessel.plan.solvers.dp import bottleneck_lower_bounds
 
     started = time.perf_counter()
     best = _Incumbent(instance, incumbent)

@@ -1,4 +1,4 @@
-"""Placements and flow chosen together in one MILP (HiGHS), the search behind `tessel.plan.flow`.
+"""Placements and flow chosen together in one MILP (HiGHS), the search behind `tessel.plan.flow.flow`.
 
 Devices are grouped (`device_groups`): a group is devices of one GPU type on one node (or one
 device per group on small clusters); the devices of a group hold the same range and share its flow
@@ -23,10 +23,11 @@ With placements fixed, the MILP's F is a max flow over the placement graph with 
 min(eta n_g / W_g, n_g free_g / (lifetime kv_g)) (W_g: the group's time per micro-batch on its
 range, free_g / kv_g: its memory after weights / its KV per micro-batch), which is what the tests'
 brute force computes. Identical groups are ordered by rate (symmetry). Warm starts: the best of the
-placements given (`search_flow` gives its candidates' where every GPU of a group holds one range on
-block boundaries) and same-type chains (`chain_seeds`), handed to HiGHS as a full solution; on the
-time limit the best incumbent is used and its gap to HiGHS's dual bound reported. Beyond
-`MAX_BINARIES` placement binaries, units are merged into near-equal blocks (`block_cuts`).
+placements given (`tessel.plan.flow.flow_choice.search_flow` gives its candidates' where every GPU of a
+group holds one range on block boundaries) and same-type chains (`chain_seeds`), handed to HiGHS as
+a full solution; on the time limit the best incumbent is used and its gap to HiGHS's dual bound
+reported. Beyond `MAX_BINARIES` placement binaries, units are merged into near-equal blocks
+(`block_cuts`).
 """
 
 from __future__ import annotations
@@ -39,19 +40,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.errors import TesselError
-from tessel.plan.flow import FlowPlan, max_flow, placement_edges, route_placements
-from tessel.plan.highs import highs_lp, new_highs, run_until
+from tessel.plan.flow.flow import FlowPlan, flow_instance, max_flow, placement_edges, route_placements
+from tessel.plan.flow.swarm import greedy_routed
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.milp import _Builder
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Stage
-from tessel.plan.swarm import greedy_routed
+from tessel.plan.solvers.highs import ModelBuilder, solve_mip
 
 PER_DEVICE_GROUPS = 8  # up to this many devices, one device per group
 MAX_BINARIES = 2000  # placement binaries h_ug: units are merged into blocks beyond it
 ETAS = (1.0,)
 LIFETIME_FACTORS = (0.25, 0.5, 1.0)  # times the lifetime at which all free memory is just full
 MIN_SOLVE_S = 0.5
-TUNED_SHARE = 0.6  # of the flow search's time: the cheap candidates and the tuned placement end there
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +120,7 @@ def block_cuts(n_units: int, n_groups: int) -> np.ndarray:
 def flow_model(
     instance: PlanningInstance, groups, lifetime_s: float, eta: float = 1.0, cuts: np.ndarray | None = None
 ) -> FlowModel:
-    from tessel.plan.flow import _one
-
-    one = _one(instance)
+    one = flow_instance(instance)
     n_out = one.decode_weight / one.prefill_weight
     rep = np.array([g[0] for g in groups])
     cuts = np.arange(one.n_units + 1) if cuts is None else np.asarray(cuts, dtype=int)
@@ -203,57 +200,43 @@ def solve_flow_milp(
     mip_gap: float = 1e-4,
     max_flow_rate: float | None = None,
 ) -> FlowMILP:
-    import highspy
-
     started = time.perf_counter()
     mb, cols = _build(model, max_flow_rate)
-    lp = highs_lp(
-        np.asarray(mb.cost),
-        np.asarray(mb.lower),
-        np.asarray(mb.upper),
-        np.concatenate(mb.r),
-        np.concatenate(mb.c),
-        np.concatenate(mb.v),
-        np.asarray(mb.rows_lo),
-        np.asarray(mb.rows_hi),
-        np.asarray(mb.integer),
-    )
-    h = new_highs()
-    h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
-    h.setOptionValue("mip_rel_gap", float(mip_gap))
-    h.passModel(lp)
     best_start = None
     for ranges in starts:
         found = placement_value(model, ranges)
         if found is not None and (best_start is None or found[0] > best_start[0][0]):
             best_start = (found, ranges)
+    start = None
     if best_start is not None:
-        start = highspy.HighsSolution()
-        start.col_value = _start_values(model, cols, len(mb.lower), best_start[1], best_start[0][1])
-        start.value_valid = True
-        h.setSolution(start)
-    status = run_until(h, started + time_limit_s)
-    info = h.getInfo()
+        start = _start_values(model, cols, mb.n_cols, best_start[1], best_start[0][1])
+    solved = solve_mip(mb, started=started, time_limit_s=time_limit_s, mip_gap=mip_gap, start=start)
     elapsed = time.perf_counter() - started
-    bound = -float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else math.inf
-    if info.primal_solution_status != 2:
+    bound = -solved.dual_bound if math.isfinite(solved.dual_bound) else math.inf
+    if solved.values is None:
         return FlowMILP(
-            (None,) * len(model.groups), np.zeros(len(model.groups)), 0.0, bound, math.inf, status, elapsed
+            (None,) * len(model.groups),
+            np.zeros(len(model.groups)),
+            0.0,
+            bound,
+            math.inf,
+            solved.status,
+            elapsed,
         )
-    values = np.asarray(h.getSolution().col_value)
+    values = solved.values
     held = values[cols["h"]] > 0.5
     ranges = []
     for g in range(len(model.groups)):
         units = np.flatnonzero(held[g])
         ranges.append((int(units[0]), int(units[-1]) + 1) if len(units) else None)
-    value = -float(info.objective_function_value)
+    value = -solved.objective
     gap = max(bound - value, 0.0) / bound if bound > 0 and math.isfinite(bound) else 0.0
-    return FlowMILP(tuple(ranges), values[cols["x"]], value, bound, gap, status, elapsed)
+    return FlowMILP(tuple(ranges), values[cols["x"]], value, bound, gap, solved.status, elapsed)
 
 
 def _build(model: FlowModel, max_flow_rate: float | None):
     G, U = model.work.shape
-    mb = _Builder()
+    mb = ModelBuilder()
     h = mb.cols((G, U), 0.0, 1.0, integer=True)
     a = mb.cols((G, U))
     c = mb.cols((G, U))
@@ -442,7 +425,7 @@ def solve_flow(
     groups=None,
 ) -> FlowSearch:
     """Flow plans of the MILP for a few (lifetime, eta) pairs, each placement routed by the MILP's
-    max flow and, as Swarm routes, greedily (`tessel.plan.swarm.greedy_routed`), each priced by
+    max flow and, as Swarm routes, greedily (`tessel.plan.flow.swarm.greedy_routed`), each priced by
     `evaluate_flow`; the best kept. `seeds`: placements (lists of Stage) handed to HiGHS
     as warm starts where the groups allow."""
     started = time.perf_counter()
@@ -472,44 +455,6 @@ def solve_flow(
             if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
                 best = plan
     return FlowSearch(best, tuple(milps), time.perf_counter() - started, "milp")
-
-
-def search_flow(
-    instance: PlanningInstance,
-    micro_batch_size: int,
-    *,
-    time_limit_s: float = 30.0,
-    max_micro_batches: int | None = None,
-) -> FlowSearch:
-    """The best flow plan of the cheap candidates (`tessel.plan.flow_heuristics`: separate chains per
-    type, the better of those and a Swarm-like plan per type; the Swarm-like plan of all devices;
-    Swarm-like placements routed by max flow; placements with a KV fraction per type tuned by
-    coordinate descent, until `TUNED_SHARE` of the time),
-    used as warm starts, and of the flow MILP (`solve_flow`) on the time left."""
-    from tessel.plan.flow_heuristics import per_type_best, swarm_placements_flow_routed, tuned_placement
-    from tessel.plan.swarm import swarm_like
-
-    started = time.perf_counter()
-    deadline = started + TUNED_SHARE * time_limit_s
-    candidates = {
-        "swarm-like": swarm_like(instance, micro_batch_size, max_micro_batches),
-        "tuned-placement": tuned_placement(instance, micro_batch_size, deadline, max_micro_batches),
-    }
-    if max_micro_batches is None:  # per-type plans are not capped in all
-        candidates["per-type"] = per_type_best(instance, micro_batch_size)
-    if time.perf_counter() < deadline:
-        routed = swarm_placements_flow_routed(instance, micro_batch_size, max_micro_batches)
-        candidates["swarm-placement-flow"] = routed
-    seeds = [list(plan.stages) for plan in candidates.values() if plan is not None]
-    left = time_limit_s - (time.perf_counter() - started)
-    found = solve_flow(
-        instance, micro_batch_size, time_limit_s=left, max_micro_batches=max_micro_batches, seeds=seeds
-    )
-    best, source = found.plan, "milp"
-    for name, plan in candidates.items():
-        if plan is not None and (best is None or plan.throughput_tok_s > best.throughput_tok_s):
-            best, source = plan, name
-    return FlowSearch(best, found.milps, time.perf_counter() - started, source)
 
 
 def type_counts(instance: PlanningInstance, plan: FlowPlan) -> Counter:

@@ -46,11 +46,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.highs import highs_lp, new_highs, run_until
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.precision import same_precision_costs
+from tessel.plan.precision.precision import same_precision_costs
 from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
-from tessel.plan.symmetry import interchangeable
+from tessel.plan.solvers.highs import ModelBuilder, solve_mip
+from tessel.plan.solvers.symmetry import interchangeable
 from tessel.units import GIB
 
 MS = 1e3  # seconds -> ms
@@ -71,49 +71,10 @@ class MILPResult:
     n_rows: int
 
 
-class _Builder:
-    """Columns and COO rows of the MILP."""
-
-    def __init__(self) -> None:
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.cost: list[float] = []
-        self.integer: list[bool] = []
-        self.rows_lo: list[float] = []
-        self.rows_hi: list[float] = []
-        self.r: list[np.ndarray] = []
-        self.c: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
-        self.n_rows = 0
-
-    def cols(self, shape, lo=0.0, hi=np.inf, integer=False) -> np.ndarray:
-        count = int(np.prod(shape))
-        start = len(self.lower)
-        self.lower += [lo] * count
-        self.upper += [hi] * count
-        self.cost += [0.0] * count
-        self.integer += [integer] * count
-        return np.arange(start, start + count).reshape(shape)
-
-    def rows(self, cols: np.ndarray, vals: np.ndarray, lo, hi) -> None:
-        """Rows given as [n_rows, k] column / value arrays (dense per row; zero values dropped)."""
-        cols = np.atleast_2d(np.asarray(cols))
-        vals = np.broadcast_to(np.asarray(vals, dtype=float), cols.shape)
-        n = cols.shape[0]
-        rows = np.broadcast_to(np.arange(self.n_rows, self.n_rows + n)[:, None], cols.shape)
-        keep = vals != 0.0
-        self.r.append(rows[keep])
-        self.c.append(cols[keep])
-        self.v.append(vals[keep])
-        self.rows_lo += list(np.broadcast_to(np.asarray(lo, dtype=float), (n,)))
-        self.rows_hi += list(np.broadcast_to(np.asarray(hi, dtype=float), (n,)))
-        self.n_rows += n
-
-
-def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
+def build_model(instance: PlanningInstance) -> tuple[ModelBuilder, dict]:
     inst = instance
     U, N = inst.n_units, inst.n_devices
-    mb = _Builder()
+    mb = ModelBuilder()
     x = mb.cols((U, N), hi=1.0, integer=True)
     b = mb.cols((U, N), hi=1.0)
     y = mb.cols((N, N), hi=1.0)
@@ -206,38 +167,23 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
             s_cols, s_vals = y[j], send[j].copy()
             s_vals[j] = 0.0
             compute[name, j] = (c_cols, c_vals, s_cols, s_vals)
-            if inst.overlap and inst.devices[j].copies_share_compute:  # T >= compute + A, T >= comm
-                mb.rows(
-                    np.concatenate([[T[j], A[j]], c_cols])[None],
-                    np.concatenate([[1.0, -1.0], -c_vals])[None],
-                    0.0,
-                    np.inf,
-                )
-                mb.rows(
-                    np.concatenate([[T[j]], s_cols])[None],
-                    np.concatenate([[1.0], -s_vals])[None],
-                    0.0,
-                    np.inf,
-                )
-            elif inst.overlap:
-                mb.rows(
-                    np.concatenate([[T[j]], c_cols])[None],
-                    np.concatenate([[1.0], -c_vals])[None],
-                    0.0,
-                    np.inf,
-                )
-                mb.rows(
-                    np.concatenate([[T[j]], s_cols])[None],
-                    np.concatenate([[1.0], -s_vals])[None],
-                    0.0,
-                    np.inf,
-                )
-                mb.rows(np.array([[T[j], A[j]]]), [[1.0, -1.0]], 0.0, np.inf)
+            if inst.overlap:  # T >= compute (+ A on a device whose copies share its cores), T >= comm
+                shared = inst.devices[j].copies_share_compute
+                if shared:
+                    _at_least(mb, T[j], np.concatenate([[A[j]], c_cols]), np.concatenate([[1.0], c_vals]))
+                else:
+                    _at_least(mb, T[j], c_cols, c_vals)
+                _at_least(mb, T[j], s_cols, s_vals)
+                if not shared:
+                    _at_least(mb, T[j], [A[j]], [1.0])
             else:
-                cols = np.concatenate([[T[j]], c_cols, s_cols, [A[j]]])
-                vals = np.concatenate([[1.0], -c_vals, -s_vals, [-1.0]])
-                mb.rows(cols[None], vals[None], 0.0, np.inf)
-            mb.rows(np.array([[M, T[j]]]), [[1.0, -1.0]], 0.0, np.inf)
+                _at_least(
+                    mb,
+                    T[j],
+                    np.concatenate([c_cols, s_cols, [A[j]]]),
+                    np.concatenate([c_vals, s_vals, [1.0]]),
+                )
+            _at_least(mb, M, [T[j]], [1.0])
 
     # swap-in hidden under the upstream stage j of k: A[k] <= compute_j + comm_j + bigM (1 - y[j, k])
     for k in range(N if hidden else 0):
@@ -270,6 +216,13 @@ def build_model(instance: PlanningInstance) -> tuple[_Builder, dict]:
     }
 
 
+def _at_least(mb: ModelBuilder, col, cols, vals) -> None:
+    """The row col >= sum vals * cols."""
+    row_cols = np.concatenate([[col], np.asarray(cols)])
+    row_vals = np.concatenate([[1.0], -np.asarray(vals, dtype=float)])
+    mb.rows(row_cols[None], row_vals[None], 0.0, np.inf)
+
+
 def _kv_rows(mb, inst, j, xj, held_cols, held_vals, o, ks, kr, A, host) -> None:
     """Evicted KV (ks swapped, kr recomputed, GiB) within the stage's KV, streamed weights o - ks - kr
     within the rest it holds, and A >= streamed / B + (swap ks + recompute kr) / m (ms)."""
@@ -293,7 +246,7 @@ def _kv_rows(mb, inst, j, xj, held_cols, held_vals, o, ks, kr, A, host) -> None:
     mb.upper[A] = host * max(ms_per_gib or 0.0, swap_ms, rec_ms)
 
 
-def _precision_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray, z: np.ndarray) -> None:
+def _precision_rows(mb: ModelBuilder, instance: PlanningInstance, x: np.ndarray, z: np.ndarray) -> None:
     """x[u, j] = sum_q z[u, j, q]; quality within the budget; theta * quality in the objective."""
     choice = instance.precision
     U, N, P = z.shape
@@ -335,7 +288,7 @@ def canonical(instance: PlanningInstance, solution: Solution) -> Solution:
     return Solution(stages, solution.precisions)
 
 
-def _symmetry_rows(mb: _Builder, instance: PlanningInstance, x: np.ndarray) -> None:
+def _symmetry_rows(mb: ModelBuilder, instance: PlanningInstance, x: np.ndarray) -> None:
     """For exact copies j1 < j2: x[u, j2] <= sum_{u' < u} x[u', j1]."""
     U = instance.n_units
     for copies in _copy_groups(instance):
@@ -406,7 +359,7 @@ def solve_milp(
     callback fires), on some instances of this model. In a child, a crash or a hang costs only the
     MILP's answer (status "solver crashed" / "solver hung"): the child is killed at the time limit
     plus a short grace, and `solve` keeps the DP's plan. `solve` always isolates for that reason.
-    The child is a fresh interpreter (`python -m tessel.plan.milp`), sharing no HiGHS state."""
+    The child is a fresh interpreter (`python -m tessel.plan.solvers.milp`), sharing no HiGHS state."""
     kwargs = dict(
         time_limit_s=time_limit_s, mip_gap=mip_gap, warm_start=warm_start, threads=threads, verbose=verbose
     )
@@ -420,7 +373,7 @@ def solve_milp(
     # a fresh interpreter, not a fork: a child forked after HiGHS ran in this process (the DP's LP
     # bound does) can deadlock on HiGHS's inherited threads; `python -m` imports no user script
     child = subprocess.Popen(
-        [sys.executable, "-m", "tessel.plan.milp"],
+        [sys.executable, "-m", "tessel.plan.solvers.milp"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -455,14 +408,14 @@ def solve_milp(
 
 
 def _child_main() -> None:
-    """`python -m tessel.plan.milp`: (instance, options, wall-clock time sent) pickled on stdin, the
-    MILPResult on stdout. HiGHS's own prints (C level, fd 1) go to stderr so they cannot mix with the
-    result."""
+    """`python -m tessel.plan.solvers.milp`: (instance, options, wall-clock time sent) pickled on
+    stdin, the MILPResult on stdout. HiGHS's own prints (C level, fd 1) go to stderr so they cannot
+    mix with the result."""
     import os
     import pickle
     import sys
 
-    from tessel.plan import milp  # the module by its own name: results pickle as tessel.plan.milp.*
+    from tessel.plan.solvers import milp  # by its own name: results pickle as tessel.plan.solvers.milp.*
 
     result_fd = os.dup(1)
     os.dup2(2, 1)
@@ -482,58 +435,30 @@ def _solve_milp(
     threads: int | None,
     verbose: bool,
 ) -> MILPResult:
-    import highspy
-
     started = time.perf_counter()
     mb, cols = build_model(instance)
-    n_cols = len(mb.lower)
-    lp = highs_lp(
-        np.asarray(mb.cost) / MS,
-        np.asarray(mb.lower),
-        np.asarray(mb.upper),
-        np.concatenate(mb.r),
-        np.concatenate(mb.c),
-        np.concatenate(mb.v),
-        np.asarray(mb.rows_lo),
-        np.asarray(mb.rows_hi),
-        np.asarray(mb.integer),
-    )
-    h = new_highs(verbose)
-    h.setOptionValue("time_limit", float(max(time_limit_s - (time.perf_counter() - started), 0.1)))
-    h.setOptionValue("mip_rel_gap", float(mip_gap))
-    if threads is not None:
-        h.setOptionValue("threads", int(threads))
-    h.passModel(lp)
-    warm = False
+    start = None
     if warm_start is not None:
-        start = highspy.HighsSolution()
-        start.col_value = _start_values(instance, cols, n_cols, canonical(instance, warm_start))
-        start.value_valid = True
-        warm = h.setSolution(start) == highspy.HighsStatus.kOk
-    status = run_until(h, started + time_limit_s)
-    info = h.getInfo()
+        start = _start_values(instance, cols, mb.n_cols, canonical(instance, warm_start))
+    found = solve_mip(
+        mb,
+        started=started,
+        time_limit_s=time_limit_s,
+        mip_gap=mip_gap,
+        cost_divisor=MS,
+        start=start,
+        threads=threads,
+        verbose=verbose,
+    )
     elapsed = time.perf_counter() - started
-    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    if not has_solution:
-        return MILPResult(
-            None, None, status, np.inf, float(info.mip_dual_bound), np.inf, elapsed, warm, n_cols, mb.n_rows
-        )
-    values = np.asarray(h.getSolution().col_value)
-    solution = _extract(instance, cols, values)
-    objective = float(info.objective_function_value)
-    bound = float(info.mip_dual_bound)
+    shape = (found.warm_started, mb.n_cols, mb.n_rows)
+    if found.values is None:
+        return MILPResult(None, None, found.status, np.inf, found.dual_bound, np.inf, elapsed, *shape)
+    solution = _extract(instance, cols, found.values)
+    objective, bound = found.objective, found.dual_bound
     gap = max(objective - bound, 0.0) / abs(objective) if objective else 0.0
     return MILPResult(
-        solution,
-        evaluate(instance, solution),
-        status,
-        objective,
-        bound,
-        gap,
-        elapsed,
-        warm,
-        n_cols,
-        mb.n_rows,
+        solution, evaluate(instance, solution), found.status, objective, bound, gap, elapsed, *shape
     )
 
 

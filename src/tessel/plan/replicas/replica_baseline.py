@@ -7,7 +7,7 @@ layers split evenly (vLLM's default). This builds that baseline in tessel's cost
 
 - per type, groups of the smallest size that holds weights + KV in GPU memory (host memory when
   no group of the type can); the type's devices left over stay idle;
-- each group runs `tessel.plan.baselines.uniform` (even layer counts over its devices);
+- each group runs `tessel.plan.solvers.baselines.uniform` (even layer counts over its devices);
 - the groups share the workload's m micro-batches exactly as replicas do (`allocate`).
 
 With `concurrency="memory"` (offline work, as Helix's offline setting): no host memory, each group
@@ -20,18 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessel.plan.baselines import uniform
-from tessel.plan.instance import PlanningInstance
-from tessel.plan.replicas import (
-    allocate,
-    gpu_memory_only,
-    memory_micro_batches,
-    share,
-    smallest_group,
-    subset,
-    with_micro_batches,
-)
+from tessel.plan.instance import PlanningInstance, gpu_memory_only, share, subset, with_micro_batches
+from tessel.plan.replicas.replicas import allocate, memory_micro_batches, smallest_group
 from tessel.plan.report import predict
+from tessel.plan.solvers.baselines import uniform
 
 
 @dataclass(frozen=True, slots=True)

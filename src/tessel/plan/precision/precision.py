@@ -5,7 +5,7 @@ is the reference (quality cost 0). What each precision means for bytes and compu
 `tessel.cost.layer.WEIGHT_SCHEMES` (int8 = W8A8 at the int8 rate, int4 = W4A16 at the fp16 rate).
 The KV cache keeps the plan's one `--kv-dtype`.
 
-The quality cost of a plan is the sum of its units' costs (`tessel.plan.quality`). The user bounds
+The quality cost of a plan is the sum of its units' costs (`tessel.plan.precision.quality`). The user bounds
 it with `--quality-budget B` (total cost at most B) or `--theta` (LLM-PQ's trade-off: the objective
 gains theta seconds per unit of cost). With neither, `default_budget`: the cost of W8A8 on half of
 the layers. On a model whose layers all have the same shape (every preset) the default indicator

@@ -1,0 +1,2 @@
+"""A weight precision per layer: the choice and its budget (`precision`) and each layer's quality
+cost (`quality`)."""
