@@ -59,6 +59,7 @@ from tessel.pipeline.replica_backends import (
     stop_backends,
 )
 from tessel.server.disconnect import unless_disconnected
+from tessel.text import check_text
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RESEND_STATUSES = (429, 503)  # the backend took no work: the next replica may
@@ -148,7 +149,10 @@ def count_prompt_tokens(tokenizer: Any, body: Any, chat: bool) -> int:
         return 0
     try:
         if chat:
-            messages = [{"role": m["role"], "content": _text(m["content"])} for m in body["messages"]]
+            messages = [
+                {"role": m["role"], "content": check_text(_text(m["content"]), "content")}
+                for m in body["messages"]
+            ]
             ids = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
@@ -158,7 +162,7 @@ def count_prompt_tokens(tokenizer: Any, body: Any, chat: bool) -> int:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a one-element batch, as the server takes it
         if isinstance(prompt, str):
-            return len(tokenizer(prompt)["input_ids"])
+            return len(tokenizer(check_text(prompt, "prompt"))["input_ids"])
         return len(prompt) if isinstance(prompt, list) else 0
     except Exception:  # the backend answers this request's error (400) itself
         return 0

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tessel.engine.engine_config import EngineConfig
 from tessel.engine.llm_engine import _load_tokenizer, max_model_len
-from tessel.engine.sampling_params import check_text
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.pipeline.prompts_file import RunRequest
+from tessel.text import check_text
 
 
 def check_prompt_chars(requests: list[RunRequest], max_prompt_chars: int) -> None:
