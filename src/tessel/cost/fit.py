@@ -34,6 +34,7 @@ from scipy.optimize import nnls
 from tessel.cost.profile import ComponentFit, DecodeFit, PrefillFit
 
 HELDOUT_FRACTION = 0.25
+MIN_FIT_SIZES = 7  # the fewest sizes `fit_component` fits: both ends, and five inside to hold one out of
 ROW_BLOCK = 16  # rows per GEMM tile edge the row grids straddle (`row_anchors`)
 
 
