@@ -525,7 +525,7 @@ def measure_layer(
     max_batch = max(max(b for b, _ in dec_grid), max(PREFILL_BATCH_SIZES))
     with torch.inference_mode():  # building and calibrating come out of the budget before any share
         layer = _Layer(shape, settings, max_tokens, max_batch)
-        costs = _calibrate(layer, settings, _timer(settings), pre_grid, dec_grid)
+        costs = _calibrate(layer, settings, pre_grid, dec_grid)
         fewest_s, left_s = costs.fewest_s(pre_grid, dec_grid), phases.deadline.left_s()
         if warn is not None and fewest_s > left_s:
             warn(
@@ -598,9 +598,10 @@ def _time_grids(
 
 @dataclass(frozen=True, slots=True)
 class _Costs:
-    """Estimated seconds of the layer's points, from calibration runs: prefill at the seconds per FLOP of
-    a mid-grid chunk; decode at the larger of that rate's and the smallest batch's time (weights stream
-    from memory however few rows they multiply); a pass over n prompts n times one prompt's."""
+    """Estimated wall seconds of the layer's points, from calibration runs: prefill at the seconds per
+    FLOP of a mid-grid chunk; decode at the larger of that rate's and the smallest batch's time (weights
+    stream from memory however few rows they multiply); a pass over n prompts n times one prompt's.
+    `clock` times the points themselves."""
 
     shape: LayerShape
     settings: ProfileSettings
@@ -648,9 +649,12 @@ class _Costs:
         return sum(pre) + self.decode_round_s(dec) + batch
 
 
-def _calibrate(layer: _Layer, settings: ProfileSettings, clock: Clock, pre_grid, dec_grid) -> _Costs:
-    """One timed run (after one untimed) of a mid-grid prefill chunk, a mid-grid decode step, the
-    smallest decode step and a pass over one prompt: the cost estimates that choose the points."""
+def _calibrate(layer: _Layer, settings: ProfileSettings, pre_grid, dec_grid) -> _Costs:
+    """One run (after one untimed) of a mid-grid prefill chunk, a mid-grid decode step, the smallest
+    decode step and a pass over one prompt: the cost estimates that choose the points. Timed in wall
+    seconds, the budget's, whatever clock times the points (process CPU time runs slower than the
+    wall clock on a loaded host)."""
+    clock = make_clock("cuda-wall" if settings.device == "cuda" else "wall")
     shape, once = layer.shape, replace(settings, warmup=1, repeats=1, min_point_s=0.0)
     pre_cal, dec_cal, dec_small = pre_grid[len(pre_grid) // 2], dec_grid[len(dec_grid) // 2], min(dec_grid)
     pre_s = _measure(layer, layer.prefill_inputs(*pre_cal), once, clock)
@@ -658,7 +662,7 @@ def _calibrate(layer: _Layer, settings: ProfileSettings, clock: Clock, pre_grid,
     floor_s = _measure(layer, layer.decode_inputs(dec_small[0], dec_small[1] // dec_small[0]), once, clock)
     batch_s = _measure(layer, layer.prefill_batch_inputs(1, PREFILL_BATCH_TOKENS), once, clock)
     pre_rate, dec_rate = pre_s / shape.prefill_flops(*pre_cal), dec_s / shape.decode_flops(*dec_cal)
-    return _Costs(shape, settings, clock, pre_rate, dec_rate, floor_s, batch_s)
+    return _Costs(shape, settings, _timer(settings), pre_rate, dec_rate, floor_s, batch_s)
 
 
 def _measure_spread(
