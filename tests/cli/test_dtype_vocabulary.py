@@ -12,7 +12,7 @@ from cli_helpers import user_error
 from typer.testing import CliRunner
 
 from tessel.cli import app
-from tessel.dtypes import PLAN_DTYPES, RUNTIME_DTYPES, parse_dtype, runtime_dtype_name
+from tessel.dtypes import KV_DTYPES, PLAN_DTYPES, RUNTIME_DTYPES, parse_dtype, runtime_dtype_name
 from tessel.errors import TesselError
 
 PAIRS = [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"), ("fp16", "half")]
@@ -38,6 +38,15 @@ def test_fp8_is_a_kv_cache_dtype_not_a_weight_one() -> None:
     assert parse_dtype("fp8", runtime=False, kv=True) == "fp8"
     with pytest.raises(TesselError, match="no fp8 peak FLOP/s .*; use one of float32, .*, int8$"):
         parse_dtype("fp8", runtime=False)
+
+
+def test_every_offered_precision_is_priced() -> None:
+    """Weights at a peak FLOP/s every catalog GPU has; a KV cache by its bytes."""
+    from tessel.catalog.gpus import get_gpu, known_gpus
+    from tessel.cost.layer import DTYPE_BYTES
+
+    assert set(KV_DTYPES) <= set(DTYPE_BYTES) and set(PLAN_DTYPES) < set(KV_DTYPES)
+    assert all(get_gpu(name).peak_flops(dtype) > 0 for name in known_gpus() for dtype in PLAN_DTYPES)
 
 
 def test_unknown_and_auto() -> None:
