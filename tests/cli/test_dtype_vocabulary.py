@@ -1,4 +1,6 @@
-"""One dtype vocabulary (tessel.dtypes): both spellings everywhere, int8/fp8 for the planner only."""
+"""One dtype vocabulary (tessel.dtypes): both spellings everywhere, int8/fp8 for the planner only (fp8 for
+its KV cache alone: the catalog has no fp8 peak to price weights at), each option's help and refusal
+written from the list it parses with."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from cli_helpers import user_error
 from typer.testing import CliRunner
 
 from tessel.cli import app
-from tessel.dtypes import PLAN_DTYPES, RUNTIME_DTYPES, parse_dtype, runtime_dtype_name
+from tessel.dtypes import KV_DTYPES, PLAN_DTYPES, RUNTIME_DTYPES, parse_dtype, runtime_dtype_name
 from tessel.errors import TesselError
 
 PAIRS = [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"), ("fp16", "half")]
@@ -27,9 +29,24 @@ def test_both_spellings_name_one_dtype(short: str, long: str) -> None:
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "INT8"])
 def test_a_planner_precision_is_refused_by_the_runtime_naming_the_planner(name: str) -> None:
-    assert parse_dtype(name, runtime=False) == name.lower()
+    assert parse_dtype(name, runtime=False, kv=True) == name.lower()
     with pytest.raises(TesselError, match="planner precision .*tessel plan"):
         parse_dtype(name, runtime=True)
+
+
+def test_fp8_is_a_kv_cache_dtype_not_a_weight_one() -> None:
+    assert parse_dtype("fp8", runtime=False, kv=True) == "fp8"
+    with pytest.raises(TesselError, match="no fp8 peak FLOP/s .*; use one of float32, .*, int8$"):
+        parse_dtype("fp8", runtime=False)
+
+
+def test_every_offered_precision_is_priced() -> None:
+    """Weights at a peak FLOP/s every catalog GPU has; a KV cache by its bytes."""
+    from tessel.catalog.gpus import get_gpu, known_gpus
+    from tessel.cost.layer import DTYPE_BYTES
+
+    assert set(KV_DTYPES) <= set(DTYPE_BYTES) and set(PLAN_DTYPES) < set(KV_DTYPES)
+    assert all(get_gpu(name).peak_flops(dtype) > 0 for name in known_gpus() for dtype in PLAN_DTYPES)
 
 
 def test_unknown_and_auto() -> None:
@@ -110,3 +127,39 @@ def test_every_dtype_option_lists_both_spellings() -> None:
                 words = set(param.help.replace(",", " ").replace("(", " ").replace(")", " ").split())
                 assert set(RUNTIME_DTYPES) | set(RUNTIME_DTYPES.values()) <= words, (name, param.help)
     assert {"plan", "chunk", "generate", "serve", "embed", "launch", "profile"} <= found
+
+
+# Every precision name a dtype option could offer (the oracle: what the help says is read from it)
+PRECISION_NAMES = {"fp32", "bf16", "fp16", "int8", "fp8", "int4"}
+# a time limit no busy machine reaches: the DP reports finding no plan in time as no feasible plan
+PLAN_ARGS = ["--model", "llama-2-7b", "--cluster", "llmpq-t4-v100", "--solver", "dp", "--time-limit", "300"]
+PLANNER_DTYPE_OPTIONS = [
+    ("plan", "--dtype", PLAN_ARGS),
+    ("plan", "--kv-dtype", PLAN_ARGS),
+    ("chunk", "--dtype", ["--model", "llama-2-7b", "--seq-len", "1024", "--grid", "256"]),
+]
+
+
+def _offered(command: str, option: str) -> set[str]:
+    """The precisions an option's --help offers."""
+    import typer.main
+
+    params = typer.main.get_command(app).commands[command].params
+    (param,) = [p for p in params if option in p.opts]
+    return PRECISION_NAMES & set(param.help.replace(",", " ").replace(".", " ").replace(":", " ").split())
+
+
+@pytest.mark.parametrize("command,option,args", PLANNER_DTYPE_OPTIONS)
+def test_a_planner_dtype_option_accepts_all_it_offers_and_refuses_naming_only_that(
+    command: str, option: str, args: list[str]
+) -> None:
+    """What --help offers, the command plans with; what it refuses, the message names the same list
+    (issue 42: `tessel plan --dtype fp8` was offered, then refused naming a list without fp8)."""
+    offered = _offered(command, option)
+    assert {"fp32", "bf16", "fp16"} <= offered
+    for name in sorted(offered):
+        result = CliRunner().invoke(app, [command, *args, option, name])
+        assert result.exit_code == 0, (name, result.output[-600:], repr(result.exception))
+    refused = _unboxed(user_error([command, *args, option, "fp64"]))
+    named = PRECISION_NAMES & set(refused.replace(",", " ").replace(";", " ").split())
+    assert named == offered, refused

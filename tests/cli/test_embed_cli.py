@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 from cli_helpers import user_error
+from hypothesis import given, settings
 from typer.testing import CliRunner
 
+from bad_text import lone_surrogate_texts
 from encoder_models import make_tiny_bert, oracle_embeddings
 from tessel.cli import app
 
@@ -46,3 +48,12 @@ def test_embed_user_errors(encoder_dir, tmp_path):
     to_folder = ["embed", "--model", encoder_dir, "--text", "hi", "--json", tmp_path]
     assert "is a directory" in user_error(to_folder)
     assert "tessel embed" in user_error(["generate", "--model", encoder_dir, "--prompt", "hi"])
+
+
+@settings(max_examples=10, deadline=None)
+@given(bad=lone_surrogate_texts())
+def test_embed_refuses_a_text_that_is_not_valid_unicode(encoder_dir, bad):
+    """A command line's bytes that are not UTF-8 reach Python as lone surrogates (issue 42)."""
+    text, refusal = bad
+    message = user_error(["embed", "--model", encoder_dir, "--text", "hello", "--text", text])
+    assert f"--text 2 is not valid Unicode: a {refusal}" in message

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from sim.sim_plans import TINY_LLAMA, write_plan
@@ -19,7 +21,15 @@ from tessel import __version__
 from tessel.catalog.models import load_model, model_from_config
 from tessel.cli import app
 from tessel.cost.layer import profile_shape
-from tessel.cost.profile import VERSION_KEY, ComponentFit, DecodeFit, PrefillFit, Profile, load_profile
+from tessel.cost.profile import (
+    MAX_TERM_S,
+    VERSION_KEY,
+    ComponentFit,
+    DecodeFit,
+    PrefillFit,
+    Profile,
+    load_profile,
+)
 from tessel.cost.profile_check import check_profile, checked_profiles, scaled_shape
 from tessel.errors import TesselError
 
@@ -149,6 +159,56 @@ def test_truncated_and_non_finite_files_are_refused_naming_where(tmp_path: Path)
         finite = f"{re.escape(str(broken))}: {where}: Input should be a finite number"
         with pytest.raises(TesselError, match=finite):
             load_profile(broken)
+
+
+# Where a fitted time sits in the file, and a value no fit of measured times has there (issue 42: a0 = -1
+# and a1 = 1e300 were used without a word, and the plan came out as the real profile's)
+COEFFICIENTS = [
+    *(("prefill", name) for name in ("a0", "a1", "a2", "a3")),
+    *(("decode", name) for name in ("b0", "b1", "b2")),
+    *(("components.step", name) for name in ("c0", "c1")),
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    where=st.sampled_from(COEFFICIENTS),
+    value=st.one_of(
+        st.floats(-1e300, -1e-300),  # a time is never negative
+        st.floats(MAX_TERM_S, 1e300, exclude_min=True),  # nor longer than any device takes for one unit
+    ),
+)
+def test_implausible_coefficients_are_refused_naming_the_file_and_coefficient(tmp_path_factory, where, value):
+    component, name = where
+    data = _profile(components={"step": ComponentFit(4e-4, 3e-5, "sequences", 0.01, 12)}).to_json()
+    fit = data
+    for key in component.split("."):
+        fit = fit[key]
+    fit[name] = value
+    path = tmp_path_factory.mktemp("profiles") / "implausible.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TesselError) as refused:
+        load_profile(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: {component}.{name} = {value:g} s"), message
+    assert ("negative" if value < 0 else f"above {MAX_TERM_S:g} s") in message and "tessel profile" in message
+
+
+@pytest.mark.parametrize("knots", [[[1.0, 2e-3], [16.0, -1e-3]], [[1.0, 2e-3], [16.0, 1e300]]])
+def test_implausible_knot_times_are_refused(tmp_path: Path, knots: list) -> None:
+    data = _profile().to_json()
+    data["decode"]["knots"] = knots
+    path = tmp_path / "knots.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TesselError, match=rf"{re.escape(str(path))}: decode\.knots\[1\] = "):
+        load_profile(path)
+
+
+def test_the_python_api_refuses_an_implausible_fit() -> None:
+    with pytest.raises(TesselError, match="a0 = -1 s"):
+        PrefillFit(-1.0, 1e-5, 1e-8, 1e-10)
+    with pytest.raises(TesselError, match=f"c1 = 1e\\+300 s per byte: above {MAX_TERM_S:g} s"):
+        ComponentFit(1e-4, 1e300, "bytes", 0.01, 12)
 
 
 # ---- the commands ----------------------------------------------------------------------------

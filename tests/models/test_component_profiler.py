@@ -37,8 +37,9 @@ def test_ends_are_timed_at_every_size(tmp_path) -> None:
 
 
 def test_transport_is_timed_between_two_processes_over_gloo() -> None:
-    sizes, times = C.measure_transport("host", FAST, sizes=(256, 4096, 65536), rounds=2)
+    sizes, times, rounds = C.measure_transport("host", FAST, sizes=(256, 4096, 65536), rounds=2)
     assert list(sizes) == [256, 4096, 65536] and (times > 0).all() and np.isfinite(times).all()
+    assert rounds == 2  # no deadline: every round asked for
     with pytest.raises(C.TesselError, match="nccl"):
         C.measure_transport("nccl", FAST)  # not a CPU transport
 

@@ -5,13 +5,17 @@ server answering 400."""
 from __future__ import annotations
 
 import base64
+import json
 import threading
 
 import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from bad_text import lone_surrogate_texts
 from encoder_models import make_tiny_bert, oracle_embeddings
 from tessel.models.embedder import Embedder
 from tessel.server.embeddings import MAX_INPUTS, create_embedding_app
@@ -78,6 +82,22 @@ def test_bad_requests_get_400_naming_the_limit(client, body, message):
     response = client.post("/v1/embeddings", json=body)
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(bad=lone_surrogate_texts(), position=st.integers(0, 2), items=st.integers(1, 3))
+def test_a_lone_surrogate_is_a_400_naming_the_input(client, bad, position, items):
+    """As /v1/completions and /v1/chat/completions answer it (issue 42): the one check of tessel.text."""
+    text, refusal = bad
+    inputs = [TEXTS[i % len(TEXTS)] for i in range(items)]
+    inputs[position % items] = text
+    body = json.dumps({"input": inputs[0] if items == 1 else inputs})  # ensure_ascii: "\\ud800" escapes
+    response = client.post("/v1/embeddings", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and refusal in error["message"], error
+    if items > 1:
+        assert f"input[{position % items}] is not valid Unicode" in error["message"]
 
 
 def test_unknown_model_404_and_text_routes_400(client):

@@ -12,10 +12,11 @@ from importlib import resources
 
 import yaml
 
+from tessel.dtypes import PLAN_DTYPES
 from tessel.errors import TesselError
 from tessel.units import GIB
 
-DTYPES = ("fp32", "fp16", "bf16", "int8")
+DTYPES = PLAN_DTYPES  # the precisions every GPU has a peak for: what the planner offers for weights
 GB = 1e9
 TERA = 1e12
 # Achieved pinned host <-> device copies per PCIe generation, x16, GB/s per direction: ~80% of the raw
@@ -29,7 +30,7 @@ class GpuSpec:
 
     name: str
     memory_bytes: int
-    peak_flops_per_s: dict[str, float] = field(hash=False)  # "fp32", "fp16", "bf16", "int8"
+    peak_flops_per_s: dict[str, float] = field(hash=False)  # one per DTYPES
     mem_bandwidth_bytes_per_s: float
     pcie_h2d_bytes_per_s: float
     pcie_d2h_bytes_per_s: float
@@ -76,7 +77,9 @@ class GpuSpec:
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops_per_s:
-            raise TesselError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+            raise TesselError(
+                f"the GPU catalog has no peak FLOP/s for dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+            )
         return self.peak_flops_per_s[dtype]
 
 

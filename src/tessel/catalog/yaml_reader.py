@@ -6,6 +6,8 @@ node tree keeps the line of every value, so the two together give `cluster.yaml:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import UnionType
@@ -17,8 +19,8 @@ import yaml
 from tessel.errors import TesselError
 from tessel.files import check_nesting, read_text_file
 
-# Most values a YAML file may expand to once its aliases are followed (a cluster or workload file
-# holds a few hundred): refuses "billion laughs" alias bombs before anything walks the values.
+# Most values a YAML file may hold, its aliases expanded (a cluster or workload file holds a few
+# hundred): refuses "billion laughs" alias bombs, and files far past any cluster, before they are read.
 MAX_YAML_VALUES = 100_000
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
@@ -50,8 +52,8 @@ def parse_yaml(text: str, label: str, model_cls: type[ModelT]) -> ModelT:
     """Validate YAML text as `model_cls`; errors say file:line: field: what is wrong."""
     check_nesting(text, label)
     try:
+        _check_value_count(text, label)
         tree = yaml.compose(text)
-        _check_expanded_size(tree, label)
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
@@ -69,27 +71,95 @@ def parse_yaml(text: str, label: str, model_cls: type[ModelT]) -> ModelT:
         raise TesselError(_format_errors(error, tree, label, model_cls)) from None
 
 
-def _check_expanded_size(tree: yaml.Node | None, label: str) -> None:
-    """Refuse YAML whose aliases expand to more than MAX_YAML_VALUES values."""
-    sizes: dict[int, int] = {}
+def _check_value_count(text: str, label: str) -> None:
+    """Refuse YAML holding more than MAX_YAML_VALUES values (each key, item and scalar, an alias counted
+    as what it expands to), naming the field that holds most of them. Reads parser events and stops at
+    the bound: bounded work (libyaml's parser where PyYAML has it) before anything composes the file.
+    libyaml refusing what PyYAML reads: counted again with PyYAML's parser, whose errors are the reader's."""
+    for loader in _EVENT_LOADERS:
+        try:
+            _count_values(yaml.parse(text, Loader=loader), label)
+            return
+        except yaml.YAMLError:
+            if loader is _EVENT_LOADERS[-1]:
+                raise
 
-    def size(node: yaml.Node) -> int:
-        if id(node) in sizes:
-            return sizes[id(node)]
-        sizes[id(node)] = 1  # a recursive alias counts once
-        if isinstance(node, yaml.MappingNode):
-            total = 1 + sum(size(key) + size(value) for key, value in node.value)
-        elif isinstance(node, yaml.SequenceNode):
-            total = 1 + sum(size(item) for item in node.value)
+
+_EVENT_LOADERS = (*([yaml.CSafeLoader] if hasattr(yaml, "CSafeLoader") else []), yaml.SafeLoader)
+
+
+@dataclass(slots=True)
+class _Collection:
+    """A mapping or sequence the counter is inside: where it is, and the counts when it began."""
+
+    path: str
+    line: int
+    values_before: int
+    aliased_before: int
+    anchor: str | None
+    mapping: bool
+    next_is_key: bool = True
+    key: str = "?"
+    items: int = 0
+
+    def child_path(self) -> str:
+        """The path of the node that comes next in this collection (a key's own path is its mapping's)."""
+        if not self.mapping:
+            return f"{self.path}[{self.items}]"
+        return f"{self.path}.{self.key}" if self.path else self.key
+
+
+def _count_values(events: Iterable[yaml.Event], label: str) -> None:
+    values = aliased = 0  # values read so far; of them, those aliases stood for
+    sizes: dict[str, int] = {}  # anchor -> the values its node holds
+    open_: list[_Collection] = []
+    for event in events:
+        if isinstance(event, yaml.CollectionEndEvent):
+            done = open_.pop()
+            if done.anchor is not None:
+                sizes[done.anchor] = values - done.values_before
+            continue
+        if not isinstance(event, yaml.NodeEvent):
+            continue
+        parent = open_[-1] if open_ else None
+        is_key = parent is not None and parent.mapping and parent.next_is_key
+        path = parent.child_path() if parent is not None else ""
+        if isinstance(event, yaml.AliasEvent):
+            count = sizes.get(event.anchor, 1)  # an alias inside its own anchor's node counts once
+            values, aliased = values + count, aliased + count
         else:
-            total = 1
-        sizes[id(node)] = min(total, MAX_YAML_VALUES + 1)
-        return sizes[id(node)]
+            values += 1
+            if isinstance(event, yaml.CollectionStartEvent):
+                line = event.start_mark.line + 1
+                mapping = isinstance(event, yaml.MappingStartEvent)
+                open_.append(_Collection(path, line, values - 1, aliased, event.anchor, mapping))
+            elif event.anchor is not None:
+                sizes[event.anchor] = 1
+        if parent is not None:
+            if is_key:
+                parent.key = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+            elif not parent.mapping:
+                parent.items += 1
+            parent.next_is_key = not is_key if parent.mapping else True
+        if values > MAX_YAML_VALUES:
+            raise TesselError(_too_many_values(open_, values, aliased, label))
 
-    if tree is not None and size(tree) > MAX_YAML_VALUES:
-        raise TesselError(
-            f"{label}: expands to more than {MAX_YAML_VALUES} values (YAML aliases); write the values out"
-        )
+
+def _too_many_values(open_: list[_Collection], values: int, aliased: int, label: str) -> str:
+    """The refusal, naming the innermost collection that holds a third or more of what was read (its
+    line: where its value begins) and how much it holds."""
+    where = next((c for c in reversed(open_) if 3 * (values - c.values_before) >= values), None)
+    line = where.line if where is not None else 1
+    name = where.path if where is not None and where.path else "the file"
+    if where is None or not where.path:
+        problem = f"holds more than {MAX_YAML_VALUES} values"
+    else:
+        problem = f"holds {values - where.values_before} values, the file more than {MAX_YAML_VALUES}"
+    if aliased > (where.aliased_before if where is not None else 0):
+        problem, fix = f"{problem}, its YAML aliases expanded", "use fewer aliases"
+    else:
+        problem, fix = f"{problem} (keys, items and scalars)", f"shorten {name}"
+    return f"{label}:{line}: {name} {problem}; tessel reads at most {MAX_YAML_VALUES} from a YAML file: {fix}"
 
 
 def validate_data(data: dict, label: str, model_cls: type[ModelT]) -> ModelT:

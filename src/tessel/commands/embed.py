@@ -46,7 +46,10 @@ def embed(
 ) -> None:
     """Embed each --text with the encoder in --model (pooling and normalisation as the model configures)."""
     from tessel.files import check_output_path, write_json_file
+    from tessel.text import check_text
 
+    for index, item in enumerate(text):
+        check_text(item, f"--text {index + 1}")  # what the embedder's tokenize checks, before it loads
     if json_out is not None:
         check_output_path(json_out, "--json", inputs=(model,))
     from tessel.models.embedder import Embedder

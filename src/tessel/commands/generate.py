@@ -53,6 +53,7 @@ def generate(
 
     from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
+    from tessel.text import check_text
 
     params = SamplingParams(
         temperature=temperature,
@@ -64,6 +65,8 @@ def generate(
         ignore_eos=ignore_eos,
     )  # the same validation as the HTTP API: a bad value stops here, before the model loads
     params.verify(checked.config.vocab_size)
+    for index, text in enumerate(prompt):
+        check_text(text, f"--prompt {index + 1}")  # what the engine's tokenize checks, before it loads
     kwargs = host_kv if max_model_len is None else host_kv | {"max_model_len": max_model_len}
     llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs)
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)

@@ -19,9 +19,22 @@ from tessel.commands.options import (
     output_file,
     plan_dtype_option,
 )
+from tessel.dtypes import KV_DTYPE_HELP, parse_dtype
 from tessel.errors import TesselError
 from tessel.plan.api import MAX_TIME_LIMIT_S, MIN_TIME_LIMIT_S
 from tessel.plan.build import MAX_QUALITY_BUDGET, MAX_THETA
+
+
+def _kv_dtype(value: str) -> str:  # typer callbacks take the value alone
+    try:
+        return parse_dtype(value, runtime=False, kv=True)
+    except TesselError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+KV_DTYPE_OPTION = typer.Option(
+    "fp16", "--kv-dtype", callback=_kv_dtype, metavar="DTYPE", help=f"KV cache dtype: {KV_DTYPE_HELP}."
+)
 
 
 def plan(
@@ -72,7 +85,7 @@ def plan(
     ),
     mip_gap: float = float_option(0.01, "--mip-gap", low=0.0, high=0.999, help="Relative gap to stop at."),
     dtype: str = plan_dtype_option("fp16", "--dtype", help="Weight dtype"),
-    kv_dtype: str = plan_dtype_option("fp16", "--kv-dtype", help="KV cache dtype"),
+    kv_dtype: str = KV_DTYPE_OPTION,
     profile: list[Path] = input_file(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),

@@ -43,7 +43,12 @@ def profile(
         None, "--out", dir_okay=False, writable=True, hidden=True, help="Deprecated spelling of --json."
     ),
     budget_s: float = float_option(
-        60.0, "--budget-s", low=0.01, high=86400.0, help="Seconds for the timing runs."
+        60.0,
+        "--budget-s",
+        low=0.01,
+        high=86400.0,
+        help="Seconds for the whole command after start-up: every timing phase takes its share (a note "
+        "says up front when the fewest runs the fits need take longer).",
     ),
     threads: int = typer.Option(1, "--threads", min=0, max=4096, help="CPU threads; 0: PyTorch's default."),
     clock: Literal["auto", "wall", "cpu"] = typer.Option(
@@ -72,6 +77,9 @@ def profile(
 ) -> None:
     """Time a decoder layer over (chunk, offset) and decode grids, and the embedding, LM head +
     sampling, engine step overhead and stage-to-stage transport; fit each, write JSON."""
+    from tessel.deadline import Deadline
+
+    deadline = Deadline.after(budget_s)  # one budget for all that follows: reading the model, every timing
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -114,6 +122,8 @@ def profile(
             checkpoint=checkpoint if components == "all" else None,
             transports=transports_for(device) if components == "all" and ends is not None else (),
             note=lambda what: bar.update(task, description=f"timing {what}"),
+            deadline=deadline,
+            warn=lambda text: console.print(f"note: {text}", highlight=False),
         )
     write_json_file(out, result.to_json(), option, inputs=(model,))
     print_profile(console, result, report, data, out)

@@ -4,7 +4,8 @@
     decode:   t(B, S) = g(B) + b2*S      g piecewise-linear through knots at the measured batch sizes
                                          (`fit_decode_table`; `fit_decode`: g(B) = b0 + b1*B)
 
-Coefficients are non-negative (each is a time per something) and the fit minimises the sum of
+Coefficients are non-negative (each is a time per something; `tessel.cost.profile` refuses a fit
+with a term outside [0, MAX_TERM_S], from a file or from here) and the fit minimises the sum of
 squared *relative* residuals, sum ((pred - t) / t)^2, so that a 2 ms point counts as much as a
 2 s one: non-negative least squares (scipy.optimize.nnls) on the rows of the design matrix divided
 by t. Columns are rescaled to unit norm first (nnls is invariant to positive column scaling, and
@@ -33,6 +34,7 @@ from scipy.optimize import nnls
 from tessel.cost.profile import ComponentFit, DecodeFit, PrefillFit
 
 HELDOUT_FRACTION = 0.25
+MIN_FIT_SIZES = 7  # the fewest sizes `fit_component` fits: both ends, and five inside to hold one out of
 ROW_BLOCK = 16  # rows per GEMM tile edge the row grids straddle (`row_anchors`)
 
 

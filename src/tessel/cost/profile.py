@@ -27,7 +27,9 @@ held-out error (`ComponentFit`, keyed in `Profile.components`):
 
 and the host's usable cores (`cpu_cores`) and the threads it was timed with (`threads`): CPU stages
 on one host share those cores (`tessel.chunk.from_plan`). A version-1 file still loads (no
-components: the roofline prices them); any other version is refused.
+components: the roofline prices them); any other version is refused. Every fitted term is checked
+when its fit is made (read from a file, fitted, or built through the Python API): in [0, MAX_TERM_S]
+at its unit, else refused naming the file, the fit and the term.
 """
 
 from __future__ import annotations
@@ -46,10 +48,33 @@ from tessel.files import read_json_file
 
 PROFILE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: the decoder-layer fits alone
+# Longest a fitted term may take at its unit (a pass, a token, a sequence, a byte): a minute. A decoder
+# layer of the largest catalog model (OPT-66B, ~1e9 matmul weights) takes about 1 ms per token on the
+# catalog's cpu (2 FLOP per weight at 2.56 TFLOP/s), and a pass streaming its 4 GB of fp32 weights at
+# 10 GB/s 0.4 s: a term past this is no measurement, and would price every plan alike.
+MAX_TERM_S = 60.0
 COMPONENTS = ("embed", "head", "step", "prefill_batch")
 PREFILL_BATCH = "prefill_batch"
 TRANSPORT_PREFIX = "transport:"
 VERSION_KEY = "tessel_version"  # meta: the tessel that wrote the file (`tessel.cost.profile_check`)
+
+
+class ImplausibleFit(TesselError, ValueError):
+    """A fitted time no measurement gives: negative, not a number, or over `MAX_TERM_S` at its unit."""
+
+
+def _check_terms(terms: dict[str, tuple[float, str]]) -> None:
+    """Refuse the first term (name -> (seconds, "per <unit>")) that is not in [0, MAX_TERM_S]."""
+    for name, (seconds, unit) in terms.items():
+        shown = f"{name} = {seconds:g} s{' ' + unit if unit else ''}"
+        if not seconds >= 0:
+            raise ImplausibleFit(f"{shown}: a fitted time is never negative (or not a number)")
+        if seconds > MAX_TERM_S:
+            raise ImplausibleFit(f"{shown}: above {MAX_TERM_S:g} s, slower than any device (MAX_TERM_S)")
+
+
+def _check_knots(knots: list[tuple[float, float]]) -> None:
+    _check_terms({f"knots[{i}]": (seconds, "") for i, (_, seconds) in enumerate(knots)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +83,16 @@ class PrefillFit:
     a1: float
     a2: float
     a3: float
+
+    def __post_init__(self) -> None:
+        _check_terms(
+            {
+                "a0": (self.a0, "per pass"),
+                "a1": (self.a1, "per token"),
+                "a2": (self.a2, "per cached token"),
+                "a3": (self.a3, "per token x attended token"),
+            }
+        )
 
     def time_s(self, chunk_tokens: float, offset_tokens: float) -> float:
         c, p = chunk_tokens, offset_tokens
@@ -74,6 +109,16 @@ class DecodeFit:
     b1: float
     b2: float
     knots: list[tuple[float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_terms(
+            {
+                "b0": (self.b0, "per step"),
+                "b1": (self.b1, "per sequence"),
+                "b2": (self.b2, "per context token"),
+            }
+        )
+        _check_knots(self.knots)
 
     def time_s(self, batch_size: float, sum_context_tokens: float) -> float:
         if len(self.knots) < 2:
@@ -103,6 +148,10 @@ class ComponentFit:
     n_points: int
     shape: dict[str, int] = field(default_factory=dict)
     knots: list[tuple[float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_terms({"c0": (self.c0, "per call"), "c1": (self.c1, f"per {self.unit.removesuffix('s')}")})
+        _check_knots(self.knots)
 
     def time_s(self, x: float) -> float:
         if len(self.knots) < 2:
@@ -181,8 +230,8 @@ class _DecodeFitModel(BaseModel):
 class _ComponentModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    c0: float = Field(ge=0)
-    c1: float = Field(ge=0)
+    c0: float  # in [0, MAX_TERM_S]: checked by ComponentFit, as every fit's terms
+    c1: float
     unit: str = Field(min_length=1)
     heldout_rel_error: float = Field(ge=0)
     n_points: int = Field(ge=1)
@@ -195,9 +244,9 @@ class _ComponentModel(BaseModel):
         if any(len(knot) != 2 for knot in knots):
             raise ValueError("each knot is [size, seconds]")
         xs = [x for x, _ in knots]
-        if any(b <= a for a, b in zip(xs[:-1], xs[1:], strict=True)) or any(t < 0 for _, t in knots):
-            raise ValueError("knots need strictly increasing sizes and non-negative times")
-        return knots
+        if any(b <= a for a, b in zip(xs[:-1], xs[1:], strict=True)):
+            raise ValueError("knots need strictly increasing sizes")
+        return knots  # their times: checked by the fit, as every term
 
 
 class _ProfileModel(BaseModel):
@@ -245,19 +294,31 @@ def load_profile(path: str | Path) -> Profile:
         device_type=model.device_type,
         model_shape=dict(model.model_shape),
         dtype=model.dtype,
-        prefill=PrefillFit(**model.prefill.model_dump()),
-        decode=DecodeFit(**model.decode.model_dump() | {"knots": [tuple(k) for k in model.decode.knots]}),
+        prefill=_fit(path, "prefill", PrefillFit, model.prefill.model_dump()),
+        decode=_fit(path, "decode", DecodeFit, _with_knots(model.decode)),
         heldout_rel_error=model.heldout_rel_error,
         compute_efficiency=model.compute_efficiency,
         memory_efficiency=model.memory_efficiency,
         meta={key: str(value) for key, value in model.meta.items()},
         components={
-            name: ComponentFit(**fit.model_dump() | {"knots": [tuple(k) for k in fit.knots]})
+            name: _fit(path, f"components.{name}", ComponentFit, _with_knots(fit))
             for name, fit in model.components.items()
         },
         cpu_cores=model.cpu_cores,
         threads=model.threads,
     )
+
+
+def _fit(path: Path, where: str, cls: type, fields: dict):  # noqa: ANN202 (a fit of `cls`)
+    """`cls(**fields)`; an implausible term is refused naming the file, the fit and the term."""
+    try:
+        return cls(**fields)
+    except ImplausibleFit as error:
+        raise TesselError(f"{path}: {where}.{error}; profile again with `tessel profile`") from None
+
+
+def _with_knots(model: BaseModel) -> dict:
+    return model.model_dump() | {"knots": [tuple(knot) for knot in model.knots]}
 
 
 def _transport(key: str) -> bool:

@@ -49,7 +49,7 @@ from tessel.engine.memory import available_memory_bytes, check_host_kv_cache_fit
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.preemption import PreemptionStats, Preemptor, host_pool_blocks, measure_host_link
-from tessel.engine.sampling_params import SamplingParams, check_text
+from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence, SequenceStatus
 from tessel.engine.slots import SlotSchedulers
@@ -58,6 +58,7 @@ from tessel.layers.linear.tuning import tune_linears
 from tessel.models.config import ModelConfig, resolve_dtype
 from tessel.models.gguf import resolve_model_path
 from tessel.models.llama import LlamaForCausalLM
+from tessel.text import check_text
 
 __all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessel.errors import TesselError
+from tessel.text import check_text
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound
@@ -103,20 +104,6 @@ def check_max_tokens(value: Any) -> int | None:
 
 def check_seed(value: Any) -> int | None:
     return _optional_int_in("seed", value, 0, MAX_SEED, "2**64 - 1")
-
-
-def check_text(value: Any, name: str) -> str:
-    """A string that UTF-8 can encode (no lone surrogates such as "\\ud800"), or InvalidSamplingParams."""
-    if not isinstance(value, str):
-        raise InvalidSamplingParams(f"{name} must be a string, got {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        char = value[error.start]
-        raise InvalidSamplingParams(
-            f"{name} is not valid Unicode: a lone surrogate U+{ord(char):04X} at character {error.start}"
-        ) from None
-    return value
 
 
 def check_stop(value: Any) -> list[str]:

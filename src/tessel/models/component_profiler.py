@@ -21,11 +21,13 @@ transport with wall time (a message's time is spent in two processes), in rounds
 per size. The step keeps the median of each size's fastest half (`clean_statistic`); the transport
 each size's best round, as `tessel probe` takes a link's: a ping-pong on a loaded host waits
 milliseconds for both processes to hold a core, which is the core sharing the cost model prices
-apart (`core_share`), not the transport's own time.
+apart (`core_share`), not the transport's own time. Each component is timed in its phase of the
+profile's budget (`tessel.deadline`): its rounds stop at the phase's deadline, one at least.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import statistics
@@ -37,8 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tessel.cost.fit import fit_component, row_anchors
+from tessel.cost.fit import MIN_FIT_SIZES, fit_component, row_anchors
 from tessel.cost.profile import ComponentFit, transport_key
+from tessel.deadline import Deadline, Phases, spread_order
 from tessel.errors import TesselError
 
 EMBED_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -48,7 +51,9 @@ STEP_PROMPT_TOKENS = 16
 STEP_TIMED = 20  # decode steps timed per batch size (after one untimed; `clean_statistic` kept)
 COMPONENT_MIN_REPEATS = 9  # rounds of timed runs of the embedding and head sizes
 TRANSPORT_BYTES = tuple(2**k for k in range(8, 25))  # 256 B .. 16 MiB, every power of two
-TRANSPORT_ROUNDS = 200  # ping-pongs per size (the best kept)
+TRANSPORT_ROUNDS = 200  # ping-pongs per size (the best kept), fewer once the transport's deadline passes
+UNTIMED_TRANSPORT_ROUNDS = 2
+ENDS_EMBED_SHARE = 0.3  # of the ends' time: the gathers are cheap, the LM head's GEMMs are not
 METADATA_BYTES = 2048  # the pickled BatchMessage of a small decode batch is of this order
 HEADER_LEN = 4  # tessel.pipeline.comm.HEADER_LEN (not imported: that module needs torch.distributed)
 
@@ -85,18 +90,30 @@ def transports_for(device: str) -> tuple[str, ...]:
     return ("host", "nccl") if torch.cuda.device_count() >= 2 else ("host",)
 
 
-def _interleaved_medians(fns: list[Callable[[], object]], clock, settings) -> np.ndarray:
+def _interleaved_medians(
+    fns: list[Callable[[], object]], clock, settings, deadline: Deadline | None = None
+) -> np.ndarray:
     """Median seconds of each of `fns`, timed in rounds of one run of each (a load change on a shared
-    machine hits every size alike, so it shifts the fit less than it bends it)."""
+    machine hits every size alike, so it shifts the fit less than it bends it), until `deadline`."""
     from tessel.models.profiler import time_runs
 
     repeats = max(settings.repeats, COMPONENT_MIN_REPEATS)
-    runs = time_runs(fns, clock, warmup=settings.warmup, repeats=repeats, min_total_s=settings.min_point_s)
+    runs = time_runs(
+        fns,
+        clock,
+        warmup=settings.warmup,
+        repeats=repeats,
+        min_total_s=settings.min_point_s,
+        deadline=deadline,
+    )
     return np.array([statistics.median(times) for times in runs], float)
 
 
-def measure_ends(shape: EndsShape, settings, clock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(sizes, median seconds) of the embedding and of the head + sampling, keyed "embed" / "head"."""
+def measure_ends(
+    shape: EndsShape, settings, clock, deadline: Deadline | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(sizes, median seconds) of the embedding and of the head + sampling, keyed "embed" / "head";
+    the embedding gets `ENDS_EMBED_SHARE` of the time `deadline` leaves, the head the rest."""
     import torch
 
     from tessel.layers.embedding import LMHead, VocabEmbedding
@@ -132,9 +149,11 @@ def measure_ends(shape: EndsShape, settings, clock) -> tuple[dict[str, np.ndarra
 
         return head
 
+    deadline = deadline if deadline is not None else Deadline(float("inf"))
     with torch.inference_mode():
-        embed_s = _interleaved_medians([embed_fn(n) for n in EMBED_TOKENS], clock, settings)
-        head_s = _interleaved_medians([head_fn(n) for n in HEAD_ROWS], clock, settings)
+        embed_deadline = deadline.share(ENDS_EMBED_SHARE)
+        embed_s = _interleaved_medians([embed_fn(n) for n in EMBED_TOKENS], clock, settings, embed_deadline)
+        head_s = _interleaved_medians([head_fn(n) for n in HEAD_ROWS], clock, settings, deadline)
     sizes = {"embed": np.array(EMBED_TOKENS, float), "head": np.array(HEAD_ROWS, float)}
     return sizes, {"embed": embed_s, "head": head_s}
 
@@ -180,10 +199,13 @@ def time_model_calls(
     return spent, restore
 
 
-def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.ndarray]:
+def measure_step_overhead(
+    checkpoint: Path, settings, deadline: Deadline | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(sequences per step, seconds of the engine's step outside the model: `clean_statistic` of the
     timed steps) on `checkpoint`. Process CPU time under the profile's `cpu` clock (one thread: the
-    model's time is its CPU time too), else wall time."""
+    model's time is its CPU time too), else wall time. The batch sizes run in `spread_order`, until
+    `deadline` has passed and a fit has its `MIN_FIT_SIZES`."""
     from tessel.engine.llm_engine import LLMEngine
     from tessel.engine.sampling_params import SamplingParams
 
@@ -205,7 +227,10 @@ def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.nd
     rng = np.random.default_rng(settings.seed)
     sizes, medians = [], []
     params = SamplingParams(temperature=0.0, max_tokens=STEP_TIMED + 2, ignore_eos=True)
-    for batch in STEP_SEQUENCES:
+    for rank in spread_order(len(STEP_SEQUENCES)):
+        if len(sizes) >= MIN_FIT_SIZES and deadline is not None and deadline.passed():
+            break
+        batch = sorted(STEP_SEQUENCES)[rank]
         for i in range(batch):
             prompt = [int(t) for t in rng.integers(100, vocab, STEP_PROMPT_TOKENS)]
             engine.add_request(f"b{batch}-{i}", prompt, params)
@@ -225,13 +250,20 @@ def measure_step_overhead(checkpoint: Path, settings) -> tuple[np.ndarray, np.nd
 
 
 def measure_transport(
-    transport: str, settings, sizes: tuple[int, ...] = TRANSPORT_BYTES, rounds: int = TRANSPORT_ROUNDS
-) -> tuple[np.ndarray, np.ndarray]:
-    """(hidden-state bytes per message, best one-way seconds) between two processes of this host."""
+    transport: str,
+    settings,
+    sizes: tuple[int, ...] = TRANSPORT_BYTES,
+    rounds: int = TRANSPORT_ROUNDS,
+    deadline: Deadline | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(hidden-state bytes per message, best one-way seconds, timed rounds) between two processes of
+    this host: `rounds` rounds, fewer once `deadline` has passed (one at least)."""
     import torch.multiprocessing as mp
 
     if transport not in transports_for(settings.device):
         raise TesselError(f"transport {transport!r} is not one the runtime uses on {settings.device}")
+    # the rounds' end on this host's monotonic clock, which both processes read
+    end_s = math.inf if deadline is None else time.monotonic() + deadline.left_s()
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tessel-transport-") as tmp:
         queue = context.SimpleQueue()
@@ -239,7 +271,7 @@ def measure_transport(
         procs = [
             context.Process(
                 target=_transport_worker,
-                args=(rank, store, transport, settings.device, sizes, rounds, queue),
+                args=(rank, store, transport, settings.device, sizes, rounds, end_s, queue),
             )
             for rank in (0, 1)
         ]
@@ -252,7 +284,7 @@ def measure_transport(
     if failed or not isinstance(result, list):
         raise TesselError(f"timing the {transport} transport between two processes failed (exit {failed})")
     sizes = np.array([n for n, _ in result], float)
-    return sizes, np.array([min(times) for _, times in result], float)
+    return sizes, np.array([min(times) for _, times in result], float), len(result[0][1])
 
 
 def clean_statistic(times_s: list[float]) -> float:
@@ -271,9 +303,12 @@ def _transport_worker(  # noqa: PLR0913
     device: str,
     sizes: tuple[int, ...],
     rounds: int,
+    end_s: float,
     queue,  # noqa: ANN001
 ) -> None:
-    """Rank 0 sends a message and waits for the same message back, for every size; rank 1 echoes."""
+    """Rank 0 sends a message and waits for the same message back, for every size; rank 1 echoes.
+    Before each round rank 0 says whether there is one: the untimed ones and one timed at least, then
+    more while `rounds` allows and `end_s` (time.monotonic) has not passed."""
     import torch
     import torch.distributed as dist
 
@@ -294,14 +329,22 @@ def _transport_worker(  # noqa: PLR0913
             pinned = torch.zeros(n_bytes // 4, dtype=torch.float32, pin_memory=True)
         messages.append((header, blob, stream, pinned))
     one_way: list[list[float]] = [[] for _ in sizes]
-    for i in range(rounds + 2):  # rounds of one ping-pong per size: a load change hits every size alike
+    another = torch.zeros(1, dtype=torch.int64)
+    for i in range(rounds + UNTIMED_TRANSPORT_ROUNDS):  # one ping-pong per size: a load change hits all
+        if rank == 0:
+            another[0] = int(i <= UNTIMED_TRANSPORT_ROUNDS or time.monotonic() < end_s)
+            dist.send(another, 1)
+        else:
+            dist.recv(another, 0)
+        if not another[0]:
+            break
         for receiving in (False, True) if rank == 0 else (True, False):  # untimed: the small path warm
             _message(messages[0], 1 - rank, receiving)  # again after the largest message
         for message, times in zip(messages, one_way, strict=True):
             begin = time.perf_counter()
             for receiving in (False, True) if rank == 0 else (True, False):
                 _message(message, 1 - rank, receiving)
-            if i >= 2:  # two untimed rounds
+            if i >= UNTIMED_TRANSPORT_ROUNDS:
                 times.append((time.perf_counter() - begin) / 2)
     results = list(zip(sizes, one_way, strict=True))
     dist.barrier()
@@ -341,14 +384,27 @@ def profile_components(
     progress: Callable[[str], None] | None = None,
     transport_sizes: tuple[int, ...] = TRANSPORT_BYTES,
     transport_rounds: int = TRANSPORT_ROUNDS,
+    *,
+    phases: Phases | None = None,
 ) -> dict[str, ComponentFit]:
     """Fits of every component that applies: the embedding and head when `ends` is known, the step
-    overhead on a `checkpoint`, each of `transports`."""
+    overhead on a `checkpoint`, each of `transports`. Each is timed in its phase of the budget
+    (`phases` "ends", "step", "transport:<name>"; by default `settings.budget_s` shared alike): its
+    timing loops stop at the phase's deadline, with one timed round of the sizes a fit needs at least."""
+    if phases is None:
+        names = [*(["ends"] if ends is not None else []), *(["step"] if checkpoint is not None else [])]
+        phases = Deadline.after(settings.budget_s).phases(
+            {name: 1.0 for name in [*names, *(transport_key(t) for t in transports)]}
+        )
+
+    def start(name: str, what: str) -> Deadline:
+        if progress:
+            progress(what)
+        return phases.start(name)
+
     fits: dict[str, ComponentFit] = {}
     if ends is not None:
-        if progress:
-            progress("embedding, LM head + sampling")
-        sizes, times = measure_ends(ends, settings, clock)
+        sizes, times = measure_ends(ends, settings, clock, start("ends", "embedding, LM head + sampling"))
         fits["embed"] = fit_component(sizes["embed"], times["embed"], "tokens", ends.as_dict(), table=True)
         fits["head"] = fit_component(
             sizes["head"],
@@ -359,13 +415,11 @@ def profile_components(
             anchors=row_anchors(sizes["head"]),
         )
     if checkpoint is not None:
-        if progress:
-            progress("engine step overhead")
-        sizes, times = measure_step_overhead(checkpoint, settings)
+        sizes, times = measure_step_overhead(checkpoint, settings, start("step", "engine step overhead"))
         fits["step"] = fit_component(sizes, times, "sequences")
     for transport in transports:
-        if progress:
-            progress(f"{transport} transport between two processes")
-        sizes, times = measure_transport(transport, settings, transport_sizes, transport_rounds)
-        fits[transport_key(transport)] = fit_component(sizes, times, "bytes", table=True)
+        key = transport_key(transport)
+        deadline = start(key, f"{transport} transport between two processes")
+        sizes, times, _ = measure_transport(transport, settings, transport_sizes, transport_rounds, deadline)
+        fits[key] = fit_component(sizes, times, "bytes", table=True)
     return fits

@@ -33,6 +33,7 @@ from tessel.models.bert import Packing, load_bert
 from tessel.models.config import DTYPES
 from tessel.models.reader import read_encoder
 from tessel.models.sentence_pooling import PoolingConfig, pool, read_pooling
+from tessel.text import check_texts
 
 DEFAULT_BATCH_SIZE = 32  # sentence-transformers' encode() default
 
@@ -68,8 +69,9 @@ class Embedder:
     # ---- tokens --------------------------------------------------------------------------------
 
     def tokenize(self, texts: Sequence[str], truncate: bool = False) -> list[list[int]]:
-        """Each text's token ids with special tokens; too long: refused, or cut with `truncate`."""
-        prepared = [text.strip() for text in texts]
+        """Each text's token ids with special tokens; too long: refused, or cut with `truncate`; a
+        text that is not valid Unicode (`tessel.text.check_text`): refused."""
+        prepared = [text.strip() for text in check_texts(texts, "input")]
         if self.pooling.do_lower_case:
             prepared = [text.lower() for text in prepared]
         if not prepared:

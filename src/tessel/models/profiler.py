@@ -14,10 +14,12 @@ So the cost model's fits and the engine time the same code.
 Each point: `warmup` untimed runs, then the median of `repeats` timed runs (decode points in rounds
 of one run of each, so that a load change on a shared machine hits them alike), under
 `torch.inference_mode()` with a fixed thread count; on CUDA, CUDA events around the run after a
-synchronize (`make_clock`, `time_runs`: the timer benchmarks/_harness.py uses too). Points are
-chosen from a grid to fit the time budget (cost estimated from FLOPs and one calibration run). The
-fits and held-out errors come from `tessel.cost.fit`, the profile format from `tessel.cost.profile`
-(both torch-free); torch is imported inside functions here.
+synchronize (`make_clock`, `time_runs`: the timer benchmarks/_harness.py uses too). One budget is
+shared by every phase of a profile (`tessel.deadline`, `PHASE_WEIGHTS`): points are chosen from a grid
+to fit the layer's share (costs estimated from calibration runs), and each timing loop stops at its
+phase's deadline with what it has, the fewest points a fit needs at least. The fits and held-out
+errors come from `tessel.cost.fit`, the profile format from `tessel.cost.profile` (both torch-free);
+torch is imported inside functions here.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tessel.cost.fit import FitReport, fit_component, fit_measurements
-from tessel.cost.profile import PREFILL_BATCH, Profile
+from tessel.cost.fit import MIN_FIT_SIZES, FitReport, fit_component, fit_measurements
+from tessel.cost.profile import PREFILL_BATCH, Profile, transport_key
+from tessel.deadline import Deadline, Phases, spread_order
 from tessel.errors import TesselError
 from tessel.models.component_profiler import EndsShape, host_cores, profile_components
 
@@ -50,13 +53,17 @@ DTYPE_NAMES = {
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-5
 BLOCK_SIZE = 16  # the engine's default KV block size (EngineConfig.block_size)
-PREFILL_BUDGET_SHARE = 0.7  # of the timing budget; decode gets the rest
+# Shares of the budget (--budget-s) by phase, in the order they run (`tessel.deadline.Phases`): the
+# decoder layer's fits price every stage of every plan, the others one stage's ends, a step or a hop
+# (one share per transport). Building the layer and calibrating come before the layer's share.
+PHASE_WEIGHTS = {"ends": 1.0, "step": 1.0, "transport": 1.0, "layer": 6.0, "prefill_batch": 1.0}
+PREFILL_BUDGET_SHARE = 0.7  # of the layer's time left after calibration; decode gets the rest
 MIN_PREFILL_POINTS = 8
 MIN_DECODE_POINTS = 6
 MAX_RUNS = 200  # timed runs of one point at most
 # Passes over several prompts' chunks (the `prefill_batch` component: what a pass pays once)
 PREFILL_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
-MIN_PREFILL_BATCH_POINTS = 7  # `fit_component` holds interior points out
+MIN_PREFILL_BATCH_POINTS = MIN_FIT_SIZES  # `fit_component` holds interior points out
 PREFILL_BATCH_TOKENS = 32
 
 
@@ -393,17 +400,23 @@ def time_runs(
     repeats: int = 5,
     min_total_s: float = 0.0,
     max_runs: int = MAX_RUNS,
+    deadline: Deadline | None = None,
 ) -> list[list[float]]:
     """Seconds of every timed run of each of `fns`: `warmup` untimed rounds, then rounds of one timed
     run of each fn in turn (so a load change on a shared machine hits them alike): at least `repeats`
-    rounds, and more while the first fn's runs add up to less than `min_total_s` (at most `max_runs`)."""
+    rounds, and more while the first fn's runs add up to less than `min_total_s` (at most `max_runs`).
+    Once `deadline` has passed no round starts: one timed round at least, the warm-up only in time."""
     for _ in range(warmup):
+        if deadline is not None and deadline.passed():
+            break
         for fn in fns:
             fn()
     runs: list[list[float]] = [[] for _ in fns]
     while runs and (len(runs[0]) < repeats or (sum(runs[0]) < min_total_s and len(runs[0]) < max_runs)):
         for fn, times in zip(fns, runs, strict=True):
             times.append(clock(fn))
+        if deadline is not None and deadline.passed():
+            break
     return runs
 
 
@@ -411,11 +424,18 @@ def _timer(settings: ProfileSettings) -> Clock:
     return make_clock("cuda" if settings.device == "cuda" else "cpu" if settings.clock == "cpu" else "wall")
 
 
-def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock, graph: bool = False) -> float:
+def _measure(
+    layer: _Layer,
+    inputs,
+    settings: ProfileSettings,
+    clock: Clock,
+    graph: bool = False,
+    deadline: Deadline | None = None,
+) -> float:
     """Median of at least `repeats` timed runs, and of more while they add up to less than
-    `min_point_s` (cheap points get enough runs for a median that shrugs off preemption); seconds
-    per layer (a run of all the layer's copies divided by their number). `graph`: the runs replay
-    one CUDA graph of the copies (`tessel.models.cuda_graph_timing`)."""
+    `min_point_s` (cheap points get enough runs for a median that shrugs off preemption), fewer once
+    `deadline` has passed (`time_runs`); seconds per layer (a run of all the layer's copies divided by
+    their number). `graph`: the runs replay one CUDA graph of the copies (`cuda_graph_timing`)."""
     from tessel.models.cuda_graph_timing import decode_step
 
     (times,) = time_runs(
@@ -424,17 +444,25 @@ def _measure(layer: _Layer, inputs, settings: ProfileSettings, clock: Clock, gra
         warmup=settings.warmup,
         repeats=settings.repeats,
         min_total_s=settings.min_point_s,
+        deadline=deadline,
     )
     return statistics.median(times) / len(layer.copies)
 
 
-def _measure_rounds(layer: _Layer, inputs: list, settings: ProfileSettings, clock: Clock) -> list[float]:
+def _measure_rounds(
+    layer: _Layer, inputs: list, settings: ProfileSettings, clock: Clock, deadline: Deadline | None = None
+) -> list[float]:
     """Like `_measure` for many points at once, timed in rounds of one run of each (`time_runs`): a
     load change on a shared machine then hits every point alike instead of bending the fit at the
     points it happened to hit; the median of each point's runs, seconds per layer."""
     fns = [lambda point=point: layer.forward(*point) for point in inputs]
     runs = time_runs(
-        fns, clock, warmup=settings.warmup, repeats=settings.repeats, min_total_s=settings.min_point_s
+        fns,
+        clock,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        min_total_s=settings.min_point_s,
+        deadline=deadline,
     )
     return [statistics.median(times) / len(layer.copies) for times in runs]
 
@@ -473,71 +501,215 @@ class Measurements:
 
 
 def measure_layer(
-    shape: LayerShape, settings: ProfileSettings, progress: Callable[[int, int], None] | None = None
+    shape: LayerShape,
+    settings: ProfileSettings,
+    progress: Callable[[int, int], None] | None = None,
+    phases: Phases | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Measurements:
-    """Time the layer over grids chosen to fit `settings.budget_s`; `progress(done, total)` per point."""
+    """Time the layer over grids chosen to fit its phases of the budget (`phases` "layer" and
+    "prefill_batch"; by default `settings.budget_s` shared as `PHASE_WEIGHTS` says). Each timing loop
+    stops at its phase's deadline with what it has, the fewest points a fit needs at least; `warn`
+    says up front when those take longer than the budget has left. `progress(done, total)` per point."""
     import torch
 
     check_device(settings)
     settings = resolve_clock(settings)
+    if phases is None:
+        weights = {name: PHASE_WEIGHTS[name] for name in ("layer", "prefill_batch")}
+        phases = Deadline.after(settings.budget_s).phases(weights)
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     pre_grid, dec_grid = prefill_grid(settings), decode_grid(settings)
     max_tokens = max(max(c + p for c, p in pre_grid), max(s // b + 1 for b, s in dec_grid))
     max_batch = max(max(b for b, _ in dec_grid), max(PREFILL_BATCH_SIZES))
-    with torch.inference_mode():
+    with torch.inference_mode():  # building and calibrating come out of the budget before any share
         layer = _Layer(shape, settings, max_tokens, max_batch)
-        clock = _timer(settings)
-        # cost estimates: seconds per FLOP from one prefill and one decode calibration point
-        pre_cal, dec_cal = pre_grid[len(pre_grid) // 2], dec_grid[len(dec_grid) // 2]
-        pre_rate = _measure(layer, layer.prefill_inputs(*pre_cal), settings, clock) / shape.prefill_flops(
-            *pre_cal
+        costs = _calibrate(layer, settings, pre_grid, dec_grid)
+        fewest_s, left_s = costs.fewest_s(pre_grid, dec_grid), phases.deadline.left_s()
+        if warn is not None and fewest_s > left_s:
+            warn(
+                f"the fewest timed runs of the decoder layer take about {fewest_s:.0f} s here, more than the "
+                f"{left_s:.0f} s left of the budget: this profile will take that long and more (a larger "
+                "--scale times a smaller layer)"
+            )
+        phases.reserve(
+            "prefill_batch", costs.prefill_batch_round_s(PREFILL_BATCH_SIZES[:MIN_PREFILL_BATCH_POINTS])
         )
-        dec_s = _measure(layer, layer.decode_inputs(dec_cal[0], dec_cal[1] // dec_cal[0]), settings, clock)
-        dec_rate = dec_s / shape.decode_flops(*dec_cal)
+        grids = _time_grids(layer, costs, pre_grid, dec_grid, phases.start("layer"), progress)
+        deadline = phases.start("prefill_batch")
+        sizes = _prefill_batch_sizes(costs, max_tokens, deadline)
+        inputs = [layer.prefill_batch_inputs(n, PREFILL_BATCH_TOKENS) for n in sizes]
+        fitting = _fitting_warmup(settings, costs.prefill_batch_round_s(sizes), deadline)
+        batch_t = _measure_rounds(layer, inputs, fitting, costs.clock, deadline) if sizes else []
+    return Measurements(*grids, np.array(sizes, float), np.array(batch_t))
 
-        def point_cost(layer_s: float) -> float:
-            seconds = layer_s * settings.layer_copies
-            return settings.warmup * seconds + max(settings.repeats * seconds, settings.min_point_s)
 
-        def pre_cost(c: int, p: int) -> float:
-            return point_cost(pre_rate * shape.prefill_flops(c, p))
+def _time_grids(
+    layer: _Layer,
+    costs: _Costs,
+    pre_grid: list[tuple[int, int]],
+    dec_grid: list[tuple[int, int]],
+    deadline: Deadline,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(prefill points, their seconds per layer, decode points, theirs): the points chosen to fit
+    `deadline` (prefill `PREFILL_BUDGET_SHARE` of what decode's one round leaves), timed until it passes."""
+    settings, clock, anchors = costs.settings, costs.clock, decode_anchor_points(dec_grid)
+    grids = deadline.phases({"prefill": PREFILL_BUDGET_SHARE, "decode": 1 - PREFILL_BUDGET_SHARE})
+    fewest_dec = choose_points(dec_grid, costs.decode, 0.0, MIN_DECODE_POINTS, anchors)
+    grids.reserve("decode", costs.decode_round_s(fewest_dec))
+    pre_deadline = grids.start("prefill")
+    pre = choose_points(pre_grid, costs.prefill, pre_deadline.left_s(), MIN_PREFILL_POINTS)
+    dec_budget_s = deadline.left_s() - pre_deadline.left_s()
+    dec = choose_points(dec_grid, costs.decode, dec_budget_s, MIN_DECODE_POINTS, anchors)
+    total = len(pre) + len(dec)
+    report = progress or (lambda done, total: None)
 
-        def dec_cost(b: int, s: int) -> float:
-            return point_cost(dec_rate * shape.decode_flops(b, s))
+    def prefill(point: tuple[int, int], until: Deadline) -> float:
+        fitting = _fitting_warmup(settings, costs.run_s(costs.prefill_layer_s(*point)), until)
+        return _measure(layer, layer.prefill_inputs(*point), fitting, clock, deadline=until)
 
-        pre = choose_points(pre_grid, pre_cost, PREFILL_BUDGET_SHARE * settings.budget_s, MIN_PREFILL_POINTS)
-        dec = choose_points(
-            dec_grid,
-            dec_cost,
-            (1 - PREFILL_BUDGET_SHARE) * settings.budget_s,
+    pre, pre_t = _measure_spread(
+        pre, costs.prefill, MIN_PREFILL_POINTS, pre_deadline, prefill, lambda done: report(done, total)
+    )
+    dec_deadline = grids.start("decode")
+    if settings.cuda_graphs and settings.device == "cuda":  # one captured graph per point at a time
+
+        def replayed(point: tuple[int, int], until: Deadline) -> float:
+            inputs = layer.decode_inputs(point[0], point[1] // point[0])
+            return _measure(layer, inputs, settings, clock, graph=True, deadline=until)
+
+        dec, dec_t = _measure_spread(
+            dec,
+            costs.decode,
             MIN_DECODE_POINTS,
-            decode_anchor_points(dec_grid),
+            dec_deadline,
+            replayed,
+            lambda n: report(len(pre) + n, total),
         )
-        total = len(pre) + len(dec)
-        pre_t, dec_t = [], []
-        for c, p in pre:
-            pre_t.append(_measure(layer, layer.prefill_inputs(c, p), settings, clock))
-            if progress:
-                progress(len(pre_t), total)
-        graph = settings.cuda_graphs and settings.device == "cuda"
-        if graph:  # one captured graph per point at a time
-            for b, s in dec:
-                dec_t.append(_measure(layer, layer.decode_inputs(b, s // b), settings, clock, graph))
-                if progress:
-                    progress(len(pre_t) + len(dec_t), total)
-        else:
-            dec_t = _measure_rounds(layer, [layer.decode_inputs(b, s // b) for b, s in dec], settings, clock)
-            if progress:
-                progress(total, total)
-        sizes = list(PREFILL_BATCH_SIZES) if PREFILL_BATCH_TOKENS <= max_tokens else []
-        batch_t = _measure_rounds(
-            layer, [layer.prefill_batch_inputs(n, PREFILL_BATCH_TOKENS) for n in sizes], settings, clock
-        )
-    return Measurements(
-        np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t),
-        np.array(sizes, float), np.array(batch_t),
-    )  # fmt: skip
+    else:
+        inputs = [layer.decode_inputs(b, s // b) for b, s in dec]
+        fitting = _fitting_warmup(settings, costs.decode_round_s(dec), dec_deadline)
+        dec_t = _measure_rounds(layer, inputs, fitting, clock, dec_deadline)
+        report(len(pre) + len(dec), len(pre) + len(dec))
+    return np.array(pre, float), np.array(pre_t), np.array(dec, float), np.array(dec_t)
+
+
+@dataclass(frozen=True, slots=True)
+class _Costs:
+    """Estimated wall seconds of the layer's points, from calibration runs: prefill at the seconds per
+    FLOP of a mid-grid chunk; decode at the larger of that rate's and the smallest batch's time (weights
+    stream from memory however few rows they multiply); a pass over n prompts n times one prompt's.
+    `clock` times the points themselves."""
+
+    shape: LayerShape
+    settings: ProfileSettings
+    clock: Clock
+    prefill_s_per_flop: float
+    decode_s_per_flop: float
+    decode_floor_s: float
+    batch_s_per_sequence: float
+
+    def run_s(self, layer_s: float) -> float:
+        """One timed run of a point: all the layer's copies."""
+        return layer_s * self.settings.layer_copies
+
+    def point_s(self, layer_s: float) -> float:
+        """A point's warm-up and timed runs (`time_runs`)."""
+        run = self.run_s(layer_s)
+        return self.settings.warmup * run + max(self.settings.repeats * run, self.settings.min_point_s)
+
+    def prefill_layer_s(self, c: int, p: int) -> float:
+        return self.prefill_s_per_flop * self.shape.prefill_flops(c, p)
+
+    def decode_layer_s(self, b: int, s: int) -> float:
+        return max(self.decode_floor_s, self.decode_s_per_flop * self.shape.decode_flops(b, s))
+
+    def prefill(self, c: int, p: int) -> float:
+        return self.point_s(self.prefill_layer_s(c, p))
+
+    def decode(self, b: int, s: int) -> float:
+        return self.point_s(self.decode_layer_s(b, s))
+
+    def decode_round_s(self, points: Sequence[tuple[int, int]]) -> float:
+        """One run of each decode point."""
+        return sum(self.run_s(self.decode_layer_s(b, s)) for b, s in points)
+
+    def prefill_batch_round_s(self, sizes: Sequence[int]) -> float:
+        """One run of a pass over n prompts' first PREFILL_BATCH_TOKENS tokens, for each n of `sizes`."""
+        return sum(self.run_s(n * self.batch_s_per_sequence) for n in sizes)
+
+    def fewest_s(self, pre_grid: list[tuple[int, int]], dec_grid: list[tuple[int, int]]) -> float:
+        """One timed run of each of the cheapest points the fits need: what the layer's phases (the
+        grids, the passes over several prompts) take at least, however short the budget."""
+        pre = sorted(self.run_s(self.prefill_layer_s(c, p)) for c, p in pre_grid)[:MIN_PREFILL_POINTS]
+        dec = choose_points(dec_grid, self.decode, 0.0, MIN_DECODE_POINTS, decode_anchor_points(dec_grid))
+        batch = self.prefill_batch_round_s(PREFILL_BATCH_SIZES[:MIN_PREFILL_BATCH_POINTS])
+        return sum(pre) + self.decode_round_s(dec) + batch
+
+
+def _calibrate(layer: _Layer, settings: ProfileSettings, pre_grid, dec_grid) -> _Costs:
+    """One run (after one untimed) of a mid-grid prefill chunk, a mid-grid decode step, the smallest
+    decode step and a pass over one prompt: the cost estimates that choose the points. Timed in wall
+    seconds, the budget's, whatever clock times the points (process CPU time runs slower than the
+    wall clock on a loaded host)."""
+    clock = make_clock("cuda-wall" if settings.device == "cuda" else "wall")
+    shape, once = layer.shape, replace(settings, warmup=1, repeats=1, min_point_s=0.0)
+    pre_cal, dec_cal, dec_small = pre_grid[len(pre_grid) // 2], dec_grid[len(dec_grid) // 2], min(dec_grid)
+    pre_s = _measure(layer, layer.prefill_inputs(*pre_cal), once, clock)
+    dec_s = _measure(layer, layer.decode_inputs(dec_cal[0], dec_cal[1] // dec_cal[0]), once, clock)
+    floor_s = _measure(layer, layer.decode_inputs(dec_small[0], dec_small[1] // dec_small[0]), once, clock)
+    batch_s = _measure(layer, layer.prefill_batch_inputs(1, PREFILL_BATCH_TOKENS), once, clock)
+    pre_rate, dec_rate = pre_s / shape.prefill_flops(*pre_cal), dec_s / shape.decode_flops(*dec_cal)
+    return _Costs(shape, settings, _timer(settings), pre_rate, dec_rate, floor_s, batch_s)
+
+
+def _measure_spread(
+    points: list[tuple[int, int]],
+    cost_s: Callable[[int, int], float],
+    fewest: int,
+    deadline: Deadline,
+    measure: Callable[[tuple[int, int], Deadline], float],
+    on_point: Callable[[int], object],
+) -> tuple[list[tuple[int, int]], list[float]]:
+    """(points, `measure(point, its deadline)` of each) of `points` timed one at a time, in
+    `spread_order` from the cheapest to the dearest, until `deadline` has passed and `fewest` are
+    timed. Each point's runs get its estimated cost's share of the time left for those not yet timed:
+    when the estimates were low, every point gets fewer runs rather than the last ones none."""
+    by_cost = sorted(points, key=lambda point: cost_s(*point))
+    order = [by_cost[rank] for rank in spread_order(len(points))]
+    timed, times = [], []
+    for index, point in enumerate(order):
+        if len(timed) >= fewest and deadline.passed():
+            break
+        pending_s = sum(cost_s(*later) for later in order[index:])
+        times.append(measure(point, deadline.share(cost_s(*point) / pending_s if pending_s > 0 else 1.0)))
+        timed.append(point)
+        on_point(len(timed))
+    return timed, times
+
+
+def _fitting_warmup(settings: ProfileSettings, round_s: float, deadline: Deadline) -> ProfileSettings:
+    """`settings` with as many of its warm-up rounds as fit before one timed round by `deadline`
+    (`round_s`: a round's estimated seconds): a short budget times cold rather than not at all."""
+    fit = int(deadline.left_s() // round_s) - 1 if round_s > 0 else settings.warmup
+    return replace(settings, warmup=max(0, min(settings.warmup, fit)))
+
+
+def _prefill_batch_sizes(costs: _Costs, max_tokens: int, deadline: Deadline) -> list[int]:
+    """The passes over several prompts to time: the fewest a fit takes (the smallest sizes), and more
+    while a warm-up round and a timed one of them fit the time `deadline` leaves."""
+    if PREFILL_BATCH_TOKENS > max_tokens:
+        return []
+    rounds = costs.settings.warmup + 1
+    sizes = list(PREFILL_BATCH_SIZES)
+    while (
+        len(sizes) > MIN_PREFILL_BATCH_POINTS
+        and rounds * costs.prefill_batch_round_s(sizes) > deadline.left_s()
+    ):
+        sizes.pop()
+    return sizes
 
 
 def implied_efficiencies(
@@ -599,22 +771,37 @@ def profile_layer(
     checkpoint: Path | None = None,
     transports: tuple[str, ...] = (),
     note: Callable[[str], None] | None = None,
+    deadline: Deadline | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[Profile, FitReport, Measurements]:
     """Measure, fit and package a `Profile` (device type named as in the catalog); with `ends`, a
-    `checkpoint` or `transports`, the other priced components too (`component_profiler`)."""
+    `checkpoint` or `transports`, the other priced components too (`component_profiler`). Every
+    phase shares `deadline` (default: `settings.budget_s` from now) by `PHASE_WEIGHTS`; `warn` says
+    up front when the fewest timed runs the fits need will take longer than the budget."""
     import torch
 
     settings = replace(settings, dtype=DTYPE_NAMES.get(settings.dtype, settings.dtype))
     if settings.dtype not in ("fp32", "fp16", "bf16"):
         raise TesselError(f"--dtype must be float32, bfloat16 or float16, got {settings.dtype!r}")
-    data = measure_layer(shape, settings, progress)
+    deadline = deadline if deadline is not None else Deadline.after(settings.budget_s)
+    phases = deadline.phases(_phase_weights(ends, checkpoint, transports))
+    resolved = resolve_clock(settings)
+    check_device(resolved)
+    if resolved.threads is not None:
+        torch.set_num_threads(resolved.threads)
+    # the other components first: their set-up (processes to start, an engine or an LM head to build)
+    # is paid while the budget is whole, and the layer's loops, which shrink to fit, take what is left
+    components = profile_components(
+        resolved, _timer(resolved), ends, checkpoint, transports, note, phases=phases
+    )
+    if note is not None:
+        note("the decoder layer")
+    data = measure_layer(shape, settings, progress, phases, warn)
     report = fit_measurements(
         data.prefill_points, data.prefill_times_s, data.decode_points, data.decode_times_s
     )
     device_type = device_type_name(settings.device)
     compute, memory = implied_efficiencies(shape, report, device_type, settings.dtype)
-    resolved = resolve_clock(settings)
-    components = profile_components(resolved, _timer(resolved), ends, checkpoint, transports, note)
     if len(data.prefill_batch_sizes) >= MIN_PREFILL_BATCH_POINTS:
         components[PREFILL_BATCH] = fit_component(
             data.prefill_batch_sizes, data.prefill_batch_times_s, "sequences",
@@ -650,3 +837,13 @@ def profile_layer(
         threads=torch.get_num_threads() if settings.device == "cpu" else None,
     )
     return profile, report, data
+
+
+def _phase_weights(ends: EndsShape | None, checkpoint: Path | None, transports: tuple[str, ...]) -> dict:
+    """`PHASE_WEIGHTS` of the phases this profile runs."""
+    weights = {name: PHASE_WEIGHTS[name] for name in ("layer", "prefill_batch")}
+    if ends is not None:
+        weights["ends"] = PHASE_WEIGHTS["ends"]
+    if checkpoint is not None:
+        weights["step"] = PHASE_WEIGHTS["step"]
+    return weights | {transport_key(transport): PHASE_WEIGHTS["transport"] for transport in transports}

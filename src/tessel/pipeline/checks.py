@@ -21,7 +21,7 @@ from pathlib import Path
 from tessel.engine.engine_config import EngineConfig
 from tessel.engine.limits import MAX_TORCH_THREADS, check_emulate_host_gbps, check_kv_cache_gib
 from tessel.engine.llm_engine import load_tokenizer, max_model_len
-from tessel.engine.sampling_params import SamplingParams, check_text
+from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.weight_stream import check_offload
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig, resolve_dtype
@@ -33,6 +33,7 @@ from tessel.pipeline.prompts_file import RunRequest, read_requests
 from tessel.pipeline.run_plan import RunPlan, load_run_plan
 from tessel.pipeline.supervision.heartbeat import heartbeat_timeout_s
 from tessel.plan.files.workload import MAX_MICRO_BATCHES
+from tessel.text import check_text
 
 
 def check_run(

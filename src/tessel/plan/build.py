@@ -56,6 +56,7 @@ from tessel.cost.roofline import (
     unit_decode_time_s,
     unit_prefill_time_s,
 )
+from tessel.dtypes import parse_dtype
 from tessel.errors import TesselError
 from tessel.plan.encoder import encoder_workload
 from tessel.plan.files.cluster import Cluster, load_cluster
@@ -123,8 +124,8 @@ def build_instance(
         raise TesselError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
     if swap_in not in SWAP_IN_POLICIES:
         raise TesselError(f"unknown swap-in policy {swap_in!r}; use one of {', '.join(SWAP_IN_POLICIES)}")
-    for name in (dtype, kv_dtype):
-        L.dtype_bytes(name)  # an unknown dtype is a user error, raised here
+    dtype = parse_dtype(dtype, runtime=False)  # what the catalog prices; else a user error listing that
+    kv_dtype = parse_dtype(kv_dtype, runtime=False, kv=True)
     if kv_preemption not in KV_PREEMPTION_PRICING:
         known = ", ".join(KV_PREEMPTION_PRICING)
         raise TesselError(f"unknown kv preemption {kv_preemption!r}; use one of {known}")

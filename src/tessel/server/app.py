@@ -52,6 +52,7 @@ from tessel.server.protocol import (
     ModelList,
     UsageInfo,
 )
+from tessel.text import check_text
 
 DEFAULT_MAX_PENDING = 256  # requests held at once (running + waiting) before a 429
 _CLIENT_CLOSED_REQUEST = 499  # nginx's code for "client went away"; nobody reads this response
@@ -254,6 +255,9 @@ def _sampling_params(body: Any, max_tokens: int | None) -> Any:
 def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise TesselError("this model's tokenizer has no chat template; use /v1/completions instead")
+    for message in messages:
+        for field, text in message.items():
+            check_text(text, field)
     try:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False

@@ -35,6 +35,7 @@ from tessel.errors import TesselError
 from tessel.server.http_errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
 from tessel.server.protocol import ModelCard, ModelList, _Request
+from tessel.text import check_texts
 
 MAX_INPUTS = 2048  # inputs per request: OpenAI's documented limit for /v1/embeddings
 MAX_REQUEST_TOKENS = 300_000  # tokens per request, all inputs together: OpenAI's documented limit
@@ -56,7 +57,7 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
     if all(isinstance(item, str) for item in value):
         if any(not item.strip() for item in value):
             raise ValueError("input strings must not be empty")
-        return value
+        return check_texts(value, "input")
     if all(isinstance(item, list) and all(type(i) is int for i in item) for item in value):
         if any(not item for item in value):
             raise ValueError("token id lists must not be empty")

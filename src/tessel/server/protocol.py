@@ -36,10 +36,10 @@ from tessel.engine.sampling_params import (
     check_seed,
     check_stop,
     check_temperature,
-    check_text,
     check_top_k,
     check_top_p,
 )
+from tessel.text import check_text
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

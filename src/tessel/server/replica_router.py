@@ -58,6 +58,7 @@ from tessel.server.replica_backends import (
     start_backends,
     stop_backends,
 )
+from tessel.text import check_text
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RESEND_STATUSES = (429, 503)  # the backend took no work: the next replica may
@@ -147,7 +148,10 @@ def count_prompt_tokens(tokenizer: Any, body: Any, chat: bool) -> int:
         return 0
     try:
         if chat:
-            messages = [{"role": m["role"], "content": _text(m["content"])} for m in body["messages"]]
+            messages = [
+                {"role": m["role"], "content": check_text(_text(m["content"]), "content")}
+                for m in body["messages"]
+            ]
             ids = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
@@ -157,7 +161,7 @@ def count_prompt_tokens(tokenizer: Any, body: Any, chat: bool) -> int:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a one-element batch, as the server takes it
         if isinstance(prompt, str):
-            return len(tokenizer(prompt)["input_ids"])
+            return len(tokenizer(check_text(prompt, "prompt"))["input_ids"])
         return len(prompt) if isinstance(prompt, list) else 0
     except Exception:  # the backend answers this request's error (400) itself
         return 0
