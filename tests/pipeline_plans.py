@@ -13,16 +13,18 @@ def write_plan(
     *,
     micro_batches: int = 2,
     speeds: list[float] | None = None,
+    devices: list[str] | None = None,
     **overrides,
 ) -> Path:
-    """A version-1 plan file for `model_dir` with stages holding layers [a, b) on local CPUs."""
+    """A version-1 plan file for `model_dir` with stages holding layers [a, b) on local CPUs (or on
+    the CPU `devices` name, e.g. `h1/cpu0`: a stage on machine h1)."""
     config = json.loads((model_dir / "config.json").read_text())
     stages = []
     for i, (a, b) in enumerate(splits):
         last = i == len(splits) - 1
         stage = {
             "index": i,
-            "device": f"localhost/cpu{i}",
+            "device": devices[i] if devices is not None else f"localhost/cpu{i}",
             "gpu_type": "cpu",
             "layer_start": a,
             "layer_end": b,

@@ -14,13 +14,16 @@ import typer
 
 from tessel.commands.options import (
     EMULATE_HOST_GBPS_OPTION,
+    EXECUTOR_OPTION,
     FORCE_PROFILE_OPTION,
     HEARTBEAT_FLOOR,
     HOST_KV_CACHE_GIB_OPTION,
     KV_FLOOR,
     PREEMPTION_MODE_OPTION,
+    RAY_ADDRESS_OPTION,
     TEMPERATURE_OPTION,
     TOP_P_OPTION,
+    ExecutorKind,
     PreemptionMode,
     float_option,
     host_kv_options,
@@ -79,6 +82,8 @@ def launch(
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
     ),
+    executor: ExecutorKind = EXECUTOR_OPTION,
+    ray_address: str | None = RAY_ADDRESS_OPTION,
     heartbeat_timeout: float | None = float_option(
         None,
         "--heartbeat-timeout",
@@ -126,8 +131,11 @@ def launch(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
         micro_batches=micro_batches, cpp=cpp, cpp_min_tokens=cpp_min_tokens, profiles=list(profile),
         threads=threads, run_dir=run_dir, replica=replica, heartbeat_timeout=heartbeat_timeout,
-        max_prompt_chars=max_prompt_chars, transport=transport, **host_kv,
+        max_prompt_chars=max_prompt_chars, transport=transport, executor=executor, ray_address=ray_address,
+        **host_kv,
     )  # fmt: skip
+    if ray_address is not None and executor != "ray":
+        raise TesselError("--ray-address joins a Ray cluster; give --executor ray too")
     for line in describe_links(options):
         typer.echo(line, err=True)
     run = run_pipeline(options)

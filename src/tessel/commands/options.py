@@ -117,6 +117,22 @@ FORCE_PROFILE_OPTION = typer.Option(
     "(a warning lists what differs); without it such a profile is refused.",
 )
 
+# Where a plan's other stages run (tessel.pipeline.executor.spawn_pipeline; the CLI may not import torch)
+ExecutorKind = Literal["local", "ray"]
+EXECUTOR_OPTION = typer.Option(
+    "local",
+    "--executor",
+    help="Where the plan's stages run: local (one process per stage on this machine) or ray (each on "
+    "the machine its plan device names: `ray start ... --labels tessel.node=NAME` on every machine; "
+    'stage 0 runs here). Ray is the cluster extra: pip install "tessel[cluster]".',
+)
+RAY_ADDRESS_OPTION = typer.Option(
+    None,
+    "--ray-address",
+    help="With --executor ray: HOST:PORT of the Ray cluster's head (default: the cluster this machine "
+    "joined with `ray start`).",
+)
+
 DEVICE_OPTION = typer.Option(
     "cpu",
     "--device",

@@ -31,11 +31,14 @@ from tessel.commands.options import (
     DEVICE_OPTION,
     EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
+    EXECUTOR_OPTION,
     HEARTBEAT_FLOOR,
     HOST_KV_CACHE_GIB_OPTION,
     KV_FLOOR,
     LM_HEAD_OPTION,
     PREEMPTION_MODE_OPTION,
+    RAY_ADDRESS_OPTION,
+    ExecutorKind,
     LMHeadMode,
     PreemptionMode,
     check_model_path,
@@ -142,6 +145,8 @@ def serve(
         help="With --plan of several replicas: which pipeline this server runs (default: all of them, "
         "one server each, behind a router that splits requests by the plan's weights).",
     ),
+    executor: ExecutorKind = EXECUTOR_OPTION,
+    ray_address: str | None = RAY_ADDRESS_OPTION,
     heartbeat_timeout: float | None = float_option(
         None,
         "--heartbeat-timeout",
@@ -180,6 +185,10 @@ def serve(
     host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     if replica is not None and plan is None:
         raise TesselError("--replica picks a pipeline of a --plan; give --plan too")
+    if (executor != "local" or ray_address is not None) and plan is None:
+        raise TesselError("--executor and --ray-address place the stages of a --plan; give --plan too")
+    if ray_address is not None and executor != "ray":
+        raise TesselError("--ray-address joins a Ray cluster; give --executor ray too")
     if heartbeat_timeout is not None and plan is None:
         raise TesselError("--heartbeat-timeout watches the stages of a --plan; give --plan too")
     if plan is not None and lm_head != "float":
@@ -227,6 +236,10 @@ def serve(
             raise TesselError("--remap auto re-plans one pipeline; a flow plan is served as planned")
         if len(specs) > 1 and remap == "auto":
             raise TesselError("--remap auto remaps one pipeline; serve one replica (--replica K)")
+        if len(specs) > 1 and executor == "ray":
+            raise TesselError(
+                "--executor ray serves one pipeline; serve each replica of this plan with --replica K"
+            )
         if len(specs) > 1:  # one server per replica, and a router in front of them
             timeout_s = heartbeat_timeout_s(heartbeat_timeout)
             backend_options = _options_argv(
@@ -250,7 +263,10 @@ def serve(
         from tessel.pipeline.supervision.supervisor import Supervisor
 
         timeout_s = heartbeat_timeout_s(heartbeat_timeout)
-        run = RunOptions(plan, model, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s, **kwargs)
+        placed = {"executor": executor, "ray_address": ray_address}
+        run = RunOptions(
+            plan, model, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s, **placed, **kwargs
+        )
         engine = Supervisor.serve(run, max_engine_restarts)  # rebuilds count against the restarts
     app = create_app(
         engine,

@@ -37,7 +37,10 @@ from tessel.text import check_text
 
 
 def check_run(
-    options: RunOptions, world_size: int | None = None, rank: int | None = None
+    options: RunOptions,
+    world_size: int | None = None,
+    rank: int | None = None,
+    local_ranks: list[int] | None = None,
 ) -> tuple[RunPlan, ModelConfig]:
     """The plan against the model, the world and this machine's devices (every stage's; under
     torchrun, `rank`'s own); -> the plan and the model's config."""
@@ -59,9 +62,10 @@ def check_run(
     if not PathFeatures.of(plan).nccl and options.transport == "nccl":
         raise TesselError("--transport nccl: a flow plan's placements pass micro-batches over gloo (host)")
     link_transports(plan, options.transport)
-    check_devices(plan, cuda_devices(), None if rank is None else [rank])
+    local = [rank] if rank is not None else local_ranks
+    check_devices(plan, cuda_devices(), local)
     dtype = resolve_dtype(options.dtype, config)
-    check_offload(plan.stages, config, dtype, None if rank is None else [rank])
+    check_offload(plan.stages, config, dtype, local)
     return plan, config
 
 
@@ -94,14 +98,15 @@ def check_prompt_chars(requests: list[RunRequest], max_prompt_chars: int) -> Non
             )
 
 
-def check_options(options: RunOptions) -> int:
+def check_options(options: RunOptions, local_ranks: list[int] | None = None) -> int:
     """Refuse what would fail in the stage processes (plan vs model, the requests against the
-    tokenizer and max_model_len) before any starts; -> the number of stages."""
+    tokenizer and max_model_len) before any starts; -> the number of stages. `local_ranks`: the
+    stages on this machine, whose devices are checked here (None: all)."""
     heartbeat_timeout_s(options.heartbeat_timeout)
     for name in ("kv_cache_gib", "host_kv_cache_gib"):
         check_kv_cache_gib(getattr(options, name), name)
     check_emulate_host_gbps(options.emulate_host_gbps, "emulate_host_gbps")
-    plan, config = check_run(options)
+    plan, config = check_run(options, local_ranks=local_ranks)
     check_requests(run_requests(options), options.model, config, options.engine_kwargs())
     return len(plan.stages)
 

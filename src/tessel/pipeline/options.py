@@ -46,6 +46,8 @@ class RunOptions:
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer text prompts are refused untokenized
     transport: str = "auto"  # how the stream crosses links (tessel.pipeline.devices)
 
+    executor: str = "local"  # where the other stages run: "local" (processes here) or "ray" (their nodes)
+    ray_address: str | None = None  # with "ray": HOST:PORT of the cluster's head (None: this machine's)
     outputs: Path | None = None  # stage 0 writes each request's tokens, text and timings there
     quiet: bool = True  # stage 0 does not print the completions
 

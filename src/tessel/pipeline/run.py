@@ -42,6 +42,11 @@ def describe_links(options: RunOptions) -> list[str]:
 
 
 def run_pipeline(options: RunOptions) -> PipelineRun:
+    if options.executor == "ray":  # the stages on their machines, the requests run in this process
+        from tessel.pipeline.ray_executor import run_on_ray
+
+        check_options(options, local_ranks=[0])
+        return run_on_ray(options)
     num_stages = check_options(options)
     run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)

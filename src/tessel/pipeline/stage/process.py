@@ -23,8 +23,10 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ from tessel.pipeline.stage.runner import StageRunner, rss_bytes
 from tessel.pipeline.supervision.heartbeat import RUN_DIR_ENV, Heartbeat
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
+T = TypeVar("T")
 EXIT_PEER_LOST = 3
 EXIT_FAILED = 1
 
@@ -139,6 +142,22 @@ def run_first_stage(options: RunOptions, heartbeat: Heartbeat | None) -> None:
     _enter(heartbeat, "serving")
     if heartbeat is not None and executor.comm is not None:
         heartbeat.progress = executor.comm.progress
+    results, wall_s, _ = serve_requests(options, engine, requests, engine.shutdown)
+    if options.outputs is not None:
+        options.outputs.write_text(json.dumps({"wall_s": wall_s, "requests": results}, indent=1))
+    if not options.quiet:
+        for result in results:
+            print(result["text"])
+            print(f"({result['num_output_tokens']} tokens, finish_reason={result['finish_reason']})")
+
+
+def serve_requests(
+    options: RunOptions, engine: LLM, requests: list[RunRequest], finish: Callable[[], T]
+) -> tuple[list[dict], float, T]:
+    """Stage 0's run of a launch's requests (after the optional warm-up), then `finish()` (stopping
+    the pipeline); its status written (`stage0.json`) -> (per request results, wall seconds of the
+    timed requests, what `finish` returned)."""
+    executor = engine.executor
     if options.warmup and engine.runner.cuda_graphs is not None:
         engine.warm_up()  # the GEMM tiles tuned and every bucket's graph captured, before timing
     stage0 = executor.stage
@@ -147,13 +166,16 @@ def run_first_stage(options: RunOptions, heartbeat: Heartbeat | None) -> None:
         warm_up(engine, requests)
         engine.count_from_here()  # every stage counts the timed requests only
     started, cpu_started = time.time(), time.process_time()
+    finished = False
     try:
         outputs = engine.generate(
             [r.prompt for r in requests], [r.params for r in requests], use_progress=False
         )
+        wall_s = time.time() - started
+        finished, ended = True, finish()
     finally:
-        engine.shutdown()
-    wall_s = time.time() - started
+        if not finished:
+            engine.shutdown()
     executor.stage.stats.process_cpu_s = time.process_time() - cpu_started
     kv = engine.preemption_stats  # by mode, and the bytes swapped out and back (tessel.engine.preemption)
     per_path = engine.scheduler.requests_per_path  # in the plan's path order
@@ -162,13 +184,7 @@ def run_first_stage(options: RunOptions, heartbeat: Heartbeat | None) -> None:
         kv_swaps=kv.swaps, kv_recomputes=kv.recomputes, kv_swap_bytes=kv.bytes_to_host + kv.bytes_to_device,
         path_requests={str(p.index): n for p, n in zip(executor.paths, per_path, strict=True)},
     )  # fmt: skip
-    results = [_result(out) for out in outputs]
-    if options.outputs is not None:
-        options.outputs.write_text(json.dumps({"wall_s": wall_s, "requests": results}, indent=1))
-    if not options.quiet:
-        for result in results:
-            print(result["text"])
-            print(f"({result['num_output_tokens']} tokens, finish_reason={result['finish_reason']})")
+    return [_result(out) for out in outputs], wall_s, ended
 
 
 def warm_up(engine: LLM, requests: list[RunRequest]) -> None:

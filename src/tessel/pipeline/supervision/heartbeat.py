@@ -189,6 +189,7 @@ class Watchdog:
     timeout_s: float
     started_s: float
     stage0: Callable[[], Progress | None] | None = None
+    read: Callable[[Path, int], Beat | None] = read_beat  # a stage's last beat (remote stages: reported)
 
     _stopped_since: dict[int, float] = field(default_factory=dict)  # rank -> first seen stopped
 
@@ -202,7 +203,7 @@ class Watchdog:
         for rank in self.ranks:
             if not running(rank):
                 continue
-            beat = beats[rank] = read_beat(self.run_dir, rank)
+            beat = beats[rank] = self.read(self.run_dir, rank)
             cause = self._stopped(rank, pid_of(rank) if pid_of else None, beat, now)
             cause = cause or self._silent(beat, now)
             if cause is not None:

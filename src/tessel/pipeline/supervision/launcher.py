@@ -33,6 +33,7 @@ from tessel.pipeline.supervision.heartbeat import (
     Progress,
     Watchdog,
     heartbeat_timeout_s,
+    read_beat,
 )
 
 POLL_S = 0.05
@@ -48,9 +49,10 @@ class StageFailedError(TesselError):
 
     recovery = "rebuild"  # a server's engine loop cannot bring a stage back; a new pipeline can
 
-    def __init__(self, stage: int, cause: str) -> None:
+    def __init__(self, stage: int, cause: str, node: str | None = None) -> None:
         super().__init__(f"pipeline stage {stage} failed: {cause}", exit_code=1)
         self.stage, self.cause = stage, cause
+        self.node = node  # the machine it ran on, when its loss is the machine's (a Ray pipeline)
 
 
 @dataclass(slots=True)
@@ -72,14 +74,19 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def worker_env(
-    rank: int, world_size: int, port: int, run_dir: Path, heartbeat_timeout: float | None = None
+    rank: int,
+    world_size: int,
+    port: int,
+    run_dir: Path,
+    heartbeat_timeout: float | None = None,
+    master_addr: str = "127.0.0.1",
 ) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=master_addr,
         MASTER_PORT=str(port),
         **{RUN_DIR_ENV: str(run_dir), HEARTBEAT_TIMEOUT_ENV: str(heartbeat_timeout_s(heartbeat_timeout))},
     )
@@ -118,7 +125,11 @@ def read_status(run_dir: Path, rank: int) -> dict:
 
 def failure_cause(run_dir: Path, rank: int, returncode: int) -> tuple[int, str]:
     """(priority, cause) of a stage that exited with `returncode`; lower priority = root cause."""
-    status = read_status(run_dir, rank)
+    return failure_cause_of(returncode, read_status(run_dir, rank), _log_tail(run_dir, rank))
+
+
+def failure_cause_of(returncode: int, status: dict, log_tail: str) -> tuple[int, str]:
+    """(priority, cause) of a stage that exited with `returncode`, from its status and its log's tail."""
     if returncode < 0:
         name = (
             signal.Signals(-returncode).name
@@ -132,7 +143,7 @@ def failure_cause(run_dir: Path, rank: int, returncode: int) -> tuple[int, str]:
     if status.get("error"):
         priority = 2 if status.get("kind") == "peer" else 1
         return priority, str(status["error"])
-    return 1, f"exited with code {returncode}: {_log_tail(run_dir, rank)}"
+    return 1, f"exited with code {returncode}: {log_tail or '(empty log)'}"
 
 
 def _log_tail(run_dir: Path, rank: int, lines: int = 3) -> str:
@@ -294,6 +305,13 @@ class LocalStages:
     @property
     def ranks(self) -> range:
         return range(1, len(self.procs) + 1)
+
+    def alive(self, rank: int) -> bool:
+        return self.procs[rank - 1].poll() is None
+
+    def beat_age_s(self, rank: int, now: float) -> float | None:
+        beat = read_beat(self.run_dir, rank)
+        return None if beat is None else max(now - beat.time_s, 0.0)
 
     def stop(self) -> None:
         """Terminate every stage process; their exits are not failures to report."""

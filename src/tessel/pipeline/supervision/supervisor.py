@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from tessel.errors import TesselError
-from tessel.pipeline.executor import ProcessExecutor
+from tessel.pipeline.executor import ProcessExecutor, spawn_pipeline
 from tessel.pipeline.flow import is_flow
 from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import RunPlan
-from tessel.pipeline.supervision.heartbeat import read_beat
 
 WATCH_INTERVAL_S = 0.5
 REBUILD_RETRY_AFTER_S = 5  # Retry-After while the pipeline is rebuilt, before one rebuild was timed
@@ -126,7 +125,7 @@ class Supervisor:
         from tessel.engine.llm_engine import LLM
 
         supervisor = cls(options, max_rebuilds)
-        executor = ProcessExecutor.spawn(options, _run_dir())
+        executor = spawn_pipeline(options, _run_dir())
         try:
             engine = LLM(options.model, executor=executor, **options.engine_kwargs())
         except BaseException:
@@ -247,8 +246,9 @@ class Supervisor:
         return engine.drain_pending()
 
     def _replacement(self, options: RunOptions) -> ProcessExecutor:
-        """The stage processes of the pipeline that replaces a broken one, spawned."""
-        return ProcessExecutor.spawn(options, _run_dir())
+        """The stages of a pipeline that replaces the serving one (after a loss, for a remap), spawned
+        where `options.executor` says: processes here, or Ray actors on the plan's nodes."""
+        return spawn_pipeline(options, _run_dir())
 
     def _install(self, engine: Any, executor: ProcessExecutor) -> list[str]:
         """Start `executor` (join it), move the engine's requests into it and watch it; -> moved ids.
@@ -267,16 +267,16 @@ class Supervisor:
         survivors, written to a new run directory), or the same pipeline when no stage is to blame."""
         from tessel.plan.remap.survivors import write_survivor_plan
 
-        lost = _lost_stage(old.plan, error)
-        if lost is None:
+        lost = _lost_stages(old.plan, error)
+        if not lost:
             return self.options
-        path = _run_dir() / f"plan-without-stage{lost}.json"
-        write_survivor_plan(old.plan.plan_file, {lost}, path)
+        path = _run_dir() / f"plan-without-stage{'-'.join(map(str, sorted(lost)))}.json"
+        write_survivor_plan(old.plan.plan_file, lost, path)
         log.warning(
-            "tessel: stage %d (%s) is lost; re-planned on the %d stages left: %s",
-            lost,
-            old.plan.stages[lost].device,
-            len(old.plan.stages) - 1,
+            "tessel: stages %s (%s) are lost; re-planned on the %d stages left: %s",
+            sorted(lost),
+            ", ".join(old.plan.stages[k].device for k in sorted(lost)),
+            len(old.plan.stages) - len(lost),
             path,
         )
         return replace(self.options, plan=path, replica=None)
@@ -440,20 +440,24 @@ class Supervisor:
         if stages is None:
             return gauges
         now = time.time()
-        for rank, proc in enumerate(stages.procs, start=1):
-            beat = read_beat(stages.run_dir, rank)
-            age = None if beat is None else max(now - beat.time_s, 0.0)
-            gauges.append(StageGauge(rank, plan.stages[rank].device, proc.poll() is None, age))
+        for rank in stages.ranks:
+            up, age = stages.alive(rank), stages.beat_age_s(rank, now)
+            gauges.append(StageGauge(rank, plan.stages[rank].device, up, age))
         return gauges
 
 
-def _lost_stage(plan: RunPlan, error: BaseException) -> int | None:
-    """The stage whose failure broke the pipeline (its position), or None: a flow plan is rebuilt as
-    it is (no re-plan over the placements left yet)."""
-    stage = getattr(error, "stage", None)
-    if is_flow(plan):
-        return None
-    return stage if isinstance(stage, int) and 0 < stage < len(plan.stages) else None
+def _lost_stages(plan: RunPlan, error: BaseException) -> set[int]:
+    """The stages the failure took (their positions): the one that failed, or every stage on its
+    machine when the machine is lost; none when no stage is to blame, or for a flow plan, which is
+    rebuilt as it is (no re-plan over the placements left yet)."""
+    stage, node = getattr(error, "stage", None), getattr(error, "node", None)
+    if is_flow(plan) or not (isinstance(stage, int) and 0 < stage < len(plan.stages)):
+        return set()
+    if node is None:
+        return {stage}
+    # a remote stage that died or fell silent: its machine may be gone (or cut off), so none of its
+    # stages is counted on
+    return {k for k, s in enumerate(plan.stages) if k > 0 and s.device.split("/", 1)[0] == node}
 
 
 def _run_dir() -> Path:

@@ -1,0 +1,177 @@
+"""A plan served across machines with Ray (issue 44), on machines emulated by network namespaces
+(`tests/emulated_hosts.py`): the stages on the nodes the plan names, tokens equal one process's; a
+machine lost mid-stream rebuilt on the machines left with no request lost; bad placements refused
+before any stage starts. Slow: three `ray start`s and stage processes on a 2-core machine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from emulated_hosts import EmulatedHosts, available
+from pipeline_plans import write_plan
+from tessel import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(available() is not None, reason=str(available())),
+]
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Once upon a time", "One two"]
+MAX_TOKENS = 12
+DEADLINE_S = 180.0  # generous: a loaded 2-core machine
+TESSEL = [sys.executable, "-m", "tessel.cli"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with EmulatedHosts(["head", "h1", "h2"]) as emulated:
+        yield emulated
+
+
+def _expected(model, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.token_ids for out in LLM(model).generate(prompts, params, use_progress=False)]
+
+
+def _launch(hosts, plan, model, tmp_path, *extra) -> dict:
+    out = tmp_path / "out.json"
+    command = [*TESSEL, "launch", "--executor", "ray", "--plan", str(plan), "--model", str(model)]
+    command += [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
+    command += ["--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", str(out), *extra]
+    hosts.run(command, host="head", timeout=DEADLINE_S * 2)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("split", [[(0, 2), (2, 5)], [(0, 2), (2, 4), (4, 5)]])
+def test_launch_over_hosts_gives_one_process_tokens(hosts, tiny_dirs, tmp_path, split):
+    model = tiny_dirs["tied"]
+    names = ["head", "h1", "h2"][: len(split)]
+    plan = write_plan(tmp_path / "plan.json", model, split, devices=[f"{n}/cpu0" for n in names])
+    run = _launch(hosts, plan, model, tmp_path)
+    assert [r["token_ids"] for r in run["requests"]] == _expected(model)
+    assert [s["state"] for s in run["stages"]] == ["done"] * len(split)
+
+
+def test_a_plan_naming_a_missing_node_is_refused_naming_it(hosts, tiny_dirs, tmp_path):
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)], devices=["head/cpu0", "h9/cpu0"])
+    command = [*TESSEL, "launch", "--executor", "ray", "--plan", str(plan), "--model", str(model)]
+    done = hosts.run([*command, "--prompt", "hi"], host="head", timeout=DEADLINE_S, check=False)
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert "'h9'" in message and all(name in message for name in ("head", "h1", "h2"))
+
+
+def test_stage_0_runs_where_the_command_runs(hosts, tiny_dirs, tmp_path):
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)], devices=["h1/cpu0", "h2/cpu0"])
+    command = [*TESSEL, "launch", "--executor", "ray", "--plan", str(plan), "--model", str(model)]
+    done = hosts.run([*command, "--prompt", "hi"], host="head", timeout=DEADLINE_S, check=False)
+    assert done.returncode == 2 and "run the command on h1" in " ".join(done.stderr.split()), done.stderr
+
+
+def test_an_unreachable_ray_address_is_an_error_within_its_bound(hosts, tiny_dirs, tmp_path):
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)], devices=["head/cpu0", "h1/cpu0"])
+    command = [*TESSEL, "launch", "--executor", "ray", "--ray-address", "10.213.0.99:6379"]
+    command += ["--plan", str(plan), "--model", str(model), "--prompt", "hi"]
+    started = time.monotonic()
+    done = hosts.run(command, host="head", timeout=DEADLINE_S, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "10.213.0.99:6379" in done.stderr
+    assert time.monotonic() - started < DEADLINE_S  # never a hang (the bound itself is 30 s)
+
+
+def _stream(client: httpx.Client, prompt: str, max_tokens: int, started=None) -> list[str]:  # noqa: ANN001
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    texts = []
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+                if started is not None and len(texts) == 4:
+                    started.release()  # this stream runs
+    return texts
+
+
+def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path):
+    """3 stages on head, h1, h2; h2's raylet (and everything on it) is killed while 8 streams run:
+    the server re-plans on head and h1, every stream finishes with one process's text, the server
+    answers again, and no stage process of the old pipeline is left on h1."""
+    import concurrent.futures
+
+    model = tiny_dirs["tied"]
+    plan = write_plan(
+        tmp_path / "plan.json", model, [(0, 2), (2, 4), (4, 5)], devices=["head/cpu0", "h1/cpu0", "h2/cpu0"]
+    )
+    port = 18080
+    server = hosts.popen(
+        [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--executor", "ray", "--host",
+         "0.0.0.0", "--port", str(port), "--heartbeat-timeout", "10", "--log-level", "warning"],
+        host="head",
+        stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the server owns it
+    )  # fmt: skip
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
+    tokens = 160  # long enough that every stream is still running when the machine goes
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    expected = [out.text for out in LLM(model).generate(prompts, params, use_progress=False)]
+    try:
+        url = f"http://{hosts.address('head')}:{port}"
+        with httpx.Client(base_url=url, timeout=DEADLINE_S) as client:
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+            old_h1 = set(hosts.pids("h1"))
+            running = threading.Semaphore(0)
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                streams = [pool.submit(_stream, client, prompt, tokens, running) for prompt in prompts]
+                for _ in prompts:
+                    assert running.acquire(timeout=DEADLINE_S), "a stream did not start"
+                lost_at = time.monotonic()
+                hosts.kill_raylet("h2")
+                texts = ["".join(s.result(timeout=DEADLINE_S)) for s in streams]
+                served_again_s = time.monotonic() - lost_at
+            assert texts == expected  # no stream failed, none lost or repeated a token
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() - lost_at < DEADLINE_S
+                time.sleep(0.5)
+            assert "".join(_stream(client, prompts[0], tokens)) == expected[0]
+            assert served_again_s < DEADLINE_S
+            left = set(hosts.pids("h1")) & old_h1
+            stage_procs = [pid for pid in left if b"tessel.pipeline.stage.worker" in _cmdline(pid)]
+            assert stage_procs == []
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            server.kill()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_namespaces():
+    yield
+    assert shutil.which("ip") is not None
