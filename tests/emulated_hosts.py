@@ -209,6 +209,18 @@ class EmulatedHosts:
         self.stop(name)
         return pids
 
+    def restart(self, name: str) -> None:
+        """A machine back (after a loss or a cut): its processes stopped, its link up, its `ray start`
+        again, once Ray has every machine alive again."""
+        self.stop(name)
+        _ip("link", "set", self.veth(name), "up")
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while name in self.alive_nodes():  # Ray forgets the old node first
+            assert time.monotonic() < deadline, f"{name} still reported alive"
+            time.sleep(1.0)
+        self._ray_start(name)
+        self._wait_nodes(len(self.names))
+
     def cut(self, name: str) -> None:
         """The machine cut off: its link set down (its processes live on)."""
         _ip("link", "set", self.veth(name), "down")

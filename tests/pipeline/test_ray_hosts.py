@@ -102,17 +102,19 @@ def _stream(client: httpx.Client, prompt: str, max_tokens: int, started=None) ->
     return texts
 
 
-def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path):
-    """3 stages on head, h1, h2; h2's raylet (and everything on it) is killed while 8 streams run:
-    the server re-plans on head and h1, every stream finishes with one process's text, the server
-    answers again, and no stage process of the old pipeline is left on h1."""
+@pytest.mark.parametrize("how", ["killed", "cut off"])
+def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path, how):
+    """3 stages on head, h1, h2; h2 is lost while 8 streams run (its raylet and everything on it
+    killed, or its link set down): the server re-plans on head and h1, every stream finishes with
+    one process's text, the server answers again, and no stage process of the old pipeline is left
+    on h1."""
     import concurrent.futures
 
     model = tiny_dirs["tied"]
     plan = write_plan(
         tmp_path / "plan.json", model, [(0, 2), (2, 4), (4, 5)], devices=["head/cpu0", "h1/cpu0", "h2/cpu0"]
     )
-    port = 18080
+    port = 18080 if how == "killed" else 18081
     server = hosts.popen(
         [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--executor", "ray", "--host",
          "0.0.0.0", "--port", str(port), "--heartbeat-timeout", "10", "--log-level", "warning"],
@@ -143,7 +145,10 @@ def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path):
                 for _ in prompts:
                     assert running.acquire(timeout=DEADLINE_S), "a stream did not start"
                 lost_at = time.monotonic()
-                hosts.kill_raylet("h2")
+                if how == "killed":
+                    hosts.kill_raylet("h2")
+                else:
+                    hosts.cut("h2")
                 texts = ["".join(s.result(timeout=DEADLINE_S)) for s in streams]
                 served_again_s = time.monotonic() - lost_at
             assert texts == expected  # no stream failed, none lost or repeated a token
@@ -155,12 +160,15 @@ def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path):
             left = set(hosts.pids("h1")) & old_h1
             stage_procs = [pid for pid in left if b"tessel.pipeline.stage.worker" in _cmdline(pid)]
             assert stage_procs == []
+        log = (tmp_path / "serve.log").read_text()
+        assert "stage 2 failed" in log and "h2" in log, log[-3000:]
     finally:
         server.terminate()
         try:
             server.wait(timeout=30)
         except Exception:  # noqa: BLE001
             server.kill()
+        hosts.restart("h2")
 
 
 def _cmdline(pid: int) -> bytes:

@@ -345,6 +345,14 @@ class ProcessExecutor:
             self.failure = found or error
         return self.failure
 
+    def abort(self, failure: BaseException) -> None:
+        """A stage is lost (its watcher found it): the next step raises `failure`, and a wait for
+        tokens it is blocked in now, which a cut link would never end by itself."""
+        if self.failure is None:
+            self.failure = failure
+        if self.comm is not None:
+            self.comm.abort(self.failure)
+
     def release(self, seq_ids: list[int]) -> None:
         """Finished sequences: their path's last stage drops their generators, told by the path's
         next micro-batch."""

@@ -228,6 +228,11 @@ class StageComm:
             )
         return rows
 
+    def abort(self, error: BaseException) -> None:
+        """Rank 0: every wait for tokens raises `error` from now on (a stage is known lost)."""
+        for receiver in self.receivers.values():
+            receiver.abort(error)
+
     def close(self) -> None:
         """Rank 0, after its last tokens: stop the receiver threads."""
         for receiver in self.receivers.values():

@@ -85,6 +85,14 @@ class TokenReceiver:
                 return self._arrived.pop(batch_id)
             raise self._failure
 
+    def abort(self, error: BaseException) -> None:
+        """Stop waiting: a `take` that has no tokens yet raises `error` (a stage known lost, whose
+        link may be cut so that its receive never fails by itself)."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = error
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Stop the thread once what is owed has been received."""
         self._owed.put(None)

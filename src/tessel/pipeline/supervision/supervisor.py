@@ -178,8 +178,7 @@ class Supervisor:
                 failure = stages.failure()
                 if failure is None and executor.failure is None:
                     continue
-                if executor.failure is None:
-                    executor.failure = failure
+                executor.abort(executor.failure or failure)  # a wait for tokens stage 0 is in ends now
                 stages.stop()  # no orphans; a receive stage 0 is blocked in fails now
                 self._wake()
                 return
