@@ -225,6 +225,12 @@ class EmulatedHosts:
         """The machine cut off: its link set down (its processes live on)."""
         _ip("link", "set", self.veth(name), "down")
 
+    def unshape(self, name: str) -> None:
+        for device, namespace in ((self.veth(name), None), ("eth0", self.namespace(name))):
+            command = ["tc", "qdisc", "del", "dev", device, "root"]
+            full = command if namespace is None else ["ip", "netns", "exec", namespace, *command]
+            subprocess.run(full, capture_output=True, text=True, check=False)
+
     def shape(self, name: str, mbit: int) -> None:
         """The machine's link limited to `mbit` Mbit/s each way (tc tbf on both ends)."""
         for device, namespace in ((self.veth(name), None), ("eth0", self.namespace(name))):

@@ -183,3 +183,24 @@ def _cmdline(pid: int) -> bytes:
 def _no_stray_namespaces():
     yield
     assert shutil.which("ip") is not None
+
+
+def test_probe_ray_measures_every_pair_and_a_slow_link_shows(hosts, tmp_path):
+    """`tessel probe --ray`: one cluster file of the three machines, named by their labels, with each
+    pair's measured link; h1's link limited to 100 Mbit/s (tc tbf) shows on both of its pairs."""
+    import yaml
+
+    hosts.shape("h1", mbit=100)
+    try:
+        out = tmp_path / "ray.yaml"
+        hosts.run([*TESSEL, "probe", "--ray", "--out", str(out)], host="head", timeout=DEADLINE_S)
+    finally:
+        hosts.unshape("h1")
+    data = yaml.safe_load(out.read_text())
+    assert [node["name"] for node in data["nodes"]] == ["h1", "h2", "head"]
+    links = {frozenset(link["between"]): link["bandwidth_gbps"] for link in data["links"]}
+    assert set(links) == {frozenset(p) for p in (("h1", "h2"), ("h1", "head"), ("h2", "head"))}
+    slow = [links[frozenset(("h1", other))] for other in ("h2", "head")]
+    assert all(gbps < 0.2 for gbps in slow), links  # 100 Mbit/s, measured
+    assert links[frozenset(("h2", "head"))] > 4 * max(slow), links
+    assert data["network"]["bandwidth_gbps"] == min(links.values())

@@ -41,7 +41,8 @@ def plan(
     model: str = typer.Option("llama-3-70b", help="Model preset name or a local HF config.json / directory."),
     cluster: str = typer.Option(
         "mixed-a100-v100-t4",
-        help="Bundled cluster name, a cluster YAML file, or 'local': this machine's GPUs and CPU "
+        help="Bundled cluster name, a cluster YAML file, 'ray': the running Ray cluster's machines and "
+        "their measured links (`tessel probe --ray`), or 'local': this machine's GPUs and CPU "
         "(what `tessel probe` finds).",
     ),
     gpu_memory_gib: float | None = float_option(
@@ -230,10 +231,11 @@ def plan(
 def planning_cluster(cluster: str, gpu_memory_gib: float | None):  # noqa: ANN201 (str | Cluster)
     """What `make_plan` gets for --cluster: the name or path as given, this machine for 'local', and a
     loaded cluster with each GPU's memory capped under --gpu-memory-gib."""
-    from tessel.commands.probe import LOCAL_CLUSTER, local_cluster
+    from tessel.commands.probe import LOCAL_CLUSTER, RAY_CLUSTER, local_cluster, ray_cluster
     from tessel.plan.files.cluster import cap_gpu_memory, load_cluster
 
-    if cluster != LOCAL_CLUSTER and gpu_memory_gib is None:
+    if cluster not in (LOCAL_CLUSTER, RAY_CLUSTER) and gpu_memory_gib is None:
         return cluster
-    spec = local_cluster() if cluster == LOCAL_CLUSTER else load_cluster(cluster)
+    discovered = {LOCAL_CLUSTER: local_cluster, RAY_CLUSTER: ray_cluster}.get(cluster)
+    spec = discovered() if discovered is not None else load_cluster(cluster)
     return spec if gpu_memory_gib is None else cap_gpu_memory(spec, gpu_memory_gib, "--gpu-memory-gib")

@@ -2,6 +2,7 @@
 
     tessel probe --out cluster.yaml --json profile.json     # find, measure, write both
     tessel probe --merge a.yaml b.yaml --out c.yaml --network-gbps 100 --network-latency-us 5
+    tessel probe --ray --out c.yaml           # every machine of the running Ray cluster, every link
     torchrun --nnodes 2 --nproc-per-node 1 ... -m tessel.cli probe --out c.yaml   # measures the network
 
 Discovery is `tessel.catalog.local_machine` (GPUs, topology, CPU), measurement
@@ -21,12 +22,13 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import float_option, output_file
+from tessel.commands.options import RAY_ADDRESS_OPTION, float_option, output_file
 from tessel.errors import TesselError
 from tessel.plan.files.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
 from tessel.units import GIB
 
 LOCAL_CLUSTER = "local"  # `tessel plan --cluster local`: this machine, discovered when planning
+RAY_CLUSTER = "ray"  # `tessel plan --cluster ray`: the running Ray cluster, probed when planning
 PROFILE_FORMAT = 1  # the profile JSON's "format"
 MIN_NETWORK_GBPS = 0.001  # 1 Mbit/s: below any network a pipeline's hidden states could cross
 
@@ -64,6 +66,13 @@ def probe(
     measure: bool = typer.Option(
         True, "--measure/--no-measure", help="Time GEMM, memory bandwidth and copies on every device (torch)."
     ),
+    ray: bool = typer.Option(
+        False,
+        "--ray",
+        help="Probe every machine of the running Ray cluster where it is (node names: their "
+        "tessel.node labels) and measure every pair's link; one cluster file.",
+    ),
+    ray_address: str | None = RAY_ADDRESS_OPTION,
 ) -> None:
     """Find this machine's GPUs (NVML or nvidia-smi), their links and its CPU, measure them, and write
     them as a cluster; or join several machines' cluster files (--merge)."""
@@ -77,6 +86,11 @@ def probe(
     if merge:
         _merge(console, list(files or []), out, json_path, network_gbps, network_latency_us)
         return
+    if ray_address is not None and not ray:
+        raise TesselError("--ray-address goes with --ray")
+    if ray:
+        _probe_ray(console, out, ray_address)
+        return
     if network_gbps is not None or network_latency_us is not None:
         raise TesselError(
             "--network-gbps / --network-latency-us go with --merge (or are measured under torchrun)"
@@ -85,6 +99,36 @@ def probe(
         _probe_torchrun(console, out, json_path)
         return
     _probe_here(console, out, json_path, measure)
+
+
+def _probe_ray(console, out: Path | None, address: str | None) -> None:  # noqa: ANN001
+    """Every machine of the Ray cluster and every pair's link, as one cluster (printed, and --out)."""
+    import yaml
+
+    from tessel.files import write_text_file
+    from tessel.pipeline.ray_probe import probe_cluster
+    from tessel.plan.files.cluster import parse_cluster
+
+    data, notes = probe_cluster(address)
+    cluster = parse_cluster(data, source="ray")
+    _notes(notes)
+    console.print(f"the Ray cluster: {len(cluster.nodes)} machines, {len(cluster.devices)} devices")
+    for link in data.get("links", []):
+        a, b = link["between"]
+        console.print(f"{a} <-> {b}: {link['bandwidth_gbps']:.3f} Gb/s, {link['latency_us']:.1f} us one way")
+    if out is not None:
+        header = "# the running Ray cluster, probed by `tessel probe --ray` (links measured pairwise)\n"
+        write_text_file(out, header + yaml.safe_dump(data, sort_keys=False), "--out")
+        console.print(f"wrote {out}; plan on it with `tessel plan --cluster {out}`")
+
+
+def ray_cluster(address: str | None = None):  # noqa: ANN201 (Cluster; imported lazily)
+    """The running Ray cluster as a planner cluster (`tessel plan --cluster ray`)."""
+    from tessel.pipeline.ray_probe import probe_cluster
+    from tessel.plan.files.cluster import parse_cluster
+
+    data, _ = probe_cluster(address)
+    return parse_cluster(data, source=RAY_CLUSTER)
 
 
 def _check_outputs(outputs: list[tuple[Path, str]], overwrite: bool) -> None:

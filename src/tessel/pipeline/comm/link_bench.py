@@ -33,17 +33,17 @@ class LinkMeasure:
         return {"bandwidth_gbps": round(self.bandwidth_gbps, 3), "latency_us": round(self.latency_us, 2)}
 
 
-def _round_trip_s(dist, tensor, rank: int, peer: int, repeats: int, group) -> float:  # noqa: ANN001
-    """Best round trip of `tensor` between rank 0 and `peer` (other ranks wait at the barrier)."""
+def _round_trip_s(dist, tensor, rank: int, peer: int, repeats: int, group, first: int = 0) -> float:  # noqa: ANN001
+    """Best round trip of `tensor` between rank `first` and `peer` (other ranks wait at the barrier)."""
     best = float("inf")
     for _ in range(repeats + 1):  # the first one warms the connection up
         begin = time.perf_counter()
-        if rank == 0:
+        if rank == first:
             dist.send(tensor, dst=peer, group=group)
             dist.recv(tensor, src=peer, group=group)
         elif rank == peer:
-            dist.recv(tensor, src=0, group=group)
-            dist.send(tensor, dst=0, group=group)
+            dist.recv(tensor, src=first, group=group)
+            dist.send(tensor, dst=first, group=group)
         _synchronize(tensor)
         best = min(best, time.perf_counter() - begin)
     return best
@@ -80,6 +80,29 @@ def measure_links(
             # the large message's whole one-way time (its latency included: a few us of many ms)
             gbps = bandwidth_bytes * BITS_PER_BYTE / max(one_way_s, 1e-9) / 1e9
             found.append(LinkMeasure(peer, latency_s * US_PER_S, gbps))
+    return found
+
+
+def measure_pairs(
+    pairs: list[tuple[int, int]], *, bandwidth_bytes: int = BANDWIDTH_BYTES, repeats: int = REPEATS
+) -> list[tuple[int, int, LinkMeasure]]:
+    """Every pair (a, b)'s link over the initialised gloo process group, one pair at a time (the
+    others wait at a barrier); every rank gets the list, in `pairs` order."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    small = torch.zeros(LATENCY_BYTES // 4)
+    large = torch.zeros(bandwidth_bytes // 4)
+    found = []
+    for a, b in pairs:
+        latency_s = _round_trip_s(dist, small, rank, b, repeats, None, first=a) / 2
+        one_way_s = _round_trip_s(dist, large, rank, b, repeats, None, first=a) / 2
+        measured = torch.tensor([latency_s, one_way_s], dtype=torch.float64)
+        dist.broadcast(measured, src=a)
+        latency_s, one_way_s = measured.tolist()
+        gbps = bandwidth_bytes * BITS_PER_BYTE / max(one_way_s, 1e-9) / 1e9
+        found.append((a, b, LinkMeasure(b, latency_s * US_PER_S, gbps)))
     return found
 
 

@@ -13,6 +13,8 @@
         host_link: {h2d_gbps: 200, d2h_gbps: 96}   # optional: measured host link per GPU, Gb/s
         emulate: {speed: 0.5}                 # optional: these devices run at half their type's speed
     network: {bandwidth_gbps: 25, latency_us: 20}   # between nodes (required with > 1 node)
+    links:                                    # optional: measured links between two nodes
+      - {between: [node-a, node-b], bandwidth_gbps: 9.4, latency_us: 85}
 
 Bandwidths in files are gigabits per second (as Ethernet and InfiniBand are sold: 25 Gb/s =
 3.125 GB/s); latencies in microseconds. `load_cluster` accepts a path or a bundled name
@@ -23,7 +25,8 @@ Links between two devices:
 - same node, `pcie`: peer-to-peer over PCIe at the smaller host-to-device PCIe bandwidth of the
   two (the catalog's slow device-to-host figure is FlexGen's KV offload to host, not P2P DMA);
 - same node, explicit `{bandwidth_gbps, latency_us}`: as given;
-- different nodes: the network, capped by either GPU's PCIe (the NIC sits behind it).
+- different nodes: the pair's measured link from `links` when given (as `tessel probe --ray`
+  writes them), else the network; either capped by either GPU's PCIe (the NIC sits behind it).
 
 Host link (GPU <-> host DRAM, for offloaded weights and swapped KV): the catalog's achieved PCIe
 figures of the GPU type, capped by the node's `pcie_gen` (a Gen4 card in a Gen3 slot runs at Gen3:
@@ -81,6 +84,12 @@ class LinkModel(BaseModel):
 
     def spec(self) -> LinkSpec:
         return LinkSpec(self.bandwidth_gbps * GBPS, self.latency_us / US_PER_S)
+
+
+class PairLinkModel(LinkModel):
+    """A measured link between two nodes (either direction), overriding `network` for that pair."""
+
+    between: tuple[str, str]
 
 
 class EmulateModel(BaseModel):
@@ -212,6 +221,7 @@ class ClusterModel(BaseModel):
     name: str = Field(min_length=1)
     nodes: list[NodeModel] = Field(min_length=1, max_length=MAX_CLUSTER_DEVICES)
     network: LinkModel | None = None
+    links: list[PairLinkModel] = Field(default_factory=list, max_length=MAX_CLUSTER_DEVICES**2)
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterModel:
@@ -219,6 +229,14 @@ class ClusterModel(BaseModel):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"node names must be unique; repeated: {', '.join(duplicates)}")
+        seen: set[frozenset[str]] = set()
+        for index, link in enumerate(self.links):
+            pair = frozenset(link.between)
+            unknown = [name for name in link.between if name not in names]
+            if unknown or len(pair) != 2 or pair in seen:
+                why = f"names no node {unknown[0]!r}" if unknown else "is not two other nodes, once each"
+                raise ValueError(f"links[{index}]: {list(link.between)} {why}")
+            seen.add(pair)
         devices = sum(group.count for node in self.nodes for group in node.gpus)
         if devices > MAX_CLUSTER_DEVICES:
             raise ValueError(
@@ -261,8 +279,9 @@ class Cluster:
     devices: tuple[Device, ...]  # in file order
     network: LinkSpec | None
     source: str = ""
-    _by_name: dict[str, Device] = field(default_factory=dict, repr=False, compare=False)
-    _nodes_by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+    pair_links: dict[frozenset[str], LinkSpec] = field(default_factory=dict)  # measured, node pairs
+    _by_name: dict[str, Device] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _nodes_by_name: dict[str, Node] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._by_name.update({device.name: device for device in self.devices})
@@ -283,8 +302,10 @@ class Cluster:
             return LinkSpec(float("inf"), 0.0)
         pcie = min(a.spec.pcie_h2d_bytes_per_s, b.spec.pcie_h2d_bytes_per_s)
         if a.node != b.node:
-            assert self.network is not None  # validated: several nodes need a network
-            return LinkSpec(min(self.network.bandwidth_bytes_per_s, pcie), self.network.latency_s)
+            measured = self.pair_links.get(frozenset((a.node, b.node)))
+            network = measured or self.network
+            assert network is not None  # validated: several nodes need a network
+            return LinkSpec(min(network.bandwidth_bytes_per_s, pcie), network.latency_s)
         intra = self._nodes_by_name[a.node].intra_link
         if isinstance(intra, LinkSpec):
             return intra
@@ -347,7 +368,7 @@ def cap_gpu_memory(cluster: Cluster, usable_gib: float, what: str = "the GPU mem
         else replace(device, spec=replace(device.spec, memory_bytes=cap_bytes + device.spec.reserved_bytes))
         for device in cluster.devices
     )
-    return Cluster(cluster.name, cluster.nodes, devices, cluster.network, cluster.source)
+    return replace(cluster, devices=devices)
 
 
 def _host_link_bytes_per_s(node: NodeModel) -> tuple[float, float] | None:
@@ -380,7 +401,8 @@ def _build(model: ClusterModel, source: str) -> Cluster:
         intra = node.intra_link.spec() if isinstance(node.intra_link, LinkModel) else node.intra_link
         nodes.append(Node(node.name, tuple(names), int(node.host_memory_gib * GIB), intra))
     network = model.network.spec() if model.network is not None else None
-    return Cluster(model.name, tuple(nodes), tuple(devices), network, source)
+    pairs = {frozenset(link.between): link.spec() for link in model.links}
+    return Cluster(model.name, tuple(nodes), tuple(devices), network, source, pairs)
 
 
 def _emulated_offload(spec: GpuSpec, emulate: EmulateModel | None) -> GpuSpec:

@@ -451,4 +451,4 @@ def repriced_cluster(cluster: Cluster, speeds: dict[str, float]) -> Cluster:
         replace(d, spec=d.spec.emulated(speeds[d.name])) if speeds.get(d.name, 1.0) < 1.0 else d
         for d in cluster.devices
     )
-    return Cluster(cluster.name, cluster.nodes, devices, cluster.network, cluster.source)
+    return replace(cluster, devices=devices)
