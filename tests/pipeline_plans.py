@@ -67,3 +67,60 @@ def write_replica_plan(path: Path, model_dir: Path, micro_batches: int = 2) -> P
     ]
     path.write_text(json.dumps(plan))
     return path
+
+
+def _stage(index: int, device: str, a: int, b: int, last: bool) -> dict:
+    return {
+        "index": index,
+        "device": device,
+        "gpu_type": "cpu",
+        "layer_start": a,
+        "layer_end": b,
+        "unit_start": a,
+        "unit_end": b,
+        "link_to_next": None if last else {"bandwidth_gbps": 80.0, "latency_us": 50.0},
+    }
+
+
+def write_flow_plan(path: Path, model_dir: Path, placements: dict, paths: list, **edits) -> Path:
+    """A version-4 flow plan on CPUs: `placements` device (`localhost/cpu1`, or `h1/cpu0`: on machine
+    h1) -> (first layer, end layer); `paths` (devices in order, weight, micro-batches)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    replicas = []
+    for index, (devices, weight, slots) in enumerate(paths):
+        stages = [_stage(i, d, *placements[d], last=i == len(devices) - 1) for i, d in enumerate(devices)]
+        replicas.append({"index": index, "weight": weight, "stages": stages, "micro_batches": slots})
+    edges: dict[tuple[str, str], float] = {}
+    for devices, weight, _ in paths:
+        hops = ["source", *devices, "sink"]
+        for a, b in zip(hops, hops[1:], strict=False):
+            edges[(a, b)] = edges.get((a, b), 0.0) + weight
+    flow = {
+        "placements": [
+            {
+                "device": d,
+                "gpu_type": "cpu",
+                "node": d.split("/", 1)[0],
+                "layer_start": a,
+                "layer_end": b,
+                "unit_start": a,
+                "unit_end": b,
+            }
+            for d, (a, b) in placements.items()
+        ],  # fmt: skip
+        "edges": [{"source": a, "target": b, "weight": w} for (a, b), w in edges.items()],
+    }
+    plan = {
+        "version": 4,
+        "model": {"name": model_dir.name, "config": config},
+        "workload": {"m": sum(slots for _, _, slots in paths)},
+        "dtype": "fp32",
+        "kv_dtype": "fp32",
+        "granularity": "layer",
+        "stages": replicas[0]["stages"],
+        "replicas": replicas,
+        "flow": flow,
+        **edits,
+    }
+    path.write_text(json.dumps(plan))
+    return path

@@ -88,13 +88,13 @@ def test_exception_in_a_stage_is_named(tiny_dirs, tmp_path, monkeypatch):
             run_pipeline(RunOptions(plan, broken, prompts=["Hello"], max_tokens=4, run_dir=tmp_path / "r0"))
     spawn = launcher.spawn_worker
 
-    def stage_2_gets_the_broken_copy(rank, world_size, port, run_dir, argv, *rest):  # noqa: ANN001, ANN002, ANN202
+    def stage_2_gets_the_broken_copy(rank, world_size, port, run_dir, options_file, *rest):  # noqa: ANN001, ANN002, ANN202
         if rank == 2:
-            argv = [
-                str(broken) if before == "--model" else a
-                for before, a in zip(["", *argv[:-1]], argv, strict=True)
-            ]
-        return spawn(rank, world_size, port, run_dir, argv, *rest)
+            options = json.loads(options_file.read_text())
+            assert options["model"] == str(good)
+            options_file = run_dir / "stage2-options.json"
+            options_file.write_text(json.dumps({**options, "model": str(broken)}))
+        return spawn(rank, world_size, port, run_dir, options_file, *rest)
 
     monkeypatch.setattr(launcher, "spawn_worker", stage_2_gets_the_broken_copy)
     with pytest.raises(StageFailedError) as caught:

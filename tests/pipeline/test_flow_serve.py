@@ -4,11 +4,11 @@ placement, requests routed over the paths by the flow weights, outputs equal to 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from hf_oracle import hf_greedy
+from pipeline_plans import write_flow_plan
 from tessel.errors import TesselError
 from tessel.pipeline.flow import FlowBlocks, path_block_ranges, with_micro_batches
 from tessel.pipeline.run_plan import load_run_plan
@@ -20,63 +20,6 @@ PROMPTS = [
     "Paged attention stores keys and values in blocks.",
     "Digits 12345 and punctuation!",
 ]
-
-
-def _stage(index: int, device: str, a: int, b: int, last: bool) -> dict:
-    return {
-        "index": index,
-        "device": device,
-        "gpu_type": "cpu",
-        "layer_start": a,
-        "layer_end": b,
-        "unit_start": a,
-        "unit_end": b,
-        "link_to_next": None if last else {"bandwidth_gbps": 80.0, "latency_us": 50.0},
-    }
-
-
-def write_flow_plan(path: Path, model_dir: Path, placements: dict, paths: list, **edits) -> Path:
-    """A version-4 flow plan on local CPUs: `placements` device -> (first layer, end layer); `paths`
-    (devices in order, weight, micro-batches)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    replicas = []
-    for index, (devices, weight, slots) in enumerate(paths):
-        stages = [_stage(i, d, *placements[d], last=i == len(devices) - 1) for i, d in enumerate(devices)]
-        replicas.append({"index": index, "weight": weight, "stages": stages, "micro_batches": slots})
-    edges: dict[tuple[str, str], float] = {}
-    for devices, weight, _ in paths:
-        hops = ["source", *devices, "sink"]
-        for a, b in zip(hops, hops[1:], strict=False):
-            edges[(a, b)] = edges.get((a, b), 0.0) + weight
-    flow = {
-        "placements": [
-            {
-                "device": d,
-                "gpu_type": "cpu",
-                "node": "localhost",
-                "layer_start": a,
-                "layer_end": b,
-                "unit_start": a,
-                "unit_end": b,
-            }
-            for d, (a, b) in placements.items()
-        ],  # fmt: skip
-        "edges": [{"source": a, "target": b, "weight": w} for (a, b), w in edges.items()],
-    }
-    plan = {
-        "version": 4,
-        "model": {"name": model_dir.name, "config": config},
-        "workload": {"m": sum(slots for _, _, slots in paths)},
-        "dtype": "fp32",
-        "kv_dtype": "fp32",
-        "granularity": "layer",
-        "stages": replicas[0]["stages"],
-        "replicas": replicas,
-        "flow": flow,
-        **edits,
-    }
-    path.write_text(json.dumps(plan))
-    return path
 
 
 # X holds layers 0-1 and feeds Y and Z (2-5); W (0-1) feeds Y too: a shared first placement (X), a

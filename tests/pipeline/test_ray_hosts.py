@@ -5,8 +5,10 @@ before any stage starts. Slow: three `ray start`s and stage processes on a 2-cor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from emulated_hosts import EmulatedHosts, available
-from pipeline_plans import write_plan
+from pipeline_plans import write_flow_plan, write_plan
 from tessel import LLM, SamplingParams
 
 pytestmark = [
@@ -59,6 +61,55 @@ def test_launch_over_hosts_gives_one_process_tokens(hosts, tiny_dirs, tmp_path, 
     assert [s["state"] for s in run["stages"]] == ["done"] * len(split)
 
 
+def test_a_flow_plan_whose_paths_cross_hosts_gives_one_process_tokens(hosts, tiny_dirs, tmp_path):
+    """Placements on three machines: head holds the first layers and feeds h1 and h2 (two paths)."""
+    model = tiny_dirs["tied"]
+    placements = {"head/cpu0": (0, 2), "h1/cpu0": (2, 5), "h2/cpu0": (2, 5)}
+    paths = [(["head/cpu0", "h1/cpu0"], 0.5, 1), (["head/cpu0", "h2/cpu0"], 0.5, 1)]
+    plan = write_flow_plan(tmp_path / "flow.json", model, placements, paths)
+    run = _launch(hosts, plan, model, tmp_path, "--max-num-seqs", "1")
+    assert [r["token_ids"] for r in run["requests"]] == _expected(model)
+    assert [s["state"] for s in run["stages"]] == ["done"] * 3
+    assert all(count > 0 for count in run["stages"][0]["path_requests"].values())  # both paths ran
+
+
+def test_a_replica_plan_serves_each_replica_on_its_machines(hosts, tiny_dirs, tmp_path):
+    """Replica 0 on head and h1, replica 1 on h2: each replica's server runs on its first machine
+    (replica 1's on h2), the router here; every answer equals one process's, both replicas answer."""
+    import concurrent.futures
+
+    model = tiny_dirs["tied"]
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)], devices=["head/cpu0", "h1/cpu0"])
+    data = json.loads(plan.read_text())
+    solo = {**data["stages"][1], "index": 0, "device": "h2/cpu0", "layer_start": 0, "unit_start": 0}
+    data["version"] = 2
+    data["replicas"] = [
+        {"index": 0, "weight": 0.5, "stages": data["stages"]},
+        {"index": 1, "weight": 0.5, "stages": [solo], "micro_batches": 1},
+    ]
+    plan.write_text(json.dumps(data))
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [out.text for out in LLM(model).generate(prompts, params, use_progress=False)]
+    port = 18082
+    with _serving(
+        hosts, [*TESSEL, "serve", "--model", str(model), "--plan", str(plan)], port, tmp_path
+    ) as client:
+        on_h2 = [pid for pid in hosts.pids("h2") if b"--replica\x001\x00" in _cmdline(pid)]
+        assert on_h2, "replica 1's server does not run on h2"
+
+        def complete(prompt: str) -> tuple[str, str]:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"], response.headers["x-tessel-replica"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, prompts))
+    assert [text for text, _ in answers] == expected
+    assert {replica for _, replica in answers} == {"0", "1"}
+
+
 def test_a_plan_naming_a_missing_node_is_refused_naming_it(hosts, tiny_dirs, tmp_path):
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)], devices=["head/cpu0", "h9/cpu0"])
@@ -87,6 +138,37 @@ def test_an_unreachable_ray_address_is_an_error_within_its_bound(hosts, tiny_dir
     assert done.returncode == 2, done.stderr
     assert "10.213.0.99:6379" in done.stderr
     assert time.monotonic() - started < DEADLINE_S  # never a hang (the bound itself is 30 s)
+
+
+@contextlib.contextmanager
+def _serving(hosts, command: list[str], port: int, tmp_path):
+    """`command` (a `tessel serve`) over Ray on head, on `port` of every address; -> a client once
+    it answers /health; stopped after."""
+    log = tmp_path / "serve.log"
+    server = hosts.popen(
+        [*command, "--executor", "ray", "--host", "0.0.0.0", "--port", str(port), "--log-level", "warning"],
+        host="head",
+        stderr=open(log, "wb"),  # noqa: SIM115 - the server owns it
+    )
+    try:
+        with httpx.Client(base_url=f"http://{hosts.address('head')}:{port}", timeout=DEADLINE_S) as client:
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                assert server.poll() is None, log.read_text()[-3000:]
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+            yield client
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def _stream(client: httpx.Client, prompt: str, max_tokens: int, started=None) -> list[str]:  # noqa: ANN001

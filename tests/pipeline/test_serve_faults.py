@@ -79,39 +79,48 @@ def test_stopped_stage_is_noticed_named_and_rebuilt(tiny_dirs, tmp_path):
         replacement = engine.supervisor._replacement
         engine.supervisor._replacement = lambda options: (gate.wait(DEADLINE_S), replacement(options))[1]
         with TestClient(app) as client:
-            before = _complete(client)
-            running: dict = {}
-            long_body = {**BODY, "max_tokens": 900, "ignore_eos": True}
-            thread = threading.Thread(
-                target=lambda: running.update(r=_post_within_deadline(client, long_body)), daemon=True
-            )
-            thread.start()
-            _wait(lambda: engine.has_unfinished_requests() or not thread.is_alive(), "the request to start")
-            os.kill(pids[0], signal.SIGSTOP)
-            _wait(lambda: client.get("/health").status_code == 503, "/health to report the silent stage")
-            health = client.get("/health")
-            assert "restarting" in health.text and int(health.headers["Retry-After"]) >= 1
-            assert "stage 1" in health.text and f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s" in health.text
-            later: dict = {}
-            waiting = threading.Thread(
-                target=lambda: later.update(r=_post_within_deadline(client, BODY)), daemon=True
-            )
-            waiting.start()
-            assert client.get("/v1/models").status_code == 200
-            assert "r" not in running and "r" not in later  # both wait for the new pipeline
-            gate.set()
-            thread.join(DEADLINE_S * 2)
-            waiting.join(DEADLINE_S * 2)
-            assert running["r"].status_code == 200, running["r"].text
-            answer = running["r"].json()
-            assert answer["choices"][0]["finish_reason"] == "length"
-            assert answer["usage"]["completion_tokens"] == 900
-            assert later["r"].status_code == 200 and later["r"].json()["choices"][0]["text"] == before
-            assert client.get("/health").status_code == 200
-            assert _complete(client) == before
-            assert not any(alive(pid) for pid in pids)  # the old stages
-            assert engine.executor is not first and engine.supervisor.num_rebuilds == 1
-            assert len(engine.executor.plan.stages) == 1  # stage 0's device alone holds the model
+            try:
+                before = _complete(client)
+                running: dict = {}
+                long_body = {**BODY, "max_tokens": 900, "ignore_eos": True}
+                thread = threading.Thread(
+                    target=lambda: running.update(r=_post_within_deadline(client, long_body)), daemon=True
+                )
+                thread.start()
+                _wait(
+                    lambda: engine.has_unfinished_requests() or not thread.is_alive(), "the request to start"
+                )
+                os.kill(pids[0], signal.SIGSTOP)
+                _wait(lambda: client.get("/health").status_code == 503, "/health to report the silent stage")
+                health = client.get("/health")
+                assert "restarting" in health.text and int(health.headers["Retry-After"]) >= 1
+                # the watchdog reads the stop in /proc: named as a stop, not as a silence of unknown cause
+                assert (
+                    "stage 1" in health.text
+                    and f"is stopped (SIGSTOP or a debugger) for {HEARTBEAT_TIMEOUT_S:g} s" in health.text
+                )
+                later: dict = {}
+                waiting = threading.Thread(
+                    target=lambda: later.update(r=_post_within_deadline(client, BODY)), daemon=True
+                )
+                waiting.start()
+                assert client.get("/v1/models").status_code == 200
+                assert "r" not in running and "r" not in later  # both wait for the new pipeline
+                gate.set()
+                thread.join(DEADLINE_S * 2)
+                waiting.join(DEADLINE_S * 2)
+                assert running["r"].status_code == 200, running["r"].text
+                answer = running["r"].json()
+                assert answer["choices"][0]["finish_reason"] == "length"
+                assert answer["usage"]["completion_tokens"] == 900
+                assert later["r"].status_code == 200 and later["r"].json()["choices"][0]["text"] == before
+                assert client.get("/health").status_code == 200
+                assert _complete(client) == before
+                assert not any(alive(pid) for pid in pids)  # the old stages
+                assert engine.executor is not first and engine.supervisor.num_rebuilds == 1
+                assert len(engine.executor.plan.stages) == 1  # stage 0's device alone holds the model
+            finally:
+                gate.set()  # a failed check above must not leave the request waiting on the gate
         assert dead_calls == []
     finally:
         release(pids)

@@ -236,10 +236,6 @@ def serve(
             raise TesselError("--remap auto re-plans one pipeline; a flow plan is served as planned")
         if len(specs) > 1 and remap == "auto":
             raise TesselError("--remap auto remaps one pipeline; serve one replica (--replica K)")
-        if len(specs) > 1 and executor == "ray":
-            raise TesselError(
-                "--executor ray serves one pipeline; serve each replica of this plan with --replica K"
-            )
         if len(specs) > 1:  # one server per replica, and a router in front of them
             timeout_s = heartbeat_timeout_s(heartbeat_timeout)
             backend_options = _options_argv(
@@ -249,7 +245,10 @@ def serve(
                 served_model_name=served_model_name, log_level=log_level.value, heartbeat_timeout=timeout_s,
             )  # fmt: skip
             level = log_level.value
-            router = RouterOptions(model, plan, host, port, backend_options, timeout_s, limits, level)
+            router = RouterOptions(
+                model, plan, host, port, backend_options, timeout_s, limits, level,
+                executor=executor, ray_address=ray_address,
+            )  # fmt: skip
             serve_replicas(router, specs, echo=lambda line: typer.echo(line, err=True))
             return
     if plan is None:

@@ -16,8 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -39,15 +41,30 @@ class ReplicaSpec:
     weight: float
 
 
+class ServerProcess(Protocol):
+    """What the router needs of a backend's process: a child here (`subprocess.Popen`) or one on
+    another machine (`tessel.pipeline.ray_replicas.RemoteServer`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def send_signal(self, sig: int) -> None: ...
+
+
 @dataclass(slots=True)
 class Backend:
     """A replica's server process."""
 
     spec: ReplicaSpec
-    proc: subprocess.Popen
+    proc: ServerProcess
     port: int
     log_path: Path
     max_model_len: int = 0  # from its /v1/models once ready
+    host: str = "127.0.0.1"  # another machine's address when Ray placed it there
+    node: str | None = None  # that machine's name (None: this machine)
 
     @property
     def index(self) -> int:
@@ -55,14 +72,17 @@ class Backend:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def exit_cause(self) -> str | None:
         """Why its process ended (the exit and its log's last lines), or None while it runs."""
         code = self.proc.poll()
         if code is None:
             return None
-        return f"its server process (pid {self.proc.pid}) {describe_exit(code)}; {log_tail(self.log_path)}"
+        where = "" if self.node is None else f" on node {self.node}"
+        tail = getattr(self.proc, "log_tail", None)
+        last = tail() if callable(tail) else log_tail(self.log_path)
+        return f"its server process (pid {self.proc.pid}{where}) {describe_exit(code)}; {last}"
 
 
 def describe_exit(code: int) -> str:
@@ -87,12 +107,22 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return f"log {path}: {tail}" if tail else f"empty log {path}"
 
 
-def backend_argv(model: Path, plan: Path, replica: int, port: int, options: list[str]) -> list[str]:
-    """The command of replica `replica`'s server: `tessel serve` with the user's serve options."""
+def backend_argv(model: Path, plan: Path, replica: int, port: int | None, options: list[str]) -> list[str]:
+    """The command of replica `replica`'s server: `tessel serve` with the user's serve options, on
+    127.0.0.1:`port` (None: whoever starts it adds --host and --port)."""
+    listen = [] if port is None else ["--host", "127.0.0.1", "--port", str(port)]
     return [
         sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--plan", str(plan),
-        "--replica", str(replica), "--host", "127.0.0.1", "--port", str(port), *options,
+        "--replica", str(replica), *listen, *options,
     ]  # fmt: skip
+
+
+SpawnBackend = Callable[[ReplicaSpec, Path], Backend]  # (replica, run directory) -> its started server
+
+
+def local_backends(model: Path, plan: Path, options: list[str]) -> SpawnBackend:
+    """Each replica's server as a child process of this one, on 127.0.0.1."""
+    return lambda spec, run_dir: spawn_backend(spec, model, plan, options, run_dir)
 
 
 def spawn_backend(spec: ReplicaSpec, model: Path, plan: Path, options: list[str], run_dir: Path) -> Backend:
@@ -111,9 +141,7 @@ def spawn_backend(spec: ReplicaSpec, model: Path, plan: Path, options: list[str]
 
 def start_backends(
     specs: list[ReplicaSpec],
-    model: Path,
-    plan: Path,
-    options: list[str],
+    spawn: SpawnBackend,
     run_dir: Path,
     ready_timeout_s: float = BACKEND_READY_TIMEOUT_S,
 ) -> list[Backend]:
@@ -122,7 +150,7 @@ def start_backends(
     backends: list[Backend] = []
     try:
         for spec in specs:
-            backends.append(spawn_backend(spec, model, plan, options, run_dir))
+            backends.append(spawn(spec, run_dir))
         wait_ready(backends, ready_timeout_s)
     except BaseException:
         stop_backends(backends)
@@ -167,4 +195,12 @@ def stop_backends(backends: list[Backend]) -> None:
     terminate([backend.proc for backend in backends])
 
 
-__all__ = ["Backend", "ReplicaSpec", "describe_exit", "start_backends", "stop_backends"]
+__all__ = [
+    "Backend",
+    "ReplicaSpec",
+    "ServerProcess",
+    "describe_exit",
+    "local_backends",
+    "start_backends",
+    "stop_backends",
+]

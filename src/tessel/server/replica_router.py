@@ -55,6 +55,8 @@ from tessel.server.replica_backends import (
     PROBE_TIMEOUT_S,
     Backend,
     ReplicaSpec,
+    SpawnBackend,
+    local_backends,
     start_backends,
     stop_backends,
 )
@@ -552,15 +554,29 @@ class RouterOptions:
     limits: Any = None  # ServerLimits: the router's body size and read time
     log_level: str = "info"
     run_dir: Path | None = None  # where replica<K>.log go (default: a new temporary directory)
+    executor: str = "local"  # "ray": each replica's server on its first stage's machine
+    ray_address: str | None = None
 
 
 def check_replicas(options: RouterOptions, specs: list[ReplicaSpec]) -> None:
-    """Every replica's pipeline against the model and this machine, before any process starts."""
+    """Every replica's pipeline against the model and this machine's devices (over Ray: each
+    replica's server checks its own machine's), before any process starts."""
     from tessel.pipeline.checks import check_run
     from tessel.pipeline.options import RunOptions
 
+    local = None if options.executor == "local" else []
     for spec in specs:
-        check_run(RunOptions(options.plan, options.model, replica=spec.index))
+        check_run(RunOptions(options.plan, options.model, replica=spec.index), local_ranks=local)
+
+
+def backend_spawner(options: RouterOptions, specs: list[ReplicaSpec]) -> SpawnBackend:
+    """How each replica's server starts: a child process here, or (Ray) a process on the machine of
+    the replica's first stage, which places the replica's other stages itself."""
+    if options.executor == "ray":
+        from tessel.pipeline.ray_replicas import ray_backends
+
+        return ray_backends(options.model, options.plan, specs, options.backend_options, options.ray_address)
+    return local_backends(options.model, options.plan, options.backend_options)
 
 
 def serve_replicas(options: RouterOptions, specs: list[ReplicaSpec], echo=print) -> None:
@@ -573,7 +589,7 @@ def serve_replicas(options: RouterOptions, specs: list[ReplicaSpec], echo=print)
     tokenizer = load_tokenizer(options.model)
     run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-replicas-"))
     echo(f"tessel: starting {len(specs)} replica servers (logs: {run_dir}/replica<K>.log)")
-    backends = start_backends(specs, options.model, options.plan, options.backend_options, run_dir)
+    backends = start_backends(specs, backend_spawner(options, specs), run_dir)
     router = ReplicaRouter(backends, tokenizer, options.heartbeat_timeout_s)
     try:
         app = create_router_app(router, options.limits)

@@ -60,6 +60,7 @@ NODE_LABEL = "tessel.node"  # `ray start --labels tessel.node=NAME`: NAME is the
 CONNECT_TIMEOUT_S = 30.0  # a wrong or unreachable --ray-address is an error within this, never a hang
 POLL_TIMEOUT_S = 5.0  # an agent that answers no poll this long counts as silent for that poll
 INSTALL = f'pip install "tessel[cluster]" (ray=={RAY_VERSION})'
+NODE_IP_ENV = "TESSEL_RAY_NODE_IP"  # the machine a process Ray started joins as (several raylets on one host)
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -137,7 +138,10 @@ def _init_within(ray: Any, address: str | None) -> None:
     def init() -> None:
         try:
             target = address or os.environ.get("RAY_ADDRESS") or "auto"
-            ray.init(address=target, logging_level="ERROR", log_to_driver=False)
+            # a server a `ServerAgent` started joins as the agent's machine: where several raylets
+            # share a host (emulated machines), Ray would otherwise attach it to the head's
+            node = {"_node_ip_address": os.environ[NODE_IP_ENV]} if NODE_IP_ENV in os.environ else {}
+            ray.init(address=target, logging_level="ERROR", log_to_driver=False, **node)
             outcome["error"] = None
         except BaseException as error:  # noqa: BLE001 - handed to the caller below
             outcome["error"] = error
@@ -163,6 +167,18 @@ def this_node(nodes: dict[str, RayNode]) -> RayNode:
     raise TesselError(
         f"this machine is not a labelled node of the Ray cluster; start it with --labels {NODE_LABEL}=NAME"
     )
+
+
+def with_command_threads(env: dict[str, str], omp_threads: str | None) -> dict[str, str]:
+    """`env` with the command's OMP_NUM_THREADS: Ray sets it to 1 in an actor that asked for no CPU,
+    and a process the actor starts would inherit that (one torch thread where the command has many).
+    (Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone in an actor with no GPU: a stage sees its machine's.)"""
+    env = dict(env)
+    if omp_threads is None:
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = omp_threads
+    return env
 
 
 def node_of(device: str) -> str:
@@ -200,7 +216,15 @@ def check_placement(plan: Any, nodes: dict[str, RayNode], here: RayNode) -> None
 class StageAgent:
     """On a stage's machine (a Ray actor): its stage process, and what the command asks of it."""
 
-    def __init__(self, rank: int, world_size: int, master: tuple[str, int], options: str, timeout_s: float):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master: tuple[str, int],
+        options: str,
+        timeout_s: float,
+        omp_threads: str | None,
+    ):
         from ray.util import get_node_ip_address
 
         self.rank = rank
@@ -208,6 +232,7 @@ class StageAgent:
         options_file = self.run_dir / "run-options.json"
         options_file.write_text(options)
         env = worker_env(rank, world_size, master[1], self.run_dir, timeout_s, master_addr=master[0])
+        env = with_command_threads(env, omp_threads)
         interface = interface_of(get_node_ip_address())
         if interface is not None:
             env["GLOO_SOCKET_IFNAME"] = interface
@@ -288,13 +313,14 @@ class RayStages:
         self.node_names = [node_of(stage.device) for stage in plan.stages]
         self.stage0_progress: Progress | None = None
         agent = ray.remote(StageAgent)
+        omp_threads = os.environ.get("OMP_NUM_THREADS")
         self.actors = []
         for rank in range(1, len(plan.stages)):
             node = nodes[self.node_names[rank]]
             where = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
             self.actors.append(
                 agent.options(num_cpus=0, scheduling_strategy=where, max_restarts=0).remote(
-                    rank, len(plan.stages), master, options_json, self.timeout_s
+                    rank, len(plan.stages), master, options_json, self.timeout_s, omp_threads
                 )
             )
         self._seen = {rank: _Seen() for rank in self.ranks}
