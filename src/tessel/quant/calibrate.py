@@ -25,14 +25,15 @@ from tessel.catalog.hf_config import config_path, read_json_object
 from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
 from tessel.models.quantized.compressed_tensors import module_tensors, quantization_config
-from tessel.models.quantized.observers import OBSERVERS, Observer, QuantRange, make_observer
-from tessel.models.quantized.schemes import (
+from tessel.models.quantized.observers import (
+    OBSERVERS,
     WEIGHT_OBSERVERS,
-    QuantizedWeight,
-    Scheme,
-    make_scheme,
-    quantize_weight,
+    Observer,
+    make_observer,
+    weight_qparams,
 )
+from tessel.models.quantized.qparams import QuantRange
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.models.reader import read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
 from tessel.quant.formats.checkpoint import write_checkpoint
@@ -304,7 +305,7 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
         )
     weights = {}
     for done, (name, module) in enumerate(linears.items(), 1):
-        weights[name] = quantize_weight(module.weight, scheme, options.weight_observer)
+        weights[name] = quantize_weight(module.weight, scheme, weight_qparams(options.weight_observer))
         _report(progress, "weights", done, len(linears))
     return weights
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
-from tessel.models.quantized.observers import QuantRange
+from tessel.models.quantized.observers import weight_qparams
+from tessel.models.quantized.qparams import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.limits import MAX_QAT_LR, MAX_QAT_STEPS, MIN_QAT_LR
 
@@ -59,7 +60,7 @@ class QATLinear(nn.Module):
     def __init__(self, linear: nn.Linear, scheme: Scheme, weight_observer: str = "minmax") -> None:
         super().__init__()
         self.linear, self.scheme = linear, scheme
-        start = quantize_weight(linear.weight, scheme, weight_observer)
+        start = quantize_weight(linear.weight, scheme, weight_qparams(weight_observer))
         self.register_buffer("weight_scale", start.scale)  # [N, groups], fixed
 
     def _expanded_scale(self) -> torch.Tensor:
