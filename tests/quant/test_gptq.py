@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import make_observer
 from tessel.models.quantized.schemes import make_scheme, quantize_weight
 from tessel.quant.gptq import PERCDAMP, HessianAccumulator, gptq_quantize
+from tessel.quant.observers import make_observer
 
 
 def _scale(columns: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,8 @@ from torch.ao.quantization import MovingAveragePerChannelMinMaxObserver as AoMov
 from torch.ao.quantization import PerChannelMinMaxObserver as AoPerChannel
 
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import (
+from tessel.models.quantized.qparams import QuantRange, calculate_qparams, dequantize_tensor, quantize_tensor
+from tessel.quant.observers import (
     HISTOGRAM_BINS,
     KL_LEVELS,
     EntropyObserver,
@@ -36,7 +37,6 @@ from tessel.models.quantized.observers import (
     make_observer,
     mse_candidates,
 )
-from tessel.models.quantized.qparams import QuantRange, calculate_qparams, dequantize_tensor, quantize_tensor
 
 RANGES = [
     QuantRange(8, True),
@@ -206,7 +206,7 @@ def test_entropy_picks_the_kl_minimum_of_the_published_algorithm(kind: str) -> N
     coarse = counts[: used + (-used % 4)].reshape(-1, 4).sum(axis=1)
     reference = _reference_kl(coarse)
     best_kl = min(kl for _, kl in reference)
-    from tessel.models.quantized.observers import kl_divergences
+    from tessel.quant.observers import kl_divergences
 
     cuts, divergences = kl_divergences(coarse)
     assert [i for i, _ in reference] == list(cuts)

@@ -25,19 +25,19 @@ from tessel.catalog.hf_config import config_path, read_json_object
 from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
 from tessel.models.quantized.compressed_tensors import module_tensors, quantization_config
-from tessel.models.quantized.observers import (
-    OBSERVERS,
-    WEIGHT_OBSERVERS,
-    Observer,
-    make_observer,
-    weight_qparams,
-)
 from tessel.models.quantized.qparams import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.models.reader import read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
 from tessel.quant.formats.checkpoint import write_checkpoint
 from tessel.quant.gptq import gptq_model
+from tessel.quant.observers import (
+    OBSERVERS,
+    WEIGHT_OBSERVERS,
+    Observer,
+    make_observer,
+    weight_qparams,
+)
 from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
 
 METHODS = ("rtn", "gptq")

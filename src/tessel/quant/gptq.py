@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import make_observer
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme
+from tessel.quant.observers import make_observer
 
 BLOCK = 128  # columns per lazy update (the reference's blocksize)
 PERCDAMP = 0.01  # dampening: this fraction of mean(diag H) added to the diagonal

@@ -22,10 +22,10 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
-from tessel.models.quantized.observers import weight_qparams
 from tessel.models.quantized.qparams import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.limits import MAX_QAT_LR, MAX_QAT_STEPS, MIN_QAT_LR
+from tessel.quant.observers import weight_qparams
 
 ACT_RANGE = QuantRange(8, symmetric=True)
 
