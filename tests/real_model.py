@@ -13,10 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessel.example_models import decoder
-from tessel.example_models.decoder import CHECKPOINT_NAME, GGUF_NAME, WHEEL  # noqa: F401 (re-exported)
 
 RealModelUnavailable = decoder.ExampleModelUnavailable
-cache_dir = decoder.cache_dir
 
 
 def smollm2_gguf() -> Path:

@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.example_models import decoder
+from tessel.example_models import decoder, wheel
 
 
 def _fill(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for name in decoder.CHECKPOINT_FILES:
+    for name in decoder.SMOLLM2.files:
         (folder / name).write_text("{}", encoding="utf-8")
 
 
@@ -39,7 +39,7 @@ def offline(monkeypatch, tmp_path) -> dict[str, list]:
     gguf = tmp_path / "cache" / decoder.GGUF_NAME
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(decoder.subprocess, "run", no_pip)
+    monkeypatch.setattr(wheel.subprocess, "run", no_pip)
     monkeypatch.setattr(decoder, "convert_gguf", convert)
     return calls
 
@@ -67,8 +67,8 @@ def test_a_complete_checkpoint_is_reused_and_only_its_path_goes_to_stdout(offlin
 
 
 def test_the_default_location_is_the_cache_folder(offline, tmp_path) -> None:
-    _fill(tmp_path / "cache" / decoder.CHECKPOINT_NAME)
-    assert run([]).stdout == f"{tmp_path / 'cache' / decoder.CHECKPOINT_NAME}\n"
+    _fill(tmp_path / "cache" / decoder.SMOLLM2.name)
+    assert run([]).stdout == f"{tmp_path / 'cache' / decoder.SMOLLM2.name}\n"
     assert offline["convert"] == []
 
 
@@ -79,7 +79,7 @@ def test_a_build_goes_through_a_staging_directory_and_is_reused_after(offline, t
     assert "converting" in result.stderr
     (staging,) = offline["convert"]
     assert staging != target and staging.parent == target.parent
-    assert decoder.is_complete(target)
+    assert decoder.SMOLLM2.is_complete(target)
     assert sorted(p.name for p in target.parent.iterdir()) == ["smol"]  # no staging left behind
     run(["--out", str(target)])
     assert len(offline["convert"]) == 1
