@@ -21,14 +21,13 @@ stacked matrix against their shared Hessian.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from tessel.errors import TesselError
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 from tessel.quant.observers import make_observer
+from tessel.quant.progress import StepProgress, report
 
 BLOCK = 128  # columns per lazy update (the reference's blocksize)
 PERCDAMP = 0.01  # dampening: this fraction of mean(diag H) added to the diagonal
@@ -137,9 +136,6 @@ def gptq_quantize(
     return QuantizedWeight(codes, scales.float(), scheme.group_size, zero_point)
 
 
-# Called as progress(pass name, layers done, layers in all).
-Progress = Callable[[str, int, int], None]
-
 # Linears that read one tensor: rounded as one stacked matrix against one Hessian.
 INPUT_GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -214,7 +210,7 @@ def gptq_model(
     percdamp: float = PERCDAMP,
     observer: str = "minmax",
     static_groups: bool = False,
-    progress: Progress | None = None,
+    progress: StepProgress | None = None,
 ) -> dict[str, QuantizedWeight]:
     """GPTQ every decoder-layer linear, layer after layer: layer i's Hessians come from the outputs of
     layers 0..i-1 already quantised (their weights replaced in `model` by the rounded ones), as in
@@ -247,6 +243,5 @@ def gptq_model(
                 module.weight.copy_(part.dequantize().to(module.weight.dtype))
                 row += rows
         inputs = _run_layer(layer, inputs, kwargs)
-        if progress is not None:
-            progress("gptq", index + 1, len(layers))
+        report(progress, "gptq", index + 1, len(layers))
     return out
