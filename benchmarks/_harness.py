@@ -175,9 +175,9 @@ def _hardware() -> dict:
         import torch
     except ImportError:  # the planner-side benchmarks run without the runtime extra
         return info
-    from tessel.kernels.cpu_features import describe
+    from tessel.kernels.cpu_features import cpu_summary
 
-    features = describe()
+    features = cpu_summary()
     flags = set(features["flags"])
     info["cpu"]["isa"] = {name: bool(flags & set(names)) for name, names in ISA_FLAGS.items()}
     info["cpu"].update(features)

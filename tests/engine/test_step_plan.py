@@ -203,8 +203,11 @@ def test_each_site_keeps_its_ladder() -> None:
     assert cpu_graph.bucket_rows is buckets.bucket_rows and buckets.BUCKET_STEP == 16
     rows = range(1, 700)
     assert [buckets.bucket_rows(n) for n in rows] == [_old_cpu_graph_bucket(n) for n in rows]
-    assert dense.bucket_rows.keywords == {"step": buckets.PACKED_ROWS_STEP} and buckets.PACKED_ROWS_STEP == 32
-    packed = [dense.bucket_rows(n) for n in range(1, TILE_ROWS + 1)]
+    assert (
+        dense.packed_bucket_rows.keywords == {"step": buckets.PACKED_ROWS_STEP}
+        and buckets.PACKED_ROWS_STEP == 32
+    )
+    packed = [dense.packed_bucket_rows(n) for n in range(1, TILE_ROWS + 1)]
     assert packed == [_old_packed_bucket(n) for n in range(1, TILE_ROWS + 1)]
     assert cuda_graph.row_buckets is buckets.row_buckets
     for max_rows in range(1, 130):

@@ -150,7 +150,7 @@ def add_stage_utilization(stages: list[dict], options) -> None:  # noqa: ANN001 
     """Each stage's measured MFU and MBU (`utilization`: {mfu, mbu}, fractions of its device type's
     catalog peak; {} where the catalog lacks the type) in its status dict."""
     from tessel.catalog import load_model
-    from tessel.commands.render.launch import stage_utilization
+    from tessel.commands.render.launch import measured_stage_utilization
     from tessel.dtypes import ALIASES
     from tessel.models.config import ModelConfig, resolve_dtype
     from tessel.pipeline.run_plan import load_run_plan
@@ -159,7 +159,7 @@ def add_stage_utilization(stages: list[dict], options) -> None:  # noqa: ANN001 
     torch_dtype = resolve_dtype(options.dtype, ModelConfig.from_dir(options.model))
     dtype = ALIASES[str(torch_dtype).removeprefix("torch.")]
     gpu_types = [stage.gpu_type for stage in plan.stages]
-    utilizations = stage_utilization(stages, gpu_types, load_model(str(options.model)), dtype)
+    utilizations = measured_stage_utilization(stages, gpu_types, load_model(str(options.model)), dtype)
     for status, util in zip(stages, utilizations, strict=False):
         status["utilization"] = util
 

@@ -122,7 +122,12 @@ def simulate(
     --remap auto, the remap decision `tessel serve --remap auto` would take on the run."""
     from rich.console import Console
 
-    from tessel.commands.render.simulate import comparison_table, print_load, print_simulation, write_gantt
+    from tessel.commands.render.simulate import (
+        predicted_vs_measured_table,
+        print_load,
+        print_simulation,
+        write_gantt,
+    )
     from tessel.errors import TesselError
     from tessel.files import check_output_path, staged_file, write_json_file
     from tessel.sim.api import SimulationSettings, simulate_plan
@@ -160,7 +165,7 @@ def simulate(
             raise TesselError(f"--measured simulates the run's own requests; drop {', '.join(clashing)}")
         report, comparison = simulate_measured(plan, measured, mix, profile, force_profile)
         print_simulation(console, report)
-        console.print(comparison_table(comparison.rows, f"Predicted vs measured ({measured})"))
+        console.print(predicted_vs_measured_table(comparison.rows, f"Predicted vs measured ({measured})"))
         document = {**report.to_json(), "measured": comparison.to_json()}
     else:
         report = simulate_plan(plan, workload, settings, profiles=profile, force_profile=force_profile)

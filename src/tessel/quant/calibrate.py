@@ -50,7 +50,7 @@ class QuantizeOptions:
     act: str = "dynamic"
     observer: str = "minmax"  # static activations
     weight_observer: str = "minmax"
-    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (per group, from ALPHA_GRID)
+    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (per group, SMOOTHQUANT_ALPHA_GRID)
     calib: Path | None = None
     calib_samples: int = 32
     seq_len: int = 512

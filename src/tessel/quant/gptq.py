@@ -8,7 +8,7 @@ For column i, with H^-1 the inverse Hessian of the columns not yet rounded (i fi
 
 The reference implementation's three tricks are here too: the rows of the upper Cholesky factor of
 H^-1 give every [H^-1 of the remaining columns]_i row at once (no re-inversion per column); updates
-are applied lazily, `BLOCK` columns at a time; H is dampened by `percdamp` of its mean diagonal.
+are applied lazily, `BLOCK_COLUMNS` columns at a time; H is dampened by `percdamp` of its mean diagonal.
 Groups (w4a16): a group's scale is computed from the group's columns as they stand when its first
 column is reached (the reference's rule), so the compensation of earlier groups shapes it.
 Act-order (`act_order=True`): columns are taken by descending H_ii; the group scales are then fixed
@@ -29,7 +29,7 @@ from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 from tessel.quant.observers import make_observer
 from tessel.quant.progress import StepProgress, report
 
-BLOCK = 128  # columns per lazy update (the reference's blocksize)
+BLOCK_COLUMNS = 128  # columns per lazy update (the reference's blocksize)
 PERCDAMP = 0.01  # dampening: this fraction of mean(diag H) added to the diagonal
 
 
@@ -83,7 +83,7 @@ def gptq_quantize(
     act_order: bool = False,
     percdamp: float = PERCDAMP,
     observer: str = "minmax",
-    block: int = BLOCK,
+    block: int = BLOCK_COLUMNS,
     static_groups: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-round a weight [N, K] against the Hessian [K, K] of its input under `scheme`.

@@ -57,7 +57,7 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 
 # The row count a GEMM call of `rows` rows (1 <= rows <= TILE_ROWS) is padded to: the one ladder's
 # rung (`tessel.layers.buckets`) at its packed-linear step.
-bucket_rows = functools.partial(buckets.bucket_rows, step=buckets.PACKED_ROWS_STEP)
+packed_bucket_rows = functools.partial(buckets.bucket_rows, step=buckets.PACKED_ROWS_STEP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class _Packed:
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
-        padded = bucket_rows(n)
+        padded = packed_bucket_rows(n)
         if padded != n:
             rows = F.pad(rows, (0, 0, 0, padded - n))
         out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
