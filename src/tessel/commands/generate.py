@@ -12,21 +12,19 @@ import typer
 
 from tessel.commands.options import (
     DEVICE_OPTION,
-    EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
-    HOST_KV_CACHE_GIB_OPTION,
+    HOST_KV_OPTIONS,
     LM_HEAD_OPTION,
-    PREEMPTION_MODE_OPTION,
     TEMPERATURE_OPTION,
     TOP_P_OPTION,
     LMHeadMode,
-    PreemptionMode,
     check_model_path,
-    host_kv_options,
     runtime_dtype_option,
+    with_option_groups,
 )
 
 
+@with_option_groups
 def generate(
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     prompt: list[str] = typer.Option(..., "--prompt", help="A prompt; repeat for a batch."),
@@ -42,13 +40,10 @@ def generate(
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
-    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
-    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
-    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
+    host_kv: dict[str, object] = HOST_KV_OPTIONS,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
     checked = check_model_path(model, "--model")  # the one model reader, before anything loads
-    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     from rich.console import Console
 
     from tessel.engine.llm_engine import LLM

@@ -13,20 +13,17 @@ from typing import TYPE_CHECKING
 import typer
 
 from tessel.commands.options import (
-    EMULATE_HOST_GBPS_OPTION,
     FORCE_PROFILE_OPTION,
     HEARTBEAT_FLOOR,
-    HOST_KV_CACHE_GIB_OPTION,
+    HOST_KV_OPTIONS,
     KV_FLOOR,
-    PREEMPTION_MODE_OPTION,
     TEMPERATURE_OPTION,
     TOP_P_OPTION,
-    PreemptionMode,
     float_option,
-    host_kv_options,
     input_file,
     output_file,
     runtime_dtype_option,
+    with_option_groups,
 )
 from tessel.engine.limits import MAX_KV_CACHE_GIB, MAX_TORCH_THREADS, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
@@ -38,6 +35,7 @@ if TYPE_CHECKING:
     from tessel.sim.measured import RunIdentity
 
 
+@with_option_groups
 def launch(
     plan: Path = input_file(..., "--plan", help="Plan file from `tessel plan --json`."),
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
@@ -96,9 +94,7 @@ def launch(
         help="How hidden states cross links: auto (NCCL between two GPUs, else pinned host "
         "buffers over gloo), nccl or host.",
     ),
-    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
-    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
-    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
+    host_kv: dict[str, object] = HOST_KV_OPTIONS,
 ) -> None:
     """Run PLAN on MODEL as one process per stage, each on its plan device, and print the outputs."""
     from tessel.commands.render.launch import print_run
@@ -109,7 +105,6 @@ def launch(
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
-    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     inputs = (plan, model, prompts_file, *profile)
     if json_out is not None:
         check_output_path(json_out, "--json", inputs)  # before the stages start

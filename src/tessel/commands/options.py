@@ -3,15 +3,20 @@
 A bad value is a usage error: exit code 2 and a message naming the option. Every float option is a
 `float_option`: both bounds in --help, NaN and inf refused as such, a value below the floor refused
 naming it (and why it is there). Int ranges are typer's own `min=` / `max=`; choices are `Literal`
-types.
+types. Options that several commands take together are an `OptionGroup` (the host KV cache here, the
+remap decision in `remap_options`): a command declares the group as one parameter and gets one value.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 
@@ -208,6 +213,39 @@ def optional_count(*names: str, limit: int, help: str | None = None, hidden: boo
     return typer.Option(None, *names, min=1, max=limit, help=help, hidden=hidden)
 
 
+@dataclass(frozen=True, slots=True)
+class OptionGroup:
+    """Options several commands take together, declared once: parameter name -> (its type, its typer
+    option). A command declares the group as one parameter whose default is the group and is decorated
+    `with_option_groups`; it then gets `collect(**the options' values)` in that parameter."""
+
+    options: dict[str, tuple[Any, Any]]
+    collect: Callable[..., Any]
+
+
+def with_option_groups(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` as typer reads it: each parameter whose default is an `OptionGroup` spelled out in its
+    place as the group's options (same --help order); called, it collects them back into that parameter."""
+    signature = inspect.signature(command)
+    hints = typing.get_type_hints(command)
+    params = signature.parameters
+    groups = {name: p.default for name, p in params.items() if isinstance(p.default, OptionGroup)}
+    spelled = []
+    for name, param in params.items():
+        options = groups[name].options.items() if name in groups else [(name, (hints[name], param.default))]
+        spelled += [inspect.Parameter(n, param.kind, default=o, annotation=t) for n, (t, o) in options]
+
+    @functools.wraps(command)
+    def run(**values: Any) -> None:
+        for name, group in groups.items():
+            values[name] = group.collect(**{option: values.pop(option) for option in group.options})
+        command(**values)
+
+    run.__signature__ = signature.replace(parameters=spelled)
+    run.__annotations__ = {p.name: p.annotation for p in spelled} | {"return": None}
+    return run
+
+
 def host_kv_options(
     preemption_mode: str, host_kv_cache_gib: float | None, emulate_host_gbps: float | None
 ) -> dict[str, object]:
@@ -215,3 +253,14 @@ def host_kv_options(
     the ones left out are not in the dict."""
     options = {"host_kv_cache_gib": host_kv_cache_gib, "emulate_host_gbps": emulate_host_gbps}
     return {"preemption_mode": preemption_mode} | {k: v for k, v in options.items() if v is not None}
+
+
+# --preemption-mode, --host-kv-cache-gib, --emulate-host-gbps -> the engine's preemption settings
+HOST_KV_OPTIONS = OptionGroup(
+    {
+        "preemption_mode": (PreemptionMode, PREEMPTION_MODE_OPTION),
+        "host_kv_cache_gib": (float | None, HOST_KV_CACHE_GIB_OPTION),
+        "emulate_host_gbps": (float | None, EMULATE_HOST_GBPS_OPTION),
+    },
+    host_kv_options,
+)

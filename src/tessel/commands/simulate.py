@@ -14,19 +14,9 @@ from tessel.commands.options import (
     input_file,
     optional_count,
     output_file,
+    with_option_groups,
 )
-from tessel.commands.remap_options import (
-    REMAP_CONFIRM_OPTION,
-    REMAP_COOLDOWN_OPTION,
-    REMAP_HORIZON_OPTION,
-    REMAP_INTERVAL_OPTION,
-    REMAP_MIN_SLOWDOWN_OPTION,
-    REMAP_OPTION,
-    REMAP_THRESHOLD_OPTION,
-    REMAP_WINDOW_OPTION,
-    RemapMode,
-    remap_settings,
-)
+from tessel.commands.remap_options import REMAP_OPTIONS, RemapFlags
 from tessel.plan.workload import MAX_ARRIVAL_RATE_PER_S
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
 from tessel.sim.measured import MeasuredComparison, compare_metrics
@@ -38,6 +28,7 @@ from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 MIN_RATE_PER_S = 1e-9
 
 
+@with_option_groups
 def simulate(
     plan: Path = input_file(..., "--plan", help="Plan JSON written by `tessel plan --json`."),
     workload: str = typer.Option(
@@ -103,14 +94,7 @@ def simulate(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),
     force_profile: bool = FORCE_PROFILE_OPTION,
-    remap: RemapMode = REMAP_OPTION,
-    remap_threshold: float = REMAP_THRESHOLD_OPTION,
-    remap_horizon_s: float = REMAP_HORIZON_OPTION,
-    remap_interval_s: float = REMAP_INTERVAL_OPTION,
-    remap_window_s: float = REMAP_WINDOW_OPTION,
-    remap_min_slowdown: float = REMAP_MIN_SLOWDOWN_OPTION,
-    remap_cooldown_s: float = REMAP_COOLDOWN_OPTION,
-    remap_confirm: int = REMAP_CONFIRM_OPTION,
+    remap: RemapFlags = REMAP_OPTIONS,
     measured: Path | None = input_file(
         None,
         "--measured",
@@ -148,14 +132,10 @@ def simulate(
         max_num_batched_tokens or max_batch_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_in_flight, enable_chunked_prefill, cpp, kv_limit, pinned, mix,
     )  # fmt: skip
-    remap_config = remap_settings(
-        remap, remap_threshold, remap_horizon_s, remap_interval_s, remap_window_s, remap_min_slowdown,
-        remap_cooldown_s, remap_confirm,
-    )  # fmt: skip
-    if remap == "auto":
+    if remap.mode == "auto":
         if measured is not None:
             raise TesselError("--remap auto decides on a simulated serving run; drop --measured")
-        settings = replace(settings, remap=remap_config)
+        settings = replace(settings, remap=remap.settings)
     console = Console()
     if measured is not None:
         given = {"--workload": workload != "default", "--requests": requests is not None, "--rate": rate,
