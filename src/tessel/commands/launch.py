@@ -14,20 +14,24 @@ import typer
 
 from tessel.commands.options import (
     FORCE_PROFILE_OPTION,
-    HEARTBEAT_FLOOR,
     HOST_KV_OPTIONS,
-    KV_FLOOR,
+    IGNORE_EOS_OPTION,
+    MAX_MODEL_LEN_OPTION,
+    MAX_NUM_SEQS_OPTION,
+    MAX_TOKENS_OPTION,
+    SEED_OPTION,
     TEMPERATURE_OPTION,
+    TOP_K_OPTION,
     TOP_P_OPTION,
-    float_option,
+    heartbeat_timeout_option,
     input_file,
+    kv_cache_gib_option,
     output_file,
     runtime_dtype_option,
     with_option_groups,
 )
-from tessel.engine.limits import MAX_KV_CACHE_GIB, MAX_TORCH_THREADS, MIN_KV_CACHE_GIB
+from tessel.engine.limits import MAX_TORCH_THREADS
 from tessel.errors import TesselError
-from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.plan.workload import MAX_MICRO_BATCHES
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
@@ -43,26 +47,19 @@ def launch(
     prompts_file: Path | None = input_file(
         None, "--prompts-file", help="JSONL: one request per line (a string, or {prompt, sampling fields})."
     ),
-    max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per prompt."),
+    max_tokens: int = MAX_TOKENS_OPTION,
     temperature: float = TEMPERATURE_OPTION,
     top_p: float = TOP_P_OPTION,
-    top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
-    seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
-    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    top_k: int = TOP_K_OPTION,
+    seed: int | None = SEED_OPTION,
+    ignore_eos: bool = IGNORE_EOS_OPTION,
     json_out: Path | None = output_file(
         None, "--json", help="Write per request token_ids and text, and the measured metrics (`measured`)."
     ),
     dtype: str = runtime_dtype_option(),
-    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
-    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = float_option(
-        None,
-        "--kv-cache-gib",
-        low=MIN_KV_CACHE_GIB,
-        high=MAX_KV_CACHE_GIB,
-        floor_reason=KV_FLOOR,
-        help="KV pool size (all stages' share), GiB.",
-    ),
+    max_num_seqs: int | None = MAX_NUM_SEQS_OPTION,
+    max_model_len: int | None = MAX_MODEL_LEN_OPTION,
+    kv_cache_gib: float | None = kv_cache_gib_option("KV pool size (all stages' share), GiB."),
     micro_batches: int | None = typer.Option(
         None, min=1, max=MAX_MICRO_BATCHES, help="Micro-batches in flight (default: the plan's m)."
     ),
@@ -77,14 +74,8 @@ def launch(
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where stages write their status and logs (default: a new temp folder)."
     ),
-    heartbeat_timeout: float | None = float_option(
-        None,
-        "--heartbeat-timeout",
-        low=MIN_HEARTBEAT_TIMEOUT_S,
-        high=MAX_HEARTBEAT_TIMEOUT_S,
-        floor_reason=HEARTBEAT_FLOOR,
-        help="Seconds a stage may send no heartbeat (stopped, hung) before the run fails "
-        "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    heartbeat_timeout: float | None = heartbeat_timeout_option(
+        "Seconds a stage may send no heartbeat (stopped, hung) before the run fails"
     ),
     max_prompt_chars: int = typer.Option(
         DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt, refused before it is tokenized."

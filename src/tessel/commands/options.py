@@ -23,6 +23,7 @@ import typer
 from tessel.dtypes import PLAN_DTYPE_HELP, RUNTIME_DTYPE_HELP, parse_dtype, runtime_dtype_name
 from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
+from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.plan.cluster import MAX_LINK_GBPS
 from tessel.plan.plan_file import MIN_EMULATE_HOST_GBPS
 
@@ -115,6 +116,35 @@ TEMPERATURE_OPTION = float_option(
     0.0, "--temperature", low=0.0, high=MAX_TEMPERATURE, help="0 is greedy; higher samples more freely."
 )
 TOP_P_OPTION = float_option(1.0, "--top-p", low=0.0, high=1.0, help="Nucleus sampling mass (1 = off).")
+TOP_K_OPTION = typer.Option(0, "--top-k", min=-1, help="Sample among the k most likely tokens (0 = off).")
+MAX_TOKENS_OPTION = typer.Option(64, "--max-tokens", min=1, help="Most tokens to generate per prompt.")
+SEED_OPTION = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
+IGNORE_EOS_OPTION = typer.Option(
+    False, "--ignore-eos/--no-ignore-eos", help="Keep generating past the end-of-sequence token."
+)
+# The engine's sizes, as `tessel generate`, `serve` and `launch` take them
+MAX_NUM_SEQS_OPTION = typer.Option(None, "--max-num-seqs", min=1, help="Most sequences batched in one step.")
+MAX_MODEL_LEN_OPTION = typer.Option(
+    None, "--max-model-len", min=2, help="Longest prompt + completion, in tokens."
+)
+
+
+def kv_cache_gib_option(help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
+    """--kv-cache-gib: the paged KV cache's size in GiB, or None (the engine sizes it)."""
+    return float_option(
+        None, "--kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR, help=help
+    )
+
+
+def heartbeat_timeout_option(help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
+    """--heartbeat-timeout: seconds a pipeline stage may stay silent, or None ($TESSEL_HEARTBEAT_TIMEOUT_S
+    or 30); `help` says what happens past it."""
+    return float_option(
+        None, "--heartbeat-timeout", low=MIN_HEARTBEAT_TIMEOUT_S, high=MAX_HEARTBEAT_TIMEOUT_S,
+        floor_reason=HEARTBEAT_FLOOR, help=f"{help} (default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    )  # fmt: skip
+
+
 FORCE_PROFILE_OPTION = typer.Option(
     False,
     "--force-profile",

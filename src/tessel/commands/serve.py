@@ -30,20 +30,20 @@ from tessel.commands.embed import MATRYOSHKA_OPTION, EncoderServeOptions, is_enc
 from tessel.commands.options import (
     DEVICE_OPTION,
     ENFORCE_EAGER_OPTION,
-    HEARTBEAT_FLOOR,
     HOST_KV_OPTIONS,
-    KV_FLOOR,
     LM_HEAD_OPTION,
+    MAX_MODEL_LEN_OPTION,
+    MAX_NUM_SEQS_OPTION,
     LMHeadMode,
     check_model_path,
     float_option,
+    heartbeat_timeout_option,
+    kv_cache_gib_option,
     runtime_dtype_option,
     with_option_groups,
 )
 from tessel.commands.remap_options import REMAP_OPTIONS, RemapFlags
-from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
-from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -81,15 +81,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
     dtype: str = runtime_dtype_option(),
-    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences batched in one step."),
-    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = float_option(
-        None,
-        "--kv-cache-gib",
-        low=MIN_KV_CACHE_GIB,
-        high=MAX_KV_CACHE_GIB,
-        floor_reason=KV_FLOOR,
-        help="Memory for the paged KV cache, in GiB (at most what the machine has free).",
+    max_num_seqs: int | None = MAX_NUM_SEQS_OPTION,
+    max_model_len: int | None = MAX_MODEL_LEN_OPTION,
+    kv_cache_gib: float | None = kv_cache_gib_option(
+        "Memory for the paged KV cache, in GiB (at most what the machine has free)."
     ),
     max_queue: int = typer.Option(
         DEFAULT_MAX_QUEUE, min=0, help="Requests that may wait beyond the running ones; more get HTTP 429."
@@ -129,14 +124,8 @@ def serve(
         help="With --plan of several replicas: which pipeline this server runs (default: all of them, "
         "one server each, behind a router that splits requests by the plan's weights).",
     ),
-    heartbeat_timeout: float | None = float_option(
-        None,
-        "--heartbeat-timeout",
-        low=MIN_HEARTBEAT_TIMEOUT_S,
-        high=MAX_HEARTBEAT_TIMEOUT_S,
-        floor_reason=HEARTBEAT_FLOOR,
-        help="With --plan: seconds a stage may send no heartbeat before it counts as failed "
-        "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    heartbeat_timeout: float | None = heartbeat_timeout_option(
+        "With --plan: seconds a stage may send no heartbeat before it counts as failed"
     ),
     remap: RemapFlags = REMAP_OPTIONS,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
