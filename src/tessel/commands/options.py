@@ -54,6 +54,17 @@ def float_option(  # noqa: ANN201 (typer's OptionInfo)
     )
 
 
+def optional_float(  # noqa: ANN201 (typer's OptionInfo)
+    *names: str,
+    low: float,
+    high: float,
+    help: str,
+    floor_reason: str = "",  # noqa: A002
+):
+    """A number in [low, high] (a `float_option`), or None: the command's default."""
+    return float_option(None, *names, low=low, high=high, help=help, floor_reason=floor_reason)
+
+
 def _float_in(low: float, high: float, floor_reason: str) -> Callable[[str | float], float]:
     span = f"[{low:g}, {high:g}]"
 
@@ -99,12 +110,12 @@ PREEMPTION_MODE_OPTION = typer.Option(
 )
 KV_FLOOR = "less holds no KV block"
 HEARTBEAT_FLOOR = "several heartbeats must fit in it"
-HOST_KV_CACHE_GIB_OPTION = float_option(
-    None, "--host-kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR,
+HOST_KV_CACHE_GIB_OPTION = optional_float(
+    "--host-kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR,
     help="Host memory for swapped KV blocks, GiB (default: as much as the KV cache, at most 4).",
 )  # fmt: skip
-EMULATE_HOST_GBPS_OPTION = float_option(
-    None, "--emulate-host-gbps", low=MIN_EMULATE_HOST_GBPS, high=MAX_LINK_GBPS,
+EMULATE_HOST_GBPS_OPTION = optional_float(
+    "--emulate-host-gbps", low=MIN_EMULATE_HOST_GBPS, high=MAX_LINK_GBPS,
     floor_reason="slower, each KV copy waits for hours",
     help="Emulation on a CPU-only machine: slow KV copies to and from host memory to this bandwidth, "
     "Gbit/s (a stand-in for a GPU's host link, never a GPU measurement).",
@@ -131,16 +142,16 @@ MAX_MODEL_LEN_OPTION = typer.Option(
 
 def kv_cache_gib_option(help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
     """--kv-cache-gib: the paged KV cache's size in GiB, or None (the engine sizes it)."""
-    return float_option(
-        None, "--kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR, help=help
+    return optional_float(
+        "--kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR, help=help
     )
 
 
 def heartbeat_timeout_option(help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
     """--heartbeat-timeout: seconds a pipeline stage may stay silent, or None ($TESSEL_HEARTBEAT_TIMEOUT_S
     or 30); `help` says what happens past it."""
-    return float_option(
-        None, "--heartbeat-timeout", low=MIN_HEARTBEAT_TIMEOUT_S, high=MAX_HEARTBEAT_TIMEOUT_S,
+    return optional_float(
+        "--heartbeat-timeout", low=MIN_HEARTBEAT_TIMEOUT_S, high=MAX_HEARTBEAT_TIMEOUT_S,
         floor_reason=HEARTBEAT_FLOOR, help=f"{help} (default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
     )  # fmt: skip
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import float_option, output_file
+from tessel.commands.options import optional_float, output_file
 from tessel.errors import TesselError
 from tessel.plan.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
 from tessel.units import GIB
@@ -47,15 +47,13 @@ def probe(
     merge: bool = typer.Option(
         False, "--merge", help="Join the cluster files FILES into one cluster (one node per machine)."
     ),
-    network_gbps: float | None = float_option(
-        None,
+    network_gbps: float | None = optional_float(
         "--network-gbps",
         low=MIN_NETWORK_GBPS,
         high=MAX_LINK_GBPS,
         help="With --merge: the link between machines, Gb/s.",
     ),
-    network_latency_us: float | None = float_option(
-        None,
+    network_latency_us: float | None = optional_float(
         "--network-latency-us",
         low=0.0,
         high=MAX_LINK_LATENCY_US,

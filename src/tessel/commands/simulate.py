@@ -10,9 +10,9 @@ import typer
 
 from tessel.commands.options import (
     FORCE_PROFILE_OPTION,
-    float_option,
     input_file,
     optional_count,
+    optional_float,
     output_file,
     with_option_groups,
 )
@@ -38,16 +38,15 @@ def simulate(
         "--requests", limit=MAX_REQUESTS, help="Number of requests (default 200; a trace: its first N rows)."
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Seed of the arrivals and lengths."),
-    rate: float | None = float_option(
-        None,
+    rate: float | None = optional_float(
         "--rate",
         low=MIN_RATE_PER_S,
         high=MAX_ARRIVAL_RATE_PER_S,
         help="Override the workload's arrival rate (req/s).",
     ),
     gantt: Path | None = output_file(None, "--gantt", help="Write a Gantt chart of the plan (.png/.svg)."),
-    gantt_until_s: float | None = float_option(
-        None, "--gantt-until-s", low=0.0, high=1e12, help="Cut the chart at this time."
+    gantt_until_s: float | None = optional_float(
+        "--gantt-until-s", low=0.0, high=1e12, help="Cut the chart at this time."
     ),
     json_out: Path | None = output_file(None, "--json", help="Write all metrics as JSON."),
     compare: bool = typer.Option(False, "--compare", help="Also simulate the plan's feasible baselines."),
