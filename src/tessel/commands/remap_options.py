@@ -69,27 +69,10 @@ class RemapFlags:
     settings: RemapSettings
 
 
-def remap_flags(
-    remap: RemapMode,
-    remap_threshold: float,
-    remap_horizon_s: float,
-    remap_interval_s: float,
-    remap_window_s: float,
-    remap_min_slowdown: float,
-    remap_cooldown_s: float,
-    remap_confirm: int,
-) -> RemapFlags:
-    """The mode and settings the flags give (refused naming the flag); with --remap off, no --remap-*
-    flag may differ from its default."""
-    settings = RemapSettings(
-        threshold=remap_threshold,
-        horizon_s=remap_horizon_s,
-        interval_s=remap_interval_s,
-        window_s=remap_window_s,
-        min_slowdown=remap_min_slowdown,
-        cooldown_s=remap_cooldown_s,
-        confirm=remap_confirm,
-    )
+def remap_flags(remap: RemapMode, **flags: float) -> RemapFlags:
+    """The mode and settings the flags give: `--remap-X` is `RemapSettings.X` (refused naming the flag);
+    with --remap off, no --remap-* flag may differ from its default."""
+    settings = RemapSettings(**{name.removeprefix("remap_"): value for name, value in flags.items()})
     if remap == "off":
         changed = [
             f"--remap-{name.replace('_', '-')}"
