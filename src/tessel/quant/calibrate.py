@@ -30,7 +30,7 @@ from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme
 from tessel.models.reader import read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
 from tessel.quant.formats.checkpoint import write_checkpoint
-from tessel.quant.gptq import gptq_model
+from tessel.quant.gptq import GPTQOptions, gptq_model
 from tessel.quant.observers import (
     OBSERVERS,
     WEIGHT_OBSERVERS,
@@ -291,15 +291,10 @@ def quantize_model(
 
 def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows, progress):
     if options.method == "gptq":
-        return gptq_model(
-            model,
-            windows,
-            scheme,
-            act_order=options.act_order,
-            observer=options.weight_observer,
-            static_groups=options.static_groups,
-            progress=progress,
+        gptq = GPTQOptions(
+            act_order=options.act_order, observer=options.weight_observer, static_groups=options.static_groups
         )
+        return gptq_model(model, windows, scheme, gptq, progress)
     weights = {}
     for done, (name, module) in enumerate(linears.items(), 1):
         weights[name] = quantize_weight(module.weight, scheme, weight_qparams(options.weight_observer))
