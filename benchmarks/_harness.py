@@ -7,7 +7,7 @@ Run a benchmark as `python benchmarks/NAME.py`: its folder is then on the import
 - Timer: `time_calls` / `time_call` time callables with `warmup` untimed rounds then `repeats`
   timed rounds, several callables interleaved round by round (a load change on a shared machine
   hits them alike), and give every run's seconds with their median and minimum. Underneath is the
-  layer profiler's own timer (`tessel.models.profiler.time_runs`, `make_clock`): clock "wall",
+  layer profiler's own timer (`tessel.profiling.layer.time_runs`, `make_clock`): clock "wall",
   "cpu" (process CPU time), "cuda" (CUDA events after a synchronize) or "cuda-wall" (wall time
   between synchronizes, for end-to-end runs that include host work). `stopwatch()` takes the wall
   and CPU seconds of one block.
@@ -30,7 +30,7 @@ Run a benchmark as `python benchmarks/NAME.py`: its folder is then on the import
   label. Outside a git checkout (a GPU machine given a copy of
   the tree) set `TESSEL_GIT_SHA`.
 - Real model: `example_model()` is SmolLM2-135M-Instruct from `tessel example-model`
-  (`tessel.models.example_model`), `example_gguf()` its GGUF file; `tests_module(name)` loads a
+  (`tessel.example_models.decoder`), `example_gguf()` its GGUF file; `tests_module(name)` loads a
   helper of tests/ (tiny_models, decode_steps) by its file path.
 
 `import _harness` loads only the standard library (tessel and torch when first used), so a
@@ -107,7 +107,7 @@ def time_calls(
 ) -> dict[str, Timing]:
     """name -> Timing of each callable, timed interleaved: `warmup` untimed rounds, then `repeats`
     rounds of one timed run of each; a run is `calls` calls (its seconds are per call)."""
-    from tessel.models.profiler import make_clock, time_runs
+    from tessel.profiling.timing import make_clock, time_runs
 
     names = list(fns)
     runs = [_repeated(fns[name], calls) for name in names]
@@ -175,9 +175,9 @@ def _hardware() -> dict:
         import torch
     except ImportError:  # the planner-side benchmarks run without the runtime extra
         return info
-    from tessel.kernels.cpu_features import describe
+    from tessel.kernels.cpu_features import cpu_summary
 
-    features = describe()
+    features = cpu_summary()
     flags = set(features["flags"])
     info["cpu"]["isa"] = {name: bool(flags & set(names)) for name, names in ISA_FLAGS.items()}
     info["cpu"].update(features)
@@ -350,16 +350,16 @@ def example_model(path: str | Path | None = None) -> Path:
     """`path`, or SmolLM2-135M-Instruct from `tessel example-model` (built once; progress to stderr)."""
     if path:
         return Path(path)
-    from tessel.models.example_model import example_model_dir
+    from tessel.example_models.decoder import example_model_dir
 
     return example_model_dir(progress=lambda message: print(message, file=sys.stderr, flush=True))
 
 
 def example_gguf() -> Path:
     """The example model's GGUF file (Q4_1), downloaded once."""
-    from tessel.models import example_model
+    from tessel.example_models import decoder
 
-    return example_model.example_gguf(progress=lambda message: print(message, file=sys.stderr, flush=True))
+    return decoder.example_gguf(progress=lambda message: print(message, file=sys.stderr, flush=True))
 
 
 def tests_module(name: str) -> ModuleType:

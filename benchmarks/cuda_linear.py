@@ -430,11 +430,11 @@ class ShapeWeights:
     """One linear shape's weights, `copies` times (float16, int8 codes, the W8A8 / W8A16 layers)."""
 
     def __init__(self, k: int, n: int, copies: int) -> None:
-        from tessel.layers.linear import W8A8Linear, W8A16Linear, quantize_weight
+        from tessel.layers.linear import W8A8Linear, W8A16Linear, quantize_int8_weight
 
         gen = torch.Generator(device=DEVICE).manual_seed(0)
         w16 = torch.randn(n, k, device=DEVICE, dtype=torch.float16, generator=gen) * 0.02
-        w8, self.scale = quantize_weight(w16)
+        w8, self.scale = quantize_int8_weight(w16)
         self.k, self.n, self.copies = k, n, copies
         self.fp16 = [w16] + [w16.clone() for _ in range(copies - 1)]
         self.int8 = [w8] + [w8.clone() for _ in range(copies - 1)]

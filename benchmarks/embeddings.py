@@ -3,7 +3,7 @@ sentence-transformers' `encode` when it is importable; it is not a dev dependenc
 
     python benchmarks/embeddings.py [--sentences 256] [--threads N] [--batch-size 32] [--dtype D]
 
-The model is all-MiniLM-L6-v2 from its PyPI wheel (`tessel.models.example_encoder`, cached
+The model is all-MiniLM-L6-v2 from its PyPI wheel (`tessel.example_models.encoder`, cached
 outside the repository); the sentences are the first N of the held-out KJV text
 (benchmarks/data/kjv_evaluation.txt). The HF baseline does what sentence-transformers' `encode`
 does: texts sorted by length, batches of `--batch-size` padded to their longest, `AutoModel`, then
@@ -97,8 +97,8 @@ def main() -> None:
 
     import torch
 
+    from tessel.example_models.encoder import example_encoder_dir
     from tessel.models.embedder import Embedder
-    from tessel.models.example_encoder import example_encoder_dir
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -39,7 +39,7 @@ def main() -> None:
     from tessel.cost import layer as L
     from tessel.cost.roofline import embed_time_s, unit_prefill_time_s
     from tessel.models.bert import BertEncoder
-    from tessel.models.device_bench import gemm_flops
+    from tessel.profiling.device_bench import gemm_flops
 
     model = load_model(args.model)
     if not model.encoder:

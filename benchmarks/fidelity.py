@@ -131,7 +131,7 @@ def split_steps(engine, batch: list[list[int]], output: int) -> dict:  # noqa: A
     import torch
 
     from tessel.engine.sampling_params import SamplingParams
-    from tessel.models.component_profiler import time_model_calls
+    from tessel.profiling.components import time_model_calls
 
     spent, restore = time_model_calls(engine.runner, time.perf_counter, torch.cuda.is_available())
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)

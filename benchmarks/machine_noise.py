@@ -5,7 +5,7 @@
 The floor under issue 30's fidelity targets: a prediction is priced from a profile taken at one
 moment and compared with a run at another, so it cannot be held closer than the machine holds its
 own speed. The work is what the profile and the engine time: SmolLM2-135M's decoder layer
-(`tessel.models.profiler._Layer`, 15 copies with their own weights, 1 torch thread, process CPU
+(`tessel.profiling.layer._Layer`, 15 copies with their own weights, 1 torch thread, process CPU
 time), a decode step of one sequence (memory-bound) and a 128-token prefill chunk (compute-bound).
 
 Windows of `--window-s` seconds alternate: the layer timed alone, then timed while a second process
@@ -36,7 +36,8 @@ def _layer_runs():  # noqa: ANN202
     """{work: run function} on SmolLM2's layer, 1 thread, timed by process CPU time."""
     import torch
 
-    from tessel.models.profiler import LayerShape, ProfileSettings, _Layer, make_clock
+    from tessel.profiling.layer import LayerShape, ProfileSettings, _Layer
+    from tessel.profiling.timing import make_clock
 
     torch.set_num_threads(1)
     layer = _Layer(LayerShape(*SHAPE), ProfileSettings(layer_copies=COPIES), max_tokens=256, max_batch=2)

@@ -46,7 +46,7 @@ def engine_per_layer_s(model: Path, cfg: dict, requests: list[list[int]]) -> flo
 
     from tessel.engine.llm_engine import LLMEngine
     from tessel.engine.sampling_params import SamplingParams
-    from tessel.models.component_profiler import time_model_calls
+    from tessel.profiling.components import time_model_calls
 
     torch.set_num_threads(1)
     engine = LLMEngine(

@@ -20,9 +20,9 @@ class CountingGraph:
     def __init__(self, graph) -> None:
         self.graph, self.rows = graph, []
 
-    def __call__(self, input_ids, positions, meta, stream=None):
-        self.rows.append(positions.shape[0])
-        return self.graph(input_ids, positions, meta, stream)
+    def __call__(self, step):
+        self.rows.append(step.positions.shape[0])
+        return self.graph(step)
 
     def __getattr__(self, name: str):
         return getattr(self.graph, name)

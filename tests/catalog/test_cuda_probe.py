@@ -8,8 +8,8 @@ import torch
 
 from tessel.catalog.gpus import get_gpu
 from tessel.catalog.local_machine import cluster_data, discover_machine
-from tessel.models.device_bench import measure_device, nccl_version
 from tessel.plan.files.cluster import parse_cluster
+from tessel.profiling.device_bench import measure_device, nccl_version
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

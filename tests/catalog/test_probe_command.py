@@ -118,7 +118,7 @@ def test_measured_gpus_are_set_against_their_own_catalog_type(tmp_path: Path) ->
     from tessel.catalog.gpus import get_gpu
     from tessel.catalog.local_machine import discover_machine
     from tessel.commands.probe import versus_catalog
-    from tessel.models.device_bench import DeviceSpeeds
+    from tessel.profiling.device_bench import DeviceSpeeds
 
     smi = fake_smi(tmp_path, "0, NVIDIA A100-SXM4-80GB, 81920\n1, Tesla T4, 15360\n")
     machine = discover_machine(nvidia_smi=smi, proc_root=make_proc(tmp_path / "proc"), environ={})

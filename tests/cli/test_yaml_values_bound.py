@@ -13,10 +13,10 @@ import pytest
 from cli_helpers import user_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tessel.plan.cluster import load_cluster
 
 from tessel.catalog.yaml_reader import MAX_YAML_VALUES
 from tessel.errors import TesselError
+from tessel.plan.files.cluster import load_cluster
 
 BOUND = f"the file more than {MAX_YAML_VALUES}"
 LIMIT = f"tessel reads at most {MAX_YAML_VALUES} from a YAML file"

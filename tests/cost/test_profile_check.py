@@ -80,7 +80,7 @@ def test_a_scaled_profile_of_the_model_matches_it() -> None:
     scaled = scaled_shape(profile_shape(model), 4)
     assert scaled == {"hidden_size": 1024, "intermediate_size": 3584, "num_heads": 8, "num_kv_heads": 2,
                       "head_dim": 128}  # fmt: skip
-    from tessel.models.profiler import LayerShape  # what `tessel profile --scale` times
+    from tessel.profiling.layer import LayerShape  # what `tessel profile --scale` times
 
     for name in ("llama-3-8b", "qwen2.5-7b", "mistral-7b", "llama-2-70b"):
         shape = profile_shape(load_model(name))

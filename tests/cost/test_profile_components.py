@@ -19,7 +19,7 @@ from tessel.cost.fit import fit_component
 from tessel.cost.link import LinkSpec
 from tessel.cost.profile import ComponentFit, DecodeFit, PrefillFit, Profile, load_profile
 from tessel.errors import TesselError
-from tessel.models.component_profiler import transports_for
+from tessel.profiling.components import transports_for
 from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
 from tessel.sim.requests import Request
 

@@ -252,10 +252,10 @@ def test_a_failed_capture_falls_back_to_eager_on_the_cpu(
 def test_any_device_string_is_a_device_or_a_named_refusal(text: str) -> None:
     """Whatever a user types for --device: the CPU, a CUDA GPU this PyTorch sees, or a TesselError
     that names the value; never another exception."""
-    from tessel.engine.engine_config import check_device
+    from tessel.engine.engine_config import parse_device
 
     try:
-        device = check_device(text)
+        device = parse_device(text)
     except TesselError as error:
         assert repr(text) in str(error)
         return

@@ -20,6 +20,7 @@ from tessel.engine.step_plan import GraphFamily, StepMode, StepPlan, graph_famil
 from tessel.kernels import cpu_compile
 from tessel.layers import buckets
 from tessel.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from tessel.models.llama import StepInputs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 needs_compiler = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler")
@@ -103,7 +104,7 @@ def test_a_failed_graph_is_recorded_and_its_later_steps_run_eager(mode: StepMode
     failing = _Graph(None)
     plan = StepPlan(cpu_graph=failing) if mode is CPU_G else StepPlan(cuda_graphs=failing)
     meta = _meta(3)
-    assert plan.mode(meta) is mode and plan.run(mode, None, torch.zeros(3), meta) is None
+    assert plan.mode(meta) is mode and plan.run(mode, StepInputs(torch.zeros(3), meta)) is None
     assert plan.failed == {mode} and failing.calls == 1
     assert plan.mode(meta) is EAGER and plan.mode(_meta(1)) is EAGER  # every row count
 
@@ -203,8 +204,11 @@ def test_each_site_keeps_its_ladder() -> None:
     assert cpu_graph.bucket_rows is buckets.bucket_rows and buckets.BUCKET_STEP == 16
     rows = range(1, 700)
     assert [buckets.bucket_rows(n) for n in rows] == [_old_cpu_graph_bucket(n) for n in rows]
-    assert dense.bucket_rows.keywords == {"step": buckets.PACKED_ROWS_STEP} and buckets.PACKED_ROWS_STEP == 32
-    packed = [dense.bucket_rows(n) for n in range(1, TILE_ROWS + 1)]
+    assert (
+        dense.packed_bucket_rows.keywords == {"step": buckets.PACKED_ROWS_STEP}
+        and buckets.PACKED_ROWS_STEP == 32
+    )
+    packed = [dense.packed_bucket_rows(n) for n in range(1, TILE_ROWS + 1)]
     assert packed == [_old_packed_bucket(n) for n in range(1, TILE_ROWS + 1)]
     assert cuda_graph.row_buckets is buckets.row_buckets
     for max_rows in range(1, 130):

@@ -15,7 +15,7 @@ from tessel.layers.linear import (
     W8A8Linear,
     W8A16Linear,
     packed_linear,
-    quantize_weight,
+    quantize_int8_weight,
     tune_linears,
     tune_rows,
     tuned_kernel,
@@ -23,7 +23,7 @@ from tessel.layers.linear import (
 
 
 def int8_layer(cls, n: int, k: int, bias: bool = False):
-    weight, scale = quantize_weight(torch.randn(n, k))
+    weight, scale = quantize_int8_weight(torch.randn(n, k))
     return cls(weight, scale, torch.randn(n) if bias else None)
 
 

@@ -10,8 +10,8 @@ from tessel.layers.embedding import LMHead
 from tessel.layers.linear import (
     TILE_ROWS,
     Linear,
-    bucket_rows,
     pack_linears,
+    packed_bucket_rows,
     packed_linear,
     packing_available,
 )
@@ -34,9 +34,11 @@ def test_packed_linear_matches_float64(rows, in_features, out_features, bias) ->
 
 
 def test_row_buckets_cover_every_count_with_few_shapes() -> None:
-    buckets = [bucket_rows(n) for n in range(1, TILE_ROWS + 1)]
+    buckets = [packed_bucket_rows(n) for n in range(1, TILE_ROWS + 1)]
     assert all(n <= b <= TILE_ROWS for n, b in zip(range(1, TILE_ROWS + 1), buckets, strict=True))
-    assert buckets[:33] == sorted(buckets[:33]) and bucket_rows(32) == 32 and bucket_rows(31) == 32
+    assert (
+        buckets[:33] == sorted(buckets[:33]) and packed_bucket_rows(32) == 32 and packed_bucket_rows(31) == 32
+    )
     assert len(set(buckets)) <= 13
 
 

@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tessel.cost.profile import load_profile  # noqa: E402
-from tessel.models import component_profiler as C  # noqa: E402
-from tessel.models.profiler import LayerShape, ProfileSettings, _Layer, make_clock, profile_layer  # noqa: E402
+from tessel.profiling import components as C  # noqa: E402
+from tessel.profiling.layer import LayerShape, ProfileSettings, _Layer, profile_layer  # noqa: E402
+from tessel.profiling.timing import make_clock  # noqa: E402
 
 FAST = ProfileSettings(repeats=1, warmup=0, min_point_s=0.0, budget_s=0.2, max_chunk_tokens=64,
                        max_offset_tokens=256, max_decode_batch=4, max_decode_context=256)  # fmt: skip
@@ -67,7 +68,7 @@ def test_the_step_is_timed_on_the_engine_the_decode_points_model() -> None:
     prepared for the graph); every other profile on an eager one."""
     from types import SimpleNamespace
 
-    from tessel.models.component_profiler import step_engine_eager
+    from tessel.profiling.components import step_engine_eager
 
     assert not step_engine_eager(SimpleNamespace(device="cuda", cuda_graphs=True))
     assert step_engine_eager(SimpleNamespace(device="cuda", cuda_graphs=False))
@@ -79,7 +80,7 @@ def test_model_calls_are_timed_apart_and_put_back() -> None:
     clock: 1 s per read pair), and `restore` puts the runner's own methods back."""
     from types import SimpleNamespace
 
-    from tessel.models.component_profiler import time_model_calls
+    from tessel.profiling.components import time_model_calls
 
     forward, sample = (lambda *a: "h"), (lambda *a: "t")
     runner = SimpleNamespace(_forward=forward, sample_hidden=sample)

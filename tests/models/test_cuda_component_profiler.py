@@ -8,8 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tessel.models import component_profiler as C  # noqa: E402
-from tessel.models.profiler import ProfileSettings, make_clock  # noqa: E402
+from tessel.profiling import components as C  # noqa: E402
+from tessel.profiling.layer import ProfileSettings  # noqa: E402
+from tessel.profiling.timing import make_clock  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = ProfileSettings(device="cuda", dtype="fp16", repeats=2, warmup=1, min_point_s=0.0)

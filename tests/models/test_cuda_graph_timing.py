@@ -1,4 +1,4 @@
-"""Decode points timed as replayed CUDA graphs (`tessel.models.cuda_graph_timing`): the replay does
+"""Decode points timed as replayed CUDA graphs (`tessel.profiling.cuda_graph_timing`): the replay does
 the step's work, and the layer profile takes it. The CUDA tests are skipped without a GPU
 (benchmarks/gpu_checks.sh runs them); the choice between eager and replay is checked everywhere."""
 
@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tessel.models.cuda_graph_timing import decode_step  # noqa: E402
-from tessel.models.profiler import LayerShape, ProfileSettings, measure_layer  # noqa: E402
+from tessel.profiling.cuda_graph_timing import decode_step  # noqa: E402
+from tessel.profiling.layer import LayerShape, ProfileSettings, measure_layer  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,4 +1,4 @@
-"""Device microbenchmarks (tessel.models.device_bench): their logic on CPU, the CPU measured for real
+"""Device microbenchmarks (tessel.profiling.device_bench): their logic on CPU, the CPU measured for real
 (figures only checked for sense: this machine is shared), and the CUDA choices without a GPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.models.device_bench import (
+from tessel.profiling.device_bench import (
     CPU_SETTINGS,
     CUDA_SETTINGS,
     BenchSettings,

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 
 from fake_clock import FakeTime  # noqa: E402
 from tessel.deadline import Deadline  # noqa: E402
-from tessel.models import component_profiler as C  # noqa: E402
-from tessel.models import profiler as P  # noqa: E402
-from tessel.models.profiler import LayerShape, ProfileSettings, profile_layer  # noqa: E402
+from tessel.profiling import components as C  # noqa: E402
+from tessel.profiling import layer as P  # noqa: E402
+from tessel.profiling.layer import LayerShape, ProfileSettings, profile_layer  # noqa: E402
 
 SMALL = {"max_chunk_tokens": 64, "max_offset_tokens": 256, "max_decode_batch": 4, "max_decode_context": 256}
 PASSED = 0.0  # seconds: a deadline that has passed when the loop starts

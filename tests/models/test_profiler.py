@@ -15,7 +15,7 @@ from tessel.cost.profile import PREFILL_BATCH, load_profile  # noqa: E402
 from tessel.errors import TesselError  # noqa: E402
 from tessel.layers.linear import Linear  # noqa: E402
 from tessel.models.llama import LlamaDecoderLayer  # noqa: E402
-from tessel.models.profiler import (  # noqa: E402
+from tessel.profiling.layer import (  # noqa: E402
     LayerShape,
     ProfileSettings,
     _Layer,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from tessel.cost.fit import row_anchors
-from tessel.models.component_profiler import HEAD_ROWS, clean_statistic
-from tessel.models.profiler import ProfileSettings, choose_points, decode_anchor_points, decode_grid
+from tessel.profiling.components import HEAD_ROWS, clean_statistic
+from tessel.profiling.layer import ProfileSettings, choose_points, decode_anchor_points, decode_grid
 
 
 def test_decode_grid_straddles_tile_edges_at_two_contexts() -> None:

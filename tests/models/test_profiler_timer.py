@@ -1,4 +1,4 @@
-"""The one timer (`tessel.models.profiler.time_runs`, `make_clock`) the profiler and the benchmarks
+"""The one timer (`tessel.profiling.layer.time_runs`, `make_clock`) the profiler and the benchmarks
 share: warm-up rounds, interleaved timed rounds, more runs for cheap calls, the deadline that stops
 them, the clocks."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from fake_clock import FakeTime
 from tessel.errors import TesselError
-from tessel.models.profiler import make_clock, time_runs
+from tessel.profiling.timing import make_clock, time_runs
 
 
 def test_warm_up_then_interleaved_rounds() -> None:

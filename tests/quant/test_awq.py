@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tessel.models.quantized.schemes import make_scheme, quantize_weight
-from tessel.quant.awq import ALPHA_GRID, awq_group, awq_scales, best_awq_alpha
+from tessel.quant.awq import AWQ_ALPHA_GRID, awq_group, awq_scales, best_awq_alpha
 from tessel.quant.smoothquant import InputRecorder, SmoothGroup, llama_smooth_groups
 
 
@@ -33,7 +33,7 @@ def _group(n: int, k: int, seed: int) -> SmoothGroup:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.floats(0, 1e3), min_size=2, max_size=40), st.sampled_from(ALPHA_GRID + (1.0,)))
+@given(st.lists(st.floats(0, 1e3), min_size=2, max_size=40), st.sampled_from(AWQ_ALPHA_GRID + (1.0,)))
 def test_scales_follow_the_published_formula(mean_abs, alpha):
     m = torch.tensor(mean_abs, dtype=torch.float64)
     s = m.clamp(min=1e-4) ** alpha
@@ -50,13 +50,13 @@ def test_alpha_is_the_grid_point_of_least_output_error(n, k, group):
     rows = _salient_rows(200, k, seed=k)
     weight = torch.cat([lin.weight.detach() for lin in grp.linears]).double()
     errors = []
-    for alpha in ALPHA_GRID:
+    for alpha in AWQ_ALPHA_GRID:
         s32 = awq_scales(rows.abs().mean(0), alpha)  # the formula is held to the paper above
         s = s32.double()
         q = quantize_weight(weight.float() * s32, scheme).dequantize().double()
         errors.append(float(((rows.double() / s) @ q.T - rows.double() @ weight.T).pow(2).sum()))
     got = best_awq_alpha(grp, rows, scheme)
-    assert errors[ALPHA_GRID.index(got)] <= min(errors) * (1 + 1e-5)
+    assert errors[AWQ_ALPHA_GRID.index(got)] <= min(errors) * (1 + 1e-5)
 
 
 def test_scaling_beats_plain_rounding_on_held_out_rows():
@@ -100,7 +100,7 @@ def test_folding_keeps_the_model_function(tiny_llama):
     for h in handles:
         h.remove()
     alphas = [awq_group(g, recorders[g.name], scheme) for g in groups]
-    assert all(a in ALPHA_GRID for a in alphas)
+    assert all(a in AWQ_ALPHA_GRID for a in alphas)
     with torch.no_grad():
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))

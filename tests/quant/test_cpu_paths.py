@@ -193,7 +193,7 @@ def test_env_override_forces_a_path(monkeypatch) -> None:
 
 
 def test_this_machine_reads_its_flags() -> None:
-    info = cpu_features.describe()
+    info = cpu_features.cpu_summary()
     assert info["int8_path"] in INT8_PATHS
     if "avx512_vnni" in cpu_features.cpu_flags() and not cpu_features.os.environ.get(ENV_OVERRIDE):
         amx = "amx_int8" in cpu_features.cpu_flags() or not cpu_features.fbgemm_available()

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import make_observer
 from tessel.models.quantized.schemes import make_scheme, quantize_weight
-from tessel.quant.gptq import PERCDAMP, HessianAccumulator, gptq_quantize
+from tessel.quant.gptq import PERCDAMP, GPTQOptions, HessianAccumulator, gptq_quantize
+from tessel.quant.observers import make_observer
 
 
 def _scale(columns: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +102,9 @@ def test_fast_gptq_gives_the_codes_of_the_slow_published_algorithm(
         pytest.importorskip("compressed_tensors")
     scheme = make_scheme(scheme_name, group_size=group, symmetric=symmetric)
     weight, hessian, _ = _problem(seed=7, n=12, k=48)
-    fast = gptq_quantize(weight, hessian, scheme, act_order=act_order, block=block, static_groups=static)
+    fast = gptq_quantize(
+        weight, hessian, scheme, GPTQOptions(act_order=act_order, block=block, static_groups=static)
+    )
     codes, scales, zeros = _slow_gptq(weight, hessian, scheme, act_order, static)
     assert torch.equal(fast.q, codes)
     torch.testing.assert_close(fast.scale.double(), scales, rtol=1e-5, atol=0)
@@ -123,7 +125,7 @@ def test_gptq_reconstructs_the_layer_output_better_than_round_to_nearest(scheme_
 
     rtn = error(quantize_weight(weight.float(), scheme))
     assert error(gptq_quantize(weight, hessian, scheme)) < 0.7 * rtn
-    assert error(gptq_quantize(weight, hessian, scheme, act_order=True)) < 0.7 * rtn
+    assert error(gptq_quantize(weight, hessian, scheme, GPTQOptions(act_order=True))) < 0.7 * rtn
 
 
 def test_hessian_accumulates_the_mean_over_batches():
@@ -163,7 +165,8 @@ def test_any_weight_and_hessian_give_codes_in_range_or_a_tessel_error(
         acc.add(x)
     weight = torch.randn(n, k, generator=gen) * scale
     try:
-        out = gptq_quantize(weight, acc.hessian, make_scheme("w4a16", group_size=group), act_order=act_order)
+        scheme = make_scheme("w4a16", group_size=group)
+        out = gptq_quantize(weight, acc.hessian, scheme, GPTQOptions(act_order=act_order))
     except TesselError as error:
         assert "Hessian" in str(error)
         return

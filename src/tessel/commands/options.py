@@ -3,21 +3,27 @@
 A bad value is a usage error: exit code 2 and a message naming the option. Every float option is a
 `float_option`: both bounds in --help, NaN and inf refused as such, a value below the floor refused
 naming it (and why it is there). Int ranges are typer's own `min=` / `max=`; choices are `Literal`
-types.
+types. Options that several commands take together are an `OptionGroup` (the host KV cache here, the
+remap decision in `remap_options`): a command declares the group as one parameter and gets one value.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 
 from tessel.dtypes import PLAN_DTYPE_HELP, RUNTIME_DTYPE_HELP, parse_dtype, runtime_dtype_name
 from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
 from tessel.errors import TesselError
+from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.plan.files.cluster import MAX_LINK_GBPS
 from tessel.plan.files.plan_parts import MIN_EMULATE_HOST_GBPS
 
@@ -46,6 +52,17 @@ def float_option(  # noqa: ANN201 (typer's OptionInfo)
         help=help,
         hidden=hidden,
     )
+
+
+def optional_float(  # noqa: ANN201 (typer's OptionInfo)
+    *names: str,
+    low: float,
+    high: float,
+    help: str,
+    floor_reason: str = "",  # noqa: A002
+):
+    """A number in [low, high] (a `float_option`), or None: the command's default."""
+    return float_option(None, *names, low=low, high=high, help=help, floor_reason=floor_reason)
 
 
 def _float_in(low: float, high: float, floor_reason: str) -> Callable[[str | float], float]:
@@ -93,12 +110,12 @@ PREEMPTION_MODE_OPTION = typer.Option(
 )
 KV_FLOOR = "less holds no KV block"
 HEARTBEAT_FLOOR = "several heartbeats must fit in it"
-HOST_KV_CACHE_GIB_OPTION = float_option(
-    None, "--host-kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR,
+HOST_KV_CACHE_GIB_OPTION = optional_float(
+    "--host-kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR,
     help="Host memory for swapped KV blocks, GiB (default: as much as the KV cache, at most 4).",
 )  # fmt: skip
-EMULATE_HOST_GBPS_OPTION = float_option(
-    None, "--emulate-host-gbps", low=MIN_EMULATE_HOST_GBPS, high=MAX_LINK_GBPS,
+EMULATE_HOST_GBPS_OPTION = optional_float(
+    "--emulate-host-gbps", low=MIN_EMULATE_HOST_GBPS, high=MAX_LINK_GBPS,
     floor_reason="slower, each KV copy waits for hours",
     help="Emulation on a CPU-only machine: slow KV copies to and from host memory to this bandwidth, "
     "Gbit/s (a stand-in for a GPU's host link, never a GPU measurement).",
@@ -110,6 +127,35 @@ TEMPERATURE_OPTION = float_option(
     0.0, "--temperature", low=0.0, high=MAX_TEMPERATURE, help="0 is greedy; higher samples more freely."
 )
 TOP_P_OPTION = float_option(1.0, "--top-p", low=0.0, high=1.0, help="Nucleus sampling mass (1 = off).")
+TOP_K_OPTION = typer.Option(0, "--top-k", min=-1, help="Sample among the k most likely tokens (0 = off).")
+MAX_TOKENS_OPTION = typer.Option(64, "--max-tokens", min=1, help="Most tokens to generate per prompt.")
+SEED_OPTION = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
+IGNORE_EOS_OPTION = typer.Option(
+    False, "--ignore-eos/--no-ignore-eos", help="Keep generating past the end-of-sequence token."
+)
+# The engine's sizes, as `tessel generate`, `serve` and `launch` take them
+MAX_NUM_SEQS_OPTION = typer.Option(None, "--max-num-seqs", min=1, help="Most sequences batched in one step.")
+MAX_MODEL_LEN_OPTION = typer.Option(
+    None, "--max-model-len", min=2, help="Longest prompt + completion, in tokens."
+)
+
+
+def kv_cache_gib_option(help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
+    """--kv-cache-gib: the paged KV cache's size in GiB, or None (the engine sizes it)."""
+    return optional_float(
+        "--kv-cache-gib", low=MIN_KV_CACHE_GIB, high=MAX_KV_CACHE_GIB, floor_reason=KV_FLOOR, help=help
+    )
+
+
+def heartbeat_timeout_option(help: str):  # noqa: A002, ANN201 (typer's OptionInfo)
+    """--heartbeat-timeout: seconds a pipeline stage may stay silent, or None ($TESSEL_HEARTBEAT_TIMEOUT_S
+    or 30); `help` says what happens past it."""
+    return optional_float(
+        "--heartbeat-timeout", low=MIN_HEARTBEAT_TIMEOUT_S, high=MAX_HEARTBEAT_TIMEOUT_S,
+        floor_reason=HEARTBEAT_FLOOR, help=f"{help} (default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    )  # fmt: skip
+
+
 FORCE_PROFILE_OPTION = typer.Option(
     False,
     "--force-profile",
@@ -117,7 +163,7 @@ FORCE_PROFILE_OPTION = typer.Option(
     "(a warning lists what differs); without it such a profile is refused.",
 )
 
-# Where a plan's other stages run (tessel.pipeline.executor.spawn_pipeline; the CLI may not import torch)
+# Where a plan's other stages run (tessel.pipeline.spawn.spawn_pipeline; the CLI may not import torch)
 ExecutorKind = Literal["local", "ray"]
 EXECUTOR_OPTION = typer.Option(
     "local",
@@ -224,6 +270,39 @@ def optional_count(*names: str, limit: int, help: str | None = None, hidden: boo
     return typer.Option(None, *names, min=1, max=limit, help=help, hidden=hidden)
 
 
+@dataclass(frozen=True, slots=True)
+class OptionGroup:
+    """Options several commands take together, declared once: parameter name -> (its type, its typer
+    option). A command declares the group as one parameter whose default is the group and is decorated
+    `with_option_groups`; it then gets `collect(**the options' values)` in that parameter."""
+
+    options: dict[str, tuple[Any, Any]]
+    collect: Callable[..., Any]
+
+
+def with_option_groups(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` as typer reads it: each parameter whose default is an `OptionGroup` spelled out in its
+    place as the group's options (same --help order); called, it collects them back into that parameter."""
+    signature = inspect.signature(command)
+    hints = typing.get_type_hints(command)
+    params = signature.parameters
+    groups = {name: p.default for name, p in params.items() if isinstance(p.default, OptionGroup)}
+    spelled = []
+    for name, param in params.items():
+        options = groups[name].options.items() if name in groups else [(name, (hints[name], param.default))]
+        spelled += [inspect.Parameter(n, param.kind, default=o, annotation=t) for n, (t, o) in options]
+
+    @functools.wraps(command)
+    def run(**values: Any) -> None:
+        for name, group in groups.items():
+            values[name] = group.collect(**{option: values.pop(option) for option in group.options})
+        command(**values)
+
+    run.__signature__ = signature.replace(parameters=spelled)
+    run.__annotations__ = {p.name: p.annotation for p in spelled} | {"return": None}
+    return run
+
+
 def host_kv_options(
     preemption_mode: str, host_kv_cache_gib: float | None, emulate_host_gbps: float | None
 ) -> dict[str, object]:
@@ -231,3 +310,14 @@ def host_kv_options(
     the ones left out are not in the dict."""
     options = {"host_kv_cache_gib": host_kv_cache_gib, "emulate_host_gbps": emulate_host_gbps}
     return {"preemption_mode": preemption_mode} | {k: v for k, v in options.items() if v is not None}
+
+
+# --preemption-mode, --host-kv-cache-gib, --emulate-host-gbps -> the engine's preemption settings
+HOST_KV_OPTIONS = OptionGroup(
+    {
+        "preemption_mode": (PreemptionMode, PREEMPTION_MODE_OPTION),
+        "host_kv_cache_gib": (float | None, HOST_KV_CACHE_GIB_OPTION),
+        "emulate_host_gbps": (float | None, EMULATE_HOST_GBPS_OPTION),
+    },
+    host_kv_options,
+)

@@ -16,6 +16,7 @@ from tessel.commands.options import (
     FORCE_PROFILE_OPTION,
     float_option,
     input_file,
+    optional_float,
     output_file,
     plan_dtype_option,
 )
@@ -45,8 +46,7 @@ def plan(
         "their measured links (`tessel probe --ray`), or 'local': this machine's GPUs and CPU "
         "(what `tessel probe` finds).",
     ),
-    gpu_memory_gib: float | None = float_option(
-        None,
+    gpu_memory_gib: float | None = optional_float(
         "--gpu-memory-gib",
         low=0.01,
         high=2.0**20,
@@ -115,15 +115,13 @@ def plan(
         help="Weight precisions a layer may take, e.g. fp16,int8,int4 (int8 = W8A8, int4 = W4A16); "
         "the planner picks one per layer. Default: --dtype for every layer.",
     ),
-    quality_budget: float | None = float_option(
-        None,
+    quality_budget: float | None = optional_float(
         "--quality-budget",
         low=0.0,
         high=MAX_QUALITY_BUDGET,
         help="Most total quality cost the precisions may have (docs/planner.md).",
     ),
-    theta: float | None = float_option(
-        None,
+    theta: float | None = optional_float(
         "--theta",
         low=0.0,
         high=MAX_THETA,

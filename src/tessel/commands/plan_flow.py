@@ -56,35 +56,28 @@ def print_comparison(console, choice) -> None:
     )
 
 
+def path_pipeline(instance, plan, path):  # noqa: ANN001, ANN201
+    """A flow path as a pipeline of its own: (its sub-instance, the evaluation of its stages there)."""
+    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
+    from tessel.plan.solution import Solution, Stage, evaluate
+
+    sub = with_micro_batches(gpu_memory_only(subset(instance, path.devices)), path.micro_batches)
+    local = Solution(tuple(Stage(i, plan.stage_of(d).unit_start, plan.stage_of(d).unit_end)
+                           for i, d in enumerate(path.devices)))  # fmt: skip
+    return sub, evaluate(sub, local)
+
+
 def write_and_export(console, problem, choice, settings, json_path: Path | None, export: str | None) -> None:
     from tessel.plan.report import flow_json, plan_json
     from tessel.plan.solvers.baselines import run_baselines
 
-    instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
-    b = workload_spec.micro_batch_size
+    instance, cluster_spec = problem.instance, problem.cluster
     plan = choice.flow
-    paths, flow = flow_json(instance, plan, cluster_spec, b)
-    in_flight = plan.micro_batches
-    if in_flight > workload_spec.micro_batches:
-        workload_spec = workload_spec.model_copy(
-            update={
-                "batch_size": in_flight * b,
-                "arrival_rate_per_s": None,
-                "latency_estimate_s": None,
-                "max_micro_batch": in_flight,
-            }
-        )
+    paths, flow = flow_json(instance, plan, cluster_spec, problem.workload.micro_batch_size)
+    workload_spec = problem.workload.with_in_flight(plan.micro_batches)
     if json_path is not None:
-        from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
-        from tessel.plan.solution import Solution, Stage, evaluate
-
-        first = plan.paths[0]
-        sub = with_micro_batches(gpu_memory_only(subset(instance, first.devices)), first.micro_batches)
-        local = Solution(tuple(Stage(i, plan.stage_of(d).unit_start, plan.stage_of(d).unit_end)
-                               for i, d in enumerate(first.devices)))  # fmt: skip
         plan_file = plan_json(
-            sub,
-            evaluate(sub, local),
+            *path_pipeline(instance, plan, plan.paths[0]),
             model=problem.model,
             cluster=cluster_spec,
             cluster_source=problem.cluster_source,
@@ -110,29 +103,14 @@ def write_and_export(console, problem, choice, settings, json_path: Path | None,
 
 
 def _export_vllm(console, problem, plan, settings, workload_spec) -> None:
-    from tessel.plan.files.export_vllm import closest_disjoint_paths, export_vllm
-    from tessel.plan.instance import gpu_memory_only, subset, with_micro_batches
-    from tessel.plan.solution import Solution, Stage, evaluate
+    from tessel.commands.render.plan import print_vllm_replica
+    from tessel.plan.files.export_vllm import closest_disjoint_paths
 
-    instance = problem.instance
     taken, weights, warnings = closest_disjoint_paths(plan)
     for warning in warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
     for index, weight in zip(taken, weights, strict=True):
-        path = plan.paths[index]
-        sub = with_micro_batches(gpu_memory_only(subset(instance, path.devices)), path.micro_batches)
-        local = Solution(tuple(Stage(i, plan.stage_of(d).unit_start, plan.stage_of(d).unit_end)
-                               for i, d in enumerate(path.devices)))  # fmt: skip
-        exported = export_vllm(
-            sub,
-            evaluate(sub, local),
-            model=problem.model,
-            dtype=settings.dtype,
-            kv_dtype=settings.kv_dtype,
-            max_model_len=workload_spec.max_kv_tokens,
-        )
-        console.print(f"vLLM replica for path {index} (load-balancer weight {weight:.3f}):")
-        typer.echo(exported.command)
-        for warning in exported.warnings:
-            console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+        title = f"vLLM replica for path {index} (load-balancer weight {weight:.3f}):"
+        sub, evaluation = path_pipeline(problem.instance, plan, plan.paths[index])
+        print_vllm_replica(console, title, sub, evaluation, problem, settings, workload_spec)
     typer.echo("load-balancer weights: " + ",".join(f"{w:.4f}" for w in weights))

@@ -111,16 +111,7 @@ def plan_replicas(
         f"{instance.micro_batches} micro-batches: {chosen.single_tok_s:.1f} tok/s "
         f"(the plan above is never less)"
     )
-    in_flight = sum(r.micro_batches for r in chosen.replicas)
-    if in_flight > workload_spec.micro_batches:  # memory concurrency: the plan file's m is the total
-        workload_spec = workload_spec.model_copy(
-            update={
-                "batch_size": in_flight * b,
-                "arrival_rate_per_s": None,
-                "latency_estimate_s": None,
-                "max_micro_batch": in_flight,
-            }
-        )
+    workload_spec = workload_spec.with_in_flight(sum(r.micro_batches for r in chosen.replicas))
     first = chosen.replicas[0]
     if json_path is not None:
         plan_file = plan_json(
@@ -146,21 +137,12 @@ def plan_replicas(
         plan_file.write(json_path)
         console.print(f"wrote {json_path}")
     if export == "vllm":
-        from tessel.plan.files.export_vllm import export_vllm
+        from tessel.commands.render.plan import print_vllm_replica
 
         for index, replica in enumerate(chosen.replicas):
-            exported = export_vllm(
-                replica.instance,
-                replica.result.evaluation,
-                model=problem.model,
-                dtype=settings.dtype,
-                kv_dtype=settings.kv_dtype,
-                max_model_len=workload_spec.max_kv_tokens,
-            )
-            console.print(f"vLLM replica {index} (load-balancer weight {replica.weight:.3f}):")
-            typer.echo(exported.command)
-            for warning in exported.warnings:
-                console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+            title = f"vLLM replica {index} (load-balancer weight {replica.weight:.3f}):"
+            evaluation = replica.result.evaluation
+            print_vllm_replica(console, title, replica.instance, evaluation, problem, settings, workload_spec)
         weights = ",".join(f"{replica.weight:.4f}" for replica in chosen.replicas)
         typer.echo(f"load-balancer weights (replica 0..{len(chosen.replicas) - 1}): {weights}")
     return chosen

@@ -6,10 +6,11 @@
     torchrun --nnodes 2 --nproc-per-node 1 ... -m tessel.cli probe --out c.yaml   # measures the network
 
 Discovery is `tessel.catalog.local_machine` (GPUs, topology, CPU), measurement
-`tessel.models.device_bench` (needs torch; `--no-measure` skips it), joining `tessel.plan.files.cluster_merge`
-and the network under torchrun `tessel.pipeline.comm.link_bench`. `tessel plan --cluster local` plans on
-the same cluster without writing it. The cluster file keeps the datasheet vocabulary (types, counts,
-nvlink / pcie); what was measured goes into its comments and the profile JSON.
+`tessel.profiling.device_bench` (needs torch; `--no-measure` skips it), joining
+`tessel.plan.files.cluster_merge` and the network under torchrun `tessel.pipeline.comm.link_bench`.
+`tessel plan --cluster local` plans on the same cluster without writing it. The cluster file keeps
+the datasheet vocabulary (types, counts, nvlink / pcie); what was measured goes into its comments and
+the profile JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import typer
 
-from tessel.commands.options import RAY_ADDRESS_OPTION, float_option, output_file
+from tessel.commands.options import RAY_ADDRESS_OPTION, optional_float, output_file
 from tessel.errors import TesselError
 from tessel.plan.files.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
 from tessel.units import GIB
@@ -49,15 +50,13 @@ def probe(
     merge: bool = typer.Option(
         False, "--merge", help="Join the cluster files FILES into one cluster (one node per machine)."
     ),
-    network_gbps: float | None = float_option(
-        None,
+    network_gbps: float | None = optional_float(
         "--network-gbps",
         low=MIN_NETWORK_GBPS,
         high=MAX_LINK_GBPS,
         help="With --merge: the link between machines, Gb/s.",
     ),
-    network_latency_us: float | None = float_option(
-        None,
+    network_latency_us: float | None = optional_float(
         "--network-latency-us",
         low=0.0,
         high=MAX_LINK_LATENCY_US,
@@ -182,7 +181,7 @@ def measure_devices(machine) -> tuple[list, list[str]]:  # noqa: ANN001 (LocalMa
     try:
         import torch
 
-        from tessel.models.device_bench import measure_device
+        from tessel.profiling.device_bench import measure_device
     except ImportError as error:
         return [], [f"not measured: {error.name or 'torch'} is not installed (pip install 'tessel[runtime]')"]
     from tessel.commands.progress import step_progress
@@ -251,7 +250,7 @@ def profile_json(machine, cluster: dict, speeds: list, notes: list[str]) -> dict
 
     nccl = None
     try:
-        from tessel.models.device_bench import nccl_version
+        from tessel.profiling.device_bench import nccl_version
 
         nccl = nccl_version()
     except ImportError:

@@ -85,8 +85,8 @@ def profile(
 
     from tessel.commands.render.profile import print_profile
     from tessel.files import check_output_path, write_json_file
-    from tessel.models.component_profiler import transports_for
-    from tessel.models.profiler import ProfileSettings, profile_layer
+    from tessel.profiling.components import transports_for
+    from tessel.profiling.layer import ProfileSettings, profile_layer
 
     out, option = _json_path(json_path, out)
     check_output_path(out, option, inputs=(model,))  # before the timing runs, not after
@@ -152,8 +152,8 @@ def _layer_shape(model: str, tiny_shape: str | None, scale: int | None, device: 
     """(LayerShape, meta, EndsShape or None, checkpoint directory or None) of `--tiny-shape` (the
     layer alone: no other component), or of the model's layer divided by `--scale` (its embedding
     and LM head at the scaled width)."""
-    from tessel.models.component_profiler import EndsShape
-    from tessel.models.profiler import LayerShape, parse_tiny_shape
+    from tessel.profiling.components import EndsShape
+    from tessel.profiling.layer import LayerShape, parse_tiny_shape
 
     if tiny_shape is not None:
         shape = parse_tiny_shape(tiny_shape)

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-Progress = Callable[[str, int, int], None]
+from tessel.quant.progress import StepProgress
+
 LINE_STEPS = 10  # lines per step when stderr is not a terminal
 
 
 @contextmanager
-def step_progress(*, terminal: bool | None = None) -> Iterator[Progress]:
+def step_progress(*, terminal: bool | None = None) -> Iterator[StepProgress]:
     """A `progress(label, done, total)` callback for the body of the `with`."""
     if terminal is None:
         terminal = sys.stderr.isatty()
@@ -29,7 +30,7 @@ def step_progress(*, terminal: bool | None = None) -> Iterator[Progress]:
 
 
 @contextmanager
-def _bar() -> Iterator[Progress]:
+def _bar() -> Iterator[StepProgress]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

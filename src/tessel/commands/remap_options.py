@@ -1,14 +1,16 @@
 """The `--remap` options `tessel serve --plan` and `tessel simulate` share (one decision, one set of
 flags: `tessel.plan.remap.remap_decision.RemapSettings`, which refuses NaN and out-of-range values
-naming the flag, for the Python API too)."""
+naming the flag, for the Python API too): a command takes them as one parameter,
+`remap: RemapFlags = REMAP_OPTIONS`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import typer
 
-from tessel.commands.options import float_option
+from tessel.commands.options import OptionGroup, float_option
 from tessel.errors import TesselError
 from tessel.plan.remap.remap_decision import (
     MAX_HORIZON_S,
@@ -61,28 +63,17 @@ REMAP_CONFIRM_OPTION = typer.Option(
 )  # fmt: skip
 
 
-def remap_settings(
-    mode: str,
-    threshold: float,
-    horizon_s: float,
-    interval_s: float,
-    window_s: float,
-    min_slowdown: float,
-    cooldown_s: float,
-    confirm: int,
-) -> RemapSettings:
-    """The settings the flags give (refused naming the flag); with --remap off, no --remap-* flag may
-    differ from its default."""
-    settings = RemapSettings(
-        threshold=threshold,
-        horizon_s=horizon_s,
-        interval_s=interval_s,
-        window_s=window_s,
-        min_slowdown=min_slowdown,
-        cooldown_s=cooldown_s,
-        confirm=confirm,
-    )
-    if mode == "off":
+@dataclass(frozen=True, slots=True)
+class RemapFlags:
+    mode: RemapMode
+    settings: RemapSettings
+
+
+def remap_flags(remap: RemapMode, **flags: float) -> RemapFlags:
+    """The mode and settings the flags give: `--remap-X` is `RemapSettings.X` (refused naming the flag);
+    with --remap off, no --remap-* flag may differ from its default."""
+    settings = RemapSettings(**{name.removeprefix("remap_"): value for name, value in flags.items()})
+    if remap == "off":
         changed = [
             f"--remap-{name.replace('_', '-')}"
             for name in ("threshold", "horizon_s", "min_slowdown", "cooldown_s", "confirm")
@@ -90,4 +81,19 @@ def remap_settings(
         ]
         if changed:
             raise TesselError(f"{', '.join(changed)} set a remap decision; give --remap auto too")
-    return settings
+    return RemapFlags(remap, settings)
+
+
+REMAP_OPTIONS = OptionGroup(
+    {
+        "remap": (RemapMode, REMAP_OPTION),
+        "remap_threshold": (float, REMAP_THRESHOLD_OPTION),
+        "remap_horizon_s": (float, REMAP_HORIZON_OPTION),
+        "remap_interval_s": (float, REMAP_INTERVAL_OPTION),
+        "remap_window_s": (float, REMAP_WINDOW_OPTION),
+        "remap_min_slowdown": (float, REMAP_MIN_SLOWDOWN_OPTION),
+        "remap_cooldown_s": (float, REMAP_COOLDOWN_OPTION),
+        "remap_confirm": (int, REMAP_CONFIRM_OPTION),
+    },
+    remap_flags,
+)

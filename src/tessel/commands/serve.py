@@ -29,38 +29,24 @@ import typer
 from tessel.commands.embed import MATRYOSHKA_OPTION, EncoderServeOptions, is_encoder_dir, serve_encoder
 from tessel.commands.options import (
     DEVICE_OPTION,
-    EMULATE_HOST_GBPS_OPTION,
     ENFORCE_EAGER_OPTION,
     EXECUTOR_OPTION,
-    HEARTBEAT_FLOOR,
-    HOST_KV_CACHE_GIB_OPTION,
-    KV_FLOOR,
+    HOST_KV_OPTIONS,
     LM_HEAD_OPTION,
-    PREEMPTION_MODE_OPTION,
+    MAX_MODEL_LEN_OPTION,
+    MAX_NUM_SEQS_OPTION,
     RAY_ADDRESS_OPTION,
     ExecutorKind,
     LMHeadMode,
-    PreemptionMode,
     check_model_path,
     float_option,
-    host_kv_options,
+    heartbeat_timeout_option,
+    kv_cache_gib_option,
     runtime_dtype_option,
+    with_option_groups,
 )
-from tessel.commands.remap_options import (
-    REMAP_CONFIRM_OPTION,
-    REMAP_COOLDOWN_OPTION,
-    REMAP_HORIZON_OPTION,
-    REMAP_INTERVAL_OPTION,
-    REMAP_MIN_SLOWDOWN_OPTION,
-    REMAP_OPTION,
-    REMAP_THRESHOLD_OPTION,
-    REMAP_WINDOW_OPTION,
-    RemapMode,
-    remap_settings,
-)
-from tessel.engine.limits import MAX_KV_CACHE_GIB, MIN_KV_CACHE_GIB
+from tessel.commands.remap_options import REMAP_OPTIONS, RemapFlags
 from tessel.errors import TesselError
-from tessel.pipeline.supervision.heartbeat import MAX_HEARTBEAT_TIMEOUT_S, MIN_HEARTBEAT_TIMEOUT_S
 from tessel.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -92,20 +78,16 @@ def _options_argv(**options: object) -> list[str]:
     return argv
 
 
+@with_option_groups
 def serve(
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
     dtype: str = runtime_dtype_option(),
-    max_num_seqs: int | None = typer.Option(None, min=1, help="Most sequences batched in one step."),
-    max_model_len: int | None = typer.Option(None, min=2, help="Longest prompt + completion, in tokens."),
-    kv_cache_gib: float | None = float_option(
-        None,
-        "--kv-cache-gib",
-        low=MIN_KV_CACHE_GIB,
-        high=MAX_KV_CACHE_GIB,
-        floor_reason=KV_FLOOR,
-        help="Memory for the paged KV cache, in GiB (at most what the machine has free).",
+    max_num_seqs: int | None = MAX_NUM_SEQS_OPTION,
+    max_model_len: int | None = MAX_MODEL_LEN_OPTION,
+    kv_cache_gib: float | None = kv_cache_gib_option(
+        "Memory for the paged KV cache, in GiB (at most what the machine has free)."
     ),
     max_queue: int = typer.Option(
         DEFAULT_MAX_QUEUE, min=0, help="Requests that may wait beyond the running ones; more get HTTP 429."
@@ -147,30 +129,15 @@ def serve(
     ),
     executor: ExecutorKind = EXECUTOR_OPTION,
     ray_address: str | None = RAY_ADDRESS_OPTION,
-    heartbeat_timeout: float | None = float_option(
-        None,
-        "--heartbeat-timeout",
-        low=MIN_HEARTBEAT_TIMEOUT_S,
-        high=MAX_HEARTBEAT_TIMEOUT_S,
-        floor_reason=HEARTBEAT_FLOOR,
-        help="With --plan: seconds a stage may send no heartbeat before it counts as failed "
-        "(default: $TESSEL_HEARTBEAT_TIMEOUT_S or 30).",
+    heartbeat_timeout: float | None = heartbeat_timeout_option(
+        "With --plan: seconds a stage may send no heartbeat before it counts as failed"
     ),
-    remap: RemapMode = REMAP_OPTION,
-    remap_threshold: float = REMAP_THRESHOLD_OPTION,
-    remap_horizon_s: float = REMAP_HORIZON_OPTION,
-    remap_interval_s: float = REMAP_INTERVAL_OPTION,
-    remap_window_s: float = REMAP_WINDOW_OPTION,
-    remap_min_slowdown: float = REMAP_MIN_SLOWDOWN_OPTION,
-    remap_cooldown_s: float = REMAP_COOLDOWN_OPTION,
-    remap_confirm: int = REMAP_CONFIRM_OPTION,
+    remap: RemapFlags = REMAP_OPTIONS,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
     device: str = DEVICE_OPTION,
     matryoshka: bool = MATRYOSHKA_OPTION,
-    preemption_mode: PreemptionMode = PREEMPTION_MODE_OPTION,
-    host_kv_cache_gib: float | None = HOST_KV_CACHE_GIB_OPTION,
-    emulate_host_gbps: float | None = EMULATE_HOST_GBPS_OPTION,
+    host_kv: dict[str, object] = HOST_KV_OPTIONS,
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health;
     an encoder (BERT, sentence-transformers) serves /v1/embeddings."""
@@ -182,7 +149,6 @@ def serve(
         serve_encoder(model, options, limits, plan=plan)
         return
     check_model_path(model, "--model")
-    host_kv = host_kv_options(preemption_mode, host_kv_cache_gib, emulate_host_gbps)
     if replica is not None and plan is None:
         raise TesselError("--replica picks a pipeline of a --plan; give --plan too")
     if (executor != "local" or ray_address is not None) and plan is None:
@@ -198,11 +164,7 @@ def serve(
             f"--device {device} cannot be combined with --plan: each stage runs on the device its plan "
             "stage names (re-plan with `tessel plan --cluster local` for this machine's GPUs)"
         )
-    remap_config = remap_settings(
-        remap, remap_threshold, remap_horizon_s, remap_interval_s, remap_window_s, remap_min_slowdown,
-        remap_cooldown_s, remap_confirm,
-    )  # fmt: skip
-    if remap == "auto" and plan is None:
+    if remap.mode == "auto" and plan is None:
         raise TesselError("--remap auto re-plans the pipeline of a --plan; give --plan too")
 
     import uvicorn
@@ -232,9 +194,9 @@ def serve(
         from tessel.server.replica_router import RouterOptions, replica_specs, serve_replicas
 
         specs = replica_specs(plan)
-        if remap == "auto" and is_flow(load_run_plan(plan)):
+        if remap.mode == "auto" and is_flow(load_run_plan(plan)):
             raise TesselError("--remap auto re-plans one pipeline; a flow plan is served as planned")
-        if len(specs) > 1 and remap == "auto":
+        if len(specs) > 1 and remap.mode == "auto":
             raise TesselError("--remap auto remaps one pipeline; serve one replica (--replica K)")
         if len(specs) > 1:  # one server per replica, and a router in front of them
             timeout_s = heartbeat_timeout_s(heartbeat_timeout)
@@ -280,7 +242,9 @@ def serve(
         from tessel.pipeline.supervision.remap_watch import start_remap_watch
         from tessel.server.prometheus import RemapCollector
 
-        watch = start_remap_watch(async_engine, remap_config, remap, lambda line: typer.echo(line, err=True))
+        watch = start_remap_watch(
+            async_engine, remap.settings, remap.mode, lambda line: typer.echo(line, err=True)
+        )
         app.state.metrics.registry.register(RemapCollector(watch))  # measured beside predicted
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     try:

@@ -10,23 +10,13 @@ import typer
 
 from tessel.commands.options import (
     FORCE_PROFILE_OPTION,
-    float_option,
     input_file,
     optional_count,
+    optional_float,
     output_file,
+    with_option_groups,
 )
-from tessel.commands.remap_options import (
-    REMAP_CONFIRM_OPTION,
-    REMAP_COOLDOWN_OPTION,
-    REMAP_HORIZON_OPTION,
-    REMAP_INTERVAL_OPTION,
-    REMAP_MIN_SLOWDOWN_OPTION,
-    REMAP_OPTION,
-    REMAP_THRESHOLD_OPTION,
-    REMAP_WINDOW_OPTION,
-    RemapMode,
-    remap_settings,
-)
+from tessel.commands.remap_options import REMAP_OPTIONS, RemapFlags
 from tessel.plan.files.workload import MAX_ARRIVAL_RATE_PER_S
 from tessel.sim.api import MAX_BATCH_TOKENS, MAX_SEQUENCES
 from tessel.sim.measured import MeasuredComparison, compare_metrics
@@ -38,6 +28,7 @@ from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 MIN_RATE_PER_S = 1e-9
 
 
+@with_option_groups
 def simulate(
     plan: Path = input_file(..., "--plan", help="Plan JSON written by `tessel plan --json`."),
     workload: str = typer.Option(
@@ -47,16 +38,15 @@ def simulate(
         "--requests", limit=MAX_REQUESTS, help="Number of requests (default 200; a trace: its first N rows)."
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Seed of the arrivals and lengths."),
-    rate: float | None = float_option(
-        None,
+    rate: float | None = optional_float(
         "--rate",
         low=MIN_RATE_PER_S,
         high=MAX_ARRIVAL_RATE_PER_S,
         help="Override the workload's arrival rate (req/s).",
     ),
     gantt: Path | None = output_file(None, "--gantt", help="Write a Gantt chart of the plan (.png/.svg)."),
-    gantt_until_s: float | None = float_option(
-        None, "--gantt-until-s", low=0.0, high=1e12, help="Cut the chart at this time."
+    gantt_until_s: float | None = optional_float(
+        "--gantt-until-s", low=0.0, high=1e12, help="Cut the chart at this time."
     ),
     json_out: Path | None = output_file(None, "--json", help="Write all metrics as JSON."),
     compare: bool = typer.Option(False, "--compare", help="Also simulate the plan's feasible baselines."),
@@ -103,14 +93,7 @@ def simulate(
         [], "--profile", help="Profile JSON from `tessel profile` (repeatable)."
     ),
     force_profile: bool = FORCE_PROFILE_OPTION,
-    remap: RemapMode = REMAP_OPTION,
-    remap_threshold: float = REMAP_THRESHOLD_OPTION,
-    remap_horizon_s: float = REMAP_HORIZON_OPTION,
-    remap_interval_s: float = REMAP_INTERVAL_OPTION,
-    remap_window_s: float = REMAP_WINDOW_OPTION,
-    remap_min_slowdown: float = REMAP_MIN_SLOWDOWN_OPTION,
-    remap_cooldown_s: float = REMAP_COOLDOWN_OPTION,
-    remap_confirm: int = REMAP_CONFIRM_OPTION,
+    remap: RemapFlags = REMAP_OPTIONS,
     measured: Path | None = input_file(
         None,
         "--measured",
@@ -122,7 +105,12 @@ def simulate(
     --remap auto, the remap decision `tessel serve --remap auto` would take on the run."""
     from rich.console import Console
 
-    from tessel.commands.render.simulate import comparison_table, print_load, print_simulation, write_gantt
+    from tessel.commands.render.simulate import (
+        predicted_vs_measured_table,
+        print_load,
+        print_simulation,
+        write_gantt,
+    )
     from tessel.errors import TesselError
     from tessel.files import check_output_path, staged_file, write_json_file
     from tessel.sim.api import SimulationSettings, simulate_plan
@@ -143,14 +131,10 @@ def simulate(
         max_num_batched_tokens or max_batch_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_in_flight, enable_chunked_prefill, cpp, kv_limit, pinned, mix,
     )  # fmt: skip
-    remap_config = remap_settings(
-        remap, remap_threshold, remap_horizon_s, remap_interval_s, remap_window_s, remap_min_slowdown,
-        remap_cooldown_s, remap_confirm,
-    )  # fmt: skip
-    if remap == "auto":
+    if remap.mode == "auto":
         if measured is not None:
             raise TesselError("--remap auto decides on a simulated serving run; drop --measured")
-        settings = replace(settings, remap=remap_config)
+        settings = replace(settings, remap=remap.settings)
     console = Console()
     if measured is not None:
         given = {"--workload": workload != "default", "--requests": requests is not None, "--rate": rate,
@@ -160,7 +144,7 @@ def simulate(
             raise TesselError(f"--measured simulates the run's own requests; drop {', '.join(clashing)}")
         report, comparison = simulate_measured(plan, measured, mix, profile, force_profile)
         print_simulation(console, report)
-        console.print(comparison_table(comparison.rows, f"Predicted vs measured ({measured})"))
+        console.print(predicted_vs_measured_table(comparison.rows, f"Predicted vs measured ({measured})"))
         document = {**report.to_json(), "measured": comparison.to_json()}
     else:
         report = simulate_plan(plan, workload, settings, profiles=profile, force_profile=force_profile)

@@ -65,7 +65,7 @@ def expected_shape(profile: Profile, model_shape: dict[str, int]) -> dict[str, i
 
 def scaled_shape(shape: dict[str, int], factor: int) -> dict[str, int]:
     """A layer's width / factor, same head dim: fewer heads, KV heads >= 1 and dividing the heads (the
-    layer `tessel profile --scale` times, `tessel.models.profiler.LayerShape.scaled`)."""
+    layer `tessel profile --scale` times, `tessel.profiling.layer.LayerShape.scaled`)."""
     if factor <= 1:
         return dict(shape)
     heads = max(1, shape["num_heads"] // factor)

@@ -217,7 +217,7 @@ def unit_prefill_time_s(
 def prefill_shared_s(exact: Profile, gpu: GpuSpec) -> float:
     """Seconds of one layer's prefill that a pass pays once however many sequences it holds (each
     more sequence costs its own chunk's time less this): the intercept of the profile's
-    `prefill_batch` fit (passes of n sequences' chunks, `tessel.models.profiler`), or, for a profile
+    `prefill_batch` fit (passes of n sequences' chunks, `tessel.profiling.layer`), or, for a profile
     without one, the prefill fit's intercept a0."""
     batch = exact.components.get(PREFILL_BATCH)
     shared_s = batch.c0 if batch is not None else exact.prefill.a0

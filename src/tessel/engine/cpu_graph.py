@@ -72,7 +72,7 @@ from tessel.layers.buckets import bucket_rows
 from tessel.layers.embedding import VocabEmbedding
 from tessel.layers.linear import SplitLinear, linear_form, split_linear
 from tessel.layers.norm import RMSNorm
-from tessel.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tessel.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, StepInputs
 
 MIN_BUCKET_TOKENS = 64  # the smallest attention graph; shorter contexts are padded to it
 
@@ -283,9 +283,9 @@ class _Step:
 
 
 class CpuGraph:
-    """`graph(input_ids, positions, meta, stream=None)` -> the hidden states [rows, H] of a step of
-    decodes only (a pipeline stage before the last: the residual stream to send on; a stage after
-    the first starts from the `stream` it received), or None when compiling failed (a warning said
+    """`graph(step)` (a `StepInputs`) -> the hidden states [rows, H] of a step of decodes only (a
+    pipeline stage before the last: the residual stream to send on; a stage after the first starts
+    from the `stream` it received), or None when compiling failed (a warning said
     why, once; `tessel.engine.step_plan` records it and runs this step and the later ones eagerly)."""
 
     def __init__(
@@ -325,13 +325,8 @@ class CpuGraph:
         """Whether a decode step of `rows` runs as this graph (else eager: not worth compiling)."""
         return (rows == 1 and self.row_forms) or self.splits_a_linear or self.all_rows
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        stream: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    def __call__(self, step: StepInputs) -> torch.Tensor | None:
+        positions, meta, input_ids, stream = step.positions, step.meta, step.input_ids, step.stream
         rows = positions.shape[0]
         bucket = bucket_rows(rows)
         program = self._programs.get(bucket) or self._program(bucket)

@@ -37,7 +37,7 @@ import torch
 
 from tessel.layers.attention import AttentionMetadata, DecodeGroup
 from tessel.layers.buckets import capped_bucket, row_buckets
-from tessel.models.llama import LlamaForCausalLM
+from tessel.models.llama import LlamaForCausalLM, StepInputs
 
 
 @dataclass(slots=True)
@@ -117,22 +117,17 @@ class CudaGraphDecoder:
             and meta.decode_groups[0].block_tables.shape[1] <= self.inputs.block_tables.shape[1]
         )
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        stream: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    def __call__(self, step: StepInputs) -> torch.Tensor | None:
         """The hidden states (or the stream to send on) of a step that `fits`, from its token ids or
         the residual `stream` a later stage received; None where its bucket's capture failed (a
         warning said why; `failed` then holds it)."""
+        meta = step.meta
         rows = meta.num_decode_tokens
         bucket = self.bucket(rows)
         tables = meta.decode_groups[0].block_tables
         x = self.inputs
-        x.input_ids[:rows].copy_(stream if self.takes_stream else input_ids)
-        x.positions[:rows].copy_(positions)
+        x.input_ids[:rows].copy_(step.stream if self.takes_stream else step.input_ids)
+        x.positions[:rows].copy_(step.positions)
         x.slot_mapping[:rows].copy_(meta.slot_mapping)
         x.block_tables[:rows, : tables.shape[1]].copy_(tables)
         x.context_lens[:rows].copy_(meta.decode_groups[0].context_lens)
@@ -155,22 +150,22 @@ class CudaGraphDecoder:
         x.block_tables[start:end, 0].fill_(self.scratch_block)
         x.context_lens[start:end].fill_(1)
 
-    def _args(self, rows: int) -> tuple:
-        """The model's arguments for a bucket: views of the static buffers (new views each call, as
+    def _step(self, rows: int) -> StepInputs:
+        """The model's inputs for a bucket: views of the static buffers (new views each call, as
         the CPU rotary caches its tables by the positions tensor's identity)."""
         x = self.inputs
         group = DecodeGroup(0, rows, x.block_tables[:rows], x.context_lens[:rows])
         meta = AttentionMetadata(x.slot_mapping[:rows], num_decode_tokens=rows, decode_groups=[group])
         if self.takes_stream:
-            return None, x.positions[:rows], meta, x.input_ids[:rows]
-        return x.input_ids[:rows], x.positions[:rows], meta, None
+            return StepInputs(x.positions[:rows], meta, stream=x.input_ids[:rows])
+        return StepInputs(x.positions[:rows], meta, x.input_ids[:rows])
 
     def _capture(self, rows: int) -> tuple[Callable[[], object], torch.Tensor] | None:
         """Capture the bucket's graph on dummy rows (the step's own rows are put back after)."""
         saved = [t[:rows].clone() for t in self.inputs.tensors()]
         self._pad(0, rows)
         try:
-            captured = self._record(lambda: self.model(*self._args(rows)))
+            captured = self._record(lambda: self.model(self._step(rows)))
         except Exception as error:  # noqa: BLE001 (whatever failed, the step still runs, eagerly)
             self.failed = f"{type(error).__name__}: {error}"
             warnings.warn(

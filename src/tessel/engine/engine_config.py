@@ -56,10 +56,10 @@ class EngineConfig:
         check_preemption_mode(self.preemption_mode)
         self.host_kv_cache_gib = check_kv_cache_gib(self.host_kv_cache_gib, "host_kv_cache_gib")
         self.emulate_host_gbps = check_emulate_host_gbps(self.emulate_host_gbps, "emulate_host_gbps")
-        self.device = str(check_device(self.device))
+        self.device = str(parse_device(self.device))
 
 
-def check_device(device: str | torch.device) -> torch.device:
+def parse_device(device: str | torch.device) -> torch.device:
     """The torch device for `device`, refused with a reason unless it is the CPU or a CUDA GPU
     that this PyTorch build can see."""
     try:

@@ -27,7 +27,7 @@ from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 from tessel.layers.linear import pack_linears
 from tessel.layers.sampler import Sampler
-from tessel.models.llama import LlamaForCausalLM
+from tessel.models.llama import LlamaForCausalLM, StepInputs
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -250,7 +250,7 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(StepInputs(positions, meta, input_ids))
         seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
         scorings = prompt_scorings(batch)
         sampled = self.sample_hidden(hidden, sample_rows, seqs, [s for _, s in scorings])
@@ -271,7 +271,7 @@ class ModelRunner:
         """A pipeline stage's share of a prepared step: token ids (first stage) or the residual
         stream it received -> the final hidden states (last stage: `sample_hidden` samples them) or
         the residual stream to send on."""
-        return self._forward(input_ids, positions, meta, stream)
+        return self._forward(StepInputs(positions, meta, input_ids, stream))
 
     @torch.inference_mode()
     def sample_hidden(
@@ -302,21 +302,15 @@ class ModelRunner:
     def forward_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits of every token in the step, [T, V] (for tests that compare against HF)."""
         input_ids, positions, meta, _ = self.prepare(batch)
-        return self.model.compute_logits(self._forward(input_ids, positions, meta))
+        return self.model.compute_logits(self._forward(StepInputs(positions, meta, input_ids)))
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        stream: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _forward(self, step: StepInputs) -> torch.Tensor:
         """The model's output for the step (a pipeline stage's from the residual `stream` it received,
         `LlamaModel.forward`), run as `self.plan` chooses: a graph, or the eager model (also where
         the graph failed to compile or capture; the plan records it)."""
-        mode = self.plan.mode(meta)
+        mode = self.plan.mode(step.meta)
         if mode is not StepMode.EAGER:
-            hidden = self.plan.run(mode, input_ids, positions, meta, stream)
+            hidden = self.plan.run(mode, step)
             if hidden is not None:
                 return hidden
-        return self.model(input_ids, positions, meta, stream)
+        return self.model(step)

@@ -21,7 +21,7 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound
 MAX_STOP_STRING_CHARS = 1000  # the detokenizer holds back this many characters while streaming
 MAX_STOP_TOKEN_IDS = 1024
-MAX_COUNT = 2**63 - 1  # counts (max_tokens, n) fit a signed 64-bit int, as in every other engine
+INT64_MAX = 2**63 - 1  # counts (max_tokens, n) fit a signed 64-bit int, as in every other engine
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs; OpenAI's chat limit)
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 
@@ -99,7 +99,7 @@ def _optional_int_in(name: str, value: Any, low: int, high: int, high_text: str)
 
 
 def check_max_tokens(value: Any) -> int | None:
-    return _optional_int_in("max_tokens", value, 1, MAX_COUNT, "2**63 - 1")
+    return _optional_int_in("max_tokens", value, 1, INT64_MAX, "2**63 - 1")
 
 
 def check_seed(value: Any) -> int | None:

@@ -39,7 +39,7 @@ from tessel.engine.cpu_graph import CpuGraph
 from tessel.engine.cuda_graph import CudaGraphDecoder
 from tessel.layers.attention import AttentionMetadata
 from tessel.layers.buckets import row_buckets
-from tessel.models.llama import LlamaForCausalLM
+from tessel.models.llama import LlamaForCausalLM, StepInputs
 
 
 class GraphFamily(enum.Enum):
@@ -120,22 +120,15 @@ class StepPlan:
     def _unless_failed(self, mode: StepMode) -> StepMode:
         return StepMode.EAGER if mode in self.failed else mode
 
-    def run(
-        self,
-        mode: StepMode,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        stream: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    def run(self, mode: StepMode, step: StepInputs) -> torch.Tensor | None:
         """The step's hidden states from the graph of `mode`; None for EAGER, or where the graph
         failed to compile or capture (recorded: the mode's later steps are EAGER)."""
         if mode is StepMode.EAGER:
             return None
         if mode is StepMode.CUDA_GRAPH:
-            hidden = self.cuda_graphs(input_ids, positions, meta, stream)
+            hidden = self.cuda_graphs(step)
         else:
-            hidden = self.cpu_graph(input_ids, positions, meta, stream)
+            hidden = self.cpu_graph(step)
         if hidden is None:
             self.failed.add(mode)
         return hidden

@@ -247,10 +247,10 @@ def _bind_layer(layer: nn.Module, host: dict[str, torch.Tensor]) -> _Layer:
     tensors, packed = [], []
     for path, module in layer.named_modules():
         prefix = f"{path}." if path else ""
-        if getattr(module, "_packed", None) is not None:
+        if getattr(module, "packed_weight", None) is not None:
             bias = host.get(f"{prefix}bias")
             bias_tensor = None if bias is None else _Tensor(module, "", bias)
-            packed.append(_Packed(module, module._packed.weight, bias_tensor))
+            packed.append(_Packed(module, module.packed_weight.weight, bias_tensor))
             continue
         own = [*module._parameters.items(), *module._buffers.items()]
         tensors += [_Tensor(module, name, host[f"{prefix}{name}"]) for name, t in own if t is not None]
@@ -283,7 +283,7 @@ def _rebind(layer: _Layer, buffer: torch.Tensor) -> None:
         else:
             tensor.module._buffers[tensor.name] = view
     for packed in layer.packed:
-        packed.module._packed = None  # packed again from the host copy when the layer is copied in
+        packed.module.packed_weight = None  # packed again from the host copy when the layer is copied in
 
 
 # ---- the movers -------------------------------------------------------------------------------------
@@ -315,12 +315,12 @@ def _copy_into(layer: _Layer, buffer: torch.Tensor, non_blocking: bool) -> None:
 
         for packed in layer.packed:
             bias = None if packed.bias is None else _view(buffer, packed.bias)
-            packed.module._packed = dense._Packed(packed.weight.clone(), bias)
+            packed.module.packed_weight = dense.PackedWeight(packed.weight.clone(), bias)
 
 
 def _evict(layer: _Layer | None) -> None:
     for packed in layer.packed if layer is not None else ():
-        packed.module._packed = None
+        packed.module.packed_weight = None
 
 
 class ThreadMover:

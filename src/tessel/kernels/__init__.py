@@ -1,4 +1,4 @@
-"""Triton kernels with PyTorch paths; see `tessel.kernels._dispatch` for how a call picks one.
+"""Triton kernels with PyTorch paths; see `tessel.kernels.dispatch` for how a call picks one.
 
 One op per module (`tessel.kernels.rms_norm` holds `_rms_norm_forward_kernel`, its launcher and
 the public `rms_norm`); the scaffolding they share is in `tessel.kernels._utils`. The public

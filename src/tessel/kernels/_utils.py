@@ -3,6 +3,7 @@
 - `triton`, `tl`: the guarded import; None where Triton is not installed (the PyTorch paths
   still work, and an op module still imports);
 - `interpreting()`: whether kernels run under the Triton interpreter (`TRITON_INTERPRET=1`);
+- `LOG2_E`, `FLOAT_DTYPES`: the constants several ops share;
 - `empty_output(...)`: every output buffer a host function hands to a kernel. Kernels write every
   element of their output, so the buffer starts uninitialised. Tests replace it with a buffer
   full of values no kernel produces (NaN, an out-of-range int), so an element a kernel forgets to
@@ -34,6 +35,10 @@ def interpreting() -> bool:
 
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+LOG2_E = 1.4426950408889634  # the attention kernels use exp2: exp(x) = exp2(x * log2(e))
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the float inputs the GEMM-like kernels take
 
 
 # One row per program: a row up to this many bytes is held in registers at once; a wider one is

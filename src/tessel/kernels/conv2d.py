@@ -16,8 +16,7 @@ import torch
 
 from tessel.errors import TesselError
 from tessel.kernels import _utils
-from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import dot_acc, float_dot, grouped_tile, tl, triton
+from tessel.kernels._utils import FLOAT_DTYPES, dot_acc, float_dot, grouped_tile, tl, triton
 from tessel.kernels.autotune import (
     CONV_CONFIGS,
     INTERPRETER_CONFIG,
@@ -26,9 +25,7 @@ from tessel.kernels.autotune import (
     launch_tuned,
     shape_key,
 )
-
-X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
+from tessel.kernels.dispatch import use_triton
 
 if triton is not None:
 
@@ -185,7 +182,7 @@ def conv2d(
         raise TesselError(
             f"conv2d wants x [N, C, H, W] and w [OC, C, KH, KW]; got {tuple(x.shape)}, {tuple(w.shape)}"
         )
-    if x.dtype not in X_DTYPES or w.dtype != x.dtype:
+    if x.dtype not in FLOAT_DTYPES or w.dtype != x.dtype:
         raise TesselError(f"conv2d wants x and w of one float dtype; got {x.dtype} and {w.dtype}")
     if groups < 1 or x.shape[1] % groups or w.shape[0] % groups or w.shape[1] * groups != x.shape[1]:
         raise TesselError(

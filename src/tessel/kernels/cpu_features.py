@@ -143,7 +143,7 @@ def choose_w8a16_path(flags: frozenset[str] | None = None, compiler: bool | None
     return "gemv" if compiler else "dequant"
 
 
-def describe() -> dict[str, object]:
+def cpu_summary() -> dict[str, object]:
     """What the benchmark prints beside its figures."""
     flags = cpu_flags()
     interesting = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))

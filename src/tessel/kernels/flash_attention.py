@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from tessel.kernels import _utils
-from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import dot_operand, interpreting, last_dim_contiguous, tl, triton
+from tessel.kernels._utils import LOG2_E, dot_operand, interpreting, last_dim_contiguous, tl, triton
 from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
+from tessel.kernels.dispatch import use_triton
 
-LOG2_E = 1.4426950408889634  # the kernel uses exp2: exp(x) = exp2(x * log2(e))
 INT8_MAX = 127.0
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 

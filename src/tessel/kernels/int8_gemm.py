@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels.autotune import INT8_GEMM_CONFIGS, INTERPRETER_CONFIG, Autotuner, bucket_m, shape_key
 from tessel.kernels.cpu_features import int_mm_fast
+from tessel.kernels.dispatch import use_triton
 from tessel.kernels.gemm import gemm_triton
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import as_rows, empty_rows_like, program_row, row_meta, row_operands, tl, triton
+from tessel.kernels.dispatch import use_triton
 
 if triton is not None:
 

@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from tessel.kernels import _utils
-from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import dot_operand, interpreting, last_dim_contiguous, tl, triton
+from tessel.kernels._utils import LOG2_E, dot_operand, interpreting, last_dim_contiguous, tl, triton
 from tessel.kernels.autotune import Autotuner, TileConfig, bucket_m, cuda_bench, device_name, shape_key
+from tessel.kernels.dispatch import use_triton
 
-LOG2_E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # flash-decoding: a split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 64
 # CPU: a step's rows are batched up to this context and this size of the padded K copy (one cache).

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import (
     as_rows,
     empty_rows_like,
@@ -23,6 +22,7 @@ from tessel.kernels._utils import (
     tl,
     triton,
 )
+from tessel.kernels.dispatch import use_triton
 
 if triton is not None:
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from tessel.kernels import _utils
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import last_dim_contiguous, tl, triton
+from tessel.kernels.dispatch import use_triton
 
 if triton is not None:
 
@@ -170,18 +170,6 @@ def rope_rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> t
     return _rotate_with_tables(x, *tables)
 
 
-def _rope_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    c2, s2 = rope_tables(positions, cos, sin, q.dtype) if tables is None else tables
-    return _rotate_with_tables(q, c2, s2), _rotate_with_tables(k, c2, s2)
-
-
 def rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,4 +194,6 @@ def rope(
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if not needs_grad and q.shape[0] > 0 and use_triton(q, k, positions, cos, sin):
         return _rope_triton(q, k, positions, cos, sin)
-    return _rope_torch(q, k, positions, cos, sin, tables)
+    if tables is None:
+        tables = rope_tables(positions, cos, sin, q.dtype)
+    return rope_rotate(q, tables), rope_rotate(k, tables)

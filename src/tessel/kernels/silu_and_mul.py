@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tessel.kernels import _utils
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import as_rows, tl, triton
+from tessel.kernels.dispatch import use_triton
 
 BLOCK_COLS = 1024  # columns of the output row per program
 

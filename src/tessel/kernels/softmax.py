@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import as_rows, empty_rows_like, program_row, row_meta, row_operands, tl, triton
+from tessel.kernels.dispatch import use_triton
 
 MAX_FUSED_BYTES = 32768  # rows up to this many bytes stay in registers in one tile
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2

@@ -13,8 +13,8 @@ import torch
 
 from tessel.errors import TesselError
 from tessel.kernels import _utils
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels._utils import tl, triton
+from tessel.kernels.dispatch import use_triton
 
 BLOCK = 64  # 64 x 64 tiles: 16 KiB of fp32 per tile, a common choice for transposes
 

@@ -21,13 +21,10 @@ from __future__ import annotations
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels._dispatch import use_triton
-from tessel.kernels._utils import float_dot
+from tessel.kernels._utils import FLOAT_DTYPES, float_dot
 from tessel.kernels.autotune import FLOAT_GEMM_CONFIGS, INTERPRETER_CONFIG, Autotuner, bucket_m, shape_key
+from tessel.kernels.dispatch import use_triton
 from tessel.kernels.gemm import gemm_triton
-
-X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 _TUNERS = {
     "w8a16_gemm": Autotuner("w8a16_gemm", FLOAT_GEMM_CONFIGS, default=INTERPRETER_CONFIG),
@@ -71,7 +68,7 @@ def _w8a16_gemm_torch(
 def _check_x(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise TesselError(f"{name} wants x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype not in X_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TesselError(f"{name} wants a float16/bfloat16/float32 x; got {x.dtype}")
     if bias is not None and bias.shape != (w.shape[0],):
         raise TesselError(f"{name} wants bias [{w.shape[0]}]; got {tuple(bias.shape)}")

@@ -34,7 +34,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def _exponential(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+def exponential_noise(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """n draws of Exp(1) from `generator`, on the generator's device (a request's generator lives on
     the CPU, so a seeded request draws the same noise whichever device the logits are on)."""
     return torch.empty(n, dtype=dtype, device=generator.device).exponential_(generator=generator)
@@ -71,7 +71,7 @@ class Sampler(nn.Module):
             for i, row in enumerate(sampled_rows):
                 gen = None if generators is None else generators[row]
                 if gen is not None:
-                    noise[i] = _exponential(noise.shape[1], noise.dtype, gen)
+                    noise[i] = exponential_noise(noise.shape[1], noise.dtype, gen)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # 0 / 0 would be NaN, and argmax picks NaN
         greedy[rows] = (probs / noise).argmax(dim=-1)
         return greedy

@@ -31,7 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
 }
 MAX_REASON_CHARS = 300  # of a third-party error, quoted in a one-line message
-DTYPES = {
+TORCH_DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -159,14 +159,14 @@ def _check_with_transformers(path: Path, architecture: str) -> None:
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+        if dtype not in TORCH_DTYPES.values():
             raise TesselError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     name = runtime_dtype_name(str(dtype))  # the one dtype vocabulary (tessel.dtypes); int8/fp8 refused
     if name == AUTO:
         name = config.checkpoint_dtype.removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in TORCH_DTYPES:
         raise TesselError(
             f"dtype {dtype!r}: the checkpoint's {name!r} is not supported; use float32, bfloat16 or float16"
         )
-    return DTYPES[name]
+    return TORCH_DTYPES[name]

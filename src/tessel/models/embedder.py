@@ -30,7 +30,7 @@ import torch
 from tessel.dtypes import AUTO, runtime_dtype_name
 from tessel.errors import TesselError
 from tessel.models.bert import Packing, load_bert
-from tessel.models.config import DTYPES
+from tessel.models.config import TORCH_DTYPES
 from tessel.models.reader import read_encoder
 from tessel.models.sentence_pooling import PoolingConfig, pool, read_pooling
 from tessel.text import check_texts
@@ -184,6 +184,6 @@ def _max_tokens(pooling: PoolingConfig, positions: int, tokenizer) -> int:  # no
 def _dtype(name: str, checkpoint: str) -> torch.dtype:
     key = runtime_dtype_name(name)  # the one dtype vocabulary (tessel.dtypes); int8/fp8 refused
     key = checkpoint.removeprefix("torch.") if key == AUTO else key
-    if key not in DTYPES:
+    if key not in TORCH_DTYPES:
         raise TesselError(f"dtype {name!r} is not supported; use float32, bfloat16, float16 or auto")
-    return DTYPES[key]
+    return TORCH_DTYPES[key]

@@ -15,6 +15,7 @@ takes first, so the next stage's first layer sees exactly what it would see in o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import islice
 
 import torch
@@ -27,6 +28,17 @@ from tessel.layers.norm import RMSNorm
 from tessel.layers.rotary import RotaryEmbedding
 from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What the model reads in one step: the step's flattened tokens as ids (the first stage) or as
+    the residual stream [T, H] a later stage received, their positions [T] and the attention metadata."""
+
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    input_ids: torch.Tensor | None = None
+    stream: torch.Tensor | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -114,22 +126,16 @@ class LlamaModel(nn.Module):
             0, config.num_hidden_layers, embed=True, head=True, tied=config.tie_word_embeddings
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        stream: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, step: StepInputs) -> torch.Tensor:
         """Token ids [T] (first stage) or the received residual stream [T, H] (a later stage) ->
         the final hidden states [T, H] (last stage) or the residual stream to send on."""
         part = self.part
-        if part.embed == (stream is not None):
+        if part.embed == (step.stream is not None):
             raise ValueError("the first stage takes token ids, a later stage the residual stream")
-        hidden = self.embed_tokens(input_ids) if stream is None else stream
+        hidden = self.embed_tokens(step.input_ids) if step.stream is None else step.stream
         residual = None
         for layer in islice(self.layers, part.layer_start, part.layer_end):
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(step.positions, hidden, residual, step.meta)
         if not part.head:
             return hidden + residual
         hidden, _ = self.norm(hidden, residual)
@@ -154,14 +160,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        stream: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, stream)
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        return self.model(step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

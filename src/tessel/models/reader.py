@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.quantized.schemes import Scheme
-from tessel.models.safetensors_header import FLOAT_DTYPES, TensorHeader, read_header
+from tessel.models.safetensors_header import SAFETENSORS_FLOAT_DTYPES, TensorHeader, read_header
 
 if TYPE_CHECKING:
     from tessel.models.bert import BertConfig
@@ -41,7 +41,6 @@ LAYER_PREFIX = "model.layers."
 ROPE_TABLE_FLOOR_BYTES = 256 * 2**20  # rotary tables always allowed up to this (4M positions at head_dim 16)
 ROPE_TABLE_BYTES_PER_VALUE = 4  # float32 cos and sin, head_dim / 2 values each per position
 INT_DTYPES = frozenset({"I32", "I64"})
-FLOATS = frozenset(FLOAT_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,10 +233,12 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
     """Checkpoint (Hugging Face) name -> what config.json implies for it."""
     c = config
     hidden = (c.hidden_size, "hidden_size")
-    embedding = TensorSpec((c.vocab_size, c.hidden_size), FLOATS, "vocab_size x hidden_size")
+    embedding = TensorSpec(
+        (c.vocab_size, c.hidden_size), SAFETENSORS_FLOAT_DTYPES, "vocab_size x hidden_size"
+    )
     out = {
         "model.embed_tokens.weight": embedding,
-        "model.norm.weight": TensorSpec((c.hidden_size,), FLOATS, hidden[1]),
+        "model.norm.weight": TensorSpec((c.hidden_size,), SAFETENSORS_FLOAT_DTYPES, hidden[1]),
     }
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = embedding
@@ -256,7 +257,7 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
     for i in range(c.num_hidden_layers):
         prefix = f"{LAYER_PREFIX}{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{prefix}{norm}.weight"] = TensorSpec((c.hidden_size,), FLOATS, hidden[1])
+            out[f"{prefix}{norm}.weight"] = TensorSpec((c.hidden_size,), SAFETENSORS_FLOAT_DTYPES, hidden[1])
         for leaf, linear in linears.items():
             out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme)
     return out
@@ -267,9 +268,9 @@ def _linear_tensors(prefix: str, linear: _Linear, scheme: Scheme | None) -> dict
     (`tessel.models.quantized.compressed_tensors`)."""
     n, k, rows = linear.rows, linear.cols, linear.row_fields
     sizes = f"{rows}, {linear.col_fields}"
-    bias = TensorSpec((n,), FLOATS, rows, required=linear.biased and scheme is None)
+    bias = TensorSpec((n,), SAFETENSORS_FLOAT_DTYPES, rows, required=linear.biased and scheme is None)
     if scheme is None:  # a bias config.json does not imply is unexpected, as the loader has no place for it
-        weight = {f"{prefix}.weight": TensorSpec((n, k), FLOATS, sizes)}
+        weight = {f"{prefix}.weight": TensorSpec((n, k), SAFETENSORS_FLOAT_DTYPES, sizes)}
         return weight | {f"{prefix}.bias": bias} if linear.biased else weight
     group = scheme.group_size
     if group is not None and k % group:
@@ -279,12 +280,14 @@ def _linear_tensors(prefix: str, linear: _Linear, scheme: Scheme | None) -> dict
     groups = 1 if group is None else k // group
     out = {
         f"{prefix}.bias": bias,
-        f"{prefix}.weight_scale": TensorSpec((n, groups), FLOATS, f"{rows}, groups", any_layout=True),
+        f"{prefix}.weight_scale": TensorSpec(
+            (n, groups), SAFETENSORS_FLOAT_DTYPES, f"{rows}, groups", any_layout=True
+        ),
     }
     if not scheme.weight_only:
         out[f"{prefix}.weight"] = TensorSpec((n, k), frozenset({"I8"}), sizes)
         out[f"{prefix}.input_scale"] = TensorSpec(
-            (1,), FLOATS, "one scale", required=scheme.act_static, any_layout=True
+            (1,), SAFETENSORS_FLOAT_DTYPES, "one scale", required=scheme.act_static, any_layout=True
         )
         return out
     bits = scheme.weight_bits
@@ -360,7 +363,10 @@ def read_encoder(path: str | Path, option: str = "--model") -> EncoderFiles:
     tensors = read_headers(files)
     prefix = checkpoint_prefix(list(tensors))
     shapes = expected_shapes(config)
-    expected = {prefix + name: TensorSpec(shape, FLOATS, sizes) for name, (shape, sizes) in shapes.items()}
+    expected = {
+        prefix + name: TensorSpec(shape, SAFETENSORS_FLOAT_DTYPES, sizes)
+        for name, (shape, sizes) in shapes.items()
+    }
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise TesselError(

@@ -20,7 +20,7 @@ from tessel.errors import TesselError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit (MAX_HEADER_SIZE)
 LENGTH_BYTES = 8  # the little-endian u64 header length in front of the header
-DTYPE_BYTES = {  # the byte-sized safetensors dtypes tessel reads (sub-byte F4/F6 and complex: no)
+SAFETENSORS_DTYPE_BYTES = {  # the byte-sized safetensors dtypes tessel reads (sub-byte F4/F6 and complex: no)
     "BOOL": 1,
     "U8": 1,
     "I8": 1,
@@ -37,7 +37,9 @@ DTYPE_BYTES = {  # the byte-sized safetensors dtypes tessel reads (sub-byte F4/F
     "U64": 8,
     "F64": 8,
 }
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # what a float weight or a scale may be stored as
+SAFETENSORS_FLOAT_DTYPES = frozenset(
+    {"F16", "BF16", "F32", "F64"}
+)  # what a float weight or a scale may be stored as
 METADATA_KEY = "__metadata__"
 
 
@@ -52,11 +54,11 @@ class TensorHeader:
 
     @property
     def is_float(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
+        return self.dtype in SAFETENSORS_FLOAT_DTYPES
 
     @property
     def num_bytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * SAFETENSORS_DTYPE_BYTES[self.dtype]
 
 
 def read_header(file: Path) -> dict[str, TensorHeader]:
@@ -129,10 +131,10 @@ def _tensor(file: Path, name: str, entry: dict) -> TensorHeader:
     dtype, shape = entry.get("dtype"), entry.get("shape")
     if not isinstance(dtype, str):
         raise _broken(file, f"tensor {name!r} has no dtype name")
-    if dtype not in DTYPE_BYTES:
+    if dtype not in SAFETENSORS_DTYPE_BYTES:
         raise TesselError(
             f"{file}: tensor {name!r} has dtype {str(dtype)[:40]!r}, which tessel does not read "
-            f"({', '.join(DTYPE_BYTES)})"
+            f"({', '.join(SAFETENSORS_DTYPE_BYTES)})"
         )
     if not (isinstance(shape, list) and len(shape) <= 8 and all(_whole(d) for d in shape)):
         raise _broken(file, f"tensor {name!r} has no valid shape")

@@ -64,16 +64,6 @@ EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage
 __all__ = ["ProcessExecutor", "layer_filter", "stage_kv_budget"]
 
 
-def spawn_pipeline(options: RunOptions, run_dir: Path) -> ProcessExecutor:
-    """The plan's other stages started where `options.executor` says: processes on this machine
-    ("local"), or Ray actors on the nodes the plan names ("ray", `tessel.pipeline.ray_executor`)."""
-    if options.executor == "ray":
-        from tessel.pipeline.ray_executor import RayExecutor
-
-        return RayExecutor.spawn(options, run_dir)
-    return ProcessExecutor.spawn(options, run_dir)
-
-
 def stage_kv_budget(plan: RunPlan, rank: int, kv_cache_gib: float | None) -> KvBudget:
     stage = plan.stages[rank]
     total = plan.num_layers or max(s.layer_end for s in plan.stages)

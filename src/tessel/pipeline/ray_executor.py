@@ -6,23 +6,19 @@ the cluster cannot run before any actor starts (a node it lacks, a GPU a node do
 not on this machine, a machine whose Ray or tessel differs), starts the other stages as actors and
 hands their rendezvous (this node's address and a free port) to them; from then on it is the
 `ProcessExecutor` every engine drives: the same messages, the same stage loop, the same supervisor
-(rebuild on the nodes left after a lost machine, live remap). `run_on_ray(options)` is
-`tessel launch --executor ray`: the requests run here, on stage 0, and the result has the same form
-as a launch on one machine.
+(rebuild on the nodes left after a lost machine, live remap). `tessel launch --executor ray` is
+`tessel.pipeline.run.run_on_ray`: the requests run here, on stage 0.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 from tessel.pipeline.executor import ProcessExecutor
 from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import load_run_plan
-from tessel.pipeline.supervision.heartbeat import RUN_DIR_ENV
 from tessel.pipeline.supervision.launcher import DONE_GRACE_S, POLL_S
 from tessel.pipeline.supervision.ray_stages import (
     RayStages,
@@ -79,34 +75,3 @@ class RayExecutor(ProcessExecutor):
             self.comm = None  # sent and flushed: shutdown only stops the actors
             self.shutdown()
         return statuses
-
-
-def run_on_ray(options: RunOptions):  # noqa: ANN201 (tessel.pipeline.run.PipelineRun)
-    """`tessel launch --executor ray`: the plan's stages on their machines, the requests run here."""
-    from tessel.engine.llm_engine import LLM
-    from tessel.pipeline.checks import run_requests
-    from tessel.pipeline.run import PipelineRun
-    from tessel.pipeline.stage.process import serve_requests, write_status
-
-    requests = run_requests(options)
-    run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-ray-run-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    previous = os.environ.get(RUN_DIR_ENV)
-    os.environ[RUN_DIR_ENV] = str(run_dir)  # stage 0 (this process) writes stage0.json there
-    try:
-        executor = RayExecutor.spawn(options, run_dir)
-        try:
-            engine = LLM(options.model, executor=executor, **options.engine_kwargs())
-            results, wall_s, later = serve_requests(options, engine, requests, executor.finish)
-            write_status(0, state="done")
-        except BaseException:
-            executor.shutdown()
-            raise
-    finally:
-        if previous is None:
-            os.environ.pop(RUN_DIR_ENV, None)
-        else:
-            os.environ[RUN_DIR_ENV] = previous
-    from tessel.pipeline.supervision.launcher import read_status
-
-    return PipelineRun(results, [read_status(run_dir, 0), *later], wall_s, run_dir)

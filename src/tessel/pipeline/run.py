@@ -1,13 +1,15 @@
-"""Run a plan on this machine: check it, spawn one worker per stage, collect outputs and statuses.
+"""Run a plan: check it, spawn one worker per stage, collect outputs and statuses.
 
 `run_pipeline(RunOptions(...))` is what `tessel launch` and the benchmark call. The plan is
 checked against the model in this process first, so a bad plan is refused before any worker
-starts.
+starts. On this machine every stage is a worker process; with `executor="ray"` (`run_on_ray`) the
+requests run in this process, stage 0, and the other stages on the machines the plan names.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,7 +17,8 @@ from pathlib import Path
 from tessel.errors import TesselError
 from tessel.pipeline.checks import check_options
 from tessel.pipeline.options import RunOptions
-from tessel.pipeline.supervision.launcher import launch
+from tessel.pipeline.supervision.heartbeat import RUN_DIR_ENV
+from tessel.pipeline.supervision.launcher import launch, read_status
 
 
 @dataclass(slots=True)
@@ -43,8 +46,6 @@ def describe_links(options: RunOptions) -> list[str]:
 
 def run_pipeline(options: RunOptions) -> PipelineRun:
     if options.executor == "ray":  # the stages on their machines, the requests run in this process
-        from tessel.pipeline.ray_executor import run_on_ray
-
         check_options(options, local_ranks=[0])
         return run_on_ray(options)
     num_stages = check_options(options)
@@ -60,3 +61,32 @@ def run_pipeline(options: RunOptions) -> PipelineRun:
     except (OSError, ValueError) as error:
         raise TesselError(f"stage 0 finished but wrote no outputs ({error}); see {run_dir}") from None
     return PipelineRun(data["requests"], result.statuses, float(data["wall_s"]), run_dir)
+
+
+def run_on_ray(options: RunOptions) -> PipelineRun:
+    """`tessel launch --executor ray`: the plan's stages on their machines, the requests run here."""
+    from tessel.engine.llm_engine import LLM
+    from tessel.pipeline.checks import run_requests
+    from tessel.pipeline.ray_executor import RayExecutor
+    from tessel.pipeline.stage.process import serve_requests, write_status
+
+    requests = run_requests(options)
+    run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-ray-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    previous = os.environ.get(RUN_DIR_ENV)
+    os.environ[RUN_DIR_ENV] = str(run_dir)  # stage 0 (this process) writes stage0.json there
+    try:
+        executor = RayExecutor.spawn(options, run_dir)
+        try:
+            engine = LLM(options.model, executor=executor, **options.engine_kwargs())
+            results, wall_s, later = serve_requests(options, engine, requests, executor.finish)
+            write_status(0, state="done")
+        except BaseException:
+            executor.shutdown()
+            raise
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_DIR_ENV, None)
+        else:
+            os.environ[RUN_DIR_ENV] = previous
+    return PipelineRun(results, [read_status(run_dir, 0), *later], wall_s, run_dir)

@@ -8,7 +8,7 @@ up_proj -> down_proj), per input channel j:
     s_j = mean|X_j|^alpha, normalised by sqrt(max s * min s)      (llm-awq's rule)
     W[:, j] *= s_j (then quantised), producer's output channel j /= s_j   (the float function stays)
 
-alpha is searched per group on ALPHA_GRID (llm-awq: 20 points in [0, 1)) for the least squared
+alpha is searched per group on AWQ_ALPHA_GRID (llm-awq: 20 points in [0, 1)) for the least squared
 error of the group's outputs on the calibration rows, ||X W^T - (X / s) Q(W * s)^T||, with Q the
 scheme's own weight rounding; alpha 0 (s = 1) is in the grid, so the search never does worse than
 plain rounding on those rows. mean|X_j| is taken over the recorded rows (SmoothQuant's recorder:
@@ -22,7 +22,7 @@ import torch
 from tessel.models.quantized.schemes import Scheme, quantize_weight
 from tessel.quant.smoothquant import InputRecorder, SmoothGroup, fold_scales
 
-ALPHA_GRID = tuple(i / 20 for i in range(20))  # llm-awq's n_grid = 20
+AWQ_ALPHA_GRID = tuple(i / 20 for i in range(20))  # llm-awq's n_grid = 20
 MIN_SCALE = 1e-4  # llm-awq clamps the activation statistic from below
 
 
@@ -49,7 +49,7 @@ def awq_error(
 
 
 def best_awq_alpha(
-    group: SmoothGroup, rows: torch.Tensor, scheme: Scheme, grid: tuple[float, ...] = ALPHA_GRID
+    group: SmoothGroup, rows: torch.Tensor, scheme: Scheme, grid: tuple[float, ...] = AWQ_ALPHA_GRID
 ) -> float:
     """The alpha of `grid` whose AWQ scales give the group the least output error on `rows`."""
     mean_abs = rows.abs().mean(dim=0)

@@ -25,24 +25,23 @@ from tessel.catalog.hf_config import config_path, read_json_object
 from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
 from tessel.models.quantized.compressed_tensors import module_tensors, quantization_config
-from tessel.models.quantized.observers import OBSERVERS, Observer, QuantRange, make_observer
-from tessel.models.quantized.schemes import (
-    WEIGHT_OBSERVERS,
-    QuantizedWeight,
-    Scheme,
-    make_scheme,
-    quantize_weight,
-)
+from tessel.models.quantized.qparams import QuantRange
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.models.reader import read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
 from tessel.quant.formats.checkpoint import write_checkpoint
-from tessel.quant.gptq import gptq_model
+from tessel.quant.gptq import GPTQOptions, gptq_model
+from tessel.quant.observers import (
+    OBSERVERS,
+    WEIGHT_OBSERVERS,
+    Observer,
+    make_observer,
+    weight_qparams,
+)
+from tessel.quant.progress import StepProgress, report
 from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
 
 METHODS = ("rtn", "gptq")
-
-# Called as progress(pass name, windows done, windows in the pass).
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +50,7 @@ class QuantizeOptions:
     act: str = "dynamic"
     observer: str = "minmax"  # static activations
     weight_observer: str = "minmax"
-    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (per group, from ALPHA_GRID)
+    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (per group, SMOOTHQUANT_ALPHA_GRID)
     calib: Path | None = None
     calib_samples: int = 32
     seq_len: int = 512
@@ -159,11 +158,10 @@ def input_groups(names: list[str]) -> dict[str, str]:
 
 
 @torch.no_grad()
-def _run_windows(model: nn.Module, windows: torch.Tensor, label: str, progress: Progress | None) -> None:
+def _run_windows(model: nn.Module, windows: torch.Tensor, label: str, progress: StepProgress | None) -> None:
     for i, window in enumerate(windows):
         model(input_ids=window[None], use_cache=False)
-        if progress is not None:
-            progress(label, i + 1, len(windows))
+        report(progress, label, i + 1, len(windows))
 
 
 def _observe_inputs(
@@ -231,7 +229,7 @@ def quantize_model(
     model_dir: str | Path,
     out_dir: str | Path,
     options: QuantizeOptions,
-    progress: Progress | None = None,
+    progress: StepProgress | None = None,
     *,
     overwrite: bool = False,
 ) -> QuantizeResult:
@@ -245,9 +243,9 @@ def quantize_model(
     config = read_model_config(model_dir)
     scheme = options.make_scheme()
     text = read_calibration_text(options.calib) if options.calib is not None else None  # checked if unused
-    _report(progress, "load", 0, 1)
+    report(progress, "load", 0, 1)
     model, tokenizer = load_hf_model(model_dir)
-    _report(progress, "load", 1, 1)
+    report(progress, "load", 1, 1)
     linears = target_linears(model)
     if not linears:
         raise TesselError(
@@ -282,36 +280,26 @@ def quantize_model(
         result.input_scales = {name: float(s) for name, s in input_scales.items()}
     weights = _quantize_weights(model, linears, scheme, options, windows, progress)
     act_observer = options.observer if scheme.act_static else None
-    _report(progress, "write", 0, 1)
+    report(progress, "write", 0, 1)
     write_quantized(
         model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer, overwrite
     )
-    _report(progress, "write", 1, 1)
+    report(progress, "write", 1, 1)
     result.seconds = time.perf_counter() - start
     return result
 
 
 def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows, progress):
     if options.method == "gptq":
-        return gptq_model(
-            model,
-            windows,
-            scheme,
-            act_order=options.act_order,
-            observer=options.weight_observer,
-            static_groups=options.static_groups,
-            progress=progress,
+        gptq = GPTQOptions(
+            act_order=options.act_order, observer=options.weight_observer, static_groups=options.static_groups
         )
+        return gptq_model(model, windows, scheme, gptq, progress)
     weights = {}
     for done, (name, module) in enumerate(linears.items(), 1):
-        weights[name] = quantize_weight(module.weight, scheme, options.weight_observer)
-        _report(progress, "weights", done, len(linears))
+        weights[name] = quantize_weight(module.weight, scheme, weight_qparams(options.weight_observer))
+        report(progress, "weights", done, len(linears))
     return weights
-
-
-def _report(progress: Progress | None, label: str, done: int, total: int) -> None:
-    if progress is not None:
-        progress(label, done, total)
 
 
 def read_model_config(model_dir: Path) -> dict:

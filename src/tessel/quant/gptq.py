@@ -8,7 +8,7 @@ For column i, with H^-1 the inverse Hessian of the columns not yet rounded (i fi
 
 The reference implementation's three tricks are here too: the rows of the upper Cholesky factor of
 H^-1 give every [H^-1 of the remaining columns]_i row at once (no re-inversion per column); updates
-are applied lazily, `BLOCK` columns at a time; H is dampened by `percdamp` of its mean diagonal.
+are applied lazily, `BLOCK_COLUMNS` columns at a time; H is dampened by `percdamp` of its mean diagonal.
 Groups (w4a16): a group's scale is computed from the group's columns as they stand when its first
 column is reached (the reference's rule), so the compensation of earlier groups shapes it.
 Act-order (`act_order=True`): columns are taken by descending H_ii; the group scales are then fixed
@@ -21,17 +21,31 @@ stacked matrix against their shared Hessian.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import make_observer
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme
+from tessel.quant.observers import make_observer
+from tessel.quant.progress import StepProgress, report
 
-BLOCK = 128  # columns per lazy update (the reference's blocksize)
+BLOCK_COLUMNS = 128  # columns per lazy update (the reference's blocksize)
 PERCDAMP = 0.01  # dampening: this fraction of mean(diag H) added to the diagonal
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQOptions:
+    """How GPTQ rounds (llm-compressor's GPTQModifier fields). `static_groups`: every group's scale from
+    the un-updated weights up front (as with act-order; llm-compressor's rule) instead of when the
+    group starts; `observer`: the weight observer of the group scales."""
+
+    act_order: bool = False
+    percdamp: float = PERCDAMP
+    observer: str = "minmax"
+    block: int = BLOCK_COLUMNS
+    static_groups: bool = False
 
 
 class HessianAccumulator:
@@ -77,19 +91,10 @@ def _inverse_hessian_factor(hessian: torch.Tensor, percdamp: float) -> torch.Ten
 
 
 def gptq_quantize(
-    weight: torch.Tensor,
-    hessian: torch.Tensor,
-    scheme: Scheme,
-    *,
-    act_order: bool = False,
-    percdamp: float = PERCDAMP,
-    observer: str = "minmax",
-    block: int = BLOCK,
-    static_groups: bool = False,
+    weight: torch.Tensor, hessian: torch.Tensor, scheme: Scheme, options: GPTQOptions = GPTQOptions()
 ) -> QuantizedWeight:
-    """GPTQ-round a weight [N, K] against the Hessian [K, K] of its input under `scheme`.
-    `static_groups`: every group's scale from the un-updated weights up front (as with act-order;
-    llm-compressor's rule) instead of when the group starts."""
+    """GPTQ-round a weight [N, K] against the Hessian [K, K] of its input under `scheme`."""
+    act_order, observer, block = options.act_order, options.observer, options.block
     n, k = weight.shape
     scheme.check_in_features(k, "a linear layer")
     group = scheme.group_size or k
@@ -103,14 +108,14 @@ def gptq_quantize(
     w[:, dead] = 0.0
     static_scales = static_zeros = None
     order = torch.arange(k)
-    if act_order or static_groups:
+    if act_order or options.static_groups:
         params = [_group_scales(w[:, g : g + group], scheme, observer) for g in range(0, k, group)]
         static_scales = torch.stack([p[0] for p in params], dim=1)
         static_zeros = torch.stack([p[1] for p in params], dim=1)
     if act_order:
         order = torch.argsort(torch.diag(h), descending=True, stable=True)
         w, h = w[:, order], h[order][:, order]
-    u = _inverse_hessian_factor(h, percdamp)
+    u = _inverse_hessian_factor(h, options.percdamp)
     codes = torch.zeros(n, k, dtype=torch.int8)
     scales = torch.zeros(n, k // group, dtype=dtype) if static_scales is None else static_scales
     zeros = torch.zeros(n, k // group, dtype=dtype) if static_zeros is None else static_zeros
@@ -136,9 +141,6 @@ def gptq_quantize(
     zero_point = None if scheme.symmetric else zeros.to(torch.int8)
     return QuantizedWeight(codes, scales.float(), scheme.group_size, zero_point)
 
-
-# Called as progress(pass name, layers done, layers in all).
-Progress = Callable[[str, int, int], None]
 
 # Linears that read one tensor: rounded as one stacked matrix against one Hessian.
 INPUT_GROUPS = (
@@ -209,12 +211,8 @@ def gptq_model(
     model: nn.Module,
     windows: torch.Tensor,
     scheme: Scheme,
-    *,
-    act_order: bool = False,
-    percdamp: float = PERCDAMP,
-    observer: str = "minmax",
-    static_groups: bool = False,
-    progress: Progress | None = None,
+    options: GPTQOptions = GPTQOptions(),
+    progress: StepProgress | None = None,
 ) -> dict[str, QuantizedWeight]:
     """GPTQ every decoder-layer linear, layer after layer: layer i's Hessians come from the outputs of
     layers 0..i-1 already quantised (their weights replaced in `model` by the rounded ones), as in
@@ -227,15 +225,7 @@ def gptq_model(
             names = next(group for group in INPUT_GROUPS if group[0] == lead)
             modules = [layer.get_submodule(name) for name in names]
             stacked = torch.cat([m.weight for m in modules])
-            rounded = gptq_quantize(
-                stacked,
-                acc.hessian,
-                scheme,
-                act_order=act_order,
-                percdamp=percdamp,
-                observer=observer,
-                static_groups=static_groups,
-            )
+            rounded = gptq_quantize(stacked, acc.hessian, scheme, options)
             row = 0
             for name, module in zip(names, modules, strict=True):
                 rows = module.out_features
@@ -247,6 +237,5 @@ def gptq_model(
                 module.weight.copy_(part.dequantize().to(module.weight.dtype))
                 row += rows
         inputs = _run_layer(layer, inputs, kwargs)
-        if progress is not None:
-            progress("gptq", index + 1, len(layers))
+        report(progress, "gptq", index + 1, len(layers))
     return out

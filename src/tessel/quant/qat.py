@@ -22,9 +22,11 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.models.gguf import resolve_model_path
-from tessel.models.quantized.observers import QuantRange
+from tessel.models.quantized.qparams import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.quant.limits import MAX_QAT_LR, MAX_QAT_STEPS, MIN_QAT_LR
+from tessel.quant.observers import weight_qparams
+from tessel.quant.progress import StepProgress, report
 
 ACT_RANGE = QuantRange(8, symmetric=True)
 
@@ -59,7 +61,7 @@ class QATLinear(nn.Module):
     def __init__(self, linear: nn.Linear, scheme: Scheme, weight_observer: str = "minmax") -> None:
         super().__init__()
         self.linear, self.scheme = linear, scheme
-        start = quantize_weight(linear.weight, scheme, weight_observer)
+        start = quantize_weight(linear.weight, scheme, weight_qparams(weight_observer))
         self.register_buffer("weight_scale", start.scale)  # [N, groups], fixed
 
     def _expanded_scale(self) -> torch.Tensor:
@@ -125,7 +127,12 @@ class QATResult:
 
 
 def train_qat(
-    model_dir: str | Path, out_dir: str | Path, options: QATOptions, progress=None, *, overwrite: bool = False
+    model_dir: str | Path,
+    out_dir: str | Path,
+    options: QATOptions,
+    progress: StepProgress | None = None,
+    *,
+    overwrite: bool = False,
 ) -> QATResult:
     """Fine-tune `model_dir` with fake-quantised linears; write the quantised checkpoint to `out_dir` (an
     existing one only with `overwrite`, and only when tessel wrote it). A loss or weight that turns
@@ -166,8 +173,7 @@ def train_qat(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if progress is not None:
-            progress("qat", step + 1, options.steps)
+        report(progress, "qat", step + 1, options.steps)
     if not all(bool(torch.isfinite(p).all()) for p in params):
         raise _diverged(options.steps, options, "the weights are not finite")
     model.eval()

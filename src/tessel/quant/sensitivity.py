@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +45,10 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.models.quantized.schemes import GROUP_SIZE, Scheme, make_scheme, quantize_weight
+from tessel.quant.progress import StepProgress, report
 from tessel.quant.qat import fake_quantize_per_token  # int8 per token, rounded as the W8A8 kernels do
 
 SENSITIVITY_PRECISIONS = ("int8", "int4")  # what the planner can choose below its float reference
-
-# Called as progress(pass name, steps done, steps in the pass).
-Progress = Callable[[str, int, int], None]
 
 
 def parse_sensitivity_precisions(text: str) -> tuple[str, ...]:
@@ -211,7 +209,7 @@ def kl_sum_nats(reference_logp: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def measure_sensitivity(
-    model: nn.Module, windows: torch.Tensor, precisions: tuple[str, ...], progress: Progress | None = None
+    model: nn.Module, windows: torch.Tensor, precisions: tuple[str, ...], progress: StepProgress | None = None
 ) -> dict[str, list[float]]:
     """precision -> [layers] mean KL(float || layer i quantised) per token over `windows` [S, T]."""
     layers, _, _ = decoder_parts(model)
@@ -228,8 +226,7 @@ def measure_sensitivity(
                 with fake_quantized(layer, scheme):
                     sums[name][index] += kl_sum_nats(reference, _logits_from(model, calls, index))
             done += 1
-            if progress is not None:
-                progress("sensitivity", done, steps)
+            report(progress, "sensitivity", done, steps)
     tokens = windows.numel()
     return {name: [max(value / tokens, 0.0) for value in values] for name, values in sums.items()}
 
@@ -255,7 +252,7 @@ def measure_kl(model: nn.Module, windows: torch.Tensor, layer_precisions: list[s
 
 
 def write_sensitivity(
-    model_dir: str | Path, out: str | Path, options: SensitivityOptions, progress: Progress | None = None
+    model_dir: str | Path, out: str | Path, options: SensitivityOptions, progress: StepProgress | None = None
 ) -> SensitivityResult:
     """Measure every layer's cost at each of `options.precisions` and write the sensitivity file."""
     from tessel.catalog.models import load_model

@@ -24,7 +24,7 @@ from torch import nn
 from tessel.errors import TesselError
 
 MIN_AMAX = 1e-5  # the paper's clamp: a channel that never fires gets no huge scale
-ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # `--smoothquant auto` picks one per group
+SMOOTHQUANT_ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # `--smoothquant auto` picks one per group
 SAMPLE_ROWS_PER_BATCH = 64  # input rows kept per calibration window for the auto search
 
 
@@ -123,7 +123,9 @@ def alpha_error(group: SmoothGroup, rows: torch.Tensor, act_amax: torch.Tensor, 
     return float(((quantised - reference) ** 2).sum())
 
 
-def best_alpha(group: SmoothGroup, recorder: InputRecorder, grid: tuple[float, ...] = ALPHA_GRID) -> float:
+def best_alpha(
+    group: SmoothGroup, recorder: InputRecorder, grid: tuple[float, ...] = SMOOTHQUANT_ALPHA_GRID
+) -> float:
     """The alpha of `grid` whose smoothing gives the least W8A8 output error on the recorded rows."""
     rows = torch.cat(recorder.rows)
     errors = [alpha_error(group, rows, recorder.amax, alpha) for alpha in grid]

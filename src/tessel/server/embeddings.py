@@ -34,7 +34,7 @@ from pydantic import BaseModel, BeforeValidator, Field, StrictInt
 from tessel.errors import TesselError
 from tessel.server.http_errors import ModelNotFoundError, install_error_handlers, response_for
 from tessel.server.limits import BodyReadTimeout, BodySizeLimit, ServerLimits
-from tessel.server.protocol import ModelCard, ModelList, _Request
+from tessel.server.protocol import ModelCard, ModelList, RequestModel
 from tessel.text import check_texts
 
 MAX_INPUTS = 2048  # inputs per request: OpenAI's documented limit for /v1/embeddings
@@ -65,7 +65,7 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
     raise ValueError("input must be all strings or all token id lists (whole numbers), not a mix")
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestModel):
     what: ClassVar[str] = "the embeddings request"
     input: Annotated[list[str] | list[list[int]], BeforeValidator(_inputs)]
     model: str | None = None

@@ -88,8 +88,9 @@ def _shown(name: str) -> str:
     return repr(name[:_SHOWN_NAME_CHARS])
 
 
-class _Request(BaseModel):
-    """Known fields only: the others are refused by name (`_refuse_unsupported`)."""
+class RequestModel(BaseModel):
+    """The base of every model read from a request body (here and in `tessel.server.embeddings`): known
+    fields only, the others refused by name (`_refuse_unsupported`)."""
 
     model_config = ConfigDict(extra="forbid")
     what: ClassVar[str] = "the request"
@@ -143,12 +144,12 @@ def _is_no_op(value: Any, no_ops: list[Any]) -> bool:
     )
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     what: ClassVar[str] = "stream_options"
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestModel):
     model: ModelName = None
     max_tokens: MaxTokens = None
     temperature: Temperature = 1.0
@@ -233,7 +234,7 @@ def _content(content: Any) -> str:
     return "".join(texts)
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     what: ClassVar[str] = "a message"
 
     @model_validator(mode="before")

@@ -51,6 +51,7 @@ from starlette.background import BackgroundTask
 
 from tessel.pipeline.supervision.launcher import POLL_S
 from tessel.server.disconnect import unless_disconnected
+from tessel.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS
 from tessel.server.replica_backends import (
     PROBE_TIMEOUT_S,
     Backend,
@@ -64,9 +65,8 @@ from tessel.text import check_text
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RESEND_STATUSES = (429, 503)  # the backend took no work: the next replica may
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and the server's) for /v1/completions
-WATCH_INTERVAL_S = 0.5  # how often each backend's process and /health are checked
-SETTLE_S = 2.0  # after a broken connection, how long the backend's process gets to exit (to name why)
+BACKEND_CHECK_INTERVAL_S = 0.5  # how often each backend's process and /health are checked
+EXIT_SETTLE_S = 2.0  # after a broken connection, how long the backend's process gets to exit (to name why)
 SCRAPE_TIMEOUT_S = 5.0
 REPLICA_HEADER = "x-tessel-replica"
 PASSED_HEADERS = ("content-type", "retry-after")
@@ -211,10 +211,10 @@ class ReplicaRouter:
         return load.failure
 
     async def explain(self, index: int, error: Exception) -> str:
-        """Why replica `index`'s connection broke: its process's exit (waiting up to SETTLE_S for
+        """Why replica `index`'s connection broke: its process's exit (waiting up to EXIT_SETTLE_S for
         it, then failing the replica for good), else the connection error."""
         backend = self.backends[index]
-        deadline = asyncio.get_running_loop().time() + SETTLE_S
+        deadline = asyncio.get_running_loop().time() + EXIT_SETTLE_S
         while backend.exit_cause() is None and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(POLL_S)
         cause = backend.exit_cause()
@@ -235,7 +235,7 @@ class ReplicaRouter:
 
 
 async def watch_backend(router: ReplicaRouter, index: int, client: httpx.AsyncClient) -> None:
-    """Until replica `index` fails: check its process and its /health every WATCH_INTERVAL_S. A
+    """Until replica `index` fails: check its process and its /health every BACKEND_CHECK_INTERVAL_S. A
     process that exited, or no answer for `router.silent_timeout_s` (it is then killed), fails it."""
     backend, load = router.backends[index], router.loads[index]
     loop = asyncio.get_running_loop()
@@ -261,7 +261,7 @@ async def watch_backend(router: ReplicaRouter, index: int, client: httpx.AsyncCl
         else:
             answered_at = loop.time()
             load.unavailable = None if health.status_code == 200 else _error_message(health)
-        await asyncio.sleep(WATCH_INTERVAL_S)
+        await asyncio.sleep(BACKEND_CHECK_INTERVAL_S)
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def create_router_app(router: ReplicaRouter, limits: Any = None) -> FastAPI:
     async def forward(raw: Request, path: str) -> Response:
         body = await raw.body()
         tokens = await router.cost(path, body)
-        return await route(router, state["client"], raw, path, body, tokens)
+        return await send_to_replicas(router, state["client"], raw, path, body, tokens)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -338,7 +338,7 @@ def create_router_app(router: ReplicaRouter, limits: Any = None) -> FastAPI:
     return app
 
 
-async def route(
+async def send_to_replicas(
     router: ReplicaRouter, client: httpx.AsyncClient, raw: Request, path: str, body: bytes, tokens: int
 ) -> Response:
     """Send the request to the replicas in `ranked` order until one takes it; its answer, relayed."""

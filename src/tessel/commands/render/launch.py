@@ -28,7 +28,7 @@ STAGE_COLUMNS = (
 STREAM_COLUMNS = ("streamed layers", "transfer exposed ms/step", "transfer hidden ms/step")
 
 
-def stage_utilization(
+def measured_stage_utilization(
     stages: list[dict],
     gpu_types: list[str],
     model,

@@ -113,3 +113,23 @@ def print_vllm_export(console: Console, outcome: PlanOutcome) -> None:
     )
     for warning in exported.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+
+
+def print_vllm_replica(  # noqa: ANN001 (the planner's instance, evaluation, problem, settings, workload)
+    console: Console, title: str, instance, evaluation, problem, settings, workload
+) -> None:
+    """The vLLM launch command of one replica (or flow path) of a plan, under `title`, and its warnings."""
+    from tessel.plan.files.export_vllm import export_vllm
+
+    exported = export_vllm(
+        instance,
+        evaluation,
+        model=problem.model,
+        dtype=settings.dtype,
+        kv_dtype=settings.kv_dtype,
+        max_model_len=workload.max_kv_tokens,
+    )
+    console.print(title)
+    typer.echo(exported.command)
+    for warning in exported.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)

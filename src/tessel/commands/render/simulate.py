@@ -26,7 +26,7 @@ def print_simulation(console: Console, report: SimulationReport) -> None:
         highlight=False,
     )
     console.print(metrics_table(report.runs))
-    console.print(stage_table(report.runs[0], run_utilization(report.plan_file, report.runs[0])))
+    console.print(variant_stage_table(report.runs[0], run_utilization(report.plan_file, report.runs[0])))
     if report.settings.compare:
         for name, reason in plan_file.infeasible.items():
             console.print(f"baseline {name}: not simulated ({reason})", highlight=False)
@@ -56,7 +56,7 @@ def print_load(console: Console, load: LoadCheck | None) -> None:
         console.print(f"[yellow]{escape(load.message())}[/yellow]")
 
 
-def comparison_table(rows: list[MetricComparison], title: str) -> Table:
+def predicted_vs_measured_table(rows: list[MetricComparison], title: str) -> Table:
     """Predicted and measured side by side, with (predicted - measured) / measured."""
     table = Table(title=title)
     for name in ("metric", "predicted", "measured", "error"):
@@ -119,7 +119,7 @@ def _percent(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 100:.1f}"
 
 
-def stage_table(run: VariantRun, utilizations: list | None = None) -> Table:
+def variant_stage_table(run: VariantRun, utilizations: list | None = None) -> Table:
     """Per stage: where it runs, its layers, how busy the simulation kept it; and the weight
     precisions it was priced at when the plan gives them; with `utilizations`, MFU and MBU."""
     from tessel.plan.precision.precision import stage_precision_text

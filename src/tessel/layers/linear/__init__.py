@@ -22,14 +22,14 @@ from tessel.layers.linear.dense import (
     BATCH_HINT,
     TILE_ROWS,
     Linear,
-    bucket_rows,
     dequantized_linear,
     pack_linears,
+    packed_bucket_rows,
     packed_linear,
     packing_available,
 )
 from tessel.layers.linear.forms import Kept, LinearForm, SplitLinear, linear_form, split_linear
-from tessel.layers.linear.int8_weights import GEMV_MAX_ROWS, quantize_weight
+from tessel.layers.linear.int8_weights import GEMV_MAX_ROWS, quantize_int8_weight
 from tessel.layers.linear.tuning import tune_linears, tune_rows, tuned_kernel
 from tessel.layers.linear.w8a8 import W8A8Linear
 from tessel.layers.linear.w8a16 import W8A16Linear
@@ -44,13 +44,13 @@ __all__ = [
     "SplitLinear",
     "W8A8Linear",
     "W8A16Linear",
-    "bucket_rows",
+    "packed_bucket_rows",
     "dequantized_linear",
     "linear_form",
     "pack_linears",
     "packed_linear",
     "packing_available",
-    "quantize_weight",
+    "quantize_int8_weight",
     "split_linear",
     "tune_linears",
     "tune_rows",

@@ -57,11 +57,11 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 
 # The row count a GEMM call of `rows` rows (1 <= rows <= TILE_ROWS) is padded to: the one ladder's
 # rung (`tessel.layers.buckets`) at its packed-linear step.
-bucket_rows = functools.partial(buckets.bucket_rows, step=buckets.PACKED_ROWS_STEP)
+packed_bucket_rows = functools.partial(buckets.bucket_rows, step=buckets.PACKED_ROWS_STEP)
 
 
 @dataclass(frozen=True, slots=True)
-class _Packed:
+class PackedWeight:
     """A weight [N, K] in oneDNN's layout and its bias: y = rows @ weight.T + bias, tiled and bucketed."""
 
     weight: torch.Tensor  # opaque oneDNN tensor
@@ -74,7 +74,7 @@ class _Packed:
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
-        padded = bucket_rows(n)
+        padded = packed_bucket_rows(n)
         if padded != n:
             rows = F.pad(rows, (0, 0, 0, padded - n))
         out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
@@ -103,7 +103,7 @@ class Linear(nn.Linear, TracedForms):
     """y = x @ weight.T + bias in float on tessel's GEMM (`gemm`), or on oneDNN's (`packed`, built by
     `packed_linear`: `weight` and `bias` are then None, held in oneDNN's layout instead)."""
 
-    _packed: _Packed | None = None
+    packed_weight: PackedWeight | None = None
 
     @classmethod
     def from_linear(cls, layer: nn.Linear) -> Linear:
@@ -115,21 +115,23 @@ class Linear(nn.Linear, TracedForms):
 
     @property
     def path(self) -> str:
-        return "gemm" if self._packed is None else "packed"
+        return "gemm" if self.packed_weight is None else "packed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            out = self._packed(x.reshape(-1, self.in_features))
+        if self.packed_weight is not None:
+            out = self.packed_weight(x.reshape(-1, self.in_features))
             return out.view(*x.shape[:-1], self.out_features)
         rows = rows_of(x, self.in_features)
         out = _LinearFunction.apply(rows, self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def one_row_form(self) -> LinearForm | None:
-        return None if self._packed is not None else float_form(self.weight, self.bias)
+        return None if self.packed_weight is not None else float_form(self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        bias = self.bias is not None or (self._packed is not None and self._packed.bias is not None)
+        bias = self.bias is not None or (
+            self.packed_weight is not None and self.packed_weight.bias is not None
+        )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, path={self.path}"
         )
@@ -141,7 +143,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     out_features, in_features = weight.shape
     layer = Linear(in_features, out_features, bias=False, device="meta")
     layer.weight = None
-    layer._packed = _Packed(onednn_weight(weight), None if bias is None else bias.detach())
+    layer.packed_weight = PackedWeight(onednn_weight(weight), None if bias is None else bias.detach())
     return layer
 
 

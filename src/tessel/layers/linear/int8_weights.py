@@ -35,7 +35,7 @@ def rows_of(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features)
 
 
-def quantize_weight(weight: torch.Tensor, code_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_weight(weight: torch.Tensor, code_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8: (q [N, K] int8, scale [N] float32), weight ~= q * scale[:, None],
     scale = absmax / 127 (`quantize_per_token` on the weight's rows). code_bits 7: codes in [-63, 63],
     scale absmax / 63 (the rounding of the quantize command's `--weight-code-bits 7`)."""
@@ -70,7 +70,7 @@ class Int8Weights(nn.Module, TracedForms):
     def from_linear(cls, layer: nn.Linear, weight_code_bits: int = 8):
         """Quantise a float nn.Linear once: per-output-channel int8 weights (codes of
         `weight_code_bits`), float32 scales, float32 bias."""
-        weight, scale = quantize_weight(layer.weight, weight_code_bits)
+        weight, scale = quantize_int8_weight(layer.weight, weight_code_bits)
         return cls(weight, scale, None if layer.bias is None else layer.bias.detach().float())
 
     def _prepare(self) -> None:

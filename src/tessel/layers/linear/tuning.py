@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels.autotune import bucket_m
+from tessel.kernels.dispatch import use_triton
 from tessel.layers.linear.dense import Linear
 from tessel.layers.linear.w8a8 import W8A8Linear
 from tessel.layers.linear.w8a16 import GPU_PATH, W8A16Linear

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from tessel.errors import TesselError
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels.cpu_features import W8A16_PATHS, choose_w8a16_path
+from tessel.kernels.dispatch import use_triton
 from tessel.kernels.int8_cpu import FP16Codes, fp16_codes_linear, fp16_codes_pack
 from tessel.kernels.w8a16_cpu import bf16_gemm, gemv_int8
 from tessel.kernels.w8a16_gemm import w8a16_gemm

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels._dispatch import use_triton
 from tessel.kernels.cpu_features import INT8_PATHS, avx512_cpu, choose_int8_path, fbgemm_act_bits
+from tessel.kernels.dispatch import use_triton
 from tessel.kernels.int8_cpu import (
     FbgemmInt8,
     FP16Codes,

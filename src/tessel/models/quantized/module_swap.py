@@ -17,7 +17,6 @@ Fused q/k/v with static activations take the largest of their three input scales
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear, W8A16Linear, dequantized_linear
-from tessel.models.quantized.compressed_tensors import parse_quantization_config, read_module
+from tessel.models.quantized.compressed_tensors import read_module
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 
 # tessel module -> the checkpoint linears it fuses, in order
@@ -37,14 +36,6 @@ FUSED = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 QUANTIZED_LEAVES = frozenset(leaf.rsplit(".", 1)[-1] for parts in FUSED.values() for leaf in parts)
-
-
-def read_scheme(path: str | Path) -> Scheme | None:
-    """The scheme of a checkpoint directory (None: not quantised). Bad configs raise TesselError."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    return parse_quantization_config(json.loads(config_file.read_text()))
 
 
 def is_quantized_tensor(name: str) -> bool:

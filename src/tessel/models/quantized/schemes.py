@@ -13,15 +13,18 @@ over the qmin..qmax levels, zero_point = clamp(qmin - round(lo / scale))).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tessel.errors import TesselError
-from tessel.models.quantized.observers import NARROW_CODE_BITS, QuantRange, make_observer, quantize
+from tessel.models.quantized.qparams import NARROW_CODE_BITS, QuantRange, calculate_qparams, quantize_tensor
 
 GROUP_SIZE = 128  # the group of llm-compressor's W4A16 preset (and GPTQ's usual one)
-WEIGHT_OBSERVERS = ("minmax", "mse")
+# (scale, zero_point) of each row of a weight [R, G] in a range: round to nearest takes every row's
+# min and max (`row_minmax_qparams`); the offline toolkit's clip searches are its weight observers
+WeightQParams = Callable[[torch.Tensor, QuantRange], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +114,28 @@ def _grouped(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return weight.reshape(n, 1, k) if group_size is None else weight.reshape(n, k // group_size, group_size)
 
 
-def quantize_weight(weight: torch.Tensor, scheme: Scheme, observer: str = "minmax") -> QuantizedWeight:
-    """Round-to-nearest quantisation of an nn.Linear weight [N, K] under `scheme` (its symmetry)."""
-    if observer not in WEIGHT_OBSERVERS:
-        raise TesselError(f"weight observer must be one of {', '.join(WEIGHT_OBSERVERS)}; got {observer!r}")
+def row_minmax_qparams(rows: torch.Tensor, qrange: QuantRange) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) [R] of each row of `rows` [R, G] from its min and max (the minmax observer's,
+    per row: no clipping)."""
+    lo, hi = torch.aminmax(rows.float(), dim=1)
+    return calculate_qparams(lo, hi, qrange)
+
+
+def quantize_weight(
+    weight: torch.Tensor, scheme: Scheme, qparams: WeightQParams = row_minmax_qparams
+) -> QuantizedWeight:
+    """Round-to-nearest quantisation of an nn.Linear weight [N, K] under `scheme` (its symmetry), with
+    the scale and zero point of each row (or group) that `qparams` gives: its min and max by default."""
     weight = weight.detach().float()
     n, k = weight.shape
+    if weight.numel() == 0:
+        raise TesselError(f"a linear layer's weight [{n}, {k}] is empty; there is nothing to quantise")
     scheme.check_in_features(k, "a linear layer")
     rows = _grouped(weight, scheme.group_size)
     groups = rows.shape[1]
-    obs = make_observer(observer, scheme.weight_range, axis=0)
-    obs.observe(rows.reshape(n * groups, -1))
-    scale, zero_point = obs.qparams()
+    scale, zero_point = qparams(rows.reshape(n * groups, -1), scheme.weight_range)
     scale, zero_point = scale.view(n, groups, 1), zero_point.view(n, groups, 1)
-    q = quantize(rows, scale, zero_point, scheme.weight_range).reshape(n, k)
+    q = quantize_tensor(rows, scale, zero_point, scheme.weight_range).reshape(n, k)
     zero = None if scheme.symmetric else zero_point.view(n, groups).to(torch.int8)
     return QuantizedWeight(q, scale.view(n, groups), scheme.group_size, zero)
 

@@ -34,7 +34,7 @@ from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.weight_stream import HostWeights, WeightStreamer, host_copy, start_streaming
 from tessel.kernels.paged_decode import decode_gather
-from tessel.layers.sampler import _exponential
+from tessel.layers.sampler import exponential_noise
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
@@ -217,7 +217,7 @@ def resumed_generator(seed: int, draws: int, vocab_size: int) -> torch.Generator
     a new pipeline samples on as it would have on the old one."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(draws):
-        _exponential(vocab_size, torch.float32, generator)
+        exponential_noise(vocab_size, torch.float32, generator)
     return generator
 
 

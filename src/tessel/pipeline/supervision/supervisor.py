@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from tessel.errors import TesselError
-from tessel.pipeline.executor import ProcessExecutor, spawn_pipeline
+from tessel.pipeline.executor import ProcessExecutor
 from tessel.pipeline.flow import is_flow
 from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import RunPlan
+from tessel.pipeline.spawn import spawn_pipeline
 
 WATCH_INTERVAL_S = 0.5
 REBUILD_RETRY_AFTER_S = 5  # Retry-After while the pipeline is rebuilt, before one rebuild was timed

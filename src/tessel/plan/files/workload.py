@@ -154,6 +154,19 @@ class Workload(BaseModel):
         """Average context of a request over its decode steps: prompt + half the output."""
         return self.prompt_tokens.mean_tokens + self.output_tokens.mean_tokens / 2
 
+    def with_in_flight(self, in_flight: int) -> Workload:
+        """The workload as a plan carrying `in_flight` micro-batches writes it: unchanged, unless
+        memory concurrency put more in flight than it asked for (the plan file's m is then the total)."""
+        if in_flight <= self.micro_batches:
+            return self
+        update = {
+            "batch_size": in_flight * self.micro_batch_size,
+            "arrival_rate_per_s": None,
+            "latency_estimate_s": None,
+            "max_micro_batch": in_flight,
+        }
+        return self.model_copy(update=update)
+
 
 def list_bundled_workloads() -> list[str]:
     return bundled_names("workloads")

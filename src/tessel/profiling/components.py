@@ -95,7 +95,7 @@ def _interleaved_medians(
 ) -> np.ndarray:
     """Median seconds of each of `fns`, timed in rounds of one run of each (a load change on a shared
     machine hits every size alike, so it shifts the fit less than it bends it), until `deadline`."""
-    from tessel.models.profiler import time_runs
+    from tessel.profiling.timing import time_runs
 
     repeats = max(settings.repeats, COMPONENT_MIN_REPEATS)
     runs = time_runs(

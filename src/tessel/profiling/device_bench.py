@@ -9,7 +9,7 @@ Per device:
 - host-to-device / device-to-host (CUDA): a pinned host buffer copied in and out;
 - device-to-device (CUDA): a buffer copied to each peer GPU (NVLink or PCIe peer-to-peer).
 Each figure is the best of `repeats` timed runs after `warmup` untimed ones, timed with the clock
-`tessel profile` uses (`tessel.models.profiler.make_clock`: CUDA events on a GPU, wall time on CPU),
+`tessel profile` uses (`tessel.profiling.layer.make_clock`: CUDA events on a GPU, wall time on CPU),
 best rather than median because a shared machine only ever slows a run down.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tessel.errors import TesselError
-from tessel.models.profiler import make_clock, time_runs
+from tessel.profiling.timing import make_clock, time_runs
 
 GB = 1e9
 TERA = 1e12

