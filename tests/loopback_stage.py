@@ -19,7 +19,7 @@ from tessel.pipeline.executor import ProcessExecutor, layer_filter
 from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import load_run_plan
 from tessel.pipeline.stage.runner import StageRunner
-from tessel.pipeline.supervision.heartbeat import Progress
+from tessel.pipeline.supervision.heartbeat import StageProgress
 
 
 def pipeline_llm(
@@ -37,7 +37,7 @@ class Loopback:
 
     def __init__(self, runner: StageRunner, arrived: bool = False) -> None:
         self.runner, self.arrived = runner, arrived
-        self.results, self.progress = {}, Progress()
+        self.results, self.progress = {}, StageProgress()
         self.order: deque[int] = deque()
 
     def send_batch(self, message, hidden, input_ids=None) -> None:

@@ -11,7 +11,7 @@ from tessel.pipeline.devices import (
     NCCL,
     CudaDevice,
     check_devices,
-    describe_links,
+    link_lines,
     link_transports,
     process_group_backend,
     same_gpu_type,
@@ -68,7 +68,7 @@ def test_transport_per_link(devices, transports):
     assert link_transports(p) == transports
     assert process_group_backend(transports) == ("cpu:gloo,cuda:nccl" if NCCL in transports else "gloo")
     assert link_transports(p, "host") == [HOST] * len(transports)
-    assert len(describe_links(p, transports)) == len(transports)
+    assert len(link_lines(p, transports)) == len(transports)
 
 
 @pytest.mark.parametrize(

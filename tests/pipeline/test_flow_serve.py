@@ -10,7 +10,7 @@ import pytest
 from hf_oracle import hf_greedy
 from pipeline_plans import write_flow_plan
 from tessel.errors import TesselError
-from tessel.pipeline.flow import FlowBlocks, path_block_ranges, with_micro_batches
+from tessel.pipeline.flow import FlowBlocks, path_block_ranges, share_micro_batches
 from tessel.pipeline.run_plan import load_run_plan
 
 PROMPTS = [
@@ -45,7 +45,7 @@ def test_the_runtime_reads_a_flow_plan_as_placements_and_paths(tiny_dirs, tmp_pa
     ]  # fmt: skip
     assert [p.ranks for p in plan.paths] == [(0, 2), (0, 3), (1, 2)]
     assert plan.micro_batches == 4
-    slots = [p.micro_batches for p in with_micro_batches(plan.paths, 7)]  # 7 x weights: 3.5, 2.1, 1.4
+    slots = [p.micro_batches for p in share_micro_batches(plan.paths, 7)]  # 7 x weights: 3.5, 2.1, 1.4
     assert sum(slots) == 7 and all(abs(n - 7 * p.weight) < 1 for n, p in zip(slots, plan.paths, strict=True))
     with pytest.raises(TesselError, match="one path cannot run alone"):
         load_run_plan(plan_path, replica=1)

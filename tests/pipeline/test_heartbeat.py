@@ -18,7 +18,7 @@ from tessel.pipeline.supervision.heartbeat import (
     JOIN_STALL_S,
     STARTING_SILENCE_S,
     Heartbeat,
-    Progress,
+    StageProgress,
     Watchdog,
     beat_interval_s,
     beat_path,
@@ -30,7 +30,7 @@ from tessel.pipeline.supervision.heartbeat import (
 TIMEOUT_S = 10.0
 
 
-def _beat(run_dir, rank: int, progress: Progress, age_s: float = 0.0) -> None:
+def _beat(run_dir, rank: int, progress: StageProgress, age_s: float = 0.0) -> None:
     """Write stage `rank`'s beat as if it was sent `age_s` ago."""
     beat = {"time_s": time.time() - age_s, "progress": dataclasses.asdict(progress)}
     beat_path(run_dir, rank).write_text(json.dumps(beat))
@@ -45,7 +45,7 @@ def _all_running(rank: int) -> bool:
 
 
 def test_the_thread_beats_with_the_progress_it_holds(tmp_path):
-    progress = Progress(last_batch=3)
+    progress = StageProgress(last_batch=3)
     heartbeat = Heartbeat(tmp_path, 1, 0.02, progress).start()
     try:
         first = read_beat(tmp_path, 1)
@@ -62,8 +62,8 @@ def test_the_thread_beats_with_the_progress_it_holds(tmp_path):
 
 def test_a_silent_stage_is_named(tmp_path):
     for rank in (0, 2):
-        _beat(tmp_path, rank, Progress())
-    _beat(tmp_path, 1, Progress(), age_s=TIMEOUT_S + 1)
+        _beat(tmp_path, rank, StageProgress())
+    _beat(tmp_path, 1, StageProgress(), age_s=TIMEOUT_S + 1)
     stage, cause = _watchdog(tmp_path).check(_all_running)
     assert stage == 1 and cause.startswith(f"sent no heartbeat for {TIMEOUT_S:g} s")
     # a stage that exited is judged by its exit code, not its old beat file
@@ -71,19 +71,21 @@ def test_a_silent_stage_is_named(tmp_path):
 
 
 def test_a_stage_not_yet_beating_has_the_startup_allowance(tmp_path):
-    _beat(tmp_path, 0, Progress())
-    _beat(tmp_path, 2, Progress())
+    _beat(tmp_path, 0, StageProgress())
+    _beat(tmp_path, 2, StageProgress())
     assert _watchdog(tmp_path, started_ago_s=TIMEOUT_S * 3).check(_all_running) is None
     stage, cause = _watchdog(tmp_path, started_ago_s=10_000).check(_all_running)
     assert stage == 1 and "sent no heartbeat in the" in cause
 
 
-def _stuck_progress(now: float, owed_batch: int = 7) -> dict[int, Progress]:
+def _stuck_progress(now: float, owed_batch: int = 7) -> dict[int, StageProgress]:
     long_ago = now - TIMEOUT_S - 5
     return {
-        0: Progress(last_s=long_ago, owed_since=long_ago, owed_batch=owed_batch, last_batch=owed_batch - 1),
-        1: Progress(last_s=long_ago, last_batch=7),
-        2: Progress(last_s=long_ago, last_batch=6),
+        0: StageProgress(
+            last_s=long_ago, owed_since=long_ago, owed_batch=owed_batch, last_batch=owed_batch - 1
+        ),
+        1: StageProgress(last_s=long_ago, last_batch=7),
+        2: StageProgress(last_s=long_ago, last_batch=6),
     }
 
 
@@ -137,7 +139,7 @@ def test_stage_0_in_process_counts_in_the_stuck_rule(tmp_path):
     [("loading", "while loading its layers"), ("joining", "while joining"), ("serving", "while serving")],
 )
 def test_silence_names_the_phase(tmp_path, phase, where):
-    _beat(tmp_path, 1, Progress(phase=phase), age_s=TIMEOUT_S + 1)
+    _beat(tmp_path, 1, StageProgress(phase=phase), age_s=TIMEOUT_S + 1)
     stage, cause = _watchdog(tmp_path, ranks=(1,)).check(_all_running)
     assert stage == 1 and where in cause
 
@@ -145,9 +147,9 @@ def test_silence_names_the_phase(tmp_path, phase, where):
 def test_a_stage_importing_torch_has_a_longer_silence_allowance(tmp_path):
     """An extension module's import may hold the interpreter lock for seconds: while `starting`, the
     silence allowed is at least STARTING_SILENCE_S, never unbounded."""
-    _beat(tmp_path, 1, Progress(phase="starting"), age_s=TIMEOUT_S + 1)
+    _beat(tmp_path, 1, StageProgress(phase="starting"), age_s=TIMEOUT_S + 1)
     assert _watchdog(tmp_path, ranks=(1,)).check(_all_running) is None
-    _beat(tmp_path, 1, Progress(phase="starting"), age_s=STARTING_SILENCE_S + 1)
+    _beat(tmp_path, 1, StageProgress(phase="starting"), age_s=STARTING_SILENCE_S + 1)
     stage, cause = _watchdog(tmp_path, ranks=(1,)).check(_all_running)
     assert stage == 1 and "while starting" in cause
 
@@ -156,13 +158,13 @@ def test_a_stuck_join_is_named_once_every_stage_has_loaded(tmp_path):
     """The beat thread goes on while the main thread waits in the rendezvous: once every stage is
     past loading, a join older than JOIN_STALL_S is a stuck rendezvous or NCCL init."""
     long_ago = time.time() - JOIN_STALL_S - 5
-    _beat(tmp_path, 1, Progress(phase="joining", phase_since=long_ago))
-    _beat(tmp_path, 2, Progress(phase="loading", phase_since=long_ago))
+    _beat(tmp_path, 1, StageProgress(phase="joining", phase_since=long_ago))
+    _beat(tmp_path, 2, StageProgress(phase="loading", phase_since=long_ago))
     assert _watchdog(tmp_path, ranks=(1, 2)).check(_all_running) is None  # stage 2 still loads
-    _beat(tmp_path, 2, Progress(phase="joining", phase_since=long_ago))
+    _beat(tmp_path, 2, StageProgress(phase="joining", phase_since=long_ago))
     stage, cause = _watchdog(tmp_path, ranks=(1, 2)).check(_all_running)
     assert stage == 1 and "joining the process group" in cause
-    _beat(tmp_path, 2, Progress(phase="joining", phase_since=time.time()))  # the last just got there
+    _beat(tmp_path, 2, StageProgress(phase="joining", phase_since=time.time()))  # the last just got there
     assert _watchdog(tmp_path, ranks=(1, 2)).check(_all_running) is None
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tessel.pipeline.supervision.heartbeat import Heartbeat, Progress
+from tessel.pipeline.supervision.heartbeat import Heartbeat, StageProgress
 from tessel.pipeline.supervision.remap_watch import RemapWatch
 from tessel.pipeline.supervision.supervisor import RemapReport
 from tessel.plan.api import PlanSettings, make_plan
@@ -57,7 +57,7 @@ class _Engine:
         stats.batches += batches
         stats.compute_s += batches * step_s[0]
         for rank in range(1, len(step_s)):
-            progress = getattr(self, f"_p{rank}", None) or Progress()
+            progress = getattr(self, f"_p{rank}", None) or StageProgress()
             progress.batches += batches
             progress.busy_s += batches * step_s[rank]
             setattr(self, f"_p{rank}", progress)
@@ -159,7 +159,7 @@ def test_the_server_path_and_the_simulator_reach_the_same_decision(tmp_path, spe
         engine = server.engine
         engine.stage.stats.batches = len(done[0])
         engine.stage.stats.compute_s = sum(i.end_s - i.start_s for i in done[0])
-        progress = Progress(batches=len(done[1]), busy_s=sum(i.end_s - i.start_s for i in done[1]))
+        progress = StageProgress(batches=len(done[1]), busy_s=sum(i.end_s - i.start_s for i in done[1]))
         Heartbeat(engine.stages.run_dir, 1, 1.0, progress).beat()
         outputs = []  # each request's first token, then its finish, once each
         for record in result.records:

@@ -84,14 +84,14 @@ def test_run_plan_and_stage_executor_follow_the_schedule(tmp_path):
     from tessel.engine.emulation import SlowDevice
     from tessel.pipeline.run_plan import load_run_plan
     from tessel.pipeline.stage.runner import StageRunner
-    from tessel.pipeline.supervision.heartbeat import Progress
+    from tessel.pipeline.supervision.heartbeat import StageProgress
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(_plan({"emulate_schedule": [[0.0, 0.5]]})))
     stage = load_run_plan(path).stages[1]
     assert stage.emulate_schedule == ((0.0, 0.5),)
     executor = StageRunner(None, None, SlowDevice(stage.emulate_speed, stage.emulate_schedule))
-    executor.progress = Progress()
+    executor.progress = StageProgress()
     executor.account(time.perf_counter() - 0.002, tokens=3)
     stats = executor.stats
     assert stats.emulation_sleep_s == pytest.approx((1 / 0.5 - 1) * stats.compute_s)

@@ -72,7 +72,7 @@ class ExecutorLayout:
 
 
 @dataclass(slots=True)
-class MicroBatch:
+class InFlightBatch:
     """A scheduled batch on its way through the executor, until its tokens are applied."""
 
     batch_id: int
@@ -89,7 +89,7 @@ class MicroBatch:
     @classmethod
     def of(
         cls, batch_id: int, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None
-    ) -> MicroBatch:
+    ) -> InFlightBatch:
         sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
         seq_ids = [seq.seq_id for seq, _ in batch.scheduled()]
         return cls(batch_id, slot, batch, apply, sampled, prompt_scorings(batch), seq_ids)
@@ -113,9 +113,9 @@ class Executor(Protocol):
 
     def configure(self, config: EngineConfig) -> EngineConfig: ...
     def start(self, setup: EngineSetup) -> ExecutorLayout: ...
-    def launch(self, micro_batch: MicroBatch, kv_copies: KvCopies) -> None: ...
-    def ready(self, micro_batch: MicroBatch) -> bool: ...
-    def collect(self, micro_batch: MicroBatch) -> StepResult: ...
+    def launch(self, micro_batch: InFlightBatch, kv_copies: KvCopies) -> None: ...
+    def ready(self, micro_batch: InFlightBatch) -> bool: ...
+    def collect(self, micro_batch: InFlightBatch) -> StepResult: ...
     def release(self, seq_ids: list[int]) -> None: ...
     def resume(self, seq_id: int, draws: int) -> None: ...
     def count_from_here(self) -> None: ...
@@ -197,16 +197,16 @@ class LocalExecutor:
         )
         return ExecutorLayout(num_blocks, kv_cache=self.runner.kv_cache)
 
-    def launch(self, micro_batch: MicroBatch, kv_copies: KvCopies) -> None:
+    def launch(self, micro_batch: InFlightBatch, kv_copies: KvCopies) -> None:
         started = time.perf_counter()
         result, failed = run_isolated(self.runner, micro_batch.batch.scheduled())
         micro_batch.compute_s = time.perf_counter() - started
         micro_batch.result, micro_batch.failed = result, failed
 
-    def ready(self, micro_batch: MicroBatch) -> bool:
+    def ready(self, micro_batch: InFlightBatch) -> bool:
         return micro_batch.result is not None
 
-    def collect(self, micro_batch: MicroBatch) -> StepResult:
+    def collect(self, micro_batch: InFlightBatch) -> StepResult:
         assert micro_batch.result is not None, "a local micro-batch is computed when launched"
         return micro_batch.result
 

@@ -43,7 +43,14 @@ from typing import Any
 from tessel.engine.block_manager import BlockManager, PathBlockManagers
 from tessel.engine.detokenizer import IncrementalDetokenizer
 from tessel.engine.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from tessel.engine.executor import EngineSetup, Executor, ExecutorLayout, KvCopies, LocalExecutor, MicroBatch
+from tessel.engine.executor import (
+    EngineSetup,
+    Executor,
+    ExecutorLayout,
+    InFlightBatch,
+    KvCopies,
+    LocalExecutor,
+)
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.memory import available_memory_bytes, check_host_kv_cache_fits, check_kv_cache_fits
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
@@ -158,7 +165,7 @@ class LLMEngine:
         self.preemptor = self._build_preemptor(layout)
         for slot in self.scheduler.slots:
             slot.preemptor = self.preemptor
-        self._in_flight: deque[MicroBatch] = deque()
+        self._in_flight: deque[InFlightBatch] = deque()
         self._busy = [0] * len(self.scheduler.slots)  # micro-batches in flight per slot
         self._seqs_in_flight: Counter[int] = Counter()
         self._next_slot = 0
@@ -420,7 +427,7 @@ class LLMEngine:
             taken = True
         return taken
 
-    def _arrived(self, micro: MicroBatch) -> bool:
+    def _arrived(self, micro: InFlightBatch) -> bool:
         return micro.result is None and self.executor.ready(micro)
 
     def _chunks(self, seq: Sequence) -> list[int] | None:
@@ -440,7 +447,7 @@ class LLMEngine:
         seq.num_computed_tokens = start  # counted when the last chunk is back
 
     def _send(self, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None) -> None:
-        micro = MicroBatch.of(next(self._batch_ids), slot, batch, apply)
+        micro = InFlightBatch.of(next(self._batch_ids), slot, batch, apply)
         pool = self.preemptor.pool
         copies = KvCopies(self.preemptor.take_copies(), pool.num_total_blocks if pool is not None else 0)
         self.executor.launch(micro, copies)
@@ -451,7 +458,7 @@ class LLMEngine:
         self._seqs_in_flight.update(micro.seq_ids)
 
     # ---- results -------------------------------------------------------------------------------
-    def _complete(self, micro: MicroBatch) -> list[RequestOutput]:
+    def _complete(self, micro: InFlightBatch) -> list[RequestOutput]:
         result = micro.result if micro.result is not None else self.executor.collect(micro)
         self._busy[micro.slot] -= 1
         self._seqs_in_flight.subtract(micro.seq_ids)

@@ -90,7 +90,7 @@ def process_group_backend(transports: list[str]) -> str:
     return "cpu:gloo,cuda:nccl" if NCCL in transports else "gloo"
 
 
-def describe_links(plan: RunPlan, transports: list[str]) -> list[str]:
+def link_lines(plan: RunPlan, transports: list[str]) -> list[str]:
     """One line per link, as `tessel launch` prints them at start."""
     lines = []
     for k, transport in enumerate(transports):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from tessel.engine.emulation import SlowDevice
 from tessel.engine.engine_config import EngineConfig
-from tessel.engine.executor import EngineSetup, ExecutorLayout, KvCopies, MicroBatch
+from tessel.engine.executor import EngineSetup, ExecutorLayout, InFlightBatch, KvCopies
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.slots import SlotPath
 from tessel.engine.weight_stream import host_copy
@@ -264,7 +264,7 @@ class ProcessExecutor:
         self.rss_before_load_bytes = loaded.rss_before_load_bytes
 
     # ---- running micro-batches --------------------------------------------------------------------
-    def launch(self, micro: MicroBatch, kv_copies: KvCopies) -> None:
+    def launch(self, micro: InFlightBatch, kv_copies: KvCopies) -> None:
         """Prepare the micro-batch, run it through stage 0's layers and send it along its path (or
         send its token ids to a path that starts elsewhere)."""
         input_ids, positions, meta, sample_rows = self.runner.prepare(micro.batch)
@@ -298,7 +298,7 @@ class ProcessExecutor:
         except PeerLostError as error:
             raise self._lost(error) from error
 
-    def _run_stage0(self, micro: MicroBatch, message: BatchMessage, input_ids: torch.Tensor) -> None:
+    def _run_stage0(self, micro: InFlightBatch, message: BatchMessage, input_ids: torch.Tensor) -> None:
         started, cpu_started = time.perf_counter(), time.process_time()
         hidden = self.runner.run_stage(message.positions, message.meta, input_ids=input_ids)
         micro.compute_s = time.perf_counter() - started
@@ -308,10 +308,10 @@ class ProcessExecutor:
         if message.path != (0,):
             self.comm.send_batch(message, hidden)
 
-    def ready(self, micro: MicroBatch) -> bool:
+    def ready(self, micro: InFlightBatch) -> bool:
         return self.comm is not None and self.comm.tokens_ready(micro.batch_id)
 
-    def collect(self, micro: MicroBatch) -> StepResult:
+    def collect(self, micro: InFlightBatch) -> StepResult:
         try:
             back = self.comm.recv_tokens(micro.batch_id, len(micro.sampled))
         except PeerLostError as error:
@@ -319,7 +319,7 @@ class ProcessExecutor:
         return self._result(micro, back)
 
     @staticmethod
-    def _result(micro: MicroBatch, back) -> StepResult:  # noqa: ANN001 (SampledRows)
+    def _result(micro: InFlightBatch, back) -> StepResult:  # noqa: ANN001 (SampledRows)
         prompt = [
             (seq, scoring.first, logprobs)
             for (seq, scoring), logprobs in zip(micro.scorings, back.prompt_logprobs, strict=True)

@@ -98,7 +98,7 @@ def flow_stages(plan, source: Path) -> tuple[list, tuple[FlowPath, ...]]:  # noq
     return stages, paths
 
 
-def with_micro_batches(paths: tuple[FlowPath, ...], total: int) -> tuple[FlowPath, ...]:
+def share_micro_batches(paths: tuple[FlowPath, ...], total: int) -> tuple[FlowPath, ...]:
     """`--micro-batches N` for a flow plan: N slots shared by the paths by their weights (at least
     one each; the paths' shares as `WeightedTurns` deals them)."""
     if total < len(paths):
@@ -266,7 +266,7 @@ def pipeline_path(stages: tuple, micro_batches: int) -> tuple[FlowPath, ...]:  #
 
 def plan_paths(plan: RunPlan, micro_batches: int | None = None) -> tuple[FlowPath, ...]:
     """The paths `plan` runs, with `--micro-batches N` shared over them where given."""
-    return plan.paths if micro_batches is None else with_micro_batches(plan.paths, micro_batches)
+    return plan.paths if micro_batches is None else share_micro_batches(plan.paths, micro_batches)
 
 
 def is_flow(plan: RunPlan) -> bool:

@@ -31,7 +31,7 @@ from tessel.pipeline.supervision.ray_stages import (
     connect,
     free_port_on,
     import_ray,
-    node_of,
+    machine_of,
     with_command_threads,
 )
 from tessel.server.replica_backends import Backend, ReplicaSpec, SpawnBackend, backend_argv
@@ -131,7 +131,7 @@ def replica_nodes(plan: Path, specs: list[ReplicaSpec], nodes: dict[str, RayNode
     """Each replica's first machine; refused naming the replica when the cluster lacks it."""
     placed = {}
     for spec in specs:
-        name = node_of(load_run_plan(plan, spec.index).stages[0].device)
+        name = machine_of(load_run_plan(plan, spec.index).stages[0].device)
         if name not in nodes:
             raise TesselError(
                 f"replica {spec.index} starts on node {name!r}, which the Ray cluster lacks; its nodes: "

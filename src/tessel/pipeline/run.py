@@ -31,8 +31,7 @@ class PipelineRun:
 
 def describe_links(options: RunOptions) -> list[str]:
     """Where each stage runs and how the stream crosses each link, one line each (printed at start)."""
-    from tessel.pipeline.devices import describe_links as lines
-    from tessel.pipeline.devices import link_transports, stage_device
+    from tessel.pipeline.devices import link_lines, link_transports, stage_device
     from tessel.pipeline.flow import describe, is_flow
     from tessel.pipeline.run_plan import load_run_plan
 
@@ -41,7 +40,7 @@ def describe_links(options: RunOptions) -> list[str]:
         return describe(plan)
     if len(plan.stages) == 1:
         return [f"one stage on {stage_device(plan.stages[0])}"]
-    return lines(plan, link_transports(plan, options.transport))
+    return link_lines(plan, link_transports(plan, options.transport))
 
 
 def run_pipeline(options: RunOptions) -> PipelineRun:

@@ -9,7 +9,7 @@ with one predecessor pre-posts the receive of the next header (`irecv`), so its 
 compute; one with several (a placement several paths go through) receives from any of them. The
 stages that sample send the tokens back to stage 0 on a process group of their own, which stage 0
 receives on with a thread each (`tessel.pipeline.comm.tokens`). Any failure of the process group
-becomes `PeerLostError`. As messages move, the stage's `Progress` is updated for its heartbeat
+becomes `PeerLostError`. As messages move, the stage's `StageProgress` is updated for its heartbeat
 (`tessel.pipeline.supervision.heartbeat`): when a stage starts and ends computing a micro-batch,
 and since when stage 0 waits for tokens.
 """
@@ -36,7 +36,7 @@ from tessel.pipeline.comm.messages import (
 from tessel.pipeline.comm.tokens import TokenReceiver, to_wire
 from tessel.pipeline.devices import NCCL
 from tessel.pipeline.flow import FlowPath, last_ranks, neighbours
-from tessel.pipeline.supervision.heartbeat import Progress
+from tessel.pipeline.supervision.heartbeat import StageProgress
 
 Received = tuple[BatchMessage, torch.Tensor | None, torch.Tensor | None]  # message, stream, token ids
 
@@ -68,7 +68,7 @@ class StageComm:
         self._sends: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
         self._next_header: tuple[dist.Work, torch.Tensor] | None = None
         self._stops = 0
-        self.progress = Progress()
+        self.progress = StageProgress()
 
     def _handed_on(self, batch_id: int) -> None:
         self.progress.active_since, self.progress.last_s = None, time.time()

@@ -10,7 +10,7 @@ last stage's rows with the logprobs asked for. Sampling here keeps each seeded r
 A stage of an emulated slower device (`tessel.engine.emulation.SlowDevice`: a speed, or a speed
 schedule) sleeps (1/s - 1) x its measured compute time after every micro-batch: emulation of a
 slower device on one CPU, not a model of one. `StageStats` and, where attached, the heartbeat's
-`Progress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
+`StageProgress` count its micro-batches, tokens and busy seconds (compute + emulation): what the remap
 watcher reads (`tessel.pipeline.supervision.remap_watch`).
 
 A stage whose plan offloads layers streams their weights from host memory
@@ -40,7 +40,7 @@ from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.pipeline.comm.messages import BatchMessage, KvLayout
-from tessel.pipeline.supervision.heartbeat import Progress
+from tessel.pipeline.supervision.heartbeat import StageProgress
 
 
 @dataclass(slots=True)
@@ -84,7 +84,7 @@ class StageRunner:
     weight_bytes: int = 0  # parameters and buffers loaded for this stage
     stats: StageStats = field(default_factory=StageStats)
     _generators: dict[int, torch.Generator] = field(default_factory=dict)
-    progress: Progress | None = None  # the heartbeat's: counts batches, tokens and busy seconds too
+    progress: StageProgress | None = None  # the heartbeat's: counts batches, tokens and busy seconds too
     host_weights: HostWeights | None = None  # streamed layers' host copy, until streaming starts
     host_gbps: float | None = None  # a CPU stage's emulated host link (the plan's emulate_host_gbps)
     streamer: WeightStreamer | None = None

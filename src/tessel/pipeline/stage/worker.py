@@ -16,7 +16,7 @@ from tessel.errors import TesselError
 from tessel.pipeline.supervision.heartbeat import (
     RUN_DIR_ENV,
     Heartbeat,
-    Progress,
+    StageProgress,
     beat_interval_s,
     heartbeat_timeout_s,
 )
@@ -27,7 +27,9 @@ def start_heartbeat(rank: int) -> Heartbeat | None:
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return None
-    heartbeat = Heartbeat(Path(run_dir), rank, beat_interval_s(heartbeat_timeout_s()), Progress("starting"))
+    heartbeat = Heartbeat(
+        Path(run_dir), rank, beat_interval_s(heartbeat_timeout_s()), StageProgress("starting")
+    )
     return heartbeat.start()
 
 

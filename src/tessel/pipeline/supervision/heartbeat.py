@@ -1,7 +1,7 @@
 """Stage liveness: a heartbeat thread in every stage process, and the watchdog that reads them.
 
 A stage the launcher spawns runs a daemon thread that rewrites `stage<k>.beat` in the run
-directory every `beat_interval_s(timeout)` with the time and the stage's `Progress`, from the
+directory every `beat_interval_s(timeout)` with the time and the stage's `StageProgress`, from the
 first lines of the process (`tessel.pipeline.stage.worker` starts it before importing torch) to its end.
 The progress names the stage's phase: `starting` (importing torch and the runtime), `loading` (its
 layers), `joining` (the process group) and `serving`. The launcher's `Watchdog` fails the run when
@@ -20,7 +20,7 @@ layers), `joining` (the process group) and `serving`. The launcher's `Watchdog` 
 - the pipeline made no progress for `timeout_s` while work is owed: stage 0 has waited that long
   for a micro-batch's tokens and no stage has computed or moved anything since. That is a deadlock
   or a stuck collective, which a thread heartbeat alone cannot see (the thread beats on while the
-  main thread waits in a receive). Progress is judged only while stage 0 waits for tokens and never
+  main thread waits in a receive). StageProgress is judged only while stage 0 waits for tokens and never
   while a stage computes, so a long prefill, an emulated slow stage or an idle server (later stages
   waiting for work for hours) is never mistaken for a hang. The stage named is the first that has
   not handed the owed micro-batch on.
@@ -86,7 +86,7 @@ def beat_path(run_dir: Path, rank: int) -> Path:
 
 
 @dataclass(slots=True)
-class Progress:
+class StageProgress:
     """What a stage's main thread is doing: its phase (`PHASES`), and, once serving, what its
     `StageComm` sets as messages move (wall times)."""
 
@@ -110,13 +110,13 @@ class Beat:
     """One stage's last heartbeat as the watchdog reads it."""
 
     time_s: float
-    progress: Progress
+    progress: StageProgress
 
 
 class Heartbeat:
     """A daemon thread writing `stage<rank>.beat` every `interval_s` until `stop()`."""
 
-    def __init__(self, run_dir: Path, rank: int, interval_s: float, progress: Progress) -> None:
+    def __init__(self, run_dir: Path, rank: int, interval_s: float, progress: StageProgress) -> None:
         self.path = beat_path(run_dir, rank)
         self.interval_s = interval_s
         self.progress = progress
@@ -171,7 +171,7 @@ def process_stopped(pid: int) -> bool:
 def read_beat(run_dir: Path, rank: int) -> Beat | None:
     try:
         data = json.loads(beat_path(run_dir, rank).read_text())
-        return Beat(float(data["time_s"]), Progress(**data["progress"]))
+        return Beat(float(data["time_s"]), StageProgress(**data["progress"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # not written yet (or being replaced: read again at the next poll)
 
@@ -188,7 +188,7 @@ class Watchdog:
     ranks: list[int]
     timeout_s: float
     started_s: float
-    stage0: Callable[[], Progress | None] | None = None
+    stage0: Callable[[], StageProgress | None] | None = None
     read: Callable[[Path, int], Beat | None] = read_beat  # a stage's last beat (remote stages: reported)
 
     _stopped_since: dict[int, float] = field(default_factory=dict)  # rank -> first seen stopped
@@ -238,7 +238,7 @@ class Watchdog:
         """(stage, cause) when every stage is past loading and one has joined for too long."""
         progress = [beat.progress for beat in beats.values() if beat is not None]
         if self.stage0 is not None:
-            progress.append(self.stage0() or Progress(phase="loading"))  # unknown: not past loading
+            progress.append(self.stage0() or StageProgress(phase="loading"))  # unknown: not past loading
         if len(progress) < len(beats) + (self.stage0 is not None) or any(
             p.phase not in ("joining", "serving") for p in progress
         ):

@@ -30,7 +30,7 @@ from tessel.errors import TesselError
 from tessel.pipeline.supervision.heartbeat import (
     HEARTBEAT_TIMEOUT_ENV,
     RUN_DIR_ENV,
-    Progress,
+    StageProgress,
     Watchdog,
     heartbeat_timeout_s,
     read_beat,
@@ -225,7 +225,7 @@ def _fail(procs: list[subprocess.Popen], run_dir: Path, first_rank: int) -> None
 class LocalStages:
     """Stages 1..S-1 as child processes of a process that is itself stage 0 (`tessel serve --plan`).
 
-    `stage0_progress`: stage 0's `Progress` (its `StageComm`'s), set once the process group is up,
+    `stage0_progress`: stage 0's `StageProgress` (its `StageComm`'s), set once the process group is up,
     so the watchdog also sees a stuck pipeline. The first failure found is kept: stopping the
     others afterwards does not change the cause reported.
     """
@@ -242,7 +242,7 @@ class LocalStages:
         run_dir.mkdir(parents=True, exist_ok=True)
         timeout_s = heartbeat_timeout_s(heartbeat_timeout)
         self.procs: list[subprocess.Popen] = []
-        self.stage0_progress: Progress | None = None
+        self.stage0_progress: StageProgress | None = None
         self.watchdog = Watchdog(
             run_dir, list(range(1, num_stages)), timeout_s, time.time(), lambda: self.stage0_progress
         )

@@ -41,7 +41,7 @@ from typing import Any
 from tessel.errors import TesselError
 from tessel.pipeline.supervision.heartbeat import (
     Beat,
-    Progress,
+    StageProgress,
     Watchdog,
     heartbeat_timeout_s,
     process_stopped,
@@ -181,7 +181,7 @@ def with_command_threads(env: dict[str, str], omp_threads: str | None) -> dict[s
     return env
 
 
-def node_of(device: str) -> str:
+def machine_of(device: str) -> str:
     return device.split("/", 1)[0] if "/" in device else device
 
 
@@ -190,7 +190,7 @@ def check_placement(plan: Any, nodes: dict[str, RayNode], here: RayNode) -> None
     (the command runs it), every other stage's node must be in the cluster, with the GPU it names."""
     from tessel.plan.files.plan_parts import gpu_index
 
-    first = node_of(plan.stages[0].device)
+    first = machine_of(plan.stages[0].device)
     if first != here.name:
         raise TesselError(
             f"stage 0 runs where the command runs, on {here.name}, but the plan puts it on {first}; "
@@ -198,7 +198,7 @@ def check_placement(plan: Any, nodes: dict[str, RayNode], here: RayNode) -> None
         )
     present = ", ".join(sorted(nodes))
     for stage in plan.stages:
-        name = node_of(stage.device)
+        name = machine_of(stage.device)
         if name not in nodes:
             raise TesselError(
                 f"the plan puts stage {stage.index} on node {name!r}, which the Ray cluster lacks; its "
@@ -310,8 +310,8 @@ class RayStages:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.timeout_s = heartbeat_timeout_s(heartbeat_timeout)
         self.plan, self.nodes = plan, nodes
-        self.node_names = [node_of(stage.device) for stage in plan.stages]
-        self.stage0_progress: Progress | None = None
+        self.node_names = [machine_of(stage.device) for stage in plan.stages]
+        self.stage0_progress: StageProgress | None = None
         agent = ray.remote(StageAgent)
         omp_threads = os.environ.get("OMP_NUM_THREADS")
         self.actors = []
@@ -430,7 +430,7 @@ class RayStages:
         if beat is None:
             return None
         try:
-            return Beat(float(beat["time_s"]), Progress(**beat["progress"]))
+            return Beat(float(beat["time_s"]), StageProgress(**beat["progress"]))
         except (KeyError, TypeError, ValueError):
             return None
 

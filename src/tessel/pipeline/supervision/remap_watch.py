@@ -3,7 +3,7 @@
 
 Every `interval_s` a daemon thread samples the serving pipeline (whichever engine the server drives
 now): stage 0's own counters (`StageRunner.stats`) and every other stage's heartbeat (its
-`Progress` carries its micro-batches and busy seconds, compute + any emulated slowdown). The
+`StageProgress` carries its micro-batches and busy seconds, compute + any emulated slowdown). The
 server's outputs give the requests (arrival time and prompt tokens at the first token, output tokens
 at the finish). A `RemapWindow` turns them into per-stage seconds per micro-batch and the workload
 over the last `window_s` seconds (`tessel.plan.remap.remap_decision`); `/metrics` shows them beside the
