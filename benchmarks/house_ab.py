@@ -43,8 +43,7 @@ import json, sys, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-sys.path.insert(0, {tests!r})
-from pipeline_plans import write_plan
+from pipeline_plans import write_plan  # tests/ is on PYTHONPATH
 from tessel import LLM, SamplingParams
 from tessel.pipeline.run import RunOptions, run_pipeline
 
@@ -85,10 +84,11 @@ def export_src(rev: str, into: Path) -> Path:
 def measure(src: Path, workload: str, args: argparse.Namespace, model: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="house-ab-") as work:
         code = CHILD.format(
-            tests=str(ROOT / "tests"), model=str(model), workload=workload, n=args.requests,
+            model=str(model), workload=workload, n=args.requests,
             prompt=args.prompt, output=args.output, work=work,
         )  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+        path = os.pathsep.join([str(src), str(ROOT / "tests")])
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{workload} on {src} failed:\n{done.stderr[-3000:]}")

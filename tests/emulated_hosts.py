@@ -4,6 +4,7 @@ own address and its own `ray start` (issue 44's test cluster).
     with EmulatedHosts(["head", "h1", "h2"]) as hosts:
         hosts.run(["tessel", "launch", ...], host="head")    # a command on a host
         hosts.kill_raylet("h2")                               # a machine lost
+        hosts.leave("h2"); hosts.join("h2")                   # a machine leaves, one joins
         hosts.cut("h2")                                       # its link down
         hosts.shape("h1", mbit=100)                           # its link at 100 Mbit/s (tc tbf)
 
@@ -212,12 +213,20 @@ class EmulatedHosts:
     def restart(self, name: str) -> None:
         """A machine back (after a loss or a cut): its processes stopped, its link up, its `ray start`
         again, once Ray has every machine alive again."""
-        self.stop(name)
+        self.leave(name)
         _ip("link", "set", self.veth(name), "up")
+        self.join(name)
+
+    def leave(self, name: str) -> None:
+        """The machine out of the cluster: its processes stopped, once Ray no longer lists it alive."""
+        self.stop(name)
         deadline = time.monotonic() + UP_TIMEOUT_S
-        while name in self.alive_nodes():  # Ray forgets the old node first
+        while name in self.alive_nodes():
             assert time.monotonic() < deadline, f"{name} still reported alive"
             time.sleep(1.0)
+
+    def join(self, name: str) -> None:
+        """The machine (back) in the cluster: its `ray start`, once Ray lists every machine alive."""
         self._ray_start(name)
         self._wait_nodes(len(self.names))
 

@@ -88,9 +88,8 @@ def test_the_server_request_models_refuse_it(bad: tuple[str, str]) -> None:
 @EXAMPLES
 @given(bad=lone_surrogate_texts())
 def test_no_tokenizer_is_handed_it(bad: tuple[str, str], engine: Any, embedder: Any) -> None:
-    from tessel.pipeline.replica_router import count_prompt_tokens
-
     from tessel.server.app import _chat_prompt_ids
+    from tessel.server.replica_router import count_prompt_tokens
 
     text, refusal = bad
     spy = RecordingTokenizer(engine.tokenizer)
@@ -112,9 +111,8 @@ def test_no_tokenizer_is_handed_it(bad: tuple[str, str], engine: Any, embedder: 
 @EXAMPLES
 @given(bad=lone_surrogate_texts())
 def test_launch_refuses_it_before_any_stage_starts(bad: tuple[str, str], llama: Path, engine: Any) -> None:
-    from tessel.pipeline.request_checks import check_requests
-
     from tessel.engine.sampling_params import SamplingParams
+    from tessel.pipeline.checks import check_requests
     from tessel.pipeline.prompts_file import RunRequest
 
     text, refusal = bad

@@ -6,6 +6,7 @@ before any stage starts. Slow: three `ray start`s and stage processes on a 2-cor
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import shutil
 import subprocess
@@ -279,10 +280,66 @@ def test_probe_ray_measures_every_pair_and_a_slow_link_shows(hosts, tmp_path):
     finally:
         hosts.unshape("h1")
     data = yaml.safe_load(out.read_text())
-    assert [node["name"] for node in data["nodes"]] == ["h1", "h2", "head"]
+    assert [node["name"] for node in data["nodes"]] == ["head", "h1", "h2"]  # this machine first
     links = {frozenset(link["between"]): link["bandwidth_gbps"] for link in data["links"]}
     assert set(links) == {frozenset(p) for p in (("h1", "h2"), ("h1", "head"), ("h2", "head"))}
     slow = [links[frozenset(("h1", other))] for other in ("h2", "head")]
     assert all(gbps < 0.2 for gbps in slow), links  # 100 Mbit/s, measured
     assert links[frozenset(("h2", "head"))] > 4 * max(slow), links
     assert data["network"]["bandwidth_gbps"] == min(links.values())
+
+
+def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it(hosts, tiny_dirs, tmp_path):
+    """h2 leaves; the model is planned on the Ray cluster left (`plan --cluster ray`: head, h1) and
+    served with --remap auto; h2 joins while requests run: it is probed, the plan re-made on the
+    grown cluster takes it (the model says more stages gain), the server remaps live onto it, and
+    every request answers as one process does."""
+    model = tiny_dirs["tied"]
+    hosts.leave("h2")
+    try:
+        plan = tmp_path / "plan.json"
+        planning = [*TESSEL, "plan", "--model", str(model), "--cluster", "ray", "--json", str(plan)]
+        hosts.run(planning, host="head", timeout=DEADLINE_S)
+        before = {s["device"].split("/")[0] for s in json.loads(plan.read_text())["stages"]}
+        assert "h2" not in before
+        texts = dict(zip(PROMPTS, _expected_texts(model, PROMPTS, 8), strict=True))
+        serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--remap", "auto"]
+        serve += ["--remap-threshold", "0", "--remap-interval-s", "1"]
+        failures: list[str] = []
+        stop = threading.Event()
+        with _serving(hosts, serve, 18083, tmp_path) as client:
+
+            def load() -> None:
+                for index in itertools.count():
+                    if stop.is_set():
+                        return
+                    prompt = PROMPTS[index % len(PROMPTS)]
+                    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                    answer = client.post("/v1/completions", json=body)
+                    if answer.status_code != 200 or answer.json()["choices"][0]["text"] != texts[prompt]:
+                        failures.append(f"{answer.status_code}: {answer.text[:200]}")
+
+            worker = threading.Thread(target=load, daemon=True)
+            worker.start()
+            hosts.join("h2")
+            log = tmp_path / "serve.log"
+            deadline = time.monotonic() + DEADLINE_S
+            while "remapped" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(1.0)
+            time.sleep(3.0)  # requests on the grown pipeline
+            stop.set()
+            worker.join(DEADLINE_S)
+        text = log.read_text()
+        assert "h2 joined the Ray cluster" in text, text[-3000:]
+        decision = next(line for line in text.splitlines() if "joined the cluster" in line)
+        assert "remap decision" in decision and "h2/" in decision.split("->")[-1], decision
+        assert failures == []
+    finally:
+        if "h2" not in hosts.alive_nodes():
+            hosts.join("h2")
+
+
+def _expected_texts(model, prompts, max_tokens) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.text for out in LLM(model).generate(prompts, params, use_progress=False)]

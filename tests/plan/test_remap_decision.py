@@ -134,3 +134,33 @@ def test_a_gain_below_the_threshold_keeps_the_plan(planned):
     decider = RemapDecider(plan, cluster, RemapSettings(threshold=0.9, confirm=1))
     kept = decider.evaluate(10.0, _stats([predicted[0], predicted[1] / 0.3]))
     assert kept.outcome == "kept" and kept.gain < 0.9 and "below" in kept.reason
+
+
+GROWN = CLUSTER.replace(
+    "network:", "  - name: c\n    gpus: {type: A100-80G}\n  - name: d\n    gpus: {type: T4}\nnetwork:"
+)
+
+
+def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it_when_it_gains(tmp_path):
+    """llama-2-7b served on two A100s (a, b); a third A100 (c) and a T4 (d) join: the re-plan on the
+    grown cluster uses the new A100 (the model says three stages beat two by more than the threshold,
+    the move counted) and the decision is a remap at once, no confirmation; with a threshold no gain
+    reaches, the plan is kept and the decision says why."""
+    (tmp_path / "two.yaml").write_text(CLUSTER)
+    (tmp_path / "grown.yaml").write_text(GROWN)
+    outcome = make_plan("llama-2-7b", tmp_path / "two.yaml", "default", PlanSettings(solver="dp"))
+    outcome.plan_file().write(tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json")
+    grown = load_cluster(tmp_path / "grown.yaml")
+    decider = RemapDecider(plan, grown, RemapSettings(threshold=0.05, confirm=3))
+    decision = decider.evaluate_joined(100.0, ["c", "d"])
+    assert decision.outcome == "remap", decision.reason
+    assert decision.reason.startswith("c, d joined the cluster")
+    assert decision.old_devices == ("a/gpu0", "b/gpu0")
+    assert "c/gpu0" in decision.new_devices and decision.new_plan is not None
+    assert decision.gain > 0.05 and decision.new_objective < decision.old_objective
+    assert [s.device for s in decision.new_plan.stages] == list(decision.new_devices)
+    decider.adopt(decision, 100.0)
+    assert decider.plan is decision.new_plan
+    kept = RemapDecider(plan, grown, RemapSettings(threshold=0.99)).evaluate_joined(100.0, ["c", "d"])
+    assert kept.outcome == "kept" and kept.new_plan is None and "joined the cluster" in kept.reason

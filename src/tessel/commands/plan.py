@@ -229,8 +229,8 @@ def plan(
 def planning_cluster(cluster: str, gpu_memory_gib: float | None):  # noqa: ANN201 (str | Cluster)
     """What `make_plan` gets for --cluster: the name or path as given, this machine for 'local', and a
     loaded cluster with each GPU's memory capped under --gpu-memory-gib."""
-    from tessel.commands.probe import LOCAL_CLUSTER, RAY_CLUSTER, local_cluster, ray_cluster
-    from tessel.plan.files.cluster import cap_gpu_memory, load_cluster
+    from tessel.commands.probe import LOCAL_CLUSTER, local_cluster, ray_cluster
+    from tessel.plan.files.cluster import RAY_CLUSTER, cap_gpu_memory, load_cluster
 
     if cluster not in (LOCAL_CLUSTER, RAY_CLUSTER) and gpu_memory_gib is None:
         return cluster

@@ -29,7 +29,6 @@ from tessel.plan.files.cluster import MAX_LINK_GBPS, MAX_LINK_LATENCY_US
 from tessel.units import GIB
 
 LOCAL_CLUSTER = "local"  # `tessel plan --cluster local`: this machine, discovered when planning
-RAY_CLUSTER = "ray"  # `tessel plan --cluster ray`: the running Ray cluster, probed when planning
 PROFILE_FORMAT = 1  # the profile JSON's "format"
 MIN_NETWORK_GBPS = 0.001  # 1 Mbit/s: below any network a pipeline's hidden states could cross
 
@@ -123,11 +122,9 @@ def _probe_ray(console, out: Path | None, address: str | None) -> None:  # noqa:
 
 def ray_cluster(address: str | None = None):  # noqa: ANN201 (Cluster; imported lazily)
     """The running Ray cluster as a planner cluster (`tessel plan --cluster ray`)."""
-    from tessel.pipeline.ray_probe import probe_cluster
-    from tessel.plan.files.cluster import parse_cluster
+    from tessel.pipeline.ray_probe import probed_cluster
 
-    data, _ = probe_cluster(address)
-    return parse_cluster(data, source=RAY_CLUSTER)
+    return probed_cluster(address)
 
 
 def _check_outputs(outputs: list[tuple[Path, str]], overwrite: bool) -> None:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from tessel.errors import TesselError
-from tessel.pipeline.supervision.ray_stages import connect, free_port_on, import_ray, interface_of
+from tessel.pipeline.supervision.ray_stages import connect, free_port_on, import_ray, interface_of, this_node
 
 PAIR_BANDWIDTH_BYTES = 8 * 2**20  # 8 MiB: past a LAN's latency-bandwidth product, 0.7 s at 100 Mbit/s
 PAIR_REPEATS = 3
@@ -63,15 +62,14 @@ def _groups(node: dict) -> list[dict]:
 
 
 def probe_cluster(address: str | None) -> tuple[dict, list[str]]:
-    """(the cluster mapping of every labelled machine of the Ray cluster at `address`, with each
-    pair's measured link; notes)."""
+    """(the cluster mapping of every labelled machine of the Ray cluster at `address`, this machine
+    first, with each pair's measured link; notes)."""
     ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = connect(address)
-    names = sorted(nodes)
-    if not names:
-        raise TesselError("the Ray cluster has no labelled machine")
+    here = this_node(nodes).name  # first: a plan's stage 0 runs where the command does
+    names = [here, *sorted(name for name in nodes if name != here)]
 
     def on(name: str) -> dict:
         return {
@@ -105,3 +103,12 @@ def probe_cluster(address: str | None) -> tuple[dict, list[str]]:
             "latency_us": max(link["latency_us"] for link in links),
         }
     return cluster, notes
+
+
+def probed_cluster(address: str | None):  # noqa: ANN201 (tessel.plan.files.cluster.Cluster)
+    """The running Ray cluster as a planner cluster (`tessel plan --cluster ray`, `--remap auto` over
+    Ray)."""
+    from tessel.plan.files.cluster import RAY_CLUSTER, parse_cluster
+
+    data, _ = probe_cluster(address)
+    return parse_cluster(data, source=RAY_CLUSTER)

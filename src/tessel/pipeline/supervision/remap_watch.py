@@ -14,7 +14,8 @@ counted in `/metrics` by outcome, those that re-planned are logged with their nu
 taken writes the new plan next to the run and asks the server for it (`AsyncEngine.remap`). While
 a remap is under way nothing is decided; once it is in service the decider holds later windows
 against the new plan (and a failed one waits out the cooldown). A pipeline rebuilt after a lost
-stage is followed the same way: its plan is the one held.
+stage is followed the same way: its plan is the one held. Over Ray the decider's cluster is the Ray
+cluster probed at start, and a machine that joins it is priced (`machine_joins`).
 """
 
 from __future__ import annotations
@@ -81,9 +82,17 @@ class RemapWatch:
         self._remap_future = None
         self._pending: RemapDecision | None = None
         self.decider = None
+        self.joins = None  # over Ray: machines joining the cluster (`machine_joins`)
         if mode == "auto":
             plan = served_plan(self._executor)
-            cluster = load_cluster(plan.cluster.source or plan.cluster.name)
+            options = getattr(self._executor, "options", None)
+            if options is not None and options.executor == "ray":
+                from tessel.pipeline.supervision.machine_joins import MachineJoins, serving_cluster
+
+                cluster = serving_cluster(options.ray_address, plan)
+                self.joins = MachineJoins(options.ray_address, cluster)
+            else:
+                cluster = load_cluster(plan.cluster.source or plan.cluster.name)
             self.decider = RemapDecider(plan, cluster, settings)
         previous = async_engine.on_outputs
 
@@ -173,7 +182,13 @@ class RemapWatch:
         self.last_stats = stats
         if self.decider is None or self._remap_future is not None:
             return None
-        decision = self.decider.evaluate(now_s, stats)
+        joined = self.joins.joined(now_s) if self.joins is not None else []
+        if joined:
+            self.echo(f"tessel: {', '.join(joined)} joined the Ray cluster; probing it")
+            self.decider.cluster = self.joins.grown_cluster()
+            decision = self.decider.evaluate_joined(now_s, joined)
+        else:
+            decision = self.decider.evaluate(now_s, stats)
         self.decisions[decision.outcome] += 1
         self.history.append(decision)
         if decision.outcome not in QUIET_OUTCOMES:

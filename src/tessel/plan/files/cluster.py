@@ -66,6 +66,7 @@ from tessel.units import GBPS, GIB, US_PER_S
 NVLINK_LATENCY_S = 2e-6
 PCIE_P2P_LATENCY_S = 10e-6
 INTRA_LINK_KINDS = ("nvlink", "pcie")
+RAY_CLUSTER = "ray"  # `--cluster ray`: the running Ray cluster's machines, probed (a cluster's source)
 # Most GPUs in one cluster file. The planner's set-up prices every ordered device pair (quadratic:
 # measured in docs/results.md, Limits) and a pipeline of Llama-3-70B has 80 layers, so
 # a plan uses far fewer; larger fleets are planned as several clusters (or replicas).

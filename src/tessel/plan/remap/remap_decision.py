@@ -343,6 +343,28 @@ class RemapDecider:
             return RemapDecision(now_s, "unconfirmed", reason, speeds=priced, **numbers)
         return RemapDecision(now_s, "remap", reason, speeds=priced, new_plan=replanned.plan, **numbers)
 
+    def evaluate_joined(self, now_s: float, joined: Sequence[str]) -> RemapDecision:
+        """Machines `joined` the cluster (`self.cluster` now holds them): re-plan on it, the devices
+        in service priced at their assumed speeds. A join is an event, not a noisy measurement: no
+        confirmation and no cooldown, and the threshold and the move's cost decide."""
+        plan = self.plan
+        speeds = tuple(self.assumed.get(s.device, 1.0) for s in plan.stages)
+        numbers = {
+            "old_layers": tuple((s.layer_start, s.layer_end) for s in plan.stages),
+            "old_devices": tuple(s.device for s in plan.stages),
+            "speeds": speeds,
+        }
+        note = f"{', '.join(joined)} joined the cluster"
+        try:
+            replanned = self._replan(dict(self.assumed), None)
+        except TesselError as error:
+            return RemapDecision(now_s, "kept", f"{note}; re-planning found no plan: {error}", **numbers)
+        numbers |= replanned.numbers
+        if not replanned.take:
+            return RemapDecision(now_s, "kept", f"{note}; {replanned.reason}", **numbers)
+        reason = f"{note}; {replanned.reason}"
+        return RemapDecision(now_s, "remap", reason, new_plan=replanned.plan, **numbers)
+
     def adopt(self, decision: RemapDecision, now_s: float) -> None:
         """The remap of `decision` is in service: its plan is what later windows are held against,
         its devices priced at the speeds it measured."""

@@ -178,7 +178,7 @@ def planned_on_survivors(
         if any(d in keep for d in node.device_names)
     )
     devices = tuple(d for d in cluster.devices if d.name in keep)
-    without = replace(cluster, nodes=nodes, devices=devices, _by_name={}, _nodes_by_name={})
+    without = replace(cluster, nodes=nodes, devices=devices)
     settings = PlanSettings.of_plan(plan, time_limit_s=time_limit_s)
     try:
         outcome = make_plan(plan.model_spec, without, workload, settings)
