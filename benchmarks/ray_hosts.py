@@ -32,7 +32,6 @@ import concurrent.futures
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -80,37 +79,6 @@ def launch(hosts, plan: Path, model: Path, work: Path, *extra: str, ray: bool = 
     return json.loads(out.read_text())
 
 
-@contextlib.contextmanager
-def serving(hosts, command: list[str], port: int, log: Path):  # noqa: ANN001
-    """`command` (a `tessel serve`) over Ray on head; -> an httpx client once it answers /health."""
-    import httpx
-
-    server = hosts.popen(
-        [*command, "--executor", "ray", "--host", "0.0.0.0", "--port", str(port), "--log-level", "warning"],
-        host="head",
-        stderr=open(log, "wb"),  # noqa: SIM115 - the server owns it
-    )
-    try:
-        with httpx.Client(base_url=f"http://{hosts.address('head')}:{port}", timeout=DEADLINE_S) as client:
-            deadline = time.monotonic() + DEADLINE_S
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(log.read_text()[-3000:])
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get("/health").status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the server did not start")
-                time.sleep(0.5)
-            yield client
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-
-
 def namespace_rss_bytes(hosts) -> int:  # noqa: ANN001
     total = 0
     for name in hosts.names:
@@ -131,7 +99,7 @@ def exactness(hosts, plans, model: Path, work: Path) -> dict:  # noqa: ANN001
     prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
     texts = expected_texts(model, prompts, EXACT_TOKENS)
     serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plans["replicas"])]
-    with serving(hosts, serve, 18090, work / "replicas.log") as client:
+    with hosts.serving(serve, 18090, work / "replicas.log", DEADLINE_S) as client:
 
         def complete(prompt: str) -> tuple[str, str]:
             body = {"prompt": prompt, "max_tokens": EXACT_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -169,7 +137,7 @@ def host_lost(hosts, plan: Path, model: Path, work: Path, how: str, port: int) -
     prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
     expected = expected_texts(model, prompts, STREAM_TOKENS)
     serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--heartbeat-timeout", "10"]
-    with serving(hosts, serve, port, work / f"lost-{how}.log") as client:
+    with hosts.serving(serve, port, work / f"lost-{how}.log", DEADLINE_S) as client:
         before_h1 = set(hosts.pids("h1"))
         loaded_rss = namespace_rss_bytes(hosts)
         started = threading.Semaphore(0)

@@ -20,6 +20,7 @@ name in every namespace. Needs root (CI runs as root) and Ray; `available()` say
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -191,6 +192,47 @@ class EmulatedHosts:
             ["ip", "netns", "exec", self.namespace(host), *command],
             env=self.env(host), start_new_session=True, **kwargs,
         )  # fmt: skip
+
+    @contextlib.contextmanager
+    def serving(self, command: list[str], port: int, log: Path, timeout_s: float = 180.0):
+        """`command` (a `tessel serve ...`) over Ray on the head, listening on `port` of every
+        address, its stderr in `log`; -> an httpx client of it once it answers /health 200 (an error
+        naming the log's tail if it exits first); stopped (SIGTERM, then SIGKILL) after."""
+        import httpx
+
+        argv = [
+            *command,
+            "--executor",
+            "ray",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
+        with open(log, "wb") as stderr:
+            server = self.popen(argv, host=self.names[0], stderr=stderr)
+        try:
+            url = f"http://{self.address(self.names[0])}:{port}"
+            with httpx.Client(base_url=url, timeout=timeout_s) as client:
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    if server.poll() is not None:
+                        raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
+                    with contextlib.suppress(httpx.TransportError):
+                        if client.get("/health").status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the server did not start within {timeout_s:g} s")
+                    time.sleep(0.5)
+                yield client
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
     def pids(self, name: str) -> list[int]:
         found = _ip("netns", "pids", self.namespace(name), check=False).stdout.split()

@@ -6,6 +6,19 @@ import json
 from pathlib import Path
 
 
+def _stage(index: int, device: str, a: int, b: int, last: bool) -> dict:
+    return {
+        "index": index,
+        "device": device,
+        "gpu_type": "cpu",
+        "layer_start": a,
+        "layer_end": b,
+        "unit_start": a,
+        "unit_end": b,
+        "link_to_next": None if last else {"bandwidth_gbps": 80.0, "latency_us": 50.0},
+    }
+
+
 def write_plan(
     path: Path,
     model_dir: Path,
@@ -21,17 +34,8 @@ def write_plan(
     config = json.loads((model_dir / "config.json").read_text())
     stages = []
     for i, (a, b) in enumerate(splits):
-        last = i == len(splits) - 1
-        stage = {
-            "index": i,
-            "device": devices[i] if devices is not None else f"localhost/cpu{i}",
-            "gpu_type": "cpu",
-            "layer_start": a,
-            "layer_end": b,
-            "unit_start": a,
-            "unit_end": b,
-            "link_to_next": None if last else {"bandwidth_gbps": 80.0, "latency_us": 50.0},
-        }
+        device = devices[i] if devices is not None else f"localhost/cpu{i}"
+        stage = _stage(i, device, a, b, last=i == len(splits) - 1)
         if speeds is not None:
             stage["emulate_speed"] = speeds[i]
         stages.append(stage)
@@ -67,19 +71,6 @@ def write_replica_plan(path: Path, model_dir: Path, micro_batches: int = 2) -> P
     ]
     path.write_text(json.dumps(plan))
     return path
-
-
-def _stage(index: int, device: str, a: int, b: int, last: bool) -> dict:
-    return {
-        "index": index,
-        "device": device,
-        "gpu_type": "cpu",
-        "layer_start": a,
-        "layer_end": b,
-        "unit_start": a,
-        "unit_end": b,
-        "link_to_next": None if last else {"bandwidth_gbps": 80.0, "latency_us": 50.0},
-    }
 
 
 def write_flow_plan(path: Path, model_dir: Path, placements: dict, paths: list, **edits) -> Path:
@@ -122,5 +113,22 @@ def write_flow_plan(path: Path, model_dir: Path, placements: dict, paths: list, 
         "flow": flow,
         **edits,
     }
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def write_gpu_plan(path: Path, gpu_types: list[str], model: str, layers: int) -> Path:
+    """A version-1 plan of `model` (a preset name) on GPUs `n/gpu<k>` of `gpu_types`, the layers split
+    evenly (the last stage takes the rest)."""
+    per = layers // len(gpu_types)
+    stages = []
+    for i, gpu in enumerate(gpu_types):
+        a, b = i * per, layers if i == len(gpu_types) - 1 else (i + 1) * per
+        link = None if i == len(gpu_types) - 1 else {"bandwidth_gbps": 100.0, "latency_us": 5.0}
+        stages.append(
+            {"index": i, "device": f"n/gpu{i}", "gpu_type": gpu, "layer_start": a, "layer_end": b,
+             "unit_start": a, "unit_end": b, "link_to_next": link}
+        )  # fmt: skip
+    plan = {"version": 1, "model": {"name": model}, "dtype": "fp16", "stages": stages}
     path.write_text(json.dumps(plan))
     return path

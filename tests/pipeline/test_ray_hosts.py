@@ -5,11 +5,9 @@ before any stage starts. Slow: three `ray start`s and stage processes on a 2-cor
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -92,10 +90,8 @@ def test_a_replica_plan_serves_each_replica_on_its_machines(hosts, tiny_dirs, tm
     prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [out.text for out in LLM(model).generate(prompts, params, use_progress=False)]
-    port = 18082
-    with _serving(
-        hosts, [*TESSEL, "serve", "--model", str(model), "--plan", str(plan)], port, tmp_path
-    ) as client:
+    serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plan)]
+    with hosts.serving(serve, 18082, tmp_path / "serve.log") as client:
         on_h2 = [pid for pid in hosts.pids("h2") if b"--replica\x001\x00" in _cmdline(pid)]
         assert on_h2, "replica 1's server does not run on h2"
 
@@ -141,37 +137,6 @@ def test_an_unreachable_ray_address_is_an_error_within_its_bound(hosts, tiny_dir
     assert time.monotonic() - started < DEADLINE_S  # never a hang (the bound itself is 30 s)
 
 
-@contextlib.contextmanager
-def _serving(hosts, command: list[str], port: int, tmp_path):
-    """`command` (a `tessel serve`) over Ray on head, on `port` of every address; -> a client once
-    it answers /health; stopped after."""
-    log = tmp_path / "serve.log"
-    server = hosts.popen(
-        [*command, "--executor", "ray", "--host", "0.0.0.0", "--port", str(port), "--log-level", "warning"],
-        host="head",
-        stderr=open(log, "wb"),  # noqa: SIM115 - the server owns it
-    )
-    try:
-        with httpx.Client(base_url=f"http://{hosts.address('head')}:{port}", timeout=DEADLINE_S) as client:
-            deadline = time.monotonic() + DEADLINE_S
-            while True:
-                assert server.poll() is None, log.read_text()[-3000:]
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.5)
-            yield client
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-
-
 def _stream(client: httpx.Client, prompt: str, max_tokens: int, started=None) -> list[str]:  # noqa: ANN001
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     texts = []
@@ -198,29 +163,13 @@ def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path, how
         tmp_path / "plan.json", model, [(0, 2), (2, 4), (4, 5)], devices=["head/cpu0", "h1/cpu0", "h2/cpu0"]
     )
     port = 18080 if how == "killed" else 18081
-    server = hosts.popen(
-        [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--executor", "ray", "--host",
-         "0.0.0.0", "--port", str(port), "--heartbeat-timeout", "10", "--log-level", "warning"],
-        host="head",
-        stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the server owns it
-    )  # fmt: skip
+    serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--heartbeat-timeout", "10"]
     prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
     tokens = 160  # long enough that every stream is still running when the machine goes
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     expected = [out.text for out in LLM(model).generate(prompts, params, use_progress=False)]
     try:
-        url = f"http://{hosts.address('head')}:{port}"
-        with httpx.Client(base_url=url, timeout=DEADLINE_S) as client:
-            deadline = time.monotonic() + DEADLINE_S
-            while True:
-                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.5)
+        with hosts.serving(serve, port, tmp_path / "serve.log") as client:
             old_h1 = set(hosts.pids("h1"))
             running = threading.Semaphore(0)
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -246,11 +195,6 @@ def test_a_host_lost_mid_stream_loses_no_request(hosts, tiny_dirs, tmp_path, how
         log = (tmp_path / "serve.log").read_text()
         assert "stage 2 failed" in log and "h2" in log, log[-3000:]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except Exception:  # noqa: BLE001
-            server.kill()
         hosts.restart("h2")
 
 
@@ -307,7 +251,7 @@ def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it(hosts, tiny_d
         serve += ["--remap-threshold", "0", "--remap-interval-s", "1"]
         failures: list[str] = []
         stop = threading.Event()
-        with _serving(hosts, serve, 18083, tmp_path) as client:
+        with hosts.serving(serve, 18083, tmp_path / "serve.log") as client:
 
             def load() -> None:
                 for index in itertools.count():

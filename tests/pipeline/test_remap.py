@@ -9,7 +9,6 @@ disturbed) for the tokens of every moved request, greedy and seeded."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_plans import write_plan
+from pipeline_plans import write_gpu_plan, write_plan
 from stage_processes import release
 from tessel.errors import TesselError
 from tessel.plan.files.plan_file import load_plan
@@ -27,21 +26,6 @@ DEADLINE_S = 120.0  # generous: a loaded 2-core machine spawning stage processes
 
 
 # ---- the plan on the survivors (the planning half: tests/plan/test_survivors.py) ----------------
-def _plan_on(path: Path, gpu_types: list[str], model: str, layers: int) -> Path:
-    per = layers // len(gpu_types)
-    stages = []
-    for i, gpu in enumerate(gpu_types):
-        a, b = i * per, layers if i == len(gpu_types) - 1 else (i + 1) * per
-        link = None if i == len(gpu_types) - 1 else {"bandwidth_gbps": 100.0, "latency_us": 5.0}
-        stages.append(
-            {"index": i, "device": f"n/gpu{i}", "gpu_type": gpu, "layer_start": a, "layer_end": b,
-             "unit_start": a, "unit_end": b, "link_to_next": link}
-        )  # fmt: skip
-    plan = {"version": 1, "model": {"name": model}, "dtype": "fp16", "stages": stages}
-    path.write_text(json.dumps(plan))
-    return path
-
-
 def _cpu_cluster(path: Path, devices: int) -> Path:
     link = "{bandwidth_gbps: 80, latency_us: 50}"
     path.write_text(
@@ -272,7 +256,7 @@ def test_survivors_too_small_fails_the_requests_with_the_reason_naming_the_stage
         def launch(self, micro_batch, kv_copies):
             raise StageFailedError(2, "killed by signal SIGKILL")
 
-    too_small = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
+    too_small = load_plan(write_gpu_plan(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
     engine = LLM(tiny_dirs["tied"], executor=LosingExecutor())
     supervisor = Supervisor(RunOptions(tmp_path / "p.json", tiny_dirs["tied"]), max_rebuilds=3)
     supervisor.attach(engine)

@@ -7,7 +7,6 @@ file that lists only the devices left, for the planner's survivor plan."""
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import yaml
 
 import tessel.catalog
+from pipeline_plans import write_gpu_plan
 from tessel.errors import TesselError
 from tessel.plan.api import PlanSettings, make_plan
 from tessel.plan.files.plan_file import load_plan
@@ -58,23 +58,8 @@ def test_split_by_memory_is_proportional_when_that_fits():
     assert split_by_memory([1.0] * 12, [100, 200, 100], 0, 0) == [(0, 3), (3, 9), (9, 12)]
 
 
-def _plan_on(path: Path, gpu_types: list[str], model: str, layers: int) -> Path:
-    per = layers // len(gpu_types)
-    stages = []
-    for i, gpu in enumerate(gpu_types):
-        a, b = i * per, layers if i == len(gpu_types) - 1 else (i + 1) * per
-        link = None if i == len(gpu_types) - 1 else {"bandwidth_gbps": 100.0, "latency_us": 5.0}
-        stages.append(
-            {"index": i, "device": f"n/gpu{i}", "gpu_type": gpu, "layer_start": a, "layer_end": b,
-             "unit_start": a, "unit_end": b, "link_to_next": link}
-        )  # fmt: skip
-    plan = {"version": 1, "model": {"name": model}, "dtype": "fp16", "stages": stages}
-    path.write_text(json.dumps(plan))
-    return path
-
-
 def test_survivor_plan_keeps_the_order_and_splits_by_memory(tmp_path):
-    plan = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "A100-80G"], "llama-2-13b", 40))
+    plan = load_plan(write_gpu_plan(tmp_path / "p.json", ["A100-80G", "T4", "A100-80G"], "llama-2-13b", 40))
     survivor = survivor_plan(plan, {1})
     assert [s.device for s in survivor.stages] == ["n/gpu0", "n/gpu2"]
     assert [(s.layer_start, s.layer_end) for s in survivor.stages] == [(0, 20), (20, 40)]
@@ -83,7 +68,7 @@ def test_survivor_plan_keeps_the_order_and_splits_by_memory(tmp_path):
 
 
 def test_survivor_plan_refuses_when_the_survivors_cannot_hold_the_model(tmp_path):
-    plan = load_plan(_plan_on(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
+    plan = load_plan(write_gpu_plan(tmp_path / "p.json", ["A100-80G", "T4", "T4"], "llama-2-70b", 80))
     with pytest.raises(SurvivorsTooSmallError) as caught:
         survivor_plan(plan, {0})
     message = str(caught.value)

@@ -222,7 +222,34 @@ def _fail(procs: list[subprocess.Popen], run_dir: Path, first_rank: int) -> None
     raise StageFailedError(stage, cause)
 
 
-class LocalStages:
+class FirstFailure:
+    """The first failure of a set of stages, kept: every caller of `failure` gets the same one, from
+    any thread, and stopping the stages afterwards (or a stage this object stopped) never changes
+    it. A subclass finds failures (`_find_failure`) and sets `_stopped` when it stops its stages."""
+
+    def __init__(self) -> None:
+        self._failure: StageFailedError | None = None
+        self._stopped = False
+        self._lock = threading.Lock()  # the watcher and the engine thread both ask `failure()`
+
+    def _find_failure(self) -> StageFailedError | None:
+        raise NotImplementedError
+
+    def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
+        """The failure of a stage that exited (waiting up to `settle_s` for one to), died with its
+        machine or fell silent, or None."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            with self._lock:
+                if self._failure is None and not self._stopped:
+                    self._failure = self._find_failure()
+                found = self._failure
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(POLL_S)
+
+
+class LocalStages(FirstFailure):
     """Stages 1..S-1 as child processes of a process that is itself stage 0 (`tessel serve --plan`).
 
     `stage0_progress`: stage 0's `StageProgress` (its `StageComm`'s), set once the process group is up,
@@ -246,30 +273,13 @@ class LocalStages:
         self.watchdog = Watchdog(
             run_dir, list(range(1, num_stages)), timeout_s, time.time(), lambda: self.stage0_progress
         )
-        self._failure: StageFailedError | None = None
-        self._stopped = False
-        self._lock = threading.Lock()  # the watcher and the engine thread both ask `failure()`
+        super().__init__()
         try:
             for rank in range(1, num_stages):
                 self.procs.append(spawn_worker(rank, num_stages, port, run_dir, options_file, timeout_s))
         except BaseException:
             terminate(self.procs)
             raise
-
-    def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
-        """The failure of a stage that exited (waiting up to `settle_s` for one to) or fell silent, or
-        None. Callable from several threads (the watcher, the engine explaining a lost peer): the first
-        failure found is the one every caller gets, and a stage this object stopped (`stop`) is never
-        a cause."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            with self._lock:
-                if self._failure is None and not self._stopped:
-                    self._failure = self._find_failure()
-                found = self._failure
-            if found is not None or time.monotonic() >= deadline:
-                return found
-            time.sleep(POLL_S)
 
     def _find_failure(self) -> StageFailedError | None:
         dead = self._exited()

@@ -49,6 +49,7 @@ from tessel.pipeline.supervision.heartbeat import (
 from tessel.pipeline.supervision.launcher import (
     POLL_S,
     SETTLE_S,
+    FirstFailure,
     StageFailedError,
     die_with_parent,
     terminate,
@@ -290,7 +291,7 @@ class _Seen:
     dead: str | None = None  # Ray's word that its actor (its machine) is gone
 
 
-class RayStages:
+class RayStages(FirstFailure):
     """Stages 1..S-1 of `plan` as Ray actors on the nodes the plan names: what `LocalStages` is for
     stages on this machine (`failure`, `wait_loaded`, `stop`, `stage0_progress`)."""
 
@@ -327,9 +328,7 @@ class RayStages:
         self.watchdog = Watchdog(
             run_dir, list(self.ranks), self.timeout_s, time.time(), lambda: self.stage0_progress, self._beat
         )
-        self._failure: StageFailedError | None = None
-        self._stopped = False
-        self._lock = threading.Lock()
+        super().__init__()
 
     @property
     def ranks(self) -> range:
@@ -357,20 +356,6 @@ class RayStages:
                     )
 
     # ---- what the supervisor asks ----------------------------------------------------------------
-    def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
-        """The failure of a stage that exited, died with its machine or fell silent (waiting up to
-        `settle_s` for one), or None; the first found is every caller's, and never one this object
-        stopped."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            with self._lock:
-                if self._failure is None and not self._stopped:
-                    self._failure = self._find_failure()
-                found = self._failure
-            if found is not None or time.monotonic() >= deadline:
-                return found
-            time.sleep(POLL_S)
-
     def _find_failure(self) -> StageFailedError | None:
         self._poll_all()
         lost = self._lost()
