@@ -62,3 +62,19 @@ def test_a_slow_pair_link_changes_the_split() -> None:
 def test_bad_pair_links_are_named(links: list[dict], message: str) -> None:
     with pytest.raises(TesselError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_cluster(_three_machines(links))
+
+
+def test_the_first_stage_goes_where_it_must_run_at_the_same_objective_on_alike_machines() -> None:
+    """A Ray pipeline's stage 0 runs on the command's machine (`PlanSettings.first_node`): the plan is
+    moved there (a swap of alike T4 machines: the same objective), or refused naming the node."""
+    from tessel.plan.api import PlanSettings
+
+    cluster = parse_cluster(_three_machines([]))
+    free = make_plan("llama-3-8b", cluster)
+    for node in ("a", "b", "c"):
+        pinned = make_plan("llama-3-8b", cluster, settings=PlanSettings(first_node=node))
+        first = pinned.result.solution.stages[0].device
+        assert cluster.devices[first].node == node
+        assert pinned.result.evaluation.objective == pytest.approx(free.result.evaluation.objective, rel=1e-9)
+    with pytest.raises(TesselError, match="node z, which the cluster lacks"):
+        make_plan("llama-3-8b", cluster, settings=PlanSettings(first_node="z"))

@@ -164,3 +164,18 @@ def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it_when_it_gains
     assert decider.plan is decision.new_plan
     kept = RemapDecider(plan, grown, RemapSettings(threshold=0.99)).evaluate_joined(100.0, ["c", "d"])
     assert kept.outcome == "kept" and kept.new_plan is None and "joined the cluster" in kept.reason
+
+
+def test_a_grown_plan_keeps_its_first_stage_where_the_server_runs(tmp_path):
+    """Over Ray the server runs stage 0: the plan re-made on the grown cluster starts on `first_node`."""
+    (tmp_path / "two.yaml").write_text(CLUSTER)
+    (tmp_path / "grown.yaml").write_text(GROWN)
+    outcome = make_plan("llama-2-7b", tmp_path / "two.yaml", "default", PlanSettings(solver="dp"))
+    outcome.plan_file().write(tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json")
+    grown = load_cluster(tmp_path / "grown.yaml")
+    for node in ("a", "b"):
+        decider = RemapDecider(plan, grown, RemapSettings(threshold=0.05), first_node=node)
+        decision = decider.evaluate_joined(100.0, ["c", "d"])
+        assert decision.outcome == "remap", decision.reason
+        assert decision.new_devices[0].startswith(f"{node}/")

@@ -185,6 +185,7 @@ def plan(
         sensitivity,
         kv_preemption,
         force_profile,
+        first_node=ray_first_node(cluster, cluster_arg),
     )
     console = Console(width=None if sys.stdout.isatty() else 150)
     if concurrency == "memory" and replicas is None:
@@ -224,6 +225,14 @@ def plan(
         console.print(f"wrote {json_path}")
     if export == "vllm":
         print_vllm_export(console, outcome)
+
+
+def ray_first_node(cluster: str, spec) -> str | None:  # noqa: ANN001 (str | Cluster)
+    """With --cluster ray: this machine, where a Ray pipeline's stage 0 runs (`tessel probe --ray`
+    lists it first), so the plan's first stage is put there; None otherwise."""
+    from tessel.plan.files.cluster import RAY_CLUSTER
+
+    return spec.nodes[0].name if cluster == RAY_CLUSTER else None
 
 
 def planning_cluster(cluster: str, gpu_memory_gib: float | None):  # noqa: ANN201 (str | Cluster)

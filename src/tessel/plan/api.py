@@ -26,6 +26,7 @@ from tessel.plan.files.workload import Workload, load_workload
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.remap.replan import ReplanDecision, check_same_model, previous_solution, replan
 from tessel.plan.report import Predicted, plan_json, predict
+from tessel.plan.solution import first_stage_on
 from tessel.plan.solvers.baselines import BaselineResult, run_baselines
 from tessel.plan.solvers.solve import PlanResult, solve
 
@@ -58,6 +59,7 @@ class PlanSettings:
     sensitivity: Path | None = None  # measured per-layer quality costs (JSON)
     kv_preemption: str = "auto"  # evicted KV priced by swap or recompute per stage ("off": streamed)
     force_profile: bool = False  # use a profile of another device, model shape or tessel (warned)
+    first_node: str | None = None  # the node the first stage must run on (a Ray pipeline's command's)
 
     def __post_init__(self) -> None:
         if not (
@@ -223,6 +225,19 @@ def prepare_plan(
     )
 
 
+def _first_stage_on(instance: PlanningInstance, result: PlanResult, node: str) -> PlanResult:
+    """`result` moved so its first stage runs on `node` (`solution.first_stage_on`); refused when
+    `node` has no device, or no such plan is feasible."""
+    if not any(slot.node == node for slot in instance.devices):
+        raise TesselError(f"the first stage must run on node {node}, which the cluster lacks")
+    pinned = first_stage_on(instance, result.solution, node)
+    if pinned is None:
+        raise TesselError(f"no feasible plan starts on node {node} (where stage 0 must run)")
+    moved = pinned[0] != result.solution
+    detail = {**result.detail, "first_stage_moved_to": node} if moved else result.detail
+    return replace(result, solution=pinned[0], evaluation=pinned[1], detail=detail)
+
+
 def make_plan(
     model: ModelArg = "llama-3-70b",
     cluster: ClusterArg = "mixed-a100-v100-t4",
@@ -246,6 +261,8 @@ def make_plan(
     decision = None
     if previous is None:
         result = solve(instance, solver=settings.solver, time_limit_s=solver_s, mip_gap=settings.mip_gap)
+        if settings.first_node is not None:
+            result = _first_stage_on(instance, result, settings.first_node)
     else:
         check_same_model(previous, problem.model)
         previous.check_cluster(problem.cluster)
@@ -258,6 +275,7 @@ def make_plan(
             solver=settings.solver,
             time_limit_s=solver_s,
             mip_gap=settings.mip_gap,
+            first_node=settings.first_node,
         )
         result = decision.chosen
     return PlanOutcome(

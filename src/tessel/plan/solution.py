@@ -373,3 +373,26 @@ def _swap_in_violations(instance: PlanningInstance, stages: list[StageEval]) -> 
                 f"longer than the {window * 1e3:.2f} ms the upstream stage works"
             )
     return reasons
+
+
+def first_stage_on(
+    instance: PlanningInstance, solution: Solution, node: str
+) -> tuple[Solution, Evaluation] | None:
+    """`solution` with its first stage on a device of `node` (where a Ray pipeline's stage 0 runs: the
+    command's machine), and its evaluation: as it is when it starts there, else the best feasible
+    relabelling that swaps the first stage's device with one of `node`'s (used or idle); None when
+    none is feasible. The solvers choose a device order freely; this keeps their split and moves it."""
+    first = solution.stages[0].device
+    if instance.devices[first].node == node:
+        return solution, evaluate(instance, solution)
+    best: tuple[Solution, Evaluation] | None = None
+    for device, slot in enumerate(instance.devices):
+        if slot.node != node:
+            continue
+        swap = {first: device, device: first}
+        stages = tuple(replace(s, device=swap.get(s.device, s.device)) for s in solution.stages)
+        moved = replace(solution, stages=stages)
+        evaluation = evaluate(instance, moved)
+        if evaluation.feasible and (best is None or evaluation.objective < best[1].objective):
+            best = (moved, evaluation)
+    return best

@@ -94,6 +94,8 @@ class RemapWatch:
             else:
                 cluster = load_cluster(plan.cluster.source or plan.cluster.name)
             self.decider = RemapDecider(plan, cluster, settings)
+            if self.joins is not None:  # stage 0 stays on this machine: the server runs it
+                self.decider.first_node = plan.stages[0].device.split("/", 1)[0]
         previous = async_engine.on_outputs
 
         def observe(outputs: list[Any], now_s: float) -> None:

@@ -288,6 +288,7 @@ class RemapDecider:
     solver: str = "dp"
     time_limit_s: float = 10.0
     assumed: dict[str, float] = field(default_factory=dict)  # device -> priced speed (default 1)
+    first_node: str | None = None  # where every new plan's first stage runs (a Ray pipeline's server)
     last_remap_s: float | None = None
     _wanted: tuple[tuple[int, int], ...] | None = None  # the split the last evaluations wanted
     _wanted_count: int = 0
@@ -425,6 +426,7 @@ class RemapDecider:
             horizon_s=self.settings.horizon_s,
             solver=self.solver,
             time_limit_s=self.time_limit_s,
+            first_node=self.first_node,
         )
         new = decision.new
         new_plan = plan_json(

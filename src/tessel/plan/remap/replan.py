@@ -44,7 +44,7 @@ from tessel.errors import TesselError
 from tessel.plan.files.cluster import Cluster
 from tessel.plan.files.plan_parts import PlanStage
 from tessel.plan.instance import PlanningInstance
-from tessel.plan.solution import Evaluation, Solution, Stage, evaluate
+from tessel.plan.solution import Evaluation, Solution, Stage, evaluate, first_stage_on
 from tessel.plan.solvers.solve import PlanResult, solve
 
 if TYPE_CHECKING:
@@ -246,8 +246,11 @@ def replan(
     solver: str = "milp",
     time_limit_s: float = 10.0,
     mip_gap: float = 0.01,
+    first_node: str | None = None,
 ) -> ReplanDecision:
-    """Decide between the previous plan and a new one for `instance`'s (new) workload."""
+    """Decide between the previous plan and a new one for `instance`'s (new) workload (`first_node`:
+    the node the new plan's first stage must run on, as a Ray pipeline's stage 0 runs where its
+    server does)."""
     if horizon_s <= 0:
         raise TesselError(f"the re-planning horizon must be positive, got {horizon_s} s")
     if threshold < 0:
@@ -261,6 +264,12 @@ def replan(
     seconds, moved = move_costs(instance, cluster, previous)
     costed = replace(instance, move_s=seconds, move_weight=reference / horizon_s)
     new = solve(costed, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, incumbent=previous)
+    if first_node is not None:
+        pinned = first_stage_on(costed, new.solution, first_node)
+        if pinned is None:
+            reason = f"no new plan is feasible with its first stage on {first_node}"
+            return ReplanDecision(previous, old, new, 0.0, 0.0, 0.0, False, reason)
+        new = replace(new, solution=pinned[0], evaluation=pinned[1])
     if moved.ndim == 3:  # at the precisions the new plan chose
         moved = moved[np.arange(instance.n_units), :, np.asarray(new.solution.precisions)]
     move_bytes = float(sum(np.sum(moved[s.unit_start : s.unit_end, s.device]) for s in new.solution.stages))
