@@ -18,7 +18,9 @@ namespaces on a bridge, each its own `ray start` (`tests/emulated_hosts.py`), Sm
 - slow link: h1's link limited to 100 Mbit/s (tc tbf); `tessel probe --ray` writes the cluster,
   `tessel plan --cluster FILE` plans SmolLM2 on it (which nodes its stages use), the plan is run over
   Ray and `tessel simulate --measured` compares its prediction with the run.
-- join (a host joining under --remap auto): not implemented; reported as such.
+- join: h2 leaves, SmolLM2 is planned on head and h1 (`plan --cluster ray`) and served with `--remap
+  auto`; h2 joins while requests run: the decision on the grown cluster, the seconds from the join
+  until the grown pipeline serves, requests that failed or answered otherwise than one process.
 
 The hosts share this machine's cores, so a host's "machine" is never faster alone; Ray's health
 checks are set to 1 s x 3 on the head (`FAST_HEALTH`; Ray's default reports a dead machine after
@@ -45,6 +47,7 @@ PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Once 
 EXACT_TOKENS = 16
 STREAM_TOKENS = 96  # long enough that every stream still runs when the host goes
 DEADLINE_S = 600.0
+PARTS = ("exact", "lost", "overhead", "slow_link", "join")
 
 
 def expected_ids(model: Path, prompts: list[str], tokens: int) -> list[list[int]]:
@@ -224,8 +227,62 @@ def slow_link(hosts, model: Path, work: Path) -> dict:  # noqa: ANN001
                   host="head", timeout=DEADLINE_S)  # fmt: skip
     finally:
         hosts.unshape("h1")
-    result["simulate"] = json.loads(sim.read_text()).get("measured_vs_predicted")
+    result["predicted_vs_measured"] = json.loads(sim.read_text())["measured"]["comparison"]
     return result
+
+
+def host_joins(hosts, model: Path, work: Path) -> dict:  # noqa: ANN001
+    """h2 leaves; SmolLM2 planned on head and h1 (`plan --cluster ray`) and served with --remap auto;
+    h2 joins while requests run: the decision on the grown cluster, the seconds from the join until
+    the new pipeline serves, and the requests that failed or answered otherwise than one process."""
+    hosts.leave("h2")
+    plan, log = work / "join-plan.json", work / "join.log"
+    hosts.run([*TESSEL, "plan", "--model", str(model), "--cluster", "ray", "--json", str(plan)],
+              host="head", timeout=DEADLINE_S)  # fmt: skip
+    before = [s["device"] for s in json.loads(plan.read_text())["stages"]]
+    texts = dict(zip(PROMPTS, expected_texts(model, PROMPTS, 8), strict=True))
+    serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--remap", "auto"]
+    serve += ["--remap-interval-s", "1"]
+    answered, wrong, stop = [], [], threading.Event()
+    with hosts.serving(serve, 18095, log, DEADLINE_S) as client:
+
+        def load() -> None:
+            index = 0
+            while not stop.is_set():
+                prompt = PROMPTS[index % len(PROMPTS)]
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                try:
+                    answer = client.post("/v1/completions", json=body)
+                    ok = answer.status_code == 200 and answer.json()["choices"][0]["text"] == texts[prompt]
+                except Exception:  # noqa: BLE001 - counted
+                    ok = False
+                (answered if ok else wrong).append(index)
+                index += 1
+
+        worker = threading.Thread(target=load, daemon=True)
+        worker.start()
+        hosts.join("h2")
+        joined_at = time.monotonic()
+        remapped_s = None
+        while time.monotonic() - joined_at < DEADLINE_S / 2:
+            text = log.read_text()
+            if "remapped (" in text:
+                remapped_s = time.monotonic() - joined_at
+                break
+            if "joined the cluster" in text and "remap decision" in text and "remap (" not in text:
+                decided = [line for line in text.splitlines() if "joined the cluster" in line]
+                if decided and "kept" in decided[-1]:
+                    break
+            time.sleep(0.5)
+        time.sleep(5.0)  # requests on whichever pipeline serves now
+        stop.set()
+        worker.join(DEADLINE_S)
+    decisions = [line.strip() for line in log.read_text().splitlines() if "joined the cluster" in line]
+    return {
+        "plan_before": before, "decision": decisions[-1] if decisions else None,
+        "join_to_serving_s": remapped_s, "requests": len(answered) + len(wrong),
+        "failed_or_differ": len(wrong),
+    }  # fmt: skip
 
 
 def write_plans(pipeline_plans, model: Path, work: Path) -> dict[str, Path]:  # noqa: ANN001
@@ -272,16 +329,17 @@ def run(args: argparse.Namespace) -> dict:
             print(
                 f"up in {result['bring_up_s']:.1f} s, {result['idle_rss_bytes'] / 2**30:.2f} GiB", flush=True
             )
-            result["exact"] = exactness(hosts, plans, model, work)
-            print(f"exact: {result['exact']}", flush=True)
-            result["lost"] = {how: host_lost(hosts, plans["3-stage"], model, work, how, 18091 + i)
-                              for i, how in enumerate(("killed", "cut off"))}  # fmt: skip
-            print(f"lost: {result['lost']}", flush=True)
-            result["overhead"] = overhead(hosts, plans, model, work, args.rounds)
-            print(f"overhead: {result['overhead']}", flush=True)
-            result["slow_link"] = slow_link(hosts, model, work)
-            print(f"slow link: {result['slow_link']}", flush=True)
-    result["join"] = "not implemented: a host joining is not priced under --remap auto"
+            parts = {
+                "exact": lambda: exactness(hosts, plans, model, work),
+                "lost": lambda: {how: host_lost(hosts, plans["3-stage"], model, work, how, 18091 + i)
+                                 for i, how in enumerate(("killed", "cut off"))},
+                "overhead": lambda: overhead(hosts, plans, model, work, args.rounds),
+                "slow_link": lambda: slow_link(hosts, model, work),
+                "join": lambda: host_joins(hosts, model, work),
+            }  # fmt: skip
+            for name in args.parts:
+                result[name] = parts[name]()
+                print(f"{name}: {result[name]}", flush=True)
     return result
 
 
@@ -289,26 +347,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model directory (default: SmolLM2, `tessel example-model`)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure")
     _harness.add_record_options(parser, "ray_hosts")
     args = parser.parse_args()
     print(_harness.machine_line(), flush=True)
     result = run(args)
-    lost = result["lost"]
-    rows = [
-        ("bring-up (s)", f"{result['bring_up_s']:.1f}"),
-        ("idle RSS, 3 hosts (GiB)", f"{result['idle_rss_bytes'] / 2**30:.2f}"),
-        *((f"token-exact: {k}", str(v)) for k, v in result["exact"].items()),
-        *((f"lost ({how}): failed / differ / healthy s / done s / left",
-           f"{r['failed']} / {r['texts_differ']} / {r['healthy_again_s']} / {r['last_stream_done_s']:.1f} / "
-           f"{r['stage_processes_left_on_h1']}") for how, r in lost.items()),
-        ("loaded RSS, 3-stage (GiB)", f"{lost['killed']['loaded_rss_bytes'] / 2**30:.2f}"),
-        ("overhead: ray / local tok/s", f"{result['overhead']['ratio']:.3f}"),
-        ("slow link: plan devices", str(result["slow_link"].get("plan_devices"))),
-        ("join", result["join"]),
-    ]  # fmt: skip
-    for name, value in rows:
-        print(f"{name:<52} {value}")
+    for name, value in summary_rows(result):
+        print(f"{name:<56} {value}")
     _harness.append_record(args.out, "ray_hosts", result, args.label)
+
+
+def summary_rows(result: dict) -> list[tuple[str, str]]:
+    rows = [("bring-up (s)", f"{result['bring_up_s']:.1f}"),
+            ("idle RSS, 3 hosts (GiB)", f"{result['idle_rss_bytes'] / 2**30:.2f}")]  # fmt: skip
+    rows += [(f"token-exact: {k}", str(v)) for k, v in result.get("exact", {}).items()]
+    for how, r in result.get("lost", {}).items():
+        rows.append((f"lost ({how}): failed / differ / healthy again s / done s / left",
+                     f"{r['failed']} / {r['texts_differ']} / {r['healthy_again_s']:.1f} / "
+                     f"{r['last_stream_done_s']:.1f} / {r['stage_processes_left_on_h1']}"))  # fmt: skip
+        rows.append(
+            (f"lost ({how}): RSS with the 3-stage plan loaded (GiB)", f"{r['loaded_rss_bytes'] / 2**30:.2f}")
+        )
+    if "overhead" in result:
+        rows.append(("overhead: ray / local tok/s", f"{result['overhead']['ratio']:.3f}"))
+    if "slow_link" in result:
+        rows.append(("slow link: plan devices", str(result["slow_link"].get("plan_devices"))))
+        for row in result["slow_link"].get("predicted_vs_measured", []):
+            figures = f"{row['predicted']:.4g} / {row['measured']:.4g} ({row['error']:+.0%})"
+            rows.append((f"slow link: {row['label']} predicted / measured (error)", figures))
+    if "join" in result:
+        join = result["join"]
+        figures = f"{join['join_to_serving_s']} / {join['requests']} / {join['failed_or_differ']}"
+        rows.append(("join: s to the grown pipeline / requests / failed", figures))
+    return rows
 
 
 if __name__ == "__main__":
