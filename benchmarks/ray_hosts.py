@@ -13,10 +13,12 @@ namespaces on a bridge, each its own `ray start` (`tests/emulated_hosts.py`), Sm
   failed streams, streams whose text differs from one process's, seconds from the loss until the
   server answers /health 200 again and until the last stream ends, stage processes of the old
   pipeline left on h1.
-- overhead: the same 2-stage plan as local processes (`tessel launch`) and over two hosts (head,
-  h1), rounds alternating; output tokens/s and the ratio.
-- slow link: h1's link limited to 100 Mbit/s (tc tbf); `tessel probe --ray` writes the cluster,
-  `tessel plan --cluster FILE` plans SmolLM2 on it (which nodes its stages use), the plan is run over
+- overhead: the same 2-stage plan as local processes (`tessel launch`, 8 prompts, 64 tokens each)
+  and over two hosts (head, h1), rounds alternating; output tokens/s over stage 0's generate, the
+  ratio, and the CPU seconds Ray's own processes (raylets, GCS, idle workers) used in each Ray run.
+- slow link: `tessel profile` of this CPU on head (the catalog's CPU figures are peaks); h1's link
+  limited to 100 Mbit/s (tc tbf); `tessel probe --ray` writes the cluster (its links recorded), `tessel
+  plan --cluster ray --profile` plans SmolLM2 on it (which nodes its stages use), the plan is run over
   Ray and `tessel simulate --measured` compares its prediction with the run.
 - join: h2 leaves, SmolLM2 is planned on head and h1 (`plan --cluster ray`) and served with `--remap
   auto`; h2 joins while requests run: the decision on the grown cluster, the seconds from the join
@@ -33,6 +35,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +48,7 @@ import _harness
 TESSEL = [sys.executable, "-m", "tessel.cli"]
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Once upon a time", "One two three"]
 EXACT_TOKENS = 16
+OVERHEAD_TOKENS = 64
 STREAM_TOKENS = 96  # long enough that every stream still runs when the host goes
 DEADLINE_S = 600.0
 PARTS = ("exact", "lost", "overhead", "slow_link", "join")
@@ -64,19 +68,19 @@ def expected_texts(model: Path, prompts: list[str], tokens: int) -> list[str]:
     return [out.text for out in LLM(model).generate(prompts, params, use_progress=False)]
 
 
-def launch(hosts, plan: Path, model: Path, work: Path, *extra: str, ray: bool = True) -> dict:  # noqa: ANN001
+def launch(  # noqa: PLR0913
+    hosts,  # noqa: ANN001
+    plan: Path,
+    model: Path,
+    work: Path,
+    *extra: str,
+    ray: bool = True,
+    prompts: list[str] = PROMPTS,  # noqa: B006 - never changed
+    tokens: int = EXACT_TOKENS,
+) -> dict:
     out = work / f"run-{time.monotonic_ns()}.json"
-    command = [
-        *TESSEL,
-        "launch",
-        "--plan",
-        str(plan),
-        "--model",
-        str(model),
-        "--max-tokens",
-        str(EXACT_TOKENS),
-    ]
-    command += [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
+    command = [*TESSEL, "launch", "--plan", str(plan), "--model", str(model), "--max-tokens", str(tokens)]
+    command += [arg for prompt in prompts for arg in ("--prompt", prompt)]
     command += ["--ignore-eos", "--json", str(out), *(["--executor", "ray"] if ray else []), *extra]
     hosts.run(command, host="head", timeout=DEADLINE_S)
     return json.loads(out.read_text())
@@ -187,33 +191,77 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def cpu_seconds(hosts) -> dict[int, tuple[str, float]]:  # noqa: ANN001
+    """Each process of the emulated hosts: its name and the CPU seconds it has used."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for name in hosts.names:
+        for pid in hosts.pids(name):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                found[pid] = (
+                    stat[stat.index("(") + 1 : stat.rindex(")")],
+                    (int(fields[11]) + int(fields[12])) / ticks,
+                )
+    return found
+
+
+def ray_daemons_cpu(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds by process name, over the processes alive at both snapshots (Ray's daemons and
+    idle workers: a run's stage processes come and go inside it)."""
+    used: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        if pid in before and before[pid][0] == name:
+            used[name] = used.get(name, 0.0) + seconds - before[pid][1]
+    return {name: round(s, 2) for name, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0.005}
+
+
 def overhead(hosts, plans, model: Path, work: Path, rounds: int) -> dict:  # noqa: ANN001
     def tok_s(run: dict) -> float:
         return sum(len(r["token_ids"]) for r in run["requests"]) / run["wall_s"]
 
-    local, remote = [], []
+    # long enough that a run's first steps (each process's first forward) weigh little
+    load = {"prompts": [f"{p} {i}" for i in range(2) for p in PROMPTS], "tokens": OVERHEAD_TOKENS}
+    local, remote, daemons, waits = [], [], [], {"local": [], "ray": []}
     for index in range(rounds):
         order = ("local", "ray") if index % 2 == 0 else ("ray", "local")
         for side in order:
             if side == "local":
-                local.append(tok_s(launch(hosts, plans["2-stage-local"], model, work, ray=False)))
+                run = launch(hosts, plans["2-stage-local"], model, work, ray=False, **load)
+                local.append(tok_s(run))
             else:
-                remote.append(tok_s(launch(hosts, plans["2-stage-2hosts"], model, work)))
+                before, started = cpu_seconds(hosts), time.monotonic()
+                run = launch(hosts, plans["2-stage-2hosts"], model, work, **load)
+                used = ray_daemons_cpu(before, cpu_seconds(hosts))
+                daemons.append({"wall_s": round(time.monotonic() - started, 2), "run_wall_s": run["wall_s"],
+                                "cpu_s_by_process": used})  # fmt: skip
+                remote.append(tok_s(run))
+            # per stage: seconds of its compute spent off the CPU (waiting for a core)
+            waits[side].append([round(st["compute_s"] - st["compute_cpu_s"], 2) for st in run["stages"]])
     ratios = [r / lo for r, lo in zip(remote, local, strict=True)]
-    return {"local_tok_s": local, "ray_tok_s": remote, "ratio": statistics.median(ratios), "ratios": ratios}
+    return {
+        "local_tok_s": local, "ray_tok_s": remote, "ratio": statistics.median(ratios), "ratios": ratios,
+        "ray_daemons": daemons, "compute_off_cpu_s": waits,
+    }  # fmt: skip
 
 
 def slow_link(hosts, model: Path, work: Path) -> dict:  # noqa: ANN001
     import yaml
 
-    cluster, plan, run, sim = (
-        work / n for n in ("ray.yaml", "slow-plan.json", "slow-run.json", "slow-sim.json")
+    cluster, plan, run, sim, profile = (
+        work / n for n in ("ray.yaml", "slow-plan.json", "slow-run.json", "slow-sim.json", "cpu-profile.json")
     )
+    # Priced by a profile measured on head: the catalog's CPU peaks are 10-40x this CPU's speed.
+    hosts.run([*TESSEL, "profile", "--device", "cpu", "--model", str(model), "--budget-s", "60",
+               "--json", str(profile)], host="head", timeout=DEADLINE_S)  # fmt: skip
+    priced = ["--profile", str(profile)]
     hosts.shape("h1", mbit=100)
     try:
         hosts.run([*TESSEL, "probe", "--ray", "--out", str(cluster)], host="head", timeout=DEADLINE_S)
-        hosts.run([*TESSEL, "plan", "--model", str(model), "--cluster", str(cluster), "--json", str(plan)],
-                  host="head", timeout=DEADLINE_S)  # fmt: skip
+        # --cluster ray probes again and keeps stage 0 on this machine (a file leaves it to the solver)
+        planning = ["plan", "--model", str(model), "--cluster", "ray", *priced, "--json", str(plan)]
+        hosts.run([*TESSEL, *planning], host="head", timeout=DEADLINE_S)
         stages = [s["device"] for s in json.loads(plan.read_text())["stages"]]
         result = {"links": yaml.safe_load(cluster.read_text()).get("links"), "plan_devices": stages}
         if stages[0].split("/")[0] != "head":
@@ -223,8 +271,8 @@ def slow_link(hosts, model: Path, work: Path) -> dict:  # noqa: ANN001
         command += [a for p in PROMPTS * 2 for a in ("--prompt", p)]
         command += ["--max-tokens", "32", "--ignore-eos", "--json", str(run)]
         hosts.run(command, host="head", timeout=DEADLINE_S)
-        hosts.run([*TESSEL, "simulate", "--plan", str(plan), "--measured", str(run), "--json", str(sim)],
-                  host="head", timeout=DEADLINE_S)  # fmt: skip
+        simulating = ["simulate", "--plan", str(plan), *priced, "--measured", str(run), "--json", str(sim)]
+        hosts.run([*TESSEL, *simulating], host="head", timeout=DEADLINE_S)
     finally:
         hosts.unshape("h1")
     result["predicted_vs_measured"] = json.loads(sim.read_text())["measured"]["comparison"]
@@ -370,6 +418,11 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         )
     if "overhead" in result:
         rows.append(("overhead: ray / local tok/s", f"{result['overhead']['ratio']:.3f}"))
+        for index, run in enumerate(result["overhead"].get("ray_daemons", [])):
+            top = ", ".join(f"{name} {s:.1f}" for name, s in list(run["cpu_s_by_process"].items())[:4])
+            rows.append((f"overhead: Ray daemons' CPU s, run {index} ({run['wall_s']:.0f} s)", top))
+        for side, runs in result["overhead"].get("compute_off_cpu_s", {}).items():
+            rows.append((f"overhead: {side} stages' compute off CPU (s)", str(runs)))
     if "slow_link" in result:
         rows.append(("slow link: plan devices", str(result["slow_link"].get("plan_devices"))))
         for row in result["slow_link"].get("predicted_vs_measured", []):

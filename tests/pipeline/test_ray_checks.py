@@ -81,3 +81,32 @@ def test_processes_an_actor_starts_get_the_commands_threads():
     assert with_command_threads(ray_actor_env, "8") == {"OMP_NUM_THREADS": "8", "PATH": "/bin"}
     assert with_command_threads(ray_actor_env, None) == {"PATH": "/bin"}
     assert ray_actor_env["OMP_NUM_THREADS"] == "1"  # a copy
+
+
+def test_a_ray_launch_runs_stage_0_on_the_threads_asked_and_gives_them_back(tiny_dirs, tmp_path, monkeypatch):
+    # stage 0 of `launch --executor ray` is the command's own process: torch's default (every core)
+    # spun OpenMP threads against the other stages (0.66x of local processes, benchmarks/ray_hosts.py)
+    import torch
+
+    from tessel.pipeline import ray_executor
+    from tessel.pipeline.options import RunOptions
+    from tessel.pipeline.run import run_on_ray
+
+    seen = []
+
+    def spawn(options, run_dir):  # noqa: ANN001, ARG001 - stands in for the cluster
+        seen.append(counts[-1])
+        raise TesselError("no cluster here")
+
+    monkeypatch.setattr(ray_executor.RayExecutor, "spawn", staticmethod(spawn))
+    plan = write_plan(
+        tmp_path / "plan.json", tiny_dirs["tied"], [(0, 2), (2, 5)], devices=["head/cpu0", "h1/cpu0"]
+    )
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # the command's count, whatever the cores
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: counts.append(n))
+    counts: list[int] = []
+    options = RunOptions(plan=plan, model=tiny_dirs["tied"], prompts=["hi"], threads=1, executor="ray")
+    with pytest.raises(TesselError, match="no cluster here"):
+        run_on_ray(options)
+    assert seen == [1]
+    assert counts == [1, 3]

@@ -146,12 +146,7 @@ def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it_when_it_gains
     grown cluster uses the new A100 (the model says three stages beat two by more than the threshold,
     the move counted) and the decision is a remap at once, no confirmation; with a threshold no gain
     reaches, the plan is kept and the decision says why."""
-    (tmp_path / "two.yaml").write_text(CLUSTER)
-    (tmp_path / "grown.yaml").write_text(GROWN)
-    outcome = make_plan("llama-2-7b", tmp_path / "two.yaml", "default", PlanSettings(solver="dp"))
-    outcome.plan_file().write(tmp_path / "plan.json")
-    plan = load_plan(tmp_path / "plan.json")
-    grown = load_cluster(tmp_path / "grown.yaml")
+    plan, grown = _served_on_two_and_grown(tmp_path)
     decider = RemapDecider(plan, grown, RemapSettings(threshold=0.05, confirm=3))
     decision = decider.evaluate_joined(100.0, ["c", "d"])
     assert decision.outcome == "remap", decision.reason
@@ -168,14 +163,18 @@ def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it_when_it_gains
 
 def test_a_grown_plan_keeps_its_first_stage_where_the_server_runs(tmp_path):
     """Over Ray the server runs stage 0: the plan re-made on the grown cluster starts on `first_node`."""
-    (tmp_path / "two.yaml").write_text(CLUSTER)
-    (tmp_path / "grown.yaml").write_text(GROWN)
-    outcome = make_plan("llama-2-7b", tmp_path / "two.yaml", "default", PlanSettings(solver="dp"))
-    outcome.plan_file().write(tmp_path / "plan.json")
-    plan = load_plan(tmp_path / "plan.json")
-    grown = load_cluster(tmp_path / "grown.yaml")
+    plan, grown = _served_on_two_and_grown(tmp_path)
     for node in ("a", "b"):
         decider = RemapDecider(plan, grown, RemapSettings(threshold=0.05), first_node=node)
         decision = decider.evaluate_joined(100.0, ["c", "d"])
         assert decision.outcome == "remap", decision.reason
         assert decision.new_devices[0].startswith(f"{node}/")
+
+
+def _served_on_two_and_grown(tmp_path):
+    """llama-2-7b planned on CLUSTER (two A100s), and the GROWN cluster (two more machines joined)."""
+    (tmp_path / "two.yaml").write_text(CLUSTER)
+    (tmp_path / "grown.yaml").write_text(GROWN)
+    outcome = make_plan("llama-2-7b", tmp_path / "two.yaml", "default", PlanSettings(solver="dp"))
+    outcome.plan_file().write(tmp_path / "plan.json")
+    return load_plan(tmp_path / "plan.json"), load_cluster(tmp_path / "grown.yaml")

@@ -64,6 +64,8 @@ def run_pipeline(options: RunOptions) -> PipelineRun:
 
 def run_on_ray(options: RunOptions) -> PipelineRun:
     """`tessel launch --executor ray`: the plan's stages on their machines, the requests run here."""
+    import torch
+
     from tessel.engine.llm_engine import LLM
     from tessel.pipeline.checks import run_requests
     from tessel.pipeline.ray_executor import RayExecutor
@@ -72,8 +74,11 @@ def run_on_ray(options: RunOptions) -> PipelineRun:
     requests = run_requests(options)
     run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="tessel-ray-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    previous = os.environ.get(RUN_DIR_ENV)
+    previous, threads = os.environ.get(RUN_DIR_ENV), torch.get_num_threads()
     os.environ[RUN_DIR_ENV] = str(run_dir)  # stage 0 (this process) writes stage0.json there
+    # as a local launch's stage 0 process does; torch's default (every core) would also spin its
+    # OpenMP threads against the stages of the other machines, which share this one's cores in tests
+    torch.set_num_threads(options.threads)
     try:
         executor = RayExecutor.spawn(options, run_dir)
         try:
@@ -84,6 +89,7 @@ def run_on_ray(options: RunOptions) -> PipelineRun:
             executor.shutdown()
             raise
     finally:
+        torch.set_num_threads(threads)
         if previous is None:
             os.environ.pop(RUN_DIR_ENV, None)
         else:
