@@ -233,22 +233,24 @@ def test_probe_ray_measures_every_pair_and_a_slow_link_shows(hosts, tmp_path):
     assert data["network"]["bandwidth_gbps"] == min(links.values())
 
 
-def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it(hosts, tiny_dirs, tmp_path):
+def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it(hosts, smollm2_dir, tmp_path):
     """h2 leaves; the model is planned on the Ray cluster left (`plan --cluster ray`: head, h1) and
     served with --remap auto; h2 joins while requests run: it is probed, the plan re-made on the
     grown cluster takes it (the model says more stages gain), the server remaps live onto it, and
-    every request answers as one process does."""
-    model = tiny_dirs["tied"]
+    every request answers as one process does. SmolLM2, not a tiny model: a tiny model's layers cost
+    less than a link's latency, so whether a stage more gains is the probe's noise (seen: a plan of
+    one stage, and a 17% "gain" from moving a stage between two alike machines)."""
+    model = smollm2_dir
     hosts.leave("h2")
     try:
         plan = tmp_path / "plan.json"
         planning = [*TESSEL, "plan", "--model", str(model), "--cluster", "ray", "--json", str(plan)]
         hosts.run(planning, host="head", timeout=DEADLINE_S)
-        before = {s["device"].split("/")[0] for s in json.loads(plan.read_text())["stages"]}
+        before = [s["device"].split("/")[0] for s in json.loads(plan.read_text())["stages"]]
         assert "h2" not in before
         texts = dict(zip(PROMPTS, _expected_texts(model, PROMPTS, 8), strict=True))
         serve = [*TESSEL, "serve", "--model", str(model), "--plan", str(plan), "--remap", "auto"]
-        serve += ["--remap-threshold", "0", "--remap-interval-s", "1"]
+        serve += ["--remap-threshold", "0.05", "--remap-interval-s", "1"]  # a gain, not the probe's noise
         failures: list[str] = []
         stop = threading.Event()
         with hosts.serving(serve, 18083, tmp_path / "serve.log") as client:
@@ -278,6 +280,7 @@ def test_a_machine_that_joins_is_priced_and_the_plan_grows_onto_it(hosts, tiny_d
         assert "h2 joined the Ray cluster" in text, text[-3000:]
         decision = next(line for line in text.splitlines() if "joined the cluster" in line)
         assert "remap decision" in decision and "h2/" in decision.split("->")[-1], decision
+        assert len(before) == 2 and len(decision.split("->")[-1].split(" / ")) == 3, decision  # grown
         assert failures == []
     finally:
         if "h2" not in hosts.alive_nodes():

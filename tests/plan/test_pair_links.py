@@ -3,6 +3,8 @@ them): the planner prices each pair by its own link, so a slow pair changes the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tessel.errors import TesselError
@@ -78,3 +80,35 @@ def test_the_first_stage_goes_where_it_must_run_at_the_same_objective_on_alike_m
         assert pinned.result.evaluation.objective == pytest.approx(free.result.evaluation.objective, rel=1e-9)
     with pytest.raises(TesselError, match="node z, which the cluster lacks"):
         make_plan("llama-3-8b", cluster, settings=PlanSettings(first_node="z"))
+
+
+def test_moving_the_first_stage_keeps_the_links_the_solver_chose() -> None:
+    """The 3-machine plan's split placed on b, c, d (fast links) and moved to start on a, whose link
+    to c is slow: a swap of b and a would put the slow link a-c in the pipeline; the move finds a
+    placement at the same objective. Oracle: every placement of the split with its first stage on a."""
+    import itertools
+
+    from tessel.plan.solution import evaluate, first_stage_on
+
+    split = make_plan("llama-3-8b", parse_cluster(_three_machines([]))).result.solution
+    slow_ac = [{"between": ["a", "c"], "bandwidth_gbps": SLOW_GBPS, "latency_us": 5000}]
+    cluster = parse_cluster({**_three_machines(slow_ac), "nodes": [
+        {"name": name, "gpus": {"type": "T4", "count": 1}} for name in ("a", "b", "c", "d")
+    ]})  # fmt: skip
+    instance = make_plan("llama-3-8b", cluster).instance
+
+    def placed(devices: tuple[int, ...]):  # noqa: ANN202 - the split on these devices
+        return replace(
+            split, stages=tuple(replace(s, device=x) for s, x in zip(split.stages, devices, strict=True))
+        )
+
+    on_bcd = placed((1, 2, 3))
+    moved, evaluation = first_stage_on(instance, on_bcd, "a")
+    assert instance.devices[moved.stages[0].device].node == "a"
+    best = min(
+        evaluate(instance, placed((0, *rest))).objective for rest in itertools.permutations((1, 2, 3), 2)
+    )
+    assert evaluation.objective == pytest.approx(best, rel=1e-12)
+    assert evaluation.objective == pytest.approx(evaluate(instance, on_bcd).objective, rel=1e-9)
+    swapped = evaluate(instance, placed((0, 2, 3))).objective  # what swapping b and a alone gives
+    assert swapped > evaluation.objective * 1.01

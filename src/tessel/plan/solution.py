@@ -44,6 +44,8 @@ MILP, DP, brute force and the baselines all call this function, so they agree on
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -380,19 +382,45 @@ def first_stage_on(
 ) -> tuple[Solution, Evaluation] | None:
     """`solution` with its first stage on a device of `node` (where a Ray pipeline's stage 0 runs: the
     command's machine), and its evaluation: as it is when it starts there, else the best feasible
-    relabelling that swaps the first stage's device with one of `node`'s (used or idle); None when
-    none is feasible. The solvers choose a device order freely; this keeps their split and moves it."""
+    placement of its stages, split unchanged, with the first on one of `node`'s devices (used or
+    idle); None when none is feasible. The solvers choose a device order freely; this keeps their
+    split and moves it."""
     first = solution.stages[0].device
     if instance.devices[first].node == node:
         return solution, evaluate(instance, solution)
     best: tuple[Solution, Evaluation] | None = None
-    for device, slot in enumerate(instance.devices):
-        if slot.node != node:
-            continue
-        swap = {first: device, device: first}
-        stages = tuple(replace(s, device=swap.get(s.device, s.device)) for s in solution.stages)
+    for devices in _placements_starting_on(instance, solution, node):
+        stages = tuple(replace(s, device=d) for s, d in zip(solution.stages, devices, strict=True))
         moved = replace(solution, stages=stages)
         evaluation = evaluate(instance, moved)
         if evaluation.feasible and (best is None or evaluation.objective < best[1].objective):
             best = (moved, evaluation)
     return best
+
+
+MAX_PLACEMENTS = 2000  # past this many, only the swaps and shifts below are tried
+
+
+def _placements_starting_on(
+    instance: PlanningInstance, solution: Solution, node: str
+) -> list[tuple[int, ...]]:
+    """Device tuples for the solution's stages, the first on `node`, drawn from the devices it uses
+    and `node`'s: every ordering when there are few (a swap alone can put a slow link where the
+    solver had none), else the first device swapped with one of `node`'s, or the stages shifted one
+    device along the solver's order behind it."""
+    used = [s.device for s in solution.stages]
+    mine = [d for d, slot in enumerate(instance.devices) if slot.node == node]
+    pool = list(dict.fromkeys(used + mine))
+    count = len(mine) * math.perm(len(pool) - 1, len(used) - 1)
+    if count <= MAX_PLACEMENTS:
+        return [
+            (head, *rest)
+            for head in mine
+            for rest in itertools.permutations([d for d in pool if d != head], len(used) - 1)
+        ]
+    placements = []
+    for head in mine:
+        placements.append(tuple(head if d == used[0] else used[0] if d == head else d for d in used))
+        behind = [d for d in used if d != head]
+        placements.append((head, *behind[: len(used) - 1]))
+    return placements
