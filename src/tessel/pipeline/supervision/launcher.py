@@ -13,6 +13,7 @@ consequence, not a cause, and is named only if nothing else failed. Workers die 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import json
@@ -222,7 +223,7 @@ def _fail(procs: list[subprocess.Popen], run_dir: Path, first_rank: int) -> None
     raise StageFailedError(stage, cause)
 
 
-class FirstFailure:
+class FirstFailure(abc.ABC):
     """The first failure of a set of stages, kept: every caller of `failure` gets the same one, from
     any thread, and stopping the stages afterwards (or a stage this object stopped) never changes
     it. A subclass finds failures (`_find_failure`) and sets `_stopped` when it stops its stages."""
@@ -232,8 +233,9 @@ class FirstFailure:
         self._stopped = False
         self._lock = threading.Lock()  # the watcher and the engine thread both ask `failure()`
 
+    @abc.abstractmethod
     def _find_failure(self) -> StageFailedError | None:
-        raise NotImplementedError
+        """A failure of the stages now, or None (called under the lock until one is found)."""
 
     def failure(self, settle_s: float = 0.0) -> StageFailedError | None:
         """The failure of a stage that exited (waiting up to `settle_s` for one to), died with its
