@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tessel import LLM, SamplingParams
 from tessel.engine.sequence import SequenceStatus
@@ -44,12 +44,16 @@ def test_random_request_streams_with_aborts_leak_nothing(llm: LLM) -> None:
             llm.add_request(rid, prompt, params)
             self.live.append(rid)
 
-        @precondition(lambda self: self.live)
-        @rule(data=st.data())
-        def abort(self, data: st.DataObject) -> None:
-            rid = data.draw(st.sampled_from(self.live))
-            llm.abort_request(rid)
-            self.live.remove(rid)
+        # What is live depends on the engine's state, which the module's engine carries from one
+        # example to the next (its prefix cache, unseeded draws that hit EOS): a draw whose shape
+        # follows it (sampled_from(self.live), a precondition on it) differs between hypothesis's
+        # replays of one example, which it reports as a flaky strategy. The draw is fixed-shape.
+        @rule(pick=st.integers(0, 1 << 16))
+        def abort(self, pick: int) -> None:
+            if self.live:
+                rid = self.live[pick % len(self.live)]
+                llm.abort_request(rid)
+                self.live.remove(rid)
 
         @rule()
         def step(self) -> None:

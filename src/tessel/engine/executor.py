@@ -90,8 +90,9 @@ class InFlightBatch:
     def of(
         cls, batch_id: int, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None
     ) -> InFlightBatch:
-        sampled = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
-        seq_ids = [seq.seq_id for seq, _ in batch.scheduled()]
+        parts = batch.scheduled()
+        sampled = [seq for seq, n in parts if seq.num_computed_tokens + n == len(seq.token_ids)]
+        seq_ids = [seq.seq_id for seq, _ in parts]
         return cls(batch_id, slot, batch, apply, sampled, prompt_scorings(batch), seq_ids)
 
 
@@ -156,6 +157,25 @@ def run_isolated(
     except Exception as error:
         if len(parts) == 1:
             return StepResult(), [(parts[0][0], error)]
+    return _bisect(runner, parts)
+
+
+def run_batch(
+    runner: ModelRunner, batch: SchedulerOutput
+) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
+    """`run_isolated` of a whole scheduled batch, run as it is (no copy of it) unless it raises."""
+    try:
+        return runner.run(batch), []
+    except Exception as error:
+        parts = batch.scheduled()
+        if len(parts) == 1:
+            return StepResult(), [(parts[0][0], error)]
+        return _bisect(runner, parts)
+
+
+def _bisect(
+    runner: ModelRunner, parts: list[tuple[Sequence, int]]
+) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
     half = len(parts) // 2
     result, failed = run_isolated(runner, parts[:half])
     right, right_failed = run_isolated(runner, parts[half:])
@@ -199,7 +219,7 @@ class LocalExecutor:
 
     def launch(self, micro_batch: InFlightBatch, kv_copies: KvCopies) -> None:
         started = time.perf_counter()
-        result, failed = run_isolated(self.runner, micro_batch.batch.scheduled())
+        result, failed = run_batch(self.runner, micro_batch.batch)
         micro_batch.compute_s = time.perf_counter() - started
         micro_batch.result, micro_batch.failed = result, failed
 

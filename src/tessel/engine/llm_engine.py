@@ -30,7 +30,6 @@ executor and `replace_executor` moves the unfinished requests into it, to be rec
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import Counter, deque
@@ -489,10 +488,11 @@ class LLMEngine:
         failed_seqs = {id(seq) for seq, _ in failed}
         for seq, error in failed:
             outputs.append(self._fail(seq, error))
+        register = self.block_manager.register_computed_blocks
         for seq, n in batch.scheduled():
             if id(seq) not in failed_seqs:
                 seq.num_computed_tokens += n
-                self.block_manager.register_computed_blocks(seq)
+                register(seq)
         for seq, first, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()
@@ -514,7 +514,8 @@ class LLMEngine:
         return self._output(seq, [])
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
-        seq.append_token(token)
+        token_ids = seq.token_ids
+        token_ids.append(token)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         params, detok = seq.params, self._detokenizers[seq.request_id]
@@ -523,7 +524,7 @@ class LLMEngine:
             reason = "stop"
         elif detok.add_token(token) is not None:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+        elif len(token_ids) - seq.num_prompt_tokens >= seq.max_tokens or len(token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             detok.finish()
@@ -532,12 +533,14 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         rid = seq.request_id
         text = self._detokenizers[rid].text
-        new_text = text[self._emitted[rid] :]
+        emitted = self._emitted[rid]
+        new_text = text[emitted:] if len(text) > emitted else ""
         self._emitted[rid] = len(text)
-        finished = seq.is_finished
+        finished = seq.status is SequenceStatus.FINISHED
         if finished:
             del self._requests[rid], self._detokenizers[rid], self._emitted[rid]
-        output_ids = seq.output_token_ids
+        output_ids = seq.token_ids[seq.num_prompt_tokens :]
+        params = seq.params
         return RequestOutput(
             request_id=rid,
             prompt_token_ids=seq.prompt_token_ids,
@@ -549,11 +552,11 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(output_ids),
-            metrics=dataclasses.replace(seq.metrics),  # a snapshot: later steps do not change it
+            metrics=seq.metrics.snapshot(),
             prompt=seq.prompt,
             error=seq.error,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None,
         )
 
     # ---- another executor ------------------------------------------------------------------------

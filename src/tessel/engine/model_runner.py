@@ -96,10 +96,12 @@ def prompt_scorings(batch: SchedulerOutput) -> list[tuple[Sequence, PromptScorin
     found = []
     row = 0
     for seq, n in batch.scheduled():
-        start, k = seq.num_computed_tokens, seq.params.prompt_logprobs
-        last = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
-        if k is not None and start < last:
-            found.append((seq, PromptScoring(row, start + 1, seq.token_ids[start + 1 : last + 1], k)))
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            start = seq.num_computed_tokens
+            last = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
+            if start < last:
+                found.append((seq, PromptScoring(row, start + 1, seq.token_ids[start + 1 : last + 1], k)))
         row += n
     return found
 
@@ -283,7 +285,9 @@ class ModelRunner:
         prompt_logprobs = [score_prompt(self.model, hidden, s) for s in scorings]
         if not sample_rows:
             return SampledRows([], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        # rows are ascending and distinct: as many as the step has means every row, as it is
+        rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
+        logits = self.model.compute_logits(rows)
         tokens = self.sample(logits.float(), seqs).tolist()
         logprobs = sampled_logprobs(logits, tokens, [seq.params for seq in seqs])
         return SampledRows(tokens, logprobs, prompt_logprobs)

@@ -28,6 +28,17 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0
 
+    def snapshot(self) -> RequestMetrics:
+        """A copy later steps do not change (each output carries one: built field by field, as
+        `dataclasses.replace` is slow for something made once per request per step)."""
+        return RequestMetrics(
+            self.arrival_time,
+            self.first_scheduled_time,
+            self.first_token_time,
+            self.finish_time,
+            self.num_cached_tokens,
+        )
+
 
 class Sequence:
     """`token_ids` = prompt + output so far; the first `num_computed_tokens` have k/v in the cache.
