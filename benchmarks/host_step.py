@@ -193,6 +193,34 @@ def per_request_split(llm, steps: int) -> dict[str, list[float]]:
     return found
 
 
+def contract_floor_us(model: Path, running: int, steps: int) -> float:
+    """A floor under `finish` + `detokenise` + `output` per step: for each request only what the
+    engine's contract asks (its token appended, one `DecodeStream` step, one `RequestOutput` with
+    its own metrics), in a bare loop, median per step."""
+    from tokenizers.decoders import DecodeStream
+    from transformers import AutoTokenizer
+
+    from tessel.engine.outputs import RequestOutput
+    from tessel.engine.sequence import RequestMetrics
+
+    backend = AutoTokenizer.from_pretrained(str(model))._tokenizer
+    tokens = [[5 + (i + k) % 200 for k in range(PROMPT_TOKENS)] for i in range(running)]
+    streams = [DecodeStream(ids=t[-5:], skip_special_tokens=True) for t in tokens]
+    found = []
+    for step in range(steps):
+        start = time.perf_counter()
+        for i in range(running):
+            token = 5 + (i + step) % 300
+            tokens[i].append(token)
+            streams[i].step(backend, token)
+            RequestOutput(
+                f"r{i}", tokens[i], tokens[i][PROMPT_TOKENS:], [token], "", "", False, None,
+                PROMPT_TOKENS, step + 1, RequestMetrics(0.0, 0.0, 0.0),
+            )  # fmt: skip
+        found.append(time.perf_counter() - start)
+    return statistics.median(found) * 1e6
+
+
 def measure_running(model: Path, running: int, waiting: int, steps: int) -> dict:
     import torch
 
@@ -222,6 +250,7 @@ def measure_running(model: Path, running: int, waiting: int, steps: int) -> dict
         "steps": steps,
         "step_us": statistics.median(wall) * 1e6,
         "host_us": median_us.pop("host"),
+        "contract_floor_us": contract_floor_us(model, running, steps),
         "parts_us": {part: median_us[part] for part in (*PARTS, "other")},
     }
 
@@ -253,7 +282,7 @@ def median_rows(rounds: list[list[dict]]) -> list[dict]:
     rows = []
     for same in zip(*rounds, strict=True):
         row = dict(same[0])
-        for key in ("step_us", "host_us"):
+        for key in ("step_us", "host_us", "contract_floor_us"):
             row[key] = statistics.median(r[key] for r in same)
         row["parts_us"] = {p: statistics.median(r["parts_us"][p] for r in same) for p in same[0]["parts_us"]}
         rows.append(row)
@@ -261,14 +290,16 @@ def median_rows(rounds: list[list[dict]]) -> list[dict]:
 
 
 def table(tree: str, rows: list[dict]) -> str:
-    head = f"{'tree':<7} {'running':>7} {'waiting':>7} {'step us':>8} {'host us':>8} " + " ".join(
-        f"{part[:9]:>9}" for part in (*PARTS, "other")
+    head = (
+        f"{'tree':<7} {'running':>7} {'waiting':>7} {'step us':>8} {'host us':>8} {'floor us':>8} "
+        + " ".join(f"{part[:9]:>9}" for part in (*PARTS, "other"))
     )
     lines = [head]
     for r in rows:
         parts = " ".join(f"{r['parts_us'][part]:>9.0f}" for part in (*PARTS, "other"))
         lines.append(
-            f"{tree:<7} {r['running']:>7} {r['waiting']:>7} {r['step_us']:>8.0f} {r['host_us']:>8.0f} {parts}"
+            f"{tree:<7} {r['running']:>7} {r['waiting']:>7} {r['step_us']:>8.0f} {r['host_us']:>8.0f} "
+            f"{r['contract_floor_us']:>8.0f} {parts}"
         )
     return "\n".join(lines)
 
