@@ -243,3 +243,14 @@ def test_model_config_values_that_crashed_the_reader(tmp_path: Path, fields: dic
     path.write_text(json.dumps(config))
     with pytest.raises(TesselError):
         load_model(path)
+
+
+@pytest.mark.parametrize(
+    "extra", [["--max-chunk", "16", "--max-offset", "0"], ["--max-chunk", "48", "--max-offset", "0"]]
+)
+def test_profile_grids_too_small_to_fit_are_refused_before_timing(tmp_path: Path, extra: list[str]) -> None:
+    """It ended in a ValueError traceback from the fit after the layers were timed."""
+    args = ["profile", "--tiny-shape", "64,128,4,2", "--budget-s", "30", "--out", tmp_path / "p.json", *extra]
+    message = user_error(args, guard_s=20)
+    assert "--max-chunk" in message and "at least 8" in message
+    assert not (tmp_path / "p.json").exists()

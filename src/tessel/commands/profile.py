@@ -86,7 +86,7 @@ def profile(
     from tessel.commands.render.profile import print_profile
     from tessel.files import check_output_path, write_json_file
     from tessel.profiling.components import transports_for
-    from tessel.profiling.layer import ProfileSettings, profile_layer
+    from tessel.profiling.layer import ProfileSettings, check_prefill_grid, profile_layer
 
     out, option = _json_path(json_path, out)
     check_output_path(out, option, inputs=(model,))  # before the timing runs, not after
@@ -105,6 +105,7 @@ def profile(
         max_decode_context=max(max_offset, 128),
         cuda_graphs=device == "cuda" and cuda_graphs is not False,
     )
+    check_prefill_grid(settings)  # before the model loads
     if device == "cuda":
         meta["decode_timing"] = "cuda-graph" if settings.cuda_graphs else "eager"
 

@@ -151,6 +151,19 @@ def prefill_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
     return [(c, p) for c in chunks for p in offsets]
 
 
+def check_prefill_grid(settings: ProfileSettings) -> None:
+    """Refuse settings whose prefill grid has fewer points than the fit needs (a TesselError naming
+    the options), before anything is loaded or timed."""
+    points = len(prefill_grid(settings))
+    if points < MIN_PREFILL_POINTS:
+        raise TesselError(
+            f"--max-chunk {settings.max_chunk_tokens} with --max-offset {settings.max_offset_tokens} "
+            f"leaves {points} prefill point(s) to time; the fit needs at least {MIN_PREFILL_POINTS}: "
+            "raise --max-chunk (chunks of 16, 32, 48, 64, 96, 128, ... tokens up to it) or "
+            "--max-offset (offsets of 0, 128, 192, 256, ... up to it)"
+        )
+
+
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 96, 128)
 SHORT_DECODE_CONTEXT = 32
 
@@ -709,6 +722,7 @@ def profile_layer(
     settings = replace(settings, dtype=DTYPE_NAMES.get(settings.dtype, settings.dtype))
     if settings.dtype not in ("fp32", "fp16", "bf16"):
         raise TesselError(f"--dtype must be float32, bfloat16 or float16, got {settings.dtype!r}")
+    check_prefill_grid(settings)
     deadline = deadline if deadline is not None else Deadline.after(settings.budget_s)
     phases = deadline.phases(_phase_weights(ends, checkpoint, transports))
     resolved = resolve_clock(settings)
