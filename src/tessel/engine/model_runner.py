@@ -205,7 +205,8 @@ class ModelRunner:
             self._tensor(tables, torch.int32),
             self._tensor(context_lens, torch.int32),
         )
-        if not self.kv_cache.is_cuda and self.kv_cache.shape[1]:  # the CPU's batched form, if it applies
+        # the CPU's batched form, if it applies (one row never batches: `batched_fits`)
+        if len(seqs) > 1 and not self.kv_cache.is_cuda and self.kv_cache.shape[1]:
             group.gather = decode_gather(group.block_tables, group.context_lens, self.kv_cache[0, 0])
         return group
 
