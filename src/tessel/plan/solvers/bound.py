@@ -141,7 +141,9 @@ class _Relaxation:
                     time_s = compute + comm + off_s
                 out[r] = np.where(ok & np.isfinite(comm), time_s, _INF)
                 out[r][:, 0] = _INF  # a used device holds at least one unit
-        self.cost = inst.prefill_weight * self.tp + inst.decode_weight * self.td
+        usable = np.isfinite(self.tp) & np.isfinite(self.td)  # a zero weight times inf is no cost
+        with np.errstate(invalid="ignore"):
+            self.cost = np.where(usable, inst.prefill_weight * self.tp + inst.decode_weight * self.td, _INF)
         # the bottleneck terms see stage times rounded down to a geometric grid: still a lower bound,
         # and the (P, D) staircase the search walks has a bounded number of steps
         self.tp, self.td = _round_down(self.tp), _round_down(self.td)
@@ -312,8 +314,9 @@ def counts_search(
     they cannot show a larger gap. Two things keep the walk short: a few least-sum plans with max A a
     little above its least are offered first (`PROBE_RATIOS`), so the target starts near the optimum;
     and after step k the slices whose max A is so large that F_k + (m - 1)(w_a a + w_b b_glo) reaches
-    the target are skipped, their bound being the target. Every relaxed plan met becomes a real pipeline (`plan_from_picks`) and is
-    offered as the incumbent. Units that differ give bound -inf and only the incumbent given."""
+    the target are skipped, their bound being the target. Every relaxed plan met becomes a real
+    pipeline (`plan_from_picks`) and is offered as the incumbent. Units that differ give bound -inf
+    and only the incumbent given."""
     from tessel.plan.solvers.dp import bottleneck_lower_bounds
 
     started = time.perf_counter()
