@@ -25,6 +25,7 @@ from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solvers.brute import brute_force
 from tessel.plan.solvers.memory_bound import memory_flow_bound
+from tessel.plan.solvers.pipeline_bound import pipelines_bound_tok_s
 from tessel.plan.solvers.solve import solve
 
 RTOL = 1e-6
@@ -119,6 +120,7 @@ def test_memory_concurrency_equals_brute_force_and_bound_holds(
     filled = memory_flow_bound(instance, 1, max_micro_batches=cap, pipelines=True)
     assert expected <= filled.throughput_tok_s * (1 + RTOL)  # the pipeline fill priced: still a bound
     assert filled.throughput_tok_s <= bound.throughput_tok_s * (1 + RTOL)
+    assert expected <= pipelines_bound_tok_s(instance, 1, cap) * (1 + RTOL)  # by composition
     if chosen.throughput_tok_s > max(single_tok_s, fixed) * (1 + RTOL):  # a memory split won
         assert sum(r.throughput_tok_s for r in chosen.replicas) == pytest.approx(chosen.throughput_tok_s)
         if cap is not None:

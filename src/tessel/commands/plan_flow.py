@@ -70,7 +70,7 @@ def pipelines_bound_line(choice) -> str | None:  # noqa: ANN001 (a FlowChoice)
         if choice.disjoint
         else "the plan shares GPUs between paths, which this bound does not cover"
     )
-    return f"bound over disjoint pipelines, pipeline fill counted: {bound:.1f} tok/s; {reach}"
+    return f"bound over disjoint pipelines (fill and compositions counted): {bound:.1f} tok/s; {reach}"
 
 
 def path_pipeline(instance, plan, path):  # noqa: ANN001, ANN201

@@ -117,8 +117,8 @@ class ReplicaPlan:
     split_bound_tok_s: float = math.inf  # over every split of the devices (`replica_bound`)
     concurrency: str = "fixed"  # "fixed": shares of the workload's m; "memory": as memory holds
     single_tok_s: float = 0.0  # the whole cluster as one pipeline at the workload's m (a candidate)
-    # concurrency by memory: the memory bound with the pipeline fill counted, over disjoint pipelines
-    # only (`memory_flow_bound(pipelines=True)`; flow plans that share a device may pass it)
+    # concurrency by memory, over disjoint pipelines only (flow plans that share a device may pass
+    # it): the lesser of the memory bound with the pipeline fill counted and the compositions bound
     pipelines_bound_tok_s: float = math.inf
 
 
@@ -422,7 +422,7 @@ def choose_replicas(
     if memory:
         left = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
         memory_bound = _memory_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left))
-        pipelines_bound = _memory_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left), True)
+        pipelines_bound = _pipelines_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left))
     time_limit_s = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
     started_splits = time.perf_counter()
     exhaustive = n <= EXHAUSTIVE_DEVICES
@@ -565,6 +565,16 @@ def _memory_bound(
 
     bound = memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=seconds, pipelines=pipelines)
     return bound.throughput_tok_s
+
+
+def _pipelines_bound(instance: PlanningInstance, b: int, cap: int | None, seconds: float) -> float:
+    """The least of the bounds over disjoint pipelines served by memory: the memory LP with the
+    pipeline fill (`memory_flow_bound(pipelines=True)`) and the compositions LP
+    (`tessel.plan.solvers.pipeline_bound`)."""
+    from tessel.plan.solvers.pipeline_bound import pipelines_bound_tok_s
+
+    filled = _memory_bound(instance, b, cap, seconds, pipelines=True)
+    return min(filled, pipelines_bound_tok_s(instance, b, cap))
 
 
 def _single_pipeline(instance: PlanningInstance, b: int, solver: str, seconds: float, gap: float):
