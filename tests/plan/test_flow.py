@@ -174,7 +174,7 @@ def test_choice_is_never_worse_than_replicas_single_or_swarm(seed: int) -> None:
         assert choice.throughput_tok_s >= swarm.throughput_tok_s * (1 - 1e-9)
     assert choice.throughput_tok_s <= choice.bound_tok_s * (1 + 1e-6)
     assert choice.pipelines_bound_tok_s <= choice.bound_tok_s * (1 + 1e-6)
-    if choice.disjoint:  # the chosen plan is disjoint pipelines: the tighter bound covers it
+    if choice.disjoint and not choice.offloads:  # disjoint pipelines in GPU memory: the tighter bound holds
         assert choice.throughput_tok_s <= choice.pipelines_bound_tok_s * (1 + 1e-6)
 
 

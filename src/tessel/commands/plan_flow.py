@@ -65,11 +65,12 @@ def pipelines_bound_line(choice) -> str | None:  # noqa: ANN001 (a FlowChoice)
     bound = choice.pipelines_bound_tok_s
     if not math.isfinite(bound) or bound <= 0:
         return None
-    reach = (
-        f"the plan reaches {choice.throughput_tok_s / bound * 100:.1f}% of it"
-        if choice.disjoint
-        else "the plan shares GPUs between paths, which this bound does not cover"
-    )
+    if choice.offloads:
+        reach = "the plan offloads to host memory, which this bound does not cover"
+    elif not choice.disjoint:
+        reach = "the plan shares GPUs between paths, which this bound does not cover"
+    else:
+        reach = f"the plan reaches {choice.throughput_tok_s / bound * 100:.1f}% of it"
     return f"bound over disjoint pipelines (fill and compositions counted): {bound:.1f} tok/s; {reach}"
 
 

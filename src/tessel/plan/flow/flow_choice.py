@@ -83,9 +83,17 @@ class FlowChoice:
 
     @property
     def disjoint(self) -> bool:
-        """Whether the chosen plan's pipelines share no device (so the pipelines bound covers it)."""
+        """Whether the chosen plan's pipelines share no device."""
         flow = self.flow
         return flow is None or not flow.shared
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the chosen plan holds weights or KV in host memory (the whole cluster as one
+        pipeline at the workload's m may; the bounds by memory do not cover it)."""
+        if self.flow is not None:
+            return False
+        return any(r.result.evaluation.offload_bytes > 0 for r in self.replicas.replicas)
 
 
 def search_flow(
