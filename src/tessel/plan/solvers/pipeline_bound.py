@@ -56,7 +56,10 @@ def pipelines_bound_tok_s(
         return math.inf
     classes: dict[tuple[float, float], int] = {}
     for w, f in zip(work, free, strict=True):
-        classes[(float(w), float(f))] = classes.get((float(w), float(f)), 0) + 1
+        if math.isfinite(w) and f > 0:  # a device that runs no unit or holds nothing is no stage
+            classes[(float(w), float(f))] = classes.get((float(w), float(f)), 0) + 1
+    if not classes:
+        return 0.0
     keys = sorted(classes)  # fastest first
     counts = [classes[key] for key in keys]
     if math.prod(c + 1 for c in counts) > MAX_COMPOSITIONS:
