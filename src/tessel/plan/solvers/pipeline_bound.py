@@ -33,7 +33,7 @@ from tessel.plan.instance import PlanningInstance
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL
 from tessel.plan.solvers.highs import highs_lp, new_highs
 
-MAX_COMPOSITIONS = 50_000  # beyond this many device-class compositions no bound is computed (inf)
+MAX_COMPOSITIONS = 5_000  # beyond this many device-class compositions (~0.4 ms each) no bound (inf)
 LP_SLACK = 1e-6
 MOST_K = 1024  # MAX_MICRO_BATCHES of a workload file: no pipeline holds more micro-batches
 EXACT_K = 64  # every k up to here; beyond, a geometric grid whose gaps are bounded from above
