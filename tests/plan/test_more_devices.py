@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plan.random_instances import flagged_instance
+from plan.test_memory_concurrency import memory_instance
 from tessel.errors import TesselError
 from tessel.plan.instance import subset
 from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
@@ -72,11 +73,23 @@ def test_a_device_more_never_raises_one_streams_tpot(seed: int, n_units: int, n_
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), n_units=st.integers(1, 5), n_devices=st.integers(2, 4))
-def test_a_device_more_never_lowers_replica_throughput(seed: int, n_units: int, n_devices: int) -> None:
-    """`--replicas auto` (every partition of the devices, shares by knapsack, brute-force pipelines)."""
-    full, fewer = _with_and_without(seed, n_units, n_devices, seed % 8, one_stream=False)
-    settings_ = ReplicaSettings(solver="brute")
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_units=st.integers(1, 4),
+    n_devices=st.integers(2, 4),
+    concurrency=st.sampled_from(["fixed", "memory"]),
+)
+def test_a_device_more_never_lowers_replica_throughput(
+    seed: int, n_units: int, n_devices: int, concurrency: str
+) -> None:
+    """`--replicas auto` (every partition of the devices, shares by knapsack or as memory holds,
+    brute-force pipelines)."""
+    if concurrency == "memory":
+        full = memory_instance(seed, n_units, n_devices)
+        fewer = subset(full, tuple(j for j in range(n_devices) if j != seed % n_devices))
+    else:
+        full, fewer = _with_and_without(seed, n_units, n_devices, seed % 8, one_stream=False)
+    settings_ = ReplicaSettings(solver="brute", concurrency=concurrency)
     try:
         without = choose_replicas(fewer, 1, settings_).throughput_tok_s
     except TesselError:
