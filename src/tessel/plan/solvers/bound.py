@@ -387,6 +387,7 @@ class _SliceSearch:
         settled = _INF  # least bound of the pieces no split will raise
         pieces: list = []  # heap: (bound, seq, cut on A, strict, a_k, cut on B, b_k)
         cut_a, strict_a = _INF, False
+        skipped = False  # slices passed over: the bound is then the target, not the relaxed optimum
         remainder = m1 * (w_a * glo_a + w_b * glo_b)  # bound on the plans below the cut on A
         while True:  # slices
             if self.out_of_budget():
@@ -410,7 +411,7 @@ class _SliceSearch:
             skip = (self.target() - choice.value - m1 * w_b * glo_b) / (m1 * w_a) if w_a > 0 else _INF
             if skip < cut_a:
                 settled = min(settled, choice.value + m1 * (w_a * skip + w_b * glo_b))
-                cut_a = skip
+                cut_a, skipped = skip, True
         while pieces and pieces[0][0] < min(settled, self.target()) and not self.out_of_budget():
             _, _, c_a, s_a, a_k, cut_b, b_k = heapq.heappop(pieces)
             choice, _, p_new = self.solve(self.box(c_a, s_a, cut_b, True))
@@ -421,7 +422,7 @@ class _SliceSearch:
                 bound = choice.value + m1 * (w_a * a_k + w_b * b_k)
                 heapq.heappush(pieces, (bound, next(self.seq), c_a, s_a, a_k, p_new, b_k))
         bound = min(settled, _heap_min(pieces), remainder)
-        return bound, not pieces and remainder >= settled
+        return bound, not pieces and not skipped and remainder >= settled
 
 
 def _heap_min(pieces: list) -> float:
