@@ -23,6 +23,10 @@ greedy router (`tessel.plan.flow.swarm`) and the best single pipeline, with the 
 `helix-like-42` the chosen flow plan is also written as a plan file and served by `tessel simulate`
 with `--flow-sim-requests` requests (default 1000, 0: not), its tokens/s beside the planner's steady
 state and its figure for that finite batch (`simulated`; `--flow-clusters` picks the clusters).
+Part 8 (proof, issue 48): `solve(..., solver="milp")` as `tessel plan` runs it, 10 s limit, 1% gap,
+on the default instance (Llama-3-70B, `mixed-a100-v100-t4`, workload `default`) and on 80 layers x 16
+GPUs of 4 types, alone and beside `--busy` (default 2) CPU-bound processes started here; the load
+average before and after each solve is recorded (other sessions share the machine).
 Part 6 (memory, issue 33): LLaMA-2-70B, `offline-batch`, concurrency set by memory, on `helix-like-42`
 and on a Helix-shaped 42-node / 64-GPU cluster built here (A100-40G, V100-16G, L4, T4; not a copy):
 `choose_replicas(concurrency="memory")` (never less than one pipeline), the memory + requests-in-flight
@@ -473,6 +477,9 @@ def flow_rows(quick: bool) -> dict:
             "separate_pipelines_tok_s": sep,
             "swarm_like_tok_s": swarm_tok,
             "memory_bound_tok_s": _finite(bound),
+            "pipelines_bound_tok_s": _finite(choice.pipelines_bound_tok_s),
+            "chosen_disjoint": choice.disjoint,
+            "best_over_pipelines_bound": ratio(best, _finite(choice.pipelines_bound_tok_s)),
             "memory_bound_computed": bound_source,
             "gap_to_bound": choice.gap,
             "best_over_separate": ratio(best, sep),
@@ -496,6 +503,60 @@ def flow_rows(quick: bool) -> dict:
 
 
 FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the command line
+PROOF_OPTIONS: dict = {"busy": 2}
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def proof_rows(quick: bool) -> dict:
+    """Issue 48 item 1: the proven gap within the limit, alone and beside CPU-bound processes."""
+    import multiprocessing as mp
+    import os
+    import time
+
+    limit = 10.0
+    cases = [("default (10 GPUs)", build_instance(MODEL, "mixed-a100-v100-t4", "default"))]
+    if not quick:
+        sixteen = build_instance(MODEL, parse_cluster(_cluster_16()), "default")
+        cases.append(("80 layers x 16 GPUs, 4 types", sixteen))
+    rows = []
+    for busy in (0, PROOF_OPTIONS["busy"]):
+        spinners = [mp.Process(target=_spin, daemon=True) for _ in range(busy)]
+        for proc in spinners:
+            proc.start()
+        time.sleep(2.0 if busy else 0.0)
+        try:
+            for label, instance in cases:
+                before = os.getloadavg()
+                with _harness.stopwatch() as elapsed:
+                    result = solve(instance, time_limit_s=limit, mip_gap=0.01)
+                rows.append({
+                    "case": label, "busy_processes": busy, "time_limit_s": limit, "time_s": elapsed.wall_s,
+                    "gap": result.gap, "status": result.status, "objective": result.evaluation.objective,
+                    "bound": result.bound, "plan_from": result.detail.get("plan_from"),
+                    "counts_knapsacks": result.detail.get("counts_knapsacks"),
+                    "load_average_before": list(before), "load_average_after": list(os.getloadavg()),
+                })  # fmt: skip
+        finally:
+            for proc in spinners:
+                proc.terminate()
+                proc.join()
+    table = Table(title="proof under load: solve(), 10 s limit, 1% gap")
+    for column in ("case", "busy procs", "s", "gap %", "status", "plan from", "load 1-min before/after"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["case"], str(row["busy_processes"]), f"{row['time_s']:.2f}",
+            _fmt(None if row["gap"] is None else 100 * row["gap"], ".2f"), row["status"],
+            str(row["plan_from"]),
+            f"{row['load_average_before'][0]:.2f} / {row['load_average_after'][0]:.2f}",
+        )  # fmt: skip
+    Console(width=160).print(table)
+    print(_harness.machine_line())
+    return {"rows": rows, "note": "shared 2-core machine: the load average includes other sessions' work"}
 
 
 def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
@@ -567,7 +628,9 @@ def main() -> None:
         help="flow part: simulate helix-like-42's flow plan with this many requests (0: no simulation)",
     )
     parser.add_argument("--flow-clusters", help="flow part: only these clusters (comma-separated)")
+    parser.add_argument("--busy", type=int, default=2, help="proof part: CPU-bound processes beside it")
     args = parser.parse_args()
+    PROOF_OPTIONS["busy"] = args.busy
     FLOW_OPTIONS["sim_requests"] = args.flow_sim_requests
     FLOW_OPTIONS["clusters"] = None if args.flow_clusters is None else set(args.flow_clusters.split(","))
     parts = set(args.parts.split(","))
@@ -579,6 +642,7 @@ def main() -> None:
         ("scale", scale_rows),
         ("memory", memory_rows),
         ("flow", flow_rows),
+        ("proof", proof_rows),
     )
     for name, run in runs:
         if name in parts:

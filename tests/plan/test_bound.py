@@ -24,15 +24,19 @@ def _instance(seed: int, n_units: int, n_devices: int, flags: int, alike: bool =
     n_units=st.integers(1, 7),
     n_devices=st.integers(1, 4),
     flags=st.integers(0, 15),
-    rel_gap=st.sampled_from([0.0, 0.01]),
+    rel_gap=st.sampled_from([0.0, 0.01, 0.1]),
+    offer_optimum=st.booleans(),
 )
 def test_bound_never_exceeds_the_optimum_and_its_plan_is_real(
-    seed: int, n_units: int, n_devices: int, flags: int, rel_gap: float
+    seed: int, n_units: int, n_devices: int, flags: int, rel_gap: float, offer_optimum: bool
 ) -> None:
+    """Also with the optimum given as the incumbent, so the search skips the most slices."""
     instance = _instance(seed, n_units, n_devices, flags)
     assert units_alike(instance)
-    oracle = brute_force(instance).evaluation
-    result = counts_search(instance, rel_gap=rel_gap, time_limit_s=30)
+    brute = brute_force(instance)
+    oracle = brute.evaluation
+    incumbent = brute.solution if offer_optimum else None
+    result = counts_search(instance, incumbent=incumbent, rel_gap=rel_gap, time_limit_s=30)
     if oracle is None:
         assert result.solution is None
         return

@@ -160,7 +160,7 @@ def test_placements_without_a_path_are_refused_by_layer_range() -> None:
 # ---- never worse, plan file, simulate -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [11])
+@pytest.mark.parametrize("seed", [11, 12, 13])
 def test_choice_is_never_worse_than_replicas_single_or_swarm(seed: int) -> None:
     from tessel.plan.flow.flow_choice import choose_with_flow
     from tessel.plan.flow.swarm import swarm_like
@@ -173,6 +173,9 @@ def test_choice_is_never_worse_than_replicas_single_or_swarm(seed: int) -> None:
     if swarm is not None:
         assert choice.throughput_tok_s >= swarm.throughput_tok_s * (1 - 1e-9)
     assert choice.throughput_tok_s <= choice.bound_tok_s * (1 + 1e-6)
+    assert choice.pipelines_bound_tok_s <= choice.bound_tok_s * (1 + 1e-6)
+    if choice.disjoint and not choice.offloads:  # disjoint pipelines in GPU memory: the tighter bound holds
+        assert choice.throughput_tok_s <= choice.pipelines_bound_tok_s * (1 + 1e-6)
 
 
 @pytest.fixture(scope="module")

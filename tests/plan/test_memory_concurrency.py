@@ -25,6 +25,7 @@ from tessel.plan.replicas.replicas import ReplicaSettings, choose_replicas
 from tessel.plan.report import predict
 from tessel.plan.solvers.brute import brute_force
 from tessel.plan.solvers.memory_bound import memory_flow_bound
+from tessel.plan.solvers.pipeline_bound import pipelines_bound_tok_s
 from tessel.plan.solvers.solve import solve
 
 RTOL = 1e-6
@@ -86,7 +87,7 @@ def brute_memory(instance, cap: int | None) -> float:
     return best
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
     n_units=st.integers(1, 3),
@@ -116,6 +117,10 @@ def test_memory_concurrency_equals_brute_force_and_bound_holds(
     assert chosen.throughput_tok_s >= single_tok_s * (1 - RTOL)
     bound = memory_flow_bound(instance, 1, max_micro_batches=cap)
     assert expected <= bound.throughput_tok_s * (1 + RTOL)
+    filled = memory_flow_bound(instance, 1, max_micro_batches=cap, pipelines=True)
+    assert expected <= filled.throughput_tok_s * (1 + RTOL)  # the pipeline fill priced: still a bound
+    assert filled.throughput_tok_s <= bound.throughput_tok_s * (1 + RTOL)
+    assert expected <= pipelines_bound_tok_s(instance, 1, cap) * (1 + RTOL)  # by composition
     if chosen.throughput_tok_s > max(single_tok_s, fixed) * (1 + RTOL):  # a memory split won
         assert sum(r.throughput_tok_s for r in chosen.replicas) == pytest.approx(chosen.throughput_tok_s)
         if cap is not None:
@@ -201,3 +206,22 @@ def test_cli_memory_concurrency_writes_a_plan_the_runtime_reads(tmp_path) -> Non
     assert single is not None and plan.predicted.throughput_tok_s >= float(single.group(1)) * (1 - 1e-3)
     for index in range(len(plan.replicas)):
         assert load_run_plan(path, replica=index).micro_batches == plan.replicas[index].micro_batches
+
+
+@pytest.mark.parametrize("stages, k", [(1, 3), (2, 1), (4, 2), (5, 7)])
+def test_fill_ceiling_is_the_formulas_busy_time_on_alike_devices(stages: int, k: int) -> None:
+    """S alike devices of U / S units each, k micro-batches: a device is busy k / (S + k - 1) of the
+    time under the pipeline formula, and the ceiling says exactly that."""
+    from tessel.plan.solvers.memory_bound import concave_envelope, fill_ceiling
+
+    units, per = 20, 20 // stages if 20 % stages == 0 else None
+    if per is None:
+        units, per = 4 * stages, 4
+    work = np.full(units, 0.3)
+    weights, kv = np.full(units, 2.0), np.full(units, 1.0)
+    memory = per * 2.0 + k * per * 1.0 + 0.5  # room for k micro-batches beside its weights, no more
+    ceiling = fill_ceiling(work, work, memory, 0.5, weights, kv, None)
+    assert ceiling[per] == pytest.approx(k / (stages + k - 1))
+    envelope = concave_envelope(ceiling)
+    for n, value in enumerate(ceiling):
+        assert min(a + b * n for a, b in envelope) >= value - 1e-12

@@ -4,6 +4,7 @@ its plan file (version 4, `flow`) and the closest vLLM export. The planning is
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
@@ -54,6 +55,23 @@ def print_comparison(console, choice) -> None:
         f"{choice.bound_tok_s:.1f} tok/s (gap {'n/a' if gap is None else f'{gap * 100:.1f}%'}), "
         f"{choice.time_s:.1f} s"
     )
+    line = pipelines_bound_line(choice)
+    if line is not None:
+        console.print(line)
+
+
+def pipelines_bound_line(choice) -> str | None:  # noqa: ANN001 (a FlowChoice)
+    """The tighter bound over disjoint pipelines (pipeline fill counted) and what the plan reaches."""
+    bound = choice.pipelines_bound_tok_s
+    if not math.isfinite(bound) or bound <= 0:
+        return None
+    if choice.offloads:
+        reach = "the plan offloads to host memory, which this bound does not cover"
+    elif not choice.disjoint:
+        reach = "the plan shares GPUs between paths, which this bound does not cover"
+    else:
+        reach = f"the plan reaches {choice.throughput_tok_s / bound * 100:.1f}% of it"
+    return f"bound over disjoint pipelines (fill and compositions counted): {bound:.1f} tok/s; {reach}"
 
 
 def path_pipeline(instance, plan, path):  # noqa: ANN001, ANN201

@@ -23,6 +23,8 @@ from tessel.sim.measured import MeasuredComparison, compare_metrics
 from tessel.sim.request_trace import MAX_REQUESTS
 from tessel.sim.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
+MIN_SLO_S = 1e-6
+MAX_SLO_S = 1e7
 # A request every 30 years at the slowest: the simulator's time is events, not seconds, so a slow
 # arrival rate costs nothing (the remap replay skips the idle stretches, tessel.sim.remap)
 MIN_RATE_PER_S = 1e-9
@@ -94,6 +96,23 @@ def simulate(
     ),
     force_profile: bool = FORCE_PROFILE_OPTION,
     remap: RemapFlags = REMAP_OPTIONS,
+    slo_ttft_p90_s: float | None = optional_float(
+        "--slo-ttft-p90-s",
+        low=MIN_SLO_S,
+        high=MAX_SLO_S,
+        floor_reason="an SLO is a time > 0",
+        help="p90 TTFT target (s); with --slo-tpot-p90-s, overrides the workload's `slo`.",
+    ),
+    slo_tpot_p90_s: float | None = optional_float(
+        "--slo-tpot-p90-s",
+        low=MIN_SLO_S,
+        high=MAX_SLO_S,
+        floor_reason="an SLO is a time > 0",
+        help="p90 TPOT target (s).",
+    ),
+    goodput: bool = typer.Option(
+        False, "--goodput", help="Find the highest arrival rate whose run meets the SLOs (a few runs)."
+    ),
     measured: Path | None = input_file(
         None,
         "--measured",
@@ -135,6 +154,9 @@ def simulate(
         if measured is not None:
             raise TesselError("--remap auto decides on a simulated serving run; drop --measured")
         settings = replace(settings, remap=remap.settings)
+    slo = command_slo(workload, slo_ttft_p90_s, slo_tpot_p90_s, goodput)
+    if slo is not None and measured is not None:
+        raise TesselError("--measured compares a launch run; SLOs and --goodput apply to simulated serving")
     console = Console()
     if measured is not None:
         given = {"--workload": workload != "default", "--requests": requests is not None, "--rate": rate,
@@ -156,6 +178,8 @@ def simulate(
         if report.remap is not None:  # the server's decision on this run (tessel.sim.remap)
             console.print(f"remap: {report.remap.summary()}", highlight=False)
         document = {**report.to_json(), "load": None if load is None else load.to_json()}
+        if slo is not None:
+            document["slo"] = report_slo(console, report, slo, goodput, plan, workload, settings)
     if gantt is not None:
         with staged_file(gantt, "--gantt", inputs) as staging:  # same suffix: the chart's format
             cut_s = write_gantt(report, staging, gantt_until_s)
@@ -205,3 +229,67 @@ def simulate_measured(  # noqa: ANN201
         plan_file, str(run_file), settings, profiles=profiles, trace=trace, force_profile=force_profile
     )
     return report, MeasuredComparison(run, compare_metrics(report.runs[0].metrics, run.metrics))
+
+
+def command_slo(workload: str, ttft_s: float | None, tpot_s: float | None, goodput: bool):  # noqa: ANN201
+    """The SLO of the command line (both flags) or of the workload file's `slo`; None: none."""
+    from tessel.errors import TesselError
+    from tessel.sim.request_trace import TRACE_SUFFIXES
+    from tessel.sim.slo import Slo
+
+    if (ttft_s is None) != (tpot_s is None):
+        raise TesselError(
+            "give both --slo-ttft-p90-s and --slo-tpot-p90-s, or neither (the workload's `slo`)"
+        )
+    if ttft_s is not None:
+        return Slo(ttft_s, tpot_s)
+    spec = None
+    if Path(workload).suffix.lower() not in TRACE_SUFFIXES:
+        from tessel.plan.files.workload import load_workload
+
+        spec = load_workload(workload).slo
+    if spec is None:
+        if goodput:
+            raise TesselError(
+                "--goodput needs SLOs: --slo-ttft-p90-s and --slo-tpot-p90-s, or `slo` in the workload"
+            )
+        return None
+    return Slo(spec.ttft_p90_s, spec.tpot_p90_s)
+
+
+def report_slo(console, report, slo, goodput: bool, plan: Path, workload: str, settings) -> dict:  # noqa: ANN001
+    """Print the run's SLO check and, with `goodput`, search the highest rate meeting it."""
+    from tessel.errors import TesselError
+    from tessel.plan.files.workload import load_workload
+    from tessel.sim.api import simulate_plan
+    from tessel.sim.slo import check_slo, find_goodput
+
+    run = report.runs[0]
+    check = check_slo(run.metrics, slo, settings.rate_per_s)
+    console.print(check.text(slo), highlight=False)
+    out = {"target": {"ttft_p90_s": slo.ttft_p90_s, "tpot_p90_s": slo.tpot_p90_s}, "run": check.to_json()}
+    if not goodput:
+        return out
+    from tessel.sim.request_trace import TRACE_SUFFIXES
+
+    if Path(workload).suffix.lower() in TRACE_SUFFIXES:
+        raise TesselError("--goodput varies the arrival rate: give a workload file, not a trace")
+    spec = load_workload(workload)
+    if spec.arrival_rate_per_s is None:
+        raise TesselError(f"--goodput varies the arrival rate: workload {spec.name} is an offline batch")
+    planned = run.variant.predicted.get("throughput_tok_s")
+    if not planned:
+        raise TesselError(f"{plan} has no predicted throughput to start the goodput search from")
+    capacity = planned / spec.output_tokens.mean_tokens
+
+    def run_at(rate: float):  # noqa: ANN202
+        again = simulate_plan(plan, workload, replace(settings, rate_per_s=rate, compare=False))
+        return again.runs[0].metrics
+
+    found = find_goodput(run_at, capacity, slo)
+    console.print(
+        f"goodput: {found.rate_req_s:.4g} req/s meets {slo.text()} (the plan serves {capacity:.4g} req/s; "
+        f"{len(found.checks)} runs of {len(report.trace.requests)} requests)",
+        highlight=False,
+    )
+    return {**out, "goodput": found.to_json()}

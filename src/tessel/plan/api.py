@@ -278,7 +278,7 @@ def make_plan(
             first_node=settings.first_node,
         )
         result = decision.chosen
-    return PlanOutcome(
+    outcome = PlanOutcome(
         problem.model,
         problem.cluster,
         problem.workload,
@@ -292,6 +292,38 @@ def make_plan(
         problem.cluster_source,
         problem.setup_s,
         time.perf_counter() - problem.started,
+    )
+    _check_slo_rate(outcome)
+    return outcome
+
+
+def _check_slo_rate(outcome: PlanOutcome) -> None:
+    """A workload with SLOs whose arrival rate is above what the plan serves is refused (exit 2):
+    requests would queue for as long as they keep coming, so no TTFT target holds. When the plan
+    has fewer requests in flight than the workload allows, the fix is more in flight (Little's
+    law with the plan's own request latency), and the message says how many."""
+    workload = outcome.workload
+    if workload.slo is None or workload.arrival_rate_per_s is None or outcome.model.encoder:
+        return
+    predicted, n_out = outcome.predicted, workload.output_tokens.mean_tokens
+    capacity = predicted.throughput_tok_s / n_out
+    rate = workload.arrival_rate_per_s
+    if rate <= capacity:
+        return
+    latency_s = predicted.ttft_s + n_out * predicted.tpot_s
+    asked = f"workload {workload.name} sends {rate:g} req/s with SLOs"
+    if workload.micro_batches < workload.max_micro_batch:
+        raise TesselError(
+            f"{asked}, but its {workload.requests_in_flight} requests in flight (Little's law with "
+            f"latency_estimate_s or the nominal TPOT) serve {capacity:.4g} req/s under this plan; at its "
+            f"request latency of {latency_s:.3g} s the rate needs about {math.ceil(rate * latency_s)} in "
+            f"flight: set latency_estimate_s: {latency_s:.3g} in the workload and plan again"
+        )
+    raise TesselError(
+        f"{asked} (p90 TTFT {workload.slo.ttft_p90_s:g} s, p90 TPOT {workload.slo.tpot_p90_s:g} s), above "
+        f"the {capacity:.4g} req/s the best plan serves with {workload.max_micro_batch} micro-batches in "
+        "flight: requests would queue without bound; lower arrival_rate_per_s, raise max_micro_batch or "
+        "add GPUs (`tessel simulate --plan P --goodput` finds the highest rate a plan serves within them)"
     )
 
 

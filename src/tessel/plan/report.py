@@ -429,6 +429,19 @@ def kv_preemption_line(evaluation: Evaluation) -> str | None:
     )
 
 
+def idle_devices_line(instance: PlanningInstance, evaluation: Evaluation) -> str | None:
+    """The devices the plan leaves idle (None when it uses them all): a plan is never slower for a
+    device more, since it may leave that device out."""
+    used = {se.stage.device for se in evaluation.stages}
+    idle = [device.name for j, device in enumerate(instance.devices) if j not in used]
+    if not idle:
+        return None
+    return (
+        f"idle: {len(idle)} of {instance.n_devices} GPUs ({', '.join(idle)}); "
+        "the plan is faster without them in its pipeline"
+    )
+
+
 def utilization_cells(utilizations, index: int) -> list[str]:
     if utilizations is None:
         return []

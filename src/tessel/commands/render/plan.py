@@ -6,7 +6,13 @@ import typer
 from rich.console import Console
 
 from tessel.plan.api import PlanOutcome
-from tessel.plan.report import comparison_table, decode_utilization, kv_preemption_line, stage_table
+from tessel.plan.report import (
+    comparison_table,
+    decode_utilization,
+    idle_devices_line,
+    kv_preemption_line,
+    stage_table,
+)
 
 
 def print_plan(console: Console, outcome: PlanOutcome) -> None:
@@ -32,6 +38,9 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
     kv_line = kv_preemption_line(result.evaluation)
     if kv_line is not None:
         console.print(kv_line, highlight=False)
+    idle_line = idle_devices_line(instance, result.evaluation)
+    if idle_line is not None:
+        console.print(idle_line, highlight=False)
     predicted = outcome.predicted
     gap = "n/a" if result.gap is None else f"{result.gap * 100:.2f}%"
     if outcome.model.encoder:

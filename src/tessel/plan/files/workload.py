@@ -85,6 +85,16 @@ class TokenDistribution(BaseModel):
         return math.ceil(self.mean)
 
 
+class SloSpec(BaseModel):
+    """Latency targets a serving run must meet (`tessel simulate` checks them; `--goodput` finds the
+    highest arrival rate that does)."""
+
+    model_config = _FILE_MODEL
+
+    ttft_p90_s: float = Field(gt=0, le=MAX_LATENCY_S)
+    tpot_p90_s: float = Field(gt=0, le=MAX_LATENCY_S)
+
+
 class Workload(BaseModel):
     model_config = _FILE_MODEL
 
@@ -96,6 +106,7 @@ class Workload(BaseModel):
     batch_size: int | None = Field(default=None, ge=1, le=MAX_BATCH_SIZE)
     latency_estimate_s: float | None = Field(default=None, gt=0, le=MAX_LATENCY_S)
     max_micro_batch: int = Field(default=8, ge=1, le=MAX_MICRO_BATCHES)
+    slo: SloSpec | None = None
 
     @field_validator("prompt_tokens", "output_tokens", mode="before")
     @classmethod

@@ -73,6 +73,28 @@ class FlowChoice:
             return None
         return max(bound - self.throughput_tok_s, 0.0) / bound
 
+    @property
+    def pipelines_bound_tok_s(self) -> float:
+        """The memory bound with the pipeline fill counted: no set of disjoint pipelines served by
+        memory exceeds it (inf: none). A flow plan whose paths share a device may."""
+        if self.replicas.concurrency != "memory":
+            return math.inf
+        return self.replicas.pipelines_bound_tok_s
+
+    @property
+    def disjoint(self) -> bool:
+        """Whether the chosen plan's pipelines share no device."""
+        flow = self.flow
+        return flow is None or not flow.shared
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the chosen plan holds weights or KV in host memory (the whole cluster as one
+        pipeline at the workload's m may; the bounds by memory do not cover it)."""
+        if self.flow is not None:
+            return False
+        return any(r.result.evaluation.offload_bytes > 0 for r in self.replicas.replicas)
+
 
 def search_flow(
     instance: PlanningInstance,

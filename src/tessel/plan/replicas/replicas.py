@@ -117,6 +117,9 @@ class ReplicaPlan:
     split_bound_tok_s: float = math.inf  # over every split of the devices (`replica_bound`)
     concurrency: str = "fixed"  # "fixed": shares of the workload's m; "memory": as memory holds
     single_tok_s: float = 0.0  # the whole cluster as one pipeline at the workload's m (a candidate)
+    # concurrency by memory, over disjoint pipelines only (flow plans that share a device may pass
+    # it): the lesser of the memory bound with the pipeline fill counted and the compositions bound
+    pipelines_bound_tok_s: float = math.inf
 
 
 def routing_weights(capacities: list[float]) -> list[float]:
@@ -415,10 +418,11 @@ def choose_replicas(
     if _single and replicas in (None, 1):
         seconds = SINGLE_TIME_SHARE * time_limit_s
         single = _single_pipeline(instance, micro_batch_size, solver, seconds, mip_gap)
-    memory_bound = math.inf
+    memory_bound = pipelines_bound = math.inf
     if memory:
         left = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
         memory_bound = _memory_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left))
+        pipelines_bound = _pipelines_bound(instance, micro_batch_size, cap, min(MEMORY_BOUND_S, left))
     time_limit_s = max(time_limit_s - (time.perf_counter() - started), MIN_REPLICA_TIME_S)
     started_splits = time.perf_counter()
     exhaustive = n <= EXHAUSTIVE_DEVICES
@@ -510,6 +514,7 @@ def choose_replicas(
         memory_bound if memory else split_upper_bound_tok_s(instance, micro_batch_size),
         concurrency,
         single_tok_s,
+        min(pipelines_bound, memory_bound),
     )
 
 
@@ -550,12 +555,26 @@ def _refuse_unheld_layers(instance: PlanningInstance) -> None:
     )
 
 
-def _memory_bound(instance: PlanningInstance, b: int, cap: int | None, seconds: float) -> float:
+def _memory_bound(
+    instance: PlanningInstance, b: int, cap: int | None, seconds: float, pipelines: bool = False
+) -> float:
     """The memory-and-requests-in-flight bound over every split held in GPU memory
-    (`tessel.plan.solvers.memory_bound`, its LP; inf when HiGHS gives none within `seconds`)."""
+    (`tessel.plan.solvers.memory_bound`, its LP; inf when HiGHS gives none within `seconds`); with
+    `pipelines`, the pipeline fill counted too (disjoint pipelines only)."""
     from tessel.plan.solvers.memory_bound import memory_flow_bound
 
-    return memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=seconds).throughput_tok_s
+    bound = memory_flow_bound(instance, b, max_micro_batches=cap, time_limit_s=seconds, pipelines=pipelines)
+    return bound.throughput_tok_s
+
+
+def _pipelines_bound(instance: PlanningInstance, b: int, cap: int | None, seconds: float) -> float:
+    """The least of the bounds over disjoint pipelines served by memory: the memory LP with the
+    pipeline fill (`memory_flow_bound(pipelines=True)`) and the compositions LP
+    (`tessel.plan.solvers.pipeline_bound`)."""
+    from tessel.plan.solvers.pipeline_bound import pipelines_bound_tok_s
+
+    filled = _memory_bound(instance, b, cap, seconds, pipelines=True)
+    return min(filled, pipelines_bound_tok_s(instance, b, cap))
 
 
 def _single_pipeline(instance: PlanningInstance, b: int, solver: str, seconds: float, gap: float):

@@ -51,6 +51,7 @@ ROLES = (
     (True, True, True),
 )
 MAX_KNAPSACKS = 4000
+PROBE_RATIOS = (1.01, 1.03, 1.1, 1.3)  # cuts on the leading bottleneck over its least, tried first
 # knapsack state besides the units placed: first taken, last taken, and the current node's status
 # (0 unused, 1 used with no stage leaving it yet, 2 used and left or holding the last stage)
 STATES = tuple(itertools.product((0, 1), (0, 1), (0, 1, 2)))
@@ -140,7 +141,9 @@ class _Relaxation:
                     time_s = compute + comm + off_s
                 out[r] = np.where(ok & np.isfinite(comm), time_s, _INF)
                 out[r][:, 0] = _INF  # a used device holds at least one unit
-        self.cost = inst.prefill_weight * self.tp + inst.decode_weight * self.td
+        usable = np.isfinite(self.tp) & np.isfinite(self.td)  # a zero weight times inf is no cost
+        with np.errstate(invalid="ignore"):
+            self.cost = np.where(usable, inst.prefill_weight * self.tp + inst.decode_weight * self.td, _INF)
         # the bottleneck terms see stage times rounded down to a geometric grid: still a lower bound,
         # and the (P, D) staircase the search walks has a bounded number of steps
         self.tp, self.td = _round_down(self.tp), _round_down(self.td)
@@ -307,9 +310,13 @@ def counts_search(
     - inside the weakest slice: the least-sum plan with max B below the slice's cut p gives
       (F', p'); the slice's plans with max B in [p', p) cost at least F' + (m - 1)(w_a a_k + w_b p').
 
-    Pieces whose bound reaches `(1 - rel_gap)` times the best objective known are left: they cannot
-    show a larger gap. Every relaxed plan met becomes a real pipeline (`plan_from_picks`) and is
-    offered as the incumbent. Units that differ give bound -inf and only the incumbent given."""
+    Pieces whose bound reaches `(1 - rel_gap)` times the best objective known (the target) are left:
+    they cannot show a larger gap. Two things keep the walk short: a few least-sum plans with max A a
+    little above its least are offered first (`PROBE_RATIOS`), so the target starts near the optimum;
+    and after step k the slices whose max A is so large that F_k + (m - 1)(w_a a + w_b b_glo) reaches
+    the target are skipped, their bound being the target. Every relaxed plan met becomes a real
+    pipeline (`plan_from_picks`) and is offered as the incumbent. Units that differ give bound -inf
+    and only the incumbent given."""
     from tessel.plan.solvers.dp import bottleneck_lower_bounds
 
     started = time.perf_counter()
@@ -356,6 +363,14 @@ class _SliceSearch:
         values = self.relax.tp if self.lead_d else self.relax.td
         return self.relax.knapsack(self.relax.allowed(*bounds), values, np.maximum).value
 
+    def probe(self, glo_a: float) -> None:
+        """Least-sum plans with max A a little above its least: balanced plans offered early, so the
+        target is near the optimum while the slices are walked and `skip` passes over most of them."""
+        for ratio in PROBE_RATIOS:
+            if self.out_of_budget():
+                return
+            self.solve(self.box(glo_a * ratio, False, _INF, False))
+
     def run(self, lb_p: float, lb_d: float) -> tuple[float, bool]:
         inst = self.instance
         m1 = inst.micro_batches - 1
@@ -368,9 +383,11 @@ class _SliceSearch:
         glo_a, glo_b = (max(glo_d, lb_d), max(glo_p, lb_p))
         if not self.lead_d:
             glo_a, glo_b = (max(glo_p, lb_p), max(glo_d, lb_d))
+        self.probe(glo_a)
         settled = _INF  # least bound of the pieces no split will raise
         pieces: list = []  # heap: (bound, seq, cut on A, strict, a_k, cut on B, b_k)
         cut_a, strict_a = _INF, False
+        skipped = False  # slices passed over: the bound is then the target, not the relaxed optimum
         remainder = m1 * (w_a * glo_a + w_b * glo_b)  # bound on the plans below the cut on A
         while True:  # slices
             if self.out_of_budget():
@@ -389,6 +406,12 @@ class _SliceSearch:
             if m1 == 0 or remainder >= min(settled, self.target()):
                 break
             cut_a, strict_a = a_k, True
+            # every plan below the cut sums to at least choice.value, so those whose max A reaches
+            # `skip` cost at least the target: skip the slices between (they cannot show a larger gap)
+            skip = (self.target() - choice.value - m1 * w_b * glo_b) / (m1 * w_a) if w_a > 0 else _INF
+            if skip < cut_a:
+                settled = min(settled, choice.value + m1 * (w_a * skip + w_b * glo_b))
+                cut_a, skipped = skip, True
         while pieces and pieces[0][0] < min(settled, self.target()) and not self.out_of_budget():
             _, _, c_a, s_a, a_k, cut_b, b_k = heapq.heappop(pieces)
             choice, _, p_new = self.solve(self.box(c_a, s_a, cut_b, True))
@@ -399,7 +422,7 @@ class _SliceSearch:
                 bound = choice.value + m1 * (w_a * a_k + w_b * b_k)
                 heapq.heappush(pieces, (bound, next(self.seq), c_a, s_a, a_k, p_new, b_k))
         bound = min(settled, _heap_min(pieces), remainder)
-        return bound, not pieces and remainder >= settled
+        return bound, not pieces and not skipped and remainder >= settled
 
 
 def _heap_min(pieces: list) -> float:

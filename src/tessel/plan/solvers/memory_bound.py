@@ -30,6 +30,17 @@ so the most Y of the program (z, y relaxed to [0, 1]; binary with `integral=True
 bound then) bounds every such plan: throughput <= b n_out Y*. Communication, the first / last stage
 times and contiguity are left out (they only lower a plan's throughput). With a precision choice
 every unit takes its fewest bytes and least time (`PlanningInstance.relaxed`).
+
+**Pipeline fill** (`pipelines=True`; disjoint pipelines only). The rows above let every device be
+busy all the time, which no pipeline of two or more stages is under the pipeline formula: with
+R_G >= S_G + (k_G - 1) M_G (S the sum of W_j, M their max), device j is busy
+rho_j = x_G W_j <= k_G W_j / (S_G + (k_G - 1) W_j) = k_G W_j / (R_j + k_G W_j), R_j = S_G - W_j the
+rest of the pipeline. With n units on j: W_j is at most the n largest w_uj, R_j at least the U - n
+smallest min_i w_ui, and k_G at most what j's memory holds beside the n smallest weights (KV of the
+n smallest units per micro-batch; at most `max_micro_batches`); the bound rises with W and k and falls
+with R, so rho_j <= H_j(n), and the rows sum_u w_uj a_uj <= the concave envelope of H_j at
+n_j = sum_u z_uj hold for every such plan. Flow plans whose paths share a device are not covered:
+the shares' formula charges one bubble per path, so many one-micro-batch paths pay none.
 Tested against brute force over every partition, every k and every plan of each group
 (`tests/plan/test_memory_concurrency.py`).
 """
@@ -64,6 +75,7 @@ def memory_flow_bound(
     integral: bool = False,
     time_limit_s: float = 30.0,
     aggregate: bool = True,
+    pipelines: bool = False,
 ) -> MemoryBound:
     """The module docstring's bound on the summed throughput (tokens/s). `aggregate` (relaxed
     program only): devices alike in every coefficient share one set of columns, weighted by their
@@ -172,6 +184,10 @@ def memory_flow_bound(
         list(memory),
     )  # memory
 
+    if pipelines:
+        fill = _fill_rows(work, memory, workspace, weights, kv, max_micro_batches, A, Z)
+        for row_cols, row_vals, top in fill:  # busy time under the pipeline fill
+            add(np.zeros(len(row_cols), int), row_cols, row_vals, [-inf], [top])
     col_lower = np.zeros(n_cols)
     col_upper = np.full(n_cols, inf)
     col_upper[Z : Z + UN] = 1.0
@@ -233,3 +249,65 @@ def _alike(work: np.ndarray, memory: np.ndarray, workspace: np.ndarray) -> tuple
             sizes.append(0)
         sizes[keys[key]] += 1
     return np.array(first, dtype=int), np.array(sizes, dtype=float)
+
+
+def fill_ceiling(
+    work_j: np.ndarray,
+    least_work: np.ndarray,
+    memory_bytes: float,
+    workspace_bytes: float,
+    weights: np.ndarray,
+    kv: np.ndarray,
+    max_micro_batches: int | None,
+) -> np.ndarray:
+    """H_j(n), n = 0..U: the most of its time device j is busy in a pipeline of the memory model
+    when it holds n units (the module docstring's pipeline fill)."""
+    n_units = len(work_j)
+    n = np.arange(n_units + 1)
+    most_work = np.concatenate([[0.0], np.cumsum(np.sort(work_j)[::-1])])  # n largest
+    rest = np.concatenate([[0.0], np.cumsum(np.sort(least_work))])[n_units - n]  # U - n smallest
+    fewest_weights = np.concatenate([[0.0], np.cumsum(np.sort(weights))])
+    fewest_kv = np.concatenate([[0.0], np.cumsum(np.sort(kv))])
+    free = memory_bytes - workspace_bytes - fewest_weights
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(fewest_kv > 0, np.floor(free / np.where(fewest_kv > 0, fewest_kv, 1.0)), math.inf)
+        if max_micro_batches is not None:
+            k = np.minimum(k, max_micro_batches)
+        ceiling = np.where(np.isinf(k), 1.0, k * most_work / (rest + k * most_work))
+    ceiling = np.where((k >= 1) & (free >= 0), np.minimum(np.nan_to_num(ceiling, nan=1.0), 1.0), 0.0)
+    ceiling[0] = 0.0
+    return ceiling
+
+
+def concave_envelope(values: np.ndarray) -> list[tuple[float, float]]:
+    """(intercept, slope) of the segments of the least concave function >= values[n] at n = 0..len-1."""
+    hull: list[int] = []
+    for n in range(len(values)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (values[b] - values[a]) * (n - a) <= (values[n] - values[a]) * (b - a):
+                hull.pop()
+            else:
+                break
+        hull.append(n)
+    segments = []
+    for a, b in zip(hull, hull[1:], strict=False):
+        slope = (values[b] - values[a]) / (b - a)
+        segments.append((values[a] - slope * a, slope))
+    return segments or [(float(values[0]), 0.0)]
+
+
+def _fill_rows(work, memory, workspace, weights, kv, max_micro_batches, a_block: int, z_block: int):
+    """Per device column j and envelope segment: (columns, values, upper) of
+    sum_u w_uj a_uj - slope * sum_u z_uj <= intercept (column blocks as in `memory_flow_bound`)."""
+    n_units, n_devices = work.shape
+    least_work = work.min(axis=1)
+    for j in range(n_devices):
+        ceiling = fill_ceiling(
+            work[:, j], least_work, memory[j], workspace[j], weights, kv, max_micro_batches
+        )
+        cells = np.arange(n_units) * n_devices + j
+        for intercept, slope in concave_envelope(ceiling):
+            cols = np.concatenate([a_block + cells, z_block + cells])
+            vals = np.concatenate([work[:, j], np.full(n_units, -slope)])
+            yield cols, vals, intercept * (1 + LP_SLACK)
