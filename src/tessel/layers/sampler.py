@@ -34,6 +34,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with the tokens each of `rows` may not take set to -inf (a new tensor).
+
+    `bitmask` int32 [len(rows), ceil(V / 32)]: bit i of word w allows token 32w + i (llguidance's
+    and xgrammar's layout). A row that allows nothing is left unmasked (the engine ends it).
+    """
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    allowed |= ~allowed.any(dim=-1, keepdim=True)
+    masked = logits.clone()
+    masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
 def exponential_noise(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """n draws of Exp(1) from `generator`, on the generator's device (a request's generator lives on
     the CPU, so a seeded request draws the same noise whichever device the logits are on)."""
