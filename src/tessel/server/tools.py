@@ -27,6 +27,8 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function n
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# a forced call is written as chat templates write calls (jinja's tojson: Python's json.dumps spacing)
+_AS_TEMPLATES_WRITE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +142,7 @@ def forced_grammar(tools: list[ToolSpec], choice: str, fmt: ToolFormat, parallel
         }
         for tool in chosen
     ]
-    schema = json.dumps({"anyOf": calls, "x-guidance": {"whitespace_flexible": False}})
+    schema = json.dumps({"anyOf": calls, "x-guidance": _AS_TEMPLATES_WRITE_JSON})
     if fmt == "llama3_json":
         return GuidedDecoding("lark", f"start: %json {schema}")
     repeat = ' ("\\n" call)*' if parallel and choice == "required" else ""
