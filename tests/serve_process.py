@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,9 +31,20 @@ def _healthy(url: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str  # http://127.0.0.1:PORT
+    pid: int
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far (user + system, all threads; Linux)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
-def serve_process(model: Path, log_path: Path, *options: str) -> Iterator[str]:
-    """Start `tessel serve --model model options...`, yield its base URL once /health answers."""
+def serve_process(model: Path, log_path: Path, *options: str) -> Iterator[Served]:
+    """Start `tessel serve --model model options...`; yield it once /health answers."""
     port = free_port()
     command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--host", "127.0.0.1", "--log-level", "warning", *options]
@@ -44,7 +57,7 @@ def serve_process(model: Path, log_path: Path, *options: str) -> Iterator[str]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(f"`tessel serve` did not come up:\n{log_path.read_text()}")
                 time.sleep(POLL_S)  # a poll interval, not a synchronisation sleep
-            yield url
+            yield Served(url, process.pid)
         finally:
             process.terminate()
             try:

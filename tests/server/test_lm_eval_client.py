@@ -45,8 +45,8 @@ def monkeypatch_module() -> Any:
 @pytest.fixture(scope="module")
 def server_url(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_process(smollm2_dir, log, "--max-model-len", "2048") as url:
-        yield url
+    with serve_process(smollm2_dir, log, "--max-model-len", "2048") as served:
+        yield served.url
 
 
 def _evaluate(task_dir: Path, model: str, model_args: str, tasks: list[str], chat: bool) -> dict[str, Any]:

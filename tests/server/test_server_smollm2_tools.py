@@ -81,8 +81,8 @@ def hermes_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def client(hermes_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_process(hermes_model, log, "--max-model-len", "2048", "--max-num-seqs", "4") as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120.0)
+    with serve_process(hermes_model, log, "--max-model-len", "2048", "--max-num-seqs", "4") as served:
+        yield openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=120.0)
 
 
 def test_parse_a_pydantic_model(client: Any) -> None:

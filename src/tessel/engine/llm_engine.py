@@ -141,7 +141,9 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
-        self.guided = GuidedDecoder(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        on_gpu = str(self.config.device).startswith("cuda")  # masks overlap the forward only off the host
+        vocab = self.model_config.vocab_size
+        self.guided = GuidedDecoder(self.tokenizer, vocab, self.eos_token_ids, overlap=on_gpu)
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text already returned per request

@@ -216,7 +216,7 @@ def create_app(
         limits.check_prompt_chars(sum(len(m.text()) for m in body.messages))
         calls = None
         if body.calls_tools():
-            calls = tool_calling(body.tools, body.chosen_tool(), body.parallel_tool_calls, engine.tokenizer)
+            calls = tool_calling(body.tools, body.chosen_tool(), body.parallel_tool_calls, served.tokenizer)
         guided = await compiled(calls.grammar if calls is not None else body.guided())
         # no max_tokens: OpenAI's default, whatever the context has left (the engine's None)
         params = _sampling_params(body, body.requested_max_tokens(), guided)

@@ -3,10 +3,14 @@
 `GuidedDecoder.compile` validates and compiles a `GuidedDecoding` into an llguidance matcher kept in
 an LRU cache keyed by the grammar text (the server calls it on a tokenizer thread, so a new schema
 is compiled off the engine thread; the engine's call finds it cached). Each request gets a copy of
-the cached matcher (`start`). Before a micro-batch runs, `masks` starts filling the allowed-token
-bitmask of its guided rows on a worker thread (llguidance fills rows in parallel without the GIL),
-while the model's forward runs; the sampler waits for it (`BitmaskRow.array`). After sampling,
-`accept` advances each matcher by its token.
+the cached matcher (`start`). Before a micro-batch runs, `masks` hands out the allowed-token bitmask
+rows of its guided sequences, which the sampler reads (`BitmaskRow.array`). With `overlap` (the
+forward runs on a GPU) the rows are filled on a worker thread while the forward runs (llguidance
+fills rows in parallel without the GIL); without it (the forward runs on the host's cores) they are
+filled when first read, one row after another on the reading thread: a thread beside a CPU forward
+takes cores from its OpenMP workers, which then wait on each other (on a 2-core machine the forward
+slowed several-fold beside llguidance's pool). After sampling, `accept` advances each matcher by
+its token.
 """
 
 from __future__ import annotations
@@ -29,20 +33,37 @@ GRAMMAR_DEAD_END = "grammar_dead_end"
 @dataclass(frozen=True, slots=True)
 class BitmaskRow:
     """One row of a batch's allowed-token bitmask (int32 words, bit i of word w: token 32w+i),
-    ready or still being filled (`source` a future of the whole bitmask)."""
+    ready, or filled on demand (`source` a future or a `DeferredFill` of the whole bitmask)."""
 
-    source: Future | np.ndarray
+    source: Future | DeferredFill | np.ndarray
     row: int
 
     def array(self) -> np.ndarray:
-        bitmask = self.source.result() if isinstance(self.source, Future) else self.source
+        bitmask = self.source if isinstance(self.source, np.ndarray) else self.source.result()
         return bitmask[self.row]
+
+
+class DeferredFill:
+    """A bitmask filled by its first `result()`, on the calling thread, once."""
+
+    def __init__(self, fill: Any) -> None:
+        self._fill, self._bitmask = fill, None
+        self._lock = threading.Lock()
+
+    def result(self) -> np.ndarray:
+        with self._lock:
+            if self._bitmask is None:
+                self._bitmask = self._fill()
+            return self._bitmask
 
 
 class GuidedDecoder:
     """Matchers of the engine's guided requests, by sequence id."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], overlap: bool = False
+    ) -> None:
+        self._overlap = overlap
         self._hf_tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
@@ -107,18 +128,27 @@ class GuidedDecoder:
         import llguidance
         import llguidance.numpy
 
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         matchers = [self._matchers[seq_id] for seq_id in seq_ids]
         bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self._vocab_size)
+        if not self._overlap:
 
-        def fill() -> np.ndarray:
+            def fill_here() -> np.ndarray:
+                for row, matcher in enumerate(matchers):
+                    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
+                return bitmask
+
+            deferred = DeferredFill(fill_here)
+            return [BitmaskRow(deferred, row) for row in range(len(matchers))]
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+
+        def fill_beside() -> np.ndarray:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(matcher, row) for row, matcher in enumerate(matchers)], bitmask
             )
             return bitmask
 
-        future = self._workers.submit(fill)
+        future = self._workers.submit(fill_beside)
         return [BitmaskRow(future, row) for row in range(len(matchers))]
 
     def accept(self, seq_id: int, token: int) -> bool:
