@@ -26,6 +26,7 @@ from pydantic import (
     Field,
     StrictBool,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -433,7 +434,18 @@ class ToolCallDelta(ToolCallItem):
     index: int
 
 
-class AssistantMessage(BaseModel):
+class _WithoutNoToolCalls(BaseModel):
+    """A message that leaves `tool_calls` out when there are none (as OpenAI's answers do)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class AssistantMessage(_WithoutNoToolCalls):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallItem] | None = None
@@ -469,7 +481,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithoutNoToolCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
