@@ -362,7 +362,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _fields_agree(self) -> ChatCompletionRequest:
+        """top_logprobs needs logprobs; tool_choice names a given tool; one constraint on the output."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         check_tool_request(self.tools, self.chosen_tool())
