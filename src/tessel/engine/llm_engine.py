@@ -50,6 +50,7 @@ from tessel.engine.executor import (
     KvCopies,
     LocalExecutor,
 )
+from tessel.engine.guided.decoder import GRAMMAR_DEAD_END, GuidedDecoder
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.memory import available_memory_bytes, check_host_kv_cache_fits, check_kv_cache_fits
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
@@ -139,6 +140,9 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        on_gpu = str(self.config.device).startswith("cuda")  # masks overlap the forward only off the host
+        vocab = self.model_config.vocab_size
+        self.guided = GuidedDecoder(self.tokenizer, vocab, self.eos_token_ids, overlap=on_gpu)
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text already returned per request
@@ -314,6 +318,12 @@ class LLMEngine:
             self.tokenizer, ids, params.stop, params.skip_special_tokens
         )
         self._emitted[request_id] = 0
+        if params.guided is not None:
+            try:
+                self.guided.start(seq.seq_id, params.guided)
+            except BaseException:
+                del self._requests[request_id], self._detokenizers[request_id], self._emitted[request_id]
+                raise
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -376,6 +386,7 @@ class LLMEngine:
         while self._in_flight:
             self._complete(self._in_flight.popleft())
         self.executor.shutdown()
+        self.guided.shutdown()
 
     def count_from_here(self) -> None:
         """Start the executor's counts anew (after a warm-up)."""
@@ -447,6 +458,7 @@ class LLMEngine:
 
     def _send(self, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None) -> None:
         micro = InFlightBatch.of(next(self._batch_ids), slot, batch, apply)
+        self._start_masks(micro.sampled)
         pool = self.preemptor.pool
         copies = KvCopies(self.preemptor.take_copies(), pool.num_total_blocks if pool is not None else 0)
         self.executor.launch(micro, copies)
@@ -455,6 +467,16 @@ class LLMEngine:
         self._in_flight.append(micro)
         self._busy[slot] += 1
         self._seqs_in_flight.update(micro.seq_ids)
+
+    def _start_masks(self, sampled: list[Sequence]) -> None:
+        """Start computing the allowed tokens of the guided sequences about to sample (on a worker
+        thread, while the forward runs; the sampler waits for them)."""
+        if not self.guided.active:
+            return
+        guided = [seq for seq in sampled if self.guided.guides(seq.seq_id)]
+        if guided:
+            for seq, row in zip(guided, self.guided.masks([seq.seq_id for seq in guided]), strict=True):
+                seq.token_bitmask = row
 
     # ---- results -------------------------------------------------------------------------------
     def _complete(self, micro: InFlightBatch) -> list[RequestOutput]:
@@ -496,9 +518,15 @@ class LLMEngine:
         for seq, first, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()
+        guided = self.guided.active
         for seq, token, logprobs in zip(result.seqs, result.tokens, result.logprobs, strict=True):
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
+            if guided:
+                seq.token_bitmask = None
+                if not self.guided.accept(seq.seq_id, token):  # its grammar allowed no token at all
+                    outputs.append(self._end(seq, GRAMMAR_DEAD_END))
+                    continue
             try:
                 self._append(seq, token, now)
             except Exception as error:  # e.g. a token the tokenizer cannot decode
@@ -509,7 +537,10 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
         seq.error = error
-        self.scheduler.finish(seq, "error")
+        return self._end(seq, "error")
+
+    def _end(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
         self._detokenizers[seq.request_id].finish()
         return self._output(seq, [])
 
@@ -526,6 +557,8 @@ class LLMEngine:
             reason = "stop"
         elif len(token_ids) - seq.num_prompt_tokens >= seq.max_tokens or len(token_ids) >= self.max_model_len:
             reason = "length"
+        elif self.guided.active and self.guided.finished(seq.seq_id):  # its grammar takes nothing more
+            reason = "stop"
         if reason is not None:
             detok.finish()
             self.scheduler.finish(seq, reason)
@@ -539,6 +572,7 @@ class LLMEngine:
         finished = seq.status is SequenceStatus.FINISHED
         if finished:
             del self._requests[rid], self._detokenizers[rid], self._emitted[rid]
+            self.guided.release(seq.seq_id)
         output_ids = seq.token_ids[seq.num_prompt_tokens :]
         params = seq.params
         return RequestOutput(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tessel.engine.outputs import TokenLogprobs
@@ -26,7 +27,7 @@ from tessel.engine.step_plan import CudaSizes, GraphFamily, StepMode, StepPlan, 
 from tessel.kernels.paged_decode import decode_gather
 from tessel.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 from tessel.layers.linear import pack_linears
-from tessel.layers.sampler import Sampler
+from tessel.layers.sampler import Sampler, apply_token_bitmask
 from tessel.models.llama import LlamaForCausalLM, StepInputs
 
 
@@ -294,6 +295,7 @@ class ModelRunner:
         return SampledRows(tokens, logprobs, prompt_logprobs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        logits = self._guided(logits, seqs)
         params = [seq.params for seq in seqs]
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
@@ -302,6 +304,16 @@ class ModelRunner:
         top_p = self._tensor([p.top_p for p in params], torch.float32)
         generators = [seq.generator for seq in seqs]
         return self.sampler(logits, temperatures, top_k, top_p, generators)
+
+    def _guided(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits with each guided row's disallowed tokens at -inf (`tessel.engine.guided`); the
+        logprobs are taken from the logits before this, as vLLM does."""
+        guided = [(i, seq.token_bitmask) for i, seq in enumerate(seqs) if seq.token_bitmask is not None]
+        if not guided:
+            return logits
+        bitmask = torch.from_numpy(np.stack([row.array() for _, row in guided]))
+        rows = self._tensor([i for i, _ in guided], torch.int64)
+        return apply_token_bitmask(logits, bitmask, rows)
 
     @torch.inference_mode()
     def forward_logits(self, batch: SchedulerOutput) -> torch.Tensor:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tessel.engine.guided.spec import GuidedDecoding
 from tessel.errors import TesselError
 from tessel.text import check_text
 
@@ -163,7 +164,8 @@ class SamplingParams:
     `token_ids`. `seed` gives the request its own generator: same seed, same tokens.
     `logprobs=k` returns each generated token's log-probability and the k most likely tokens';
     `prompt_logprobs=k` the same for the prompt's tokens (the first has none). Log-probabilities
-    are log-softmax of the model's logits before temperature, top-k and top-p (as vLLM's default).
+    are log-softmax of the model's logits before temperature, top-k and top-p (as vLLM's default)
+    and before `guided`, which restricts every sampled token to what its grammar allows.
     """
 
     temperature: float = 1.0
@@ -177,6 +179,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guided: GuidedDecoding | None = None  # what the output must match (structured outputs)
 
     def __post_init__(self) -> None:
         self.temperature = check_temperature(self.temperature)
@@ -190,6 +193,8 @@ class SamplingParams:
         self.skip_special_tokens = check_bool(self.skip_special_tokens, "skip_special_tokens")
         self.logprobs = check_logprobs(self.logprobs, "logprobs")
         self.prompt_logprobs = check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise InvalidSamplingParams(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
 
     def verify(self, vocab_size: int) -> None:
         """Checks that need the model: top_k is refused (not clamped) above the vocabulary size."""

@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -81,6 +82,7 @@ class Sequence:
         self.prompt_logprobs: list = [None] * len(prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.token_bitmask: Any = None  # a guided request's allowed tokens for its next sample (BitmaskRow)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -9,6 +9,7 @@ batch; the other rows share one draw from the default generator.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +33,31 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with the tokens each of `rows` may not take set to -inf (a new tensor).
+
+    `bitmask` int32 [len(rows), ceil(V / 32)]: bit i of word w allows token 32w + i (llguidance's
+    and xgrammar's layout). A row that allows nothing is left unmasked (the engine ends it). On the
+    CPU the rows are masked in numpy, single-threaded: torch's element-wise bool ops on a few
+    hundred thousand elements wait on their OpenMP workers (milliseconds on a loaded machine).
+    """
+    vocab = logits.shape[-1]
+    if logits.device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+        allowed = bits[:, :vocab].view(np.bool_)
+        allowed[~allowed.any(axis=1)] = True
+        picked, values = rows.numpy(), logits.numpy()
+        masked = values.copy()
+        masked[picked] = np.where(allowed, values[picked], np.float32("-inf"))
+        return torch.from_numpy(masked)
+    masked = logits.clone()
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    allowed |= ~allowed.any(dim=-1, keepdim=True)
+    masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return masked
 
 
 def exponential_noise(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:

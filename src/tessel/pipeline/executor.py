@@ -286,6 +286,7 @@ class ProcessExecutor:
             host_kv_blocks=kv_copies.host_blocks,
             path=path,
             fresh_stats=self._fresh_stats,
+            token_bitmasks=[None if s.token_bitmask is None else s.token_bitmask.array() for s in sampled],
         )
         self._fresh_stats = False
         try:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
+from tessel.engine.guided.spec import GuidedDecoding
 from tessel.engine.sampling_params import MAX_SEED
 from tessel.errors import TesselError
 from tessel.server.async_engine import AsyncEngine, RequestStream
@@ -48,10 +49,18 @@ from tessel.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    ToolCallDelta,
+    ToolCallItem,
     UsageInfo,
 )
+from tessel.server.tools import ToolCalling, ToolCallStream, parse_tool_calls, tool_calling
 from tessel.text import check_text
 
 DEFAULT_MAX_PENDING = 256  # requests held at once (running + waiting) before a 429
@@ -158,10 +167,18 @@ def create_app(
             return _event_stream(streams, chunks(streams, served_name, body.include_usage()))
         return await _final_outputs(raw, streams)
 
+    async def compiled(guided: GuidedDecoding | None) -> GuidedDecoding | None:
+        """`guided` compiled (and cached) on a tokenizer thread, so the engine thread finds it ready;
+        a schema or grammar that cannot guide decoding is a 400 here."""
+        if guided is not None:
+            await async_engine.tokenize(lambda _: served.guided.compile(guided))
+        return guided
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, served_name)
-        params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        guided = await compiled(body.guided())
+        params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, guided)
         prompt = body.prompt
         if isinstance(prompt, str):
             limits.check_prompt_chars(len(prompt))
@@ -196,26 +213,52 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, served_name)
+        limits.check_prompt_chars(sum(len(m.text()) for m in body.messages))
+        calls = None
+        if body.calls_tools():
+            calls = tool_calling(body.tools, body.chosen_tool(), body.parallel_tool_calls, served.tokenizer)
+        guided = await compiled(calls.grammar if calls is not None else body.guided())
         # no max_tokens: OpenAI's default, whatever the context has left (the engine's None)
-        params = _sampling_params(body, body.requested_max_tokens())
-        limits.check_prompt_chars(sum(len(m.content) for m in body.messages))
+        params = _sampling_params(body, body.requested_max_tokens(), guided)
         messages = [m.template_dict() for m in body.messages]
-        prompt_ids = await async_engine.tokenize(lambda tokenizer: _chat_prompt_ids(tokenizer, messages))
+        tools = [tool.template_dict() for tool in body.tools] if calls is not None else None
+        prompt_ids = await async_engine.tokenize(
+            lambda tokenizer: _chat_prompt_ids(tokenizer, messages, tools)
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        chunks = functools.partial(_chat_chunks, body=body, text=token_text)
+        chunks = functools.partial(_chat_chunks, body=body, text=token_text, calls=calls)
         finals = await generate(raw, body, request_id, prompt_ids, prompt_ids, params, chunks)
         if isinstance(finals, Response):
             return finals
         choices = []
         for index, final in enumerate(finals):
-            message = AssistantMessage(content=final.text)
+            message, reason = _assistant_message(final, calls)
             logprobs = chat_logprobs(final.logprobs, token_text) if body.logprobs else None
-            reason = final.finish_reason
             choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
         response = ChatCompletionResponse(
             id=request_id, model=served_name, choices=choices, usage=_usage(finals)
         )
         return JSONResponse(response.model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids."""
+        _check_model(body.model, served_name)
+        if body.messages is not None:
+            limits.check_prompt_chars(sum(len(m.text()) for m in body.messages))
+            messages = [m.template_dict() for m in body.messages]
+            ids = await async_engine.tokenize(lambda tokenizer: _chat_prompt_ids(tokenizer, messages, None))
+        else:
+            prompt = body.prompt or ""
+            limits.check_prompt_chars(len(prompt))
+            ids = await async_engine.tokenize(lambda tokenizer: served.tokenize(prompt, tokenizer))
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=served.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _check_model(body.model, served_name)
+        ids = served.check_token_ids(body.tokens)
+        return DetokenizeResponse(prompt=await async_engine.tokenize(lambda tokenizer: tokenizer.decode(ids)))
 
     add_embeddings_route(app, None, served_name, limits)  # a decoder: 400, embeddings need an encoder
     return app
@@ -231,7 +274,7 @@ def _check_model(requested: str | None, served_name: str) -> None:
         )
 
 
-def _sampling_params(body: Any, max_tokens: int | None) -> Any:
+def _sampling_params(body: Any, max_tokens: int | None, guided: GuidedDecoding | None) -> Any:
     from tessel.engine.sampling_params import SamplingParams
 
     if isinstance(body, ChatCompletionRequest):
@@ -249,24 +292,38 @@ def _sampling_params(body: Any, max_tokens: int | None) -> Any:
         stop=body.stop_list(),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        guided=guided,
     )
 
 
-def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise TesselError("this model's tokenizer has no chat template; use /v1/completions instead")
     for message in messages:
         for field, text in message.items():
-            check_text(text, field)
+            if isinstance(text, str):
+                check_text(text, field)
     try:
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except Exception as error:  # the template's own checks (roles must alternate, ...) are user errors
         raise TesselError(f"the chat template rejected the messages: {error}") from error
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _assistant_message(final: Any, calls: ToolCalling | None) -> tuple[AssistantMessage, str | None]:
+    """The reply, its tool calls parsed out when tools were offered (finish_reason "tool_calls")."""
+    if calls is None:
+        return AssistantMessage(content=final.text), final.finish_reason
+    content, found = parse_tool_calls(final.text, calls.format, calls.names)
+    if not found:
+        return AssistantMessage(content=final.text), final.finish_reason
+    items = [ToolCallItem(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
+    reason = "tool_calls" if final.finish_reason == "stop" else final.finish_reason
+    return AssistantMessage(content=content, tool_calls=items), reason
 
 
 def _usage(outputs: list[Any]) -> UsageInfo:
@@ -396,10 +453,17 @@ async def _completion_chunks(
 
 
 async def _chat_chunks(
-    streams: list[RequestStream], model: str, include_usage: bool, *, body: Any, text: TokenText
+    streams: list[RequestStream],
+    model: str,
+    include_usage: bool,
+    *,
+    body: Any,
+    text: TokenText,
+    calls: ToolCalling | None,
 ) -> AsyncIterator[str]:
     created, request_id = int(time.time()), _request_id(streams)
     last: dict[int, Any] = {}
+    parsers = {i: ToolCallStream(calls.format, calls.names) for i in range(len(streams))} if calls else {}
 
     def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs: Any = None) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
@@ -412,14 +476,37 @@ async def _chat_chunks(
         new_ids, logprobs = output.new_token_ids, None
         if body.logprobs and new_ids:
             logprobs = chat_logprobs(output.logprobs[-len(new_ids) :], text)
-        if output.new_text or logprobs is not None:
-            yield chunk(index, DeltaMessage(content=output.new_text), logprobs=logprobs)
+        parser = parsers.get(index)
+        if parser is None:
+            if output.new_text or logprobs is not None:
+                yield chunk(index, DeltaMessage(content=output.new_text), logprobs=logprobs)
+        else:
+            before = len(parser.calls)
+            content, found = parser.feed(output.new_text)
+            if output.finished:
+                rest, more = parser.finish()
+                content, found = content + rest, found + more
+            if content or found or logprobs is not None:
+                yield chunk(index, _tool_delta(content, found, before), logprobs=logprobs)
         if output.finished:
-            yield chunk(index, DeltaMessage(), finish_reason=output.finish_reason)
+            reason = output.finish_reason
+            if parser is not None and parser.calls and reason == "stop":
+                reason = "tool_calls"
+            yield chunk(index, DeltaMessage(), finish_reason=reason)
     if include_usage and last:
         usage = _usage(list(last.values()))
         yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage))
     yield "data: [DONE]\n\n"
+
+
+def _tool_delta(content: str, calls: list[Any], first_index: int) -> DeltaMessage:
+    deltas = [
+        ToolCallDelta(
+            index=first_index + i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+        )
+        for i, c in enumerate(calls)
+    ]
+    return DeltaMessage(content=content or None, tool_calls=deltas or None)
 
 
 def _request_id(streams: list[RequestStream]) -> str:

@@ -15,6 +15,7 @@ best_of candidates, return the n most likely) is not implemented: it is accepted
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -25,9 +26,12 @@ from pydantic import (
     Field,
     StrictBool,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
+from tessel.engine.guided import spec as guided_spec
+from tessel.engine.guided.spec import GuidedDecoding, InvalidGuidedDecoding
 from tessel.engine.sampling_params import (
     InvalidSamplingParams,
     check_int,
@@ -39,11 +43,12 @@ from tessel.engine.sampling_params import (
     check_top_k,
     check_top_p,
 )
+from tessel.server.tools import ToolSpec, check_tool_request, parse_tool_choice, parse_tools
 from tessel.text import check_text
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_CHOICES = 16  # n: choices per request (each one is a sequence in the engine)
 # Fields OpenAI's API has and tessel does not implement: accepted only at these no-op values (or null).
 NO_OP_VALUES: dict[str, list[Any]] = {
@@ -51,16 +56,11 @@ NO_OP_VALUES: dict[str, list[Any]] = {
     "frequency_penalty": [0],
     "repetition_penalty": [1],
     "logit_bias": [{}],
-    "tools": [[]],
-    "tool_choice": ["none"],
-    "parallel_tool_calls": [True, False],
     "functions": [[]],
     "function_call": ["none"],
-    "tool_calls": [[]],
-    "response_format": [{"type": "text"}],
     "store": [False],
 }
-_TOOL_FIELDS = {"tools", "tool_choice", "functions", "function_call", "tool_calls", "tool_call_id"}
+_TOOL_FIELDS = {"functions", "function_call"}
 _SHOWN_NAME_CHARS = 40
 
 
@@ -112,7 +112,11 @@ class RequestModel(BaseModel):
         ]
         if unsupported:
             names = ", ".join(_shown(str(key)) for key in unsupported[:10])
-            why = "tool calling is not supported; " if _TOOL_FIELDS & set(unsupported) else ""
+            why = (
+                "the legacy functions API is not supported (use tools); "
+                if _TOOL_FIELDS & set(unsupported)
+                else ""
+            )
             raise ValueError(
                 f"{cls.what} has unsupported field(s) {names}: {why}tessel does not implement them"
             )
@@ -149,6 +153,31 @@ class StreamOptions(RequestModel):
     include_usage: StrictBool = False
 
 
+def _response_format(value: Any) -> GuidedDecoding | None:
+    """OpenAI's `response_format`: text (no guide), json_object, or json_schema {name, schema, strict}."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidGuidedDecoding("response_format must be an object with a type")
+    kind = value["type"]
+    if kind in ("text", "json_object") and set(value) == {"type"}:
+        return None if kind == "text" else GuidedDecoding("json_object")
+    if kind != "json_schema":
+        raise InvalidGuidedDecoding(
+            f"response_format {kind[:40]!r} with fields {sorted(value)} is not supported; "
+            "use {type: text}, {type: json_object} or {type: json_schema, json_schema: {name, schema}}"
+        )
+    spec = value.get("json_schema")
+    if set(value) != {"type", "json_schema"} or not isinstance(spec, dict) or "schema" not in spec:
+        raise InvalidGuidedDecoding("response_format json_schema needs json_schema: {name, schema, strict}")
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise InvalidGuidedDecoding(f"response_format.json_schema has unknown field(s) {sorted(unknown)}")
+    return guided_spec.json_schema(spec["schema"], "response_format.json_schema.schema")
+
+
+def _guide(build: Any) -> Any:
+    return BeforeValidator(lambda value: None if value is None else build(value))
+
+
 class _SamplingFields(RequestModel):
     model: ModelName = None
     max_tokens: MaxTokens = None
@@ -162,12 +191,34 @@ class _SamplingFields(RequestModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     user: Annotated[str | None, BeforeValidator(_optional_text("user"))] = None  # OpenAI's end-user id
+    # structured outputs: OpenAI's response_format, and vLLM's guided_* extensions (at most one)
+    response_format: Annotated[GuidedDecoding | None, _guide(_response_format)] = None
+    guided_json: Annotated[
+        GuidedDecoding | None, _guide(lambda v: guided_spec.json_schema(v, "guided_json"))
+    ] = None
+    guided_regex: Annotated[GuidedDecoding | None, _guide(guided_spec.regex)] = None
+    guided_choice: Annotated[GuidedDecoding | None, _guide(guided_spec.choice)] = None
+    guided_grammar: Annotated[GuidedDecoding | None, _guide(guided_spec.lark)] = None
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> _SamplingFields:
+        given = [name for name in _GUIDE_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} both constrain the output: send one of them")
+        return self
+
+    def guided(self) -> GuidedDecoding | None:
+        """What the output must match, from whichever guide field was sent."""
+        return next((getattr(self, n) for n in _GUIDE_FIELDS if getattr(self, n) is not None), None)
 
     def stop_list(self) -> list[str]:
         return list(self.stop)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+_GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _prompt(prompt: Any) -> str | list[int]:
@@ -206,15 +257,16 @@ class CompletionRequest(_SamplingFields):
 def _role(role: Any) -> str:
     if role not in CHAT_ROLES:
         shown = _shown(role) if isinstance(role, str) else type(role).__name__
-        why = " (tool calling is not supported)" if role in ("tool", "function") else ""
+        why = " (the legacy functions API is not supported; use tools)" if role == "function" else ""
         raise ValueError(f"role {shown} is not supported{why}; use one of {', '.join(CHAT_ROLES)}")
     return role
 
 
-def _content(content: Any) -> str:
-    """A message's text: a string, or a list of `{"type": "text", "text": ...}` parts joined."""
+def _content(content: Any) -> str | None:
+    """A message's text: a string, or a list of `{"type": "text", "text": ...}` parts joined; None only
+    for an assistant message with tool calls (checked by `ChatMessage`)."""
     if content is None:
-        raise ValueError("content is required (tool calls are not supported)")
+        return None
     if isinstance(content, str):
         return check_text(content, "content")
     if not isinstance(content, list):
@@ -234,6 +286,32 @@ def _content(content: Any) -> str:
     return "".join(texts)
 
 
+def _message_tool_calls(value: Any) -> list[dict[str, Any]] | None:
+    """An assistant's earlier calls: [{id, type: function, function: {name, arguments: JSON text}}]."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise ValueError("tool_calls must be a list")
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError("each tool call needs function: {name, arguments}")
+        arguments = function.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise ValueError(f"tool call {function['name'][:64]!r} has arguments that are not JSON") from None
+        entry = {
+            "type": "function",
+            "function": {"name": check_text(function["name"], "name"), "arguments": parsed},
+        }
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        calls.append(entry)
+    return calls
+
+
 class ChatMessage(RequestModel):
     what: ClassVar[str] = "a message"
 
@@ -245,17 +323,32 @@ class ChatMessage(RequestModel):
         return super()._refuse_unsupported(data)
 
     role: Annotated[str, BeforeValidator(_role)]
-    content: Annotated[str, BeforeValidator(_content)]
+    content: Annotated[str | None, BeforeValidator(_content)] = None
     name: Annotated[str | None, BeforeValidator(_optional_text("name"))] = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, BeforeValidator(_message_tool_calls)] = None
+    tool_call_id: Annotated[str | None, BeforeValidator(_optional_text("tool_call_id"))] = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
-        return self.content
+        return self.content or ""
 
-    def template_dict(self) -> dict[str, str]:
-        """What the chat template sees."""
-        message = {"role": self.role, "content": self.content}
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template sees: tool calls with their arguments as objects, as HF templates
+        expect (OpenAI sends them as JSON text)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -264,12 +357,30 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[int | None, BeforeValidator(lambda v: check_logprobs(v, "top_logprobs"))] = None
+    tools: Annotated[list[ToolSpec], BeforeValidator(parse_tools)] = Field(default_factory=list)
+    tool_choice: Annotated[str | None, BeforeValidator(parse_tool_choice)] = None
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _fields_agree(self) -> ChatCompletionRequest:
+        """top_logprobs needs logprobs; tool_choice names a given tool; one constraint on the output."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        check_tool_request(self.tools, self.chosen_tool())
+        if self.chosen_tool() not in ("none", "auto") and self.guided() is not None:
+            raise ValueError(
+                f"tool_choice {self.chosen_tool()!r} and a response format both constrain the output"
+            )
         return self
+
+    def chosen_tool(self) -> str:
+        """tool_choice: "none", "auto" (the default with tools), "required" or a function's name."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.chosen_tool() != "none"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -309,9 +420,36 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class AssistantMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallItem):
+    index: int
+
+
+class _WithoutNoToolCalls(BaseModel):
+    """A message that leaves `tool_calls` out when there are none (as OpenAI's answers do)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class AssistantMessage(_WithoutNoToolCalls):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -344,9 +482,10 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithoutNoToolCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -376,6 +515,36 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the template."""
+
+    what: ClassVar[str] = "the request"
+    model: ModelName = None
+    prompt: Annotated[str | None, BeforeValidator(_optional_text("prompt"))] = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(RequestModel):
+    model: ModelName = None
+    tokens: list[Annotated[int, BeforeValidator(lambda t: check_int(t, "tokens"))]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

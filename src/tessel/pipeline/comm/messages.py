@@ -14,6 +14,7 @@ import copyreg
 import io
 import pickle
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -50,6 +51,8 @@ class BatchMessage:
     host_kv_blocks: int = 0
     path: tuple[int, ...] = ()  # the ranks of the stages it runs on, in order (`tessel.pipeline.flow`)
     fresh_stats: bool = False  # stage 0 counts anew from this batch (after a warm-up): so does each stage
+    # per sampled row: the tokens a guided request may take (int32 bitmask words), else None
+    token_bitmasks: list[Any] = field(default_factory=list)
 
 
 def message_on(message: BatchMessage, device: torch.device) -> BatchMessage:

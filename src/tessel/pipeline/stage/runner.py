@@ -29,6 +29,7 @@ import torch
 
 from tessel.engine.emulation import SlowDevice
 from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES
+from tessel.engine.guided.decoder import BitmaskRow
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.model_runner import ModelRunner, SampledRows
 from tessel.engine.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class _Row:
 
     params: SamplingParams
     generator: torch.Generator | None
+    token_bitmask: BitmaskRow | None = None
 
 
 @dataclass(slots=True)
@@ -183,7 +185,11 @@ class StageRunner:
                 self._generators[seq_id] = resumed_generator(
                     params.seed, message.resumed[seq_id], self.model.config.vocab_size
                 )
-        rows = [_Row(params, self._generator(seq_id, params)) for seq_id, params in message.sample]
+        bitmasks = message.token_bitmasks or [None] * len(message.sample)
+        rows = [
+            _Row(params, self._generator(seq_id, params), None if mask is None else BitmaskRow(mask[None], 0))
+            for (seq_id, params), mask in zip(message.sample, bitmasks, strict=True)
+        ]
         return self.runner.sample_hidden(hidden, message.sample_rows, rows, message.prompt_scorings)
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
