@@ -3,6 +3,7 @@ two paths: the Rust `DecodeStream` (fast tokenizers) and the Python-side window 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -49,7 +50,7 @@ def test_the_streamed_text_is_the_whole_decode(tokenizer, text):
     prompt, output = ids[:5], ids[5:]
     seen, final = _streamed(tokenizer, prompt, output, [])
     assert final == _oracle(tokenizer, prompt, output)
-    assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:]))  # only appended
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(seen))  # only appended
     assert "\ufffd" not in "".join(seen)  # a character split across tokens waits for its last byte
 
 
