@@ -4,7 +4,10 @@
 `down_proj` [E, H, F]). A step's T tokens pick k experts each; the T*k (token, expert) pairs are
 sorted by expert, so each expert runs one GEMM over the rows routed to it (a Python loop over the
 experts that got rows, never over tokens), and the weighted rows are summed back into their tokens
-with one `index_add_` in expert order, as transformers sums them.
+with one `index_add_` in expert order, as transformers sums them. On the CPU `pack()` (called by
+`tessel.layers.linear.pack_linears` with the model's linears) moves each expert's two weights into
+oneDNN's layout, as the dense linears are: about twice as fast for the few rows an expert gets in a
+decode step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessel.layers.activation import gated_activation
+from tessel.layers.linear.dense import PackedWeight, onednn_weight
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +39,26 @@ class ExpertMLPs(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = gated_activation(act)
+        self.packed: list[tuple[PackedWeight, PackedWeight]] | None = None
+
+    def pack(self) -> None:
+        """Each expert's gate/up and down weights in oneDNN's layout (float32 on the CPU); the stacked
+        weights are freed."""
+        self.packed = [
+            (
+                PackedWeight(onednn_weight(self.gate_up_proj[e]), None),
+                PackedWeight(onednn_weight(self.down_proj[e]), None),
+            )
+            for e in range(self.num_experts)
+        ]
+        self.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gate_up, down = self.packed[expert]
+            return down(self.act(gate_up(rows)))
+        return F.linear(self.act(F.linear(rows, self.gate_up_proj[expert])), self.down_proj[expert])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         top_k = experts.shape[1]
@@ -47,9 +71,7 @@ class ExpertMLPs(nn.Module):
         start = 0
         for expert, count in enumerate(counts):
             if count:
-                chunk = rows[start : start + count]
-                hidden = self.act(F.linear(chunk, self.gate_up_proj[expert]))
-                out[start : start + count] = F.linear(hidden, self.down_proj[expert])
+                out[start : start + count] = self._expert(expert, rows[start : start + count])
                 start += count
         out *= weights.reshape(-1, 1).index_select(0, order)
         return torch.zeros_like(x).index_add_(0, tokens, out)

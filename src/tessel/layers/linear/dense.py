@@ -168,7 +168,20 @@ def pack_linears(model: nn.Module) -> int:
         bias = layer.bias if isinstance(layer, nn.Linear) else None
         setattr(parent, name, packed_linear(layer.weight, bias))
         del layer, bias
-    return len(targets)
+    return len(targets) + _pack_experts(model)
+
+
+def _pack_experts(model: nn.Module) -> int:
+    """Pack the routed experts of MoE layers (`tessel.layers.moe.ExpertMLPs`) too; -> how many layers."""
+    from tessel.layers.moe import ExpertMLPs
+
+    experts = [m for m in model.modules() if isinstance(m, ExpertMLPs) and m.packed is None]
+    experts = [
+        m for m in experts if m.gate_up_proj.device.type == "cpu" and m.gate_up_proj.dtype in PACKED_DTYPES
+    ]
+    for module in experts:
+        module.pack()
+    return len(experts)
 
 
 def dequantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
