@@ -118,3 +118,11 @@ def test_the_cli_refuses_an_unknown_architecture_with_exit_2_listing_the_runnabl
     assert isinstance(result.exception, TesselError) and result.exception.exit_code == 2
     message = str(result.exception)
     assert "FooForCausalLM" in message and "Gemma3ForCausalLM" in message and "--runnable" in message
+
+
+def test_the_quantiser_refuses_what_it_cannot_map(checkpoints, tmp_path) -> None:
+    from tessel.errors import TesselError
+    from tessel.quant.calibrate import read_model_config
+
+    with pytest.raises(TesselError, match="quantising a MixtralForCausalLM is not supported yet"):
+        read_model_config(checkpoints("mixtral"))
