@@ -16,6 +16,8 @@ from safetensors.numpy import load_file
 LAYER_TENSORS = {  # HF leaf -> GGUF blk.N.<name>
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -24,6 +26,12 @@ LAYER_TENSORS = {  # HF leaf -> GGUF blk.N.<name>
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+GEMMA3_TENSORS = LAYER_TENSORS | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # model_type ->
 GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -36,24 +44,26 @@ def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str = "llama") -> str:
     base, _, suffix = name.rpartition(".")
     if base in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     _, _, index, rest = base.split(".", 3)
-    return f"blk.{index}.{LAYER_TENSORS[rest]}.{suffix}"
+    return f"blk.{index}.{(GEMMA3_TENSORS if arch == 'gemma3' else LAYER_TENSORS)[rest]}.{suffix}"
 
 
 def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
-    """`checkpoint` (a float32 Llama from tiny_models, untied) as the GGUF file `path`; with `q8_0`, the
-    decoder-layer linears are stored as Q8_0 blocks (llama.cpp's reference rounding, `gguf.quants`)."""
+    """`checkpoint` (a float32 Llama, Qwen2, Qwen3 or Gemma 3 from tiny_models) as the GGUF file `path`,
+    as convert_hf_to_gguf writes it (Llama's q/k rows permuted, Gemma's norms as 1 + w); with `q8_0`,
+    the decoder-layer linears are stored as Q8_0 blocks (llama.cpp's reference rounding, `gguf.quants`)."""
     import gguf
     from gguf.quants import quantize
 
     config = json.loads((checkpoint / "config.json").read_text())
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = GGUF_ARCHS[config["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -61,7 +71,14 @@ def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
     added = {t["id"]: t["content"] for t in tokenizer["added_tokens"]}
     writer.add_tokenizer_model("gpt2")
@@ -72,18 +89,23 @@ def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
     writer.add_add_bos_token(True)  # the checkpoint's tokenizer prepends <s>
     writer.add_eos_token_id(config["eos_token_id"])
     for name, value in load_file(str(checkpoint / "model.safetensors")).items():
-        if ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:
             value = _permute(value, heads)
-        elif ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in name:
             value = _permute(value, kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1.0
         value = np.ascontiguousarray(value, dtype=np.float32)
         if q8_0 and name.endswith("proj.weight"):
             blocks = quantize(value, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(
-                _gguf_name(name), blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+                _gguf_name(name, arch),
+                blocks,
+                raw_shape=blocks.shape,
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
             )
         else:
-            writer.add_tensor(_gguf_name(name), value)
+            writer.add_tensor(_gguf_name(name, arch), value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

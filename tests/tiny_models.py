@@ -239,6 +239,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"arch": "qwen3_moe", "seed": 7},
     "phi3": {"arch": "phi3", "seed": 8},
     "gemma3": {"arch": "gemma3", "tie_word_embeddings": True, "seed": 9},
+    # what llama.cpp assumes of a Gemma 3: five sliding layers to one global, attention scalar head_dim
+    "gemma3_llamacpp": {
+        "arch": "gemma3",
+        "tie_word_embeddings": True,
+        "seed": 11,
+        "num_layers": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "query_pre_attn_scalar": 32,
+    },
     "mistral_window": {"arch": "mistral", "sliding_window": 12, "seed": 10},
     "llama_bf16": {"arch": "llama", "dtype": torch.bfloat16, "seed": 2},
 }

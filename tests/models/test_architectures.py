@@ -126,3 +126,38 @@ def test_the_quantiser_refuses_what_it_cannot_map(checkpoints, tmp_path) -> None
 
     with pytest.raises(TesselError, match="quantising a MixtralForCausalLM is not supported yet"):
         read_model_config(checkpoints("mixtral"))
+
+
+@pytest.mark.parametrize("q8_0", [False, True])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "gemma3_llamacpp"])
+def test_a_gguf_of_the_new_architectures_reads_back_to_the_checkpoints_logits(
+    checkpoints, tmp_path, variant, q8_0
+):
+    """The tiny checkpoint written as llama.cpp's converter would (Gemma's norms as 1 + w), float32 or
+    its linears Q8_0 (de-quantised on read with gguf's own de-quantiser), read back: the logits are
+    HF's on the original checkpoint (float32: to 1e-4; Q8_0: within its rounding, the same argmax
+    almost everywhere)."""
+    import shutil
+
+    from tessel.models.gguf import _reader, write_weights
+    from tiny_gguf import write_tiny_gguf
+
+    source = checkpoints(variant)
+    file = write_tiny_gguf(source, tmp_path / f"{variant}.gguf", q8_0=q8_0)
+    out = tmp_path / "converted"
+    out.mkdir()
+    write_weights(_reader(file), out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    llm = LLM(out, max_model_len=64)
+    ids = torch.randint(4, llm.model_config.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf_model(source)(ids[None]).logits[0].float()
+    seq = Sequence("x", ids.tolist(), GREEDY_32, block_size=16)
+    llm.block_manager.allocate(seq, 0)
+    got = llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, 24)]))
+    scale = float(expected.abs().max())
+    if not q8_0:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
