@@ -9,8 +9,8 @@ de-quantised to float32 with `gguf.quants.dequantize`. The embedding is always d
 
 llama.cpp stores a Llama's q/k rows permuted for its RoPE layout; they are permuted back (for Q8_0
 the rows move with their block scales). Qwen2/Qwen3/Gemma 3 rows are stored as in transformers.
-Only Llama's Q8_0 linears stay int8; the others are de-quantised (the engine runs quantised
-checkpoints of Llama, Qwen2 and Mistral only). Gemma 3's norm weights are stored as 1 + w (llama.cpp
+Only Llama's Q8_0 linears stay int8; the others are de-quantised (a W8A16 Qwen2/Qwen3 from GGUF is
+not wired up yet). Gemma 3's norm weights are stored as 1 + w (llama.cpp
 adds the one at conversion): the one is taken off again. Gemma 3's settings llama.cpp does not store
 are its: a sliding layer in five of every six, local rope base 10000, attention scalar head_dim
 (hidden / heads for the 62-layer 27B). The tokenizer comes from transformers' GGUF reader. The directory
