@@ -161,3 +161,13 @@ def test_a_gguf_of_the_new_architectures_reads_back_to_the_checkpoints_logits(
     if not q8_0:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
+
+
+def test_list_models_runnable_names_every_architecture_the_engine_runs() -> None:
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+    from tessel.models.config import SUPPORTED_ARCHITECTURES
+
+    result = CliRunner().invoke(app, ["list", "models", "--runnable"])
+    assert result.exit_code == 0 and result.output.split() == list(SUPPORTED_ARCHITECTURES)
