@@ -42,7 +42,7 @@ CONVERT_PACKAGES = ("transformers", "gguf")
 
 def gemma3_model_dir(out: Path | None = None, progress: Say | None = None) -> Path:
     """The checkpoint directory (`out`, else the cache's): reused when complete, else built there."""
-    from tessel.models.gguf import _reader, _save_tokenizer, write_weights
+    from tessel.models.gguf import convert_to_checkpoint
 
     target = Path(out).expanduser() if out is not None else GEMMA3_270M.default_dir()
     if GEMMA3_270M.reusable(target):
@@ -52,8 +52,7 @@ def gemma3_model_dir(out: Path | None = None, progress: Say | None = None) -> Pa
     gguf = gemma3_gguf(say)
     say(f"converting {gguf.name} to a float32 Hugging Face checkpoint in {target}")
     with staged_directory(target) as staging:
-        write_weights(_reader(gguf), staging)
-        _save_tokenizer(gguf, staging)
+        convert_to_checkpoint(gguf, staging)
     return target
 
 

@@ -33,6 +33,8 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
 class ExpertMLPs(nn.Module):
     """`forward(x [T, H], weights [T, k], experts [T, k])` -> sum_k weight * expert_k(x) [T, H]."""
 
+    packs_with_linears = True  # `pack_linears` packs it (it cannot import this module)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
         self.num_experts = num_experts

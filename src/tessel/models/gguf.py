@@ -88,7 +88,7 @@ def gguf_checkpoint(file: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     with staged_directory(target, "GGUF cache entry", inputs=(file,), overwrite=True) as staging:
-        _convert(file, staging)
+        convert_to_checkpoint(file, staging)
     return target
 
 
@@ -216,7 +216,9 @@ def _hf_name(name: str, arch: str = "llama") -> tuple[str, str | None]:
     raise TesselError(f"GGUF tensor {name!r} is not one tessel knows for a {arch} model")
 
 
-def _convert(file: Path, out: Path) -> None:
+def convert_to_checkpoint(file: Path, out: Path) -> None:
+    """`file` as the checkpoint directory `out`: config, weights (float, or W8A16 for an all-Q8_0
+    Llama) and tokenizer."""
     write_weights(_reader(file), out)
     _save_tokenizer(file, out)
 

@@ -172,16 +172,17 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def _pack_experts(model: nn.Module) -> int:
-    """Pack the routed experts of MoE layers (`tessel.layers.moe.ExpertMLPs`) too; -> how many layers."""
-    from tessel.layers.moe import ExpertMLPs
-
-    experts = [m for m in model.modules() if isinstance(m, ExpertMLPs) and m.packed is None]
-    experts = [
-        m for m in experts if m.gate_up_proj.device.type == "cpu" and m.gate_up_proj.dtype in PACKED_DTYPES
-    ]
+    """Pack the routed experts of MoE layers too (`tessel.layers.moe.ExpertMLPs`, found by its
+    `packs_with_linears` flag: that module imports this one); -> how many layers."""
+    experts = [m for m in model.modules() if getattr(m, "packs_with_linears", False) and m.packed is None]
+    experts = [m for m in experts if _packable_tensor(m.gate_up_proj)]
     for module in experts:
         module.pack()
     return len(experts)
+
+
+def _packable_tensor(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
 
 
 def dequantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
