@@ -8,6 +8,8 @@ back into the checkpoint.
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,32 @@ GEMMA3_TENSORS = LAYER_TENSORS | {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # model_type ->
+GGUF_ARCHS = {  # model_type -> general.architecture
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+MOE_TENSORS = {  # HF leaf of an MoE layer -> GGUF blk.N.<name>
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+EXPERT_STACKS = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -49,7 +76,8 @@ def _gguf_name(name: str, arch: str = "llama") -> str:
     if base in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     _, _, index, rest = base.split(".", 3)
-    return f"blk.{index}.{(GEMMA3_TENSORS if arch == 'gemma3' else LAYER_TENSORS)[rest]}.{suffix}"
+    names = (GEMMA3_TENSORS if arch == "gemma3" else LAYER_TENSORS) | MOE_TENSORS
+    return f"blk.{index}.{names[rest]}.{suffix}"
 
 
 def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
@@ -79,6 +107,16 @@ def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
         writer.add_value_length(config["head_dim"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        if "norm_topk_prob" in config:
+            writer.add_expert_weights_norm(config["norm_topk_prob"])
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
     added = {t["id"]: t["content"] for t in tokenizer["added_tokens"]}
     writer.add_tokenizer_model("gpt2")
@@ -88,7 +126,14 @@ def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_add_bos_token(True)  # the checkpoint's tokenizer prepends <s>
     writer.add_eos_token_id(config["eos_token_id"])
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = defaultdict(dict)
     for name, value in load_file(str(checkpoint / "model.safetensors")).items():
+        expert = EXPERT.match(name)
+        if expert:  # llama.cpp stacks each projection of the experts: [E, rows, cols]
+            stacks[(expert.group(1), EXPERT_STACKS[expert.group(3)])][int(expert.group(2))] = value
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(-1)
         if arch == "llama" and ".q_proj." in name:
             value = _permute(value, heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -106,6 +151,9 @@ def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
             )
         else:
             writer.add_tensor(_gguf_name(name, arch), value)
+    for (layer, proj), by_expert in stacks.items():
+        stacked = np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)]), dtype=np.float32)
+        writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

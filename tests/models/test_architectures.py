@@ -129,7 +129,9 @@ def test_the_quantiser_refuses_what_it_cannot_map(checkpoints, tmp_path) -> None
 
 
 @pytest.mark.parametrize("q8_0", [False, True])
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "gemma3_llamacpp"])
+@pytest.mark.parametrize(
+    "variant", ["qwen2", "qwen3", "gemma3_llamacpp", "mixtral", "qwen2_moe", "qwen3_moe"]
+)
 def test_a_gguf_of_the_new_architectures_reads_back_to_the_checkpoints_logits(
     checkpoints, tmp_path, variant, q8_0
 ):

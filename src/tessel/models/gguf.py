@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format) in: a Llama, Qwen2, Qwen3 or Gemma 3 GGUF becomes a checkpoint
-directory the engine loads.
+"""GGUF files (llama.cpp's format) in: a Llama (Mixtral), Qwen2, Qwen3, Gemma 3 or Qwen MoE GGUF
+becomes a checkpoint directory the engine loads; MoE files' stacked experts are split per expert.
 
 Read with the `gguf` package, as vLLM does. When every decoder-layer linear is Q8_0, the int8
 values and their block scales (one fp16 scale per 32 weights) are kept: the directory is a
@@ -47,7 +47,18 @@ LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+EXPERT_STACKS = {  # GGUF's stacked experts [E, rows, cols] -> each expert's HF projection
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 GEMMA3_LAYER_NAMES = LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -58,7 +69,10 @@ ARCHITECTURES = {  # GGUF general.architecture -> (HF architecture, model_type)
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+MOE_RENORMALISES = {"llama": True, "qwen2moe": False, "qwen3moe": True}  # llama.cpp's norm_w per arch
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's gemma3 loader: every sixth layer is global
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales the 27B's attention by hidden / heads, the others by head_dim
@@ -135,7 +149,7 @@ def hf_config(reader, has_output: bool) -> dict[str, Any]:
         "model_type": model_type,
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "intermediate_size": _ffn_width(reader, arch),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
@@ -152,7 +166,46 @@ def hf_config(reader, has_output: bool) -> dict[str, Any]:
     if arch == "gemma3":
         del config["hidden_act"]
         config |= _gemma3_config(reader, config)
+    if arch in MOE_RENORMALISES and _field(reader, f"{arch}.expert_count", 0):
+        config |= _moe_config(reader, arch, config)
     return config
+
+
+def _moe_config(reader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Experts: a `llama` file with experts is a Mixtral; Qwen2-MoE adds a shared expert."""
+    out = {
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", MOE_RENORMALISES[arch])),
+    }
+    experts = int(_field(reader, f"{arch}.expert_count"))
+    if arch == "llama":
+        return out | {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": experts,
+        }
+    width = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    routed = {t.name for t in reader.tensors}  # a layer without a router is dense (mlp_only_layers)
+    out |= {
+        "num_experts": experts,
+        "moe_intermediate_size": width,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [
+            i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in routed
+        ],
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(
+            _field(reader, f"{arch}.expert_shared_feed_forward_length")
+        )
+    return out
+
+
+def _ffn_width(reader, arch: str) -> int:
+    """The dense MLP's width; an MoE file may give only its experts'."""
+    if reader.fields.get(f"{arch}.feed_forward_length") is None:
+        return int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    return int(_field(reader, f"{arch}.feed_forward_length"))
 
 
 def _gemma3_config(reader, config: dict[str, Any]) -> dict[str, Any]:
@@ -211,6 +264,8 @@ def _hf_name(name: str, arch: str = "llama") -> tuple[str, str | None]:
         return f"{GLOBAL_NAMES[base]}.{suffix}", None
     parts = base.split(".")
     names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_STACKS:  # split by write_weights
+        return f"model.layers.{parts[1]}.mlp.experts", parts[2]
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}", parts[2]
     raise TesselError(f"GGUF tensor {name!r} is not one tessel knows for a {arch} model")
@@ -234,7 +289,7 @@ def write_weights(reader, out: Path) -> None:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     heads = heads if arch == "llama" else {}  # only convert_hf_to_gguf's LlamaModel permutes
     linears = [t for t in reader.tensors if _hf_name(t.name, arch)[1] in LINEARS]
-    keep_int8 = arch == "llama" and bool(linears)
+    keep_int8 = config["model_type"] == "llama" and bool(linears)
     keep_int8 = keep_int8 and all(t.tensor_type == GGMLQuantizationType.Q8_0 for t in linears)
     scheme = Scheme("w8a16", 8, Q8_0_BLOCK, None)
     tensors: dict[str, torch.Tensor] = {}
@@ -249,6 +304,13 @@ def write_weights(reader, out: Path) -> None:
                 tensors[f"{prefix}.{leaf}"] = value
             continue
         value = _dequantized(tensor)
+        if kind in EXPERT_STACKS:
+            tensors |= _experts(hf, EXPERT_STACKS[kind], value, config["model_type"] == "mixtral")
+            continue
+        if kind == "ffn_gate_inp_shexp":
+            value = value.reshape(1, -1)  # llama.cpp keeps the shared expert's gate as a vector
+        if config["model_type"] == "mixtral" and kind == "ffn_gate_inp":
+            hf = hf.replace(".mlp.", ".block_sparse_moe.")
         if kind in heads:
             value = _unpermute(value, heads[kind])
         if arch == "gemma3" and hf.endswith("norm.weight"):
@@ -258,6 +320,14 @@ def write_weights(reader, out: Path) -> None:
         config["quantization_config"] = quantization_config(scheme)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+
+
+def _experts(prefix: str, proj: str, stacked: torch.Tensor, mixtral: bool) -> dict[str, torch.Tensor]:
+    """A stacked expert projection [E, rows, cols] as each expert's HF tensor (Mixtral: w1/w3/w2 of
+    `block_sparse_moe`)."""
+    if mixtral:
+        prefix, proj = prefix.replace(".mlp.", ".block_sparse_moe."), MIXTRAL_PROJ[proj]
+    return {f"{prefix}.{e}.{proj}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
 
 
 def _save_tokenizer(file: Path, out: Path) -> None:
