@@ -69,7 +69,10 @@ def test_default_rope_means_no_scaling_and_model_type_fallback() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM",
+        ),
         ({"num_key_value_heads": 3}, "multiple"),
         ({"hidden_act": "gelu"}, "silu"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
