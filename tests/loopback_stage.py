@@ -61,10 +61,19 @@ class Loopback:
     send_stop = flush = close
 
 
-def two_stages(model: Path, tmp_path: Path, monkeypatch, slots: int, arrived: bool = False, **options):
-    """(stage 0's engine, stage 1's runner) for layers [0, 2) and [2, 5) of a tiny `model`."""
+def two_stages(
+    model: Path,
+    tmp_path: Path,
+    monkeypatch,
+    slots: int,
+    arrived: bool = False,
+    splits: tuple[tuple[int, int], ...] = ((0, 2), (2, 5)),
+    **options,
+):
+    """(stage 0's engine, stage 1's runner) for layers `splits` (default [0, 2) and [2, 5)) of a tiny
+    `model`."""
     monkeypatch.setattr(executor_module, "agree_kv_layout", lambda blocks, mine: mine)  # stage 0 decides
-    plan_path = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 5)])
+    plan_path = write_plan(tmp_path / "plan.json", model, list(splits))
     plan = load_run_plan(plan_path)
     config = ModelConfig.from_dir(model)
     part = layer_filter(plan, 1, config.tie_word_embeddings)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
 
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD)  # ids 0, 1, 2, 3
@@ -54,6 +54,47 @@ DEFAULT_SHAPE: dict[str, Any] = {
 }
 
 
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "mistral": "MistralConfig",
+    "qwen3": "Qwen3Config",
+    "mixtral": "MixtralConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "phi3": "Phi3Config",
+    "gemma3": "Gemma3TextConfig",
+}
+# What each relative needs beyond DEFAULT_SHAPE to exercise its own parts (experts small and several).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+    },
+    "qwen3_moe": {
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+    },
+    "gemma3": {
+        "head_dim": 32,
+        "sliding_window": 8,
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    },
+}
+
+
 def build_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE `PreTrainedTokenizerFast` trained on CORPUS; BOS is prepended on encode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -81,9 +122,9 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
 
 
 def _config(arch: str, vocab_size: int, tokenizer: Any, num_kv_heads: int, tie: bool, **kw: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    import transformers
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = getattr(transformers, CONFIG_CLASSES[arch])
     args = {
         **DEFAULT_SHAPE,
         "vocab_size": vocab_size,
@@ -93,8 +134,9 @@ def _config(arch: str, vocab_size: int, tokenizer: Any, num_kv_heads: int, tie: 
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral", "phi3"):
         args["sliding_window"] = None
+    args.update(ARCH_DEFAULTS.get(arch, {}))
     args.update(kw)
     return cls(**args)
 
@@ -190,6 +232,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2": {"arch": "qwen2", "tie_word_embeddings": True, "num_kv_heads": 1},
     "mistral_head_dim": {"arch": "mistral", "head_dim": 32, "num_layers": 3},
     "llama_sharded": {"arch": "llama", "shards": 3, "seed": 1},
+    "qwen3": {"arch": "qwen3", "seed": 3},
+    "qwen3_tied": {"arch": "qwen3", "tie_word_embeddings": True, "num_kv_heads": 1, "seed": 4},
+    "mixtral": {"arch": "mixtral", "seed": 5},
+    "qwen2_moe": {"arch": "qwen2_moe", "num_layers": 3, "mlp_only_layers": [1], "seed": 6},
+    "qwen3_moe": {"arch": "qwen3_moe", "seed": 7},
+    "phi3": {"arch": "phi3", "seed": 8},
+    "gemma3": {"arch": "gemma3", "tie_word_embeddings": True, "seed": 9},
+    # what llama.cpp assumes of a Gemma 3: five sliding layers to one global, attention scalar head_dim
+    "gemma3_llamacpp": {
+        "arch": "gemma3",
+        "tie_word_embeddings": True,
+        "seed": 11,
+        "num_layers": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "query_pre_attn_scalar": 32,
+    },
+    "mistral_window": {"arch": "mistral", "sliding_window": 12, "seed": 10},
     "llama_bf16": {"arch": "llama", "dtype": torch.bfloat16, "seed": 2},
 }
 

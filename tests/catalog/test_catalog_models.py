@@ -26,6 +26,15 @@ def test_required_presets_exist_and_load() -> None:
         assert model.source
 
 
+def test_issue_46_presets_load_with_their_own_head_dims_and_experts() -> None:
+    qwen_moe = load_model("qwen3-30b-a3b")
+    assert (qwen_moe.num_experts, qwen_moe.experts_per_token, qwen_moe.intermediate_size) == (128, 8, 768)
+    assert load_model("qwen3-32b").head_dim == 128 and load_model("qwen3-32b").qk_norm
+    assert load_model("gemma-3-27b").tied_embeddings and load_model("gemma-3-27b").head_dim == 128
+    assert load_model("phi-3-medium").num_kv_heads == 10
+    assert all(load_model(name).source.count("/") == 1 for name in ("mixtral-8x22b", "llama-3.1-405b"))
+
+
 def test_preset_shapes_match_hf_configs() -> None:
     llama70 = load_model("Llama-3-70B")  # case-insensitive
     assert (llama70.num_layers, llama70.hidden_size, llama70.num_kv_heads) == (80, 8192, 8)

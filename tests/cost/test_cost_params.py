@@ -120,3 +120,26 @@ def test_kv_and_hidden_bytes() -> None:
     tokens = random.randint(1, 5000)
     assert hidden_bytes(model, tokens) == tokens * 8192 * 2
     assert hidden_bytes(model, tokens, "fp32") == tokens * 8192 * 4
+
+
+def test_issue_46_presets_match_published_totals() -> None:
+    """Totals the model cards give; MoE: every expert held, only the active ones computed."""
+    from tessel.cost.layer import matmul_flops
+
+    def billions(name: str) -> float:
+        return round(total_params(load_model(name)) / 1e9, 1)
+
+    def active_billions(name: str) -> float:  # active matmul parameters + embedding + LM head
+        model = load_model(name)
+        head = 0 if model.tied_embeddings else model.vocab_size * model.hidden_size
+        active = model.num_layers * matmul_flops(model, "layer", 1) / 2 + embedding_params(model) + head
+        return round(active / 1e9, 1)
+
+    assert billions("qwen3-32b") == 32.8  # Qwen: 32.8B
+    assert billions("qwen3-30b-a3b") == 30.5  # Qwen: 30.5B, 3.3B active
+    assert abs(active_billions("qwen3-30b-a3b") - 3.3) < 0.15
+    assert billions("mixtral-8x22b") == 140.6  # Mistral: 141B, 39B active
+    assert abs(active_billions("mixtral-8x22b") - 39) <= 0.5
+    assert billions("phi-3-medium") == 14.0  # Microsoft: 14B
+    assert billions("llama-3.1-405b") == 405.9  # Meta: 405B
+    assert billions("gemma-3-27b") == 27.0  # Google: 27B (the decoder, without the vision tower)

@@ -69,7 +69,10 @@ def test_default_rope_means_no_scaling_and_model_type_fallback() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM",
+        ),
         ({"num_key_value_heads": 3}, "multiple"),
         ({"hidden_act": "gelu"}, "silu"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
@@ -148,8 +151,8 @@ def test_real_checkpoint_reads_alike_in_catalog_and_engine(smollm2_dir) -> None:
 
 
 def test_engine_refuses_what_only_the_planner_reads() -> None:
-    """Mixtral and OPT configs read for the planner's cost model, but the engine does not run them."""
+    """OPT configs are read for the planner's cost model, but the engine does not run them."""
     with pytest.raises(TesselError, match="the engine runs LlamaForCausalLM"):
-        ModelConfig.from_dict({**BASE, "architectures": ["MixtralForCausalLM"]})
+        ModelConfig.from_dict({**BASE, "architectures": ["OPTForCausalLM"], "ffn_dim": 128})
     with pytest.raises(TesselError, match="num_attention_heads"):
         ModelConfig.from_dict({**BASE, "num_attention_heads": 0})

@@ -244,3 +244,22 @@ def test_hostile_calibration_files_give_windows_or_a_tessel_error(tmp_path, data
     except TesselError:
         return
     assert windows.shape == (samples, seq_len) and windows.dtype == torch.int64
+
+
+@pytest.mark.parametrize("case", ["w8a8-sq", "w4a16-g32-gptq"])
+def test_a_qwen3_checkpoint_quantises_and_the_engine_matches_it(calib_text, tmp_path, case: str) -> None:
+    """Qwen3's layers map as Llama's (its q/k norms sit after the projections SmoothQuant scales)."""
+    import tiny_models
+
+    qwen3 = tiny_models.make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", seed=4)
+    args = {"w8a8-sq": ["--scheme", "w8a8", "--smoothquant", "0.5"]}.get(case)
+    args = args or ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq"]
+    out = tmp_path / case
+    result = _quantize(qwen3, calib_text, out, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    ids = torch.randint(4, 300, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = hf_quantized(out)(torch.tensor([ids])).logits[0]
+    got = engine_logits(out, ids)
+    tol = 2e-3 if "w8a8" in case else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * float(expected.abs().max()))

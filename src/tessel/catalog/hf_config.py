@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tessel.catalog import hf_arch
 from tessel.errors import TesselError
 
 # HF architecture name -> model family; `model_type` is the fallback when `architectures` is missing.
@@ -28,6 +29,11 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
     "OPTForCausalLM": "opt",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 ROPE_TYPES = ("default", "linear", "llama3")  # what tessel.layers.rotary computes
 MAX_COUNT = 2**31 - 1  # sizes and counts index int32 tensors in the engine's kernels
@@ -89,6 +95,14 @@ class HFConfig:
     sliding_window: int | None  # the window the model uses (Qwen2: only with use_sliding_window)
     num_local_experts: int = 1
     num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0  # one routed expert's MLP width (Mixtral: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is routed experts (the others dense)
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention or sliding_attention (the window)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    local_rope_theta: float | None = None  # Gemma 3: the rope base of sliding-window layers
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -137,7 +151,7 @@ def read_json_object(path: Path) -> dict:
 
 
 def parse_hf_config(data: dict, *, source: str) -> HFConfig:
-    """Validate config.json fields (Llama/Qwen2/Mistral, Mixtral, OPT); errors name `source` and the field."""
+    """Validate config.json fields (the families of ARCHITECTURES); errors name `source` and the field."""
     if not isinstance(data, dict):
         raise TesselError(f"{source}: expected a JSON object of config fields, got {_json_type(data)}")
     fields = ConfigFields(data, source)
@@ -159,42 +173,40 @@ def parse_hf_config(data: dict, *, source: str) -> HFConfig:
 
 
 def _llama(fields: ConfigFields, common: dict) -> dict:
-    """The Llama family's own fields (Qwen2, Mistral and Mixtral spell them alike)."""
+    """The Llama family's own fields (Qwen2/3, Mistral, Mixtral, Qwen MoE, Phi-3, Gemma 3 spell them
+    alike; what only some have is read by `tessel.catalog.hf_arch`)."""
     hidden, heads, source = common["hidden_size"], common["num_attention_heads"], fields.source
+    family, layers = common["family"], common["num_hidden_layers"]
     kv_heads = fields.count("num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise TesselError(
             f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    experts = fields.count("num_local_experts", default=1)
-    per_token = fields.count("num_experts_per_tok", default=1)
-    if per_token > experts:
-        raise TesselError(
-            f"{source}: num_experts_per_tok ({per_token}) exceeds num_local_experts ({experts})"
-        )
-    theta, scaling = _rope(fields)
-    use_window = common["family"] != "qwen2" or fields.flag("use_sliding_window", False)
-    window = fields.count("sliding_window", default=0, low=0)  # 0: no window
+    intermediate = fields.count("intermediate_size")
+    if family == "gemma3_text":
+        rope = hf_arch.gemma3_rope(fields, _rope)
+    else:
+        theta, scaling = _rope(fields)
+        rope = {"rope_theta": theta, "rope_scaling": scaling}
     head_dim = fields.count("head_dim", default=0) or _derived_head_dim(fields, hidden, heads)
     if head_dim % 2:
         raise TesselError(
             f"{source}: head_dim ({head_dim}) must be even: rotary embeddings turn pairs of dimensions"
         )
-    return {
-        "intermediate_size": fields.count("intermediate_size"),
+    out = {
+        "intermediate_size": intermediate,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": fields.text("hidden_act", "silu"),
         "rms_norm_eps": fields.positive_float("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": fields.flag("tie_word_embeddings", False),
+        "tie_word_embeddings": fields.flag("tie_word_embeddings", family == "gemma3_text"),
         "attention_bias": fields.flag("attention_bias", False),
         "mlp_bias": fields.flag("mlp_bias", False),
-        "sliding_window": (window or None) if use_window else None,
-        "num_local_experts": experts,
-        "num_experts_per_tok": per_token,
+        **rope,
+        **hf_arch.attention_fields(fields, family, layers),
+        **hf_arch.moe_fields(fields, family, layers, intermediate),
     }
+    return out | hf_arch.family_fields(fields, family)
 
 
 def _opt(fields: ConfigFields, common: dict) -> dict:
@@ -247,7 +259,7 @@ class ConfigFields:
             if default is None:
                 raise TesselError(
                     f"{self.source} is missing or has a bad field: {key!r} is required "
-                    "(an HF config.json for a Llama/Qwen2/Mistral/Mixtral/OPT model)"
+                    "(an HF config.json of a model family tessel reads)"
                 )
             return default
         want = f"a whole number in [{low}, {high}]"
@@ -332,21 +344,22 @@ def _architecture(fields: ConfigFields) -> tuple[str, str]:
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise fields.fail("architectures", "a list of architecture names", names)
     model_type = fields.text("model_type", "")  # transformers reads it too, to pick its classes
-    supported = ", ".join(ARCHITECTURES)
     for name in names or []:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
     if names:
-        raise TesselError(
-            f"{fields.source}: architecture {names[0]!r} is not supported; tessel reads {supported}"
-        )
+        raise TesselError(f"{fields.source}: architecture {names[0]!r} is not supported; {_known()}")
     by_type = {family: name for name, family in ARCHITECTURES.items()}
     if model_type in by_type:
         return by_type[model_type], model_type
     raise TesselError(
-        f"{fields.source}: names no architecture tessel knows (model_type {_show(model_type)}); "
-        f"supported: {supported}"
+        f"{fields.source}: names no architecture tessel knows (model_type {_show(model_type)}); {_known()}"
     )
+
+
+def _known() -> str:
+    runnable = ", ".join(hf_arch.RUNNABLE_ARCHITECTURES)
+    return f"tessel runs {runnable} (`{hf_arch.LIST_RUNNABLE}`); the planner also reads OPTForCausalLM"
 
 
 def _derived_head_dim(fields: ConfigFields, hidden: int, heads: int) -> int:

@@ -8,8 +8,10 @@ Llama, Mistral, Qwen2 and Mixtral configs use the same field names (`hidden_size
 `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, ...);
 OPT uses `ffn_dim`, LayerNorm with bias, biased projections and learned positions.
 
-Mixtral is "dense-equivalent": each layer holds all `num_experts` expert MLPs (memory) but a
-token runs through `experts_per_token` of them (compute); the cost model counts both that way.
+Mixtral, Qwen2-MoE and Qwen3-MoE price their experts as they run: each layer holds all
+`num_experts` expert MLPs of `moe_intermediate_size` (memory) but a token runs through
+`experts_per_token` of them, plus Qwen2-MoE's shared expert (compute); the cost model counts both
+that way. Qwen3 and Gemma 3 add q/k norm weights; Gemma 3's extra norms are not counted (2h per layer).
 
 BERT (`BertModel`, `BertForMaskedLM`, ...: sentence-transformers' encoders) is an encoder
 (`encoder=True`): post-norm layers of bidirectional attention, a GELU MLP (fc1/fc2 with biases)
@@ -53,6 +55,8 @@ class ModelSpec:
     mlp_bias: bool = False
     num_experts: int = 1  # MoE experts held per layer (1 = dense)
     experts_per_token: int = 1  # experts each token runs through
+    shared_expert_intermediate_size: int = 0  # an expert every token runs too (Qwen2-MoE); 0: none
+    qk_norm: bool = False  # RMSNorm weights per q and k head (Qwen3, Gemma 3)
     learned_position_rows: int = 0  # rows of a learned position table on the first stage (OPT)
     rope_theta: float | None = None
     source: str = ""  # where the numbers come from (HF repo or file path)
@@ -107,6 +111,9 @@ _L8B = _shape(hidden=4096, intermediate=14336, heads=32, layers=32, kv_heads=8)
 _L70B = _shape(hidden=8192, intermediate=28672, heads=64, layers=80, kv_heads=8)
 _QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064}
 _QWEN25 |= {"max_position_embeddings": 131072, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936}
+_QWEN3 |= {"head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0}
+_QWEN3 |= {"tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None}
 _OPT = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": 50272}
 _OPT |= {"max_position_embeddings": 2048, "do_layer_norm_before": True, "activation_function": "relu"}
 _OPT |= {"enable_bias": True, "tie_word_embeddings": True}
@@ -166,6 +173,58 @@ PRESETS: dict[str, tuple[str, dict]] = {
         | _L8B
         | {"max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0}
         | {"num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
+    "mixtral-8x22b": (
+        "mistralai/Mixtral-8x22B-v0.1",
+        {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000}
+        | _shape(hidden=6144, intermediate=16384, heads=48, layers=56, kv_heads=8)
+        | {"max_position_embeddings": 65536, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0}
+        | {"num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
+    "llama-3.1-405b": (
+        "meta-llama/Llama-3.1-405B",
+        _LLAMA3
+        | _shape(hidden=16384, intermediate=53248, heads=128, layers=126, kv_heads=8)
+        | {"max_position_embeddings": 131072, "rope_scaling": _LLAMA31_ROPE},
+    ),
+    "qwen3-32b": (
+        "Qwen/Qwen3-32B",
+        _QWEN3
+        | _shape(hidden=5120, intermediate=25600, heads=64, layers=64, kv_heads=8)
+        | {"max_window_layers": 64},
+    ),
+    "qwen3-30b-a3b": (
+        "Qwen/Qwen3-30B-A3B",
+        {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+        | _shape(hidden=2048, intermediate=6144, heads=32, layers=48, kv_heads=4)
+        | {"max_window_layers": 48, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        | {
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+        },
+    ),
+    "gemma-3-27b": (  # the text_config of Gemma3ForConditionalGeneration: the decoder without vision
+        "google/gemma-3-27b-it",
+        {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208}
+        | _shape(hidden=5376, intermediate=21504, heads=32, layers=62, kv_heads=16)
+        | {"head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6}
+        | {"rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "rope_theta": 1000000.0}
+        | {"rope_local_base_freq": 10000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-06}
+        | {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    ),
+    "phi-3-medium": (
+        "microsoft/Phi-3-medium-4k-instruct",
+        {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064}
+        | _shape(hidden=5120, intermediate=17920, heads=40, layers=40, kv_heads=10)
+        | {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096}
+        | {
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0,
+            "sliding_window": 2047,
+            "tie_word_embeddings": False,
+        },
     ),
     "opt-30b": (
         "facebook/opt-30b",
@@ -260,8 +319,10 @@ def spec_from_hf(config: HFConfig, *, name: str) -> ModelSpec:
         family |= {"learned_position_rows": config.max_position_embeddings + OPT_POSITION_OFFSET}
         attention_bias = "all" if config.attention_bias else "none"
     else:
-        family = {"rope_theta": config.rope_theta}
-        attention_bias = "qkv" if config.family == "qwen2" else ("all" if config.attention_bias else "none")
+        family = {"rope_theta": config.rope_theta, "qk_norm": config.qk_norm}
+        family["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+        qkv_biased = config.family in ("qwen2", "qwen2_moe")
+        attention_bias = "qkv" if qkv_biased else ("all" if config.attention_bias else "none")
     try:
         return ModelSpec(
             name=name,
@@ -271,7 +332,7 @@ def spec_from_hf(config: HFConfig, *, name: str) -> ModelSpec:
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=config.moe_intermediate_size or config.intermediate_size,
             vocab_size=config.vocab_size,
             tied_embeddings=config.tie_word_embeddings,
             max_position_embeddings=config.max_position_embeddings,

@@ -14,8 +14,17 @@ Listing = Literal["models", "clusters", "workloads"]
 
 def list_catalog(
     what: Listing = typer.Argument(..., help="models (--model presets), clusters or workloads."),
+    runnable: bool = typer.Option(
+        False, "--runnable", help="models: the checkpoint architectures the engine runs, not the presets."
+    ),
 ) -> None:
     """List the bundled model presets, cluster files or workload files."""
+    if what == "models" and runnable:
+        from tessel.catalog.hf_arch import RUNNABLE_ARCHITECTURES
+
+        for name in RUNNABLE_ARCHITECTURES:
+            typer.echo(name)
+        return
     if what == "models":
         from tessel.catalog.models import PRESETS
 

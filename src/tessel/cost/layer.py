@@ -102,7 +102,8 @@ def attention_matmul_params(model: ModelSpec) -> int:
 def _attention_vector_params(model: ModelSpec) -> int:
     a, g, d = model.num_heads, model.num_kv_heads, model.head_dim
     bias = {"none": 0, "qkv": a * d + 2 * g * d, "all": a * d + 2 * g * d + model.hidden_size}
-    return bias[model.attention_bias] + _norm_params(model)
+    qk_norms = 2 * d if model.qk_norm else 0
+    return bias[model.attention_bias] + qk_norms + _norm_params(model)
 
 
 def expert_matmul_params(model: ModelSpec) -> int:
@@ -112,7 +113,12 @@ def expert_matmul_params(model: ModelSpec) -> int:
 
 
 def _router_params(model: ModelSpec) -> int:
-    return model.hidden_size * model.num_experts if model.is_moe else 0
+    """The router, plus a shared expert and its sigmoid gate (Qwen2-MoE): what every token runs."""
+    if not model.is_moe:
+        return 0
+    shared = model.shared_expert_intermediate_size
+    shared_params = 3 * model.hidden_size * shared + model.hidden_size if shared else 0
+    return model.hidden_size * model.num_experts + shared_params
 
 
 def _mlp_vector_params(model: ModelSpec) -> int:
@@ -283,7 +289,7 @@ def activation_elems_per_token(model: ModelSpec, kind: str) -> int:
     _check_kind(kind)
     h, a, g, d, f = block_dims(model)
     attention = 7 * h + (a + 2 * g) * d + 3 * a * d
-    f_active = f * model.experts_per_token
+    f_active = f * model.experts_per_token + model.shared_expert_intermediate_size
     mlp = 7 * h + (6 if model.mlp_kind == "gated" else 4) * f_active
     return {"layer": attention + mlp, "attention": attention, "mlp": mlp}[kind]
 
@@ -292,6 +298,6 @@ def workspace_bytes(model: ModelSpec, tokens: int, act_dtype: str = "fp16") -> i
     """Peak activation memory of a pass over `tokens` tokens: the residual stream, its normed copy
     and the widest intermediate (q/k/v + attention output, or gate/up + product)."""
     h, a, g, d = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
-    f_active = model.intermediate_size * model.experts_per_token
+    f_active = model.intermediate_size * model.experts_per_token + model.shared_expert_intermediate_size
     widest = max((a + 2 * g) * d + a * d, 3 * f_active)
     return int(tokens) * (2 * h + widest) * dtype_bytes(act_dtype)

@@ -454,8 +454,8 @@ class CpuGraph:
 def held_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer] | None:
     """The decoder layers `model` runs (a pipeline stage: its own), or None where the CPU's compiled
     decode step cannot run them: no compiler, an embedding (first stage) or a final norm (last stage)
-    of another kind, weights not float32 on the CPU, a layer other than a Llama layer with RMSNorms
-    and a float32 paged cache."""
+    of another kind, weights not float32 on the CPU, a layer other than a plain Llama layer
+    (`LlamaDecoderLayer.plain`) with RMSNorms and a float32 paged cache."""
     inner = getattr(model, "model", None)
     if inner is None or not cpu_compile.compiler_available():
         return None
@@ -474,8 +474,8 @@ def held_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer] | None:
 
 
 def _plain_layer(layer: nn.Module) -> bool:
-    if not isinstance(layer, LlamaDecoderLayer):
-        return False
+    if not isinstance(layer, LlamaDecoderLayer) or not layer.plain:
+        return False  # windows, q/k norms, experts, Gemma's norms: not traced piece by piece
     attn = layer.self_attn.attn
     if not isinstance(attn, Attention) or attn.k_cache.dtype != torch.float32 or not attn.k_cache.numel():
         return False

@@ -85,15 +85,10 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     c = model_config
     limit = c.max_position_embeddings
     if config.max_model_len is None:
-        return min(limit, c.sliding_window or limit)
+        return limit
     if config.max_model_len > limit:
         raise TesselError(
             f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}"
-        )
-    if c.sliding_window and config.max_model_len > c.sliding_window:
-        raise TesselError(
-            f"max_model_len={config.max_model_len} exceeds the sliding window ({c.sliding_window}); "
-            "tessel has no sliding-window attention, so set max_model_len <= the window"
         )
     return config.max_model_len
 

@@ -6,7 +6,8 @@ exist at all:
     enforce_eager                              none: every step eager
     a CUDA device, max_num_seqs and max_model_len given (the whole model or a pipeline stage)
                                                CUDA graphs (`tessel.engine.cuda_graph`)
-    a CUDA device otherwise                    none
+    a CUDA device otherwise, or a model with
+    routed experts or a sliding window         none
     the CPU                                    the compiled CPU graph (`tessel.engine.cpu_graph`)
                                                where the model's layers allow one: float32 weights
                                                and cache, Llama layers with RMSNorms
@@ -96,6 +97,8 @@ class StepPlan:
         """The graphs of `family` for `model` (its attention caches set): those its layers allow."""
         if family is GraphFamily.CPU:
             return cls(cpu_graph=CpuGraph.for_model(model))
+        if family is GraphFamily.CUDA and not _capturable(model):
+            return cls()
         if family is GraphFamily.CUDA:
             if cuda is None:
                 raise ValueError("CUDA graphs need their buffers' sizes")
@@ -139,3 +142,10 @@ class StepPlan:
         if self.cpu_graph is None:
             return []
         return [rows for rows in row_buckets(max_rows) if self.cpu_graph.takes(rows)]
+
+
+def _capturable(model: LlamaForCausalLM) -> bool:
+    """Whether a decode step can be captured: routed experts and sliding windows size their work on
+    the host from the step's data (expert counts, window starts), which a CUDA graph cannot replay."""
+    config = getattr(model, "config", None)
+    return config is None or not (config.num_experts or config.sliding_window)

@@ -1,8 +1,9 @@
-"""The engine's model config (Llama / Qwen2 / Mistral), built from the one config.json reader.
+"""The engine's model config (the Llama family and its relatives), built from the one config.json reader.
 
-`tessel.catalog.hf_config` validates the file (counts, head divisibility, rope scaling); this
-module keeps what only the engine needs: the architectures it runs, q/k/v/o biases, EOS ids
-merged from generation_config.json, and the dtype to load in.
+`tessel.catalog.hf_config` validates the file (counts, head divisibility, rope scaling, windows,
+experts); this module keeps what only the engine needs: the architectures it runs, q/k/v/o biases,
+per-layer windows and rope bases, the MLP kind of every layer, EOS ids merged from
+generation_config.json, and the dtype to load in.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 import torch
 
+from tessel.catalog.hf_arch import LIST_RUNNABLE, RUNNABLE_ARCHITECTURES
 from tessel.catalog.hf_config import (
+    ARCHITECTURES,
     DEFAULT_ROPE_THETA,
     HFConfig,
     RopeScaling,
@@ -24,12 +27,10 @@ from tessel.catalog.hf_config import (
 from tessel.dtypes import AUTO, runtime_dtype_name
 from tessel.errors import TesselError
 
-# The architectures the engine runs (the reader also reads Mixtral and OPT, for the planner).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
+# The architectures the engine runs (the reader also reads OPT, for the planner): name -> family.
+SUPPORTED_ARCHITECTURES = {name: ARCHITECTURES[name] for name in RUNNABLE_ARCHITECTURES}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation: SwiGLU, Gemma's GeGLU
+TRANSFORMERS_CONFIGS = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # where the name is not <arch>Config
 MAX_REASON_CHARS = 300  # of a third-party error, quoted in a one-line message
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -43,7 +44,7 @@ TORCH_DTYPES = {
 
 
 def _supported() -> str:
-    return ", ".join(SUPPORTED_ARCHITECTURES)
+    return f"{', '.join(SUPPORTED_ARCHITECTURES)} (`{LIST_RUNNABLE}`)"
 
 
 @dataclass(slots=True)
@@ -68,12 +69,34 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     checkpoint_dtype: str = "float32"
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer, full_attention or sliding_attention; () all full
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm per q and k head before rotary (Qwen3, Gemma 3)
+    gemma: bool = False  # (1 + w) norms, a norm after attention and around the MLP, embeddings * sqrt(H)
+    local_rope_theta: float | None = None  # the rope base of sliding layers when they have their own
+    attn_scale: float | None = None  # q.k scale; None: head_dim ** -0.5
+    num_experts: int = 0  # routed experts of an MoE layer (0: dense)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
 
     def __post_init__(self) -> None:  # the fields were validated by the reader (from_hf)
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise TesselError(
                 f"architecture {self.architecture!r} is not supported; the engine runs {_supported()}"
             )
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (keys at distance < window), or None: every key."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index in self.moe_layers
 
     @property
     def q_size(self) -> int:
@@ -91,9 +114,13 @@ class ModelConfig:
                 f"{hf.source}: architecture {hf.architecture!r} is not supported; "
                 f"the engine runs {_supported()}"
             )
-        if hf.hidden_act != "silu":
-            raise TesselError(f"{hf.source}: hidden_act {hf.hidden_act!r} is not supported (only silu)")
-        qwen2 = hf.family == "qwen2"
+        if hf.hidden_act not in ACTIVATIONS:
+            raise TesselError(
+                f"{hf.source}: hidden_act {hf.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
+        qwen2 = hf.family in ("qwen2", "qwen2_moe")
+        moe = hf.family in ("mixtral", "qwen2_moe", "qwen3_moe")
+        scalar = hf.query_pre_attn_scalar
         return cls(
             architecture=hf.architecture,
             vocab_size=hf.vocab_size,
@@ -115,6 +142,19 @@ class ModelConfig:
             eos_token_ids=list(hf.eos_token_ids),
             checkpoint_dtype=hf.torch_dtype or "float32",
             sliding_window=hf.sliding_window,
+            layer_types=hf.layer_types,
+            hidden_act=hf.hidden_act,
+            qk_norm=hf.qk_norm,
+            gemma=hf.family == "gemma3_text",
+            local_rope_theta=hf.local_rope_theta,
+            attn_scale=None if scalar is None else scalar**-0.5,
+            num_experts=hf.num_local_experts if moe else 0,
+            num_experts_per_tok=hf.num_experts_per_tok if moe else 0,
+            moe_intermediate_size=hf.moe_intermediate_size,
+            shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+            norm_topk_prob=hf.norm_topk_prob,
+            moe_layers=hf.moe_layers if moe else (),
+            fused_checkpoint=hf.family == "phi3",
         )
 
     @classmethod
@@ -146,7 +186,8 @@ def _check_with_transformers(path: Path, architecture: str) -> None:
     strict field types refuse (a null `hidden_act`, say) is a user error here, not a traceback later."""
     import transformers
 
-    config_class = getattr(transformers, architecture.removesuffix("ForCausalLM") + "Config")
+    name = TRANSFORMERS_CONFIGS.get(architecture, architecture.removesuffix("ForCausalLM") + "Config")
+    config_class = getattr(transformers, name)
     try:
         config_class.from_pretrained(str(path))
     except Exception as error:  # noqa: BLE001 (whatever the third-party reader raises, the file is at fault)

@@ -10,13 +10,14 @@ with `model.safetensors.index.json`), so peak memory is the model plus one check
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tessel.errors import TesselError
+from tessel.models.checkpoint_names import parameter_of, shard_view, shards_of
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.quantized import module_swap
@@ -65,7 +66,8 @@ def load_model(
     model = _to_empty(model, device, layers.host_layers if layers is not None else frozenset())
     if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Identity):
         model.lm_head.tie(model.model.embed_tokens)  # to_empty gives each module its own tensor: tie again
-    model.model.rotary.build_tables(device)
+    for rotary in model.model.rotaries():
+        rotary.build_tables(device)
     if scheme is None:
         load_weights(model, path, layers)
     else:
@@ -94,14 +96,10 @@ def load_weights(
     skip: Callable[[str], bool] | None = None,
 ) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {(name, None) for name in params}
-    for fused, _ in set(model.packed_modules.values()):
-        for name in [n for n in params if f".{fused}." in n]:
-            expected.discard((name, None))
-            expected |= {(name, i) for i in range(len(model.shard_sizes(fused)))}
+    expected = {(name, shard) for name in params for shard in shards_of(name, model.config)}
     if model.config.tie_word_embeddings:
         expected.discard(("lm_head.weight", None))
-    loaded: set[tuple[str, int | None]] = set()
+    loaded: set[tuple[str, Hashable]] = set()
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -134,25 +132,19 @@ def _load_tensor(
     name: str,
     tensor: torch.Tensor,
     file: Path,
-) -> tuple[str, int | None]:
-    target, shard = name, None
-    for fragment, (fused, index) in model.packed_modules.items():
-        if f".{fragment}." in name:
-            target, shard = name.replace(f".{fragment}.", f".{fused}."), index
-            break
+) -> tuple[str, Hashable]:
+    config = model.config
+    target, shard = parameter_of(name, config)
     param = params.get(target)
     if param is None:
-        raise TesselError(
-            f"{file.name}: unexpected tensor {name!r}; is this really a {model.config.architecture}?"
-        )
-    data = param.data
-    if shard is not None:
-        sizes = model.shard_sizes(target.split(".")[-2])
-        data = data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        raise TesselError(f"{file.name}: unexpected tensor {name!r}; is this really a {config.architecture}?")
+    data = shard_view(target, param.data, shard, config)
     if tuple(data.shape) != tuple(tensor.shape):
         raise TesselError(
             f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
             f"config.json implies {tuple(data.shape)}"
         )
     data.copy_(tensor)
+    if config.gemma and name.endswith("norm.weight"):
+        data.add_(1.0)  # Gemma's RMSNorm scales by (1 + w): stored so, it runs as every RMSNorm
     return target, shard

@@ -41,6 +41,7 @@ LAYER_PREFIX = "model.layers."
 ROPE_TABLE_FLOOR_BYTES = 256 * 2**20  # rotary tables always allowed up to this (4M positions at head_dim 16)
 ROPE_TABLE_BYTES_PER_VALUE = 4  # float32 cos and sin, head_dim / 2 values each per position
 INT_DTYPES = frozenset({"I32", "I64"})
+QUANTISED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,11 @@ def read_model(path: str | Path, option: str = "--model") -> ModelFiles:
         )
     config = ModelConfig.from_dir(directory)
     scheme = read_scheme(directory)
+    if scheme is not None and config.architecture not in QUANTISED_ARCHITECTURES:
+        raise TesselError(
+            f"{directory}: a quantised {config.architecture} checkpoint is not supported yet "
+            f"(quantised checkpoints run for {', '.join(QUANTISED_ARCHITECTURES)}); use its float weights"
+        )
     files = tuple(checkpoint_files(directory))
     tensors = read_headers(files)
     check_tensors(directory, config, scheme, tensors)
@@ -242,25 +248,73 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
     }
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = embedding
-    q = (c.q_size, "num_attention_heads x head_dim")
-    kv = (c.kv_size, "num_key_value_heads x head_dim")
-    ffn = (c.intermediate_size, "intermediate_size")
-    linears = {
-        "self_attn.q_proj": _Linear(*q, *hidden, c.qkv_bias),
-        "self_attn.k_proj": _Linear(*kv, *hidden, c.qkv_bias),
-        "self_attn.v_proj": _Linear(*kv, *hidden, c.qkv_bias),
-        "self_attn.o_proj": _Linear(*hidden, *q, c.o_bias),
-        "mlp.gate_proj": _Linear(*ffn, *hidden, c.mlp_bias),
-        "mlp.up_proj": _Linear(*ffn, *hidden, c.mlp_bias),
-        "mlp.down_proj": _Linear(*hidden, *ffn, c.mlp_bias),
-    }
     for i in range(c.num_hidden_layers):
         prefix = f"{LAYER_PREFIX}{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in _layer_norms(c):
             out[f"{prefix}{norm}.weight"] = TensorSpec((c.hidden_size,), SAFETENSORS_FLOAT_DTYPES, hidden[1])
-        for leaf, linear in linears.items():
+        for norm in ("self_attn.q_norm", "self_attn.k_norm") if c.qk_norm else ():
+            out[f"{prefix}{norm}.weight"] = TensorSpec((c.head_dim,), SAFETENSORS_FLOAT_DTYPES, "head_dim")
+        for leaf, linear in _layer_linears(c, i).items():
             out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme)
     return out
+
+
+def _layer_norms(c: ModelConfig) -> tuple[str, ...]:
+    norms = ("input_layernorm", "post_attention_layernorm")
+    return (*norms, "pre_feedforward_layernorm", "post_feedforward_layernorm") if c.gemma else norms
+
+
+def _layer_linears(c: ModelConfig, index: int) -> dict[str, _Linear]:
+    """Layer `index`'s linears by checkpoint name: attention (Phi-3: fused qkv), then the MLP or the
+    experts of an MoE layer."""
+    hidden = (c.hidden_size, "hidden_size")
+    q = (c.q_size, "num_attention_heads x head_dim")
+    kv = (c.kv_size, "num_key_value_heads x head_dim")
+    if c.fused_checkpoint:
+        qkv = (c.q_size + 2 * c.kv_size, "(num_attention_heads + 2 num_key_value_heads) x head_dim")
+        out = {"self_attn.qkv_proj": _Linear(*qkv, *hidden, c.qkv_bias)}
+    else:
+        out = {
+            name: _Linear(*rows, *hidden, c.qkv_bias)
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+        }
+        out = {f"self_attn.{name}": linear for name, linear in out.items()}
+    out["self_attn.o_proj"] = _Linear(*hidden, *q, c.o_bias)
+    if not c.is_moe_layer(index):
+        return out | _mlp_linears("mlp", c, (c.intermediate_size, "intermediate_size"))
+    block = "block_sparse_moe" if c.architecture == "MixtralForCausalLM" else "mlp"
+    out[f"{block}.gate"] = _Linear(c.num_experts, "num_experts", *hidden, False)
+    width = (c.moe_intermediate_size, "moe_intermediate_size")
+    names = ("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
+    for e in range(c.num_experts):
+        out |= _mlp_linears(f"{block}.experts.{e}", c, width, names, biased=False)
+    if c.shared_expert_intermediate_size:
+        shared = (c.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+        out |= _mlp_linears("mlp.shared_expert", c, shared, biased=False)
+        out["mlp.shared_expert_gate"] = _Linear(1, "one gate", *hidden, False)
+    return out
+
+
+def _mlp_linears(
+    prefix: str,
+    c: ModelConfig,
+    width: tuple[int, str],
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    biased: bool | None = None,
+) -> dict[str, _Linear]:
+    hidden = (c.hidden_size, "hidden_size")
+    bias = c.mlp_bias if biased is None else biased
+    if c.fused_checkpoint:
+        return {
+            f"{prefix}.gate_up_proj": _Linear(2 * width[0], f"2 {width[1]}", *hidden, bias),
+            f"{prefix}.down_proj": _Linear(*hidden, *width, bias),
+        }
+    gate, up, down = names
+    return {
+        f"{prefix}.{gate}": _Linear(*width, *hidden, bias),
+        f"{prefix}.{up}": _Linear(*width, *hidden, bias),
+        f"{prefix}.{down}": _Linear(*hidden, *width, bias),
+    }
 
 
 def _linear_tensors(prefix: str, linear: _Linear, scheme: Scheme | None) -> dict[str, TensorSpec]:

@@ -292,8 +292,8 @@ class _Layer:
         module = LlamaDecoderLayer(config, rotary)
         with torch.no_grad():
             for param in module.parameters():
-                if param.dim() == 2:  # linears; the norms keep their ones
-                    param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+                if param.dim() >= 2:  # linears and stacked experts; the norms keep their ones
+                    param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
         module.to(self.device, self.dtype).eval().requires_grad_(False)
         if pack_cpu_linears and self.device.type == "cpu":
             pack_linears(module)

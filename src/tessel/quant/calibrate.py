@@ -27,7 +27,7 @@ from tessel.models.gguf import resolve_model_path
 from tessel.models.quantized.compressed_tensors import module_tensors, quantization_config
 from tessel.models.quantized.qparams import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
-from tessel.models.reader import read_model, resolve_model_dir
+from tessel.models.reader import QUANTISED_ARCHITECTURES, ModelFiles, read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
 from tessel.quant.formats.checkpoint import write_checkpoint
 from tessel.quant.gptq import GPTQOptions, gptq_model
@@ -216,7 +216,7 @@ def load_hf_model(model_dir: Path):
     """(float32 transformers model, tokenizer) of a directory or .gguf file the model reader accepts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = read_model(model_dir, "MODEL").path  # config and weights agree before transformers loads
+    model_dir = quantisable(read_model(model_dir, "MODEL")).path  # config and weights agree first
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -308,8 +308,19 @@ def read_model_config(model_dir: Path) -> dict:
     config = read_json_object(config_path(model_dir))
     if config.get("quantization_config") is not None:
         raise TesselError(f"{model_dir} is already quantised (config.json has quantization_config)")
-    read_model(model_dir, "MODEL")
+    quantisable(read_model(model_dir, "MODEL"))
     return config
+
+
+def quantisable(files: ModelFiles) -> ModelFiles:
+    """`files`, if the quantiser maps its layers (Llama, Qwen2, Mistral); else a user error."""
+    architecture = files.config.architecture
+    if architecture not in QUANTISED_ARCHITECTURES:
+        raise TesselError(
+            f"{files.path}: quantising a {architecture} is not supported yet (the quantiser maps the layers "
+            f"of {', '.join(QUANTISED_ARCHITECTURES)}); run its float weights"
+        )
+    return files
 
 
 def write_quantized(

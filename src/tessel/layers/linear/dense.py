@@ -168,7 +168,21 @@ def pack_linears(model: nn.Module) -> int:
         bias = layer.bias if isinstance(layer, nn.Linear) else None
         setattr(parent, name, packed_linear(layer.weight, bias))
         del layer, bias
-    return len(targets)
+    return len(targets) + _pack_experts(model)
+
+
+def _pack_experts(model: nn.Module) -> int:
+    """Pack the routed experts of MoE layers too (`tessel.layers.moe.ExpertMLPs`, found by its
+    `packs_with_linears` flag: that module imports this one); -> how many layers."""
+    experts = [m for m in model.modules() if getattr(m, "packs_with_linears", False) and m.packed is None]
+    experts = [m for m in experts if _packable_tensor(m.gate_up_proj)]
+    for module in experts:
+        module.pack()
+    return len(experts)
+
+
+def _packable_tensor(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
 
 
 def dequantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
