@@ -1,7 +1,8 @@
 """lm-evaluation-harness as a client of `tessel serve`: its `local-completions` and
-`local-chat-completions` backends score the same as its `hf` backend (transformers in this process,
-the oracle) on SmolLM2, for a multiple-choice task (loglikelihoods of the choices, through `echo` and
-`logprobs`) and a generate-until task (greedy text), with and without the chat template.
+`local-chat-completions` backends, four requests in flight, score the same as its `hf` backend
+(transformers in this process, the oracle) on SmolLM2, for a multiple-choice task (loglikelihoods
+of the choices, through `echo` and `logprobs`) and a generate-until task (greedy text), with and
+without the chat template.
 
 The tasks are local (tests/server/data/lm_eval: YAML task configs over JSONL files): no network.
 """
@@ -67,7 +68,7 @@ def _evaluate(task_dir: Path, model: str, model_args: str, tasks: list[str], cha
 def _api_args(url: str, route: str, model_dir: Path) -> str:
     return (
         f"model={model_dir.name},base_url={url}/v1/{route},tokenizer={model_dir},"
-        "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1"
+        "tokenizer_backend=huggingface,num_concurrent=4,max_retries=1"
     )
 
 
