@@ -94,7 +94,7 @@ def test_no_tokenizer_is_handed_it(bad: tuple[str, str], engine: Any, embedder: 
     text, refusal = bad
     spy = RecordingTokenizer(engine.tokenizer)
     assert refusal in _refusal(lambda: engine.tokenize(text, spy))
-    assert refusal in _refusal(lambda: _chat_prompt_ids(spy, [{"role": "user", "content": text}]))
+    assert refusal in _refusal(lambda: _chat_prompt_ids(spy, [{"role": "user", "content": text}], None))
     assert count_prompt_tokens(spy, {"prompt": text}, chat=False) == 0  # the backend answers the 400
     chat = {"messages": [{"role": "user", "content": text}]}
     assert count_prompt_tokens(spy, chat, chat=True) == 0
