@@ -146,39 +146,22 @@ def local_kv_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: i
 
 
 def run_isolated(
-    runner: ModelRunner, parts: list[tuple[Sequence, int]]
+    runner: ModelRunner, batch: SchedulerOutput
 ) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
-    """Run `parts`; if that raises, bisect -> (what ran, (seq, its error) for each failing seq).
+    """Run `batch` as it is; if that raises, bisect it -> (what ran, (seq, its error) for each
+    failing seq).
 
     Re-running a part is safe: its k/v land in the same slots with the same values.
     """
-    try:
-        return runner.run(batch_of(parts)), []
-    except Exception as error:
-        if len(parts) == 1:
-            return StepResult(), [(parts[0][0], error)]
-    return _bisect(runner, parts)
-
-
-def run_batch(
-    runner: ModelRunner, batch: SchedulerOutput
-) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
-    """`run_isolated` of a whole scheduled batch, run as it is (no copy of it) unless it raises."""
     try:
         return runner.run(batch), []
     except Exception as error:
         parts = batch.scheduled()
         if len(parts) == 1:
             return StepResult(), [(parts[0][0], error)]
-        return _bisect(runner, parts)
-
-
-def _bisect(
-    runner: ModelRunner, parts: list[tuple[Sequence, int]]
-) -> tuple[StepResult, list[tuple[Sequence, Exception]]]:
     half = len(parts) // 2
-    result, failed = run_isolated(runner, parts[:half])
-    right, right_failed = run_isolated(runner, parts[half:])
+    result, failed = run_isolated(runner, batch_of(parts[:half]))
+    right, right_failed = run_isolated(runner, batch_of(parts[half:]))
     result.extend(right)
     return result, failed + right_failed
 
@@ -219,7 +202,7 @@ class LocalExecutor:
 
     def launch(self, micro_batch: InFlightBatch, kv_copies: KvCopies) -> None:
         started = time.perf_counter()
-        result, failed = run_batch(self.runner, micro_batch.batch)
+        result, failed = run_isolated(self.runner, micro_batch.batch)
         micro_batch.compute_s = time.perf_counter() - started
         micro_batch.result, micro_batch.failed = result, failed
 
