@@ -16,11 +16,12 @@ In the first form a prompt holds the cycle for its whole pass, sum_j p_j, not on
 the bottleneck: the stages take the micro-batches in one order, so with the stages near balance
 (little slack) the micro-batch carrying the prompt is late at every stage after the first and the
 others wait behind it. (Charging only lambda p_j on each stage, the fluid reading, predicted TPOTs
-up to 20% below the simulator's near capacity on a 6-stage V100 + T4 pipeline.)
+up to 20% below the simulator's near capacity on a 6-stage V100 + T4 pipeline.) C is the mean TPOT;
+its p90 over requests counts how unevenly the prompts fall on short and long answers
+(`tpot_quantile_s`).
 
 (inf when a denominator reaches 0), at full occupancy: a conservative reading at light load, where
-the micro-batches are smaller. The predicted p90 TPOT is C (a request's TPOT is the mean over its
-steps, so its spread is small).
+the micro-batches are smaller.
 
 TTFT: the wait for a seat (`queueing.wait_quantile_s`: M/G/c, c seats, each held for the stay
 S = TTFT + (n_out - 1) C, cs2 of the output length) plus, once seated, a cycle for the slot's
@@ -36,12 +37,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from tessel.plan.online.queueing import wait_quantile_s
 from tessel.plan.online.shape import SLO_QUANTILE, OnlineShape
 
 RATE_RTOL = 1e-4  # bisection stops when the bracket is this narrow (relative)
 MAX_BISECTIONS = 60
+NORMAL = NormalDist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,27 +75,50 @@ class LatencyPrediction:
         return self.ttft_p90_s <= ttft_slo_s and self.tpot_p90_s <= tpot_slo_s
 
 
-def cycle_s(times: PipelineTimes, rate_req_s: float) -> float:
-    """C: how often a slot's micro-batch comes back (the TPOT), inf when prompts saturate the pipeline."""
+def cycle_s(times: PipelineTimes, rate_req_s: float) -> tuple[float, float]:
+    """(C, the rate of the prompts that hold it): how often a slot's micro-batch comes back, the mean
+    TPOT (inf when prompts saturate the pipeline)."""
     prompts_s = sum(times.prompt_s())
     k = times.micro_batches
     held = 1 - rate_req_s * prompts_s  # the share of time the bottleneck's cycle is not held by prompts
     own = 1 - rate_req_s * prompts_s / k  # the same for one slot's micro-batch and its own prompts
     if held <= 0 or own <= 0:
-        return math.inf
-    return max(k * max(times.decode_s) / held, sum(times.decode_s) / own)
+        return math.inf, rate_req_s
+    tight, loose = k * max(times.decode_s) / held, sum(times.decode_s) / own
+    return (tight, rate_req_s) if tight >= loose else (loose, rate_req_s / k)
+
+
+def tpot_quantile_s(times: PipelineTimes, shape: OnlineShape, rate_req_s: float, quantile: float) -> float:
+    """The `quantile` over requests of their TPOT. A request of n tokens sees N ~ Poisson(r (n - 1) C)
+    prompts hold its cycle (r the rate of those that do, `cycle_s`), each for P = sum_j p_j x its
+    length over the mean: its TPOT is C + (sum of the N holds - r (n - 1) C E[P]) / (n - 1), mean C,
+    variance r C E[P^2] / (n - 1), E[P^2] = E[P]^2 (1 + the prompt length's cs2). Short answers spread
+    most; the quantile is taken over the output lengths (`OnlineShape.output_points`), each normal."""
+    cycle, rate = cycle_s(times, rate_req_s)
+    if not math.isfinite(cycle) or rate <= 0 or not shape.output_points:
+        return cycle
+    prompts_s = sum(times.prompt_s())
+    square = prompts_s**2 * (1 + shape.prompt_cs2)
+    spreads = [math.sqrt(rate * cycle * square / max(n - 1, 1.0)) for n in shape.output_points]
+    low, high = cycle, cycle + 4 * max(spreads)
+    for _ in range(40):  # bisect the t whose share of requests above it is 1 - quantile
+        middle = (low + high) / 2
+        above = sum(1 - NORMAL.cdf((middle - cycle) / sd) for sd in spreads) / len(spreads)
+        low, high = (middle, high) if above > 1 - quantile else (low, middle)
+    return high
 
 
 def predict_p90(times: PipelineTimes, shape: OnlineShape, rate_req_s: float) -> LatencyPrediction:
     """p90 TTFT and TPOT (s) at `rate_req_s` (the module docstring's model; inf: it cannot keep up)."""
-    cycle = cycle_s(times, rate_req_s)
+    cycle = cycle_s(times, rate_req_s)[0]
     if not math.isfinite(cycle):
         return LatencyPrediction(rate_req_s, math.inf, math.inf)
     seated_ttft = cycle + sum(times.prompt_s()) * shape.prompt_p90_tokens / shape.prompt_mean_tokens
     mean_ttft = cycle + sum(times.prompt_s())
     stay = mean_ttft + max(shape.output_mean_tokens - 1, 0.0) * cycle
     wait = wait_quantile_s(times.seats, rate_req_s, stay, shape.output_cs2, SLO_QUANTILE)
-    return LatencyPrediction(rate_req_s, wait + seated_ttft, cycle)
+    tpot = tpot_quantile_s(times, shape, rate_req_s, SLO_QUANTILE)
+    return LatencyPrediction(rate_req_s, wait + seated_ttft, tpot)
 
 
 def capacity_req_s(times: PipelineTimes, shape: OnlineShape) -> float:

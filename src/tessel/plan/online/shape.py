@@ -3,7 +3,7 @@ much request stays vary (the squared coefficient of variation of the output leng
 
 Lengths are drawn as the simulator draws them (`tessel.sim.request_trace`): samples as given, a
 mean alone for every request, a mean with p99 / max lognormal with that mean (sigma from
-`lognormal_sigma`), clipped to max. The p90 of the clipped lognormal is min(max, its p90); its
+`lognormal_sigma`), clipped to max. Any quantile of the clipped lognormal is min(max, its quantile); its
 cs2 is the unclipped exp(sigma^2) - 1 (clipping only lowers it: a little pessimistic).
 """
 
@@ -16,6 +16,7 @@ from statistics import NormalDist
 from tessel.plan.files.workload import TokenDistribution, Workload, lognormal_sigma
 
 SLO_QUANTILE = 0.9  # the SLOs are p90s
+OUTPUT_POINTS = 40  # quantiles of the output length the TPOT spread is averaged over
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +25,20 @@ class OnlineShape:
     prompt_p90_tokens: float
     output_mean_tokens: float
     output_cs2: float  # squared coefficient of variation of the output length
+    output_points: tuple[float, ...] = ()  # output lengths at evenly spaced quantiles (the TPOT spread)
+    prompt_cs2: float = 0.0  # squared coefficient of variation of the prompt length
 
     @classmethod
     def of(cls, workload: Workload) -> OnlineShape:
         prompt, output = workload.prompt_tokens, workload.output_tokens
+        points = tuple(length_quantile(output, (i + 0.5) / OUTPUT_POINTS) for i in range(OUTPUT_POINTS))
         return cls(
-            prompt.mean_tokens, length_quantile(prompt, SLO_QUANTILE), output.mean_tokens, length_cs2(output)
+            prompt.mean_tokens,
+            length_quantile(prompt, SLO_QUANTILE),
+            output.mean_tokens,
+            length_cs2(output),
+            points,
+            length_cs2(prompt),
         )
 
 
