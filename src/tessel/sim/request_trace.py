@@ -14,7 +14,6 @@ arrival rate (Poisson arrivals) or a batch size (that many requests at t = 0). I
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
 from tessel.plan.online.queueing import wait_quantile_s
 from tessel.plan.online.shape import SLO_QUANTILE, OnlineShape
 
 RATE_RTOL = 1e-4  # bisection stops when the bracket is this narrow (relative)
 MAX_BISECTIONS = 60
-NORMAL = NormalDist()
+TPOT_BISECTIONS = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,24 +87,50 @@ def cycle_s(times: PipelineTimes, rate_req_s: float) -> tuple[float, float]:
     return (tight, rate_req_s) if tight >= loose else (loose, rate_req_s / k)
 
 
+def _tpot_spreads(times: PipelineTimes, shape: OnlineShape, rate_req_s: float) -> tuple[float, list[float]]:
+    """(C, the TPOT standard deviation of a request at each of the output points)."""
+    cycle, rate = cycle_s(times, rate_req_s)
+    if not math.isfinite(cycle) or rate <= 0 or not shape.output_points:
+        return cycle, []
+    square = sum(times.prompt_s()) ** 2 * (1 + shape.prompt_cs2)
+    return cycle, [math.sqrt(rate * cycle * square / max(n - 1, 1.0)) for n in shape.output_points]
+
+
+def tpot_share_above(times: PipelineTimes, shape: OnlineShape, rate_req_s: float, tpot_s: float) -> float:
+    """The share of requests whose TPOT exceeds `tpot_s` (`tpot_quantile_s`'s model)."""
+    cycle, spreads = _tpot_spreads(times, shape, rate_req_s)
+    if not spreads:
+        return 1.0 if cycle > tpot_s else 0.0
+    tails = (0.5 * math.erfc((tpot_s - cycle) / (sd * math.sqrt(2))) if sd > 0 else float(cycle > tpot_s)
+             for sd in spreads)  # fmt: skip
+    return sum(tails) / len(spreads)
+
+
 def tpot_quantile_s(times: PipelineTimes, shape: OnlineShape, rate_req_s: float, quantile: float) -> float:
     """The `quantile` over requests of their TPOT. A request of n tokens sees N ~ Poisson(r (n - 1) C)
     prompts hold its cycle (r the rate of those that do, `cycle_s`), each for P = sum_j p_j x its
     length over the mean: its TPOT is C + (sum of the N holds - r (n - 1) C E[P]) / (n - 1), mean C,
     variance r C E[P^2] / (n - 1), E[P^2] = E[P]^2 (1 + the prompt length's cs2). Short answers spread
     most; the quantile is taken over the output lengths (`OnlineShape.output_points`), each normal."""
-    cycle, rate = cycle_s(times, rate_req_s)
-    if not math.isfinite(cycle) or rate <= 0 or not shape.output_points:
+    cycle, spreads = _tpot_spreads(times, shape, rate_req_s)
+    if not spreads:
         return cycle
-    prompts_s = sum(times.prompt_s())
-    square = prompts_s**2 * (1 + shape.prompt_cs2)
-    spreads = [math.sqrt(rate * cycle * square / max(n - 1, 1.0)) for n in shape.output_points]
     low, high = cycle, cycle + 4 * max(spreads)
-    for _ in range(40):  # bisect the t whose share of requests above it is 1 - quantile
+    for _ in range(TPOT_BISECTIONS):
         middle = (low + high) / 2
-        above = sum(1 - NORMAL.cdf((middle - cycle) / sd) for sd in spreads) / len(spreads)
-        low, high = (middle, high) if above > 1 - quantile else (low, middle)
+        low, high = (
+            (middle, high)
+            if tpot_share_above(times, shape, rate_req_s, middle) > 1 - quantile
+            else (low, middle)
+        )
     return high
+
+
+def ttft_p90_s(times: PipelineTimes, shape: OnlineShape, rate_req_s: float, cycle: float) -> float:
+    """Wait for a seat (its p90) + a cycle + the p90 prompt's pass (module docstring)."""
+    seated = cycle + sum(times.prompt_s()) * shape.prompt_p90_tokens / shape.prompt_mean_tokens
+    stay = cycle + sum(times.prompt_s()) + max(shape.output_mean_tokens - 1, 0.0) * cycle
+    return wait_quantile_s(times.seats, rate_req_s, stay, shape.output_cs2, SLO_QUANTILE) + seated
 
 
 def predict_p90(times: PipelineTimes, shape: OnlineShape, rate_req_s: float) -> LatencyPrediction:
@@ -113,12 +138,21 @@ def predict_p90(times: PipelineTimes, shape: OnlineShape, rate_req_s: float) -> 
     cycle = cycle_s(times, rate_req_s)[0]
     if not math.isfinite(cycle):
         return LatencyPrediction(rate_req_s, math.inf, math.inf)
-    seated_ttft = cycle + sum(times.prompt_s()) * shape.prompt_p90_tokens / shape.prompt_mean_tokens
-    mean_ttft = cycle + sum(times.prompt_s())
-    stay = mean_ttft + max(shape.output_mean_tokens - 1, 0.0) * cycle
-    wait = wait_quantile_s(times.seats, rate_req_s, stay, shape.output_cs2, SLO_QUANTILE)
     tpot = tpot_quantile_s(times, shape, rate_req_s, SLO_QUANTILE)
-    return LatencyPrediction(rate_req_s, wait + seated_ttft, tpot)
+    return LatencyPrediction(rate_req_s, ttft_p90_s(times, shape, rate_req_s, cycle), tpot)
+
+
+def meets_slo(
+    times: PipelineTimes, shape: OnlineShape, rate_req_s: float, ttft_slo_s: float, tpot_slo_s: float
+) -> bool:
+    """Whether both predicted p90s are within the SLOs (`predict_p90(...).meets`, without the quantile
+    search: at most a tenth of the requests above the TPOT SLO)."""
+    cycle = cycle_s(times, rate_req_s)[0]
+    if not math.isfinite(cycle) or cycle > tpot_slo_s:
+        return False
+    if tpot_share_above(times, shape, rate_req_s, tpot_slo_s) > 1 - SLO_QUANTILE:
+        return False
+    return ttft_p90_s(times, shape, rate_req_s, cycle) <= ttft_slo_s
 
 
 def capacity_req_s(times: PipelineTimes, shape: OnlineShape) -> float:
@@ -131,14 +165,14 @@ def capacity_req_s(times: PipelineTimes, shape: OnlineShape) -> float:
 
 def goodput_req_s(times: PipelineTimes, shape: OnlineShape, ttft_slo_s: float, tpot_slo_s: float) -> float:
     """The highest rate whose predicted p90s meet both SLOs (0: not even a trickle does)."""
-    if not predict_p90(times, shape, 0.0).meets(ttft_slo_s, tpot_slo_s):
+    if not meets_slo(times, shape, 0.0, ttft_slo_s, tpot_slo_s):
         return 0.0
     low, high = 0.0, capacity_req_s(times, shape)
     for _ in range(MAX_BISECTIONS):
         if high - low <= RATE_RTOL * high:
             break
         middle = (low + high) / 2
-        if predict_p90(times, shape, middle).meets(ttft_slo_s, tpot_slo_s):
+        if meets_slo(times, shape, middle, ttft_slo_s, tpot_slo_s):
             low = middle
         else:
             high = middle
