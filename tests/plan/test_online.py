@@ -140,7 +140,8 @@ def test_plan_goodput_end_to_end(tmp_path: Path) -> None:
     m, b = plan.workload["m"], plan.workload["micro_batch_size"]
     assert m == sum(r.micro_batches for r in plan.replicas) and b >= 1
     assert plan.workload["slo"] == {"ttft_p90_s": 5.0, "tpot_p90_s": 0.2}
-    assert plan.predicted.throughput_tok_s == pytest.approx(plan.workload["arrival_rate_per_s"] * 256.0)
+    planned = plan.predicted.throughput_tok_s / 256.0  # the model's goodput; the file: what the simulator met
+    assert 0.5 * planned * (1 - 1e-9) <= plan.workload["arrival_rate_per_s"] <= planned * (1 + 1e-9)
 
 
 def _workload(tmp_path: Path, rate: float = 1.0, slo: str = "{ttft_p90_s: 5, tpot_p90_s: 0.2}") -> Path:

@@ -3,7 +3,8 @@
 
 The simulator then serves `CONFIRM_REQUESTS` Poisson requests of the workload at the planned rate
 (seed `CONFIRM_SEED`) and checks both p90s; when it misses them it searches down to half that rate
-(`tessel.sim.slo.confirm_rate`, at most 6 runs) and the rate it confirms is printed beside the plan's.
+(`tessel.sim.slo.confirm_rate`, at most 6 runs); the rate it confirms is printed beside the plan's
+and is the rate the plan file's workload carries (`--json`).
 A workload asking for more than any plan held in GPU memory serves at all (the memory bound over
 every plan, `tessel.plan.solvers.memory_bound`, at the largest micro-batch tried, with no SLO) is
 refused, exit 2.
@@ -64,6 +65,12 @@ def plan_goodput(console, model: str, cluster, workload: str, settings, profiles
     print_online(console, plan, workload_spec, cluster_spec, ceiling)
     confirmed = confirm(plan_file, workload_spec, plan)
     print_confirmation(console, plan, confirmed)
+    if 0 < confirmed.rate_req_s < plan.goodput_req_s:  # the file serves the rate the simulator confirmed
+        plan_file = online_plan_file(
+            plan, model=model_spec, cluster=cluster_spec, cluster_source=source, workload=workload_spec,
+            dtype=settings.dtype, kv_dtype=settings.kv_dtype, granularity=settings.granularity,
+            rate_req_s=confirmed.rate_req_s,
+        )  # fmt: skip
     if json_path is not None:
         plan_file.write(json_path)
         console.print(f"wrote {json_path}")

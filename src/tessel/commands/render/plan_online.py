@@ -82,6 +82,7 @@ def print_confirmation(console: Console, plan, confirmed) -> None:  # noqa: ANN0
         console.print(
             f"simulator: the SLOs hold up to {confirmed.rate_req_s:.4g} requests/s "
             f"({len(confirmed.checks)} runs), "
-            f"{confirmed.rate_req_s / plan.goodput_req_s:.2f}x the planned rate",
+            f"{confirmed.rate_req_s / plan.goodput_req_s:.2f}x the planned rate; the plan file (--json) "
+            "carries this rate",
             highlight=False,
         )

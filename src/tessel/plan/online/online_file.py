@@ -4,9 +4,10 @@ Each pipeline is a replica: its stages, its k micro-batches in flight (`micro_ba
 weight (its goodput's share) and, as `predicted`, what the online model says at its routed rate: p90
 TTFT and p90 TPOT, and its goodput in tokens/s. So the top-level `predicted.throughput_tok_s` is the
 plan's goodput x mean output tokens, where `tessel simulate --goodput` starts its search. The
-workload is written at the planned rate, with the plan's total micro-batches M and size b in flight
-(`latency_estimate_s` = (M b - 1/2) / rate, so that Little's law gives back M b requests): the
-simulator's `plan` regime reads them.
+workload is written at the planned rate (or the rate the simulator confirmed, when the caller gives
+one), with the plan's total micro-batches M and size b in flight (`latency_estimate_s` =
+(M b - 1/2) / rate, so that Little's law gives back M b requests): the simulator's `plan` regime
+reads them.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from tessel.plan.online.online_plan import OnlinePlan
 from tessel.plan.report import plan_json, stage_records
 
 
-def planned_workload(plan: OnlinePlan, workload: Workload) -> Workload:
-    """The workload at the planned rate with the plan's micro-batches in flight."""
+def planned_workload(plan: OnlinePlan, workload: Workload, rate_req_s: float | None = None) -> Workload:
+    """The workload at `rate_req_s` (default: the planned rate) with the plan's micro-batches in flight."""
     total = sum(p.micro_batches for p in plan.pipelines)
     requests = total * plan.micro_batch_size
-    rate = plan.goodput_req_s
+    rate = plan.goodput_req_s if rate_req_s is None else rate_req_s
     update = {
         "arrival_rate_per_s": rate,
         "latency_estimate_s": (requests - 0.5) / rate,
@@ -64,6 +65,7 @@ def online_plan_file(
     dtype: str,
     kv_dtype: str,
     granularity: str,
+    rate_req_s: float | None = None,
 ) -> PlanFile:  # noqa: ANN001
     """The plan file `tessel simulate --plan` reads (module docstring)."""
     first = plan.pipelines[0]
@@ -73,7 +75,7 @@ def online_plan_file(
         model=model,
         cluster=cluster,
         cluster_source=cluster_source,
-        workload=planned_workload(plan, workload),
+        workload=planned_workload(plan, workload, rate_req_s),
         solver={
             "name": "online",
             "status": f"goodput {plan.goodput_req_s:.4g} req/s",
