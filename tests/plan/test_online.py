@@ -73,6 +73,34 @@ def test_the_rate_search_finds_the_highest_rate_of_a_sweep() -> None:
         assert finite == sorted(finite)
 
 
+def test_the_packing_equals_brute_force_over_disjoint_sets() -> None:
+    """Random candidates (devices, goodput) on 7 devices: the branch and bound's goodput equals the best
+    over every set of pairwise disjoint candidates, and its pipelines share no device."""
+    from itertools import combinations
+    from types import SimpleNamespace
+
+    from tessel.plan.online.packing import best_packing
+
+    rng = random.Random(11)
+    for _ in range(40):
+        items = [
+            SimpleNamespace(placement=SimpleNamespace(devices=tuple(rng.sample(range(7), rng.randint(1, 4)))),
+                            goodput_req_s=rng.uniform(0.1, 3.0))
+            for _ in range(rng.randint(1, 12))
+        ]  # fmt: skip
+        brute = max(
+            sum(p.goodput_req_s for p in combo)
+            for n in range(len(items) + 1)
+            for combo in combinations(items, n)
+            if len({d for p in combo for d in p.placement.devices})
+            == sum(len(p.placement.devices) for p in combo)
+        )
+        packed = best_packing(items)
+        used = [d for p in packed.pipelines for d in p.placement.devices]
+        assert packed.exact and len(used) == len(set(used))
+        assert packed.goodput_req_s == pytest.approx(brute, rel=1e-12)
+
+
 @pytest.fixture(scope="module")
 def small_plan():
     workload = load_workload("chat-slo")
@@ -81,7 +109,25 @@ def small_plan():
 
 
 def test_the_plan_is_never_below_the_baseline_and_adds_disjoint_pipelines(small_plan) -> None:
+    """Also: at its micro-batch size, no pair or triple of disjoint candidates on the whole cluster
+    serves more."""
+    from itertools import combinations
+
+    from tessel.plan.online.candidates import CandidatePlacements
+    from tessel.plan.online.pipelines import price
+
     plan, _ = small_plan
+    b = plan.micro_batch_size
+    every = tuple(range(plan.instances[b].n_devices))
+    candidates = CandidatePlacements(plan.instances[8], math.inf, plan.slo[1]).placements(every)
+    priced = [
+        q for c in candidates if (q := price(c, plan.instances[b], b, plan.shape, plan.slo)) is not None
+    ]
+    for n in (1, 2, 3):
+        for combo in combinations(priced, n):
+            devices = [d for q in combo for d in q.placement.devices]
+            if len(devices) == len(set(devices)):
+                assert sum(q.goodput_req_s for q in combo) <= plan.goodput_req_s * (1 + 1e-9)
     assert plan.baseline is not None and plan.goodput_req_s >= plan.baseline.goodput_req_s * (1 - 1e-12)
     used = [d for p in plan.pipelines for d in p.placement.devices]
     assert len(used) == len(set(used))

@@ -4,8 +4,9 @@ For every micro-batch size b of `MICRO_BATCH_SIZES` (one b for the whole plan: t
 simulator's `plan` regime carry one), pipelines are chosen greedily on the devices not yet taken:
 every candidate placement (`candidates`) is priced at its best concurrency k (`pipelines.price`, the
 goodput of `latency`), the one with the most goodput is kept, its devices are taken, and again until
-no candidate meets the SLOs; the first pick is each of the `FIRST_TRIES` best in turn, and the
-baseline's pipelines are a plan too, so the answer is never below the baseline. Disjoint pipelines'
+no candidate meets the SLOs; the first pick is each of the `FIRST_TRIES` best in turn; then the best
+set of disjoint pipelines among all those priced (`packing`). The baseline's pipelines are a plan
+too, so the answer is never below the baseline. Disjoint pipelines'
 goodputs add up: routing each its goodput's share of the requests, each meets the p90s on its share,
 so the merged stream does too. One pipeline, several same-type pipelines (Helix's separate
 pipelines), mixed ones: whichever serves most. The baseline (`baseline.separate_same_type`) is
@@ -27,6 +28,7 @@ from tessel.plan.files.workload import Workload
 from tessel.plan.instance import PlanningInstance, gpu_memory_only
 from tessel.plan.online.baseline import SeparateSameType, separate_same_type
 from tessel.plan.online.candidates import CandidatePlacements
+from tessel.plan.online.packing import best_packing
 from tessel.plan.online.pipelines import LightLoad, Placement, PricedPipeline, light_load, price
 from tessel.plan.online.shape import OnlineShape
 
@@ -126,35 +128,42 @@ def plan_online(model, cluster, workload: Workload, settings: OnlineSettings, **
 
 
 def _search(candidates: CandidatePlacements, instance: PlanningInstance, b: int, shape, slo):  # noqa: ANN001
-    """Each of the `FIRST_TRIES` best first pipelines, then greedily the rest: (pipelines, placements
-    priced)."""
+    """Each of the `FIRST_TRIES` best first pipelines, then greedily the rest; then the best set of
+    disjoint pipelines among every one priced on the way (`packing.best_packing`), which generated
+    candidates on the devices each greedy step left. (pipelines, placements priced)."""
     everything = tuple(range(instance.n_devices))
-    firsts, count = _priced(candidates, instance, everything, b, shape, slo)
+    seen: dict[tuple, PricedPipeline] = {}
+    firsts, count = _priced(candidates, instance, everything, b, shape, slo, seen)
     best: list[PricedPipeline] = []
     for first in firsts[:FIRST_TRIES]:
         taken = set(first.placement.devices)
-        rest, more = _greedy(
-            candidates, instance, tuple(j for j in everything if j not in taken), b, shape, slo
-        )
+        free = tuple(j for j in everything if j not in taken)
+        rest, more = _greedy(candidates, instance, free, b, shape, slo, seen)
         count += more
         if sum(p.goodput_req_s for p in (first, *rest)) > sum(p.goodput_req_s for p in best):
             best = [first, *rest]
+    packed = best_packing(list(seen.values()))
+    if packed.goodput_req_s > sum(p.goodput_req_s for p in best) * (1 + 1e-12):
+        best = list(packed.pipelines)
     return best, count
 
 
-def _priced(candidates, instance, free: tuple[int, ...], b: int, shape, slo):  # noqa: ANN001, ANN202
-    """The candidates on `free` that meet the SLOs at some rate, the most goodput first."""
+def _priced(candidates, instance, free: tuple[int, ...], b: int, shape, slo, seen: dict):  # noqa: ANN001, ANN202
+    """The candidates on `free` that meet the SLOs at some rate, the most goodput first (each also
+    kept in `seen`)."""
     placements = candidates.placements(free)
     priced = (price(p, instance, b, shape, slo) for p in placements)
     kept = [p for p in priced if p is not None and p.goodput_req_s > 0]
+    for p in kept:
+        seen[(p.placement.devices, p.placement.solution.stages)] = p
     return sorted(kept, key=lambda p: -p.goodput_req_s), len(placements)
 
 
-def _greedy(candidates, instance, free: tuple[int, ...], b: int, shape, slo):  # noqa: ANN001, ANN202
+def _greedy(candidates, instance, free: tuple[int, ...], b: int, shape, slo, seen: dict):  # noqa: ANN001, ANN202
     """Pipelines taken one by one, the most goodput first, on the devices still free."""
     chosen, count = [], 0
     while free:
-        ranked, priced = _priced(candidates, instance, free, b, shape, slo)
+        ranked, priced = _priced(candidates, instance, free, b, shape, slo, seen)
         count += priced
         if not ranked:
             break
