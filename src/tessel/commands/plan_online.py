@@ -14,8 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.plan.files.plan_file import PlanFile
+    from tessel.plan.online.online_plan import OnlinePlan
+    from tessel.sim.slo import Goodput
 
 CONFIRM_REQUESTS = 300
 CONFIRM_SEED = 0
@@ -24,9 +30,9 @@ CEILING_S = 20.0  # HiGHS time for the memory bound's LP at most
 
 @dataclass(frozen=True, slots=True)
 class GoodputOutcome:
-    plan: object  # tessel.plan.online.online_plan.OnlinePlan
-    plan_file: object  # tessel.plan.files.plan_file.PlanFile
-    confirmed: object | None  # tessel.sim.slo.Goodput (None: not simulated)
+    plan: OnlinePlan
+    plan_file: PlanFile  # what --json writes
+    confirmed: Goodput  # the simulator's check of the planned rate
     ceiling_req_s: float | None  # computed only when the workload asks for more than the goodput
 
 
@@ -45,11 +51,9 @@ def plan_goodput(console, model: str, cluster, workload: str, settings, profiles
     online_workload(workload_spec)  # refused before any pricing
     model_spec = load_model(model)
     cluster_spec = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
-    options = {k: v for k, v in settings.instance_options(model).items()}
-    plan = plan_online(
-        model_spec, cluster_spec, workload_spec, OnlineSettings(time_limit_s=settings.time_limit_s),
-        profiles=list(profiles), **options,
-    )  # fmt: skip
+    options = settings.instance_options(model)
+    online = OnlineSettings(time_limit_s=settings.time_limit_s, solver=settings.solver)
+    plan = plan_online(model_spec, cluster_spec, workload_spec, online, profiles=list(profiles), **options)
     ceiling = None
     if workload_spec.arrival_rate_per_s > plan.goodput_req_s:
         ceiling = ceiling_req_s(plan)

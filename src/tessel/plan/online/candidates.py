@@ -44,10 +44,17 @@ SOLVE_GAP = 0.02
 class CandidatePlacements:
     """Placements of groups of an instance's devices, each planned once and kept."""
 
-    def __init__(self, instance: PlanningInstance, deadline: float, tpot_slo_s: float | None = None):
+    def __init__(
+        self,
+        instance: PlanningInstance,
+        deadline: float,
+        tpot_slo_s: float | None = None,
+        solver: str = "milp",
+    ):
         self.instance = instance  # at the reference micro-batch size, one micro-batch, GPU memory only
         self.deadline = deadline
         self.tpot_slo_s = tpot_slo_s
+        self.solver = solver
         self.cache: dict[tuple[int, ...], list[Placement]] = {}
 
     def placements(self, free: tuple[int, ...]) -> list[Placement]:
@@ -101,7 +108,8 @@ class CandidatePlacements:
             if left <= 0 or not holds_model(with_micro_batches(self.instance, k), group, gpu_only=True):
                 break
             try:
-                result = solve(with_micro_batches(sub, k), time_limit_s=min(SOLVE_S, left), mip_gap=SOLVE_GAP)
+                part = with_micro_batches(sub, k)
+                result = solve(part, solver=self.solver, time_limit_s=min(SOLVE_S, left), mip_gap=SOLVE_GAP)
             except TesselError:
                 break
             out.append(_used(group, result.solution, f"planned for {k} in flight"))

@@ -42,6 +42,7 @@ CANDIDATE_SHARE = 0.8  # of the time limit for placing candidates; pricing takes
 class OnlineSettings:
     time_limit_s: float = 60.0
     micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES
+    solver: str = "milp"  # places the mixed candidate groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,7 @@ def plan_online(model, cluster, workload: Workload, settings: OnlineSettings, **
     }
     reference = REFERENCE_B if REFERENCE_B in instances else settings.micro_batch_sizes[-1]
     deadline = started + CANDIDATE_SHARE * settings.time_limit_s
-    candidates = CandidatePlacements(instances[reference], deadline, slo[1])
+    candidates = CandidatePlacements(instances[reference], deadline, slo[1], settings.solver)
     best, by_b, priced = None, {}, 0
     for b, instance in instances.items():
         chosen, count = _search(candidates, instance, b, shape, slo)
