@@ -188,6 +188,14 @@ def test_plan_goodput_end_to_end(tmp_path: Path) -> None:
     assert plan.workload["slo"] == {"ttft_p90_s": 5.0, "tpot_p90_s": 0.2}
     planned = plan.predicted.throughput_tok_s / 256.0  # the model's goodput; the file: what the simulator met
     assert 0.5 * planned * (1 - 1e-9) <= plan.workload["arrival_rate_per_s"] <= planned * (1 + 1e-9)
+    rate = plan.workload["arrival_rate_per_s"]  # `tessel simulate` runs an online plan at its rate
+    args = ["simulate", "--plan", str(out), "--workload", "chat-slo", "--requests", "40"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert f"Poisson requests at {rate:g}/s" in " ".join(result.output.split())
+    assert (
+        f"SLO met at {rate:.4g} req/s" in result.output or f"SLO missed at {rate:.4g} req/s" in result.output
+    )
 
 
 def _workload(tmp_path: Path, rate: float = 1.0, slo: str = "{ttft_p90_s: 5, tpot_p90_s: 0.2}") -> Path:
