@@ -156,6 +156,12 @@ def plan(
         min=1,
         help="With concurrency by memory: at most this many requests in flight.",
     ),
+    objective: Literal["latency", "goodput"] = typer.Option(
+        "latency",
+        "--objective",
+        help="latency: one request's time with the workload's micro-batches in flight; goodput: the most "
+        "requests/s within the workload's `slo` (p90 TTFT / TPOT), checked by the simulator.",
+    ),
 ) -> None:
     """Plan MODEL on CLUSTER under WORKLOAD and compare with the baselines."""
     from rich.console import Console
@@ -188,6 +194,15 @@ def plan(
         first_node=ray_first_node(cluster, cluster_arg),
     )
     console = Console(width=None if sys.stdout.isatty() else 150)
+    if objective == "goodput":
+        from tessel.commands.plan_online import plan_goodput
+
+        if replicas is not None or replan_from is not None or export is not None:
+            raise TesselError(
+                "--objective goodput chooses its own pipelines; drop --replicas, --replan-from, --export"
+            )
+        plan_goodput(console, model, cluster_arg, workload, settings, profile, json_path)
+        return
     if concurrency == "memory" and replicas is None:
         replicas = "1"
     if max_concurrency is not None and (replicas is None or concurrency == "fixed"):

@@ -144,6 +144,8 @@ def simulate(
         raise TesselError(f"--gantt and --json both name {gantt}; give two files")
     if gantt is not None:
         check_gantt_path(gantt)
+    if rate is None and measured is None:
+        rate = online_plan_rate(plan, workload)  # an online plan is checked at its rate
     settings = SimulationSettings(
         requests, seed, rate, compare, regime,
         max_num_seqs if max_num_seqs is not None else max_running,
@@ -229,6 +231,19 @@ def simulate_measured(  # noqa: ANN201
         plan_file, str(run_file), settings, profiles=profiles, trace=trace, force_profile=force_profile
     )
     return report, MeasuredComparison(run, compare_metrics(report.runs[0].metrics, run.metrics))
+
+
+def online_plan_rate(plan: Path, workload: str) -> float | None:
+    """The rate an online plan (`tessel plan --objective goodput`) was made for, the rate its
+    simulation then runs at unless --rate says otherwise; None for other plans or a trace."""
+    from tessel.plan.files.plan_file import load_plan
+    from tessel.sim.request_trace import TRACE_SUFFIXES
+
+    if Path(workload).suffix.lower() in TRACE_SUFFIXES:
+        return None
+    plan_file = load_plan(plan)
+    rate = plan_file.workload.get("arrival_rate_per_s") if isinstance(plan_file.workload, dict) else None
+    return rate if plan_file.solver.get("name") == "online" and rate else None
 
 
 def command_slo(workload: str, ttft_s: float | None, tpot_s: float | None, goodput: bool):  # noqa: ANN201

@@ -14,12 +14,11 @@ arrival rate (Poisson arrivals) or a batch size (that many requests at t = 0). I
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.plan.files.workload import TokenDistribution, Workload, load_workload
+from tessel.plan.files.workload import TokenDistribution, Workload, load_workload, lognormal_sigma
 from tessel.sim.requests import (
     LengthDistribution,
     Request,
@@ -33,7 +32,6 @@ DEFAULT_REQUESTS = 200
 # Most requests one simulation serves: every request keeps its record and intervals in memory
 # (at this many, a run of the default plan takes minutes and gigabytes: docs/results.md, Limits).
 MAX_REQUESTS = 20_000
-Z_99 = 2.3263478740408408  # standard normal 99th percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +93,3 @@ def length_distribution(tokens: TokenDistribution) -> LengthDistribution:
         return LengthDistribution("fixed", mean=mean, high=max(1, round(mean)))
     high = tokens.max if tokens.max is not None else 1 << 20
     return LengthDistribution("lognormal", mean=mean, sigma=lognormal_sigma(mean, tail), high=high)
-
-
-def lognormal_sigma(mean: float, p99: float) -> float:
-    """sigma of the lognormal with this mean whose 99th percentile is p99 (see the module doc)."""
-    log_ratio = math.log(p99 / mean)
-    discriminant = Z_99**2 - 2 * log_ratio
-    return Z_99 if discriminant < 0 else Z_99 - math.sqrt(discriminant)

@@ -45,11 +45,14 @@ class SloCheck:
     met: bool
 
     def text(self, slo: Slo) -> str:
+        """The verdict, then each SLO's (a run without a TPOT sample meets TPOT)."""
         verdict = "met" if self.met else "missed"
         at = "" if self.rate_req_s is None else f" at {self.rate_req_s:.4g} req/s"
+        ttft = "met" if self.ttft_p90_s <= slo.ttft_p90_s else "missed"
+        tpot = "missed" if self.tpot_p90_s > slo.tpot_p90_s else "met"
         return (
-            f"SLO {verdict}{at}: p90 TTFT {self.ttft_p90_s:.3f} s (SLO {slo.ttft_p90_s:g} s), "
-            f"p90 TPOT {self.tpot_p90_s * 1e3:.2f} ms (SLO {slo.tpot_p90_s * 1e3:g} ms)"
+            f"SLO {verdict}{at}: p90 TTFT {self.ttft_p90_s:.3f} s (SLO {slo.ttft_p90_s:g} s: {ttft}), "
+            f"p90 TPOT {self.tpot_p90_s * 1e3:.2f} ms (SLO {slo.tpot_p90_s * 1e3:g} ms: {tpot})"
         )
 
     def to_json(self) -> dict:
@@ -110,3 +113,28 @@ def find_goodput(
         else:
             bad = middle
     return Goodput(good, capacity_req_s, tuple(checks))
+
+
+CONFIRM_FLOOR_SHARE = 0.5  # `confirm_rate` searches no lower than this share of the planned rate
+CONFIRM_STEPS = 4  # bisections below a planned rate that misses: within 2^(1/16) = 4.4% of the highest
+
+
+def confirm_rate(
+    run_at: Callable[[float], Metrics], planned_req_s: float, slo: Slo, steps: int = CONFIRM_STEPS
+) -> Goodput:
+    """The planner's rate held against the simulator: one run when it meets the SLO; else the highest
+    rate in [CONFIRM_FLOOR_SHARE x planned, planned] that does (geometric bisection, `steps` runs),
+    or, when even the floor misses, a Goodput of rate 0 whose checks say what the runs reached."""
+    checks = [check_slo(run_at(planned_req_s), slo, planned_req_s)]
+    if checks[0].met:
+        return Goodput(planned_req_s, planned_req_s, tuple(checks))
+    floor = planned_req_s * CONFIRM_FLOOR_SHARE
+    checks.append(check_slo(run_at(floor), slo, floor))
+    if not checks[-1].met:
+        return Goodput(0.0, planned_req_s, tuple(checks))
+    good, bad = floor, planned_req_s
+    for _ in range(steps):
+        middle = math.sqrt(good * bad)
+        checks.append(check_slo(run_at(middle), slo, middle))
+        good, bad = (middle, bad) if checks[-1].met else (good, middle)
+    return Goodput(good, planned_req_s, tuple(checks))

@@ -40,6 +40,8 @@ MAX_LATENCY_S = 1e7
 MAX_SAMPLES = 1_000_000
 _FILE_MODEL = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+Z_99 = 2.3263478740408408  # standard normal 99th percentile
+
 # Time per output token assumed when estimating a request's latency for Little's law: 50 ms
 # (20 tokens/s, faster than people read, a common interactive serving target).
 NOMINAL_TPOT_S = 0.05
@@ -177,6 +179,16 @@ class Workload(BaseModel):
             "max_micro_batch": in_flight,
         }
         return self.model_copy(update=update)
+
+
+def lognormal_sigma(mean: float, p99: float) -> float:
+    """sigma of the lognormal with this mean whose 99th percentile is p99: solving
+    exp(mu + z sigma) = p99 with mu = ln(mean) - sigma^2 / 2 gives sigma = z - sqrt(z^2 - 2 ln(p99 / mean)),
+    z = 2.326; when p99 / mean exceeds exp(z^2 / 2) (no solution) sigma = z. The simulator draws
+    lengths from it (`tessel.sim.request_trace`) and the online planner reads its quantiles."""
+    log_ratio = math.log(p99 / mean)
+    discriminant = Z_99**2 - 2 * log_ratio
+    return Z_99 if discriminant < 0 else Z_99 - math.sqrt(discriminant)
 
 
 def list_bundled_workloads() -> list[str]:
