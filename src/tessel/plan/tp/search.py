@@ -1,0 +1,141 @@
+"""Choose tensor-parallel degrees with the layer split: `solve_tp`.
+
+Every grouping of the cluster's GPUs (`tessel.plan.tp.groups`) is a planning problem whose devices
+are its groups (`tessel.plan.tp.tp_instance`); the existing solvers (MILP, DP, brute force) plan each
+one, and the best plan by the objective wins. The pipeline-only grouping (every GPU alone: today's
+problem, unchanged) is solved first, so the answer is never worse than the pipeline-only plan
+that the same solver finds, and `max_tp=1` is exactly today's planner.
+
+The other groupings are visited in the order of a quick lower bound on their objective
+(`quick_bound`: every unit on its fastest device, and the bottlenecks of a perfect fractional
+balance; memory, links and offloading left out) and skipped once that bound, within the gap,
+reaches the best plan found: none of their plans can be better. The bound reported over every degree
+choice is the least of each grouping's own bound (its solver's proven bound when solved, its quick
+bound when skipped or not reached in time), so it stays a lower bound over all groupings searched.
+
+Too many groupings (`groups.MAX_GROUPINGS`): each pool at one degree, then one degree for every pool;
+the plan is then best over those groupings only (`TpPlan.complete` is False).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tessel.errors import TesselError
+from tessel.plan.instance import PassCosts, PlanningInstance
+from tessel.plan.solvers.solve import PlanResult, solve
+from tessel.plan.tp.groups import Grouping, degree_multisets, groupings, pools
+from tessel.plan.tp.tp_instance import TpContext, tp_instance
+
+PIPELINE_ONLY_SHARE = 0.4  # of the time limit, for the pipeline-only problem (the baseline plan)
+MIN_GROUPING_S = 0.5  # each further grouping gets at least this (the solver's own minimum)
+
+
+@dataclass(frozen=True, slots=True)
+class TpPlan:
+    """The best plan over degree choices, on its own instance (devices = its groups)."""
+
+    grouping: Grouping
+    instance: PlanningInstance
+    result: PlanResult
+    pipeline_only: PlanResult | None  # the best pipeline-only plan (base instance); None: none fits
+    bound: float | None  # lower bound on the objective over every grouping searched
+    solved: int  # groupings planned
+    skipped: int  # groupings whose quick bound could not beat the best plan
+    complete: bool  # every grouping of every pool was searched (not the one-degree fallback)
+    infeasible: tuple[str, ...] = field(default=())
+
+    @property
+    def gap(self) -> float | None:
+        if self.bound is None or self.result.evaluation.objective <= 0:
+            return None
+        return max(self.result.evaluation.objective - self.bound, 0.0) / self.result.evaluation.objective
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The degree of each stage of the chosen plan."""
+        return tuple(self.instance.devices[s.stage.device].tp_degree for s in self.result.evaluation.stages)
+
+
+def quick_bound(instance: PlanningInstance) -> float:
+    """A lower bound on every plan's objective (module docstring); no solver."""
+    m = instance.micro_batches
+
+    def makespan(costs: PassCosts) -> float:
+        fastest = costs.unit_time_s.min(axis=1)
+        total = float(fastest.sum() + costs.first_time_s.min() + costs.last_time_s.min())
+        bottleneck = float(fastest.max())
+        if np.allclose(costs.unit_time_s, costs.unit_time_s[0]):  # alike units: balance fractionally
+            per_device = costs.unit_time_s[0]
+            bottleneck = max(bottleneck, instance.n_units / float(np.sum(1.0 / per_device)))
+        return total + (m - 1) * bottleneck
+
+    return instance.prefill_weight * makespan(instance.prefill) + instance.decode_weight * makespan(
+        instance.decode
+    )
+
+
+def solve_tp(
+    base: PlanningInstance,
+    ctx: TpContext,
+    max_tp: int,
+    *,
+    solver: str = "milp",
+    time_limit_s: float = 10.0,
+    mip_gap: float = 0.01,
+) -> TpPlan:
+    """The best plan over the groupings `max_tp` allows (module docstring)."""
+    started = time.perf_counter()
+    cluster_pools = pools(ctx.cluster, ctx.model, max_tp)
+    candidates = groupings(cluster_pools)
+    complete = math.prod(len(degree_multisets(len(p.devices), p.degrees)) for p in cluster_pools) == len(candidates)
+    alone = candidates[0]
+    share = time_limit_s if len(candidates) == 1 else time_limit_s * PIPELINE_ONLY_SHARE
+    try:
+        pipeline_only = solve(base, solver=solver, time_limit_s=share, mip_gap=mip_gap)
+    except TesselError:
+        if len(candidates) == 1:
+            raise
+        pipeline_only = None  # no pipeline-only plan: a grouping with TP stages may still fit
+    best = None if pipeline_only is None else (alone, base, pipeline_only)
+    bounds = [-np.inf if pipeline_only is None or pipeline_only.bound is None else pipeline_only.bound]
+    instances = [(quick_bound(inst), g, inst) for g, inst in _tp_instances(base, ctx, candidates[1:])]
+    instances.sort(key=lambda entry: entry[0])
+    solved, skipped, infeasible = 1, 0, []
+    for position, (bound, grouping, instance) in enumerate(instances):
+        objective = np.inf if best is None else best[2].evaluation.objective
+        left_s = time_limit_s - (time.perf_counter() - started)
+        if bound * (1 + mip_gap) >= objective or left_s <= 0:
+            bounds.extend(b for b, _g, _i in instances[position:])
+            skipped += len(instances) - position
+            break
+        seconds = max(left_s / (len(instances) - position), MIN_GROUPING_S)
+        try:
+            result = solve(instance, solver=solver, time_limit_s=seconds, mip_gap=mip_gap)
+        except TesselError as error:
+            infeasible.append(f"{_label(grouping)}: {error}")
+            continue
+        solved += 1
+        bounds.append(max(bound, result.bound) if result.bound is not None else bound)
+        if result.evaluation.objective < objective:
+            best = (grouping, instance, result)
+    if best is None:
+        raise TesselError(f"no feasible plan with any tensor-parallel grouping: {'; '.join(infeasible)}")
+    bound = min(bounds) if all(np.isfinite(bounds)) else None
+    return TpPlan(best[0], best[1], best[2], pipeline_only, bound, solved, skipped, complete, tuple(infeasible))
+
+
+def _tp_instances(base: PlanningInstance, ctx: TpContext, candidates: list[Grouping]):
+    cache: dict = {}
+    for grouping in candidates:
+        yield grouping, tp_instance(base, ctx, grouping, cache)
+
+
+def _label(grouping: Grouping) -> str:
+    return " | ".join("+".join(group) for group in grouping if len(group) > 1) or "every GPU alone"
+
+
