@@ -85,8 +85,8 @@ class PlanSettings:
 
     @classmethod
     def of_plan(cls, plan: PlanFile, *, time_limit_s: float, solver: str = "milp") -> PlanSettings:
-        """The settings a plan file records (granularity, overlap, swap-in, dtypes), to plan again
-        like it with `solver` in `time_limit_s`."""
+        """The settings a plan file records (granularity, overlap, swap-in, dtypes, its largest
+        tensor-parallel degree), to plan again like it with `solver` in `time_limit_s`."""
         return cls(
             solver=solver,
             granularity=plan.granularity,
@@ -95,6 +95,7 @@ class PlanSettings:
             time_limit_s=time_limit_s,
             dtype=plan.dtype,
             kv_dtype=plan.kv_dtype,
+            max_tp=max(stage.tp_degree for stage in plan.stages),
         )
 
     def instance_options(self, model: str | Path | ModelSpec) -> dict:

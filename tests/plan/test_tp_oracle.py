@@ -1,0 +1,64 @@
+"""The search over degrees (`solve_tp`) against brute force over every partition of every machine's GPUs
+and every plan of it, on small clusters; and the bound over degrees is a bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessel.plan.solvers.solve import solve
+from tessel.plan.tp.brute import brute_force_tp
+from tessel.plan.tp.groups import degree_multisets, every_partition, groupings, pools
+from tessel.plan.tp.search import quick_bound, solve_tp
+from tessel.plan.tp.tp_instance import tp_instance
+from tests.plan.tp_cases import cluster, problem, small_model, workload
+
+CASES = {
+    # (nodes, workload, layers): TP pays on NVLink; across PCIe and a slow pair the choice differs
+    "a100-pair-t4-pair": ((("a", "A100-80G", 2, "nvlink"), ("b", "T4", 2, "pcie")), workload(4, 2), 4),
+    "three-v100": ((("v", "V100-32G", 3, "nvlink"),), workload(8, 4, prompt=512, output=32), 5),
+    "one-stream-t4": ((("t", "T4", 2, "pcie"), ("a", "A100-40G", 2, "nvlink")), workload(1, 1), 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("solver", ["dp", "milp"])
+def test_search_over_degrees_equals_brute_force(name: str, solver: str) -> None:
+    nodes, the_workload, layers = CASES[name]
+    the_cluster = cluster(*nodes, host_gib=16)
+    base, ctx = problem(small_model(layers), the_cluster, the_workload)
+    oracle = brute_force_tp(base, ctx, max_tp=8)
+    found = solve_tp(base, ctx, 8, solver=solver, time_limit_s=20, mip_gap=0.0)
+    assert found.result.evaluation.objective == pytest.approx(oracle.evaluation.objective, rel=1e-6)
+    assert found.bound is not None and found.bound <= oracle.evaluation.objective * (1 + 1e-6)
+    assert found.complete
+    # the pipeline-only plan is the brute force over single GPUs
+    alone = brute_force_tp(base, ctx, max_tp=1)
+    assert found.pipeline_only.evaluation.objective == pytest.approx(alone.evaluation.objective, rel=1e-6)
+
+
+def test_brute_force_tells_gpus_apart_and_the_search_does_not_need_to() -> None:
+    the_cluster = cluster(("v", "V100-32G", 3, "nvlink"), ("t", "T4", 2, "pcie"))
+    the_pools = pools(the_cluster, small_model(), 8)
+    assert [p.degrees for p in the_pools] == [(1, 2), (1, 2)]
+    # 3 GPUs: alone, or one of 3 pairs; 2 GPUs: alone or one pair -> 4 x 2 partitions, 2 x 2 multisets
+    assert len(list(every_partition(the_pools))) == 8
+    assert len(groupings(the_pools)) == 4 == len(degree_multisets(3, (1, 2))) * len(degree_multisets(2, (1, 2)))
+    assert groupings(the_pools)[0] == tuple((d.name,) for d in the_cluster.devices)  # pipeline-only first
+
+
+def test_quick_bound_is_below_every_grouping_optimum() -> None:
+    the_cluster = cluster(("a", "A100-80G", 2, "nvlink"), ("b", "T4", 2, "pcie"), host_gib=16)
+    base, ctx = problem(small_model(4), the_cluster, workload(4, 2))
+    for grouping in groupings(pools(the_cluster, ctx.model, 8)):
+        instance = tp_instance(base, ctx, grouping)
+        best = solve(instance, solver="brute")
+        assert quick_bound(instance) <= best.evaluation.objective * (1 + 1e-9)
+
+
+def test_max_tp_one_is_the_pipeline_only_problem() -> None:
+    the_cluster = cluster(("a", "A100-80G", 2, "nvlink"), ("b", "T4", 2, "pcie"), host_gib=16)
+    base, ctx = problem(small_model(4), the_cluster, workload(4, 2))
+    found = solve_tp(base, ctx, 1, solver="dp", time_limit_s=10, mip_gap=0.0)
+    direct = solve(base, solver="dp", time_limit_s=10, mip_gap=0.0)
+    assert found.instance is base and found.result.solution == direct.solution
+    assert found.degrees == (1,) * len(direct.evaluation.stages)
