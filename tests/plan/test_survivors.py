@@ -89,7 +89,9 @@ def test_survivor_plan_on_a_bundled_cluster_is_the_planners_without_the_lost_dev
     figures, objective) on that cluster without the lost device, and names the bundled cluster, so
     the next loss reads it again."""
     # pipeline-only (--max-tp 1): the runtime's stage loss; the survivors re-plan at the plan's degree
-    plan = make_plan("llama-2-13b", "llmpq-v100-a100", "default", PlanSettings(solver="dp", max_tp=1)).plan_file()
+    plan = make_plan(
+        "llama-2-13b", "llmpq-v100-a100", "default", PlanSettings(solver="dp", max_tp=1)
+    ).plan_file()
     lost_device = "a100-node/gpu1"
     (lost,) = [s.index for s in plan.stages if s.device == lost_device]
     survivor = survivor_plan(plan, {lost}, time_limit_s=SURVIVOR_TIME_LIMIT_S)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
+from tests.plan.tp_cases import cluster, problem, small_model, workload
 from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.plan.files.export_vllm import export_vllm
 from tessel.plan.tp.search import solve_tp
-from tests.plan.tp_cases import cluster, problem, small_model, workload
 
 ARGS = ["plan", "--cluster", "a100x8-t4x4", "--workload", "single-stream", "--time-limit", "5"]
 
@@ -34,7 +34,9 @@ def test_max_tp_one_is_todays_pipeline(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert "┃ TP ┃" not in result.output and "tensor parallelism" not in result.output
     assert "--tensor-parallel-size 1" in result.output
-    assert all(s["tp_degree"] == 1 and s["gpus"] == [s["device"]] for s in json.loads(out.read_text())["stages"])
+    assert all(
+        s["tp_degree"] == 1 and s["gpus"] == [s["device"]] for s in json.loads(out.read_text())["stages"]
+    )
 
 
 def test_max_tp_out_of_range_is_refused() -> None:

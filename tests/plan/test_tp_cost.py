@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.plan.tp_cases import cluster, problem, small_model, workload
 
 from tessel.catalog.gpus import get_gpu
 from tessel.cost import layer as L
@@ -12,7 +13,6 @@ from tessel.cost.roofline import unit_decode_time_s, unit_prefill_time_s
 from tessel.cost.tensor_parallel import TensorParallel, allowed_degrees, degree_problem, shard_model
 from tessel.plan.files.cluster import NVLINK_LATENCY_S, PCIE_P2P_LATENCY_S
 from tessel.plan.tp.tp_instance import ring_link, tp_instance
-from tests.plan.tp_cases import cluster, problem, small_model, workload
 
 
 def test_ring_all_reduce_by_hand() -> None:
@@ -43,12 +43,17 @@ def test_degree_must_divide_heads_and_kv_heads() -> None:
     model = replace(small_model(), num_heads=12, num_kv_heads=6)
     assert degree_problem(model, 8) == "degree 8 does not divide the 12 heads of llama-3-70b"
     assert degree_problem(model, 4) == "degree 4 does not divide the 6 KV heads of llama-3-70b"
-    assert degree_problem(replace(model, num_heads=16, num_kv_heads=2), 4).endswith("the 2 KV heads of llama-3-70b")
+    assert degree_problem(replace(model, num_heads=16, num_kv_heads=2), 4).endswith(
+        "the 2 KV heads of llama-3-70b"
+    )
     assert allowed_degrees(replace(model, num_heads=16, num_kv_heads=2), 8) == (1, 2)
     assert degree_problem(model, 3).startswith("tensor-parallel degree 3 is not one of 1, 2, 4, 8")
 
 
-@pytest.mark.parametrize(("gpu", "link", "latency_s"), [("A100-80G", "nvlink", NVLINK_LATENCY_S), ("T4", "pcie", PCIE_P2P_LATENCY_S)])
+@pytest.mark.parametrize(
+    ("gpu", "link", "latency_s"),
+    [("A100-80G", "nvlink", NVLINK_LATENCY_S), ("T4", "pcie", PCIE_P2P_LATENCY_S)],
+)
 def test_tp_group_priced_as_a_shard_plus_two_all_reduces(gpu: str, link: str, latency_s: float) -> None:
     model, the_workload = small_model(), workload(batch=4, micro_batches=2, prompt=256, output=64)
     the_cluster = cluster(("n0", gpu, 4, link), host_gib=64)
@@ -75,7 +80,9 @@ def test_tp_group_priced_as_a_shard_plus_two_all_reduces(gpu: str, link: str, la
     assert slot.host_to_device_bytes_per_s == pytest.approx(4 * base.devices[0].host_to_device_bytes_per_s)
     assert inst.workspace_bytes[0] == pytest.approx(4 * L.workspace_bytes(shard, b * prompt, "fp16"))
     # the KV and weights the instance holds are the model's, whole
-    assert np.array_equal(inst.kv_bytes, base.kv_bytes) and np.array_equal(inst.weight_bytes, base.weight_bytes)
+    assert np.array_equal(inst.kv_bytes, base.kv_bytes) and np.array_equal(
+        inst.weight_bytes, base.weight_bytes
+    )
 
 
 def test_degree_one_groups_keep_the_base_numbers() -> None:

@@ -4,13 +4,13 @@ and every plan of it, on small clusters; and the bound over degrees is a bound."
 from __future__ import annotations
 
 import pytest
+from tests.plan.tp_cases import cluster, problem, small_model, workload
 
 from tessel.plan.solvers.solve import solve
 from tessel.plan.tp.brute import brute_force_tp
 from tessel.plan.tp.groups import degree_multisets, every_partition, groupings, pools
 from tessel.plan.tp.search import quick_bound, solve_tp
 from tessel.plan.tp.tp_instance import tp_instance
-from tests.plan.tp_cases import cluster, problem, small_model, workload
 
 CASES = {
     # (nodes, workload, layers): TP pays on NVLink; across PCIe and a slow pair the choice differs
@@ -42,7 +42,9 @@ def test_brute_force_tells_gpus_apart_and_the_search_does_not_need_to() -> None:
     assert [p.degrees for p in the_pools] == [(1, 2), (1, 2)]
     # 3 GPUs: alone, or one of 3 pairs; 2 GPUs: alone or one pair -> 4 x 2 partitions, 2 x 2 multisets
     assert len(list(every_partition(the_pools))) == 8
-    assert len(groupings(the_pools)) == 4 == len(degree_multisets(3, (1, 2))) * len(degree_multisets(2, (1, 2)))
+    assert (
+        len(groupings(the_pools)) == 4 == len(degree_multisets(3, (1, 2))) * len(degree_multisets(2, (1, 2)))
+    )
     assert groupings(the_pools)[0] == tuple((d.name,) for d in the_cluster.devices)  # pipeline-only first
 
 

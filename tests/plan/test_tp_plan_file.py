@@ -81,7 +81,10 @@ def test_gpus_must_list_one_gpu_per_rank(tp_document: dict) -> None:
 def test_a_gpu_named_twice_is_refused(tp_document: dict) -> None:
     gpus = [f"dgx/gpu{i}" for i in (0, 1, 2, 3, 4, 5, 6, 6)]
     message = _refusal(_mutated(tp_document, gpus=gpus))
-    assert "GPU 'dgx/gpu6' is named twice: stages[0] (dgx/gpu0) rank 6 and stages[0] (dgx/gpu0) rank 7" in message
+    assert (
+        "GPU 'dgx/gpu6' is named twice: stages[0] (dgx/gpu0) rank 6 and stages[0] (dgx/gpu0) rank 7"
+        in message
+    )
     two = copy.deepcopy(tp_document)
     first = two["stages"][0]
     second = {**first, "index": 1, "device": "dgx/gpu4", "gpus": [f"dgx/gpu{i}" for i in (4, 5, 6, 7)]}
@@ -105,7 +108,9 @@ def test_cluster_checks_types_and_counts(tp_document: dict) -> None:
     mixed = parse_cluster(
         {
             "name": "mixed-node",
-            "nodes": [{"name": "dgx", "gpus": [{"type": "A100-80G", "count": 4}, {"type": "T4", "count": 4}]}],
+            "nodes": [
+                {"name": "dgx", "gpus": [{"type": "A100-80G", "count": 4}, {"type": "T4", "count": 4}]}
+            ],
         }
     )
     plan = parse_plan(tp_document, source="tp.json")
@@ -114,7 +119,9 @@ def test_cluster_checks_types_and_counts(tp_document: dict) -> None:
     message = str(error.value)
     assert "tp.json: stages[0] (dgx/gpu0): its GPUs are of different types (A100-80G, T4)" in message
     assert "tp_degree 8 is above the 4 A100-80G GPUs of machine dgx" in message
-    small = parse_cluster({"name": "dgx4", "nodes": [{"name": "dgx", "gpus": {"type": "A100-80G", "count": 4}}]})
+    small = parse_cluster(
+        {"name": "dgx4", "nodes": [{"name": "dgx", "gpus": {"type": "A100-80G", "count": 4}}]}
+    )
     with pytest.raises(TesselError, match=r"dgx/gpu4, dgx/gpu5, dgx/gpu6, dgx/gpu7 not in cluster dgx4"):
         check_tp_stages(plan, cluster=small)
 
@@ -125,5 +132,7 @@ def test_runtime_check_takes_the_model_it_will_load(tp_document: dict) -> None:
     plan = parse_plan(tp_document, source="tp.json")
     check_tp_stages(plan)  # the plan's own model: fine
     odd = replace(plan.model_spec, num_heads=24, num_kv_heads=3)
-    with pytest.raises(TesselError, match=r"stages\[0\] \(dgx/gpu0\): degree 8 does not divide the 3 KV heads"):
+    with pytest.raises(
+        TesselError, match=r"stages\[0\] \(dgx/gpu0\): degree 8 does not divide the 3 KV heads"
+    ):
         check_tp_stages(plan, model=odd)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.plan.tp_cases import cluster, small_model, workload
 
 from tessel.chunk.from_plan import plan_pipeline
 from tessel.plan.api import PlanSettings, make_plan
-from tests.plan.tp_cases import cluster, small_model, workload
 
 
 def test_sim_stage_times_equal_the_planners_for_tp_stages() -> None:

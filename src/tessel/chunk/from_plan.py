@@ -147,7 +147,9 @@ class CostModelStage:
         if self.tp is None:
             return 0.0
         act = L.activation_dtype(self.dtype)
-        return sum(count * self.tp.unit_comm_s(self.model, kind, tokens, act) for kind, _q, count in self.unit_counts)
+        return sum(
+            count * self.tp.unit_comm_s(self.model, kind, tokens, act) for kind, _q, count in self.unit_counts
+        )
 
     def _lm_head_s(self, rows: int) -> float:
         time = R.lm_head_time_s(self.model, self.gpu, rows, self.dtype, profile=self.profile)

@@ -94,7 +94,8 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
 
 
 def _tp_json(device, cluster) -> dict:
-    """A stage's degree, rank GPUs and tensor-parallel ring link (plan file version 5; no ring at degree 1)."""
+    """A stage's degree, rank GPUs and tensor-parallel ring link (plan file version 5; no ring at
+    degree 1)."""
     if device.tp_degree == 1:
         return {"tp_degree": 1, "gpus": [device.name], "tp_link": None}
     link = None

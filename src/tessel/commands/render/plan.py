@@ -54,7 +54,9 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
     console.print(f"solver: {result.solver}, status {result.status}, gap {gap}, {result.time_s:.2f} s")
     if outcome.tp is not None:
         console.print(tp_text(outcome), highlight=False)
-    console.print(comparison_table(outcome.base_instance or instance, result.evaluation, outcome.baselines, b))
+    console.print(
+        comparison_table(outcome.base_instance or instance, result.evaluation, outcome.baselines, b)
+    )
 
 
 def tp_text(outcome: PlanOutcome) -> str:

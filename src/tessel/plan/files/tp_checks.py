@@ -109,7 +109,9 @@ def cluster_problems(plan: PlanFile, cluster: Cluster) -> list[str]:
             devices = [names[gpu] for gpu in stage.rank_gpus]
             nodes = sorted({d.node for d in devices})
             if len(nodes) > 1:
-                problems.append(f"{key}: its {len(devices)} GPUs are on different machines ({', '.join(nodes)})")
+                problems.append(
+                    f"{key}: its {len(devices)} GPUs are on different machines ({', '.join(nodes)})"
+                )
             types = sorted({d.gpu_type for d in devices})
             if len(types) > 1:
                 problems.append(f"{key}: its GPUs are of different types ({', '.join(types)})")

@@ -95,7 +95,9 @@ def groupings(cluster_pools: tuple[Pool, ...], limit: int = MAX_GROUPINGS) -> li
     choice of one degree per pool; more still: one degree for all pools (module `search`)."""
     per_pool = [degree_multisets(len(p.devices), p.degrees) for p in cluster_pools]
     if math.prod(len(m) for m in per_pool) > limit:
-        per_pool = [sorted({uniform_sizes(p, d) for d in p.degrees}, key=len, reverse=True) for p in cluster_pools]
+        per_pool = [
+            sorted({uniform_sizes(p, d) for d in p.degrees}, key=len, reverse=True) for p in cluster_pools
+        ]
     if math.prod(len(m) for m in per_pool) > limit:
         degrees = sorted({d for p in cluster_pools for d in p.degrees})
         choices = [tuple(uniform_sizes(p, d) for p in cluster_pools) for d in degrees]
@@ -106,7 +108,9 @@ def groupings(cluster_pools: tuple[Pool, ...], limit: int = MAX_GROUPINGS) -> li
 
 
 def _grouping(cluster_pools: tuple[Pool, ...], sizes: tuple[tuple[int, ...], ...]) -> Grouping:
-    return tuple(group for pool, s in zip(cluster_pools, sizes, strict=True) for group in pool_groups(pool, s))
+    return tuple(
+        group for pool, s in zip(cluster_pools, sizes, strict=True) for group in pool_groups(pool, s)
+    )
 
 
 def every_partition(cluster_pools: tuple[Pool, ...]) -> Iterator[Grouping]:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from tessel.errors import TesselError
 from tessel.plan.instance import PassCosts, PlanningInstance
+from tessel.plan.solution import evaluate
 from tessel.plan.solvers.solve import PlanResult, solve
 from tessel.plan.tp.groups import Grouping, degree_multisets, groupings, pools
 from tessel.plan.tp.tp_instance import TpContext, tp_instance
@@ -92,7 +93,9 @@ def solve_tp(
     started = time.perf_counter()
     cluster_pools = pools(ctx.cluster, ctx.model, max_tp)
     candidates = groupings(cluster_pools)
-    complete = math.prod(len(degree_multisets(len(p.devices), p.degrees)) for p in cluster_pools) == len(candidates)
+    complete = math.prod(len(degree_multisets(len(p.devices), p.degrees)) for p in cluster_pools) == len(
+        candidates
+    )
     alone = candidates[0]
     share = time_limit_s if len(candidates) == 1 else time_limit_s * PIPELINE_ONLY_SHARE
     try:
@@ -123,10 +126,33 @@ def solve_tp(
         bounds.append(max(bound, result.bound) if result.bound is not None else bound)
         if result.evaluation.objective < objective:
             best = (grouping, instance, result)
+        pipeline_only = _better_pipeline_only(base, instance, result, pipeline_only)
     if best is None:
         raise TesselError(f"no feasible plan with any tensor-parallel grouping: {'; '.join(infeasible)}")
     bound = min(bounds) if all(np.isfinite(bounds)) else None
-    return TpPlan(best[0], best[1], best[2], pipeline_only, bound, solved, skipped, complete, tuple(infeasible))
+    return TpPlan(
+        best[0], best[1], best[2], pipeline_only, bound, solved, skipped, complete, tuple(infeasible)
+    )
+
+
+def _better_pipeline_only(
+    base: PlanningInstance, instance: PlanningInstance, result: PlanResult, pipeline_only: PlanResult | None
+) -> PlanResult | None:
+    """A plan whose stages all have degree 1 is a pipeline-only plan: it replaces `pipeline_only` when
+    better (the pipeline-only solve may stop at its time share before finding it)."""
+    slots = [instance.devices[se.stage.device] for se in result.evaluation.stages]
+    if any(slot.tp_degree > 1 for slot in slots):
+        return pipeline_only
+    index = {slot.name: j for j, slot in enumerate(base.devices)}
+    stages = tuple(replace(s, device=index[instance.devices[s.device].name]) for s in result.solution.stages)
+    solution = replace(result.solution, stages=stages)
+    evaluation = evaluate(base, solution)
+    if pipeline_only is not None and evaluation.objective >= pipeline_only.evaluation.objective:
+        return pipeline_only
+    bound = None if pipeline_only is None else pipeline_only.bound  # the pipeline-only problem's own
+    gap = None if bound is None else max(evaluation.objective - bound, 0.0) / evaluation.objective
+    detail = {**result.detail, "plan_from": "tp search"}
+    return replace(result, solution=solution, evaluation=evaluation, bound=bound, gap=gap, detail=detail)
 
 
 def _tp_instances(base: PlanningInstance, ctx: TpContext, candidates: list[Grouping]):
@@ -137,5 +163,3 @@ def _tp_instances(base: PlanningInstance, ctx: TpContext, candidates: list[Group
 
 def _label(grouping: Grouping) -> str:
     return " | ".join("+".join(group) for group in grouping if len(group) > 1) or "every GPU alone"
-
-

@@ -83,12 +83,22 @@ def _group_costs(ctx: TpContext, base: PlanningInstance, gpus: tuple[str, ...]) 
     def comm(kind: str, tokens: float) -> float:
         return tp.unit_comm_s(model, kind, tokens, act)
 
-    prefill = np.array([t + comm(k, shape.prefill_tokens) for t, k in zip(costs.prefill_s, kinds, strict=True)])
+    prefill = np.array(
+        [t + comm(k, shape.prefill_tokens) for t, k in zip(costs.prefill_s, kinds, strict=True)]
+    )
     decode = np.array([t + comm(k, b) for t, k in zip(costs.decode_s, kinds, strict=True)])
     context = max(round(shape.decode_context), 1)
     profile = select_profile(ctx.profiles, shard, spec, ctx.dtype)
     recompute_s = unit_prefill_time_s(
-        shard, spec, "layer", context, 0, batch_size=b, dtype=ctx.dtype, kv_dtype=ctx.kv_dtype, profile=profile
+        shard,
+        spec,
+        "layer",
+        context,
+        0,
+        batch_size=b,
+        dtype=ctx.dtype,
+        kv_dtype=ctx.kv_dtype,
+        profile=profile,
     ) + comm("layer", context * b)
     return _GroupCosts(
         prefill=prefill,
