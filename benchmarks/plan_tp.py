@@ -84,6 +84,7 @@ def _plan(workload: str, max_tp: int | None) -> dict:
         "gap": outcome.result.gap,
         "groupings_planned": None if tp is None else tp.solved,
         "groupings_ruled_out": None if tp is None else tp.skipped,
+        "groupings_out_of_time": None if tp is None else tp.out_of_time,
         "gap_over_degrees": None if tp is None else tp.gap,
         "plan_wall_s": elapsed.wall_s,
         "load_1min": [load_before, os.getloadavg()[0]],

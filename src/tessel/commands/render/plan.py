@@ -67,7 +67,9 @@ def tp_text(outcome: PlanOutcome) -> str:
     scope = "every grouping" if tp.complete else "one degree per machine (too many groupings)"
     text = (
         f"tensor parallelism: stage degrees {degrees}; searched {scope}: {tp.solved} planned, "
-        f"{tp.skipped} ruled out by their bound; gap over all degrees {bound}"
+        f"{tp.skipped} ruled out by their bound"
+        + (f", {tp.out_of_time} not reached in the time limit" if tp.out_of_time else "")
+        + f"; gap over all degrees {bound}"
     )
     if tp.pipeline_only is None:
         return text + "; no pipeline-only plan fits"

@@ -4,7 +4,9 @@ Every grouping of the cluster's GPUs (`tessel.plan.tp.groups`) is a planning pro
 are its groups (`tessel.plan.tp.tp_instance`); the existing solvers (MILP, DP, brute force) plan each
 one, and the best plan by the objective wins. The pipeline-only grouping (every GPU alone: today's
 problem, unchanged) is solved first, so the answer is never worse than the pipeline-only plan
-that the same solver finds, and `max_tp=1` is exactly today's planner.
+that the same solver finds, and `max_tp=1` is exactly today's planner. A grouping's plan whose stages
+all have degree 1 is a pipeline-only plan too: when better it becomes `pipeline_only` (the baseline
+printed beside the chosen plan), so TP is never credited with what the pipeline-only solve missed.
 
 The other groupings are visited in the order of a quick lower bound on their objective
 (`quick_bound`: every unit on its fastest device, and the bottlenecks of a perfect fractional
@@ -47,6 +49,7 @@ class TpPlan:
     bound: float | None  # lower bound on the objective over every grouping searched
     solved: int  # groupings planned
     skipped: int  # groupings whose quick bound could not beat the best plan
+    out_of_time: int  # groupings not planned: the time limit was reached first
     complete: bool  # every grouping of every pool was searched (not the one-degree fallback)
     infeasible: tuple[str, ...] = field(default=())
 
@@ -108,13 +111,16 @@ def solve_tp(
     bounds = [-np.inf if pipeline_only is None or pipeline_only.bound is None else pipeline_only.bound]
     instances = [(quick_bound(inst), g, inst) for g, inst in _tp_instances(base, ctx, candidates[1:])]
     instances.sort(key=lambda entry: entry[0])
-    solved, skipped, infeasible = 1, 0, []
+    solved, skipped, out_of_time, infeasible = 1, 0, 0, []
     for position, (bound, grouping, instance) in enumerate(instances):
         objective = np.inf if best is None else best[2].evaluation.objective
         left_s = time_limit_s - (time.perf_counter() - started)
-        if bound * (1 + mip_gap) >= objective or left_s <= 0:
+        if bound * (1 + mip_gap) >= objective or left_s < MIN_GROUPING_S:
             bounds.extend(b for b, _g, _i in instances[position:])
-            skipped += len(instances) - position
+            if left_s < MIN_GROUPING_S and bound * (1 + mip_gap) < objective:
+                out_of_time += len(instances) - position
+            else:
+                skipped += len(instances) - position
             break
         seconds = max(left_s / (len(instances) - position), MIN_GROUPING_S)
         try:
@@ -131,7 +137,16 @@ def solve_tp(
         raise TesselError(f"no feasible plan with any tensor-parallel grouping: {'; '.join(infeasible)}")
     bound = min(bounds) if all(np.isfinite(bounds)) else None
     return TpPlan(
-        best[0], best[1], best[2], pipeline_only, bound, solved, skipped, complete, tuple(infeasible)
+        best[0],
+        best[1],
+        best[2],
+        pipeline_only,
+        bound,
+        solved,
+        skipped,
+        out_of_time,
+        complete,
+        tuple(infeasible),
     )
 
 
