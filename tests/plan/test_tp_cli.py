@@ -53,3 +53,11 @@ def test_export_of_unequal_degrees_says_what_is_lost() -> None:
     assert "--tensor-parallel-size 1" in exported.command
     lost = next(w for w in exported.warnings if "tensor-parallel degrees" in w)
     assert "vLLM runs one degree on every stage" in lost and "2 -> 1 GPUs" in lost
+
+
+def test_no_machine_with_two_gpus_plans_as_before() -> None:
+    """CPU devices (and single-GPU machines) have no degree above 1: no search, no TP line."""
+    from tessel.plan.api import PlanSettings, make_plan
+
+    outcome = make_plan("llama-3-8b", "local-cpu", "default", PlanSettings(solver="dp", time_limit_s=3))
+    assert outcome.tp is None and outcome.base_instance is None

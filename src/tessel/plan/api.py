@@ -30,7 +30,7 @@ from tessel.plan.report import Predicted, plan_json, predict
 from tessel.plan.solution import first_stage_on
 from tessel.plan.solvers.baselines import BaselineResult, run_baselines
 from tessel.plan.solvers.solve import PlanResult, solve
-from tessel.plan.tp.search import TpPlan, solve_tp
+from tessel.plan.tp.search import TpPlan, solve_tp, tp_possible
 from tessel.plan.tp.tp_instance import TpContext
 
 # What the API accepts for each input: a bundled name, a file path, or the loaded spec.
@@ -271,7 +271,7 @@ def make_plan(
     solver_s = problem.solver_time_s(settings)
     decision = None
     tp = None
-    if previous is None and tp_max_degree(settings) > 1:
+    if previous is None and tp_possible(problem.cluster, problem.model, tp_max_degree(settings)):
         tp = solve_tp(
             instance,
             TpContext(problem.model, problem.cluster, problem.workload, settings.dtype, settings.kv_dtype,

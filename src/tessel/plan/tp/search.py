@@ -65,6 +65,11 @@ class TpPlan:
         return tuple(self.instance.devices[s.stage.device].tp_degree for s in self.result.evaluation.stages)
 
 
+def tp_possible(cluster, model, max_tp: int) -> bool:  # noqa: ANN001 (Cluster, ModelSpec)
+    """Whether any machine of `cluster` can hold a stage of degree > 1 of `model` under `max_tp`."""
+    return max_tp > 1 and any(len(pool.degrees) > 1 for pool in pools(cluster, model, max_tp))
+
+
 def quick_bound(instance: PlanningInstance) -> float:
     """A lower bound on every plan's objective (module docstring); no solver."""
     m = instance.micro_batches
