@@ -4,6 +4,8 @@ and every plan of it, on small clusters; and the bound over degrees is a bound."
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tests.plan.tp_cases import cluster, problem, small_model, workload
 
 from tessel.plan.solvers.solve import solve
@@ -64,3 +66,23 @@ def test_max_tp_one_is_the_pipeline_only_problem() -> None:
     direct = solve(base, solver="dp", time_limit_s=10, mip_gap=0.0)
     assert found.instance is base and found.result.solution == direct.solution
     assert found.degrees == (1,) * len(direct.evaluation.stages)
+
+
+GPU_TYPES = (("T4", "pcie"), ("L4", "pcie"), ("V100-32G", "nvlink"), ("A100-40G", "nvlink"))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=2),
+    batch=st.integers(1, 8),
+    micro_batches=st.integers(1, 4),
+    layers=st.integers(3, 5),
+)
+def test_random_small_clusters_match_brute_force(nodes, batch, micro_batches, layers) -> None:
+    spec = [(f"n{i}", GPU_TYPES[t][0], count, GPU_TYPES[t][1]) for i, (t, count) in enumerate(nodes)]
+    the_cluster = cluster(*spec, host_gib=16)
+    base, ctx = problem(small_model(layers), the_cluster, workload(batch, micro_batches))
+    oracle = brute_force_tp(base, ctx, max_tp=8)
+    found = solve_tp(base, ctx, 8, solver="dp", time_limit_s=20, mip_gap=0.0)
+    assert found.result.evaluation.objective == pytest.approx(oracle.evaluation.objective, rel=1e-6)
+    assert found.bound <= oracle.evaluation.objective * (1 + 1e-6)
