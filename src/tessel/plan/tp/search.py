@@ -130,8 +130,9 @@ def solve_tp(
         seconds = max(left_s / (len(instances) - position), MIN_GROUPING_S)
         try:
             result = solve(instance, solver=solver, time_limit_s=seconds, mip_gap=mip_gap)
-        except TesselError as error:
+        except TesselError as error:  # no plan found: its quick bound still counts
             infeasible.append(f"{_label(grouping)}: {error}")
+            bounds.append(bound)
             continue
         solved += 1
         bounds.append(max(bound, result.bound) if result.bound is not None else bound)
