@@ -291,6 +291,12 @@ class PlanFile(StrictModel):
     def check_named_cluster(self) -> None:
         """`check_cluster` against the cluster the plan names, when that can be found (a bundled
         name or a cluster file); a hand-written plan naming no known cluster is not checked."""
+        cluster = self.named_cluster()
+        if cluster is not None:
+            self.check_cluster(cluster)
+
+    def named_cluster(self) -> Cluster | None:
+        """The cluster the plan names, when that can be found (a bundled name or a cluster file)."""
         from tessel.plan.files.cluster import list_bundled_clusters, load_cluster
 
         source = self.cluster.source or self.cluster.name
@@ -298,8 +304,7 @@ class PlanFile(StrictModel):
             found = source in list_bundled_clusters() or Path(source).is_file()
         except (OSError, ValueError):  # a name no file system accepts (NUL bytes, too long)
             found = False
-        if found:
-            self.check_cluster(load_cluster(source))
+        return load_cluster(source) if found else None
 
     def check_model(self, name: str, num_layers: int) -> None:
         """The model a runtime is about to load is the plan's (same name and layer count)."""

@@ -27,8 +27,11 @@ if TYPE_CHECKING:
 
 def check_tp_stages(plan: PlanFile, model: ModelSpec | None = None, cluster: Cluster | None = None) -> None:
     """Raise `TesselError` listing every problem of the plan's tensor-parallel stages (module
-    docstring); `model` defaults to the plan's, the cluster checks run when `cluster` is given."""
+    docstring); `model` defaults to the plan's, `cluster` to the one it names when that can be found
+    (a bundled name or a cluster file; without one the cluster checks are skipped)."""
     problems = tp_problems(plan, model)
+    if cluster is None:
+        cluster = plan.named_cluster()
     if cluster is not None:
         problems += cluster_problems(plan, cluster)
     if problems:
