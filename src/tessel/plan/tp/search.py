@@ -9,9 +9,10 @@ all have degree 1 is a pipeline-only plan too: when better it becomes `pipeline_
 printed beside the chosen plan), so TP is never credited with what the pipeline-only solve missed.
 
 The other groupings are visited in the order of a quick lower bound on their objective
-(`quick_bound`: every unit on its fastest device, and the bottlenecks of a perfect fractional
-balance; memory, links and offloading left out) and skipped once that bound, within the gap,
-reaches the best plan found: none of their plans can be better. The bound reported over every degree
+(`quick_bound`: every unit on its fastest device; with alike units, a small LP over fractional unit
+counts per device that prices each device's memory and what streams beyond it, but not links, first
+and last stages or whole units) and skipped once that bound, within the gap, reaches the best plan
+found: none of their plans can be better. The bound reported over every degree
 choice is the least of each grouping's own bound (its solver's proven bound when solved, its quick
 bound when skipped or not reached in time), so it stays a lower bound over all groupings searched.
 
@@ -71,21 +72,81 @@ def tp_possible(cluster, model, max_tp: int) -> bool:  # noqa: ANN001 (Cluster, 
 
 
 def quick_bound(instance: PlanningInstance) -> float:
-    """A lower bound on every plan's objective (module docstring); no solver."""
+    """A lower bound on every plan's objective (module docstring); no MILP: every unit on its fastest
+    device, and for alike units (whole layers) the LP of `_alike_units_bound`."""
     m = instance.micro_batches
+    ends = {}
 
     def makespan(costs: PassCosts) -> float:
         fastest = costs.unit_time_s.min(axis=1)
-        total = float(fastest.sum() + costs.first_time_s.min() + costs.last_time_s.min())
-        bottleneck = float(fastest.max())
-        if np.allclose(costs.unit_time_s, costs.unit_time_s[0]):  # alike units: balance fractionally
-            per_device = costs.unit_time_s[0]
-            bottleneck = max(bottleneck, instance.n_units / float(np.sum(1.0 / per_device)))
-        return total + (m - 1) * bottleneck
+        ends[id(costs)] = float(costs.first_time_s.min() + costs.last_time_s.min())
+        return float(fastest.sum()) + ends[id(costs)] + (m - 1) * float(fastest.max())
 
-    return instance.prefill_weight * makespan(instance.prefill) + instance.decode_weight * makespan(
-        instance.decode
-    )
+    pw, dw = instance.prefill_weight, instance.decode_weight
+    bound = pw * makespan(instance.prefill) + dw * makespan(instance.decode)
+    relaxed = _alike_units_bound(instance)
+    if relaxed is not None:
+        bound = max(bound, relaxed + pw * ends[id(instance.prefill)] + dw * ends[id(instance.decode)])
+    return bound
+
+
+MS_PER_S = 1e3  # the LP in milliseconds keeps its coefficients near 1
+
+
+def _alike_units_bound(instance: PlanningInstance) -> float | None:
+    """With alike units (same times and bytes: whole layers), the LP over fractional unit counts n_j:
+
+        minimise  pw (sum_j y_j^pre + (m - 1) tau^pre) + dw (sum_j y_j^dec + (m - 1) tau^dec)
+        s.t.      sum_j n_j = U,   tau >= y_j >= f_j(n_j) in each pass,
+
+    f_j convex piecewise linear: n t_j for the units its memory holds (less its workspace), then each
+    further unit's bytes streamed at its fastest offload rate (added, or with `overlap` the larger of
+    compute and stream); no host memory: n_j <= what it holds. Every plan is a point of it (stage
+    times only add first/last stages, links, whole units and whole streamed layers), so its value is a
+    bound on the unit terms of the objective. None when units differ or the LP has no solution."""
+    from tessel.plan.solvers.highs import solve_lp
+
+    passes = (instance.prefill, instance.decode)
+    unit_bytes = instance.weight_bytes + instance.kv_bytes
+    if instance.move_s is not None or instance.precision is not None:
+        return None
+    if not all(np.allclose(c.unit_time_s, c.unit_time_s[0]) for c in passes) or not np.allclose(
+        unit_bytes, unit_bytes[0]
+    ):
+        return None
+    n, per = instance.n_devices, float(unit_bytes[0])
+    # columns: n_j (0..n-1), y_j per pass (n..3n-1), tau per pass (3n, 3n+1)
+    weights = (instance.prefill_weight, instance.decode_weight)
+    cost = [0.0] * n + [w for w in weights for _ in range(n)]
+    cost += [w * (instance.micro_batches - 1) for w in weights]
+    upper = [np.inf] * (3 * n + 2)
+    rows, cols, vals, lower_rows, upper_rows = [], [], [], [], []
+
+    def row(entries: list[tuple[int, float]], low: float, high: float = np.inf) -> None:
+        for col, val in entries:
+            rows.append(len(lower_rows))
+            cols.append(col)
+            vals.append(val)
+        lower_rows.append(low)
+        upper_rows.append(high)
+
+    row([(j, 1.0) for j in range(n)], instance.n_units, instance.n_units)
+    for j, slot in enumerate(instance.devices):
+        fits = max(slot.memory_bytes - float(instance.workspace_bytes[j]), 0.0) / per if per > 0 else np.inf
+        stream_ms = MS_PER_S * per / instance.offload_bytes_per_s_bound(j) if slot.host_bytes > 0 else np.inf
+        if not np.isfinite(stream_ms):
+            upper[j] = fits
+        for q, costs in enumerate(passes):
+            y, tau, t_ms = n + q * n + j, 3 * n + q, MS_PER_S * float(costs.unit_time_s[0, j])
+            row([(y, 1.0), (j, -t_ms)], 0.0)  # y >= n t
+            if np.isfinite(stream_ms) and np.isfinite(fits):
+                if instance.overlap:  # y >= (n - fits) stream
+                    row([(y, 1.0), (j, -stream_ms)], -stream_ms * fits)
+                else:  # y >= n t + (n - fits) stream
+                    row([(y, 1.0), (j, -(t_ms + stream_ms))], -stream_ms * fits)
+            row([(tau, 1.0), (y, -1.0)], 0.0)
+    value = solve_lp(cost, [0.0] * len(cost), upper, rows, cols, vals, lower_rows, upper_rows)
+    return None if value is None else value / MS_PER_S
 
 
 def solve_tp(
