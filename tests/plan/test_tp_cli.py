@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from tests.plan.tp_cases import cluster, problem, small_model, workload
 from typer.testing import CliRunner
 
+from plan.tp_cases import cluster, problem, small_model, workload
 from tessel.cli import app
 from tessel.plan.files.export_vllm import export_vllm
 from tessel.plan.tp.search import solve_tp

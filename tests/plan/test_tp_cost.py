@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.plan.tp_cases import cluster, problem, small_model, workload
 
+from plan.tp_cases import cluster, problem, small_model, workload
 from tessel.catalog.gpus import get_gpu
 from tessel.cost import layer as L
 from tessel.cost.link import LinkSpec

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.plan.tp_cases import cluster, problem, small_model, workload
 
+from plan.tp_cases import cluster, problem, small_model, workload
 from tessel.plan.solvers.brute import brute_force
 from tessel.plan.solvers.solve import solve
 from tessel.plan.tp.brute import brute_force_tp

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.plan.tp_cases import cluster, small_model, workload
 
+from plan.tp_cases import cluster, small_model, workload
 from tessel.chunk.from_plan import plan_pipeline
 from tessel.plan.api import PlanSettings, make_plan
 
