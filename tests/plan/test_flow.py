@@ -225,7 +225,7 @@ def test_flow_plan_file_round_trips(flow_document) -> None:
 
     document, plan, _ = flow_document
     parsed = parse_plan(document)
-    assert parsed.version == PLAN_VERSION == 4
+    assert parsed.version == PLAN_VERSION == 5
     assert parsed.flow is not None and len(parsed.flow.placements) == len(plan.stages)
     assert parsed.predicted.throughput_tok_s == pytest.approx(plan.throughput_tok_s, rel=1e-6)
     out = sum(e.weight for e in parsed.flow.edges if e.source == "source")

@@ -37,6 +37,9 @@ STAGE_KEYS = {
     "host_gib",  # the node's host memory for offloading
     "offload_layers",  # the layers streamed from host memory (whole layers)
     "precisions",  # version 2: null without a precision choice
+    "tp_degree",  # version 5: tensor parallelism, the GPU of each rank and the ring's link
+    "gpus",
+    "tp_link",
 }
 TOP_KEYS = {
     "version",
@@ -81,7 +84,7 @@ def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
     assert "VLLM_PP_LAYER_PARTITION=" in result.output and "vllm serve" in result.output
     assert "KV capacity" in result.output
     data = json.loads(out.read_text())
-    assert set(data) == TOP_KEYS and data["version"] == 4
+    assert set(data) == TOP_KEYS and data["version"] == 5
     assert data["precisions"] == [] and data["quality"] is None and data["replicas"] == []
     assert data["model"]["config"]["num_layers"] == 80 and data["granularity"] == granularity
     assert data["cluster"] == {"name": "mixed-a100-v100-t4", "source": "mixed-a100-v100-t4"}

@@ -42,7 +42,7 @@ def _write(tmp_path: Path, document, name: str = "plan.json") -> Path:
 def test_version_1_files_from_tessel_plan_load() -> None:
     plan = load_plan(V1_LAYER)
     raw = _document()
-    assert raw["version"] == 1 and plan.version == 4 == PLAN_VERSION  # version 1 reads as the current one
+    assert raw["version"] == 1 and plan.version == 5 == PLAN_VERSION  # version 1 reads as the current one
     assert {1, 2, 3} <= SUPPORTED_VERSIONS and not plan.replicas and plan.stages[0].precisions is None
     assert [s.device for s in plan.stages] == [s["device"] for s in raw["stages"]]
     assert plan.num_layers == 32 == plan.model_spec.num_layers and plan.units_per_layer == 1
@@ -143,7 +143,7 @@ def _stage_shift(document: dict) -> None:
 
 
 BAD_DOCUMENTS = [
-    (_set(("version",), 5), "plan version 5 is not supported; this tessel reads version 1, 2, 3, 4"),
+    (_set(("version",), 6), "plan version 6 is not supported; this tessel reads version 1, 2, 3, 4, 5"),
     (_set(("version",), "1"), "plan version '1' is not supported"),
     (_set(("version",), True), "plan version True is not supported"),
     (_pop(("version",)), "plan version missing is not supported"),
@@ -246,7 +246,7 @@ def _bad_plans(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     twice = _document()
     twice["stages"][2]["device"] = "t4-node/gpu0"
     future = _document()
-    future["version"] = 5
+    future["version"] = 6
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xff\xfe\x00\x01")
     return {
@@ -255,7 +255,7 @@ def _bad_plans(tmp_path: Path) -> dict[str, tuple[Path, str]]:
             "'t4-node/gpu9' is not in cluster llmpq-t4-v100",
         ),
         "twice": (_write(tmp_path, twice, "twice.json"), "holds two stages"),
-        "future": (_write(tmp_path, future, "future.json"), "plan version 5 is not supported"),
+        "future": (_write(tmp_path, future, "future.json"), "plan version 6 is not supported"),
         "binary": (binary, "not UTF-8"),
         "directory": (tmp_path, "is a directory"),
     }

@@ -40,7 +40,7 @@ def replica_plan(tmp_path_factory):
 def test_replica_plan_file_round_trips(replica_plan) -> None:
     path, stdout = replica_plan
     plan = load_plan(path)
-    assert plan.version == PLAN_VERSION == 4 and plan.precisions == ["fp16", "int8"]
+    assert plan.version == PLAN_VERSION == 5 and plan.precisions == ["fp16", "int8"]
     assert len(plan.replicas) >= 1 and sum(r.weight for r in plan.replicas) == pytest.approx(1.0)
     assert [s.device for s in plan.stages] == [s.device for s in plan.replicas[0].stages]
     for replica in plan.replicas:

@@ -123,7 +123,8 @@ def test_previous_plan_must_match(setting) -> None:
 
 def test_cli_replan(tmp_path: Path) -> None:
     old = tmp_path / "old.json"
-    args = ["plan", "--model", MODEL, "--cluster", CLUSTER, "--time-limit", "3"]
+    # re-planning counts moves per GPU of pipeline-only plans (one from TP stages is refused)
+    args = ["plan", "--model", MODEL, "--cluster", CLUSTER, "--time-limit", "3", "--max-tp", "1"]
     assert CliRunner().invoke(app, [*args, "--json", str(old)]).exit_code == 0
     new = tmp_path / "new.json"
     result = CliRunner().invoke(

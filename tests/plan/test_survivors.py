@@ -88,11 +88,14 @@ def test_survivor_plan_on_a_bundled_cluster_is_the_planners_without_the_lost_dev
     """A plan made for a bundled cluster loses a stage: the survivors' plan is the planner's (stages,
     figures, objective) on that cluster without the lost device, and names the bundled cluster, so
     the next loss reads it again."""
-    plan = make_plan("llama-2-13b", "llmpq-v100-a100", "default", PlanSettings(solver="dp")).plan_file()
+    # pipeline-only (--max-tp 1): the runtime's stage loss; the survivors re-plan at the plan's degree
+    plan = make_plan(
+        "llama-2-13b", "llmpq-v100-a100", "default", PlanSettings(solver="dp", max_tp=1)
+    ).plan_file()
     lost_device = "a100-node/gpu1"
     (lost,) = [s.index for s in plan.stages if s.device == lost_device]
     survivor = survivor_plan(plan, {lost}, time_limit_s=SURVIVOR_TIME_LIMIT_S)
-    settings = PlanSettings(time_limit_s=SURVIVOR_TIME_LIMIT_S)
+    settings = PlanSettings(time_limit_s=SURVIVOR_TIME_LIMIT_S, max_tp=1)
     without = _without_last_gpu("llmpq-v100-a100", "a100-node", tmp_path / "three.yaml")
     direct = make_plan("llama-2-13b", without, "default", settings).plan_file()
     assert lost_device not in {s.device for s in survivor.stages}
@@ -110,7 +113,7 @@ def test_survivors_too_small_for_the_planner_end_the_pipeline(tmp_path):
         "name: three-a100\nnodes:\n  - name: box\n    gpus: {type: A100-80G, count: 3}\n"
         "    intra_link: pcie\n    host_memory_gib: 0\n"
     )
-    plan = make_plan("llama-2-70b", cluster, "default", PlanSettings(solver="dp")).plan_file()
+    plan = make_plan("llama-2-70b", cluster, "default", PlanSettings(solver="dp", max_tp=1)).plan_file()
     assert len(plan.stages) == 3
     with pytest.raises(SurvivorsTooSmallError) as caught:
         survivor_plan(plan, {1, 2}, time_limit_s=SURVIVOR_TIME_LIMIT_S)

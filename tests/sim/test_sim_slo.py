@@ -143,7 +143,7 @@ def test_plan_refuses_an_slo_workload_above_its_capacity(
         "name: chat-slo\nprompt_tokens: {mean: 512, max: 2048}\noutput_tokens: {mean: 256, max: 1024}\n"
         f"arrival_rate_per_s: {rate}\n{latency}max_micro_batch: 8\nslo: {{ttft_p90_s: 5, tpot_p90_s: 0.5}}\n"
     )
-    settings = PlanSettings(time_limit_s=5.0)
+    settings = PlanSettings(time_limit_s=5.0, max_tp=1)  # the pipeline-only plan's capacity (docstring)
     if message is not None:
         with pytest.raises(TesselError, match=message) as error:
             make_plan("llama-3-70b", "mixed-a100-v100-t4", str(workload), settings)

@@ -29,6 +29,11 @@ answers whole arrays: parts that depend on c only are computed by the scalar cos
 distinct c; the (c, p) roofline is a numpy twin of `tessel.cost.roofline`, checked against the
 scalar functions on sample points when the stage is built (a mismatch, e.g. a cost-model change
 the twin does not know, falls back to scalar calls: slower, same numbers).
+
+A tensor-parallel stage (plan file version 5: `tp_degree` > 1 and its ring's `tp_link`) is priced as
+the planner prices it (`tessel.cost.tensor_parallel`): one rank running the sharded model, plus each
+unit's all-reduces over the ring for the pass's tokens, an all-reduce after the embedding and an
+all-gather of the logits.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from tessel.cost import layer as L
 from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec, link_time_s
 from tessel.cost.profile import Profile
+from tessel.cost.tensor_parallel import TensorParallel, shard_model
 from tessel.errors import TesselError
 from tessel.plan.files.plan_file import PlanFile, load_plan
 from tessel.plan.files.plan_parts import PlanStage, unit_kind, units_per_layer
@@ -78,6 +84,7 @@ class CostModelStage:
     profiles: tuple[Profile, ...] = ()  # candidates for units at other precisions
     core_share: float = 1.0  # compute times x this: CPU stages sharing one host's cores (see build_pipeline)
     transport: str | None = None  # the hop to the next stage within one host ("host", "nccl"): profiled
+    tp: TensorParallel | None = None  # a tensor-parallel stage (`model` is then one rank's shard)
     twin_ok: bool = field(default=True, compare=False)
     _precision_profiles: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -110,8 +117,8 @@ class CostModelStage:
 
     def _units_time_s(self, unit_time_s, size: int, context_tokens: int) -> float:
         """Sum of `unit_time_s` (prefill: chunk, offset; decode: batch, sum of contexts) over units,
-        each group at its own precision."""
-        return sum(
+        each group at its own precision, plus their all-reduces over `size` tokens."""
+        return self._units_comm_s(size) + sum(
             count
             * unit_time_s(
                 self.model,
@@ -130,9 +137,24 @@ class CostModelStage:
         """The embedding on the first stage and, when `lm_head`, the LM head on the last one."""
         time = 0.0
         if self.first:
-            time += R.embed_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
+            time += self._embed_time_s(tokens)
         if lm_head and self.last:
-            time += R.lm_head_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
+            time += self._lm_head_s(tokens)
+        return time
+
+    def _units_comm_s(self, tokens: int) -> float:
+        """The all-reduces of the stage's units over `tokens` tokens (0 without tensor parallelism)."""
+        if self.tp is None:
+            return 0.0
+        act = L.activation_dtype(self.dtype)
+        return sum(
+            count * self.tp.unit_comm_s(self.model, kind, tokens, act) for kind, _q, count in self.unit_counts
+        )
+
+    def _lm_head_s(self, rows: int) -> float:
+        time = R.lm_head_time_s(self.model, self.gpu, rows, self.dtype, profile=self.profile)
+        if self.tp is not None:
+            time += self.tp.logits_comm_s(self.model, rows, L.activation_dtype(self.dtype))
         return time
 
     def prefill_time_s(self, chunk_tokens: int, offset_tokens: int) -> float:
@@ -211,6 +233,7 @@ class CostModelStage:
             profile,
             profiles,
             self.core_share,
+            self.tp,
         )
 
     def send_signature(self) -> tuple:
@@ -229,10 +252,15 @@ class CostModelStage:
             total = total + count * self._unit_prefill(kind, precision, c, p)
         if self.first:
             total = total + _c_only(self._embed_time_s, c)
+        if self.tp is not None:
+            total = total + _c_only(self._units_comm_s, c)
         return np.where(c > 0, total * self.core_share, 0.0)
 
     def _embed_time_s(self, tokens: int) -> float:
-        return R.embed_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
+        time = R.embed_time_s(self.model, self.gpu, tokens, self.dtype, profile=self.profile)
+        if self.tp is not None:
+            time += self.tp.embed_comm_s(self.model, tokens, L.activation_dtype(self.dtype))
+        return time
 
     def tail_s(self) -> float:
         """Final norm + LM head for one token (the last prompt token's logits), on this stage."""
@@ -240,8 +268,7 @@ class CostModelStage:
 
     def logits_time_s(self, prompts: int) -> float:
         """Final norm + LM head + sampling of `prompts` rows on this stage (its cores shared)."""
-        time = R.lm_head_time_s(self.model, self.gpu, prompts, self.dtype, profile=self.profile)
-        return time * self.core_share
+        return self._lm_head_s(prompts) * self.core_share
 
     def _unit_prefill(self, kind: str, precision: str, c: np.ndarray, p: np.ndarray) -> np.ndarray:
         profile = self.profile_for(precision)
@@ -337,6 +364,7 @@ class StageSpec:
     emulate_speed: float = 1.0  # the device runs at this fraction of its type's speed (cluster `emulate`)
     precisions: tuple[str, ...] | None = None  # weight precision per unit (None: the pipeline's dtype)
     node: str = ""  # the cluster node (host) the device is on
+    tp: TensorParallel | None = None  # tensor parallelism over the stage's GPUs (None: one GPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,13 +420,14 @@ def build_pipeline(
         last = position == len(stages) - 1
         if not last and stage.link is None:
             raise TesselError(f"stage {position} ({stage.device}) has no link to the next stage")
-        profile = R.select_profile(list(profiles), model, gpu, dtype)
+        stage_model = model if stage.tp is None else shard_model(model, stage.tp.degree)
+        profile = R.select_profile(list(profiles), stage_model, gpu, dtype)
         transport = None
         if not last and hosts[position] == hosts[position + 1]:
             transport = hop_transport(stage, stages[position + 1])
         built.append(
             CostModelStage.build(
-                model=model,
+                model=stage_model,
                 gpu=gpu,
                 unit_counts=_unit_counts(stage, granularity, dtype),
                 first=position == 0,
@@ -410,6 +439,7 @@ def build_pipeline(
                 profiles=tuple(profiles),
                 core_share=core_share(stages, hosts, position, R.cores_profile(profiles, gpu, profile)),
                 transport=transport,
+                tp=stage.tp,
             )
         )
     return PlanPipeline(PipelineLatency(tuple(built)), built[-1].tail_s(), model, tuple(stages), labels or {})
@@ -509,6 +539,15 @@ def stage_spec(stage: PlanStage, dtype: str = "fp16") -> StageSpec:
     link = None
     if stage.link_bytes_per_s is not None:
         link = LinkSpec(stage.link_bytes_per_s, stage.link_latency_s)
+    tp = None
+    if stage.tp_degree > 1:
+        ring = stage.tp_link_spec
+        if ring is None:
+            raise TesselError(
+                f"stage {stage.index} ({stage.device}): tp_degree {stage.tp_degree} without `tp_link` "
+                "(bandwidth_gbps, latency_us of its ring): its all-reduces cannot be priced"
+            )
+        tp = TensorParallel(stage.tp_degree, ring)
     return StageSpec(
         stage.device,
         stage.gpu_type,
@@ -518,6 +557,7 @@ def stage_spec(stage: PlanStage, dtype: str = "fp16") -> StageSpec:
         stage.emulate_speed,
         stage.unit_precisions(dtype),
         stage.node,
+        tp,
     )
 
 

@@ -24,6 +24,7 @@ from tessel.dtypes import KV_DTYPE_HELP, parse_dtype
 from tessel.errors import TesselError
 from tessel.plan.api import MAX_TIME_LIMIT_S, MIN_TIME_LIMIT_S
 from tessel.plan.build import MAX_QUALITY_BUDGET, MAX_THETA
+from tessel.plan.files.plan_parts import MAX_TP_DEGREE
 
 
 def _kv_dtype(value: str) -> str:  # typer callbacks take the value alone
@@ -162,6 +163,14 @@ def plan(
         help="latency: one request's time with the workload's micro-batches in flight; goodput: the most "
         "requests/s within the workload's `slo` (p90 TTFT / TPOT), checked by the simulator.",
     ),
+    max_tp: int | None = typer.Option(
+        None,
+        "--max-tp",
+        min=1,
+        max=MAX_TP_DEGREE,
+        help="Most GPUs of one machine a stage may span with tensor parallelism (1, 2, 4, 8; default: the "
+        "largest a machine allows). 1: pipeline-only plans, every stage one GPU.",
+    ),
 ) -> None:
     """Plan MODEL on CLUSTER under WORKLOAD and compare with the baselines."""
     from rich.console import Console
@@ -192,6 +201,7 @@ def plan(
         kv_preemption,
         force_profile,
         first_node=ray_first_node(cluster, cluster_arg),
+        max_tp=max_tp,
     )
     console = Console(width=None if sys.stdout.isatty() else 150)
     if objective == "goodput":

@@ -22,6 +22,7 @@ from tessel.errors import TesselError
 from tessel.plan.build import build_instance, capacity_shortfall_bytes
 from tessel.plan.files.cluster import Cluster, load_cluster
 from tessel.plan.files.plan_file import PlanFile, load_plan
+from tessel.plan.files.plan_parts import MAX_TP_DEGREE
 from tessel.plan.files.workload import Workload, load_workload
 from tessel.plan.instance import PlanningInstance
 from tessel.plan.remap.replan import ReplanDecision, check_same_model, previous_solution, replan
@@ -29,6 +30,8 @@ from tessel.plan.report import Predicted, plan_json, predict
 from tessel.plan.solution import first_stage_on
 from tessel.plan.solvers.baselines import BaselineResult, run_baselines
 from tessel.plan.solvers.solve import PlanResult, solve
+from tessel.plan.tp.search import TpPlan, solve_tp, tp_possible
+from tessel.plan.tp.tp_instance import TpContext
 
 # What the API accepts for each input: a bundled name, a file path, or the loaded spec.
 ModelArg = str | Path | ModelSpec
@@ -60,6 +63,8 @@ class PlanSettings:
     kv_preemption: str = "auto"  # evicted KV priced by swap or recompute per stage ("off": streamed)
     force_profile: bool = False  # use a profile of another device, model shape or tessel (warned)
     first_node: str | None = None  # the node the first stage must run on (a Ray pipeline's command's)
+    # most GPUs of a tensor-parallel stage (None: the largest a machine allows; 1: pipeline-only plans)
+    max_tp: int | None = None
 
     def __post_init__(self) -> None:
         if not (
@@ -71,6 +76,8 @@ class PlanSettings:
             )
         if not (math.isfinite(self.mip_gap) and 0 <= self.mip_gap < 1):
             raise TesselError(f"MIP gap must be in [0, 1), got {self.mip_gap}")
+        if self.max_tp is not None and not 1 <= self.max_tp <= MAX_TP_DEGREE:
+            raise TesselError(f"--max-tp must be in [1, {MAX_TP_DEGREE}], got {self.max_tp}")
         if self.precisions is None and (
             self.quality_budget is not None or self.theta is not None or self.sensitivity is not None
         ):
@@ -78,8 +85,8 @@ class PlanSettings:
 
     @classmethod
     def of_plan(cls, plan: PlanFile, *, time_limit_s: float, solver: str = "milp") -> PlanSettings:
-        """The settings a plan file records (granularity, overlap, swap-in, dtypes), to plan again
-        like it with `solver` in `time_limit_s`."""
+        """The settings a plan file records (granularity, overlap, swap-in, dtypes, its largest
+        tensor-parallel degree), to plan again like it with `solver` in `time_limit_s`."""
         return cls(
             solver=solver,
             granularity=plan.granularity,
@@ -88,6 +95,7 @@ class PlanSettings:
             time_limit_s=time_limit_s,
             dtype=plan.dtype,
             kv_dtype=plan.kv_dtype,
+            max_tp=max(stage.tp_degree for stage in plan.stages),
         )
 
     def instance_options(self, model: str | Path | ModelSpec) -> dict:
@@ -153,6 +161,8 @@ class PlanOutcome:
     cluster_source: str = ""  # the cluster file's path, or the bundled name
     setup_s: float = 0.0  # reading files and pricing units before the solver
     total_s: float = 0.0  # the whole call
+    tp: TpPlan | None = None  # the search over tensor-parallel degrees (None: not searched)
+    base_instance: PlanningInstance | None = None  # every GPU alone (the baselines'); None: `instance`
 
     @property
     def predicted(self) -> Predicted:
@@ -179,6 +189,7 @@ class PlanOutcome:
             kv_dtype=self.settings.kv_dtype,
             granularity=self.settings.granularity,
             quality_source=self.instance.labels.get("quality_source", "shape"),
+            baseline_instance=self.base_instance,
         )
 
     def vllm_export(self):  # -> tessel.plan.files.export_vllm.VllmExport
@@ -259,11 +270,30 @@ def make_plan(
     instance = problem.instance
     solver_s = problem.solver_time_s(settings)
     decision = None
-    if previous is None:
+    tp = None
+    if previous is None and tp_possible(problem.cluster, problem.model, tp_max_degree(settings)):
+        tp = solve_tp(
+            instance,
+            TpContext(problem.model, problem.cluster, problem.workload, settings.dtype, settings.kv_dtype,
+                      _loaded(profiles)),
+            tp_max_degree(settings),
+            solver=settings.solver,
+            time_limit_s=solver_s,
+            mip_gap=settings.mip_gap,
+        )  # fmt: skip
+        instance, result = tp.instance, tp.result
+        if settings.first_node is not None:
+            result = _first_stage_on(instance, result, settings.first_node)
+    elif previous is None:
         result = solve(instance, solver=settings.solver, time_limit_s=solver_s, mip_gap=settings.mip_gap)
         if settings.first_node is not None:
             result = _first_stage_on(instance, result, settings.first_node)
     else:
+        if any(stage.tp_degree > 1 for stage in previous.stages):
+            raise TesselError(
+                f"{replan_from} has tensor-parallel stages; re-planning counts weight moves per GPU of "
+                "pipeline-only plans: plan afresh (without --replan-from)"
+            )
         check_same_model(previous, problem.model)
         previous.check_cluster(problem.cluster)
         decision = replan(
@@ -285,16 +315,33 @@ def make_plan(
         settings,
         instance,
         result,
-        run_baselines(instance),
+        run_baselines(problem.instance),
         decision,
         None if replan_from is None else str(replan_from),
         replan_horizon_s,
         problem.cluster_source,
         problem.setup_s,
         time.perf_counter() - problem.started,
+        tp,
+        None if tp is None else problem.instance,
     )
     _check_slo_rate(outcome)
     return outcome
+
+
+def tp_max_degree(settings: PlanSettings) -> int:
+    """The most GPUs a stage may span: --max-tp, else the largest a machine allows; 1 with a weight
+    precision per layer (tensor-parallel stages are priced at one precision)."""
+    if settings.precisions is not None:
+        return 1
+    return MAX_TP_DEGREE if settings.max_tp is None else settings.max_tp
+
+
+def _loaded(profiles: Profiles) -> tuple[Profile, ...]:
+    """The profiles as loaded (`build_instance` has checked them already)."""
+    from tessel.cost.profile import load_profile
+
+    return tuple(p if isinstance(p, Profile) else load_profile(p) for p in profiles)
 
 
 def _check_slo_rate(outcome: PlanOutcome) -> None:

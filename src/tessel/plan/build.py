@@ -137,9 +137,9 @@ def build_instance(
     profiles = _check_profiles_apply(profiles, cluster, model, force_profile)
     kinds = GRANULARITIES[granularity]
     units = tuple(Unit(layer, kind) for layer in range(model.num_layers) for kind in kinds)
-    shape = _PassShape.of(workload)
+    shape = PassShape.of(workload)
     per_type = {
-        spec.name: _TypeCosts.of(model, spec, kinds, shape, dtype, kv_dtype, tuple(profiles))
+        spec.name: TypeCosts.of(model, spec, kinds, shape, dtype, kv_dtype, tuple(profiles))
         for spec in {device.spec.name: device.spec for device in cluster.devices}.values()
     }
     types = [per_type[device.spec.name] for device in cluster.devices]
@@ -279,7 +279,7 @@ def _host_copy_rate(model: ModelSpec, device, dtype: str, profiles: tuple[Profil
 def kv_restore(
     model: ModelSpec,
     cluster: Cluster,
-    shape: _PassShape,
+    shape: PassShape,
     dtype: str,
     kv_dtype: str,
     profiles: tuple[Profile, ...],
@@ -306,7 +306,7 @@ def _precision_choice(
     cluster: Cluster,
     kinds: tuple[str, ...],
     units: tuple[Unit, ...],
-    shape: _PassShape,
+    shape: PassShape,
     precisions: tuple[str, ...],
     kv_dtype: str,
     profiles: tuple[Profile, ...],
@@ -327,7 +327,7 @@ def _precision_choice(
     prefill, decode = [], []
     for name in precisions:
         per_type = {
-            t: _TypeCosts.of(model, spec, kinds, shape, name, kv_dtype, profiles) for t, spec in specs.items()
+            t: TypeCosts.of(model, spec, kinds, shape, name, kv_dtype, profiles) for t, spec in specs.items()
         }
         types = [per_type[device.spec.name] for device in cluster.devices]
         prefill.append(np.array([t.prefill_s for t in types]).T[kind_index] * shares)  # [U, N]
@@ -403,7 +403,7 @@ def capacity_shortfall_bytes(instance: PlanningInstance) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class _PassShape:
+class PassShape:
     """Token counts of the two passes, from the workload."""
 
     batch: int  # requests per micro-batch
@@ -413,7 +413,7 @@ class _PassShape:
     decode_context: float  # mean context of a sequence during decode
 
     @classmethod
-    def of(cls, workload: Workload) -> _PassShape:
+    def of(cls, workload: Workload) -> PassShape:
         batch = workload.micro_batch_size
         prompt = workload.prompt_tokens
         return cls(
@@ -426,7 +426,7 @@ class _PassShape:
 
 
 @dataclass(frozen=True, slots=True)
-class _TypeCosts:
+class TypeCosts:
     """Times of one device type: per unit kind (in `kinds` order), and the first / last stage extras."""
 
     prefill_s: list[float]
@@ -442,11 +442,11 @@ class _TypeCosts:
         model: ModelSpec,
         spec: GpuSpec,
         kinds: tuple[str, ...],
-        shape: _PassShape,
+        shape: PassShape,
         dtype: str,
         kv_dtype: str,
         profiles: tuple[Profile, ...],
-    ) -> _TypeCosts:
+    ) -> TypeCosts:
         profile = select_profile(profiles, model, spec, dtype)
         options = {"dtype": dtype, "kv_dtype": kv_dtype, "profile": profile}
         b = shape.batch

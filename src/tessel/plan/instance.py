@@ -100,6 +100,18 @@ class DeviceSlot:
     host_to_device_bytes_per_s: float  # the device's own PCIe bandwidth, host -> device
     device_to_host_bytes_per_s: float = 0.0  # device -> host (0: not given; KvRestore prices swaps)
     copies_share_compute: bool = False  # host copies take the compute's cores (a CPU): never overlapped
+    # a tensor-parallel stage: the GPUs of its ranks, rank 0 first (= `name`); () is one GPU
+    # (`tessel.plan.tp`: memory and host figures are then the ranks' sums, times a rank's plus comm)
+    tp_gpus: tuple[str, ...] = ()
+
+    @property
+    def tp_degree(self) -> int:
+        return max(len(self.tp_gpus), 1)
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """The GPUs this slot runs on, rank order."""
+        return self.tp_gpus or (self.name,)
 
 
 @dataclass(frozen=True, slots=True)

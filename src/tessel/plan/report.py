@@ -87,9 +87,24 @@ def stage_records(instance: PlanningInstance, evaluation: Evaluation, cluster=No
                 "precisions": None
                 if evaluation.precisions is None
                 else list(evaluation.precisions[se.stage.unit_start : se.stage.unit_end]),
+                **_tp_json(device, cluster),
             }
         )
     return records
+
+
+def _tp_json(device, cluster) -> dict:
+    """A stage's degree, rank GPUs and tensor-parallel ring link (plan file version 5; no ring at
+    degree 1)."""
+    if device.tp_degree == 1:
+        return {"tp_degree": 1, "gpus": [device.name], "tp_link": None}
+    link = None
+    if cluster is not None:
+        from tessel.plan.tp.tp_instance import ring_link
+
+        spec = ring_link(cluster, device.gpus)
+        link = {"bandwidth_gbps": spec.bandwidth_bytes_per_s / GBPS, "latency_us": spec.latency_s * US_PER_S}
+    return {"tp_degree": device.tp_degree, "gpus": list(device.gpus), "tp_link": link}
 
 
 def replicas_json(replica_plan, cluster, micro_batch_size: int) -> list[dict]:
@@ -339,6 +354,7 @@ def decode_utilization(
 ) -> list:
     """Predicted MFU and MBU of each stage's decode step (b sequences of the workload's mean decode
     context) over its predicted decode time T_j^dec (`tessel.cost.utilization`)."""
+    from tessel.cost.tensor_parallel import shard_model
     from tessel.cost.utilization import stage_decode_work, utilization
 
     out = []
@@ -351,9 +367,11 @@ def decode_utilization(
             if evaluation.precisions is not None
             else [dtype] * len(units)
         )
-        gpu = cluster.devices[stage.device].spec
+        slot = instance.devices[stage.device]
+        gpu = cluster.device(slot.name).spec
+        rank_model = shard_model(model, slot.tp_degree)  # a tensor-parallel stage: one rank's work
         work = stage_decode_work(
-            model, gpu, [u.kind for u in units], dtypes, batch_size, batch_size * decode_context,
+            rank_model, gpu, [u.kind for u in units], dtypes, batch_size, batch_size * decode_context,
             kv_dtype=kv_dtype, last=index == last,
         )  # fmt: skip
         out.append(utilization(work, se.time_decode_s, gpu))
@@ -390,6 +408,9 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, 
         table.add_column("decode MBU %", justify="right")
     if evaluation.precisions is not None:
         table.add_column("precisions", justify="left", min_width=len("precisions"))  # never cut to "precisi…"
+    tp = any(instance.devices[se.stage.device].tp_degree > 1 for se in evaluation.stages)
+    if tp:
+        table.add_column("TP", justify="right")
     per = instance.n_units // len({unit.layer for unit in instance.units})
     for index, se in enumerate(evaluation.stages):
         device = instance.devices[se.stage.device]
@@ -401,7 +422,7 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, 
         )
         table.add_row(
             str(index),
-            device.name,
+            gpus_text(device.gpus),
             device.gpu_type,
             layers,
             f"{se.weight_bytes / GIB:.1f}",
@@ -412,8 +433,21 @@ def stage_table(instance: PlanningInstance, evaluation: Evaluation, title: str, 
             *([se.kv_preemption or "-", f"{se.kv_evicted_bytes / GIB:.1f}"] if kv else []),
             *utilization_cells(utilizations, index),
             *precision_cells(evaluation, se.stage),
+            *([str(device.tp_degree)] if tp else []),
         )
     return table
+
+
+def gpus_text(gpus: tuple[str, ...] | list[str]) -> str:
+    """A stage's GPUs: "dgx/gpu0-3" when they are consecutive GPUs of one node, else comma-joined."""
+    if len(gpus) == 1:
+        return gpus[0]
+    parsed = [gpu.rsplit("/gpu", 1) for gpu in gpus]
+    if all(len(p) == 2 and p[1].isdigit() and p[0] == parsed[0][0] for p in parsed):
+        numbers = [int(p[1]) for p in parsed]
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            return f"{parsed[0][0]}/gpu{numbers[0]}-{numbers[-1]}"
+    return ",".join(gpus)
 
 
 def kv_preemption_line(evaluation: Evaluation) -> str | None:
@@ -433,11 +467,12 @@ def idle_devices_line(instance: PlanningInstance, evaluation: Evaluation) -> str
     """The devices the plan leaves idle (None when it uses them all): a plan is never slower for a
     device more, since it may leave that device out."""
     used = {se.stage.device for se in evaluation.stages}
-    idle = [device.name for j, device in enumerate(instance.devices) if j not in used]
+    idle = [gpu for j, device in enumerate(instance.devices) if j not in used for gpu in device.gpus]
     if not idle:
         return None
+    total = sum(len(device.gpus) for device in instance.devices)
     return (
-        f"idle: {len(idle)} of {instance.n_devices} GPUs ({', '.join(idle)}); "
+        f"idle: {len(idle)} of {total} GPUs ({', '.join(idle)}); "
         "the plan is faster without them in its pipeline"
     )
 

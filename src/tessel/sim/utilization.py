@@ -4,7 +4,8 @@ A stage's work is summed over the micro-batches it computed, each priced as the 
 its time: every prefill chunk (c tokens at offset p) on its own, the decode steps together (B
 sequences, contexts summed), the LM head on the last stage for decode steps and finished prompts.
 MFU and MBU are that work over the stage's busy seconds, against its device type's catalog peak
-(scaled by the plan's `emulate_speed`).
+(scaled by the plan's `emulate_speed`). A tensor-parallel stage's figures are one rank's: its share of
+the work (the sharded model's) against one GPU's peak.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from tessel.catalog.gpus import get_gpu
 from tessel.cost.layer import activation_dtype
 from tessel.cost.roofline import lm_head_work
+from tessel.cost.tensor_parallel import shard_model
 from tessel.cost.utilization import (
     NO_WORK,
     Utilization,
@@ -27,7 +29,7 @@ from tessel.sim.simulator import SimResult
 
 
 def _stage_work(plan: PlanFile, stage: PlanStage, intervals, last: bool) -> Work:
-    model = plan.model_spec
+    model = shard_model(plan.model_spec, stage.tp_degree)
     gpu = get_gpu(stage.gpu_type).emulated(stage.emulate_speed)
     kinds = [plan.unit_kind(u) for u in range(stage.unit_start, stage.unit_end)]
     dtypes = list(stage.unit_precisions(plan.reference_dtype))

@@ -20,7 +20,7 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
         print_replan(console, outcome)
     instance, result, b = outcome.instance, outcome.result, outcome.workload.micro_batch_size
     title = (
-        f"{outcome.model.name} on {outcome.cluster.name} ({instance.n_devices} GPUs), workload "
+        f"{outcome.model.name} on {outcome.cluster.name} ({len(outcome.cluster.devices)} GPUs), workload "
         f"{outcome.workload.name}: m={instance.micro_batches} micro-batches of {b}, "
         f"{outcome.settings.granularity} granularity"
     )
@@ -52,7 +52,36 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
             f"objective {result.evaluation.objective:.3f} s"
         )
     console.print(f"solver: {result.solver}, status {result.status}, gap {gap}, {result.time_s:.2f} s")
-    console.print(comparison_table(instance, result.evaluation, outcome.baselines, b))
+    if outcome.tp is not None:
+        console.print(tp_text(outcome), highlight=False)
+    console.print(
+        comparison_table(outcome.base_instance or instance, result.evaluation, outcome.baselines, b)
+    )
+
+
+def tp_text(outcome: PlanOutcome) -> str:
+    """The degrees chosen, the search over groupings and the best pipeline-only plan beside it."""
+    tp, b = outcome.tp, outcome.workload.micro_batch_size
+    degrees = ", ".join(str(d) for d in tp.degrees)
+    bound = "n/a" if tp.gap is None else f"{tp.gap * 100:.2f}%"
+    scope = "every grouping" if tp.complete else "one degree per machine (too many groupings)"
+    text = (
+        f"tensor parallelism: stage degrees {degrees}; searched {scope}: {tp.solved} planned, "
+        f"{tp.skipped} ruled out by their bound"
+        + (f", {tp.out_of_time} not reached in the time limit" if tp.out_of_time else "")
+        + f"; gap over all degrees {bound}"
+    )
+    if tp.pipeline_only is None:
+        return text + "; no pipeline-only plan fits"
+    from tessel.plan.report import predict
+
+    pp = predict(outcome.base_instance, tp.pipeline_only.evaluation, b)
+    now = outcome.predicted
+    return text + (
+        f"\npipeline-only (--max-tp 1): TPOT {pp.tpot_s * 1e3:.2f} ms, throughput {pp.throughput_tok_s:.1f} "
+        f"tok/s; this plan: TPOT {pp.tpot_s / now.tpot_s:.2f}x lower, throughput "
+        f"{now.throughput_tok_s / pp.throughput_tok_s:.2f}x"
+    )
 
 
 def encoder_text(outcome: PlanOutcome) -> str:

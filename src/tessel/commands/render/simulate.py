@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from tessel.plan.report import gpus_text
 from tessel.sim.api import SimulationReport, VariantRun
 from tessel.sim.gantt import default_window_s, plot_gantt
 from tessel.sim.load import LoadCheck
@@ -151,7 +152,7 @@ def variant_stage_table(run: VariantRun, utilizations: list | None = None) -> Ta
         precisions = tuple(stage.precisions or ())
         table.add_row(
             str(stage.index),
-            stage.device,
+            gpus_text(stage.rank_gpus) + (f" (TP {stage.tp_degree})" if stage.tp_degree > 1 else ""),
             stage.gpu_type,
             f"{stage.layer_start}-{stage.layer_end - 1}",
             *((stage_precision_text(precisions, 0, len(precisions)),) if mixed else ()),

@@ -16,7 +16,12 @@ reported as a warning, never silently dropped:
   the stage with the least free memory per layer it holds:
       tokens_j = (memory_j * GPU_MEMORY_UTILIZATION - weights_j - workspace_j)
                  / (kv_per_token_layer * layers_j)
-  and capacity = min_j tokens_j (reported, with the stage that sets it).
+  and capacity = min_j tokens_j (reported, with the stage that sets it);
+- tensor-parallel stages: vLLM takes one `--tensor-parallel-size` for every stage. When every stage
+  has the same degree it is written as is; when they differ the smallest degree is written (every
+  stage can run on that many of its GPUs) and the warning names the stages that lose GPUs and what
+  that costs: their weights and KV on fewer GPUs (the KV capacity above is computed on those), so
+  the plan's times and memory do not hold for them.
 """
 
 from __future__ import annotations
@@ -99,8 +104,11 @@ def export_vllm(
             "checkpoint, so it cannot follow a mixed plan: serve a checkpoint quantised per layer as planned "
             "with tessel's runtime, or the predicted speed will not hold"
         )
+    tp_size, tp_warning = _tensor_parallel_size(instance, stages)
+    if tp_warning:
+        warnings.append(tp_warning)
     used = {s.device for s in stages}
-    idle = [d.name for j, d in enumerate(instance.devices) if j not in used]
+    idle = [gpu for j, d in enumerate(instance.devices) if j not in used for gpu in d.gpus]
     if idle:
         warnings.append(
             f"{len(idle)} GPU(s) stay idle ({', '.join(idle)}); hide them with CUDA_VISIBLE_DEVICES"
@@ -117,7 +125,8 @@ def export_vllm(
     capacities = []
     for index, se in enumerate(evaluation.stages):
         device = instance.devices[se.stage.device]
-        free = device.memory_bytes * GPU_MEMORY_UTILIZATION - se.weight_bytes - se.workspace_bytes
+        memory = device.memory_bytes / device.tp_degree * tp_size  # on the GPUs vLLM gives it
+        free = memory * GPU_MEMORY_UTILIZATION - se.weight_bytes - se.workspace_bytes
         layers = max(counts[index], 1)
         capacities.append(max(free, 0.0) / (per_token_layer * layers))
     limiting = min(range(len(capacities)), key=capacities.__getitem__)
@@ -137,7 +146,7 @@ def export_vllm(
         "--pipeline-parallel-size",
         str(len(stages)),
         "--tensor-parallel-size",
-        "1",
+        str(tp_size),
     ]
     if dtype in VLLM_DTYPES:
         args += ["--dtype", VLLM_DTYPES[dtype]]
@@ -154,6 +163,22 @@ def export_vllm(
         args += ["--distributed-executor-backend", "ray"]
     command = env + " " + " ".join(shlex.quote(a) for a in args)
     return VllmExport(command, counts, capacity, limiting, tokens_needed, warnings)
+
+
+def _tensor_parallel_size(instance: PlanningInstance, stages) -> tuple[int, str | None]:
+    """vLLM's one tensor-parallel degree for the plan's stages, and what is lost when they differ."""
+    degrees = [instance.devices[s.device].tp_degree for s in stages]
+    size = min(degrees)
+    if len(set(degrees)) == 1:
+        return size, None
+    cut = [f"{i} ({instance.devices[s.device].name}: {d} -> {size} GPUs)" for i, (s, d) in enumerate(
+        zip(stages, degrees, strict=True)) if d > size]  # fmt: skip
+    return size, (
+        f"the plan's stages have tensor-parallel degrees {','.join(map(str, degrees))}; vLLM runs one degree "
+        f"on every stage, so --tensor-parallel-size {size} (the smallest) is written and stage(s) "
+        f"{', '.join(cut)} run on fewer GPUs than planned: their weights and KV per GPU grow by the ratio "
+        "and their compute slows by it, so the plan's memory check and predicted times do not hold there"
+    )
 
 
 def closest_disjoint_paths(plan) -> tuple[list[int], list[float], list[str]]:

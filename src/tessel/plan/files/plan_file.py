@@ -44,6 +44,13 @@ and, per stage, `time_shares`: the share of the device's time the path gets. Ref
 out of the source or into the sink that do not sum to 1, a device whose edges in and out differ,
 edges that are not the paths' sums, and placements with no path from the first layer to the last
 (the message names the layer range).
+
+Version 5 adds tensor-parallel stages (issue 45), optional per stage (older files read as degree 1):
+`tp_degree` (1, 2, 4 or 8), `gpus` (one GPU name per rank, rank 0 first and equal to `device`; all
+on one machine, of one type) and `tp_link` (the slowest link of the stage's ring, `bandwidth_gbps`
+and `latency_us`, what its all-reduces are priced on). Structure is checked on load (count of
+`gpus`, a GPU named twice anywhere, degrees dividing the model's heads and KV heads), the cluster
+(machines, types, counts) by `check_cluster`: both in `tessel.plan.files.tp_checks`.
 """
 
 from __future__ import annotations
@@ -83,8 +90,8 @@ if TYPE_CHECKING:
     from tessel.catalog.models import ModelSpec
     from tessel.plan.files.cluster import Cluster
 
-PLAN_VERSION = 4
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
+PLAN_VERSION = 5
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
 WHOLE_PREDICTED_VERSION = 3  # from it, a replica plan's top-level `predicted` is the whole plan's
 FLOW_WEIGHT_ATOL = 1e-5  # flow weights (written rounded to 9 digits) must balance within this
 MAIN_VARIANT = "plan"
@@ -133,6 +140,11 @@ class PlanFile(StrictModel):
                 _check_stages(baseline.stages, f"baselines.{name}.stages", self.granularity)
         _check_flow(self)
         _check_replicas(self)
+        from tessel.plan.files.tp_checks import tp_problems
+
+        problems = tp_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     # ---- writing -------------------------------------------------------------------------------
@@ -272,9 +284,19 @@ class PlanFile(StrictModel):
                         f"{actual} in cluster {cluster.name}; plan again for this cluster"
                     )
 
+        from tessel.plan.files.tp_checks import check_tp_stages
+
+        check_tp_stages(self, cluster=cluster)
+
     def check_named_cluster(self) -> None:
         """`check_cluster` against the cluster the plan names, when that can be found (a bundled
         name or a cluster file); a hand-written plan naming no known cluster is not checked."""
+        cluster = self.named_cluster()
+        if cluster is not None:
+            self.check_cluster(cluster)
+
+    def named_cluster(self) -> Cluster | None:
+        """The cluster the plan names, when that can be found (a bundled name or a cluster file)."""
         from tessel.plan.files.cluster import list_bundled_clusters, load_cluster
 
         source = self.cluster.source or self.cluster.name
@@ -282,8 +304,7 @@ class PlanFile(StrictModel):
             found = source in list_bundled_clusters() or Path(source).is_file()
         except (OSError, ValueError):  # a name no file system accepts (NUL bytes, too long)
             found = False
-        if found:
-            self.check_cluster(load_cluster(source))
+        return load_cluster(source) if found else None
 
     def check_model(self, name: str, num_layers: int) -> None:
         """The model a runtime is about to load is the plan's (same name and layer count)."""

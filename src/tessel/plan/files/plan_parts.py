@@ -33,6 +33,7 @@ MAX_SCHEDULE_CHANGES = 1000  # speed changes in one emulated schedule: a scenari
 # A device written as a torch device ("cuda:0", "cpu", "node/cuda:1"): its kind must agree with gpu_type.
 TORCH_DEVICE = re.compile(r"(?:.*/)?(cuda|cpu|mps|xpu|hip)(?::\d+)?", re.IGNORECASE)
 CPU_TYPE = "cpu"  # the catalog's gpu_type of a CPU device
+MAX_TP_DEGREE = 8  # the largest tensor-parallel stage: one 8-GPU machine (tessel.cost.tensor_parallel)
 GPU_INDEX = re.compile(r"/\D*(\d+)[^/]*$")  # a device name's GPU index: the first number after the node
 
 
@@ -157,6 +158,11 @@ class PlanStage(StrictModel):
     link_to_next: Link | None = None
     emulate_speed: float = Field(default=1.0, gt=0, le=1)  # fraction of the host's speed (cluster `emulate`)
     precisions: list[str] | None = None  # weight precision of each unit, unit_start..unit_end (v2)
+    # v5, tensor parallelism: the stage's degree and the GPU of each rank (rank 0 = `device`), and
+    # the slowest link of its ring (all-reduces); absent: one GPU, `device` (tessel.plan.files.tp_checks)
+    tp_degree: int = Field(default=1, ge=1, le=MAX_TP_DEGREE)
+    gpus: list[str] | None = None
+    tp_link: Link | None = None
     # emulated speed over serving time: [[seconds since the stage started serving, speed], ...]
     emulate_schedule: list[list[float]] | None = None
     # offloading the runtime performs (optional; `tessel.plan.streamed`): the decoder layers whose
@@ -255,6 +261,21 @@ class PlanStage(StrictModel):
         if self.precisions is None:
             return (default,) * (self.unit_end - self.unit_start)
         return tuple(self.precisions)
+
+    @property
+    def rank_gpus(self) -> tuple[str, ...]:
+        """The GPU of each tensor-parallel rank (one GPU: `device`)."""
+        return tuple(self.gpus) if self.gpus else (self.device,)
+
+    @property
+    def tp_link_spec(self):  # -> tessel.cost.link.LinkSpec | None
+        """The ring's link of a tensor-parallel stage (None at degree 1 or when not recorded)."""
+        from tessel.cost.link import LinkSpec
+
+        link = self.tp_link
+        if self.tp_degree == 1 or link is None or link.bandwidth_gbps is None:
+            return None
+        return LinkSpec(link.bandwidth_gbps * GBPS, (link.latency_us or 0.0) / US_PER_S)
 
     @property
     def label(self) -> str:

@@ -167,7 +167,7 @@ def planned_on_survivors(
         cluster = load_cluster(source)
         fields = {key: value for key, value in plan.workload.items() if key in Workload.model_fields}
         workload = parse_workload(fields, source=f"{plan.source} workload")
-        keep = {s.device for s in survivors}
+        keep = {gpu for s in survivors for gpu in s.rank_gpus}  # every rank of a tensor-parallel stage
         for device in keep:
             cluster.device(device)  # a plan made for another cluster: fall back
     except TesselError:
