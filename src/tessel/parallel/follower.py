@@ -1,0 +1,72 @@
+"""A follower rank's process: join the leader's group, load the rank's shards, run its steps.
+
+    python -m tessel.parallel.follower --options rank1.json
+
+Started by `TensorParallelExecutor` (one per rank after the first); it dies with its parent
+(`PR_SET_PDEATHSIG`) and writes any error to its log, which the executor names on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class RankOptions:
+    """What a follower is started with (a JSON file the leader writes)."""
+
+    model_path: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    device: str  # the rank's device, "cpu" or "cuda:K"
+    rank: int
+    degree: int
+    host: str
+    port: int
+    num_blocks: int
+    block_size: int
+    pack_cpu_linears: bool
+    threads: int | None = None  # torch threads (None: torch's default)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, path: Path) -> RankOptions:
+        return cls(**json.loads(path.read_text()))
+
+
+def run_follower(options: RankOptions) -> int:
+    """Join, load, follow the leader's steps -> how many ran."""
+    from tessel.engine.model_runner import ModelRunner
+    from tessel.models.config import ModelConfig
+    from tessel.parallel.group import join_tp_group
+    from tessel.parallel.load import load_rank
+    from tessel.parallel.runner import follow
+    from tessel.parallel.split import TPSplit
+
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    device = torch.device(options.device)
+    group = join_tp_group(options.rank, options.degree, device, options.host, options.port)
+    split = TPSplit.of(ModelConfig.from_dir(options.model_path), options.degree)
+    dtype = getattr(torch, options.dtype)
+    model = load_rank(options.model_path, dtype, group, split).model
+    runner = ModelRunner(
+        model, options.num_blocks, options.block_size, dtype, options.pack_cpu_linears, True, device
+    )
+    return follow(runner, group)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--options", type=Path, required=True)
+    run_follower(RankOptions.read(parser.parse_args(argv).options))
+
+
+if __name__ == "__main__":
+    main()
