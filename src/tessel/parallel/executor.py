@@ -98,8 +98,14 @@ class TensorParallelExecutor:
         self.group = self._join(device, port)
         self.model = load_rank(setup.model_path, setup.dtype, self.group, split).model
         self.runner = LeaderRunner(
-            self.group, self.model, num_blocks, config.block_size, setup.dtype, config.pack_cpu_linears,
-            True, device,
+            self.group,
+            self.model,
+            num_blocks,
+            config.block_size,
+            setup.dtype,
+            config.pack_cpu_linears,
+            True,
+            device,
         )
         return ExecutorLayout(num_blocks, kv_cache=self.runner.kv_cache, swap_refused=SWAP_REFUSED)
 
@@ -128,7 +134,9 @@ class TensorParallelExecutor:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
                 if code is not None and not self._stopping:
-                    self.failure = RankLostError(f"tensor-parallel rank {rank} (pid {proc.pid}) {self._cause(rank, code)}")
+                    self.failure = RankLostError(
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) {self._cause(rank, code)}"
+                    )
                     return
             time.sleep(WATCH_INTERVAL_S)
 
@@ -194,4 +202,3 @@ class TensorParallelExecutor:
             except subprocess.TimeoutExpired:
                 pass
         terminate([p for p in self.procs if p.poll() is None])
-

@@ -29,7 +29,6 @@ from tessel.parallel.layers import parallelise
 from tessel.parallel.shard_rules import TensorSlice, slice_of
 from tessel.parallel.split import RankShard, TPSplit
 
-
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # padded to the rank's rows
 
 
@@ -92,7 +91,9 @@ def load_shards(
                         continue
                     target, part = parameter_of(name, config)
                     if target not in params:
-                        raise TesselError(f"{file.name}: unexpected tensor {name!r} for {config.architecture}")
+                        raise TesselError(
+                            f"{file.name}: unexpected tensor {name!r} for {config.architecture}"
+                        )
                     dest = shard_view(target, params[target].data, part, local)
                     bytes_read += _fill(dest, f, name, slice_of(name, config, shard), shard.rank)
                     if config.gemma and name.endswith("norm.weight"):
@@ -129,6 +130,8 @@ def _fill(dest: torch.Tensor, f, name: str, piece: TensorSlice | None, rank: int
         dest[data.shape[0] :].zero_()  # vocabulary padding rows
         dest = dest[: data.shape[0]]
     if tuple(data.shape) != tuple(dest.shape):
-        raise TesselError(f"tensor {name!r}: the rank's slice has shape {tuple(data.shape)}, expected {tuple(dest.shape)}")
+        raise TesselError(
+            f"tensor {name!r}: the rank's slice has shape {tuple(data.shape)}, expected {tuple(dest.shape)}"
+        )
     dest.copy_(data)
     return data.numel() * data.element_size()

@@ -1,13 +1,13 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank reads.
 
-    q_proj, k_proj, v_proj (weight, bias)   rows of the rank's query / KV heads     column-parallel
-    qkv_proj (fused, Phi-3)                 those three row runs, concatenated
-    gate_proj, up_proj                      rows of the rank's MLP columns          column-parallel
-    gate_up_proj (fused)                    both row runs, concatenated
-    o_proj.weight, down_proj.weight         the same runs as columns                row-parallel
-    o_proj.bias, down_proj.bias             whole on rank 0, zeros elsewhere (added once)
-    embed_tokens, lm_head                   the rank's vocabulary rows (padded with zeros)
-    anything else (norms, q/k norms)        whole on every rank
+q_proj, k_proj, v_proj (weight, bias)   rows of the rank's query / KV heads     column-parallel
+qkv_proj (fused, Phi-3)                 those three row runs, concatenated
+gate_proj, up_proj                      rows of the rank's MLP columns          column-parallel
+gate_up_proj (fused)                    both row runs, concatenated
+o_proj.weight, down_proj.weight         the same runs as columns                row-parallel
+o_proj.bias, down_proj.bias             whole on rank 0, zeros elsewhere (added once)
+embed_tokens, lm_head                   the rank's vocabulary rows (padded with zeros)
+anything else (norms, q/k norms)        whole on every rank
 """
 
 from __future__ import annotations

@@ -119,9 +119,7 @@ def check_degree(config: ModelConfig, degree: int, where: str = "the engine") ->
             f"({config.architecture}, {config.num_experts} experts); run it with degree 1"
         )
     if config.intermediate_size < degree:
-        raise TesselError(
-            f"{where}: the MLP width {config.intermediate_size} is below the degree {degree}"
-        )
+        raise TesselError(f"{where}: the MLP width {config.intermediate_size} is below the degree {degree}")
 
 
 def _even_runs(total: int, parts: int) -> list[int]:
