@@ -22,7 +22,7 @@ from tessel.models.checkpoint_names import parameter_of, shard_view, shards_of
 from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
-from tessel.models.loader import _default_dtype, _to_empty
+from tessel.models.loader import default_dtype, materialise
 from tessel.models.reader import SKIPPED_SUFFIXES, checkpoint_files, read_model
 from tessel.parallel.group import TPGroup
 from tessel.parallel.layers import parallelise
@@ -52,13 +52,13 @@ def load_rank(
             f"{checked.path}: a quantised checkpoint cannot run tensor-parallel yet; use a float one"
         )
     config, shard = checked.config, split.shards[group.rank]
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         model = LlamaForCausalLM(split.local_config(config, group.rank))
         model.model.embed_tokens = VocabEmbedding(shard.vocab_rows, config.hidden_size)
         model.lm_head = LMHead(shard.vocab_rows, config.hidden_size)
         if layers is not None:
             layers.prune(model)
-    model = _to_empty(model, group.device, frozenset())
+    model = materialise(model, group.device, frozenset())
     if config.tie_word_embeddings and isinstance(model.lm_head, LMHead):
         model.lm_head.tie(model.model.embed_tokens)
     for rotary in model.model.rotaries():
