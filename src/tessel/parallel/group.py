@@ -9,19 +9,23 @@ whose peer has died raises (gloo: "Connection closed by peer"); `RankLostError` 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tessel.errors import TesselError
+from tessel.parallel.shm import PeerGoneError, ShmAllReduce, create_segment
 
 # Followers wait for the leader's next step without limit (a server idles for hours); a dead rank
 # is noticed by its closed connection and by the executor's watcher, not by this timeout.
 TP_TIMEOUT = timedelta(days=7)
 JOIN_TIMEOUT = timedelta(seconds=120)  # every rank joins within this (loading comes after)
 GATHER_TAG = 45  # the point-to-point tag of the logits gather
+SHM_DIR = Path("/dev/shm")
 
 
 class RankLostError(RuntimeError):
@@ -69,6 +73,7 @@ class TPGroup:
     control: object | None = None  # gloo backend: the step's payloads
     data: object | None = None  # the forward's tensors (`tp_backend`)
     store: object | None = None  # the leader serves it: it lives as long as the group
+    shm: ShmAllReduce | None = None  # CPU ranks of one machine: all-reduces through shared memory
 
     @property
     def is_leader(self) -> bool:
@@ -76,8 +81,14 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; -> it."""
-        if self.degree > 1:
-            self._wait(self.data.allreduce([tensor]))
+        if self.degree == 1:
+            return tensor
+        if self.shm is not None and self.shm.fits(tensor):
+            try:
+                return self.shm.all_reduce(tensor)
+            except PeerGoneError as error:
+                raise RankLostError(f"tensor-parallel rank {self.rank}: {error}") from error
+        self._wait(self.data.allreduce([tensor]))
         return tensor
 
     def gather_to_leader(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -114,15 +125,38 @@ class TPGroup:
             raise RankLostError(f"tensor-parallel rank {self.rank}: a peer rank is gone ({error})") from error
 
 
-def join_tp_group(rank: int, degree: int, device: torch.device, host: str, port: int) -> TPGroup:
-    """Join the group of `degree` ranks whose leader (rank 0) serves the store on host:port."""
+def join_tp_group(
+    rank: int, degree: int, device: torch.device, host: str, port: int, shm: bool = True
+) -> TPGroup:
+    """Join the group of `degree` ranks whose leader (rank 0) serves the store on host:port; CPU ranks
+    all-reduce through shared memory unless `shm` is False (`tessel.parallel.shm`)."""
     if degree == 1:
         return TPGroup(0, 1, device)
     store = dist.TCPStore(host, port, degree, rank == 0, timeout=JOIN_TIMEOUT)
-    store.set_timeout(TP_TIMEOUT)
+    store.set_timeout(JOIN_TIMEOUT)
+    segment = SHM_DIR / f"tessel-tp-{host}-{port}"
+    use_shm = shm and device.type == "cpu" and SHM_DIR.is_dir()
+    if use_shm and rank == 0:
+        create_segment(segment, degree)
     control = dist.ProcessGroupGloo(dist.PrefixStore("tp/gloo", store), rank, degree, TP_TIMEOUT)
     data = control
     if tp_backend(device) == "nccl":
         torch.cuda.set_device(device)
         data = dist.ProcessGroupNCCL(dist.PrefixStore("tp/nccl", store), rank, degree)
-    return TPGroup(rank, degree, device, control, data, store)
+    group = TPGroup(rank, degree, device, control, data, store)
+    if use_shm:
+        group.shm = _map_segment(store, segment, rank, degree)
+    return group
+
+
+def _map_segment(store, segment: Path, rank: int, degree: int) -> ShmAllReduce:  # noqa: ANN001
+    """Every rank maps the leader's segment and learns the others' pids; the leader then unlinks
+    the file (the mappings keep it), so nothing is left behind however the ranks end."""
+    store.set(f"tp/pid{rank}", str(os.getpid()))
+    pids = [int(store.get(f"tp/pid{r}")) for r in range(degree)]
+    shm = ShmAllReduce(segment, rank, degree, pids)
+    store.set(f"tp/mapped{rank}", "1")
+    if rank == 0:
+        store.wait([f"tp/mapped{r}" for r in range(degree)])
+        segment.unlink()
+    return shm
