@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tessel.models.layer_filter import LayerFilter
+
 
 @dataclass(frozen=True, slots=True)
 class RankOptions:
@@ -27,10 +29,15 @@ class RankOptions:
     degree: int
     host: str
     port: int
-    num_blocks: int
-    block_size: int
-    pack_cpu_linears: bool
     threads: int | None = None  # torch threads (None: torch's default)
+    layers: list | None = None  # a pipeline stage's [layer_start, layer_end, embed, head]; None: all
+    tied: bool = False
+
+    def layer_filter(self) -> LayerFilter | None:
+        if self.layers is None:
+            return None
+        start, end, embed, head = self.layers
+        return LayerFilter(start, end, embed, head, self.tied)
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -42,11 +49,10 @@ class RankOptions:
 
 def run_follower(options: RankOptions) -> int:
     """Join, load, follow the leader's steps -> how many ran."""
-    from tessel.engine.model_runner import ModelRunner
     from tessel.models.config import ModelConfig
     from tessel.parallel.group import join_tp_group
     from tessel.parallel.load import load_rank
-    from tessel.parallel.runner import follow
+    from tessel.parallel.runner import follow, follower_runner
     from tessel.parallel.split import TPSplit
 
     if options.threads is not None:
@@ -55,11 +61,8 @@ def run_follower(options: RankOptions) -> int:
     group = join_tp_group(options.rank, options.degree, device, options.host, options.port)
     split = TPSplit.of(ModelConfig.from_dir(options.model_path), options.degree)
     dtype = getattr(torch, options.dtype)
-    model = load_rank(options.model_path, dtype, group, split).model
-    runner = ModelRunner(
-        model, options.num_blocks, options.block_size, dtype, options.pack_cpu_linears, True, device
-    )
-    return follow(runner, group)
+    model = load_rank(options.model_path, dtype, group, split, options.layer_filter()).model
+    return follow(follower_runner(model, group, dtype), group)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,8 @@ Column-parallel linears need nothing: qkv_proj and gate_up_proj are ordinary lin
 rank's rows (its heads, its MLP columns). A row-parallel linear (o_proj, down_proj) computes its
 partial sum over the rank's input columns and all-reduces it (the bias is loaded on rank 0 only).
 The embedding looks up the rank's vocabulary rows, zeros elsewhere, and all-reduces; the LM head
-computes the rank's logit columns and gathers them to the leader, which samples. Each wraps the
+sends the rows it projects to the followers, every rank computes its logit columns, and the leader
+gathers them and samples. Each wraps the
 rank's plain module (`inner`), which `pack_linears` may swap for its packed form.
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from tessel.parallel.group import TPGroup
+from tessel.parallel.step import LogitsCall, broadcast
 
 
 class RowParallelLinear(nn.Module):
@@ -52,8 +54,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """hidden [N, H] -> float32 logits [N, V] on the leader (the ranks' columns gathered, padding
-    dropped); on a follower its own columns, which only the leader reads."""
+    """hidden [N, H] -> float32 logits [N, V] on the leader: it sends the rows to the followers
+    (`LogitsCall`), every rank projects its vocabulary columns (`project`), the leader gathers them
+    and drops the padding."""
 
     def __init__(self, inner: nn.Module, vocab_size: int, group: TPGroup) -> None:
         super().__init__()
@@ -62,9 +65,12 @@ class VocabParallelLMHead(nn.Module):
         self.group = [group]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.inner(hidden).float()
-        gathered = self.group[0].gather_to_leader(logits)
-        return logits if gathered is None else gathered[:, : self.vocab_size]
+        broadcast(self.group[0], LogitsCall(hidden))
+        return self.project(hidden)[:, : self.vocab_size]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """This rank's logit columns, gathered: all of them on the leader, None on a follower."""
+        return self.group[0].gather_to_leader(self.inner(hidden).float())
 
 
 def parallelise(model: nn.Module, group: TPGroup, vocab_start: int, vocab_size: int) -> None:

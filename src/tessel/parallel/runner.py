@@ -1,59 +1,71 @@
 """The engine's `ModelRunner` on tensor-parallel ranks.
 
-The leader's runner is the engine's own, except that `prepare` also broadcasts the prepared step to
-the followers, so `run` (prepare, forward, sample) is one process's and the collectives of the
-forward and of the LM head line up on every rank. A follower repeats the forward on its shards and
-the LM head projections the leader's sampling makes (`follow_step`), and never samples.
+The leader's runner is the engine's own, except that every forward (`_forward`: one process's
+step, a pipeline stage's `run_stage`) is first broadcast to the followers, and its LM head sends
+them the rows it projects (`VocabParallelLMHead`). So `run`, `run_stage` and `sample_hidden` are
+one process's, and the collectives of every rank line up. A follower runs what the leader sends
+(`follow`) and never samples.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tessel.engine.model_runner import ModelRunner, prompt_scorings
-from tessel.engine.scheduler import SchedulerOutput
-from tessel.layers.attention import AttentionMetadata
+from tessel.engine.model_runner import ModelRunner
+from tessel.models.llama import StepInputs
 from tessel.parallel.group import TPGroup
-from tessel.parallel.step import TPStep, broadcast_step, receive_step, with_gather
+from tessel.parallel.layers import VocabParallelLMHead
+from tessel.parallel.step import LogitsCall, RankSetup, TPStep, broadcast, receive, with_gather
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: every prepared step goes to the followers before it runs here."""
+    """Rank 0's runner: each forward goes to the followers before it runs here."""
 
-    def __init__(self, group: TPGroup, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        group: TPGroup,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        pack_cpu_linears: bool,
+    ) -> None:
+        """Eager (the graphs hold no collectives); tells the followers the KV pool's size."""
+        super().__init__(model, num_blocks, block_size, dtype, pack_cpu_linears, True, group.device)
         self.group = group
+        broadcast(group, RankSetup(num_blocks, block_size, pack_cpu_linears))
 
-    def prepare(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        ids, positions, meta, sample_rows = super().prepare(batch)
-        scorings = [(s.row, len(s.targets)) for _, s in prompt_scorings(batch)]
-        broadcast_step(self.group, TPStep(ids, positions, meta, sample_rows, scorings))
-        return ids, positions, meta, sample_rows
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        broadcast(self.group, TPStep(step.positions, step.meta, step.input_ids, step.stream))
+        return super()._forward(step)
 
     def stop_followers(self) -> None:
-        broadcast_step(self.group, None)
+        broadcast(self.group, None)
+
+
+def follower_runner(model: torch.nn.Module, group: TPGroup, dtype: torch.dtype) -> ModelRunner:
+    """A follower's runner, its KV pool the size the leader's `RankSetup` says (eager: the graphs
+    hold no collectives)."""
+    setup = receive(group)
+    if not isinstance(setup, RankSetup):
+        raise RuntimeError(f"tensor-parallel rank {group.rank}: expected the KV setup first, got {setup!r}")
+    return ModelRunner(
+        model, setup.num_blocks, setup.block_size, dtype, setup.pack_cpu_linears, True, group.device
+    )
 
 
 @torch.inference_mode()
-def follow_step(runner: ModelRunner, step: TPStep) -> None:
-    """A follower's share of the leader's step: the forward, then the LM head over the rows the
-    leader projects, in its order (`ModelRunner.sample_hidden`)."""
-    meta = with_gather(step.meta, runner.kv_cache)
-    hidden = runner.run_stage(step.positions, meta, step.input_ids)
-    model = runner.model
-    for row, n in step.scoring_rows:
-        model.compute_logits(hidden[row : row + n])
-    rows = step.sample_rows
-    if rows:
-        model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
-
-
 def follow(runner: ModelRunner, group: TPGroup) -> int:
-    """Run the leader's steps until it says stop -> how many ran."""
+    """Run the leader's forwards and LM head projections until it says stop -> forwards run."""
     steps = 0
-    while (step := receive_step(group)) is not None:
-        follow_step(runner, step)
-        steps += 1
+    head = runner.model.lm_head
+    while (message := receive(group)) is not None:
+        if isinstance(message, TPStep):
+            meta = with_gather(message.meta, runner.kv_cache)
+            runner.run_stage(message.positions, meta, message.input_ids, message.stream)
+            steps += 1
+        elif isinstance(message, LogitsCall) and isinstance(head, VocabParallelLMHead):
+            head.project(message.hidden)
+        else:
+            raise RuntimeError(f"tensor-parallel rank {group.rank}: unexpected {type(message).__name__}")
     return steps
