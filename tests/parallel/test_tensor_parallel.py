@@ -116,3 +116,27 @@ def test_a_killed_follower_stops_the_engine_with_its_name(checkpoints) -> None:
             tp.generate(PROMPTS, GREEDY)
     finally:
         tp.shutdown()
+
+
+def test_the_cli_refuses_a_degree_the_model_cannot_split(checkpoints) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tessel.cli",
+            "generate",
+            "--model",
+            str(checkpoints("llama")),
+            "--prompt",
+            "hi",
+        ]
+        + ["--tensor-parallel-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "degree 4 exceeds the model's 2 KV heads" in " ".join(done.stderr.split())
