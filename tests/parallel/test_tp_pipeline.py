@@ -106,3 +106,42 @@ def test_tp_stages_are_checked_before_any_process(checkpoints, tmp_path, monkeyp
         TesselError, match="stage 0: tensor-parallel degree 2 needs 2 GPUs, this machine has 1"
     ):
         check_tensor_parallel_stages(_plan_with(plan_path, [2, 1], None, "H100"), config)
+
+
+def _int8_plan(path, model, splits):  # noqa: ANN001, ANN202
+    import json
+
+    write_plan(path, model, splits)
+    plan = json.loads(path.read_text())
+    plan.update(version=2, granularity="layer", precisions=["int8"])
+    for stage in plan["stages"]:
+        layers = stage["layer_end"] - stage["layer_start"]
+        stage.update(
+            unit_start=stage["layer_start"], unit_end=stage["layer_end"], precisions=["int8"] * layers
+        )
+    path.write_text(json.dumps(plan))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_tp2_w8a8_equals_one_process_w8a8(checkpoints, tmp_path, monkeypatch, name: str) -> None:
+    """Every layer W8A8 (the plan's int8, rounded at load): TP=2 rounds weights and activations as
+    one process does (row-parallel layers by the whole row's maxima), so the tokens are the same."""
+    model = checkpoints(name)
+    plan_path = _int8_plan(tmp_path / "plan.json", model, [(0, 2)])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    one = pipeline_llm(model, plan_path, slots=1, num_kv_blocks=64)
+    try:
+        want = [o.token_ids for o in one.generate(PROMPTS, params)]
+        assert "W8A8Linear" in repr(one.executor.model)
+    finally:
+        one.shutdown()
+    monkeypatch.setattr(executor_module, "load_run_plan", _tp_plan)
+    tp = pipeline_llm(model, plan_path, slots=1, num_kv_blocks=64)
+    try:
+        got = [o.token_ids for o in tp.generate(PROMPTS, params)]
+        assert "RowMaxInput" in repr(tp.executor.model)
+    finally:
+        tp.shutdown()
+    assert got == want

@@ -32,6 +32,12 @@ class RankOptions:
     threads: int | None = None  # torch threads (None: torch's default)
     layers: list | None = None  # a pipeline stage's [layer_start, layer_end, embed, head]; None: all
     tied: bool = False
+    precisions: dict | None = None  # a plan's layer -> [attention, MLP] weight precisions (JSON keys)
+
+    def layer_precisions(self) -> dict[int, tuple[str, str]] | None:
+        if not self.precisions:
+            return None
+        return {int(layer): (halves[0], halves[1]) for layer, halves in self.precisions.items()}
 
     def layer_filter(self) -> LayerFilter | None:
         if self.layers is None:
@@ -61,7 +67,8 @@ def run_follower(options: RankOptions) -> int:
     group = join_tp_group(options.rank, options.degree, device, options.host, options.port)
     split = TPSplit.of(ModelConfig.from_dir(options.model_path), options.degree)
     dtype = getattr(torch, options.dtype)
-    model = load_rank(options.model_path, dtype, group, split, options.layer_filter()).model
+    layers, precisions = options.layer_filter(), options.layer_precisions()
+    model = load_rank(options.model_path, dtype, group, split, layers, precisions).model
     return follow(follower_runner(model, group, dtype), group)
 
 

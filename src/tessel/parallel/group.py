@@ -91,6 +91,20 @@ class TPGroup:
         self._wait(self.data.allreduce([tensor]))
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of `tensor` over the ranks, in place; -> it."""
+        if self.degree == 1:
+            return tensor
+        if self.shm is not None and self.shm.fits(tensor):
+            try:
+                return self.shm.all_reduce(tensor, "max")
+            except PeerGoneError as error:
+                raise RankLostError(f"tensor-parallel rank {self.rank}: {error}") from error
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.data.allreduce([tensor], options))
+        return tensor
+
     def gather_to_leader(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `tensor` [N, C] (same shape everywhere) -> on the leader [N, C * degree] in
         rank order, None on the others."""

@@ -26,6 +26,7 @@ from tessel.models.loader import default_dtype, materialise
 from tessel.models.reader import SKIPPED_SUFFIXES, checkpoint_files, read_model
 from tessel.parallel.group import TPGroup
 from tessel.parallel.layers import parallelise
+from tessel.parallel.quantize import quantize_rank_layers
 from tessel.parallel.shard_rules import TensorSlice, slice_of
 from tessel.parallel.split import RankShard, TPSplit
 
@@ -44,8 +45,10 @@ def load_rank(
     group: TPGroup,
     split: TPSplit,
     layers: LayerFilter | None = None,
+    precisions: dict[int, tuple[str, str]] | None = None,
 ) -> LoadedRank:
-    """Rank `group.rank`'s part of the model in `path` (with `layers`: of that pipeline stage)."""
+    """Rank `group.rank`'s part of the model in `path` (with `layers`: of that pipeline stage);
+    `precisions`: a plan's per-layer (attention, MLP) weight precisions (`tessel.parallel.quantize`)."""
     checked = read_model(path)
     if checked.scheme is not None:
         raise TesselError(
@@ -64,6 +67,8 @@ def load_rank(
     for rotary in model.model.rotaries():
         rotary.build_tables(group.device)
     bytes_read = load_shards(model, checked.path, config, shard, layers)
+    if precisions:
+        quantize_rank_layers(model, precisions, dtype, group)
     parallelise(model, group, shard.vocab_start, config.vocab_size)
     return LoadedRank(model.eval().requires_grad_(False), bytes_read)
 

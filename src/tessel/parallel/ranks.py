@@ -45,6 +45,7 @@ class TPRanks:
         gpus: list[int] | None = None,
         threads: int | None = None,
         layers: LayerFilter | None = None,
+        precisions: dict[int, tuple[str, str]] | None = None,
     ) -> TPGroup:
         """Start ranks 1.. (they load their shards while this one does), join them -> the group."""
         port = free_port()
@@ -60,6 +61,7 @@ class TPRanks:
                 threads if threads is not None else torch.get_num_threads(),
                 None if layers is None else [layers.layer_start, layers.layer_end, layers.embed, layers.head],
                 bool(layers.tied) if layers is not None else False,
+                {str(k): list(v) for k, v in precisions.items()} if precisions else None,
             )
             self.procs.append(self._spawn(options))
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()

@@ -55,8 +55,9 @@ class ShmAllReduce:
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() <= SLOT_BYTES and tensor.is_contiguous()
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` (contiguous, at most `SLOT_BYTES`) over the ranks in place; -> it."""
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (op "sum") or take the maximum (op "max") of `tensor` (contiguous, at most
+        `SLOT_BYTES`) over the ranks, in rank order, in place; -> it."""
         self.calls += 1
         k, n = self.calls, tensor.numel()
         slots = self.slots[k % 2]
@@ -68,7 +69,11 @@ class ShmAllReduce:
         flat = tensor.view(-1)
         flat.copy_(slots[0, :nbytes].view(tensor.dtype))
         for r in range(1, self.degree):
-            flat.add_(slots[r, :nbytes].view(tensor.dtype))
+            other = slots[r, :nbytes].view(tensor.dtype)
+            if op == "sum":
+                flat.add_(other)
+            else:
+                torch.maximum(flat, other, out=flat)
         return tensor
 
     def _wait_for(self, k: int) -> None:

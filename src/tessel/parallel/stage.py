@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
@@ -40,24 +39,18 @@ def load_tp_stage(
     rank: int,
     gpus: list[int] | None = None,
     run_dir: Path | None = None,
+    precisions: dict[int, tuple[str, str]] | None = None,
 ) -> TPStage:
     """Stage `rank`'s layers over `degree` ranks: its followers started (they load while this
-    process does), joined, and this process's shards loaded."""
+    process does), joined, and this process's shards loaded; `precisions`: the plan's per-layer
+    weight precisions, rounded as one process rounds them (`tessel.parallel.quantize`)."""
     where = f"stage {rank}"
     split = check_tensor_parallel(ModelConfig.from_dir(path), degree, device, gpus, where)
     ranks = TPRanks(degree, run_dir or Path(tempfile.mkdtemp(prefix="tessel-tp-")), prefix=f"stage{rank}.")
-    group = ranks.start(path, dtype, device, gpus, layers=part)
+    group = ranks.start(path, dtype, device, gpus, layers=part, precisions=precisions)
     try:
-        model = load_rank(path, dtype, group, split, part).model
+        model = load_rank(path, dtype, group, split, part, precisions).model
     except Exception as error:
         ranks.stop(None)
         raise ranks.named(error) from error
     return TPStage(ranks, group, model)
-
-
-def refuse_quantized(degree: int, quantized: dict, rank: int) -> None:
-    if degree > 1 and quantized:
-        raise TesselError(
-            f"stage {rank}: plan precisions (layers {sorted(quantized)}) cannot run tensor-parallel yet; "
-            "use a float plan for a stage with tp_degree > 1"
-        )

@@ -48,7 +48,7 @@ from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.parallel.runner import LeaderRunner
-from tessel.parallel.stage import TPStage, load_tp_stage, refuse_quantized
+from tessel.parallel.stage import TPStage, load_tp_stage
 from tessel.pipeline.chunk_cutter import ChunkCutter
 from tessel.pipeline.comm.group import join_pipeline
 from tessel.pipeline.comm.handshake import agree_flow_blocks, agree_kv_layout
@@ -168,18 +168,25 @@ class ProcessExecutor:
         stage = self.plan.stages[0]
         quantized = stage.quantized_layers
         tp = None
-        if stage.tp_degree > 1:
-            refuse_quantized(stage.tp_degree, quantized, 0)
+        if stage.tp_degree > 1:  # the ranks round the plan's precisions as they load
             gpus = list(stage.tp_gpus) if stage.tp_gpus is not None else None
             run_dir = self.options.run_dir
             tp = load_tp_stage(
-                setup.model_path, setup.dtype, config.device, part, stage.tp_degree, 0, gpus, run_dir
+                setup.model_path,
+                setup.dtype,
+                config.device,
+                part,
+                stage.tp_degree,
+                0,
+                gpus,
+                run_dir,
+                quantized,
             )
             model = tp.model
         else:
             model = load_model(setup.model_path, setup.dtype, config.device, layers=part)
-        if quantized:
-            quantize_layers(model, quantized, setup.dtype)
+            if quantized:
+                quantize_layers(model, quantized, setup.dtype)
         weight_bytes = tensor_bytes(model)
         host_weights = host_copy(model, part) if part.host_layers else None  # before the runner packs them
         if config.pack_cpu_linears and torch.device(config.device).type == "cpu" and host_weights is None:

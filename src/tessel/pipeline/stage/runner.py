@@ -41,7 +41,7 @@ from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
 from tessel.parallel.runner import LeaderRunner
-from tessel.parallel.stage import TPStage, load_tp_stage, refuse_quantized
+from tessel.parallel.stage import TPStage, load_tp_stage
 from tessel.pipeline.comm.messages import BatchMessage, KvLayout
 from tessel.pipeline.supervision.heartbeat import StageProgress
 
@@ -115,14 +115,13 @@ class StageRunner:
         plan's emulated speed for its device; `tp_degree` > 1: split over that many ranks, this
         process their leader (`tessel.parallel.stage`; followers log into `run_dir`)."""
         tp = None
-        if tp_degree > 1:
-            refuse_quantized(tp_degree, precisions or {}, rank)
-            tp = load_tp_stage(path, dtype, str(device), part, tp_degree, rank, tp_gpus, run_dir)
+        if tp_degree > 1:  # the ranks round the plan's precisions as they load
+            tp = load_tp_stage(path, dtype, str(device), part, tp_degree, rank, tp_gpus, run_dir, precisions)
             model = tp.model
         else:
             model = load_model(path, dtype, device, layers=part)
-        if precisions:
-            quantize_layers(model, precisions, dtype)
+            if precisions:
+                quantize_layers(model, precisions, dtype)
         runner = cls(model, part, slow, weight_bytes=tensor_bytes(model), tp=tp)
         runner.host_weights = host_copy(model, part) if part.host_layers else None  # before packing
         return runner
