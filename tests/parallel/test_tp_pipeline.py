@@ -95,6 +95,14 @@ def test_tp_stages_are_checked_before_any_process(checkpoints, tmp_path, monkeyp
         TesselError, match=r"stage 1: tensor-parallel degree 3 exceeds the model's 2 KV heads"
     ):
         check_tensor_parallel_stages(_plan_with(plan_path, [1, 3]), config)
+    streamed = _plan_with(plan_path, [1, 2])
+    streamed = dataclasses.replace(
+        streamed, stages=(streamed.stages[0], dataclasses.replace(streamed.stages[1], offload_layers=(1,)))
+    )
+    with pytest.raises(
+        TesselError, match=r"stage 1: layers streamed from host memory \(offload_layers \[1\]\)"
+    ):
+        check_tensor_parallel_stages(streamed, config)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(TesselError, match="stage 0: the tensor-parallel ranks name GPU 0 twice"):

@@ -176,6 +176,11 @@ def check_tensor_parallel_stages(plan: RunPlan, config: ModelConfig) -> None:
         gpus = list(stage.tp_gpus) if stage.tp_gpus is not None else None
         device = "cuda" if stage.is_cuda else "cpu"
         check_tensor_parallel(config, stage.tp_degree, device, gpus, f"stage {stage.index}")
+        if stage.offload_layers:
+            raise TesselError(
+                f"stage {stage.index}: layers streamed from host memory (offload_layers "
+                f"{list(stage.offload_layers)}) cannot run tensor-parallel yet; give the stage tp_degree 1"
+            )
         for gpu in gpus or []:
             if gpu in taken:
                 raise TesselError(

@@ -47,6 +47,7 @@ from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
+from tessel.parallel.executor import SWAP_REFUSED
 from tessel.parallel.runner import LeaderRunner
 from tessel.parallel.stage import TPStage, load_tp_stage
 from tessel.pipeline.chunk_cutter import ChunkCutter
@@ -246,8 +247,15 @@ class ProcessExecutor:
             kv_cache=self.runner.kv_cache,
             kv_layer_share=budget.layer_share,
             records_kv_copies=len(self.plan.stages) > 1,
-            swap_refused=self.features.swap_refused,
+            swap_refused=self.features.swap_refused or self._tp_swap_refused(),
         )
+
+    def _tp_swap_refused(self) -> str | None:
+        """Swapping is refused where a stage is split over ranks (its followers would not repeat the
+        host copies of its KV blocks)."""
+        if any(s.tp_degree > 1 for s in self.plan.stages):
+            return SWAP_REFUSED
+        return None
 
     def _blocks(self, layout: KvLayout, capacity: int) -> FlowBlocks:
         """Rank 0's view of the block ids: one pool of the agreed size on one path; each path's range
