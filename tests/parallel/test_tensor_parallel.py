@@ -140,3 +140,31 @@ def test_the_cli_refuses_a_degree_the_model_cannot_split(checkpoints) -> None:
     )
     assert done.returncode == 2
     assert "degree 4 exceeds the model's 2 KV heads" in " ".join(done.stderr.split())
+
+
+@pytest.mark.slow
+def test_tp2_over_three_kv_heads_splits_unevenly_and_equals_one_process(tmp_path) -> None:
+    """SmolLM2's shape of heads (3 KV heads, 3 query heads each) over 2 ranks: 2 + 1 KV heads."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint(
+        tmp_path / "uneven",
+        num_kv_heads=3,
+        num_attention_heads=6,
+        hidden_size=96,
+        intermediate_size=160,
+        seed=12,
+    )
+    one, tp = _pair(path)
+    try:
+        assert [s.num_kv_heads for s in _split(path).shards] == [2, 1]
+        assert _tokens(tp, GREEDY) == _tokens(one, GREEDY)
+    finally:
+        tp.shutdown()
+
+
+def _split(path):  # noqa: ANN001, ANN202
+    from tessel.models.config import ModelConfig
+    from tessel.parallel.split import TPSplit
+
+    return TPSplit.of(ModelConfig.from_dir(path), 2)
