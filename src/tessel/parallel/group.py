@@ -81,27 +81,22 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; -> it."""
-        if self.degree == 1:
-            return tensor
-        if self.shm is not None and self.shm.fits(tensor):
-            try:
-                return self.shm.all_reduce(tensor)
-            except PeerGoneError as error:
-                raise RankLostError(f"tensor-parallel rank {self.rank}: {error}") from error
-        self._wait(self.data.allreduce([tensor]))
-        return tensor
+        return self._reduce(tensor, "sum")
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """The element-wise maximum of `tensor` over the ranks, in place; -> it."""
+        return self._reduce(tensor, "max")
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.degree == 1:
             return tensor
         if self.shm is not None and self.shm.fits(tensor):
             try:
-                return self.shm.all_reduce(tensor, "max")
+                return self.shm.all_reduce(tensor, op)
             except PeerGoneError as error:
                 raise RankLostError(f"tensor-parallel rank {self.rank}: {error}") from error
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
+        options.reduceOp = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         self._wait(self.data.allreduce([tensor], options))
         return tensor
 
