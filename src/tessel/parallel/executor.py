@@ -18,6 +18,7 @@ batches are not bisected as `LocalExecutor` does.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -125,7 +126,11 @@ class TensorParallelExecutor:
         return None
 
     def shutdown(self) -> None:
-        """Tell the followers to stop and wait for them (terminate any that does not exit)."""
-        if self.ranks is not None:
-            runner = getattr(self, "runner", None)
-            self.ranks.stop(runner.stop_followers if runner is not None and self._failure is None else None)
+        """Tell the followers to stop and wait for them (terminate any that does not exit); their
+        logs' directory is removed unless a rank failed (its log names the cause)."""
+        if self.ranks is None:
+            return
+        runner = getattr(self, "runner", None)
+        self.ranks.stop(runner.stop_followers if runner is not None and self._failure is None else None)
+        if self.failure is None:
+            shutil.rmtree(self.ranks.run_dir, ignore_errors=True)
