@@ -28,6 +28,7 @@ RUNTIME_PACKAGES = (
     "layers",
     "kernels",
     "pipeline",
+    "parallel",
     "server",
     "quant",
     "profiling",

@@ -20,6 +20,7 @@ from tessel.commands.options import (
     MAX_TOKENS_OPTION,
     SEED_OPTION,
     TEMPERATURE_OPTION,
+    TENSOR_PARALLEL_OPTION,
     TOP_K_OPTION,
     TOP_P_OPTION,
     LMHeadMode,
@@ -44,6 +45,7 @@ def generate(
     ignore_eos: bool = IGNORE_EOS_OPTION,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
+    tensor_parallel_size: int = TENSOR_PARALLEL_OPTION,
     device: str = DEVICE_OPTION,
     host_kv: dict[str, object] = HOST_KV_OPTIONS,
 ) -> None:
@@ -68,7 +70,15 @@ def generate(
     for index, text in enumerate(prompt):
         check_text(text, f"--prompt {index + 1}")  # what the engine's tokenize checks, before it loads
     kwargs = host_kv if max_model_len is None else host_kv | {"max_model_len": max_model_len}
-    llm = LLM(str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs)
+    llm = LLM(
+        str(model),
+        dtype=dtype,
+        lm_head=lm_head,
+        enforce_eager=enforce_eager,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        **kwargs,
+    )
     outputs = llm.generate(list(prompt), params, use_progress=len(prompt) > 1)
     console = Console(highlight=False)
     for output in outputs:

@@ -98,6 +98,13 @@ ENFORCE_EAGER_OPTION = typer.Option(
     help="Run every step eagerly: no compiled CPU decode graphs, no captured CUDA graphs (seconds saved "
     "at the first steps, slower steps after).",
 )
+TENSOR_PARALLEL_OPTION = typer.Option(
+    1,
+    "--tensor-parallel-size",
+    min=1,
+    help="Split the model over this many ranks: this process and N-1 it starts on this machine (CPU: "
+    "shared-memory all-reduce; CUDA: GPUs 0..N-1, NCCL). The degree may not exceed the KV heads.",
+)
 
 # The engine's preemption modes (tessel.engine.preemption.PREEMPTION_MODES; the CLI may not import torch)
 PreemptionMode = Literal["auto", "swap", "recompute"]

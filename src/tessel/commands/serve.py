@@ -36,6 +36,7 @@ from tessel.commands.options import (
     MAX_MODEL_LEN_OPTION,
     MAX_NUM_SEQS_OPTION,
     RAY_ADDRESS_OPTION,
+    TENSOR_PARALLEL_OPTION,
     ExecutorKind,
     LMHeadMode,
     check_model_path,
@@ -135,6 +136,7 @@ def serve(
     remap: RemapFlags = REMAP_OPTIONS,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
+    tensor_parallel_size: int = TENSOR_PARALLEL_OPTION,
     device: str = DEVICE_OPTION,
     matryoshka: bool = MATRYOSHKA_OPTION,
     host_kv: dict[str, object] = HOST_KV_OPTIONS,
@@ -213,9 +215,19 @@ def serve(
             )  # fmt: skip
             serve_replicas(router, specs, echo=lambda line: typer.echo(line, err=True))
             return
+    if plan is not None and tensor_parallel_size > 1:
+        raise TesselError(
+            "--tensor-parallel-size splits one engine; with --plan, the plan's stages say their tp_degree"
+        )
     if plan is None:
         engine = LLMEngine(
-            str(model), dtype=dtype, lm_head=lm_head, enforce_eager=enforce_eager, device=device, **kwargs
+            str(model),
+            dtype=dtype,
+            lm_head=lm_head,
+            enforce_eager=enforce_eager,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            **kwargs,
         )
         engine.warm_up()  # the compiled decode step, before the first request would wait for it
     else:

@@ -39,6 +39,9 @@ class EngineConfig:
     host_kv_cache_gib: float | None = None  # None: as many blocks as the device pool, at most 4 GiB
     # slow host <-> device KV copies to this bandwidth (Gbit/s): emulates a host link on a CPU-only machine
     emulate_host_gbps: float | None = None
+    # ranks the model is split over (tessel.parallel): this process is rank 0, the others processes
+    # it starts, each with this process's torch thread count
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -50,6 +53,8 @@ class EngineConfig:
         self.kv_cache_gib = check_kv_cache_gib(self.kv_cache_gib, "kv_cache_gib")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise TesselError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.tensor_parallel_size < 1:
+            raise TesselError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         check_lm_head_mode(self.lm_head)

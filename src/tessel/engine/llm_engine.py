@@ -108,10 +108,20 @@ def max_num_batched_tokens(config: EngineConfig, max_len: int) -> int:
     return tokens
 
 
+def default_executor(config: EngineConfig) -> Executor:
+    """The executor of an engine given none: the whole model here, or split over
+    `tensor_parallel_size` ranks (`tessel.parallel`)."""
+    if config.tensor_parallel_size > 1:
+        from tessel.parallel.executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config.tensor_parallel_size)
+    return LocalExecutor()
+
+
 class LLMEngine:
     def __init__(self, model_path: str | Path, executor: Executor | None = None, **kwargs: Any) -> None:
-        self.executor: Executor = executor if executor is not None else LocalExecutor()
         self._user_config = EngineConfig(**kwargs)  # as given: each executor adapts it (`configure`)
+        self.executor: Executor = executor if executor is not None else default_executor(self._user_config)
         self.config = self.executor.configure(self._user_config)
         if self.config.kv_cache_gib is not None:
             check_kv_cache_fits(self.config.kv_cache_gib, self.config.device)

@@ -24,11 +24,11 @@ from tessel.models.quantized import module_swap
 from tessel.models.quantized.lm_head import check_lm_head_mode, quantize_lm_head
 from tessel.models.reader import SKIPPED_SUFFIXES, checkpoint_files, read_model
 
-__all__ = ["checkpoint_files", "load_model", "load_weights"]
+__all__ = ["checkpoint_files", "default_dtype", "load_model", "load_weights", "materialise"]
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -51,7 +51,7 @@ def load_model(
         raise TesselError(f"lm_head={lm_head!r} cannot run as a pipeline stage yet; run in one process")
     checked = read_model(path)  # config and weights agree before anything is allocated
     path, config = checked.path, checked.config
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         model = LlamaForCausalLM(config)
         if layers is not None:
             layers.prune(model)
@@ -63,7 +63,7 @@ def load_model(
                 "run it in one process (tessel generate / serve without --plan)"
             )
         module_swap.drop_linears(model)
-    model = _to_empty(model, device, layers.host_layers if layers is not None else frozenset())
+    model = materialise(model, device, layers.host_layers if layers is not None else frozenset())
     if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Identity):
         model.lm_head.tie(model.model.embed_tokens)  # to_empty gives each module its own tensor: tie again
     for rotary in model.model.rotaries():
@@ -78,7 +78,7 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def _to_empty(model: LlamaForCausalLM, device: str | torch.device, host_layers: frozenset[int]):
+def materialise(model: LlamaForCausalLM, device: str | torch.device, host_layers: frozenset[int]):
     """Materialise the meta model on `device`, the decoder layers in `host_layers` in host memory."""
     held = {index: model.model.layers[index] for index in sorted(host_layers)}
     for index in held:

@@ -64,6 +64,7 @@ def check_run(
     link_transports(plan, options.transport)
     local = [rank] if rank is not None else local_ranks
     check_devices(plan, cuda_devices(), local)
+    check_tensor_parallel_stages(plan, config)
     dtype = resolve_dtype(options.dtype, config)
     check_offload(plan.stages, config, dtype, local)
     return plan, config
@@ -160,3 +161,29 @@ def _prompt_lengths(requests: list[RunRequest], model: Path, vocab: int) -> list
             raise TesselError(f"{request.where}: the prompt is empty; give at least one token")
         lengths.append(length)
     return lengths
+
+
+def check_tensor_parallel_stages(plan: RunPlan, config: ModelConfig) -> None:
+    """Refuse, before any process starts, a stage whose `tp_degree` the model cannot be split into,
+    that needs more GPUs than this machine has, or whose ranks name a GPU twice (within the stage or
+    across stages), naming the stage and the numbers."""
+    from tessel.parallel.executor import check_tensor_parallel
+
+    taken: dict[int, int] = {}
+    for stage in plan.stages:
+        if stage.tp_degree == 1:
+            continue
+        gpus = list(stage.tp_gpus) if stage.tp_gpus is not None else None
+        device = "cuda" if stage.is_cuda else "cpu"
+        check_tensor_parallel(config, stage.tp_degree, device, gpus, f"stage {stage.index}")
+        if stage.offload_layers:
+            raise TesselError(
+                f"stage {stage.index}: layers streamed from host memory (offload_layers "
+                f"{list(stage.offload_layers)}) cannot run tensor-parallel yet; give the stage tp_degree 1"
+            )
+        for gpu in gpus or []:
+            if gpu in taken:
+                raise TesselError(
+                    f"stage {stage.index}: GPU {gpu} is already a tensor-parallel rank of stage {taken[gpu]}"
+                )
+            taken[gpu] = stage.index

@@ -47,6 +47,9 @@ from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
+from tessel.parallel.executor import SWAP_REFUSED
+from tessel.parallel.runner import LeaderRunner
+from tessel.parallel.stage import TPStage, load_tp_stage
 from tessel.pipeline.chunk_cutter import ChunkCutter
 from tessel.pipeline.comm.group import join_pipeline
 from tessel.pipeline.comm.handshake import agree_flow_blocks, agree_kv_layout
@@ -93,6 +96,7 @@ class Stage0:
     weight_bytes: int
     rss_before_load_bytes: int
     host_weights: object | None  # the streamed layers' host copy (`tessel.engine.weight_stream`)
+    tp: TPStage | None = None  # stage 0's tensor-parallel ranks, when its plan stage splits it
 
 
 class ProcessExecutor:
@@ -162,15 +166,33 @@ class ProcessExecutor:
         config = setup.config
         part = layer_filter(self.plan, 0, setup.model_config.tie_word_embeddings)
         rss_before = rss_bytes()
-        model = load_model(setup.model_path, setup.dtype, config.device, layers=part)
-        quantized = self.plan.stages[0].quantized_layers
-        if quantized:
-            quantize_layers(model, quantized, setup.dtype)
+        stage = self.plan.stages[0]
+        quantized = stage.quantized_layers
+        tp = None
+        if stage.tp_degree > 1:  # the ranks round the plan's precisions as they load
+            gpus = list(stage.tp_gpus) if stage.tp_gpus is not None else None
+            run_dir = self.options.run_dir
+            tp = load_tp_stage(
+                setup.model_path,
+                setup.dtype,
+                config.device,
+                part,
+                stage.tp_degree,
+                0,
+                gpus,
+                run_dir,
+                quantized,
+            )
+            model = tp.model
+        else:
+            model = load_model(setup.model_path, setup.dtype, config.device, layers=part)
+            if quantized:
+                quantize_layers(model, quantized, setup.dtype)
         weight_bytes = tensor_bytes(model)
         host_weights = host_copy(model, part) if part.host_layers else None  # before the runner packs them
         if config.pack_cpu_linears and torch.device(config.device).type == "cpu" and host_weights is None:
             pack_linears(model)  # now, not when joining (the `ModelRunner` then finds them packed)
-        self._loaded = Stage0(model, part, weight_bytes, rss_before, host_weights)
+        self._loaded = Stage0(model, part, weight_bytes, rss_before, host_weights, tp)
 
     def wait_for_stages(self, timeout_s: float | None = None) -> None:
         """Wait until every other stage has loaded its layers; raises the failure of one that died
@@ -225,8 +247,15 @@ class ProcessExecutor:
             kv_cache=self.runner.kv_cache,
             kv_layer_share=budget.layer_share,
             records_kv_copies=len(self.plan.stages) > 1,
-            swap_refused=self.features.swap_refused,
+            swap_refused=self.features.swap_refused or self._tp_swap_refused(),
         )
+
+    def _tp_swap_refused(self) -> str | None:
+        """Swapping is refused where a stage is split over ranks (its followers would not repeat the
+        host copies of its KV blocks)."""
+        if any(s.tp_degree > 1 for s in self.plan.stages):
+            return SWAP_REFUSED
+        return None
 
     def _blocks(self, layout: KvLayout, capacity: int) -> FlowBlocks:
         """Rank 0's view of the block ids: one pool of the agreed size on one path; each path's range
@@ -243,21 +272,31 @@ class ProcessExecutor:
 
     def _build_stage(self, setup: EngineSetup, loaded: Stage0, num_blocks: int, device: torch.device) -> None:
         config, stage = setup.config, self.plan.stages[0]
-        self.runner = ModelRunner(
-            loaded.model,
-            num_blocks,
-            config.block_size,
-            setup.dtype,
-            config.pack_cpu_linears,
-            config.enforce_eager,
-            device,
-            config.max_num_seqs,
-            setup.max_model_len,
-        )
+        if loaded.tp is not None:
+            self.runner = LeaderRunner(
+                loaded.tp.group,
+                loaded.model,
+                num_blocks,
+                config.block_size,
+                setup.dtype,
+                config.pack_cpu_linears,
+            )
+        else:
+            self.runner = ModelRunner(
+                loaded.model,
+                num_blocks,
+                config.block_size,
+                setup.dtype,
+                config.pack_cpu_linears,
+                config.enforce_eager,
+                device,
+                config.max_num_seqs,
+                setup.max_model_len,
+            )
         self.model = loaded.model
         publish = any(s.emulate_schedule for s in self.plan.stages)  # later stages count from stage 0's
         slow = SlowDevice(stage.emulate_speed, stage.emulate_schedule, publish_epoch=publish)
-        self.stage = StageRunner(loaded.model, loaded.part, slow, self.runner)
+        self.stage = StageRunner(loaded.model, loaded.part, slow, self.runner, tp=loaded.tp)
         self.stage.weight_bytes = loaded.weight_bytes
         self.stage.host_weights, self.stage.host_gbps = loaded.host_weights, stage.emulate_host_gbps
         self.stage.start_streaming(device)
@@ -383,6 +422,8 @@ class ProcessExecutor:
                 self.comm.send_stop()
                 self.comm.flush()
         finally:
+            if self.stage is not None:
+                self.stage.stop_tp()
             if self.stages is not None:
                 self.stages.stop()
             if self.comm is not None and dist.is_initialized():

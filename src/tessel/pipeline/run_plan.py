@@ -42,6 +42,10 @@ class RunStage:
     host_gib: float | None = None  # host memory the device may offload into (None: not given)
     emulate_memory_gib: float | None = None  # a CPU device's emulated memory cap (cluster `emulate`)
     emulate_host_gbps: float | None = None  # ... and its emulated host link, Gbit/s
+    # tensor parallelism inside the stage (`tessel.parallel.stage`): its ranks and, on CUDA, their
+    # GPUs, from the plan stage's `tp_degree` and `gpus` where the plan file has them (else 1, None)
+    tp_degree: int = 1
+    tp_gpus: tuple[int, ...] | None = None
 
     @property
     def quantized_layers(self) -> dict[int, tuple[str, str]]:
@@ -125,6 +129,8 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
             host_gib=s.host_gib,
             emulate_memory_gib=s.emulate_memory_gib,
             emulate_host_gbps=s.emulate_host_gbps,
+            tp_degree=getattr(s, "tp_degree", None) or 1,
+            tp_gpus=_tp_gpus(s),
         )
         for position, s in enumerate(plan_stages)
     )
@@ -218,3 +224,12 @@ def priced_pipeline(plan: RunPlan, profile_paths=()) -> PipelineLatency:
     if plan.replica is not None and plan.plan_file.replicas:
         variant = plan.plan_file.replica_variants[plan.replica]  # the stages this launch runs
     return pipeline_for(plan.plan_file, variant, profiles=profiles).pipeline
+
+
+def _tp_gpus(stage: object) -> tuple[int, ...] | None:
+    """The CUDA indices of a plan stage's tensor-parallel ranks (`gpus`: indices, or device names
+    ending in gpu<K>), None where the plan gives none."""
+    gpus = getattr(stage, "gpus", None)
+    if not gpus:
+        return None
+    return tuple(g if isinstance(g, int) else int(str(g).rsplit("gpu", 1)[1].split("#")[0]) for g in gpus)

@@ -90,10 +90,15 @@ _WIRE_TABLE[torch.Tensor] = _tensor_as_array
 
 def pack_message(message: BatchMessage) -> torch.Tensor:
     """The message as uint8 bytes to send (its tensors moved to the host first)."""
+    return pack_payload(message_on(message, torch.device("cpu")))
+
+
+def pack_payload(payload: Any) -> torch.Tensor:
+    """Any picklable object whose tensors are on the host, as uint8 bytes (tensors as numpy arrays)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = _WIRE_TABLE
-    pickler.dump(message_on(message, torch.device("cpu")))
+    pickler.dump(payload)
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 

@@ -121,6 +121,12 @@ def options_from_argv(argv: list[str] | None) -> RunOptions:
     )  # fmt: skip
 
 
+def _run_dir() -> Path | None:
+    """The launcher's run directory (None under torchrun without one)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return Path(run_dir) if run_dir else None
+
+
 def write_status(rank: int, **fields) -> None:
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
@@ -229,7 +235,19 @@ def load_later_stage(options: RunOptions, plan: RunPlan, rank: int) -> tuple[Sta
     stage = plan.stages[rank]
     device = torch.device(stage_device(stage))
     slow = SlowDevice(stage.emulate_speed, stage.emulate_schedule)
-    runner = StageRunner.load(options.model, part, dtype, device, slow, stage.quantized_layers)
+    gpus = list(stage.tp_gpus) if stage.tp_gpus is not None else None
+    runner = StageRunner.load(
+        options.model,
+        part,
+        dtype,
+        device,
+        slow,
+        stage.quantized_layers,
+        stage.tp_degree,
+        gpus,
+        _run_dir(),
+        rank,
+    )
     runner.host_gbps = stage.emulate_host_gbps  # a CPU stage's emulated host link for streamed layers
     runner.kv_host_gbps = options.emulate_host_gbps or stage.emulate_host_gbps  # and for swapped KV
     if EngineConfig(**options.engine_kwargs()).pack_cpu_linears and device.type == "cpu":
@@ -258,7 +276,10 @@ def run_later_stage(
         tune_linears(runner.model, max_rows, dtype)
         runner.runner.cuda_graphs.capture_all()
     report_loaded(rank, plan, runner.weight_bytes, rss_before, layout.num_blocks)
-    serve_stage(comm, runner, blocks)
+    try:
+        serve_stage(comm, runner, blocks)
+    finally:
+        runner.stop_tp()
     write_status(rank, **asdict(runner.stats))
 
 

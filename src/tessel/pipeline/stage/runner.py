@@ -40,6 +40,8 @@ from tessel.models.layer_filter import LayerFilter
 from tessel.models.llama import LlamaForCausalLM
 from tessel.models.loader import load_model
 from tessel.models.quantized.load_quantize import quantize_layers
+from tessel.parallel.runner import LeaderRunner
+from tessel.parallel.stage import TPStage, load_tp_stage
 from tessel.pipeline.comm.messages import BatchMessage, KvLayout
 from tessel.pipeline.supervision.heartbeat import StageProgress
 
@@ -92,6 +94,7 @@ class StageRunner:
     streamer: WeightStreamer | None = None
     host_kv: HostKvPool | None = None  # swapped KV of this stage's layers, made at the first copy
     kv_host_gbps: float | None = None  # its copies' emulated link (--emulate-host-gbps, else the plan's)
+    tp: TPStage | None = None  # the stage's tensor-parallel ranks (`tessel.parallel.stage`), if split
 
     @classmethod
     def load(
@@ -102,14 +105,24 @@ class StageRunner:
         device: torch.device,
         slow: SlowDevice,
         precisions: dict[int, tuple[str, str]] | None = None,
+        tp_degree: int = 1,
+        tp_gpus: list[int] | None = None,
+        run_dir: Path | None = None,
+        rank: int = 0,
     ):
         """The stage's layers from the checkpoint; `precisions`: layer -> (attention, MLP) weight
         precisions of the plan, rounded here (`tessel.models.quantized.load_quantize`); `slow`: the
-        plan's emulated speed for its device."""
-        model = load_model(path, dtype, device, layers=part)
-        if precisions:
-            quantize_layers(model, precisions, dtype)
-        runner = cls(model, part, slow, weight_bytes=tensor_bytes(model))
+        plan's emulated speed for its device; `tp_degree` > 1: split over that many ranks, this
+        process their leader (`tessel.parallel.stage`; followers log into `run_dir`)."""
+        tp = None
+        if tp_degree > 1:  # the ranks round the plan's precisions as they load
+            tp = load_tp_stage(path, dtype, str(device), part, tp_degree, rank, tp_gpus, run_dir, precisions)
+            model = tp.model
+        else:
+            model = load_model(path, dtype, device, layers=part)
+            if precisions:
+                quantize_layers(model, precisions, dtype)
+        runner = cls(model, part, slow, weight_bytes=tensor_bytes(model), tp=tp)
         runner.host_weights = host_copy(model, part) if part.host_layers else None  # before packing
         return runner
 
@@ -117,20 +130,36 @@ class StageRunner:
         """Allocate this stage's KV blocks (its layers only) on `device`, pack its CPU linears, size
         its CUDA graphs as stage 0's engine (its max_num_seqs and max_model_len); a stage with
         streamed layers runs eager (the hooks that copy them in run in the model's forward)."""
-        self.runner = ModelRunner(
-            self.model,
-            layout.num_blocks,
-            layout.block_size,
-            dtype,
-            layout.pack_cpu_linears,
-            enforce_eager=self.host_weights is not None,
-            device=device,
-            max_num_seqs=layout.max_num_seqs,
-            max_model_len=layout.max_model_len,
-        )
+        if self.tp is not None:
+            self.runner = LeaderRunner(
+                self.tp.group,
+                self.model,
+                layout.num_blocks,
+                layout.block_size,
+                dtype,
+                layout.pack_cpu_linears,
+            )
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                layout.num_blocks,
+                layout.block_size,
+                dtype,
+                layout.pack_cpu_linears,
+                enforce_eager=self.host_weights is not None,
+                device=device,
+                max_num_seqs=layout.max_num_seqs,
+                max_model_len=layout.max_model_len,
+            )
         self.start_streaming(device)
         if not self.part.embed and self.part.needs_embedding:
             self.model.model.embed_tokens = torch.nn.Identity()  # the packed head has its own copy
+
+    def stop_tp(self) -> None:
+        """Stop the stage's tensor-parallel followers (told to, where the runner can still tell them)."""
+        if self.tp is not None:
+            tell = self.runner.stop_followers if isinstance(self.runner, LeaderRunner) else None
+            self.tp.ranks.stop(tell)
 
     def start_streaming(self, device: torch.device) -> None:
         """Once the runner is built: stream the part's host layers (`tessel.engine.weight_stream`)."""

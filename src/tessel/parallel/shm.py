@@ -1,0 +1,104 @@
+"""All-reduce between CPU ranks of one machine through shared memory.
+
+gloo's all-reduce costs about a millisecond on this machine whatever the size (two process wake-ups
+per call, measured: 0.9 ms for 32 x 576 floats between two processes), and a decode step of a
+30-layer model makes 61 of them. Here each rank writes its tensor into its slot of a file mapped
+by every rank (`/dev/shm`), raises its counter, waits (spinning, then yielding the core) until
+every counter has reached the same call, and sums the slots in rank order, so every rank gets the
+same bits. Two slot sets alternate between calls: a rank can start call k + 1 while another still
+reads call k, never call k + 2 (it waits for that rank's call k + 1 first).
+
+The counter is stored after the slot's data; x86 keeps stores in program order (TSO), which this
+relies on (another architecture would need a fence). A wait checks, every `PEER_CHECK_S`, that
+every peer process still lives, so a dead peer raises instead of spinning forever.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SLOT_BYTES = 8 * 2**20  # per rank and call parity; larger tensors go over gloo
+FLAG_STRIDE = 8  # int64s between two ranks' counters (one 64-byte cache line each)
+SPIN_S = 50e-6  # busy-wait this long before yielding the core between checks
+PEER_CHECK_S = 0.05
+
+
+class PeerGoneError(RuntimeError):
+    """A peer of the shared-memory all-reduce is no longer running."""
+
+
+def segment_bytes(degree: int) -> int:
+    return 4096 + 2 * degree * SLOT_BYTES
+
+
+def create_segment(path: Path, degree: int) -> None:
+    """The leader makes the file every rank maps (zeros: every counter at 0)."""
+    with open(path, "wb") as f:
+        f.truncate(segment_bytes(degree))
+
+
+class ShmAllReduce:
+    def __init__(self, path: Path, rank: int, degree: int, pids: list[int]) -> None:
+        """Rank `rank` of `degree` on the segment at `path`; `pids`: every rank's process id."""
+        self.rank, self.degree, self.pids = rank, degree, pids
+        raw = torch.from_file(str(path), shared=True, size=segment_bytes(degree), dtype=torch.uint8)
+        self._raw = raw
+        self.flags = raw[:4096].numpy().view(np.int64)
+        self.slots = raw[4096:].view(2, degree, SLOT_BYTES)
+        self.calls = 0
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return tensor.numel() * tensor.element_size() <= SLOT_BYTES and tensor.is_contiguous()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (op "sum") or take the maximum (op "max") of `tensor` (contiguous, at most
+        `SLOT_BYTES`) over the ranks, in rank order, in place; -> it."""
+        self.calls += 1
+        k, n = self.calls, tensor.numel()
+        slots = self.slots[k % 2]
+        nbytes = n * tensor.element_size()
+        mine = slots[self.rank, :nbytes].view(tensor.dtype)
+        mine.copy_(tensor.view(-1))
+        self.flags[self.rank * FLAG_STRIDE] = k
+        self._wait_for(k)
+        flat = tensor.view(-1)
+        flat.copy_(slots[0, :nbytes].view(tensor.dtype))
+        for r in range(1, self.degree):
+            other = slots[r, :nbytes].view(tensor.dtype)
+            if op == "sum":
+                flat.add_(other)
+            else:
+                torch.maximum(flat, other, out=flat)
+        return tensor
+
+    def _wait_for(self, k: int) -> None:
+        flags = self.flags
+        others = [r * FLAG_STRIDE for r in range(self.degree) if r != self.rank]
+        started = time.perf_counter()
+        checked = started
+        while any(flags[i] < k for i in others):
+            now = time.perf_counter()
+            if now - started > SPIN_S:
+                os.sched_yield()
+            if now - checked > PEER_CHECK_S:
+                checked = now
+                self._check_peers()
+
+    def _check_peers(self) -> None:
+        for rank, pid in enumerate(self.pids):
+            if rank != self.rank and not _running(pid):
+                raise PeerGoneError(f"tensor-parallel rank {rank} (pid {pid}) is no longer running")
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -1,0 +1,47 @@
+"""The shared-memory all-reduce: every rank gets the rank-order sum, call after call (both slot
+sets), and a dead peer raises instead of spinning forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from tessel.parallel.shm import PEER_CHECK_S, SLOT_BYTES, PeerGoneError, ShmAllReduce, create_segment
+
+
+def test_ranks_get_the_same_rank_order_sum(tmp_path) -> None:
+    path = tmp_path / "segment"
+    create_segment(path, 2)
+    pids = [os.getpid(), os.getpid()]  # both ranks are threads of this process here
+    ranks = [ShmAllReduce(path, r, 2, pids) for r in range(2)]
+    inputs = [[torch.randn(n, 7) for n in (1, 5, 33, 2, 9)] for _ in range(2)]
+    outputs: list[list[torch.Tensor]] = [[], []]
+
+    def run(rank: int) -> None:
+        for t in inputs[rank]:
+            outputs[rank].append(ranks[rank].all_reduce(t.clone()))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b, x, y in zip(*outputs, *inputs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, x + y)
+    assert not ranks[0].fits(torch.empty(SLOT_BYTES // 4 + 1))
+
+
+def test_a_dead_peer_raises(tmp_path) -> None:
+    path = tmp_path / "segment"
+    create_segment(path, 2)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rank = ShmAllReduce(path, 0, 2, [os.getpid(), gone.pid])
+    with pytest.raises(PeerGoneError, match=rf"rank 1 \(pid {gone.pid}\) is no longer running"):
+        rank.all_reduce(torch.ones(3))
+    assert PEER_CHECK_S < 1
