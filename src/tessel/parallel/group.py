@@ -10,6 +10,7 @@ whose peer has died raises (gloo: "Connection closed by peer"); `RankLostError` 
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +27,7 @@ TP_TIMEOUT = timedelta(days=7)
 JOIN_TIMEOUT = timedelta(seconds=120)  # every rank joins within this (loading comes after)
 GATHER_TAG = 45  # the point-to-point tag of the logits gather
 SHM_DIR = Path("/dev/shm")
+X86_MACHINES = ("x86_64", "AMD64", "i686")  # where stores are seen in program order (TSO)
 
 
 class RankLostError(RuntimeError):
@@ -144,7 +146,8 @@ def join_tp_group(
     store = dist.TCPStore(host, port, degree, rank == 0, timeout=JOIN_TIMEOUT)
     store.set_timeout(JOIN_TIMEOUT)
     segment = SHM_DIR / f"tessel-tp-{host}-{port}"
-    use_shm = shm and device.type == "cpu" and SHM_DIR.is_dir()
+    # the shared-memory all-reduce relies on x86 store order (tessel.parallel.shm): elsewhere gloo
+    use_shm = shm and device.type == "cpu" and SHM_DIR.is_dir() and platform.machine() in X86_MACHINES
     if use_shm and rank == 0:
         create_segment(segment, degree)
     control = dist.ProcessGroupGloo(dist.PrefixStore("tp/gloo", store), rank, degree, TP_TIMEOUT)

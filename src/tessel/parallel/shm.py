@@ -9,8 +9,9 @@ same bits. Two slot sets alternate between calls: a rank can start call k + 1 wh
 reads call k, never call k + 2 (it waits for that rank's call k + 1 first).
 
 The counter is stored after the slot's data; x86 keeps stores in program order (TSO), which this
-relies on (another architecture would need a fence). A wait checks, every `PEER_CHECK_S`, that
-every peer process still lives, so a dead peer raises instead of spinning forever.
+relies on (another architecture would need a fence: there `join_tp_group` keeps gloo). A wait checks,
+every `PEER_CHECK_S`, that every peer process still lives, so a dead peer raises instead of spinning
+forever.
 """
 
 from __future__ import annotations
