@@ -128,7 +128,7 @@ def test_planned_flow_plan_launches_and_matches_hf(flow_model, tmp_path) -> None
     assert flow_tok > max(single_tok, replicas_tok), chosen[0]
 
     plan = load_plan(plan_path)
-    assert plan.version == 4 and plan.flow is not None
+    assert plan.version == 5 and plan.flow is not None
     paths = [[s.device for s in r.stages] for r in plan.replicas]
     visits = [d for devices in paths for d in devices]
     shared = {d for d in visits if visits.count(d) > 1}
