@@ -207,7 +207,9 @@ def rel_error(predicted: float | None, measured: float | None) -> float | None:
     return (predicted - measured) / measured
 
 
-def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
+def run(model: Path, cfg: dict, work: Path, console: Console, only: dict | None = None) -> dict:
+    """Every cluster and variant, then CPP; `only` ({"clusters", "variants", "cpp"}) narrows the run."""
+    only = only or {}
     from tessel.models.config import ModelConfig
 
     config = ModelConfig.from_dir(model)
@@ -226,6 +228,8 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
     requests = prompts_file(work / "requests.jsonl", cfg["requests"], cfg["prompt"], config.vocab_size, 0)
     rows = []
     for name, nodes in CLUSTERS.items():
+        if only.get("clusters") and name not in only["clusters"]:
+            continue
         cluster = write_cluster(work / f"{name}.yaml", f"local-cpu-{name}", nodes)
         plan = work / f"{name}.json"
         console.print(f"planning {name} ...")
@@ -233,7 +237,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
             "plan", "--model", str(model), "--cluster", str(cluster), "--workload", str(workload),
             "--solver", "dp", "--dtype", "fp32", "--kv-dtype", "fp32", *profile_args, "--json", str(plan),
         )  # fmt: skip
-        for variant in ("plan", "uniform"):
+        for variant in only.get("variants") or ("plan", "uniform"):
             path = variant_plan(plan, variant, work / f"{name}-{variant}.json")
             if path is None:
                 continue
@@ -247,7 +251,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
             rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
                          "predicted": predicted, "replayed": replayed,
                          "availability": availability})  # fmt: skip
-    cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console)
+    cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console) if only.get("cpp", True) else None
     return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
 
 
@@ -387,6 +391,8 @@ def render(result: dict, console: Console) -> None:
                       replayed, pct(s.get("replayed_rel_error")))  # fmt: skip
     console.print(speed)
     c = result["cpp"]
+    if c is None:
+        return
     console.print(
         f"CPP, {c['prompt_tokens']}-token prompt on 2 stages, chunks {c['chunks']}: TTFT off/on measured "
         f"{ms(c['measured_ttft_s']['off'])}/{ms(c['measured_ttft_s']['on'])} ms "
@@ -403,6 +409,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
     _harness.add_record_options(parser, "pipeline")
     _harness.add_size_options(parser, FULL)
+    parser.add_argument("--clusters", help=f"only these clusters, comma-separated ({', '.join(CLUSTERS)})")
+    parser.add_argument("--variants", help="only these splits, comma-separated (plan, uniform)")
+    parser.add_argument("--no-cpp", action="store_true", help="leave out the CPP on/off rows")
     args = parser.parse_args()
     cfg = _harness.sizes(args, QUICK if args.quick else FULL)
     args.model = _harness.example_model(args.model)
@@ -410,7 +419,12 @@ def main() -> None:
     console.print(_harness.machine_line())
     load_before = os.getloadavg()
     with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:
-        result = run(args.model, cfg, Path(tmp), console)
+        only = {
+            "clusters": args.clusters and args.clusters.split(","),
+            "variants": args.variants and args.variants.split(","),
+            "cpp": not args.no_cpp,
+        }
+        result = run(args.model, cfg, Path(tmp), console, only)
     result.update(
         model=str(args.model),
         quick=args.quick,
