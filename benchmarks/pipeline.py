@@ -142,10 +142,14 @@ def predict(
     n: int,
     cpp: bool,
     availability: list[float] | None = None,
+    phases: list[tuple[float, float]] | None = None,
 ) -> dict:
     """The simulator's prediction; with `availability` (per stage, the measured CPU seconds per wall
     second of its compute), a replay instead: each stage's priced time on a core of its own divided by
-    its availability, no core sharing modelled (the measured availability holds it, and the load)."""
+    its availability, no core sharing modelled (the measured availability holds it, and the load).
+    With `phases` (per stage, the availability of its batches with prompt tokens and of the others) the
+    replay runs twice: a stage runs at its prefill availability until its last prefill batch of the first
+    run ends, then at its decode one (a closed batch: every prompt is prefilled first)."""
     from tessel.cost.profile import load_profile
     from tessel.plan.files.plan_file import load_plan
     from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
@@ -168,14 +172,23 @@ def predict(
     shares = [getattr(stage, "core_share", 1.0) for stage in priced.pipeline.stages]  # static, priced in
     fractions = [min(1.0, stage.emulate_speed) for stage in plan_file.main.stages]  # the rest is asleep
     slowdowns = ()
-    if availability is not None:
+    if phases is not None:
+        availability = [a for a, _ in phases]
+        first = predict(plan, profiles, cfg, prompt, output, n, cpp, availability)
+        slowdowns = tuple(
+            ((0.0, 1.0 / (a * x)), (end, 1.0 / (d * x)))
+            for (a, d), x, end in zip(phases, shares, first["prefill_phase_s"], strict=True)
+        )
+    elif availability is not None:
         slowdowns = tuple(((0.0, 1.0 / (a * x)),) for a, x in zip(availability, shares, strict=True))
     config = SimConfig(
         scheduler,
         max_in_flight=cfg["slots"],
         pinned=cfg["slots"] > 1,
         logits_time_s=priced.logits_time_s,
-        cores=priced.cores if availability is None else None,  # one host's stages share its cores
+        cores=priced.cores
+        if availability is None and phases is None
+        else None,  # a host's stages share its cores
         slowdowns=slowdowns,
     )
     result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
@@ -193,12 +206,27 @@ def predict(
             cpu[i] += time / shares[i] * fractions[i]
     return {
         "ttft_s": metrics.ttft_s.mean,
+        "prefill_phase_s": prefill_phase_s(result, priced.pipeline.n_stages),
         "tpot_s": None if tpot != tpot else tpot,
         "throughput_tok_s": metrics.throughput_tok_s,
         "stage_utilization": [u.to_json() for u in utilizations],  # predicted MFU and MBU per stage
         "stage_busy_s": list(metrics.stage_busy_s),  # per stage: its batches' compute time
         "stage_cpu_s": cpu,  # per stage: the CPU seconds of that compute
     }
+
+
+def prefill_phase_s(result, n_stages: int) -> list[float]:  # noqa: ANN001 (SimResult)
+    """Per stage, from its first batch's start to the end of its last batch with prompt tokens."""
+    first = [None] * n_stages
+    end = [0.0] * n_stages
+    for interval in result.intervals:
+        if interval.kind != "compute":
+            continue
+        i = interval.stage
+        first[i] = interval.start_s if first[i] is None else min(first[i], interval.start_s)
+        if any(item.kind == "prefill" for item in interval.items):
+            end[i] = max(end[i], interval.end_s)
+    return [max(e - (f or 0.0), 0.0) for e, f in zip(end, first, strict=True)]
 
 
 def rel_error(predicted: float | None, measured: float | None) -> float | None:
@@ -248,9 +276,11 @@ def run(model: Path, cfg: dict, work: Path, console: Console, only: dict | None 
             predicted = predict(*args, cpp=False)
             availability = [cpu_availability(s) for s in measured["stages"]]
             replayed = predict(*args, cpp=False, availability=availability)
+            phases = [phase_availability(s) for s in measured["stages"]]
+            by_phase = predict(*args, cpp=False, phases=phases)
             rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
-                         "predicted": predicted, "replayed": replayed,
-                         "availability": availability})  # fmt: skip
+                         "predicted": predicted, "replayed": replayed, "replayed_by_phase": by_phase,
+                         "availability": availability, "availability_by_phase": phases})  # fmt: skip
     cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console) if only.get("cpp", True) else None
     return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
 
@@ -259,6 +289,15 @@ def cpu_availability(stage: dict) -> float:
     """CPU seconds per wall second of a stage's compute (1: it never waited for a core)."""
     wall = stage.get("compute_s") or 0.0
     return min(1.0, stage.get("compute_cpu_s", wall) / wall) if wall > 0 else 1.0
+
+
+def phase_availability(stage: dict) -> tuple[float, float]:
+    """(prefill, decode): `cpu_availability` over the stage's batches with prompt tokens and the rest."""
+    pre_wall, pre_cpu = stage.get("prefill_compute_s") or 0.0, stage.get("prefill_compute_cpu_s") or 0.0
+    rest = {"compute_s": stage.get("compute_s", 0.0) - pre_wall,
+            "compute_cpu_s": stage.get("compute_cpu_s", 0.0) - pre_cpu}  # fmt: skip
+    prefill = {"compute_s": pre_wall, "compute_cpu_s": pre_cpu}
+    return cpu_availability(prefill), cpu_availability(rest)
 
 
 def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: int, console: Console) -> dict:
@@ -358,7 +397,8 @@ def _replay_cell(replayed: dict | None, measured: dict) -> str:
 def render(result: dict, console: Console) -> None:
     table = Table(title="pipeline runtime: simulator prediction vs measured (means over requests)")
     for column in ("cluster", "split", "layers", "TTFT ms pred/meas", "TPOT ms pred/meas", "tok/s pred/meas",
-                   "err TTFT", "err TPOT", "err tok/s", "replay err TTFT/TPOT/tok/s", "CPU/wall per stage",
+                   "err TTFT", "err TPOT", "err tok/s", "replay err TTFT/TPOT/tok/s | by phase",
+                   "CPU/wall per stage",
                    "MFU % per stage pred/meas"):  # fmt: skip
         table.add_column(column, justify="right")
 
@@ -376,7 +416,7 @@ def render(result: dict, console: Console) -> None:
             f"{p['throughput_tok_s']:.1f} / {m['throughput_tok_s']:.1f}",
             pct(rel_error(p["ttft_s"], m["ttft_s"])), pct(rel_error(p["tpot_s"], m["tpot_s"])),
             pct(rel_error(p["throughput_tok_s"], m["throughput_tok_s"])),
-            _replay_cell(r.get("replayed"), m),
+            _replay_cell(r.get("replayed"), m) + " | " + _replay_cell(r.get("replayed_by_phase"), m),
             " ".join(f"{a:.2f}" for a in r.get("availability") or []) or "-",
             _mfu_cells(p.get("stage_utilization"), m.get("stage_utilization")),
         )  # fmt: skip
