@@ -21,7 +21,7 @@ Part 7 (flow, issue 33): `choose_with_flow` (one pipeline, disjoint replicas and
 placements, the best kept) on the same two clusters, 60 s, against separate pipelines, a Swarm-like
 greedy router (`tessel.plan.flow.swarm`) and the best single pipeline, with the memory bound; on
 `helix-like-42` and `helix-like-24` (issue 48: three regions on 100 Mb/s links) the chosen flow plan
-(or, when disjoint replicas are chosen, the flow search's plan of the same pipelines) is also written
+(or, when disjoint replicas are chosen, the same pipelines as a flow plan of disjoint paths) is also written
 as a plan file and served by `tessel simulate` with `--flow-sim-requests` requests (default 1000, 0:
 not), its tokens/s beside the planner's steady state and its figure for that finite batch
 (`simulated`; `--flow-clusters` picks the clusters).
@@ -497,14 +497,11 @@ def flow_rows(quick: bool) -> dict:
             "best_over_single": ratio(best, single),
         })  # fmt: skip
         requests = FLOW_OPTIONS["sim_requests"]
-        served = _served_flow_plan(choice)
-        if requests and served is not None and name in SIMULATED_CLUSTERS:
-            rows[-1]["simulated"] = flow_simulated(name, cluster, served, requests)
-            rows[-1]["simulated"]["plan"] = (
-                "chosen flow plan"
-                if choice.flow is not None
-                else ("the flow search's disjoint plan, which serves the chosen replicas' throughput")
-            )
+        if requests and name in SIMULATED_CLUSTERS:
+            served = _served_flow_plan(instance, choice, b)
+            if served is not None:
+                rows[-1]["simulated"] = flow_simulated(name, cluster, served, requests)
+                rows[-1]["simulated"]["plan"] = choice.kind
     print(_harness.machine_line())  # CPU features beside the figures (the record has them in full)
     return {
         "model": "llama-2-70b",
@@ -518,15 +515,20 @@ FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the comma
 SIMULATED_CLUSTERS = ("helix-like-42", "helix-like-24")  # the issue-48 targets: simulated beside predicted
 
 
-def _served_flow_plan(choice):
-    """The chosen flow plan; when disjoint replicas are chosen, the flow search's plan if it has no
-    shared GPU and serves as much (the same pipelines, written as a flow plan); else None."""
+def _served_flow_plan(instance, choice, b: int):
+    """The chosen flow plan; when disjoint replicas are chosen, the same pipelines written as a flow
+    plan of disjoint paths (`from_pipelines`: priced exactly as replicas by memory), so that the
+    simulator serves them through the same plan file."""
+    from tessel.plan.flow.flow import from_pipelines
+    from tessel.plan.solution import Solution, Stage
+
     if choice.flow is not None:
         return choice.flow
-    found = None if choice.search is None else choice.search.plan
-    if found is None or found.shared:
-        return None
-    return found if found.throughput_tok_s >= choice.throughput_tok_s * (1 - 1e-9) else None
+    pipelines = []
+    for replica in choice.replicas.replicas:  # the replica's stages with the cluster's device indices
+        devices, own = replica.devices, replica.result.solution.stages
+        pipelines.append(Solution(tuple(Stage(devices[s.device], s.unit_start, s.unit_end) for s in own)))
+    return from_pipelines(instance, pipelines, b)
 
 
 PROOF_OPTIONS: dict = {"busy": 2}
