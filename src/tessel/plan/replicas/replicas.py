@@ -23,16 +23,17 @@ Which split (`choose_replicas`):
 - N <= `EXHAUSTIVE_DEVICES` devices: every partition of the devices into groups (Bell(N) of them),
   each group planned once per share k = 1..m; with exact group plans this is the optimum over splits
   and shares (the tests hold it against brute force over partitions, shares and pipelines).
-- larger clusters: candidates built from device types. For each type, the smallest group of that
-  type that holds the model (weights, KV and extras within its GPU memory, else GPU + host) and
-  twice that size; same-type groups first, the devices left over pooled by memory into mixed
-  groups that hold the model; mixed splits where each of k in `SPREAD_REPLICAS` replicas gets
-  a contiguous 1/k of every type's devices (by node); plus the whole cluster as one pipeline.
-  Groups are planned once per signature (device types and how they share nodes) with an equal share
-  of `SCREEN_TIME_SHARE` of the time limit each to rank the splits (a later group of the same
-  signature re-uses the plan), at the largest share k <= m it holds; that placement is evaluated at
-  every share k to allocate the shares; the best split's groups are then planned again at their
-  shares with the time left.
+- larger clusters: on a cluster of several network islands (regions, `islands`), each island whole
+  and each island's own type splits first; then candidates built from device types. For each type,
+  the smallest group of that type that holds the model (weights, KV and extras within its GPU
+  memory, else GPU + host) and twice that size; same-type groups first, the devices left over
+  pooled by memory into mixed groups that hold the model; mixed splits where each of k in
+  `SPREAD_REPLICAS` replicas gets a contiguous 1/k of every type's devices (by node); plus the
+  whole cluster as one pipeline. Groups are planned once per signature (device types, how they
+  share nodes, their islands) with an equal share of `SCREEN_TIME_SHARE` of the time limit each to
+  rank the splits (a later group of the same signature re-uses the plan), at the largest share k
+  <= m it holds; that placement is evaluated at every share k to allocate the shares; the best
+  split's groups are then planned again at their shares with the time left.
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
   The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
