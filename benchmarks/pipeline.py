@@ -1,6 +1,7 @@
 """Pipeline runtime against the simulator: predicted vs measured TTFT, TPOT and throughput.
 
     python benchmarks/pipeline.py [--quick] [--model DIR] [--out benchmarks/results/pipeline.jsonl]
+    python benchmarks/pipeline.py --clusters 2-stage --variants plan --no-cpp   # one row
 
 1. Profiles this CPU (`tessel profile --device cpu` on the model's layer shape, fp32, 1 thread).
 2. Plans the model (`tessel plan --solver dp --dtype fp32 --profile ...`) on four local-CPU clusters:
@@ -19,7 +20,9 @@ Other programs' load is not in the prediction: each stage reports the CPU second
 compares the priced compute with CPU time (load-free) and the row's "replay" re-simulates it with
 each stage's measured CPU availability (CPU / wall of its compute): when the replay matches and
 the prediction does not, the gap is the machine's load, not the model (the record has the load
-average before and after).
+average before and after). A loaded host lends its cores unevenly over a run, so each stage also
+counts its batches with prompt tokens apart and a second replay runs it at its prefill availability
+until its last prefill, then at its decode one (`replayed_by_phase`).
 """
 
 from __future__ import annotations
