@@ -1,6 +1,7 @@
 """Pipeline runtime against the simulator: predicted vs measured TTFT, TPOT and throughput.
 
     python benchmarks/pipeline.py [--quick] [--model DIR] [--out benchmarks/results/pipeline.jsonl]
+    python benchmarks/pipeline.py --clusters 2-stage --variants plan --no-cpp   # one row
 
 1. Profiles this CPU (`tessel profile --device cpu` on the model's layer shape, fp32, 1 thread).
 2. Plans the model (`tessel plan --solver dp --dtype fp32 --profile ...`) on four local-CPU clusters:
@@ -19,7 +20,9 @@ Other programs' load is not in the prediction: each stage reports the CPU second
 compares the priced compute with CPU time (load-free) and the row's "replay" re-simulates it with
 each stage's measured CPU availability (CPU / wall of its compute): when the replay matches and
 the prediction does not, the gap is the machine's load, not the model (the record has the load
-average before and after).
+average before and after). A loaded host lends its cores unevenly over a run, so each stage also
+counts its batches with prompt tokens apart and a second replay runs it at its prefill availability
+until its last prefill, then at its decode one (`replayed_by_phase`).
 """
 
 from __future__ import annotations
@@ -142,10 +145,14 @@ def predict(
     n: int,
     cpp: bool,
     availability: list[float] | None = None,
+    phases: list[tuple[float, float]] | None = None,
 ) -> dict:
     """The simulator's prediction; with `availability` (per stage, the measured CPU seconds per wall
     second of its compute), a replay instead: each stage's priced time on a core of its own divided by
-    its availability, no core sharing modelled (the measured availability holds it, and the load)."""
+    its availability, no core sharing modelled (the measured availability holds it, and the load).
+    With `phases` (per stage, the availability of its batches with prompt tokens and of the others) the
+    replay runs twice: a stage runs at its prefill availability until its last prefill batch of the first
+    run ends, then at its decode one (a closed batch: every prompt is prefilled first)."""
     from tessel.cost.profile import load_profile
     from tessel.plan.files.plan_file import load_plan
     from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
@@ -168,14 +175,23 @@ def predict(
     shares = [getattr(stage, "core_share", 1.0) for stage in priced.pipeline.stages]  # static, priced in
     fractions = [min(1.0, stage.emulate_speed) for stage in plan_file.main.stages]  # the rest is asleep
     slowdowns = ()
-    if availability is not None:
+    if phases is not None:
+        availability = [a for a, _ in phases]
+        first = predict(plan, profiles, cfg, prompt, output, n, cpp, availability)
+        slowdowns = tuple(
+            ((0.0, 1.0 / (a * x)), (end, 1.0 / (d * x)))
+            for (a, d), x, end in zip(phases, shares, first["prefill_phase_s"], strict=True)
+        )
+    elif availability is not None:
         slowdowns = tuple(((0.0, 1.0 / (a * x)),) for a, x in zip(availability, shares, strict=True))
     config = SimConfig(
         scheduler,
         max_in_flight=cfg["slots"],
         pinned=cfg["slots"] > 1,
         logits_time_s=priced.logits_time_s,
-        cores=priced.cores if availability is None else None,  # one host's stages share its cores
+        cores=priced.cores
+        if availability is None and phases is None
+        else None,  # a host's stages share its cores
         slowdowns=slowdowns,
     )
     result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
@@ -193,6 +209,7 @@ def predict(
             cpu[i] += time / shares[i] * fractions[i]
     return {
         "ttft_s": metrics.ttft_s.mean,
+        "prefill_phase_s": prefill_phase_s(result, priced.pipeline.n_stages),
         "tpot_s": None if tpot != tpot else tpot,
         "throughput_tok_s": metrics.throughput_tok_s,
         "stage_utilization": [u.to_json() for u in utilizations],  # predicted MFU and MBU per stage
@@ -201,13 +218,29 @@ def predict(
     }
 
 
+def prefill_phase_s(result, n_stages: int) -> list[float]:  # noqa: ANN001 (SimResult)
+    """Per stage, from its first batch's start to the end of its last batch with prompt tokens."""
+    first = [None] * n_stages
+    end = [0.0] * n_stages
+    for interval in result.intervals:
+        if interval.kind != "compute":
+            continue
+        i = interval.stage
+        first[i] = interval.start_s if first[i] is None else min(first[i], interval.start_s)
+        if any(item.kind == "prefill" for item in interval.items):
+            end[i] = max(end[i], interval.end_s)
+    return [max(e - (f or 0.0), 0.0) for e, f in zip(end, first, strict=True)]
+
+
 def rel_error(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or measured is None or measured == 0:
         return None
     return (predicted - measured) / measured
 
 
-def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
+def run(model: Path, cfg: dict, work: Path, console: Console, only: dict | None = None) -> dict:
+    """Every cluster and variant, then CPP; `only` ({"clusters", "variants", "cpp"}) narrows the run."""
+    only = only or {}
     from tessel.models.config import ModelConfig
 
     config = ModelConfig.from_dir(model)
@@ -226,6 +259,8 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
     requests = prompts_file(work / "requests.jsonl", cfg["requests"], cfg["prompt"], config.vocab_size, 0)
     rows = []
     for name, nodes in CLUSTERS.items():
+        if only.get("clusters") and name not in only["clusters"]:
+            continue
         cluster = write_cluster(work / f"{name}.yaml", f"local-cpu-{name}", nodes)
         plan = work / f"{name}.json"
         console.print(f"planning {name} ...")
@@ -233,7 +268,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
             "plan", "--model", str(model), "--cluster", str(cluster), "--workload", str(workload),
             "--solver", "dp", "--dtype", "fp32", "--kv-dtype", "fp32", *profile_args, "--json", str(plan),
         )  # fmt: skip
-        for variant in ("plan", "uniform"):
+        for variant in only.get("variants") or ("plan", "uniform"):
             path = variant_plan(plan, variant, work / f"{name}-{variant}.json")
             if path is None:
                 continue
@@ -244,10 +279,12 @@ def run(model: Path, cfg: dict, work: Path, console: Console) -> dict:
             predicted = predict(*args, cpp=False)
             availability = [cpu_availability(s) for s in measured["stages"]]
             replayed = predict(*args, cpp=False, availability=availability)
+            phases = [phase_availability(s) for s in measured["stages"]]
+            by_phase = predict(*args, cpp=False, phases=phases)
             rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
-                         "predicted": predicted, "replayed": replayed,
-                         "availability": availability})  # fmt: skip
-    cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console)
+                         "predicted": predicted, "replayed": replayed, "replayed_by_phase": by_phase,
+                         "availability": availability, "availability_by_phase": phases})  # fmt: skip
+    cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console) if only.get("cpp", True) else None
     return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
 
 
@@ -255,6 +292,15 @@ def cpu_availability(stage: dict) -> float:
     """CPU seconds per wall second of a stage's compute (1: it never waited for a core)."""
     wall = stage.get("compute_s") or 0.0
     return min(1.0, stage.get("compute_cpu_s", wall) / wall) if wall > 0 else 1.0
+
+
+def phase_availability(stage: dict) -> tuple[float, float]:
+    """(prefill, decode): `cpu_availability` over the stage's batches with prompt tokens and the rest."""
+    pre_wall, pre_cpu = stage.get("prefill_compute_s") or 0.0, stage.get("prefill_compute_cpu_s") or 0.0
+    rest = {"compute_s": stage.get("compute_s", 0.0) - pre_wall,
+            "compute_cpu_s": stage.get("compute_cpu_s", 0.0) - pre_cpu}  # fmt: skip
+    prefill = {"compute_s": pre_wall, "compute_cpu_s": pre_cpu}
+    return cpu_availability(prefill), cpu_availability(rest)
 
 
 def cpp_rows(model: Path, cfg: dict, work: Path, profiles: list[Path], vocab: int, console: Console) -> dict:
@@ -354,7 +400,8 @@ def _replay_cell(replayed: dict | None, measured: dict) -> str:
 def render(result: dict, console: Console) -> None:
     table = Table(title="pipeline runtime: simulator prediction vs measured (means over requests)")
     for column in ("cluster", "split", "layers", "TTFT ms pred/meas", "TPOT ms pred/meas", "tok/s pred/meas",
-                   "err TTFT", "err TPOT", "err tok/s", "replay err TTFT/TPOT/tok/s", "CPU/wall per stage",
+                   "err TTFT", "err TPOT", "err tok/s", "replay err TTFT/TPOT/tok/s | by phase",
+                   "CPU/wall per stage",
                    "MFU % per stage pred/meas"):  # fmt: skip
         table.add_column(column, justify="right")
 
@@ -372,7 +419,7 @@ def render(result: dict, console: Console) -> None:
             f"{p['throughput_tok_s']:.1f} / {m['throughput_tok_s']:.1f}",
             pct(rel_error(p["ttft_s"], m["ttft_s"])), pct(rel_error(p["tpot_s"], m["tpot_s"])),
             pct(rel_error(p["throughput_tok_s"], m["throughput_tok_s"])),
-            _replay_cell(r.get("replayed"), m),
+            _replay_cell(r.get("replayed"), m) + " | " + _replay_cell(r.get("replayed_by_phase"), m),
             " ".join(f"{a:.2f}" for a in r.get("availability") or []) or "-",
             _mfu_cells(p.get("stage_utilization"), m.get("stage_utilization")),
         )  # fmt: skip
@@ -387,6 +434,8 @@ def render(result: dict, console: Console) -> None:
                       replayed, pct(s.get("replayed_rel_error")))  # fmt: skip
     console.print(speed)
     c = result["cpp"]
+    if c is None:
+        return
     console.print(
         f"CPP, {c['prompt_tokens']}-token prompt on 2 stages, chunks {c['chunks']}: TTFT off/on measured "
         f"{ms(c['measured_ttft_s']['off'])}/{ms(c['measured_ttft_s']['on'])} ms "
@@ -403,6 +452,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct)")
     _harness.add_record_options(parser, "pipeline")
     _harness.add_size_options(parser, FULL)
+    parser.add_argument("--clusters", help=f"only these clusters, comma-separated ({', '.join(CLUSTERS)})")
+    parser.add_argument("--variants", help="only these splits, comma-separated (plan, uniform)")
+    parser.add_argument("--no-cpp", action="store_true", help="leave out the CPP on/off rows")
     args = parser.parse_args()
     cfg = _harness.sizes(args, QUICK if args.quick else FULL)
     args.model = _harness.example_model(args.model)
@@ -410,7 +462,12 @@ def main() -> None:
     console.print(_harness.machine_line())
     load_before = os.getloadavg()
     with _harness.stopwatch() as elapsed, tempfile.TemporaryDirectory(prefix="tessel-pipeline-bench-") as tmp:
-        result = run(args.model, cfg, Path(tmp), console)
+        only = {
+            "clusters": args.clusters and args.clusters.split(","),
+            "variants": args.variants and args.variants.split(","),
+            "cpp": not args.no_cpp,
+        }
+        result = run(args.model, cfg, Path(tmp), console, only)
     result.update(
         model=str(args.model),
         quick=args.quick,

@@ -20,9 +20,11 @@ Part 5 (scale): 80 layers x 64 GPUs of 4 types, fp16,int8,int4, replicas auto, 6
 Part 7 (flow, issue 33): `choose_with_flow` (one pipeline, disjoint replicas and flow plans over
 placements, the best kept) on the same two clusters, 60 s, against separate pipelines, a Swarm-like
 greedy router (`tessel.plan.flow.swarm`) and the best single pipeline, with the memory bound; on
-`helix-like-42` the chosen flow plan is also written as a plan file and served by `tessel simulate`
-with `--flow-sim-requests` requests (default 1000, 0: not), its tokens/s beside the planner's steady
-state and its figure for that finite batch (`simulated`; `--flow-clusters` picks the clusters).
+`helix-like-42` and `helix-like-24` (issue 48: three regions on 100 Mb/s links) the chosen flow plan
+(or, when disjoint replicas are chosen, the same pipelines as a flow plan of disjoint paths) is also written
+as a plan file and served by `tessel simulate` with `--flow-sim-requests` requests (default 1000, 0:
+not), its tokens/s beside the planner's steady state and its figure for that finite batch
+(`simulated`; `--flow-clusters` picks the clusters).
 Part 8 (proof, issue 48): `solve(..., solver="milp")` as `tessel plan` runs it, 10 s limit, 1% gap,
 on the default instance (Llama-3-70B, `mixed-a100-v100-t4`, workload `default`) and on 80 layers x 16
 GPUs of 4 types, alone and beside `--busy` (default 2) CPU-bound processes started here; the load
@@ -427,7 +429,11 @@ def flow_rows(quick: bool) -> dict:
     workload = load_workload("offline-batch")
     b = workload.micro_batch_size
     rows = []
-    clusters = (("helix-like-42", "helix-like-42"), ("helix-shaped-64", parse_cluster(_helix_64())))
+    clusters = (
+        ("helix-like-42", "helix-like-42"),
+        ("helix-shaped-64", parse_cluster(_helix_64())),
+        ("helix-like-24", "helix-like-24"),
+    )
     wanted = FLOW_OPTIONS["clusters"]
     clusters = tuple(c for c in clusters if wanted is None or c[0] in wanted)
     for name, cluster in clusters:
@@ -491,8 +497,11 @@ def flow_rows(quick: bool) -> dict:
             "best_over_single": ratio(best, single),
         })  # fmt: skip
         requests = FLOW_OPTIONS["sim_requests"]
-        if requests and choice.flow is not None and name == "helix-like-42":
-            rows[-1]["simulated"] = flow_simulated(name, cluster, choice.flow, requests)
+        if requests and name in SIMULATED_CLUSTERS:
+            served = _served_flow_plan(instance, choice, b)
+            if served is not None:
+                rows[-1]["simulated"] = flow_simulated(name, cluster, served, requests)
+                rows[-1]["simulated"]["plan"] = choice.kind
     print(_harness.machine_line())  # CPU features beside the figures (the record has them in full)
     return {
         "model": "llama-2-70b",
@@ -503,6 +512,25 @@ def flow_rows(quick: bool) -> dict:
 
 
 FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the command line
+SIMULATED_CLUSTERS = ("helix-like-42", "helix-like-24")  # the issue-48 targets: simulated beside predicted
+
+
+def _served_flow_plan(instance, choice, b: int):
+    """The chosen flow plan; when disjoint replicas are chosen, the same pipelines written as a flow
+    plan of disjoint paths (`from_pipelines`: priced exactly as replicas by memory), so that the
+    simulator serves them through the same plan file."""
+    from tessel.plan.flow.flow import from_pipelines
+    from tessel.plan.solution import Solution, Stage
+
+    if choice.flow is not None:
+        return choice.flow
+    pipelines = []
+    for replica in choice.replicas.replicas:  # the replica's stages with the cluster's device indices
+        devices, own = replica.devices, replica.result.solution.stages
+        pipelines.append(Solution(tuple(Stage(devices[s.device], s.unit_start, s.unit_end) for s in own)))
+    return from_pipelines(instance, pipelines, b)
+
+
 PROOF_OPTIONS: dict = {"busy": 2}
 
 
@@ -625,7 +653,7 @@ def main() -> None:
         "--flow-sim-requests",
         type=int,
         default=1000,
-        help="flow part: simulate helix-like-42's flow plan with this many requests (0: no simulation)",
+        help="flow part: simulate the helix-like clusters' plans with this many requests (0: no simulation)",
     )
     parser.add_argument("--flow-clusters", help="flow part: only these clusters (comma-separated)")
     parser.add_argument("--busy", type=int, default=2, help="proof part: CPU-bound processes beside it")

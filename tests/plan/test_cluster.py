@@ -42,6 +42,26 @@ def test_helix_like_cluster_has_42_gpus_on_24_nodes() -> None:
     assert set(cluster.gpu_types) == {"A100-80G", "L4", "T4"}
 
 
+def test_helix_like_24_is_three_regions_that_plan() -> None:
+    """24 one-GPU nodes (4 A100-80G, 8 L4, 12 T4) in three regions: 10 Gb/s inside a region, 100 Mb/s
+    between regions; LLaMA-2-70B offline plans on it within a small time limit."""
+    from tessel.plan.build import build_instance
+    from tessel.plan.solvers.solve import solve
+
+    cluster = load_cluster("helix-like-24")
+    assert len(cluster.devices) == 24 and len(cluster.nodes) == 24
+    types = [d.gpu_type for d in cluster.devices]
+    assert (types.count("A100-80G"), types.count("L4"), types.count("T4")) == (4, 8, 12)
+    inside = cluster.link("r2-l4-0/gpu0", "r2-t4-0/gpu0")
+    between = cluster.link("r1-a100-0/gpu0", "r2-l4-0/gpu0")
+    assert inside.bandwidth_bytes_per_s == pytest.approx(10e9 / 8) and inside.latency_s == pytest.approx(1e-3)
+    assert between.bandwidth_bytes_per_s == pytest.approx(0.1e9 / 8)
+    assert between.latency_s == pytest.approx(0.05)
+    instance = build_instance("llama-2-70b", cluster, "offline-batch")
+    result = solve(instance, time_limit_s=3.0, mip_gap=0.05)
+    assert result.evaluation is not None and result.evaluation.feasible
+
+
 def test_links_follow_the_rules() -> None:
     cluster = load_cluster("mixed-a100-v100-t4")
     a0, a1, v0, t0, t1 = (

@@ -225,3 +225,23 @@ def test_fill_ceiling_is_the_formulas_busy_time_on_alike_devices(stages: int, k:
     envelope = concave_envelope(ceiling)
     for n, value in enumerate(ceiling):
         assert min(a + b * n for a, b in envelope) >= value - 1e-12
+
+
+@pytest.mark.parametrize("units_held, holds", [(2.5, False), (2.999, False), (3.0, True)])
+def test_compositions_bound_counts_whole_units(units_held: float, holds: bool) -> None:
+    """Two alike devices, 5 alike units, memory for `units_held` units with one micro-batch's KV: a
+    device holds a whole number of units, so at 2.5 (or just under 3) no plan holds the model
+    (2 + 2 < 5) and the bound is 0; at 3 it is positive."""
+    rng = np.random.default_rng(7)
+    instance = random_instance(rng, 5, 2, n_types=1, alike=True, micro_batches=1)
+    per_unit = float(instance.weight_bytes[0] + instance.kv_bytes[0])
+    workspace = np.asarray(instance.workspace_bytes, dtype=float)
+    devices = tuple(
+        replace(d, memory_bytes=workspace[j] + units_held * per_unit, host_bytes=0.0)
+        for j, d in enumerate(instance.devices)
+    )
+    instance = replace(instance, devices=devices, first_bytes=0.0, last_bytes=0.0)
+    bound = pipelines_bound_tok_s(instance, 1, 1)
+    assert (bound > 0) == holds
+    if not holds:
+        assert brute_force(instance).solution is None  # the oracle: no pipeline holds the model

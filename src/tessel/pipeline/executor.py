@@ -344,7 +344,7 @@ class ProcessExecutor:
         micro.compute_s = time.perf_counter() - started
         if message.path == (0,):  # stage 0 samples: a one-stage plan, or a flow path of rank 0 alone
             micro.result = self._result(micro, self.stage.sample(hidden, message))
-        self.stage.account(started, micro.batch.num_tokens, cpu_started)
+        self.stage.account(started, micro.batch.num_tokens, cpu_started, prefill=bool(micro.batch.prefills))
         if message.path != (0,):
             self.comm.send_batch(message, hidden)
 

@@ -31,7 +31,7 @@ def serve_stage(comm: StageComm, runner: StageRunner, blocks: FlowBlocks) -> Non
         out = runner.runner.run_stage(local.positions, local.meta, input_ids=ids, stream=stream)
         last = message.path[-1] == comm.rank
         sampled = runner.sample(out, message) if last else None  # tokens and the logprobs asked for
-        runner.account(started, out.shape[0], cpu_started)
+        runner.account(started, out.shape[0], cpu_started, prefill=out.shape[0] > len(message.sample_rows))
         if last:
             comm.send_tokens(message.batch_id, sampled)
         else:

@@ -61,6 +61,10 @@ class StageStats:
     compute_s: float = 0.0  # wall time in this stage's layers (+ sampling on the last)
     emulation_sleep_s: float = 0.0
     compute_cpu_s: float = 0.0  # process CPU seconds (time.process_time) over the compute_s spans
+    # the same two over the batches that hold prompt tokens: a loaded host lends long prefill passes
+    # fewer of its cores than short decode steps, so the two phases are measured apart
+    prefill_compute_s: float = 0.0
+    prefill_compute_cpu_s: float = 0.0
     process_cpu_s: float = 0.0  # process CPU seconds (all threads) while serving the timed requests
     tokens: int = 0
     cpp_prompts: int = 0  # prompts cut into CPP chunks (stage 0)
@@ -228,13 +232,18 @@ class StageRunner:
             self._generators[seq_id] = torch.Generator().manual_seed(params.seed)
         return self._generators[seq_id]
 
-    def account(self, started_s: float, tokens: int, cpu_started_s: float | None = None) -> None:
-        """Count a micro-batch that began at `started_s` (perf_counter; `cpu_started_s`: process_time)
-        and emulate the slowdown."""
+    def account(
+        self, started_s: float, tokens: int, cpu_started_s: float | None = None, prefill: bool = False
+    ) -> None:
+        """Count a micro-batch that began at `started_s` (perf_counter; `cpu_started_s`: process_time;
+        `prefill`: it holds prompt tokens) and emulate the slowdown."""
         now = time.perf_counter()
         compute_s = now - started_s
-        if cpu_started_s is not None:
-            self.stats.compute_cpu_s += time.process_time() - cpu_started_s
+        cpu_s = 0.0 if cpu_started_s is None else time.process_time() - cpu_started_s
+        self.stats.compute_cpu_s += cpu_s
+        if prefill:
+            self.stats.prefill_compute_s += compute_s
+            self.stats.prefill_compute_cpu_s += cpu_s
         self.stats.batches += 1
         self.stats.compute_s += compute_s
         self.stats.tokens += tokens

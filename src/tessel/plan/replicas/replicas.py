@@ -23,16 +23,17 @@ Which split (`choose_replicas`):
 - N <= `EXHAUSTIVE_DEVICES` devices: every partition of the devices into groups (Bell(N) of them),
   each group planned once per share k = 1..m; with exact group plans this is the optimum over splits
   and shares (the tests hold it against brute force over partitions, shares and pipelines).
-- larger clusters: candidates built from device types. For each type, the smallest group of that
-  type that holds the model (weights, KV and extras within its GPU memory, else GPU + host) and
-  twice that size; same-type groups first, the devices left over pooled by memory into mixed
-  groups that hold the model; mixed splits where each of k in `SPREAD_REPLICAS` replicas gets
-  a contiguous 1/k of every type's devices (by node); plus the whole cluster as one pipeline.
-  Groups are planned once per signature (device types and how they share nodes) with an equal share
-  of `SCREEN_TIME_SHARE` of the time limit each to rank the splits (a later group of the same
-  signature re-uses the plan), at the largest share k <= m it holds; that placement is evaluated at
-  every share k to allocate the shares; the best split's groups are then planned again at their
-  shares with the time left.
+- larger clusters: on a cluster of several network islands (regions, `islands`), each island whole
+  and each island's own type splits first; then candidates built from device types. For each type,
+  the smallest group of that type that holds the model (weights, KV and extras within its GPU
+  memory, else GPU + host) and twice that size; same-type groups first, the devices left over
+  pooled by memory into mixed groups that hold the model; mixed splits where each of k in
+  `SPREAD_REPLICAS` replicas gets a contiguous 1/k of every type's devices (by node); plus the
+  whole cluster as one pipeline. Groups are planned once per signature (device types, how they
+  share nodes, their islands) with an equal share of `SCREEN_TIME_SHARE` of the time limit each to
+  rank the splits (a later group of the same signature re-uses the plan), at the largest share k
+  <= m it holds; that placement is evaluated at every share k to allocate the shares; the best
+  split's groups are then planned again at their shares with the time left.
   With a precision choice the screening plans a stand-in (`averaged_precisions`: the budget's
   precisions averaged over the units, fast) and the refinement plans the real choice.
   The split's own upper bound is the sum of each replica's throughput at its proven lower bound;
@@ -61,6 +62,7 @@ from tessel.plan.instance import (
     subset,
     with_micro_batches,
 )
+from tessel.plan.replicas.islands import island_of, network_islands
 from tessel.plan.report import predict
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, evaluate
 from tessel.plan.solvers.solve import PlanResult, solve
@@ -71,6 +73,8 @@ SCREEN_TIME_SHARE = 0.4  # of the time limit, split over the kinds of group, to 
 SCREEN_STOP = 0.5  # a screening stops there, leaving the rest to plan the chosen split for real
 REFINE_END = 0.9  # the refinement aims to end there: a group's solve may overrun its share a little
 SPREAD_REPLICAS = (2, 4, 8)  # mixed splits tried: k replicas, each with a share of every type
+# same-type splits tried: (GPU memory only, groups of this many times the smallest size that holds the model)
+TYPE_SPLIT_VARIANTS = tuple((gpu_only, factor) for gpu_only in (True, False) for factor in (1, 2, 4))
 CONCURRENCY_MODES = ("fixed", "memory")
 SINGLE_TIME_SHARE = 0.3  # of the time limit: the whole cluster as one pipeline, planned first
 MEMORY_TRIES = (1.0, 0.9, 0.75, 0.5)  # memory mode: fractions of a group's memory limit planned at
@@ -209,12 +213,17 @@ class _Planner:
         self.every_share = True  # solve each share; else solve one share and evaluate the others
         self.memory = False  # concurrency by memory (`instance` then has no host memory)
         self.cap = instance.micro_batches  # most micro-batches one group may hold
+        self.island = island_of(instance)  # per device: its network island (regions plan apart)
 
     def signature(self, devices: tuple[int, ...]) -> tuple:
-        """Device types and which of them share a node: groups alike in both plan alike."""
+        """Device types, which of them share a node and which network island each is on: groups alike
+        in all three plan alike."""
         nodes = Counter(self.instance.devices[j].node for j in devices)
         return tuple(
-            sorted((self.instance.devices[j].gpu_type, nodes[self.instance.devices[j].node]) for j in devices)
+            sorted(
+                (self.instance.devices[j].gpu_type, nodes[self.instance.devices[j].node], self.island[j])
+                for j in devices
+            )
         )
 
     def curve(self, devices: tuple[int, ...]) -> dict[int, tuple[PlanResult, float, float]]:
@@ -616,30 +625,25 @@ def _partitions(items: list[int]):
 
 
 def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
-    """Same-type groups first (smallest that holds the model, and twice that), leftovers pooled
-    into mixed groups by memory; and the whole cluster as one pipeline."""
-    by_type: dict[str, list[int]] = {}
-    for j, device in enumerate(instance.devices):
-        by_type.setdefault(device.gpu_type, []).append(j)
-    for members in by_type.values():
-        members.sort(key=lambda j: (instance.devices[j].node, instance.devices[j].name))
-    smallest = {t: smallest_group(instance, members) for t, members in by_type.items()}
+    """On a cluster of several network islands (regions, `islands.network_islands`), splits inside
+    the islands first: each island whole, and each island's own type splits side by side. Then
+    same-type groups (smallest that holds the model, and twice that), leftovers pooled into mixed
+    groups by memory; and the whole cluster as one pipeline."""
+    by_type = _by_type(instance, range(instance.n_devices))
     splits = []
-    for gpu_only in (True, False):
-        for factor in (1, 2, 4):
-            groups, left = [], []
-            for t, members in by_type.items():
-                size = smallest[t][gpu_only]
-                if size is None:
-                    left += members
-                    continue
-                size = min(size * factor, len(members))
-                count = len(members) // size
-                groups += [members[i * size : (i + 1) * size] for i in range(count)]
-                left += members[count * size :]
-            groups += _pool(instance, left, gpu_only)
+    islands = network_islands(instance)
+    if len(islands) > 1:
+        whole = [list(island) for island in islands if holds_model(instance, island)]
+        if whole:
+            splits.append(whole)
+        inside = [_type_splits(instance, _by_type(instance, island)) for island in islands]
+        for variant in range(len(TYPE_SPLIT_VARIANTS)):
+            groups = [g for island in inside for g in island[variant]]
             if groups and groups not in splits:
                 splits.append(groups)
+    for groups in _type_splits(instance, by_type):
+        if groups and groups not in splits:
+            splits.append(groups)
     for k in SPREAD_REPLICAS:  # mixed: every replica gets 1/k of each type
         groups = [[] for _ in range(k)]
         for members in by_type.values():
@@ -649,6 +653,37 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
         if all(holds_model(instance, tuple(g)) for g in groups) and groups not in splits:
             splits.append(groups)
     return [*splits, [list(range(instance.n_devices))]]  # the whole cluster last: the slowest to plan
+
+
+def _by_type(instance: PlanningInstance, devices) -> dict[str, list[int]]:
+    """The devices by GPU type, each type's in node order."""
+    by_type: dict[str, list[int]] = {}
+    for j in devices:
+        by_type.setdefault(instance.devices[j].gpu_type, []).append(j)
+    for members in by_type.values():
+        members.sort(key=lambda j: (instance.devices[j].node, instance.devices[j].name))
+    return by_type
+
+
+def _type_splits(instance: PlanningInstance, by_type: dict[str, list[int]]) -> list[list[list[int]]]:
+    """Per `TYPE_SPLIT_VARIANTS` (GPU memory only or with host memory; groups of 1, 2, 4 times the
+    smallest size that holds the model): same-type groups, the devices left pooled by memory."""
+    smallest = {t: smallest_group(instance, members) for t, members in by_type.items()}
+    splits = []
+    for gpu_only, factor in TYPE_SPLIT_VARIANTS:
+        groups, left = [], []
+        for t, members in by_type.items():
+            size = smallest[t][gpu_only]
+            if size is None:
+                left += members
+                continue
+            size = min(size * factor, len(members))
+            count = len(members) // size
+            groups += [members[i * size : (i + 1) * size] for i in range(count)]
+            left += members[count * size :]
+        groups += _pool(instance, left, gpu_only)
+        splits.append(groups)
+    return splits
 
 
 def smallest_group(instance: PlanningInstance, members: list[int]) -> dict[bool, int | None]:

@@ -38,6 +38,7 @@ LP_SLACK = 1e-6
 MOST_K = 1024  # MAX_MICRO_BATCHES of a workload file: no pipeline holds more micro-batches
 EXACT_K = 64  # every k up to here; beyond, a geometric grid whose gaps are bounded from above
 K_GRID_RATIO = 0.01
+CAP_ROUNDING = 1e-9  # a quotient a rounding below a whole number still counts as that number
 
 
 def pipelines_bound_tok_s(
@@ -113,9 +114,10 @@ def _geometric(start: int, stop: int) -> np.ndarray:
 
 
 def _caps(free_t, weight, kv, k) -> np.ndarray:
-    """[K, T]: units one device of each class holds beside k micro-batches of their KV (fractional)."""
+    """[K, T]: whole units one device of each class holds beside k micro-batches of their KV. A device
+    holds a whole number of units, so the class's average (the layout's n_t) is at most the floor."""
     k = np.atleast_1d(np.asarray(k, dtype=float))
-    return np.maximum(free_t, 0.0)[None, :] / (weight + k[:, None] * kv)
+    return np.floor(np.maximum(free_t, 0.0)[None, :] / (weight + k[:, None] * kv) + CAP_ROUNDING)
 
 
 def _most_k(c, free_t, weight, kv, n_units) -> int:
