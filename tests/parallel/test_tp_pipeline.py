@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -18,16 +21,18 @@ import torch
 import tiny_models
 from loopback_stage import Loopback, pipeline_llm
 from pipeline_plans import write_plan
+from stage_processes import release
 from tessel import LLM, SamplingParams, TesselError
 from tessel.engine.emulation import SlowDevice
 from tessel.models.config import ModelConfig
 from tessel.pipeline import executor as executor_module
-from tessel.pipeline.checks import check_tensor_parallel_stages
+from tessel.pipeline.checks import check_options, check_tensor_parallel_stages
 from tessel.pipeline.comm.messages import KvLayout
 from tessel.pipeline.executor import layer_filter
-from tessel.pipeline.run import RunOptions, run_pipeline
+from tessel.pipeline.run import RunOptions, describe_links, run_pipeline
 from tessel.pipeline.run_plan import load_run_plan
 from tessel.pipeline.stage.runner import StageRunner
+from tessel.pipeline.supervision.supervisor import Supervisor
 
 PROMPTS = [[1, 5, 9, 33, 70], [2, 100, 200, 7, 8, 9, 10], list(range(3, 40))]
 
@@ -169,6 +174,7 @@ def test_plan_file_tp_stage_runs_in_stage_processes(checkpoints, tmp_path) -> No
     options = RunOptions(
         plan, model, prompts=prompts, max_tokens=12, ignore_eos=True, run_dir=tmp_path / "run"
     )
+    assert describe_links(options) == ["stage 0 (cpu) -> stage 1 (cpu, TP 2): gloo, host memory"]
     run = run_pipeline(options)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = LLM(str(model)).generate(prompts, params, use_progress=False)
@@ -238,7 +244,8 @@ def test_plan_file_tp_stage_structure_refused(checkpoints, tmp_path, fields, mes
 
 
 def _check(plan_path, model, cpp=True):  # noqa: ANN001, ANN202
-    return check_tensor_parallel_stages(load_run_plan(plan_path), ModelConfig.from_dir(model), model, cpp)
+    """What `tessel launch` checks before it starts any process."""
+    return check_options(RunOptions(plan_path, model, prompts=["Hello world"], max_tokens=4, cpp=cpp))
 
 
 def test_plan_file_tp_stages_get_the_planners_checks(checkpoints, tmp_path) -> None:
@@ -278,3 +285,38 @@ def test_plan_file_tp_stages_get_the_planners_checks(checkpoints, tmp_path) -> N
         TesselError, match=r"stage 1: layers streamed from host memory \(offload_layers \[1\]\)"
     ):
         _check(streamed, model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the follower through /proc")
+def test_lost_tp_stage_is_named_and_rebuilt(checkpoints, tmp_path) -> None:
+    """`tessel serve --plan`'s supervisor: a SIGKILLed follower of the TP stage 1 fails that stage,
+    the supervisor names the stage, rebuilds the pipeline on stage 0's device alone, and the next
+    request gets the tokens of before."""
+    model = checkpoints("llama")
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 1), (1, 2)], degrees=[1, 2])
+    engine = Supervisor.serve(RunOptions(plan, model, heartbeat_timeout=30.0), max_rebuilds=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    stage1 = engine.executor.stages.procs[0].pid
+    followers = _children(stage1)
+    try:
+        before = engine.generate(["Hello world"], params, use_progress=False)[0].token_ids
+        assert len(followers) == 1
+        for pid in followers:
+            os.kill(pid, signal.SIGKILL)
+        after = engine.generate(["Hello world"], params, use_progress=False)[0].token_ids
+        assert after == before
+        assert engine.supervisor.num_rebuilds == 1
+        assert "pipeline stage 1 failed" in engine.supervisor.last_recovery.reason
+        assert [s.tp_degree for s in engine.executor.plan.stages] == [1]
+    finally:
+        engine.supervisor.close()
+        release([stage1, *followers])
+
+
+def _children(pid: int) -> set[int]:
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as listed:
+            children.update(int(child) for child in listed.read().split())
+    return children

@@ -91,14 +91,19 @@ def process_group_backend(transports: list[str]) -> str:
 
 
 def link_lines(plan: RunPlan, transports: list[str]) -> list[str]:
-    """One line per link, as `tessel launch` prints them at start."""
+    """One line per link, as `tessel launch` prints them at start (a tensor-parallel stage with its
+    degree: `cpu, TP 2`)."""
+
+    def where(stage: RunStage) -> str:
+        return stage_device(stage) + (f", TP {stage.tp_degree}" if stage.tp_degree > 1 else "")
+
     lines = []
     for k, transport in enumerate(transports):
         a, b = plan.stages[k], plan.stages[k + 1]
         how = "NCCL, GPU to GPU" if transport == NCCL else "gloo over pinned host buffers"
         if transport == HOST and not (a.is_cuda or b.is_cuda):
             how = "gloo, host memory"
-        lines.append(f"stage {k} ({stage_device(a)}) -> stage {k + 1} ({stage_device(b)}): {how}")
+        lines.append(f"stage {k} ({where(a)}) -> stage {k + 1} ({where(b)}): {how}")
     return lines
 
 
