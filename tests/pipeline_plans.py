@@ -19,6 +19,17 @@ def _stage(index: int, device: str, a: int, b: int, last: bool) -> dict:
     }
 
 
+def _tensor_parallel(stages: list[dict], degrees: list[int]) -> None:
+    """Stage k over `degrees[k]` CPUs of its machine: its device, then CPUs numbered after the stages'."""
+    spare = len(stages)  # the next CPU number no stage names
+    for stage, degree in zip(stages, degrees, strict=True):
+        node = stage["device"].split("/", 1)[0]
+        stage["tp_degree"] = degree
+        stage["gpus"] = [stage["device"], *(f"{node}/cpu{spare + r}" for r in range(degree - 1))]
+        stage["tp_link"] = {"bandwidth_gbps": 80.0, "latency_us": 50.0} if degree > 1 else None
+        spare += degree - 1
+
+
 def write_plan(
     path: Path,
     model_dir: Path,
@@ -27,10 +38,13 @@ def write_plan(
     micro_batches: int = 2,
     speeds: list[float] | None = None,
     devices: list[str] | None = None,
+    degrees: list[int] | None = None,
     **overrides,
 ) -> Path:
     """A version-1 plan file for `model_dir` with stages holding layers [a, b) on local CPUs (or on
-    the CPU `devices` name, e.g. `h1/cpu0`: a stage on machine h1)."""
+    the CPU `devices` name, e.g. `h1/cpu0`: a stage on machine h1). `degrees`: a version-5 plan whose
+    stage k is tensor-parallel over `degrees[k]` CPUs of its machine (`gpus`: its device, then CPUs
+    numbered after the stages') with a `tp_link`."""
     config = json.loads((model_dir / "config.json").read_text())
     stages = []
     for i, (a, b) in enumerate(splits):
@@ -39,8 +53,10 @@ def write_plan(
         if speeds is not None:
             stage["emulate_speed"] = speeds[i]
         stages.append(stage)
+    if degrees is not None:
+        _tensor_parallel(stages, degrees)
     plan = {
-        "version": 1,
+        "version": 1 if degrees is None else 5,
         "model": {"name": model_dir.name, "config": config},
         "workload": {"m": micro_batches},
         "dtype": "fp32",

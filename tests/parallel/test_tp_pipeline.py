@@ -1,27 +1,38 @@
 """Tensor-parallel stages inside a pipeline: TP=2 x 2 stages (stage 0's engine on a `ProcessExecutor`
 and stage 1's runner over the tests' loopback, each stage the leader of its own follower process)
-give one process's greedy tokens, and the prompt logprobs the last stage scores.
+give one process's greedy tokens, and the prompt logprobs the last stage scores; a version-5 plan
+file (`tp_degree`, `gpus`, `tp_link` per stage, the planner's format) runs through `run_pipeline`'s
+real stage processes with the same tokens; the plan's TP stages are refused before any process
+starts by the planner's checks (`check_tp_stages`) and the runtime's own.
 
-The plan file's `tp_degree` per stage is the planner's format (not on this branch yet): the test
-gives the stages their degree on the `RunPlan` the executor reads."""
+The loopback tests give the stages their degree on the `RunPlan` the executor reads."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import sys
 
 import pytest
 import torch
 
+import tiny_models
 from loopback_stage import Loopback, pipeline_llm
 from pipeline_plans import write_plan
-from tessel import LLM, SamplingParams
+from stage_processes import release
+from tessel import LLM, SamplingParams, TesselError
 from tessel.engine.emulation import SlowDevice
 from tessel.models.config import ModelConfig
 from tessel.pipeline import executor as executor_module
+from tessel.pipeline.checks import check_options, check_tensor_parallel_stages
 from tessel.pipeline.comm.messages import KvLayout
 from tessel.pipeline.executor import layer_filter
+from tessel.pipeline.run import RunOptions, describe_links, run_pipeline
 from tessel.pipeline.run_plan import load_run_plan
 from tessel.pipeline.stage.runner import StageRunner
+from tessel.pipeline.supervision.supervisor import Supervisor
 
 PROMPTS = [[1, 5, 9, 33, 70], [2, 100, 200, 7, 8, 9, 10], list(range(3, 40))]
 
@@ -84,9 +95,6 @@ def _plan_with(path, degrees, gpus=None, gpu_type="cpu"):  # noqa: ANN001, ANN20
 
 
 def test_tp_stages_are_checked_before_any_process(checkpoints, tmp_path, monkeypatch) -> None:
-    from tessel import TesselError
-    from tessel.pipeline.checks import check_tensor_parallel_stages
-
     model = checkpoints("llama")  # 4 heads over 2 KV heads
     config = ModelConfig.from_dir(model)
     plan_path = write_plan(tmp_path / "plan.json", model, [(0, 1), (1, 2)])
@@ -153,3 +161,162 @@ def test_tp2_w8a8_equals_one_process_w8a8(checkpoints, tmp_path, monkeypatch, na
     finally:
         tp.shutdown()
     assert got == want
+
+
+@pytest.mark.slow
+def test_plan_file_tp_stage_runs_in_stage_processes(checkpoints, tmp_path) -> None:
+    """A version-5 plan on CPUs, stage 1 over two (`gpus`: localhost/cpu1, localhost/cpu2): `tessel
+    launch`'s path spawns the stage processes, stage 1's process leads its follower, and the greedy
+    tokens are one process's."""
+    model = checkpoints("llama")
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 1), (1, 2)], degrees=[1, 2])
+    prompts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3]
+    options = RunOptions(
+        plan, model, prompts=prompts, max_tokens=12, ignore_eos=True, run_dir=tmp_path / "run"
+    )
+    assert describe_links(options) == ["stage 0 (cpu) -> stage 1 (cpu, TP 2): gloo, host memory"]
+    run = run_pipeline(options)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(str(model)).generate(prompts, params, use_progress=False)
+    assert [r["token_ids"] for r in run.requests] == [o.token_ids for o in want]
+    assert [(s["state"], s["tp_degree"]) for s in run.stages] == [("done", 1), ("done", 2)]
+    assert (tmp_path / "run" / "stage1.rank1.log").exists()
+
+
+def _edit_plan(path, edit):  # noqa: ANN001, ANN202
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_plan_file_tp_gpus(checkpoints, tmp_path) -> None:
+    """A CPU stage's `gpus` name CPU devices: its ranks get no CUDA index; a GPU stage's ranks are
+    read from `<node>/gpu<K>` (the `#2` of a shared GPU too); a rank naming no index is refused."""
+    model = checkpoints("llama")
+    plan = load_run_plan(write_plan(tmp_path / "cpu.json", model, [(0, 1), (1, 2)], degrees=[1, 2]))
+    assert [(s.tp_degree, s.tp_gpus) for s in plan.stages] == [(1, None), (2, None)]
+
+    def on_gpus(names):  # noqa: ANN001, ANN202
+        def edit(document):  # noqa: ANN001, ANN202
+            for stage, device in zip(document["stages"], ["n/gpu0", names[0]], strict=True):
+                stage.update(device=device, gpu_type="H100")
+            document["stages"][0]["gpus"] = ["n/gpu0"]
+            document["stages"][1]["gpus"] = names
+
+        return edit
+
+    path = write_plan(tmp_path / "gpu.json", model, [(0, 1), (1, 2)], degrees=[1, 2])
+    plan = load_run_plan(_edit_plan(path, on_gpus(["n/gpu2", "n/gpu3#2"])))
+    assert [s.tp_gpus for s in plan.stages] == [None, (2, 3)]
+    with pytest.raises(
+        TesselError, match=r"stage 1 \(n/gpu2\): gpus names 'n/fast', which names no GPU index"
+    ):
+        load_run_plan(_edit_plan(path, on_gpus(["n/gpu2", "n/fast"])))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"tp_degree": 3, "gpus": ["localhost/cpu1", "localhost/cpu2", "localhost/cpu3"]},
+            r"stages\[1\] \(localhost/cpu1\): tp_degree 3 is not one of 1, 2, 4, 8",
+        ),
+        (
+            {"gpus": ["localhost/cpu1"]},
+            r"stages\[1\] \(localhost/cpu1\): tp_degree 2 but 1 gpus listed",
+        ),
+        (
+            {"gpus": ["localhost/cpu2", "localhost/cpu1"]},
+            r"stages\[1\] \(localhost/cpu1\): gpus\[0\] is 'localhost/cpu2', not the stage's device",
+        ),
+        (
+            {"gpus": ["localhost/cpu1", "localhost/cpu0"]},
+            r"GPU 'localhost/cpu0' is named twice: stages\[0\] \(localhost/cpu0\) rank 0 and stages\[1\]",
+        ),
+    ],
+)
+def test_plan_file_tp_stage_structure_refused(checkpoints, tmp_path, fields, message) -> None:
+    """The planner's structural checks, as the runtime reads the plan (`load_run_plan`)."""
+    path = write_plan(tmp_path / "plan.json", checkpoints("llama"), [(0, 1), (1, 2)], degrees=[1, 2])
+    with pytest.raises(TesselError, match=message):
+        load_run_plan(_edit_plan(path, lambda d: d["stages"][1].update(fields)))
+
+
+def _check(plan_path, model, cpp=True):  # noqa: ANN001, ANN202
+    """What `tessel launch` checks before it starts any process."""
+    return check_options(RunOptions(plan_path, model, prompts=["Hello world"], max_tokens=4, cpp=cpp))
+
+
+def test_plan_file_tp_stages_get_the_planners_checks(checkpoints, tmp_path) -> None:
+    """A plan file's TP stage is held to the planner's rule (the degree divides the checkpoint's heads
+    and KV heads), where the engine's --tensor-parallel-size splits 3 KV heads 2 + 1; the messages
+    name the stage and the numbers. What only the runtime knows is refused too."""
+    model = checkpoints("llama")  # 4 heads over 2 KV heads
+    path = write_plan(tmp_path / "plan.json", model, [(0, 1), (1, 2)], degrees=[1, 2])
+    _check(path, model)
+    # the checkpoint's heads, not the plan's copy of its config: a plan made for 2 KV heads, run on 3
+    odd = tiny_models.make_tiny_checkpoint(
+        tmp_path / model.name, num_kv_heads=3, num_attention_heads=6, hidden_size=96
+    )
+    with pytest.raises(
+        TesselError, match=r"stages\[1\] \(localhost/cpu1\): degree 2 does not divide the 3 KV heads"
+    ):
+        _check(path, odd)
+    # the plan's own config says 3 KV heads: refused as the plan is read
+    three = write_plan(tmp_path / "three.json", odd, [(0, 1), (1, 2)], degrees=[1, 2])
+    with pytest.raises(
+        TesselError, match=r"stages\[1\] \(localhost/cpu1\): degree 2 does not divide the 3 KV heads"
+    ):
+        load_run_plan(three)
+    # the engine's flag splits the same model unevenly (the runtime's rule alone)
+    from tessel.parallel.executor import check_tensor_parallel
+
+    assert check_tensor_parallel(ModelConfig.from_dir(odd), 2, "cpu", None) is not None
+    # the runtime's own: no ring link to price the CPP chunks with (fine without CPP), streamed layers
+    unlinked = _edit_plan(path, lambda d: d["stages"][1].update(tp_link=None))
+    with pytest.raises(
+        TesselError, match=r"stage 1 \(localhost/cpu1\): tp_degree 2 without `tp_link`.*--no-cpp"
+    ):
+        _check(unlinked, model)
+    _check(unlinked, model, cpp=False)
+    streamed = _edit_plan(path, lambda d: d["stages"][1].update(offload_layers=[1]))
+    with pytest.raises(
+        TesselError, match=r"stage 1: layers streamed from host memory \(offload_layers \[1\]\)"
+    ):
+        _check(streamed, model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the follower through /proc")
+def test_lost_tp_stage_is_named_and_rebuilt(checkpoints, tmp_path) -> None:
+    """`tessel serve --plan`'s supervisor: a SIGKILLed follower of the TP stage 1 fails that stage,
+    the supervisor names the stage, rebuilds the pipeline on stage 0's device alone, and the next
+    request gets the tokens of before."""
+    model = checkpoints("llama")
+    plan = write_plan(tmp_path / "plan.json", model, [(0, 1), (1, 2)], degrees=[1, 2])
+    engine = Supervisor.serve(RunOptions(plan, model, heartbeat_timeout=30.0), max_rebuilds=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    stage1 = engine.executor.stages.procs[0].pid
+    followers = _children(stage1)
+    try:
+        before = engine.generate(["Hello world"], params, use_progress=False)[0].token_ids
+        assert len(followers) == 1
+        for pid in followers:
+            os.kill(pid, signal.SIGKILL)
+        after = engine.generate(["Hello world"], params, use_progress=False)[0].token_ids
+        assert after == before
+        assert engine.supervisor.num_rebuilds == 1
+        assert "pipeline stage 1 failed" in engine.supervisor.last_recovery.reason
+        assert [s.tp_degree for s in engine.executor.plan.stages] == [1]
+    finally:
+        engine.supervisor.close()
+        release([stage1, *followers])
+
+
+def _children(pid: int) -> set[int]:
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as listed:
+            children.update(int(child) for child in listed.read().split())
+    return children

@@ -33,6 +33,21 @@ def plan(*stages) -> RunPlan:
     return RunPlan(None, "m", len(stages), tuple(stages), 2, None)
 
 
+def test_a_tensor_parallel_stage_needs_every_ranks_gpu():
+    """Rank r runs on tp_gpus[r], and holds 1/d of the stage's planned weights and KV (its ranks' sum)."""
+    from dataclasses import replace
+
+    second = CudaDevice(2, "NVIDIA H100 80GB HBM3", 80 * GIB)
+    tp = replace(stage(0, "a/gpu0", "H100", 120.0, 20.0), tp_degree=2, tp_gpus=(0, 2))
+    check_devices(plan(tp), [H100, T4, second])  # 70 GiB on each H100
+    with pytest.raises(TesselError, match=r"stage 0 runs on a/gpu0's rank 1 \(cuda:2\) \(H100\), but"):
+        check_devices(plan(tp), [H100, T4])
+    with pytest.raises(TesselError, match=r"a H100 on a/gpu0's rank 1 \(cuda:1\), but cuda:1 is a Tesla T4"):
+        check_devices(plan(replace(tp, tp_gpus=(0, 1))), [H100, T4])
+    with pytest.raises(TesselError, match=r"share cuda:0 .* 85.0 GiB"):
+        check_devices(plan(replace(tp, weights_gib=150.0)), [H100, T4, second])
+
+
 @pytest.mark.parametrize(
     ("device", "kind", "torch_device"),
     [

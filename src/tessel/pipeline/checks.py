@@ -64,7 +64,7 @@ def check_run(
     link_transports(plan, options.transport)
     local = [rank] if rank is not None else local_ranks
     check_devices(plan, cuda_devices(), local)
-    check_tensor_parallel_stages(plan, config)
+    check_tensor_parallel_stages(plan, config, options.model, options.cpp)
     dtype = resolve_dtype(options.dtype, config)
     check_offload(plan.stages, config, dtype, local)
     return plan, config
@@ -163,12 +163,27 @@ def _prompt_lengths(requests: list[RunRequest], model: Path, vocab: int) -> list
     return lengths
 
 
-def check_tensor_parallel_stages(plan: RunPlan, config: ModelConfig) -> None:
-    """Refuse, before any process starts, a stage whose `tp_degree` the model cannot be split into,
-    that needs more GPUs than this machine has, or whose ranks name a GPU twice (within the stage or
-    across stages), naming the stage and the numbers."""
+def check_tensor_parallel_stages(
+    plan: RunPlan, config: ModelConfig, model: Path | None = None, cpp: bool = False
+) -> None:
+    """Refuse, before any process starts, the tensor-parallel stages this run cannot run, naming the
+    stage and the numbers. First the planner's checks of the plan file (`check_tp_stages`, against the
+    checkpoint in `model` and the cluster the plan names): a degree other than 1, 2, 4, 8 or one that
+    does not divide the model's heads and KV heads, `gpus` that do not list one GPU per rank from the
+    stage's device, a GPU named twice. Then what only the runtime knows: a split the model refuses
+    (mixture-of-experts), more GPUs than this machine has, ranks naming a CUDA index twice (within the
+    stage or across stages), layers streamed from host memory, and, when `cpp` cuts prompts, a stage
+    without the `tp_link` its all-reduces are priced on. The engine's `--tensor-parallel-size` runs
+    only the runtime's checks, which allow uneven KV-head runs (3 KV heads over 2 ranks: 2 and 1)."""
     from tessel.parallel.executor import check_tensor_parallel
 
+    if not any(stage.tp_degree > 1 for stage in plan.stages):
+        return
+    if model is not None:
+        from tessel.catalog.models import load_model
+        from tessel.plan.files.tp_checks import check_tp_stages
+
+        check_tp_stages(plan.plan_file, load_model(model))
     taken: dict[int, int] = {}
     for stage in plan.stages:
         if stage.tp_degree == 1:
@@ -187,3 +202,19 @@ def check_tensor_parallel_stages(plan: RunPlan, config: ModelConfig) -> None:
                     f"stage {stage.index}: GPU {gpu} is already a tensor-parallel rank of stage {taken[gpu]}"
                 )
             taken[gpu] = stage.index
+    if cpp and len(plan.stages) > 1 and PathFeatures.of(plan).cpp:
+        _check_tp_links(plan)
+
+
+def _check_tp_links(plan: RunPlan) -> None:
+    """The CPP chunk planner prices every stage of the plan, a tensor-parallel one with its ring."""
+    file = plan.plan_file
+    stages = file.replicas[plan.replica].stages if plan.replica is not None and file.replicas else file.stages
+    for position, stage in enumerate(stages):
+        if stage.tp_degree > 1 and stage.tp_link_spec is None:
+            raise TesselError(
+                f"{plan.path}: stage {position} ({stage.device}): tp_degree {stage.tp_degree} without "
+                "`tp_link` (bandwidth_gbps, latency_us of its ranks' ring), so the CPP chunk planner "
+                "cannot price its all-reduces; give the stage its tp_link (`tessel plan` writes it) or "
+                "run with --no-cpp"
+            )

@@ -91,20 +91,26 @@ def process_group_backend(transports: list[str]) -> str:
 
 
 def link_lines(plan: RunPlan, transports: list[str]) -> list[str]:
-    """One line per link, as `tessel launch` prints them at start."""
+    """One line per link, as `tessel launch` prints them at start (a tensor-parallel stage with its
+    degree: `cpu, TP 2`)."""
+
+    def where(stage: RunStage) -> str:
+        return stage_device(stage) + (f", TP {stage.tp_degree}" if stage.tp_degree > 1 else "")
+
     lines = []
     for k, transport in enumerate(transports):
         a, b = plan.stages[k], plan.stages[k + 1]
         how = "NCCL, GPU to GPU" if transport == NCCL else "gloo over pinned host buffers"
         if transport == HOST and not (a.is_cuda or b.is_cuda):
             how = "gloo, host memory"
-        lines.append(f"stage {k} ({stage_device(a)}) -> stage {k + 1} ({stage_device(b)}): {how}")
+        lines.append(f"stage {k} ({where(a)}) -> stage {k + 1} ({where(b)}): {how}")
     return lines
 
 
 def check_devices(plan: RunPlan, gpus: list[CudaDevice], ranks: list[int] | None = None) -> None:
     """Refuse, before any process starts, stages this machine's `gpus` cannot run (`ranks`: only
-    those stages, e.g. the ones on this node; default all)."""
+    those stages, e.g. the ones on this node; default all). A tensor-parallel stage needs every
+    rank's GPU (`tp_gpus`), each holding 1/d of the stage's planned weights and KV."""
     stages = [plan.stages[r] for r in (range(len(plan.stages)) if ranks is None else ranks)]
     by_index = {gpu.index: gpu for gpu in gpus}
     planned: dict[int, list[RunStage]] = {}
@@ -112,27 +118,29 @@ def check_devices(plan: RunPlan, gpus: list[CudaDevice], ranks: list[int] | None
         device = stage_device(stage)
         if device == "cpu":
             continue
-        index = int(device.split(":")[1])
-        gpu = by_index.get(index)
-        if gpu is None:
-            have = ", ".join(f"cuda:{g.index} {g.name}" for g in gpus) or "no CUDA GPU"
-            raise TesselError(
-                f"stage {stage.index} runs on {stage.device} ({stage.gpu_type}), but this machine has "
-                f"{have}; re-plan for this machine (tessel plan --cluster local)"
-            )
-        if not same_gpu_type(stage.gpu_type, gpu.name):
-            raise TesselError(
-                f"stage {stage.index} was planned for a {stage.gpu_type} on {stage.device}, but cuda:{index} "
-                f"is a {gpu.name}; re-plan for this machine (tessel plan --cluster local)"
-            )
-        planned.setdefault(index, []).append(stage)
+        for rank, index in enumerate(stage.tp_gpus or (int(device.split(":")[1]),)):
+            where = stage.device if rank == 0 else f"{stage.device}'s rank {rank} (cuda:{index})"
+            gpu = by_index.get(index)
+            if gpu is None:
+                have = ", ".join(f"cuda:{g.index} {g.name}" for g in gpus) or "no CUDA GPU"
+                raise TesselError(
+                    f"stage {stage.index} runs on {where} ({stage.gpu_type}), but this machine has "
+                    f"{have}; re-plan for this machine (tessel plan --cluster local)"
+                )
+            if not same_gpu_type(stage.gpu_type, gpu.name):
+                raise TesselError(
+                    f"stage {stage.index} was planned for a {stage.gpu_type} on {where}, but cuda:{index} "
+                    f"is a {gpu.name}; re-plan for this machine (tessel plan --cluster local)"
+                )
+            planned.setdefault(index, []).append(stage)
     for index, sharing in planned.items():
         _check_fits(by_index[index], sharing)
 
 
 def _check_fits(gpu: CudaDevice, stages: list[RunStage]) -> None:
-    """The planned weights + KV of the stages on one GPU against its memory."""
-    need = sum((stage.weights_gib or 0.0) + (stage.kv_gib or 0.0) for stage in stages)
+    """The planned weights + KV of the stages on one GPU against its memory (a tensor-parallel stage's
+    figures are its ranks' sum: each rank holds 1/d)."""
+    need = sum(((stage.weights_gib or 0.0) + (stage.kv_gib or 0.0)) / stage.tp_degree for stage in stages)
     have = gpu.total_bytes / 2**30
     if need > have:
         names = ", ".join(str(s.index) for s in stages)

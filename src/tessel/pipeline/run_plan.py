@@ -17,6 +17,7 @@ from tessel.chunk.latency import PipelineLatency
 from tessel.cost.layer import FLOAT_WEIGHTS
 from tessel.errors import TesselError
 from tessel.plan.files.plan_file import PlanFile, load_plan
+from tessel.plan.files.plan_parts import CPU_TYPE, PlanStage, gpu_index
 
 PIPELINE_MIN_MICRO_BATCHES = 2  # without a plan workload: enough to keep two stages busy
 
@@ -43,7 +44,7 @@ class RunStage:
     emulate_memory_gib: float | None = None  # a CPU device's emulated memory cap (cluster `emulate`)
     emulate_host_gbps: float | None = None  # ... and its emulated host link, Gbit/s
     # tensor parallelism inside the stage (`tessel.parallel.stage`): its ranks and, on CUDA, their
-    # GPUs, from the plan stage's `tp_degree` and `gpus` where the plan file has them (else 1, None)
+    # GPUs, from the plan stage's `tp_degree` and `gpus` (plan file v5; 1 and None before it or on a CPU)
     tp_degree: int = 1
     tp_gpus: tuple[int, ...] | None = None
 
@@ -129,8 +130,8 @@ def load_run_plan(path: str | Path, replica: int | None = None) -> RunPlan:
             host_gib=s.host_gib,
             emulate_memory_gib=s.emulate_memory_gib,
             emulate_host_gbps=s.emulate_host_gbps,
-            tp_degree=getattr(s, "tp_degree", None) or 1,
-            tp_gpus=_tp_gpus(s),
+            tp_degree=s.tp_degree,
+            tp_gpus=_tp_gpus(s, position, source),
         )
         for position, s in enumerate(plan_stages)
     )
@@ -226,10 +227,17 @@ def priced_pipeline(plan: RunPlan, profile_paths=()) -> PipelineLatency:
     return pipeline_for(plan.plan_file, variant, profiles=profiles).pipeline
 
 
-def _tp_gpus(stage: object) -> tuple[int, ...] | None:
-    """The CUDA indices of a plan stage's tensor-parallel ranks (`gpus`: indices, or device names
-    ending in gpu<K>), None where the plan gives none."""
-    gpus = getattr(stage, "gpus", None)
-    if not gpus:
+def _tp_gpus(stage: PlanStage, position: int, source: Path) -> tuple[int, ...] | None:
+    """The CUDA index of each tensor-parallel rank of a plan stage: its `gpus` names (`<node>/gpu<K>`,
+    read by `gpu_index`, the rule the stage's `device` is read by). None at degree 1 and on a CPU
+    stage, whose ranks are processes on the machine's cores (its `gpus` name CPU devices)."""
+    if stage.tp_degree == 1 or stage.gpu_type.lower() == CPU_TYPE or not stage.gpus:
         return None
-    return tuple(g if isinstance(g, int) else int(str(g).rsplit("gpu", 1)[1].split("#")[0]) for g in gpus)
+    indices = tuple(gpu_index(name) for name in stage.gpus)
+    if None in indices:
+        name = stage.gpus[indices.index(None)]
+        raise TesselError(
+            f"{source}: stage {position} ({stage.device}): gpus names {name!r}, which names no GPU index; "
+            "a rank of a GPU stage runs on <node>/gpu<K>"
+        )
+    return indices

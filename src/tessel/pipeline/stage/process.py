@@ -296,7 +296,8 @@ def _capacity(options: RunOptions, plan: RunPlan, rank: int, model, dtype, confi
 
 def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: int, kv_blocks: int) -> None:
     """Status once loaded: `rss_bytes` is the whole process, `load_rss_bytes` what loading the
-    stage's weights and KV blocks added to it, `kv_blocks` the blocks of its own pool."""
+    stage's weights and KV blocks added to it (rank 0's at `tp_degree` > 1), `kv_blocks` the blocks
+    of its own pool."""
     stage = plan.stages[rank]
     rss = rss_bytes()
     write_status(
@@ -310,6 +311,7 @@ def report_loaded(rank: int, plan: RunPlan, weight_bytes: int, rss_before_load: 
         load_rss_bytes=rss - rss_before_load,
         kv_blocks=kv_blocks,
         device=stage_device(stage),
+        tp_degree=stage.tp_degree,
     )
 
 
