@@ -120,12 +120,13 @@ def test_the_cli_refuses_an_unknown_architecture_with_exit_2_listing_the_runnabl
     assert "FooForCausalLM" in message and "Gemma3ForCausalLM" in message and "--runnable" in message
 
 
-def test_the_quantiser_refuses_what_it_cannot_map(checkpoints, tmp_path) -> None:
-    from tessel.errors import TesselError
+def test_the_quantiser_maps_every_runnable_architecture(checkpoints) -> None:
+    from tessel.catalog.hf_arch import RUNNABLE_ARCHITECTURES
+    from tessel.models.reader import QUANTISED_ARCHITECTURES
     from tessel.quant.calibrate import read_model_config
 
-    with pytest.raises(TesselError, match="quantising a MixtralForCausalLM is not supported yet"):
-        read_model_config(checkpoints("mixtral"))
+    assert set(QUANTISED_ARCHITECTURES) == set(RUNNABLE_ARCHITECTURES)
+    assert read_model_config(checkpoints("mixtral"))["architectures"] == ["MixtralForCausalLM"]
 
 
 @pytest.mark.parametrize("q8_0", [False, True])

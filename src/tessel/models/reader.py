@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessel.catalog.hf_arch import RUNNABLE_ARCHITECTURES
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.quantized.schemes import Scheme
@@ -41,7 +42,7 @@ LAYER_PREFIX = "model.layers."
 ROPE_TABLE_FLOOR_BYTES = 256 * 2**20  # rotary tables always allowed up to this (4M positions at head_dim 16)
 ROPE_TABLE_BYTES_PER_VALUE = 4  # float32 cos and sin, head_dim / 2 values each per position
 INT_DTYPES = frozenset({"I32", "I64"})
-QUANTISED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+QUANTISED_ARCHITECTURES = RUNNABLE_ARCHITECTURES  # `tessel.quant.layer_map` maps every one
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +234,7 @@ class _Linear:
     cols: int
     col_fields: str
     biased: bool
+    quantised: bool = True  # False: stays float in a quantised checkpoint (MoE routers)
 
 
 def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, TensorSpec]:
@@ -255,7 +257,7 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
         for norm in ("self_attn.q_norm", "self_attn.k_norm") if c.qk_norm else ():
             out[f"{prefix}{norm}.weight"] = TensorSpec((c.head_dim,), SAFETENSORS_FLOAT_DTYPES, "head_dim")
         for leaf, linear in _layer_linears(c, i).items():
-            out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme)
+            out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme if linear.quantised else None)
     return out
 
 
@@ -283,7 +285,7 @@ def _layer_linears(c: ModelConfig, index: int) -> dict[str, _Linear]:
     if not c.is_moe_layer(index):
         return out | _mlp_linears("mlp", c, (c.intermediate_size, "intermediate_size"))
     block = "block_sparse_moe" if c.architecture == "MixtralForCausalLM" else "mlp"
-    out[f"{block}.gate"] = _Linear(c.num_experts, "num_experts", *hidden, False)
+    out[f"{block}.gate"] = _Linear(c.num_experts, "num_experts", *hidden, False, quantised=False)
     width = (c.moe_intermediate_size, "moe_intermediate_size")
     names = ("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
     for e in range(c.num_experts):
@@ -291,7 +293,7 @@ def _layer_linears(c: ModelConfig, index: int) -> dict[str, _Linear]:
     if c.shared_expert_intermediate_size:
         shared = (c.shared_expert_intermediate_size, "shared_expert_intermediate_size")
         out |= _mlp_linears("mlp.shared_expert", c, shared, biased=False)
-        out["mlp.shared_expert_gate"] = _Linear(1, "one gate", *hidden, False)
+        out["mlp.shared_expert_gate"] = _Linear(1, "one gate", *hidden, False, quantised=False)
     return out
 
 
