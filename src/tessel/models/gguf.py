@@ -278,6 +278,63 @@ def convert_to_checkpoint(file: Path, out: Path) -> None:
     _save_tokenizer(file, out)
 
 
+def _header_shapes(reader, config: dict[str, Any], arch: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (GGUF name, shape) of every tensor as the file's header declares it (a stacked expert
+    tensor as each expert's), with the renames `write_weights` makes; no tensor data is read."""
+    mixtral = config["model_type"] == "mixtral"
+    out = {}
+    for tensor in reader.tensors:
+        hf, kind = _hf_name(tensor.name, arch)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+        if kind in EXPERT_STACKS:
+            proj = EXPERT_STACKS[kind]
+            prefix = hf.replace(".mlp.", ".block_sparse_moe.") if mixtral else hf
+            proj = MIXTRAL_PROJ[proj] if mixtral else proj
+            out |= {f"{prefix}.{e}.{proj}.weight": (tensor.name, shape[1:]) for e in range(shape[0])}
+            continue
+        if kind == "ffn_gate_inp_shexp":
+            shape = (1, *shape)
+        if mixtral and kind == "ffn_gate_inp":
+            hf = hf.replace(".mlp.", ".block_sparse_moe.")
+        out[hf] = (tensor.name, shape)
+    return out
+
+
+def _readable_type(tensor_type) -> bool:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits  # the block types gguf's `dequantize` implements
+
+    return tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or tensor_type in _type_traits
+
+
+def check_tensor_shapes(reader, config: dict[str, Any], arch: str) -> None:
+    """Every tensor's type and shape in the file's header against what tessel reads and what the file's
+    metadata implies (the model reader's `expected_tensors`), before any tensor is de-quantised: a
+    mismatch is a user error naming the tensor (and the metadata behind the expected shape)."""
+    from tessel.models.config import ModelConfig
+    from tessel.models.reader import expected_tensors
+
+    expected = expected_tensors(ModelConfig.from_dict(config, "the GGUF metadata"), None)
+    for tensor in reader.tensors:
+        if not _readable_type(tensor.tensor_type):
+            raise TesselError(
+                f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, not a weight type "
+                "tessel de-quantises (F32, F16, BF16 and the gguf package's block types)"
+            )
+    for hf, (name, shape) in _header_shapes(reader, config, arch).items():
+        spec = expected.get(hf)
+        if spec is None:
+            raise TesselError(
+                f"GGUF tensor {name!r} holds {hf!r}, which its metadata does not imply (expert_count, "
+                "block_count?); the file is damaged or not the model its metadata describes"
+            )
+        if shape != spec.shape:
+            raise TesselError(
+                f"GGUF tensor {name!r} has shape {list(shape)}, its metadata implies {list(spec.shape)} "
+                f"({spec.sizes}); the file is damaged or not the model its metadata describes"
+            )
+
+
 def write_weights(reader, out: Path) -> None:
     """config.json and model.safetensors of the GGUF file `reader` reads, into directory `out`."""
     from gguf import GGMLQuantizationType
@@ -286,6 +343,7 @@ def write_weights(reader, out: Path) -> None:
     names = {t.name for t in reader.tensors}
     config = hf_config(reader, "output.weight" in names)
     arch = _field(reader, "general.architecture")
+    check_tensor_shapes(reader, config, arch)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     heads = heads if arch == "llama" else {}  # only convert_hf_to_gguf's LlamaModel permutes
     linears = [t for t in reader.tensors if _hf_name(t.name, arch)[1] in LINEARS]
