@@ -88,6 +88,8 @@ def fake_quantized_hf(float_dir: str | Path, quant_dir: str | Path) -> torch.nn.
             if tensor is not None and tensor.dtype.is_floating_point and tensor.shape == param.shape:
                 param.copy_(tensor)
         for name, linear in target_linears(model).items():
+            if checkpoint_name(name, architecture) in scheme.float_linears:
+                continue  # stored float (`--float-layers`), copied above
             weight, input_scale = read_module(stored.__getitem__, checkpoint_name(name, architecture), scheme)
             linear.weight.copy_(weight.dequantize())
             if not scheme.weight_only:

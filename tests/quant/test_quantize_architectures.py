@@ -102,3 +102,35 @@ def test_the_engine_runs_the_quantised_checkpoint_as_the_oracle_does(
     assert float((got - fp).abs().max()) > 0  # it really is quantised
     near = 0.3 if "static" in case else 0.15  # one activation scale per tensor costs most (docs/quant.md)
     assert float((got - fp).norm() / fp.norm()) < near
+
+
+@pytest.mark.parametrize(("variant", "kept"), [("qwen3", 1), ("gemma3", 1), ("qwen2_moe", 2)])
+def test_float_layers_stay_float_in_the_checkpoint_and_the_engine(
+    checkpoints, calib_text, tmp_path, variant, kept
+):
+    """`--float-layers N`: layer N's linears (an MoE layer's experts too) are stored float and named in
+    `ignore`; the engine builds them as float linears and matches the oracle. (transformers +
+    compressed-tensors 0.20 was seen to attach a quantisation scheme to the ignored modules too, so it
+    is not the oracle here.)"""
+    from tessel import LLM
+    from tessel.layers.linear import W8A8Linear
+
+    source = checkpoints(variant)
+    args = [*SCHEMES["w8a8-sq-auto-gptq-static"], "--float-layers", str(kept)]
+    out = _quantize(source, calib_text, tmp_path / "q", args)
+    stored = _stored(out)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    floats = [n.removesuffix(".weight") for n in _stored(source) if n.startswith(f"model.layers.{kept}.")]
+    floats = [n for n in floats if n.endswith("_proj") or n.endswith((".w1", ".w2", ".w3"))]
+    assert floats and all(stored[f"{n}.weight"].dtype == torch.float32 and n in ignore for n in floats)
+    quantised = [n for n in stored if n.startswith("model.layers.0.") and n.endswith("_proj.weight")]
+    assert quantised and all(stored[n].dtype == torch.int8 for n in quantised)
+    llm = LLM(out, max_model_len=64)
+    layers = llm.model.model.layers
+    assert not any(isinstance(m, W8A8Linear) for m in layers[kept].modules())
+    assert any(isinstance(m, W8A8Linear) for m in layers[0].modules())
+    ids = torch.randint(4, 300, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = fake_quantized_hf(source, out)(torch.tensor([ids])).logits[0]
+    got = engine_logits(out, ids)
+    assert float((got - expected).abs().max()) <= 3e-2 * float(expected.abs().max())

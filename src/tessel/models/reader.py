@@ -257,7 +257,9 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
         for norm in ("self_attn.q_norm", "self_attn.k_norm") if c.qk_norm else ():
             out[f"{prefix}{norm}.weight"] = TensorSpec((c.head_dim,), SAFETENSORS_FLOAT_DTYPES, "head_dim")
         for leaf, linear in _layer_linears(c, i).items():
-            out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme if linear.quantised else None)
+            name = f"{prefix}{leaf}"
+            quantised = linear.quantised and scheme is not None and name not in scheme.float_linears
+            out |= _linear_tensors(name, linear, scheme if quantised else None)
     return out
 
 

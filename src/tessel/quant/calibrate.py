@@ -63,6 +63,7 @@ class QuantizeOptions:
     awq: bool = False  # AWQ's activation-aware channel scaling before the weights are rounded
     asym: bool = False  # weight-only schemes: a zero point per scale
     weight_code_bits: int = 8  # w8a8: 7 keeps the int8 codes in [-63, 63] for AVX2 (fbgemm's int8 GEMM)
+    float_layers: tuple[int, ...] = ()  # decoder layers whose linears stay float (named in `ignore`)
 
     def __post_init__(self) -> None:
         self.make_scheme()  # validates scheme / act / group / symmetry
@@ -85,6 +86,8 @@ class QuantizeOptions:
             raise TesselError("--act-order applies to --method gptq")
         if self.static_groups and self.method != "gptq":
             raise TesselError("--static-groups applies to --method gptq")
+        if any(i < 0 for i in self.float_layers):
+            raise TesselError(f"--float-layers takes layer indices >= 0; got {list(self.float_layers)}")
         if self.calib_samples < 1 or self.seq_len < 2:
             raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
         if self.awq and self.smoothquant is not None:
@@ -119,6 +122,15 @@ class QuantizeResult:
     smoothed_groups: int = 0
     input_scales: dict[str, float] = field(default_factory=dict)
     smoothing_alphas: dict[str, float] = field(default_factory=dict)
+
+
+def parse_layer_list(text: str, option: str) -> tuple[int, ...]:
+    """ "0,17" -> (0, 17); "" -> (); anything else a user error naming `option`."""
+    try:
+        return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        message = f"{option} takes comma-separated layer indices such as 0,17; got {text!r}"
+        raise TesselError(message) from None
 
 
 def read_calibration_text(path: Path, option: str = "--calib") -> str:
@@ -253,6 +265,7 @@ def quantize_model(
         raise TesselError(
             f"{model_dir}: found no linear layers under model.layers; is it a Llama-family model?"
         )
+    linears, kept_float = _split_float_layers(linears, options.float_layers, len(model.model.layers))
     for name, module in linears.items():
         scheme.check_in_features(module.in_features, name)
     windows = None
@@ -272,7 +285,7 @@ def quantize_model(
         groups = input_groups(model)
         observers = _observe_inputs(
             model,
-            {lead: linears[lead] for lead in set(groups.values())},
+            {lead: linears[lead] for lead in set(groups.values()) if lead in linears},
             lambda: make_observer(options.observer, QuantRange()),
             windows,
             "activations",
@@ -284,11 +297,32 @@ def quantize_model(
     act_observer = options.observer if scheme.act_static else None
     report(progress, "write", 0, 1)
     write_quantized(
-        model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer, overwrite
+        model,
+        linears,
+        scheme,
+        weights,
+        input_scales,
+        config,
+        model_dir,
+        out_dir,
+        act_observer,
+        overwrite,
+        kept_float,
     )
     report(progress, "write", 1, 1)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _split_float_layers(
+    linears: dict[str, nn.Linear], float_layers: tuple[int, ...], num_layers: int
+) -> tuple[dict[str, nn.Linear], list[str]]:
+    """(the linears to round, the names of those `--float-layers` keeps float)."""
+    if any(i >= num_layers for i in float_layers):
+        raise TesselError(f"--float-layers {list(float_layers)}: the model has layers 0-{num_layers - 1}")
+    kept = {f"model.layers.{i}." for i in float_layers}
+    floats = [name for name in linears if name.startswith(tuple(kept))] if kept else []
+    return {n: m for n, m in linears.items() if n not in floats}, floats
 
 
 def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows, progress):
@@ -296,7 +330,8 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
         gptq = GPTQOptions(
             act_order=options.act_order, observer=options.weight_observer, static_groups=options.static_groups
         )
-        return gptq_model(model, windows, scheme, gptq, progress)
+        out = gptq_model(model, windows, scheme, gptq, progress, skip_layers=frozenset(options.float_layers))
+        return {name: weight for name, weight in out.items() if name in linears}
     weights = {}
     for done, (name, module) in enumerate(linears.items(), 1):
         weights[name] = quantize_weight(module.weight, scheme, weight_qparams(options.weight_observer))
@@ -336,6 +371,7 @@ def write_quantized(
     out_dir: Path,
     act_observer: str | None,
     overwrite: bool = False,
+    kept_float: list[str] | tuple[str, ...] = (),
 ) -> Path:
     """The checkpoint: quantised linears from `weights`, every other tensor of `model` as it is, under the
     checkpoint's names (`tessel.quant.layer_map.checkpoint_name`); routers float and named in `ignore`."""
@@ -357,6 +393,6 @@ def write_quantized(
         checkpoint_name(f"model.layers.{i}.{name}", architecture)
         for i, layer_map in enumerate(model_maps(model))
         for name in layer_map.float_linears
-    ]
+    ] + [checkpoint_name(name, architecture) for name in kept_float]
     config = dict(config, quantization_config=quantization_config(scheme, act_observer, floats))
     return write_checkpoint(out_dir, model_dir, config, tensors, overwrite=overwrite)

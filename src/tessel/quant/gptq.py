@@ -221,6 +221,7 @@ def gptq_model(
     scheme: Scheme,
     options: GPTQOptions = GPTQOptions(),
     progress: StepProgress | None = None,
+    skip_layers: frozenset[int] = frozenset(),
 ) -> dict[str, QuantizedWeight]:
     """GPTQ every decoder-layer linear, layer after layer: layer i's Hessians come from the outputs of
     layers 0..i-1 already quantised (their weights replaced in `model` by the rounded ones), as in
@@ -229,7 +230,8 @@ def gptq_model(
     layers = model.model.layers
     out: dict[str, QuantizedWeight] = {}
     for index, (layer, layer_map) in enumerate(zip(layers, model_maps(model), strict=True)):
-        for names, acc in _hessians(layer, layer_map.input_groups, inputs, kwargs[index]).items():
+        groups = [] if index in skip_layers else layer_map.input_groups  # kept float: just run
+        for names, acc in _hessians(layer, groups, inputs, kwargs[index]).items():
             if acc.rows == 0:  # an expert no calibration token was routed to: round to nearest
                 qparams = weight_qparams(options.observer)
                 for name in names:

@@ -23,6 +23,7 @@ the checkpoint directory.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ QUANTIZED_STATUS = "compressed"
 FORMAT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this follows (and tests against)
 IGNORED = ["lm_head"]
 FLOAT_ROUTER = re.compile(r"(model\.layers\.\d+\.)?(mlp|block_sparse_moe)\.(gate|shared_expert_gate)\$?")
+DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.[A-Za-z0-9_.]+")
 ACTORDERS_WITHOUT_G_IDX = (None, False, "weight", "static")  # compressed-tensors' ActivationOrdering
 
 
@@ -108,8 +110,18 @@ def _field(cond: bool, field: str, value: Any, wanted: str) -> None:
 
 
 def _ignorable(name: str) -> bool:
-    """lm_head, or an MoE router (the engine keeps both in float), by name or llm-compressor's regex."""
-    return name in ("lm_head", "re:.*lm_head") or bool(FLOAT_ROUTER.fullmatch(name.removeprefix("re:.*")))
+    """lm_head, an MoE router (the engine keeps both in float; by name or llm-compressor's regex), or a
+    decoder-layer linear by its full name (`tessel quantize --float-layers`)."""
+    return (
+        name in ("lm_head", "re:.*lm_head")
+        or bool(FLOAT_ROUTER.fullmatch(name.removeprefix("re:.*")))
+        or bool(DECODER_LINEAR.fullmatch(name))
+    )
+
+
+def _float_linears(ignore: list[str]) -> frozenset[str]:
+    """The decoder-layer linears `ignore` leaves float, routers aside (those are float anyway)."""
+    return frozenset(n for n in ignore if DECODER_LINEAR.fullmatch(n) and not FLOAT_ROUTER.fullmatch(n))
 
 
 def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
@@ -145,7 +157,8 @@ def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
     _field(isinstance(group, dict), f"config_groups.{name}", group, "an object")
     targets = group.get("targets")
     _field(targets == ["Linear"], f"config_groups.{name}.targets", targets, "['Linear']")
-    return _group_scheme(f"config_groups.{name}", group, fmt)
+    scheme = _group_scheme(f"config_groups.{name}", group, fmt)
+    return dataclasses.replace(scheme, float_linears=_float_linears(ignore))
 
 
 def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:

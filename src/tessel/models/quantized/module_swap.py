@@ -120,8 +120,14 @@ def load_linears(model: nn.Module, files: list[Path], scheme: Scheme, dtype: tor
     tensors = _Tensors(files)
 
     def build(index: int, parts: tuple[str, ...]) -> nn.Module:
+        prefixes = [f"model.layers.{index}.{part}" for part in parts]
+        kept = [p in scheme.float_linears for p in prefixes]
+        if any(kept):
+            if not all(kept):
+                raise TesselError(f"quantization_config.ignore keeps some of {prefixes} float, not all")
+            return _float(tensors, prefixes, dtype, device)
         weights, input_scales, biases = [], [], []
-        for prefix in (f"model.layers.{index}.{part}" for part in parts):
+        for prefix in prefixes:
             weight, input_scale = read_module(tensors.get, prefix, scheme)
             weights.append(weight)
             input_scales.append(input_scale)
@@ -135,6 +141,18 @@ def load_linears(model: nn.Module, files: list[Path], scheme: Scheme, dtype: tor
         experts = expert_targets(model.config, i)
         if experts:
             layer.mlp.experts.use_linears([(build(i, gate_up), build(i, down)) for gate_up, down in experts])
+
+
+def _float(tensors: _Tensors, prefixes: list[str], dtype: torch.dtype, device) -> nn.Module:
+    """A float linear of the checkpoint's float weights (linears `ignore` names), fused in order."""
+    weights = [tensors.get(f"{p}.weight").float() for p in prefixes]
+    biases = [tensors.maybe(f"{p}.bias") for p in prefixes]
+    bias = None
+    if any(b is not None for b in biases):
+        pairs = zip(biases, weights, strict=True)
+        bias = torch.cat([b.float() if b is not None else torch.zeros(w.shape[0]) for b, w in pairs])
+    weight = torch.cat(weights)
+    return dequantized_linear(weight.to(device), _to(bias, device), dtype)
 
 
 def _cat_bias(biases: list[torch.Tensor | None], weights: list[QuantizedWeight]) -> torch.Tensor | None:
