@@ -48,6 +48,8 @@ PPL_CONFIGS: dict[str, dict] = {
     "w8a8 rtn": {"scheme": "w8a8"},
     "w8a8 sq0.5": {"scheme": "w8a8", "smoothquant": 0.5},
     "w8a8 sq0.8": {"scheme": "w8a8", "smoothquant": 0.8},
+    "w8a8 sq0.9": {"scheme": "w8a8", "smoothquant": 0.9},
+    "w8a8 sq1.0": {"scheme": "w8a8", "smoothquant": 1.0},
     "w8a8 sq-auto": {"scheme": "w8a8", "smoothquant": "auto"},
     "w8a8 static minmax": {"scheme": "w8a8", "act": "static", "observer": "minmax"},
     "w8a8 static entropy": {"scheme": "w8a8", "act": "static", "observer": "entropy"},
