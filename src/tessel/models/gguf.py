@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -307,32 +308,24 @@ def _readable_type(tensor_type) -> bool:
     return tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or tensor_type in _type_traits
 
 
-def check_tensor_shapes(reader, config: dict[str, Any], arch: str) -> None:
-    """Every tensor's type and shape in the file's header against what tessel reads and what the file's
-    metadata implies (the model reader's `expected_tensors`), before any tensor is de-quantised: a
-    mismatch is a user error naming the tensor (and the metadata behind the expected shape)."""
-    from tessel.models.config import ModelConfig
-    from tessel.models.reader import expected_tensors
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """What a GGUF file's header says, read without any tensor data: the HF config its metadata
+    implies, each tensor's HF name -> (GGUF name, shape), and the tensors of types tessel cannot
+    de-quantise ((GGUF name, type name))."""
 
-    expected = expected_tensors(ModelConfig.from_dict(config, "the GGUF metadata"), None)
-    for tensor in reader.tensors:
-        if not _readable_type(tensor.tensor_type):
-            raise TesselError(
-                f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, not a weight type "
-                "tessel de-quantises (F32, F16, BF16 and the gguf package's block types)"
-            )
-    for hf, (name, shape) in _header_shapes(reader, config, arch).items():
-        spec = expected.get(hf)
-        if spec is None:
-            raise TesselError(
-                f"GGUF tensor {name!r} holds {hf!r}, which its metadata does not imply (expert_count, "
-                "block_count?); the file is damaged or not the model its metadata describes"
-            )
-        if shape != spec.shape:
-            raise TesselError(
-                f"GGUF tensor {name!r} has shape {list(shape)}, its metadata implies {list(spec.shape)} "
-                f"({spec.sizes}); the file is damaged or not the model its metadata describes"
-            )
+    config: dict[str, Any]
+    shapes: dict[str, tuple[str, tuple[int, ...]]]
+    unreadable: list[tuple[str, str]]
+
+
+def read_header(file: Path) -> GGUFHeader:
+    """The header of GGUF `file` (the model reader holds it against the metadata before converting)."""
+    reader = _reader(file)
+    config = hf_config(reader, "output.weight" in {t.name for t in reader.tensors})
+    arch = _field(reader, "general.architecture")
+    unreadable = [(t.name, t.tensor_type.name) for t in reader.tensors if not _readable_type(t.tensor_type)]
+    return GGUFHeader(config, _header_shapes(reader, config, arch), unreadable)
 
 
 def write_weights(reader, out: Path) -> None:
@@ -343,7 +336,6 @@ def write_weights(reader, out: Path) -> None:
     names = {t.name for t in reader.tensors}
     config = hf_config(reader, "output.weight" in names)
     arch = _field(reader, "general.architecture")
-    check_tensor_shapes(reader, config, arch)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     heads = heads if arch == "llama" else {}  # only convert_hf_to_gguf's LlamaModel permutes
     linears = [t for t in reader.tensors if _hf_name(t.name, arch)[1] in LINEARS]

@@ -113,7 +113,36 @@ def resolve_model_dir(path: str | Path, option: str = "--model") -> Path:
         raise TesselError(
             f"{option} {path} is not a directory or a .gguf file; give a local Hugging Face model directory"
         )
+    if is_gguf:
+        check_gguf_header(path)
     return resolve_model_path(path)
+
+
+def check_gguf_header(file: Path) -> None:
+    """Every tensor's type and shape in a GGUF file's header against what tessel reads and what the
+    file's metadata implies (`expected_tensors`), before any tensor is de-quantised: a mismatch is a
+    user error naming the tensor (and the metadata behind the expected shape)."""
+    from tessel.models.gguf import read_header
+
+    header = read_header(file)
+    for name, kind in header.unreadable:
+        raise TesselError(
+            f"GGUF tensor {name!r} is stored as {kind}, not a weight type tessel de-quantises "
+            "(F32, F16, BF16 and the gguf package's block types)"
+        )
+    expected = expected_tensors(ModelConfig.from_dict(header.config, "the GGUF metadata"), None)
+    for hf, (name, shape) in header.shapes.items():
+        spec = expected.get(hf)
+        if spec is None:
+            raise TesselError(
+                f"GGUF tensor {name!r} holds {hf!r}, which its metadata does not imply (expert_count, "
+                "block_count?); the file is damaged or not the model its metadata describes"
+            )
+        if shape != spec.shape:
+            raise TesselError(
+                f"GGUF tensor {name!r} has shape {list(shape)}, its metadata implies {list(spec.shape)} "
+                f"({spec.sizes}); the file is damaged or not the model its metadata describes"
+            )
 
 
 def read_scheme(directory: Path) -> Scheme | None:
