@@ -11,6 +11,7 @@ Throughput counts only the requested tokens. Tokens: each request's greedy token
 against HF's row for it (left padding changes HF's sums in the last bits, so a near-tie can part
 them; the count of equal requests is reported, not asserted).
 
+`--profile` runs each engine under torch.profiler (CPU) and lists its top operators by self time.
 Each engine runs in its own subprocess on the same torch threads (default 1: a shared machine's
 second thread is rarely free; see engine_throughput.py). Each run appends a record to
 benchmarks/results/moe_throughput.jsonl.
@@ -99,6 +100,26 @@ def run_hf(model_dir: str, requests: list[tuple[list[int], int]]) -> dict:
     return {"seconds": elapsed.wall_s, "cpu_seconds": elapsed.cpu_s, "tokens": tokens}
 
 
+PROFILE_TOP = 15  # operators listed per engine
+
+
+def top_ops(prof) -> dict:
+    """The operators with the most self CPU time: name, calls, self ms and share of the total."""
+    events = prof.key_averages()
+    total_us = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:PROFILE_TOP]
+    rows = [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self_ms": e.self_cpu_time_total / 1e3,
+            "share": e.self_cpu_time_total / total_us,
+        }
+        for e in top
+    ]
+    return {"total_self_ms": total_us / 1e3, "top": rows}
+
+
 def phase_main(args: argparse.Namespace) -> None:
     import resource
 
@@ -106,7 +127,12 @@ def phase_main(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     runner = run_tessel if args.phase == "tessel" else run_hf
-    result = runner(args.model, workload())
+    if not args.profile:
+        result = runner(args.model, workload())
+    else:  # where the time goes (the profiler's overhead inflates the run: shares, not seconds)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = runner(args.model, workload())
+        result["profile"] = top_ops(prof)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -117,8 +143,9 @@ def build_model(root: Path, arch: str) -> Path:
     return tiny_models.make_tiny_checkpoint(root / arch, arch, num_kv_heads=NUM_KV_HEADS, **shape)
 
 
-def run_phase(phase: str, model: Path, threads: int) -> dict:
+def run_phase(phase: str, model: Path, threads: int, profile: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--phase", phase, "--model", str(model), "--threads", str(threads)]
+    cmd += ["--profile"] if profile else []
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -127,8 +154,8 @@ def run_phase(phase: str, model: Path, threads: int) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def compare(arch: str, model: Path, threads: int) -> dict:
-    tessel, hf = run_phase("tessel", model, threads), run_phase("hf", model, threads)
+def compare(arch: str, model: Path, threads: int, profile: bool = False) -> dict:
+    tessel, hf = run_phase("tessel", model, threads, profile), run_phase("hf", model, threads, profile)
     output_tokens = sum(n for _, n in workload())
     equal = sum(a == b for a, b in zip(tessel.pop("tokens"), hf.pop("tokens"), strict=True))
     for result in (tessel, hf):
@@ -149,6 +176,7 @@ def main() -> None:
     parser.add_argument("--arch", action="append", choices=sorted(ARCH_SHAPES), help="default: both")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both engines (default 1)")
     _harness.add_record_options(parser, "moe_throughput")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler: each engine's top operators")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,7 +189,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = [
-            compare(arch, build_model(Path(tmp), arch), args.threads) for arch in args.arch or ARCH_SHAPES
+            compare(arch, build_model(Path(tmp), arch), args.threads, args.profile)
+            for arch in args.arch or ARCH_SHAPES
         ]
     table = Table(
         title=f"MoE engine throughput ({WORKLOAD['num_requests']} requests, {args.threads} threads)"
@@ -179,6 +208,12 @@ def main() -> None:
                 f"{row['equal_requests']}/{n}" if mine else "",
             )  # fmt: skip
     Console().print(table)
+    for row in rows if args.profile else ():
+        for key in ("tessel", "hf"):
+            prof = row[key]["profile"]
+            print(f"\n{row['arch']} {key}: {prof['total_self_ms']:.0f} ms self CPU under the profiler")
+            for op in prof["top"]:
+                print(f"  {op['share']:6.1%} {op['self_ms']:9.1f} ms {op['calls']:7d}x  {op['op']}")
     report = {
         "benchmark": "moe_throughput",
         "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in WORKLOAD.items()},

@@ -48,6 +48,8 @@ PPL_CONFIGS: dict[str, dict] = {
     "w8a8 rtn": {"scheme": "w8a8"},
     "w8a8 sq0.5": {"scheme": "w8a8", "smoothquant": 0.5},
     "w8a8 sq0.8": {"scheme": "w8a8", "smoothquant": 0.8},
+    "w8a8 sq0.9": {"scheme": "w8a8", "smoothquant": 0.9},
+    "w8a8 sq1.0": {"scheme": "w8a8", "smoothquant": 1.0},
     "w8a8 sq-auto": {"scheme": "w8a8", "smoothquant": "auto"},
     "w8a8 static minmax": {"scheme": "w8a8", "act": "static", "observer": "minmax"},
     "w8a8 static entropy": {"scheme": "w8a8", "act": "static", "observer": "entropy"},
@@ -186,6 +188,16 @@ SPEED_CONFIGS: dict[str, tuple[str, dict[str, str] | None, str, bool]] = {
 TARGETS_PCT = {"w8a8": 1.5, "w8a16": 0.5, "w4a16": 8.0}
 
 
+def config_options(name: str) -> dict:
+    """QuantizeOptions fields of configuration `name`: a PPL_CONFIGS name, optionally followed by
+    "float" and the decoder layers kept float (`--float-layers`), as in "w8a8 sq-auto float 0 17"."""
+    base, _, layers = name.partition(" float ")
+    options = dict(PPL_CONFIGS[base])
+    if layers:
+        options["float_layers"] = tuple(int(i) for i in layers.split())
+    return options
+
+
 def _model_dir(arg: str | None) -> Path:
     return _harness.example_model(arg)
 
@@ -194,7 +206,7 @@ def _quantize(model: Path, name: str, workdir: Path, calib_samples: int, seq_len
     from tessel.quant.calibrate import QuantizeOptions, quantize_model
     from tessel.quant.qat import QATOptions, train_qat
 
-    options = dict(PPL_CONFIGS[name])
+    options = config_options(name)
     out = workdir / name.replace(" ", "_")
     if options.pop("qat", False):  # trains on the calibration text, never on the evaluation text
         if not (out / "config.json").exists():
@@ -226,19 +238,27 @@ def _llm(path: Path, max_model_len: int, lm_head: str = "float", enforce_eager: 
     )
 
 
-def perplexity(path: Path, seq_len: int, eval_tokens: int | None, lm_head: str = "float") -> dict:
+def perplexity(
+    path: Path, seq_len: int, eval_tokens: int | None, lm_head: str = "float", window_bos: bool = False
+) -> dict:
+    """exp(mean NLL) over non-overlapping windows of the evaluation text; `window_bos`: each window
+    starts with the BOS token (then seq_len - 1 text tokens; Gemma is run so), not scored."""
     from tessel.engine.sampling_params import SamplingParams
     from tessel.engine.scheduler import SchedulerOutput
     from tessel.engine.sequence import Sequence
 
     llm = _llm(path, seq_len, lm_head)
     ids = llm.tokenizer(EVAL.read_text(encoding="utf-8"))["input_ids"]
+    bos = [llm.tokenizer.bos_token_id] if window_bos else []
+    if bos and ids[:1] == bos:
+        ids = ids[1:]
     if eval_tokens:
         ids = ids[:eval_tokens]
     nll, count = 0.0, 0
+    step = seq_len - len(bos)
     with _harness.stopwatch() as elapsed:
-        for i, first in enumerate(range(0, len(ids) - 1, seq_len)):
-            window = ids[first : first + seq_len]
+        for i, first in enumerate(range(0, len(ids) - 1, step)):
+            window = bos + ids[first : first + step]
             if len(window) < 2:
                 break
             seq = Sequence(f"ppl-{i}", window, SamplingParams(temperature=0), llm.config.block_size)
@@ -400,6 +420,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="evaluation and calibration window")
     parser.add_argument("--eval-tokens", type=int, default=None, help="evaluate only the first N tokens")
     parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--window-bos", action="store_true", help="each evaluation window starts with BOS")
     parser.add_argument("--new-tokens", type=int, default=128, help="single-stream decode tokens")
     parser.add_argument("--batch-new-tokens", type=int, default=64, help="per request, 32 concurrent")
     parser.add_argument("--concurrent", type=int, default=32)
@@ -426,12 +447,12 @@ def main() -> None:
         return model if name == "fp32" else _quantize(model, name, workdir, args.calib_samples, args.seq_len)
 
     if "ppl" in only:
-        rows = {"fp32": perplexity(model, args.seq_len, args.eval_tokens)}
+        rows = {"fp32": perplexity(model, args.seq_len, args.eval_tokens, window_bos=args.window_bos)}
         print(f"  fp32 ppl {rows['fp32']['ppl']:.3f} over {rows['fp32']['tokens']} tokens", flush=True)
         for name in configs:
             base, int8_head = name.removesuffix(INT8_HEAD), name.endswith(INT8_HEAD)
             lm_head = "int8" if int8_head else "float"
-            rows[name] = perplexity(path_of(base), args.seq_len, args.eval_tokens, lm_head)
+            rows[name] = perplexity(path_of(base), args.seq_len, args.eval_tokens, lm_head, args.window_bos)
             rows[name]["delta_pct"] = 100 * (rows[name]["ppl"] / rows["fp32"]["ppl"] - 1)
             print(f"  {name}: ppl {rows[name]['ppl']:.3f} ({rows[name]['delta_pct']:+.2f}%)", flush=True)
         result["perplexity"] = rows

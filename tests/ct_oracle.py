@@ -60,3 +60,39 @@ def engine_logits(path: str | Path, ids: list[int]) -> torch.Tensor:
     seq = Sequence("x", ids, SamplingParams(temperature=0), block_size=8)
     llm.block_manager.allocate(seq, 0)
     return llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(ids))]))
+
+
+def fake_quantized_hf(float_dir: str | Path, quant_dir: str | Path) -> torch.nn.Module:
+    """The float transformers model of `float_dir` computing what the checkpoint in `quant_dir` says:
+    its float tensors (smoothed norms, routers), each quantised linear's de-quantised weight and, for
+    int8 activations, its input fake-quantised (per token, or by its static scale). For what
+    transformers cannot load as compressed-tensors (its stacked MoE experts): experts are unstacked
+    first (`tessel.quant.experts`), names mapped by `tessel.quant.layer_map.checkpoint_name`."""
+    from transformers import AutoModelForCausalLM
+
+    from tessel.models.quantized.compressed_tensors import parse_quantization_config, read_module
+    from tessel.quant.calibrate import target_linears
+    from tessel.quant.experts import unstack_experts
+    from tessel.quant.layer_map import checkpoint_name
+
+    model = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32).eval()
+    unstack_experts(model)
+    quant_dir = Path(quant_dir)
+    scheme = parse_quantization_config(json.loads((quant_dir / "config.json").read_text()))
+    with safe_open(str(quant_dir / "model.safetensors"), "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    architecture = type(model).__name__
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = stored.get(checkpoint_name(name, architecture))
+            if tensor is not None and tensor.dtype.is_floating_point and tensor.shape == param.shape:
+                param.copy_(tensor)
+        for name, linear in target_linears(model).items():
+            if checkpoint_name(name, architecture) in scheme.float_linears:
+                continue  # stored float (`--float-layers`), copied above
+            weight, input_scale = read_module(stored.__getitem__, checkpoint_name(name, architecture), scheme)
+            linear.weight.copy_(weight.dequantize())
+            if not scheme.weight_only:
+                s = input_scale.float() if scheme.act_static else None
+                linear.register_forward_pre_hook(lambda _m, args, s=s: (fake_quant(args[0], s),))
+    return model

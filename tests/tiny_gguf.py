@@ -80,10 +80,13 @@ def _gguf_name(name: str, arch: str = "llama") -> str:
     return f"blk.{index}.{names[rest]}.{suffix}"
 
 
-def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
+def write_tiny_gguf(
+    checkpoint: Path, path: Path, q8_0: bool = False, retype: dict[str, str] | None = None
+) -> Path:
     """`checkpoint` (a float32 Llama, Qwen2, Qwen3 or Gemma 3 from tiny_models) as the GGUF file `path`,
     as convert_hf_to_gguf writes it (Llama's q/k rows permuted, Gemma's norms as 1 + w); with `q8_0`,
-    the decoder-layer linears are stored as Q8_0 blocks (llama.cpp's reference rounding, `gguf.quants`)."""
+    the decoder-layer linears are stored as Q8_0 blocks (llama.cpp's reference rounding, `gguf.quants`);
+    `retype` stores the named GGUF tensors as another numpy dtype (float64 -> F64, int32 -> I32)."""
     import gguf
     from gguf.quants import quantize
 
@@ -150,7 +153,8 @@ def write_tiny_gguf(checkpoint: Path, path: Path, q8_0: bool = False) -> Path:
                 raw_dtype=gguf.GGMLQuantizationType.Q8_0,
             )
         else:
-            writer.add_tensor(_gguf_name(name, arch), value)
+            gguf_name = _gguf_name(name, arch)
+            writer.add_tensor(gguf_name, value.astype((retype or {}).get(gguf_name, np.float32)))
     for (layer, proj), by_expert in stacks.items():
         stacked = np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)]), dtype=np.float32)
         writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)

@@ -14,14 +14,14 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessel.engine.block_manager import BlockManager
+from tessel.engine.block_manager import FREED, BlockManager
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import Scheduler, SchedulerConfig
 from tessel.engine.sequence import Sequence, SequenceStatus
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
-    held = Counter(b for seq in live for b in seq.block_table)
+    held = Counter(b for seq in live for b in seq.block_table if b != FREED)
     assert len(bm.free_blocks) == len(set(bm.free_blocks))
     for block in bm.blocks:
         assert block.ref_count == held[block.block_id], f"block {block.block_id}"
@@ -29,9 +29,18 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     for key, block_id in bm.cached.items():
         assert bm.blocks[block_id].key == key
     for seq in live:
-        assert len(set(seq.block_table)) == len(seq.block_table)
+        table = [b for b in seq.block_table if b != FREED]
+        assert len(set(table)) == len(table)
+        assert seq.block_table[: len(seq.block_table) - len(table)] == [FREED] * (
+            len(seq.block_table) - len(table)
+        )
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        if bm.window_tokens is not None:  # every block a later query reads is still held
+            first_read = max(0, seq.num_computed_tokens - bm.window_tokens + 1)
+            assert FREED not in seq.block_table[first_read // bm.block_size :]
         for i, block_id in enumerate(seq.block_table[: seq.num_computed_tokens // bm.block_size]):
+            if block_id == FREED:
+                continue
             key = bm.blocks[block_id].key
             assert key is None or key == seq.block_key(i), "a sequence shares a block with other tokens"
 
@@ -45,9 +54,10 @@ def run_stream(
     max_num_seqs: int,
     prefix_caching: bool,
     abort_rate: float,
+    window_tokens: int | None = None,
 ) -> tuple[BlockManager, Scheduler]:
     rng = random.Random(seed)
-    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    bm = BlockManager(num_blocks, block_size, prefix_caching, window_tokens)
     sched = Scheduler(SchedulerConfig(max_num_seqs, budget, enable_chunked_prefill=True), bm)
     max_len = num_blocks * block_size
     todo = []
@@ -77,6 +87,7 @@ def run_stream(
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             bm.register_computed_blocks(seq)
+            bm.free_behind_window(seq)
             if seq.num_computed_tokens == len(seq):
                 seq.append_token(rng.randrange(3))
                 if seq.num_output_tokens >= seq.max_tokens:
@@ -108,6 +119,48 @@ def test_no_block_leaks_or_double_frees_over_random_streams(
     )
     assert bm.num_free_blocks == bm.num_total_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    num_requests=st.integers(1, 12),
+    num_blocks=st.integers(2, 24),
+    block_size=st.sampled_from([1, 2, 3, 4, 16]),
+    budget=st.integers(1, 40),
+    prefix_caching=st.booleans(),
+    window_tokens=st.sampled_from([1, 2, 5, 8, 33]),
+)
+def test_blocks_behind_a_sliding_window_go_back_without_leaks(
+    seed, num_requests, num_blocks, block_size, budget, prefix_caching, window_tokens
+) -> None:
+    """With every layer windowed, blocks behind the next query's window return to the pool as the
+    sequences proceed; the invariants above hold (the freed entries a prefix of each table, every
+    block a later query reads still held, cached keys intact) and nothing leaks."""
+    bm, _ = run_stream(
+        seed, num_requests, num_blocks, block_size, budget, 4, prefix_caching, 0.05, window_tokens
+    )
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_free_behind_window_keeps_the_blocks_the_next_query_reads() -> None:
+    """W = 6, blocks of 4: after c computed tokens the next query (position c) reads keys c - 5 .. c,
+    so block i goes once 4 (i + 1) <= c - 5."""
+    bm = BlockManager(10, 4, enable_prefix_caching=True, window_tokens=6)
+    seq = Sequence("a", list(range(30)), SamplingParams(), 4)
+    bm.allocate(seq, 0)
+    freed = []
+    for c in range(1, 31):
+        seq.num_computed_tokens = c
+        bm.register_computed_blocks(seq)
+        freed.append(bm.free_behind_window(seq))
+        assert seq.block_table.count(FREED) == max(0, c - 5) // 4
+    assert sum(freed) == 6 and bm.num_free_blocks == 10 - 8 + 6
+    bm.free(seq)
+    assert bm.num_free_blocks == 10 and all(b.ref_count == 0 for b in bm.blocks)
+    again = Sequence("b", list(range(30)), SamplingParams(), 4)  # the freed blocks keep their keys
+    assert bm.num_prefix_hits(again) == 7
 
 
 def test_a_tight_pool_preempts_and_still_finishes() -> None:

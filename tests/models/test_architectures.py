@@ -120,12 +120,13 @@ def test_the_cli_refuses_an_unknown_architecture_with_exit_2_listing_the_runnabl
     assert "FooForCausalLM" in message and "Gemma3ForCausalLM" in message and "--runnable" in message
 
 
-def test_the_quantiser_refuses_what_it_cannot_map(checkpoints, tmp_path) -> None:
-    from tessel.errors import TesselError
+def test_the_quantiser_maps_every_runnable_architecture(checkpoints) -> None:
+    from tessel.catalog.hf_arch import RUNNABLE_ARCHITECTURES
+    from tessel.models.reader import QUANTISED_ARCHITECTURES
     from tessel.quant.calibrate import read_model_config
 
-    with pytest.raises(TesselError, match="quantising a MixtralForCausalLM is not supported yet"):
-        read_model_config(checkpoints("mixtral"))
+    assert set(QUANTISED_ARCHITECTURES) == set(RUNNABLE_ARCHITECTURES)
+    assert read_model_config(checkpoints("mixtral"))["architectures"] == ["MixtralForCausalLM"]
 
 
 @pytest.mark.parametrize("q8_0", [False, True])
@@ -173,3 +174,64 @@ def test_list_models_runnable_names_every_architecture_the_engine_runs() -> None
 
     result = CliRunner().invoke(app, ["list", "models", "--runnable"])
     assert result.exit_code == 0 and result.output.split() == list(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    ("variant", "changes", "message"),
+    [
+        (
+            "qwen3",
+            {"intermediate_size": 136},
+            r"'blk\.0\.ffn_(gate|up|down)\.weight' has shape .*intermediate_size",
+        ),
+        (
+            "qwen2",
+            {"num_key_value_heads": 4},
+            r"'blk\.0\.attn_k\.(weight|bias)' has shape .*num_key_value_heads",
+        ),
+        (
+            "mixtral",
+            {"num_local_experts": 3},
+            r"'blk\.0\.ffn_gate_inp\.weight' has shape \[4, 64\].*\[3, 64\] \(num_experts",
+        ),
+        ("gemma3", {"head_dim": 16}, r"'blk\.0\.attn_\w+\.weight' has shape .*head_dim"),
+    ],
+)
+def test_a_gguf_whose_tensors_disagree_with_its_metadata_is_refused_before_reading_them(
+    checkpoints, tmp_path, monkeypatch, variant, changes, message, retype=None
+):
+    """The metadata is written from an edited config.json, the tensors from the unedited weights: the
+    tensors' shapes in the file's header are held against what the metadata implies before any
+    tensor is de-quantised (the de-quantiser is made to fail, so a refusal after it would show)."""
+    import json
+    import shutil
+
+    from tessel.errors import TesselError
+    from tessel.models import gguf
+    from tessel.models.reader import read_model
+    from tiny_gguf import write_tiny_gguf
+
+    source = tmp_path / "source"
+    shutil.copytree(checkpoints(variant), source)
+    config = json.loads((source / "config.json").read_text()) | changes
+    (source / "config.json").write_text(json.dumps(config))
+    file = write_tiny_gguf(source, tmp_path / f"{variant}.gguf", retype=retype)
+    monkeypatch.setenv("TESSEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "_dequantized", lambda tensor: pytest.fail("a tensor was read"))
+    with pytest.raises(TesselError, match=message):
+        read_model(file)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float64"])
+def test_a_gguf_tensor_of_a_type_tessel_cannot_read_is_refused_before_reading_it(
+    checkpoints, tmp_path, monkeypatch, dtype
+):
+    test_a_gguf_whose_tensors_disagree_with_its_metadata_is_refused_before_reading_them(
+        checkpoints,
+        tmp_path,
+        monkeypatch,
+        "qwen3",
+        {},
+        rf"GGUF tensor 'blk\.1\.attn_q\.weight' is stored as {'I32' if dtype == 'int32' else 'F64'}",
+        retype={"blk.1.attn_q.weight": dtype},
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import tiny_models
-from engine_fixtures import _one_thread  # noqa: F401
+from engine_fixtures import _one_thread, checkpoints  # noqa: F401
 
 
 @pytest.fixture(scope="session")

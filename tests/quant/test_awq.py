@@ -16,7 +16,7 @@ from torch import nn
 
 from tessel.models.quantized.schemes import make_scheme, quantize_weight
 from tessel.quant.awq import AWQ_ALPHA_GRID, awq_group, awq_scales, best_awq_alpha
-from tessel.quant.smoothquant import InputRecorder, SmoothGroup, llama_smooth_groups
+from tessel.quant.smoothquant import InputRecorder, SmoothGroup, smooth_groups
 
 
 def _salient_rows(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_folding_keeps_the_model_function(tiny_llama):
         before = model(ids).logits
     scheme = make_scheme("w4a16", group_size=16)
     recorders: dict[str, InputRecorder] = {}
-    groups = llama_smooth_groups(model)
+    groups = smooth_groups(model)
     handles = []
     for g in groups:
         recorders[g.name] = InputRecorder()

@@ -130,7 +130,7 @@ def test_group_weights_match_per_channel_observer_per_group() -> None:
 BAD_CONFIGS = {
     "quant_method": {"quant_method": "gptq"},
     "format": {"format": "marlin-24"},
-    "ignore": {"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
+    "ignore": {"ignore": ["lm_head", "re:.*down_proj"]},  # one layer by full name is accepted: --float-layers
     "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8}},
     "config_groups": {"config_groups": {}},
     "sparsity_config": {"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},

@@ -11,8 +11,8 @@ from tessel.quant.smoothquant import (
     SMOOTHQUANT_ALPHA_GRID,
     InputRecorder,
     best_alpha,
-    llama_smooth_groups,
     smooth_group,
+    smooth_groups,
     smoothing_scales,
 )
 
@@ -26,7 +26,7 @@ def test_smoothed_model_computes_the_same_logits(tiny_llama, alpha: float) -> No
     reference, smoothed = _hf(tiny_llama), _hf(tiny_llama)
     ids = torch.randint(4, reference.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(7))
     g = torch.Generator().manual_seed(1)
-    for group in llama_smooth_groups(smoothed):
+    for group in smooth_groups(smoothed):
         # outlier-heavy activation maxima, as SmoothQuant meets them in real LLMs
         act_amax = torch.rand(group.linears[0].in_features, generator=g) * 2 + 0.01
         act_amax[torch.randint(0, act_amax.numel(), (3,), generator=g)] *= 50
@@ -58,7 +58,7 @@ def test_scales_follow_the_formula() -> None:
 
 def test_smoothing_flattens_the_activation_outliers(tiny_llama) -> None:
     model = _hf(tiny_llama)
-    group = llama_smooth_groups(model)[0]
+    group = smooth_groups(model)[0]
     act_amax = torch.ones(group.linears[0].in_features)
     act_amax[5] = 100.0
     scales = smooth_group(group, act_amax, 0.5)
@@ -68,7 +68,7 @@ def test_smoothing_flattens_the_activation_outliers(tiny_llama) -> None:
 
 def test_auto_alpha_is_the_grid_point_of_least_w8a8_output_error(tiny_llama) -> None:
     model = _hf(tiny_llama)
-    group = llama_smooth_groups(model)[2]  # up_proj -> down_proj
+    group = smooth_groups(model)[2]  # up_proj -> down_proj
     recorder = InputRecorder()
     g = torch.Generator().manual_seed(3)
     for _ in range(3):

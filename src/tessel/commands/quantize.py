@@ -54,6 +54,11 @@ def quantize(
     asym: bool = typer.Option(
         False, help="w8a16 / w4a16: asymmetric weights, a zero point per scale (llm-compressor's W4A16_ASYM)."
     ),
+    float_layers: str = typer.Option(
+        "",
+        help="Decoder layers whose linears stay float, e.g. 0,17 (named in the checkpoint's ignore list): "
+        "the layers `--sensitivity` finds costliest.",
+    ),
     weight_code_bits: int = typer.Option(
         8,
         help="w8a8: 7 keeps the int8 weight codes in [-63, 63] (still an int8 checkpoint), so AVX2 CPUs "
@@ -79,7 +84,7 @@ def quantize(
     from rich.console import Console
 
     from tessel.commands.progress import step_progress
-    from tessel.quant.calibrate import QuantizeOptions, quantize_model
+    from tessel.quant.calibrate import QuantizeOptions, parse_layer_list, quantize_model
 
     options = QuantizeOptions(
         scheme,
@@ -97,6 +102,7 @@ def quantize(
         awq=awq,
         asym=asym,
         weight_code_bits=weight_code_bits,
+        float_layers=parse_layer_list(float_layers, "--float-layers"),
     )
     with step_progress() as progress:
         result = quantize_model(model, out, options, progress, overwrite=overwrite)

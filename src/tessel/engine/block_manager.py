@@ -4,6 +4,12 @@ A full block whose k/v have been computed is registered under its key (hash of t
 block's key, its token ids), so a later sequence with the same prefix shares it (ref count + 1)
 instead of recomputing it. A block whose ref count drops to 0 returns to the free list but keeps
 its key: it can be revived until it is handed out again (least recently freed first).
+
+With `window_tokens` W (a model whose every layer has a sliding window, `ModelConfig.kv_window`), a
+sequence's blocks wholly before the window of its next query go back to the pool as it proceeds
+(`free_behind_window`): a query at position p reads keys in (p - W, p] only. Their block-table
+entries become `FREED`, so entry i still covers tokens [i * block_size, (i + 1) * block_size). A
+freed block keeps its prefix-cache key like any freed block: its KV is still that prefix's.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 from tessel.engine.sequence import Sequence
 
 BlockKey = tuple[int | None, tuple[int, ...]]
+FREED = -1  # a block-table entry whose block went back to the pool (behind every layer's window)
 
 
 @dataclass(slots=True)
@@ -24,11 +31,18 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window_tokens: int | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window_tokens = window_tokens
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockKey, int] = {}
@@ -105,9 +119,27 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s blocks. Tail blocks go first into the free list, so they are evicted first."""
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def free_behind_window(self, seq: Sequence) -> int:
+        """Return `seq`'s blocks that no later query reads (every key at or before position
+        num_computed_tokens - window_tokens) to the pool; -> how many now. Call after
+        `register_computed_blocks`."""
+        if self.window_tokens is None:
+            return 0
+        first_read = seq.num_computed_tokens - self.window_tokens + 1  # the next query's first key
+        behind = min(max(first_read, 0) // self.block_size, len(seq.block_table))
+        freed = 0
+        for i in range(behind - 1, -1, -1):  # the freed entries are a prefix of the table
+            if seq.block_table[i] == FREED:
+                break
+            self._release(seq.block_table[i])
+            seq.block_table[i] = FREED
+            freed += 1
+        return freed
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Put `seq`'s full blocks whose k/v are now computed into the prefix cache."""
@@ -191,3 +223,6 @@ class PathBlockManagers:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         return None
+
+    def free_behind_window(self, seq: Sequence) -> int:
+        return 0

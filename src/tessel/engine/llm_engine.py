@@ -163,7 +163,10 @@ class LLMEngine:
         config = self.config
         if layout.block_ranges is None:
             self.block_manager = BlockManager(
-                layout.num_blocks, config.block_size, config.enable_prefix_caching
+                layout.num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                self.model_config.kv_window,
             )
         else:
             self.block_manager = PathBlockManagers(layout.block_ranges, config.block_size)
@@ -515,11 +518,12 @@ class LLMEngine:
         failed_seqs = {id(seq) for seq, _ in failed}
         for seq, error in failed:
             outputs.append(self._fail(seq, error))
-        register = self.block_manager.register_computed_blocks
+        bm = self.block_manager
         for seq, n in batch.scheduled():
             if id(seq) not in failed_seqs:
                 seq.num_computed_tokens += n
-                register(seq)
+                bm.register_computed_blocks(seq)
+                bm.free_behind_window(seq)
         for seq, first, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()

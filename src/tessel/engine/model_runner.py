@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tessel.engine.block_manager import FREED
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
@@ -199,7 +200,8 @@ class ModelRunner:
     def _decode_group(self, seqs: list[Sequence], context_lens: list[int]) -> DecodeGroup:
         """All decode rows in one paged-attention call: block tables padded with block 0."""
         width = max(-(-n // self.block_size) for n in context_lens)
-        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        tables = [_readable(seq.block_table[:width]) for seq in seqs]
+        tables = [table + [0] * (width - len(table)) for table in tables]
         group = DecodeGroup(
             0,
             len(seqs),
@@ -237,7 +239,7 @@ class ModelRunner:
             slots.extend(self._slots(seq, start, end))
             table = None
             if start > 0:
-                table = self._tensor(seq.block_table[: -(-end // self.block_size)], torch.int64)
+                table = self._tensor(_readable(seq.block_table[: -(-end // self.block_size)]), torch.int64)
             meta.prefills.append(PrefillChunk(offset, n, end, table))
             if end == len(seq):
                 sample_rows.append(offset + n - 1)
@@ -331,3 +333,9 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         return self.model(step)
+
+
+def _readable(table: list[int]) -> list[int]:
+    """A block table with its `FREED` entries (behind every layer's window: never read, the windowed
+    attention masks them) pointing at block 0, so every entry indexes the cache."""
+    return [block if block != FREED else 0 for block in table]

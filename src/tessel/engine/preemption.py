@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessel.engine.block_manager import BlockManager
+from tessel.engine.block_manager import FREED, BlockManager
 from tessel.engine.host_kv_pool import HostKvPool
 from tessel.engine.sequence import Sequence
 from tessel.errors import TesselError
@@ -179,7 +179,8 @@ class Preemptor:
     def preempt(self, seq: Sequence) -> str:
         """Free `seq`'s device blocks, its computed ones copied to the host first when swapping;
         -> the mode it got ("swap" or "recompute": `num_computed_tokens` is then 0)."""
-        if self.choose(seq) == "swap" and self._swap_out(seq):
+        # a windowed sequence whose early blocks were freed (`free_behind_window`) is recomputed
+        if self.choose(seq) == "swap" and FREED not in seq.block_table and self._swap_out(seq):
             self.stats.swaps += 1
             self.block_manager.free(seq)
             return "swap"

@@ -7,7 +7,8 @@ experts that got rows, never over tokens), and the weighted rows are summed back
 with one `index_add_` in expert order, as transformers sums them. On the CPU `pack()` (called by
 `tessel.layers.linear.pack_linears` with the model's linears) moves each expert's two weights into
 oneDNN's layout, as the dense linears are: about twice as fast for the few rows an expert gets in a
-decode step.
+decode step. A quantised checkpoint's experts run as one quantised module pair per expert
+(`use_linears`, built by `tessel.models.quantized.module_swap`) on the same grouped path.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ class ExpertMLPs(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = gated_activation(act)
         self.packed: list[tuple[PackedWeight, PackedWeight]] | None = None
+        self.linears: nn.ModuleList | None = None  # quantised experts: (gate_up, down) modules per expert
+
+    def drop_weights(self) -> None:
+        """Forget the stacked weights (before allocation): a quantised checkpoint's experts come as
+        modules (`use_linears`)."""
+        self.gate_up_proj = None
+        self.down_proj = None
+
+    def use_linears(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
+        """Run expert e as `down(act(gate_up(rows)))` with the given modules (a quantised checkpoint's)."""
+        self.linears = nn.ModuleList(nn.ModuleList(pair) for pair in experts)
 
     def pack(self) -> None:
         """Each expert's gate/up and down weights in oneDNN's layout (float32 on the CPU); the stacked
@@ -57,6 +69,9 @@ class ExpertMLPs(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.linears is not None:
+            gate_up, down = self.linears[expert]
+            return down(self.act(gate_up(rows)))
         if self.packed is not None:
             gate_up, down = self.packed[expert]
             return down(self.act(gate_up(rows)))

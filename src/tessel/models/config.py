@@ -95,6 +95,13 @@ class ModelConfig:
             return None
         return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window of a model whose every layer has one (the largest), or None: a query at position
+        p never reads keys at or before p - kv_window, so their KV blocks can go (`BlockManager`)."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return None if not windows or None in windows else max(windows)
+
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,55 @@ def convert_to_checkpoint(file: Path, out: Path) -> None:
     Llama) and tokenizer."""
     write_weights(_reader(file), out)
     _save_tokenizer(file, out)
+
+
+def _header_shapes(reader, config: dict[str, Any], arch: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (GGUF name, shape) of every tensor as the file's header declares it (a stacked expert
+    tensor as each expert's), with the renames `write_weights` makes; no tensor data is read."""
+    mixtral = config["model_type"] == "mixtral"
+    out = {}
+    for tensor in reader.tensors:
+        hf, kind = _hf_name(tensor.name, arch)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+        if kind in EXPERT_STACKS:
+            proj = EXPERT_STACKS[kind]
+            prefix = hf.replace(".mlp.", ".block_sparse_moe.") if mixtral else hf
+            proj = MIXTRAL_PROJ[proj] if mixtral else proj
+            out |= {f"{prefix}.{e}.{proj}.weight": (tensor.name, shape[1:]) for e in range(shape[0])}
+            continue
+        if kind == "ffn_gate_inp_shexp":
+            shape = (1, *shape)
+        if mixtral and kind == "ffn_gate_inp":
+            hf = hf.replace(".mlp.", ".block_sparse_moe.")
+        out[hf] = (tensor.name, shape)
+    return out
+
+
+def _readable_type(tensor_type) -> bool:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits  # the block types gguf's `dequantize` implements
+
+    return tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or tensor_type in _type_traits
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """What a GGUF file's header says, read without any tensor data: the HF config its metadata
+    implies, each tensor's HF name -> (GGUF name, shape), and the tensors of types tessel cannot
+    de-quantise ((GGUF name, type name))."""
+
+    config: dict[str, Any]
+    shapes: dict[str, tuple[str, tuple[int, ...]]]
+    unreadable: list[tuple[str, str]]
+
+
+def read_header(file: Path) -> GGUFHeader:
+    """The header of GGUF `file` (the model reader holds it against the metadata before converting)."""
+    reader = _reader(file)
+    config = hf_config(reader, "output.weight" in {t.name for t in reader.tensors})
+    arch = _field(reader, "general.architecture")
+    unreadable = [(t.name, t.tensor_type.name) for t in reader.tensors if not _readable_type(t.tensor_type)]
+    return GGUFHeader(config, _header_shapes(reader, config, arch), unreadable)
 
 
 def write_weights(reader, out: Path) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessel.catalog.hf_arch import RUNNABLE_ARCHITECTURES
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
 from tessel.models.quantized.schemes import Scheme
@@ -41,7 +42,7 @@ LAYER_PREFIX = "model.layers."
 ROPE_TABLE_FLOOR_BYTES = 256 * 2**20  # rotary tables always allowed up to this (4M positions at head_dim 16)
 ROPE_TABLE_BYTES_PER_VALUE = 4  # float32 cos and sin, head_dim / 2 values each per position
 INT_DTYPES = frozenset({"I32", "I64"})
-QUANTISED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+QUANTISED_ARCHITECTURES = RUNNABLE_ARCHITECTURES  # `tessel.quant.layer_map` maps every one
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,36 @@ def resolve_model_dir(path: str | Path, option: str = "--model") -> Path:
         raise TesselError(
             f"{option} {path} is not a directory or a .gguf file; give a local Hugging Face model directory"
         )
+    if is_gguf:
+        check_gguf_header(path)
     return resolve_model_path(path)
+
+
+def check_gguf_header(file: Path) -> None:
+    """Every tensor's type and shape in a GGUF file's header against what tessel reads and what the
+    file's metadata implies (`expected_tensors`), before any tensor is de-quantised: a mismatch is a
+    user error naming the tensor (and the metadata behind the expected shape)."""
+    from tessel.models.gguf import read_header
+
+    header = read_header(file)
+    for name, kind in header.unreadable:
+        raise TesselError(
+            f"GGUF tensor {name!r} is stored as {kind}, not a weight type tessel de-quantises "
+            "(F32, F16, BF16 and the gguf package's block types)"
+        )
+    expected = expected_tensors(ModelConfig.from_dict(header.config, "the GGUF metadata"), None)
+    for hf, (name, shape) in header.shapes.items():
+        spec = expected.get(hf)
+        if spec is None:
+            raise TesselError(
+                f"GGUF tensor {name!r} holds {hf!r}, which its metadata does not imply (expert_count, "
+                "block_count?); the file is damaged or not the model its metadata describes"
+            )
+        if shape != spec.shape:
+            raise TesselError(
+                f"GGUF tensor {name!r} has shape {list(shape)}, its metadata implies {list(spec.shape)} "
+                f"({spec.sizes}); the file is damaged or not the model its metadata describes"
+            )
 
 
 def read_scheme(directory: Path) -> Scheme | None:
@@ -233,6 +263,7 @@ class _Linear:
     cols: int
     col_fields: str
     biased: bool
+    quantised: bool = True  # False: stays float in a quantised checkpoint (MoE routers)
 
 
 def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, TensorSpec]:
@@ -255,7 +286,9 @@ def expected_tensors(config: ModelConfig, scheme: Scheme | None) -> dict[str, Te
         for norm in ("self_attn.q_norm", "self_attn.k_norm") if c.qk_norm else ():
             out[f"{prefix}{norm}.weight"] = TensorSpec((c.head_dim,), SAFETENSORS_FLOAT_DTYPES, "head_dim")
         for leaf, linear in _layer_linears(c, i).items():
-            out |= _linear_tensors(f"{prefix}{leaf}", linear, scheme)
+            name = f"{prefix}{leaf}"
+            quantised = linear.quantised and scheme is not None and name not in scheme.float_linears
+            out |= _linear_tensors(name, linear, scheme if quantised else None)
     return out
 
 
@@ -283,7 +316,7 @@ def _layer_linears(c: ModelConfig, index: int) -> dict[str, _Linear]:
     if not c.is_moe_layer(index):
         return out | _mlp_linears("mlp", c, (c.intermediate_size, "intermediate_size"))
     block = "block_sparse_moe" if c.architecture == "MixtralForCausalLM" else "mlp"
-    out[f"{block}.gate"] = _Linear(c.num_experts, "num_experts", *hidden, False)
+    out[f"{block}.gate"] = _Linear(c.num_experts, "num_experts", *hidden, False, quantised=False)
     width = (c.moe_intermediate_size, "moe_intermediate_size")
     names = ("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
     for e in range(c.num_experts):
@@ -291,7 +324,7 @@ def _layer_linears(c: ModelConfig, index: int) -> dict[str, _Linear]:
     if c.shared_expert_intermediate_size:
         shared = (c.shared_expert_intermediate_size, "shared_expert_intermediate_size")
         out |= _mlp_linears("mlp.shared_expert", c, shared, biased=False)
-        out["mlp.shared_expert_gate"] = _Linear(1, "one gate", *hidden, False)
+        out["mlp.shared_expert_gate"] = _Linear(1, "one gate", *hidden, False, quantised=False)
     return out
 
 

@@ -29,8 +29,10 @@ from tessel.models.quantized.qparams import QuantRange
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme, make_scheme, quantize_weight
 from tessel.models.reader import QUANTISED_ARCHITECTURES, ModelFiles, read_model, resolve_model_dir
 from tessel.quant.awq import awq_group
+from tessel.quant.experts import unstack_experts
 from tessel.quant.formats.checkpoint import write_checkpoint
 from tessel.quant.gptq import GPTQOptions, gptq_model
+from tessel.quant.layer_map import checkpoint_name, model_maps
 from tessel.quant.observers import (
     OBSERVERS,
     WEIGHT_OBSERVERS,
@@ -39,7 +41,7 @@ from tessel.quant.observers import (
     weight_qparams,
 )
 from tessel.quant.progress import StepProgress, report
-from tessel.quant.smoothquant import InputRecorder, best_alpha, llama_smooth_groups, smooth_group
+from tessel.quant.smoothquant import InputRecorder, best_alpha, smooth_group, smooth_groups
 
 METHODS = ("rtn", "gptq")
 
@@ -61,6 +63,7 @@ class QuantizeOptions:
     awq: bool = False  # AWQ's activation-aware channel scaling before the weights are rounded
     asym: bool = False  # weight-only schemes: a zero point per scale
     weight_code_bits: int = 8  # w8a8: 7 keeps the int8 codes in [-63, 63] for AVX2 (fbgemm's int8 GEMM)
+    float_layers: tuple[int, ...] = ()  # decoder layers whose linears stay float (named in `ignore`)
 
     def __post_init__(self) -> None:
         self.make_scheme()  # validates scheme / act / group / symmetry
@@ -83,6 +86,8 @@ class QuantizeOptions:
             raise TesselError("--act-order applies to --method gptq")
         if self.static_groups and self.method != "gptq":
             raise TesselError("--static-groups applies to --method gptq")
+        if any(i < 0 for i in self.float_layers):
+            raise TesselError(f"--float-layers takes layer indices >= 0; got {list(self.float_layers)}")
         if self.calib_samples < 1 or self.seq_len < 2:
             raise TesselError("--calib-samples must be >= 1 and --seq-len >= 2")
         if self.awq and self.smoothquant is not None:
@@ -119,6 +124,15 @@ class QuantizeResult:
     smoothing_alphas: dict[str, float] = field(default_factory=dict)
 
 
+def parse_layer_list(text: str, option: str) -> tuple[int, ...]:
+    """ "0,17" -> (0, 17); "" -> (); anything else a user error naming `option`."""
+    try:
+        return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        message = f"{option} takes comma-separated layer indices such as 0,17; got {text!r}"
+        raise TesselError(message) from None
+
+
 def read_calibration_text(path: Path, option: str = "--calib") -> str:
     """The text of a calibration / training file (`option` names it in errors); empty is refused."""
     from tessel.files import read_nonempty_text_file
@@ -139,21 +153,21 @@ def calibration_windows(text: str, tokenizer, samples: int, seq_len: int) -> tor
 
 
 def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear inside the decoder layers (q/k/v/o, gate/up/down), by checkpoint name."""
+    """Every linear the quantiser rounds (`tessel.quant.layer_map`: not the routers), by module name."""
     return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.startswith("model.layers.")
+        f"model.layers.{i}.{name}": layer.get_submodule(name)
+        for i, (layer, layer_map) in enumerate(zip(model.model.layers, model_maps(model), strict=True))
+        for name in layer_map.linears
     }
 
 
-def input_groups(names: list[str]) -> dict[str, str]:
-    """linear name -> the name of the tensor it reads (q/k/v read one, gate/up read one)."""
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+def input_groups(model: nn.Module) -> dict[str, str]:
+    """linear name -> the name of its input group's first linear (q/k/v read one tensor, an expert's
+    gate/up one)."""
     out = {}
-    for name in names:
-        parent, leaf = name.rsplit(".", 1)
-        out[name] = f"{parent}.{shared[leaf]}" if leaf in shared else name
+    for i, layer_map in enumerate(model_maps(model)):
+        for group in layer_map.input_groups:
+            out |= {f"model.layers.{i}.{name}": f"model.layers.{i}.{group[0]}" for name in group}
     return out
 
 
@@ -166,27 +180,20 @@ def _run_windows(model: nn.Module, windows: torch.Tensor, label: str, progress: 
 
 def _observe_inputs(
     model: nn.Module,
-    linears: dict[str, nn.Linear],
-    make: Callable[[], Observer | None],
+    modules: dict[str, nn.Module],
+    make: Callable[[], Observer | InputRecorder],
     windows,
     label,
     progress,
-) -> dict[str, Observer]:
-    """One observer per input group, fed by a pre-hook on the group's first linear."""
-    groups = input_groups(list(linears))
-    observers: dict[str, Observer] = {}
-    handles = []
-    for name, module in linears.items():
-        group = groups[name]
-        if group in observers:
-            continue
-        observers[group] = make()
-        obs = observers[group]
-        handles.append(
-            module.register_forward_pre_hook(
-                lambda _m, args, obs=obs: obs.observe(args[0].reshape(-1, args[0].shape[-1]))
-            )
+) -> dict[str, Observer | InputRecorder]:
+    """One observer per module of `modules`, fed its input by a pre-hook, over the windows."""
+    observers = {name: make() for name in modules}
+    handles = [
+        module.register_forward_pre_hook(
+            lambda _m, args, obs=observers[name]: obs.observe(args[0].reshape(-1, args[0].shape[-1]))
         )
+        for name, module in modules.items()
+    ]
     try:
         _run_windows(model, windows, label, progress)
     finally:
@@ -195,21 +202,27 @@ def _observe_inputs(
     return observers
 
 
-def _smooth(model, linears, alpha: float | str, windows, progress) -> dict[str, float]:
+def _group_inputs(model: nn.Module, make, windows, label, progress) -> dict[str, InputRecorder]:
+    """A recorder per smoothable group (`smooth_groups`), by group name."""
+    groups = {g.name: g.recorded_at for g in smooth_groups(model)}
+    return _observe_inputs(model, groups, make, windows, label, progress)
+
+
+def _smooth(model, alpha: float | str, windows, progress) -> dict[str, float]:
     """SmoothQuant every group with `alpha` (or, for "auto", each group's best alpha); -> the alphas."""
-    recorders = _observe_inputs(model, linears, InputRecorder, windows, "smoothquant", progress)
+    recorders = _group_inputs(model, InputRecorder, windows, "smoothquant", progress)
     alphas = {}
-    for group in llama_smooth_groups(model):
+    for group in smooth_groups(model):
         recorder = recorders[group.name]
         alphas[group.name] = best_alpha(group, recorder) if alpha == "auto" else float(alpha)
         smooth_group(group, recorder.amax, alphas[group.name])
     return alphas
 
 
-def _awq(model, linears, scheme: Scheme, windows, progress) -> dict[str, float]:
+def _awq(model, scheme: Scheme, windows, progress) -> dict[str, float]:
     """AWQ-scale every SmoothQuant group (tessel.quant.awq); -> the alpha chosen per group."""
-    recorders = _observe_inputs(model, linears, InputRecorder, windows, "awq", progress)
-    return {g.name: awq_group(g, recorders[g.name], scheme) for g in llama_smooth_groups(model)}
+    recorders = _group_inputs(model, InputRecorder, windows, "awq", progress)
+    return {g.name: awq_group(g, recorders[g.name], scheme) for g in smooth_groups(model)}
 
 
 def load_hf_model(model_dir: Path):
@@ -222,6 +235,7 @@ def load_hf_model(model_dir: Path):
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as error:
         raise TesselError(f"cannot load {model_dir} with transformers: {error}") from None
+    unstack_experts(model)  # one nn.Linear per expert, each rounded on its own
     return model.eval(), tokenizer
 
 
@@ -251,6 +265,7 @@ def quantize_model(
         raise TesselError(
             f"{model_dir}: found no linear layers under model.layers; is it a Llama-family model?"
         )
+    linears, kept_float = _split_float_layers(linears, options.float_layers, len(model.model.layers))
     for name, module in linears.items():
         scheme.check_in_features(module.in_features, name)
     windows = None
@@ -260,33 +275,54 @@ def quantize_model(
         out_dir, scheme.name, len(linears), 0 if windows is None else windows.numel(), 0.0
     )
     if options.smoothquant is not None:
-        result.smoothing_alphas = _smooth(model, linears, options.smoothquant, windows, progress)
+        result.smoothing_alphas = _smooth(model, options.smoothquant, windows, progress)
         result.smoothed_groups = len(result.smoothing_alphas)
     if options.awq:
-        result.smoothing_alphas = _awq(model, linears, scheme, windows, progress)
+        result.smoothing_alphas = _awq(model, scheme, windows, progress)
         result.smoothed_groups = len(result.smoothing_alphas)
     input_scales: dict[str, torch.Tensor] = {}
     if scheme.act_static:
+        groups = input_groups(model)
         observers = _observe_inputs(
             model,
-            linears,
+            {lead: linears[lead] for lead in set(groups.values()) if lead in linears},
             lambda: make_observer(options.observer, QuantRange()),
             windows,
             "activations",
             progress,
         )
-        groups = input_groups(list(linears))
         input_scales = {name: observers[groups[name]].qparams()[0] for name in linears}
         result.input_scales = {name: float(s) for name, s in input_scales.items()}
     weights = _quantize_weights(model, linears, scheme, options, windows, progress)
     act_observer = options.observer if scheme.act_static else None
     report(progress, "write", 0, 1)
     write_quantized(
-        model, linears, scheme, weights, input_scales, config, model_dir, out_dir, act_observer, overwrite
+        model,
+        linears,
+        scheme,
+        weights,
+        input_scales,
+        config,
+        model_dir,
+        out_dir,
+        act_observer,
+        overwrite,
+        kept_float,
     )
     report(progress, "write", 1, 1)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _split_float_layers(
+    linears: dict[str, nn.Linear], float_layers: tuple[int, ...], num_layers: int
+) -> tuple[dict[str, nn.Linear], list[str]]:
+    """(the linears to round, the names of those `--float-layers` keeps float)."""
+    if any(i >= num_layers for i in float_layers):
+        raise TesselError(f"--float-layers {list(float_layers)}: the model has layers 0-{num_layers - 1}")
+    kept = {f"model.layers.{i}." for i in float_layers}
+    floats = [name for name in linears if name.startswith(tuple(kept))] if kept else []
+    return {n: m for n, m in linears.items() if n not in floats}, floats
 
 
 def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows, progress):
@@ -294,7 +330,8 @@ def _quantize_weights(model, linears, scheme, options: QuantizeOptions, windows,
         gptq = GPTQOptions(
             act_order=options.act_order, observer=options.weight_observer, static_groups=options.static_groups
         )
-        return gptq_model(model, windows, scheme, gptq, progress)
+        out = gptq_model(model, windows, scheme, gptq, progress, skip_layers=frozenset(options.float_layers))
+        return {name: weight for name, weight in out.items() if name in linears}
     weights = {}
     for done, (name, module) in enumerate(linears.items(), 1):
         weights[name] = quantize_weight(module.weight, scheme, weight_qparams(options.weight_observer))
@@ -334,18 +371,28 @@ def write_quantized(
     out_dir: Path,
     act_observer: str | None,
     overwrite: bool = False,
+    kept_float: list[str] | tuple[str, ...] = (),
 ) -> Path:
-    """The checkpoint: quantised linears from `weights`, every other tensor of `model` as it is."""
+    """The checkpoint: quantised linears from `weights`, every other tensor of `model` as it is, under the
+    checkpoint's names (`tessel.quant.layer_map.checkpoint_name`); routers float and named in `ignore`."""
+    architecture = type(model).__name__
     tensors: dict[str, torch.Tensor] = {}
     for name, module in linears.items():
+        stored = checkpoint_name(name, architecture)
         for leaf, tensor in module_tensors(scheme, weights[name], input_scales.get(name)).items():
-            tensors[f"{name}.{leaf}"] = tensor
+            tensors[f"{stored}.{leaf}"] = tensor
         if module.bias is not None:
-            tensors[f"{name}.bias"] = module.bias.detach().float()
+            tensors[f"{stored}.bias"] = module.bias.detach().float()
     quantised = {f"{name}.weight" for name in linears} | {f"{name}.bias" for name in linears}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, tensor in model.state_dict().items():
-        if name in quantised or (name == "lm_head.weight" and config.get("tie_word_embeddings")):
+        if name in quantised or (name == "lm_head.weight" and tied):
             continue
-        tensors[name] = tensor.detach().contiguous()
-    config = dict(config, quantization_config=quantization_config(scheme, act_observer))
+        tensors[checkpoint_name(name, architecture)] = tensor.detach().contiguous()
+    floats = [
+        checkpoint_name(f"model.layers.{i}.{name}", architecture)
+        for i, layer_map in enumerate(model_maps(model))
+        for name in layer_map.float_linears
+    ] + [checkpoint_name(name, architecture) for name in kept_float]
+    config = dict(config, quantization_config=quantization_config(scheme, act_observer, floats))
     return write_checkpoint(out_dir, model_dir, config, tensors, overwrite=overwrite)

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from tessel.errors import TesselError
-from tessel.models.quantized.schemes import QuantizedWeight, Scheme
-from tessel.quant.observers import make_observer
+from tessel.models.quantized.schemes import QuantizedWeight, Scheme, quantize_weight
+from tessel.quant.layer_map import model_maps
+from tessel.quant.observers import make_observer, weight_qparams
 from tessel.quant.progress import StepProgress, report
 
 BLOCK_COLUMNS = 128  # columns per lazy update (the reference's blocksize)
@@ -142,31 +143,33 @@ def gptq_quantize(
     return QuantizedWeight(codes, scales.float(), scheme.group_size, zero_point)
 
 
-# Linears that read one tensor: rounded as one stacked matrix against one Hessian.
-INPUT_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-
-
 class _StopForward(Exception):
     pass
 
 
-def _layer_inputs(model: nn.Module, windows: torch.Tensor) -> tuple[list[tuple], dict]:
-    """The first decoder layer's positional args per window and its (shared) keyword args."""
-    first = model.model.layers[0]
+def _layer_inputs(model: nn.Module, windows: torch.Tensor) -> tuple[list[tuple], list[dict]]:
+    """The first decoder layer's positional args per window, and each layer's keyword args (shared by
+    the windows; they differ between layers where layer types do: Gemma 3's masks and rotary tables)."""
+    layers = model.model.layers
     captured: list[tuple] = []
-    kwargs: dict = {}
+    kwargs: list[dict] = [{} for _ in layers]
 
-    def catch(_module, args, kw):
+    def catch_first(_module, args, _kw):
         captured.append(tuple(a.detach() if torch.is_tensor(a) else a for a in args))
-        kwargs.update(kw)
-        raise _StopForward
+        if kwargs[-1]:  # every layer's keyword args came with the first window
+            raise _StopForward
 
-    handle = first.register_forward_pre_hook(catch, with_kwargs=True)
+    def keep(index: int):
+        def hook(_module, _args, kw):
+            if not kwargs[index]:
+                kwargs[index].update(kw)
+            if index == len(layers) - 1:
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[0].register_forward_pre_hook(catch_first, with_kwargs=True)]
+    handles += [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         for window in windows:
             try:
@@ -174,10 +177,12 @@ def _layer_inputs(model: nn.Module, windows: torch.Tensor) -> tuple[list[tuple],
             except _StopForward:
                 pass
     finally:
-        handle.remove()
-    kwargs.pop("past_key_values", None)
-    kwargs.pop("past_key_value", None)
-    kwargs["use_cache"] = False
+        for handle in handles:
+            handle.remove()
+    for kw in kwargs:
+        for key in ("past_key_values", "past_key_value", "cache"):
+            kw.pop(key, None)
+        kw["use_cache"] = False
     return captured, kwargs
 
 
@@ -190,13 +195,16 @@ def _run_layer(layer: nn.Module, inputs: list[tuple], kwargs: dict) -> list[tupl
     return outputs
 
 
-def _hessians(layer: nn.Module, inputs: list[tuple], kwargs: dict) -> dict[str, HessianAccumulator]:
-    """One Hessian per input group of the layer, from a forward pass over every window."""
-    found: dict[str, HessianAccumulator] = {}
+def _hessians(
+    layer: nn.Module, groups: list[tuple[str, ...]], inputs: list[tuple], kwargs: dict
+) -> dict[tuple[str, ...], HessianAccumulator]:
+    """One Hessian per input group of the layer (an expert's: the rows routed to it), from a forward
+    pass over every window."""
+    found: dict[tuple[str, ...], HessianAccumulator] = {}
     handles = []
-    for names in INPUT_GROUPS:
+    for names in groups:
         module = layer.get_submodule(names[0])
-        acc = found[names[0]] = HessianAccumulator(module.in_features)
+        acc = found[names] = HessianAccumulator(module.in_features)
         handles.append(module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0])))
     try:
         _run_layer(layer, inputs, kwargs)
@@ -213,6 +221,7 @@ def gptq_model(
     scheme: Scheme,
     options: GPTQOptions = GPTQOptions(),
     progress: StepProgress | None = None,
+    skip_layers: frozenset[int] = frozenset(),
 ) -> dict[str, QuantizedWeight]:
     """GPTQ every decoder-layer linear, layer after layer: layer i's Hessians come from the outputs of
     layers 0..i-1 already quantised (their weights replaced in `model` by the rounded ones), as in
@@ -220,9 +229,15 @@ def gptq_model(
     inputs, kwargs = _layer_inputs(model, windows)
     layers = model.model.layers
     out: dict[str, QuantizedWeight] = {}
-    for index, layer in enumerate(layers):
-        for lead, acc in _hessians(layer, inputs, kwargs).items():
-            names = next(group for group in INPUT_GROUPS if group[0] == lead)
+    for index, (layer, layer_map) in enumerate(zip(layers, model_maps(model), strict=True)):
+        groups = [] if index in skip_layers else layer_map.input_groups  # kept float: just run
+        for names, acc in _hessians(layer, groups, inputs, kwargs[index]).items():
+            if acc.rows == 0:  # an expert no calibration token was routed to: round to nearest
+                qparams = weight_qparams(options.observer)
+                for name in names:
+                    weight = layer.get_submodule(name).weight
+                    out[f"model.layers.{index}.{name}"] = quantize_weight(weight, scheme, qparams)
+                continue
             modules = [layer.get_submodule(name) for name in names]
             stacked = torch.cat([m.weight for m in modules])
             rounded = gptq_quantize(stacked, acc.hessian, scheme, options)
@@ -236,6 +251,6 @@ def gptq_model(
                 out[f"model.layers.{index}.{name}"] = part
                 module.weight.copy_(part.dequantize().to(module.weight.dtype))
                 row += rows
-        inputs = _run_layer(layer, inputs, kwargs)
+        inputs = _run_layer(layer, inputs, kwargs[index])
         report(progress, "gptq", index + 1, len(layers))
     return out

@@ -45,6 +45,7 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.models.quantized.schemes import GROUP_SIZE, Scheme, make_scheme, quantize_weight
+from tessel.quant.layer_map import ROUTER_LEAVES
 from tessel.quant.progress import StepProgress, report
 from tessel.quant.qat import fake_quantize_per_token  # int8 per token, rounded as the W8A8 kernels do
 
@@ -110,7 +111,12 @@ def precision_scheme(precision: str, in_features: list[int]) -> Scheme:
 
 
 def _linears(layer: nn.Module) -> list[nn.Linear]:
-    return [module for module in layer.modules() if isinstance(module, nn.Linear)]
+    """The layer's linears the quantiser rounds: not an MoE router (`tessel.quant.layer_map`)."""
+    return [
+        module
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in ROUTER_LEAVES
+    ]
 
 
 def _in_features(layers: nn.ModuleList) -> list[int]:

@@ -6,22 +6,24 @@ For a producer followed by linears that read its output, per input channel j:
     producer's output channel j /= s_j,   W[:, j] *= s_j      so  (X / s) @ (W * s).T == X @ W.T
 
 The function computed is unchanged (tested against the unsmoothed model); the activations the
-linears see are flatter, the weights a little less so. Three groups per Llama layer, as
-llm-compressor maps them: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up (the norm
-weight is divided), and up_proj -> down_proj (up's output rows are divided: down reads
-silu(gate) * up, which is linear in up's output). down_proj's input carries the largest outliers
-of SmolLM2-135M (fake-quantising only down_proj costs the most perplexity, and smoothing with
-alpha 0.5 halves it: docs/results.md).
+linears see are flatter, the weights a little less so. The groups per layer come from
+`tessel.quant.layer_map` (for Llama: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up,
+up_proj -> down_proj, the third being one of llm-compressor's AWQ mappings); a norm's weight is
+divided (Gemma's (1 + w) as a whole), a producing linear's output rows are (Phi-3: only the up half
+of gate_up_proj), and readers kept in float (MoE routers) are scaled with the quantised ones.
+down_proj's input carries the largest outliers of SmolLM2-135M (fake-quantising only down_proj
+costs the most perplexity, and smoothing with alpha 0.5 halves it: docs/results.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.quant.layer_map import model_maps
 
 MIN_AMAX = 1e-5  # the paper's clamp: a channel that never fires gets no huge scale
 SMOOTHQUANT_ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # `--smoothquant auto` picks one per group
@@ -30,32 +32,43 @@ SAMPLE_ROWS_PER_BATCH = 64  # input rows kept per calibration window for the aut
 
 @dataclass(slots=True)
 class SmoothGroup:
-    """A producer (a norm, or a linear) whose output feeds `linears` (all [*, K]); one scale per channel."""
+    """A producer (a norm, or a linear) whose output feeds `linears` (all [*, K], quantised) and
+    `float_readers` (a router: scaled with them, left in float); one scale per channel."""
 
     name: str
     producer: nn.Module
-    linears: list[nn.Linear]
+    linears: list[nn.Module]
+    float_readers: list[nn.Module] = field(default_factory=list)
+    producer_rows: slice | None = None  # the producer's output rows that are the tensor (Phi-3's up half)
+    unit_offset: bool = False  # the producer is a norm computing x * (1 + w) (Gemma)
+
+    @property
+    def recorded_at(self) -> nn.Module:
+        """The module whose input is the whole tensor (a router sees every token, an expert some)."""
+        return (self.float_readers or self.linears)[0]
 
 
-def llama_smooth_groups(model: nn.Module) -> list[SmoothGroup]:
-    """The three groups of each decoder layer of a Hugging Face Llama-family model."""
-    layers = model.model.layers
+def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
+    """Every smoothable group of a transformers causal LM (`tessel.quant.layer_map`), named after the
+    module its input is recorded at."""
     groups = []
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        groups.append(
-            SmoothGroup(
-                f"model.layers.{i}.self_attn.qkv",
-                layer.input_layernorm,
-                [attn.q_proj, attn.k_proj, attn.v_proj],
+    for i, (layer, spec_map) in enumerate(zip(model.model.layers, model_maps(model), strict=True)):
+        for spec in spec_map.smooth:
+            producer = layer.get_submodule(spec.producer)
+            rows = None
+            if spec.producer_rows == "second_half":
+                half = producer.weight.shape[0] // 2
+                rows = slice(half, 2 * half)
+            groups.append(
+                SmoothGroup(
+                    f"model.layers.{i}.{spec.recorded_at}",
+                    producer,
+                    [layer.get_submodule(n) for n in spec.linears],
+                    [layer.get_submodule(n) for n in spec.float_readers],
+                    rows,
+                    spec.unit_offset,
+                )
             )
-        )
-        groups.append(
-            SmoothGroup(
-                f"model.layers.{i}.mlp.gate_up", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]
-            )
-        )
-        groups.append(SmoothGroup(f"model.layers.{i}.mlp.down_proj", mlp.up_proj, [mlp.down_proj]))
     return groups
 
 
@@ -79,15 +92,20 @@ def smooth_group(group: SmoothGroup, act_amax: torch.Tensor, alpha: float) -> to
 
 @torch.no_grad()
 def fold_scales(group: SmoothGroup, scales: torch.Tensor) -> None:
-    """producer's output channel j /= s_j, every consumer's column j *= s_j (in place)."""
+    """producer's output channel j /= s_j, every reader's column j *= s_j (in place)."""
     producer = group.producer
-    if isinstance(producer, nn.Linear):  # its output rows
-        producer.weight.copy_((producer.weight.float() / scales[:, None]).to(producer.weight.dtype))
+    if isinstance(producer, nn.Linear):  # its output rows (Phi-3: only the up half of gate_up_proj)
+        rows = group.producer_rows or slice(None)
+        weight = producer.weight[rows]
+        weight.copy_((weight.float() / scales[:, None]).to(weight.dtype))
         if producer.bias is not None:
-            producer.bias.copy_((producer.bias.float() / scales).to(producer.bias.dtype))
+            bias = producer.bias[rows]
+            bias.copy_((bias.float() / scales).to(bias.dtype))
+    elif group.unit_offset:  # x * (1 + w): (1 + w) / s = 1 + w'
+        producer.weight.copy_(((1 + producer.weight.float()) / scales - 1).to(producer.weight.dtype))
     else:  # a norm's elementwise weight
         producer.weight.copy_((producer.weight.float() / scales).to(producer.weight.dtype))
-    for lin in group.linears:
+    for lin in [*group.linears, *group.float_readers]:
         lin.weight.copy_((lin.weight.float() * scales[None, :]).to(lin.weight.dtype))
 
 

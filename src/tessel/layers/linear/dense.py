@@ -175,7 +175,7 @@ def _pack_experts(model: nn.Module) -> int:
     """Pack the routed experts of MoE layers too (`tessel.layers.moe.ExpertMLPs`, found by its
     `packs_with_linears` flag: that module imports this one); -> how many layers."""
     experts = [m for m in model.modules() if getattr(m, "packs_with_linears", False) and m.packed is None]
-    experts = [m for m in experts if _packable_tensor(m.gate_up_proj)]
+    experts = [m for m in experts if m.gate_up_proj is not None and _packable_tensor(m.gate_up_proj)]
     for module in experts:
         module.pack()
     return len(experts)

@@ -23,6 +23,8 @@ the checkpoint directory.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,8 @@ PACK_QUANTIZED = "pack-quantized"
 QUANTIZED_STATUS = "compressed"
 FORMAT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this follows (and tests against)
 IGNORED = ["lm_head"]
+FLOAT_ROUTER = re.compile(r"(model\.layers\.\d+\.)?(mlp|block_sparse_moe)\.(gate|shared_expert_gate)\$?")
+DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.[A-Za-z0-9_.]+")
 ACTORDERS_WITHOUT_G_IDX = (None, False, "weight", "static")  # compressed-tensors' ActivationOrdering
 
 
@@ -66,7 +70,10 @@ def checkpoint_format(scheme: Scheme) -> str:
     return PACK_QUANTIZED if scheme.weight_only else INT_QUANTIZED
 
 
-def quantization_config(scheme: Scheme, act_observer: str | None = None) -> dict[str, Any]:
+def quantization_config(
+    scheme: Scheme, act_observer: str | None = None, float_linears: list[str] | tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The `quantization_config` of a checkpoint of `scheme`; `float_linears` (MoE routers) join `ignore`."""
     strategy = "channel" if scheme.group_size is None else "group"
     weights = _args(scheme.weight_bits, strategy, False, scheme.group_size, "minmax", scheme.symmetric)
     acts = None
@@ -81,7 +88,7 @@ def quantization_config(scheme: Scheme, act_observer: str | None = None) -> dict
         "quantization_status": QUANTIZED_STATUS,
         "version": FORMAT_VERSION,
         "global_compression_ratio": None,
-        "ignore": list(IGNORED),
+        "ignore": [*IGNORED, *float_linears],
         "kv_cache_scheme": None,
         "sparsity_config": {},
         "transform_config": {},
@@ -102,6 +109,21 @@ def _field(cond: bool, field: str, value: Any, wanted: str) -> None:
         raise TesselError(f"quantization_config.{field} = {value!r} is not supported; tessel reads {wanted}")
 
 
+def _ignorable(name: str) -> bool:
+    """lm_head, an MoE router (the engine keeps both in float; by name or llm-compressor's regex), or a
+    decoder-layer linear by its full name (`tessel quantize --float-layers`)."""
+    return (
+        name in ("lm_head", "re:.*lm_head")
+        or bool(FLOAT_ROUTER.fullmatch(name.removeprefix("re:.*")))
+        or bool(DECODER_LINEAR.fullmatch(name))
+    )
+
+
+def _float_linears(ignore: list[str]) -> frozenset[str]:
+    """The decoder-layer linears `ignore` leaves float, routers aside (those are float anyway)."""
+    return frozenset(n for n in ignore if DECODER_LINEAR.fullmatch(n) and not FLOAT_ROUTER.fullmatch(n))
+
+
 def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
     """The scheme of a config.json dict; None when it has no quantization_config."""
     qc = config.get("quantization_config")
@@ -114,10 +136,10 @@ def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
     _field(fmt in (INT_QUANTIZED, PACK_QUANTIZED), "format", fmt, f"{INT_QUANTIZED!r} or {PACK_QUANTIZED!r}")
     ignore = qc.get("ignore") or []
     _field(
-        isinstance(ignore, list) and all(i in ("lm_head", "re:.*lm_head") for i in ignore),
+        isinstance(ignore, list) and all(isinstance(i, str) and _ignorable(i) for i in ignore),
         "ignore",
         ignore,
-        "['lm_head'] (every other Linear quantised)",
+        "['lm_head'] and MoE routers (every other Linear quantised)",
     )
     _field(qc.get("kv_cache_scheme") is None, "kv_cache_scheme", qc.get("kv_cache_scheme"), "null")
     sparsity = qc.get("sparsity_config") or {}  # llm-compressor writes {} when nothing was pruned
@@ -135,7 +157,8 @@ def parse_quantization_config(config: dict[str, Any]) -> Scheme | None:
     _field(isinstance(group, dict), f"config_groups.{name}", group, "an object")
     targets = group.get("targets")
     _field(targets == ["Linear"], f"config_groups.{name}.targets", targets, "['Linear']")
-    return _group_scheme(f"config_groups.{name}", group, fmt)
+    scheme = _group_scheme(f"config_groups.{name}", group, fmt)
+    return dataclasses.replace(scheme, float_linears=_float_linears(ignore))
 
 
 def _group_scheme(where: str, group: dict[str, Any], fmt: str) -> Scheme:

@@ -3,7 +3,8 @@
 gpt-fast style: the model is built as usual (on the meta device), its decoder-layer linears are
 replaced by placeholders before memory is allocated, the float tensors load as usual, then each
 linear is rebuilt from the checkpoint's quantised tensors (q/k/v and gate/up concatenated into
-tessel's fused `qkv_proj` / `gate_up_proj`):
+tessel's fused `qkv_proj` / `gate_up_proj`; Phi-3's stored fused; each MoE expert's gate/up and down
+as one pair of modules, `ExpertMLPs.use_linears`; the routers stay float tensors the loader fills):
 
     w8a8          -> `W8A8Linear` (int8 GEMM; CPU path by the CPU's features)
     w8a16 on CUDA -> `W8A16Linear` (Triton kernel, int8 weights in memory)
@@ -25,17 +26,23 @@ from torch import nn
 
 from tessel.errors import TesselError
 from tessel.layers.linear import W8A8Linear, W8A16Linear, dequantized_linear
+from tessel.models.config import ModelConfig
 from tessel.models.quantized.compressed_tensors import read_module
 from tessel.models.quantized.schemes import QuantizedWeight, Scheme
 
-# tessel module -> the checkpoint linears it fuses, in order
+# tessel module -> the checkpoint linears it fuses, in order (Llama's names; `layer_targets` adapts them)
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
-QUANTIZED_LEAVES = frozenset(leaf.rsplit(".", 1)[-1] for parts in FUSED.values() for leaf in parts)
+# an expert's gate, up, down in the checkpoint (others: gate_proj, up_proj, down_proj)
+EXPERT_LEAVES = {"MixtralForCausalLM": ("w1", "w3", "w2")}
+QUANTIZED_LEAVES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"}
+    | {"w1", "w2", "w3"}
+)
 
 
 def is_quantized_tensor(name: str) -> bool:
@@ -44,17 +51,51 @@ def is_quantized_tensor(name: str) -> bool:
     return name.startswith("model.layers.") and len(parts) >= 3 and parts[-2] in QUANTIZED_LEAVES
 
 
+def _mlp_targets(prefix: str, fused: bool) -> dict[str, tuple[str, ...]]:
+    gate_up = (f"{prefix}.gate_up_proj",) if fused else (f"{prefix}.gate_proj", f"{prefix}.up_proj")
+    return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": (f"{prefix}.down_proj",)}
+
+
+def layer_targets(config: ModelConfig, index: int) -> dict[str, tuple[str, ...]]:
+    """Layer `index`'s quantised tessel modules -> the checkpoint linears each fuses (not the experts:
+    `expert_targets`). Phi-3 stores qkv_proj and gate_up_proj fused already."""
+    fused = config.fused_checkpoint
+    qkv = ("self_attn.qkv_proj",) if fused else FUSED["self_attn.qkv_proj"]
+    out = {"self_attn.qkv_proj": qkv, "self_attn.o_proj": ("self_attn.o_proj",)}
+    if not config.is_moe_layer(index):
+        return out | _mlp_targets("mlp", fused)
+    if config.shared_expert_intermediate_size:
+        out |= _mlp_targets("mlp.shared_expert", fused)
+    return out
+
+
+def expert_targets(config: ModelConfig, index: int) -> list[tuple[tuple[str, str], tuple[str]]]:
+    """Per expert of MoE layer `index`: ((gate, up), (down,)) checkpoint linears ([] for a dense layer)."""
+    if not config.is_moe_layer(index):
+        return []
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    gate, up, down = EXPERT_LEAVES.get(config.architecture, ("gate_proj", "up_proj", "down_proj"))
+    prefix = f"{block}.experts"
+    return [
+        ((f"{prefix}.{e}.{gate}", f"{prefix}.{e}.{up}"), (f"{prefix}.{e}.{down}",))
+        for e in range(config.num_experts)
+    ]
+
+
 def drop_linears(model: nn.Module) -> None:
-    """Replace each decoder-layer linear by an empty placeholder (before the model's memory is allocated)."""
-    for layer in model.model.layers:
-        for target in FUSED:
+    """Replace each decoder-layer linear by an empty placeholder, and forget the stacked expert weights
+    (before the model's memory is allocated)."""
+    for index, layer in enumerate(model.model.layers):
+        for target in layer_targets(model.config, index):
             parent, leaf = _parent(layer, target)
             setattr(parent, leaf, nn.Identity())
+        if expert_targets(model.config, index):
+            layer.mlp.experts.drop_weights()
 
 
 def _parent(layer: nn.Module, dotted: str) -> tuple[nn.Module, str]:
-    owner, leaf = dotted.split(".")
-    return getattr(layer, owner), leaf
+    owner, leaf = dotted.rsplit(".", 1)
+    return layer.get_submodule(owner), leaf
 
 
 class _Tensors:
@@ -75,20 +116,43 @@ class _Tensors:
 
 
 def load_linears(model: nn.Module, files: list[Path], scheme: Scheme, dtype: torch.dtype, device) -> None:
-    """Build every decoder-layer linear from the checkpoint's quantised tensors."""
+    """Build every decoder-layer linear (and each expert's pair) from the checkpoint's quantised tensors."""
     tensors = _Tensors(files)
+
+    def build(index: int, parts: tuple[str, ...]) -> nn.Module:
+        prefixes = [f"model.layers.{index}.{part}" for part in parts]
+        kept = [p in scheme.float_linears for p in prefixes]
+        if any(kept):
+            if not all(kept):
+                raise TesselError(f"quantization_config.ignore keeps some of {prefixes} float, not all")
+            return _float(tensors, prefixes, dtype, device)
+        weights, input_scales, biases = [], [], []
+        for prefix in prefixes:
+            weight, input_scale = read_module(tensors.get, prefix, scheme)
+            weights.append(weight)
+            input_scales.append(input_scale)
+            biases.append(tensors.maybe(f"{prefix}.bias"))
+        return _build(scheme, weights, input_scales, biases, dtype, device)
+
     for i, layer in enumerate(model.model.layers):
-        for target, parts in FUSED.items():
-            prefixes = [f"model.layers.{i}.{part}" for part in parts]
-            weights, input_scales, biases = [], [], []
-            for prefix in prefixes:
-                weight, input_scale = read_module(tensors.get, prefix, scheme)
-                weights.append(weight)
-                input_scales.append(input_scale)
-                biases.append(tensors.maybe(f"{prefix}.bias"))
-            module = _build(scheme, weights, input_scales, biases, dtype, device)
+        for target, parts in layer_targets(model.config, i).items():
             parent, leaf = _parent(layer, target)
-            setattr(parent, leaf, module)
+            setattr(parent, leaf, build(i, parts))
+        experts = expert_targets(model.config, i)
+        if experts:
+            layer.mlp.experts.use_linears([(build(i, gate_up), build(i, down)) for gate_up, down in experts])
+
+
+def _float(tensors: _Tensors, prefixes: list[str], dtype: torch.dtype, device) -> nn.Module:
+    """A float linear of the checkpoint's float weights (linears `ignore` names), fused in order."""
+    weights = [tensors.get(f"{p}.weight").float() for p in prefixes]
+    biases = [tensors.maybe(f"{p}.bias") for p in prefixes]
+    bias = None
+    if any(b is not None for b in biases):
+        pairs = zip(biases, weights, strict=True)
+        bias = torch.cat([b.float() if b is not None else torch.zeros(w.shape[0]) for b, w in pairs])
+    weight = torch.cat(weights)
+    return dequantized_linear(weight.to(device), _to(bias, device), dtype)
 
 
 def _cat_bias(biases: list[torch.Tensor | None], weights: list[QuantizedWeight]) -> torch.Tensor | None:

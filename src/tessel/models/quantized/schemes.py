@@ -36,6 +36,7 @@ class Scheme:
     act_static: bool = False  # activations: static per tensor (calibrated) vs dynamic per token
     symmetric: bool = True  # False: weights with a zero point per scale (weight-only schemes)
     weight_code_bits: int | None = None  # w8a8: 7 keeps the int8 codes in [-63, 63] (AVX2's fbgemm)
+    float_linears: frozenset[str] = frozenset()  # a checkpoint's decoder-layer linears left float (`ignore`)
 
     @property
     def weight_range(self) -> QuantRange:
