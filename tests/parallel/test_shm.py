@@ -45,3 +45,12 @@ def test_a_dead_peer_raises(tmp_path) -> None:
     with pytest.raises(PeerGoneError, match=rf"rank 1 \(pid {gone.pid}\) is no longer running"):
         rank.all_reduce(torch.ones(3))
     assert PEER_CHECK_S < 1
+
+
+def test_create_segment_never_overwrites_a_file(tmp_path) -> None:  # noqa: ANN001
+    """A file already at the segment's path is someone else's: refused, left as it was."""
+    path = tmp_path / "segment"
+    path.write_bytes(b"not ours")
+    with pytest.raises(FileExistsError):
+        create_segment(path, 2)
+    assert path.read_bytes() == b"not ours"

@@ -38,8 +38,9 @@ def segment_bytes(degree: int) -> int:
 
 
 def create_segment(path: Path, degree: int) -> None:
-    """The leader makes the file every rank maps (zeros: every counter at 0)."""
-    with open(path, "wb") as f:
+    """The leader makes the file every rank maps (zeros: every counter at 0); an existing file at
+    `path` is never overwritten (FileExistsError), so the leader only ever unlinks its own."""
+    with open(path, "xb") as f:
         f.truncate(segment_bytes(degree))
 
 
