@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
-    _harness.add_record_options(parser, "models46b")
+    _harness.add_record_options(parser, "gemma3_fidelity")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(_harness.machine_line(), f"load {os.getloadavg()[0]:.2f}")

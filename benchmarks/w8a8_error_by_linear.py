@@ -13,6 +13,7 @@ import argparse
 import math
 from pathlib import Path
 
+import _harness
 import torch
 
 EVAL = Path(__file__).parent / "data" / "kjv_evaluation.txt"
@@ -45,6 +46,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(Path.home() / ".cache/tessel/gemma-3-270m"))
+    _harness.add_record_options(parser, "w8a8_error_by_linear")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -54,6 +56,7 @@ def main() -> None:
     windows = [[tokenizer.bos_token_id, *ids[i * step : (i + 1) * step]] for i in range(WINDOWS)]
     base = mean_nll(model, windows)
     print(f"float ppl {math.exp(base):.3f}", flush=True)
+    result: dict = {"model": args.model, "float_ppl": math.exp(base), "rows": []}
     linears = {
         n: m
         for n, m in model.named_modules()
@@ -79,6 +82,8 @@ def main() -> None:
                 f"{label:8s} {mode:8s} ppl {math.exp(nll):.3f} ({100 * (math.exp(nll - base) - 1):+.2f}%)",
                 flush=True,
             )
+            result["rows"].append({"linears": label, "quantised": mode, "ppl": math.exp(nll)})
+    _harness.append_record(args.out, "w8a8_error_by_linear", result, args.label)
 
 
 if __name__ == "__main__":
