@@ -16,6 +16,17 @@ cores at once). SmolLM2 has 9 heads over 3 KV
 heads: TP=2 splits them 6 + 3 (two KV heads and one), the MLP columns balanced against that
 (`tessel.parallel.split`). The load average (/proc/loadavg) is read before and after. Appends a
 record to benchmarks/results/tp_runtime.jsonl.
+
+With `--simulate`, the simulator predicts both runs first, as the planner would price them: this
+CPU profiled by `tessel profile` (float32, one thread, `--profile-budget-s` each) on the model's
+layer for one process and, with `--tensor-parallel-size 2`, on the busiest rank's layer (rank 0:
+6 heads, 2 KV heads) and vocabulary rows; the rank's shared-memory all-reduce timed here
+(`tessel.profiling.all_reduce`) and fitted to the ring formula's latency and bandwidth, which price
+the stage's 2 all-reduces a layer, the embedding's and the logits gather. Each engine is one
+pipeline stage (the TP one with `TensorParallel(2, fitted link, rank 0's shard)`), the same 32
+requests all arriving at once, the engine's scheduler limits (`max_num_seqs` = requests, 2,048 tokens
+a step). The table then gives predicted against measured throughput, and the predicted stage busy
+seconds against the busiest rank's CPU seconds (load-free where the wall time is not).
 """
 
 from __future__ import annotations
@@ -24,13 +35,18 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import _harness
 
-FULL = {"requests": 32, "prompt_tokens": 128, "output_tokens": 64, "repeats": 2}
-QUICK = {"requests": 4, "prompt_tokens": 16, "output_tokens": 8, "repeats": 1}
+FULL = {"requests": 32, "prompt_tokens": 128, "output_tokens": 64, "repeats": 2, "profile_budget_s": 60}
+QUICK = {"requests": 4, "prompt_tokens": 16, "output_tokens": 8, "repeats": 1, "profile_budget_s": 10}
+DEGREE = 2
+TOKEN_BUDGET = 2048  # the engine's default max_num_batched_tokens
 SEED = 45
 
 
@@ -115,6 +131,85 @@ def run(model: Path, settings: dict[str, int]) -> dict:
     }
 
 
+def profile(model: Path, settings: dict[str, int], out: Path, degree: int) -> Path:
+    """`tessel profile` of this CPU on the model's layer (degree 1) or its rank 0's (degree > 1)."""
+    budget = str(settings["profile_budget_s"])
+    offset = str(settings["prompt_tokens"] + settings["output_tokens"])
+    args = ["profile", "--device", "cpu", "--model", str(model), "--scale", "1", "--dtype", "float32"]
+    args += ["--budget-s", budget, "--max-offset", offset, "--max-chunk", str(TOKEN_BUDGET)]
+    args += ["--tensor-parallel-size", str(degree)] if degree > 1 else []
+    subprocess.run(
+        [sys.executable, "-m", "tessel.cli", *args, "--json", str(out)], check=True, stdout=subprocess.DEVNULL
+    )
+    return out
+
+
+def rank_shard(model: Path, spec, degree: int):  # noqa: ANN001, ANN201
+    """The cost model's shard of rank 0 of the engine's split (`tessel.parallel.split`)."""
+    from tessel.cost.tensor_parallel import uneven_rank_model
+    from tessel.models.config import ModelConfig
+    from tessel.parallel.split import TPSplit
+
+    rank = TPSplit.of(ModelConfig.from_dir(model), degree).shards[0]
+    return uneven_rank_model(
+        spec,
+        degree,
+        heads=rank.num_heads,
+        kv_heads=rank.num_kv_heads,
+        intermediate_size=rank.intermediate_size,
+    )
+
+
+def predict(model: Path, settings: dict[str, int], profile_path: Path, tp) -> dict:  # noqa: ANN001
+    """The simulator's run of the workload on one stage holding every layer (`tp`: its TensorParallel)."""
+    from tessel.catalog.models import load_model
+    from tessel.chunk.from_plan import StageSpec, build_pipeline
+    from tessel.cost.profile import load_profile
+    from tessel.sim import SimConfig, SimSchedulerConfig, compute_metrics, simulate
+    from tessel.sim.requests import Request
+
+    spec = load_model(str(model))
+    stage = StageSpec("cpu0", "cpu", 0, spec.num_layers, None, node="localhost", tp=tp)
+    profiles = [load_profile(profile_path)]
+    priced = build_pipeline(spec, [stage], dtype="fp32", kv_dtype="fp32", profiles=profiles)
+    last = priced.pipeline.stages[-1]
+    scheduler = SimSchedulerConfig(max_num_seqs=settings["requests"], max_num_batched_tokens=TOKEN_BUDGET)
+    config = SimConfig(scheduler, max_in_flight=1, logits_time_s=last.logits_time_s)
+    n, prompt, output = settings["requests"], settings["prompt_tokens"], settings["output_tokens"]
+    result = simulate(priced.pipeline, [Request(i, 0.0, prompt, output) for i in range(n)], config)
+    metrics = compute_metrics(result)
+    return {
+        "tok_per_s": metrics.throughput_tok_s,
+        "makespan_s": n * output / metrics.throughput_tok_s,
+        "ttft_s": metrics.ttft_s.mean,
+        "tpot_s": metrics.tpot_s.mean,
+        "stage_busy_s": metrics.stage_busy_s[0],
+    }
+
+
+def predictions(model: Path, settings: dict[str, int], work: Path) -> dict:
+    """Both engines' predictions (module docstring), with the all-reduce timing and its fitted link."""
+    from tessel.catalog.models import load_model
+    from tessel.cost.tensor_parallel import TensorParallel
+    from tessel.models.config import ModelConfig
+    from tessel.profiling.all_reduce import measure_shm_all_reduce
+
+    print("timing the shared-memory all-reduce ...", flush=True)
+    timing = measure_shm_all_reduce(DEGREE, ModelConfig.from_dir(model).hidden_size)
+    print(
+        f"profiling this CPU ({settings['profile_budget_s']} s each, one process and rank 0 of {DEGREE}) ..."
+    )
+    one = profile(model, settings, work / "profile-tp1.json", 1)
+    rank = profile(model, settings, work / f"profile-tp{DEGREE}.json", DEGREE)
+    spec = load_model(str(model))
+    tp = TensorParallel(DEGREE, timing.link(), rank_shard(model, spec, DEGREE))
+    return {
+        "all_reduce": timing.to_json(),
+        "one process": predict(model, settings, one, None),
+        f"TP={DEGREE}": predict(model, settings, rank, tp),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,6 +220,11 @@ def main() -> None:
     parser.add_argument(
         "--model", type=Path, default=None, help="the model directory (default: SmolLM2-135M)"
     )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also predict both runs with the simulator (profiles this CPU)",
+    )
     _harness.add_size_options(parser, FULL)
     _harness.add_record_options(parser, "tp_runtime")
     args = parser.parse_args()
@@ -132,8 +232,16 @@ def main() -> None:
     print(_harness.machine_line())
     before = load_average()
     print(f"load average before: {before}")
-    result = run(_harness.example_model(args.model), settings)
+    model = _harness.example_model(args.model)
+    predicted = None
+    if args.simulate:
+        with tempfile.TemporaryDirectory(prefix="tessel-tp-bench-") as work:
+            predicted = predictions(model, settings, Path(work))
+    result = run(model, settings)
     after = load_average()
+    if predicted is not None:
+        result["predicted"] = predicted
+        render_predictions(result)
     result["loadavg_before"], result["loadavg_after"] = before, after
     print(
         f"{'engine':<12} {'median wall s':>14} {'tok/s':>8} {'busiest rank CPU s':>19}"
@@ -156,6 +264,29 @@ def main() -> None:
     _harness.append_record(args.out, "tp_runtime", result, args.label)
     if not result["same_tokens"]:
         raise SystemExit("TP=2 gave other tokens than one process")
+
+
+def render_predictions(result: dict) -> None:
+    link = result["predicted"]["all_reduce"]
+    print(
+        f"shared-memory all-reduce, fitted: latency {link['fitted_latency_us']:.1f} us, "
+        f"bandwidth {link['fitted_bandwidth_gbps']:.1f} Gb/s"
+    )
+    print(
+        f"{'engine':<12} {'pred tok/s':>10} {'meas tok/s':>10} {'error':>7} "
+        f"{'pred busy s':>11} {'busiest CPU s':>13} {'error':>7}"
+    )
+    errors = {}
+    for name, row in result["engines"].items():
+        pred = result["predicted"][name]
+        tok = pred["tok_per_s"] / row["tok_per_s"] - 1
+        cpu = pred["stage_busy_s"] / row["busiest_rank_cpu_s"] - 1
+        errors[name] = {"throughput": tok, "busy_vs_cpu": cpu}
+        print(
+            f"{name:<12} {pred['tok_per_s']:>10.1f} {row['tok_per_s']:>10.1f} {tok:>+7.1%} "
+            f"{pred['stage_busy_s']:>11.2f} {row['busiest_rank_cpu_s']:>13.2f} {cpu:>+7.1%}"
+        )
+    result["prediction_errors"] = errors
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from tessel.cost import layer as L
 from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec, link_time_s
 from tessel.cost.profile import Profile
-from tessel.cost.tensor_parallel import TensorParallel, shard_model
+from tessel.cost.tensor_parallel import TensorParallel, stage_rank_model
 from tessel.errors import TesselError
 from tessel.plan.files.plan_file import PlanFile, load_plan
 from tessel.plan.files.plan_parts import PlanStage, unit_kind, units_per_layer
@@ -420,7 +420,7 @@ def build_pipeline(
         last = position == len(stages) - 1
         if not last and stage.link is None:
             raise TesselError(f"stage {position} ({stage.device}) has no link to the next stage")
-        stage_model = model if stage.tp is None else shard_model(model, stage.tp.degree)
+        stage_model = stage_rank_model(model, stage.tp)
         profile = R.select_profile(list(profiles), stage_model, gpu, dtype)
         transport = None
         if not last and hosts[position] == hosts[position + 1]:

@@ -68,6 +68,14 @@ def profile(
         help="cuda: time decode as replayed CUDA graphs, as the engine runs it (default), or eagerly "
         "(for an engine run with enforce_eager).",
     ),
+    tensor_parallel_size: int = typer.Option(
+        1,
+        "--tensor-parallel-size",
+        min=1,
+        max=8,
+        help="Time one rank of a tensor-parallel stage of this degree: the busiest rank's layer (its "
+        "heads, KV heads, MLP columns: the engine's split) and its vocabulary rows. A model directory.",
+    ),
     components: Literal["all", "layer"] = typer.Option(
         "all",
         "--components",
@@ -91,6 +99,8 @@ def profile(
     out, option = _json_path(json_path, out)
     check_output_path(out, option, inputs=(model,))  # before the timing runs, not after
     shape, meta, ends, checkpoint = _layer_shape(model, tiny_shape, scale, device)
+    if tensor_parallel_size > 1:
+        shape, ends = _rank_shape(shape, ends, checkpoint, tensor_parallel_size, meta)
     settings = ProfileSettings(
         layer_copies=_layer_copies(shape, meta, dtype),
         device=device,
@@ -147,6 +157,33 @@ def _json_path(json_path: Path | None, out: Path | None) -> tuple[Path, str]:
         raise TesselError(f"--json {json_path} and --out {out} name two files; give --json alone")
     typer.echo("note: `tessel profile --out` is now --json (--out still works)", err=True)
     return out, "--out"
+
+
+def _rank_shape(shape, ends, checkpoint: Path | None, degree: int, meta: dict[str, str]):  # noqa: ANN001, ANN202
+    """(LayerShape, EndsShape) of rank 0 of `degree` (`tessel.parallel.split`: it holds the most KV
+    heads, so the most attention work, the MLP columns balancing the weights): what a TP stage's
+    step waits for. Needs the model's own checkpoint at its own width (no --scale, --tiny-shape)."""
+    from tessel.models.config import ModelConfig
+    from tessel.parallel.split import TPSplit
+    from tessel.profiling.components import EndsShape
+    from tessel.profiling.layer import LayerShape
+
+    if checkpoint is None or ends is None:
+        raise TesselError(
+            "--tensor-parallel-size times one rank of a model directory at its own width: give --model "
+            "DIR, without --tiny-shape or --scale"
+        )
+    split = TPSplit.of(ModelConfig.from_dir(checkpoint), degree, "--tensor-parallel-size")
+    rank = split.shards[0]
+    meta |= {
+        "source": f"{meta['model']} layer, rank 0 of tensor-parallel degree {degree}",
+        "tp_degree": str(degree),
+        "tp_rank": "0",
+    }
+    layer = LayerShape(
+        shape.hidden_size, rank.intermediate_size, rank.num_heads, rank.num_kv_heads, shape.head_dim
+    )
+    return layer, EndsShape(ends.hidden_size, rank.vocab_rows, ends.rms_norm_eps)
 
 
 def _layer_shape(model: str, tiny_shape: str | None, scale: int | None, device: str):  # noqa: ANN202

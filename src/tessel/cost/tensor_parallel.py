@@ -19,6 +19,11 @@ link, so `2 (d - 1) * (latency + n / (d * bandwidth))`. The links are the cluste
 NVLink at the catalog's per-direction figure with 2 us latency, PCIe peer-to-peer at the host PCIe
 figure with 10 us (`tessel.plan.files.cluster`, or what `tessel probe` measured). An all-gather
 is half of that (d - 1 steps).
+
+A degree that does not divide the heads is refused by the planner (`degree_problem`), but the engine's
+`--tensor-parallel-size` splits such a model unevenly (`tessel.parallel.split`: SmolLM2's 3 KV heads
+over 2 ranks as 2 + 1). Such a stage is priced at its busiest rank: `TensorParallel.rank_model`
+holds that rank's shard (`uneven_rank_model`), which then replaces `shard_model`.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ ALL_REDUCES_EMBED = 1  # vocab-parallel embedding: each rank looks up its rows, 
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """A stage's tensor parallelism: its degree and the slowest link of its ring."""
+    """A stage's tensor parallelism: its degree, the slowest link of its ring and, for an uneven
+    split, the busiest rank's shard (None: `shard_model`'s even one)."""
 
     degree: int
     link: LinkSpec
+    rank_model: ModelSpec | None = None
 
     def __post_init__(self) -> None:
         if self.degree < 1:
@@ -90,6 +97,33 @@ def degree_problem(model: ModelSpec, degree: int) -> str | None:
 def allowed_degrees(model: ModelSpec, max_degree: int) -> tuple[int, ...]:
     """The degrees `model` splits into, up to `max_degree`."""
     return tuple(d for d in TP_DEGREES if d <= max_degree and degree_problem(model, d) is None)
+
+
+def stage_rank_model(model: ModelSpec, tp: TensorParallel | None) -> ModelSpec:
+    """What the busiest rank of a stage computes: `tp.rank_model` where set, else the even shard."""
+    if tp is None:
+        return model
+    return tp.rank_model if tp.rank_model is not None else shard_model(model, tp.degree)
+
+
+def uneven_rank_model(
+    model: ModelSpec, degree: int, *, heads: int, kv_heads: int, intermediate_size: int
+) -> ModelSpec:
+    """One rank's shard of an uneven split: its heads, KV heads and MLP columns as given (the
+    runtime's split), its vocabulary rows ceil(V / degree) as every rank's."""
+    if not (0 < kv_heads <= heads and 0 < intermediate_size and 1 <= degree):
+        raise ValueError(
+            f"a rank holds at least one head, KV head and MLP column: heads {heads}, KV heads "
+            f"{kv_heads}, MLP columns {intermediate_size} (degree {degree})"
+        )
+    return replace(
+        model,
+        name=f"{model.name}/tp{degree}-rank",
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=math.ceil(model.vocab_size / degree),
+    )
 
 
 def shard_model(model: ModelSpec, degree: int) -> ModelSpec:
