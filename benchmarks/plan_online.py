@@ -11,6 +11,10 @@ goodput over the baseline's, planned and as the simulator confirms it. Also reco
 type's decode time per layer and how many layers a pipeline may put on it beside the fastest type
 within the TPOT SLO (`tessel.plan.online.tiers.max_slow_layers`), which is what limits the plans.
 
+The bound (`tessel.plan.online.goodput_bound`): the most goodput any plan of disjoint pipelines has
+under the online model and these SLOs, at every micro-batch size from 1 to `--bound-max-b`, against
+the baseline's goodput: below `TARGET` (1.5x) the issue's target is out of reach in this cost model.
+
     python benchmarks/plan_online.py                       # helix-like-42, 60 s, 300 requests
     python benchmarks/plan_online.py --cluster llmpq-t4-v100 --model llama-2-7b --time-limit 10
 
@@ -28,10 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 from tessel.catalog.models import load_model
+from tessel.plan.build import build_instance
 from tessel.plan.files.cluster import load_cluster
 from tessel.plan.files.workload import load_workload
+from tessel.plan.instance import gpu_memory_only
+from tessel.plan.online.goodput_bound import goodput_bound
 from tessel.plan.online.online_file import online_plan_file
-from tessel.plan.online.online_plan import OnlineSettings, plan_online
+from tessel.plan.online.online_plan import OnlineSettings, at_micro_batch, plan_online
+from tessel.plan.online.shape import OnlineShape
 from tessel.plan.online.tiers import max_slow_layers
 from tessel.plan.solvers.baselines import units_per_layer
 
@@ -87,8 +95,31 @@ def row(name: str, plan, found, sim_s: float, solve_s: float) -> dict:  # noqa: 
     }  # fmt: skip
 
 
-def _x(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:.2f}x"
+TARGET = 1.5  # issue 48: goodput over the best SLO-feasible separate same-type pipelines
+
+
+def bound_record(model, cluster, workload, slo, baseline_req_s: float | None, max_b: int) -> dict:  # noqa: ANN001
+    """The goodput bound at every micro-batch size 1..max_b, against the baseline."""
+    with _harness.stopwatch() as elapsed:
+        instances = {
+            b: gpu_memory_only(build_instance(model, cluster, at_micro_batch(workload, b)))
+            for b in range(1, max_b + 1)
+        }
+        bound = goodput_bound(instances, OnlineShape.of(workload), slo)
+    over = None if not baseline_req_s else bound.goodput_req_s / baseline_req_s
+    held = [b for b, value in bound.by_b.items() if value > 0]
+    return {
+        "bound_req_s": bound.goodput_req_s,
+        "bound_micro_batch_size": bound.micro_batch_size,
+        "bound_by_b": bound.by_b,
+        "bound_knapsack_by_b": bound.knapsack_by_b,
+        "bound_compositions": bound.compositions,
+        "bound_max_b": max_b,
+        "bound_largest_b_served": max(held, default=None),
+        "bound_over_baseline": over,
+        "target_out_of_reach": over is not None and over < TARGET,
+        "bound_s": elapsed.wall_s,
+    }
 
 
 def _x(ratio: float | None) -> str:
@@ -110,6 +141,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bound-max-b", type=int, default=128, help="the bound at every b from 1 to this")
     _harness.add_record_options(parser, "plan_online")
     args = parser.parse_args()
     console = Console(highlight=False, width=160)
@@ -154,6 +186,19 @@ def main() -> None:
         console.print(f"  {limit['gpu_type']}: {limit['decode_ms_per_layer']:.2f} ms per layer per token; a "
                       f"pipeline may hold {limit['layers_within_tpot_beside_fastest']} of its layers there "
                       "within the TPOT SLO")  # fmt: skip
+    baseline_req_s = None if plan.baseline is None else plan.baseline.goodput_req_s
+    bound = bound_record(model, cluster, workload, plan.slo, baseline_req_s, args.bound_max_b)
+    verdict = (
+        "out of reach in this cost model" if bound["target_out_of_reach"] else "not excluded by the bound"
+    )
+    at = f"at b = {bound['bound_micro_batch_size']}"
+    beyond = f"no pipeline meets the SLOs beyond b = {bound['bound_largest_b_served']}"
+    over = f"{_x(bound['bound_over_baseline'])} the baseline"
+    console.print(
+        f"bound over every plan of disjoint pipelines (b = 1..{args.bound_max_b}): "
+        f"{bound['bound_req_s']:.3f} req/s {at} ({beyond}), {over}: the {TARGET}x target is {verdict} "
+        f"({bound['bound_s']:.1f} s)"
+    )
     load_after = os.getloadavg()
     console.print(
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)"
@@ -162,7 +207,7 @@ def main() -> None:
         "model": args.model, "cluster": args.cluster, "workload": args.workload, "slo": list(plan.slo),
         "time_limit_s": args.time_limit, "requests": args.requests, "seed": args.seed, "rows": rows,
         "ratio_planned": ratio, "ratio_confirmed": confirmed, "goodput_by_b": plan.goodput_by_b,
-        "placements_priced": plan.placements_priced, "type_limits": limits,
+        "placements_priced": plan.placements_priced, "type_limits": limits, **bound,
         "loadavg_before": load_before, "loadavg_after": load_after, "cpus": os.cpu_count(),
     }  # fmt: skip
     _harness.append_record(args.out, "plan_online", result, args.label)

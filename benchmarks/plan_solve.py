@@ -500,8 +500,13 @@ def flow_rows(quick: bool) -> dict:
         if requests and name in SIMULATED_CLUSTERS:
             served = _served_flow_plan(instance, choice, b)
             if served is not None:
-                rows[-1]["simulated"] = flow_simulated(name, cluster, served, requests)
-                rows[-1]["simulated"]["plan"] = choice.kind
+                simulated = flow_simulated(name, cluster, served, requests)
+                simulated["plan"] = choice.kind
+                steady = fill_free_tok_s(choice)
+                if steady is not None:
+                    simulated["predicted_fill_free_tok_s"] = steady
+                    simulated["sim_over_fill_free"] = simulated["simulated_tok_s"] / steady
+                rows[-1]["simulated"] = simulated
     print(_harness.machine_line())  # CPU features beside the figures (the record has them in full)
     return {
         "model": "llama-2-70b",
@@ -513,6 +518,23 @@ def flow_rows(quick: bool) -> dict:
 
 FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the command line
 SIMULATED_CLUSTERS = ("helix-like-42", "helix-like-24")  # the issue-48 targets: simulated beside predicted
+
+
+def fill_free_tok_s(choice) -> float | None:  # noqa: ANN001
+    """The chosen replicas priced without the pipeline fill in steady state: a round of k micro-batches
+    through stages W_j takes max(sum W, k max W) per pass (a closed cycle: the bottleneck never idles
+    once k >= S), where the planner charges sum W + (k - 1) max W. None for a flow plan."""
+    if choice.flow is not None:
+        return None
+    total = 0.0
+    for replica in choice.replicas.replicas:
+        instance, evaluation, k = replica.instance, replica.result.evaluation, replica.micro_batches
+        passes = [[s.time_prefill_s for s in evaluation.stages], [s.time_decode_s for s in evaluation.stages]]
+        weights = (instance.prefill_weight, instance.decode_weight)
+        steady = sum(w * max(sum(t), k * max(t)) for w, t in zip(weights, passes, strict=True))
+        filled = sum(w * (sum(t) + (k - 1) * max(t)) for w, t in zip(weights, passes, strict=True))
+        total += replica.throughput_tok_s * filled / steady
+    return total
 
 
 def _served_flow_plan(instance, choice, b: int):

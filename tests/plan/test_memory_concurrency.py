@@ -245,3 +245,37 @@ def test_compositions_bound_counts_whole_units(units_held: float, holds: bool) -
     assert (bound > 0) == holds
     if not holds:
         assert brute_force(instance).solution is None  # the oracle: no pipeline holds the model
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_units=st.integers(1, 3),
+    n_devices=st.integers(3, 4),
+    cap=st.sampled_from([None, 2]),
+    slow=st.sampled_from([20.0, 300.0]),
+)
+def test_compositions_bound_with_sends_and_islands_holds(seed, n_units, n_devices, cap, slow) -> None:
+    """Every device on its own node, in two regions whose links are `slow` times slower between them:
+    two network islands, so the bound charges each pipeline its least sends and a send between
+    islands per island it adds. Still at least brute force over every split, every k and every
+    pipeline of each group."""
+    from tessel.plan.instance import PassCosts
+    from tessel.plan.replicas.islands import network_islands
+
+    instance = memory_instance(seed, n_units, n_devices)
+    region = np.arange(n_devices) % 2
+    devices = tuple(replace(d, node=f"r{region[j]}-n{j}") for j, d in enumerate(instance.devices))
+    factor = np.where(np.equal.outer(region, region), 1.0, slow)
+
+    def slowed(c: PassCosts) -> PassCosts:
+        send = np.asarray(c.send_s)
+        link = float(np.max(send)) * factor
+        np.fill_diagonal(link, 0.0)
+        return replace(c, send_s=link)
+
+    instance = replace(
+        instance, devices=devices, prefill=slowed(instance.prefill), decode=slowed(instance.decode)
+    )
+    assert len(network_islands(instance)) == 2
+    assert brute_memory(instance, cap) <= pipelines_bound_tok_s(instance, 1, cap) * (1 + RTOL)

@@ -626,7 +626,8 @@ def _partitions(items: list[int]):
 
 def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
     """On a cluster of several network islands (regions, `islands.network_islands`), splits inside
-    the islands first: each island whole, and each island's own type splits side by side. Then
+    the islands first: each island whole, the islands of the same GPU types joined
+    (`_join_alike_islands`), and each island's own type splits side by side. Then
     same-type groups (smallest that holds the model, and twice that), leftovers pooled into mixed
     groups by memory; and the whole cluster as one pipeline."""
     by_type = _by_type(instance, range(instance.n_devices))
@@ -636,6 +637,9 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
         whole = [list(island) for island in islands if holds_model(instance, island)]
         if whole:
             splits.append(whole)
+        joined = _join_alike_islands(instance, islands)
+        if joined is not None and joined not in splits:
+            splits.append(joined)
         inside = [_type_splits(instance, _by_type(instance, island)) for island in islands]
         for variant in range(len(TYPE_SPLIT_VARIANTS)):
             groups = [g for island in inside for g in island[variant]]
@@ -653,6 +657,17 @@ def _candidate_splits(instance: PlanningInstance) -> list[list[list[int]]]:
         if all(holds_model(instance, tuple(g)) for g in groups) and groups not in splits:
             splits.append(groups)
     return [*splits, [list(range(instance.n_devices))]]  # the whole cluster last: the slowest to plan
+
+
+def _join_alike_islands(instance: PlanningInstance, islands: list[tuple[int, ...]]) -> list[list[int]] | None:
+    """The islands with the same GPU types joined into one group each (a pipeline that crosses the slow
+    link, but holds more micro-batches' KV than either island alone); None when no two are alike."""
+    joined: dict[frozenset[str], list[int]] = {}
+    for island in islands:
+        joined.setdefault(frozenset(instance.devices[j].gpu_type for j in island), []).extend(island)
+    if len(joined) == len(islands):
+        return None
+    return list(joined.values())
 
 
 def _by_type(instance: PlanningInstance, devices) -> dict[str, list[int]]:

@@ -15,21 +15,33 @@ piecewise linear in the bottleneck M (fill the fastest classes first up to min(c
 its minimum sits at a breakpoint: a class reaching its cap, a prefix of classes covering U alone,
 or the least M that covers U. UB(c) = max_k k / that minimum bounds every pipeline of composition c.
 
-The best plan is a set of pipelines using at most N_t devices of each class, so the linear program
-max sum_c lambda_c UB(c), sum_c c_t lambda_c <= N_t, lambda >= 0 (with a cap on the micro-batches in
-all, one column per (c, k) and sum k lambda <= cap) bounds it. Unlike the per-device rows of
-`memory_bound` it knows that the fast devices one pipeline uses are not there for another.
-Communication, first / last stage extras and whole layers are left out (they only lower a plan).
+Communication: every stage but the last sends a micro-batch's hidden states to the next, so S
+carries at least (stages - 1) of the least send of a round (prefill + n_out decode steps) between
+two devices. Classes are also split by network island (`tessel.plan.replicas.islands`): a pipeline
+whose devices sit on r islands has at least r - 1 stages whose successor is on another island, each
+paying at least the least send between islands, and its bottleneck W is at least that send. (With
+`overlap` a stage's time is the max of compute and comm: no send is counted. When the islands would
+make more than `MAX_COMPOSITIONS` compositions, classes ignore them and only the least send counts.)
+
+The best plan is a set of whole pipelines using at most N_t devices of each class, so the integer
+program max sum_c lambda_c UB(c), sum_c c_t lambda_c <= N_t, lambda >= 0 whole (with a cap on the
+micro-batches in all, one column per (c, k) and sum k lambda <= cap) bounds it: the lesser of its
+linear relaxation and its exact optimum without the cap (a knapsack over the devices left). Unlike
+the per-device rows of `memory_bound` it knows that the fast devices one pipeline uses are not there
+for another, and that a pipeline is not taken in fractions. First / last stage extras are left out
+(they only lower a plan).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from tessel.plan.instance import PlanningInstance
+from tessel.plan.replicas.islands import island_of
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL
 from tessel.plan.solvers.highs import highs_lp, new_highs
 
@@ -55,33 +67,40 @@ def pipelines_bound_tok_s(
     free = memory + FEASIBILITY_ATOL_BYTES - np.asarray(relaxed.workspace_bytes, dtype=float)
     if np.any(work <= 0):
         return math.inf
-    classes: dict[tuple[float, float], int] = {}
-    for w, f in zip(work, free, strict=True):
-        if math.isfinite(w) and f > 0:  # a device that runs no unit or holds nothing is no stage
-            classes[(float(w), float(f))] = classes.get((float(w), float(f)), 0) + 1
+    sends = _Sends.of(relaxed, n_out)
+    classes = _device_classes(work, free, sends.island)
     if not classes:
         return 0.0
+    if math.prod(c + 1 for c in classes.values()) > MAX_COMPOSITIONS:  # islands merged: fewer classes
+        sends = _Sends(sends.least_s, sends.least_s, [0] * len(sends.island))
+        classes = _device_classes(work, free, sends.island)
     keys = sorted(classes)  # fastest first
     counts = [classes[key] for key in keys]
     if math.prod(c + 1 for c in counts) > MAX_COMPOSITIONS:
         return math.inf
     w_t = np.array([key[0] for key in keys])
     free_t = np.array([key[1] for key in keys])
+    island_t = np.array([key[2] for key in keys])
     columns = []  # (composition, k, rounds per second)
     for composition in itertools.product(*(range(c + 1) for c in counts)):
         c = np.array(composition, dtype=float)
         if not c.any():
             continue
-        for k, rate in _rates(c, w_t, free_t, weight, kv, relaxed.n_units, max_micro_batches):
+        send, least_bottleneck = sends.of_composition(c, island_t)
+        for k, rate in _rates(
+            c, w_t, free_t, weight, kv, relaxed.n_units, max_micro_batches, send, least_bottleneck
+        ):
             columns.append((c, k, rate))
     if not columns:
         return 0.0
     cap = max_micro_batches if max_micro_batches is not None and max_micro_batches <= EXACT_K else None
-    best = _lp(columns, np.array(counts, dtype=float), cap)  # a larger cap left out only loosens it
+    best = most_pipelines(
+        columns, np.array(counts, dtype=float), cap
+    )  # a larger cap left out only loosens it
     return micro_batch_size * n_out * best * (1 + LP_SLACK)
 
 
-def _rates(c, w_t, free_t, weight, kv, n_units, cap):
+def _rates(c, w_t, free_t, weight, kv, n_units, cap, send: float = 0.0, least_bottleneck: float = 0.0):
     """(k, most rounds per second of a pipeline of composition c with k micro-batches): one column
     per k when the micro-batches in all are capped (at most `EXACT_K`), else one column bounding
     every k. Between grid points k_i < k_(i+1) the rate is at most (k_(i+1) - 1) / f(k_i): f only
@@ -94,14 +113,61 @@ def _rates(c, w_t, free_t, weight, kv, n_units, cap):
         return []
     if exact:
         ks = np.arange(1, k_most + 1)
-        least = _least_round(c, w_t, _caps(free_t, weight, kv, ks), ks, n_units)
+        least = _least_round(c, w_t, _caps(free_t, weight, kv, ks), ks, n_units, send, least_bottleneck)
         return list(zip(ks.tolist(), (ks / least).tolist(), strict=True))
     grid = np.unique(np.concatenate([np.arange(1, min(k_most, EXACT_K) + 1), _geometric(EXACT_K, k_most)]))
-    least = _least_round(c, w_t, _caps(free_t, weight, kv, grid), grid, n_units)
+    least = _least_round(c, w_t, _caps(free_t, weight, kv, grid), grid, n_units, send, least_bottleneck)
     ends = np.append(grid[1:] - 1, k_most)  # the last k each grid point stands for
     rates = ends / least
     i = int(np.argmax(rates))
     return [(int(ends[i]), float(rates[i]))]
+
+
+def _device_classes(work, free, island) -> dict[tuple[float, float, int], int]:
+    """Devices alike in per-unit work, free memory and network island, counted."""
+    classes: dict[tuple[float, float, int], int] = {}
+    for w, f, i in zip(work, free, island, strict=True):
+        if math.isfinite(w) and f > 0:  # a device that runs no unit or holds nothing is no stage
+            key = (float(w), float(f), int(i))
+            classes[key] = classes.get(key, 0) + 1
+    return classes
+
+
+@dataclass(frozen=True, slots=True)
+class _Sends:
+    """What a pipeline's sends cost at least: every stage but the last sends one micro-batch's hidden
+    states to the next (prefill + n_out decode steps per round), at least `least_s`; a pipeline on r
+    network islands (`tessel.plan.replicas.islands`) has at least r - 1 stages whose successor sits
+    on another island, each at least `crossing_s`, and such a stage's W is at least that send. With
+    `overlap` a stage's time is the max of compute and comm, not the sum: no send is counted."""
+
+    least_s: float
+    crossing_s: float
+    island: list[int]
+
+    @classmethod
+    def of(cls, instance: PlanningInstance, n_out: float) -> _Sends:
+        n = instance.n_devices
+        island = island_of(instance)
+        if instance.overlap or n < 2:
+            return cls(0.0, 0.0, island)
+        round_s = np.asarray(instance.prefill.send_s, dtype=float) + n_out * np.asarray(
+            instance.decode.send_s, dtype=float
+        )
+        apart = ~np.eye(n, dtype=bool)
+        crossing = apart & ~np.equal.outer(island, island)
+        least = float(np.min(round_s[apart]))
+        across = float(np.min(round_s[crossing])) if crossing.any() else least
+        return cls(max(least, 0.0), max(across, least, 0.0), island)
+
+    def of_composition(self, c: np.ndarray, island_t: np.ndarray) -> tuple[float, float]:
+        """(the least the sends add to S, the least bottleneck W they force) for composition c."""
+        stages = float(np.sum(c))
+        if stages < 2:
+            return 0.0, 0.0
+        islands = len(set(island_t[c > 0].tolist()))
+        send = (stages - islands) * self.least_s + (islands - 1) * self.crossing_s
+        return send, self.crossing_s if islands > 1 else self.least_s
 
 
 def _geometric(start: int, stop: int) -> np.ndarray:
@@ -136,17 +202,23 @@ def _most_k(c, free_t, weight, kv, n_units) -> int:
     return lo
 
 
-def _least_round(c, w_t, caps, ks, n_units: int) -> np.ndarray:
+def _least_round(
+    c, w_t, caps, ks, n_units: int, send: float = 0.0, least_bottleneck: float = 0.0
+) -> np.ndarray:
     """[K]: min over fractional layouts of S + (k - 1) M (module docstring), at the breakpoints in M:
-    each class at its cap, and the least M at which the fastest i classes alone cover the units."""
+    each class at its cap, the least M at which the fastest i classes alone cover the units, and the
+    least bottleneck the sends allow; `send` (the least the composition's sends add to S) on top."""
     used = c > 0
     w, c, caps = w_t[used], c[used], caps[:, used]
     candidates = [caps * w[None, :]]
     for i in range(1, len(w) + 1):
         candidates.append(_cover_m(w[:i], c[:i], caps[:, :i], n_units)[:, None])
+    if least_bottleneck > 0:
+        candidates.append(np.full((caps.shape[0], 1), least_bottleneck))
     m = np.concatenate(candidates, axis=1)  # [K, breakpoints]
-    total = _sum_at(w, c, caps, m, n_units)
-    fill = (np.asarray(ks, dtype=float)[:, None] - 1) * np.where(np.isfinite(m), m, 0.0)
+    total = _sum_at(w, c, caps, m, n_units) + send
+    bottleneck = np.maximum(np.where(np.isfinite(m), m, 0.0), least_bottleneck)
+    fill = (np.asarray(ks, dtype=float)[:, None] - 1) * bottleneck
     return np.min(total + fill, axis=1)  # total is inf wherever m is
 
 
@@ -180,7 +252,11 @@ def _sum_at(w, c, caps, m, n_units: int) -> np.ndarray:
     return np.where((left <= 1e-9 * n_units) & np.isfinite(m), total, np.inf)
 
 
-def _lp(columns, counts: np.ndarray, cap: int | None) -> float:
+def most_pipelines(columns, counts: np.ndarray, cap: int | None = None) -> float:
+    """max sum_j rate_j x_j over columns (composition c_j, micro-batches k_j, rate_j) with
+    sum_j c_jt x_j <= N_t (and sum_j k_j x_j <= cap): the lesser of the linear program's value and the
+    best whole numbers of pipelines without the cap (`_whole_pipelines`); inf when the LP has no
+    optimum."""
     import highspy
 
     n_cols, n_classes = len(columns), len(counts)
@@ -210,4 +286,28 @@ def _lp(columns, counts: np.ndarray, cap: int | None) -> float:
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return math.inf
-    return -float(h.getInfo().objective_function_value)
+    relaxed = -float(h.getInfo().objective_function_value)
+    return min(relaxed, _whole_pipelines(columns, counts))
+
+
+def _whole_pipelines(columns, counts: np.ndarray) -> float:
+    """The most summed rate of whole pipelines within the device counts, exactly: a knapsack over the
+    vectors of devices left (prod (N_t + 1) states, no more than the compositions), each state the
+    best of its compositions plus the state of the devices they leave (inf: too many states)."""
+    shape = tuple(int(n) + 1 for n in counts)
+    n_states = math.prod(shape)
+    if n_states > MAX_COMPOSITIONS:
+        return math.inf
+    best_rate: dict[tuple[int, ...], float] = {}
+    for c, _, rate in columns:
+        key = tuple(int(x) for x in c)
+        best_rate[key] = max(best_rate.get(key, 0.0), float(rate))
+    comps = np.array(list(best_rate), dtype=int).reshape(-1, len(shape))
+    rates = np.array(list(best_rate.values()))
+    offsets = np.ravel_multi_index(comps.T, shape)  # the index is linear: idx(v - c) = idx(v) - idx(c)
+    best = np.zeros(n_states)
+    for i, v in enumerate(np.ndindex(*shape)):
+        fits = np.all(comps <= np.array(v), axis=1)
+        if fits.any():
+            best[i] = max(best[i], float(np.max(rates[fits] + best[i - offsets[fits]])))
+    return float(best[-1])
