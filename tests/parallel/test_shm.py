@@ -4,13 +4,16 @@ sets), and a dead peer raises instead of spinning forever."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
+from tessel.parallel import shm
 from tessel.parallel.shm import PEER_CHECK_S, SLOT_BYTES, PeerGoneError, ShmAllReduce, create_segment
 
 
@@ -45,6 +48,25 @@ def test_a_dead_peer_raises(tmp_path) -> None:
     with pytest.raises(PeerGoneError, match=rf"rank 1 \(pid {gone.pid}\) is no longer running"):
         rank.all_reduce(torch.ones(3))
     assert PEER_CHECK_S < 1
+
+
+def test_a_stopped_peer_raises_after_the_limit(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A peer that stays stopped (SIGSTOP) through the limit raises, naming it; within the limit the
+    wait goes on (a resumed peer would finish the call)."""
+    monkeypatch.setattr(shm, "STOPPED_LIMIT_S", 0.5)
+    path = tmp_path / "segment"
+    create_segment(path, 2)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        peer.send_signal(signal.SIGSTOP)
+        rank = ShmAllReduce(path, 0, 2, [os.getpid(), peer.pid])
+        started = time.perf_counter()
+        with pytest.raises(PeerGoneError, match=rf"rank 1 \(pid {peer.pid}\) has been stopped for"):
+            rank.all_reduce(torch.ones(3))
+        assert time.perf_counter() - started >= 0.5
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 def test_create_segment_never_overwrites_a_file(tmp_path) -> None:  # noqa: ANN001

@@ -118,6 +118,26 @@ def test_a_killed_follower_stops_the_engine_with_its_name(checkpoints) -> None:
         tp.shutdown()
 
 
+def test_a_stopped_follower_stops_the_engine_with_its_name(checkpoints, monkeypatch) -> None:  # noqa: ANN001
+    """SIGSTOP, not a death: the leader waits in the step's broadcast (gloo), the watcher sees the
+    follower stopped through the whole limit, names it and kills it, and the step raises that."""
+    from tessel.parallel import shm
+
+    monkeypatch.setattr(shm, "STOPPED_LIMIT_S", 0.5)
+    tp = LLM(str(checkpoints("llama")), num_kv_blocks=64, tensor_parallel_size=2)
+    follower = None
+    try:
+        tp.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))
+        follower = tp.executor.procs[0]
+        os.kill(follower.pid, signal.SIGSTOP)
+        with pytest.raises(Exception, match=rf"rank 1 \(pid {follower.pid}\) has been stopped for"):
+            tp.generate(PROMPTS, GREEDY)
+    finally:
+        if follower is not None and follower.poll() is None:  # the watcher killed it: nothing to resume
+            os.kill(follower.pid, signal.SIGCONT)
+        tp.shutdown()
+
+
 def test_the_cli_refuses_a_degree_the_model_cannot_split(checkpoints) -> None:
     import subprocess
     import sys

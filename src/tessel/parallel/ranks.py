@@ -4,7 +4,10 @@ Used by `TensorParallelExecutor` (the engine's process is the leader) and by a p
 `tp_degree` > 1 (the stage's process is the leader of its own rank set). Followers are processes of
 this machine that die with their leader (`PR_SET_PDEATHSIG`), each logging to `<prefix>rank<r>.log`
 in the run directory. A follower that exits is noticed by a watcher thread (`failure`, naming the
-rank and its cause: the signal, or its log's last lines), and by the leader's next collective.
+rank and its cause: the signal, or its log's last lines), and by the leader's next collective. A
+follower stopped (SIGSTOP, a debugger's stop) for `shm.STOPPED_LIMIT_S` holds the leader in its next
+collective for as long as it stays stopped (gloo waits on an open socket): the watcher then names it
+and kills it, which ends that collective with the watcher's message instead of a hang.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tessel.models.layer_filter import LayerFilter
+from tessel.parallel import shm
 from tessel.parallel.follower import RankOptions
 from tessel.parallel.group import RankLostError, TPGroup, join_tp_group, rank_device
 from tessel.pipeline.supervision.launcher import die_with_parent, failure_cause_of, free_port, terminate
@@ -83,7 +87,8 @@ class TPRanks:
             )
 
     def _watch(self) -> None:
-        """Set `failure` when a follower exits before it is told to stop."""
+        """Set `failure` when a follower exits before it is told to stop, or stays stopped."""
+        stopped_since: dict[int, float] = {}
         while not self.stopping and self.failure is None:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
@@ -91,7 +96,25 @@ class TPRanks:
                     cause = self._cause(rank, code)
                     self.failure = RankLostError(f"tensor-parallel rank {rank} (pid {proc.pid}) {cause}")
                     return
+                if self._stopped_too_long(rank, proc, stopped_since):
+                    return
             time.sleep(WATCH_INTERVAL_S)
+
+    def _stopped_too_long(self, rank: int, proc: subprocess.Popen, stopped_since: dict[int, float]) -> bool:
+        """Whether follower `rank` has been stopped for the limit (then named in `failure`, killed)."""
+        if shm.process_state(proc.pid) not in shm.STOPPED_STATES:
+            stopped_since.pop(rank, None)
+            return False
+        now = time.monotonic()
+        since = stopped_since.setdefault(rank, now)
+        if now - since < shm.STOPPED_LIMIT_S:
+            return False
+        self.failure = RankLostError(
+            f"tensor-parallel rank {rank} (pid {proc.pid}) has been stopped for {now - since:.0f} s (SIGSTOP "
+            "or a debugger) and was killed: every rank waits for it in each step"
+        )
+        proc.kill()
+        return True
 
     def _cause(self, rank: int, code: int) -> str:
         try:

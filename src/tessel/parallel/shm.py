@@ -11,7 +11,8 @@ reads call k, never call k + 2 (it waits for that rank's call k + 1 first).
 The counter is stored after the slot's data; x86 keeps stores in program order (TSO), which this
 relies on (another architecture would need a fence: there `join_tp_group` keeps gloo). A wait checks,
 every `PEER_CHECK_S`, that every peer process still lives, so a dead peer raises instead of spinning
-forever.
+forever; a peer stopped (SIGSTOP, a debugger's stop) through a whole `STOPPED_LIMIT_S` of one wait
+raises too, naming it, since a stopped rank holds every other rank in the same collective.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ SLOT_BYTES = 8 * 2**20  # per rank and call parity; larger tensors go over gloo
 FLAG_STRIDE = 8  # int64s between two ranks' counters (one 64-byte cache line each)
 SPIN_S = 50e-6  # busy-wait this long before yielding the core between checks
 PEER_CHECK_S = 0.05
+STOPPED_LIMIT_S = 10.0  # a peer stopped this long within one wait stops this rank
+STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, stopped by a tracer
 
 
 class PeerGoneError(RuntimeError):
@@ -83,24 +86,37 @@ class ShmAllReduce:
         others = [r * FLAG_STRIDE for r in range(self.degree) if r != self.rank]
         started = time.perf_counter()
         checked = started
+        stopped_since: dict[int, float] = {}  # peer rank -> when this wait first saw it stopped
         while any(flags[i] < k for i in others):
             now = time.perf_counter()
             if now - started > SPIN_S:
                 os.sched_yield()
             if now - checked > PEER_CHECK_S:
                 checked = now
-                self._check_peers()
+                self._check_peers(now, stopped_since)
 
-    def _check_peers(self) -> None:
+    def _check_peers(self, now: float, stopped_since: dict[int, float]) -> None:
         for rank, pid in enumerate(self.pids):
-            if rank != self.rank and not _running(pid):
+            if rank == self.rank:
+                continue
+            state = process_state(pid)
+            if state is None or state in ("Z", "X"):
                 raise PeerGoneError(f"tensor-parallel rank {rank} (pid {pid}) is no longer running")
+            if state not in STOPPED_STATES:
+                stopped_since.pop(rank, None)
+                continue
+            since = stopped_since.setdefault(rank, now)
+            if now - since >= STOPPED_LIMIT_S:
+                raise PeerGoneError(
+                    f"tensor-parallel rank {rank} (pid {pid}) has been stopped for {now - since:.0f} s "
+                    "(SIGSTOP or a debugger): every rank waits for it; resume it with SIGCONT before "
+                    f"{STOPPED_LIMIT_S:g} s, or the stage stops"
+                )
 
 
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
+def process_state(pid: int) -> str | None:
+    """Process `pid`'s state letter (/proc/PID/stat), None when it no longer exists."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return None
