@@ -39,6 +39,31 @@ def test_ranks_get_the_same_rank_order_sum(tmp_path) -> None:
     assert not ranks[0].fits(torch.empty(SLOT_BYTES // 4 + 1))
 
 
+def test_gather_to_the_leader_between_all_reduces(tmp_path) -> None:  # noqa: ANN001
+    """Rank 0 gets every rank's columns in rank order (what gloo's gather gives), call after call,
+    gathers and all-reduces interleaved on the two slot sets; the others get None."""
+    path = tmp_path / "segment"
+    create_segment(path, 3)
+    ranks = [ShmAllReduce(path, r, 3, [os.getpid()] * 3) for r in range(3)]
+    inputs = [[torch.randn(4, n) for n in (5, 1, 7, 3)] for _ in range(3)]
+    outputs: list[list] = [[], [], []]
+
+    def run(rank: int) -> None:
+        for t in inputs[rank]:
+            outputs[rank].append(ranks[rank].gather_to_leader(t))
+            outputs[rank].append(ranks[rank].all_reduce(t.clone()))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for call, parts in enumerate(zip(*inputs, strict=True)):
+        assert torch.equal(outputs[0][2 * call], torch.cat(parts, dim=-1))
+        assert outputs[1][2 * call] is None and outputs[2][2 * call] is None
+        assert torch.equal(outputs[0][2 * call + 1], outputs[2][2 * call + 1])
+
+
 def test_a_dead_peer_raises(tmp_path) -> None:
     path = tmp_path / "segment"
     create_segment(path, 2)

@@ -108,6 +108,11 @@ class TPGroup:
         if self.degree == 1:
             return tensor
         tensor = tensor.contiguous()
+        if self.shm is not None and self.shm.fits(tensor):
+            try:
+                return self.shm.gather_to_leader(tensor)
+            except PeerGoneError as error:
+                raise RankLostError(f"tensor-parallel rank {self.rank}: {error}") from error
         if not self.is_leader:
             self._wait(self.data.send([tensor], 0, GATHER_TAG))
             return None

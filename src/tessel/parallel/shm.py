@@ -1,4 +1,4 @@
-"""All-reduce between CPU ranks of one machine through shared memory.
+"""All-reduce (and gather to rank 0) between CPU ranks of one machine through shared memory.
 
 gloo's all-reduce costs about a millisecond on this machine whatever the size (two process wake-ups
 per call, measured: 0.9 ms for 32 x 576 floats between two processes), and a decode step of a
@@ -80,6 +80,26 @@ class ShmAllReduce:
             else:
                 torch.maximum(flat, other, out=flat)
         return tensor
+
+    def gather_to_leader(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `tensor` [N, C] (contiguous, same shape on every rank, at most `SLOT_BYTES`)
+        -> on rank 0 [N, C * degree] in rank order, None on the others. One call of the same
+        protocol as `all_reduce` (every rank raises its counter after writing its slot); rank 0 reads
+        the slots once every counter is there, and a rank reuses this call's slots only two calls
+        later, after rank 0's next counter says it has read them."""
+        self.calls += 1
+        k, nbytes = self.calls, tensor.numel() * tensor.element_size()
+        slots = self.slots[k % 2]
+        if self.rank != 0:
+            slots[self.rank, :nbytes].view(tensor.dtype).copy_(tensor.view(-1))
+        self.flags[self.rank * FLAG_STRIDE] = k
+        self._wait_for(k)
+        if self.rank != 0:
+            return None
+        parts = [tensor] + [
+            slots[r, :nbytes].view(tensor.dtype).view(tensor.shape) for r in range(1, self.degree)
+        ]
+        return torch.cat(parts, dim=-1)
 
     def _wait_for(self, k: int) -> None:
         flags = self.flags
