@@ -71,7 +71,7 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # grows by appends; any other change makes a new list
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []  # prefix-cache keys of full blocks
         self.num_registered_blocks = 0  # leading blocks whose key is in the prefix cache
         self.host_blocks: list[int] = []  # host pool blocks of its computed tokens while swapped out
