@@ -105,7 +105,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = hits * self.block_size
         seq.num_registered_blocks = hits
-        seq.metrics.num_cached_tokens = hits * self.block_size
+        seq.metrics = seq.metrics.but(num_cached_tokens=hits * self.block_size)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table cover `num_tokens` tokens; False (and no change) if the pool is short."""

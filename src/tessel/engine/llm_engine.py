@@ -557,7 +557,7 @@ class LLMEngine:
         token_ids = seq.token_ids
         token_ids.append(token)
         if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
+            seq.metrics = seq.metrics.but(first_token_time=now)
         params, detok = seq.params, self._detokenizers[seq.request_id]
         reason = None
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
@@ -601,7 +601,7 @@ class LLMEngine:
             seq.finish_reason,
             seq.num_prompt_tokens,
             num_output_tokens,
-            seq.metrics.snapshot(),
+            seq.metrics,
             seq.prompt,
             seq.error,
             list(seq.logprobs) if params.logprobs is not None else None,
@@ -638,7 +638,7 @@ class LLMEngine:
             seq = self._requests.get(request_id)
             if seq is not None:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                seq.metrics.finish_time = time.time()
+                seq.metrics = seq.metrics.but(finish_time=time.time())
                 self._detokenizers[request_id].finish()
                 self._pending.append(self._output(seq, []))
         self.executor = executor

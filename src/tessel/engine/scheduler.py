@@ -82,7 +82,7 @@ class Scheduler:
         else:
             out.prefills.append((seq, n))
         if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = time.time()
+            seq.metrics = seq.metrics.but(first_scheduled_time=time.time())
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: list[Sequence] = []
@@ -172,4 +172,4 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.metrics.finish_time = time.time()
+        seq.metrics = seq.metrics.but(finish_time=time.time())

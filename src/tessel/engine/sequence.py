@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestMetrics:
-    """Wall-clock times (time.time()) and prefix-cache hits of one request."""
+    """Wall-clock times (time.time()) and prefix-cache hits of one request. Frozen: a change makes a
+    new one (`but`), so every output shares its request's metrics of the moment, copied never."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -29,16 +31,9 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0
 
-    def snapshot(self) -> RequestMetrics:
-        """A copy later steps do not change (each output carries one: built field by field, as
-        `dataclasses.replace` is slow for something made once per request per step)."""
-        return RequestMetrics(
-            self.arrival_time,
-            self.first_scheduled_time,
-            self.first_token_time,
-            self.finish_time,
-            self.num_cached_tokens,
-        )
+    def but(self, **changes: float | int | None) -> RequestMetrics:
+        """A copy with `changes` (a few per request, not per step)."""
+        return dataclasses.replace(self, **changes)
 
 
 class Sequence:
