@@ -20,7 +20,9 @@ steps untimed, then:
      `forward`, step by step: what the step costs beside the model;
   2. a timer around each call made once per request a step, `detokenise` and `output` (taken out
      of `finish`), on the wall clock (a thread-time read is a system call), less each call's timer
-     cost as measured in the same process.
+     cost as measured in the same process. Since issue 47 a request without stop strings (these)
+     is detokenized only when its output's text is read, which no step here does: its
+     `detokenise` is 0, and the contract floor still counts one `DecodeStream` step.
 
 The tiny model's tokenizer is word-level (see `tiny_model`): a random model under a byte-level
 tokenizer emits broken UTF-8 that a trained model does not.

@@ -105,12 +105,14 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = hits * self.block_size
         seq.num_registered_blocks = hits
-        seq.metrics.num_cached_tokens = hits * self.block_size
+        seq.metrics = seq.metrics.but(num_cached_tokens=hits * self.block_size)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table cover `num_tokens` tokens; False (and no change) if the pool is short."""
-        need = seq.num_blocks_for(num_tokens) - len(seq.block_table)
-        if need > self.num_free_blocks:
+        need = -(-num_tokens // seq.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > len(self.free_blocks):
             return False
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
@@ -132,14 +134,31 @@ class BlockManager:
             return 0
         first_read = seq.num_computed_tokens - self.window_tokens + 1  # the next query's first key
         behind = min(max(first_read, 0) // self.block_size, len(seq.block_table))
+        if not behind or seq.block_table[behind - 1] == FREED:
+            return 0
+        table = list(seq.block_table)  # a new list: a table changes in place only by appends (DecodeRows)
         freed = 0
         for i in range(behind - 1, -1, -1):  # the freed entries are a prefix of the table
-            if seq.block_table[i] == FREED:
+            if table[i] == FREED:
                 break
-            self._release(seq.block_table[i])
-            seq.block_table[i] = FREED
+            self._release(table[i])
+            table[i] = FREED
             freed += 1
+        seq.block_table = table
         return freed
+
+    def commit_computed(self, seqs: list[Sequence]) -> None:
+        """After a step computed tokens of `seqs`: each one's newly full blocks into the prefix cache
+        (`register_computed_blocks`) and its blocks behind the window back to the pool
+        (`free_behind_window`); a sequence with neither to do costs one comparison."""
+        if self.enable_prefix_caching:
+            bs = self.block_size
+            for seq in seqs:
+                if min(seq.num_computed_tokens, len(seq.token_ids)) // bs > seq.num_registered_blocks:
+                    self.register_computed_blocks(seq)
+        if self.window_tokens is not None:
+            for seq in seqs:
+                self.free_behind_window(seq)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Put `seq`'s full blocks whose k/v are now computed into the prefix cache."""
@@ -220,6 +239,9 @@ class PathBlockManagers:
 
     def free(self, seq: Sequence) -> None:
         self._of(seq).free(seq)
+
+    def commit_computed(self, seqs: list[Sequence]) -> None:
+        return None
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         return None

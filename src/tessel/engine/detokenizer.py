@@ -7,6 +7,11 @@ algorithm in one call per token instead of two decodes from Python (the `detoken
 benchmarks/host_step.py). With stop strings, the last `max(len(stop)) - 1` characters are held
 back until the request ends, so streamed text never shows the start of a stop string that is
 later cut.
+
+Without stop strings the engine needs no text to run a request, so with a `DecodeStream` the
+detokenizer is `deferred`: the engine feeds it nothing while it steps, and an output's `text` is
+decoded when first read (`text_of`, through `RequestOutput`): the same `DecodeStream` steps, token
+by token, only off the step (a server reads each output; `LLM.generate` only the last).
 """
 
 from __future__ import annotations
@@ -23,8 +28,15 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading sp
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        may_defer: bool = False,
     ) -> None:
+        """`may_defer`: the caller feeds the tokens when their text is read (`text_of`) where it can
+        (no stop strings, a `DecodeStream`); `deferred` says whether it does."""
         backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: no Python overhead
         self._decode_fn = backend.decode if backend is not None and hasattr(backend, "decode") else None
         self._backend = backend
@@ -38,9 +50,14 @@ class IncrementalDetokenizer:
         self.full_text = ""  # everything decoded so far (before any stop-string cut)
         self.text = ""  # what the caller may see
         self.stopped_by: str | None = None
+        self.ends = [0]  # len(full_text) after each output token added (the first: none yet)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.emitted_chars = 0  # characters of text the caller has reported (not deferred)
+        self.emitted_tokens = 0  # output tokens the caller has reported (deferred)
         self._stream = None
         if DecodeStream is not None and self._decode_fn is not None:
             self._stream = DecodeStream(ids=self.tokens, skip_special_tokens=skip_special_tokens)
+        self.deferred = may_defer and not stop and self._stream is not None
 
     def _decode(self, ids: list[int]) -> str:
         if self._decode_fn is not None:
@@ -61,7 +78,11 @@ class IncrementalDetokenizer:
                 if found:
                     index, self.stopped_by = min(found)
                     self.text = self.full_text[:index]
+                    self.ends.append(len(self.full_text))
                     return self.stopped_by
+        self.ends.append(len(self.full_text))
+        if self.deferred:  # `text` is set when it ends (`_release`); before, `text_of` slices
+            return None
         visible = len(self.full_text) - self.hold_back
         if visible > len(self.text):
             self.text = self.full_text[:visible]
@@ -77,8 +98,24 @@ class IncrementalDetokenizer:
             return window[len(prefix) :]
         return None
 
+    def text_of(self, all_ids: list[int], count: int, finished: bool) -> str:
+        """A deferred request's text after its first `count` output tokens (`all_ids`: prompt + output
+        so far), as `add_token` would have shown it then; `finished`: it ended there (`finish`)."""
+        start = self.num_prompt_tokens
+        while len(self.ends) <= count:
+            self.add_token(all_ids[start + len(self.ends) - 1])
+        if finished:
+            self._release()
+            return self.text
+        return self.full_text[: self.ends[count]]
+
     def finish(self) -> None:
-        """The request ended: release held-back text (unless a stop string cut it)."""
+        """The request ended: release held-back text (unless a stop string cut it). Deferred: nothing
+        yet (its last output's `text_of` does it, once every token is in)."""
+        if not self.deferred:
+            self._release()
+
+    def _release(self) -> None:
         if self.stopped_by is not None:
             return
         if self.read_offset < len(self.tokens):  # an incomplete character at the very end

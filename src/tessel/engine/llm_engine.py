@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
@@ -150,7 +150,6 @@ class LLMEngine:
         self.guided = GuidedDecoder(self.tokenizer, vocab, self.eos_token_ids, overlap=on_gpu)
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, int] = {}  # characters of text already returned per request
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step()
         self._batch_ids = itertools.count()
         self._deferred_aborts: set[str] = set()
@@ -178,7 +177,6 @@ class LLMEngine:
             slot.preemptor = self.preemptor
         self._in_flight: deque[InFlightBatch] = deque()
         self._busy = [0] * len(self.scheduler.slots)  # micro-batches in flight per slot
-        self._seqs_in_flight: Counter[int] = Counter()
         self._next_slot = 0
 
     def _build_preemptor(self, layout: ExecutorLayout) -> Preemptor:
@@ -323,14 +321,13 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, self.config.block_size, prompt=text, max_tokens=max_tokens)
         self._requests[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop, params.skip_special_tokens
+            self.tokenizer, ids, params.stop, params.skip_special_tokens, may_defer=True
         )
-        self._emitted[request_id] = 0
         if params.guided is not None:
             try:
                 self.guided.start(seq.seq_id, params.guided)
             except BaseException:
-                del self._requests[request_id], self._detokenizers[request_id], self._emitted[request_id]
+                del self._requests[request_id], self._detokenizers[request_id]
                 raise
         self.scheduler.add(seq)
 
@@ -340,7 +337,7 @@ class LLMEngine:
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
             return
-        if self._seqs_in_flight[seq.seq_id]:
+        if self._in_flight_now(seq):
             self._deferred_aborts.add(request_id)
             return
         self.scheduler.finish(seq, "abort")
@@ -428,6 +425,11 @@ class LLMEngine:
             for seq, sizes in cut:
                 self._send_chunks(slot, seq, sizes)
 
+    def _in_flight_now(self, seq: Sequence) -> bool:
+        """Whether a micro-batch still out holds `seq` (looked up when a request is aborted: nothing
+        is counted per step)."""
+        return any(seq.seq_id in micro.seq_ids for micro in self._in_flight)
+
     def _idle_slot(self, skip: set[int]) -> int | None:
         """The first idle slot from the one after the last launched, `skip` left out."""
         slots = len(self._busy)
@@ -474,7 +476,6 @@ class LLMEngine:
             self.preemptor.clock.record(batch.num_tokens, micro.compute_s)
         self._in_flight.append(micro)
         self._busy[slot] += 1
-        self._seqs_in_flight.update(micro.seq_ids)
 
     def _start_masks(self, sampled: list[Sequence]) -> None:
         """Start computing the allowed tokens of the guided sequences about to sample (on a worker
@@ -490,7 +491,6 @@ class LLMEngine:
     def _complete(self, micro: InFlightBatch) -> list[RequestOutput]:
         result = micro.result if micro.result is not None else self.executor.collect(micro)
         self._busy[micro.slot] -= 1
-        self._seqs_in_flight.subtract(micro.seq_ids)
         outputs: list[RequestOutput] = []
         if micro.apply is None:  # a CPP chunk before the last: only its prompt logprobs to keep
             for seq, first, logprobs in result.prompt_logprobs:
@@ -500,12 +500,14 @@ class LLMEngine:
             if failed and not result.seqs and len(failed) > 1:
                 raise failed[0][1]  # every request failed on its own: the engine, not a request
             outputs = self._finish_step(micro.apply, result, failed)
-            finished = [seq.seq_id for seq, _ in micro.apply.scheduled() if seq.is_finished]
+            finished = [
+                seq.seq_id for seq, _ in micro.apply.scheduled() if seq.status is SequenceStatus.FINISHED
+            ]
             if finished:
                 self.executor.release(finished)
         for request_id in list(self._deferred_aborts):
             seq = self._requests.get(request_id)
-            if seq is None or not self._seqs_in_flight[seq.seq_id]:
+            if seq is None or not self._in_flight_now(seq):
                 self._deferred_aborts.discard(request_id)
                 self.abort_request(request_id)
         return outputs
@@ -514,16 +516,14 @@ class LLMEngine:
         self, batch: SchedulerOutput, result: StepResult, failed: list[tuple[Sequence, Exception]]
     ) -> list[RequestOutput]:
         """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
-        outputs = []
+        outputs = [self._fail(seq, error) for seq, error in failed]
         failed_seqs = {id(seq) for seq, _ in failed}
-        for seq, error in failed:
-            outputs.append(self._fail(seq, error))
-        bm = self.block_manager
+        computed = []
         for seq, n in batch.scheduled():
             if id(seq) not in failed_seqs:
                 seq.num_computed_tokens += n
-                bm.register_computed_blocks(seq)
-                bm.free_behind_window(seq)
+                computed.append(seq)
+        self.block_manager.commit_computed(computed)
         for seq, first, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()
@@ -557,12 +557,12 @@ class LLMEngine:
         token_ids = seq.token_ids
         token_ids.append(token)
         if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
+            seq.metrics = seq.metrics.but(first_token_time=now)
         params, detok = seq.params, self._detokenizers[seq.request_id]
         reason = None
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
-        elif detok.add_token(token) is not None:
+        elif not detok.deferred and detok.add_token(token) is not None:  # deferred: decoded when read
             reason = "stop"
         elif len(token_ids) - seq.num_prompt_tokens >= seq.max_tokens or len(token_ids) >= self.max_model_len:
             reason = "length"
@@ -573,34 +573,41 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        """The request's output now: its token ids and, for a deferred detokenizer, its text are built
+        when first read (`RequestOutput.later`)."""
         rid = seq.request_id
-        text = self._detokenizers[rid].text
-        emitted = self._emitted[rid]
-        new_text = text[emitted:] if len(text) > emitted else ""
-        self._emitted[rid] = len(text)
+        detok = self._detokenizers[rid]
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if detok.deferred:
+            text = new_text = None
+            previous, detok.emitted_tokens = detok.emitted_tokens, num_output_tokens
+        else:
+            text, emitted, previous = detok.text, detok.emitted_chars, 0
+            new_text = text[emitted:] if len(text) > emitted else ""
+            detok.emitted_chars = len(text)
         finished = seq.status is SequenceStatus.FINISHED
         if finished:
-            del self._requests[rid], self._detokenizers[rid], self._emitted[rid]
+            del self._requests[rid], self._detokenizers[rid]
             self.guided.release(seq.seq_id)
-        output_ids = seq.token_ids[seq.num_prompt_tokens :]
         params = seq.params
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=output_ids,
-            new_token_ids=new_token_ids,
-            text=text,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(output_ids),
-            metrics=seq.metrics.snapshot(),
-            prompt=seq.prompt,
-            error=seq.error,
-            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None,
+        output = RequestOutput(
+            rid,
+            seq.prompt_token_ids,
+            None,
+            new_token_ids,
+            text,
+            new_text,
+            finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            num_output_tokens,
+            seq.metrics,
+            seq.prompt,
+            seq.error,
+            list(seq.logprobs) if params.logprobs is not None else None,
+            list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None,
         )
+        return output.later(seq.token_ids, detok if detok.deferred else None, previous)
 
     # ---- another executor ------------------------------------------------------------------------
     def setup_for(self, executor: Executor) -> EngineSetup:
@@ -626,13 +633,12 @@ class LLMEngine:
             self.preemptor.release(seq)  # swapped out: its copy in the old host pool is dropped
             self.scheduler.remove(seq)
             _reset(seq, self.config.block_size)
-        self._seqs_in_flight.clear()
         for request_id in list(self._deferred_aborts):
             self._deferred_aborts.discard(request_id)
             seq = self._requests.get(request_id)
             if seq is not None:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                seq.metrics.finish_time = time.time()
+                seq.metrics = seq.metrics.but(finish_time=time.time())
                 self._detokenizers[request_id].finish()
                 self._pending.append(self._output(seq, []))
         self.executor = executor

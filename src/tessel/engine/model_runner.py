@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tessel.engine.block_manager import FREED
+from tessel.engine.decode_rows import DecodeInputs, DecodeRows
 from tessel.engine.outputs import TokenLogprobs
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerOutput
@@ -80,6 +81,14 @@ def sampled_logprobs(
             rows = logits[i : i + 1].float().log_softmax(dim=-1)
             found[i] = token_logprobs(rows, [tokens[i]], p.logprobs)[0]
     return found
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of `logits` [N, V] (the first of equal maxima, as `torch.argmax`). On
+    the CPU numpy's: torch's row argmax is several times slower there."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 @dataclass(slots=True)
@@ -179,6 +188,7 @@ class ModelRunner:
             blocks = -(-max_model_len // block_size)
             sizes = CudaSizes(max_num_seqs, blocks, block_size, num_blocks, dtype)
         self.plan = StepPlan.build(family, model, sizes)
+        self.decode_rows = DecodeRows(block_size)  # the decode rows' block tables, kept across steps
 
     # The plan's graphs, as tests and benchmarks reach them (and wrap or install one by assigning).
     @property
@@ -197,19 +207,16 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _decode_group(self, seqs: list[Sequence], context_lens: list[int]) -> DecodeGroup:
+    def _decode_group(self, rows: DecodeInputs) -> DecodeGroup:
         """All decode rows in one paged-attention call: block tables padded with block 0."""
-        width = max(-(-n // self.block_size) for n in context_lens)
-        tables = [_readable(seq.block_table[:width]) for seq in seqs]
-        tables = [table + [0] * (width - len(table)) for table in tables]
         group = DecodeGroup(
             0,
-            len(seqs),
-            self._tensor(tables, torch.int32),
-            self._tensor(context_lens, torch.int32),
+            len(rows.input_ids),
+            self._array(rows.block_tables),
+            self._tensor(rows.context_lens, torch.int32),
         )
         # the CPU's batched form, if it applies (one row never batches: `batched_fits`)
-        if len(seqs) > 1 and not self.kv_cache.is_cuda and self.kv_cache.shape[1]:
+        if len(rows.input_ids) > 1 and not self.kv_cache.is_cuda and self.kv_cache.shape[1]:
             group.gather = decode_gather(group.block_tables, group.context_lens, self.kv_cache[0, 0])
         return group
 
@@ -217,21 +224,15 @@ class ModelRunner:
         self, batch: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """-> (input_ids, positions, attention metadata, flat rows whose logits get sampled)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64, device=self.device))
-        for row, seq in enumerate(batch.decodes):
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            if pos + 1 == len(seq):
-                sample_rows.append(row)
         meta.num_decode_tokens = len(batch.decodes)
         if batch.decodes:
-            meta.decode_groups.append(self._decode_group(batch.decodes, [pos + 1 for pos in positions]))
+            rows = self.decode_rows.inputs(batch.decodes)
+            input_ids, positions, sample_rows = rows.input_ids, rows.positions, rows.sample_rows
+            meta.decode_groups.append(self._decode_group(rows))
+            slots = rows.slots
+        else:
+            input_ids, positions, slots, sample_rows = [], [], [], []
         for seq, n in batch.prefills:
             start, end, offset = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
@@ -247,6 +248,11 @@ class ModelRunner:
         ids = self._tensor(input_ids, torch.int64)
         return ids, self._tensor(positions, torch.int64), meta, sample_rows
 
+    def _array(self, values: np.ndarray) -> torch.Tensor:
+        """A step's numpy index array as a tensor on the model's device (shared on the CPU)."""
+        t = torch.from_numpy(values)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A step's index list on the model's device (built on the host, one copy per list)."""
         t = torch.tensor(values, dtype=dtype)
@@ -257,7 +263,10 @@ class ModelRunner:
         """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self._forward(StepInputs(positions, meta, input_ids))
-        seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq)]
+        if not batch.prefills and len(sample_rows) == len(batch.decodes):
+            seqs = batch.decodes  # every row samples (the decode steps)
+        else:
+            seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq.token_ids)]
         scorings = prompt_scorings(batch)
         sampled = self.sample_hidden(hidden, sample_rows, seqs, [s for _, s in scorings])
         prompt = [
@@ -292,20 +301,23 @@ class ModelRunner:
         # rows are ascending and distinct: as many as the step has means every row, as it is
         rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
         logits = self.model.compute_logits(rows)
-        tokens = self.sample(logits.float(), seqs).tolist()
-        logprobs = sampled_logprobs(logits, tokens, [seq.params for seq in seqs])
-        return SampledRows(tokens, logprobs, prompt_logprobs)
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        logits = self._guided(logits, seqs)
         params = [seq.params for seq in seqs]
+        tokens = self.sample(logits.float(), seqs, params)
+        if all(p.logprobs is None for p in params):
+            return SampledRows(tokens, [], prompt_logprobs)
+        return SampledRows(tokens, sampled_logprobs(logits, tokens, params), prompt_logprobs)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> list[int]:
+        """One token per row of `logits` for `seqs` (with `params`, theirs), as a list: the step's
+        one wait for the device."""
+        logits = self._guided(logits, seqs)
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         temperatures = self._tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32)
         top_k = self._tensor([p.top_k for p in params], torch.int64)
         top_p = self._tensor([p.top_p for p in params], torch.float32)
         generators = [seq.generator for seq in seqs]
-        return self.sampler(logits, temperatures, top_k, top_p, generators)
+        return self.sampler(logits, temperatures, top_k, top_p, generators).tolist()
 
     def _guided(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits with each guided row's disallowed tokens at -inf (`tessel.engine.guided`); the

@@ -222,7 +222,7 @@ class Preemptor:
         self.pool.free(seq.host_blocks)
         seq.host_blocks = []
         seq.num_computed_tokens = computed
-        seq.metrics.num_cached_tokens = cached
+        seq.metrics = seq.metrics.but(num_cached_tokens=cached)
         self.block_manager.register_computed_blocks(seq)
 
     def release(self, seq: Sequence) -> None:

@@ -82,14 +82,15 @@ class Scheduler:
         else:
             out.prefills.append((seq, n))
         if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = time.time()
+            seq.metrics = seq.metrics.but(first_scheduled_time=time.time())
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: list[Sequence] = []
+        reserve = self.block_manager.reserve
         while self.running and budget > 0:
             seq = self.running.popleft()
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.block_manager.reserve(seq, seq.num_computed_tokens + n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not reserve(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop() if self.running else seq
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -98,7 +99,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             scheduled.append(seq)
-            self._add_to_output(out, seq, n)
+            if n == 1 and seq.metrics.first_scheduled_time is not None:  # `_add_to_output`, inlined
+                out.decodes.append(seq)
+            else:
+                self._add_to_output(out, seq, n)
             budget -= n
         self.running.extendleft(reversed(scheduled))
         return budget
@@ -168,4 +172,4 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.metrics.finish_time = time.time()
+        seq.metrics = seq.metrics.but(finish_time=time.time())

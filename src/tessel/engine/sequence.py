@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestMetrics:
-    """Wall-clock times (time.time()) and prefix-cache hits of one request."""
+    """Wall-clock times (time.time()) and prefix-cache hits of one request. Frozen: a change makes a
+    new one (`but`), so every output shares its request's metrics of the moment, copied never."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -29,16 +31,9 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0
 
-    def snapshot(self) -> RequestMetrics:
-        """A copy later steps do not change (each output carries one: built field by field, as
-        `dataclasses.replace` is slow for something made once per request per step)."""
-        return RequestMetrics(
-            self.arrival_time,
-            self.first_scheduled_time,
-            self.first_token_time,
-            self.finish_time,
-            self.num_cached_tokens,
-        )
+    def but(self, **changes: float | int | None) -> RequestMetrics:
+        """A copy with `changes` (a few per request, not per step)."""
+        return dataclasses.replace(self, **changes)
 
 
 class Sequence:
@@ -71,7 +66,7 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # grows by appends; any other change makes a new list
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []  # prefix-cache keys of full blocks
         self.num_registered_blocks = 0  # leading blocks whose key is in the prefix cache
         self.host_blocks: list[int] = []  # host pool blocks of its computed tokens while swapped out

@@ -33,6 +33,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -319,15 +320,18 @@ def decode_gather(
         return None
     if not batched_fits(len(lens), tokens, n_kv_heads, head_dim, k_cache.element_size()):
         return None
-    lens_col = context_lens.to(torch.int64)[:, None]
-    positions = torch.arange(tokens)
+    # in numpy: a dozen small torch ops cost more than the step's attention at small shapes
+    lens_col = context_lens.numpy().astype(np.int64)[:, None]
+    positions = np.arange(tokens)
     valid = positions < lens_col  # [B, tokens]
-    read = torch.where(valid, positions, 0)  # a padded token reads the row's first one
-    blocks = block_tables[:, : -(-tokens // block_size)].to(torch.int64).gather(1, read // block_size)
-    # a row without context has no block to read (its table may hold anything): slot 0, output 0
-    slots = torch.where(lens_col > 0, blocks * block_size + read % block_size, 0)
-    pad_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
-    empty_rows = (lens_col[:, 0] == 0) if 0 in lens else None
+    starts = block_tables.numpy()[:, : -(-tokens // block_size)].astype(np.int64) * block_size
+    slots = starts[:, positions // block_size] + positions % block_size
+    # a padded token reads the row's first one; a row without context has no block to read (its
+    # table may hold anything): slot 0, output 0
+    first = np.where(lens_col > 0, starts[:, :1], 0)
+    slots = torch.from_numpy(np.where(valid, slots, first))
+    pad_bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32("-inf"))[:, None, None, :])
+    empty_rows = torch.from_numpy(lens_col[:, 0] == 0) if 0 in lens else None
     return DecodeGather(slots.view(-1), pad_bias, empty_rows, tokens)
 
 

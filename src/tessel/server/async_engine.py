@@ -323,8 +323,8 @@ class AsyncEngine:
                 self._die(error)
                 return
             self._observe(outputs)
-            for output in outputs:
-                self._deliver(output.request_id, output, finished=output.finished)
+            for output in outputs:  # its text decoded here: the detokenizers are this thread's
+                self._deliver(output.request_id, output.resolve(), finished=output.finished)
         stopped = EngineDeadError("the server is shutting down")
         for request_id in list(self._queues):
             self._deliver(request_id, stopped, finished=True)
