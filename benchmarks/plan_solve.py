@@ -23,8 +23,9 @@ greedy router (`tessel.plan.flow.swarm`) and the best single pipeline, with the 
 `helix-like-42` and `helix-like-24` (issue 48: three regions on 100 Mb/s links) the chosen flow plan
 (or, when disjoint replicas are chosen, the same pipelines as a flow plan of disjoint paths) is also written
 as a plan file and served by `tessel simulate` with `--flow-sim-requests` requests (default 1000, 0:
-not), its tokens/s beside the planner's steady state and its figure for that finite batch
-(`simulated`; `--flow-clusters` picks the clusters).
+not), its tokens/s beside the objective's figure, the planner's figure for that finite batch and
+the steady-state prediction without the pipeline fill per round (issue 48: `simulated`, simulated /
+predicted for both figures; `--flow-clusters` picks the clusters).
 Part 8 (proof, issue 48): `solve(..., solver="milp")` as `tessel plan` runs it, 10 s limit, 1% gap,
 on the default instance (Llama-3-70B, `mixed-a100-v100-t4`, workload `default`) and on 80 layers x 16
 GPUs of 4 types, alone and beside `--busy` (default 2) CPU-bound processes started here; the load
@@ -502,10 +503,14 @@ def flow_rows(quick: bool) -> dict:
             if served is not None:
                 simulated = flow_simulated(name, cluster, served, requests)
                 simulated["plan"] = choice.kind
-                steady = fill_free_tok_s(choice)
-                if steady is not None:
-                    simulated["predicted_fill_free_tok_s"] = steady
-                    simulated["sim_over_fill_free"] = simulated["simulated_tok_s"] / steady
+                simulated["chosen_steady_state_tok_s"] = chosen_steady_state_tok_s(choice, b)
+                simulated["steady_state_summed_tok_s"] = sum(p.steady_state_tok_s for p in served.paths)
+                print(
+                    f"{name}: simulated {simulated['simulated_tok_s']:.1f} tok/s; objective's figure "
+                    f"{simulated['predicted_steady_tok_s']:.1f} (x{simulated['sim_over_steady']:.3f}), "
+                    f"steady state {simulated['predicted_steady_state_tok_s']:.1f} "
+                    f"(x{simulated['sim_over_steady_state']:.3f})"
+                )
                 rows[-1]["simulated"] = simulated
     print(_harness.machine_line())  # CPU features beside the figures (the record has them in full)
     return {
@@ -520,21 +525,19 @@ FLOW_OPTIONS: dict = {"sim_requests": 0, "clusters": None}  # set from the comma
 SIMULATED_CLUSTERS = ("helix-like-42", "helix-like-24")  # the issue-48 targets: simulated beside predicted
 
 
-def fill_free_tok_s(choice) -> float | None:  # noqa: ANN001
-    """The chosen replicas priced without the pipeline fill in steady state: a round of k micro-batches
-    through stages W_j takes max(sum W, k max W) per pass (a closed cycle: the bottleneck never idles
-    once k >= S), where the planner charges sum W + (k - 1) max W. None for a flow plan."""
+def chosen_steady_state_tok_s(choice, b: int) -> float:  # noqa: ANN001
+    """The chosen plan's steady-state prediction (`tessel.plan.report.steady_state_tok_s`: a round of
+    k micro-batches takes max(sum T, k max T) per pass, no fill per round) as `tessel plan` prints it:
+    per replica (or flow path), routed by the planner's weights. Issue 48 recorded it first here, as
+    `predicted_fill_free_tok_s` (the replicas' sum, before routing)."""
+    from tessel.plan.report import predict, routed_tok_s
+
     if choice.flow is not None:
-        return None
-    total = 0.0
-    for replica in choice.replicas.replicas:
-        instance, evaluation, k = replica.instance, replica.result.evaluation, replica.micro_batches
-        passes = [[s.time_prefill_s for s in evaluation.stages], [s.time_decode_s for s in evaluation.stages]]
-        weights = (instance.prefill_weight, instance.decode_weight)
-        steady = sum(w * max(sum(t), k * max(t)) for w, t in zip(weights, passes, strict=True))
-        filled = sum(w * (sum(t) + (k - 1) * max(t)) for w, t in zip(weights, passes, strict=True))
-        total += replica.throughput_tok_s * filled / steady
-    return total
+        paths = choice.flow.paths
+        return routed_tok_s([p.steady_state_tok_s for p in paths], [p.weight for p in paths])
+    replicas = choice.replicas.replicas
+    figures = [predict(r.instance, r.result.evaluation, b).steady_state_tok_s for r in replicas]
+    return routed_tok_s(figures, [r.weight for r in replicas])
 
 
 def _served_flow_plan(instance, choice, b: int):
@@ -611,9 +614,11 @@ def proof_rows(quick: bool) -> dict:
 
 def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
     """Issue 33: the flow plan's prediction against `tessel simulate` of its plan file: the
-    steady state (`throughput_tok_s`), the planner's figure for this finite batch (fill and drain:
-    `tessel.plan.flow.flow.batch_throughput_tok_s`) and the simulator's tokens/s over `requests` requests
-    of the workload, all at t=0; process CPU time of the simulation (the machine is shared)."""
+    objective's figure (`throughput_tok_s`, recorded as `predicted_steady_tok_s`: the pipeline fill paid
+    every round), the planner's figure for this finite batch (fill and drain:
+    `tessel.plan.flow.flow.batch_throughput_tok_s`), the steady-state prediction (issue 48: no fill per
+    round, `predicted_steady_state_tok_s`, the plan file's) and the simulator's tokens/s over `requests`
+    requests of the workload, all at t=0; process CPU time of the simulation (the machine is shared)."""
     import tempfile
     import time
     import types
@@ -621,6 +626,7 @@ def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
 
     from tessel.commands.plan_flow import write_and_export
     from tessel.plan.api import PlanSettings, prepare_plan
+    from tessel.plan.files.plan_file import load_plan
     from tessel.plan.flow.flow import batch_throughput_tok_s
     from tessel.sim.api import SimulationSettings, simulate_plan
 
@@ -631,6 +637,7 @@ def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"{name}.json"
         write_and_export(Console(quiet=True), problem, types.SimpleNamespace(flow=plan), settings, path, None)
+        steady = load_plan(path).predicted.steady_state_tok_s  # the plan file's, as the simulator reads it
         started = time.process_time()
         report = simulate_plan(path, "offline-batch", SimulationSettings(requests=requests))
         cpu_s = time.process_time() - started
@@ -644,6 +651,8 @@ def flow_simulated(name: str, cluster, plan, requests: int) -> dict:
         "simulated_tok_s": simulated,
         "sim_over_steady": simulated / plan.throughput_tok_s,
         "sim_over_batch": simulated / batch,
+        "predicted_steady_state_tok_s": steady,
+        "sim_over_steady_state": simulated / steady,
         "sim_cpu_s": cpu_s,
     }
 

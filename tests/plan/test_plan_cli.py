@@ -90,7 +90,7 @@ def test_plan_writes_the_contract(tmp_path, granularity: str) -> None:
     assert data["cluster"] == {"name": "mixed-a100-v100-t4", "source": "mixed-a100-v100-t4"}
     assert {"m", "alpha_f", "alpha_r"} <= set(data["workload"])
     _check_stages(data["stages"], 80, 2 if granularity == "sublayer" else 1)
-    assert set(data["predicted"]) == {"ttft_s", "tpot_s", "throughput_tok_s"}
+    assert set(data["predicted"]) == {"ttft_s", "tpot_s", "throughput_tok_s", "steady_state_tok_s"}
     assert set(data["solver"]) == {"name", "status", "gap", "time_s"}
     assert set(data["baselines"]) == {
         "uniform",

@@ -30,6 +30,9 @@ def print_flow(console, instance, choice) -> None:
             names,
         )
     console.print(table)
+    line = flow_steady_state_line(instance, plan)
+    if line is not None:
+        console.print(line, highlight=False)
     placements = Table(title="placements (each GPU's layers)", title_justify="left")
     for column in ("device", "type", "layers", "paths through it"):
         placements.add_column(column, justify="right")
@@ -42,6 +45,19 @@ def print_flow(console, instance, choice) -> None:
             str(through),
         )
     console.print(placements)
+
+
+def flow_steady_state_line(instance, plan) -> str | None:  # noqa: ANN001 (instance, FlowPlan)
+    """The flow plan's steady-state prediction (`tessel.plan.report.steady_state_tok_s` per path,
+    capped by the queueing where a path shares a GPU) beside its objective's figure."""
+    from tessel.plan.report import routed_tok_s, steady_state_line
+
+    figures = [p.steady_state_tok_s for p in plan.paths]
+    if any(y is None for y in figures):
+        return None
+    steady = routed_tok_s(figures, [p.weight for p in plan.paths])
+    pipelines = [(p.micro_batches, path_pipeline(instance, plan, p)[1]) for p in plan.paths]
+    return steady_state_line(steady, plan.throughput_tok_s, pipelines)
 
 
 def print_comparison(console, choice) -> None:

@@ -42,7 +42,14 @@ def plan_replicas(
     from tessel.commands.plan_flow import print_comparison, print_flow, write_and_export
     from tessel.plan.flow.flow_choice import choose_with_flow
     from tessel.plan.replicas.replicas import ReplicaSettings, replica_gap, split_gap
-    from tessel.plan.report import plan_json, replicas_json, stage_table
+    from tessel.plan.report import (
+        plan_json,
+        predict,
+        replicas_json,
+        routed_tok_s,
+        stage_table,
+        steady_state_line,
+    )
     from tessel.plan.solvers.baselines import run_baselines
 
     instance, cluster_spec, workload_spec = problem.instance, problem.cluster, problem.workload
@@ -106,6 +113,14 @@ def plan_replicas(
         f"{'n/a' if every is None else f'{every * 100:.2f}%'} to the bound over every split "
         f"({chosen.split_bound_tok_s:.1f} tok/s), {chosen.time_s:.1f} s"
     )
+    steady = [predict(r.instance, r.result.evaluation, b).steady_state_tok_s for r in chosen.replicas]
+    line = steady_state_line(
+        routed_tok_s(steady, [r.weight for r in chosen.replicas]),
+        chosen.throughput_tok_s,
+        [(r.micro_batches, r.result.evaluation) for r in chosen.replicas],
+    )
+    if line is not None:
+        console.print(line, highlight=False)
     console.print(
         f"concurrency: {chosen.concurrency}; the whole cluster as one pipeline at the workload's "
         f"{instance.micro_batches} micro-batches: {chosen.single_tok_s:.1f} tok/s "

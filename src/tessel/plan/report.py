@@ -11,12 +11,23 @@ Predicted metrics, from the pipeline of m micro-batches of b requests each (b fr
                  (n_out = mean output tokens; a batch of m * b requests from prompt to last token)
 
 With the planner's weights (prefill 1, decode n_out) the objective equals TTFT + n_out * TPOT.
+
+Beside it, a prediction that is not the objective (`steady_state_tok_s`): under continuous batching
+the k = m micro-batches keep circulating, and each round (one pass of every micro-batch) takes
+
+    R = max(sum_j T_j, k max_j T_j)     per pass kind (prefill, decode)
+
+(a micro-batch's next pass waits for its own previous one through every stage; the bottleneck
+serves k passes a round), so the pipeline fill sum_j T_j - max_j T_j is not paid every round once
+k >= S. steady state = k * b * n_out / (R^pre + n_out * R^dec). The objective's figure stays what the
+solvers minimise and the bounds price; this one is what `tessel simulate` serves in steady state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tessel.plan.files.plan_file import PLAN_VERSION, PlanFile, parse_plan
@@ -31,10 +42,70 @@ from tessel.units import GBPS, GIB, US_PER_S
 class Predicted:
     ttft_s: float
     tpot_s: float
-    throughput_tok_s: float
+    throughput_tok_s: float  # the objective's figure (pipeline fill paid every round)
+    steady_state_tok_s: float | None = None  # `steady_state_tok_s`: no fill per round
 
     def to_json(self) -> dict:
-        return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "throughput_tok_s": self.throughput_tok_s}
+        return {
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "throughput_tok_s": self.throughput_tok_s,
+            "steady_state_tok_s": self.steady_state_tok_s,
+        }
+
+
+def steady_state_tok_s(
+    prefill_s: Sequence[float],
+    decode_s: Sequence[float],
+    micro_batches: int,
+    micro_batch_size: int,
+    output_tokens: float,
+    shares: Sequence[float] | None = None,
+) -> float:
+    """Generated tokens/s of a pipeline in steady state under continuous batching (the module
+    docstring): k micro-batches of b requests circulate through stages of times T_j (per pass kind),
+    a round takes max(sum_j T_j, k max_j T_j / phi_j) and a request lives one prefill round and
+    n_out decode rounds. `shares` phi_j: the share of each device's time the pipeline gets (a flow
+    path on shared devices; default all 1). Every plan kind's figure comes from here."""
+    k = micro_batches
+    if k <= 0 or len(prefill_s) == 0:
+        return 0.0
+    phi = [1.0] * len(prefill_s) if shares is None else list(shares)
+    rounds = []
+    for times in (prefill_s, decode_s):
+        times = [float(t) for t in times]
+        bottleneck = max(t / s for t, s in zip(times, phi, strict=True))
+        rounds.append(max(sum(times), k * bottleneck))
+    total = rounds[0] + output_tokens * rounds[1]
+    return k * micro_batch_size * output_tokens / total if total > 0 else 0.0
+
+
+def steady_state_line(
+    steady: float | None, objective_tok_s: float, pipelines: Sequence[tuple[int, Evaluation]]
+) -> str | None:
+    """What `tessel plan` prints beside the objective's figure: the steady-state prediction and, per
+    pipeline ((k, its evaluation) each), what bounds its decode round (None without a figure)."""
+    if steady is None or not math.isfinite(steady):
+        return None
+    why = []
+    for k, evaluation in pipelines:
+        dec = [s.time_decode_s for s in evaluation.stages]
+        n = len(dec)
+        rule = "k >= S" if k >= n else "k < S"
+        bound = "no fill per round" if k * max(dec) >= sum(dec) else "a round is one pass through every stage"
+        why.append(f"k={k}, S={n}, {rule}: {bound}" if len(pipelines) == 1 else f"k={k}, S={n}")
+    ratio = f", {steady / objective_tok_s:.3f}x" if objective_tok_s > 0 else ""
+    per = "; ".join(why)
+    return (
+        f"steady state: {steady:.1f} tok/s ({per}){ratio} the objective's figure, which pays the "
+        "pipeline fill every round"
+    )
+
+
+def routed_tok_s(figures: Sequence[float], weights: Sequence[float]) -> float:
+    """What pipelines serving `figures` tok/s each serve together when requests are dealt to them by
+    `weights`: min_r X_r / w_r, the rate at which the first saturates (`whole_predicted`'s rule)."""
+    return min(x / w for x, w in zip(figures, weights, strict=True))
 
 
 def predict(
@@ -47,7 +118,14 @@ def predict(
     ttft, tpot = evaluation.prefill_makespan_s, evaluation.decode_makespan_s
     requests = instance.micro_batches * micro_batch_size
     total = ttft + n_out * tpot
-    return Predicted(ttft, tpot, requests * n_out / total if total > 0 else 0.0)
+    steady = steady_state_tok_s(
+        [s.time_prefill_s for s in evaluation.stages],
+        [s.time_decode_s for s in evaluation.stages],
+        instance.micro_batches,
+        micro_batch_size,
+        n_out,
+    )
+    return Predicted(ttft, tpot, requests * n_out / total if total > 0 else 0.0, steady)
 
 
 def layer_range(instance: PlanningInstance, unit_start: int, unit_end: int) -> tuple[int, int]:
@@ -141,7 +219,9 @@ def flow_json(instance: PlanningInstance, plan, cluster, micro_batch_size: int) 
                 "index": index,
                 "weight": path.weight,
                 "stages": stage_records(sub, evaluation, cluster),
-                "predicted": Predicted(path.ttft_s, path.tpot_s, path.throughput_tok_s).to_json(),
+                "predicted": Predicted(
+                    path.ttft_s, path.tpot_s, path.throughput_tok_s, path.steady_state_tok_s
+                ).to_json(),
                 "objective": evaluation.objective,
                 "micro_batches": path.micro_batches,
                 "time_shares": list(path.time_shares),

@@ -12,6 +12,7 @@ from tessel.plan.report import (
     idle_devices_line,
     kv_preemption_line,
     stage_table,
+    steady_state_line,
 )
 
 
@@ -51,6 +52,13 @@ def print_plan(console: Console, outcome: PlanOutcome) -> None:
             f"throughput {predicted.throughput_tok_s:.1f} tok/s; "
             f"objective {result.evaluation.objective:.3f} s"
         )
+        steady = steady_state_line(
+            predicted.steady_state_tok_s,
+            predicted.throughput_tok_s,
+            [(instance.micro_batches, result.evaluation)],
+        )
+        if steady is not None:
+            console.print(steady, highlight=False)
     console.print(f"solver: {result.solver}, status {result.status}, gap {gap}, {result.time_s:.2f} s")
     if outcome.tp is not None:
         console.print(tp_text(outcome), highlight=False)

@@ -298,7 +298,10 @@ class PlanStage(StrictModel):
 class Predicted(StrictModel):
     ttft_s: float | None = None
     tpot_s: float | None = None
-    throughput_tok_s: float | None = None
+    throughput_tok_s: float | None = None  # the objective's figure: the pipeline fill paid every round
+    # the steady state under continuous batching, no fill per round (`tessel.plan.report.steady_state_tok_s`);
+    # None in files written before it
+    steady_state_tok_s: float | None = None
 
     def as_dict(self) -> dict[str, float]:
         return {key: value for key, value in self.model_dump().items() if value is not None}
@@ -367,6 +370,8 @@ def whole_predicted(replicas: list[Replica]) -> Predicted | None:
       weights w_r: min_r X_r / w_r, the rate at which the first replica saturates. With the
       planner's weights (w_r = X_r / sum X) that is sum_r X_r, the max flow `tessel plan
       --replicas` reports as the total.
+    - steady_state_tok_s: the same rule over the replicas' steady-state figures Y_r, min_r Y_r / w_r
+      (the weights stay the planner's, so it is at most sum_r Y_r).
     - ttft_s, tpot_s: request-weighted means over the replicas, sum_r w_r x_r (a share w_r of the
       requests sees replica r's figure): what the mean request sees.
 
@@ -376,7 +381,7 @@ def whole_predicted(replicas: list[Replica]) -> Predicted | None:
         values = [getattr(r.predicted, key) if r.predicted is not None else None for r in replicas]
         if not replicas or any(value is None for value in values):
             figures[key] = None
-        elif key == "throughput_tok_s":
+        elif key in ("throughput_tok_s", "steady_state_tok_s"):
             figures[key] = min(value / r.weight for value, r in zip(values, replicas, strict=True))
         else:
             figures[key] = sum(value * r.weight for value, r in zip(values, replicas, strict=True))

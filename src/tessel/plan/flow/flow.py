@@ -75,6 +75,9 @@ class FlowPath:
     ttft_s: float  # prefill makespan of its k_p micro-batches, shared stage times
     tpot_s: float  # decode makespan
     time_shares: tuple[float, ...] = ()  # per device: the share of its time this path gets
+    # the prediction without the fill per round (`tessel.plan.report.steady_state_tok_s`), capped by
+    # the queueing where the path shares a device; None: not priced
+    steady_state_tok_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,8 +444,15 @@ def queueing_rates(costs: list[_PathCost], ks: list[int], n_out: float) -> np.nd
 
 
 def _plan(stages, costs, shares, ks, b, n_out) -> FlowPlan | None:
+    from tessel.plan.report import steady_state_tok_s
+
     paths = []
     queued = queueing_rates(costs, ks, n_out) * b
+    counts = defaultdict(int)
+    for cost, k in zip(costs, ks, strict=True):
+        if k > 0:
+            for d in cost.devices:
+                counts[d] += 1
     for cost, share, k, waits in zip(costs, shares, ks, queued, strict=True):
         if k <= 0:
             continue
@@ -451,7 +461,10 @@ def _plan(stages, costs, shares, ks, b, n_out) -> FlowPlan | None:
         if waits < rate:  # the queueing at shared devices costs more than the shares' bottleneck
             rate = float(waits)
             tpot = max((k * b * n_out / rate - ttft) / n_out, tpot)
-        paths.append((cost.devices, k, rate, ttft, tpot, tuple(map(float, share))))
+        steady = steady_state_tok_s(cost.pre, cost.dec, k, b, n_out, share)
+        if any(counts[d] > 1 for d in cost.devices):  # alone on its devices the closed cycle is exact
+            steady = min(steady, float(waits))
+        paths.append((cost.devices, k, rate, ttft, tpot, tuple(map(float, share)), steady))
     total = sum(p[2] for p in paths)
     if total <= 0:
         return None
@@ -459,7 +472,7 @@ def _plan(stages, costs, shares, ks, b, n_out) -> FlowPlan | None:
     kept = tuple(sorted((s for s in stages if s.device in used), key=lambda s: (s.unit_start, s.device)))
     return FlowPlan(
         kept,
-        tuple(FlowPath(d, k, x, x / total, ttft, tpot, sh) for d, k, x, ttft, tpot, sh in paths),
+        tuple(FlowPath(d, k, x, x / total, ttft, tpot, sh, y) for d, k, x, ttft, tpot, sh, y in paths),
         total,
     )
 
