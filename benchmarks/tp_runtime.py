@@ -13,7 +13,7 @@ tokens per wall second; the speedup compares the median of each. Each run also r
 rank's CPU seconds (/proc/PID/stat): on a machine whose cores other jobs take, the busiest rank's
 CPU seconds say what the split did to the work when the wall time cannot (two ranks need two free
 cores at once). SmolLM2 has 9 heads over 3 KV
-heads: TP=2 splits them 6 + 3 (two KV heads and one), the MLP columns balanced against that
+heads: TP=2 splits them 6 + 3 (two KV heads and one), the MLP columns evenly
 (`tessel.parallel.split`). The load average (/proc/loadavg) is read before and after. Appends a
 record to benchmarks/results/tp_runtime.jsonl.
 

@@ -44,12 +44,15 @@ def test_split_covers_heads_columns_and_vocabulary_once(degree: int) -> None:
     assert local.num_key_value_heads == shards[-1].num_kv_heads and local.head_dim == BASE.head_dim
 
 
-def test_uneven_kv_heads_balance_the_mlp() -> None:
-    """3 KV heads over 2 ranks: 2 + 1, and the rank with fewer heads gets more MLP columns."""
+def test_uneven_kv_heads_keep_the_mlp_even() -> None:
+    """3 KV heads over 2 ranks: 2 + 1; the MLP columns stay even (the ranks meet after each half of
+    a layer, so moving columns to the rank with fewer heads would only lengthen the MLP's slowest
+    share), an odd width the larger share first."""
     shards = TPSplit.of(config(intermediate_size=1536, hidden_size=576, head_dim=64), 2).shards
     assert [s.num_kv_heads for s in shards] == [2, 1]
-    assert shards[0].intermediate_size < shards[1].intermediate_size
-    assert shards[0].intermediate_size % 16 == 0
+    assert [s.intermediate_size for s in shards] == [768, 768]
+    odd = TPSplit.of(config(intermediate_size=1537, hidden_size=576, head_dim=64), 2).shards
+    assert [s.intermediate_size for s in odd] == [769, 768]
 
 
 def _checkpoint_tensor(name: str, c: ModelConfig) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_an_uneven_stage_is_its_busiest_rank_plus_its_all_reduces() -> None:
     the rank's shard), plus 2 all-reduces a layer and one after the embedding of B rows, and the
     logits gather of B rows of every rank's vocabulary columns."""
     model = smollm2_like()
-    rank = uneven_rank_model(model, 2, heads=6, kv_heads=2, intermediate_size=688)
+    rank = uneven_rank_model(model, 2, heads=6, kv_heads=2, intermediate_size=768)
     assert (rank.num_heads, rank.num_kv_heads, rank.head_dim, rank.vocab_size) == (6, 2, 64, 24576)
     tp = TensorParallel(2, LINK, rank)
     alone, parallel = one_stage(rank, None), one_stage(model, tp)

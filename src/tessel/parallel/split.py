@@ -3,8 +3,12 @@
 Attention is split by KV-head groups: rank r holds a contiguous run of KV heads and the query heads
 that read them (GQA groups stay whole), so each rank's paged KV cache holds only its heads and
 `Attention` runs unchanged on them. A degree that does not divide the KV heads gives ranks
-unequal runs (SmolLM2's 3 KV heads over 2 ranks: 2 and 1); the MLP's intermediate columns then
-balance the ranks' weights (`_balanced_intermediate`). The embedding and the LM head are split by
+unequal runs (SmolLM2's 3 KV heads over 2 ranks: 2 and 1). The MLP's intermediate columns are
+split evenly even then: the ranks meet at an all-reduce after the attention and another after the
+MLP, so a layer takes the slowest rank's attention plus the slowest rank's MLP, and columns moved
+to the rank with fewer heads (to even the weights) only lengthen the MLP's slowest share (SmolLM2:
+688 + 848 columns gave 0.589M + 1.465M weights on the slowest sides, 768 + 768 give 0.589M + 1.327M,
+where one process runs 3.54M). The embedding and the LM head are split by
 vocabulary rows, padded to the same row count on every rank (the logits gather needs equal shapes).
 """
 
@@ -14,9 +18,6 @@ from dataclasses import dataclass, replace
 
 from tessel.errors import TesselError
 from tessel.models.config import ModelConfig
-
-# Intermediate columns are handed out in multiples of this (GEMM-friendly widths), where it divides.
-INTERMEDIATE_GRANULE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ class TPSplit:
         check_degree(config, degree, where)
         kv = _even_runs(config.num_key_value_heads, degree)
         q_per_kv = config.num_attention_heads // config.num_key_value_heads
-        inter = _balanced_intermediate(config, [n for n in kv])
+        inter = _even_runs(config.intermediate_size, degree)
         rows = -(-config.vocab_size // degree)
         shards = []
         kv_start = inter_start = 0
@@ -126,22 +127,3 @@ def _even_runs(total: int, parts: int) -> list[int]:
     """`total` units in `parts` runs as even as can be, the larger first."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def _balanced_intermediate(config: ModelConfig, kv_heads: list[int]) -> list[int]:
-    """The MLP columns per rank: even where the attention is even, else chosen so that every rank
-    holds about the same weights (attention + MLP), in multiples of `INTERMEDIATE_GRANULE`."""
-    degree, width = len(kv_heads), config.intermediate_size
-    if len(set(kv_heads)) == 1:
-        return _even_runs(width, degree)
-    h, d = config.hidden_size, config.head_dim
-    per_kv_head = 2 * h * d * (config.num_attention_heads // config.num_key_value_heads) + 2 * h * d
-    per_column = 3 * h  # gate, up and down
-    attention = [n * per_kv_head for n in kv_heads]
-    target = (sum(attention) + per_column * width) / degree
-    granule = INTERMEDIATE_GRANULE if width % INTERMEDIATE_GRANULE == 0 else 1
-    columns = [max(granule, round((target - a) / per_column / granule) * granule) for a in attention[:-1]]
-    last = width - sum(columns)
-    if last < granule:
-        return _even_runs(width, degree)
-    return [*columns, last]
