@@ -153,7 +153,9 @@ class BlockManager:
         (`free_behind_window`); a sequence with neither to do costs one comparison."""
         if self.enable_prefix_caching:
             bs = self.block_size
-            for seq in seqs:
+            # a block may be full only where the computed tokens are past the registered blocks
+            past = [seq for seq in seqs if seq.num_computed_tokens // bs > seq.num_registered_blocks]
+            for seq in past:
                 if min(seq.num_computed_tokens, len(seq.token_ids)) // bs > seq.num_registered_blocks:
                     self.register_computed_blocks(seq)
         if self.window_tokens is not None:

@@ -53,17 +53,19 @@ class DecodeRows:
         one at a few rows, and a step's token slot is one list index per row."""
         bs = self.block_size
         positions = [seq.num_computed_tokens for seq in seqs]
-        pairs = list(zip(seqs, positions, strict=True))
-        input_ids = [seq.token_ids[pos] for seq, pos in pairs]
-        slots = [seq.block_table[pos // bs] * bs + pos % bs for seq, pos in pairs]
-        sample_rows = [i for i, (seq, pos) in enumerate(pairs) if pos + 1 == len(seq.token_ids)]
+        context_lens = [pos + 1 for pos in positions]
+        input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
+        slots = [seq.block_table[pos // bs] * bs + pos % bs for seq, pos in zip(seqs, positions, strict=True)]
+        if context_lens == [len(seq.token_ids) for seq in seqs]:  # every row's token is its last
+            sample_rows = list(range(len(seqs)))
+        else:
+            ends = zip(seqs, context_lens, strict=True)
+            sample_rows = [i for i, (seq, end) in enumerate(ends) if end == len(seq.token_ids)]
         rows, written = self.rows(seqs)  # first: it may grow `tables`
         width = max(positions) // bs + 1
         if written or width != self._last[1] or rows != self._last[0]:
             self._last = (rows, width, self.tables[np.array(rows, dtype=np.int64), :width])
-        return DecodeInputs(
-            input_ids, positions, slots, self._last[2], [pos + 1 for pos in positions], sample_rows
-        )
+        return DecodeInputs(input_ids, positions, slots, self._last[2], context_lens, sample_rows)
 
     def rows(self, seqs: list[Sequence]) -> tuple[list[int], bool]:
         """The rows of `seqs`, each holding its sequence's block table; -> (rows, whether any was

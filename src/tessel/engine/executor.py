@@ -81,19 +81,29 @@ class InFlightBatch:
     apply: SchedulerOutput | None  # what to count when it is back (None: a CPP chunk before the last)
     sampled: list[Sequence]  # sequences whose next token it samples, in row order
     scorings: list[tuple[Sequence, PromptScoring]]  # chunks whose prompt logprobs come back
-    seq_ids: list[int] = field(default_factory=list)
     compute_s: float = 0.0  # this process's compute seconds for it (prefill pricing)
     result: StepResult | None = None  # set once its tokens are here
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # requests that failed alone
+    _seq_ids: list[int] | None = None
 
     @classmethod
     def of(
         cls, batch_id: int, slot: int, batch: SchedulerOutput, apply: SchedulerOutput | None
     ) -> InFlightBatch:
-        parts = batch.scheduled()
-        sampled = [seq for seq, n in parts if seq.num_computed_tokens + n == len(seq.token_ids)]
-        seq_ids = [seq.seq_id for seq, _ in parts]
-        return cls(batch_id, slot, batch, apply, sampled, prompt_scorings(batch), seq_ids)
+        if batch.prefills:
+            parts = batch.scheduled()
+            sampled = [seq for seq, n in parts if seq.num_computed_tokens + n == len(seq.token_ids)]
+        else:  # the decode steps: no (seq, 1) pairs built
+            sampled = [seq for seq in batch.decodes if seq.num_computed_tokens + 1 == len(seq.token_ids)]
+        return cls(batch_id, slot, batch, apply, sampled, prompt_scorings(batch))
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """The ids of the sequences it runs (listed when first asked: the local executor never does
+        unless a request is aborted)."""
+        if self._seq_ids is None:
+            self._seq_ids = [seq.seq_id for seq, _ in self.batch.scheduled()]
+        return self._seq_ids
 
 
 @dataclass(frozen=True, slots=True)

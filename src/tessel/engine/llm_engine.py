@@ -500,9 +500,10 @@ class LLMEngine:
             if failed and not result.seqs and len(failed) > 1:
                 raise failed[0][1]  # every request failed on its own: the engine, not a request
             outputs = self._finish_step(micro.apply, result, failed)
-            finished = [
-                seq.seq_id for seq, _ in micro.apply.scheduled() if seq.status is SequenceStatus.FINISHED
-            ]
+            done, apply = SequenceStatus.FINISHED, micro.apply
+            finished = [seq.seq_id for seq in apply.decodes if seq.status is done]
+            if apply.prefills:
+                finished += [seq.seq_id for seq, _ in apply.prefills if seq.status is done]
             if finished:
                 self.executor.release(finished)
         for request_id in list(self._deferred_aborts):
@@ -517,17 +518,14 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Count the step's computed tokens, append the sampled ones, apply the stop rules."""
         outputs = [self._fail(seq, error) for seq, error in failed]
-        failed_seqs = {id(seq) for seq, _ in failed}
-        computed = []
-        for seq, n in batch.scheduled():
-            if id(seq) not in failed_seqs:
-                seq.num_computed_tokens += n
-                computed.append(seq)
-        self.block_manager.commit_computed(computed)
+        self.block_manager.commit_computed(_count_computed(batch, failed))
         for seq, first, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         now = time.time()
         guided = self.guided.active
+        if self.bulk and not guided:
+            outputs += self._apply_tokens(result, now)
+            return outputs
         for seq, token, logprobs in zip(result.seqs, result.tokens, result.logprobs, strict=True):
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
@@ -536,12 +534,65 @@ class LLMEngine:
                 if not self.guided.accept(seq.seq_id, token):  # its grammar allowed no token at all
                     outputs.append(self._end(seq, GRAMMAR_DEAD_END))
                     continue
-            try:
-                self._append(seq, token, now)
-            except Exception as error:  # e.g. a token the tokenizer cannot decode
-                outputs.append(self._fail(seq, error))
+            outputs.append(self._apply_token(seq, token, now))
+        return outputs
+
+    def _apply_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        """`seq`'s sampled `token` appended, its stop rules applied; -> its output."""
+        try:
+            self._append(seq, token, now)
+        except Exception as error:  # e.g. a token the tokenizer cannot decode
+            return self._fail(seq, error)
+        return self._output(seq, [token])
+
+    # tests turn the bulk path off to hold it against the per-request one
+    bulk = True
+
+    def _apply_tokens(self, result: StepResult, now: float) -> list[RequestOutput]:
+        """The step's tokens applied, no request guided: `_apply_token` for each, inlined for a
+        request whose detokenizer is deferred (no stop strings): its stop rules are token rules, and
+        an unfinished one's output is built here with nothing looked up twice. Run once per request
+        per step: every attribute read counts."""
+        outputs = []
+        detokenizers, eos, max_len = self._detokenizers, self.eos_token_ids, self.max_model_len
+        finished, unfinished = SequenceStatus.FINISHED, RequestOutput.unfinished
+        for seq, token, logprobs in zip(result.seqs, result.tokens, result.logprobs, strict=True):
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            detok = detokenizers[seq.request_id]
+            if not detok.deferred:
+                outputs.append(self._apply_token(seq, token, now))
                 continue
-            outputs.append(self._output(seq, [token]))
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            if seq.metrics.first_token_time is None:
+                seq.metrics = seq.metrics.but(first_token_time=now)
+            params = seq.params
+            num_output = len(token_ids) - seq.num_prompt_tokens
+            if (not params.ignore_eos and token in eos) or token in params.stop_token_ids:
+                detok.finish()
+                self.scheduler.finish(seq, "stop")
+            elif num_output >= seq.max_tokens or len(token_ids) >= max_len:
+                detok.finish()
+                self.scheduler.finish(seq, "length")
+            if seq.status is finished or params.logprobs is not None or params.prompt_logprobs is not None:
+                outputs.append(self._output(seq, [token]))
+                continue
+            previous, detok.emitted_tokens = detok.emitted_tokens, num_output
+            outputs.append(
+                unfinished(
+                    seq.request_id,
+                    seq.prompt_token_ids,
+                    [token],
+                    seq.num_prompt_tokens,
+                    num_output,
+                    seq.metrics,
+                    seq.prompt,
+                    token_ids,
+                    detok,
+                    previous,
+                )
+            )
         return outputs
 
     def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
@@ -667,6 +718,26 @@ class LLMEngine:
     def recovering(self) -> BaseException | None:
         """The failure a supervisor is recovering from (a new pipeline being built), or None."""
         return None if self.supervisor is None else self.supervisor.recovering
+
+
+def _count_computed(batch: SchedulerOutput, failed: list[tuple[Sequence, Exception]]) -> list[Sequence]:
+    """Count the computed tokens of `batch`'s sequences that did not fail; -> those sequences, in
+    `SchedulerOutput.scheduled()` order."""
+    if failed:
+        failed_seqs = {id(seq) for seq, _ in failed}
+        computed = []
+        for seq, n in batch.scheduled():
+            if id(seq) not in failed_seqs:
+                seq.num_computed_tokens += n
+                computed.append(seq)
+        return computed
+    for seq in batch.decodes:
+        seq.num_computed_tokens += 1
+    if not batch.prefills:
+        return batch.decodes
+    for seq, n in batch.prefills:
+        seq.num_computed_tokens += n
+    return batch.decodes + [seq for seq, _ in batch.prefills]
 
 
 def _reset(seq: Sequence, block_size: int) -> None:

@@ -14,7 +14,9 @@ the same `_forward` as one process, so a stage gets the same graphs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -106,6 +108,11 @@ def prompt_scorings(batch: SchedulerOutput) -> list[tuple[Sequence, PromptScorin
     """The step's chunks that asked for prompt logprobs: row p scores prompt token p + 1."""
     found = []
     row = 0
+    # a decode row scores a prompt token only while its sequence is inside its prompt (recomputed)
+    if not batch.prefills and not [
+        1 for seq in batch.decodes if seq.num_computed_tokens < seq.num_prompt_tokens - 1
+    ]:
+        return found
     for seq, n in batch.scheduled():
         k = seq.params.prompt_logprobs
         if k is not None:
@@ -254,8 +261,9 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A step's index list on the model's device (built on the host, one copy per list)."""
-        t = torch.tensor(values, dtype=dtype)
+        """A step's index list on the model's device (built on the host, one copy per list; through
+        numpy, whose list conversion is several times faster than `torch.tensor`'s)."""
+        t = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
@@ -301,9 +309,9 @@ class ModelRunner:
         # rows are ascending and distinct: as many as the step has means every row, as it is
         rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
         logits = self.model.compute_logits(rows)
-        params = [seq.params for seq in seqs]
+        params = list(map(_params, seqs))
         tokens = self.sample(logits.float(), seqs, params)
-        if all(p.logprobs is None for p in params):
+        if all(p.logprobs is None for p in _distinct(params)):
             return SampledRows(tokens, [], prompt_logprobs)
         return SampledRows(tokens, sampled_logprobs(logits, tokens, params), prompt_logprobs)
 
@@ -311,7 +319,7 @@ class ModelRunner:
         """One token per row of `logits` for `seqs` (with `params`, theirs), as a list: the step's
         one wait for the device."""
         logits = self._guided(logits, seqs)
-        if all(p.greedy for p in params):
+        if all(p.greedy for p in _distinct(params)):
             return greedy_tokens(logits)
         temperatures = self._tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32)
         top_k = self._tensor([p.top_k for p in params], torch.int64)
@@ -322,9 +330,10 @@ class ModelRunner:
     def _guided(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits with each guided row's disallowed tokens at -inf (`tessel.engine.guided`); the
         logprobs are taken from the logits before this, as vLLM does."""
-        guided = [(i, seq.token_bitmask) for i, seq in enumerate(seqs) if seq.token_bitmask is not None]
-        if not guided:
+        masks = list(map(_token_bitmask, seqs))
+        if masks.count(None) == len(masks):
             return logits
+        guided = [(i, mask) for i, mask in enumerate(masks) if mask is not None]
         bitmask = torch.from_numpy(np.stack([row.array() for _, row in guided]))
         rows = self._tensor([i for i, _ in guided], torch.int64)
         return apply_token_bitmask(logits, bitmask, rows)
@@ -345,6 +354,16 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         return self.model(step)
+
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_params = attrgetter("params")
+_token_bitmask = attrgetter("token_bitmask")
+
+
+def _distinct(params: list[SamplingParams]) -> Iterable[SamplingParams]:
+    """`params` without repeats of one object (a batch's requests often share theirs), in C loops."""
+    return dict(zip(map(id, params), params, strict=True)).values()
 
 
 def _readable(table: list[int]) -> list[int]:

@@ -82,6 +82,37 @@ class RequestOutput:
         self._detokenizer: Any = None
         self._previous = 0
 
+    @classmethod
+    def unfinished(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        new_token_ids: list[int],
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        metrics: RequestMetrics,
+        prompt: str | None,
+        all_ids: list[int],
+        detokenizer: Any,
+        previous: int,
+    ) -> RequestOutput:
+        """`RequestOutput(...).later(all_ids, detokenizer, previous)` for a running request without
+        logprobs (no reason, no error), its slots set without `__init__`'s call, which costs as much
+        as they do: the engine makes one per running request per step."""
+        self = object.__new__(cls)
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._token_ids = self._text = self._new_text = None
+        self.new_token_ids = new_token_ids
+        self.finished = False
+        self.finish_reason = self.error = self.logprobs = self.prompt_logprobs = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = num_output_tokens
+        self.metrics = metrics
+        self.prompt = prompt
+        self._all_ids, self._detokenizer, self._previous = all_ids, detokenizer, previous
+        return self
+
     def later(self, all_ids: list[int], detokenizer: Any, previous: int) -> RequestOutput:
         """This output with `token_ids` (given as None) read from `all_ids` (prompt + output, which
         only grows) and, when `detokenizer` is given (its text given as None), `text` and `new_text`

@@ -86,25 +86,30 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: list[Sequence] = []
-        reserve = self.block_manager.reserve
-        while self.running and budget > 0:
-            seq = self.running.popleft()
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not reserve(seq, seq.num_computed_tokens + n):
-                victim = self.running.pop() if self.running else seq
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+        running, decodes, reserve = self.running, out.decodes, self.block_manager.reserve
+        while running and budget > 0:
+            seq = running.popleft()
+            end = len(seq.token_ids)
+            n = end - seq.num_computed_tokens
+            if n > budget:
+                n, end = budget, seq.num_computed_tokens + budget
+            # `reserve` only where the table falls short (it has nothing to do otherwise)
+            if end > len(seq.block_table) * seq.block_size:
+                while not reserve(seq, end):
+                    victim = running.pop() if running else seq
+                    self.preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
-                break
             scheduled.append(seq)
             if n == 1 and seq.metrics.first_scheduled_time is not None:  # `_add_to_output`, inlined
-                out.decodes.append(seq)
+                decodes.append(seq)
             else:
                 self._add_to_output(out, seq, n)
             budget -= n
-        self.running.extendleft(reversed(scheduled))
+        running.extendleft(reversed(scheduled))
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
