@@ -104,7 +104,35 @@ def test_profile_times_rank_zero_of_the_engines_split(checkpoints) -> None:  # n
     assert rank_ends.vocab_size == rank.vocab_rows and meta["tp_degree"] == "2"
 
 
+def test_profile_writes_rank_zeros_shape(checkpoints, tmp_path) -> None:  # noqa: ANN001
+    """The command end to end (its own width by default on the CPU, the layer alone, a short budget):
+    the profile's shape is rank 0's, so the cost model matches it to that rank."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tessel.cli import app
+
+    path, out = checkpoints("llama_linear_mha"), tmp_path / "p.json"
+    args = ["profile", "--model", str(path), "--tensor-parallel-size", "2", "--components", "layer"]
+    result = CliRunner().invoke(app, [*args, "--budget-s", "3", "--max-offset", "64", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rank = TPSplit.of(ModelConfig.from_dir(path), 2).shards[0]
+    shape = json.loads(out.read_text())["model_shape"]
+    assert (shape["num_heads"], shape["num_kv_heads"], shape["intermediate_size"]) == (
+        rank.num_heads,
+        rank.num_kv_heads,
+        rank.intermediate_size,
+    )
+
+
 def test_profile_refuses_a_degree_without_the_checkpoint(tmp_path) -> None:  # noqa: ANN001
     args = ["profile", "--tiny-shape", "64,128,4,2", "--tensor-parallel-size", "2"]
     message = user_error([*args, "--json", tmp_path / "p.json"])
     assert "model directory" in message and not (tmp_path / "p.json").exists()
+
+
+def test_profile_refuses_a_degree_at_a_scaled_width(checkpoints, tmp_path) -> None:  # noqa: ANN001
+    args = ["profile", "--model", checkpoints("llama"), "--scale", "2", "--tensor-parallel-size", "2"]
+    message = user_error([*args, "--json", tmp_path / "p.json"])
+    assert "no --scale other than 1" in message and not (tmp_path / "p.json").exists()

@@ -98,6 +98,8 @@ def profile(
 
     out, option = _json_path(json_path, out)
     check_output_path(out, option, inputs=(model,))  # before the timing runs, not after
+    if tensor_parallel_size > 1 and scale is None:
+        scale = 1  # a rank of the model as the engine splits it, at its own width
     shape, meta, ends, checkpoint = _layer_shape(model, tiny_shape, scale, device)
     if tensor_parallel_size > 1:
         shape, ends = _rank_shape(shape, ends, checkpoint, tensor_parallel_size, meta)
@@ -171,7 +173,7 @@ def _rank_shape(shape, ends, checkpoint: Path | None, degree: int, meta: dict[st
     if checkpoint is None or ends is None:
         raise TesselError(
             "--tensor-parallel-size times one rank of a model directory at its own width: give --model "
-            "DIR, without --tiny-shape or --scale"
+            "DIR, without --tiny-shape and with no --scale other than 1"
         )
     split = TPSplit.of(ModelConfig.from_dir(checkpoint), degree, "--tensor-parallel-size")
     rank = split.shards[0]
