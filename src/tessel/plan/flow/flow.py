@@ -58,6 +58,7 @@ from tessel.plan.files.workload import MAX_MICRO_BATCHES
 from tessel.plan.instance import PlanningInstance, gpu_memory_only, with_micro_batches
 from tessel.plan.replicas.weighted_turns import dealt_counts
 from tessel.plan.solution import FEASIBILITY_ATOL_BYTES, FEASIBILITY_RTOL, Solution, Stage, evaluate
+from tessel.plan.steady_state import steady_state_tok_s
 
 SOURCE, SINK = -1, -2  # graph ends in edge lists
 FLOW_EPS = 1e-12  # rates below this are no flow
@@ -75,7 +76,7 @@ class FlowPath:
     ttft_s: float  # prefill makespan of its k_p micro-batches, shared stage times
     tpot_s: float  # decode makespan
     time_shares: tuple[float, ...] = ()  # per device: the share of its time this path gets
-    # the prediction without the fill per round (`tessel.plan.report.steady_state_tok_s`), capped by
+    # the prediction without the fill per round (`tessel.plan.steady_state.steady_state_tok_s`), capped by
     # the queueing where the path shares a device; None: not priced
     steady_state_tok_s: float | None = None
 
@@ -444,8 +445,6 @@ def queueing_rates(costs: list[_PathCost], ks: list[int], n_out: float) -> np.nd
 
 
 def _plan(stages, costs, shares, ks, b, n_out) -> FlowPlan | None:
-    from tessel.plan.report import steady_state_tok_s
-
     paths = []
     queued = queueing_rates(costs, ks, n_out) * b
     counts = defaultdict(int)
