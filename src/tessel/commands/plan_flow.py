@@ -48,7 +48,7 @@ def print_flow(console, instance, choice) -> None:
 
 
 def flow_steady_state_line(instance, plan) -> str | None:  # noqa: ANN001 (instance, FlowPlan)
-    """The flow plan's steady-state prediction (`tessel.plan.report.steady_state_tok_s` per path,
+    """The flow plan's steady-state prediction (`tessel.plan.steady_state.steady_state_tok_s` per path,
     capped by the queueing where a path shares a GPU) beside its objective's figure."""
     from tessel.plan.report import routed_tok_s, steady_state_line
 

@@ -299,7 +299,7 @@ class Predicted(StrictModel):
     ttft_s: float | None = None
     tpot_s: float | None = None
     throughput_tok_s: float | None = None  # the objective's figure: the pipeline fill paid every round
-    # the steady state under continuous batching, no fill per round (`tessel.plan.report.steady_state_tok_s`);
+    # the steady state under continuous batching, no fill per round (`tessel.plan.steady_state`);
     # None in files written before it
     steady_state_tok_s: float | None = None
 
