@@ -569,10 +569,10 @@ class LLMEngine:
                 seq.metrics = seq.metrics.but(first_token_time=now)
             params = seq.params
             num_output = len(token_ids) - seq.num_prompt_tokens
-            if (not params.ignore_eos and token in eos) or token in params.stop_token_ids:
+            if _stop_token(params, token, eos):
                 detok.finish()
                 self.scheduler.finish(seq, "stop")
-            elif num_output >= seq.max_tokens or len(token_ids) >= max_len:
+            elif _at_length(seq, max_len):
                 detok.finish()
                 self.scheduler.finish(seq, "length")
             if seq.status is finished or params.logprobs is not None or params.prompt_logprobs is not None:
@@ -611,11 +611,11 @@ class LLMEngine:
             seq.metrics = seq.metrics.but(first_token_time=now)
         params, detok = seq.params, self._detokenizers[seq.request_id]
         reason = None
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+        if _stop_token(params, token, self.eos_token_ids):
             reason = "stop"
         elif not detok.deferred and detok.add_token(token) is not None:  # deferred: decoded when read
             reason = "stop"
-        elif len(token_ids) - seq.num_prompt_tokens >= seq.max_tokens or len(token_ids) >= self.max_model_len:
+        elif _at_length(seq, self.max_model_len):
             reason = "length"
         elif self.guided.active and self.guided.finished(seq.seq_id):  # its grammar takes nothing more
             reason = "stop"
@@ -885,3 +885,14 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
             self.bar.stop()
+
+
+def _stop_token(params: SamplingParams, token: int, eos_token_ids) -> bool:  # noqa: ANN001 (a set or frozenset)
+    """The token stop rules (EOS unless ignored, `stop_token_ids`): one place for both ways of
+    applying a step's tokens (`_append`, the bulk `_apply_tokens`)."""
+    return (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids
+
+
+def _at_length(seq: Sequence, max_model_len: int) -> bool:
+    """The length rules, after the token is appended: `max_tokens` generated, or the context full."""
+    return len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens or len(seq.token_ids) >= max_model_len
