@@ -113,6 +113,8 @@ def test_serve_exits_when_the_engine_cannot_restart(
     [
         ([], "enforce_eager", False),
         (["--enforce-eager"], "enforce_eager", True),
+        ([], "async_scheduling", False),
+        (["--async-scheduling"], "async_scheduling", True),
         ([], "device", "cpu"),
         (["--device", "cuda:1"], "device", "cuda:1"),
     ],

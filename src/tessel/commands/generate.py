@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from tessel.commands.options import (
+    ASYNC_SCHEDULING_OPTION,
     DEVICE_OPTION,
     ENFORCE_EAGER_OPTION,
     HOST_KV_OPTIONS,
@@ -45,6 +46,7 @@ def generate(
     ignore_eos: bool = IGNORE_EOS_OPTION,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
+    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
     tensor_parallel_size: int = TENSOR_PARALLEL_OPTION,
     device: str = DEVICE_OPTION,
     host_kv: dict[str, object] = HOST_KV_OPTIONS,
@@ -75,6 +77,7 @@ def generate(
         dtype=dtype,
         lm_head=lm_head,
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
         device=device,
         tensor_parallel_size=tensor_parallel_size,
         **kwargs,

@@ -98,6 +98,13 @@ ENFORCE_EAGER_OPTION = typer.Option(
     help="Run every step eagerly: no compiled CPU decode graphs, no captured CUDA graphs (seconds saved "
     "at the first steps, slower steps after).",
 )
+ASYNC_SCHEDULING_OPTION = typer.Option(
+    False,
+    "--async-scheduling",
+    help="Overlap the host's work with the decode steps: the next step prepared while one computes and "
+    "launched before its tokens are applied (one process; pays where the device computes without the "
+    "host, a GPU; docs/engine.md).",
+)
 TENSOR_PARALLEL_OPTION = typer.Option(
     1,
     "--tensor-parallel-size",

@@ -28,6 +28,7 @@ import typer
 
 from tessel.commands.embed import MATRYOSHKA_OPTION, EncoderServeOptions, is_encoder_dir, serve_encoder
 from tessel.commands.options import (
+    ASYNC_SCHEDULING_OPTION,
     DEVICE_OPTION,
     ENFORCE_EAGER_OPTION,
     EXECUTOR_OPTION,
@@ -136,6 +137,7 @@ def serve(
     remap: RemapFlags = REMAP_OPTIONS,
     lm_head: LMHeadMode = LM_HEAD_OPTION,
     enforce_eager: bool = ENFORCE_EAGER_OPTION,
+    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
     tensor_parallel_size: int = TENSOR_PARALLEL_OPTION,
     device: str = DEVICE_OPTION,
     matryoshka: bool = MATRYOSHKA_OPTION,
@@ -215,6 +217,8 @@ def serve(
             )  # fmt: skip
             serve_replicas(router, specs, echo=lambda line: typer.echo(line, err=True))
             return
+    if plan is not None and async_scheduling:
+        raise TesselError("--async-scheduling overlaps one process's steps; a --plan's stage 0 does not yet")
     if plan is not None and tensor_parallel_size > 1:
         raise TesselError(
             "--tensor-parallel-size splits one engine; with --plan, the plan's stages say their tp_degree"
@@ -225,6 +229,7 @@ def serve(
             dtype=dtype,
             lm_head=lm_head,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
             device=device,
             tensor_parallel_size=tensor_parallel_size,
             **kwargs,

@@ -42,6 +42,9 @@ class EngineConfig:
     # ranks the model is split over (tessel.parallel): this process is rank 0, the others processes
     # it starts, each with this process's torch thread count
     tensor_parallel_size: int = 1
+    # decode steps overlapped with the host's work: the next step prepared while one computes and
+    # launched before its tokens are applied (tessel.engine.run_ahead); one process only
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -55,6 +58,10 @@ class EngineConfig:
             raise TesselError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.tensor_parallel_size < 1:
             raise TesselError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise TesselError(
+                "async_scheduling runs in one process; tensor-parallel stages do not overlap their steps yet"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise TesselError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         check_lm_head_mode(self.lm_head)

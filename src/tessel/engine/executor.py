@@ -23,6 +23,7 @@ The pipeline's executor is `tessel.pipeline.executor.ProcessExecutor`.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +33,7 @@ import torch
 from tessel.engine.engine_config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from tessel.engine.model_runner import (
     ModelRunner,
+    Prepared,
     PromptScoring,
     StepResult,
     kv_cache_bytes_per_block,
@@ -84,6 +86,8 @@ class InFlightBatch:
     compute_s: float = 0.0  # this process's compute seconds for it (prefill pricing)
     result: StepResult | None = None  # set once its tokens are here
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # requests that failed alone
+    pending: Future | None = None  # its step on an overlapping executor's worker thread, until collected
+    ahead: bool = False  # launched before the last step's tokens were applied (`tessel.engine.run_ahead`)
     _seq_ids: list[int] | None = None
 
     @classmethod
@@ -121,6 +125,7 @@ class Executor(Protocol):
     runner: ModelRunner  # stage 0's: prepares a batch's tensors, holds stage 0's KV cache and graphs
     model: LlamaForCausalLM  # stage 0's layers (the whole model for one process)
     failure: BaseException | None  # set (by a watcher thread) once a stage is lost
+    runs_ahead: bool  # the engine may launch a step before the last one's tokens are applied (run_ahead)
 
     def configure(self, config: EngineConfig) -> EngineConfig: ...
     def start(self, setup: EngineSetup) -> ExecutorLayout: ...
@@ -184,10 +189,19 @@ def batch_of(parts: list[tuple[Sequence, int]]) -> SchedulerOutput:
 
 
 class LocalExecutor:
-    """The whole model in this process: each micro-batch computed and sampled when launched."""
+    """The whole model in this process: each micro-batch computed and sampled when launched, or, with
+    `overlap` (the engine's `async_scheduling`), each decode micro-batch computed on a worker thread
+    while the engine goes on (`tessel.engine.run_ahead`): `launch` returns at once, `collect` waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = False) -> None:
         self.failure: BaseException | None = None
+        self.overlap = overlap
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the engine may prepare and launch a step before the last one's tokens are applied."""
+        return self.overlap
 
     def configure(self, config: EngineConfig) -> EngineConfig:
         return config
@@ -208,19 +222,46 @@ class LocalExecutor:
             config.max_num_seqs,
             setup.max_model_len,
         )
+        if self.overlap:
+            device = self.runner.device
+            on_gpu = device.type == "cuda"  # the worker's current GPU is the engine's (per thread)
+            self._worker = ThreadPoolExecutor(
+                1,
+                "tessel-step",
+                initializer=torch.cuda.set_device if on_gpu else None,
+                initargs=(device,) if on_gpu else (),
+            )
         return ExecutorLayout(num_blocks, kv_cache=self.runner.kv_cache)
 
     def launch(self, micro_batch: InFlightBatch, kv_copies: KvCopies) -> None:
-        started = time.perf_counter()
-        result, failed = run_isolated(self.runner, micro_batch.batch)
-        micro_batch.compute_s = time.perf_counter() - started
-        micro_batch.result, micro_batch.failed = result, failed
+        if self._worker is None or micro_batch.batch.prefills:  # prefills: timed here (preemption's clock)
+            started = time.perf_counter()
+            result, failed = run_isolated(self.runner, micro_batch.batch)
+            micro_batch.compute_s = time.perf_counter() - started
+            micro_batch.result, micro_batch.failed = result, failed
+            return
+        self.launch_prepared(micro_batch, self.runner.prepare(micro_batch.batch))
+
+    def launch_prepared(self, micro_batch: InFlightBatch, prepared: Prepared) -> None:
+        """Start the forward and sampling of `micro_batch`, already prepared, on the worker thread."""
+        assert self._worker is not None, "only an overlapping executor launches prepared steps"
+        micro_batch.pending = self._worker.submit(
+            self.runner.execute, prepared, micro_batch.sampled, micro_batch.scorings
+        )
 
     def ready(self, micro_batch: InFlightBatch) -> bool:
-        return micro_batch.result is not None
+        return micro_batch.result is not None or (
+            micro_batch.pending is not None and micro_batch.pending.done()
+        )
 
     def collect(self, micro_batch: InFlightBatch) -> StepResult:
-        assert micro_batch.result is not None, "a local micro-batch is computed when launched"
+        if micro_batch.result is None:
+            assert micro_batch.pending is not None, "a local micro-batch is computed or on the worker"
+            try:
+                micro_batch.result = micro_batch.pending.result()
+            except Exception:  # find the failing requests here, as a batch run in place is (bisected)
+                micro_batch.result, micro_batch.failed = run_isolated(self.runner, micro_batch.batch)
+            micro_batch.pending = None
         return micro_batch.result
 
     def release(self, seq_ids: list[int]) -> None:
@@ -236,4 +277,5 @@ class LocalExecutor:
         return None  # nothing to pipeline: a prompt is never cut into chunks here
 
     def shutdown(self) -> None:
-        return None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

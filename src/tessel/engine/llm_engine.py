@@ -56,6 +56,7 @@ from tessel.engine.memory import available_memory_bytes, check_host_kv_cache_fit
 from tessel.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from tessel.engine.outputs import RequestOutput
 from tessel.engine.preemption import PreemptionStats, Preemptor, host_pool_blocks, measure_host_link
+from tessel.engine.run_ahead import ahead_seqs, fill_tokens, live_rows, prepare_ahead
 from tessel.engine.sampling_params import SamplingParams
 from tessel.engine.scheduler import SchedulerConfig, SchedulerOutput
 from tessel.engine.sequence import RequestMetrics, Sequence, SequenceStatus
@@ -115,7 +116,7 @@ def default_executor(config: EngineConfig) -> Executor:
         from tessel.parallel.executor import TensorParallelExecutor
 
         return TensorParallelExecutor(config.tensor_parallel_size)
-    return LocalExecutor()
+    return LocalExecutor(overlap=config.async_scheduling)
 
 
 class LLMEngine:
@@ -123,6 +124,11 @@ class LLMEngine:
         self._user_config = EngineConfig(**kwargs)  # as given: each executor adapts it (`configure`)
         self.executor: Executor = executor if executor is not None else default_executor(self._user_config)
         self.config = self.executor.configure(self._user_config)
+        if self.config.async_scheduling and not self.executor.runs_ahead:
+            raise TesselError(
+                f"async_scheduling runs on one process's executor; {type(self.executor).__name__} "
+                "does not overlap its steps yet"
+            )
         if self.config.kv_cache_gib is not None:
             check_kv_cache_fits(self.config.kv_cache_gib, self.config.device)
         if self.config.host_kv_cache_gib is not None and self.config.preemption_mode != "recompute":
@@ -155,6 +161,7 @@ class LLMEngine:
         self._deferred_aborts: set[str] = set()
         self.supervisor: Any = None  # a pipeline's supervisor steps the engine (`step`) when set
         self.wake: Callable[[], object] | None = None  # the thread that steps it, woken (a server sets it)
+        self.num_steps_ahead = 0  # decode steps launched before the last one's tokens were applied
 
     def _schedule_on(self, layout: ExecutorLayout) -> None:
         """The block manager, the slots' schedulers and the preemption policy for `layout`; nothing in
@@ -366,8 +373,10 @@ class LLMEngine:
             raise failure
         outputs, self._pending = self._pending, []
         try:
+            if self._in_flight and self.executor.runs_ahead and self._step_ahead(outputs):
+                return outputs
             self._launch(outputs)
-            if self._in_flight:
+            if self._in_flight and not self._leave_in_flight():
                 outputs.extend(self._complete(self._in_flight.popleft()))
         except BaseException:
             self._pending = outputs + self._pending  # what was applied still reaches its streams
@@ -396,6 +405,35 @@ class LLMEngine:
     def count_from_here(self) -> None:
         """Start the executor's counts anew (after a warm-up)."""
         self.executor.count_from_here()
+
+    # ---- async scheduling (tessel.engine.run_ahead) ----------------------------------------------
+    def _step_ahead(self, outputs: list[RequestOutput]) -> bool:
+        """With the decode step in flight: prepare the next one for the same sequences, wait for this
+        one's tokens, launch the next with them, then apply them (into `outputs`); -> False, with
+        nothing changed but blocks reserved, where the engine may not run ahead (it then completes
+        the step and schedules as usual)."""
+        micro = self._in_flight[0]
+        seqs = ahead_seqs(self, micro) if micro.result is None else None  # collected: nothing to overlap
+        if seqs is None:
+            return False
+        prepared = prepare_ahead(self.runner, seqs, self.block_manager.reserve)
+        result = self.executor.collect(micro)  # the wait
+        if micro.failed or not fill_tokens(prepared, seqs, result):
+            return False
+        batch = SchedulerOutput(seqs)
+        ahead = InFlightBatch(next(self._batch_ids), micro.slot, batch, batch, seqs, [], ahead=True)
+        self.executor.launch_prepared(ahead, prepared)
+        self._in_flight.popleft()
+        self._in_flight.append(ahead)
+        self._busy[ahead.slot] += 1
+        self.num_steps_ahead += 1
+        outputs.extend(self._complete(micro))
+        return True
+
+    def _leave_in_flight(self) -> bool:
+        """Whether the step just launched is left computing (the next step() runs ahead of it)."""
+        micro = self._in_flight[0]
+        return self.executor.runs_ahead and micro.result is None and ahead_seqs(self, micro) is not None
 
     # ---- launching micro-batches -----------------------------------------------------------------
     def _launch(self, outputs: list[RequestOutput]) -> None:
@@ -497,6 +535,9 @@ class LLMEngine:
                 seq.prompt_logprobs[first : first + len(logprobs)] = logprobs
         else:
             failed = micro.failed
+            if micro.ahead:  # rows of requests that finished on the token before: dropped
+                result, micro.apply = live_rows(result, micro.apply)
+                failed = [(seq, error) for seq, error in failed if seq.status is SequenceStatus.RUNNING]
             if failed and not result.seqs and len(failed) > 1:
                 raise failed[0][1]  # every request failed on its own: the engine, not a request
             outputs = self._finish_step(micro.apply, result, failed)

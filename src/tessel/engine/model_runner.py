@@ -42,6 +42,10 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: to
     return 2 * layers * block_size * c.num_key_value_heads * c.head_dim * dtype.itemsize
 
 
+# a step's (input_ids, positions, attention metadata, flat rows whose logits get sampled)
+Prepared = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]
+
+
 @dataclass(slots=True)
 class StepResult:
     """`seqs` got `tokens` (and `logprobs`, None where not asked); `prompt_logprobs` holds
@@ -227,9 +231,7 @@ class ModelRunner:
             group.gather = decode_gather(group.block_tables, group.context_lens, self.kv_cache[0, 0])
         return group
 
-    def prepare(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: SchedulerOutput) -> Prepared:
         """-> (input_ids, positions, attention metadata, flat rows whose logits get sampled)."""
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64, device=self.device))
         meta.num_decode_tokens = len(batch.decodes)
@@ -269,13 +271,23 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> StepResult:
         """Run one step: the sequences that got a new token, their tokens, and the logprobs asked for."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self._forward(StepInputs(positions, meta, input_ids))
-        if not batch.prefills and len(sample_rows) == len(batch.decodes):
+        prepared = self.prepare(batch)
+        if not batch.prefills and len(prepared[3]) == len(batch.decodes):
             seqs = batch.decodes  # every row samples (the decode steps)
         else:
             seqs = [seq for seq, n in batch.scheduled() if seq.num_computed_tokens + n == len(seq.token_ids)]
-        scorings = prompt_scorings(batch)
+        return self.execute(prepared, seqs, prompt_scorings(batch))
+
+    @torch.inference_mode()
+    def execute(
+        self, prepared: Prepared, seqs: list[Sequence], scorings: list[tuple[Sequence, PromptScoring]]
+    ) -> StepResult:
+        """The forward and the sampling of a step already prepared (`prepare`), whose sampled rows are
+        `seqs`'s and whose prompt scorings are `scorings`: it reads nothing of the sequences but their
+        sampling settings, generators and token masks, so an overlapped engine runs it on a worker
+        thread while it prepares the next step."""
+        input_ids, positions, meta, sample_rows = prepared
+        hidden = self._forward(StepInputs(positions, meta, input_ids))
         sampled = self.sample_hidden(hidden, sample_rows, seqs, [s for _, s in scorings])
         prompt = [
             (seq, s.first, logprobs)

@@ -100,6 +100,8 @@ class Stage0:
 
 
 class ProcessExecutor:
+    runs_ahead = False  # stage 0 does not overlap its steps yet (tessel.engine.run_ahead)
+
     def __init__(
         self,
         options: RunOptions,
