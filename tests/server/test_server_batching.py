@@ -57,7 +57,7 @@ async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int, str
 
 
 def test_more_requests_than_slots_each_equal_llm_generate(
-    tiny_model: Path, make_engine: Any, serve_engine: Any
+    tiny_model: Path, make_engine: Any, serve_engine: Any, engine_kind: str
 ) -> None:
     from tessel.engine.llm_engine import LLM
     from tessel.engine.sampling_params import SamplingParams
@@ -79,3 +79,12 @@ def test_more_requests_than_slots_each_equal_llm_generate(
         with serve_engine(engine, max_pending=NUM_REQUESTS) as served:
             assert asyncio.run(run(served.url)) == expected
             served.wait_idle()  # the engine finished, every KV block back in its pool
+    if engine_kind == "single":  # async scheduling (issue 47) runs in one process: the same answers
+        overlapped = {"async_scheduling": True}
+        with make_engine(
+            max_num_seqs=MAX_NUM_SEQS, max_model_len=256, kv_cache_gib=0.01, **overlapped
+        ) as engine:
+            with serve_engine(engine, max_pending=NUM_REQUESTS) as served:
+                assert asyncio.run(run(served.url)) == expected
+                served.wait_idle()
+            assert engine.num_steps_ahead > 0
