@@ -16,6 +16,9 @@ compressed-tensors than tessel's dev install, llama-cpp-python compiles for minu
   the first excluded) and of 32 requests of 64 + 64, against tessel's W8A8 engine measured with
   `quant.decode_speed` in this process on the same threads. llama-cpp-python's `Llama` holds one
   sequence: its 32 requests run one after another (its server serialises them the same way).
+  Beside them, the machine's memory read bandwidth on the same threads (`read_gbps`) and each
+  one-stream row's share of the tok/s it allows at that engine's weight bytes per token
+  (`bandwidth_bound`).
 
 Each run appends a record to benchmarks/results/peers.jsonl with the sections it ran (each with its
 arguments) and the machine's features.
@@ -209,6 +212,47 @@ def llama_perplexity(gguf: Path, ids: list[int], seq_len: int, threads: int) -> 
     return {"ppl": math.exp(nll / count), "tokens": count}
 
 
+def read_gbps(threads: int, gib: int = 1, runs: int = 7) -> float:
+    """This machine's memory read bandwidth on `threads` threads, GB/s: the best of `runs` sums of a
+    `gib`-GiB float32 buffer (far larger than any cache), the ceiling of a decode that streams weights."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(gib * 2**28, dtype=torch.float32)
+    buffer.sum()  # pages touched, caches cold for the rest
+    best_s = min(_harness.time_call(buffer.sum, warmup=0, repeats=runs).runs_s)
+    return buffer.numel() * 4 / best_s / 1e9
+
+
+def weight_bytes_per_token(model: Path, head_bytes: float, body_bytes: float = 1.0) -> float:
+    """Bytes of weights one decode step of one sequence reads: every decoder linear at `body_bytes`
+    per weight and the LM head at `head_bytes` (the embedding: one row, left out)."""
+    config = json.loads((model / "config.json").read_text())
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads", config["num_attention_heads"]),
+    )
+    head_dim = config.get("head_dim", h // heads)
+    attention = h * head_dim * (2 * heads + 2 * kv)  # q, o and k, v
+    return layers * (attention + 3 * h * inter) * body_bytes + config["vocab_size"] * h * head_bytes
+
+
+def bandwidth_bound(model: Path, gguf: Path, rows: dict, gbps: float) -> dict:
+    """Each one-stream row's weight bytes per token, the tok/s the read bandwidth allows at those
+    bytes, and the share of it reached. llama.cpp's Q8_0: the file's bytes (34 per 32 weights, the
+    tied embedding read whole as the output layer); tessel's W8A8: int8 linears, the head int8 or
+    float32."""
+    per_token = {"llama.cpp Q8_0": float(gguf.stat().st_size)}
+    for name in rows:
+        if name.startswith("tessel"):
+            per_token[name] = weight_bytes_per_token(model, 1.0 if "int8 head" in name else 4.0)
+    found = {}
+    for name, row in rows.items():
+        bound = gbps * 1e9 / per_token[name]
+        reached = row["single"]["tok_per_s"]
+        found[name] = {"bytes_per_token": per_token[name], "bound_tok_per_s": bound, "share": reached / bound}
+    return {"read_gbps": gbps, "rows": found}
+
+
 def llama_section(model: Path, workdir: Path, args) -> dict:
     from transformers import AutoTokenizer
 
@@ -249,7 +293,17 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
         s1, sb = row["single"]["tok_per_s"], row["concurrent"]["tok_per_s"]
         print(f"| {name} | {s1:.1f} | {s1 / base['single']['tok_per_s']:.2f}x | {sb:.1f} | "
               f"{sb / base['concurrent']['tok_per_s']:.2f}x |")  # fmt: skip
-    return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "perplexity": ppl, "rows": rows}
+    bound = bandwidth_bound(model, gguf, rows, read_gbps(args.threads))
+    print(f"\nmemory read bandwidth, {args.threads} thread(s): {bound['read_gbps']:.1f} GB/s")
+    print("| engine, one stream | weight MB / token | bound tok/s | tok/s | share of the bound |")
+    print("|---|---|---|---|---|")
+    for name, row in bound["rows"].items():
+        print(f"| {name} | {row['bytes_per_token'] / 1e6:.1f} | {row['bound_tok_per_s']:.1f} | "
+              f"{rows[name]['single']['tok_per_s']:.1f} | {row['share']:.1%} |")  # fmt: skip
+    return {
+        "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "perplexity": ppl, "rows": rows,
+        "bandwidth_bound": bound,
+    }  # fmt: skip
 
 
 def main() -> None:

@@ -2,11 +2,13 @@
 `compressed-tensors` package (which de-quantises the weights); for int8 activations each decoder
 linear additionally sees its input fake-quantised (per token, or by its static input scale), which
 is the function tessel's int8 GEMM computes. `engine_logits` is tessel's side of the comparison.
+`write_with_model_compressor` writes such a checkpoint without llm-compressor.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -96,3 +98,75 @@ def fake_quantized_hf(float_dir: str | Path, quant_dir: str | Path) -> torch.nn.
                 s = input_scale.float() if scheme.act_static else None
                 linear.register_forward_pre_hook(lambda _m, args, s=s: (fake_quant(args[0], s),))
     return model
+
+
+W4_GROUP = 32  # divides the tiny model's hidden 64 and FFN 128
+
+
+def weight_args(bits: int, strategy: str, symmetric: bool = True) -> dict:
+    group_size = W4_GROUP if strategy == "group" else None
+    return {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": strategy,
+        "group_size": group_size,
+    }
+
+
+PER_TOKEN_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+CT_SCHEMES = {  # name -> (config group, format)
+    "w8a8": ({"weights": weight_args(8, "channel"), "input_activations": PER_TOKEN_INT8}, "int-quantized"),
+    "w8a16": ({"weights": weight_args(8, "channel")}, "pack-quantized"),
+    "w4a16-g32": ({"weights": weight_args(4, "group")}, "pack-quantized"),
+    # asymmetric (llm-compressor's W4A16_ASYM layout): zero points packed along the rows
+    "w4a16-g32-asym": ({"weights": weight_args(4, "group", symmetric=False)}, "pack-quantized"),
+    "w8a16-asym": ({"weights": weight_args(8, "channel", symmetric=False)}, "pack-quantized"),
+}
+
+
+def _set_minmax_qparams(module: torch.nn.Module) -> None:
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = module.quantization_scheme.weights
+    w = module.weight.detach()
+    rows = w if args.group_size is None else w.reshape(w.shape[0], -1, args.group_size)
+    lo = rows.amin(dim=-1).reshape(w.shape[0], -1)
+    hi = rows.amax(dim=-1).reshape(w.shape[0], -1)
+    scale, zero_point = calculate_qparams(lo, hi, args)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+
+
+def write_with_model_compressor(source: Path, out: Path, name: str) -> Path:
+    """The model at `source` quantised to `name` and saved through compressed-tensors' ModelCompressor,
+    as llm-compressor's save path writes it (min/max scales: the full int range)."""
+    from compressed_tensors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from transformers import AutoModelForCausalLM
+
+    group, fmt = CT_SCHEMES[name]
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    config = QuantizationConfig(
+        config_groups={"group_0": {"targets": ["Linear"], **group}},
+        ignore=["lm_head"],
+        quantization_status=QuantizationStatus.INITIALIZED,
+    )
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            _set_minmax_qparams(module)
+            module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(str(out))
+    compressor.update_config(str(out))
+    for item in source.iterdir():  # tokenizer files, as llm-compressor's oneshot copies them
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(item, out / item.name)
+    return out

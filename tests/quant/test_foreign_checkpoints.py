@@ -18,84 +18,13 @@ fake-quantised per token for int8 activations) against `ct_oracle.engine_logits`
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import tiny_models
-from ct_oracle import engine_logits, hf_quantized
-
-W4_GROUP = 32  # divides the tiny model's hidden 64 and FFN 128
-
-
-def _weights(bits: int, strategy: str, symmetric: bool = True) -> dict:
-    group_size = W4_GROUP if strategy == "group" else None
-    return {
-        "num_bits": bits,
-        "type": "int",
-        "symmetric": symmetric,
-        "strategy": strategy,
-        "group_size": group_size,
-    }
-
-
-PER_TOKEN_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-CT_SCHEMES = {  # name -> (config group, format)
-    "w8a8": ({"weights": _weights(8, "channel"), "input_activations": PER_TOKEN_INT8}, "int-quantized"),
-    "w8a16": ({"weights": _weights(8, "channel")}, "pack-quantized"),
-    "w4a16-g32": ({"weights": _weights(4, "group")}, "pack-quantized"),
-    # asymmetric (llm-compressor's W4A16_ASYM layout): zero points packed along the rows
-    "w4a16-g32-asym": ({"weights": _weights(4, "group", symmetric=False)}, "pack-quantized"),
-    "w8a16-asym": ({"weights": _weights(8, "channel", symmetric=False)}, "pack-quantized"),
-}
-
-
-def _set_minmax_qparams(module: torch.nn.Module) -> None:
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    args = module.quantization_scheme.weights
-    w = module.weight.detach()
-    rows = w if args.group_size is None else w.reshape(w.shape[0], -1, args.group_size)
-    lo = rows.amin(dim=-1).reshape(w.shape[0], -1)
-    hi = rows.amax(dim=-1).reshape(w.shape[0], -1)
-    scale, zero_point = calculate_qparams(lo, hi, args)
-    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-    if hasattr(module, "weight_zero_point"):
-        module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
-
-
-def write_with_model_compressor(source: Path, out: Path, name: str) -> Path:
-    """The tiny model quantised to `name` and saved through compressed-tensors' ModelCompressor."""
-    from compressed_tensors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from transformers import AutoModelForCausalLM
-
-    group, fmt = CT_SCHEMES[name]
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
-    config = QuantizationConfig(
-        config_groups={"group_0": {"targets": ["Linear"], **group}},
-        ignore=["lm_head"],
-        quantization_status=QuantizationStatus.INITIALIZED,
-    )
-    apply_quantization_config(model, config)
-    for module in model.modules():
-        if getattr(module, "quantization_scheme", None) is not None:
-            _set_minmax_qparams(module)
-            module.quantization_status = QuantizationStatus.FROZEN
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    model.save_pretrained(str(out))
-    compressor.update_config(str(out))
-    for item in source.iterdir():  # tokenizer files, as llm-compressor's oneshot copies them
-        if item.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy2(item, out / item.name)
-    return out
+from ct_oracle import CT_SCHEMES, engine_logits, hf_quantized, weight_args, write_with_model_compressor
 
 
 def _compare(path: Path, source: Path, w4: bool) -> None:
@@ -127,12 +56,47 @@ def test_model_compressor_checkpoint_runs_in_the_engine_as_in_transformers(
     _compare(out, tiny_llama, w4=name.startswith("w4"))
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(frozenset({"avx", "avx2", "fma", "f16c"}), id="avx2"),
+        pytest.param(frozenset({"avx2", "avx512f", "avx512_vnni"}), id="avx512-vnni"),
+    ],
+)
+def test_w8a8_checkpoint_keeps_its_8bit_semantics_on_each_cpu(
+    tiny_llama, tmp_path, monkeypatch, flags
+) -> None:
+    """llm-compressor's W8A8 (8-bit per-token activation codes against full-range weights) on the
+    path each CPU takes (issue 47): AVX2's `fp16codes` and VNNI's 8-bit `fbgemm` compute the
+    checkpoint's integer products, so the logits are transformers' (7-bit activation codes would
+    move every row). Only the path choice is the CPU's here; every path runs on this machine."""
+    pytest.importorskip("compressed_tensors")
+    from tessel.kernels import cpu_features
+
+    if not cpu_features.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    monkeypatch.delenv(cpu_features.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
+    from tessel.layers.linear import w8a8
+
+    chosen: list[str] = []  # the path of each W8A8 layer the engine builds
+
+    def choose(*args, **kwargs) -> str:
+        chosen.append(cpu_features.choose_int8_path(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(w8a8, "choose_int8_path", choose)
+    out = write_with_model_compressor(tiny_llama, tmp_path / "w8a8", "w8a8")
+    _compare(out, tiny_llama, w4=False)
+    assert chosen and set(chosen) == {"fp16codes" if "avx512_vnni" not in flags else "fbgemm"}, chosen
+
+
 def _oneshot_recipes() -> dict:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    w8 = {"group_0": {"targets": ["Linear"], "weights": _weights(8, "channel")}}
-    w4 = {"group_0": {"targets": ["Linear"], "weights": _weights(4, "group")}}
+    w8 = {"group_0": {"targets": ["Linear"], "weights": weight_args(8, "channel")}}
+    w4 = {"group_0": {"targets": ["Linear"], "weights": weight_args(4, "group")}}
     ignore = ["lm_head"]
     return {
         "w8a8 rtn": [QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ignore)],
