@@ -341,12 +341,13 @@ class ProcessExecutor:
             raise self._lost(error) from error
 
     def _run_stage0(self, micro: InFlightBatch, message: BatchMessage, input_ids: torch.Tensor) -> None:
-        started, cpu_started = time.perf_counter(), time.process_time()
+        started, cpu_started, thread_started = time.perf_counter(), time.process_time(), time.thread_time()
         hidden = self.runner.run_stage(message.positions, message.meta, input_ids=input_ids)
         micro.compute_s = time.perf_counter() - started
         if message.path == (0,):  # stage 0 samples: a one-stage plan, or a flow path of rank 0 alone
             micro.result = self._result(micro, self.stage.sample(hidden, message))
-        self.stage.account(started, micro.batch.num_tokens, cpu_started, prefill=bool(micro.batch.prefills))
+        prefill = bool(micro.batch.prefills)
+        self.stage.account(started, micro.batch.num_tokens, cpu_started, prefill, thread_started)
         if message.path != (0,):
             self.comm.send_batch(message, hidden)
 

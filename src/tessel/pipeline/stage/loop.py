@@ -27,11 +27,12 @@ def serve_stage(comm: StageComm, runner: StageRunner, blocks: FlowBlocks) -> Non
             runner.stats, serving_cpu = StageStats(), time.process_time()
         local = replace(message, meta=blocks.local_meta(message.meta))
         runner.adopt(local)
-        started, cpu_started = time.perf_counter(), time.process_time()
+        started, cpu_started, thread_started = time.perf_counter(), time.process_time(), time.thread_time()
         out = runner.runner.run_stage(local.positions, local.meta, input_ids=ids, stream=stream)
         last = message.path[-1] == comm.rank
         sampled = runner.sample(out, message) if last else None  # tokens and the logprobs asked for
-        runner.account(started, out.shape[0], cpu_started, prefill=out.shape[0] > len(message.sample_rows))
+        prefill = out.shape[0] > len(message.sample_rows)
+        runner.account(started, out.shape[0], cpu_started, prefill, thread_started)
         if last:
             comm.send_tokens(message.batch_id, sampled)
         else:

@@ -61,6 +61,9 @@ class StageStats:
     compute_s: float = 0.0  # wall time in this stage's layers (+ sampling on the last)
     emulation_sleep_s: float = 0.0
     compute_cpu_s: float = 0.0  # process CPU seconds (time.process_time) over the compute_s spans
+    # the computing thread's own CPU seconds over them (time.thread_time): compute_cpu_s less what the
+    # process's other threads (receiving, sending, heartbeats) ran meanwhile
+    compute_thread_cpu_s: float = 0.0
     # the same two over the batches that hold prompt tokens: a loaded host lends long prefill passes
     # fewer of its cores than short decode steps, so the two phases are measured apart
     prefill_compute_s: float = 0.0
@@ -233,14 +236,21 @@ class StageRunner:
         return self._generators[seq_id]
 
     def account(
-        self, started_s: float, tokens: int, cpu_started_s: float | None = None, prefill: bool = False
+        self,
+        started_s: float,
+        tokens: int,
+        cpu_started_s: float | None = None,
+        prefill: bool = False,
+        thread_started_s: float | None = None,
     ) -> None:
         """Count a micro-batch that began at `started_s` (perf_counter; `cpu_started_s`: process_time;
-        `prefill`: it holds prompt tokens) and emulate the slowdown."""
+        `thread_started_s`: thread_time; `prefill`: it holds prompt tokens) and emulate the slowdown."""
         now = time.perf_counter()
         compute_s = now - started_s
         cpu_s = 0.0 if cpu_started_s is None else time.process_time() - cpu_started_s
         self.stats.compute_cpu_s += cpu_s
+        if thread_started_s is not None:
+            self.stats.compute_thread_cpu_s += time.thread_time() - thread_started_s
         if prefill:
             self.stats.prefill_compute_s += compute_s
             self.stats.prefill_compute_cpu_s += cpu_s
