@@ -3,7 +3,7 @@ tiny model whose forward is mostly Python (host_step.py's: 2 layers, hidden 64) 
 whose forward is mostly arithmetic, float32, one thread.
 
     python benchmarks/async_scheduling.py [--running 1,16,64] [--steps 40] [--rounds 3] \
-        [--models tiny,smollm2] [--out PATH.jsonl]
+        [--models tiny,smollm2] [--device cuda --dtype float16] [--out PATH.jsonl]
 
 For each model and count of running requests (16 prompt tokens, greedy, `ignore_eos`, long enough
 never to finish), an engine of each kind is built in turn for `--rounds` rounds; each runs 6 steps
@@ -32,7 +32,9 @@ PROMPT_TOKENS = 16
 WARM_STEPS = 6
 
 
-def decode_steps(model: Path, running: int, steps: int, overlap: bool) -> tuple[list[float], list, int]:
+def decode_steps(
+    model: Path, running: int, steps: int, overlap: bool, device: str = "cpu", dtype: str = "float32"
+) -> tuple[list[float], list, int]:
     """(each timed step's wall seconds, each request's tokens, steps launched ahead)."""
     from tessel import LLM, SamplingParams
 
@@ -42,7 +44,10 @@ def decode_steps(model: Path, running: int, steps: int, overlap: bool) -> tuple[
         max_num_seqs=running,
         max_model_len=PROMPT_TOKENS + max_tokens + 8,
         async_scheduling=overlap,
+        device=device,
+        dtype=dtype,
     )
+    llm.warm_up()  # the graphs, before the timed steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(running):
         llm.add_request(f"r{i}", [5 + (i + k) % 200 for k in range(PROMPT_TOKENS)], params)
@@ -67,13 +72,13 @@ def decode_steps(model: Path, running: int, steps: int, overlap: bool) -> tuple[
     return wall, [final[f"r{i}"] for i in range(running)], ahead
 
 
-def measure(model: Path, running: int, steps: int, rounds: int) -> dict:
+def measure(model: Path, running: int, steps: int, rounds: int, device: str, dtype: str) -> dict:
     walls: dict[bool, list[float]] = {False: [], True: []}
     same, ahead = True, 0
     for _ in range(rounds):
         tokens = {}
         for overlap in (False, True):
-            wall, tokens[overlap], steps_ahead = decode_steps(model, running, steps, overlap)
+            wall, tokens[overlap], steps_ahead = decode_steps(model, running, steps, overlap, device, dtype)
             walls[overlap] += wall
             ahead += steps_ahead if overlap else 0
         same = same and tokens[False] == tokens[True]
@@ -106,6 +111,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="turns of the two engines")
     parser.add_argument("--models", default="tiny,smollm2", help="tiny, smollm2 or both")
     parser.add_argument("--model", help="the SmolLM2 checkpoint (default: `tessel example-model`'s)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU: CUDA graphs, no thread limit)")
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype (float16 on a GPU, say)")
     _harness.add_record_options(parser, "async_scheduling")
     args = parser.parse_args()
     import torch
@@ -125,11 +132,21 @@ def main() -> None:
                 parser.error(f"--models: {name!r} is neither tiny nor smollm2")
         for name, model in models.items():
             for running in counts:
-                row = {"model": name, **measure(model, running, args.steps, args.rounds)}
+                row = {
+                    "model": name,
+                    **measure(model, running, args.steps, args.rounds, args.device, args.dtype),
+                }
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
     print(table(rows))
-    spec = {"running": counts, "steps": args.steps, "rounds": args.rounds, "threads": 1}
+    spec = {
+        "running": counts,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": 1,
+        "device": args.device,
+    }
+    spec["dtype"] = args.dtype
     path = _harness.append_record(args.out, "async_scheduling", {"spec": spec, "rows": rows}, args.label)
     print(f"appended to {path}")
 

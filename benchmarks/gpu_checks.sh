@@ -87,6 +87,10 @@ step cuda_linear "${LINEAR_S:-100}" $python benchmarks/cuda_linear.py --budget-s
 step offload_weights "${OFFLOAD_S:-300}" $python benchmarks/offload_weights.py --device cuda $quick \
   ${OFFLOAD_BUDGET:+--profile-budget-s $OFFLOAD_BUDGET} \
   --label "$label" --out "$out/results/offload_weights.jsonl"
+# Issue 47's async scheduling on a GPU: decode steps with and without it, CUDA graphs, float16 (not yet
+# run on a GPU; on the CPU it does not pay, docs/engine.md).
+step async_scheduling "${ASYNC_S:-150}" $python benchmarks/async_scheduling.py --device cuda --dtype float16 \
+  --running 1,16,64 --steps 40 --rounds 2 --label "$label" --out "$out/results/async_scheduling.jsonl"
 step fidelity_cuda_1b "${FIDELITY_1B_S:-240}" $python benchmarks/fidelity_cuda.py --shapes llama-1b --modes graphs \
   $fidelity_budget --label "$label" --out "$out/results/fidelity_cuda.jsonl"
 $python benchmarks/_harness.py "$out/gpu.txt" --step gpu --label "$label" --out "$out/results/gpu_checks.jsonl"
