@@ -104,6 +104,30 @@ def test_async_scheduling_gives_the_outputs_of_the_engine_without_it(engines, se
     assert overlapped.num_free_blocks == overlapped.num_total_blocks  # no block kept by a dropped row
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_async_scheduling_on_windows_and_experts(checkpoints, arch):
+    """Gemma 3 (sliding-window layers free blocks behind the window while a step runs ahead) and a
+    mixture of experts: the same outputs as without async scheduling."""
+    batch = requests(11, count=8)
+    results = []
+    for overlap in (False, True):
+        llm = LLM(checkpoints(arch), async_scheduling=overlap, max_model_len=64, block_size=4, max_num_seqs=4)
+        results.append(run_to_end(llm, batch))
+        if overlap:
+            assert llm.num_steps_ahead > 0
+        llm.shutdown()
+    assert_same(results[1], results[0])
+
+
+def test_preemptions_happen_beside_steps_run_ahead(engines):
+    """The pool is small enough that random requests preempt while other steps run ahead: the
+    outputs test above covers the two together."""
+    _, overlapped = engines
+    preemptions, ahead = overlapped.scheduler.num_preemptions, overlapped.num_steps_ahead
+    run_to_end(overlapped, requests(5))
+    assert overlapped.scheduler.num_preemptions > preemptions and overlapped.num_steps_ahead > ahead
+
+
 def test_rows_of_requests_stopped_by_a_token_are_dropped(engines):
     """Every request stops on a token (EOS or a stop token id) while its next step already runs:
     the row is computed there and dropped, the request's output ends at its stop token."""
