@@ -124,7 +124,7 @@ def test_preemptions_happen_beside_steps_run_ahead(engines):
     outputs test above covers the two together."""
     _, overlapped = engines
     preemptions, ahead = overlapped.scheduler.num_preemptions, overlapped.num_steps_ahead
-    run_to_end(overlapped, requests(5))
+    run_to_end(overlapped, requests(4))
     assert overlapped.scheduler.num_preemptions > preemptions and overlapped.num_steps_ahead > ahead
 
 
