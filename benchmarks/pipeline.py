@@ -255,6 +255,7 @@ def run(model: Path, cfg: dict, work: Path, console: Console, only: dict | None 
     # the host's profile also prices its emulated copies (times divided by the speed)
     profiles = [profile]
     profile_args = ["--profile", str(profile)]
+    contention, alone = without_contention(profile, work / "profile-without-contention.json")
     workload = write_workload(work / "workload.yaml", cfg)
     requests = prompts_file(work / "requests.jsonl", cfg["requests"], cfg["prompt"], config.vocab_size, 0)
     rows = []
@@ -277,15 +278,29 @@ def run(model: Path, cfg: dict, work: Path, console: Console, only: dict | None 
             measured = measure(path, model, requests, cfg)
             args = (path, profiles, cfg, cfg["prompt"], cfg["output"], cfg["requests"])
             predicted = predict(*args, cpp=False)
+            # the same prediction with the stages' memory contention left out (the profile's
+            # `contention:decode`), to show what it adds
+            unshared = predict(path, [alone], *args[2:], cpp=False)
             availability = [cpu_availability(s) for s in measured["stages"]]
             replayed = predict(*args, cpp=False, availability=availability)
             phases = [phase_availability(s) for s in measured["stages"]]
             by_phase = predict(*args, cpp=False, phases=phases)
             rows.append({"cluster": name, "variant": variant, "layers": stages, "measured": measured,
-                         "predicted": predicted, "replayed": replayed, "replayed_by_phase": by_phase,
+                         "predicted": predicted, "predicted_without_contention": unshared,
+                         "replayed": replayed, "replayed_by_phase": by_phase,
                          "availability": availability, "availability_by_phase": phases})  # fmt: skip
     cpp = cpp_rows(model, cfg, work, profiles, config.vocab_size, console) if only.get("cpp", True) else None
-    return {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
+    found = {"config": cfg, "rows": rows, "cpp": cpp, "speedups": speedups(rows)}
+    return found | {"contention_decode": contention}
+
+
+def without_contention(profile: Path, out: Path) -> tuple[float | None, Path]:
+    """(the profile's decode slowdown per co-runner, c1 of `contention:decode`, None without one; a
+    copy of the profile without it)."""
+    data = json.loads(profile.read_text())
+    fit = data.get("components", {}).pop("contention:decode", None)
+    out.write_text(json.dumps(data))
+    return (None if fit is None else fit["c1"]), out
 
 
 def cpu_availability(stage: dict) -> float:
@@ -424,6 +439,15 @@ def render(result: dict, console: Console) -> None:
             _mfu_cells(p.get("stage_utilization"), m.get("stage_utilization")),
         )  # fmt: skip
     console.print(table)
+    contention = result.get("contention_decode")
+    if contention is not None:
+        console.print(f"the profile's decode slowdown beside another stage: {1 + contention:.3f}x; without:")
+    for r in result["rows"]:
+        alone, m = r.get("predicted_without_contention"), r["measured"]
+        if contention is not None and alone is not None:
+            keys = ("ttft_s", "tpot_s", "throughput_tok_s")
+            errors = " / ".join(pct(rel_error(alone[k], m[k])) for k in keys)
+            console.print(f"  {r['cluster']} {r['variant']}: TTFT / TPOT / tok/s errors {errors}")
     console.print(stage_table(result["rows"]))
     speed = Table(title="planned split over uniform split (throughput)")
     for column in ("cluster", "predicted", "measured", "rel. error", "replayed", "replay error"):

@@ -166,6 +166,34 @@ def test_tiny_profile_end_to_end(tmp_path) -> None:
     assert json.loads(path.read_text())["model_shape"]["head_dim"] == 16
 
 
+def test_contention_is_the_layer_beside_a_co_runner() -> None:
+    """`tessel.profiling.contention`: a co-runner process runs the same layer; the component is the
+    slowdown factor per co-runner (c0 = 1: none alone), from interleaved rounds each way."""
+    from functools import partial
+
+    from tessel.profiling.contention import CONTENTION_DECODE, DECODE_POINT, MAX_TOKENS, measure_contention
+    from tessel.profiling.layer import _Layer
+    from tessel.profiling.timing import make_clock
+
+    make_layer = partial(
+        _Layer, LayerShape(64, 128, 4, 2, 16), ProfileSettings(), MAX_TOKENS, DECODE_POINT[0]
+    )
+    fits = measure_contention(make_layer, 1, make_clock("cpu"))
+    fit = fits[CONTENTION_DECODE]
+    assert set(fits) == {CONTENTION_DECODE} and fit.unit == "co-runners"
+    assert fit.c0 == 1.0 and 0.0 <= fit.c1 < 10.0 and fit.time_s(0) == 1.0
+
+
+def test_the_cli_profile_times_contention_only_for_a_model_on_a_cpu_with_room() -> None:
+    from tessel.profiling.components import host_cores
+    from tessel.profiling.layer import contends
+
+    assert not contends(ProfileSettings())  # not asked (the Python API's default)
+    assert contends(ProfileSettings(contention=True)) == (host_cores() >= 2)
+    assert not contends(ProfileSettings(contention=True, device="cuda"))
+    assert not contends(ProfileSettings(contention=True, threads=host_cores()))
+
+
 def test_cuda_without_a_gpu_is_a_user_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")

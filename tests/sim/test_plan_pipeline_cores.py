@@ -14,7 +14,7 @@ from tessel.chunk.from_plan import PlanPipeline, StageSpec, build_pipeline
 from tessel.chunk.latency import PipelineLatency
 from tessel.cost import roofline as R
 from tessel.cost.link import LinkSpec
-from tessel.cost.profile import DecodeFit, PrefillFit, Profile
+from tessel.cost.profile import ComponentFit, DecodeFit, PrefillFit, Profile
 from tessel.sim.linear import LinearStage
 from tessel.sim.plan_pipeline import core_sharing
 from tessel.sim.requests import Request
@@ -62,6 +62,22 @@ def test_an_emulated_stage_sleeps_off_the_core() -> None:
     assert _finishes([T, 2 * T], None, 2) == pytest.approx([3 * T, 5 * T])
 
 
+def test_stages_computing_at_once_share_the_memory() -> None:
+    # 2 cores, each stage slowed 1.5x while the other computes (contention 0.5 per stage beside it):
+    # A alone on stage 0 [0, T]; A on stage 1 and B on stage 0 together at 1/1.5 until 2.5T; B alone
+    # on stage 1 until 3.5T. One-token prompts are prefill batches: a decode-only slowdown leaves them.
+    both = CoreSharing(("h", "h"), {"h": 2.0}, (1.0, 1.0), (1.0, 1.0), contention=((0.5, 0.5), (0.5, 0.5)))
+    assert _finishes([T, T], both, 2) == pytest.approx([2.5 * T, 3.5 * T])
+    decode_only = replace(both, contention=((0.5, 0.0), (0.5, 0.0)))
+    assert _finishes([T, T], decode_only, 2) == pytest.approx([2 * T, 3 * T])
+    assert _finishes([T, T], replace(both, contention=()), 2) == pytest.approx([2 * T, 3 * T])
+    # one core: the two already take turns; the memory slows each the same while both hold it
+    one_core = replace(both, slots={"h": 1.0})
+    assert _finishes([T, T], one_core, 2) == pytest.approx([3 * T, 4 * T])
+    with pytest.raises(ValueError, match="contention"):
+        CoreSharing(("h", "h"), {"h": 2.0}, (1.0, 1.0), (1.0, 1.0), contention=((0.5, 0.5),))
+
+
 def _priced(nodes: list[tuple[str, float]], profile: Profile) -> PlanPipeline:
     model = load_model("llama-2-7b")
     bounds = np.linspace(0, model.num_layers, len(nodes) + 1).astype(int)
@@ -92,6 +108,12 @@ def test_a_plans_cpu_stages_share_their_hosts_cores() -> None:
     assert partly is not None and partly.hosts == ("a", "a", None)
     loaded = core_sharing(_priced([("a", 1.0), ("b", 1.0)], profile), background_threads=1.5)
     assert loaded is not None and loaded.hosts == ("a", "b") and loaded.background == {"a": 1.5, "b": 1.5}
+    # a profile that timed the layer beside a co-runner: its decode slowdown per stage beside it
+    measured = replace(
+        profile, components={"contention:decode": ComponentFit(1.0, 0.2, "co-runners", 0.0, 2)}
+    )
+    contended = core_sharing(_priced([("a", 1.0), ("a", 1.0), ("b", 1.0)], measured))
+    assert contended is not None and contended.contention == ((0.2, 0.0), (0.2, 0.0), (0.0, 0.0))
 
 
 def _gpu_priced(devices: list[str]) -> PlanPipeline:

@@ -116,6 +116,7 @@ def profile(
         max_offset_tokens=max_offset,
         max_decode_context=max(max_offset, 128),
         cuda_graphs=device == "cuda" and cuda_graphs is not False,
+        contention=components == "all" and ends is not None,  # a model's stages may share a CPU host
     )
     check_prefill_grid(settings)  # before the model loads
     if device == "cuda":

@@ -24,6 +24,9 @@ held-out error (`ComponentFit`, keyed in `Profile.components`):
                       (`tessel.cost.roofline.prefill_shared_s`)
     "transport:host"  one stage-to-stage message (header, metadata, x bytes of hidden states) over
                       gloo between two processes of one host ("transport:nccl" on CUDA)
+    "contention:decode"  not seconds: the decode layer's slowdown factor with x stages computing
+                      beside it on its CPU host (c0 = 1; `tessel.profiling.contention`);
+                      "contention:prefill" likewise, where a profile has it
 
 and the host's usable cores (`cpu_cores`) and the threads it was timed with (`threads`): CPU stages
 on one host share those cores (`tessel.chunk.from_plan`). A version-1 file still loads (no
@@ -53,7 +56,7 @@ READABLE_VERSIONS = (1, 2)  # 1: the decoder-layer fits alone
 # catalog's cpu (2 FLOP per weight at 2.56 TFLOP/s), and a pass streaming its 4 GB of fp32 weights at
 # 10 GB/s 0.4 s: a term past this is no measurement, and would price every plan alike.
 MAX_TERM_S = 60.0
-COMPONENTS = ("embed", "head", "step", "prefill_batch")
+COMPONENTS = ("embed", "head", "step", "prefill_batch", "contention:decode", "contention:prefill")
 PREFILL_BATCH = "prefill_batch"
 TRANSPORT_PREFIX = "transport:"
 VERSION_KEY = "tessel_version"  # meta: the tessel that wrote the file (`tessel.cost.profile_check`)

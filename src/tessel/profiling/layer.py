@@ -31,6 +31,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,8 @@ from tessel.cost.profile import PREFILL_BATCH, Profile, transport_key
 from tessel.deadline import Deadline, Phases, spread_order
 from tessel.errors import TesselError
 from tessel.profiling.components import EndsShape, host_cores, profile_components
+from tessel.profiling.contention import DECODE_POINT, measure_contention
+from tessel.profiling.contention import MAX_TOKENS as CONTENTION_MAX_TOKENS
 from tessel.profiling.timing import Clock, make_clock, time_runs
 
 DTYPE_NAMES = {
@@ -56,7 +59,9 @@ BLOCK_SIZE = 16  # the engine's default KV block size (EngineConfig.block_size)
 # Shares of the budget (--budget-s) by phase, in the order they run (`tessel.deadline.Phases`): the
 # decoder layer's fits price every stage of every plan, the others one stage's ends, a step or a hop
 # (one share per transport). Building the layer and calibrating come before the layer's share.
-PHASE_WEIGHTS = {"ends": 1.0, "step": 1.0, "transport": 1.0, "layer": 6.0, "prefill_batch": 1.0}
+PHASE_WEIGHTS = {
+    "ends": 1.0, "step": 1.0, "transport": 1.0, "contention": 1.0, "layer": 6.0, "prefill_batch": 1.0,
+}  # fmt: skip
 PREFILL_BUDGET_SHARE = 0.7  # of the layer's time left after calibration; decode gets the rest
 MIN_PREFILL_POINTS = 8
 MIN_DECODE_POINTS = 6
@@ -142,6 +147,8 @@ class ProfileSettings:
     # model's layer count, the weights stream from memory as in the engine instead of staying in cache
     layer_copies: int = 1
     cuda_graphs: bool = False  # time decode points as replayed CUDA graphs (as the engine runs them)
+    # on a CPU with room for another stage: the decode layer beside a co-runner too (`contends`)
+    contention: bool = False
 
 
 def prefill_grid(settings: ProfileSettings) -> list[tuple[int, int]]:
@@ -724,7 +731,7 @@ def profile_layer(
         raise TesselError(f"--dtype must be float32, bfloat16 or float16, got {settings.dtype!r}")
     check_prefill_grid(settings)
     deadline = deadline if deadline is not None else Deadline.after(settings.budget_s)
-    phases = deadline.phases(_phase_weights(ends, checkpoint, transports))
+    phases = deadline.phases(_phase_weights(ends, checkpoint, transports, contends(settings)))
     resolved = resolve_clock(settings)
     check_device(resolved)
     if resolved.threads is not None:
@@ -734,6 +741,12 @@ def profile_layer(
     components = profile_components(
         resolved, _timer(resolved), ends, checkpoint, transports, note, phases=phases
     )
+    if "contention" in phases.pending:
+        if note is not None:
+            note("the layer beside a co-runner (memory contention)")
+        until = phases.start("contention")
+        make_layer = partial(_Layer, shape, resolved, CONTENTION_MAX_TOKENS, DECODE_POINT[0])
+        components |= measure_contention(make_layer, resolved.threads or 1, _timer(resolved), deadline=until)
     if note is not None:
         note("the decoder layer")
     data = measure_layer(shape, settings, progress, phases, warn)
@@ -779,9 +792,19 @@ def profile_layer(
     return profile, report, data
 
 
-def _phase_weights(ends: EndsShape | None, checkpoint: Path | None, transports: tuple[str, ...]) -> dict:
+def contends(settings: ProfileSettings) -> bool:
+    """Whether the profile times the layer beside a co-runner too (`tessel.profiling.contention`):
+    when asked, on a CPU with room for another stage of as many threads."""
+    return settings.contention and settings.device == "cpu" and host_cores() >= 2 * (settings.threads or 1)
+
+
+def _phase_weights(
+    ends: EndsShape | None, checkpoint: Path | None, transports: tuple[str, ...], contention: bool = False
+) -> dict:
     """`PHASE_WEIGHTS` of the phases this profile runs."""
     weights = {name: PHASE_WEIGHTS[name] for name in ("layer", "prefill_batch")}
+    if contention:
+        weights["contention"] = PHASE_WEIGHTS["contention"]
     if ends is not None:
         weights["ends"] = PHASE_WEIGHTS["ends"]
     if checkpoint is not None:

@@ -26,7 +26,9 @@ that runs the plan) share its cores in the simulator by processor sharing (`SimP
 `tessel.sim.simulator.CoreSharing`): the host runs cores / threads of them at full speed (its
 profile's `cpu_cores` and `threads`), and an emulated stage of speed s holds a core for s of its
 priced time (the runtime sleeps the rest). The stage times keep the cost model's static factor
-(every stage computing at once) for the chunk planner; the simulator divides it out. With
+(every stage computing at once) for the chunk planner; the simulator divides it out. Stages of one
+host also share its memory: a profile's `contention:decode` / `contention:prefill` components (the
+layer's slowdown per co-runner, `tessel.profiling.contention`) slow each while others compute. With
 `background_threads` (other programs' runnable threads on the plan's host, measured), the simulator
 shares the cores with them too, a lone stage on its host included. GPU stages that the plan puts
 on one GPU under two names (`<node>/gpu<K>`, `<node>/gpu<K>#2`) share it the same way, one at full
@@ -127,6 +129,9 @@ def core_sharing(priced: PlanPipeline, background_threads: float = 0.0) -> CoreS
     hosts = [host if shared(host) else None for host in hosts]
     if all(host is None for host in hosts):
         return None
+    contention = tuple(
+        _contention(getattr(stage, "profile", None), host) for stage, host in zip(stages, hosts, strict=True)
+    )
     return CoreSharing(
         tuple(hosts),
         {host: slots[host] for host in hosts if host is not None},
@@ -137,7 +142,18 @@ def core_sharing(priced: PlanPipeline, background_threads: float = 0.0) -> CoreS
             for host in hosts
             if host is not None and not isinstance(host, tuple) and background_threads > 0
         },
+        contention if any(any(c) for c in contention) else (),
     )
+
+
+def _contention(profile: Profile | None, host: Hashable | None) -> tuple[float, float]:
+    """A CPU stage's (decode, prefill) slowdown per stage computing beside it on its host, from its
+    profile's `contention:*` components (`tessel.profiling.contention`); (0, 0) without them, for a
+    GPU, or alone."""
+    if profile is None or host is None or isinstance(host, tuple):
+        return (0.0, 0.0)
+    fits = [profile.component(f"contention:{kind}") for kind in ("decode", "prefill")]
+    return tuple(0.0 if fit is None else fit.c1 for fit in fits)
 
 
 def shared_gpu(device: str, host: str) -> tuple[str, str, int] | None:

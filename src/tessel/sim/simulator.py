@@ -34,9 +34,12 @@ the schedule's factor at the seconds since its first batch, as the runtime's sta
 CPU stages that share one host's cores (`SimConfig.cores`, a `CoreSharing`) share them as the OS
 does, by processor sharing: a host whose cores run `slots` stages at full speed (cores / threads
 per stage) gives each of its n computing stages the rate min(1, slots / n), re-rated whenever one
-starts or ends. A stage's batch holds the host's cores for its CPU work only: a stage emulating
-speed s computes (s of its priced time, at the shared rate) and then sleeps (1/s - 1) x the wall
-time that took, off the cores, as the runtime's emulation does (`tessel.pipeline.stage`). The
+starts or ends; with `CoreSharing.contention` that rate is divided by 1 + c * (min(n, slots) - 1), c
+the stage's decode or prefill slowdown per stage beside it (their weights and KV stream through one
+memory: `tessel.profiling.contention`). A stage's batch holds the host's cores for its CPU work
+only: a stage emulating speed s computes (s of its priced time, at the shared rate) and then sleeps
+(1/s - 1) x the wall time that took, off the cores, as the runtime's emulation does
+(`tessel.pipeline.stage`). The
 stage times priced for sharing (the cost model's static `core_share`, every stage computing at
 once) are divided by that factor first, so that sharing is counted once. Other work on the host
 (`CoreSharing.background`: threads of other programs that want a core all along) takes its fair
@@ -73,6 +76,9 @@ class CoreSharing:
     priced_share: tuple[float, ...]
     cpu_fraction: tuple[float, ...]
     background: dict[Hashable, float] = field(default_factory=dict)  # per host: other runnable threads
+    # per stage, (decode, prefill) slowdown per stage computing beside it on its host (memory
+    # contention, `tessel.profiling.contention`); () or (0, 0): none
+    contention: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.hosts)
@@ -85,6 +91,17 @@ class CoreSharing:
             raise ValueError("core sharing: CPU fractions must be in (0, 1] and shares > 0")
         if any(b < 0 for b in self.background.values()):
             raise ValueError(f"core sharing: background threads must be >= 0, got {self.background}")
+        if self.contention and (len(self.contention) != n or any(min(c) < 0 for c in self.contention)):
+            raise ValueError(f"core sharing: {n} stages need (decode, prefill) contention >= 0 each")
+
+    def slowdown(self, index: int, batch: MicroBatch, beside: int) -> float:
+        """Stage `index`'s memory slowdown for `batch` with `beside` stages of its host computing at
+        the same time (1: none)."""
+        if not self.contention or beside <= 0:
+            return 1.0
+        decode, prefill = self.contention[index]
+        slope = decode if all(item.kind == "decode" for item in batch.items) else prefill
+        return 1.0 + slope * beside
 
 
 @dataclass(slots=True)
@@ -392,9 +409,11 @@ class PipelineRun:
         cores = self.config.cores
         jobs = self.cpu_jobs.get(host, {})
         rate = min(1.0, cores.slots[host] / (len(jobs) + cores.background.get(host, 0.0))) if jobs else 1.0
+        beside = min(len(jobs), cores.slots[host]) - 1  # stages on the host's cores at once, less one
         for index, job in jobs.items():
-            job.rate, job.since_s, job.version = rate, now, job.version + 1
-            self.push(now + job.remaining / rate, _CPU_DONE, index, (job, job.version))
+            own = rate / cores.slowdown(index, job.batch, beside)
+            job.rate, job.since_s, job.version = own, now, job.version + 1
+            self.push(now + job.remaining / own, _CPU_DONE, index, (job, job.version))
 
     def cpu_done(self, now: float, index: int, payload: tuple[_CpuJob, int]) -> None:
         job, version = payload

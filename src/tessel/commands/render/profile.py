@@ -38,6 +38,10 @@ def print_profile(console: Console, result, report, data, out) -> None:  # noqa:
     console.print(table)
     if result.cpu_cores is not None:
         console.print(f"host: {result.cpu_cores} usable cores, timed with {result.threads} thread(s)")
+    contention = result.components.get("contention:decode")
+    if contention is not None:
+        slowdown = contention.time_s(1)
+        console.print(f"decode beside another stage on this host: {slowdown:.2f}x (memory contention)")
     efficiencies = []
     if result.compute_efficiency is not None:
         efficiencies.append(f"compute {result.compute_efficiency:.1%} of catalog peak")
