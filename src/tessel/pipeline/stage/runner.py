@@ -64,6 +64,13 @@ class StageStats:
     # the computing thread's own CPU seconds over them (time.thread_time): compute_cpu_s less what the
     # process's other threads (receiving, sending, heartbeats) ran meanwhile
     compute_thread_cpu_s: float = 0.0
+    # outside the compute spans, on the stage's loop thread: waiting for and receiving a micro-batch
+    # (wall, and its thread's CPU), repeating stage 0's KV copies and building the attention's gather
+    # (`adopt`), sending the result on (wall)
+    recv_s: float = 0.0
+    recv_thread_cpu_s: float = 0.0
+    adopt_s: float = 0.0
+    send_s: float = 0.0
     # the same two over the batches that hold prompt tokens: a loaded host lends long prefill passes
     # fewer of its cores than short decode steps, so the two phases are measured apart
     prefill_compute_s: float = 0.0
