@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from random_requests import random_params
 from tessel import LLM, SamplingParams
 from tessel.errors import TesselError
 
@@ -30,23 +31,14 @@ def engines(checkpoints):
         llm.shutdown()
 
 
-def params_of(rng: random.Random, i: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=rng.choice([0.0, 0.0, 0.9]),
-        seed=i,
-        max_tokens=rng.choice([None, 1, rng.randint(2, 40)]),
-        ignore_eos=rng.random() < 0.3,
-        stop_token_ids=rng.sample(range(5, 300), rng.choice([0, 0, 8])),
-        stop=rng.choice([[], [], ["e", "th"]]),
-        logprobs=rng.choice([None, None, 0, 2]),
-        prompt_logprobs=rng.choice([None, None, None, 1]),
-    )
-
-
 def requests(seed: int, count: int = 14) -> list[tuple[str, list[int], SamplingParams]]:
     rng = random.Random(seed)
     return [
-        (f"async-{seed}-{i}", [rng.randrange(5, 300) for _ in range(rng.randint(1, 12))], params_of(rng, i))
+        (
+            f"async-{seed}-{i}",
+            [rng.randrange(5, 300) for _ in range(rng.randint(1, 12))],
+            random_params(rng, i),
+        )
         for i in range(count)
     ]
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from random_requests import random_params
 from tessel import LLM, SamplingParams
 
 FIELDS = (
@@ -31,19 +32,6 @@ def engines(checkpoints) -> tuple[LLM, LLM]:
     return engine(checkpoints, True), engine(checkpoints, False)
 
 
-def params_of(rng: random.Random, i: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=rng.choice([0.0, 0.0, 0.9]),
-        seed=i,
-        max_tokens=rng.choice([None, 1, rng.randint(2, 40)]),
-        ignore_eos=rng.random() < 0.3,
-        stop_token_ids=rng.sample(range(5, 300), rng.choice([0, 0, 8])),
-        stop=rng.choice([[], [], ["e", "th"]]),
-        logprobs=rng.choice([None, None, 0, 2]),
-        prompt_logprobs=rng.choice([None, None, None, 1]),
-    )
-
-
 def run(llm: LLM, seed: int) -> list[list[tuple]]:
     """Random requests stepped to the end, two still running aborted midway; -> each step's outputs'
     fields (metrics as which times are set), the streamed requests' read as they come, the others'
@@ -53,7 +41,7 @@ def run(llm: LLM, seed: int) -> list[list[tuple]]:
     for i in range(12):
         rid = f"bulk-{seed}-{i}"
         prompt = [rng.randrange(5, 300) for _ in range(rng.randint(1, 12))]
-        llm.add_request(rid, prompt, params_of(rng, i))
+        llm.add_request(rid, prompt, random_params(rng, i))
         if rng.random() < 0.5:
             streamed.add(rid)
     steps, read = [], {}
