@@ -2,21 +2,20 @@
 
 CPU stages of one host share more than its cores: their weights stream through the same memory
 controllers and last-level cache. A decode step of a small batch reads every weight once per token,
-so two stages decoding at once each run slower than a profile timed alone says. Measured on a 2-core
-Zen 4 VM (SmolLM2's layer, 2 rows, 30 copies, 20 rounds each way): 1.21x and 1.14x beside a process
-running the same layer, 0.97x and 1.05x beside a process that only spins in Python: the memory, not
-the core. Processor sharing (`tessel.sim.simulator.CoreSharing`) prices the cores; this prices the
-memory.
+so two stages decoding at once each run slower than a profile timed alone says; beside a process
+that only keeps a core busy they do not (`benchmarks/contention.py` measures both: docs/results.md,
+"Stages of one CPU host share its memory"). Processor sharing (`tessel.sim.simulator.CoreSharing`)
+prices the cores; this prices the memory.
 
 `measure_contention` times a decode point of the engine's layer (the profile's `_Layer`, its copies
 streaming from memory) in rounds of `HALF_ROUND_S` of runs each way: first with `co_runners`
 processes (running the same point on the other cores) held between their runs, then with them
 running; the ratio of the medians is the slowdown with that many co-runners. Alternating within each
-round keeps the machine's drift (the same layer's time moved by a third within a minute here) out of
+round keeps the machine's drift (a shared host's speed moves by tens of percent within minutes) out of
 the ratio. `tessel profile` stores it as the component `contention:decode` (`ComponentFit`, unit
 "co-runners", t(m) = 1 + c1 * m: the slowdown with m stages computing beside it, extrapolated
 linearly from one co-runner), which the simulator applies to the decode batches of CPU stages of one
-host while several compute at once. Prefill passes are compute-bound (1.03x measured here) and are
+host while several compute at once. Prefill passes are compute-bound and are
 not priced for it (the simulator reads a `contention:prefill` component if a profile has one).
 """
 
