@@ -49,22 +49,19 @@ def measure(kind: str, rounds: int, half_s: float) -> dict:
     layer = make_layer()
     context = multiprocessing.get_context("spawn")
     events = {name: context.Event() for name in ("go", "active", "stop", "ready")}
-    target = C._co_run if kind == "layer" else spin
+    target = C.co_run if kind == "layer" else spin
     args = (make_layer, 1, events) if kind == "layer" else (1, events)
     proc = context.Process(target=target, args=args, daemon=True)
     proc.start()
     runners = [(proc, events)]
-    old_half, old_rounds = C.HALF_ROUND_S, C.MIN_ROUNDS
-    C.HALF_ROUND_S, C.MIN_ROUNDS = half_s, rounds
     try:
-        C._wait_started(runners)
+        C.wait_started(runners)
         started = time.perf_counter()
         with torch.inference_mode():
-            alone, beside = C._alone_and_beside(
-                layer, C._decode_inputs(layer), runners, make_clock("cpu"), None
-            )
+            inputs = C.decode_inputs(layer)
+            clock = make_clock("cpu")
+            alone, beside = C.alone_and_beside(layer, inputs, runners, clock, None, rounds, half_s)
     finally:
-        C.HALF_ROUND_S, C.MIN_ROUNDS = old_half, old_rounds
         events["stop"].set()
         events["go"].set()
         proc.join(10)

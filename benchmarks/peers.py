@@ -212,14 +212,14 @@ def llama_perplexity(gguf: Path, ids: list[int], seq_len: int, threads: int) -> 
     return {"ppl": math.exp(nll / count), "tokens": count}
 
 
-def read_gbps(threads: int, gib: int = 1, runs: int = 7) -> float:
-    """This machine's memory read bandwidth on `threads` threads, GB/s: the best of `runs` sums of a
-    `gib`-GiB float32 buffer (far larger than any cache), the ceiling of a decode that streams weights."""
+def read_gbps(threads: int) -> float:
+    """This machine's memory read bandwidth on `threads` threads, GB/s (`measure_read_gbs`: the best
+    of 7 sums of a 1 GiB float32 buffer, far larger than any cache), the ceiling of a decode that
+    streams weights."""
+    from tessel.profiling.device_bench import measure_read_gbs
+
     torch.set_num_threads(threads)
-    buffer = torch.ones(gib * 2**28, dtype=torch.float32)
-    buffer.sum()  # pages touched, caches cold for the rest
-    best_s = min(_harness.time_call(buffer.sum, warmup=0, repeats=runs).runs_s)
-    return buffer.numel() * 4 / best_s / 1e9
+    return measure_read_gbs("cpu")
 
 
 def weight_bytes_per_token(model: Path, head_bytes: float, body_bytes: float = 1.0) -> float:

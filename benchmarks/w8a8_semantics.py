@@ -34,6 +34,8 @@ from pathlib import Path
 
 import _harness
 
+import quant as bench_quant  # benchmarks/quant.py: the evaluation text, tessel's perplexity
+
 AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})
 CASES = (  # (row, forced path, flags seen: None for this CPU's)
     ("fp16codes, AVX2 flags (AVX2 default)", "fp16codes", AVX2_FLAGS),
@@ -46,8 +48,6 @@ CASES = (  # (row, forced path, flags seen: None for this CPU's)
 
 def prompts_of(model: Path, count: int, length: int = 64) -> list[list[int]]:
     from transformers import AutoTokenizer
-
-    import quant as bench_quant  # benchmarks/quant.py: the evaluation text
 
     ids = AutoTokenizer.from_pretrained(str(model))(bench_quant.EVAL.read_text(encoding="utf-8"))["input_ids"]
     return [ids[i * length : (i + 1) * length] for i in range(count)]
@@ -87,27 +87,10 @@ def hf_perplexity(checkpoint: Path, windows: list[list[int]], float64: bool = Fa
     return math.exp(nll / count)
 
 
-def tessel_perplexity(llm, windows: list[list[int]]) -> float:
-    import torch
-
-    from tessel import SamplingParams
-    from tessel.engine.scheduler import SchedulerOutput
-    from tessel.engine.sequence import Sequence
-
-    nll, count = 0.0, 0
-    for i, window in enumerate(windows):
-        seq = Sequence(f"ppl-{i}", window, SamplingParams(temperature=0), llm.config.block_size)
-        llm.block_manager.allocate(seq, 0)
-        logits = llm.runner.forward_logits(SchedulerOutput(prefills=[(seq, len(window))]))[:-1].double()
-        llm.block_manager.free(seq)
-        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum"))
-        count += len(window) - 1
-    return math.exp(nll / count)
-
-
-def tessel_run(checkpoint: Path, prompts, new_tokens: int, path: str, flags, windows) -> tuple:
-    """(tokens per prompt, the paths the W8A8 layers took, perplexity over `windows`), `path` forced
-    and `flags` seen."""
+def tessel_run(checkpoint: Path, prompts, new_tokens: int, path: str, flags, ppl_tokens: int) -> tuple:
+    """(tokens per prompt, the paths the W8A8 layers took, perplexity over the first `ppl_tokens`
+    tokens of the evaluation text in 512-token windows: `quant.perplexity`), `path` forced and
+    `flags` seen."""
     import os
 
     from tessel import LLM, SamplingParams
@@ -119,12 +102,12 @@ def tessel_run(checkpoint: Path, prompts, new_tokens: int, path: str, flags, win
     if flags is not None:
         cpu_features.cpu_flags = lambda: flags
     try:
-        llm = LLM(str(checkpoint), max_model_len=max(64 + new_tokens + 8, 520), enforce_eager=True)
+        llm = LLM(str(checkpoint), max_model_len=64 + new_tokens + 8, enforce_eager=True)
         taken = sorted({m.path for m in llm.model.modules() if isinstance(m, w8a8.W8A8Linear)})
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         outputs = llm.generate(prompts, params, use_progress=False)
-        ppl = tessel_perplexity(llm, windows)
         llm.shutdown()
+        ppl = bench_quant.perplexity(checkpoint, 512, ppl_tokens)["ppl"]
     finally:
         cpu_features.cpu_flags = real_flags
         del os.environ[cpu_features.ENV_OVERRIDE]
@@ -179,7 +162,9 @@ def main() -> None:
         wide = {"row": "transformers in float64 (against float32)", "ppl": wide_ppl}
         show(wide | {"ppl_vs_transformers": wide_ppl / hf_ppl - 1} | wider)
         for name, path, flags in CASES:
-            got, taken, ppl = tessel_run(checkpoint, prompts, args.new_tokens, path, flags, windows)
+            got, taken, ppl = tessel_run(
+                checkpoint, prompts, args.new_tokens, path, flags, 512 * args.ppl_windows
+            )
             show(
                 {"row": name, "paths": taken, "ppl": ppl, "ppl_vs_transformers": ppl / hf_ppl - 1}
                 | compare(got, expected)

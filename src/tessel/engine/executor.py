@@ -15,7 +15,9 @@ as vLLM's engine core hands steps to `UniProcExecutor`, `MultiprocExecutor` or
   the requests; `failure` is set when a stage is lost; `shutdown` ends it.
 
 `LocalExecutor` runs the whole model in this process with the engine's `ModelRunner`: one path, one
-slot, each micro-batch computed and sampled when launched. A batch whose step raises is bisected
+slot, each micro-batch computed and sampled when launched (with `overlap`, the engine's
+`async_scheduling`, a decode micro-batch on a worker thread instead: `tessel.engine.run_ahead`). A
+batch whose step raises is bisected
 until the failing request is found (`run_isolated`): one bad request never takes the others down.
 The pipeline's executor is `tessel.pipeline.executor.ProcessExecutor`.
 """

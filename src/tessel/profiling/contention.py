@@ -39,19 +39,19 @@ HALF_ROUND_S = 0.25  # runs each way in a round
 START_TIMEOUT_S = 120.0  # a co-runner builds its layer copies first
 
 
-def _decode_inputs(layer):  # noqa: ANN001, ANN202
+def decode_inputs(layer):  # noqa: ANN001, ANN202
     batch, context = DECODE_POINT
     return layer.decode_inputs(batch, context)
 
 
-def _co_run(make_layer: Callable[[], Any], threads: int, events: dict) -> None:
+def co_run(make_layer: Callable[[], Any], threads: int, events: dict) -> None:
     """A co-runner: a layer of its own (`make_layer()`), its decode point run while `go` is set
     (`active` set after each run), until `stop`."""
     import torch
 
     torch.set_num_threads(threads)
     layer = make_layer()
-    inputs = _decode_inputs(layer)
+    inputs = decode_inputs(layer)
     go, active, stop = events["go"], events["active"], events["stop"]
     with torch.inference_mode():
         layer.forward(*inputs)
@@ -82,14 +82,14 @@ def measure_contention(
     runners = []
     for _ in range(co_runners):
         events = {name: context.Event() for name in ("go", "active", "stop", "ready")}
-        proc = context.Process(target=_co_run, args=(make_layer, threads, events), daemon=True)
+        proc = context.Process(target=co_run, args=(make_layer, threads, events), daemon=True)
         proc.start()
         runners.append((proc, events))
     fits = {}
     try:
-        _wait_started(runners)
+        wait_started(runners)
         with torch.inference_mode():
-            alone, beside = _alone_and_beside(layer, _decode_inputs(layer), runners, clock, deadline)
+            alone, beside = alone_and_beside(layer, decode_inputs(layer), runners, clock, deadline)
         slope = max(beside / alone - 1.0, 0.0) / co_runners
         fits[CONTENTION_DECODE] = ComponentFit(1.0, slope, "co-runners", 0.0, 2)
     finally:
@@ -103,7 +103,7 @@ def measure_contention(
     return fits
 
 
-def _wait_started(runners) -> None:  # noqa: ANN001
+def wait_started(runners) -> None:  # noqa: ANN001
     """Until every co-runner has built its layer; one that died or took `START_TIMEOUT_S` raises."""
     until = time.monotonic() + START_TIMEOUT_S
     for proc, events in runners:
@@ -115,33 +115,42 @@ def _wait_started(runners) -> None:  # noqa: ANN001
                 raise TesselError(f"a contention co-runner did not start within {START_TIMEOUT_S:g} s")
 
 
-def _alone_and_beside(layer, inputs, runners, clock, deadline: Deadline | None) -> tuple[float, float]:  # noqa: ANN001
-    """(median seconds of a run alone, of one beside the co-runners) over rounds of `HALF_ROUND_S`
-    of runs each way: `MIN_ROUNDS` at least, more while `deadline` allows (3x at most)."""
+def alone_and_beside(
+    layer,  # noqa: ANN001
+    inputs,  # noqa: ANN001
+    runners,  # noqa: ANN001
+    clock,  # noqa: ANN001
+    deadline: Deadline | None,
+    min_rounds: int = MIN_ROUNDS,
+    half_round_s: float = HALF_ROUND_S,
+) -> tuple[float, float]:
+    """(median seconds of a run alone, of one beside the co-runners) over rounds of `half_round_s`
+    of runs each way: `min_rounds` at least, more while `deadline` allows (3x at most)."""
     alone, beside = [], []
     layer.forward(*inputs)  # warm
     rounds = 0
-    while rounds < MIN_ROUNDS or (deadline is not None and not deadline.passed() and rounds < 3 * MIN_ROUNDS):
+    while rounds < min_rounds or (deadline is not None and not deadline.passed() and rounds < 3 * min_rounds):
         for _, events in runners:
             events["go"].clear()
         while any(events["active"].is_set() for _, events in runners):
             time.sleep(0.001)
-        alone += _runs(layer, inputs, clock)
+        alone += _runs(layer, inputs, clock, half_round_s)
         for _, events in runners:
             events["go"].set()
         for _, events in runners:
-            events["active"].wait(START_TIMEOUT_S)
-        beside += _runs(layer, inputs, clock)
+            if not events["active"].wait(START_TIMEOUT_S):
+                raise TesselError(f"a contention co-runner ran nothing for {START_TIMEOUT_S:g} s")
+        beside += _runs(layer, inputs, clock, half_round_s)
         rounds += 1
     for _, events in runners:
         events["go"].clear()
     return statistics.median(alone), statistics.median(beside)
 
 
-def _runs(layer, inputs, clock) -> list[float]:  # noqa: ANN001
-    """Runs of the point until `HALF_ROUND_S` of wall time has passed (one at least): their seconds."""
+def _runs(layer, inputs, clock, seconds: float) -> list[float]:  # noqa: ANN001
+    """Runs of the point until `seconds` of wall time have passed (one at least): their seconds."""
     times = []
-    until = time.perf_counter() + HALF_ROUND_S
+    until = time.perf_counter() + seconds
     while not times or time.perf_counter() < until:
         times.append(clock(lambda: layer.forward(*inputs)))
     return times

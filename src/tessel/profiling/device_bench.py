@@ -6,6 +6,7 @@
 Per device:
 - GEMM: `torch.matmul` of two n x n matrices, 2*n^3 FLOPs per run (fp32 on CPU, fp16 on CUDA);
 - memory bandwidth: `dst.copy_(src)` of a large buffer, reading and writing it (2 x its bytes);
+  `measure_read_gbs` alone: a buffer summed, each byte read once (what streaming weights needs);
 - host-to-device / device-to-host (CUDA): a pinned host buffer copied in and out;
 - device-to-device (CUDA): a buffer copied to each peer GPU (NVLink or PCIe peer-to-peer).
 Each figure is the best of `repeats` timed runs after `warmup` untimed ones, timed with the clock
@@ -126,6 +127,19 @@ def measure_device(
         peer_gbs=peer_gbs,
         settings=asdict(settings),
     )
+
+
+def measure_read_gbs(device: str = "cpu", n_bytes: int = 2**30, warmup: int = 1, repeats: int = 7) -> float:
+    """The memory read bandwidth of `device`, GB/s: a float32 buffer of `n_bytes` summed, each byte read
+    once, the best of `repeats` runs (on CPU with the threads torch has now): the ceiling of a decode
+    that streams its weights, which `measure_device`'s copy (read and write) is not."""
+    import torch
+
+    target = torch.device(device)
+    clock = make_clock("cuda" if device_kind(device) == "cuda" else "wall")
+    buffer = torch.ones(n_bytes // 4, device=target, dtype=torch.float32)
+    (runs,) = time_runs([buffer.sum], clock, warmup=warmup, repeats=repeats)
+    return buffer.numel() * 4 / max(min(runs), 1e-9) / GB
 
 
 def _gemm_s(torch, target, dtype, n: int, best_s) -> float:  # noqa: ANN001 (torch module and objects)
