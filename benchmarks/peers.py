@@ -270,6 +270,8 @@ def llama_section(model: Path, workdir: Path, args) -> dict:
         ("tessel W8A8", "w8a8 rtn", "float", None, False),
         ("tessel W8A8 + int8 head", "w8a8 rtn", "int8", None, False),
         ("tessel W8A8 + int8 head, eager decode", "w8a8 rtn", "int8", None, True),
+        # the one row by inductor's float32 GEMV instead of tessel's int8 GEMV (before issue 47's kernel)
+        ("tessel W8A8 + int8 head, inductor GEMV", "w8a8 rtn", "int8", {"TESSEL_INT8_GEMV": "off"}, False),
     ]
     from tessel.kernels import cpu_features
 

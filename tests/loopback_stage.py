@@ -58,6 +58,9 @@ class Loopback:
     def close(self) -> None:
         pass
 
+    def abort(self, failure: BaseException) -> None:
+        pass  # nothing waits on a link here
+
     send_stop = flush = close
 
 

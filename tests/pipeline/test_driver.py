@@ -1,8 +1,11 @@
 """Stage 0's engine on a plan's executor in one process (a one-stage plan): several in-flight slots,
-CPP chunks, aborts and preemption must give exactly the single-process engine's tokens (the oracle:
-`LLM`)."""
+CPP chunks, aborts, preemption and async scheduling must give exactly the single-process engine's
+tokens (the oracle: `LLM`)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -10,7 +13,12 @@ from loopback_stage import pipeline_llm, two_stages
 from pipeline_plans import write_plan
 from tessel import LLM, SamplingParams
 from tessel.chunk.latency import PipelineLatency
+from tessel.engine.engine_config import EngineConfig
+from tessel.errors import TesselError
 from tessel.pipeline.chunk_cutter import ChunkCutter
+from tessel.pipeline.comm.messages import PeerLostError
+from tessel.pipeline.executor import ProcessExecutor
+from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import load_run_plan
 from tessel.sim.linear import LinearStage
 
@@ -139,3 +147,111 @@ def test_tokens_back_before_a_launch_are_taken_first(tiny_dirs, tmp_path, monkey
     assert got == reference(tiny_dirs["tied"], PROMPTS[:4], params)
     # back at once: each micro-batch is completed before the next launch, never two in flight
     assert max(in_flight) == (1 if arrived else 2)
+
+
+# ---- async scheduling on a plan: stage 0 computes its decode micro-batches on a worker thread while
+# the engine schedules the next slot's (`ProcessExecutor`, `async_scheduling=True`)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_two_stages_overlapped_give_the_engines_tokens(tiny_dirs, tmp_path, monkeypatch, slots):
+    """Greedy and seeded requests, prompts of several lengths (prefills run on the engine's thread,
+    in launch order after the worker's queue): the engine's tokens, the decode micro-batches computed
+    by stage 0 on the worker, never on the engine's thread."""
+    engine, _ = two_stages(
+        tiny_dirs["tied"], tmp_path, monkeypatch, slots=slots, async_scheduling=True, max_num_seqs=2
+    )  # requests wait, so prefills come between decode micro-batches
+    threads = set()
+    run = engine.executor._run_stage0
+
+    def run_stage0(micro, message, input_ids):
+        on_main = threading.current_thread() is threading.main_thread()
+        threads.add((bool(micro.batch.prefills), on_main))
+        if not on_main:
+            time.sleep(0.005)  # a slow stage 0: a micro-batch launched later must still leave after
+        return run(micro, message, input_ids)
+
+    sent = []
+    send = engine.executor.comm.send_batch
+
+    def send_batch(message, hidden, input_ids=None):
+        sent.append(message.batch_id)
+        return send(message, hidden, input_ids)
+
+    monkeypatch.setattr(engine.executor, "_run_stage0", run_stage0)
+    monkeypatch.setattr(engine.executor.comm, "send_batch", send_batch)
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, top_k=20, seed=11 + i, max_tokens=7) for i in range(2)
+    ]
+    got = [out.token_ids for out in engine.generate(PROMPTS, params, use_progress=False)]
+    assert got == reference(tiny_dirs["tied"], PROMPTS, params)
+    assert engine.executor.num_overlapped > 0
+    assert threads == {(True, True), (False, False)}
+    assert sent == sorted(sent)  # in launch order
+
+
+def test_a_one_stage_plan_overlapped_samples_on_the_worker(tiny_dirs, tmp_path):
+    """Stage 0 alone samples: the micro-batch's result is set by the worker and collected."""
+    plan_path = write_plan(tmp_path / "plan1.json", tiny_dirs["tied"], [(0, 5)])
+    engine = pipeline_llm(tiny_dirs["tied"], plan_path, slots=1, async_scheduling=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [out.token_ids for out in engine.generate(PROMPTS[:3], params, use_progress=False)]
+    assert got == reference(tiny_dirs["tied"], PROMPTS[:3], params)
+    assert engine.executor.num_overlapped > 0
+
+
+def test_a_lost_stage_on_the_worker_stops_the_engine(tiny_dirs, tmp_path, monkeypatch):
+    """A send that fails on the worker is raised by the step that collects it, and kept as the
+    executor's failure: the next step raises it too, nothing waits."""
+    engine, _ = two_stages(tiny_dirs["tied"], tmp_path, monkeypatch, slots=2, async_scheduling=True)
+    comm = engine.executor.comm
+    send = comm.send_batch
+
+    def send_batch(message, hidden, input_ids=None):
+        if not message.meta.prefills and threading.current_thread() is not threading.main_thread():
+            raise PeerLostError("stage 1: link cut (test)")
+        return send(message, hidden, input_ids)
+
+    monkeypatch.setattr(comm, "send_batch", send_batch)
+    engine.add_request("r0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(PeerLostError, match="link cut"):
+        for _ in range(10):
+            engine.step()
+    assert isinstance(engine.executor.failure, PeerLostError)
+    with pytest.raises(PeerLostError, match="link cut"):
+        engine.step()
+
+
+def test_a_tensor_parallel_stage_0_is_refused(tiny_dirs, tmp_path):
+    plan_path = write_plan(tmp_path / "tp.json", tiny_dirs["tied"], [(0, 5)], degrees=[2])
+    executor = ProcessExecutor(RunOptions(plan_path, tiny_dirs["tied"]))
+    with pytest.raises(TesselError, match="tensor-parallel"):
+        executor.configure(EngineConfig(async_scheduling=True))
+    assert not executor.overlaps
+
+
+def test_a_worker_stuck_on_a_dead_link_does_not_hold_the_engine(tiny_dirs, tmp_path, monkeypatch):
+    """Stage 0's worker blocked in a send that never returns: once the stage's watcher aborts the
+    executor, the step waiting for that micro-batch raises the loss instead of waiting."""
+    engine, _ = two_stages(tiny_dirs["tied"], tmp_path, monkeypatch, slots=1, async_scheduling=True)
+    comm, release = engine.executor.comm, threading.Event()
+    send = comm.send_batch
+
+    def send_batch(message, hidden, input_ids=None):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(30)  # a link that does not answer
+        return send(message, hidden, input_ids)
+
+    monkeypatch.setattr(comm, "send_batch", send_batch)
+    watcher = threading.Timer(0.3, engine.executor.abort, [PeerLostError("stage 1 lost (test)")])
+    engine.add_request("r0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PeerLostError, match="stage 1 lost"):
+            for _ in range(10):
+                engine.step()
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+        watcher.cancel()

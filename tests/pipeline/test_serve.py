@@ -32,10 +32,14 @@ def _wait(condition, what: str) -> None:
         time.sleep(0.05)  # a poll interval
 
 
-def test_serve_through_a_pipeline(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_serve_through_a_pipeline(tiny_dirs, tmp_path, async_scheduling):
+    """With async scheduling stage 0 computes its decode micro-batches on a worker thread: the same
+    tokens, and a stage killed while it runs still gives 503, never a hang."""
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 3), (3, 5)], micro_batches=2)
-    engine = Supervisor.serve(RunOptions(plan, model), max_rebuilds=0)  # a lost stage stays lost
+    options = RunOptions(plan, model, async_scheduling=async_scheduling)
+    engine = Supervisor.serve(options, max_rebuilds=0)  # a lost stage stays lost
     try:
         app = create_app(engine, max_pending=16)
         prompt = "Once upon a time"
@@ -56,6 +60,7 @@ def test_serve_through_a_pipeline(tiny_dirs, tmp_path):
                         pieces.append(json.loads(line[6:])["choices"][0]["text"])
             assert "".join(pieces) == expected[0].text
             assert client.get("/health").status_code == 200
+            assert (engine.executor.num_overlapped > 0) == async_scheduling
 
             os.kill(engine.executor.stages.procs[0].pid, signal.SIGKILL)  # stage 1
             _wait(lambda: client.get("/health").status_code == 503, "/health to report the dead stage")

@@ -18,9 +18,9 @@ from decode_steps import batch_decode_logits, decode_logits
 from tessel import LLM
 from tessel.cli import app
 from tessel.engine.cpu_graph import CpuGraph
-from tessel.kernels import cpu_compile
+from tessel.kernels import cpu_compile, int8_gemv
 from tessel.kernels.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
-from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, fbgemm_act_bits
+from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, cpu_flags, fbgemm_act_bits
 from tessel.layers.linear import W8A8Linear, W8A16Linear, linear_form, split_linear
 
 pytestmark = pytest.mark.skipif(not cpu_compile.compiler_available(), reason="no C++ compiler for inductor")
@@ -67,15 +67,38 @@ def test_decode_steps_match_the_compressed_tensors_oracle(quantized, monkeypatch
         monkeypatch.setenv(INT8_ENV_OVERRIDE, "dequant")
         monkeypatch.setenv(W8A16_ENV_OVERRIDE, "gemv")
         llm = LLM(out, max_model_len=128, block_size=8)
+    # W8A8: an activation on a rounding tie may round the other way (the graph sums in its own order)
+    _assert_one_row_steps_match(llm, out, tol=2e-3 if "w8a8" in scheme else 1e-4)
+
+
+def _assert_one_row_steps_match(llm: LLM, checkpoint, tol: float) -> None:
+    """34 one-row decode steps, all through the compiled graph, give the oracle's logits."""
     ids = torch.randint(4, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     got, graph_steps = decode_logits(llm, ids, prefill=6)
     assert graph_steps == 34
     with torch.no_grad():
-        expected = hf_quantized(out)(torch.tensor([ids])).logits[0]
+        expected = hf_quantized(checkpoint)(torch.tensor([ids])).logits[0]
     scale = float(expected.abs().max())
-    # W8A8: an activation on a rounding tie may round the other way (the graph sums in its own order)
-    tol = 2e-3 if "w8a8" in scheme else 1e-4
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("isa", int8_gemv.ISAS)
+@pytest.mark.parametrize("path", ["fbgemm", "fp16codes"])
+def test_one_row_steps_call_the_int8_gemv(quantized, monkeypatch, isa, path) -> None:
+    """W8A8 whose GEMM reads per-token codes: the one-row step's graphs call tessel's int8 GEMV for
+    every linear (the kernel forced, where this CPU runs it)."""
+    if not int8_gemv.NEEDS[isa] <= cpu_flags() or not int8_gemv.available():
+        pytest.skip(f"this CPU or machine cannot run the {isa} kernel")
+    if path == "fbgemm" and fbgemm_act_bits(False) != 8:
+        pytest.skip("fbgemm multiplies 8-bit activation codes by full-range weights only with VNNI")
+    monkeypatch.setenv(INT8_ENV_OVERRIDE, path)
+    monkeypatch.setenv(int8_gemv.ENV_OVERRIDE, isa)
+    out = quantized("w8a8")
+    llm = LLM(out, max_model_len=128, block_size=8)
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear)]
+    assert {m.plan.row_kernel.isa for m in linears} == {isa}
+    assert {linear_form(m).kind for m in linears} == {"w8a8_int8_gemv"} and llm.runner.cpu_graph.row_forms
+    _assert_one_row_steps_match(llm, out, tol=2e-3)  # near-tie codes, as above
 
 
 def _modules(with_bias: bool) -> list[torch.nn.Module]:
@@ -110,7 +133,8 @@ def test_each_traced_form_computes_its_modules_one_row_forward(with_bias: bool) 
         assert kept[0] is x
 
 
-def test_paths_without_a_traced_form_keep_the_model_eager(quantized) -> None:
+def test_paths_without_a_traced_form_keep_the_model_eager(quantized, monkeypatch) -> None:
+    monkeypatch.setenv(int8_gemv.ENV_OVERRIDE, "off")  # W8A8 on fp16codes: no one-row form without it
     w = torch.randint(-63, 64, (16, 32), dtype=torch.int8)
     assert linear_form(W8A16Linear(w, torch.ones(16), path="dequant")) is None
     assert linear_form(W8A16Linear(w, torch.ones(16), path="fp16codes")) is None

@@ -300,11 +300,12 @@ def test_fits_7bit_codes_edges() -> None:
     [({"avx2", "avx512f", "avx512_vnni"}, True), ({"avx", "avx2", "fma", "f16c"}, False)],
 )
 def test_one_fbgemm_row_takes_the_gemv_only_with_avx512(monkeypatch, flags, gemv) -> None:
-    """A single row on the fbgemm path runs inductor's GEMV where it is fast (AVX-512), on the same
-    per-token codes, so the result is the int32 GEMM's either way."""
+    """Without tessel's int8 GEMV, a single row on the fbgemm path runs inductor's GEMV where it is
+    fast (AVX-512), on the same per-token codes, so the result is the int32 GEMM's either way."""
     if not cpu_features.fbgemm_available():
         pytest.skip("this torch build has no fbgemm")
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    monkeypatch.setenv("TESSEL_INT8_GEMV", "off")
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     q, s = _narrow_layer(96, 160, 4)  # 7-bit codes: 8-bit activations on either CPU
     layer = W8A8Linear(q, s, torch.randn(96))

@@ -102,8 +102,8 @@ ASYNC_SCHEDULING_OPTION = typer.Option(
     False,
     "--async-scheduling",
     help="Overlap the host's work with the decode steps: the next step prepared while one computes and "
-    "launched before its tokens are applied (one process; pays where the device computes without the "
-    "host, a GPU; docs/engine.md).",
+    "launched before its tokens are applied (one process), or, with --plan, stage 0 computing while the "
+    "next micro-batch is scheduled; pays where the device computes without the host, a GPU; docs/engine.md.",
 )
 TENSOR_PARALLEL_OPTION = typer.Option(
     1,

@@ -209,7 +209,7 @@ def serve(
                 body_timeout_s=body_timeout_s, max_prompt_chars=max_prompt_chars,
                 max_prompt_tokens=max_prompt_tokens, max_engine_restarts=max_engine_restarts,
                 served_model_name=served_model_name, log_level=log_level.value, heartbeat_timeout=timeout_s,
-            )  # fmt: skip
+            ) + (["--async-scheduling"] if async_scheduling else [])  # fmt: skip
             level = log_level.value
             router = RouterOptions(
                 model, plan, host, port, backend_options, timeout_s, limits, level,
@@ -217,8 +217,6 @@ def serve(
             )  # fmt: skip
             serve_replicas(router, specs, echo=lambda line: typer.echo(line, err=True))
             return
-    if plan is not None and async_scheduling:
-        raise TesselError("--async-scheduling overlaps one process's steps; a --plan's stage 0 does not yet")
     if plan is not None and tensor_parallel_size > 1:
         raise TesselError(
             "--tensor-parallel-size splits one engine; with --plan, the plan's stages say their tp_degree"
@@ -243,8 +241,9 @@ def serve(
         timeout_s = heartbeat_timeout_s(heartbeat_timeout)
         placed = {"executor": executor, "ray_address": ray_address}
         run = RunOptions(
-            plan, model, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s, **placed, **kwargs
-        )
+            plan, model, dtype=dtype, replica=replica, heartbeat_timeout=timeout_s,
+            async_scheduling=async_scheduling, **placed, **kwargs,
+        )  # fmt: skip
         engine = Supervisor.serve(run, max_engine_restarts)  # rebuilds count against the restarts
     app = create_app(
         engine,

@@ -128,6 +128,7 @@ class Executor(Protocol):
     model: LlamaForCausalLM  # stage 0's layers (the whole model for one process)
     failure: BaseException | None  # set (by a watcher thread) once a stage is lost
     runs_ahead: bool  # the engine may launch a step before the last one's tokens are applied (run_ahead)
+    overlaps: bool  # `launch` returns while the step computes (the engine's async_scheduling)
 
     def configure(self, config: EngineConfig) -> EngineConfig: ...
     def start(self, setup: EngineSetup) -> ExecutorLayout: ...
@@ -203,6 +204,10 @@ class LocalExecutor:
     @property
     def runs_ahead(self) -> bool:
         """Whether the engine may prepare and launch a step before the last one's tokens are applied."""
+        return self.overlap
+
+    @property
+    def overlaps(self) -> bool:
         return self.overlap
 
     def configure(self, config: EngineConfig) -> EngineConfig:

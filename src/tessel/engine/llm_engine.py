@@ -124,10 +124,10 @@ class LLMEngine:
         self._user_config = EngineConfig(**kwargs)  # as given: each executor adapts it (`configure`)
         self.executor: Executor = executor if executor is not None else default_executor(self._user_config)
         self.config = self.executor.configure(self._user_config)
-        if self.config.async_scheduling and not self.executor.runs_ahead:
+        if self.config.async_scheduling and not self.executor.overlaps:
             raise TesselError(
-                f"async_scheduling runs on one process's executor; {type(self.executor).__name__} "
-                "does not overlap its steps yet"
+                f"async_scheduling runs on one process's executor or a plan's stage 0; "
+                f"{type(self.executor).__name__} does not overlap its steps yet"
             )
         if self.config.kv_cache_gib is not None:
             check_kv_cache_fits(self.config.kv_cache_gib, self.config.device)

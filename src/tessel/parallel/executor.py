@@ -57,6 +57,7 @@ def check_tensor_parallel(
 
 class TensorParallelExecutor:
     runs_ahead = False  # the ranks' steps are not overlapped yet (tessel.engine.run_ahead)
+    overlaps = False
 
     def __init__(self, degree: int, gpus: list[int] | None = None, threads: int | None = None) -> None:
         """`degree` ranks; on CUDA rank r on GPU gpus[r] (None: GPU r); `threads`: torch threads per

@@ -18,6 +18,15 @@ is built in steps so a new one can load beside one that serves: `spawn` starts t
 `start` joins the process group, agrees the KV layout with every stage and returns the engine's
 `ExecutorLayout`.
 
+Async scheduling (the engine's `async_scheduling`, `--async-scheduling` on `serve --plan`): stage 0
+computes each decode micro-batch and sends it on from a worker thread, so `launch` returns once the
+micro-batch is prepared and the engine schedules and prepares the next slot's micro-batch while
+stage 0 computes (different sequences: a slot's next micro-batch is scheduled only after its last
+one's tokens are back, so nothing runs ahead of its own tokens). Micro-batches leave stage 0 in
+launch order: one worker, and a prefill (timed on the engine's thread for preemption's clock) or a
+micro-batch sent straight to a path that starts elsewhere waits for the worker's queue first.
+Refused where stage 0 is tensor-parallel.
+
 Preemption: stage 0 swaps or recomputes as one process does (its emulated host link from the plan
 unless `emulate_host_gbps` is given); every stage holds its own layers' KV blocks, so stage 0's copies
 to and from its host pool travel with the next micro-batch (`KvCopies`) and each stage repeats them
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +74,7 @@ from tessel.pipeline.stage.runner import KvBudget, StageRunner, StageStats, rss_
 from tessel.pipeline.supervision.launcher import LocalStages, free_port
 
 EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit
+WORKER_POLL_S = 0.05  # how often a wait for stage 0's worker looks for a lost stage
 
 __all__ = ["ProcessExecutor", "layer_filter", "stage_kv_budget"]
 
@@ -100,7 +112,7 @@ class Stage0:
 
 
 class ProcessExecutor:
-    runs_ahead = False  # stage 0 does not overlap its steps yet (tessel.engine.run_ahead)
+    runs_ahead = False  # no step is launched before its own last tokens are applied (run_ahead)
 
     def __init__(
         self,
@@ -131,6 +143,10 @@ class ProcessExecutor:
         self._fresh_stats = False  # the next micro-batch tells the other stages to count anew
         self.on_phase: Callable[[str], object] | None = None  # told "joining" before the join (a heartbeat)
         self.kv_blocks = 0  # stage 0's own pool, once started
+        self.overlaps = False  # async scheduling: stage 0's decode micro-batches on `_worker` (configure)
+        self._worker: ThreadPoolExecutor | None = None
+        self._queued: Future | None = None  # the last micro-batch given to the worker
+        self.num_overlapped = 0  # micro-batches stage 0 computed on the worker
 
     @classmethod
     def spawn(cls, options: RunOptions, run_dir: Path) -> ProcessExecutor:
@@ -159,6 +175,13 @@ class ProcessExecutor:
             changes["emulate_host_gbps"] = stage.emulate_host_gbps
         if not self.features.prefix_caching:
             changes["enable_prefix_caching"] = False
+        if config.async_scheduling:
+            if stage.tp_degree > 1:
+                raise TesselError(
+                    "async_scheduling: stage 0 of this plan is tensor-parallel; its ranks do not overlap "
+                    "their steps yet"
+                )
+            self.overlaps = True
         return replace(config, **changes)
 
     def load(self, setup: EngineSetup) -> None:
@@ -330,15 +353,41 @@ class ProcessExecutor:
             token_bitmasks=[None if s.token_bitmask is None else s.token_bitmask.array() for s in sampled],
         )
         self._fresh_stats = False
+        if path != (0,):  # before the send: the tokens may come back before this thread goes on
+            self.comm.expect_tokens(micro.batch_id, path[-1])
+        if self.overlaps and path[0] == 0 and not micro.batch.prefills:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, "tessel-stage0")
+            micro.pending = self._queued = self._worker.submit(self._send_on, micro, message, input_ids)
+            self.num_overlapped += 1
+            return
+        self._wait_for_worker()  # what was launched before leaves stage 0 first
+        self._send_on(micro, message, input_ids)
+
+    def _send_on(self, micro: InFlightBatch, message: BatchMessage, input_ids: torch.Tensor) -> None:
+        """Stage 0's layers on the micro-batch and the send to the next stage (or its token ids to a
+        path that starts elsewhere)."""
         try:
-            if path[0] == 0:
+            if message.path[0] == 0:
                 self._run_stage0(micro, message, input_ids)
             else:
                 self.comm.send_batch(message, None, input_ids)
-            if path != (0,):
-                self.comm.expect_tokens(micro.batch_id, path[-1])
         except PeerLostError as error:
             raise self._lost(error) from error
+
+    def _wait_for_worker(self) -> None:
+        """Wait until the worker has sent every micro-batch given to it (its failure is raised by the
+        `collect` of the micro-batch that failed)."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            self._wait(lambda: futures.wait([queued], timeout=WORKER_POLL_S).done)
+
+    def _wait(self, done: Callable[[], object]) -> None:
+        """Poll `done()` until it holds; a lost stage (`abort`, from its watcher) is raised instead,
+        so a worker stuck on a link that will never answer does not hold the engine."""
+        while not done():
+            if self.failure is not None:
+                raise self.failure
 
     def _run_stage0(self, micro: InFlightBatch, message: BatchMessage, input_ids: torch.Tensor) -> None:
         started, cpu_started, thread_started = time.perf_counter(), time.process_time(), time.thread_time()
@@ -352,9 +401,17 @@ class ProcessExecutor:
             self.comm.send_batch(message, hidden)
 
     def ready(self, micro: InFlightBatch) -> bool:
+        if micro.pending is not None and not micro.pending.done():
+            return False
         return self.comm is not None and self.comm.tokens_ready(micro.batch_id)
 
     def collect(self, micro: InFlightBatch) -> StepResult:
+        if micro.pending is not None:  # stage 0's part on the worker: sent (or raised) first
+            pending, micro.pending = micro.pending, None
+            self._wait(lambda: futures.wait([pending], timeout=WORKER_POLL_S).done)
+            pending.result()
+            if micro.result is not None:  # stage 0 sampled it (a path of rank 0 alone)
+                return micro.result
         try:
             back = self.comm.recv_tokens(micro.batch_id, len(micro.sampled))
         except PeerLostError as error:
@@ -419,6 +476,8 @@ class ProcessExecutor:
     def shutdown(self) -> None:
         """Stop the pipeline: children are stopped (a supervised pipeline, whatever its state); stages
         someone else started are told to stop (after the last micro-batch). Then leave the group."""
+        if self._worker is not None:  # after a loss, a worker blocked on a dead link is not waited for
+            self._worker.shutdown(wait=self.failure is None, cancel_futures=True)
         try:
             if self.comm is not None and self.stages is None:
                 self.comm.close()  # every token owed is back: the receiver threads end

@@ -45,6 +45,7 @@ class RunOptions:
     heartbeat_timeout: float | None = None  # seconds a stage may be silent (None: the env's, or 30)
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer text prompts are refused untokenized
     transport: str = "auto"  # how the stream crosses links (tessel.pipeline.devices)
+    async_scheduling: bool = False  # stage 0's decode micro-batches computed while the engine goes on
 
     executor: str = "local"  # where the other stages run: "local" (processes here) or "ray" (their nodes)
     ray_address: str | None = None  # with "ray": HOST:PORT of the cluster's head (None: this machine's)
@@ -63,6 +64,8 @@ class RunOptions:
             "emulate_host_gbps": self.emulate_host_gbps,
             "max_num_batched_tokens": self.max_num_batched_tokens,
         }
+        if self.async_scheduling:
+            options["async_scheduling"] = True
         return {key: value for key, value in options.items() if value is not None}
 
     def write(self, path: Path) -> Path:

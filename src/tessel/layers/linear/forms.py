@@ -6,6 +6,8 @@ own one-row forward compiles (`tessel.kernels.w8a16_cpu`):
 
     w8a8      codes, s = per_token_codes(x) (dynamic) or static_codes(x, s_in) (static)
               y = (sum_k codes[k] * q_w[n, k]) * s * s_w[n] (+ bias)       float32 sums, exact < 2**24
+    w8a8_int8_gemv  the same with dynamic codes, the sums by tessel's int8 GEMV operator
+              (`tessel.kernels.int8_gemv`, exact int32 sums) on the weight packed for it
     w8a16     y = (sum_k x[k] * q_w[n, k]) * s_w[n] (+ bias)
     float     y = x @ w.T (+ bias)
 
@@ -59,6 +61,14 @@ def _w8a8_static(
     return gemv_scaled_formula(codes, w, scale, w_scale), [codes]
 
 
+def _w8a8_int8_gemv(
+    x: torch.Tensor, packed: torch.Tensor, wsum128: torch.Tensor, w_scale: torch.Tensor
+) -> tuple[torch.Tensor, Kept]:
+    codes, scale = per_token_codes(x)
+    acc = torch.ops.tessel.int8_gemv_sums(codes, packed, wsum128, w_scale.shape[0])
+    return (acc * scale[:, None]) * w_scale, [codes]  # `int8_epilogue`'s order, as gemv_scaled_formula
+
+
 def _w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, Kept]:
     return gemv_formula(x, w, w_scale), []
 
@@ -67,7 +77,13 @@ def _float(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, Kept]:
     return x @ w.t(), []
 
 
-_FORMULAS = {"w8a8": _w8a8, "w8a8_static": _w8a8_static, "w8a16": _w8a16, "float": _float}
+_FORMULAS = {
+    "w8a8": _w8a8,
+    "w8a8_static": _w8a8_static,
+    "w8a8_int8_gemv": _w8a8_int8_gemv,
+    "w8a16": _w8a16,
+    "float": _float,
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,13 @@ Every path computes that formula: the quantiser, the path's integer sums, the ep
                (`tessel.kernels.int8_cpu`); static scales take `dequant` instead
     dequant    the integer products as a float32 GEMM (exact below 2**24)
 
-A single row on CPU (one sequence decoding) on `int_mm`, `dequant`, or `fbgemm` with 8-bit codes on
-AVX-512 sums its integer products in the compiled int8 GEMV of `tessel.kernels.w8a16_cpu` (float32
-sums, exact below 2**24), which streams the weight faster than a GEMM at one row; that row is also
-the layer's traced form (`one_row_form`). fbgemm8 and fp16codes split around their GEMM (`split`).
+A single row on CPU (one sequence decoding) whose GEMM reads per-token codes (fbgemm8, fp16codes;
+dynamic activations) sums its integer products in tessel's int8 GEMV (`tessel.kernels.int8_gemv`,
+exact int32 sums, AVX-512 VNNI or AVX2), on the weight packed for it once (`plan.row_kernel`). Else,
+on `int_mm`, `dequant`, or `fbgemm` with 8-bit codes on AVX-512, in the compiled int8 GEMV of
+`tessel.kernels.w8a16_cpu` (float32 sums, exact below 2**24), which streams the weight faster than a
+GEMM at one row. Either GEMV is the layer's traced one-row form (`one_row_form`). fbgemm8 and
+fp16codes split around their GEMM at more rows (`split`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from tessel.kernels.int8_cpu import (
     fp16_codes_pack,
 )
 from tessel.kernels.int8_gemm import int8_epilogue, int8_gemm
+from tessel.kernels.int8_gemv import PackedInt8
+from tessel.kernels.int8_gemv import gemv_sums as int8_gemv_sums
+from tessel.kernels.int8_gemv import pack as pack_int8_gemv
 from tessel.kernels.quantize_rows import per_token_codes, quantize_per_token, static_codes
 from tessel.kernels.w8a16_cpu import gemv_int8, gemv_int8_scaled, quantize_rows
 from tessel.layers.linear.forms import LinearForm, SplitLinear
@@ -64,6 +70,8 @@ class W8A8Path:
     # the GEMM reads the per-token codes (`fbgemm8` or `fp16codes`: what `split` calls between
     # its graphs), or None: it quantises the rows itself (fbgemm's 7-bit codes), or `int8_gemm`
     codes_gemm: str | None = None
+    # a single row's codes take tessel's int8 GEMV (`tessel.kernels.int8_gemv`) on this packed form
+    row_kernel: PackedInt8 | None = None
 
 
 class W8A8Linear(Int8Weights):
@@ -110,7 +118,11 @@ class W8A8Linear(Int8Weights):
         float_weight = w.float() if path == "dequant" else None
         fbgemm8 = path == "fbgemm" and act_bits == 8 and fbgemm_takes_codes()
         codes_gemm = "fbgemm8" if fbgemm8 else "fp16codes" if path == "fp16codes" else None
-        self.plan = W8A8Path(path, True, act_bits, gemv, packed, float_weight, codes_gemm)
+        # Where the GEMM reads per-token codes, one row's codes take tessel's int8 GEMV instead
+        # (the same integer sums), also in the compiled one-row step (`one_row_form`).
+        row_kernel = pack_int8_gemv(w) if codes_gemm is not None and not static else None
+        gemv = gemv and row_kernel is None
+        self.plan = W8A8Path(path, True, act_bits, gemv, packed, float_weight, codes_gemm, row_kernel)
 
     @property
     def path(self) -> str:
@@ -136,7 +148,7 @@ class W8A8Linear(Int8Weights):
             return int8_gemm(q, self.weight, s, self.weight_scale, self.bias, out_dtype=dtype)
         if plan.name == "fbgemm" and plan.codes_gemm is None:  # fbgemm quantises the rows itself
             return fbgemm_linear(rows, plan.packed, self.bias, plan.fbgemm_act_bits).to(dtype)
-        codes, s = self._codes(rows, compiled=plan.name == "fp16codes")
+        codes, s = self._codes(rows, compiled=plan.name == "fp16codes" or plan.row_kernel is not None)
         return int8_epilogue(self._sums(codes), s, self.weight_scale, self.bias, dtype)
 
     def _codes(self, rows: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +170,11 @@ class W8A8Linear(Int8Weights):
         return codes.to(torch.int8), s
 
     def _sums(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [M, K] @ q_w.T as float32 [M, N] by the CPU path's GEMM (exact integers below 2**24)."""
+        """codes [M, K] @ q_w.T as float32 [M, N] by the CPU path's GEMM (exact integers below 2**24),
+        or one row by tessel's int8 GEMV (exact int32 sums) where the layer packed its weight for it."""
         plan = self.plan
+        if plan.row_kernel is not None and codes.shape[0] == 1:
+            return int8_gemv_sums(codes, plan.row_kernel)
         if plan.name == "fbgemm":
             return fbgemm_int8_sums(codes, plan.packed)
         if plan.name == "fp16codes":
@@ -181,7 +196,11 @@ class W8A8Linear(Int8Weights):
 
     # ---- the forms the compiled decode steps trace ----------------------------------------------
     def one_row_form(self) -> LinearForm | None:
-        """The one-row GEMV's formula; None on the paths whose row runs fbgemm's or the fp16 GEMM."""
+        """The one-row GEMV's formula: tessel's int8 GEMV where the layer takes it, else inductor's;
+        None on the paths whose row runs fbgemm's or the fp16 GEMM."""
+        kernel = self.plan.row_kernel
+        if kernel is not None:
+            return LinearForm("w8a8_int8_gemv", (kernel.packed, kernel.wsum128, self.weight_scale), self.bias)
         if not self.plan.one_row_gemv:
             return None
         if self.input_scale is None:

@@ -189,6 +189,7 @@ def serve_requests(
         0, **asdict(executor.stage.stats), wall_s=wall_s, preemptions=engine.scheduler.num_preemptions,
         kv_swaps=kv.swaps, kv_recomputes=kv.recomputes, kv_swap_bytes=kv.bytes_to_host + kv.bytes_to_device,
         path_requests={str(p.index): n for p, n in zip(executor.paths, per_path, strict=True)},
+        overlapped_batches=executor.num_overlapped,
     )  # fmt: skip
     return [_result(out) for out in outputs], wall_s, ended
 
