@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,17 +10,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+from tessel.ports import port_of, reserve_port
+from tessel.server.replica_backends import listen_argv
 
 START_DEADLINE_S = 180.0  # importing torch and loading a model on two busy cores
 POLL_S = 0.05
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def start_serving(command: list[str], **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start the `tessel serve` `command` on a port bound here and inherited (--listen-fd), so
+    nothing takes the port while the server loads its model; (the process, its URL)."""
+    with reserve_port("127.0.0.1") as listener:
+        argv = [*command, *listen_argv(listener)]
+        process = subprocess.Popen(argv, pass_fds=(listener.fileno(),), **popen)
+        return process, f"http://127.0.0.1:{port_of(listener)}"
 
 
 def _healthy(url: str) -> bool:
@@ -45,12 +51,10 @@ class Served:
 @contextmanager
 def serve_process(model: Path, log_path: Path, *options: str) -> Iterator[Served]:
     """Start `tessel serve --model model options...`; yield it once /health answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--port", str(port)]
-    command += ["--host", "127.0.0.1", "--log-level", "warning", *options]
-    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(model)]
+    command += ["--log-level", "warning", *options]
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process, url = start_serving(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + START_DEADLINE_S
             while not _healthy(url):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from pipeline_plans import write_plan
+from serve_process import start_serving
 from stage_processes import alive, release
 
 pytest.importorskip("fastapi")
@@ -145,12 +145,6 @@ def _stage_pid(pids: set[int], rank: int) -> int:
     raise AssertionError(f"no stage {rank} among {sorted(pids)}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the stage through /proc")
 def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tmp_path):
@@ -161,13 +155,12 @@ def test_killed_stage_is_rebuilt_then_503_for_good_past_the_budget(tiny_dirs, tm
     outlives the server."""
     model = tiny_dirs["tied"]
     plan = write_plan(tmp_path / "plan.json", model, [(0, 2), (2, 4), (4, 5)])
-    port = _free_port()
     command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--plan", str(plan)]
-    command += ["--port", str(port), "--log-level", "warning", "--max-engine-restarts", "1"]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    command += ["--log-level", "warning", "--max-engine-restarts", "1"]
+    server, url = start_serving(command, stderr=subprocess.PIPE, text=True)
     stage_pids: set[int] = set()
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=DEADLINE_S) as client:
+        with httpx.Client(base_url=url, timeout=DEADLINE_S) as client:
 
             def health() -> httpx.Response | None:
                 assert server.poll() is None, server.stderr.read()

@@ -37,6 +37,7 @@ import httpx
 import pytest
 
 from pipeline_plans import REPLICA_WEIGHTS, write_replica_plan
+from serve_process import start_serving
 from stage_processes import release
 from tessel import LLM, SamplingParams
 
@@ -216,16 +217,15 @@ def replica_model_plan(tiny_dirs, tmp_path_factory) -> tuple[Path, Path]:
 
 @contextmanager
 def _start_router(model: Path, plan: Path, work: Path, *options: str) -> Iterator[Router]:
-    port = free_port()
     log = work / "router.log"
     argv = [
         sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--plan", str(plan),
-        "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "0.01",
+        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "0.01",
         "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning", *options,
     ]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    router = Router(proc, f"http://127.0.0.1:{port}", log, set())
+        proc, url = start_serving(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    router = Router(proc, url, log, set())
     try:
         _wait(lambda: _healthy(router), "the router and both replicas to start", START_DEADLINE_S)
         router.children = _descendants(proc.pid)

@@ -52,6 +52,7 @@ from typing import Any
 import pytest
 
 from pipeline_plans import REPLICA_WEIGHTS  # replica 0 (2 stages), replica 1 (1 stage)
+from serve_process import start_serving
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -268,18 +269,14 @@ def serve_router(engine: ReplicaPlanEngine, *, max_pending: int) -> Iterator[Ser
     SIGTERM (it stops its replica servers, which stop their stages), its session killed if it hangs."""
     import httpx
 
-    from tessel.pipeline.supervision.launcher import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = engine.work_dir / f"router-{port}.log"
     # each replica server holds its running sequences + max_queue: at least max_pending
     argv = [
         sys.executable, "-m", "tessel.cli", "serve", "--model", str(engine.model), "--plan", str(engine.plan),
-        "--port", str(port), f"--max-queue={max_pending}", "--log-level=warning", *engine.serve_options,
+        f"--max-queue={max_pending}", "--log-level=warning", *engine.serve_options,
     ]  # fmt: skip
+    log = engine.work_dir / f"router-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc, url = start_serving(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def healthy() -> bool:
         assert proc.poll() is None, f"the router exited ({proc.returncode}): {log.read_text()[-3000:]}"

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from tessel.cli import app
 from tessel.errors import TesselError
+from tessel.ports import port_of, reserve_port
 
 TIMEOUT_S = 60.0
 
@@ -69,10 +70,30 @@ def test_limits_must_be_positive(tiny_model: Path, no_model_load: None, option: 
     assert result.exit_code == 2 and option in result.output
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.mark.parametrize("kind", ["closed", "pipe", "udp", "unbound"])
+def test_listen_fd_must_be_a_bound_tcp_socket(tiny_model: Path, no_model_load: None, kind: str) -> None:
+    import os
+
+    held: list[Any] = []
+    if kind == "closed":
+        read, write = os.pipe()
+        os.close(read), os.close(write)
+        fd, said = read, "not an open socket"
+    elif kind == "pipe":
+        read, write = os.pipe()
+        held += [read, write]
+        fd, said = read, "not an open socket"
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM)
+        held.append(sock)
+        fd, said = sock.fileno(), "not a TCP socket" if kind == "udp" else "not bound to a port"
+    try:
+        result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model), "--listen-fd", str(fd)])
+    finally:
+        for thing in held:
+            thing.close() if isinstance(thing, socket.socket) else os.close(thing)
+    assert isinstance(result.exception, TesselError), result.output
+    assert str(result.exception).startswith(f"--listen-fd {fd}: {said}"), str(result.exception)
 
 
 def test_serve_exits_when_the_engine_cannot_restart(
@@ -85,8 +106,17 @@ def test_serve_exits_when_the_engine_cannot_restart(
         raise RuntimeError("simulated device failure")
 
     monkeypatch.setattr(llm_engine.LLMEngine, "step", broken_step)
-    port = _free_port()
-    args = ["serve", "--model", str(tiny_model), "--port", str(port), "--max-model-len", "64"]
+    listener = reserve_port()  # served through --listen-fd, which then owns (and closes) it
+    port = port_of(listener)
+    args = [
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--listen-fd",
+        str(listener.detach()),
+        "--max-model-len",
+        "64",
+    ]
     args += ["--kv-cache-gib", "0.01", "--max-engine-restarts", "0", "--log-level", "warning"]
     results: list[Any] = []
     thread = threading.Thread(target=lambda: results.append(CliRunner().invoke(app, args)), daemon=True)

@@ -8,7 +8,6 @@ limit.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from serve_process import start_serving
+
 openai = pytest.importorskip("openai")
 
 TIMEOUT_S = 60.0  # per request or process wait; healthy ones take a fraction of it
@@ -25,12 +26,6 @@ MAX_MODEL_LEN = 128
 KV_CACHE_GIB = 0.01
 PROMPT = "Once upon a time there was"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a small model."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _healthy(url: str, process: subprocess.Popen) -> bool:
@@ -44,15 +39,13 @@ def _healthy(url: str, process: subprocess.Popen) -> bool:
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, wait_until: Any) -> Iterator[str]:
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-m", "tessel.cli", "serve", "--model", str(tiny_model)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN)]
+    command += ["--max-model-len", str(MAX_MODEL_LEN)]
     command += ["--max-num-seqs", "4", "--kv-cache-gib", str(KV_CACHE_GIB), "--max-queue", "8"]
     command += ["--log-level", "info"]  # info: the shutdown line checked at teardown
-    url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process, url = start_serving(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_until(lambda: _healthy(url, process), "`tessel serve` to answer /health", TIMEOUT_S * 2)
             assert process.poll() is None, f"`tessel serve` exited:\n{log_path.read_text()}"

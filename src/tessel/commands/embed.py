@@ -8,6 +8,7 @@ texts); `--json OUT` writes every vector.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import typer
 
 from tessel.commands.options import DEVICE_OPTION, output_file, runtime_dtype_option
 from tessel.errors import TesselError
+from tessel.server.listen import run_server
 
 MATRYOSHKA_OPTION = typer.Option(
     False,
@@ -92,7 +94,13 @@ class EncoderServeOptions:
     matryoshka: bool
 
 
-def serve_encoder(model: Path, options: EncoderServeOptions, limits: dict, plan: Path | None = None) -> None:
+def serve_encoder(
+    model: Path,
+    options: EncoderServeOptions,
+    limits: dict,
+    plan: Path | None = None,
+    listener: socket.socket | None = None,
+) -> None:
     """`tessel serve` for an encoder: /v1/embeddings, /v1/models, /health (tessel.server.embeddings)."""
     if plan is not None:
         raise TesselError(f"{model} is an encoder; it is served in one process, without --plan")
@@ -107,4 +115,4 @@ def serve_encoder(model: Path, options: EncoderServeOptions, limits: dict, plan:
     where = f"http://{options.host}:{options.port}/v1"
     typer.echo(f"tessel: serving {app.state.model_name} (embeddings) on {where}", err=True)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level)
-    uvicorn.Server(config).run()
+    run_server(uvicorn.Server(config), listener)

@@ -57,6 +57,7 @@ from tessel.server.limits import (
     MAX_BODY_TIMEOUT_S,
     MIN_BODY_TIMEOUT_S,
 )
+from tessel.server.listen import inherited_socket, listen_address, run_server
 
 DEFAULT_MAX_QUEUE = 128  # requests that may wait for a free sequence slot before the server answers 429
 ENGINE_DEAD_EXIT_CODE = 3
@@ -85,6 +86,12 @@ def serve(
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory, or a .gguf file."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1 keeps it on this machine)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
+    listen_fd: int | None = typer.Option(
+        None,
+        min=0,
+        help="Listen on this inherited, already-bound TCP socket instead of binding --host/--port "
+        "(as systemd socket activation passes one; tessel's router starts its replicas so).",
+    ),
     dtype: str = runtime_dtype_option(),
     max_num_seqs: int | None = MAX_NUM_SEQS_OPTION,
     max_model_len: int | None = MAX_MODEL_LEN_OPTION,
@@ -145,12 +152,15 @@ def serve(
 ) -> None:
     """Serve MODEL over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health;
     an encoder (BERT, sentence-transformers) serves /v1/embeddings."""
+    listener = None if listen_fd is None else inherited_socket(listen_fd)
+    if listener is not None:
+        host, port = listen_address(listener)  # what the messages name
     if is_encoder_dir(model):
         sizes = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
         limits = sizes | {"body_timeout_s": body_timeout_s}
         name, level = served_model_name, log_level.value
         options = EncoderServeOptions(host, port, dtype, device, name, level, matryoshka)
-        serve_encoder(model, options, limits, plan=plan)
+        serve_encoder(model, options, limits, plan=plan, listener=listener)
         return
     check_model_path(model, "--model")
     if replica is not None and plan is None:
@@ -213,7 +223,7 @@ def serve(
             level = log_level.value
             router = RouterOptions(
                 model, plan, host, port, backend_options, timeout_s, limits, level,
-                executor=executor, ray_address=ray_address,
+                executor=executor, ray_address=ray_address, listener=listener,
             )  # fmt: skip
             serve_replicas(router, specs, echo=lambda line: typer.echo(line, err=True))
             return
@@ -264,7 +274,7 @@ def serve(
         app.state.metrics.registry.register(RemapCollector(watch))  # measured beside predicted
     typer.echo(f"tessel: serving {app.state.model_name} on http://{host}:{port}/v1", err=True)
     try:
-        server.run()
+        run_server(server, listener)
     finally:
         if plan is not None:
             engine.supervisor.close()  # the stages of the pipeline last built

@@ -36,6 +36,7 @@ before a later batch reuses it and copied in before the batch that reads it.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -71,7 +72,8 @@ from tessel.pipeline.flow import FlowBlocks, PathFeatures, flow_max_seqs, path_o
 from tessel.pipeline.options import RunOptions
 from tessel.pipeline.run_plan import RunPlan, load_run_plan, priced_pipeline
 from tessel.pipeline.stage.runner import KvBudget, StageRunner, StageStats, rss_bytes, tensor_bytes
-from tessel.pipeline.supervision.launcher import LocalStages, free_port
+from tessel.pipeline.supervision.launcher import LocalStages
+from tessel.ports import port_of, reserve_port
 
 EXPLAIN_SETTLE_S = 5.0  # after a lost peer, how long to wait for the dead stage's process to exit
 WORKER_POLL_S = 0.05  # how often a wait for stage 0's worker looks for a lost stage
@@ -122,12 +124,15 @@ class ProcessExecutor:
         *,
         comm: StageComm | None = None,
         cutter: ChunkCutter | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         """`stages`: the other stages as this process's children (`spawn`), or None when someone else
         started them; `init_method`: the process group's rendezvous (None: torchrun's environment);
         `comm`: links already made (a test's loopback) instead of joining; `cutter`: the CPP cut to use
-        instead of the plan's."""
+        instead of the plan's; `listener`: the rendezvous port, bound here since the stages were
+        started (`tessel.ports`), until the group's store listens on it."""
         self.options, self.stages, self.init_method = options, stages, init_method
+        self._listener = listener
         self.plan = load_run_plan(options.plan, options.replica)
         self.paths = plan_paths(self.plan, options.micro_batches)
         self.features = PathFeatures.of(self.plan)
@@ -154,12 +159,17 @@ class ProcessExecutor:
         to join); the executor joins them in `start`. Call on a thread that lives as long as they do
         (their `PR_SET_PDEATHSIG` follows it)."""
         plan = load_run_plan(options.plan, options.replica)
-        port = free_port()
+        listener = reserve_port("127.0.0.1")
+        port = port_of(listener)
         stages = None
-        if len(plan.stages) > 1:
-            options_file = options.write(run_dir / "run-options.json")
-            stages = LocalStages(options_file, len(plan.stages), run_dir, port, options.heartbeat_timeout)
-        return cls(options, stages, f"tcp://127.0.0.1:{port}")
+        try:
+            if len(plan.stages) > 1:
+                options_file = options.write(run_dir / "run-options.json")
+                stages = LocalStages(options_file, len(plan.stages), run_dir, port, options.heartbeat_timeout)
+        except BaseException:
+            listener.close()
+            raise
+        return cls(options, stages, f"tcp://127.0.0.1:{port}", listener=listener)
 
     # ---- before joining ---------------------------------------------------------------------------
     def configure(self, config: EngineConfig) -> EngineConfig:
@@ -236,8 +246,16 @@ class ProcessExecutor:
             if self.on_phase is not None:
                 self.on_phase("joining")
             options = self.options
+            listen_fd = None if self._listener is None else self._listener.detach()  # the store's now
+            self._listener = None
             self.comm = join_pipeline(
-                self.plan, 0, options.transport, setup.dtype, self.init_method, options.micro_batches
+                self.plan,
+                0,
+                options.transport,
+                setup.dtype,
+                self.init_method,
+                options.micro_batches,
+                listen_fd,
             )
             if self.stages is not None:
                 self.stages.stage0_progress = self.comm.progress  # the watchdog sees stage 0 wait
@@ -478,6 +496,9 @@ class ProcessExecutor:
         someone else started are told to stop (after the last micro-batch). Then leave the group."""
         if self._worker is not None:  # after a loss, a worker blocked on a dead link is not waited for
             self._worker.shutdown(wait=self.failure is None, cancel_futures=True)
+        if self._listener is not None:  # never joined
+            self._listener.close()
+            self._listener = None
         try:
             if self.comm is not None and self.stages is None:
                 self.comm.close()  # every token owed is back: the receiver threads end

@@ -18,16 +18,17 @@ from pathlib import Path
 
 from tessel.pipeline.executor import ProcessExecutor
 from tessel.pipeline.options import RunOptions
-from tessel.pipeline.run_plan import load_run_plan
+from tessel.pipeline.run_plan import RunPlan, load_run_plan
 from tessel.pipeline.supervision.launcher import DONE_GRACE_S, POLL_S
 from tessel.pipeline.supervision.ray_stages import (
+    RayNode,
     RayStages,
     check_placement,
     connect,
-    free_port_on,
     stage_env_for_driver,
     this_node,
 )
+from tessel.ports import port_of, reserve_port
 
 
 class RayExecutor(ProcessExecutor):
@@ -42,18 +43,14 @@ class RayExecutor(ProcessExecutor):
         here = this_node(nodes)
         check_placement(plan, nodes, here)
         stage_env_for_driver(here.address)
-        port = free_port_on(here.address)
-        stages = None
-        if len(plan.stages) > 1:
-            data = {**json.loads(options.write(run_dir / "run-options.json").read_text()), "run_dir": None}
-            master, timeout = (here.address, port), options.heartbeat_timeout
-            stages = RayStages(json.dumps(data), plan, nodes, master, run_dir, timeout)
-            try:
-                stages.check_versions()
-            except BaseException:
-                stages.stop()
-                raise
-        return cls(options, stages, f"tcp://{here.address}:{port}")
+        listener = reserve_port(here.address)  # held until stage 0's store listens on it
+        master = (here.address, port_of(listener))
+        try:
+            stages = _start_stages(options, plan, nodes, master, run_dir) if len(plan.stages) > 1 else None
+        except BaseException:
+            listener.close()
+            raise
+        return cls(options, stages, f"tcp://{master[0]}:{master[1]}", listener=listener)
 
     def finish(self) -> list[dict]:
         """After the last request (`tessel launch`): tell the stages to stop, wait until each has
@@ -75,3 +72,17 @@ class RayExecutor(ProcessExecutor):
             self.comm = None  # sent and flushed: shutdown only stops the actors
             self.shutdown()
         return statuses
+
+
+def _start_stages(
+    options: RunOptions, plan: RunPlan, nodes: dict[str, RayNode], master: tuple[str, int], run_dir: Path
+) -> RayStages:
+    """Stages 1..S-1 as Ray actors on their nodes, their tessel and torch checked against this one's."""
+    data = {**json.loads(options.write(run_dir / "run-options.json").read_text()), "run_dir": None}
+    stages = RayStages(json.dumps(data), plan, nodes, master, run_dir, options.heartbeat_timeout)
+    try:
+        stages.check_versions()
+    except BaseException:
+        stages.stop()
+        raise
+    return stages

@@ -29,12 +29,12 @@ from tessel.pipeline.supervision.ray_stages import (
     POLL_TIMEOUT_S,
     RayNode,
     connect,
-    free_port_on,
     import_ray,
     machine_of,
     with_command_threads,
 )
-from tessel.server.replica_backends import Backend, ReplicaSpec, SpawnBackend, backend_argv
+from tessel.ports import port_of, reserve_port
+from tessel.server.replica_backends import Backend, ReplicaSpec, SpawnBackend, backend_argv, listen_argv
 
 
 class ServerAgent:
@@ -44,17 +44,18 @@ class ServerAgent:
         from ray.util import get_node_ip_address
 
         self.address = get_node_ip_address()
-        self.port = free_port_on(self.address)
         self.log_path = Path(tempfile.mkdtemp(prefix=f"tessel-replica{replica}-")) / f"replica{replica}.log"
-        with open(self.log_path, "wb") as log:
+        with reserve_port(self.address) as listener, open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [*argv, "--host", self.address, "--port", str(self.port)],
+                [*argv, *listen_argv(listener)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                pass_fds=(listener.fileno(),),
                 env=with_command_threads({**os.environ, NODE_IP_ENV: self.address}, omp_threads),
                 preexec_fn=die_with_parent,  # noqa: PLW1509
             )
+            self.port = port_of(listener)
 
     def where(self) -> tuple[str, int, int, str]:
         """(address, port, pid, log path) of the server."""
@@ -159,7 +160,7 @@ def ray_backends(
 
     def spawn(spec: ReplicaSpec, run_dir: Path) -> Backend:
         node = placed[spec.index]
-        argv = backend_argv(model, plan, spec.index, None, on_ray)
+        argv = backend_argv(model, plan, spec.index, on_ray)
         where = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
         actor = agent.options(num_cpus=0, scheduling_strategy=where, max_restarts=0).remote(
             argv, spec.index, omp_threads

@@ -1,7 +1,8 @@
 """The backends of `tessel serve --plan P` over a plan of several replicas: one server per replica.
 
 Each backend is `tessel serve --plan P --replica K` (one pipeline: its process is stage 0 and spawns
-the replica's other stages), a child process on a free port of 127.0.0.1, its output in
+the replica's other stages), a child process on a free port of 127.0.0.1 (bound here and inherited,
+`tessel.server.listen`, so nothing takes it while the model loads), its output in
 `replica<K>.log` of the run directory. `start_backends` spawns them all and waits until each
 answers `/health` with 200; a backend that exits first, or is not ready within
 `BACKEND_READY_TIMEOUT_S`, stops them all and raises a TesselError naming the replica and why (its
@@ -13,6 +14,7 @@ exit and the last lines of its log). Backends die with the process that spawned 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +26,9 @@ from typing import Protocol
 import httpx
 
 from tessel.errors import TesselError
-from tessel.pipeline.supervision.launcher import POLL_S, die_with_parent, free_port, terminate
+from tessel.pipeline.supervision.launcher import POLL_S, die_with_parent, terminate
+from tessel.ports import port_of, reserve_port
+from tessel.server.listen import listen_address
 
 # Loading a model's weights before the backend answers: 140 GB (a 70B model in bf16) at 200 MB/s
 # from disk is 700 s; the rest is margin.
@@ -107,14 +111,19 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return f"log {path}: {tail}" if tail else f"empty log {path}"
 
 
-def backend_argv(model: Path, plan: Path, replica: int, port: int | None, options: list[str]) -> list[str]:
-    """The command of replica `replica`'s server: `tessel serve` with the user's serve options, on
-    127.0.0.1:`port` (None: whoever starts it adds --host and --port)."""
-    listen = [] if port is None else ["--host", "127.0.0.1", "--port", str(port)]
+def backend_argv(model: Path, plan: Path, replica: int, options: list[str]) -> list[str]:
+    """The command of replica `replica`'s server: `tessel serve` with the user's serve options;
+    whoever starts it adds where it listens (`listen_argv`)."""
     return [
         sys.executable, "-m", "tessel.cli", "serve", "--model", str(model), "--plan", str(plan),
-        "--replica", str(replica), *listen, *options,
+        "--replica", str(replica), *options,
     ]  # fmt: skip
+
+
+def listen_argv(listener: socket.socket) -> list[str]:
+    """The server's options to listen on `listener`, a socket reserved by its parent and inherited."""
+    host, port = listen_address(listener)
+    return ["--host", host, "--port", str(port), "--listen-fd", str(listener.fileno())]
 
 
 SpawnBackend = Callable[[ReplicaSpec, Path], Backend]  # (replica, run directory) -> its started server
@@ -126,16 +135,17 @@ def local_backends(model: Path, plan: Path, options: list[str]) -> SpawnBackend:
 
 
 def spawn_backend(spec: ReplicaSpec, model: Path, plan: Path, options: list[str], run_dir: Path) -> Backend:
-    port = free_port()
     log_path = run_dir / f"replica{spec.index}.log"
-    with open(log_path, "wb") as log:
+    with reserve_port("127.0.0.1") as listener, open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            backend_argv(model, plan, spec.index, port, options),
+            [*backend_argv(model, plan, spec.index, options), *listen_argv(listener)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            pass_fds=(listener.fileno(),),
             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
         )
+        port = port_of(listener)
     return Backend(spec, proc, port, log_path)
 
 

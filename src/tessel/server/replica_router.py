@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,7 @@ from starlette.background import BackgroundTask
 
 from tessel.pipeline.supervision.launcher import POLL_S
 from tessel.server.disconnect import unless_disconnected
+from tessel.server.listen import run_server
 from tessel.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS
 from tessel.server.replica_backends import (
     PROBE_TIMEOUT_S,
@@ -556,6 +558,7 @@ class RouterOptions:
     run_dir: Path | None = None  # where replica<K>.log go (default: a new temporary directory)
     executor: str = "local"  # "ray": each replica's server on its first stage's machine
     ray_address: str | None = None
+    listener: socket.socket | None = None  # an inherited bound socket to serve on (--listen-fd)
 
 
 def check_replicas(options: RouterOptions, specs: list[ReplicaSpec]) -> None:
@@ -596,7 +599,7 @@ def serve_replicas(options: RouterOptions, specs: list[ReplicaSpec], echo=print)
         listed = ", ".join(f"replica {b.index} (weight {b.spec.weight:.3f}) at {b.url}" for b in backends)
         echo(f"tessel: routing over {listed}; serving on http://{options.host}:{options.port}/v1")
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level)
-        uvicorn.Server(config).run()
+        run_server(uvicorn.Server(config), options.listener)
     finally:
         router.close()
         stop_backends(backends)

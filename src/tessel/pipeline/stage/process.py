@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -53,7 +54,8 @@ from tessel.pipeline.prompts_file import RunRequest
 from tessel.pipeline.run_plan import RunPlan
 from tessel.pipeline.stage.loop import serve_stage
 from tessel.pipeline.stage.runner import StageRunner, rss_bytes
-from tessel.pipeline.supervision.heartbeat import RUN_DIR_ENV, Heartbeat
+from tessel.pipeline.supervision.heartbeat import MASTER_LISTEN_FD_ENV, RUN_DIR_ENV, Heartbeat
+from tessel.ports import inherited
 from tessel.server.limits import DEFAULT_MAX_PROMPT_CHARS
 
 T = TypeVar("T")
@@ -140,9 +142,15 @@ def write_status(rank: int, **fields) -> None:
 
 
 # ---- stage 0: the engine ------------------------------------------------------------------------------
+def inherited_listener() -> socket.socket | None:
+    """The socket on MASTER_PORT that `tessel launch` bound and passed down, if it did."""
+    fd = os.environ.pop(MASTER_LISTEN_FD_ENV, None)  # popped: not passed on to this stage's children
+    return None if fd is None else inherited(int(fd))
+
+
 def run_first_stage(options: RunOptions, heartbeat: Heartbeat | None) -> None:
     requests = run_requests(options)
-    executor = ProcessExecutor(options)
+    executor = ProcessExecutor(options, listener=inherited_listener())
     executor.on_phase = lambda phase: _enter(heartbeat, phase)
     engine = LLM(options.model, executor=executor, **options.engine_kwargs())
     _enter(heartbeat, "serving")

@@ -45,6 +45,7 @@ from tessel.errors import TesselError
 
 HEARTBEAT_TIMEOUT_ENV = "TESSEL_HEARTBEAT_TIMEOUT_S"
 RUN_DIR_ENV = "TESSEL_RUN_DIR"  # where a launched stage writes its status, beat and log
+MASTER_LISTEN_FD_ENV = "TESSEL_MASTER_LISTEN_FD"  # stage 0's inherited socket on MASTER_PORT (tessel.ports)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 MIN_HEARTBEAT_TIMEOUT_S = 0.5  # several beats must fit in it
 MAX_HEARTBEAT_TIMEOUT_S = 24 * 3600.0  # a day: a stage silent for longer is not coming back

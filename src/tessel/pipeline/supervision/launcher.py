@@ -30,12 +30,14 @@ from pathlib import Path
 from tessel.errors import TesselError
 from tessel.pipeline.supervision.heartbeat import (
     HEARTBEAT_TIMEOUT_ENV,
+    MASTER_LISTEN_FD_ENV,
     RUN_DIR_ENV,
     StageProgress,
     Watchdog,
     heartbeat_timeout_s,
     read_beat,
 )
+from tessel.ports import port_of, reserve_port
 
 POLL_S = 0.05
 WATCHDOG_INTERVAL_S = 0.25  # how often the heartbeat files are read
@@ -101,15 +103,21 @@ def spawn_worker(
     run_dir: Path,
     options_file: Path,
     heartbeat_timeout: float | None = None,
+    listener: socket.socket | None = None,
 ) -> subprocess.Popen:
-    """Stage `rank` as a child process; `heartbeat_timeout`: seconds (None: the env's or 30 s)."""
+    """Stage `rank` as a child process; `heartbeat_timeout`: seconds (None: the env's or 30 s);
+    `listener`: the socket bound to `port` that stage 0 inherits for the group's store."""
+    env = worker_env(rank, world_size, port, run_dir, heartbeat_timeout)
+    if listener is not None:
+        env[MASTER_LISTEN_FD_ENV] = str(listener.fileno())
     log = open(run_dir / f"stage{rank}.log", "wb")  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "tessel.pipeline.stage.worker", "--options", str(options_file)],
-            env=worker_env(rank, world_size, port, run_dir, heartbeat_timeout),
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            pass_fds=() if listener is None else (listener.fileno(),),
             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
         )
     finally:
@@ -340,14 +348,16 @@ def launch(
     `heartbeat_timeout`: seconds a stage may stay silent (None: `TESSEL_HEARTBEAT_TIMEOUT_S` or 30)."""
     timeout_s = heartbeat_timeout_s(heartbeat_timeout)
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     started = time.time()
     procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(num_stages):
-            procs.append(spawn_worker(rank, num_stages, port, run_dir, options_file, timeout_s))
-    except BaseException:
-        terminate(procs)
-        raise
+    with reserve_port("127.0.0.1") as listener:  # stage 0 inherits it: the port is never free meanwhile
+        port = port_of(listener)
+        try:
+            for rank in range(num_stages):
+                held = listener if rank == 0 else None
+                procs.append(spawn_worker(rank, num_stages, port, run_dir, options_file, timeout_s, held))
+        except BaseException:
+            terminate(procs)
+            raise
     supervise(procs, run_dir, watchdog=Watchdog(run_dir, list(range(num_stages)), timeout_s, started))
     return LaunchResult(run_dir, [read_status(run_dir, r) for r in range(num_stages)], time.time() - started)
