@@ -269,8 +269,8 @@ def test_a_stage_stopped_while_starting_ends_the_run_named(tiny_dirs, tmp_path, 
     spawn = launcher.spawn_worker
     stopped: list[int] = []
 
-    def spawn_and_stop(rank, world_size, port, run_dir, argv, timeout):  # noqa: ANN001, ANN202
-        proc = spawn(rank, world_size, port, run_dir, argv, timeout)
+    def spawn_and_stop(rank, world_size, port, run_dir, argv, *rest):  # noqa: ANN001, ANN002, ANN202
+        proc = spawn(rank, world_size, port, run_dir, argv, *rest)
         if rank == 1:
             while when != "at spawn" and read_beat(run_dir, 1) is None and proc.poll() is None:
                 time.sleep(0.005)
