@@ -61,6 +61,7 @@ from tessel.server.listen import inherited_socket, listen_address, run_server
 
 DEFAULT_MAX_QUEUE = 128  # requests that may wait for a free sequence slot before the server answers 429
 ENGINE_DEAD_EXIT_CODE = 3
+MAX_FD = 2**31 - 1  # a file descriptor is a C int
 
 
 class LogLevel(str, Enum):
@@ -89,6 +90,7 @@ def serve(
     listen_fd: int | None = typer.Option(
         None,
         min=0,
+        max=MAX_FD,
         help="Listen on this inherited, already-bound TCP socket instead of binding --host/--port "
         "(as systemd socket activation passes one; tessel's router starts its replicas so).",
     ),

@@ -19,8 +19,9 @@ def inherited_socket(fd: int) -> socket.socket:
     """The bound TCP socket at file descriptor `fd`, or a clear error naming what is there."""
     try:
         sock = socket.socket(fileno=fd)
-    except OSError as error:
-        raise TesselError(f"--listen-fd {fd}: not an open socket ({error.strerror or error})") from None
+    except (OSError, OverflowError, ValueError) as error:
+        cause = getattr(error, "strerror", None) or error
+        raise TesselError(f"--listen-fd {fd}: not an open socket ({cause})") from None
     if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
         sock.detach()
         raise TesselError(f"--listen-fd {fd}: not a TCP socket")
