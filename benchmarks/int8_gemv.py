@@ -18,8 +18,10 @@ sequence of linears once (interleaved, the order rotated each round); a figure i
     fp16codes      fbgemm's fp16-weight GEMM on the codes (AVX2's one row before the kernel)
 
 `--only engine` (or both, the default): one stream of SmolLM2 W8A8 + int8 LM head decoding
-`--new-tokens` greedy tokens after a 64-token prompt, tessel's engine with the kernel and with
-`TESSEL_INT8_GEMV=off` (inductor's GEMV, the compiled step as before), beside llama.cpp's Q8_0 of
+`--new-tokens` greedy tokens after a 64-token prompt, tessel's engine three ways: the native one-row
+step (`tessel.kernels.decode_row`: every layer in one C++ call, the default), the compiled graphs
+calling the kernel (`TESSEL_DECODE_ROW=off`), and the graphs with inductor's GEMV (also
+`TESSEL_INT8_GEMV=off`, the step before the kernel), beside llama.cpp's Q8_0 of
 the same model (`peers.py`'s re-quantised GGUF) where llama-cpp-python is installed (the benchmark
 venv, docs/quant.md); engines interleaved per round, the first round untimed; figures are medians
 of tok/s and of each round's ratios.
@@ -114,11 +116,16 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
     ids = quant.EVAL.read_text(encoding="utf-8")
     engines: dict = {}
     kernel = None if args.kernel == "auto" else {"TESSEL_INT8_GEMV": args.kernel}
+    graphs = {"TESSEL_DECODE_ROW": "off"}
     for name, forced in (
-        ("tessel, int8 GEMV", kernel),
-        ("tessel, inductor GEMV", {"TESSEL_INT8_GEMV": "off"}),
+        ("tessel, native step", kernel),
+        ("tessel, int8 GEMV", {**(kernel or {}), **graphs}),
+        ("tessel, inductor GEMV", {"TESSEL_INT8_GEMV": "off", **graphs}),
     ):
         engines[name] = quant._speed_llm(checkpoint, forced, "int8", False, max_len)
+    native = engines["tessel, native step"].runner.cpu_graph
+    if native is None or native.native_row is None:
+        raise SystemExit("the native one-row step is not taken here (no compiler, or not W8A8 on the int8 GEMV)")
     prompt = engines["tessel, int8 GEMV"].tokenizer(ids)["input_ids"][:64]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
@@ -160,10 +167,13 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
         print(f"| {name} | {rows[name]['tok_per_s']:.1f} | {ratio:.2f}x |")
     gemv = [a / b for a, b in zip(tok_s["tessel, int8 GEMV"], tok_s["tessel, inductor GEMV"], strict=True)]
     print(f"int8 GEMV over inductor's, same rounds: {statistics.median(gemv):.2f}x")
+    step = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s["tessel, int8 GEMV"], strict=True)]
+    print(f"native step over the graphs (both on the int8 GEMV), same rounds: {statistics.median(step):.2f}x")
     forced = {name: os.environ.get(name) for name in ("ATEN_CPU_CAPABILITY", "TESSEL_INT8_PATH")}
     return {"new_tokens": args.new_tokens, "rounds": args.engine_rounds, "base": base, "rows": rows,
             "kernel": args.kernel, "environment": forced,
-            "int8_gemv_over_inductor": statistics.median(gemv)}  # fmt: skip
+            "int8_gemv_over_inductor": statistics.median(gemv),
+            "native_step_over_graphs": statistics.median(step)}  # fmt: skip
 
 
 def main() -> None:

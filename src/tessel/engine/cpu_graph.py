@@ -47,6 +47,10 @@ form, and at any row count where some linear is split; with every linear called 
 would hold only the norms, rotary and activation, not worth seconds of compiling per bucket of rows,
 so such steps run eager (`tessel.engine.step_plan` asks `takes`).
 
+A one-row step whose layers are all plain W8A8 layers on tessel's int8 GEMV does not run these graphs:
+it is one native call (`tessel.engine.native_row`, the operator `tessel::decode_row`), the same
+formulas in C++, where the graphs' calls from Python cost about as much as reading the weights.
+
 The numbers are the eager step's formulas, not its bits: inductor sums the norms' and the
 attention's reductions in its own order (W8A8 then rounds a code the other way at a near-tie now and
 then). Compiling costs seconds per graph on the first step that needs it, or in
@@ -65,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from tessel.engine.native_row import NativeRow
 from tessel.kernels import cpu_compile
 from tessel.kernels.rope import rope_tables
 from tessel.layers.attention import Attention, AttentionMetadata
@@ -309,6 +314,10 @@ class CpuGraph:
         self._keys: dict[tuple, tuple] = {}
         self._graphs: dict[tuple, Callable] = {}
         self._padded_buffers: dict[tuple[str, int, int], torch.Tensor] = {}
+        # one row as one native call where the layers are what it computes (else the graphs)
+        self.native_row = None
+        if self.row_forms:
+            self.native_row = NativeRow.for_layers(layers, self.final_norm, self.rotary.rotary_dim)
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM, all_rows: bool = False) -> CpuGraph | None:
@@ -338,6 +347,8 @@ class CpuGraph:
             hidden = self.embed(F.pad(input_ids, (0, pad)) if pad else input_ids)
         else:
             hidden = F.pad(stream, (0, 0, 0, pad)) if pad else stream.contiguous()
+        if rows == 1 and self.native_row is not None:
+            return self.native_row(hidden, meta, step.tables)
         values: Values | None = [hidden]
         residual = None
         for item in program:

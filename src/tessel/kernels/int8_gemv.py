@@ -31,11 +31,8 @@ compiler, or when building fails (a warning, once), the layers keep their other 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +40,10 @@ from pathlib import Path
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import cpu_features
-from tessel.kernels.autotune import cache_dir
+from tessel.kernels import cpu_features, native_build
+from tessel.kernels.native_build import cxx_compiler
 
-SOURCE = Path(__file__).parent / "native" / "int8_gemv.cpp"
+SOURCE = native_build.NATIVE / "int8_gemv.cpp"
 OPERATOR = "tessel::int8_gemv_sums"
 ENV_OVERRIDE = "TESSEL_INT8_GEMV"
 ISAS = ("vnni", "avx2")
@@ -119,14 +116,6 @@ def gemv_sums(codes: torch.Tensor, weight: PackedInt8) -> torch.Tensor:
     )
 
 
-def cxx_compiler() -> str | None:
-    """$CXX, else the first of c++, g++, clang++ on PATH."""
-    forced = os.environ.get("CXX", "").strip()
-    if forced:
-        return forced if shutil.which(forced.split()[0]) else None
-    return next((cc for cc in ("c++", "g++", "clang++") if shutil.which(cc)), None)
-
-
 def _registered() -> bool:
     """Whether this process has the operator already (loaded once; a second load would clash)."""
     return hasattr(torch.ops.tessel, "int8_gemv_sums")
@@ -157,26 +146,5 @@ def _fake_sums(codes: torch.Tensor, packed: torch.Tensor, wsum128: torch.Tensor,
 
 
 def build(compiler: str) -> Path:
-    """The shared library for this source, compiler and torch in tessel's cache, compiled if not there."""
-    from torch.utils import cpp_extension
-
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + torch.__version__.encode()).hexdigest()[:16]
-    target = cache_dir() / "native" / f"int8_gemv-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [flag for path in cpp_extension.include_paths() for flag in ("-I", path)]
-    libraries = [flag for path in cpp_extension.library_paths() for flag in ("-L", path)]
-    command = [*compiler.split(), "-O3", "-shared", "-fPIC", "-std=c++17", "-w", abi, *includes,
-               str(SOURCE), "-o", staging, *libraries, "-lc10", "-ltorch_cpu"]  # fmt: skip
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        os.replace(staging, target)  # another process building it at once writes the same bytes
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
-    return target
+    """The operator's shared library in tessel's cache, compiled if not there (`native_build.build`)."""
+    return native_build.build("int8_gemv", [SOURCE], compiler)
