@@ -125,7 +125,7 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
         engines[name] = quant._speed_llm(checkpoint, forced, "int8", False, max_len)
     native = engines["tessel, native step"].runner.cpu_graph
     if native is None or native.native_row is None:
-        raise SystemExit("the native one-row step is not taken here (no compiler, or not W8A8 on the int8 GEMV)")
+        raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")
     prompt = engines["tessel, int8 GEMV"].tokenizer(ids)["input_ids"][:64]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
