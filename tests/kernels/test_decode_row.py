@@ -208,7 +208,7 @@ def test_bad_inputs_are_refused_not_read_past() -> None:
 def test_built_for_this_cpu_in_the_cache(monkeypatch, tmp_path) -> None:
     """The library is compiled into $TESSEL_CACHE_DIR/native (nothing else left there) and keyed by
     this CPU's flags: it is built with -march=native, so another CPU sharing the cache builds its own."""
-    compiler = decode_row.cxx_compiler()
+    compiler = native_build.cxx_compiler()
     monkeypatch.setenv("TESSEL_CACHE_DIR", str(tmp_path))
     built = decode_row.build(compiler)
     assert built.parent == tmp_path / "native" and list(built.parent.iterdir()) == [built]

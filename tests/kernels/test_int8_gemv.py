@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import cpu_compile, cpu_features, int8_gemv
+from tessel.kernels import cpu_compile, cpu_features, int8_gemv, native_build
 from tessel.kernels.int8_gemm import int8_epilogue
 from tessel.kernels.quantize_rows import quantize_per_token
 from tessel.layers.linear import W8A8Linear
@@ -97,7 +97,7 @@ def test_wrong_codes_are_refused() -> None:
 def test_built_into_the_cache_and_a_failed_build_falls_back(monkeypatch, tmp_path) -> None:
     """The operator is compiled into $TESSEL_CACHE_DIR/native and nothing else is left there; a
     compiler that fails warns once and the layer keeps its GEMM."""
-    compiler = int8_gemv.cxx_compiler()
+    compiler = native_build.cxx_compiler()
     if compiler is None:
         pytest.skip("no C++ compiler here")
     monkeypatch.setenv("TESSEL_CACHE_DIR", str(tmp_path))

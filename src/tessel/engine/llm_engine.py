@@ -244,8 +244,9 @@ class LLMEngine:
         (`StepPlan.warm_up_rows`: one row where the linears have one-row forms, with its first
         attention bucket; every bucket up to `max_num_seqs` where some linear is split), each row a
         two-token dummy sequence on a block freed afterwards, outside the scheduler and the prefix
-        cache. A one-row step's longer attention buckets compile when a context first reaches them
-        (docs/engine.md). A pipeline's CPU stages compile as their steps come."""
+        cache. A one-row step's longer attention buckets (the graphs', not the native step's)
+        compile when a context first reaches them (docs/engine.md). A pipeline's CPU stages
+        compile as their steps come."""
         plan = self.runner.plan
         if plan.cuda_graphs is not None:
             tune_linears(self.model, self._max_num_batched_tokens(), self.dtype)

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
 
 from tessel.errors import TesselError
 from tessel.kernels import native_build
-from tessel.kernels.native_build import cxx_compiler
 
 SOURCE = native_build.NATIVE / "decode_row.cpp"
 ENV_OVERRIDE = "TESSEL_DECODE_ROW"
@@ -50,19 +47,7 @@ def available() -> bool:
     or loading fails (a warning says why, once per process)."""
     if _registered():
         return True
-    compiler = cxx_compiler()
-    if compiler is None:
-        return False
-    try:
-        torch.ops.load_library(str(build(compiler)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        warnings.warn(
-            f"tessel: building the one-row decode step failed ({detail}); it keeps its compiled graphs",
-            stacklevel=2,
-        )
-        return False
-    return True
+    return native_build.load(build, "the one-row decode step failed; it keeps its compiled graphs")
 
 
 def build(compiler: str) -> Path:

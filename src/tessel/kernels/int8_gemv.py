@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +39,6 @@ import torch
 
 from tessel.errors import TesselError
 from tessel.kernels import cpu_features, native_build
-from tessel.kernels.native_build import cxx_compiler
 
 SOURCE = native_build.NATIVE / "int8_gemv.cpp"
 OPERATOR = "tessel::int8_gemv_sums"
@@ -127,14 +124,7 @@ def available() -> bool:
     or loading fails (a warning says why, once per process)."""
     if _registered():
         return True
-    compiler = cxx_compiler()
-    if compiler is None:
-        return False
-    try:
-        torch.ops.load_library(str(build(compiler)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        warnings.warn(f"tessel: building the int8 GEMV failed ({detail}); W8A8 keeps its GEMM", stacklevel=2)
+    if not native_build.load(build, "the int8 GEMV failed; W8A8 keeps its GEMM"):
         return False
     torch.library.register_fake(OPERATOR)(_fake_sums)
     return True

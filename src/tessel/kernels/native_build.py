@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,3 +69,18 @@ def build(name: str, sources: list[Path], compiler: str, flags: tuple[str, ...] 
         if os.path.exists(staging):
             os.unlink(staging)
     return target
+
+
+def load(build_library: Callable[[str], Path], failure: str) -> bool:
+    """Build (if not in the cache) and load an operator library; False without a compiler, or when
+    building or loading fails: a warning, "tessel: building {failure} ...", says why."""
+    compiler = cxx_compiler()
+    if compiler is None:
+        return False
+    try:
+        torch.ops.load_library(str(build_library(compiler)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        warnings.warn(f"tessel: building {failure} ({detail})", stacklevel=3)
+        return False
+    return True
