@@ -1,7 +1,8 @@
 """One-row W8A8 sums over a whole model's linears (issue 47): tessel's int8 GEMV against the CPU
 paths it replaces, each beside the memory's read bandwidth, one thread.
 
-    python benchmarks/int8_gemv.py [--model DIR] [--rounds 9] [--out PATH.jsonl] [--label NAME]
+    python benchmarks/int8_gemv.py [--model DIR] [--rounds 9] [--only kernels,engine,step]
+        [--out PATH.jsonl] [--label NAME]
 
 A decode step of one sequence reads every decoder linear's weight once, one byte per weight with
 int8: on SmolLM2-135M (the default model; its config only, the weights are random int8 codes)
@@ -24,14 +25,24 @@ calling the kernel (`TESSEL_DECODE_ROW=off`), and the graphs with inductor's GEM
 `TESSEL_INT8_GEMV=off`, the step before the kernel), beside llama.cpp's Q8_0 of
 the same model (`peers.py`'s re-quantised GGUF) where llama-cpp-python is installed (the benchmark
 venv, docs/quant.md); engines interleaved per round, the first round untimed; figures are medians
-of tok/s and of each round's ratios.
+of tok/s and of each round's ratios. A fifth row, `weights read once (ceiling)`, times a read of the
+step's int8 weight bytes alone (a float32 buffer of that size summed) in the same rounds, as tok/s:
+the most a one-thread step could reach at this moment's memory speed (the KV cache's reads left
+out), so its ratio over llama.cpp bounds every engine's.
+
+`--only step`: the native operator alone, called on the same W8A8 checkpoint (the engine's own
+layers and cache) for one row at `--contexts` (default 1, 128, 512 tokens; a sequential block
+table), beside a read of the bytes it holds (a float32 buffer of that size summed), interleaved,
+`--step-rounds` rounds: at the first context the row is its GEMVs and the small work between them,
+so its share of the read's speed is what the GEMVs stream at inside the step; each further context
+adds the attention's cost per 1k tokens of context.
 
 AVX2's paths on an AVX-512 machine (a stand-in, not an AVX2-only CPU: fbgemm and llama.cpp still
-use AVX-512 there): `ATEN_CPU_CAPABILITY=avx2 TESSEL_INT8_PATH=fp16codes python benchmarks/int8_gemv.py
---only engine --kernel avx2` runs PyTorch's and inductor's AVX2 code, AVX2's default W8A8 path
-(`fp16codes`) and the AVX2 kernel, against the same path with inductor's GEMV... which `fp16codes`
-does not take: the "inductor GEMV" engine is then the fbgemm fp16 GEMM at one row, AVX2's one row
-before the kernel.
+use AVX-512 there): `ATEN_CPU_CAPABILITY=avx2 TESSEL_INT8_PATH=fp16codes TESSEL_NATIVE_ARCH=x86-64-v3
+python benchmarks/int8_gemv.py --only engine --kernel avx2` runs PyTorch's and inductor's AVX2 code,
+AVX2's default W8A8 path (`fp16codes`), the AVX2 kernel and the native step as an AVX2-only CPU
+builds it, against the same path with inductor's GEMV... which `fp16codes` does not take: the
+"inductor GEMV" engine is then the fbgemm fp16 GEMM at one row, AVX2's one row before the kernel.
 
 `GB/s` is the weight bytes over the time (fp16codes reads 2 bytes a weight: its figure counts the
 int8 bytes, as the work done), `of read` its share of `measure_read_gbs` (a float32 buffer summed,
@@ -101,6 +112,24 @@ def check(found: dict, weights: list[torch.Tensor], codes: dict[int, torch.Tenso
                 raise SystemExit(f"{name}: sums differ from int64 matmul on weight {tuple(w.shape)}")
 
 
+CEILING = "weights read once (ceiling)"
+
+
+def weights_read(model: Path):  # noqa: ANN201 (a timed run, as the engines' are)
+    """A step that only reads the step's int8 weight bytes (a float32 buffer of that size summed),
+    as tok/s, taken in the same rounds as the engines: about the most a one-thread step reaches."""
+    layers, layer_shapes, head = model_shapes(model)
+    n_bytes = layers * sum(n * k for n, k in layer_shapes) + head[0] * head[1]
+    buffer = torch.ones(n_bytes // 4)
+
+    def run() -> float:
+        start = time.perf_counter()
+        buffer.sum()
+        return 1 / (time.perf_counter() - start)
+
+    return run
+
+
 def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
     """One-stream decode tok/s per engine per round, interleaved (see the module docstring)."""
     import tempfile
@@ -134,6 +163,7 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
         return (args.new_tokens - 1) / (out.metrics.finish_time - out.metrics.first_token_time)
 
     runs = {name: (lambda llm=llm: tessel_run(llm)) for name, llm in engines.items()}
+    runs[CEILING] = weights_read(model)
     try:
         import llama_cpp
 
@@ -169,11 +199,79 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
     print(f"int8 GEMV over inductor's, same rounds: {statistics.median(gemv):.2f}x")
     step = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s["tessel, int8 GEMV"], strict=True)]
     print(f"native step over the graphs (both on the int8 GEMV), same rounds: {statistics.median(step):.2f}x")
-    forced = {name: os.environ.get(name) for name in ("ATEN_CPU_CAPABILITY", "TESSEL_INT8_PATH")}
+    of_ceiling = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s[CEILING], strict=True)]
+    print(f"native step's share of the ceiling, same rounds: {statistics.median(of_ceiling):.0%}")
+    forced = {
+        name: os.environ.get(name)
+        for name in ("ATEN_CPU_CAPABILITY", "TESSEL_INT8_PATH", "TESSEL_NATIVE_ARCH")
+    }
     return {"new_tokens": args.new_tokens, "rounds": args.engine_rounds, "base": base, "rows": rows,
             "kernel": args.kernel, "environment": forced,
             "int8_gemv_over_inductor": statistics.median(gemv),
-            "native_step_over_graphs": statistics.median(step)}  # fmt: skip
+            "native_step_over_graphs": statistics.median(step),
+            "native_step_of_ceiling": statistics.median(of_ceiling)}  # fmt: skip
+
+
+def step_rounds(model: Path, args: argparse.Namespace) -> dict:
+    """The native operator alone on the quantised model at a few contexts, beside a read of the
+    bytes it reads, interleaved (see the module docstring)."""
+    import tempfile
+
+    import quant
+    from tessel.kernels.rope import rope_tables
+    from tessel.layers.attention import AttentionMetadata, DecodeGroup
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    checkpoint = quant._quantize(
+        model, "w8a8 rtn", Path(tempfile.mkdtemp(prefix="tessel-int8-gemv-")), 16, 512
+    )
+    llm = quant._speed_llm(checkpoint, None, "int8", False, max(contexts) + 16)
+    native = llm.runner.cpu_graph.native_row if llm.runner.cpu_graph is not None else None
+    if native is None:
+        raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")
+    cache = native.layers[0].self_attn.attn.k_cache
+    blocks, block_size = cache.shape[:2]
+    if -(-max(contexts) // block_size) > blocks:
+        raise SystemExit(
+            f"the engine's cache holds {blocks * block_size} tokens; --contexts asks {max(contexts)}"
+        )
+    rotary = llm.model.model.rotary
+    hidden = torch.randn(1, llm.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    calls = {}
+    for context in contexts:
+        table = torch.arange(-(-context // block_size), dtype=torch.int32)
+        position = torch.tensor([context - 1])
+        group = DecodeGroup(0, 1, table[None], torch.tensor([context], dtype=torch.int32))
+        meta = AttentionMetadata(torch.tensor([context - 1]), 1, [group])
+        tables = rope_tables(position, rotary.cos, rotary.sin)
+        calls[f"context {context}"] = lambda meta=meta, tables=tables: native(hidden, meta, tables)
+    n_bytes = sum(w.numel() * w.element_size() for w in native.weights)
+    buffer = torch.ones(n_bytes // 4)
+    calls["read of its bytes"] = buffer.sum
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(args.step_rounds + 1):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            start = time.perf_counter()
+            calls[name]()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(runs) * 1e3 for name, runs in times.items()}
+    first = f"context {contexts[0]}"
+    print(f"\nthe native operator, {len(native.layers)} layers, {n_bytes / 1e6:.1f} MB of its tensors, "
+          f"{args.step_rounds} rounds (medians)")  # fmt: skip
+    print("| call | ms | of the read's speed | over the first context, per 1k tokens of context |")
+    print("|---|---|---|---|")
+    rows = {}
+    for name, value in ms.items():
+        extra = None
+        if name.startswith("context") and name != first:
+            extra = (value - ms[first]) / (int(name.split()[1]) - contexts[0]) * 1e3
+        rows[name] = {"ms": value, "runs_ms": [t * 1e3 for t in times[name]],
+                      "of_read": ms["read of its bytes"] / value, "ms_per_1k_context": extra}  # fmt: skip
+        shown = "" if extra is None else f"{extra:.2f} ms"
+        print(f"| {name} | {value:.2f} | {ms['read of its bytes'] / value:.0%} | {shown} |")
+    return {"contexts": contexts, "bytes": n_bytes, "rounds": args.step_rounds, "rows": rows}
 
 
 def main() -> None:
@@ -182,8 +280,12 @@ def main() -> None:
     )
     parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct from the cache)")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--only", default="kernels,engine", help="comma list of kernels, engine")
+    parser.add_argument("--only", default="kernels,engine", help="comma list of kernels, engine, step")
     parser.add_argument("--engine-rounds", type=int, default=5)
+    parser.add_argument("--step-rounds", type=int, default=40)
+    parser.add_argument(
+        "--contexts", default="1,128,512", help="--only step: context lengths, the first the base"
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
         "--kernel", default="auto", help="the engine's int8 GEMV: auto (by the CPU), vnni, avx2"
@@ -199,6 +301,8 @@ def main() -> None:
         result["kernels"] = kernel_rounds(model, args)
     if "engine" in only:
         result["engine"] = engine_rounds(model, args)
+    if "step" in only:
+        result["step"] = step_rounds(model, args)
     _harness.append_record(args.out, "int8_gemv", result, args.label)
 
 

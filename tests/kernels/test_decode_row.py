@@ -140,6 +140,12 @@ def _compare(model: LlamaForCausalLM, meta: AttentionMetadata, positions: torch.
         ({}, 8, 70),
         ({"num_key_value_heads": 6}, 16, 16),  # multi-head attention, one full block
         ({"head_dim": 80, "num_attention_heads": 4}, 16, 33),  # a column tail (80 = 5 x 16)
+        ({"head_dim": 40, "num_attention_heads": 4}, 16, 50),  # a masked last chunk of 16 columns
+        (
+            {"head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+            16,
+            19,
+        ),  # 8 chunks in registers
         ({"head_dim": 256, "num_attention_heads": 2, "num_key_value_heads": 1}, 32, 45),  # portable loops
         ({"qkv_bias": True, "intermediate_size": 200}, 16, 20),  # Qwen2's q/k/v bias, K not a multiple of 64
         ({"num_hidden_layers": 3}, 4, 90),
@@ -213,7 +219,63 @@ def test_built_for_this_cpu_in_the_cache(monkeypatch, tmp_path) -> None:
     built = decode_row.build(compiler)
     assert built.parent == tmp_path / "native" and list(built.parent.iterdir()) == [built]
     assert decode_row.build(compiler) == built  # found, not compiled again
-    key = native_build.library_key([decode_row.SOURCE], compiler, decode_row.FLAGS)
+    key = native_build.library_key([decode_row.SOURCE], compiler, decode_row.flags())
     assert built.name == f"decode_row-{key}.so"
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert native_build.library_key([decode_row.SOURCE], compiler, decode_row.FLAGS) != key
+    assert native_build.library_key([decode_row.SOURCE], compiler, decode_row.flags()) != key
+
+
+def test_the_arch_override_is_checked_against_this_cpu(monkeypatch) -> None:
+    """$TESSEL_NATIVE_ARCH: native by default; x86-64-v3 where the CPU has AVX2, FMA and F16C, and
+    keyed without the CPU's flags (its code runs on any such CPU); refused where it does not, or
+    for a name tessel does not know."""
+    compiler = native_build.cxx_compiler() or "c++"
+    monkeypatch.delenv(native_build.ARCH_OVERRIDE, raising=False)
+    assert native_build.arch_flag(frozenset()) == "-march=native"
+    monkeypatch.setenv(native_build.ARCH_OVERRIDE, "x86-64-v3")
+    assert native_build.arch_flag(frozenset({"avx2", "fma", "f16c"})) == "-march=x86-64-v3"
+    with pytest.raises(TesselError, match="lacks f16c, fma"):
+        native_build.arch_flag(frozenset({"avx2"}))
+    v3 = (native_build.arch_flag(frozenset({"avx2", "fma", "f16c"})), "-fopenmp-simd")
+    key = native_build.library_key([decode_row.SOURCE], compiler, v3)
+    assert key != native_build.library_key([decode_row.SOURCE], compiler, ("-march=native", "-fopenmp-simd"))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert native_build.library_key([decode_row.SOURCE], compiler, v3) == key
+    monkeypatch.setenv(native_build.ARCH_OVERRIDE, "skylake")
+    with pytest.raises(TesselError, match="TESSEL_NATIVE_ARCH='skylake'"):
+        native_build.arch_flag(frozenset())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= cpu_features.cpu_flags(), reason="this CPU cannot run AVX2-only code"
+)
+def test_an_avx2_only_cpus_build_is_the_models_forward(tmp_path) -> None:
+    """The operator as an AVX2-only CPU builds it (-march=x86-64-v3: no AVX-512, so the portable
+    attention loops and AVX2's GEMV kernel) against the model's forward, in a process of its own (one
+    process loads one build of the operator)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "TESSEL_NATIVE_ARCH": "x86-64-v3",
+        "TESSEL_INT8_GEMV": "avx2",
+        "TESSEL_CACHE_DIR": str(tmp_path),
+    }
+    tests = f"{__file__}::test_the_native_step_is_the_models_forward"
+    run = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        tests,
+        f"{__file__}::test_a_stage_before_the_last_returns_the_stream",
+    ]
+    proc = subprocess.run(run, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "11 passed" in proc.stdout
+    assert len(list((tmp_path / "native").glob("decode_row-*.so"))) == 1

@@ -8,9 +8,10 @@ much as reading the weights (`benchmarks/decode_profile.py`). This operator does
 codes, GEMVs, rotary, cache write, attention and SiLU in one pass over float32 rows: figures in
 `benchmarks/int8_gemv.py --only engine`.
 
-Built for this machine's CPU (`-march=native`, keyed by its flags) the first time a process needs
-it, as the GEMV is (`tessel.kernels.native_build`); without a compiler, or when building fails (a
-warning, once), the step keeps its graphs. `TESSEL_DECODE_ROW=off` keeps them too (comparisons).
+Built for this machine's CPU (`-march=native`, keyed by its flags; `TESSEL_NATIVE_ARCH=x86-64-v3`:
+for an AVX2-only one) the first time a process needs it, as the GEMV is
+(`tessel.kernels.native_build`); without a compiler, or when building fails (a warning, once), the
+step keeps its graphs. `TESSEL_DECODE_ROW=off` keeps them too (comparisons).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from tessel.kernels import native_build
 
 SOURCE = native_build.NATIVE / "decode_row.cpp"
 ENV_OVERRIDE = "TESSEL_DECODE_ROW"
-FLAGS = (native_build.NATIVE_ARCH, "-fopenmp-simd")
 
 
 def enabled() -> bool:
@@ -50,6 +50,11 @@ def available() -> bool:
     return native_build.load(build, "the one-row decode step failed; it keeps its compiled graphs")
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler's flags: this CPU's instructions ($TESSEL_NATIVE_ARCH), loops vectorised."""
+    return (native_build.arch_flag(), "-fopenmp-simd")
+
+
 def build(compiler: str) -> Path:
     """The operator's shared library in tessel's cache, compiled if not there."""
-    return native_build.build("decode_row", [SOURCE], compiler, FLAGS)
+    return native_build.build("decode_row", [SOURCE], compiler, flags())

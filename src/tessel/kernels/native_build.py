@@ -3,8 +3,10 @@ C++ compiler the first time a process needs them, into tessel's cache (`$TESSEL_
 
 A library is keyed by its sources (with the headers beside them), its flags, the compiler, torch's
 version and, for a library built for this machine's CPU (`-march=native`), the CPU's flags: a cache
-shared by machines never hands one a library another CPU built. It is written under a temporary
-name then moved into place, so a process that loads it never sees a half-written file.
+shared by machines never hands one a library another CPU built. `$TESSEL_NATIVE_ARCH=x86-64-v3`
+builds them for AVX2-only CPUs instead (`arch_flag`): their code, run on this one. A library is
+written under a temporary name then moved into place, so a process that loads it never sees a
+half-written file.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from pathlib import Path
 
 import torch
 
+from tessel.errors import TesselError
 from tessel.kernels import cpu_features
 from tessel.kernels.autotune import cache_dir
 
 NATIVE = Path(__file__).parent / "native"
 NATIVE_ARCH = "-march=native"
+ARCH_OVERRIDE = "TESSEL_NATIVE_ARCH"
+# x86-64-v3: what an AVX2-only CPU runs (AVX2, FMA, F16C), a stand-in for one on a newer CPU
+ARCH_NEEDS = {"native": frozenset(), "x86-64-v3": frozenset({"avx2", "fma", "f16c"})}
 
 
 def cxx_compiler() -> str | None:
@@ -33,6 +39,19 @@ def cxx_compiler() -> str | None:
     if forced:
         return forced if shutil.which(forced.split()[0]) else None
     return next((cc for cc in ("c++", "g++", "clang++") if shutil.which(cc)), None)
+
+
+def arch_flag(flags: frozenset[str] | None = None) -> str:
+    """The -march of the libraries built for a CPU: this machine's (`native`, the default), or
+    $TESSEL_NATIVE_ARCH=x86-64-v3 (AVX2's instructions only, to run an AVX2-only CPU's code here),
+    refused where this CPU cannot run it."""
+    arch = os.environ.get(ARCH_OVERRIDE, "native").strip() or "native"
+    if arch not in ARCH_NEEDS:
+        raise TesselError(f"{ARCH_OVERRIDE}={arch!r}: choose one of {', '.join(ARCH_NEEDS)}")
+    missing = ARCH_NEEDS[arch] - (cpu_features.cpu_flags() if flags is None else flags)
+    if missing:
+        raise TesselError(f"{ARCH_OVERRIDE}={arch}: this CPU lacks {', '.join(sorted(missing))}")
+    return f"-march={arch}"
 
 
 def library_key(sources: list[Path], compiler: str, flags: tuple[str, ...]) -> str:

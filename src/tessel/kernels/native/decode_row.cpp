@@ -178,39 +178,47 @@ __m512 sum_rows16_ps(const __m512 a[16]) {
 
 void dots16(const float* q, const float* const* rows, int n, int64_t d, float scale, float* out) {
   /* out[r] = scale * q . rows[r] for r < n <= 16: sixteen lanes of partial sums per row, summed
-     across rows at once (sum_rows16) instead of one horizontal sum per row */
+     across rows at once (sum_rows16) instead of one horizontal sum per row. Always sixteen rows (the
+     missing ones read row 0 and are not stored): a constant count keeps a[] in registers, where a
+     loop to n keeps it in memory */
+  const float* at[16];
+  for (int r = 0; r < 16; r++) at[r] = rows[r < n ? r : 0];
   __m512 a[16];
   for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < d; c += 16) {
     const __mmask16 m = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1);
     const __m512 qv = _mm512_maskz_loadu_ps(m, q + c);
-    for (int r = 0; r < n; r++) a[r] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, rows[r] + c), a[r]);
+    for (int r = 0; r < 16; r++) a[r] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, at[r] + c), a[r]);
   }
   const __m512 total = sum_rows16_ps(a);
   _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), _mm512_mul_ps(total, _mm512_set1_ps(scale)));
 }
 
+template <int CHUNKS>
 void weighted16(const float* p, const float* const* rows, int n, int64_t d, float* out) {
-  /* out += sum_r p[r] * rows[r] for r < n <= 16, the output's columns held in registers (d <= 128)
-     across the rows */
-  __m512 acc[8];
-  const int64_t chunks = (d + 15) / 16;
-  for (int64_t c = 0; c < chunks; c++) {
-    const int64_t left = d - c * 16;
-    acc[c] = _mm512_maskz_loadu_ps(left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), out + c * 16);
-  }
+  /* out += sum_r p[r] * rows[r] for r < n <= 16, the output's CHUNKS * 16 >= d columns held in
+     registers across the rows (a constant count: acc[] stays in registers) */
+  const int64_t tail = d - (CHUNKS - 1) * 16;
+  __mmask16 m[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++)
+    m[c] = c + 1 < CHUNKS || tail >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << tail) - 1);
+  __m512 acc[CHUNKS];
+  for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_maskz_loadu_ps(m[c], out + c * 16);
   for (int r = 0; r < n; r++) {
     const __m512 pr = _mm512_set1_ps(p[r]);
-    for (int64_t c = 0; c < chunks; c++) {
-      const int64_t left = d - c * 16;
-      const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-      acc[c] = _mm512_fmadd_ps(pr, _mm512_maskz_loadu_ps(m, rows[r] + c * 16), acc[c]);
-    }
+    for (int c = 0; c < CHUNKS; c++)
+      acc[c] = _mm512_fmadd_ps(pr, _mm512_maskz_loadu_ps(m[c], rows[r] + c * 16), acc[c]);
   }
-  for (int64_t c = 0; c < chunks; c++) {
-    const int64_t left = d - c * 16;
-    _mm512_mask_storeu_ps(out + c * 16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), acc[c]);
-  }
+  for (int c = 0; c < CHUNKS; c++) _mm512_mask_storeu_ps(out + c * 16, m[c], acc[c]);
+}
+
+using Weighted = void (*)(const float*, const float* const*, int, int64_t, float*);
+
+Weighted weighted16_for(int64_t d) {
+  /* head dims up to 128: eight chunks of sixteen */
+  static const Weighted by_chunks[8] = {weighted16<1>, weighted16<2>, weighted16<3>, weighted16<4>,
+                                        weighted16<5>, weighted16<6>, weighted16<7>, weighted16<8>};
+  return by_chunks[(d + 15) / 16 - 1];
 }
 
 template <typename Visit>
@@ -222,6 +230,11 @@ void each_chunk(const Shape& sh, const float* cache, const int32_t* table, int64
   for (int64_t first = 0, b = 0; first < context; first += sh.block_size, b++) {
     const float* base = cache + (int64_t)table[b] * sh.block_size * row;
     const int64_t in_block = std::min(sh.block_size, context - first);
+    if (first + sh.block_size < context) {  // the next block's rows on their way while this one is read
+      const char* next = (const char*)(cache + (int64_t)table[b + 1] * sh.block_size * row);
+      const int64_t bytes = std::min(sh.block_size, context - first - sh.block_size) * row * (int64_t)sizeof(float);
+      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    }
     for (int64_t i = 0; i < in_block; i += 16) {
       const int n = (int)std::min<int64_t>(16, in_block - i);
       for (int r = 0; r < n; r++) rows[r] = base + (i + r) * row;
@@ -245,10 +258,11 @@ void attend_avx512(const Shape& sh, const float* q, const float* k_cache, const 
   });
   for (int64_t h = 0; h < sh.heads; h++) softmax(s + h * context, context);
   std::fill(out, out + sh.heads * d, 0.0f);
+  const Weighted weigh = weighted16_for(d);
   each_chunk(sh, v_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
     for (int64_t h = 0; h < sh.heads; h++) {
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
-      weighted16(s + h * context + first, at, n, d, out + h * d);
+      weigh(s + h * context + first, at, n, d, out + h * d);
     }
   });
 }

@@ -12,6 +12,10 @@
 namespace {
 
 #define STACK_CODES 8192
+/* The weights are read once per step: each kernel asks for the lines PREFETCH_BYTES ahead of those it
+   reads, non-temporal, so that they stream through rather than push out what the step reads again
+   (the KV cache, the activations). A prefetch past the weights' end does not fault. */
+#define PREFETCH_BYTES 4096
 
 static uint8_t* code_buffer(uint8_t* stack, int64_t n) {
   return n <= STACK_CODES ? stack : (uint8_t*)std::aligned_alloc(64, (size_t)((n + 63) / 64 * 64));
@@ -47,6 +51,7 @@ static int gemv_vnni(const float* codes, const int8_t* packed, const int32_t* ws
     for (int64_t i = 0; i < kb; i++) {
       const __m512i x = _mm512_loadu_si512(u + i * 64);
       const int8_t* wi = w + i * 1024;
+      for (int r = 0; r < 16; r++) _mm_prefetch((const char*)wi + PREFETCH_BYTES + r * 64, _MM_HINT_NTA);
       for (int r = 0; r < 16; r++) a[r] = _mm512_dpbusd_epi32(a[r], x, _mm512_loadu_si512(wi + r * 64));
     }
     const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum_rows16(a), _mm512_loadu_si512(wsum128 + b * 16)));
@@ -83,6 +88,7 @@ static int gemv_avx2(const float* codes, const int8_t* packed, float* out, int64
       const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + i * 32));
       const __m256i ax = _mm256_sign_epi8(xv, xv);
       const int8_t* wi = w + i * 256;
+      for (int r = 0; r < 4; r++) _mm_prefetch((const char*)wi + PREFETCH_BYTES + r * 64, _MM_HINT_NTA);
       for (int r = 0; r < 8; r++) {
         const __m256i wv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(wi + r * 32)), xv);
         a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wv), ones));
