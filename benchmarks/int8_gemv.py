@@ -19,23 +19,25 @@ sequence of linears once (interleaved, the order rotated each round); a figure i
     fp16codes      fbgemm's fp16-weight GEMM on the codes (AVX2's one row before the kernel)
 
 `--only engine` (or both, the default): one stream of SmolLM2 W8A8 + int8 LM head decoding
-`--new-tokens` greedy tokens after a 64-token prompt, tessel's engine three ways: the native one-row
-step (`tessel.kernels.decode_row`: every layer in one C++ call, the default), the compiled graphs
+`--new-tokens` greedy tokens after a 64-token prompt, tessel's engine four ways: the native one-row
+step (`tessel.kernels.decode_row`: every layer in one C++ call, the default; again with its weights
+left on 4 KB pages, `TESSEL_HUGE_PAGES=off`, `tessel.kernels.huge_pages`), the compiled graphs
 calling the kernel (`TESSEL_DECODE_ROW=off`), and the graphs with inductor's GEMV (also
 `TESSEL_INT8_GEMV=off`, the step before the kernel), beside llama.cpp's Q8_0 of
 the same model (`peers.py`'s re-quantised GGUF) where llama-cpp-python is installed (the benchmark
 venv, docs/quant.md); engines interleaved per round, the first round untimed; figures are medians
-of tok/s and of each round's ratios. A fifth row, `weights read once (ceiling)`, times a read of the
+of tok/s and of each round's ratios. A last row, `weights read once (ceiling)`, times a read of the
 step's int8 weight bytes alone (a float32 buffer of that size summed) in the same rounds, as tok/s:
 the most a one-thread step could reach at this moment's memory speed (the KV cache's reads left
 out), so its ratio over llama.cpp bounds every engine's.
 
 `--only step`: the native operator alone, called on the same W8A8 checkpoint (the engine's own
 layers and cache) for one row at `--contexts` (default 1, 128, 512 tokens; a sequential block
-table), beside a read of the bytes it holds (a float32 buffer of that size summed), interleaved,
-`--step-rounds` rounds: at the first context the row is its GEMVs and the small work between them,
-so its share of the read's speed is what the GEMVs stream at inside the step; each further context
-adds the attention's cost per 1k tokens of context.
+table), and the LM head on one row, each twice (weights on huge pages, the default, and on 4 KB
+pages, `TESSEL_HUGE_PAGES=off`), beside a read of the operator's bytes (a float32 buffer of that
+size summed), interleaved, `--step-rounds` rounds: at the first context the row is its GEMVs and the
+small work between them, so its share of the read's speed is what the GEMVs stream at inside the
+step; each further context adds the attention's cost per 1k tokens of context.
 
 AVX2's paths on an AVX-512 machine (a stand-in, not an AVX2-only CPU: fbgemm and llama.cpp still
 use AVX-512 there): `ATEN_CPU_CAPABILITY=avx2 TESSEL_INT8_PATH=fp16codes TESSEL_NATIVE_ARCH=x86-64-v3
@@ -113,6 +115,13 @@ def check(found: dict, weights: list[torch.Tensor], codes: dict[int, torch.Tenso
 
 
 CEILING = "weights read once (ceiling)"
+SMALL_PAGES = "tessel, native step, 4 KB pages"
+
+
+def _one_mapping(llm) -> bool:  # noqa: ANN001 (an LLM)
+    """Whether the native step's packed layer weights share one storage (moved onto huge pages)."""
+    weights = llm.runner.cpu_graph.native_row.weights
+    return len({weights[i].untyped_storage().data_ptr() for i in (2, 6, 10, 14)}) == 1
 
 
 def weights_read(model: Path):  # noqa: ANN201 (a timed run, as the engines' are)
@@ -148,13 +157,17 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
     graphs = {"TESSEL_DECODE_ROW": "off"}
     for name, forced in (
         ("tessel, native step", kernel),
+        (SMALL_PAGES, {**(kernel or {}), "TESSEL_HUGE_PAGES": "off"}),
         ("tessel, int8 GEMV", {**(kernel or {}), **graphs}),
         ("tessel, inductor GEMV", {"TESSEL_INT8_GEMV": "off", **graphs}),
     ):
         engines[name] = quant._speed_llm(checkpoint, forced, "int8", False, max_len)
-    native = engines["tessel, native step"].runner.cpu_graph
-    if native is None or native.native_row is None:
-        raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")
+    for name in ("tessel, native step", SMALL_PAGES):
+        native = engines[name].runner.cpu_graph
+        if native is None or native.native_row is None:
+            raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")
+    huge = {name: _one_mapping(engines[name]) for name in ("tessel, native step", SMALL_PAGES)}
+    print(f"the native steps' layer weights in one huge-page mapping: {huge}")
     prompt = engines["tessel, int8 GEMV"].tokenizer(ids)["input_ids"][:64]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
@@ -199,6 +212,8 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
     print(f"int8 GEMV over inductor's, same rounds: {statistics.median(gemv):.2f}x")
     step = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s["tessel, int8 GEMV"], strict=True)]
     print(f"native step over the graphs (both on the int8 GEMV), same rounds: {statistics.median(step):.2f}x")
+    pages = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s[SMALL_PAGES], strict=True)]
+    print(f"native step on huge pages over 4 KB pages, same rounds: {statistics.median(pages):.2f}x")
     of_ceiling = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s[CEILING], strict=True)]
     print(f"native step's share of the ceiling, same rounds: {statistics.median(of_ceiling):.0%}")
     forced = {
@@ -209,26 +224,78 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
             "kernel": args.kernel, "environment": forced,
             "int8_gemv_over_inductor": statistics.median(gemv),
             "native_step_over_graphs": statistics.median(step),
-            "native_step_of_ceiling": statistics.median(of_ceiling)}  # fmt: skip
+            "native_step_of_ceiling": statistics.median(of_ceiling),
+            "huge_over_small_pages": statistics.median(pages), "one_mapping": huge}  # fmt: skip
+
+
+PAGES = {"": None, ", 4 KB pages": {"TESSEL_HUGE_PAGES": "off"}}
 
 
 def step_rounds(model: Path, args: argparse.Namespace) -> dict:
-    """The native operator alone on the quantised model at a few contexts, beside a read of the
-    bytes it reads, interleaved (see the module docstring)."""
+    """The native operator and the LM head alone on the quantised model at a few contexts, on huge
+    pages and on 4 KB pages, beside a read of the bytes the operator reads, interleaved (see the
+    module docstring)."""
     import tempfile
 
     import quant
-    from tessel.kernels.rope import rope_tables
-    from tessel.layers.attention import AttentionMetadata, DecodeGroup
 
     contexts = [int(c) for c in args.contexts.split(",")]
     checkpoint = quant._quantize(
         model, "w8a8 rtn", Path(tempfile.mkdtemp(prefix="tessel-int8-gemv-")), 16, 512
     )
-    llm = quant._speed_llm(checkpoint, None, "int8", False, max(contexts) + 16)
-    native = llm.runner.cpu_graph.native_row if llm.runner.cpu_graph is not None else None
-    if native is None:
-        raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")
+    calls: dict = {}
+    for suffix, forced in PAGES.items():
+        llm = quant._speed_llm(checkpoint, forced, "int8", False, max(contexts) + 16)
+        native = llm.runner.cpu_graph.native_row if llm.runner.cpu_graph is not None else None
+        if native is None:
+            raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")
+        calls.update({f"{name}{suffix}": call for name, call in _step_calls(llm, native, contexts).items()})
+    n_bytes = sum(w.numel() * w.element_size() for w in native.weights)
+    buffer = torch.ones(n_bytes // 4)
+    calls["read of its bytes"] = buffer.sum
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(args.step_rounds + 1):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            start = time.perf_counter()
+            calls[name]()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(runs) * 1e3 for name, runs in times.items()}
+    print(f"\nthe native operator, {len(native.layers)} layers, {n_bytes / 1e6:.1f} MB of its tensors, "
+          f"{args.step_rounds} rounds (medians)")  # fmt: skip
+    print("| call | ms | of the read's speed | over the first context, per 1k tokens of context |")
+    print("|---|---|---|---|")
+    rows = {}
+    for name, value in ms.items():
+        context, _, suffix = name.removeprefix("context ").partition(",")
+        extra = None
+        if name.startswith("context ") and int(context) != contexts[0]:
+            first = ms[f"context {contexts[0]}" + (f",{suffix}" if suffix else "")]
+            extra = (value - first) / (int(context) - contexts[0]) * 1e3
+        of_read = ms["read of its bytes"] / value if not name.startswith("LM head") else None
+        rows[name] = {"ms": value, "runs_ms": [t * 1e3 for t in times[name]],
+                      "of_read": of_read, "ms_per_1k_context": extra}  # fmt: skip
+        shown = "" if extra is None else f"{extra:.2f} ms"
+        print(f"| {name} | {value:.2f} | {'' if of_read is None else f'{of_read:.0%}'} | {shown} |")
+    small = {name: times[f"{name}, 4 KB pages"] for name in ms if f"{name}, 4 KB pages" in ms}
+    pages = {
+        name: statistics.median(a / b for a, b in zip(runs, times[name], strict=True))
+        for name, runs in small.items()
+    }
+    print(
+        "huge pages over 4 KB pages (the rounds' ratios): "
+        + ", ".join(f"{n} {r:.3f}x" for n, r in pages.items())
+    )
+    return {"contexts": contexts, "bytes": n_bytes, "rounds": args.step_rounds, "rows": rows,
+            "huge_over_small_pages": pages}  # fmt: skip
+
+
+def _step_calls(llm, native, contexts: list[int]) -> dict:  # noqa: ANN001 (an LLM, its NativeRow)
+    """One row through the native operator at each context (a sequential block table), and the LM head."""
+    from tessel.kernels.rope import rope_tables
+    from tessel.layers.attention import AttentionMetadata, DecodeGroup
+
     cache = native.layers[0].self_attn.attn.k_cache
     blocks, block_size = cache.shape[:2]
     if -(-max(contexts) // block_size) > blocks:
@@ -245,33 +312,8 @@ def step_rounds(model: Path, args: argparse.Namespace) -> dict:
         meta = AttentionMetadata(torch.tensor([context - 1]), 1, [group])
         tables = rope_tables(position, rotary.cos, rotary.sin)
         calls[f"context {context}"] = lambda meta=meta, tables=tables: native(hidden, meta, tables)
-    n_bytes = sum(w.numel() * w.element_size() for w in native.weights)
-    buffer = torch.ones(n_bytes // 4)
-    calls["read of its bytes"] = buffer.sum
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(args.step_rounds + 1):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
-            start = time.perf_counter()
-            calls[name]()
-            if r:
-                times[name].append(time.perf_counter() - start)
-    ms = {name: statistics.median(runs) * 1e3 for name, runs in times.items()}
-    first = f"context {contexts[0]}"
-    print(f"\nthe native operator, {len(native.layers)} layers, {n_bytes / 1e6:.1f} MB of its tensors, "
-          f"{args.step_rounds} rounds (medians)")  # fmt: skip
-    print("| call | ms | of the read's speed | over the first context, per 1k tokens of context |")
-    print("|---|---|---|---|")
-    rows = {}
-    for name, value in ms.items():
-        extra = None
-        if name.startswith("context") and name != first:
-            extra = (value - ms[first]) / (int(name.split()[1]) - contexts[0]) * 1e3
-        rows[name] = {"ms": value, "runs_ms": [t * 1e3 for t in times[name]],
-                      "of_read": ms["read of its bytes"] / value, "ms_per_1k_context": extra}  # fmt: skip
-        shown = "" if extra is None else f"{extra:.2f} ms"
-        print(f"| {name} | {value:.2f} | {ms['read of its bytes'] / value:.0%} | {shown} |")
-    return {"contexts": contexts, "bytes": n_bytes, "rounds": args.step_rounds, "rows": rows}
+    calls["LM head"] = lambda: llm.model.lm_head(hidden)
+    return calls
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ import torch
 
 from tessel.engine.native_row import NativeRow
 from tessel.errors import TesselError
-from tessel.kernels import cpu_features, decode_row, int8_gemv, native_build
+from tessel.kernels import cpu_features, decode_row, huge_pages, int8_gemv, native_build
 from tessel.kernels.rope import rope_tables
 from tessel.layers.attention import AttentionMetadata, DecodeGroup
-from tessel.layers.linear import W8A8Linear
+from tessel.layers.linear import W8A8Linear, linear_form
 from tessel.models.config import ModelConfig
 from tessel.models.llama import LlamaForCausalLM, StepInputs
 
@@ -279,3 +279,21 @@ def test_an_avx2_only_cpus_build_is_the_models_forward(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "11 passed" in proc.stdout
     assert len(list((tmp_path / "native").glob("decode_row-*.so"))) == 1
+
+
+def test_the_layers_weights_move_to_huge_pages_and_the_step_is_unchanged() -> None:
+    """A stage of 2.2 MB of packed weights: the native step moves them, in the order it reads them,
+    into one mapping on huge pages (where the kernel gives them) and still gives the forward."""
+    config = dataclasses.replace(
+        BASE, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_hidden_layers=1, head_dim=64
+    )
+    model = _model(config, 16, 4, seed=5)
+    meta, positions = _row(30, 16, 4, seed=5)
+    _compare(model, meta, positions, token=7)  # builds the native step (the move), then compares
+    layer = model.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    packed = [linear_form(m).tensors[0] for m in linears]
+    if huge_pages.enabled():
+        assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
+        starts = [t.data_ptr() for t in packed]
+        assert starts == sorted(starts) and starts[0] % huge_pages.HUGE_PAGE_BYTES == 0

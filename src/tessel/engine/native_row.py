@@ -7,20 +7,23 @@ form `w8a8_int8_gemv`), rotary over the whole head, one RMSNorm epsilon.
 `NativeRow(hidden, step)` runs the held layers on the embedded token (or the received stream) and
 returns what the compiled graphs would: the final norm's output, or the residual stream a stage
 before the last sends on. The operator reads each layer's weights as the model holds them (packed
-once by the layer) and writes the new k/v into the layer's cache, as `Attention.store` does.
+once by the layer; moved, once, into one stretch of huge pages, `tessel.kernels.huge_pages`) and
+writes the new k/v into the layer's cache, as `Attention.store` does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tessel.kernels import decode_row
+from tessel.kernels import decode_row, huge_pages
 from tessel.layers.attention import AttentionMetadata
 from tessel.layers.linear import linear_form
 from tessel.layers.norm import RMSNorm
 from tessel.models.llama import LlamaDecoderLayer
 
 NATIVE_FORM = "w8a8_int8_gemv"
+PER_LAYER = 18  # a layer's tensors: two norms, then four linears' packed, wsum128, scale, bias
+PACKED_AT = (2, 6, 10, 14)  # where in them the packed weights are, in the order the step reads them
 
 
 def _linear_tensors(module: torch.nn.Module) -> list[torch.Tensor] | None:
@@ -80,6 +83,7 @@ class NativeRow:
             weights.extend(tensors)
         if not decode_row.available():
             return None
+        huge_pages.rehome([weights[i] for i in range(len(weights)) if i % PER_LAYER in PACKED_AT])
         return cls(layers, weights, final_norm, eps.pop())
 
     def __call__(

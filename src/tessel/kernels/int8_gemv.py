@@ -6,8 +6,8 @@ linear: it is bound by the bytes it reads, one per weight. Inductor's compiled G
 (`tessel.kernels.w8a16_cpu`) converts each int8 weight to float32 and sums in float32; fbgemm's
 GEMM is built for many rows. These kernels multiply int8 by int8 into int32 (AVX-512 VNNI's
 vpdpbusd; AVX2's vpmaddubsw) over a weight packed once per layer so a call reads one contiguous
-buffer (blocks of 16 rows x 64 columns with VNNI, 8 x 32 with AVX2; `pack`): figures in
-`benchmarks/int8_gemv.py`.
+buffer (blocks of 16 rows x 64 columns with VNNI, 8 x 32 with AVX2; `pack`; from 2 MB up on huge
+pages, `tessel.kernels.huge_pages`): figures in `benchmarks/int8_gemv.py`.
 
     sums[0, n] = float32(sum_k codes[0, k] * w[n, k])       exact int32 sums
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tessel.errors import TesselError
-from tessel.kernels import cpu_features, native_build
+from tessel.kernels import cpu_features, huge_pages, native_build
 
 SOURCE = native_build.NATIVE / "int8_gemv.cpp"
 OPERATOR = "tessel::int8_gemv_sums"
@@ -95,7 +95,8 @@ def pack(weight: torch.Tensor, isa: str | None = None) -> PackedInt8 | None:
     n_pad, k_pad = -(-n // rows) * rows, -(-k // cols) * cols
     padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
     padded[:n, :k] = weight
-    blocks = padded.view(n_pad // rows, rows, k_pad // cols, cols).permute(0, 2, 1, 3).contiguous()
+    blocks = huge_pages.empty(n_pad * k_pad).view(n_pad // rows, k_pad // cols, rows, cols)
+    blocks.copy_(padded.view(n_pad // rows, rows, k_pad // cols, cols).permute(0, 2, 1, 3))
     wsum = torch.zeros(0, dtype=torch.int32)
     if isa == "vnni":
         wsum = (padded.sum(dim=1, dtype=torch.int32) * UNSIGNED_OFFSET).contiguous()
