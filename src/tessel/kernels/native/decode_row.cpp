@@ -161,6 +161,8 @@ void key_scores_each(const Shape& sh, const float* qg, int64_t group, const floa
   });
 }
 
+using Weighted = void (*)(const float*, const float* const*, int, int64_t, float*);
+
 #ifdef __AVX512F__
 __m512 sum_rows16_ps(const __m512 a[16]) {
   /* lane i of the result: the sum of a[i]'s sixteen lanes (int8_gemv_kernels.h's sum_rows16 in float) */
@@ -212,14 +214,75 @@ void weighted16(const float* p, const float* const* rows, int n, int64_t d, floa
   for (int c = 0; c < CHUNKS; c++) _mm512_mask_storeu_ps(out + c * 16, m[c], acc[c]);
 }
 
-using Weighted = void (*)(const float*, const float* const*, int, int64_t, float*);
-
 Weighted weighted16_for(int64_t d) {
   /* head dims up to 128: eight chunks of sixteen */
   static const Weighted by_chunks[8] = {weighted16<1>, weighted16<2>, weighted16<3>, weighted16<4>,
                                         weighted16<5>, weighted16<6>, weighted16<7>, weighted16<8>};
   return by_chunks[(d + 15) / 16 - 1];
 }
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+__m256i tail_lanes(int64_t left) {
+  /* lanes i < left set (left < 8), for AVX2's masked loads and stores */
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+__m256 sum_rows8_ps(const __m256 a[8]) {
+  /* lane i of the result: the sum of a[i]'s eight lanes (int8_gemv_kernels.h's sum_rows8 in float) */
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+void dots8(const float* q, const float* const* rows, int n, int64_t d, float scale, float* out) {
+  /* dots16 for AVX2: eight rows, eight lanes of partial sums each, always eight (registers) */
+  const float* at[8];
+  for (int r = 0; r < 8; r++) at[r] = rows[r < n ? r : 0];
+  __m256 a[8];
+  for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(at[r] + c), a[r]);
+  }
+  if (c < d) {
+    const __m256i m = tail_lanes(d - c);
+    const __m256 qv = _mm256_maskload_ps(q + c, m);
+    for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(at[r] + c, m), a[r]);
+  }
+  const __m256 total = _mm256_mul_ps(sum_rows8_ps(a), _mm256_set1_ps(scale));
+  _mm256_maskstore_ps(out, n >= 8 ? _mm256_set1_epi32(-1) : tail_lanes(n), total);
+}
+
+template <int CHUNKS>
+void weighted8(const float* p, const float* const* rows, int n, int64_t d, float* out) {
+  /* weighted16 for AVX2: the output's CHUNKS * 8 >= d columns in registers across the rows */
+  const int64_t tail = d - (CHUNKS - 1) * 8;
+  const __m256i last = tail >= 8 ? _mm256_set1_epi32(-1) : tail_lanes(tail);
+  __m256 acc[CHUNKS];
+  for (int c = 0; c + 1 < CHUNKS; c++) acc[c] = _mm256_loadu_ps(out + c * 8);
+  acc[CHUNKS - 1] = _mm256_maskload_ps(out + (CHUNKS - 1) * 8, last);
+  for (int r = 0; r < n; r++) {
+    const __m256 pr = _mm256_set1_ps(p[r]);
+    for (int c = 0; c + 1 < CHUNKS; c++) acc[c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(rows[r] + c * 8), acc[c]);
+    acc[CHUNKS - 1] =
+        _mm256_fmadd_ps(pr, _mm256_maskload_ps(rows[r] + (CHUNKS - 1) * 8, last), acc[CHUNKS - 1]);
+  }
+  for (int c = 0; c + 1 < CHUNKS; c++) _mm256_storeu_ps(out + c * 8, acc[c]);
+  _mm256_maskstore_ps(out + (CHUNKS - 1) * 8, last, acc[CHUNKS - 1]);
+}
+
+Weighted weighted8_for(int64_t d) {
+  /* head dims up to 128: sixteen chunks of eight */
+  static const Weighted by_chunks[16] = {
+      weighted8<1>, weighted8<2>,  weighted8<3>,  weighted8<4>,  weighted8<5>,  weighted8<6>,  weighted8<7>,  weighted8<8>,
+      weighted8<9>, weighted8<10>, weighted8<11>, weighted8<12>, weighted8<13>, weighted8<14>, weighted8<15>, weighted8<16>};
+  return by_chunks[(d + 7) / 8 - 1];
+}
+#endif
 
 template <typename Visit>
 void each_chunk(const Shape& sh, const float* cache, const int32_t* table, int64_t context, Visit visit) {
@@ -243,9 +306,12 @@ void each_chunk(const Shape& sh, const float* cache, const int32_t* table, int64
   }
 }
 
-void attend_avx512(const Shape& sh, const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
-                   int64_t context, float* out, std::vector<float>& scores) {
-  /* `attend` in chunks of 16 tokens of a block, every head on each chunk while it is in cache */
+using Dots = void (*)(const float*, const float* const*, int, int64_t, float, float*);
+
+void attend_chunks(const Shape& sh, const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
+                   int64_t context, float* out, std::vector<float>& scores, Dots dots, Weighted weigh, int width) {
+  /* `attend` in chunks of 16 tokens of a block, every head on each chunk while it is in cache; the
+     kernels (AVX-512's or AVX2's) take `width` of a chunk's rows at a time */
   const int64_t d = sh.head_dim, group = sh.heads / sh.kv_heads;
   scores.resize((size_t)(context * sh.heads));
   float* s = scores.data();
@@ -253,27 +319,30 @@ void attend_avx512(const Shape& sh, const float* q, const float* k_cache, const 
   each_chunk(sh, k_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
     for (int64_t h = 0; h < sh.heads; h++) {
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
-      dots16(q + h * d, at, n, d, sh.scale, s + h * context + first);
+      for (int o = 0; o < n; o += width) dots(q + h * d, at + o, std::min(width, n - o), d, sh.scale, s + h * context + first + o);
     }
   });
   for (int64_t h = 0; h < sh.heads; h++) softmax(s + h * context, context);
   std::fill(out, out + sh.heads * d, 0.0f);
-  const Weighted weigh = weighted16_for(d);
   each_chunk(sh, v_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
     for (int64_t h = 0; h < sh.heads; h++) {
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
-      weigh(s + h * context + first, at, n, d, out + h * d);
+      for (int o = 0; o < n; o += width) weigh(s + h * context + first + o, at + o, std::min(width, n - o), d, out + h * d);
     }
   });
 }
-#endif
 
 void attend(const Shape& sh, const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
             int64_t context, float* out, std::vector<float>& scores) {
   /* One row's attention over `context` cached tokens, q [heads, D]. GQA: each kv head serves
      `group` query heads, which read each of its keys and values once, together. */
 #ifdef __AVX512F__
-  if (sh.head_dim <= 128) return attend_avx512(sh, q, k_cache, v_cache, table, context, out, scores);
+  if (sh.head_dim <= 128)
+    return attend_chunks(sh, q, k_cache, v_cache, table, context, out, scores, dots16, weighted16_for(sh.head_dim), 16);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (sh.head_dim <= 128)
+    return attend_chunks(sh, q, k_cache, v_cache, table, context, out, scores, dots8, weighted8_for(sh.head_dim), 8);
 #endif
   const int64_t d = sh.head_dim, group = sh.heads / sh.kv_heads;
   scores.resize((size_t)(context * group));
