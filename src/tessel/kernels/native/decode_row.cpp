@@ -20,7 +20,9 @@
 
    The same formulas as the compiled graphs, not their bits: sums are taken in this file's order, exp
    is a polynomial (Cephes' expf, within 2 ulp). Compiled with -march=native on the machine that runs
-   it (tessel/kernels/decode_row.py); the GEMV kernel follows the packed weight's layout. */
+   it, or -march=x86-64-v3 for an AVX2-only one (tessel/kernels/decode_row.py): the attention takes
+   AVX-512's kernels, else AVX2's, else portable loops; the GEMV kernel follows the packed weight's
+   layout. */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -277,9 +279,10 @@ void weighted8(const float* p, const float* const* rows, int n, int64_t d, float
 
 Weighted weighted8_for(int64_t d) {
   /* head dims up to 128: sixteen chunks of eight */
-  static const Weighted by_chunks[16] = {
-      weighted8<1>, weighted8<2>,  weighted8<3>,  weighted8<4>,  weighted8<5>,  weighted8<6>,  weighted8<7>,  weighted8<8>,
-      weighted8<9>, weighted8<10>, weighted8<11>, weighted8<12>, weighted8<13>, weighted8<14>, weighted8<15>, weighted8<16>};
+  static const Weighted by_chunks[16] = {weighted8<1>,  weighted8<2>,  weighted8<3>,  weighted8<4>,
+                                         weighted8<5>,  weighted8<6>,  weighted8<7>,  weighted8<8>,
+                                         weighted8<9>,  weighted8<10>, weighted8<11>, weighted8<12>,
+                                         weighted8<13>, weighted8<14>, weighted8<15>, weighted8<16>};
   return by_chunks[(d + 7) / 8 - 1];
 }
 #endif
@@ -319,7 +322,8 @@ void attend_chunks(const Shape& sh, const float* q, const float* k_cache, const 
   each_chunk(sh, k_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
     for (int64_t h = 0; h < sh.heads; h++) {
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
-      for (int o = 0; o < n; o += width) dots(q + h * d, at + o, std::min(width, n - o), d, sh.scale, s + h * context + first + o);
+      for (int o = 0; o < n; o += width)
+        dots(q + h * d, at + o, std::min(width, n - o), d, sh.scale, s + h * context + first + o);
     }
   });
   for (int64_t h = 0; h < sh.heads; h++) softmax(s + h * context, context);
@@ -327,7 +331,8 @@ void attend_chunks(const Shape& sh, const float* q, const float* k_cache, const 
   each_chunk(sh, v_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
     for (int64_t h = 0; h < sh.heads; h++) {
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
-      for (int o = 0; o < n; o += width) weigh(s + h * context + first + o, at + o, std::min(width, n - o), d, out + h * d);
+      for (int o = 0; o < n; o += width)
+        weigh(s + h * context + first + o, at + o, std::min(width, n - o), d, out + h * d);
     }
   });
 }
