@@ -118,6 +118,12 @@ CEILING = "weights read once (ceiling)"
 SMALL_PAGES = "tessel, native step, 4 KB pages"
 
 
+def _forced() -> dict:
+    """The environment that holds the run to other code paths (AVX2's on an AVX-512 CPU)."""
+    names = ("ATEN_CPU_CAPABILITY", "TESSEL_INT8_PATH", "TESSEL_NATIVE_ARCH", "TESSEL_INT8_GEMV")
+    return {name: os.environ.get(name) for name in names}
+
+
 def _one_mapping(llm) -> bool:  # noqa: ANN001 (an LLM)
     """Whether the native step's packed layer weights share one storage (moved onto huge pages)."""
     weights = llm.runner.cpu_graph.native_row.weights
@@ -216,10 +222,7 @@ def engine_rounds(model: Path, args: argparse.Namespace) -> dict:
     print(f"native step on huge pages over 4 KB pages, same rounds: {statistics.median(pages):.2f}x")
     of_ceiling = [a / b for a, b in zip(tok_s["tessel, native step"], tok_s[CEILING], strict=True)]
     print(f"native step's share of the ceiling, same rounds: {statistics.median(of_ceiling):.0%}")
-    forced = {
-        name: os.environ.get(name)
-        for name in ("ATEN_CPU_CAPABILITY", "TESSEL_INT8_PATH", "TESSEL_NATIVE_ARCH")
-    }
+    forced = _forced()
     return {"new_tokens": args.new_tokens, "rounds": args.engine_rounds, "base": base, "rows": rows,
             "kernel": args.kernel, "environment": forced,
             "int8_gemv_over_inductor": statistics.median(gemv),
@@ -288,7 +291,7 @@ def step_rounds(model: Path, args: argparse.Namespace) -> dict:
         + ", ".join(f"{n} {r:.3f}x" for n, r in pages.items())
     )
     return {"contexts": contexts, "bytes": n_bytes, "rounds": args.step_rounds, "rows": rows,
-            "huge_over_small_pages": pages}  # fmt: skip
+            "huge_over_small_pages": pages, "environment": _forced()}  # fmt: skip
 
 
 def _step_calls(llm, native, contexts: list[int]) -> dict:  # noqa: ANN001 (an LLM, its NativeRow)
