@@ -126,8 +126,10 @@ def _forced() -> dict:
 
 def _one_mapping(llm) -> bool:  # noqa: ANN001 (an LLM)
     """Whether the native step's packed layer weights share one storage (moved onto huge pages)."""
+    from tessel.engine.native_row import PACKED_AT
+
     weights = llm.runner.cpu_graph.native_row.weights
-    return len({weights[i].untyped_storage().data_ptr() for i in (2, 6, 10, 14)}) == 1
+    return len({weights[i].untyped_storage().data_ptr() for i in PACKED_AT}) == 1
 
 
 def weights_read(model: Path):  # noqa: ANN201 (a timed run, as the engines' are)

@@ -41,7 +41,7 @@ def _count_calls(llm: LLM) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["llama", "llama31_tied", "qwen2", "mistral_head_dim"])
+@pytest.mark.parametrize("variant", ["llama", "llama31_tied", "qwen2", "mistral_head_dim", "qwen3"])
 def test_decode_steps_match_hf_forward(checkpoints, variant: str) -> None:
     """80 tokens at block size 8: the attention graph's bucket grows from 8 to 16 blocks on the way."""
     path = checkpoints(variant)
@@ -258,6 +258,7 @@ def _assert_rows_match_hf(path, prompts: list[list[int]], got: torch.Tensor, pre
         ("llama31_tied", 2, True),
         ("qwen2", 5, True),  # q/k/v biases
         ("mistral_head_dim", 3, True),  # head_dim * heads != hidden
+        ("qwen3", 2, False),  # q/k norms, their weights graph inputs (the layers share the graphs)
     ],
 )
 def test_batch_decode_steps_match_hf_forward(checkpoints, variant: str, rows: int, packed: bool) -> None:

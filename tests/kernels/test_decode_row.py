@@ -7,7 +7,7 @@ rotary, `paged_decode_attention`) on the same weights and cache, layer by layer 
 (`tests/quant/test_cpu_graph_quantized.py` runs its one-row steps on this path). Shapes cover GQA and
 plain multi-head attention, head dims whose columns leave a tail (80) and past the AVX-512 path's
 registers (256: the portable loops), biases, contexts inside one block and across many, block sizes
-other than 16, and a pipeline stage's part (no final norm: the stream it sends on).
+other than 16, Qwen3's q/k norms, and a pipeline stage's part (no final norm: the stream it sends on).
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ def _compare(model: LlamaForCausalLM, meta: AttentionMetadata, positions: torch.
         ({"head_dim": 256, "num_attention_heads": 2, "num_key_value_heads": 1}, 32, 45),  # portable loops
         ({"qkv_bias": True, "intermediate_size": 200}, 16, 20),  # Qwen2's q/k/v bias, K not a multiple of 64
         ({"num_hidden_layers": 3}, 4, 90),
+        ({"qk_norm": True, "num_hidden_layers": 3}, 16, 29),  # Qwen3's q/k norms, a norm per layer
+        ({"qk_norm": True, "head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1}, 16, 40),
     ],
 )
 def test_the_native_step_is_the_models_forward(changes: dict, block_size: int, context: int) -> None:
@@ -276,7 +278,7 @@ def test_an_avx2_only_cpus_build_is_the_models_forward(tmp_path) -> None:
     ]
     proc = subprocess.run(run, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "11 passed" in proc.stdout
+    assert "13 passed" in proc.stdout
     assert len(list((tmp_path / "native").glob("decode_row-*.so"))) == 1
 
 

@@ -18,7 +18,7 @@ from decode_steps import batch_decode_logits, decode_logits
 from tessel import LLM
 from tessel.cli import app
 from tessel.engine.cpu_graph import CpuGraph
-from tessel.kernels import cpu_compile, int8_gemv
+from tessel.kernels import cpu_compile, decode_row, int8_gemv
 from tessel.kernels.cpu_features import ENV_OVERRIDE as INT8_ENV_OVERRIDE
 from tessel.kernels.cpu_features import W8A16_ENV_OVERRIDE, avx512_cpu, cpu_flags, fbgemm_act_bits
 from tessel.layers.linear import W8A8Linear, W8A16Linear, linear_form, split_linear
@@ -98,6 +98,26 @@ def test_one_row_steps_call_the_int8_gemv(quantized, monkeypatch, isa, path) -> 
     linears = [m for m in llm.runner.model.modules() if isinstance(m, W8A8Linear)]
     assert {m.plan.row_kernel.isa for m in linears} == {isa}
     assert {linear_form(m).kind for m in linears} == {"w8a8_int8_gemv"} and llm.runner.cpu_graph.row_forms
+    _assert_one_row_steps_match(llm, out, tol=2e-3)  # near-tie codes, as above
+
+
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_a_qwen3_w8a8_checkpoint_takes_the_one_row_step(calib_text, tmp_path, monkeypatch, native) -> None:
+    """Qwen3's q/k norms inside the one-row step: the native operator (on) or the compiled graphs
+    (off), three layers so that the layers between the first and the last share their graphs."""
+    import tiny_models
+
+    monkeypatch.setenv(decode_row.ENV_OVERRIDE, native)
+    qwen3 = tiny_models.make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", seed=4, num_hidden_layers=3)
+    out = tmp_path / "w8a8"
+    args = ["quantize", str(qwen3), "--out", str(out), *CALIB, "--calib", str(calib_text), *SCHEMES["w8a8"]]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    llm = LLM(out, max_model_len=128, block_size=8)
+    graph = llm.runner.cpu_graph
+    if graph is None or not graph.row_forms:
+        pytest.skip("no one-row traced forms for W8A8 here (no int8 GEMV kernel)")
+    assert (graph.native_row is not None) == (native == "on" and decode_row.available())
     _assert_one_row_steps_match(llm, out, tol=2e-3)  # near-tie codes, as above
 
 

@@ -210,12 +210,30 @@ def _finish(norm: RMSNorm | None) -> _Piece:
     return _Piece(("last", tuple(w.shape), w.dtype, norm.eps), (w,), last, 1, residual=False)
 
 
+class _Heads(nn.Module):
+    """`LlamaAttention.heads` as a module's forward, so that its q/k norms' weights (Qwen3) are graph
+    inputs (`functional_call`) and layers of one shape share a graph."""
+
+    def __init__(self, attn: LlamaAttention) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.attn.heads(qkv, None, (cos, sin))
+
+
 def _heads(attn: LlamaAttention) -> _Piece:
+    heads = _Heads(attn)
+    norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
+    names = ("attn.q_norm.weight", "attn.k_norm.weight")[: len(norms)]
+
     def apply(values, residual, weights, tables):
-        return list(attn.heads(values[0], None, tables)), residual, []
+        out = functional_call(heads, dict(zip(names, weights, strict=True)), (values[0], *tables))
+        return list(out), residual, []
 
     shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-    return _Piece(("heads", shape), (), apply, 3, tables=True)
+    qk_norm = tuple((n.weight.dtype, n.eps) for n in norms)
+    return _Piece(("heads", shape, qk_norm), tuple(n.weight.detach() for n in norms), apply, 3, tables=True)
 
 
 def _act(act: nn.Module) -> _Piece:
@@ -486,7 +504,7 @@ def held_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer] | None:
 
 def _plain_layer(layer: nn.Module) -> bool:
     if not isinstance(layer, LlamaDecoderLayer) or not layer.plain:
-        return False  # windows, q/k norms, experts, Gemma's norms: not traced piece by piece
+        return False  # windows, experts, Gemma's norms: not traced piece by piece
     attn = layer.self_attn.attn
     if not isinstance(attn, Attention) or attn.k_cache.dtype != torch.float32 or not attn.k_cache.numel():
         return False

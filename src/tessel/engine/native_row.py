@@ -1,7 +1,8 @@
 """The one-row decode step as one native call (`tessel.kernels.decode_row`), where the model's layers
 are what that operator computes: plain Llama layers (`LlamaDecoderLayer.plain`, as the compiled step
-requires) whose four linears are W8A8 with dynamic activations on tessel's int8 GEMV (the one-row
-form `w8a8_int8_gemv`), rotary over the whole head, one RMSNorm epsilon.
+requires; Qwen3's q/k norms included) whose four linears are W8A8 with dynamic activations on
+tessel's int8 GEMV (the one-row form `w8a8_int8_gemv`), rotary over the whole head, one RMSNorm
+epsilon.
 
 `NativeRow.for_layers` says whether the step can take it (None: the compiled graphs keep the row);
 `NativeRow(hidden, step)` runs the held layers on the embedded token (or the received stream) and
@@ -22,8 +23,9 @@ from tessel.layers.norm import RMSNorm
 from tessel.models.llama import LlamaDecoderLayer
 
 NATIVE_FORM = "w8a8_int8_gemv"
-PER_LAYER = 18  # a layer's tensors: two norms, then four linears' packed, wsum128, scale, bias
-PACKED_AT = (2, 6, 10, 14)  # where in them the packed weights are, in the order the step reads them
+# a layer's tensors: two norms, q/k norms (empty: none), four linears' packed, wsum128, scale, bias
+PER_LAYER = 20
+PACKED_AT = (4, 8, 12, 16)  # where in them the packed weights are, in the order the step reads them
 
 
 def _linear_tensors(module: torch.nn.Module) -> list[torch.Tensor] | None:
@@ -36,12 +38,22 @@ def _linear_tensors(module: torch.nn.Module) -> list[torch.Tensor] | None:
     return [packed, wsum128, scale.detach().float().contiguous(), bias]
 
 
+def _norms(layer: LlamaDecoderLayer) -> list[RMSNorm]:
+    attn = layer.self_attn
+    qk = [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+    return [layer.input_layernorm, layer.post_attention_layernorm, *qk]
+
+
 def _layer_tensors(layer: LlamaDecoderLayer) -> list[torch.Tensor] | None:
     attn, mlp = layer.self_attn, layer.mlp
     linears = [_linear_tensors(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(t is None for t in linears):
         return None
     norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+    if attn.qk_norm:
+        norms += [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
+    else:
+        norms += [torch.empty(0), torch.empty(0)]
     return [*norms, *(t for tensors in linears for t in tensors)]
 
 
@@ -71,7 +83,7 @@ class NativeRow:
         attn = layers[0].self_attn
         if rotary_dim != attn.head_dim or attn.head_dim % 2:
             return None  # partial rotary: the graphs keep the row
-        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [n for layer in layers for n in _norms(layer)]
         eps = {n.eps for n in [*norms, *([final_norm] if final_norm is not None else [])]}
         if len(eps) != 1:
             return None

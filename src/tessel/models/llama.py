@@ -138,11 +138,10 @@ class LlamaDecoderLayer(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """A Llama layer as the compiled CPU decode step traces it: no window, q/k norms, experts or
-        Gemma norms, a SwiGLU MLP."""
-        attn = self.self_attn
+        """A Llama layer as the compiled CPU decode step traces it: no window, experts or Gemma norms,
+        a SwiGLU MLP (Qwen3's q/k norms are part of `LlamaAttention.heads`)."""
         return (
-            not (self.window or attn.qk_norm or self.gemma)
+            not (self.window or self.gemma)
             and isinstance(self.mlp, LlamaMLP)
             and (type(self.mlp.act).__name__ == "SiluAndMul")
         )

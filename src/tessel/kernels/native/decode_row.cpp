@@ -9,6 +9,7 @@
      h, r        = rmsnorm(x + r) * w_in           (the first layer: r = x, h = rmsnorm(x) * w_in)
      qkv         = int8_linear(h)                  codes = round(h / s), s = max(amax|h|, 1e-8) / 127
                                                    y = (sums(codes) * s) * s_w + bias
+     q, k        each head rmsnorm(head) * w_q, w_k (Qwen3's q/k norms, where the layer has them)
      q, k        rotated by the position's tables  x * [c | c] + [x2 | x1] * [-s | s]
      k, v        stored at the row's slot of the paged cache [blocks, block_size, Hkv, D]
      a           = softmax(q k^T * scale) v        over the context's tokens, through the block table
@@ -39,7 +40,7 @@ namespace {
 constexpr float CODE_EPS = 1e-8f;  // tessel.kernels.quantize_rows.EPS
 constexpr float QMAX = 127.0f;
 constexpr float ROUND_MAGIC = 12582912.0f;  // 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 half to even
-constexpr int64_t PER_LAYER = 18;          // tensors per layer in `weights` (decode_row's schema)
+constexpr int64_t PER_LAYER = 20;          // tensors per layer in `weights` (decode_row's schema)
 
 struct Linear {
   const int8_t* packed;
@@ -53,6 +54,8 @@ struct Linear {
 struct Layer {
   const float* norm_in;
   const float* norm_post;
+  const float* q_norm;  // per head, over head_dim; nullptr: none (and k_norm too)
+  const float* k_norm;
   Linear qkv, o, gate_up, down;
   float* k_cache;
   float* v_cache;
@@ -83,6 +86,7 @@ inline float exp_poly(float x) {
 }
 
 void rms_norm(const float* s, const float* w, float* out, int64_t n, float eps) {
+  /* out may be s */
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < n; i++) squares += s[i] * s[i];
@@ -394,6 +398,10 @@ bool layer_step(const Shape& sh, const Layer& l, float* x, float* r, bool first,
   float* q = b.qkv.data();
   float* k = q + q_size;
   const float* v = k + kv_size;
+  if (l.q_norm != nullptr) {
+    for (int64_t h = 0; h < sh.heads; h++) rms_norm(q + h * d, l.q_norm, q + h * d, d, sh.eps);
+    for (int64_t h = 0; h < sh.kv_heads; h++) rms_norm(k + h * d, l.k_norm, k + h * d, d, sh.eps);
+  }
   for (int64_t h = 0; h < sh.heads + sh.kv_heads; h++) rotate(q + h * d, c2, s2, d, b.tmp.data());
   std::memcpy(l.k_cache + slot * kv_size, k, sizeof(float) * kv_size);
   std::memcpy(l.v_cache + slot * kv_size, v, sizeof(float) * kv_size);
@@ -441,7 +449,8 @@ void check_floats(const at::Tensor& t, int64_t n, const char* what) {
 }  // namespace
 
 /* x float32 [1, H] (the embedded token, or the stream a stage received), weights: per layer
-   [norm_in, norm_post, then qkv, o, gate_up, down each as packed, wsum128, scale, bias], the layers'
+   [norm_in, norm_post, q_norm, k_norm (both empty: none), then qkv, o, gate_up, down each as packed,
+   wsum128, scale, bias], the layers'
    caches [blocks, block_size, Hkv, D], the position's rope tables c2, s2 [D], the row's slot
    (int64 [1]), block table (int32 [>= blocks]) and context length (int32 [1], the new token counted)
    -> float32 [1, H]: the final norm's output (final_norm given) or the residual stream. */
@@ -484,18 +493,26 @@ at::Tensor decode_row(const at::Tensor& x, at::TensorList weights, at::TensorLis
     const at::Tensor* w = &weights[i * PER_LAYER];
     check_floats(w[0], hidden, "norm_in");
     check_floats(w[1], hidden, "norm_post");
-    const int64_t f2 = w[12].numel();  // gate_up's scale: [2F]
-    check_linear(w + 2, hidden, q_size + 2 * kv_size, i, "qkv");
-    check_linear(w + 6, q_size, hidden, i, "o");
-    check_linear(w + 10, hidden, f2, i, "gate_up");
-    check_linear(w + 14, f2 / 2, hidden, i, "down");
+    const bool qk_norm = w[2].numel() > 0;
+    TORCH_CHECK(qk_norm == (w[3].numel() > 0), "decode_row: layer ", i, ": q_norm and k_norm both or neither");
+    if (qk_norm) {
+      check_floats(w[2], d, "q_norm");
+      check_floats(w[3], d, "k_norm");
+    }
+    const int64_t f2 = w[14].numel();  // gate_up's scale: [2F]
+    check_linear(w + 4, hidden, q_size + 2 * kv_size, i, "qkv");
+    check_linear(w + 8, q_size, hidden, i, "o");
+    check_linear(w + 12, hidden, f2, i, "gate_up");
+    check_linear(w + 16, f2 / 2, hidden, i, "down");
     TORCH_CHECK(f2 % 2 == 0 && f2 > 0, "decode_row: layer ", i, ": gate_up's width must be even");
     for (const at::Tensor* cache : {&k_caches[i], &v_caches[i]})
       TORCH_CHECK(cache->scalar_type() == at::kFloat && cache->is_contiguous() && cache->sizes() == cache0.sizes(),
                   "decode_row: layer ", i, ": caches must be contiguous float32 ", cache0.sizes());
     intermediate = std::max(intermediate, f2 / 2);
-    plan.push_back(Layer{w[0].data_ptr<float>(), w[1].data_ptr<float>(), linear_of(w + 2, hidden),
-                         linear_of(w + 6, q_size), linear_of(w + 10, hidden), linear_of(w + 14, f2 / 2),
+    plan.push_back(Layer{w[0].data_ptr<float>(), w[1].data_ptr<float>(),
+                         qk_norm ? w[2].data_ptr<float>() : nullptr, qk_norm ? w[3].data_ptr<float>() : nullptr,
+                         linear_of(w + 4, hidden), linear_of(w + 8, q_size), linear_of(w + 12, hidden),
+                         linear_of(w + 16, f2 / 2),
                          k_caches[i].data_ptr<float>(), v_caches[i].data_ptr<float>()});
   }
   if (final_norm.has_value()) check_floats(*final_norm, hidden, "final_norm");
