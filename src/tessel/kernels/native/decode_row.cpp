@@ -291,24 +291,40 @@ Weighted weighted8_for(int64_t d) {
 }
 #endif
 
+struct Ahead {
+  /* the next block's rows, asked for in parts while this block is read: a whole block at once (64 KB
+     with Qwen3-0.6B's eight kv heads of 128) is more lines than the core tracks in flight, so the
+     prefetches wait for each other in a burst instead of overlapping the reads; one part before each
+     head's kernel keeps a few in flight at a time */
+  const char* next = nullptr;
+  int64_t bytes = 0;
+
+  void part(int64_t i, int64_t parts) const {
+    const int64_t share = (bytes / parts + 63) / 64 * 64;
+    const int64_t end = std::min(bytes, (i + 1) * share);
+    for (int64_t o = i * share; o < end; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+  }
+};
+
 template <typename Visit>
 void each_chunk(const Shape& sh, const float* cache, const int32_t* table, int64_t context, Visit visit) {
-  /* visit(first token, n <= 16, the n tokens' rows) over the context, 16 tokens of one block at a
-     time: a block's rows are contiguous, so each chunk reads one stretch of memory */
+  /* visit(first token, n <= 16, the n tokens' rows, the next block) over the context, 16 tokens of
+     one block at a time: a block's rows are contiguous, so each chunk reads one stretch of memory */
   const int64_t row = sh.kv_heads * sh.head_dim;
   const float* rows[16];
   for (int64_t first = 0, b = 0; first < context; first += sh.block_size, b++) {
     const float* base = cache + (int64_t)table[b] * sh.block_size * row;
     const int64_t in_block = std::min(sh.block_size, context - first);
-    if (first + sh.block_size < context) {  // the next block's rows on their way while this one is read
-      const char* next = (const char*)(cache + (int64_t)table[b + 1] * sh.block_size * row);
-      const int64_t bytes = std::min(sh.block_size, context - first - sh.block_size) * row * (int64_t)sizeof(float);
-      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    Ahead ahead;
+    if (first + sh.block_size < context) {
+      ahead.next = (const char*)(cache + (int64_t)table[b + 1] * sh.block_size * row);
+      ahead.bytes = std::min(sh.block_size, context - first - sh.block_size) * row * (int64_t)sizeof(float);
     }
     for (int64_t i = 0; i < in_block; i += 16) {
       const int n = (int)std::min<int64_t>(16, in_block - i);
       for (int r = 0; r < n; r++) rows[r] = base + (i + r) * row;
-      visit(first + i, n, rows);
+      // blocks of more than 16 tokens: the next block's parts go with this block's first chunk
+      visit(first + i, n, rows, i == 0 ? ahead : Ahead{});
     }
   }
 }
@@ -323,8 +339,9 @@ void attend_chunks(const Shape& sh, const float* q, const float* k_cache, const 
   scores.resize((size_t)(context * sh.heads));
   float* s = scores.data();
   const float* at[16];
-  each_chunk(sh, k_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
+  each_chunk(sh, k_cache, table, context, [&](int64_t first, int n, const float* const* rows, const Ahead& ahead) {
     for (int64_t h = 0; h < sh.heads; h++) {
+      ahead.part(h, sh.heads);
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
       for (int o = 0; o < n; o += width)
         dots(q + h * d, at + o, std::min(width, n - o), d, sh.scale, s + h * context + first + o);
@@ -332,8 +349,9 @@ void attend_chunks(const Shape& sh, const float* q, const float* k_cache, const 
   });
   for (int64_t h = 0; h < sh.heads; h++) softmax(s + h * context, context);
   std::fill(out, out + sh.heads * d, 0.0f);
-  each_chunk(sh, v_cache, table, context, [&](int64_t first, int n, const float* const* rows) {
+  each_chunk(sh, v_cache, table, context, [&](int64_t first, int n, const float* const* rows, const Ahead& ahead) {
     for (int64_t h = 0; h < sh.heads; h++) {
+      ahead.part(h, sh.heads);
       for (int r = 0; r < n; r++) at[r] = rows[r] + (h / group) * d;
       for (int o = 0; o < n; o += width)
         weigh(s + h * context + first + o, at + o, std::min(width, n - o), d, out + h * d);
