@@ -26,7 +26,6 @@ benchmarks/results/qwen3_cpu_step.jsonl).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 from pathlib import Path
@@ -93,17 +92,10 @@ def engine_rounds(checkpoint: Path, args: argparse.Namespace) -> dict:
     from tessel import SamplingParams
 
     max_len = 64 + args.new_tokens + 8
-    engines = {}
-    for name, (forced, eager) in ENGINES.items():
-        saved = {key: os.environ.get(key) for key in forced}
-        os.environ.update(forced)
-        try:
-            engines[name] = quant._llm(checkpoint, max_len, "int8", eager)
-        finally:
-            for key, value in saved.items():
-                os.environ.pop(key, None)
-                if value is not None:
-                    os.environ[key] = value
+    engines = {
+        name: quant._speed_llm(checkpoint, forced, "int8", eager, max_len)
+        for name, (forced, eager) in ENGINES.items()
+    }
     graph = engines["native step"].runner.cpu_graph
     if graph is None or graph.native_row is None:
         raise SystemExit("the native one-row step is not taken here (no compiler, or no W8A8 int8 GEMV)")

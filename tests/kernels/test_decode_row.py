@@ -149,8 +149,8 @@ def _compare(model: LlamaForCausalLM, meta: AttentionMetadata, positions: torch.
         ({"head_dim": 256, "num_attention_heads": 2, "num_key_value_heads": 1}, 32, 45),  # portable loops
         ({"qkv_bias": True, "intermediate_size": 200}, 16, 20),  # Qwen2's q/k/v bias, K not a multiple of 64
         ({"num_hidden_layers": 3}, 4, 90),
-        ({"num_attention_heads": 10, "head_dim": 32}, 16, 45),  # 5 heads a kv head: AVX2's per-head kernels
-        ({"num_attention_heads": 12, "num_key_value_heads": 1}, 8, 27),  # 12: AVX-512's per-head kernels too
+        ({"num_attention_heads": 10, "head_dim": 32}, 16, 45),  # 5 query heads a kv head
+        ({"num_attention_heads": 12, "num_key_value_heads": 1}, 8, 27),  # 12 query heads on one kv head
         ({"qk_norm": True, "num_hidden_layers": 3}, 16, 29),  # Qwen3's q/k norms, a norm per layer
         ({"qk_norm": True, "head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1}, 16, 40),
     ],
